@@ -1,0 +1,10 @@
+"""Optimizer kernels used by protrain_core (installed as ``protrain_ops``).
+
+The engine calls these on one chunk at a time: lists of flat fp32 views (master weights,
+gradients, Adam moments) that live either on the device (persistent chunks) or in host
+memory (non-persistent chunks, updated by the CPU worker).
+"""
+
+from protrain_ops.adam import AdamHyperParams, adam_step, copy_to_low_precision
+
+__all__ = ["AdamHyperParams", "adam_step", "copy_to_low_precision"]

@@ -1,0 +1,89 @@
+"""AdamW / Adam over one chunk, on the CPU or on the device.
+
+Both paths build on PyTorch's fused multi-tensor kernel (``torch._fused_adamw_`` /
+``torch._fused_adam_``), which runs on CUDA and, since torch 2.4, on the CPU close to memory
+bandwidth. The math is exactly ``torch.optim.AdamW(fused=True)``: the step counters are
+incremented here (as ``torch.optim.adam._fused_adam`` does) and the kernel does the rest.
+
+A hand-written one-pass kernel that also writes the low-precision copy would save one read of
+the fp32 master per step (28 instead of ~32 bytes per parameter); ``benchmarks/bench_adam.py``
+measures the two-pass version against ``torch.optim.AdamW(fused=True)`` and a custom kernel is
+only worth adding if it beats that figure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdamHyperParams:
+    """Hyper-parameters of one param group, read from the user's optimizer."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    amsgrad: bool = False
+    maximize: bool = False
+    decoupled_weight_decay: bool = True  # AdamW (True) or Adam with L2 penalty (False)
+
+    @classmethod
+    def from_group(cls, group: dict, *, decoupled_weight_decay: bool) -> AdamHyperParams:
+        lr = group["lr"]
+        if isinstance(lr, Tensor):
+            lr = lr.item()
+        beta1, beta2 = group["betas"]
+        return cls(
+            lr=float(lr),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            amsgrad=bool(group.get("amsgrad", False)),
+            maximize=bool(group.get("maximize", False)),
+            decoupled_weight_decay=decoupled_weight_decay,
+        )
+
+
+def adam_step(
+    params: list[Tensor],  # fp32 master weights, any shape; updated in place
+    grads: list[Tensor],  # fp32 gradients, same shapes as params (unscaled)
+    exp_avgs: list[Tensor],  # fp32 first moments, same shapes; updated in place
+    exp_avg_sqs: list[Tensor],  # fp32 second moments, same shapes; updated in place
+    max_exp_avg_sqs: list[Tensor],  # fp32, same shapes when amsgrad, else []
+    steps: list[Tensor],  # 0-D fp32 step counters on the params' device; incremented here
+    hp: AdamHyperParams,
+) -> None:
+    """One Adam/AdamW step over a list of tensors that all live on one device."""
+    if not params:
+        return
+    torch._foreach_add_(steps, 1)
+    kernel = torch._fused_adamw_ if hp.decoupled_weight_decay else torch._fused_adam_
+    kernel(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        max_exp_avg_sqs if hp.amsgrad else [],
+        steps,
+        lr=hp.lr,
+        beta1=hp.beta1,
+        beta2=hp.beta2,
+        weight_decay=hp.weight_decay,
+        eps=hp.eps,
+        amsgrad=hp.amsgrad,
+        maximize=hp.maximize,
+    )
+
+
+def copy_to_low_precision(
+    dst: Tensor,  # (S,) compute-dtype copy (bf16/fp16) of a chunk
+    src: Tensor,  # (S,) fp32 master of the same chunk
+) -> None:
+    """Write the compute-dtype copy of an updated fp32 master (round to nearest even)."""
+    dst.copy_(src)

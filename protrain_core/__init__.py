@@ -1,0 +1,30 @@
+"""ProTrain engine: chunked model states, device/host placement and overlapped per-chunk Adam.
+
+    import protrain_core as pt
+    engine = pt.wrap(model, optimizer, plan=pt.Plan(n_persist=1, n_buffer=2))
+    out = engine.module(input_ids=x, labels=x)
+    engine.backward(out.loss)
+    engine.step()
+    engine.zero_grad()
+
+This package never imports Lightning.
+"""
+
+from protrain_core.blocks import find_blocks
+from protrain_core.chunk import ChunkState, IllegalTransition
+from protrain_core.engine import Engine, wrap
+from protrain_core.layout import ChunkLayout, build_layout
+from protrain_core.plan import Plan
+from protrain_core.precision import Precision
+
+__all__ = [
+    "ChunkLayout",
+    "ChunkState",
+    "Engine",
+    "IllegalTransition",
+    "Plan",
+    "Precision",
+    "build_layout",
+    "find_blocks",
+    "wrap",
+]

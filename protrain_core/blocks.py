@@ -1,0 +1,82 @@
+"""Finding the repeated transformer blocks of a model."""
+
+from __future__ import annotations
+
+from torch import nn
+
+# Dotted paths of the block list in Hugging Face causal LMs, tried in order.
+_KNOWN_BLOCK_PATHS = (
+    "transformer.h",  # GPT-2, GPT-J, GPT-Neo
+    "model.layers",  # LLaMA, Mistral, Qwen2, Gemma, Phi-3
+    "model.decoder.layers",  # OPT
+    "gpt_neox.layers",  # GPT-NeoX, Pythia
+    "transformer.blocks",  # MPT
+    "layers",  # a bare decoder (e.g. LlamaModel)
+    "h",  # a bare GPT2Model
+    "decoder.layers",  # a bare OPTModel
+)
+
+
+def _get_submodule(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _candidates(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+
+
+def _describe(model: nn.Module) -> str:
+    lines = []
+    for name, ml in _candidates(model):
+        classes = sorted({type(b).__name__ for b in ml})
+        n_params = sum(p.numel() for p in ml.parameters())
+        lines.append(f"  {name!r}: {len(ml)} x {'/'.join(classes)} ({n_params:,} parameters)")
+    return "\n".join(lines) if lines else "  (the model has no non-empty nn.ModuleList)"
+
+
+def find_blocks(model: nn.Module, blocks: nn.ModuleList | str | None = None) -> tuple[str, nn.ModuleList]:
+    """Return ``(dotted_name, module_list)`` of the model's transformer blocks.
+
+    ``blocks`` overrides discovery: a ModuleList that is part of ``model``, or its dotted name.
+    Discovery tries the block paths of the Hugging Face families we support, then a ModuleList
+    whose children are of a class named in the model's ``_no_split_modules``, then the only
+    ModuleList of two or more same-class children. Otherwise the error lists the candidates.
+    """
+    if isinstance(blocks, str):
+        found = _get_submodule(model, blocks)
+        if not isinstance(found, nn.ModuleList):
+            raise ValueError(
+                f"blocks={blocks!r} does not name an nn.ModuleList of the model. Candidates:\n"
+                + _describe(model)
+            )
+        return blocks, found
+    if isinstance(blocks, nn.ModuleList):
+        for name, m in model.named_modules():
+            if m is blocks:
+                return name, blocks
+        raise ValueError("blocks= is an nn.ModuleList that is not a submodule of the model.")
+    if blocks is not None:
+        raise ValueError(f"blocks= must be an nn.ModuleList or its dotted name, got {type(blocks).__name__}")
+
+    for path in _KNOWN_BLOCK_PATHS:
+        found = _get_submodule(model, path)
+        if isinstance(found, nn.ModuleList) and len(found) > 0:
+            return path, found
+
+    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    candidates = _candidates(model)
+    if no_split:
+        for name, ml in candidates:
+            if all(type(b).__name__ in no_split for b in ml):
+                return name, ml
+    homogeneous = [(n, ml) for n, ml in candidates if len(ml) >= 2 and len({type(b) for b in ml}) == 1]
+    if len(homogeneous) == 1:
+        return homogeneous[0]
+    raise ValueError(
+        f"Could not find the transformer blocks of {type(model).__name__}. Pass "
+        "blocks=<dotted name or nn.ModuleList> to protrain_core.wrap. Candidate ModuleLists:\n"
+        + _describe(model)
+    )

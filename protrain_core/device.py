@@ -1,0 +1,67 @@
+"""The device side: streams and events on CUDA, synchronous copies on the CPU.
+
+[Note: streams]
+All long-lived device memory is allocated on the compute (current) stream; the copy stream
+only copies. A host->device fetch waits for the compute stream (the recycled block may still be
+read by earlier kernels), copies on the copy stream and records an event that the compute stream
+waits on before the chunk is used. A device->host gradient offload waits for the compute stream
+(the gradients are written there) and records an event that the CPU worker synchronises on
+before reading the host copy; the device buffers are freed only after that event completed.
+On the CPU there are no streams: copies run synchronously and events are ``None``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class DeviceContext:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device=device) if self.is_cuda else None
+
+    def copy_async(self, dst: Tensor, src: Tensor):
+        """Copy ``src`` into ``dst`` on the copy stream; return the event to wait on (or None)."""
+        if not self.is_cuda:
+            dst.copy_(src)
+            return None
+        compute = torch.cuda.current_stream(self.device)
+        self.copy_stream.wait_stream(compute)
+        with torch.cuda.stream(self.copy_stream):
+            dst.copy_(src, non_blocking=True)
+            return self.copy_stream.record_event()
+
+    def wait_on_compute(self, event) -> None:
+        """Make the compute stream wait for ``event`` (no host blocking)."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    @staticmethod
+    def synchronize(event) -> None:
+        """Block the calling host thread until ``event`` completed."""
+        if event is not None:
+            event.synchronize()
+
+    @staticmethod
+    def done(event) -> bool:
+        return event is None or event.query()
+
+    def synchronize_device(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+
+def resolve_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' was requested but CUDA is not available; use device='cpu' or None.")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise ValueError(f"Unsupported device {device}; ProTrain runs on 'cuda' or 'cpu'.")
+    return device

@@ -1,0 +1,418 @@
+"""The public engine: ``protrain_core.wrap(model, optimizer, plan=...)``."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+
+from protrain_core.blocks import find_blocks
+from protrain_core.chunk import Chunk
+from protrain_core.device import DeviceContext, resolve_device
+from protrain_core.host_pool import HostPool, check_host_memory, should_pin
+from protrain_core.layout import ChunkLayout, build_layout, with_persistence
+from protrain_core.optim import ChunkOptimizer, check_optimizer
+from protrain_core.plan import Plan
+from protrain_core.precision import LossScaler, Precision, parse_precision
+from protrain_core.runtime import Phase, Runtime
+
+
+def wrap(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    plan: Plan | dict | None = None,
+    *,
+    precision: str = "32-true",
+    device: torch.device | str | None = None,
+    blocks: nn.ModuleList | str | None = None,
+    chunk_size: int | None = None,
+    example_inputs=None,
+    check_invariants: bool = False,
+) -> Engine:
+    """Put ``model``'s parameters and ``optimizer``'s states into ProTrain chunks.
+
+    Args:
+        model: the module to train; its parameters may be on the CPU or on ``device``.
+        optimizer: a ``torch.optim.AdamW`` or ``Adam`` over (some of) the model's parameters.
+        plan: a :class:`Plan` (or dict of its fields).
+        precision: "32-true", "bf16-mixed" or "16-mixed".
+        device: the compute device; None means CUDA when available, else the CPU.
+        blocks: the transformer blocks (ModuleList or dotted name) when discovery fails.
+        chunk_size: chunk size in elements; None runs the waste-minimising grid search.
+        example_inputs: inputs (dict of kwargs, tuple or tensor) used to trace the execution
+            order on the meta device; Hugging Face models need none.
+        check_invariants: check residency and device-byte invariants at every hook (tests).
+    """
+    # Everything that can be wrong with the arguments is checked before memory is touched.
+    prec = parse_precision(precision)
+    dev = resolve_device(device)
+    if plan is None:
+        raise ValueError(
+            "wrap() needs a plan for now, e.g. plan=protrain_core.Plan(n_persist=1, n_buffer=2); "
+            "automatic planning from a memory budget is not available yet."
+        )
+    if isinstance(plan, dict):
+        plan = Plan.from_dict(plan)
+    if not isinstance(plan, Plan):
+        raise ValueError(f"plan must be a protrain_core.Plan or a dict of its fields, got {type(plan).__name__}")
+    if plan.n_swap or plan.n_checkpoint:
+        raise ValueError(
+            "Plan.n_swap and Plan.n_checkpoint (activation swapping/checkpointing) are not "
+            "supported by this version yet; set them to 0."
+        )
+    check_optimizer(optimizer)
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise ValueError("The model has parameters on the meta device; materialise them before wrap().")
+    model_params = {id(p) for p in model.parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in model_params:
+                raise ValueError("The optimizer holds a parameter that is not part of the model.")
+    if getattr(model, "_protrain_engine", None) is not None:
+        raise ValueError("This model is already wrapped by a ProTrain engine.")
+
+    block_path, block_list = find_blocks(model, blocks)
+    layout = build_layout(model, block_path, len(block_list), example_inputs=example_inputs, chunk_size=chunk_size)
+    if plan.n_persist > layout.n_chunks:
+        raise ValueError(
+            f"Plan.n_persist={plan.n_persist} but the model has only {layout.n_chunks} chunks; "
+            f"use n_persist <= {layout.n_chunks} (n_persist={layout.n_chunks} keeps everything on the device)."
+        )
+    n_streamed = layout.n_chunks - plan.n_persist
+    if n_streamed and plan.n_buffer < 1:
+        raise ValueError(
+            f"Plan.n_buffer must be >= 1 when chunks are streamed ({n_streamed} of "
+            f"{layout.n_chunks} are not persistent)."
+        )
+    return Engine(model, optimizer, with_persistence(layout, plan.n_persist), plan, prec, dev, check_invariants)
+
+
+class Engine:
+    """Runs a wrapped model: forward through ``engine.module``, then backward, step, zero_grad."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        layout: ChunkLayout,
+        plan: Plan,
+        precision: Precision,
+        device: torch.device,
+        check_invariants: bool,
+    ) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.layout = layout
+        self.plan = plan
+        self.precision = precision
+        self.device = device
+        self.ctx = DeviceContext(device)
+        self.scaler = LossScaler() if precision is Precision.FP16_MIXED else None
+        self._no_sync = False
+        self._closed = False
+        self._optim = ChunkOptimizer(optimizer, compute_is_master=not precision.is_mixed)
+        # fp16 must see every gradient before any update (inf/nan skips the whole step), so its
+        # Adam runs at step(); otherwise streamed chunks are updated during backward.
+        self.overlap = "cpu-adam-during-backward" if self.scaler is None else "deferred-to-step (fp16 overflow check)"
+
+        params = dict(module.named_parameters())
+        self.chunks: list[Chunk] = [
+            Chunk(
+                spec,
+                persistent=layout.is_persistent(spec.index),
+                params=[params[m.name] for m in spec.members],
+                compute_dtype=precision.compute_dtype,
+            )
+            for spec in layout.chunks
+        ]
+        self._slot_of: dict[int, tuple[Chunk, int]] = {
+            id(p): (c, i) for c in self.chunks for i, p in enumerate(c.params)
+        }
+        for c in self.chunks:
+            c.opt_members = self._optim.members_by_group(c)
+        self._allocate()
+        n_buffer = min(plan.n_buffer, len(self.chunks) - layout.n_persist)
+        self.runtime = Runtime(
+            self.chunks,
+            self.ctx,
+            self._optim,
+            n_buffer=n_buffer,
+            mixed=precision.is_mixed,
+            eager_update=self.scaler is None,
+            check_invariants=check_invariants,
+        )
+        units = self._units(n_buffer)
+        self.runtime.register(units, self._slot_of)
+        self._autocast_handles = self._register_autocast() if precision.is_mixed else []
+        if optimizer.state:
+            # The optimizer already stepped: carry its state into the chunks.
+            osd = optimizer.state_dict()
+            optimizer.state.clear()
+            self.load_optimizer_state_dict(osd)
+        module._protrain_engine = self
+
+    # ----- construction -------------------------------------------------------------------
+    def _allocate(self) -> None:
+        size = self.layout.chunk_size
+        cdt = self.precision.compute_dtype
+        fp32 = torch.float32
+        amsgrad = self._optim.amsgrad
+        mixed = self.precision.is_mixed
+        dev = self.device
+
+        def host_needs(c: Chunk) -> list[tuple[int, torch.dtype]]:
+            out = [(size, fp32)] + ([(size, cdt)] if mixed else [])  # master, compute copy
+            if c.grad_members:
+                out.append((size, fp32))  # grad_acc
+            if c.opt_members:
+                out += [(size, fp32)] * (3 if amsgrad else 2)
+            return out
+
+        streamed = [c for c in self.chunks if not c.persistent]
+        sizes = [s for c in streamed for s in host_needs(c)]
+        host_bytes = sum(n * d.itemsize for n, d in sizes)
+        device_bytes = 0 if dev.type == "cuda" else self._persistent_bytes()
+        check_host_memory(host_bytes + device_bytes, "offloaded model states")
+        self.host_pool = HostPool(sizes, pin=should_pin(dev))
+        zeros = lambda: torch.zeros(size, dtype=fp32, device=dev)  # noqa: E731
+
+        with torch.no_grad():
+            for c in self.chunks:
+                if c.persistent:
+                    c.param_dev = torch.zeros(size, dtype=cdt, device=dev)
+                    c.master = zeros() if mixed else c.param_dev
+                    c.grad_acc = zeros() if c.grad_members else None
+                else:
+                    c.master = self.host_pool.take(size, fp32)
+                    c.param_host = self.host_pool.take(size, cdt) if mixed else c.master
+                    c.grad_acc = self.host_pool.take(size, fp32) if c.grad_members else None
+                    c.param_dev = torch.empty(size, dtype=cdt, device=dev)
+                    c.param_dev.untyped_storage().resize_(0)
+                if c.opt_members:
+                    take = zeros if c.persistent else (lambda: self.host_pool.take(size, fp32))
+                    c.exp_avg, c.exp_avg_sq = take(), take()
+                    c.max_exp_avg_sq = take() if amsgrad else None
+                steps_device = c.master.device
+                c.steps = [torch.zeros((), dtype=fp32, device=steps_device) for _ in c.params]
+                for i, p in enumerate(c.params):
+                    c.view(c.master, i).copy_(p.detach())
+                compute = c.param_dev if c.persistent else c.param_host
+                if compute is not c.master:
+                    compute.copy_(c.master)
+                c.point_params_at(compute)
+            for b in self.module.buffers():
+                b.data = b.data.to(dev)
+
+    def _persistent_bytes(self) -> int:
+        size = self.layout.chunk_size
+        cdt = self.precision.compute_dtype.itemsize
+        per = size * (cdt + 4 * 4 + (4 if self.precision.is_mixed else 0))
+        return per * self.layout.n_persist
+
+    def _units(self, n_buffer: int) -> dict[nn.Module, tuple[int, ...]]:
+        """Hooked modules -> the chunks their forward needs (streamed chunks only matter)."""
+        block_list = self.module.get_submodule(self.layout.block_path)
+        blocks = {id(b) for b in block_list}
+        units: dict[nn.Module, tuple[int, ...]] = {}
+
+        def visit(module: nn.Module) -> None:
+            if id(module) in blocks:
+                params = list(module.parameters())
+            else:
+                params = list(module.parameters(recurse=False))
+                for child in module.children():
+                    visit(child)
+            idxs = tuple(sorted({self._slot_of[id(p)][0].index for p in params}))
+            if any(not self.chunks[i].persistent for i in idxs):
+                units[module] = idxs
+                streamed = sum(not self.chunks[i].persistent for i in idxs)
+                if streamed > n_buffer:
+                    raise ValueError(
+                        f"Module {type(module).__name__} needs {streamed} streamed chunks at once "
+                        f"but Plan.n_buffer={n_buffer}; raise n_buffer or n_persist."
+                    )
+
+        visit(self.module)
+        return units
+
+    def _register_autocast(self):
+        stack = []
+        dtype = self.precision.compute_dtype
+        device_type = self.device.type
+
+        def enter(_module, _args):
+            ac = torch.autocast(device_type, dtype=dtype)
+            ac.__enter__()
+            stack.append(ac)
+
+        def leave(_module, _args, _output):
+            stack.pop().__exit__(None, None, None)
+
+        return [
+            self.module.register_forward_pre_hook(enter),
+            self.module.register_forward_hook(leave, always_call=True),
+        ]
+
+    # ----- training -----------------------------------------------------------------------
+    def backward(self, loss: Tensor) -> None:
+        """Backward through the managed model; streamed chunks are updated while it runs."""
+        self._check_open()
+        self.runtime.begin_backward(boundary=not self._no_sync)
+        try:
+            if self.scaler is not None:
+                loss = loss * self.scaler.scale.to(loss.device)
+            loss.backward()
+        finally:
+            self.runtime.end_backward()
+
+    @contextmanager
+    def no_sync(self):
+        """Backward passes inside only accumulate gradients (non-final micro-batches)."""
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    def step(self) -> None:
+        """Returns when every parameter holds this step's final value."""
+        self._check_open()
+        if self.runtime.phase is not Phase.IDLE:
+            raise RuntimeError("engine.step() was called during backward.")
+        hps = self._optim.snapshot()
+        if self.runtime.hps is not None and any(c.updated_this_step for c in self.chunks) and hps != self.runtime.hps:
+            raise RuntimeError(
+                "The optimizer's hyper-parameters changed between engine.backward() and "
+                "engine.step(), but ProTrain already applied the backward-time values to the "
+                "offloaded chunks. Change lr (e.g. scheduler.step()) after engine.step()."
+            )
+        hps = self.runtime.hps if any(c.updated_this_step for c in self.chunks) else hps
+        if self.scaler is not None:
+            self.runtime.wait_all()
+            found_inf = self._unscale_and_check()
+            self.scaler.update(found_inf)
+            if found_inf.item():
+                for c in self.chunks:
+                    c.updated_this_step = False
+                self._after_step()
+                return
+        self.runtime.step(hps)
+        self._after_step()
+
+    def _after_step(self) -> None:
+        # Runs the optimizer's step hooks and LR-scheduler bookkeeping. No parameter holds a
+        # .grad (the engine keeps gradients in chunks), so torch's update loop skips them all.
+        self.optimizer.step()
+
+    def _unscale_and_check(self) -> Tensor:
+        found_inf = torch.zeros(1, dtype=torch.float32)
+        inv_scale = self.scaler.inv_scale()
+        for c in self.chunks:
+            grads = [c.view(c.grad_acc, i) for i in c.grad_members if c.received[i]]
+            if grads:
+                local = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, local, inv_scale.to(grads[0].device))
+                found_inf += local.cpu()
+        return (found_inf > 0).float()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._check_open()
+        self.runtime.zero_grad()
+
+    # ----- state --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Tensor]:
+        """fp32 weights (and buffers) under the model's own names, on the CPU."""
+        self.runtime.wait_all()
+        out = {}
+        for key, t in self.module.state_dict(keep_vars=True).items():
+            slot = self._slot_of.get(id(t))
+            if slot is not None:
+                c, i = slot
+                out[key] = c.view(c.master, i).detach().to("cpu", copy=True)
+            else:
+                out[key] = t.detach().to("cpu", copy=True)
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Tensor], strict: bool = True) -> None:
+        self._check_open()
+        expected = self.module.state_dict(keep_vars=True)
+        missing = [k for k in expected if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected]
+        if strict and (missing or unexpected):
+            raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        for key, value in state_dict.items():
+            if key in expected and tuple(value.shape) != tuple(expected[key].shape):
+                raise ValueError(f"load_state_dict: {key} has shape {tuple(value.shape)}, expected {tuple(expected[key].shape)}")
+        self.runtime.release_all()
+        with torch.no_grad():
+            for key, value in state_dict.items():
+                t = expected.get(key)
+                if t is None:
+                    continue
+                slot = self._slot_of.get(id(t))
+                if slot is None:
+                    t.copy_(value)
+                    continue
+                c, i = slot
+                c.view(c.master, i).copy_(value)
+                compute = c.param_dev if c.persistent else c.param_host
+                if compute is not c.master:
+                    c.view(compute, i).copy_(c.view(c.master, i))
+
+    def optimizer_state_dict(self) -> dict:
+        """The optimizer state in ``torch.optim.AdamW.state_dict()`` format, on the CPU."""
+        self.runtime.wait_all()
+        sd = self._optim.state_dict(self._slot_of)
+        return sd
+
+    def load_optimizer_state_dict(self, state_dict: dict) -> None:
+        self._check_open()
+        self.runtime.wait_all()
+        self._optim.load_state_dict(state_dict, self._slot_of)
+
+    def scaler_state_dict(self) -> dict | None:
+        return None if self.scaler is None else self.scaler.state_dict()
+
+    def load_scaler_state_dict(self, state_dict: dict) -> None:
+        if self.scaler is None:
+            raise ValueError("This engine does not use loss scaling (precision is not '16-mixed').")
+        self.scaler.load_state_dict(state_dict)
+
+    # ----- inspection ---------------------------------------------------------------------
+    def device_bytes(self) -> int:
+        """Device memory held by model states right now (persistent chunks + chunk buffers)."""
+        return self.runtime.device_bytes()
+
+    def host_bytes(self) -> int:
+        return self.host_pool.nbytes
+
+    def summary(self) -> str:
+        mib = 2**20
+        return "\n".join(
+            [
+                f"ProTrain engine: {self.plan}, precision={self.precision.value}, device={self.device}",
+                f"optimizer: {type(self.optimizer).__name__} per chunk; overlap: {self.overlap}",
+                f"device model-state bytes now {self.device_bytes() / mib:.2f} MiB "
+                f"(bound {self.runtime.device_bytes_bound() / mib:.2f} MiB); "
+                f"host pool {self.host_bytes() / mib:.2f} MiB ({'pinned' if self.host_pool.pinned else 'pageable'})",
+                self.layout.summary(self.precision.compute_dtype.itemsize),
+            ]
+        )
+
+    def close(self) -> None:
+        """Remove the hooks and stop the worker (the parameters keep their current values)."""
+        if self._closed:
+            return
+        self.runtime.wait_all()
+        self.runtime.release_all()
+        self.runtime.remove_hooks()
+        for h in self._autocast_handles:
+            h.remove()
+        self.runtime.shutdown()
+        self.module._protrain_engine = None
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("This ProTrain engine was closed.")

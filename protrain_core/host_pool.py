@@ -1,0 +1,77 @@
+"""One exact-size host memory pool for all streamed chunks (paper appendix B.2).
+
+PyTorch's pinned-memory allocator rounds every request up to a power of two, which can waste
+almost half of the host RAM that holds offloaded model states. The pool instead allocates one
+ordinary host buffer of exactly the bytes needed and, on CUDA, page-locks it in place with
+``cudaHostRegister``; chunk tensors are carved out of it as typed views.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+_ALIGN_BYTES = 64
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_host_memory(needed: int, what: str) -> None:
+    available = available_host_bytes()
+    if available is not None and needed > available:
+        gib = 2**30
+        raise MemoryError(
+            f"ProTrain needs {needed / gib:.2f} GiB of host memory for {what}, but only "
+            f"{available / gib:.2f} GiB is available. Keep more chunks on the device (a larger "
+            "Plan.n_persist), use precision='bf16-mixed', or free host memory."
+        )
+
+
+class HostPool:
+    def __init__(self, sizes: list[tuple[int, torch.dtype]], *, pin: bool) -> None:
+        """Reserve room for tensors of ``(numel, dtype)``; carve them in order with ``take``."""
+        total = 0
+        for numel, dtype in sizes:
+            total = _round(total) + numel * dtype.itemsize
+        self.nbytes = _round(total)
+        self.buffer = torch.zeros(self.nbytes, dtype=torch.uint8)  # Adam moments start at 0
+        self.pinned = False
+        if pin and self.nbytes > 0:
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostRegister(self.buffer.data_ptr(), self.nbytes, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of {self.nbytes} bytes failed with error {int(err)}")
+            self.pinned = True
+        self._offset = 0
+
+    def take(self, numel: int, dtype: torch.dtype) -> Tensor:
+        start = _round(self._offset)
+        end = start + numel * dtype.itemsize
+        assert end <= self.nbytes, "host pool overflow"
+        self._offset = end
+        return self.buffer[start:end].view(dtype)
+
+    def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            self.pinned = False
+
+
+def _round(n: int) -> int:
+    return (n + _ALIGN_BYTES - 1) // _ALIGN_BYTES * _ALIGN_BYTES
+
+
+def should_pin(device: torch.device) -> bool:
+    return device.type == "cuda" and os.environ.get("PROTRAIN_NO_PIN", "0") != "1"

@@ -1,0 +1,105 @@
+"""Precision modes and the fp16 dynamic loss scaler."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+class Precision(enum.Enum):
+    FP32 = "32-true"  # fp32 compute, the parameters are the master weights
+    BF16_MIXED = "bf16-mixed"  # bf16 compute copy + autocast, fp32 master and Adam states
+    FP16_MIXED = "16-mixed"  # fp16 compute copy + autocast, fp32 master, dynamic loss scaling
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return {
+            Precision.FP32: torch.float32,
+            Precision.BF16_MIXED: torch.bfloat16,
+            Precision.FP16_MIXED: torch.float16,
+        }[self]
+
+    @property
+    def is_mixed(self) -> bool:
+        return self is not Precision.FP32
+
+
+_ALIASES = {
+    "32-true": Precision.FP32,
+    "32": Precision.FP32,
+    "bf16-mixed": Precision.BF16_MIXED,
+    "bf16": Precision.BF16_MIXED,
+    "16-mixed": Precision.FP16_MIXED,
+    "16": Precision.FP16_MIXED,
+}
+
+
+def parse_precision(precision: str | Precision) -> Precision:
+    if isinstance(precision, Precision):
+        return precision
+    key = str(precision)
+    if key in ("bf16-true", "16-true", "64-true", "64", "transformer-engine"):
+        raise ValueError(
+            f"precision={precision!r} is not supported by ProTrain yet: it keeps fp32 master "
+            "weights and Adam states. Use precision='bf16-mixed' (bf16 compute, fp32 master; "
+            "host memory holds 4+4+4+4+2 bytes per offloaded parameter) or '32-true'."
+        )
+    if key not in _ALIASES:
+        raise ValueError(
+            f"Unknown precision {precision!r}; choose one of '32-true', 'bf16-mixed', '16-mixed'."
+        )
+    return _ALIASES[key]
+
+
+@dataclass(kw_only=True)
+class LossScaler:
+    """Dynamic loss scaling with exactly the rules of ``torch.amp.GradScaler``.
+
+    The scale multiplies the loss before backward; before the optimizer step every gradient is
+    multiplied by ``1/scale`` (computed as GradScaler does, in double then rounded to fp32) and
+    checked for inf/nan. A step with a non-finite gradient is skipped entirely and the scale is
+    multiplied by ``backoff_factor``; after ``growth_interval`` clean steps in a row it is
+    multiplied by ``growth_factor`` (``torch._amp_update_scale_``).
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def __post_init__(self) -> None:
+        self.scale = torch.full((1,), self.init_scale, dtype=torch.float32)
+        self.growth_tracker = torch.zeros((1,), dtype=torch.int32)
+
+    def inv_scale(self) -> Tensor:
+        return self.scale.double().reciprocal().float()
+
+    def update(self, found_inf: Tensor) -> None:
+        torch._amp_update_scale_(
+            self.scale,
+            self.growth_tracker,
+            found_inf.to(torch.float32).reshape(1),
+            self.growth_factor,
+            self.backoff_factor,
+            self.growth_interval,
+        )
+
+    def state_dict(self) -> dict:
+        # Same keys as torch.amp.GradScaler.state_dict().
+        return {
+            "scale": self.scale.item(),
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "_growth_tracker": int(self.growth_tracker.item()),
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.scale.fill_(float(sd["scale"]))
+        self.growth_factor = float(sd["growth_factor"])
+        self.backoff_factor = float(sd["backoff_factor"])
+        self.growth_interval = int(sd["growth_interval"])
+        self.growth_tracker.fill_(int(sd["_growth_tracker"]))

@@ -1,0 +1,107 @@
+import copy
+import logging
+import warnings
+
+import pytest
+import torch
+
+import protrain_core as pt
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+warnings.filterwarnings("ignore", message=".*loss_type=None.*")
+
+VOCAB = 96
+SEQ = 16
+
+
+def tiny_gpt2(n_layer=4, seed=0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(
+        n_layer=n_layer, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def tiny_llama(n_layer=4, seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        num_hidden_layers=n_layer, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+MODELS = {"gpt2": tiny_gpt2, "llama": tiny_llama}
+
+
+def batches(n, seed=1, batch=2, device="cpu", distinct=2):
+    """``n`` batches cycling through ``distinct`` random ones (so the loss visibly falls)."""
+    g = torch.Generator().manual_seed(seed)
+    pool = [torch.randint(0, VOCAB, (batch, SEQ), generator=g).to(device) for _ in range(distinct)]
+    return [pool[i % distinct] for i in range(n)]
+
+
+def n_chunks(model):
+    """Number of chunks the automatic layout gives ``model``."""
+    block_path, blocks = pt.find_blocks(model)
+    return pt.build_layout(model, block_path, len(blocks)).n_chunks
+
+
+def train_engine(engine, data, *, accumulate=1):
+    losses = []
+    for i in range(0, len(data), accumulate):
+        micro = data[i : i + accumulate]
+        total = 0.0
+        for j, x in enumerate(micro):
+            ctx = engine.no_sync() if j < len(micro) - 1 else _null()
+            with ctx:
+                loss = engine.module(input_ids=x, labels=x).loss / len(micro)
+                engine.backward(loss)
+            total += loss.item()
+        engine.step()
+        engine.zero_grad()
+        losses.append(total)
+    return losses
+
+
+def train_reference(model, opt, data, *, accumulate=1, scheduler=None):
+    losses = []
+    for i in range(0, len(data), accumulate):
+        micro = data[i : i + accumulate]
+        total = 0.0
+        for x in micro:
+            loss = model(input_ids=x, labels=x).loss / len(micro)
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(total)
+    return losses
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def assert_same_weights(engine_sd, ref_model, rtol=0.0, atol=0.0):
+    ref = ref_model.state_dict()
+    assert set(engine_sd) == set(ref)
+    for k, v in ref.items():
+        torch.testing.assert_close(engine_sd[k], v.detach().float().cpu() if v.is_floating_point() else v, rtol=rtol, atol=atol, msg=k)
+
+
+@pytest.fixture
+def deepcopy():
+    return copy.deepcopy
