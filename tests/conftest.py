@@ -105,3 +105,12 @@ def assert_same_weights(engine_sd, ref_model, rtol=0.0, atol=0.0):
 @pytest.fixture
 def deepcopy():
     return copy.deepcopy
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (no GPU on this machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

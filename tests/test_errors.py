@@ -1,0 +1,77 @@
+"""Bad input gets a clear error before anything expensive happens."""
+
+import pytest
+import torch
+
+import protrain_core as pt
+from conftest import tiny_gpt2
+
+
+def _wrap(**kw):
+    model = kw.pop("model", None) or tiny_gpt2()
+    opt = kw.pop("optimizer", None) or torch.optim.AdamW(model.parameters())
+    plan = kw.pop("plan", pt.Plan(n_persist=1, n_buffer=1))
+    kw.setdefault("device", "cpu")
+    return pt.wrap(model, opt, plan, **kw)
+
+
+def test_plan_validation():
+    with pytest.raises(ValueError, match="n_persist must be >= 0"):
+        pt.Plan(n_persist=-1, n_buffer=1)
+    with pytest.raises(ValueError, match="must be an int"):
+        pt.Plan(n_persist=1.5, n_buffer=1)
+    with pytest.raises(ValueError, match="Unknown Plan field"):
+        pt.Plan.from_dict({"n_persist": 1, "n_buffers": 2})
+    with pytest.raises(dataclasses_frozen()):
+        pt.Plan(n_persist=1, n_buffer=1).n_persist = 2
+
+
+def dataclasses_frozen():
+    import dataclasses
+
+    return dataclasses.FrozenInstanceError
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(plan=None), "needs a plan"),
+        (dict(plan=pt.Plan(n_persist=99, n_buffer=1)), "has only"),
+        (dict(plan=pt.Plan(n_persist=0, n_buffer=0)), "n_buffer must be >= 1"),
+        (dict(plan=pt.Plan(n_persist=0, n_buffer=1, n_checkpoint=1)), "not\\s+supported"),
+        (dict(precision="bf16-true"), "bf16-mixed"),
+        (dict(precision="8-bit"), "Unknown precision"),
+    ],
+)
+def test_wrap_argument_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        _wrap(**kw)
+
+
+def test_unsupported_optimizer():
+    model = tiny_gpt2()
+    with pytest.raises(ValueError, match="supports torch.optim.AdamW and torch.optim.Adam"):
+        _wrap(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_dict_plan_and_double_wrap():
+    model = tiny_gpt2()
+    engine = _wrap(model=model, plan={"n_persist": 1, "n_buffer": 2})
+    assert engine.plan == pt.Plan(n_persist=1, n_buffer=2)
+    with pytest.raises(ValueError, match="already wrapped"):
+        _wrap(model=model)
+
+
+def test_backward_outside_engine_is_refused():
+    model = tiny_gpt2()
+    engine = _wrap(model=model, plan=pt.Plan(n_persist=0, n_buffer=1))
+    x = torch.randint(0, 96, (2, 8))
+    with pytest.raises(RuntimeError, match="engine.backward"):
+        engine.module(input_ids=x, labels=x).loss.backward()
+
+
+def test_cuda_device_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        _wrap(device="cuda")

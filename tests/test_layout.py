@@ -1,0 +1,127 @@
+"""Block discovery and the execution-order chunk layout."""
+
+import pytest
+import torch
+from torch import nn
+
+import protrain_core as pt
+from protrain_core.layout import ALIGN, _pack, search_chunk_size
+from conftest import tiny_gpt2, tiny_llama
+
+
+def _hf(name):
+    import transformers as tf
+
+    small = dict(num_hidden_layers=3, hidden_size=32, num_attention_heads=4, vocab_size=64)
+    if name == "mistral":
+        return tf.MistralForCausalLM(tf.MistralConfig(intermediate_size=64, num_key_value_heads=2, **small))
+    if name == "qwen2":
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(intermediate_size=64, num_key_value_heads=2, **small))
+    if name == "opt":
+        return tf.OPTForCausalLM(tf.OPTConfig(ffn_dim=64, word_embed_proj_dim=32, **small))
+    if name == "gpt2":
+        return tiny_gpt2(n_layer=3)
+    return tiny_llama(n_layer=3)
+
+
+@pytest.mark.parametrize(
+    "name,path", [("gpt2", "transformer.h"), ("llama", "model.layers"), ("mistral", "model.layers"), ("qwen2", "model.layers"), ("opt", "model.decoder.layers")]
+)
+def test_block_discovery_for_hf_families(name, path):
+    model = _hf(name)
+    found, blocks = pt.find_blocks(model)
+    assert found == path and len(blocks) == 3
+
+
+class Plain(nn.Module):
+    def __init__(self, n=4, d=16):
+        super().__init__()
+        self.embed = nn.Embedding(50, d)
+        self.stack_a = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+        self.stack_b = nn.ModuleList([nn.Linear(d, d), nn.Linear(d, d)])  # two same-class stacks: ambiguous
+        self.head = nn.Linear(d, 50)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.stack_a:
+            h = torch.relu(layer(h))
+        for layer in self.stack_b:
+            h = layer(h)
+        return self.head(h)
+
+
+def test_single_homogeneous_modulelist_is_found():
+    model = Plain()
+    model.stack_b = nn.ModuleList([nn.Linear(16, 16), nn.ReLU()])
+    assert pt.find_blocks(model)[0] == "stack_a"
+
+
+def test_no_blocks_found_lists_candidates_and_blocks_override_works():
+    model = Plain()
+    with pytest.raises(ValueError) as err:
+        pt.find_blocks(model)
+    assert "'stack_a': 4 x Linear" in str(err.value) and "'stack_b': 2 x Linear" in str(err.value) and "blocks=" in str(err.value)
+    assert pt.find_blocks(model, "stack_a")[0] == "stack_a"
+    assert pt.find_blocks(model, model.stack_a)[0] == "stack_a"
+    with pytest.raises(ValueError, match="does not name"):
+        pt.find_blocks(model, "head")
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=0, n_buffer=1), blocks="stack_a",
+                     device="cpu", example_inputs=torch.zeros(2, 3, dtype=torch.long))
+    assert engine.layout.order_source == "traced"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "qwen2", "opt"])
+def test_layout_properties(name):
+    model = _hf(name)
+    path, blocks = pt.find_blocks(model)
+    layout = pt.build_layout(model, path, len(blocks))
+    assert layout.order_source == "traced"
+    names = [n for n, _ in model.named_parameters()]
+    placed = [m.name for c in layout.chunks for m in c.members]
+    assert sorted(placed) == sorted(names)  # every parameter exactly once (tied ones once)
+    for i in range(len(blocks)):  # a block never straddles chunks
+        owners = {layout.chunk_of(n) for n in names if n.startswith(f"{path}.{i}.")}
+        assert len(owners) == 1
+    for c in layout.chunks:
+        end = 0
+        for m in c.members:
+            assert m.offset % ALIGN == 0 and m.offset >= end
+            end = m.offset + m.numel
+        assert end <= layout.chunk_size
+    # Execution order: the embedding comes first, the final norm and the head last.
+    assert "embed" in placed[0] or "wte" in placed[0]
+    final = {"gpt2": "transformer.ln_f.weight", "opt": "model.decoder.final_layer_norm.weight"}.get(name, "model.norm.weight")
+    assert layout.chunk_of(final) == layout.n_chunks - 1
+    assert placed.index(final) > placed.index(f"{path}.{len(blocks) - 1}." + [n for n in names if n.startswith(f"{path}.0.")][0].split(".", len(path.split(".")) + 1)[-1])
+    print(layout.summary())
+
+
+def test_tied_parameter_goes_where_it_is_first_used():
+    model = tiny_gpt2()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    path, blocks = pt.find_blocks(model)
+    layout = pt.build_layout(model, path, len(blocks))
+    assert layout.chunk_of("transformer.wte.weight") == 0
+    assert "lm_head.weight" not in [m.name for c in layout.chunks for m in c.members]
+
+
+def test_chunk_size_search_minimises_waste():
+    units = [300, 700, 700, 700, 700, 120, 40]
+    best = search_chunk_size(units)
+    waste = lambda s: len(_pack(units, s)) * s - sum(units)  # noqa: E731
+    brute = min(range(704, 2 * 704 + 1, ALIGN), key=lambda s: (waste(s), s))
+    assert waste(best) <= waste(brute)
+    assert best >= max(units)
+
+
+def test_chunk_size_override_and_summary():
+    model = tiny_gpt2()
+    path, blocks = pt.find_blocks(model)
+    with pytest.raises(ValueError, match="smaller than the unit"):
+        pt.build_layout(model, path, len(blocks), chunk_size=100)
+    layout = pt.build_layout(model, path, len(blocks), chunk_size=40_000)
+    assert layout.chunk_size == 40_000
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=1, n_buffer=1), device="cpu")
+    text = engine.summary()
+    assert "persistent" in text and "streamed" in text and "transformer.h.0" in text
+    assert str(engine.layout).startswith("ProTrain chunk layout")

@@ -1,0 +1,122 @@
+"""Round trips: weights and optimizer state in plain-PyTorch format, across plans."""
+
+import copy
+
+import pytest
+import torch
+
+import protrain_core as pt
+from conftest import MODELS, assert_same_weights, batches, n_chunks, train_engine, train_reference
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_state_dict_matches_model_state_dict(arch):
+    model = MODELS[arch]()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=1, n_buffer=1), precision="bf16-mixed", device="cpu")
+    sd = engine.state_dict()
+    assert list(sd) == list(expected)  # same keys, same order, tied names included
+    for k, v in expected.items():
+        assert sd[k].dtype == v.dtype and torch.equal(sd[k], v), k
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_load_state_dict_exact(precision):
+    a, b = MODELS["llama"](seed=0), MODELS["llama"](seed=1)
+    target = {k: v.clone() for k, v in b.state_dict().items()}
+    engine = pt.wrap(a, torch.optim.AdamW(a.parameters()), pt.Plan(n_persist=2, n_buffer=1), precision=precision, device="cpu")
+    x = batches(1)[0]
+    with torch.no_grad():
+        engine.module(input_ids=x)  # some chunks are resident now
+    engine.load_state_dict(target)
+    sd = engine.state_dict()
+    for k, v in target.items():
+        assert torch.equal(sd[k], v), k
+    if precision == "32-true":
+        with torch.no_grad():
+            torch.testing.assert_close(engine.module(input_ids=x).logits, b(input_ids=x).logits, rtol=0, atol=0)
+
+
+def test_load_state_dict_rejects_bad_input_before_changing_anything():
+    model = MODELS["gpt2"]()
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=0, n_buffer=1), device="cpu")
+    before = engine.state_dict()
+    bad = dict(before)
+    bad.pop("transformer.wpe.weight")
+    with pytest.raises(KeyError, match="missing keys"):
+        engine.load_state_dict(bad)
+    bad = dict(before)
+    bad["transformer.wpe.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="shape"):
+        engine.load_state_dict(bad)
+    after = engine.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("plan", [pt.Plan(n_persist=0, n_buffer=2), pt.Plan(n_persist=2, n_buffer=1)], ids=str)
+def test_engine_state_continues_in_plain_adamw(plan):
+    """Engine trains 5 steps; plain model + AdamW load its state dicts and both continue identically."""
+    model = MODELS["gpt2"]()
+    data = batches(10)
+    # fused=True: the saved param_groups carry the flag into plain_opt, which then runs the same
+    # fused kernel (with fused=None it would run torch's for-each kernel and differ by ulps).
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, fused=True)
+    engine = pt.wrap(model, opt, plan, device="cpu")
+    train_engine(engine, data[:5])
+    plain = MODELS["gpt2"](seed=123)
+    plain.load_state_dict(engine.state_dict())
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1.0, fused=True)  # lr comes from the state dict
+    plain_opt.load_state_dict(engine.optimizer_state_dict())
+    assert plain_opt.param_groups[0]["lr"] == 3e-3
+    assert train_engine(engine, data[5:]) == train_reference(plain, plain_opt, data[5:])
+    assert_same_weights(engine.state_dict(), plain)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_plain_adamw_state_continues_in_engine_with_any_plan(arch):
+    model = MODELS[arch]()
+    data = batches(10)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    train_reference(model, opt, data[:5])
+    # Deep copies: torch's load_state_dict keeps the very tensors it is given.
+    saved_osd, saved_sd = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True)
+    ref_opt.load_state_dict(copy.deepcopy(saved_osd))
+    ref_losses = train_reference(ref, ref_opt, data[5:])
+    for plan in (pt.Plan(n_persist=0, n_buffer=1), pt.Plan(n_persist=n_chunks(model), n_buffer=0)):
+        m2 = MODELS[arch](seed=7)
+        engine = pt.wrap(m2, torch.optim.AdamW(m2.parameters(), lr=0.5), plan, device="cpu")
+        engine.load_state_dict(saved_sd)
+        engine.load_optimizer_state_dict(saved_osd)
+        assert train_engine(engine, data[5:]) == ref_losses
+        assert_same_weights(engine.state_dict(), ref)
+
+
+def test_optimizer_state_dict_is_independent_of_the_plan():
+    data = batches(4)
+    dicts = []
+    for plan in (pt.Plan(n_persist=0, n_buffer=1), pt.Plan(n_persist=2, n_buffer=2)):
+        model = MODELS["llama"]()
+        engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), plan, device="cpu")
+        train_engine(engine, data)
+        dicts.append(engine.optimizer_state_dict())
+    a, b = dicts
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for k in a["state"]:
+        for key in a["state"][k]:
+            assert torch.equal(a["state"][k][key], b["state"][k][key])
+
+
+def test_wrap_takes_over_existing_optimizer_state():
+    model = MODELS["gpt2"]()
+    data = batches(8)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    train_reference(model, opt, data[:3])
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True)
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    engine = pt.wrap(model, opt, pt.Plan(n_persist=1, n_buffer=1), device="cpu")
+    assert not opt.state  # moved into the chunks
+    assert train_engine(engine, data[3:]) == train_reference(ref, ref_opt, data[3:])
