@@ -143,7 +143,7 @@ class Engine:
             check_invariants=check_invariants,
         )
         units = self._units(n_buffer)
-        self.runtime.register(units, self._slot_of)
+        self.runtime.register(units)
         self._autocast_handles = self._register_autocast() if precision.is_mixed else []
         if optimizer.state:
             # The optimizer already stepped: carry its state into the chunks.
@@ -281,13 +281,12 @@ class Engine:
         if self.runtime.phase is not Phase.IDLE:
             raise RuntimeError("engine.step() was called during backward.")
         hps = self._optim.snapshot()
-        if self.runtime.hps is not None and any(c.updated_this_step for c in self.chunks) and hps != self.runtime.hps:
+        if any(c.updated_this_step for c in self.chunks) and hps != self.runtime.hps:
             raise RuntimeError(
                 "The optimizer's hyper-parameters changed between engine.backward() and "
                 "engine.step(), but ProTrain already applied the backward-time values to the "
                 "offloaded chunks. Change lr (e.g. scheduler.step()) after engine.step()."
             )
-        hps = self.runtime.hps if any(c.updated_this_step for c in self.chunks) else hps
         if self.scaler is not None:
             self.runtime.wait_all()
             found_inf = self._unscale_and_check()
@@ -363,8 +362,7 @@ class Engine:
     def optimizer_state_dict(self) -> dict:
         """The optimizer state in ``torch.optim.AdamW.state_dict()`` format, on the CPU."""
         self.runtime.wait_all()
-        sd = self._optim.state_dict(self._slot_of)
-        return sd
+        return self._optim.state_dict(self._slot_of)
 
     def load_optimizer_state_dict(self, state_dict: dict) -> None:
         self._check_open()

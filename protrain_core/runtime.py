@@ -84,7 +84,7 @@ class Runtime:
         self.record_events = False
 
     # ----- hook registration --------------------------------------------------------------
-    def register(self, units: dict[nn.Module, tuple[int, ...]], slot_of: dict) -> None:
+    def register(self, units: dict[nn.Module, tuple[int, ...]]) -> None:
         for module, idxs in units.items():
             self._handles.append(module.register_forward_pre_hook(self._pre_forward_hook(idxs)))
             self._handles.append(module.register_forward_hook(self._post_forward_hook(idxs), always_call=True))
