@@ -17,6 +17,10 @@ lands it in the fp32 accumulator and, at a gradient-accumulation boundary, runs 
 chunk while backward goes on. Nothing of the chunk is needed by backward after that point:
 autograd runs a parameter's accumulation only after every node that uses the parameter ran.
 A chunk that is still receiving gradients is never evicted.
+In mixed precision the offloaded gradients land in the chunk's host compute-dtype copy (no extra
+host memory); the worker folds them into the fp32 accumulator and then rewrites that copy from
+the fp32 master. So while a chunk is UPDATING its parameters must not be read: they are valid
+again when ``step()`` returns (or when the chunk is next fetched, which waits for the worker).
 """
 
 from __future__ import annotations
