@@ -63,7 +63,8 @@ def main(argv=None):
     rows.append(("plain PyTorch + AdamW(fused)", timed(plain_step, args.steps, args.warmup, sync)))
     del plain, opt
 
-    n = pt.build_layout(base, *(lambda p, b: (p, len(b)))(*pt.find_blocks(base))).n_chunks
+    block_path, blocks = pt.find_blocks(base)
+    n = pt.build_layout(base, block_path, len(blocks)).n_chunks
     for label, plan in (("ProTrain all-persistent", pt.Plan(n_persist=n, n_buffer=0)),
                         ("ProTrain all-streamed (n_buffer=2)", pt.Plan(n_persist=0, n_buffer=2))):
         model = copy.deepcopy(base)

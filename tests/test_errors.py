@@ -1,5 +1,7 @@
 """Bad input gets a clear error before anything expensive happens."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -22,14 +24,8 @@ def test_plan_validation():
         pt.Plan(n_persist=1.5, n_buffer=1)
     with pytest.raises(ValueError, match="Unknown Plan field"):
         pt.Plan.from_dict({"n_persist": 1, "n_buffers": 2})
-    with pytest.raises(dataclasses_frozen()):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         pt.Plan(n_persist=1, n_buffer=1).n_persist = 2
-
-
-def dataclasses_frozen():
-    import dataclasses
-
-    return dataclasses.FrozenInstanceError
 
 
 @pytest.mark.parametrize(
