@@ -3,9 +3,11 @@
 Default, with no arguments: a 4-layer GPT-2 (~3.5 M parameters) built from a config, trained for
 60 steps on the Python standard library's own source files, tokenised as raw bytes (no download,
 no tokenizer files). Half of the chunks stream through one device buffer and are updated by the
-CPU Adam worker during backward.
+CPU Adam worker during backward; the first block swaps its activations to host memory and the
+second recomputes them in backward.
 
     python examples/train_gpt2.py [--steps 60] [--precision 32-true] [--n-persist 2 --n-buffer 1]
+                                  [--n-swap 1 --n-checkpoint 1]
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ def main(argv=None) -> float:
     ap.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "16-mixed"])
     ap.add_argument("--n-persist", type=int, default=2)
     ap.add_argument("--n-buffer", type=int, default=1)
+    ap.add_argument("--n-swap", type=int, default=1)
+    ap.add_argument("--n-checkpoint", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--device", default=None)
     ap.add_argument("--seed", type=int, default=0)
@@ -59,12 +63,13 @@ def main(argv=None) -> float:
     print(f"data: {len(data):,} bytes of Python standard-library source (byte-level tokens)")
 
     config = GPT2Config(vocab_size=256, n_positions=args.seq_len, n_embd=256, n_layer=4, n_head=4,
-                        bos_token_id=0, eos_token_id=0)
+                        bos_token_id=0, eos_token_id=0, use_cache=False)
     model = GPT2LMHeadModel(config)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
-    engine = pt.wrap(model, optimizer, pt.Plan(n_persist=args.n_persist, n_buffer=args.n_buffer),
+    plan = pt.Plan(n_persist=args.n_persist, n_buffer=args.n_buffer, n_swap=args.n_swap, n_checkpoint=args.n_checkpoint)
+    engine = pt.wrap(model, optimizer, plan,
                      precision=args.precision, device=args.device)
     print(engine.summary())
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))

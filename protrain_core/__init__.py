@@ -1,7 +1,7 @@
 """ProTrain engine: chunked model states, device/host placement and overlapped per-chunk Adam.
 
     import protrain_core as pt
-    engine = pt.wrap(model, optimizer, plan=pt.Plan(n_persist=1, n_buffer=2))
+    engine = pt.wrap(model, optimizer, plan=pt.Plan(n_persist=1, n_buffer=2, n_swap=1, n_checkpoint=2))
     out = engine.module(input_ids=x, labels=x)
     engine.backward(out.loss)
     engine.step()
@@ -10,6 +10,7 @@
 This package never imports Lightning.
 """
 
+from protrain_core.activations import BlockActivations, BlockMode, interleaved_modes
 from protrain_core.blocks import find_blocks
 from protrain_core.chunk import ChunkState, IllegalTransition
 from protrain_core.engine import Engine, wrap
@@ -18,6 +19,8 @@ from protrain_core.plan import Plan
 from protrain_core.precision import Precision
 
 __all__ = [
+    "BlockActivations",
+    "BlockMode",
     "ChunkLayout",
     "ChunkState",
     "Engine",
@@ -26,5 +29,6 @@ __all__ = [
     "Precision",
     "build_layout",
     "find_blocks",
+    "interleaved_modes",
     "wrap",
 ]

@@ -17,8 +17,10 @@ fetch before that block's backward re-allocates and refills with the same values
 ``.data`` does not touch the parameter's version counter, and copying into ``param_dev`` bumps
 only the counter of ``param_dev`` itself, so autograd's in-place checks are not triggered.
 The runtime guarantees the fetch: a pre-backward hook on each unit's outputs makes the unit's
-chunks resident before any of its backward nodes runs (``runtime.py``), and recomputation under
-activation checkpointing re-enters the forward pre-hook. The chunks are equal-size, so the
+chunks resident before any of its backward nodes runs (``runtime.py``). That includes the
+recomputation of a checkpointed block, which its first backward node triggers; it calls the
+block's original ``forward`` and does not re-run the forward hooks (see [Note: block
+forwards] in activations.py). The chunks are equal-size, so the
 device caching allocator recycles the same ``n_buffer`` blocks: those are the chunk buffers.
 """
 

@@ -7,6 +7,8 @@ read by earlier kernels), copies on the copy stream and records an event that th
 waits on before the chunk is used. A device->host gradient offload waits for the compute stream
 (the gradients are written there) and records an event that the CPU worker synchronises on
 before reading the host copy; the device buffers are freed only after that event completed.
+Swapped activations use their own ``swap_stream`` with the same rules, so that device->host
+activation copies in forward do not queue behind (or delay) the parameter prefetches.
 On the CPU there are no streams: copies run synchronously and events are ``None``.
 """
 
@@ -21,17 +23,19 @@ class DeviceContext:
         self.device = device
         self.is_cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device=device) if self.is_cuda else None
+        self.swap_stream = torch.cuda.Stream(device=device) if self.is_cuda else None
 
-    def copy_async(self, dst: Tensor, src: Tensor):
-        """Copy ``src`` into ``dst`` on the copy stream; return the event to wait on (or None)."""
+    def copy_async(self, dst: Tensor, src: Tensor, stream=None):
+        """Copy ``src`` into ``dst`` on ``stream`` (default: the copy stream) after the work
+        queued so far on the compute stream; return the event to wait on (None on the CPU)."""
         if not self.is_cuda:
             dst.copy_(src)
             return None
-        compute = torch.cuda.current_stream(self.device)
-        self.copy_stream.wait_stream(compute)
-        with torch.cuda.stream(self.copy_stream):
+        stream = stream or self.copy_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
-            return self.copy_stream.record_event()
+            return stream.record_event()
 
     def wait_on_compute(self, event) -> None:
         """Make the compute stream wait for ``event`` (no host blocking)."""
@@ -47,6 +51,11 @@ class DeviceContext:
     @staticmethod
     def done(event) -> bool:
         return event is None or event.query()
+
+    def synchronize_stream(self, stream) -> None:
+        """Block the calling host thread until the work queued on ``stream`` completed."""
+        if stream is not None:
+            stream.synchronize()
 
     def synchronize_device(self) -> None:
         if self.is_cuda:

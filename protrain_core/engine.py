@@ -7,6 +7,13 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from protrain_core.activations import (
+    ActivationManager,
+    BlockActivations,
+    check_activation_plan,
+    describe_modes,
+    interleaved_modes,
+)
 from protrain_core.blocks import find_blocks
 from protrain_core.chunk import Chunk
 from protrain_core.device import DeviceContext, resolve_device
@@ -35,7 +42,8 @@ def wrap(
     Args:
         model: the module to train; its parameters may be on the CPU or on ``device``.
         optimizer: a ``torch.optim.AdamW`` or ``Adam`` over (some of) the model's parameters.
-        plan: a :class:`Plan` (or dict of its fields).
+        plan: a :class:`Plan` (or dict of its fields): chunks kept on the device, chunk
+            buffers, and how many transformer blocks swap or checkpoint their activations.
         precision: "32-true", "bf16-mixed" or "16-mixed".
         device: the compute device; None means CUDA when available, else the CPU.
         blocks: the transformer blocks (ModuleList or dotted name) when discovery fails.
@@ -56,11 +64,6 @@ def wrap(
         plan = Plan.from_dict(plan)
     if not isinstance(plan, Plan):
         raise ValueError(f"plan must be a protrain_core.Plan or a dict of its fields, got {type(plan).__name__}")
-    if plan.n_swap or plan.n_checkpoint:
-        raise ValueError(
-            "Plan.n_swap and Plan.n_checkpoint (activation swapping/checkpointing) are not "
-            "supported by this version yet; set them to 0."
-        )
     check_optimizer(optimizer)
     if any(p.device.type == "meta" for p in model.parameters()):
         raise ValueError("The model has parameters on the meta device; materialise them before wrap().")
@@ -72,7 +75,19 @@ def wrap(
     if getattr(model, "_protrain_engine", None) is not None:
         raise ValueError("This model is already wrapped by a ProTrain engine.")
 
+    # transformers >= 5 names it is_activation_checkpointing (is_gradient_checkpointing is deprecated).
+    hf_checkpointing = next(
+        (getattr(model, a) for a in ("is_activation_checkpointing", "is_gradient_checkpointing") if hasattr(type(model), a)),
+        False,
+    )
+    if hf_checkpointing:
+        raise ValueError(
+            "The model has Hugging Face gradient checkpointing enabled; ProTrain decides per block "
+            "which activations to keep, recompute or swap (Plan.n_checkpoint / Plan.n_swap). Call "
+            "model.gradient_checkpointing_disable() before wrap()."
+        )
     block_path, block_list = find_blocks(model, blocks)
+    check_activation_plan(len(block_list), plan.n_swap, plan.n_checkpoint)
     layout = build_layout(model, block_path, len(block_list), example_inputs=example_inputs, chunk_size=chunk_size)
     if plan.n_persist > layout.n_chunks:
         raise ValueError(
@@ -144,6 +159,11 @@ class Engine:
         )
         units = self._units(n_buffer)
         self.runtime.register(units)
+        blocks = list(module.get_submodule(layout.block_path))
+        self.block_modes = interleaved_modes(len(blocks), plan.n_swap, plan.n_checkpoint)
+        self.activations = ActivationManager(blocks, self.block_modes, self.ctx)
+        static = [t for c in self.chunks for t in (c.param_dev, c.param_host, c.master) if t is not None]
+        self.activations.install(static + list(module.buffers()))
         self._autocast_handles = self._register_autocast() if precision.is_mixed else []
         if optimizer.state:
             # The optimizer already stepped: carry its state into the chunks.
@@ -259,11 +279,13 @@ class Engine:
         """Backward through the managed model; streamed chunks are updated while it runs."""
         self._check_open()
         self.runtime.begin_backward(boundary=not self._no_sync)
+        self.activations.begin_backward()
         try:
             if self.scaler is not None:
                 loss = loss * self.scaler.scale.to(loss.device)
             loss.backward()
         finally:
+            self.activations.end_backward()
             self.runtime.end_backward()
 
     @contextmanager
@@ -378,6 +400,16 @@ class Engine:
         self.scaler.load_state_dict(state_dict)
 
     # ----- inspection ---------------------------------------------------------------------
+    def activation_report(self) -> tuple[BlockActivations, ...]:
+        """Per block: mode and activation bytes (saved, inputs, on the device, in host memory),
+        from the last forward pass with gradients. Kept blocks are measured in the first such
+        forward and after ``measure_activations()``."""
+        return self.activations.report()
+
+    def measure_activations(self) -> None:
+        """Measure the kept blocks' saved activations in the next forward pass with gradients."""
+        self.activations.measure_next_forward()
+
     def device_bytes(self) -> int:
         """Device memory held by model states right now (persistent chunks + chunk buffers)."""
         return self.runtime.device_bytes()
@@ -391,6 +423,7 @@ class Engine:
             [
                 f"ProTrain engine: {self.plan}, precision={self.precision.value}, device={self.device}",
                 f"optimizer: {type(self.optimizer).__name__} per chunk; overlap: {self.overlap}",
+                f"activations per block: {describe_modes(self.block_modes)}",
                 f"device model-state bytes now {self.device_bytes() / mib:.2f} MiB "
                 f"(bound {self.runtime.device_bytes_bound() / mib:.2f} MiB); "
                 f"host pool {self.host_bytes() / mib:.2f} MiB ({'pinned' if self.host_pool.pinned else 'pageable'})",
@@ -405,6 +438,7 @@ class Engine:
         self.runtime.wait_all()
         self.runtime.release_all()
         self.runtime.remove_hooks()
+        self.activations.remove()
         for h in self._autocast_handles:
             h.remove()
         self.runtime.shutdown()

@@ -115,12 +115,14 @@ def execution_order(model: nn.Module, example_inputs=None) -> tuple[list[str], s
 
     The order is traced by running the forward pass on the meta device (no memory, no compute):
     ``functional_call`` substitutes meta tensors for every parameter and buffer. Without
-    ``example_inputs``, a Hugging Face model gets ``input_ids`` of shape (1, 8). If tracing is
+    ``example_inputs``, a Hugging Face model gets ``input_ids`` of shape (1, 8) (and a cache). If tracing is
     impossible the module registration order is used, with a warning.
     """
     owners = [n for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
     if example_inputs is None and hasattr(model, "config") and hasattr(model.config, "vocab_size"):
-        example_inputs = {"input_ids": torch.zeros(1, 8, dtype=torch.long)}
+        # use_cache=True: without a cache, Hugging Face's mask code checks position_ids for packed
+        # sequences, a data-dependent test that cannot run on meta tensors.
+        example_inputs = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "use_cache": True}
     if example_inputs is None:
         return owners, "registration"
 

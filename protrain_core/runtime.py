@@ -37,22 +37,12 @@ from torch.autograd.profiler import record_function
 from protrain_core.chunk import Chunk, ChunkState
 from protrain_core.device import DeviceContext
 from protrain_core.optim import ChunkOptimizer
+from protrain_core.utils import iter_tensors
 
 
 class Phase(enum.Enum):
     IDLE = "idle"
     BACKWARD = "backward"
-
-
-def _tensors(obj):
-    if isinstance(obj, Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
 
 
 class Runtime:
@@ -120,7 +110,7 @@ class Runtime:
                 if not c.persistent:
                     c.pins -= 1
             if torch.is_grad_enabled():
-                for t in _tensors(output):
+                for t in iter_tensors(output):
                     if t.requires_grad:
                         t.register_hook(self._pre_backward_hook(idxs))
 

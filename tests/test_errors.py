@@ -34,7 +34,8 @@ def test_plan_validation():
         (dict(plan=None), "needs a plan"),
         (dict(plan=pt.Plan(n_persist=99, n_buffer=1)), "has only"),
         (dict(plan=pt.Plan(n_persist=0, n_buffer=0)), "n_buffer must be >= 1"),
-        (dict(plan=pt.Plan(n_persist=0, n_buffer=1, n_checkpoint=1)), "not\\s+supported"),
+        (dict(plan=pt.Plan(n_persist=0, n_buffer=1, n_swap=3, n_checkpoint=2)), "n_swap \\+ n_checkpoint <= 4"),
+        (dict(plan=pt.Plan(n_persist=0, n_buffer=1, n_checkpoint=5)), "only 4 transformer blocks"),
         (dict(precision="bf16-true"), "bf16-mixed"),
         (dict(precision="8-bit"), "Unknown precision"),
     ],
@@ -42,6 +43,21 @@ def test_plan_validation():
 def test_wrap_argument_errors(kw, match):
     with pytest.raises(ValueError, match=match):
         _wrap(**kw)
+
+
+def test_negative_activation_counts():
+    with pytest.raises(ValueError, match="n_swap must be >= 0"):
+        pt.Plan(n_persist=1, n_buffer=1, n_swap=-1)
+    with pytest.raises(ValueError, match="n_checkpoint must be >= 0"):
+        pt.Plan(n_persist=1, n_buffer=1, n_checkpoint=-2)
+
+
+def test_hugging_face_gradient_checkpointing_is_refused():
+    model = tiny_gpt2()
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    with pytest.raises(ValueError, match="gradient_checkpointing_disable"):
+        _wrap(model=model, plan=pt.Plan(n_persist=1, n_buffer=1, n_checkpoint=2))
 
 
 def test_unsupported_optimizer():

@@ -70,9 +70,11 @@ def test_no_blocks_found_lists_candidates_and_blocks_override_works():
     assert engine.layout.order_source == "traced"
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
 @pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "qwen2", "opt"])
-def test_layout_properties(name):
+def test_layout_properties(name, use_cache):
     model = _hf(name)
+    model.config.use_cache = use_cache  # training configs often turn the cache off
     path, blocks = pt.find_blocks(model)
     layout = pt.build_layout(model, path, len(blocks))
     assert layout.order_source == "traced"

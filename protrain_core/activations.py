@@ -1,0 +1,571 @@
+"""Block-wise activation management: keep, checkpoint or swap each transformer block.
+
+[Note: activation layout]
+Every transformer block is in one of three modes (paper §3.1, Fig. 2):
+  KEEP        autograd keeps the block's saved tensors on the device until its backward;
+  CHECKPOINT  only the block's inputs are kept; backward re-runs the block's forward
+              (``torch.utils.checkpoint``, non-reentrant) to rebuild the saved tensors;
+  SWAP        the saved tensors are copied to host memory during forward and brought back
+              before the block's backward.
+The layout is interleaved: the ``n_swap`` swapped blocks take the first positions (their
+backward comes last, so their copies back have the most time to hide), the ``n_checkpoint``
+checkpointed blocks are spread evenly over the remaining positions, and the last block keeps
+its activations (its backward comes first, right after the forward). See ``interleaved_modes``.
+
+[Note: block forwards]
+The manager replaces each block's ``forward`` by an *instance* attribute that calls the
+original (the class is not touched; ``remove()`` restores it). Module hooks stay outside:
+the chunk runtime's forward pre-hook makes the block's chunks resident before the wrapper
+runs, and checkpoint recomputation calls the original ``forward`` directly, so the hooks do
+not run again during backward. What makes the chunks resident for the recomputation is the
+runtime's pre-backward hook on the block's outputs: it fires when the gradient of an output
+is complete, before any backward node of the block -- and so before the recomputation,
+which the first of those nodes triggers (see [Note: parameter access] in chunk.py).
+Checkpointed calls get a zero-size device tensor as their first positional argument: non-
+reentrant checkpoint saves and restores the device RNG state (dropout) only for devices it sees
+among positional arguments, and a block may be called with keyword arguments only.
+Caches: a block that writes a key/value cache (Hugging Face ``past_key_values``) would write
+it twice under recomputation, and a swapped block's cache would pin its activations on the
+device. With gradients enabled, checkpointed and swapped blocks therefore run with the cache
+arguments set to None and ``use_cache=False`` -- what Hugging Face does with its own gradient
+checkpointing -- and a warning says so once. Without gradients (evaluation, generation) every
+block runs its plain forward, cache included.
+
+[Note: swapping]
+Saved tensors are swapped per *storage*: the pack hook copies the whole storage of a saved
+tensor to a host buffer once and returns a small record; views of that storage saved later
+(``q``, ``k``, ``v`` split from one projection, a transpose, a tensor saved by two blocks) reuse
+the record and are rebuilt as views of the same restored storage, so nothing is copied twice.
+Tensors that alias parameters or buffers (``weight.t()`` in ``linear``), tensors of other
+devices and storages below ``MIN_SWAP_BYTES`` are returned unchanged: they stay attached to the
+parameter (or buffer) whose storage they view. So are the block's inputs that do not require
+gradients (attention masks, LLaMA's rotary cos/sin): they are made once per forward pass and
+passed to every block, so copying them would free nothing; they are not counted in any
+block's activation bytes either.
+On CUDA the copies run on the device context's swap stream, which first waits for the compute
+stream (the tensor was just produced there). The device storage is marked with
+``record_stream(swap_stream)``: when autograd drops it, the caching allocator hands its memory
+to another tensor only after the copy has completed -- no host thread waits for it. Copies
+back are allocated on the compute stream, run on the swap stream and are waited for by the
+compute stream (an event) at unpack; they are marked the same way, for a prefetched tensor that
+is freed without being read. A host buffer returns to the manager's pool when its record dies;
+its next use is a copy issued on the same swap stream, so it cannot overtake the copy back
+that reads it. Prefetch: when the backward of block ``i`` begins (a hook on the outputs of that
+forward call), the copies back of that call and of the previous block's call in the same
+forward pass are issued, one block ahead, so one swapped block's activations are on the
+device beside those of the block running backward. Records belong to the call that made them,
+so with several forward passes before a backward each backward brings back only its own.
+On the CPU the copies are synchronous and the "device" and "host" buffers are separate
+tensors in the same memory.
+Autograd does not check the version counter of saved tensors that go through hooks; the
+records keep a weak reference to the original tensor and raise autograd's error at unpack if it
+was modified in place (when it is still alive to tell).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import inspect
+import warnings
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import checkpoint
+
+from protrain_core.device import DeviceContext
+from protrain_core.host_pool import check_host_memory
+from protrain_core.utils import iter_tensors
+
+# Smaller storages stay on the device: a copy this small costs more in latency than it frees.
+MIN_SWAP_BYTES = 1024
+
+_CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past")
+
+
+class BlockMode(enum.Enum):
+    KEEP = "keep"
+    CHECKPOINT = "checkpoint"
+    SWAP = "swap"
+
+
+def check_activation_plan(n_blocks: int, n_swap: int, n_checkpoint: int) -> None:
+    if n_swap < 0 or n_checkpoint < 0:
+        raise ValueError(f"n_swap and n_checkpoint must be >= 0, got n_swap={n_swap}, n_checkpoint={n_checkpoint}")
+    if n_swap + n_checkpoint > n_blocks:
+        raise ValueError(
+            f"Plan.n_swap={n_swap} + Plan.n_checkpoint={n_checkpoint} = {n_swap + n_checkpoint} blocks, "
+            f"but the model has only {n_blocks} transformer blocks; each block is kept, checkpointed "
+            f"or swapped, so use n_swap + n_checkpoint <= {n_blocks}."
+        )
+
+
+def interleaved_modes(n_blocks: int, n_swap: int, n_checkpoint: int) -> tuple[BlockMode, ...]:
+    """The mode of each block, in forward order (see [Note: activation layout]).
+
+    Swapped blocks are ``0 .. n_swap-1``. Of the ``r = n_blocks - n_swap`` others, position
+    ``floor(k * r / n_checkpoint)`` is checkpointed for ``k = 0 .. n_checkpoint-1``: evenly
+    spread, distinct because ``r / n_checkpoint >= 1``, and the last position ``r - ceil(r / n)``
+    is never the last block while ``n_checkpoint < r``.
+    """
+    check_activation_plan(n_blocks, n_swap, n_checkpoint)
+    modes = [BlockMode.SWAP] * n_swap + [BlockMode.KEEP] * (n_blocks - n_swap)
+    rest = n_blocks - n_swap
+    for k in range(n_checkpoint):
+        modes[n_swap + k * rest // n_checkpoint] = BlockMode.CHECKPOINT
+    return tuple(modes)
+
+
+def describe_modes(modes: tuple[BlockMode, ...]) -> str:
+    """E.g. 'S S C K C K K K (2 swap, 2 checkpoint, 4 keep)'."""
+    letters = " ".join(m.name[0] for m in modes)
+    order = (BlockMode.SWAP, BlockMode.CHECKPOINT, BlockMode.KEEP)
+    counts = ", ".join(f"{sum(m is mode for m in modes)} {mode.value}" for mode in order)
+    return f"{letters} ({counts})"
+
+
+@dataclass(frozen=True)
+class BlockActivations:
+    """Activation memory of one block, measured in the last forward pass with gradients.
+
+    Attributes:
+        index: block position in forward order.
+        mode: how the block's activations are managed.
+        saved_bytes: bytes of the distinct storages autograd saves for the block's backward
+            (parameters, buffers and inputs without gradient -- shared by all blocks --
+            excluded): what the block holds on the device when kept,
+            and what its recomputation rebuilds when checkpointed. None when not measured
+            (a checkpointed block, or a kept block before ``measure_next_forward``).
+        input_bytes: bytes of the distinct storages of the block's tensor inputs: what a
+            checkpointed block keeps on the device.
+        device_bytes: bytes held on the device between this block's forward and backward in
+            its current mode (0 for a kept block that was never measured).
+        host_bytes: bytes this block copied to host memory (swapped blocks).
+    """
+
+    index: int
+    mode: BlockMode
+    saved_bytes: int | None
+    input_bytes: int
+    device_bytes: int
+    host_bytes: int
+
+
+def _size_class(nbytes: int) -> int:
+    """``nbytes`` rounded up to one of 8 sizes per power of two (at most 12.5 % more)."""
+    step = max(64, 1 << max(0, nbytes.bit_length() - 4))  # 1/8 of the power of two below nbytes
+    return -(-nbytes // step) * step
+
+
+class _HostBuffers:
+    """Host byte buffers for swapped storages, reused across iterations (pinned in place on CUDA).
+
+    Requests are rounded up to a size class (8 per power of two, so at most 12.5 % is wasted,
+    where PyTorch's pinned allocator rounds up to the next power of two) and served from free
+    buffers of that class; a new buffer is page-locked with ``cudaHostRegister`` on CUDA. With a
+    fixed batch shape every step after the first reuses the first step's buffers. ``trim()``
+    frees the buffers that no request used since the previous ``trim()`` (shapes that changed).
+    """
+
+    def __init__(self, ctx: DeviceContext) -> None:
+        self.ctx = ctx
+        self.pin = ctx.is_cuda
+        self._free: dict[int, list[Tensor]] = {}
+        self._all: dict[int, Tensor] = {}  # id -> buffer
+        self._used: set[int] = set()  # ids handed out since the last trim
+        self.nbytes = 0
+
+    def get(self, nbytes: int) -> Tensor:
+        size = _size_class(nbytes)
+        free = self._free.get(size)
+        if free:
+            buf = free.pop()
+        else:
+            check_host_memory(size, "swapped activations")
+            buf = torch.empty(size, dtype=torch.uint8)
+            if self.pin:
+                err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), size, 0)
+                if int(err) != 0:
+                    raise RuntimeError(f"cudaHostRegister of {size} bytes for swapped activations failed ({int(err)})")
+            self._all[id(buf)] = buf
+            self.nbytes += size
+        self._used.add(id(buf))
+        return buf
+
+    def put(self, buf: Tensor) -> None:
+        if id(buf) in self._all:
+            self._free.setdefault(buf.numel(), []).append(buf)
+
+    def trim(self) -> None:
+        idle = [b for bufs in self._free.values() for b in bufs if id(b) not in self._used]
+        if idle:
+            self.ctx.synchronize_stream(self.ctx.swap_stream)  # no copy may still read them
+            for buf in idle:
+                self._release(buf)
+        self._used.clear()
+
+    def _release(self, buf: Tensor) -> None:
+        bufs = self._free[buf.numel()]
+        bufs.pop(next(k for k, b in enumerate(bufs) if b is buf))
+        del self._all[id(buf)]
+        self.nbytes -= buf.numel()
+        if self.pin:
+            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+
+    def storages(self) -> list[StorageWeakRef]:
+        return [StorageWeakRef(b.untyped_storage()) for b in self._all.values()]
+
+    def close(self) -> None:
+        if self.pin:
+            for buf in self._all.values():
+                torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+        self._all.clear()
+        self._free.clear()
+        self._used.clear()
+        self.nbytes = 0
+
+
+class _SwapRecord:
+    """One device storage copied to host memory (and, in backward, back to the device)."""
+
+    __slots__ = ("host", "nbytes", "in_buf", "in_event", "__weakref__")
+
+    def __init__(self, host: Tensor, nbytes: int) -> None:
+        self.host = host  # a pool buffer of at least nbytes
+        self.nbytes = nbytes
+        self.in_buf: Tensor | None = None
+        self.in_event = None
+
+
+class _Packed:
+    """What autograd keeps for one swapped saved tensor: a view of a swapped storage."""
+
+    __slots__ = ("record", "dtype", "size", "stride", "offset", "original", "version")
+
+    def __init__(self, record: _SwapRecord, t: Tensor) -> None:
+        self.record = record
+        self.dtype = t.dtype
+        self.size = t.size()
+        self.stride = t.stride()
+        self.offset = t.storage_offset()
+        self.original = weakref.ref(t)
+        self.version = t._version
+
+
+class _Counted:
+    """A saved tensor that stays where it is (kept blocks while measuring, unswappable tensors).
+
+    A non-leaf is held detached (same storage, same version counter): holding a saved *output*
+    itself would make a reference cycle output -> grad_fn -> saved variable -> output, which
+    keeps a graph that is dropped without backward alive. A leaf (a parameter) is held as is,
+    like autograd does, so it reads whatever its ``.data`` is when backward runs.
+    """
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: Tensor) -> None:
+        self.tensor = t if t.grad_fn is None else t.detach()
+        self.version = t._version
+
+
+def _check_version(t: Tensor | None, version: int) -> None:
+    if t is not None and t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version "
+            f"{version} instead. (Raised by ProTrain's activation hooks; the in-place operation is a "
+            "bug in the model that plain PyTorch reports too.)"
+        )
+
+
+class _BlockCall:
+    """One forward call of one block: its measurements and (swap) its records."""
+
+    __slots__ = ("saved", "input", "device", "host", "seen", "shared", "records", "previous")
+
+    def __init__(self) -> None:
+        self.saved = 0
+        self.input = 0
+        self.device = 0
+        self.host = 0
+        self.seen: set[StorageWeakRef] = set()  # storages counted in this call
+        self.shared: set[StorageWeakRef] = set()  # inputs without gradient: never swapped
+        self.records: list[weakref.ref] = []  # swap records first made by this call
+        self.previous: _BlockCall | None = None  # the previous block's call in the same forward
+
+
+class ActivationManager:
+    """Applies a per-block activation layout to the blocks of one model."""
+
+    def __init__(
+        self,
+        blocks: list[nn.Module],
+        modes: tuple[BlockMode, ...],
+        ctx: DeviceContext,
+        *,
+        min_swap_bytes: int = MIN_SWAP_BYTES,
+    ) -> None:
+        assert len(blocks) == len(modes)
+        self.blocks = blocks
+        self.modes = modes
+        self.ctx = ctx
+        self.min_swap_bytes = min_swap_bytes
+        self.host = _HostBuffers(ctx)
+        self._static: set[StorageWeakRef] = set()  # parameter storages: never swapped
+        self._swapped: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._calls: list[_BlockCall | None] = [None] * len(blocks)  # the latest call of each block
+        self._rng_anchor = torch.empty(0, device=ctx.device)
+        self._measure = True  # count kept blocks' saved tensors in the next forward
+        self._warned_cache = False
+        self._in_backward = False
+        self._originals: list[tuple[bool, object]] = []
+        self.stats = {"swap_out_bytes": 0, "swap_in_bytes": 0, "recomputed_blocks": 0}
+
+    # ----- installation -------------------------------------------------------------------
+    def install(self, static_storages: list[Tensor]) -> None:
+        """Wrap every block's forward; ``static_storages``: tensors whose storage never swaps."""
+        self._static = {StorageWeakRef(t.untyped_storage()) for t in static_storages}
+        for i, block in enumerate(self.blocks):
+            self._originals.append(("forward" in block.__dict__, block.__dict__.get("forward")))
+            block.forward = self._wrap_forward(i, block, block.forward)
+
+    def remove(self) -> None:
+        for block, (had, prev) in zip(self.blocks, self._originals):
+            if had:
+                block.forward = prev
+            else:
+                del block.forward
+        self._originals.clear()
+        self.ctx.synchronize_device()  # no copy may still read a host buffer
+        self.host.close()
+
+    def _wrap_forward(self, i: int, block: nn.Module, forward):
+        mode = self.modes[i]
+        signature = inspect.signature(forward)
+        prefetch_hook = i in self._prefetching_blocks()
+
+        @functools.wraps(forward)
+        def wrapped(*args, **kwargs):
+            if not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            if mode is BlockMode.KEEP and not self._measure:
+                call = None
+                out = forward(*args, **kwargs)
+            else:
+                call = _BlockCall()
+                if mode is not BlockMode.KEEP:
+                    args, kwargs = self._without_cache(i, signature, args, kwargs)
+                inputs = list(iter_tensors((args, kwargs)))
+                call.shared = {k for t in inputs if not t.requires_grad and (k := self._storage_key(t)) is not None}
+                call.input = self._distinct_bytes(inputs, set(call.shared))
+                if mode is BlockMode.CHECKPOINT:
+                    call.device = call.input
+                    # The anchor is a positional tensor on the device, so that checkpoint saves and
+                    # restores the device's RNG state (it only looks at positional arguments).
+                    out = checkpoint(self._recomputing(forward), self._rng_anchor, *args, use_reentrant=False, **kwargs)
+                else:
+                    pack = self._pack_swap if mode is BlockMode.SWAP else self._pack_count
+                    with saved_tensors_hooks(functools.partial(pack, call), self._unpack):
+                        out = forward(*args, **kwargs)
+                call.seen = set()
+            previous, self._calls[i] = self._calls[i - 1] if i > 0 else None, call or self._calls[i]
+            if prefetch_hook:
+                if call is not None:
+                    call.previous = previous
+                hook = self._pre_backward_hook(call, previous)
+                for t in iter_tensors(out):
+                    if t.requires_grad:
+                        t.register_hook(hook)
+            return out
+
+        return wrapped
+
+    def _recomputing(self, forward):
+        def run(_anchor, *args, **kwargs):
+            if self._in_backward:  # not the first run: a recomputation
+                self.stats["recomputed_blocks"] += 1
+            return forward(*args, **kwargs)
+
+        return run
+
+    def _prefetching_blocks(self) -> set[int]:
+        """Blocks whose backward start issues a copy back: a swapped block and the one after it."""
+        out = set()
+        for i, m in enumerate(self.modes):
+            if m is BlockMode.SWAP:
+                out.update({i, i + 1})
+        return {i for i in out if i < len(self.modes)}
+
+    def _without_cache(self, i: int, signature: inspect.Signature, args, kwargs):
+        if getattr(self.blocks[i], "_can_checkpoint_with_cache", False) and self.modes[i] is BlockMode.CHECKPOINT:
+            return args, kwargs
+        try:
+            bound = signature.bind_partial(*args, **kwargs)
+        except TypeError:
+            return args, kwargs
+        extra = next((bound.arguments[p.name] for p in signature.parameters.values()
+                      if p.kind is p.VAR_KEYWORD and p.name in bound.arguments), {})
+        changed = []
+        for where in (bound.arguments, extra):
+            for name in _CACHE_ARGS:
+                if where.get(name) is not None:
+                    where[name] = None
+                    changed.append(f"{name}=None")
+            if where.get("use_cache"):
+                where["use_cache"] = False
+                changed.append("use_cache=False")
+        if not changed:
+            return args, kwargs
+        if not self._warned_cache:
+            self._warned_cache = True
+            warnings.warn(
+                "ProTrain: a key/value cache cannot be used by checkpointed or swapped blocks "
+                "(recomputation would write it twice; a swapped block's cache would pin its activations "
+                f"on the device). With gradients enabled these blocks run with {', '.join(dict.fromkeys(changed))}, "
+                "as with Hugging Face gradient checkpointing. Pass use_cache=False to the model to "
+                "silence this warning.",
+                stacklevel=4,
+            )
+        return bound.args, bound.kwargs
+
+    # ----- saved-tensor hooks -------------------------------------------------------------
+    def _storage_key(self, t: Tensor) -> StorageWeakRef | None:
+        """The storage of a saved activation, or None for parameters, buffers and odd tensors."""
+        if type(t) not in (Tensor, nn.Parameter) or t.layout is not torch.strided or t.device != self.ctx.device:
+            return None
+        key = StorageWeakRef(t.untyped_storage())
+        if key in self._static:
+            return None
+        return key
+
+    def _distinct_bytes(self, tensors, seen: set) -> int:
+        total = 0
+        for t in tensors:
+            key = self._storage_key(t)
+            if key is not None and key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+        return total
+
+    def _pack_count(self, call: _BlockCall, t: Tensor):
+        key = self._storage_key(t)
+        if key is not None and key not in call.shared and key not in call.seen:
+            call.seen.add(key)
+            nbytes = t.untyped_storage().nbytes()
+            call.saved += nbytes
+            call.device += nbytes
+        return _Counted(t)
+
+    def _pack_swap(self, call: _BlockCall, t: Tensor):
+        key = self._storage_key(t)
+        if key is None or key in call.shared:
+            return _Counted(t)
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        first_in_call = key not in call.seen
+        call.seen.add(key)
+        if first_in_call:
+            call.saved += nbytes
+        if nbytes < self.min_swap_bytes:
+            call.device += nbytes if first_in_call else 0
+            return _Counted(t)
+        record = self._swapped.get(key)
+        if record is None:
+            record = self._swap_out(storage, nbytes)
+            self._swapped[key] = record
+            call.records.append(weakref.ref(record))
+            call.host += nbytes
+        return _Packed(record, t)
+
+    def _unpack(self, packed):
+        if isinstance(packed, _Counted):
+            _check_version(packed.tensor, packed.version)
+            return packed.tensor
+        _check_version(packed.original(), packed.version)
+        record = packed.record
+        self._swap_in(record)
+        if record.in_event is not None:
+            self.ctx.wait_on_compute(record.in_event)
+            record.in_event = None
+        with torch.no_grad():
+            return torch.empty(0, dtype=packed.dtype, device=self.ctx.device).set_(
+                record.in_buf.untyped_storage(), packed.offset, packed.size, packed.stride
+            )
+
+    # ----- copies -------------------------------------------------------------------------
+    def _swap_out(self, storage, nbytes: int) -> _SwapRecord:
+        with torch.no_grad():
+            src = torch.empty(0, dtype=torch.uint8, device=self.ctx.device).set_(storage)
+            host = self.host.get(nbytes)
+            self.ctx.copy_async(host[:nbytes], src, stream=self.ctx.swap_stream)
+            if self.ctx.is_cuda:
+                src.record_stream(self.ctx.swap_stream)  # reused only once the copy is done
+        record = _SwapRecord(host, nbytes)
+        weakref.finalize(record, self.host.put, host)
+        self.stats["swap_out_bytes"] += nbytes
+        return record
+
+    def _swap_in(self, record: _SwapRecord) -> None:
+        if record.in_buf is not None:
+            return
+        with torch.no_grad():
+            record.in_buf = torch.empty(record.nbytes, dtype=torch.uint8, device=self.ctx.device)
+            record.in_event = self.ctx.copy_async(record.in_buf, record.host[: record.nbytes], stream=self.ctx.swap_stream)
+            if self.ctx.is_cuda:
+                # Freed unread (a prefetched tensor whose node never runs), it still waits for the copy.
+                record.in_buf.record_stream(self.ctx.swap_stream)
+        self.stats["swap_in_bytes"] += record.nbytes
+
+    def _prefetch(self, call: _BlockCall | None) -> None:
+        if call is not None:
+            for ref in call.records:
+                record = ref()
+                if record is not None:
+                    self._swap_in(record)
+
+    def _pre_backward_hook(self, call: _BlockCall | None, previous: _BlockCall | None):
+        """Backward of this call begins: bring back its records and the previous block's."""
+
+        def hook(_grad):
+            self._prefetch(call)
+            self._prefetch(previous)
+
+        return hook
+
+    # ----- passes -------------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        self._in_backward = True
+        if self._measure and any(c is not None for c in self._calls):
+            self._measure = False
+        if self.modes and self.modes[-1] is BlockMode.SWAP:
+            self._prefetch(self._calls[-1])  # needed first; nothing to hide it behind
+
+    def end_backward(self) -> None:
+        self._in_backward = False
+        self.host.trim()
+
+    def measure_next_forward(self) -> None:
+        """Count the saved tensors of kept blocks in the next forward pass with gradients."""
+        self._measure = True
+
+    # ----- report -------------------------------------------------------------------------
+    def report(self) -> tuple[BlockActivations, ...]:
+        out = []
+        for i, mode in enumerate(self.modes):
+            s = self._calls[i] or _BlockCall()
+            measured_saved = mode is not BlockMode.CHECKPOINT and self._calls[i] is not None
+            out.append(
+                BlockActivations(
+                    index=i,
+                    mode=mode,
+                    saved_bytes=s.saved if measured_saved else None,
+                    input_bytes=s.input,
+                    device_bytes=s.device,
+                    host_bytes=s.host,
+                )
+            )
+        return tuple(out)
