@@ -109,21 +109,39 @@ def test_fp32_identity_across_layouts(arch, layout, chunk_plan):
 
 
 @pytest.mark.filterwarnings(CACHE_WARNING)
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_bf16_identity_across_layouts(arch):
+@pytest.mark.parametrize("arch,precision", [("gpt2", "bf16-mixed"), ("llama", "bf16-mixed"), ("llama", "16-mixed")])
+def test_mixed_precision_identity_across_layouts(arch, precision):
     """Mixed precision: a layout change does not change a single bit either."""
     data = batches(5)
     results = {}
-    for layout in ("keep", "mixed-1s2c", "all-swap"):
+    for layout in ("keep", "mixed-1s2c", "all-swap", "all-checkpoint"):
         model = MODELS[arch]()
         plan = chunk_plans(model, *LAYOUTS[layout])["mixed-buf2"]
-        engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), plan, precision="bf16-mixed", device="cpu")
+        engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), plan, precision=precision, device="cpu")
         results[layout] = (train_engine(engine, data), engine.state_dict())
     losses, sd = results["keep"]
     for layout, (other_losses, other_sd) in results.items():
         assert other_losses == losses, layout
         for k in sd:
             assert torch.equal(sd[k], other_sd[k]), (layout, k)
+
+
+@pytest.mark.filterwarnings(CACHE_WARNING)
+def test_frozen_parameters_with_swap_and_checkpoint():
+    """Frozen weights (embedding, a whole block, another block's attention) in managed blocks."""
+    data = batches(5)
+    model = MODELS["gpt2"]()
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        for name, p in m.named_parameters():
+            if "wte" in name or ".h.0." in name or ".h.2.attn" in name:
+                p.requires_grad_(False)
+    trainable = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731
+    engine = pt.wrap(model, torch.optim.AdamW(trainable(model), lr=3e-3), pt.Plan(n_persist=1, n_buffer=2, n_swap=2, n_checkpoint=1),
+                     device="cpu", check_invariants=True)
+    losses = train_engine(engine, data)
+    assert losses == train_reference(ref, torch.optim.AdamW(trainable(ref), lr=3e-3, fused=True), data)
+    assert_same_weights(engine.state_dict(), ref)
 
 
 def test_cache_is_dropped_with_a_warning_only_where_needed():
