@@ -292,7 +292,7 @@ class _BlockCall:
         self.input = 0
         self.device = 0
         self.host = 0
-        self.seen: set[StorageWeakRef] = set()  # storages counted in this call
+        self.seen: set[StorageWeakRef] = set()  # storages counted in this call (and shared ones)
         self.shared: set[StorageWeakRef] = set()  # inputs without gradient: never swapped
         self.records: list[weakref.ref] = []  # swap records first made by this call
         self.previous: _BlockCall | None = None  # the previous block's call in the same forward
@@ -346,7 +346,9 @@ class ActivationManager:
     def _wrap_forward(self, i: int, block: nn.Module, forward):
         mode = self.modes[i]
         signature = inspect.signature(forward)
-        prefetch_hook = i in self._prefetching_blocks()
+        # A swapped block's backward brings back its own activations and those of a swapped
+        # block before it; so does the block after the last swapped one.
+        prefetch_hook = mode is BlockMode.SWAP or (i > 0 and self.modes[i - 1] is BlockMode.SWAP)
 
         @functools.wraps(forward)
         def wrapped(*args, **kwargs):
@@ -361,6 +363,7 @@ class ActivationManager:
                     args, kwargs = self._without_cache(i, signature, args, kwargs)
                 inputs = list(iter_tensors((args, kwargs)))
                 call.shared = {k for t in inputs if not t.requires_grad and (k := self._storage_key(t)) is not None}
+                call.seen = set(call.shared)  # shared inputs are never counted
                 call.input = self._distinct_bytes(inputs, set(call.shared))
                 if mode is BlockMode.CHECKPOINT:
                     call.device = call.input
@@ -372,7 +375,9 @@ class ActivationManager:
                     with saved_tensors_hooks(functools.partial(pack, call), self._unpack):
                         out = forward(*args, **kwargs)
                 call.seen = set()
-            previous, self._calls[i] = self._calls[i - 1] if i > 0 else None, call or self._calls[i]
+            previous = self._calls[i - 1] if i > 0 else None  # the previous block, this forward
+            if call is not None:
+                self._calls[i] = call
             if prefetch_hook:
                 if call is not None:
                     call.previous = previous
@@ -391,14 +396,6 @@ class ActivationManager:
             return forward(*args, **kwargs)
 
         return run
-
-    def _prefetching_blocks(self) -> set[int]:
-        """Blocks whose backward start issues a copy back: a swapped block and the one after it."""
-        out = set()
-        for i, m in enumerate(self.modes):
-            if m is BlockMode.SWAP:
-                out.update({i, i + 1})
-        return {i for i in out if i < len(self.modes)}
 
     def _without_cache(self, i: int, signature: inspect.Signature, args, kwargs):
         if getattr(self.blocks[i], "_can_checkpoint_with_cache", False) and self.modes[i] is BlockMode.CHECKPOINT:
@@ -452,12 +449,9 @@ class ActivationManager:
         return total
 
     def _pack_count(self, call: _BlockCall, t: Tensor):
-        key = self._storage_key(t)
-        if key is not None and key not in call.shared and key not in call.seen:
-            call.seen.add(key)
-            nbytes = t.untyped_storage().nbytes()
-            call.saved += nbytes
-            call.device += nbytes
+        nbytes = self._distinct_bytes([t], call.seen)
+        call.saved += nbytes
+        call.device += nbytes
         return _Counted(t)
 
     def _pack_swap(self, call: _BlockCall, t: Tensor):
