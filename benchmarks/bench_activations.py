@@ -15,18 +15,16 @@ the peak of ``max_memory_allocated`` over a whole step is printed too.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import functools
-import platform
 import statistics
 import time
 import warnings
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
 
 import protrain_core as pt
+from benchmarks._gpt2 import machine_line, parser, setup
 from protrain_core.memtrack import LiveStorageTracker
 from protrain_core.activations import describe_modes
 
@@ -51,25 +49,9 @@ def held_in_backward(forward, backward, device, exclude=lambda: ()):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--precision", default="32-true")
-    ap.add_argument("--device", default=None)
-    args = ap.parse_args(argv)
+    args = parser(layers=8, steps=10, warmup=2).parse_args(argv)
     warnings.filterwarnings("ignore", message="ProTrain: a key/value cache")
-
-    device = pt.device.resolve_device(args.device)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=256, n_positions=args.seq, n_embd=args.hidden, n_layer=args.layers,
-                     n_head=max(1, args.hidden // 64), bos_token_id=0, eos_token_id=0, use_cache=False)
-    base = GPT2LMHeadModel(cfg)
-    x = torch.randint(0, 256, (args.batch, args.seq), device=device)
+    device, sync, base, x = setup(args, use_cache=False)
     n_params = sum(p.numel() for p in base.parameters())
     L = args.layers
 
@@ -123,8 +105,7 @@ def main(argv=None):
 
     base_median = statistics.median(rows[0][1])
     mib = 2**20
-    print(f"\nmachine: {platform.node()} {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"threads {torch.get_num_threads()}, device {device}")
+    print("\n" + machine_line(device))
     print(f"model: GPT-2 {L} layers x {args.hidden}, {n_params:,} params (all chunks persistent); batch "
           f"{args.batch}x{args.seq}; precision {args.precision}; {args.steps} steps after {args.warmup} warm-up\n")
     print("| system | median s/step | min | max | vs plain | activations held at backward start (MiB) | peak (MiB) | swap host buffers (MiB) |")

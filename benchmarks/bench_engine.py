@@ -7,16 +7,14 @@ Same model, same batches, one process, one run. Prints a Markdown table.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import platform
 import statistics
 import time
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
 
 import protrain_core as pt
+from benchmarks._gpt2 import machine_line, parser, setup
 
 
 def timed(step_fn, steps, warmup, sync):
@@ -31,24 +29,8 @@ def timed(step_fn, steps, warmup, sync):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--precision", default="32-true")
-    ap.add_argument("--device", default=None)
-    args = ap.parse_args(argv)
-
-    device = pt.device.resolve_device(args.device)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=256, n_positions=args.seq, n_embd=args.hidden, n_layer=args.layers,
-                     n_head=max(1, args.hidden // 64), bos_token_id=0, eos_token_id=0)
-    base = GPT2LMHeadModel(cfg)
-    x = torch.randint(0, 256, (args.batch, args.seq), device=device)
+    args = parser(layers=4, steps=20, warmup=3).parse_args(argv)
+    device, sync, base, x = setup(args)
     n_params = sum(p.numel() for p in base.parameters())
 
     rows = []
@@ -79,8 +61,7 @@ def main(argv=None):
         engine.close()
 
     base_median = statistics.median(rows[0][1])
-    print(f"\nmachine: {platform.node()} {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"threads {torch.get_num_threads()}, device {device}")
+    print("\n" + machine_line(device))
     print(f"model: GPT-2 {args.layers} layers x {args.hidden}, {n_params:,} params; batch {args.batch}x{args.seq}; "
           f"precision {args.precision}; {args.steps} steps after {args.warmup} warm-up\n")
     print("| system | median s/step | min | max | vs plain |")
