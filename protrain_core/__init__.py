@@ -13,13 +13,29 @@ This package never imports Lightning.
 from protrain_core.activations import BlockActivations, BlockMode, interleaved_modes
 from protrain_core.blocks import find_blocks
 from protrain_core.chunk import ChunkState, IllegalTransition
-from protrain_core.engine import Engine, wrap
+from protrain_core.cost import CostModel, MemoryEstimate, RuntimeEstimate, estimate_memory, estimate_runtime
+from protrain_core.engine import Engine, default_memory_budget, profile, wrap
 from protrain_core.layout import ChunkLayout, build_layout
 from protrain_core.plan import Plan
 from protrain_core.precision import Precision
+from protrain_core.profiles import Hardware, Profile, Segment
+from protrain_core.search import InfeasibleBudget, PlanChoice, search
 
 __all__ = [
     "BlockActivations",
+    "CostModel",
+    "Hardware",
+    "InfeasibleBudget",
+    "MemoryEstimate",
+    "PlanChoice",
+    "Profile",
+    "RuntimeEstimate",
+    "Segment",
+    "default_memory_budget",
+    "estimate_memory",
+    "estimate_runtime",
+    "profile",
+    "search",
     "BlockMode",
     "ChunkLayout",
     "ChunkState",

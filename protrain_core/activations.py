@@ -79,6 +79,7 @@ from torch.utils.checkpoint import checkpoint
 
 from protrain_core.device import DeviceContext
 from protrain_core.host_pool import check_host_memory
+from protrain_core.memtrack import untracked
 from protrain_core.utils import iter_tensors
 
 # Smaller storages stay on the device: a copy this small costs more in latency than it frees.
@@ -186,7 +187,8 @@ class _HostBuffers:
             buf = free.pop()
         else:
             check_host_memory(size, "swapped activations")
-            buf = torch.empty(size, dtype=torch.uint8)
+            with untracked():  # host memory, even when the "device" is the CPU
+                buf = torch.empty(size, dtype=torch.uint8)
             if self.pin:
                 err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), size, 0)
                 if int(err) != 0:
@@ -323,6 +325,8 @@ class ActivationManager:
         self._warned_cache = False
         self._in_backward = False
         self._originals: list[tuple[bool, object]] = []
+        # observer(event, block_index) with event "recompute_begin" / "recompute_end" (profiler).
+        self.observer = None
         self.stats = {"swap_out_bytes": 0, "swap_in_bytes": 0, "recomputed_blocks": 0}
 
     # ----- installation -------------------------------------------------------------------
@@ -369,7 +373,7 @@ class ActivationManager:
                     call.device = call.input
                     # The anchor is a positional tensor on the device, so that checkpoint saves and
                     # restores the device's RNG state (it only looks at positional arguments).
-                    out = checkpoint(self._recomputing(forward), self._rng_anchor, *args, use_reentrant=False, **kwargs)
+                    out = checkpoint(self._recomputing(i, forward), self._rng_anchor, *args, use_reentrant=False, **kwargs)
                 else:
                     pack = self._pack_swap if mode is BlockMode.SWAP else self._pack_count
                     with saved_tensors_hooks(functools.partial(pack, call), self._unpack):
@@ -389,11 +393,21 @@ class ActivationManager:
 
         return wrapped
 
-    def _recomputing(self, forward):
+    def _recomputing(self, i: int, forward):
         def run(_anchor, *args, **kwargs):
-            if self._in_backward:  # not the first run: a recomputation
-                self.stats["recomputed_blocks"] += 1
-            return forward(*args, **kwargs)
+            if not self._in_backward:
+                return forward(*args, **kwargs)
+            # Not the first run: a recomputation (it may stop early, by an exception, once the
+            # last saved tensor backward needs was rebuilt).
+            self.stats["recomputed_blocks"] += 1
+            observer = self.observer
+            if observer is not None:
+                observer("recompute_begin", i)
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                if observer is not None:
+                    observer("recompute_end", i)
 
         return run
 

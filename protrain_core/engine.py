@@ -17,12 +17,16 @@ from protrain_core.activations import (
 from protrain_core.blocks import find_blocks
 from protrain_core.chunk import Chunk
 from protrain_core.device import DeviceContext, resolve_device
-from protrain_core.host_pool import HostPool, check_host_memory, should_pin
+from protrain_core.host_pool import HostPool, available_host_bytes, check_host_memory, should_pin
 from protrain_core.layout import ChunkLayout, build_layout, with_persistence
 from protrain_core.optim import ChunkOptimizer, check_optimizer
 from protrain_core.plan import Plan
+from protrain_core.profiles import Profile
+from protrain_core.profiler import profile_model
 from protrain_core.precision import LossScaler, Precision, parse_precision
 from protrain_core.runtime import Phase, Runtime
+from protrain_core.search import PlanChoice, search
+from protrain_core.utils import parse_bytes
 
 
 def wrap(
@@ -30,11 +34,15 @@ def wrap(
     optimizer: torch.optim.Optimizer,
     plan: Plan | dict | None = None,
     *,
+    memory_budget: int | float | str | None = None,
     precision: str = "32-true",
     device: torch.device | str | None = None,
     blocks: nn.ModuleList | str | None = None,
     chunk_size: int | None = None,
     example_inputs=None,
+    loss_fn=None,
+    profile_cache: bool = True,
+    reprofile: bool = False,
     check_invariants: bool = False,
 ) -> Engine:
     """Put ``model``'s parameters and ``optimizer``'s states into ProTrain chunks.
@@ -44,26 +52,72 @@ def wrap(
         optimizer: a ``torch.optim.AdamW`` or ``Adam`` over (some of) the model's parameters.
         plan: a :class:`Plan` (or dict of its fields): chunks kept on the device, chunk
             buffers, and how many transformer blocks swap or checkpoint their activations.
+            None (the default) profiles one iteration on ``example_inputs`` and picks the plan
+            with the least predicted step time that fits ``memory_budget``
+            (``engine.explain()`` says why).
+        memory_budget: device memory the plan may use (plan=None only): bytes, or a string such
+            as "20GiB" or "500MB". Default: see ``default_memory_budget``.
         precision: "32-true", "bf16-mixed" or "16-mixed".
         device: the compute device; None means CUDA when available, else the CPU.
         blocks: the transformer blocks (ModuleList or dotted name) when discovery fails.
         chunk_size: chunk size in elements; None runs the waste-minimising grid search.
-        example_inputs: inputs (dict of kwargs, tuple or tensor) used to trace the execution
-            order on the meta device; Hugging Face models need none.
+        example_inputs: one batch (dict of keyword arguments, tuple or tensor). It traces the
+            execution order on the meta device (Hugging Face models need none for that) and,
+            with plan=None, is what the profiler runs -- a real batch of the real shape.
+        loss_fn: ``loss_fn(output) -> scalar`` for profiling; default ``output.loss``.
+        profile_cache: reuse a profile cached on disk for the same model, batch shape,
+            precision and hardware (``protrain_core.profiles.cache_dir()``).
+        reprofile: profile again even when a cached profile exists.
         check_invariants: check residency and device-byte invariants at every hook (tests).
     """
     # Everything that can be wrong with the arguments is checked before memory is touched.
     prec = parse_precision(precision)
     dev = resolve_device(device)
-    if plan is None:
-        raise ValueError(
-            "wrap() needs a plan for now, e.g. plan=protrain_core.Plan(n_persist=1, n_buffer=2); "
-            "automatic planning from a memory budget is not available yet."
-        )
     if isinstance(plan, dict):
         plan = Plan.from_dict(plan)
-    if not isinstance(plan, Plan):
-        raise ValueError(f"plan must be a protrain_core.Plan or a dict of its fields, got {type(plan).__name__}")
+    if plan is not None and not isinstance(plan, Plan):
+        raise ValueError(f"plan must be a protrain_core.Plan, a dict of its fields or None, got {type(plan).__name__}")
+    if plan is not None and memory_budget is not None:
+        raise ValueError(
+            "memory_budget is used to search a plan; pass plan=None to search one within the budget, "
+            "or drop memory_budget to use the given plan."
+        )
+    if plan is None:
+        if example_inputs is None:
+            raise ValueError(
+                "wrap(plan=None) profiles one training iteration to choose the plan: pass "
+                "example_inputs= one real batch (e.g. {'input_ids': x, 'labels': x} for a Hugging Face "
+                "causal LM), or pass an explicit plan=protrain_core.Plan(...)."
+            )
+        budget = parse_bytes(memory_budget) if memory_budget is not None else default_memory_budget(dev)
+    block_path, block_list, layout = _prepare(model, optimizer, blocks, chunk_size, example_inputs)
+    choice = profile = None
+    if plan is None:
+        profile = profile_model(
+            model, optimizer, layout, example_inputs=example_inputs, loss_fn=loss_fn, precision=prec,
+            device=dev, cache=profile_cache, reprofile=reprofile,
+        )
+        choice = search(profile, budget, host_budget=default_host_budget(dev))
+        plan = choice.plan
+    check_activation_plan(len(block_list), plan.n_swap, plan.n_checkpoint)
+    if plan.n_persist > layout.n_chunks:
+        raise ValueError(
+            f"Plan.n_persist={plan.n_persist} but the model has only {layout.n_chunks} chunks; "
+            f"use n_persist <= {layout.n_chunks} (n_persist={layout.n_chunks} keeps everything on the device)."
+        )
+    n_streamed = layout.n_chunks - plan.n_persist
+    if n_streamed and plan.n_buffer < 1:
+        raise ValueError(
+            f"Plan.n_buffer must be >= 1 when chunks are streamed ({n_streamed} of "
+            f"{layout.n_chunks} are not persistent)."
+        )
+    engine = Engine(model, optimizer, with_persistence(layout, plan.n_persist), plan, prec, dev, check_invariants)
+    engine.profile, engine.choice = profile, choice
+    return engine
+
+
+def _prepare(model: nn.Module, optimizer, blocks, chunk_size, example_inputs):
+    """Checks shared by ``wrap`` and ``profile``; returns (block path, block list, chunk layout)."""
     check_optimizer(optimizer)
     if any(p.device.type == "meta" for p in model.parameters()):
         raise ValueError("The model has parameters on the meta device; materialise them before wrap().")
@@ -87,20 +141,66 @@ def wrap(
             "model.gradient_checkpointing_disable() before wrap()."
         )
     block_path, block_list = find_blocks(model, blocks)
-    check_activation_plan(len(block_list), plan.n_swap, plan.n_checkpoint)
     layout = build_layout(model, block_path, len(block_list), example_inputs=example_inputs, chunk_size=chunk_size)
-    if plan.n_persist > layout.n_chunks:
-        raise ValueError(
-            f"Plan.n_persist={plan.n_persist} but the model has only {layout.n_chunks} chunks; "
-            f"use n_persist <= {layout.n_chunks} (n_persist={layout.n_chunks} keeps everything on the device)."
-        )
-    n_streamed = layout.n_chunks - plan.n_persist
-    if n_streamed and plan.n_buffer < 1:
-        raise ValueError(
-            f"Plan.n_buffer must be >= 1 when chunks are streamed ({n_streamed} of "
-            f"{layout.n_chunks} are not persistent)."
-        )
-    return Engine(model, optimizer, with_persistence(layout, plan.n_persist), plan, prec, dev, check_invariants)
+    return block_path, block_list, layout
+
+
+def profile(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    example_inputs,
+    *,
+    precision: str = "32-true",
+    device: torch.device | str | None = None,
+    blocks: nn.ModuleList | str | None = None,
+    chunk_size: int | None = None,
+    loss_fn=None,
+    iterations: int = 3,
+    cache: bool = True,
+    reprofile: bool = False,
+) -> Profile:
+    """Profile ``model`` on one real batch without wrapping it for training (the parameters,
+    the optimizer and the random state are left as they were). See ``protrain_core.profiler``."""
+    prec = parse_precision(precision)
+    dev = resolve_device(device)
+    _, _, layout = _prepare(model, optimizer, blocks, chunk_size, example_inputs)
+    return profile_model(
+        model, optimizer, layout, example_inputs=example_inputs, loss_fn=loss_fn, precision=prec, device=dev,
+        iterations=iterations, cache=cache, reprofile=reprofile,
+    )
+
+
+# The margin left free by the default budget on CUDA. "Free" memory (cudaMemGetInfo) already
+# excludes the CUDA context, but memory allocated outside PyTorch's caching allocator after
+# planning is not seen by the profiler: cuBLAS/cuBLASLt workspaces per stream, kernels loaded
+# lazily on first use (CUDA_MODULE_LOADING=LAZY; large for libraries such as cuDNN), NCCL
+# buffers when distributed; and allocator fragmentation beyond the factor measured in one
+# iteration. 5 % of the device (4 GiB of an 80 GiB H100), at least 1 GiB, covers these.
+CUDA_MARGIN_FRACTION = 0.05
+CUDA_MARGIN_MIN_BYTES = 2**30
+# On the CPU the "device" is host RAM, shared with everything else on the machine: 10 % stays free.
+CPU_MARGIN_FRACTION = 0.10
+
+
+def default_memory_budget(device: torch.device) -> int:
+    """Free device memory minus a margin (CUDA: 5 % of the device, >= 1 GiB; CPU: 10 % of the
+    available RAM, which a CPU "device" shares with the host side of ProTrain)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return max(0, free - max(int(total * CUDA_MARGIN_FRACTION), CUDA_MARGIN_MIN_BYTES))
+    available = available_host_bytes()
+    if available is None:
+        raise ValueError("Cannot read the available memory of this machine; pass memory_budget= explicitly.")
+    return int(available * (1 - CPU_MARGIN_FRACTION))
+
+
+def default_host_budget(device: torch.device) -> int | None:
+    """Host RAM the streamed chunks and swapped activations may use (CUDA; None on the CPU,
+    where the device budget already covers the same memory)."""
+    if device.type != "cuda":
+        return None
+    available = available_host_bytes()
+    return None if available is None else int(available * (1 - CPU_MARGIN_FRACTION))
 
 
 class Engine:
@@ -115,6 +215,8 @@ class Engine:
         precision: Precision,
         device: torch.device,
         check_invariants: bool,
+        *,
+        profiling: bool = False,
     ) -> None:
         self.module = module
         self.optimizer = optimizer
@@ -145,7 +247,8 @@ class Engine:
             id(p): (c, i) for c in self.chunks for i, p in enumerate(c.params)
         }
         for c in self.chunks:
-            c.opt_members = self._optim.members_by_group(c)
+            # A profiling engine never steps: it gets no optimizer states (and so less memory).
+            c.opt_members = {} if profiling else self._optim.members_by_group(c)
         self._allocate()
         n_buffer = min(plan.n_buffer, len(self.chunks) - layout.n_persist)
         self.runtime = Runtime(
@@ -165,12 +268,14 @@ class Engine:
         static = [t for c in self.chunks for t in (c.param_dev, c.param_host, c.master) if t is not None]
         self.activations.install(static + list(module.buffers()))
         self._autocast_handles = self._register_autocast() if precision.is_mixed else []
-        if optimizer.state:
+        if optimizer.state and not profiling:
             # The optimizer already stepped: carry its state into the chunks.
             osd = optimizer.state_dict()
             optimizer.state.clear()
             self.load_optimizer_state_dict(osd)
         module._protrain_engine = self
+        self.profile: Profile | None = None  # set by wrap(plan=None)
+        self.choice: PlanChoice | None = None
 
     # ----- construction -------------------------------------------------------------------
     def _allocate(self) -> None:
@@ -417,6 +522,14 @@ class Engine:
     def host_bytes(self) -> int:
         return self.host_pool.nbytes
 
+    def explain(self) -> str:
+        """Why this plan: predicted step time by phase, memory breakdown, bottleneck
+        (for a searched plan; an explicit plan is reported as given)."""
+        if self.choice is None:
+            return (f"ProTrain plan: {self.plan} (given explicitly; wrap(plan=None, memory_budget=...) "
+                    "profiles the model and searches the fastest plan that fits)")
+        return self.choice.explain()
+
     def summary(self) -> str:
         mib = 2**20
         return "\n".join(
@@ -432,11 +545,14 @@ class Engine:
         )
 
     def close(self) -> None:
-        """Remove the hooks and stop the worker (the parameters keep their current values)."""
+        """Remove the hooks and stop the worker. The parameters keep their current values, as
+        views of the fp32 master weights (on the device for persistent chunks, else host)."""
         if self._closed:
             return
         self.runtime.wait_all()
         self.runtime.release_all()
+        for c in self.chunks:
+            c.point_params_at(c.master)
         self.runtime.remove_hooks()
         self.activations.remove()
         for h in self._autocast_handles:

@@ -119,10 +119,15 @@ def execution_order(model: nn.Module, example_inputs=None) -> tuple[list[str], s
     impossible the module registration order is used, with a warning.
     """
     owners = [n for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
-    if example_inputs is None and hasattr(model, "config") and hasattr(model.config, "vocab_size"):
+    if hasattr(model, "config") and hasattr(model.config, "vocab_size"):
         # use_cache=True: without a cache, Hugging Face's mask code checks position_ids for packed
-        # sequences, a data-dependent test that cannot run on meta tensors.
-        example_inputs = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "use_cache": True}
+        # sequences, a data-dependent test that cannot run on meta tensors. The loss (labels) does
+        # not use parameters in an order of its own.
+        if example_inputs is None:
+            example_inputs = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "use_cache": True}
+        elif isinstance(example_inputs, dict):
+            example_inputs = {k: v for k, v in example_inputs.items() if k != "labels"}
+            example_inputs.setdefault("use_cache", True)
     if example_inputs is None:
         return owners, "registration"
 

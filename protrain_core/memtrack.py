@@ -2,12 +2,24 @@
 
 On the CPU there is no device allocator to ask, so memory held by activations is measured by
 watching the operators themselves: every storage an operator allocates (an output that does
-not alias one of its inputs) is recorded with its size and a weak reference, and
-``live_bytes()`` sums the ones still alive. On CUDA ``torch.cuda.memory_allocated`` tells the
-same for the device (and also counts what was allocated outside the tracker).
+not alias one of its inputs) is recorded with its size, and a finalizer on the storage object
+(PyTorch keeps one Python object per storage) subtracts it again when the storage is freed.
+So ``live`` is the running total of op-allocated bytes still alive and ``peak`` its maximum,
+both O(1) per operator. ``live_bytes()`` recomputes the total from the recorded storages (and
+can leave some out). On CUDA ``torch.cuda.memory_allocated`` tells the same for the device (and
+also counts what was allocated outside the tracker).
+
+Allocations that are not activation memory -- the engine's chunk buffers, which it counts
+itself, and host buffers for swapped activations, which on a CPU "device" live in the same
+memory -- are made inside ``untracked()`` and are not recorded.
 """
 
 from __future__ import annotations
+
+import threading
+import time
+import weakref
+from contextlib import contextmanager
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -15,33 +27,72 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from protrain_core.utils import iter_tensors
 
+_local = threading.local()
+
+
+@contextmanager
+def untracked():
+    """Allocations made inside are not recorded by any LiveStorageTracker (this thread)."""
+    previous = getattr(_local, "skip", False)
+    _local.skip = True
+    try:
+        yield
+    finally:
+        _local.skip = previous
+
 
 class LiveStorageTracker(TorchDispatchMode):
     """Records the storages that operators run under it allocate.
 
         with LiveStorageTracker() as tracker:
             out = model(x)
-        tracker.live_bytes()  # bytes of those storages still alive now
+        tracker.live        # bytes of those storages alive now (running total)
+        tracker.peak        # the most that were alive at once (after any operator)
+        tracker.live_bytes()  # recomputed from the recorded storages
+
+    ``on_op(func, before, after, seconds)``, if given, is called after every operator with the
+    live bytes before it ran and right after it (its new outputs included), and its run time.
     """
 
-    def __init__(self, device: torch.device | str | None = None) -> None:
+    def __init__(self, device: torch.device | str | None = None, *, on_op=None) -> None:
         super().__init__()
         self.device = None if device is None else torch.device(device)
+        self.on_op = on_op
         self._sizes: dict[StorageWeakRef, int] = {}
+        self.live = 0
+        self.peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        before = self.live
+        start = time.perf_counter()
         out = func(*args, **kwargs)
-        inputs = {StorageWeakRef(t.untyped_storage()) for t in iter_tensors((args, kwargs)) if t.layout is torch.strided}
-        for t in iter_tensors(out):
-            if t.layout is not torch.strided or (self.device is not None and t.device != self.device):
-                continue
-            key = StorageWeakRef(t.untyped_storage())
-            if key not in inputs and key not in self._sizes:
-                self._sizes[key] = t.untyped_storage().nbytes()
+        seconds = time.perf_counter() - start
+        if not getattr(_local, "skip", False):
+            inputs = {StorageWeakRef(t.untyped_storage()) for t in iter_tensors((args, kwargs)) if t.layout is torch.strided}
+            for t in iter_tensors(out):
+                if t.layout is not torch.strided or (self.device is not None and t.device != self.device):
+                    continue
+                storage = t.untyped_storage()
+                key = StorageWeakRef(storage)
+                if key not in inputs and key not in self._sizes:
+                    nbytes = storage.nbytes()
+                    self._sizes[key] = nbytes
+                    self.live += nbytes
+                    weakref.finalize(storage, self._freed, key, nbytes)
+            self.peak = max(self.peak, self.live)
+        if self.on_op is not None:
+            self.on_op(func, before, self.live, seconds)
         return out
+
+    def _freed(self, key: StorageWeakRef, nbytes: int) -> None:
+        self.live -= nbytes
+        self._sizes.pop(key, None)
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
 
     def live_bytes(self, exclude=()) -> int:
         """Bytes of recorded storages still alive, leaving out the storages in ``exclude``."""
         exclude = set(exclude)
-        return sum(n for key, n in self._sizes.items() if not key.expired() and key not in exclude)
+        return sum(n for key, n in list(self._sizes.items()) if not key.expired() and key not in exclude)

@@ -17,3 +17,55 @@ def iter_tensors(obj) -> Iterator[Tensor]:
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             yield from iter_tensors(v)
+
+
+_UNITS = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+    "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40,
+}
+
+
+def parse_bytes(value: int | float | str, what: str = "memory_budget") -> int:
+    """Bytes from an int, or a string such as "20GiB", "512 MiB", "1.5GB" or "4e9"."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a number of bytes or a string like '20GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    elif isinstance(value, str):
+        text = value.strip().replace("_", "")
+        i = len(text)
+        while i > 0 and text[i - 1].isalpha():
+            i -= 1
+        number_text, unit = text[:i].strip(), text[i:].upper()
+        try:
+            number = float(number_text)
+        except ValueError:
+            number = None
+        if number is None or unit not in _UNITS:
+            raise ValueError(
+                f"{what}={value!r} is not a size; use bytes (an int) or a number with a unit "
+                "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. '20GiB'."
+            )
+    else:
+        raise ValueError(f"{what} must be a number of bytes or a string like '20GiB', got {type(value).__name__}")
+    nbytes = number * _UNITS[unit]
+    if not nbytes > 0 or nbytes != nbytes or nbytes == float("inf"):
+        raise ValueError(f"{what}={value!r} must be a positive, finite size.")
+    return int(nbytes)
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} us"

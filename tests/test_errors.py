@@ -31,7 +31,7 @@ def test_plan_validation():
 @pytest.mark.parametrize(
     "kw,match",
     [
-        (dict(plan=None), "needs a plan"),
+        (dict(plan=None), "pass example_inputs= one real batch"),
         (dict(plan=pt.Plan(n_persist=99, n_buffer=1)), "has only"),
         (dict(plan=pt.Plan(n_persist=0, n_buffer=0)), "n_buffer must be >= 1"),
         (dict(plan=pt.Plan(n_persist=0, n_buffer=1, n_swap=3, n_checkpoint=2)), "n_swap \\+ n_checkpoint <= 4"),

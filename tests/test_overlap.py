@@ -22,9 +22,12 @@ def _timeline(engine, x):
     return list(rt.events), backward_end
 
 
-def test_cpu_adam_starts_before_backward_ends_on_cpu():
-    """Even on the CPU the worker thread updates early chunks' successors during backward:
-    the update of the last chunk begins before the first chunk's gradients are offloaded."""
+@pytest.mark.parametrize("threaded", ["1", "0"])
+def test_cpu_adam_starts_before_backward_ends_on_cpu(threaded, monkeypatch):
+    """On the CPU too, streamed chunks are updated during backward (by the worker thread, or
+    inline -- the CPU default, see [Note: CPU Adam on a CPU device]): the update of the last
+    chunk begins before the first chunk's gradients are offloaded."""
+    monkeypatch.setenv("PROTRAIN_CPU_ADAM_THREAD", threaded)
     model = tiny_llama(n_layer=6)
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), pt.Plan(n_persist=0, n_buffer=2), device="cpu")
     events, backward_end = _timeline(engine, batches(1)[0])
@@ -32,6 +35,23 @@ def test_cpu_adam_starts_before_backward_ends_on_cpu():
     begin_last = next(t for what, c, t in events if what == "cpu_adam_begin" and c == last)
     offload_first = next(t for what, c, t in events if what == "offload" and c == 0)
     assert begin_last < offload_first < backward_end
+    assert engine.runtime.threaded == (threaded == "1")
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
+def test_threaded_cpu_adam_parity(precision, monkeypatch):
+    """The worker-thread path (what CUDA uses) gives the same result as inline CPU Adam."""
+    results = []
+    for threaded in ("1", "0"):
+        monkeypatch.setenv("PROTRAIN_CPU_ADAM_THREAD", threaded)
+        torch.manual_seed(0)
+        model = tiny_gpt2()
+        engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), pt.Plan(n_persist=1, n_buffer=2),
+                         precision=precision, device="cpu", check_invariants=True)
+        results.append((train_engine(engine, batches(4)), engine.state_dict()))
+    assert results[0][0] == results[1][0]
+    for k, v in results[0][1].items():
+        assert torch.equal(v, results[1][1][k]), k
 
 
 @pytest.mark.cuda

@@ -1,0 +1,146 @@
+"""``protrain plan``: profile a model, print the chosen plan and a what-if table -- no training.
+
+    protrain plan --model tiny-llama --batch-size 8 --seq-len 256 --budget 64MiB
+    protrain plan --model /path/to/hf-model-or-config.json --precision bf16-mixed --budget 20GiB \\
+        --batch-sizes 1,2,4,8
+    python -m protrain_core.cli plan ...            (the same, without the console script)
+
+The model is built from its Hugging Face config with random weights (the step time and memory
+of a plan do not depend on the weights' values), on the CPU, and profiled on a random batch of
+token ids of the given shape on the chosen device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from protrain_core.utils import format_bytes, format_seconds, parse_bytes
+
+# Configs built in for machines without a model hub (nothing is downloaded).
+BUILTIN = {
+    "tiny-gpt2": ("gpt2", dict(n_layer=4, n_embd=128, n_head=4, vocab_size=256, n_positions=1024)),
+    "tiny-llama": ("llama", dict(num_hidden_layers=4, hidden_size=128, intermediate_size=344, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=2048)),
+    "gpt2-124m": ("gpt2", dict()),
+    "llama-1b": ("llama", dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
+                               num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096)),
+}
+
+
+def load_config(name: str):
+    from transformers import AutoConfig, CONFIG_MAPPING
+
+    if name in BUILTIN:
+        model_type, fields = BUILTIN[name]
+        return CONFIG_MAPPING[model_type](**fields)
+    try:
+        return AutoConfig.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise SystemExit(
+            f"protrain plan: cannot read a model config from {name!r} ({e}). Give a local model directory, "
+            f"a config.json path, or one of the built-in configs: {', '.join(BUILTIN)}."
+        ) from None
+
+
+def build(config):
+    from transformers import AutoModelForCausalLM
+
+    config.use_cache = False
+    model = AutoModelForCausalLM.from_config(config)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def _profile(args, config, batch_size: int):
+    import protrain_core as pt
+
+    model, opt = build(config)
+    x = torch.randint(0, config.vocab_size, (batch_size, args.seq_len))
+    return pt.profile(model, opt, {"input_ids": x, "labels": x}, precision=args.precision, device=args.device,
+                      cache=not args.no_cache, reprofile=args.reprofile)
+
+
+def _row(label: str, prof, budget: int, tokens: int) -> str:
+    import protrain_core as pt
+
+    try:
+        c = pt.search(prof, budget)
+    except pt.InfeasibleBudget as e:
+        what = (f"{format_bytes(e.needed_bytes - budget)} of device memory missing" if e.needed_bytes > budget
+                else "host memory too small")
+        return f"| {label} | does not fit ({what}) | | | | |"
+    p, r = c.plan, c.runtime
+    return (f"| {label} | {p.n_persist}/{p.n_buffer}/{p.n_swap}/{p.n_checkpoint} | {format_seconds(r.total_s)} | "
+            f"{tokens / r.total_s:,.0f} | {format_bytes(c.memory.peak_bytes)} | {r.bottleneck} |")
+
+
+def plan_command(args) -> int:
+    import protrain_core as pt
+    from protrain_core.device import resolve_device
+
+    device = resolve_device(args.device)
+    args.device = device
+    budget = parse_bytes(args.budget, "--budget") if args.budget else pt.default_memory_budget(device)
+    budgets = [parse_bytes(b, "--budgets") for b in args.budgets.split(",")] if args.budgets else None
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else None
+    config = load_config(args.model)
+    prof = _profile(args, config, args.batch_size)
+    try:
+        choice = pt.search(prof, budget, host_budget=pt.engine.default_host_budget(device))
+        print(choice.explain())
+    except pt.InfeasibleBudget as e:
+        print(f"protrain plan: {e}")
+    print()
+    tokens = args.batch_size * args.seq_len
+    header = "| {} | plan (persist/buffer/swap/checkpoint) | predicted step | tokens/s | predicted peak | bottleneck |"
+    rule = "|---|---|---|---|---|---|"
+    if batch_sizes:
+        print(f"What if the batch size changes (budget {format_bytes(budget)}, sequence {args.seq_len}):\n")
+        print(header.format("batch size"))
+        print(rule)
+        for b in batch_sizes:
+            p = prof if b == args.batch_size else _profile(args, config, b)
+            print(_row(str(b), p, budget, b * args.seq_len))
+    else:
+        budgets = budgets or [int(budget * f) for f in (0.25, 0.5, 0.75, 1.0, 1.5, 2.0)]
+        print(f"What if the memory budget changes (batch {args.batch_size} x {args.seq_len}):\n")
+        print(header.format("budget"))
+        print(rule)
+        for b in budgets:
+            print(_row(format_bytes(b), prof, b, tokens))
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="protrain", description="ProTrain tools")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="profile a model and print the plan ProTrain would choose, without training")
+    p.add_argument("--model", required=True,
+                   help=f"a local Hugging Face model directory or config.json, or a built-in config: {', '.join(BUILTIN)}")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--precision", default="32-true", help="32-true, bf16-mixed or 16-mixed")
+    p.add_argument("--budget", default=None, help="device memory budget, e.g. 20GiB (default: free memory minus a margin)")
+    p.add_argument("--budgets", default=None, help="what-if budgets, comma-separated (default: 25%%..200%% of --budget)")
+    p.add_argument("--batch-sizes", default=None, help="what-if batch sizes instead of budgets, e.g. 1,2,4,8")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--reprofile", action="store_true", help="profile again even if a cached profile exists")
+    p.add_argument("--no-cache", action="store_true", help="neither read nor write the profile cache")
+    args = ap.parse_args(argv)
+    for name in ("batch_size", "seq_len"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    try:
+        if args.budget:
+            parse_bytes(args.budget, "--budget")
+        if args.budgets:
+            [parse_bytes(b, "--budgets") for b in args.budgets.split(",")]
+    except ValueError as e:
+        ap.error(str(e))
+    return plan_command(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

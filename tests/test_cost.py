@@ -1,0 +1,133 @@
+"""Cost models (eq. 3-10) on hand-built profiles; every expected value is worked out here."""
+
+import dataclasses
+
+import pytest
+
+import protrain_core as pt
+from protrain_core.profiles import Hardware, Profile, Segment
+
+
+def hand_profile(*, async_copies=True, adam_in_backward=True) -> Profile:
+    """3 chunks of 100 fp32 elements (400 B): X = 400/400 = 1 s per upload, Y = 400/800 = 0.5 s
+    per offload; CPU Adam 100 params/s (U = 1 s a chunk), device Adam 1000/s (V = 0.1 s).
+    Segments: pre on chunk 0, block.0 on chunk 1, block.1 on chunk 2, post on chunks 0 and 2
+    (a tied head: chunk 0 is an *extra* fetch of the post segment, homed at chunk 2)."""
+
+    def block(name, chunk):
+        return Segment(name=name, kind="block", chunks=(chunk,), fwd_s=2.0, bwd_s=4.0, recompute_s=2.0,
+                       out_bytes=10, saved_bytes=100, fwd_peak_bytes=50, bwd_peak_bytes=120, recompute_peak_bytes=110)
+
+    segments = (
+        Segment(name="pre", kind="pre", chunks=(0,), fwd_s=1.0, bwd_s=1.0, recompute_s=0.0,
+                out_bytes=20, saved_bytes=0, fwd_peak_bytes=25, bwd_peak_bytes=30, recompute_peak_bytes=0),
+        block("block.0", 1),
+        block("block.1", 2),
+        Segment(name="post", kind="post", chunks=(0, 2), fwd_s=1.0, bwd_s=1.0, recompute_s=0.0,
+                out_bytes=30, saved_bytes=0, fwd_peak_bytes=40, bwd_peak_bytes=60, recompute_peak_bytes=0),
+    )
+    hw = Hardware(device="hand", async_copies=async_copies, h2d_bytes_per_s=400.0, d2h_bytes_per_s=800.0,
+                  cpu_adam_params_per_s=100.0, device_adam_params_per_s=1000.0, device_memory_bytes=10**6)
+    return Profile(key="hand", description="hand-built", precision="32-true", n_chunks=3, chunk_elems=100,
+                   compute_bytes=4, chunk_trainable=(100, 100, 100), chunk_has_grad=(True, True, True),
+                   persist_bytes=(2000, 2000, 2000), host_bytes=(1600, 1600, 1600), min_buffers=1,
+                   adam_in_backward=adam_in_backward, segments=segments, base_bytes=5, fragmentation=1.0, hardware=hw)
+
+
+def rt(profile, **plan):
+    return pt.estimate_runtime(profile, pt.Plan(**plan))
+
+
+def test_all_persistent():
+    # F per chunk: c0 = pre 1, c1 = 2, c2 = block 2 + post 1 = 3 -> forward 6; G: 1, 4, 4 + 1 -> backward 10;
+    # device Adam 3 x 0.1; no CPU Adam: T = 6 + max(10 + 0.3, 0) = 16.3.
+    r = rt(hand_profile(), n_persist=3, n_buffer=0)
+    assert r.forward_s == pytest.approx(6.0)
+    assert r.backward_s == pytest.approx(10.0)
+    assert r.device_adam_s == pytest.approx(0.3)
+    assert r.total_s == pytest.approx(16.3)
+    assert r.h2d_s == 0 and r.d2h_s == 0 and r.cpu_adam_s == 0
+    assert r.bottleneck == "device compute"
+
+
+def test_streamed_with_prefetch_and_resident_window():
+    # p=1, B=2. Forward: c0 1; c1 max(2, X=1) = 2; c2 max(3, 1) = 3 (its extra chunk 0 is persistent) -> 6.
+    # Backward: the window N-B = 1 keeps chunks 1, 2 resident: c2 max(5, 0, Y) = 5, c1 4, c0 1 -> 10.
+    # CPU chain: c2 done at 5, offloaded 5.5, Adam to 6.5; c1 done at 9, offloaded 9.5, Adam to 10.5.
+    # T = 6 + max(10 + 0.1, 10.5) = 16.5.
+    r = rt(hand_profile(), n_persist=1, n_buffer=2)
+    assert (r.forward_s, r.backward_s) == pytest.approx((6.0, 10.0))
+    assert r.total_s == pytest.approx(16.5)
+    assert r.optimizer_s == pytest.approx(0.5)
+    assert r.h2d_s == pytest.approx(2.0) and r.d2h_s == pytest.approx(1.0)
+    assert r.cpu_adam_s == pytest.approx(2.0) and r.device_adam_s == pytest.approx(0.1)
+
+
+def test_one_buffer_serialises():
+    # p=0, B=1. Forward: c0 1 + 1 = 2; c1 2 + 1 = 3; c2 3 + X(1 + extra chunk 0) = 5 -> 10.
+    # Backward, window 3-1 = 2: c2 5 + 1 (extra) + 0.5 = 6.5; c1 4 + 1 + 0.5 = 5.5; c0 1 + 1 + 0.5 = 2.5 -> 14.5.
+    # CPU chain: 6.5+0.5+1 = 8; max(8, 12+0.5)+1 = 13.5; max(13.5, 14.5+0.5)+1 = 16.
+    # T = 10 + max(14.5, 16) = 26.
+    r = rt(hand_profile(), n_persist=0, n_buffer=1)
+    assert (r.forward_s, r.backward_s, r.total_s) == pytest.approx((10.0, 14.5, 26.0))
+    assert r.bottleneck == "device compute"
+
+
+def test_recompute_adds_to_backward():
+    # interleaved_modes(2, 0, 1) checkpoints block 0: G c1 = 4 + 2 -> backward 12, T = 6 + 12.3.
+    r = rt(hand_profile(), n_persist=3, n_buffer=0, n_checkpoint=1)
+    assert r.recompute_s == pytest.approx(2.0)
+    assert r.total_s == pytest.approx(18.3)
+
+
+def test_swap_hidden_with_async_copies_but_not_without():
+    # Swapping block 0: out 100/800 = 0.125 s, in 100/400 = 0.25 s. With CUDA streams both hide
+    # behind compute (16.3 as with keep); on the CPU they add: 6.125 + 10.25 + 0.3 = 16.675.
+    assert rt(hand_profile(), n_persist=3, n_buffer=0, n_swap=1).total_s == pytest.approx(16.3)
+    sync = hand_profile(async_copies=False)
+    r = rt(sync, n_persist=3, n_buffer=0, n_swap=1)
+    assert (r.forward_s, r.backward_s, r.total_s) == pytest.approx((6.125, 10.25, 16.675))
+
+
+def test_sync_streaming_adds_up():
+    # CPU device, p=1, B=2: forward 1 + (2 + 1) + (3 + 1) = 8; backward (window 1: no re-upload)
+    # (5 + 0.5) + (4 + 0.5) + 1 = 11; T = 8 + 11 + 0.1 + 2 = 21.1.
+    r = rt(hand_profile(async_copies=False), n_persist=1, n_buffer=2)
+    assert (r.forward_s, r.backward_s, r.total_s) == pytest.approx((8.0, 11.0, 21.1))
+
+
+def test_fp16_defers_adam_to_step():
+    # p=1, B=2 as above but Adam at step(): T = 6 + 10 + max(0.1, 2) = 18.
+    assert rt(hand_profile(adam_in_backward=False), n_persist=1, n_buffer=2).total_s == pytest.approx(18.0)
+
+
+def test_memory_keep_all():
+    # Walk: pre fwd 25, bwd 30, holds 20; block.0 fwd 20 + max(50, 110) = 130, bwd 140, holds
+    # 20 + 10 + 100; block.1 fwd 240, bwd 250, holds 240; post fwd 280, bwd 240 + 60 = 300.
+    m = pt.estimate_memory(hand_profile(), pt.Plan(n_persist=3, n_buffer=0))
+    assert m.activation_bytes == 300 and m.peak_at == "backward of post"
+    assert m.persistent_bytes == 6000 and m.buffer_bytes == 0 and m.host_bytes == 0
+    assert m.peak_bytes == 6000 + 5 + 300
+
+
+def test_memory_checkpoint_and_swap():
+    # All checkpointed: block.0 bwd 20 + max(120, 110) = 140, holds 30; block.1 bwd 30 + 120 = 150.
+    m = pt.estimate_memory(hand_profile(), pt.Plan(n_persist=3, n_buffer=0, n_checkpoint=2))
+    assert (m.activation_bytes, m.peak_at) == (150, "backward of block.1")
+    # Both swapped, p=1, B=2: block.1 bwd 30 + 120 + block.0's prefetched 100 = 250 (the peak);
+    # states 2000 + 2 x 800; host: chunks 1, 2 (2 x 1600) + 200 swapped bytes.
+    m = pt.estimate_memory(hand_profile(), pt.Plan(n_persist=1, n_buffer=2, n_swap=2))
+    assert (m.activation_bytes, m.peak_at) == (250, "backward of block.1")
+    assert m.peak_bytes == 2000 + 1600 + 5 + 250
+    assert m.host_bytes == 3200 + 200
+
+
+def test_fragmentation_scales_activations_only():
+    prof = dataclasses.replace(hand_profile(), fragmentation=1.1)
+    m = pt.estimate_memory(prof, pt.Plan(n_persist=3, n_buffer=0))
+    assert m.activation_bytes == 330 and m.peak_bytes == 6000 + 5 + 330
+
+
+def test_buffers_capped_by_streamed_chunks():
+    a = pt.estimate_memory(hand_profile(), pt.Plan(n_persist=2, n_buffer=5))
+    assert a.buffer_bytes == 800  # one streamed chunk needs one buffer

@@ -1,0 +1,173 @@
+"""The profiler on tiny GPT-2 and LLaMA; the profile cache; wrap(plan=None) end to end."""
+
+import copy
+import re
+
+import pytest
+import torch
+
+import protrain_core as pt
+from conftest import MODELS, SEQ, assert_same_weights, batches, train_engine, train_reference
+from protrain_core.profiles import Profile, cache_dir
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("PROTRAIN_REPROFILE", raising=False)
+
+
+def _profile(name, batch=4, **kw):
+    model = MODELS[name]()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = batches(1, batch=batch)[0]
+    return model, opt, x, pt.profile(model, opt, {"input_ids": x, "labels": x}, **kw)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_profile_is_positive_plausible_and_stable(name):
+    model, opt, x, prof = _profile(name, cache=False)
+    hidden = model.config.hidden_size if name == "llama" else model.config.n_embd
+    act = x.shape[0] * SEQ * hidden * 4  # one fp32 hidden state
+    assert [s.kind for s in prof.segments] == ["pre"] + ["block"] * 4 + ["post"]
+    assert prof.n_blocks == 4 and prof.iterations == 3
+    for s in prof.segments:
+        assert s.fwd_s > 0 and s.bwd_s > 0 and s.chunks, s
+    for b in prof.blocks:
+        assert b.recompute_s > 0
+        # A checkpointed block leaves exactly its output alive: one hidden state.
+        assert b.out_bytes == act, b
+        # Saved for backward: several hidden-state-sized tensors (norm inputs, projections, MLP).
+        assert 3 * act < b.saved_bytes < 60 * act, b
+        assert b.bwd_peak_bytes >= b.saved_bytes and b.recompute_peak_bytes >= b.saved_bytes
+        assert len(b.chunks) == 1
+    # The head keeps the logits (batch x seq x vocab fp32) for the loss.
+    logits = x.shape[0] * SEQ * model.config.vocab_size * 4
+    assert prof.segments[-1].out_bytes >= logits
+    # Operators of every phase were recorded, with memory before/peak/after.
+    phases = {o.phase for o in prof.ops}
+    assert phases == {"forward", "recompute", "backward"}
+    assert all(o.peak >= o.before and o.seconds >= 0 for o in prof.ops)
+    hw = prof.hardware
+    assert hw.h2d_bytes_per_s > 1e8 and hw.d2h_bytes_per_s > 1e8 and hw.cpu_adam_params_per_s > 1e6
+    assert hw.async_copies is False
+    # Memory is deterministic; times agree within a factor the noisy CI machines allow.
+    _, _, _, again = _profile(name, cache=False)
+    for a, b in zip(prof.segments, again.segments):
+        for field in ("out_bytes", "saved_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "recompute_peak_bytes"):
+            assert getattr(a, field) == getattr(b, field), (a.name, field)
+    t1 = sum(s.fwd_s + s.bwd_s for s in prof.segments)
+    t2 = sum(s.fwd_s + s.bwd_s for s in again.segments)
+    assert 0.33 < t1 / t2 < 3
+
+
+def test_profiling_leaves_model_optimizer_and_rng_untouched():
+    model = MODELS["gpt2"]()
+    before = copy.deepcopy(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = batches(1)[0]
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    pt.profile(model, opt, {"input_ids": x, "labels": x}, cache=False)
+    assert torch.equal(torch.rand(3), expected)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]) and v.dtype == before[k].dtype, k
+    assert all(p.grad is None for p in model.parameters()) and not opt.state
+    assert getattr(model, "_protrain_engine", None) is None
+
+
+def test_profile_cache_hit_and_invalidation():
+    model, opt, x, first = _profile("gpt2")
+    files = list((cache_dir() / "profiles").glob("*.json"))
+    assert len(files) == 1 and Profile.from_json(files[0].read_text()) == first
+    again = pt.profile(model, opt, {"input_ids": x, "labels": x})
+    assert again == first  # from the cache: the same measured numbers
+    # Another batch shape, precision or a forced re-profile measures again.
+    y = batches(1, batch=3)[0]
+    other_batch = pt.profile(model, opt, {"input_ids": y, "labels": y})
+    assert other_batch.key != first.key
+    other_precision = pt.profile(model, opt, {"input_ids": x, "labels": x}, precision="bf16-mixed")
+    assert other_precision.key != first.key and other_precision.compute_bytes == 2
+    assert len(list((cache_dir() / "profiles").glob("*.json"))) == 3
+    forced = pt.profile(model, opt, {"input_ids": x, "labels": x}, reprofile=True)
+    assert forced.key == first.key and forced != first  # new timings
+    # A corrupt cache file is ignored (and replaced), not an error.
+    path = cache_dir() / "profiles" / f"{first.key}.json"
+    path.write_text("{not json")
+    assert pt.profile(model, opt, {"input_ids": x, "labels": x}).key == first.key
+    assert Profile.from_json(path.read_text()).key == first.key
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_wrap_without_plan_matches_plain_adamw(name):
+    """wrap(plan=None) with a budget that forces streaming: bitwise the same training as AdamW."""
+    model = MODELS[name]()
+    ref = copy.deepcopy(model)
+    data = batches(6)
+    ref_losses = train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True), data)
+    x = data[0]
+    probe_model = copy.deepcopy(model)
+    prof = pt.profile(probe_model, torch.optim.AdamW(probe_model.parameters(), lr=3e-3), {"input_ids": x, "labels": x})
+    cm = pt.CostModel(prof)
+    budget = int(0.5 * cm.memory(pt.Plan(n_persist=prof.n_chunks, n_buffer=0)).peak_bytes)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), memory_budget=budget,
+                     example_inputs={"input_ids": x, "labels": x}, check_invariants=True)
+    assert engine.choice is not None and engine.plan == engine.choice.plan
+    assert engine.plan.n_persist < prof.n_chunks  # the budget forced streaming
+    assert engine.choice.memory.peak_bytes <= budget
+    assert "predicted step" in engine.explain()
+    losses = train_engine(engine, data)
+    assert losses == ref_losses
+    assert_same_weights(engine.state_dict(), ref)
+
+
+def test_memory_budget_strings_and_errors():
+    model = MODELS["gpt2"]()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = batches(1)[0]
+    inputs = {"input_ids": x, "labels": x}
+    engine = pt.wrap(model, opt, memory_budget="64MiB", example_inputs=inputs)
+    assert engine.choice.budget_bytes == 64 * 2**20
+    engine.close()
+    assert pt.utils.parse_bytes("1.5GB") == 1_500_000_000 and pt.utils.parse_bytes(" 20 GiB ") == 20 * 2**30
+    for bad in ("20 parsecs", "-1GiB", "", True, "nan GiB"):
+        with pytest.raises(ValueError, match="memory_budget"):
+            pt.wrap(model, opt, memory_budget=bad, example_inputs=inputs)
+    with pytest.raises(ValueError, match="example_inputs"):
+        pt.wrap(model, opt, memory_budget="1GiB")
+    with pytest.raises(ValueError, match="plan=None"):
+        pt.wrap(model, opt, pt.Plan(n_persist=1, n_buffer=1), memory_budget="1GiB")
+    with pytest.raises(pt.InfeasibleBudget, match="missing"):
+        pt.wrap(model, opt, memory_budget="10KiB", example_inputs=inputs)
+    assert getattr(model, "_protrain_engine", None) is None  # nothing left half-wrapped
+
+
+def test_default_budget_is_free_memory_minus_margin():
+    budget = pt.default_memory_budget(torch.device("cpu"))
+    from protrain_core.host_pool import available_host_bytes
+
+    assert 0 < budget <= available_host_bytes()
+
+
+def test_plan_command_prints_plan_and_what_if(capsys):
+    from importlib.metadata import entry_points
+
+    from protrain_core.cli import main
+
+    assert any(e.name == "protrain" and e.value == "protrain_core.cli:main"
+               for e in entry_points(group="console_scripts"))
+    args = ["plan", "--model", "tiny-gpt2", "--batch-size", "2", "--seq-len", "32", "--device", "cpu"]
+    assert main(args + ["--budget", "8MiB", "--budgets", "1MiB,8MiB,1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "ProTrain plan: Plan(" in out and "predicted step" in out and "bottleneck" in out
+    assert "| 1.00 MiB | does not fit (" in out and "| 8.00 MiB | " in out
+    # With a gigabyte everything stays on the device and keeps its activations.
+    assert re.search(r"\| 1\.00 GiB \| \d+/0/0/0 \|", out)
+    assert main(args + ["--budget", "1GiB", "--batch-sizes", "1,2"]) == 0
+    out = capsys.readouterr().out
+    assert "| 1 | " in out and "| 2 | " in out
+    with pytest.raises(SystemExit):
+        main(args + ["--budget", "lots"])
+    with pytest.raises(SystemExit, match="built-in configs"):
+        main(["plan", "--model", "/nonexistent/model", "--device", "cpu"])

@@ -1,0 +1,144 @@
+"""Plan search: the optimum of the cost models (checked against brute force), within budget."""
+
+import random
+
+import pytest
+
+import protrain_core as pt
+from protrain_core.profiles import Hardware, Profile, Segment
+from protrain_core.search import brute_force
+from test_cost import hand_profile
+
+
+def random_profile(rng: random.Random, n_chunks: int, n_blocks: int, async_copies: bool) -> Profile:
+    """Blocks spread over chunks in order (several per chunk when there are fewer chunks); every
+    value drawn at random, blocks deliberately unequal."""
+    block_chunk = sorted(rng.randrange(n_chunks) for _ in range(n_blocks))
+    segs = [Segment(name="pre", kind="pre", chunks=(0,), fwd_s=rng.uniform(0, 1), bwd_s=rng.uniform(0, 1),
+                    recompute_s=0.0, out_bytes=rng.randrange(100), saved_bytes=0,
+                    fwd_peak_bytes=rng.randrange(200), bwd_peak_bytes=rng.randrange(200), recompute_peak_bytes=0)]
+    for j, c in enumerate(block_chunk):
+        f = rng.uniform(0.5, 3)
+        saved = rng.randrange(50, 500)
+        segs.append(Segment(name=f"block.{j}", kind="block", chunks=(c,), fwd_s=f, bwd_s=rng.uniform(1, 2) * f,
+                            recompute_s=f * rng.uniform(0.5, 1), out_bytes=rng.randrange(10, 50), saved_bytes=saved,
+                            fwd_peak_bytes=rng.randrange(saved), bwd_peak_bytes=saved + rng.randrange(200),
+                            recompute_peak_bytes=saved + rng.randrange(100)))
+    segs.append(Segment(name="post", kind="post", chunks=(0, n_chunks - 1), fwd_s=rng.uniform(0, 1),
+                        bwd_s=rng.uniform(0, 1), recompute_s=0.0, out_bytes=rng.randrange(300), saved_bytes=0,
+                        fwd_peak_bytes=rng.randrange(300), bwd_peak_bytes=rng.randrange(600), recompute_peak_bytes=0))
+    S = 100
+    hw = Hardware(device="random", async_copies=async_copies, h2d_bytes_per_s=rng.uniform(100, 2000),
+                  d2h_bytes_per_s=rng.uniform(100, 2000), cpu_adam_params_per_s=rng.uniform(20, 500),
+                  device_adam_params_per_s=rng.uniform(500, 5000), device_memory_bytes=10**6)
+    trainable = tuple(rng.choice([0, S // 2, S]) for _ in range(n_chunks))
+    return Profile(key="r", description="random", precision="32-true", n_chunks=n_chunks, chunk_elems=S,
+                   compute_bytes=4, chunk_trainable=trainable, chunk_has_grad=tuple(t > 0 for t in trainable),
+                   persist_bytes=tuple(rng.randrange(1000, 2000) for _ in range(n_chunks)),
+                   host_bytes=tuple(rng.randrange(1000, 2000) for _ in range(n_chunks)), min_buffers=1,
+                   adam_in_backward=rng.random() < 0.8, segments=tuple(segs), base_bytes=rng.randrange(100),
+                   fragmentation=rng.uniform(1.0, 1.2), hardware=hw)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_search_equals_brute_force(seed):
+    rng = random.Random(seed)
+    prof = random_profile(rng, n_chunks=rng.randint(1, 5), n_blocks=rng.randint(1, 4), async_copies=seed % 2 == 0)
+    cm = pt.CostModel(prof)
+    everything = cm.memory(pt.Plan(n_persist=prof.n_chunks, n_buffer=0)).peak_bytes
+    for frac in (0.3, 0.5, 0.7, 1.0, 1.5):
+        budget = int(everything * frac)
+        host = rng.choice([None, int(sum(prof.host_bytes) * rng.uniform(0.3, 1.5))])
+        try:
+            expected = brute_force(prof, budget, host_budget=host)
+        except pt.InfeasibleBudget:
+            with pytest.raises(pt.InfeasibleBudget):
+                pt.search(prof, budget, host_budget=host)
+            continue
+        got = pt.search(prof, budget, host_budget=host)
+        assert got.runtime.total_s == pytest.approx(expected.runtime.total_s, rel=1e-9), (frac, got.plan, expected.plan)
+        assert got.memory.peak_bytes <= budget
+        if host is not None:
+            assert got.memory.host_bytes <= host
+        assert got.evaluated <= expected.evaluated
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_more_budget_is_never_slower(seed):
+    rng = random.Random(100 + seed)
+    prof = random_profile(rng, n_chunks=6, n_blocks=6, async_copies=True)
+    everything = pt.CostModel(prof).memory(pt.Plan(n_persist=6, n_buffer=0)).peak_bytes
+    last = float("inf")
+    for frac in [x / 20 for x in range(1, 31)]:
+        try:
+            t = pt.search(prof, int(everything * frac)).runtime.total_s
+        except pt.InfeasibleBudget:
+            assert last == float("inf")  # infeasible only below every feasible budget
+            continue
+        assert t <= last * (1 + 1e-12)
+        last = t
+    assert last < float("inf")
+
+
+def test_everything_fits_keeps_everything():
+    # All persistent: 16.3 s (test_cost). Swapping block 0 hides behind compute with CUDA streams
+    # (same 16.3 s) and needs less memory (its 100 saved bytes): the tie goes to it.
+    choice = pt.search(hand_profile(), 10**9)
+    assert choice.plan == pt.Plan(n_persist=3, n_buffer=0, n_swap=1)
+    assert choice.runtime.total_s == pytest.approx(16.3)
+    assert choice.memory.peak_bytes == 6000 + 5 + 250
+
+
+def test_tight_budget_streams():
+    # 2955 B: one persistent chunk (2000) leaves too little for a buffer and activations; streaming
+    # all three chunks through 3 buffers (2400) with block 0 swapped (activation peak 250) fits:
+    # forward 2 + 2 + 3 = 7, backward 5 + 4 + 1 = 10, the CPU Adam chain ends at 11.5 -> 18.5 s.
+    choice = pt.search(hand_profile(), 2955)
+    assert choice.plan == pt.Plan(n_persist=0, n_buffer=3, n_swap=1)
+    assert choice.runtime.total_s == pytest.approx(18.5)
+    assert choice.memory.peak_bytes == 2400 + 5 + 250 <= 2955
+
+
+def test_infeasible_budget_says_what_is_missing():
+    prof = hand_profile()
+    with pytest.raises(pt.InfeasibleBudget) as e:
+        pt.search(prof, 500)
+    msg = str(e.value)
+    # Smallest plan: no persistent chunk, one buffer (800), base 5, smallest activation peak.
+    smallest = min(pt.estimate_memory(prof, pt.Plan(n_persist=0, n_buffer=1, n_swap=s, n_checkpoint=c)).peak_bytes
+                   for s in range(3) for c in range(3 - s))
+    assert f"needs {smallest} B" in msg and f"{smallest - 500} B missing" in msg
+    assert "smaller batch" in msg
+    with pytest.raises(pt.InfeasibleBudget, match="host memory"):
+        pt.search(prof, 10**9 // 10**6, host_budget=100)
+
+
+def test_host_budget_forces_persistence():
+    prof = hand_profile()
+    # Streamed chunks need 1600 B of host memory each: with 1600 B only one chunk may stream.
+    choice = pt.search(prof, 6000 + 5 + 300, host_budget=1600)
+    assert choice.plan.n_persist >= 2 and choice.memory.host_bytes <= 1600
+
+
+def test_explain_names_phases_memory_and_bottleneck():
+    text = pt.search(hand_profile(), 3000).explain()
+    for word in ("predicted step", "forward", "backward", "optimizer", "bottleneck", "persistent chunks",
+                 "chunk buffers", "activations", "host memory", "plans evaluated"):
+        assert word in text, word
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_phases_bound_is_exact_forward_backward(seed):
+    """The O(1) prefix-sum form equals the per-chunk sum of the full model for every (p, B)."""
+    rng = random.Random(500 + seed)
+    prof = random_profile(rng, n_chunks=rng.randint(1, 6), n_blocks=rng.randint(1, 5), async_copies=seed % 2 == 0)
+    cm = pt.CostModel(prof)
+    for s in range(prof.n_blocks + 1):
+        for c in range(prof.n_blocks + 1 - s):
+            lay = cm.layout(cm.modes(pt.Plan(n_persist=0, n_buffer=1, n_swap=s, n_checkpoint=c)))
+            assert cm.compute_bound(lay_modes := cm.modes(pt.Plan(n_persist=0, n_buffer=1, n_swap=s, n_checkpoint=c))) \
+                == pytest.approx(cm.layout(lay_modes).compute_s)
+            for p in range(prof.n_chunks + 1):
+                for B in range(1 if p < prof.n_chunks else 0, prof.n_chunks - p + 1):
+                    r = cm._runtime(lay, p, B)
+                    assert cm.phases_bound(lay, p, B) == pytest.approx(r.forward_s + r.backward_s + r.device_adam_s)
