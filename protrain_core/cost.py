@@ -81,7 +81,6 @@ class CostModel:
         self.block_seg = [i for i, s in enumerate(profile.segments) if s.kind == "block"]
         self._layouts: dict[tuple[BlockMode, ...], _Layout] = {}
         self._base = _Base(self)
-        self._base_compute = self._base.compute
         self._block_recompute = [profile.segments[i].recompute_s for i in self.block_seg]
         self.V_prefix = [0.0]
         for v in self.V:
@@ -215,7 +214,7 @@ class CostModel:
         compute (every segment's forward and backward, plus the checkpointed blocks' forward
         again), without building the layout."""
         rec = self._block_recompute
-        return self._base_compute + sum(rec[b] for b, m in enumerate(modes) if m is CHECKPOINT)
+        return self._base.compute + sum(rec[b] for b, m in enumerate(modes) if m is CHECKPOINT)
 
     def phases_bound(self, lay: _Layout, p: int, B: int) -> float:
         """T_f + T_b + device Adam of (p, B) in O(1) from prefix sums -- exactly the first

@@ -18,7 +18,7 @@ from protrain_core.blocks import find_blocks
 from protrain_core.chunk import Chunk
 from protrain_core.device import DeviceContext, resolve_device
 from protrain_core.host_pool import HostPool, available_host_bytes, check_host_memory, should_pin
-from protrain_core.layout import ChunkLayout, build_layout, with_persistence
+from protrain_core.layout import ChunkLayout, build_layout, unit_chunks, with_persistence
 from protrain_core.optim import ChunkOptimizer, check_optimizer
 from protrain_core.plan import Plan
 from protrain_core.profiles import Profile
@@ -337,28 +337,17 @@ class Engine:
 
     def _units(self, n_buffer: int) -> dict[nn.Module, tuple[int, ...]]:
         """Hooked modules -> the chunks their forward needs (streamed chunks only matter)."""
-        block_list = self.module.get_submodule(self.layout.block_path)
-        blocks = {id(b) for b in block_list}
         units: dict[nn.Module, tuple[int, ...]] = {}
-
-        def visit(module: nn.Module) -> None:
-            if id(module) in blocks:
-                params = list(module.parameters())
-            else:
-                params = list(module.parameters(recurse=False))
-                for child in module.children():
-                    visit(child)
-            idxs = tuple(sorted({self._slot_of[id(p)][0].index for p in params}))
-            if any(not self.chunks[i].persistent for i in idxs):
-                units[module] = idxs
-                streamed = sum(not self.chunks[i].persistent for i in idxs)
-                if streamed > n_buffer:
-                    raise ValueError(
-                        f"Module {type(module).__name__} needs {streamed} streamed chunks at once "
-                        f"but Plan.n_buffer={n_buffer}; raise n_buffer or n_persist."
-                    )
-
-        visit(self.module)
+        for module, idxs in unit_chunks(self.module, self.layout).items():
+            streamed = sum(not self.chunks[i].persistent for i in idxs)
+            if not streamed:
+                continue
+            units[module] = idxs
+            if streamed > n_buffer:
+                raise ValueError(
+                    f"Module {type(module).__name__} needs {streamed} streamed chunks at once "
+                    f"but Plan.n_buffer={n_buffer}; raise n_buffer or n_persist."
+                )
         return units
 
     def _register_autocast(self):

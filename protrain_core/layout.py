@@ -248,5 +248,28 @@ def build_layout(
     return ChunkLayout(chunk_size=chunk_size, chunks=tuple(chunks), block_path=block_path, order_source=source)
 
 
+def unit_chunks(model: nn.Module, layout: ChunkLayout) -> dict[nn.Module, tuple[int, ...]]:
+    """The modules the runtime hooks (each transformer block as a whole, and every module
+    outside the blocks that owns parameters) -> the chunks their forward needs."""
+    chunk_of = {m.name: spec.index for spec in layout.chunks for m in spec.members}
+    index = {id(p): chunk_of[n] for n, p in model.named_parameters() if n in chunk_of}
+    blocks = {id(b) for b in model.get_submodule(layout.block_path)}
+    units: dict[nn.Module, tuple[int, ...]] = {}
+
+    def visit(module: nn.Module) -> None:
+        if id(module) in blocks:
+            params = list(module.parameters())
+        else:
+            params = list(module.parameters(recurse=False))
+            for child in module.children():
+                visit(child)
+        idxs = tuple(sorted({index[id(p)] for p in params if id(p) in index}))
+        if idxs:
+            units[module] = idxs
+
+    visit(model)
+    return units
+
+
 def with_persistence(layout: ChunkLayout, n_persist: int) -> ChunkLayout:
     return replace(layout, n_persist=n_persist)

@@ -89,9 +89,6 @@ class LiveStorageTracker(TorchDispatchMode):
         self.live -= nbytes
         self._sizes.pop(key, None)
 
-    def reset_peak(self) -> None:
-        self.peak = self.live
-
     def live_bytes(self, exclude=()) -> int:
         """Bytes of recorded storages still alive, leaving out the storages in ``exclude``."""
         exclude = set(exclude)

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import protrain_core
-from protrain_core.layout import ChunkLayout, with_persistence
+from protrain_core.layout import ChunkLayout, unit_chunks, with_persistence
 from protrain_core.memtrack import LiveStorageTracker
 from protrain_core.plan import Plan
 from protrain_core.precision import Precision
@@ -330,10 +330,6 @@ class _CudaMeter(TorchDispatchMode):
         self.static_bytes = static_bytes
         self.on_op = on_op
 
-    @property
-    def live(self) -> int:
-        return torch.cuda.memory_allocated(self.device) - self.static_bytes()
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         static = self.static_bytes()
         before = torch.cuda.memory_allocated(self.device) - static
@@ -573,24 +569,4 @@ def _check_blocks_called(bounds: _Boundaries, L: int) -> None:
 
 def min_buffers(model: nn.Module, layout: ChunkLayout) -> int:
     """The most chunks one hooked module (a block, or a module owning parameters) needs at once."""
-    chunk_of = {}
-    for spec in layout.chunks:
-        for m in spec.members:
-            chunk_of[m.name] = spec.index
-    ids = {id(p): chunk_of[n] for n, p in model.named_parameters() if n in chunk_of}
-    blocks = {id(b) for b in model.get_submodule(layout.block_path)}
-    most = 1
-
-    def visit(module: nn.Module) -> None:
-        nonlocal most
-        if id(module) in blocks:
-            params = list(module.parameters())
-        else:
-            params = list(module.parameters(recurse=False))
-            for child in module.children():
-                visit(child)
-        most = max(most, len({ids[id(p)] for p in params if id(p) in ids}))
-
-    visit(model)
-    return most
-
+    return max((len(idxs) for idxs in unit_chunks(model, layout).values()), default=1)
