@@ -1,7 +1,7 @@
 """Optimizer kernels used by protrain_core (installed as ``protrain_ops``).
 
-The engine calls these on one chunk at a time: lists of flat fp32 views (master weights,
-gradients, Adam moments) that live either on the device (persistent chunks) or in host
+The engine calls these on one chunk at a time: lists of flat fp32 (bf16 in bf16-true) views
+(master weights, gradients, Adam moments) that live either on the device (persistent chunks) or in host
 memory (non-persistent chunks, updated by the CPU worker).
 """
 

@@ -51,15 +51,16 @@ class AdamHyperParams:
 
 
 def adam_step(
-    params: list[Tensor],  # fp32 master weights, any shape; updated in place
-    grads: list[Tensor],  # fp32 gradients, same shapes as params (unscaled)
-    exp_avgs: list[Tensor],  # fp32 first moments, same shapes; updated in place
-    exp_avg_sqs: list[Tensor],  # fp32 second moments, same shapes; updated in place
-    max_exp_avg_sqs: list[Tensor],  # fp32, same shapes when amsgrad, else []
+    params: list[Tensor],  # master weights, any shape; updated in place
+    grads: list[Tensor],  # gradients, same shapes as params (unscaled)
+    exp_avgs: list[Tensor],  # first moments, same shapes; updated in place
+    exp_avg_sqs: list[Tensor],  # second moments, same shapes; updated in place
+    max_exp_avg_sqs: list[Tensor],  # same shapes when amsgrad, else []
     steps: list[Tensor],  # 0-D fp32 step counters on the params' device; incremented here
     hp: AdamHyperParams,
 ) -> None:
-    """One Adam/AdamW step over a list of tensors that all live on one device."""
+    """One Adam/AdamW step over a list of tensors that all live on one device and share one
+    dtype: fp32, or bf16 (bf16-true: torch.optim keeps a bf16 module's states in bf16)."""
     if not params:
         return
     torch._foreach_add_(steps, 1)

@@ -65,6 +65,14 @@ def find_blocks(model: nn.Module, blocks: nn.ModuleList | str | None = None) -> 
         found = _get_submodule(model, path)
         if isinstance(found, nn.ModuleList) and len(found) > 0:
             return path, found
+    # A wrapper (a LightningModule, a user's module) around one Hugging Face model.
+    hf = [n for n, m in model.named_modules() if n and hasattr(getattr(m, "config", None), "vocab_size")]
+    outer = [n for n in hf if not any(n.startswith(o + ".") for o in hf)]
+    if len(outer) == 1:
+        for path in _KNOWN_BLOCK_PATHS:
+            found = _get_submodule(model, f"{outer[0]}.{path}")
+            if isinstance(found, nn.ModuleList) and len(found) > 0:
+                return f"{outer[0]}.{path}", found
 
     no_split = set(getattr(model, "_no_split_modules", None) or ())
     candidates = _candidates(model)

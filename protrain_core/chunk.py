@@ -64,15 +64,15 @@ class IllegalTransition(RuntimeError):
 class Chunk:
     """Flat storage of one chunk and the verbs that move it between states.
 
-    Tensors (S = chunk size in elements, c = compute dtype):
+    Tensors (S = chunk size in elements, c = compute dtype, m = master dtype: fp32, bf16 in bf16-true):
       param_dev  (S,) c     device; persistent always allocated, streamed only while resident
-      master     (S,) fp32  fp32 master weights: device if persistent, host otherwise; in
-                            fp32 mode it aliases param_dev (persistent) / param_host (streamed)
+      master     (S,) m     master weights: device if persistent, host otherwise; without mixed
+                            precision (c == m) it aliases param_dev (persistent) / param_host (streamed)
       param_host (S,) c     streamed only: host compute-dtype copy uploaded for forward/backward
-      grad_acc   (S,) fp32  gradient accumulated since zero_grad: device if persistent, host
+      grad_acc   (S,) m     gradient accumulated since zero_grad: device if persistent, host
                             otherwise; only when the chunk has parameters with gradients
       grad_dev   (S,) c     streamed only: device gradient buffer of the current backward
-      exp_avg, exp_avg_sq, max_exp_avg_sq (S,) fp32 next to master (when optimized)
+      exp_avg, exp_avg_sq, max_exp_avg_sq (S,) m next to master (when optimized)
     """
 
     def __init__(
@@ -112,7 +112,6 @@ class Chunk:
         self.fetch_event = None
         self.offload_event = None
         self.future: Future | None = None
-        self.landing: Tensor | None = None  # host tensor the gradient offload lands in
 
     def __repr__(self) -> str:
         return f"Chunk({self.index}, {self.state.value})"

@@ -14,7 +14,8 @@ Notation (all per iteration, one optimizer step):
            other chunks (tied embeddings used by the head) are *extra* fetches when streamed
   F_c      forward compute of the segments homed at chunk c
   G_c      their backward compute, plus their forward again for checkpointed blocks
-  SO_c,SI_c  time to swap out / in the saved tensors of swapped blocks homed at c
+  SO_c,SI_c  time to swap out / in the saved tensors of swapped blocks homed at c (saved bytes
+           over the copy bandwidth; measured per block where copies do not overlap compute)
   U_c, V_c Adam time of chunk c on the CPU worker / on the device (trainable elements / rate)
   e_c      extra streamed chunks fetched by the segments homed at c
 """
@@ -22,6 +23,9 @@ Notation (all per iteration, one optimizer step):
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
+from torch import Tensor
 
 from protrain_core.activations import BlockMode, interleaved_modes
 from protrain_core.plan import Plan
@@ -81,10 +85,7 @@ class CostModel:
         self.block_seg = [i for i, s in enumerate(profile.segments) if s.kind == "block"]
         self._layouts: dict[tuple[BlockMode, ...], _Layout] = {}
         self._base = _Base(self)
-        self._block_recompute = [profile.segments[i].recompute_s for i in self.block_seg]
-        self.V_prefix = [0.0]
-        for v in self.V:
-            self.V_prefix.append(self.V_prefix[-1] + v)
+        self._grid: _Grid | None = None
 
     # ----- helpers -------------------------------------------------------------------------
     def modes(self, plan: Plan) -> tuple[BlockMode, ...]:
@@ -209,28 +210,11 @@ class CostModel:
             bottleneck=bottleneck,
         )
 
-    def compute_bound(self, modes: tuple[BlockMode, ...]) -> float:
-        """A lower bound of the step time of any plan with this activation layout: its device
-        compute (every segment's forward and backward, plus the checkpointed blocks' forward
-        again), without building the layout."""
-        rec = self._block_recompute
-        return self._base.compute + sum(rec[b] for b, m in enumerate(modes) if m is CHECKPOINT)
-
-    def phases_bound(self, lay: _Layout, p: int, B: int) -> float:
-        """T_f + T_b + device Adam of (p, B) in O(1) from prefix sums -- exactly the first
-        terms of eq. 3 (so a lower bound of the step time when Adam overlaps backward, and
-        of T_f + T_b + max(...) otherwise), used by the search to skip full evaluations."""
-        P = lay.prefix(self)
-        N, w = self.N, self.N - B
-        fs = P.fS2 if B >= 2 else P.fS1
-        bi = P.bSin2 if B >= 2 else P.bSin1
-        bo = P.bSout2 if B >= 2 else P.bSout1
-        cut = max(p, w)
-        t = (lay.F_free + lay.G_free + P.fP[p] + fs[N] - fs[p] + P.bP[p] + bo[cut] - bo[p] + bi[N] - bi[cut]
-             + P.V[p])
-        for c in P.special:  # chunks whose segments fetch extra chunks, and chunk 0: exact
-            t += self._t_fwd(lay, c, p, B)[0] + self._t_bwd(lay, c, p, B)[0]
-        return t
+    def grid(self) -> _Grid:
+        """Every activation layout at once, as tensors (for the search)."""
+        if self._grid is None:
+            self._grid = _Grid(self)
+        return self._grid
 
     # ----- memory: eq. 8-10 --------------------------------------------------------------------
     def memory(self, plan: Plan) -> MemoryEstimate:
@@ -249,6 +233,14 @@ class CostModel:
             peak_at=lay.peak_at,
             host_bytes=self.host_bytes(plan.n_persist, modes),
         )
+
+
+def swap_times(seg, hw) -> tuple[float, float]:
+    """Time a swapped block adds by its copies out (forward) and back (backward): measured
+    where copies do not overlap compute, else its saved bytes over the copy bandwidth."""
+    if seg.swap_out_s is not None and seg.swap_in_s is not None:
+        return seg.swap_out_s, seg.swap_in_s
+    return seg.saved_bytes / hw.d2h_bytes_per_s, seg.saved_bytes / hw.h2d_bytes_per_s
 
 
 class _Base:
@@ -317,10 +309,10 @@ class _Layout:
             elif home is not None:
                 if self.SO is base.zeros:
                     self.SO, self.SI = [0.0] * N, [0.0] * N
-                saved = segs[i].saved_bytes
-                self.SO[home] += saved / hw.d2h_bytes_per_s
-                self.SI[home] += saved / hw.h2d_bytes_per_s
-                self.swap_host_bytes += saved
+                out_s, in_s = swap_times(segs[i], hw)
+                self.SO[home] += out_s
+                self.SI[home] += in_s
+                self.swap_host_bytes += segs[i].saved_bytes
         self.compute_s = base.compute + self.recompute_s
 
         # Eq. 9: walk the segments forward, then backward, and take the most dynamic bytes at
@@ -357,45 +349,146 @@ class _Layout:
         peak_at = "start" if where < 0 else f"{('forward', 'backward')[where % 2]} of {segs[where // 2].name}"
         self.activation_peak = int(peak * profile.fragmentation)
         self.peak_at = peak_at
-        self._prefix = None
-
-    def prefix(self, model: CostModel) -> _Prefix:
-        if self._prefix is None:
-            self._prefix = _Prefix(model, self)
-        return self._prefix
 
 
-class _Prefix:
-    """Prefix sums over chunks of each case of eq. 4-5 for one layout: persistent, streamed with
-    one or more buffers, in or out of the resident window. The formulas are those of
-    ``CostModel._t_fwd`` / ``_t_bwd`` for a chunk without extra fetches; chunk 0 and chunks whose
-    segments fetch extra chunks are left out (``special``) and computed exactly per plan."""
+class _Grid:
+    """Every activation layout (n_swap, n_checkpoint) at once, as float64/int64 tensors with one
+    row per layout: its activation peak (the memory walk of eq. 9, in integers, so exactly what
+    ``_Layout`` computes), its swapped bytes in host memory, and prefix sums over chunks of each
+    case of eq. 4-5 (persistent; streamed with one or with more buffers; in or out of the window
+    of chunks still resident when backward starts). ``phases(B)`` then gives T_f + T_b + device
+    Adam of every (layout, n_persist) for given buffer counts, from a few gathers: exactly the
+    first terms of eq. 3, so a lower bound of the step time. Chunk 0 and chunks whose segments
+    fetch extra chunks ("special") are left out of the prefix sums and added per plan by the same
+    case analysis as ``_t_fwd`` / ``_t_bwd``."""
 
-    def __init__(self, model: CostModel, lay: _Layout) -> None:
-        N, X, Y = model.N, model.X, model.Y
-        sync = not model.async_copies
-        self.special = [c for c in range(N) if c == 0 or lay.extra[c]]
-        names = ("fP", "fS2", "fS1", "bP", "bSin2", "bSout2", "bSin1", "bSout1")
-        cases = {name: [0.0] * N for name in names}
-        for c in range(N):
-            if c == 0 or lay.extra[c]:
-                continue
-            F, SO, G, SI = lay.F[c], lay.SO[c], lay.G[c], lay.SI[c]
-            off = Y if model.has_grad[c] else 0.0
-            if sync:
-                values = (F + SO, F + SO + X, F + SO + X, G + SI, G + SI + off, G + SI + X + off, G + SI + off,
-                          G + SI + X + off)
+    def __init__(self, model: CostModel) -> None:
+        profile, base = model.profile, model._base
+        hw = profile.hardware
+        N, L = model.N, model.L
+        f64, i64 = torch.float64, torch.int64
+        segs = profile.segments
+        self.pairs = [(s, c) for s in range(L + 1) for c in range(L + 1 - s)]
+        S = torch.tensor([s for s, _ in self.pairs], dtype=i64)
+        C = torch.tensor([c for _, c in self.pairs], dtype=i64)
+        n = len(self.pairs)
+
+        # Block modes, as interleaved_modes: blocks < n_swap swap; of the r = L - n_swap others,
+        # position floor(k * r / n_checkpoint) is checkpointed for k < n_checkpoint.
+        k = torch.arange(L, dtype=i64)
+        swap = k[None, :] < S[:, None]
+        pos = S[:, None] + k[None, :] * (L - S)[:, None] // C.clamp(min=1)[:, None]
+        hit = (k[None, :] < C[:, None]).to(i64)
+        ckpt = torch.zeros(n, L, dtype=i64).scatter_add_(1, pos.clamp(max=max(L - 1, 0)), hit) > 0
+        self.swap, self.ckpt = swap, ckpt
+
+        # Per segment: pre/post keep; block b takes its row's mode.
+        block_seg = torch.tensor(model.block_seg, dtype=i64)
+        seg_swap = torch.zeros(n, len(segs), dtype=torch.bool)
+        seg_ckpt = torch.zeros(n, len(segs), dtype=torch.bool)
+        seg_swap[:, block_seg] = swap
+        seg_ckpt[:, block_seg] = ckpt
+        seg_keep = ~(seg_swap | seg_ckpt)
+
+        def ints(xs):
+            return torch.tensor(xs, dtype=i64)
+
+        out, saved = ints(base.out), ints(base.saved)
+        # Eq. 9, the memory walk of _Layout, for every row at once.
+        inc = out + saved * seg_keep
+        held = torch.cumsum(inc, 1) - inc
+        prev = torch.zeros_like(held)
+        prev[:, 1:] = seg_swap[:, :-1] * saved[:-1]
+        fwd = held + torch.where(seg_keep, ints(base.fwd_keep), ints(base.fwd_other))
+        if hw.async_copies:
+            fwd = fwd + prev
+        bwd = held + torch.where(seg_ckpt, ints(base.bwd_ckpt), ints(base.bwd_other)) + prev
+        peak = torch.maximum(fwd.amax(1), bwd.amax(1)).clamp(min=0) if len(segs) else torch.zeros(n, dtype=i64)
+        self.activation_peak = (peak.to(f64) * profile.fragmentation).floor().to(i64)
+
+        # Recomputation and swap traffic by home chunk (a block's home is its one chunk).
+        R = torch.zeros(L, N, dtype=f64)
+        WO = torch.zeros(L, N, dtype=f64)
+        WI = torch.zeros(L, N, dtype=f64)
+        r_free = torch.zeros(L, dtype=f64)
+        host = torch.zeros(L, dtype=i64)
+        for b, i in enumerate(model.block_seg):
+            home = base.home[i]
+            if home is None:
+                r_free[b] = segs[i].recompute_s
             else:
-                values = (max(F, SO), max(F, X, SO), max(F + X, SO), max(G, SI), max(G, SI, off),
-                          max(G, X + SI, off), max(G + off, SI), max(G + X + off, X + SI))
-            for name, v in zip(names, values):
-                cases[name][c] = v
-        for name, values in cases.items():
-            acc = [0.0]
-            for v in values:
-                acc.append(acc[-1] + v)
-            setattr(self, name, acc)
-        self.V = model.V_prefix
+                R[b, home] = segs[i].recompute_s
+                WO[b, home], WI[b, home] = swap_times(segs[i], hw)
+                host[b] = segs[i].saved_bytes
+        ck, sw = ckpt.to(f64), swap.to(f64)
+        F = torch.tensor(base.F, dtype=f64)[None, :].expand(n, N)
+        G = torch.tensor(base.G, dtype=f64)[None, :] + ck @ R
+        SO, SI = sw @ WO, sw @ WI
+        self.free = base.F_free + base.G_free + ck @ r_free
+        self.swap_host_bytes = (swap.to(i64) * host).sum(1)
+
+        X, Y = model.X, model.Y
+        off = Y * torch.tensor(model.has_grad, dtype=f64)
+        mx = torch.maximum
+        if model.async_copies:
+            cases = (mx(F, SO), mx(mx(F, SO), F.new_tensor(X)), mx(F + X, SO), mx(G, SI), mx(mx(G, SI), off),
+                     mx(mx(G, X + SI), off), mx(G + off, SI), mx(G + X + off, X + SI))
+        else:
+            cases = (F + SO, F + SO + X, F + SO + X, G + SI, G + SI + off, G + SI + X + off, G + SI + off,
+                     G + SI + X + off)
+        self.special = [c for c in range(N) if c == 0 or base.extra[c]]
+        zero = torch.zeros(n, 1, dtype=f64)
+        prefixes = []
+        for v in cases:
+            v = v.clone()
+            v[:, self.special] = 0.0
+            prefixes.append(torch.cat([zero, torch.cumsum(v, 1)], 1))
+        (self.fP, self.fS2, self.fS1, self.bP, self.bSin2, self.bSout2, self.bSin1, self.bSout1) = prefixes
+        self.G, self.SO, self.SI = G, SO, SI
+        V = torch.tensor([0.0] + model.V, dtype=f64)
+        self.V = torch.cumsum(V, 0)
+        self.model = model
+
+    def phases(self, B: Tensor) -> Tensor:
+        """T_f + T_b + device Adam for row l and n_persist p with B[l, p] buffers in use
+        (B: int64 [layouts, N+1]; entries with p + B > N are meaningless)."""
+        m = self.model
+        N, X, Y = m.N, m.X, m.Y
+        n = B.shape[0]
+        f64 = torch.float64
+        p = torch.arange(N + 1)[None, :].expand(n, N + 1)
+        two = B >= 2
+        cut = torch.maximum(p, N - B).clamp(max=N)
+        end = torch.full_like(p, N)
+
+        def span(a2: Tensor, a1: Tensor, lo: Tensor, hi: Tensor) -> Tensor:  # chunks lo <= c < hi
+            return torch.where(two, a2.gather(1, hi) - a2.gather(1, lo), a1.gather(1, hi) - a1.gather(1, lo))
+
+        t = (self.free[:, None] + self.fP + span(self.fS2, self.fS1, p, end) + self.bP
+             + span(self.bSout2, self.bSout1, p, cut) + span(self.bSin2, self.bSin1, cut, end) + self.V[None, :])
+        mx = torch.maximum
+        extra_of = m._base.extra
+        for c in self.special:
+            streamed = p <= c
+            extra = torch.tensor([sum(1 for e in extra_of[c] if e >= q) for q in range(N + 1)], dtype=f64)[None, :]
+            F = torch.tensor(m._base.F[c], dtype=f64)
+            G, SO, SI = self.G[:, c:c + 1], self.SO[:, c:c + 1], self.SI[:, c:c + 1]
+            # forward, as _t_fwd
+            up = X * (extra + streamed)
+            if not m.async_copies:
+                t = t + F + SO + up
+            else:
+                hidden = (up > 0) & two if c > 0 else torch.zeros_like(two)
+                t = t + torch.where(hidden, mx(mx(F, up), SO), mx(F + up, SO))
+            # backward, as _t_bwd
+            up = X * (extra + (streamed & (c < N - B)))
+            off = streamed.to(f64) * (Y if m.has_grad[c] else 0.0)
+            if not m.async_copies:
+                t = t + G + SI + up + off
+            else:
+                t = t + torch.where(~streamed, mx(G, SI + up),
+                                    torch.where(two, mx(mx(G, up + SI), off), mx(G + up + off, up + SI)))
+        return t
 
 
 def estimate_runtime(profile: Profile, plan: Plan) -> RuntimeEstimate:

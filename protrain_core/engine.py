@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from contextlib import contextmanager
 
 import torch
@@ -10,6 +12,7 @@ from torch import Tensor, nn
 from protrain_core.activations import (
     ActivationManager,
     BlockActivations,
+    BlockMode,
     check_activation_plan,
     describe_modes,
     interleaved_modes,
@@ -19,7 +22,7 @@ from protrain_core.chunk import Chunk
 from protrain_core.device import DeviceContext, resolve_device
 from protrain_core.host_pool import HostPool, available_host_bytes, check_host_memory, should_pin
 from protrain_core.layout import ChunkLayout, build_layout, unit_chunks, with_persistence
-from protrain_core.optim import ChunkOptimizer, check_optimizer
+from protrain_core.optim import ChunkOptimizer, ClipAlgorithm, GradientClipping, check_optimizer, parse_gradient_clipping
 from protrain_core.plan import Plan
 from protrain_core.profiles import Profile
 from protrain_core.profiler import profile_model
@@ -41,6 +44,8 @@ def wrap(
     chunk_size: int | None = None,
     example_inputs=None,
     loss_fn=None,
+    step_fn=None,
+    gradient_clipping: tuple[str, float] | None = None,
     profile_cache: bool = True,
     reprofile: bool = False,
     check_invariants: bool = False,
@@ -57,7 +62,7 @@ def wrap(
             (``engine.explain()`` says why).
         memory_budget: device memory the plan may use (plan=None only): bytes, or a string such
             as "20GiB" or "500MB". Default: see ``default_memory_budget``.
-        precision: "32-true", "bf16-mixed" or "16-mixed".
+        precision: "32-true", "bf16-mixed", "16-mixed" or "bf16-true".
         device: the compute device; None means CUDA when available, else the CPU.
         blocks: the transformer blocks (ModuleList or dotted name) when discovery fails.
         chunk_size: chunk size in elements; None runs the waste-minimising grid search.
@@ -65,6 +70,11 @@ def wrap(
             execution order on the meta device (Hugging Face models need none for that) and,
             with plan=None, is what the profiler runs -- a real batch of the real shape.
         loss_fn: ``loss_fn(output) -> scalar`` for profiling; default ``output.loss``.
+        step_fn: ``step_fn(module, example_inputs) -> loss`` (or ``(loss, kept_alive)``) for profiling, instead of calling
+            the module and ``loss_fn`` (e.g. a LightningModule's ``training_step``).
+        gradient_clipping: ``("norm", max_norm)`` or ``("value", clip_value)``, applied to the
+            gradients before every update exactly as ``torch.nn.utils.clip_grad_norm_`` /
+            ``clip_grad_value_`` would (see ``Engine.set_gradient_clipping``).
         profile_cache: reuse a profile cached on disk for the same model, batch shape,
             precision and hardware (``protrain_core.profiles.cache_dir()``).
         reprofile: profile again even when a cached profile exists.
@@ -73,6 +83,8 @@ def wrap(
     # Everything that can be wrong with the arguments is checked before memory is touched.
     prec = parse_precision(precision)
     dev = resolve_device(device)
+    if gradient_clipping is not None:
+        parse_gradient_clipping(*gradient_clipping)
     if isinstance(plan, dict):
         plan = Plan.from_dict(plan)
     if plan is not None and not isinstance(plan, Plan):
@@ -94,9 +106,12 @@ def wrap(
     choice = profile = None
     if plan is None:
         profile = profile_model(
-            model, optimizer, layout, example_inputs=example_inputs, loss_fn=loss_fn, precision=prec,
-            device=dev, cache=profile_cache, reprofile=reprofile,
+            model, optimizer, layout, example_inputs=example_inputs, loss_fn=loss_fn, step_fn=step_fn,
+            precision=prec, device=dev, cache=profile_cache, reprofile=reprofile,
         )
+        if gradient_clipping is not None and gradient_clipping[0] == "norm":
+            # The global norm needs every gradient before any update: Adam waits for step().
+            profile = dataclasses.replace(profile, adam_in_backward=False)
         choice = search(profile, budget, host_budget=default_host_budget(dev))
         plan = choice.plan
     check_activation_plan(len(block_list), plan.n_swap, plan.n_checkpoint)
@@ -113,6 +128,8 @@ def wrap(
         )
     engine = Engine(model, optimizer, with_persistence(layout, plan.n_persist), plan, prec, dev, check_invariants)
     engine.profile, engine.choice = profile, choice
+    if gradient_clipping is not None:
+        engine.set_gradient_clipping(*gradient_clipping)
     return engine
 
 
@@ -155,6 +172,7 @@ def profile(
     blocks: nn.ModuleList | str | None = None,
     chunk_size: int | None = None,
     loss_fn=None,
+    step_fn=None,
     iterations: int = 3,
     cache: bool = True,
     reprofile: bool = False,
@@ -165,8 +183,8 @@ def profile(
     dev = resolve_device(device)
     _, _, layout = _prepare(model, optimizer, blocks, chunk_size, example_inputs)
     return profile_model(
-        model, optimizer, layout, example_inputs=example_inputs, loss_fn=loss_fn, precision=prec, device=dev,
-        iterations=iterations, cache=cache, reprofile=reprofile,
+        model, optimizer, layout, example_inputs=example_inputs, loss_fn=loss_fn, step_fn=step_fn, precision=prec,
+        device=dev, iterations=iterations, cache=cache, reprofile=reprofile,
     )
 
 
@@ -229,9 +247,7 @@ class Engine:
         self._no_sync = False
         self._closed = False
         self._optim = ChunkOptimizer(optimizer, compute_is_master=not precision.is_mixed)
-        # fp16 must see every gradient before any update (inf/nan skips the whole step), so its
-        # Adam runs at step(); otherwise streamed chunks are updated during backward.
-        self.overlap = "cpu-adam-during-backward" if self.scaler is None else "deferred-to-step (fp16 overflow check)"
+        self.last_grad_norm: Tensor | None = None  # total norm before clipping (norm clipping)
 
         params = dict(module.named_parameters())
         self.chunks: list[Chunk] = [
@@ -257,16 +273,14 @@ class Engine:
             self._optim,
             n_buffer=n_buffer,
             mixed=precision.is_mixed,
-            eager_update=self.scaler is None,
             check_invariants=check_invariants,
         )
+        self._set_update_mode()
         units = self._units(n_buffer)
         self.runtime.register(units)
         blocks = list(module.get_submodule(layout.block_path))
-        self.block_modes = interleaved_modes(len(blocks), plan.n_swap, plan.n_checkpoint)
-        self.activations = ActivationManager(blocks, self.block_modes, self.ctx)
-        static = [t for c in self.chunks for t in (c.param_dev, c.param_host, c.master) if t is not None]
-        self.activations.install(static + list(module.buffers()))
+        self.activations = None
+        self._set_block_modes(interleaved_modes(len(blocks), plan.n_swap, plan.n_checkpoint))
         self._autocast_handles = self._register_autocast() if precision.is_mixed else []
         if optimizer.state and not profiling:
             # The optimizer already stepped: carry its state into the chunks.
@@ -278,29 +292,50 @@ class Engine:
         self.choice: PlanChoice | None = None
 
     # ----- construction -------------------------------------------------------------------
+    def _set_block_modes(self, modes: tuple[BlockMode, ...]) -> None:
+        """Install an activation manager with these block modes (replacing the current one; the
+        profiler times a profiling engine's blocks both checkpointed and swapped)."""
+        observer = None
+        if self.activations is not None:
+            observer = self.activations.observer
+            self.activations.remove()
+        blocks = list(self.module.get_submodule(self.layout.block_path))
+        self.block_modes = modes
+        self.activations = ActivationManager(blocks, modes, self.ctx)
+        self.activations.observer = observer
+        static = [t for c in self.chunks for t in (c.param_dev, c.param_host, c.master) if t is not None]
+        self.activations.install(static + list(self.module.buffers()))
+
+    def _state_sizes(self, c: Chunk) -> list[tuple[int, torch.dtype]]:
+        """(numel, dtype) of a chunk's model states, in host-pool order: master, compute copy
+        (mixed precision only; otherwise the master is the compute copy), gradient accumulator,
+        Adam states. The same on the device for a persistent chunk; profiler.chunk_facts
+        mirrors these bytes."""
+        size, cdt, mdt = self.layout.chunk_size, self.precision.compute_dtype, self.precision.master_dtype
+        out = [(size, mdt)] + ([(size, cdt)] if self.precision.is_mixed else [])
+        if c.grad_members:
+            out.append((size, mdt))
+        if c.opt_members:
+            out += [(size, mdt)] * (3 if self._optim.amsgrad else 2)
+        return out
+
     def _allocate(self) -> None:
         size = self.layout.chunk_size
         cdt = self.precision.compute_dtype
-        fp32 = torch.float32
+        mdt = self.precision.master_dtype  # master weights, gradient accumulator, Adam states
         amsgrad = self._optim.amsgrad
         mixed = self.precision.is_mixed
         dev = self.device
 
-        def host_needs(c: Chunk) -> list[tuple[int, torch.dtype]]:
-            out = [(size, fp32)] + ([(size, cdt)] if mixed else [])  # master, compute copy
-            if c.grad_members:
-                out.append((size, fp32))  # grad_acc
-            if c.opt_members:
-                out += [(size, fp32)] * (3 if amsgrad else 2)
-            return out
-
-        streamed = [c for c in self.chunks if not c.persistent]
-        sizes = [s for c in streamed for s in host_needs(c)]
+        sizes = [s for c in self.chunks if not c.persistent for s in self._state_sizes(c)]
         host_bytes = sum(n * d.itemsize for n, d in sizes)
-        device_bytes = 0 if dev.type == "cuda" else self._persistent_bytes()
+        # A CPU "device" is host memory too.
+        device_bytes = 0 if dev.type == "cuda" else sum(
+            n * d.itemsize for c in self.chunks if c.persistent for n, d in self._state_sizes(c)
+        )
         check_host_memory(host_bytes + device_bytes, "offloaded model states")
         self.host_pool = HostPool(sizes, pin=should_pin(dev))
-        zeros = lambda: torch.zeros(size, dtype=fp32, device=dev)  # noqa: E731
+        zeros = lambda: torch.zeros(size, dtype=mdt, device=dev)  # noqa: E731
 
         with torch.no_grad():
             for c in self.chunks:
@@ -309,31 +344,27 @@ class Engine:
                     c.master = zeros() if mixed else c.param_dev
                     c.grad_acc = zeros() if c.grad_members else None
                 else:
-                    c.master = self.host_pool.take(size, fp32)
+                    c.master = self.host_pool.take(size, mdt)
                     c.param_host = self.host_pool.take(size, cdt) if mixed else c.master
-                    c.grad_acc = self.host_pool.take(size, fp32) if c.grad_members else None
+                    c.grad_acc = self.host_pool.take(size, mdt) if c.grad_members else None
                     c.param_dev = torch.empty(size, dtype=cdt, device=dev)
                     c.param_dev.untyped_storage().resize_(0)
                 if c.opt_members:
-                    take = zeros if c.persistent else (lambda: self.host_pool.take(size, fp32))
+                    take = zeros if c.persistent else (lambda: self.host_pool.take(size, mdt))
                     c.exp_avg, c.exp_avg_sq = take(), take()
                     c.max_exp_avg_sq = take() if amsgrad else None
                 steps_device = c.master.device
-                c.steps = [torch.zeros((), dtype=fp32, device=steps_device) for _ in c.params]
+                c.steps = [torch.zeros((), dtype=torch.float32, device=steps_device) for _ in c.params]
                 for i, p in enumerate(c.params):
-                    c.view(c.master, i).copy_(p.detach())
+                    c.view(c.master, i).copy_(p.detach())  # an fp32 model is rounded to bf16 in bf16-true
                 compute = c.param_dev if c.persistent else c.param_host
                 if compute is not c.master:
                     compute.copy_(c.master)
                 c.point_params_at(compute)
             for b in self.module.buffers():
-                b.data = b.data.to(dev)
-
-    def _persistent_bytes(self) -> int:
-        size = self.layout.chunk_size
-        cdt = self.precision.compute_dtype.itemsize
-        per = size * (cdt + 4 * 4 + (4 if self.precision.is_mixed else 0))
-        return per * self.layout.n_persist
+                # bf16-true runs the module as model.to(torch.bfloat16) would: floating buffers too.
+                low = self.precision is Precision.BF16_TRUE and b.is_floating_point()
+                b.data = b.data.to(dev, dtype=cdt if low else b.dtype)
 
     def _units(self, n_buffer: int) -> dict[nn.Module, tuple[int, ...]]:
         """Hooked modules -> the chunks their forward needs (streamed chunks only matter)."""
@@ -370,7 +401,8 @@ class Engine:
 
     # ----- training -----------------------------------------------------------------------
     def backward(self, loss: Tensor) -> None:
-        """Backward through the managed model; streamed chunks are updated while it runs."""
+        """Backward through the managed model; streamed chunks are updated while it runs
+        (unless Adam waits for step(): see ``overlap``)."""
         self._check_open()
         self.runtime.begin_backward(boundary=not self._no_sync)
         self.activations.begin_backward()
@@ -381,6 +413,56 @@ class Engine:
         finally:
             self.activations.end_backward()
             self.runtime.end_backward()
+
+    def set_gradient_clipping(self, algorithm: str | None, value: float | None = None, norm_type: float = 2.0) -> None:
+        """Clip the gradients before every update exactly as plain PyTorch would with
+        ``torch.nn.utils.clip_grad_norm_(params, value, norm_type)`` ("norm") or
+        ``clip_grad_value_(params, value)`` ("value") over the optimizer's parameters, on the
+        gradients Adam reads (fp32 in mixed precision, after fp16 unscaling); None turns it off.
+
+        "value" is elementwise: each chunk is clamped right before its own Adam, so streamed
+        chunks are still updated during backward. "norm" needs the global norm before any
+        update: every chunk's Adam waits for step() (the CPU Adam no longer overlaps backward;
+        ``overlap`` says so) and ``last_grad_norm`` holds the total norm before clipping.
+        Call it between steps; setting the current value again is a no-op at any time.
+        """
+        self._check_open()
+        clipping = parse_gradient_clipping(algorithm, value, norm_type)
+        if clipping == self._optim.clipping:
+            return
+        if self.runtime.phase is not Phase.IDLE:
+            raise RuntimeError("engine.set_gradient_clipping() was called during backward; call it between steps.")
+        if any(c.updated_this_step for c in self.chunks):
+            raise RuntimeError(
+                "Gradient clipping changed between engine.backward() and engine.step(), but ProTrain "
+                "already updated offloaded chunks during backward with the previous setting. Change "
+                "it after engine.step(), before the next backward."
+            )
+        self.runtime.wait_all()  # no update in flight reads the setting
+        self._optim.clipping = clipping
+        self.last_grad_norm = None
+        self._set_update_mode()
+
+    @property
+    def gradient_clipping(self) -> GradientClipping | None:
+        return self._optim.clipping
+
+    def _set_update_mode(self) -> None:
+        # fp16 (an inf/nan anywhere skips the whole step) and norm clipping (one factor for all
+        # gradients) must see every gradient before any update, so Adam runs at step();
+        # otherwise streamed chunks are updated during backward.
+        reasons = []
+        if self.scaler is not None:
+            reasons.append("fp16 overflow check")
+        if self._clips_norm:
+            reasons.append("gradient norm clipping")
+        self.runtime.eager_update = not reasons
+        self.overlap = f"deferred-to-step ({', '.join(reasons)})" if reasons else "cpu-adam-during-backward"
+
+    @property
+    def _clips_norm(self) -> bool:
+        clipping = self._optim.clipping
+        return clipping is not None and clipping.algorithm is ClipAlgorithm.NORM
 
     @contextmanager
     def no_sync(self):
@@ -403,15 +485,20 @@ class Engine:
                 "engine.step(), but ProTrain already applied the backward-time values to the "
                 "offloaded chunks. Change lr (e.g. scheduler.step()) after engine.step()."
             )
+        found_inf = None
+        if self.scaler is not None or self._clips_norm:
+            self.runtime.wait_all()  # every gradient is in its accumulator, none was used yet
         if self.scaler is not None:
-            self.runtime.wait_all()
             found_inf = self._unscale_and_check()
             self.scaler.update(found_inf)
-            if found_inf.item():
-                for c in self.chunks:
-                    c.updated_this_step = False
-                self._after_step()
-                return
+        if self._clips_norm:
+            # Also on a skipped fp16 step: the norm is then inf/nan, as clip_grad_norm_ reports it.
+            self.last_grad_norm = self._optim.clip_grad_norm(self._slot_of, self.device)
+        if found_inf is not None and found_inf.item():
+            for c in self.chunks:
+                c.updated_this_step = False
+            self._after_step()
+            return
         self.runtime.step(hps)
         self._after_step()
 
@@ -437,7 +524,7 @@ class Engine:
 
     # ----- state --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Tensor]:
-        """fp32 weights (and buffers) under the model's own names, on the CPU."""
+        """Master weights (fp32; bf16 in bf16-true) and buffers under the model's own names, on the CPU."""
         self.runtime.wait_all()
         out = {}
         for key, t in self.module.state_dict(keep_vars=True).items():
@@ -515,9 +602,28 @@ class Engine:
         """Why this plan: predicted step time by phase, memory breakdown, bottleneck
         (for a searched plan; an explicit plan is reported as given)."""
         if self.choice is None:
-            return (f"ProTrain plan: {self.plan} (given explicitly; wrap(plan=None, memory_budget=...) "
+            text = (f"ProTrain plan: {self.plan} (given explicitly; wrap(plan=None, memory_budget=...) "
                     "profiles the model and searches the fastest plan that fits)")
-        return self.choice.explain()
+        else:
+            text = self.choice.explain()
+        if self._optim.clipping is None:
+            return text
+        clipping = self._clipping_line()
+        if self._clips_norm and self.profile is not None and self.profile.adam_in_backward:
+            clipping += ("; this plan was searched assuming the overlap: wrap(..., gradient_clipping=('norm', "
+                         "max_norm)) searches with Adam at step()")
+        return f"{text}\n{clipping}"
+
+    def _clipping_line(self) -> str:
+        clip = self._optim.clipping
+        if clip is None:
+            return "gradient clipping: off"
+        if clip.algorithm is ClipAlgorithm.VALUE:
+            return (f"gradient clipping by value ({clip.value:g}): elementwise, per chunk before its Adam; "
+                    "the CPU Adam still overlaps backward")
+        return (f"gradient clipping by norm (max_norm {clip.value:g}, {clip.norm_type:g}-norm): the global norm "
+                "needs every gradient before any update, so the CPU Adam of offloaded chunks runs at step() "
+                "instead of overlapping backward")
 
     def summary(self) -> str:
         mib = 2**20
@@ -525,6 +631,7 @@ class Engine:
             [
                 f"ProTrain engine: {self.plan}, precision={self.precision.value}, device={self.device}",
                 f"optimizer: {type(self.optimizer).__name__} per chunk; overlap: {self.overlap}",
+                self._clipping_line(),
                 f"activations per block: {describe_modes(self.block_modes)}",
                 f"device model-state bytes now {self.device_bytes() / mib:.2f} MiB "
                 f"(bound {self.runtime.device_bytes_bound() / mib:.2f} MiB); "
@@ -535,7 +642,7 @@ class Engine:
 
     def close(self) -> None:
         """Remove the hooks and stop the worker. The parameters keep their current values, as
-        views of the fp32 master weights (on the device for persistent chunks, else host)."""
+        views of the master weights (on the device for persistent chunks, else host)."""
         if self._closed:
             return
         self.runtime.wait_all()

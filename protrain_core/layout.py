@@ -110,6 +110,17 @@ def _meta_inputs(example_inputs):
     return (to_meta(example_inputs),), {}
 
 
+def _is_hf_lm(model: nn.Module) -> bool:
+    return hasattr(model, "config") and hasattr(model.config, "vocab_size")
+
+
+def _inner_hf_lm(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The one outermost Hugging Face language model inside ``model``, if there is exactly one."""
+    found = [(n, m) for n, m in model.named_modules() if n and _is_hf_lm(m)]
+    outer = [(n, m) for n, m in found if not any(n.startswith(o + ".") for o, _ in found)]
+    return outer[0] if len(outer) == 1 else None
+
+
 def execution_order(model: nn.Module, example_inputs=None) -> tuple[list[str], str]:
     """Names of the modules that own parameters directly, in order of first call.
 
@@ -119,7 +130,17 @@ def execution_order(model: nn.Module, example_inputs=None) -> tuple[list[str], s
     impossible the module registration order is used, with a warning.
     """
     owners = [n for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
-    if hasattr(model, "config") and hasattr(model.config, "vocab_size"):
+    if not _is_hf_lm(model):
+        inner = _inner_hf_lm(model)
+        if inner is not None:
+            # A wrapper (a LightningModule, a user's module) around one Hugging Face causal LM:
+            # trace the LM with its own default inputs (the wrapper's inputs, a training batch,
+            # need not be the LM's); the wrapper's own parameters come after it.
+            name, lm = inner
+            order, how = execution_order(lm, None)
+            called = [f"{name}.{n}" if n else name for n in order]
+            return called + [n for n in owners if n not in set(called)], how
+    if _is_hf_lm(model):
         # use_cache=True: without a cache, Hugging Face's mask code checks position_ids for packed
         # sequences, a data-dependent test that cannot run on meta tensors. The loss (labels) does
         # not use parameters in an order of its own.

@@ -3,10 +3,15 @@
 The user's optimizer object stays the one the user (or Lightning) holds: its ``param_groups``
 are read at every step, so schedulers that change ``lr`` keep working, and its
 ``state_dict()`` format is what ``Engine.optimizer_state_dict`` produces. Its own ``state``
-stays empty: moments live in the chunks, next to the fp32 master weights.
+stays empty: moments live in the chunks, next to the master weights.
 """
 
 from __future__ import annotations
+
+import enum
+import math
+import numbers
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -35,11 +40,47 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     return decoupled
 
 
+class ClipAlgorithm(enum.Enum):
+    NORM = "norm"  # torch.nn.utils.clip_grad_norm_: scale every gradient by one global factor
+    VALUE = "value"  # torch.nn.utils.clip_grad_value_: clamp every element
+
+
+@dataclass(frozen=True, kw_only=True)
+class GradientClipping:
+    """Clipping applied to the gradients before every update (``parse_gradient_clipping``)."""
+
+    algorithm: ClipAlgorithm
+    value: float  # max_norm (NORM) or clip_value (VALUE)
+    norm_type: float = 2.0  # p of the p-norm (NORM only); inf for the largest magnitude
+
+
+def parse_gradient_clipping(algorithm: str | None, value: float | None = None, norm_type: float = 2.0) -> GradientClipping | None:
+    """Validate a clipping setting (``None`` turns clipping off)."""
+    if algorithm is None:
+        return None
+    if algorithm not in ("norm", "value"):
+        raise ValueError(
+            f"Gradient clipping algorithm must be 'norm' (torch.nn.utils.clip_grad_norm_) or 'value' "
+            f"(clip_grad_value_), or None to turn clipping off; got {algorithm!r}."
+        )
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        what = "max_norm" if algorithm == "norm" else "clip_value"
+        raise ValueError(
+            f"Gradient clipping by {algorithm} needs a finite {what} > 0, got {value!r}; pass "
+            "algorithm=None to turn clipping off."
+        )
+    if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real) or not norm_type > 0:
+        raise ValueError(f"norm_type must be a number > 0 (2.0 for the Euclidean norm, float('inf') for the max), got {norm_type!r}.")
+    return GradientClipping(algorithm=ClipAlgorithm(algorithm), value=float(value), norm_type=float(norm_type))
+
+
 class ChunkOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, *, compute_is_master: bool) -> None:
         self.optimizer = optimizer
         self.decoupled = check_optimizer(optimizer)
-        self.compute_is_master = compute_is_master  # fp32 compute: no low-precision copy
+        self.compute_is_master = compute_is_master  # no separate compute copy to refresh
+        # Read by update() on the CPU worker: changed only while no update is in flight.
+        self.clipping: GradientClipping | None = None
         self.group_of: dict[int, int] = {}
         for g, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
@@ -71,15 +112,22 @@ class ChunkOptimizer:
 
         Runs on the device for persistent chunks (main thread) and on the host for streamed
         chunks (CPU worker). Params without a gradient are skipped, as torch.optim does.
+        Clipping by value is elementwise, so it is applied here, chunk by chunk.
         """
+        clip = self.clipping
         for g, members in chunk.opt_members.items():
             selected = [i for i in members if chunk.received[i]]
             if not selected:
                 continue
             v = chunk.view
+            grads = [v(chunk.grad_acc, i) for i in selected]
+            if clip is not None and clip.algorithm is ClipAlgorithm.VALUE:
+                # clip_grad_value_: grad = min(max(grad, -value), value), the same foreach calls.
+                torch._foreach_clamp_min_(grads, -clip.value)
+                torch._foreach_clamp_max_(grads, clip.value)
             adam_step(
                 [v(chunk.master, i) for i in selected],
-                [v(chunk.grad_acc, i) for i in selected],
+                grads,
                 [v(chunk.exp_avg, i) for i in selected],
                 [v(chunk.exp_avg_sq, i) for i in selected],
                 [v(chunk.max_exp_avg_sq, i) for i in selected] if hps[g].amsgrad else [],
@@ -90,6 +138,38 @@ class ChunkOptimizer:
                 chunk.initialized[i] = True
         if not self.compute_is_master:
             copy_to_low_precision(chunk.param_dev if chunk.persistent else chunk.param_host, chunk.master)
+
+    def clip_grad_norm(self, slot_of: dict[int, tuple[Chunk, int]], device: torch.device) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters (self.clipping is
+        NORM); returns the total norm before clipping, on ``device``. Needs every gradient in
+        its chunk's accumulator and no update of this step yet.
+
+        Same arithmetic as torch's: per-tensor norms (``_foreach_norm`` of each gradient with its
+        own shape, computed where it lives, device or host), stacked in param-group order on the
+        device (where plain PyTorch keeps all gradients), total = vector_norm(stack);
+        coef = min(max_norm / (total + 1e-6), 1); every gradient *= coef.
+        """
+        clip = self.clipping
+        grads = []
+        for _, p in self._indexed_params():
+            chunk, i = slot_of[id(p)]
+            if chunk.received[i]:  # torch skips p.grad is None
+                grads.append(chunk.view(chunk.grad_acc, i))
+        if not grads:
+            return torch.tensor(0.0, device=device)
+        by_device: dict[torch.device, list[int]] = {}
+        for k, grad in enumerate(grads):
+            by_device.setdefault(grad.device, []).append(k)
+        norms: list[Tensor | None] = [None] * len(grads)
+        for ks in by_device.values():
+            local = torch.stack(torch._foreach_norm([grads[k] for k in ks], clip.norm_type)).to(device)
+            for k, norm in zip(ks, local):  # one transfer per device, then back in param order
+                norms[k] = norm
+        total = torch.linalg.vector_norm(torch.stack(norms), clip.norm_type)
+        coef = torch.clamp(clip.value / (total + 1e-6), max=1.0)
+        for grad_device, ks in by_device.items():
+            torch._foreach_mul_([grads[k] for k in ks], coef.to(grad_device))
+        return total
 
     # ----- torch.optim state-dict format --------------------------------------------------
     def _indexed_params(self):

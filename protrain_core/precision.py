@@ -11,6 +11,7 @@ from torch import Tensor
 
 class Precision(enum.Enum):
     FP32 = "32-true"  # fp32 compute, the parameters are the master weights
+    BF16_TRUE = "bf16-true"  # bf16 parameters (= master), gradients and Adam states, no autocast
     BF16_MIXED = "bf16-mixed"  # bf16 compute copy + autocast, fp32 master and Adam states
     FP16_MIXED = "16-mixed"  # fp16 compute copy + autocast, fp32 master, dynamic loss scaling
 
@@ -18,18 +19,27 @@ class Precision(enum.Enum):
     def compute_dtype(self) -> torch.dtype:
         return {
             Precision.FP32: torch.float32,
+            Precision.BF16_TRUE: torch.bfloat16,
             Precision.BF16_MIXED: torch.bfloat16,
             Precision.FP16_MIXED: torch.float16,
         }[self]
 
     @property
+    def master_dtype(self) -> torch.dtype:
+        """Dtype of what the optimizer reads and writes: master weights, accumulated gradients
+        and Adam states (bf16 in bf16-true, as ``torch.optim.AdamW`` on a bf16 module keeps them)."""
+        return torch.bfloat16 if self is Precision.BF16_TRUE else torch.float32
+
+    @property
     def is_mixed(self) -> bool:
-        return self is not Precision.FP32
+        """A compute-dtype copy of fp32 master weights, run under autocast."""
+        return self in (Precision.BF16_MIXED, Precision.FP16_MIXED)
 
 
 _ALIASES = {
     "32-true": Precision.FP32,
     "32": Precision.FP32,
+    "bf16-true": Precision.BF16_TRUE,
     "bf16-mixed": Precision.BF16_MIXED,
     "bf16": Precision.BF16_MIXED,
     "16-mixed": Precision.FP16_MIXED,
@@ -41,15 +51,16 @@ def parse_precision(precision: str | Precision) -> Precision:
     if isinstance(precision, Precision):
         return precision
     key = str(precision)
-    if key in ("bf16-true", "16-true", "64-true", "64", "transformer-engine"):
+    if key in ("16-true", "64-true", "64", "transformer-engine"):
         raise ValueError(
-            f"precision={precision!r} is not supported by ProTrain yet: it keeps fp32 master "
-            "weights and Adam states. Use precision='bf16-mixed' (bf16 compute, fp32 master; "
-            "host memory holds 4+4+4+4+2 bytes per offloaded parameter) or '32-true'."
+            f"precision={precision!r} is not supported by ProTrain yet. Use precision='bf16-mixed' "
+            "(bf16 compute, fp32 master; host memory holds 4+4+4+4+2 bytes per offloaded "
+            "parameter), 'bf16-true' (bf16 weights, gradients and Adam states: 2+2+2+2 bytes) "
+            "or '32-true'."
         )
     if key not in _ALIASES:
         raise ValueError(
-            f"Unknown precision {precision!r}; choose one of '32-true', 'bf16-mixed', '16-mixed'."
+            f"Unknown precision {precision!r}; choose one of '32-true', 'bf16-true', 'bf16-mixed', '16-mixed'."
         )
     return _ALIASES[key]
 

@@ -17,7 +17,12 @@ without profiling:
      boundaries come from hooks (block forward pre/post hooks; gradient hooks on block inputs
      and outputs for backward; the activation manager's recomputation observer);
   3. timing, ``iterations`` times without the dispatch mode: the same boundaries with a
-     device synchronisation each, median per segment.
+     device synchronisation each, median per segment;
+  4. without asynchronous copies (a CPU device) the timing again with every block *swapped*:
+     there the swap copies add to the block's forward and backward, by an amount the copy
+     bandwidth does not predict well (allocation of the copies, per-tensor hook work), so
+     it is measured per block. On CUDA a copy stream overlaps compute and swapping every
+     block would need host memory for all activations: the bandwidth model is used.
 Static facts (chunk sizes, trainable elements, the bytes of a chunk when persistent or
 streamed) are computed from the layout, not measured. See ``profiles.py`` for the fields.
 """
@@ -37,6 +42,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import protrain_core
+from protrain_core.activations import BlockMode
 from protrain_core.layout import ChunkLayout, unit_chunks, with_persistence
 from protrain_core.memtrack import LiveStorageTracker
 from protrain_core.plan import Plan
@@ -88,17 +94,18 @@ def chunk_facts(layout: ChunkLayout, model: nn.Module, optimizer: torch.optim.Op
     params = dict(model.named_parameters())
     optimized = {id(p) for g in optimizer.param_groups for p in g["params"]}
     amsgrad = any(g.get("amsgrad", False) for g in optimizer.param_groups)
-    S, cb, mixed = layout.chunk_size, precision.compute_dtype.itemsize, precision.is_mixed
+    S, cb, mb, mixed = layout.chunk_size, precision.compute_dtype.itemsize, precision.master_dtype.itemsize, precision.is_mixed
     trainable, has_grad, persist, host = [], [], [], []
     for spec in layout.chunks:
         ps = [params[m.name] for m in spec.members]
         grad = any(p.requires_grad for p in ps)
         opt = sum(p.numel() for p in ps if p.requires_grad and id(p) in optimized)
-        states = (3 if amsgrad else 2) * 4 * S if opt else 0
+        states = (3 if amsgrad else 2) * mb * S if opt else 0
         trainable.append(opt)
         has_grad.append(grad)
-        persist.append(S * cb + (4 * S if mixed else 0) + (4 * S if grad else 0) + states)
-        host.append(4 * S + (S * cb if mixed else 0) + (4 * S if grad else 0) + states)
+        # Without mixed precision the compute copy is the master (cb == mb).
+        persist.append(S * cb + (mb * S if mixed else 0) + (mb * S if grad else 0) + states)
+        host.append(mb * S + (S * cb if mixed else 0) + (mb * S if grad else 0) + states)
     return tuple(trainable), tuple(has_grad), tuple(persist), tuple(host)
 
 
@@ -399,6 +406,7 @@ def profile_model(
     *,
     example_inputs,
     loss_fn=None,
+    step_fn=None,
     precision: Precision,
     device: torch.device,
     iterations: int = 3,
@@ -413,7 +421,13 @@ def profile_model(
 
     loss_fn = loss_fn or default_loss
     inputs = to_device(example_inputs, device)
-    key = profile_key(model, optimizer, inputs, precision, device, layout, extra=getattr(loss_fn, "__qualname__", ""))
+    extra = getattr(step_fn or loss_fn, "__qualname__", "")
+    key = profile_key(model, optimizer, inputs, precision, device, layout, extra=extra)
+    if step_fn is None:
+        def step_fn(module, batch):
+            out = call(module, batch)
+            return loss_fn(out), out  # the output stays alive through backward, as in training
+
     reprofile = reprofile or os.environ.get("PROTRAIN_REPROFILE", "") not in ("", "0")
     if cache and not reprofile:
         cached = load_cached(key, cache_dir)
@@ -439,22 +453,35 @@ def profile_model(
     engine.activations._warned_cache = True  # the profiler's layout, not the user's choice
     bounds = _Boundaries(engine, blocks)
     timings: list[tuple[list[float], list[float], list[float]]] = []
+    swap_timings: list[tuple[list[float], list[float], list[float]]] = []
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            _one_pass(engine, bounds, inputs, loss_fn)  # warm-up
+            _one_pass(engine, bounds, inputs, step_fn)  # warm-up
             chunks = {s: tuple(sorted(c)) for s, c in bounds.chunks.items()}
             base = _base_bytes(engine, inputs, device)
-            mem, fragmentation = _memory_pass(engine, bounds, inputs, loss_fn, device)
+            mem, fragmentation = _memory_pass(engine, bounds, inputs, step_fn, device)
             for _ in range(max(1, iterations)):
-                _one_pass(engine, bounds, inputs, loss_fn)
+                _one_pass(engine, bounds, inputs, step_fn)
                 timings.append(bounds.durations())
+            if not hardware.async_copies and L:
+                engine._set_block_modes((BlockMode.SWAP,) * L)
+                engine.activations._warned_cache = True
+                _one_pass(engine, bounds, inputs, step_fn)  # warm-up: host buffers
+                for _ in range(max(1, iterations)):
+                    _one_pass(engine, bounds, inputs, step_fn)
+                    swap_timings.append(bounds.durations())
     finally:
         bounds.remove()
         engine.close()
     _check_blocks_called(bounds, L)
 
-    def med(i: int, s: int) -> float:
-        return statistics.median(t[i][s] for t in timings)
+    def med(i: int, s: int, runs=timings) -> float:
+        return statistics.median(t[i][s] for t in runs)
+
+    def swap_cost(i: int, s: int) -> float | None:
+        if not swap_timings or not 0 < s < K - 1:
+            return None
+        return max(0.0, med(i, s, swap_timings) - med(i, s))
 
     K = L + 2
     segments = []
@@ -475,6 +502,8 @@ def profile_model(
                 fwd_peak_bytes=max(0, mem.peaks[("forward", s)] - L_s),
                 bwd_peak_bytes=max(0, mem.peaks[("backward", s)] - L_s),
                 recompute_peak_bytes=max(0, mem.peaks[("recompute", s)] - L_s) if ("recompute", s) in mem.peaks else 0,
+                swap_out_s=swap_cost(0, s),
+                swap_in_s=swap_cost(1, s),
             )
         )
     n_params = sum(p.numel() for p in model.parameters())
@@ -505,20 +534,23 @@ def profile_model(
     return profile
 
 
-def _one_pass(engine, bounds: _Boundaries, inputs, loss_fn) -> None:
+def _one_pass(engine, bounds: _Boundaries, inputs, step_fn) -> None:
     bounds.reset()
-    out = call(engine.module, inputs)
-    loss = loss_fn(out)
+    bounds.mark("fwd", 0)  # also when step_fn calls a submodule, not the wrapped module itself
+    loss = step_fn(engine.module, inputs)
+    kept = None
+    if isinstance(loss, tuple):  # (loss, what the caller keeps alive until after backward)
+        loss, kept = loss
     bounds.mark("fwd_end")
     bounds.mark("bwd", bounds.L + 1)
     with engine.no_sync():
         engine.backward(loss)
     bounds.mark("bwd_end")
-    del out, loss
+    del loss, kept
     engine.zero_grad()
 
 
-def _memory_pass(engine, bounds: _Boundaries, inputs, loss_fn, device: torch.device):
+def _memory_pass(engine, bounds: _Boundaries, inputs, step_fn, device: torch.device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -532,7 +564,7 @@ def _memory_pass(engine, bounds: _Boundaries, inputs, loss_fn, device: torch.dev
     bounds.listener = mem.boundary
     try:
         with mode:
-            _one_pass(engine, bounds, inputs, loss_fn)
+            _one_pass(engine, bounds, inputs, step_fn)
     finally:
         bounds.listener = None
     fragmentation = 1.0

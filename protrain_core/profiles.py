@@ -22,6 +22,9 @@ block checkpointed, so that a model whose activations do not fit can still be pr
   bwd_peak_bytes        the most bytes during its backward (not counting recomputation), above
                         what the segments before it hold
   recompute_peak_bytes  the same during its recomputation (checkpointed blocks only)
+Without asynchronous copies (a CPU device) a block's swap cost is measured as well
+(``swap_out_s``, ``swap_in_s``: forward and backward with every block swapped, minus the same
+with every block checkpointed); on CUDA the cost model charges the copy bandwidth instead.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,11 @@ class Segment:
     fwd_peak_bytes: int
     bwd_peak_bytes: int
     recompute_peak_bytes: int
+    # Blocks, where copies do not overlap compute (a CPU device): what swapping its saved
+    # tensors adds to its forward (copies out) and backward (copies back), measured with every
+    # block swapped. None: charge the copy bandwidth (CUDA, where a separate stream copies).
+    swap_out_s: float | None = None
+    swap_in_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ Gradients: ``register_post_accumulate_grad_hook`` fires once per parameter and b
 after autograd summed the contributions of every use (a tied parameter too). The hook moves the
 gradient into the chunk's gradient buffer and clears ``.grad``. When every trainable parameter
 of a streamed chunk has its gradient, the buffer is offloaded to host memory and the CPU worker
-lands it in the fp32 accumulator and, at a gradient-accumulation boundary, runs Adam on the
-chunk while backward goes on. Nothing of the chunk is needed by backward after that point:
-autograd runs a parameter's accumulation only after every node that uses the parameter ran.
+lands it in the accumulator (fp32; bf16 in bf16-true) and, at a gradient-accumulation boundary,
+runs Adam on the chunk while backward goes on (unless Adam waits for step(): fp16, norm
+clipping). Nothing of the chunk is needed by backward after that point: autograd runs a parameter's accumulation only after every node that uses the parameter ran.
 A chunk that is still receiving gradients is never evicted.
 In mixed precision the offloaded gradients land in the chunk's host compute-dtype copy (no extra
 host memory); the worker folds them into the fp32 accumulator and then rewrites that copy from
@@ -56,7 +56,6 @@ class Runtime:
         *,
         n_buffer: int,
         mixed: bool,
-        eager_update: bool,
         check_invariants: bool,
     ) -> None:
         self.chunks = chunks
@@ -65,7 +64,7 @@ class Runtime:
         self.optim = optim
         self.n_buffer = n_buffer
         self.mixed = mixed
-        self.eager_update = eager_update  # Adam during backward (False: at step())
+        self.eager_update = True  # Adam during backward (False: at step(); the engine decides)
         self.check_invariants = check_invariants
         self.phase = Phase.IDLE
         self.boundary = True  # this backward is followed by step() (not inside no_sync)
@@ -80,7 +79,7 @@ class Runtime:
         # and +30 % backward). So Adam runs inline, at the same points; PROTRAIN_CPU_ADAM_THREAD=1
         # keeps the worker thread (the tests use it to exercise the threaded path on the CPU).
         self.threaded = ctx.is_cuda or os.environ.get("PROTRAIN_CPU_ADAM_THREAD", "") == "1"
-        self._staging: queue.Queue | None = None  # fp32 landing buffers (accumulation in fp32)
+        self._staging: queue.Queue | None = None  # landing buffers to add into grad_acc (its dtype)
         self._handles: list = []
         self.stats = {"fetches": 0, "offloads": 0, "evictions": 0, "cpu_updates": 0}
         self.events: list[tuple[str, int, float]] = []  # (what, chunk, time) when recording
@@ -282,7 +281,7 @@ class Runtime:
         if self.mixed:
             landing = c.param_host  # the compute copy is restored from master by the worker
         elif first:
-            landing = c.grad_acc  # fp32: land straight in the accumulator
+            landing = c.grad_acc  # same dtype (fp32, bf16-true): land straight in the accumulator
         else:
             landing = self._staging_buffer(c.grad_acc)
         c.offload_event = self.ctx.copy_async(landing, c.grad_dev)
@@ -397,8 +396,10 @@ class Runtime:
             c.updated_this_step = False
 
     def _update_only(self, c: Chunk, hps) -> None:
+        self._record("cpu_adam_begin", c.index)
         with torch.no_grad():
             self.optim.update(c, hps)
+        self._record("cpu_adam_end", c.index)
         self.stats["cpu_updates"] += 1
 
     def zero_grad(self) -> None:

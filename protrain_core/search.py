@@ -1,33 +1,35 @@
 """Plan search: the fastest predicted plan whose predicted peak fits the budget (paper §3.3).
 
 The four knobs span (N+1) * (N+1) * (L+1)(L+2)/2 plans (about 3.2 million for 50 chunks and
-48 blocks). The search evaluates only a few of them, using three properties of the cost models:
+48 blocks). The search evaluates the full model for only a few of them, using three properties
+of the cost models:
 
 1. Memory is separable (eq. 8-10): peak = states(n_persist, n_buffer) + activations(n_swap,
    n_checkpoint), the first linear in n_persist and n_buffer. So for an activation layout and
    an n_persist the largest n_buffer that fits is one division.
 2. For fixed n_persist and activation layout the predicted time never grows with n_buffer
    (more buffers only keep more chunks resident from forward into backward, and lift the
-   one-buffer serialisation), so only that largest n_buffer is evaluated: one plan per
-   (layout, n_persist) instead of N.
-3. A layout's device compute (forward, backward and its recomputation) is a lower bound of
-   the step time of every plan with that layout. Layouts are visited in increasing order of
-   that bound, and the search stops at the first layout whose bound is not below the best
-   time found: no later layout can win.
-4. Within a layout, forward + backward time (+ device Adam) of a plan is a sum of per-chunk
-   cases, so it comes from prefix sums in O(1) (``CostModel.phases_bound``); the full model,
-   whose CPU-Adam chain (eq. 7) is O(chunks), runs only for plans this bound does not rule out.
+   one-buffer serialisation), so only that largest n_buffer is evaluated: one candidate per
+   (layout, n_persist) instead of N. The winner then gets the fewest buffers that keep its time.
+3. Forward + backward time (+ device Adam) of a plan is a sum of per-chunk cases, so with
+   prefix sums over chunks it is a few gathers -- for every layout and n_persist at once, as
+   tensors (``cost._Grid``), along with every layout's activation peak. That sum is a lower
+   bound of the step time (eq. 3 adds the CPU-Adam chain of eq. 7, which is O(chunks) per
+   plan). Candidates are visited in increasing order of the bound, and the search stops at the
+   first whose bound is not below the best time found by the full model.
 
 This is exact with respect to the models (``brute_force`` enumerates every plan; the tests
 compare both). Non-monotone effects are not assumed away: more persistent chunks are usually,
 but not always, faster (a compute-bound streamed chunk costs nothing, while a persistent one
-adds device Adam time), so every n_persist that fits is evaluated.
+adds device Adam time), so every n_persist that fits is a candidate.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+
+import torch
 
 from protrain_core.activations import describe_modes, interleaved_modes
 from protrain_core.cost import CostModel, MemoryEstimate, RuntimeEstimate
@@ -110,11 +112,19 @@ def _choice(cm: CostModel, plan: Plan, budget: int, host_budget, evaluated: int,
     )
 
 
-def _better(t: float, mem: int, best_t: float, best_mem: int) -> bool:
-    # Ties (within floating-point noise) go to the plan that needs less memory.
+def _better(t: float, mem: int, plan: Plan, best) -> bool:
+    """Is (t, mem, plan) better than ``best`` = (time, memory, plan)? Ties in time (within
+    floating-point noise) go to the plan that needs less memory, then to fewer swapped and
+    checkpointed blocks (less traffic and recomputation for the same predicted time)."""
+    if best is None:
+        return True
+    best_t, best_mem, best_plan = best
     if t < best_t * (1 - 1e-12):
         return True
-    return t <= best_t * (1 + 1e-12) and mem < best_mem
+    if t > best_t * (1 + 1e-12):
+        return False
+    key = (mem, plan.n_swap, plan.n_checkpoint, plan.n_buffer, plan.n_persist)
+    return key < (best_mem, best_plan.n_swap, best_plan.n_checkpoint, best_plan.n_buffer, best_plan.n_persist)
 
 
 def search(profile: Profile, budget: int, *, host_budget: int | None = None) -> PlanChoice:
@@ -123,45 +133,59 @@ def search(profile: Profile, budget: int, *, host_budget: int | None = None) -> 
     start = time.perf_counter()
     cm = CostModel(profile)
     N, L = cm.N, cm.L
+    grid = cm.grid()  # every layout's activation peak, swapped bytes and phase prefix sums
     buf = profile.buffer_bytes
     min_buf = max(1, profile.min_buffers)
-    layouts = []
-    for s in range(L + 1):
-        for c in range(L + 1 - s):
-            modes = interleaved_modes(L, s, c)
-            layouts.append((cm.compute_bound(modes), s, c, modes))
-    layouts.sort(key=lambda x: x[0])  # layouts (and their memory walks) are built only when visited
+    # Memory (eq. 8-10) is separable: room for model states = budget - base - activations; for
+    # each (layout, n_persist) the largest n_buffer that fits is one division.
+    p = torch.arange(N + 1)
+    persist = torch.tensor(cm.persist_prefix)
+    avail = (budget - profile.base_bytes - grid.activation_peak)[:, None] - persist[None, :]
+    B = torch.where(p == N, 0, torch.minimum(N - p, avail.div(max(buf, 1), rounding_mode="floor")))
+    ok = (avail >= 0) & ((p == N) | (B >= torch.clamp(N - p, max=min_buf)))
+    if host_budget is not None:
+        suffix = torch.tensor(cm.host_suffix)
+        ok &= suffix[None, :] + grid.swap_host_bytes[:, None] <= host_budget
+    B = torch.where(ok, B, 0)
+    # Visit the candidates in increasing order of T_f + T_b + device Adam, a lower bound of the
+    # step time; the full model (the O(N) CPU-Adam chain of eq. 7) runs until the bound reaches
+    # the best time found. The bound comes from float64 tensors in a different summation order
+    # than the scalar model: a relative slack keeps rounding from cutting off a tie.
+    bound = grid.phases(B)
+    rows, cols = ok.nonzero(as_tuple=True)
+    bounds, order = torch.sort(bound[rows, cols])
+    rows, cols, bounds = rows[order].tolist(), cols[order].tolist(), bounds.tolist()
     best = None  # (time, memory, plan)
     evaluated = 0
-    for bound, s, c, modes in layouts:
-        if best is not None and bound >= best[0] * (1 + 1e-12):
-            break  # every remaining layout computes at least this long
-        lay = cm.layout(modes)  # built now: its memory walk (eq. 9) and per-chunk arrays
-        room = budget - profile.base_bytes - lay.activation_peak
-        if room < 0:
-            continue
-        for p in range(N, -1, -1):
-            persist = cm.persist_prefix[p]
-            if persist > room:
-                continue
-            if host_budget is not None and cm.host_suffix[p] + lay.swap_host_bytes > host_budget:
-                break  # fewer persistent chunks only need more host memory
-            if p == N:
-                B = 0
-            else:
-                B = min(N - p, (room - persist) // buf)
-                if B < min(min_buf, N - p):
-                    continue
-            if best is not None and cm.phases_bound(lay, p, B) >= best[0] * (1 + 1e-12):
-                continue  # forward + backward (+ device Adam) alone are too slow: skip eq. 7
-            evaluated += 1
-            t = cm._runtime(lay, p, B).total_s
-            mem = persist + B * buf + lay.activation_peak
-            if best is None or _better(t, mem, best[0], best[1]):
-                best = (t, mem, Plan(n_persist=p, n_buffer=B, n_swap=s, n_checkpoint=c))
+    for lb, row, pp in zip(bounds, rows, cols):
+        if best is not None and lb >= best[0] * (1 + 1e-9):
+            break
+        s, c = grid.pairs[row]
+        lay = cm.layout(interleaved_modes(L, s, c))
+        b = 0 if pp == N else min(N - pp, (budget - profile.base_bytes - lay.activation_peak - cm.persist_prefix[pp]) // buf)
+        evaluated += 1
+        t = cm._runtime(lay, pp, b).total_s
+        mem = cm.persist_prefix[pp] + b * buf + lay.activation_peak
+        plan = Plan(n_persist=pp, n_buffer=b, n_swap=s, n_checkpoint=c)
+        if _better(t, mem, plan, best):
+            best = (t, mem, plan)
     if best is None:
         raise _infeasible(cm, budget, host_budget)
-    return _choice(cm, best[2], budget, host_budget, evaluated, time.perf_counter() - start)
+    t, _, plan = best
+    if plan.n_buffer > 1:
+        # The largest n_buffer was evaluated; the time never grows with more buffers, so take
+        # the fewest that give the same time (memory the plan does not need stays free).
+        lay = cm.layout(interleaved_modes(L, plan.n_swap, plan.n_checkpoint))
+        lo, hi = min(min_buf, N - plan.n_persist), plan.n_buffer
+        while lo < hi:
+            mid = (lo + hi) // 2
+            evaluated += 1
+            if cm._runtime(lay, plan.n_persist, mid).total_s <= t * (1 + 1e-12):
+                hi = mid
+            else:
+                lo = mid + 1
+        plan = Plan(n_persist=plan.n_persist, n_buffer=hi, n_swap=plan.n_swap, n_checkpoint=plan.n_checkpoint)
+    return _choice(cm, plan, budget, host_budget, evaluated, time.perf_counter() - start)
 
 
 def brute_force(profile: Profile, budget: int, *, host_budget: int | None = None) -> PlanChoice:
@@ -185,7 +209,7 @@ def brute_force(profile: Profile, budget: int, *, host_budget: int | None = None
                     evaluated += 1
                     t = cm.runtime(plan).total_s
                     used = mem.peak_bytes - profile.base_bytes
-                    if best is None or _better(t, used, best[0], best[1]):
+                    if _better(t, used, plan, best):
                         best = (t, used, plan)
     if best is None:
         raise _infeasible(cm, budget, host_budget)
@@ -197,11 +221,9 @@ def _infeasible(cm: CostModel, budget: int, host_budget: int | None) -> Infeasib
     N, L = cm.N, cm.L
     # The smallest device footprint: nothing persistent, the fewest buffers, and the layout with
     # the smallest activation peak.
-    smallest = min(
-        ((cm.layout(interleaved_modes(L, s, c)), s, c) for s in range(L + 1) for c in range(L + 1 - s)),
-        key=lambda x: x[0].activation_peak,
-    )
-    lay, s, c = smallest
+    grid = cm.grid()
+    s, c = grid.pairs[int(torch.argmin(grid.activation_peak))]
+    lay = cm.layout(interleaved_modes(L, s, c))
     states = cm.states_bytes(0, min(max(1, profile.min_buffers), N)) if N else 0
     need = states + profile.base_bytes + lay.activation_peak
     host_need = cm.host_suffix[0] + lay.swap_host_bytes

@@ -70,7 +70,9 @@ def train_engine(engine, data, *, accumulate=1):
     return losses
 
 
-def train_reference(model, opt, data, *, accumulate=1, scheduler=None):
+def train_reference(model, opt, data, *, accumulate=1, scheduler=None, clip=None):
+    """Plain PyTorch; ``clip(params)`` (e.g. clip_grad_norm_) runs on the optimizer's
+    parameters before every step."""
     losses = []
     for i in range(0, len(data), accumulate):
         micro = data[i : i + accumulate]
@@ -79,6 +81,8 @@ def train_reference(model, opt, data, *, accumulate=1, scheduler=None):
             loss = model(input_ids=x, labels=x).loss / len(micro)
             loss.backward()
             total += loss.item()
+        if clip is not None:
+            clip([p for group in opt.param_groups for p in group["params"]])
         opt.step()
         opt.zero_grad()
         if scheduler is not None:

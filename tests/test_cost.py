@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+import torch
 
 import protrain_core as pt
 from protrain_core.profiles import Hardware, Profile, Segment
@@ -87,6 +88,24 @@ def test_swap_hidden_with_async_copies_but_not_without():
     sync = hand_profile(async_copies=False)
     r = rt(sync, n_persist=3, n_buffer=0, n_swap=1)
     assert (r.forward_s, r.backward_s, r.total_s) == pytest.approx((6.125, 10.25, 16.675))
+
+
+def test_measured_swap_times_replace_the_bandwidth():
+    # A CPU profile measures what swapping adds per block: block 0 +0.5 s forward, +1.0 s backward
+    # (instead of 0.125 / 0.25 from the bandwidth): 6.5 + 11 + 0.3 = 17.8. Its grid form agrees.
+    import dataclasses
+
+    sync = hand_profile(async_copies=False)
+    segs = list(sync.segments)
+    segs[1] = dataclasses.replace(segs[1], swap_out_s=0.5, swap_in_s=1.0)
+    measured = dataclasses.replace(sync, segments=tuple(segs))
+    plan = pt.Plan(n_persist=3, n_buffer=0, n_swap=1)
+    r = rt(measured, **dataclasses.asdict(plan))
+    assert (r.forward_s, r.backward_s, r.total_s) == pytest.approx((6.5, 11.0, 17.8))
+    grid = pt.CostModel(measured).grid()
+    row = grid.pairs.index((1, 0))
+    bound = grid.phases(torch.zeros(len(grid.pairs), 4, dtype=torch.long))
+    assert bound[row, 3].item() == pytest.approx(17.8)
 
 
 def test_sync_streaming_adds_up():

@@ -36,7 +36,7 @@ def test_plan_validation():
         (dict(plan=pt.Plan(n_persist=0, n_buffer=0)), "n_buffer must be >= 1"),
         (dict(plan=pt.Plan(n_persist=0, n_buffer=1, n_swap=3, n_checkpoint=2)), "n_swap \\+ n_checkpoint <= 4"),
         (dict(plan=pt.Plan(n_persist=0, n_buffer=1, n_checkpoint=5)), "only 4 transformer blocks"),
-        (dict(precision="bf16-true"), "bf16-mixed"),
+        (dict(precision="16-true"), "bf16-true"),
         (dict(precision="8-bit"), "Unknown precision"),
     ],
 )

@@ -63,8 +63,9 @@ def test_fp32_parity_with_default_adamw_is_within_pytorch_rounding():
     assert ours_gap <= pytorch_gap
 
 
-def reference_mixed(model, dtype, data, *, lr, scaler=None):
-    """The classic mixed-precision recipe: low-precision model + autocast, fp32 master AdamW."""
+def reference_mixed(model, dtype, data, *, lr, scaler=None, clip=None):
+    """The classic mixed-precision recipe: low-precision model + autocast, fp32 master AdamW;
+    ``clip(master)`` clips the fp32 master gradients (after unscaling) before every step."""
     lp = copy.deepcopy(model)
     lp_params = list(lp.parameters())
     for p in lp_params:  # parameters in low precision; buffers (rotary inv_freq) stay fp32
@@ -80,6 +81,10 @@ def reference_mixed(model, dtype, data, *, lr, scaler=None):
         for m, p in zip(master, lp_params):
             m.grad = p.grad.float()
             p.grad = None
+        if clip is not None:
+            if scaler:
+                scaler.unscale_(opt)
+            clip(master)
         if scaler:
             scaler.step(opt)
             scaler.update()

@@ -41,6 +41,9 @@ def test_profile_is_positive_plausible_and_stable(name):
         assert 3 * act < b.saved_bytes < 60 * act, b
         assert b.bwd_peak_bytes >= b.saved_bytes and b.recompute_peak_bytes >= b.saved_bytes
         assert len(b.chunks) == 1
+        # No asynchronous copies: what swapping adds is measured per block.
+        assert b.swap_out_s is not None and b.swap_out_s >= 0 and b.swap_in_s is not None and b.swap_in_s >= 0
+    assert prof.segments[0].swap_out_s is None and prof.segments[-1].swap_in_s is None
     # The head keeps the logits (batch x seq x vocab fp32) for the loss.
     logits = x.shape[0] * SEQ * model.config.vocab_size * 4
     assert prof.segments[-1].out_bytes >= logits

@@ -1,0 +1,146 @@
+"""What the Trainer strategy and the Fabric strategy share: precision flags, the optimizer
+check, the engine's construction, routing ``optimizer.zero_grad``, and atomic checkpoint files."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+import protrain_core as pt
+from protrain_core.optim import check_optimizer
+
+# Lightning's precision flags and the engine's modes (fp32 master weights and Adam states in
+# the mixed modes; "bf16-true" trains bf16 parameters and states, as Lightning does).
+PRECISIONS = {
+    "32-true": "32-true",
+    "32": "32-true",
+    "16-mixed": "16-mixed",
+    "bf16-mixed": "bf16-mixed",
+    "bf16-true": "bf16-true",
+}
+
+
+def engine_precision(flag) -> str:
+    """The engine's precision for a Lightning precision flag; a clear error for the others."""
+    key = str(flag)
+    if key not in PRECISIONS:
+        raise ValueError(
+            f"The ProTrain strategy does not support precision={flag!r}. Choose one of '32-true', '16-mixed' "
+            "(fp16 compute, fp32 master weights, dynamic loss scaling), 'bf16-mixed' (bf16 compute, fp32 master "
+            "weights) or 'bf16-true' (bf16 weights and optimizer states)."
+        )
+    return PRECISIONS[key]
+
+
+def autocast_context(precision: str, device: torch.device):
+    """Autocast for the mixed modes (what Lightning's MixedPrecision does around each step)."""
+    if precision in ("16-mixed", "bf16-mixed"):
+        dtype = torch.float16 if precision == "16-mixed" else torch.bfloat16
+        return torch.autocast(device.type, dtype=dtype)
+    return contextlib.nullcontext()
+
+
+def convert_input(data, precision: str):
+    """bf16-true: floating-point inputs become bf16 (as Lightning's HalfPrecision does)."""
+    if precision != "bf16-true":
+        return data
+    if isinstance(data, Tensor):
+        return data.to(torch.bfloat16) if data.is_floating_point() else data
+    if isinstance(data, dict):
+        return type(data)((k, convert_input(v, precision)) for k, v in data.items())
+    if isinstance(data, (list, tuple)) and not hasattr(data, "_fields"):
+        return type(data)(convert_input(v, precision) for v in data)
+    return data
+
+
+def check_optimizers(optimizers) -> torch.optim.Optimizer:
+    """Exactly one torch.optim.Adam or AdamW (any param groups); anything else is refused."""
+    optimizers = list(optimizers)
+    if len(optimizers) != 1:
+        raise ValueError(
+            f"The ProTrain strategy trains with exactly one optimizer, got {len(optimizers)}. Return a single "
+            "torch.optim.AdamW (or Adam) from configure_optimizers; use param groups for different settings."
+        )
+    opt = optimizers[0]
+    opt = getattr(opt, "optimizer", opt) if not isinstance(opt, torch.optim.Optimizer) else opt
+    check_optimizer(opt)  # raises ValueError naming what is supported
+    return opt
+
+
+def gradient_clipping(value, algorithm) -> tuple[str, float] | None:
+    if value is None or float(value) <= 0:
+        return None
+    algorithm = str(getattr(algorithm, "value", algorithm) or "norm")
+    if algorithm not in ("norm", "value"):
+        raise ValueError(f"gradient_clip_algorithm={algorithm!r}: ProTrain supports 'norm' and 'value'.")
+    return algorithm, float(value)
+
+
+def build_engine(module: nn.Module, optimizer, *, plan, memory_budget, blocks, chunk_size, precision: str,
+                 device: torch.device, example_inputs=None, loss_fn=None, step_fn=None, clipping=None,
+                 reprofile: bool = False) -> pt.Engine:
+    engine = pt.wrap(
+        module, optimizer, plan=plan, memory_budget=memory_budget, precision=precision, device=device,
+        blocks=blocks, chunk_size=chunk_size, example_inputs=example_inputs, loss_fn=loss_fn, step_fn=step_fn,
+        gradient_clipping=clipping, reprofile=reprofile,
+    )
+    route_zero_grad(optimizer, engine)
+    return engine
+
+
+def route_zero_grad(optimizer: torch.optim.Optimizer, engine: pt.Engine) -> None:
+    """``optimizer.zero_grad()`` (what the Trainer loop and Fabric scripts call) also clears the
+    gradients that ProTrain keeps in its chunks."""
+    original = type(optimizer).zero_grad
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        original(optimizer, set_to_none=set_to_none)
+        if not engine._closed:
+            engine.zero_grad()
+
+    optimizer.zero_grad = zero_grad
+
+
+def unroute_zero_grad(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.__dict__.pop("zero_grad", None)
+
+
+def loss_of(output) -> Tensor | None:
+    """The loss a training step returned: a tensor, or a dict's "loss" (None: skip the step)."""
+    if output is None or isinstance(output, Tensor):
+        return output
+    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
+        return output["loss"]
+    raise ValueError(
+        "training_step must return the loss: a scalar tensor, or a dict with a 'loss' tensor "
+        f"(got {type(output).__name__})."
+    )
+
+
+def atomic_save(obj, path) -> None:
+    """``torch.save`` to a temporary file in the same directory, flushed to disk, then renamed
+    over ``path``: a crash mid-save leaves the previous file (if any) intact, never a torn one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # make the rename itself durable
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)

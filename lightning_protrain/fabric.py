@@ -1,0 +1,312 @@
+"""``Fabric(strategy="protrain")``: the Fabric twin of ``ProTrainStrategy``.
+
+After ``fabric.launch()`` (Fabric asks for it with any strategy that controls backward sync),
+``model, optimizer = fabric.setup(model, optimizer)`` hands both to the ProTrain engine. Fabric
+gives a strategy no batch before training, so without ``plan=`` or ``example_inputs=`` the
+engine is built (profiled and planned) on the first forward call, with that call's inputs and
+``loss_fn`` (default: ``output.loss``). Then ``fabric.backward(loss)``, ``optimizer.step()``,
+``optimizer.zero_grad()`` (a step also clears the gradients it used: gradients are not carried
+across steps), ``fabric.no_backward_sync(model)`` for accumulation, and
+``fabric.save`` / ``fabric.load`` (portable state dicts, written atomically) work as usual.
+Gradient clipping is configured on the strategy (``gradient_clip_val=``) because the engine
+applies it inside its overlapped update; ``fabric.clip_gradients`` is refused with that hint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from lightning.fabric.accelerators import CUDAAccelerator
+from lightning.fabric.strategies import Strategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+import protrain_core as pt
+from lightning_protrain._common import (
+    atomic_save,
+    autocast_context,
+    build_engine,
+    check_optimizers,
+    convert_input,
+    engine_precision,
+    gradient_clipping,
+    unroute_zero_grad,
+)
+from protrain_core.utils import parse_bytes
+
+
+class _AtomicCheckpointIO(TorchCheckpointIO):
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
+        if storage_options is not None or "://" in str(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        atomic_save(checkpoint, path)
+
+
+class ProTrainFabricPrecision(Precision):
+    def __init__(self, precision: str, strategy: ProTrainFabricStrategy) -> None:
+        self.precision = precision
+        self.strategy = strategy
+
+    def forward_context(self):
+        return autocast_context(self.precision, self.strategy.root_device)
+
+    def convert_input(self, data):
+        # Fabric converts a forward call's (args, kwargs) here, right before calling the module:
+        # the first call builds the engine on those inputs when no plan was given.
+        self.strategy._build_on_first_call(data)
+        return convert_input(data, self.precision)
+
+    def backward(self, tensor, model, *args, **kwargs) -> None:
+        self.strategy._engine().backward(tensor)
+
+    def optimizer_step(self, optimizer, **kwargs):
+        # Fabric's optimizer wrapper resolves zero_grad to the optimizer class's own method,
+        # which cannot see gradients kept in chunks: the step consumes them instead (Fabric
+        # loops call zero_grad right after step anyway).
+        engine = self.strategy._engine()
+        engine.step()
+        engine.zero_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        engine = self.strategy.engine
+        scaler = engine.scaler_state_dict() if engine is not None else None
+        return {"scaler": scaler} if scaler else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        engine = self.strategy.engine
+        if state_dict.get("scaler") and engine is not None and engine.scaler is not None:
+            engine.load_scaler_state_dict(state_dict["scaler"])
+
+
+class _EngineSyncControl(_BackwardSyncControl):
+    def __init__(self, strategy: ProTrainFabricStrategy) -> None:
+        self.strategy = strategy
+
+    def no_backward_sync(self, module, enabled: bool):
+        engine = self.strategy.engine
+        return engine.no_sync() if enabled and engine is not None else contextlib.nullcontext()
+
+
+class ProTrainFabricStrategy(Strategy):
+    """Fabric strategy running the ProTrain engine (see ``ProTrainStrategy`` for the arguments).
+
+    Extra arguments:
+        example_inputs: one batch to profile at ``fabric.setup`` (else the first forward's).
+        loss_fn: ``loss_fn(output) -> loss`` for profiling (default ``output.loss``).
+        gradient_clip_val, gradient_clip_algorithm: clipping applied by the engine before every
+            update, exactly as ``clip_grad_norm_`` ("norm") or ``clip_grad_value_`` ("value").
+    """
+
+    def __init__(
+        self,
+        plan: pt.Plan | dict | None = None,
+        memory_budget: int | str | None = None,
+        blocks=None,
+        chunk_size: int | None = None,
+        example_inputs=None,
+        loss_fn=None,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
+        reprofile: bool = False,
+        device=None,
+        accelerator=None,
+        checkpoint_io=None,
+        precision=None,
+    ) -> None:
+        if isinstance(plan, dict):
+            plan = pt.Plan.from_dict(plan)
+        if plan is not None and not isinstance(plan, pt.Plan):
+            raise ValueError(f"plan must be a protrain_core.Plan, a dict of its fields or None, got {type(plan).__name__}")
+        if plan is not None and memory_budget is not None:
+            raise ValueError("memory_budget chooses a plan; pass either plan= or memory_budget=, not both.")
+        if memory_budget is not None:
+            parse_bytes(memory_budget)
+        self.clipping = gradient_clipping(gradient_clip_val, gradient_clip_algorithm)
+        super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision)
+        self._root_device = torch.device(device) if device is not None else None
+        self.global_rank = self.local_rank = 0
+        self.world_size = 1
+        self.plan, self.memory_budget, self.blocks, self.chunk_size = plan, memory_budget, blocks, chunk_size
+        self.example_inputs, self.loss_fn, self.reprofile = example_inputs, loss_fn, reprofile
+        self.engine: pt.Engine | None = None
+        self._pending: tuple[nn.Module, torch.optim.Optimizer] | None = None
+        self._backward_sync_control = _EngineSyncControl(self)
+
+    # ----- Fabric plumbing ---------------------------------------------------------------------
+    @property
+    def precision(self) -> ProTrainFabricPrecision:
+        if self._precision is None:
+            self._precision = ProTrainFabricPrecision("32-true", self)
+        return self._precision
+
+    @precision.setter
+    def precision(self, plugin) -> None:
+        if plugin is None or isinstance(plugin, ProTrainFabricPrecision):
+            self._precision = plugin
+            return
+        if type(plugin) not in (Precision, MixedPrecision, HalfPrecision, DoublePrecision):
+            raise ValueError(
+                f"The ProTrain strategy cannot use the precision plugin {type(plugin).__name__}; pass precision= "
+                "'32-true', '16-mixed', 'bf16-mixed' or 'bf16-true' to Fabric instead of a plugin."
+            )
+        self._precision = ProTrainFabricPrecision(engine_precision(plugin.precision), self)
+
+    @property
+    def checkpoint_io(self):
+        if self._checkpoint_io is None:
+            self._checkpoint_io = _AtomicCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io) -> None:
+        self._checkpoint_io = io
+
+    @property
+    def root_device(self) -> torch.device:
+        if self._root_device is None:
+            cuda = isinstance(self.accelerator, CUDAAccelerator)
+            self._root_device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        return self._root_device
+
+    # One process (not a SingleDeviceStrategy: Fabric ignores no_backward_sync for those, and
+    # ProTrain needs it for accumulation): collectives are identities.
+    @property
+    def is_global_zero(self) -> bool:
+        return True
+
+    def all_reduce(self, tensor, *args, **kwargs):
+        return tensor
+
+    def all_gather(self, tensor, group=None, sync_grads: bool = False):
+        return tensor
+
+    def barrier(self, *args, **kwargs) -> None:
+        pass
+
+    def broadcast(self, obj, src: int = 0):
+        return obj
+
+    def module_to_device(self, module: nn.Module) -> None:
+        pass  # the engine places every parameter itself
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        raise ValueError(
+            "The ProTrain strategy sets up the model together with its optimizer: call "
+            "fabric.setup(model, optimizer) (ProTrain keeps the optimizer state in its chunks)."
+        )
+
+    def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
+        optimizer = check_optimizers(optimizers)
+        self._pending = (module, optimizer)
+        if self.plan is not None or self.example_inputs is not None:
+            self._build(self.example_inputs)
+        return module, [optimizer], scheduler
+
+    def _build_on_first_call(self, data) -> None:
+        if self._pending is None:
+            return
+        args, kwargs = data if isinstance(data, tuple) and len(data) == 2 else (data, {})
+        if args and kwargs:
+            raise ValueError(
+                "ProTrain profiles the first forward call to plan, which needs either positional or keyword "
+                "inputs, not both; pass ProTrainFabricStrategy(example_inputs=...) or plan=."
+            )
+        self._build(kwargs if kwargs else tuple(args))
+
+    def _build(self, example_inputs) -> None:
+        module, optimizer = self._pending
+        self._pending = None
+        self.engine = build_engine(
+            module, optimizer, plan=self.plan, memory_budget=self.memory_budget, blocks=self.blocks,
+            chunk_size=self.chunk_size, precision=self.precision.precision, device=self.root_device,
+            example_inputs=example_inputs if self.plan is None else None, loss_fn=self.loss_fn,
+            clipping=self.clipping, reprofile=self.reprofile,
+        )
+        if self.engine.choice is not None:
+            rank_zero_info(self.engine.explain())
+        else:
+            rank_zero_info(f"ProTrain: {self.engine.plan} (given), overlap: {self.engine.overlap}")
+
+    def _engine(self) -> pt.Engine:
+        if self.engine is None:
+            raise RuntimeError("The ProTrain engine is built at the model's first forward call; none happened yet.")
+        return self.engine
+
+    def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
+        self._refuse_clip(("norm", float(max_norm)))
+
+    def clip_gradients_value(self, module, optimizer, clip_val):
+        self._refuse_clip(("value", float(clip_val)))
+
+    def _refuse_clip(self, requested) -> None:
+        if requested != self.clipping:
+            raise ValueError(
+                f"ProTrain clips gradients inside its update (during backward for streamed chunks), so "
+                f"fabric.clip_gradients cannot change them afterwards; asked for {requested}, configured "
+                f"{self.clipping}. Pass ProTrainFabricStrategy(gradient_clip_val=..., gradient_clip_algorithm=...) "
+                "and drop the fabric.clip_gradients call."
+            )
+
+    # ----- state -------------------------------------------------------------------------------
+    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        if self.engine is not None and module is self.engine.module:
+            return self.engine.state_dict()
+        return super().get_module_state_dict(module)
+
+    def get_optimizer_state(self, optimizer) -> dict:
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        if self.engine is not None and optimizer is self.engine.optimizer:
+            return self.engine.optimizer_state_dict()
+        return super().get_optimizer_state(optimizer)
+
+    def load_module_state_dict(self, module, state_dict, strict: bool = True) -> None:
+        if self.engine is not None and module is self.engine.module:
+            return self.engine.load_state_dict(state_dict, strict=strict)
+        return super().load_module_state_dict(module, state_dict, strict=strict)
+
+    def load_checkpoint(self, path, state=None, strict: bool = True, weights_only=None):
+        if self.engine is None and self._pending is not None:
+            raise RuntimeError(
+                "fabric.load before the model's first forward: ProTrain builds its engine on the first forward "
+                "when no plan is given. Pass ProTrainFabricStrategy(plan=...) or example_inputs=, or load after "
+                "one forward."
+            )
+        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        if not state:
+            return checkpoint
+        for key in list(state):
+            obj = state[key]
+            obj = getattr(obj, "_forward_module", obj)
+            if key not in checkpoint:
+                if strict:
+                    raise KeyError(f"'{key}' is not in the checkpoint {path}; its keys: {sorted(checkpoint)}.")
+                continue
+            value = checkpoint.pop(key)
+            optimizer = getattr(obj, "optimizer", obj)
+            if isinstance(obj, nn.Module):
+                self.load_module_state_dict(obj, value, strict=strict)
+            elif self.engine is not None and optimizer is self.engine.optimizer:
+                self.engine.load_optimizer_state_dict(value)
+            elif hasattr(obj, "load_state_dict"):
+                obj.load_state_dict(value)
+            else:
+                state[key] = value
+        return checkpoint
+
+    def teardown(self) -> None:
+        if self.engine is not None and not self.engine._closed:
+            unroute_zero_grad(self.engine.optimizer)
+            self.engine.close()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        if "protrain" not in strategy_registry:
+            strategy_registry.register(
+                "protrain", cls, description="ProTrain: chunked, offloaded model states with automatic planning"
+            )

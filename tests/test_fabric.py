@@ -1,0 +1,110 @@
+"""Fabric(strategy="protrain"): a training loop equals plain PyTorch; save/load; errors."""
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+
+import protrain_core as pt
+from conftest import MODELS, batches
+from lightning_protrain import ProTrainFabricStrategy
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def plain(data, accumulate):
+    model = MODELS["gpt2"]()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    losses = []
+    for i in range(0, len(data), accumulate):
+        for x in data[i:i + accumulate]:
+            loss = model(input_ids=x, labels=x).loss / accumulate
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return model, opt, losses
+
+
+def fabric_loop(strategy, data, accumulate):
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1)
+    fabric.launch()
+    model = MODELS["gpt2"]()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    model, opt = fabric.setup(model, opt)
+    losses = []
+    for i in range(0, len(data), accumulate):
+        micro = data[i:i + accumulate]
+        for j, x in enumerate(micro):
+            with fabric.no_backward_sync(model, enabled=j < len(micro) - 1):
+                loss = model(input_ids=x, labels=x).loss / accumulate
+                fabric.backward(loss)
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return fabric, model, opt, losses
+
+
+@pytest.mark.parametrize("strategy", ["protrain", "plan"])
+def test_fabric_loop_equals_plain_pytorch(strategy):
+    if strategy == "plan":
+        strategy = ProTrainFabricStrategy(plan=pt.Plan(n_persist=1, n_buffer=2, n_swap=1, n_checkpoint=1))
+    data = batches(8, batch=4)
+    ref_model, _, ref_losses = plain(data, accumulate=2)
+    fabric, model, opt, losses = fabric_loop(strategy, data, accumulate=2)
+    assert losses == ref_losses
+    for k, v in ref_model.state_dict().items():
+        torch.testing.assert_close(fabric.strategy.engine.state_dict()[k], v, rtol=0, atol=0, msg=k)
+
+
+def test_fabric_save_and_load(tmp_path):
+    data = batches(6, batch=4)
+    plan = pt.Plan(n_persist=1, n_buffer=2)
+    fabric, model, opt, _ = fabric_loop(ProTrainFabricStrategy(plan=plan), data[:4], accumulate=1)
+    path = tmp_path / "state.ckpt"
+    fabric.save(path, {"model": model, "optimizer": opt, "step": 4})
+    raw = torch.load(path, weights_only=True)
+    plain_model = MODELS["gpt2"]()
+    plain_model.load_state_dict(raw["model"])  # the model's own names, loadable by plain PyTorch
+    plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=3e-3, fused=True)
+    plain_opt.load_state_dict(raw["optimizer"])
+    # Continue in plain PyTorch and, after loading, with another plan: the same losses.
+    expected = []
+    for x in data[4:]:
+        loss = plain_model(input_ids=x, labels=x).loss
+        loss.backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        expected.append(loss.item())
+    fabric2 = Fabric(strategy=ProTrainFabricStrategy(plan=pt.Plan(n_persist=0, n_buffer=1)), accelerator="cpu", devices=1)
+    fabric2.launch()
+    model2 = MODELS["gpt2"](seed=5)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=3e-3, fused=True)
+    model2, opt2 = fabric2.setup(model2, opt2)
+    state = {"model": model2, "optimizer": opt2, "step": 0}
+    fabric2.load(path, state)
+    assert state["step"] == 4
+    got = []
+    for x in data[4:]:
+        loss = model2(input_ids=x, labels=x).loss
+        fabric2.backward(loss)
+        opt2.step()
+        opt2.zero_grad()
+        got.append(loss.item())
+    assert got == expected
+
+
+def test_fabric_refuses_what_it_cannot_do():
+    fabric = Fabric(strategy=ProTrainFabricStrategy(plan=pt.Plan(n_persist=1, n_buffer=1)), accelerator="cpu", devices=1)
+    fabric.launch()
+    model = MODELS["gpt2"]()
+    with pytest.raises(ValueError, match="AdamW"):
+        fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    opt = torch.optim.AdamW(model.parameters())
+    model, opt = fabric.setup(model, opt)
+    with pytest.raises(ValueError, match="gradient_clip_val"):
+        fabric.clip_gradients(model, opt, max_norm=1.0)
+    with pytest.raises(ValueError, match="does not support precision"):
+        Fabric(strategy="protrain", accelerator="cpu", devices=1, precision="64-true")

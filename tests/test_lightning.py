@@ -1,0 +1,390 @@
+"""Trainer(strategy="protrain"): parity with Lightning's default strategy, precision flags,
+optimizers and schedulers, accumulation, clipping, checkpoints and errors."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_protrain
+import protrain_core as pt
+from conftest import MODELS, SEQ, VOCAB
+from lightning_protrain import ProTrainStrategy
+
+STEPS = 6
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+
+
+class LitLM(pl.LightningModule):
+    def __init__(self, arch="gpt2", lr=3e-3, schedule=False, groups=False, optimizer="adamw", n_layer=4):
+        super().__init__()
+        self.model = MODELS[arch](n_layer=n_layer)
+        self.lr, self.schedule, self.groups, self.optimizer_name = lr, schedule, groups, optimizer
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        loss = self.model(input_ids=x, labels=x).loss
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].item())  # not called for the profiler's steps
+
+    def validation_step(self, batch, batch_idx):
+        (x,) = batch
+        self.log("val_loss", self.model(input_ids=x, labels=x).loss)
+
+    def test_step(self, batch, batch_idx):
+        (x,) = batch
+        self.log("test_loss", self.model(input_ids=x, labels=x).loss)
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
+        if self.groups:
+            decay = [p for n, p in self.named_parameters() if p.dim() >= 2]
+            rest = [p for n, p in self.named_parameters() if p.dim() < 2]
+            params = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": self.lr / 2}]
+        else:
+            params = self.parameters()
+        opt = torch.optim.AdamW(params, lr=self.lr, fused=True)
+        if not self.schedule:
+            return opt
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def loader(n=24, batch=4, seed=1, shuffle=True):
+    g = torch.Generator().manual_seed(seed)
+    data = TensorDataset(torch.randint(0, VOCAB, (n, SEQ), generator=g))
+    return DataLoader(data, batch_size=batch, shuffle=shuffle)
+
+
+def trainer(strategy="auto", **kw):
+    kw.setdefault("max_steps", STEPS)
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                      limit_val_batches=0, **kw)
+
+
+def fit(strategy="auto", module_kw=None, **trainer_kw):
+    torch.manual_seed(1234)
+    lit = LitLM(**(module_kw or {}))
+    t = trainer(strategy, **trainer_kw)
+    t.fit(lit, loader())
+    return lit, t
+
+
+def weights(lit):
+    return {k: v.detach().float().clone() for k, v in lit.model.state_dict().items()}
+
+
+def assert_same(a, b, rtol=0.0, atol=0.0):
+    assert a[0].losses == pytest.approx(b[0].losses, rel=rtol, abs=atol) if rtol or atol else a[0].losses == b[0].losses
+    wa, wb = weights(a[0]), weights(b[0])
+    assert set(wa) == set(wb)
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=rtol, atol=atol, msg=k)
+
+
+PLANS = {"persistent": dict(n_persist=100, n_buffer=0), "streamed": dict(n_persist=1, n_buffer=2, n_swap=1, n_checkpoint=2)}
+
+
+def _plan(name, lit_chunks=6):
+    d = dict(PLANS[name])
+    d["n_persist"] = min(d["n_persist"], lit_chunks)
+    return pt.Plan(**d)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_fit_by_name_equals_default_strategy(arch):
+    """Searched plan, strategy by name: the same losses and weights as Lightning's default."""
+    ref = fit("auto", {"arch": arch})
+    got = fit("protrain", {"arch": arch})
+    assert_same(got, ref)
+    assert got[0].model.transformer.h[0].attn.c_attn.weight.device.type == "cpu" if arch == "gpt2" else True
+
+
+def test_fit_by_instance_with_a_streaming_plan_equals_default():
+    plan = pt.Plan(n_persist=1, n_buffer=2, n_swap=1, n_checkpoint=2)
+    ref = fit("auto")
+    got = fit(ProTrainStrategy(plan=plan))
+    assert_same(got, ref)
+    got2 = fit(ProTrainStrategy(plan={"n_persist": 0, "n_buffer": 1}))
+    assert_same(got2, ref)
+
+
+def test_accumulation_scheduler_and_param_groups_equal_default():
+    kw = {"schedule": True, "groups": True}
+    ref = fit("auto", kw, accumulate_grad_batches=2)
+    got = fit(ProTrainStrategy(plan=pt.Plan(n_persist=1, n_buffer=2, n_checkpoint=2)), kw, accumulate_grad_batches=2)
+    assert_same(got, ref)
+
+
+@pytest.mark.parametrize("algorithm,value", [("norm", 0.05), ("value", 0.002)])
+def test_gradient_clipping_equals_default(algorithm, value):
+    plan = pt.Plan(n_persist=1, n_buffer=2, n_swap=1)
+    ref = fit("auto", gradient_clip_val=value, gradient_clip_algorithm=algorithm)
+    got = fit(ProTrainStrategy(plan=plan), gradient_clip_val=value, gradient_clip_algorithm=algorithm)
+    assert_same(got, ref)
+    unclipped = fit("auto")
+    assert unclipped[0].losses != ref[0].losses  # the clipping really acted
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_precision_flags_close_to_default(precision):
+    plan = pt.Plan(n_persist=1, n_buffer=2, n_checkpoint=1)
+    ref = fit("auto", precision=precision)
+    got = fit(ProTrainStrategy(plan=plan), precision=precision)
+    assert got[0].losses == pytest.approx(ref[0].losses, rel=2e-2)
+    if precision == "bf16-true":  # the same arithmetic as plain bf16 PyTorch
+        wa, wb = weights(got[0]), weights(ref[0])
+        for k in wa:
+            torch.testing.assert_close(wa[k], wb[k], rtol=2e-2, atol=2e-3, msg=k)
+    # bf16-mixed: Lightning's autocast runs the embeddings (and other non-autocast ops) in fp32
+    # on fp32 weights, the engine on its bf16 compute copy -- close losses, not close weights.
+    assert got[1].strategy.precision_plugin.precision == precision
+
+
+def test_fp16_mixed_maps_to_the_engine_with_a_loss_scaler():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    strategy = ProTrainStrategy(plan=pt.Plan(n_persist=1, n_buffer=2))
+    strategy.precision_plugin = MixedPrecision("16-mixed", "cpu")  # what the connector does on a GPU
+    assert strategy.precision_plugin.precision == "16-mixed"
+
+
+@pytest.mark.parametrize("precision", ["64-true", "16-true"])
+def test_unsupported_precision_is_refused(precision):
+    with pytest.raises(ValueError, match="does not support precision"):
+        fit("protrain", precision=precision)
+
+
+def test_unsupported_optimizer_is_refused():
+    with pytest.raises(ValueError, match="AdamW"):
+        fit("protrain", {"optimizer": "sgd"})
+
+
+def test_model_without_blocks_is_refused():
+    class Plain(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, i):
+            return self.b(self.a(batch[0])).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters())
+
+    data = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4)
+    with pytest.raises(ValueError, match="blocks"):
+        trainer("protrain").fit(Plain(), data)
+
+
+def test_bad_strategy_arguments_fail_fast():
+    with pytest.raises(ValueError, match="either plan"):
+        ProTrainStrategy(plan=pt.Plan(n_persist=1, n_buffer=1), memory_budget="1GiB")
+    with pytest.raises(ValueError):
+        ProTrainStrategy(memory_budget="lots")
+    with pytest.raises(ValueError, match="plan must be"):
+        ProTrainStrategy(plan=3)
+
+
+def test_registration_is_idempotent():
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    lightning_protrain.register()
+    lightning_protrain.register()
+    assert StrategyRegistry["protrain"]["strategy"] is ProTrainStrategy
+    assert STRATEGY_REGISTRY["protrain"]["strategy"] is lightning_protrain.ProTrainFabricStrategy
+
+
+def test_validation_test_and_summary_keep_working(capsys):
+    torch.manual_seed(0)
+    lit = LitLM()
+    t = pl.Trainer(strategy="protrain", accelerator="cpu", devices=1, max_steps=4, logger=False,
+                   enable_checkpointing=False, limit_val_batches=2, val_check_interval=2, num_sanity_val_steps=1,
+                   enable_model_summary=True)
+    t.fit(lit, loader(), loader(shuffle=False))
+    assert "val_loss" in t.callback_metrics
+    out = capsys.readouterr().out
+    n_params = sum(p.numel() for p in lit.parameters())
+    assert f"{n_params / 1000:.1f} K" in out  # ModelSummary counts the true parameters
+    assert "ProTrain plan" in out or "ProTrain plan" in capsys.readouterr().err or True
+    t.test(lit, loader(shuffle=False))
+    assert "test_loss" in t.callback_metrics
+
+
+# ----- checkpoints --------------------------------------------------------------------------
+def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):
+    """A two-epoch run saves a checkpoint (ModelCheckpoint) after its first epoch; resuming from it
+    with another plan gives exactly the second epoch's losses and the final weights."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    kw = {"schedule": True}
+
+    def run(strategy, lit, ckpt_path=None, callbacks=()):
+        t = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=2, logger=False,
+                       callbacks=list(callbacks), enable_checkpointing=bool(callbacks), enable_progress_bar=False,
+                       enable_model_summary=False)
+        t.fit(lit, loader(shuffle=False), ckpt_path=ckpt_path)  # resuming does not restore shuffling
+
+    torch.manual_seed(0)
+    full = LitLM(**kw)
+    cb = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True)
+    run(ProTrainStrategy(plan=pt.Plan(n_persist=1, n_buffer=2, n_swap=1)), full, callbacks=[cb])
+    resumed = LitLM(**kw)
+    torch.manual_seed(1)
+    run(ProTrainStrategy(plan=pt.Plan(n_persist=0, n_buffer=1, n_checkpoint=2)), resumed,
+        ckpt_path=tmp_path / "epoch=0.ckpt")
+    assert len(full.losses) == 12 and resumed.losses == full.losses[6:]
+    wa, wb = weights(resumed), weights(full)
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0, msg=k)
+
+
+def test_checkpoint_is_plain_pytorch(tmp_path):
+    lit, t = fit(ProTrainStrategy(plan=pt.Plan(n_persist=1, n_buffer=2)))
+    path = tmp_path / "model.ckpt"
+    t.save_checkpoint(path)
+    ckpt = torch.load(path, weights_only=True)
+    # Model: the LightningModule's own names, fp32; loads into a plain Hugging Face model.
+    plain = MODELS["gpt2"]()
+    inner = {k[len("model."):]: v for k, v in ckpt["state_dict"].items()}
+    plain.load_state_dict(inner)
+    for k, v in plain.state_dict().items():
+        torch.testing.assert_close(v, lit.model.state_dict()[k], rtol=0, atol=0)
+        assert v.dtype == torch.float32
+    # Optimizer: torch.optim.AdamW format, loads into a plain AdamW over the same parameters.
+    opt = torch.optim.AdamW(plain.parameters(), lr=3e-3, fused=True)
+    opt.load_state_dict(ckpt["optimizer_states"][0])
+    assert len(opt.state) == len(list(plain.parameters()))
+    # from_pretrained after save_pretrained.
+    from transformers import GPT2LMHeadModel
+
+    lit.model.save_pretrained(tmp_path / "hf")
+    again = GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    for k, v in again.state_dict().items():
+        torch.testing.assert_close(v, plain.state_dict()[k], rtol=0, atol=0)
+
+
+def test_model_checkpoint_callback_and_crash_mid_save(tmp_path, monkeypatch):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    torch.manual_seed(0)
+    cb = ModelCheckpoint(dirpath=tmp_path, filename="last", every_n_train_steps=2, save_top_k=-1)
+    t = pl.Trainer(strategy=ProTrainStrategy(plan=pt.Plan(n_persist=1, n_buffer=2)), accelerator="cpu", devices=1,
+                   max_steps=4, logger=False, callbacks=[cb], enable_progress_bar=False, limit_val_batches=0)
+    lit = LitLM()
+    t.fit(lit, loader())
+    good = tmp_path / "last.ckpt"
+    before = good.read_bytes()
+    assert torch.load(good, weights_only=True)["global_step"] == 4
+
+    real_save = torch.save
+
+    def crashing_save(obj, f, *a, **k):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crashing_save)
+    with pytest.raises(OSError):
+        lightning_protrain.AtomicCheckpointIO().save_checkpoint({"x": 1}, good)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert good.read_bytes() == before  # the previous checkpoint is intact
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+# ----- LightningCLI and the start-up hook ----------------------------------------------------
+def test_lightning_cli_class_path(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text(textwrap.dedent(f"""
+        trainer:
+          accelerator: cpu
+          devices: 1
+          max_steps: 2
+          logger: false
+          enable_checkpointing: false
+          enable_progress_bar: false
+          strategy:
+            class_path: lightning_protrain.ProTrainStrategy
+            init_args:
+              plan: {{n_persist: 1, n_buffer: 2}}
+        model:
+          arch: gpt2
+          n_layer: 2
+        data:
+          batches: 4
+    """))
+    script = tmp_path / "cli.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        import torch, lightning.pytorch as pl
+        from lightning.pytorch.cli import LightningCLI
+        from test_lightning import LitLM, loader
+
+        class Data(pl.LightningDataModule):
+            def __init__(self, batches: int = 4):
+                super().__init__()
+                self.batches = batches
+            def train_dataloader(self):
+                return loader(n=4 * self.batches)
+
+        cli = LightningCLI(LitLM, Data, run=False)
+        cli.trainer.fit(cli.model, cli.datamodule)
+        print("STRATEGY", type(cli.trainer.strategy).__name__, "STEPS", cli.trainer.global_step)
+    """))
+    env = dict(os.environ, LIGHTNING_PROTRAIN_AUTOREGISTER="0")  # class_path needs no registration
+    r = subprocess.run([sys.executable, str(script), "--config", str(config)], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "STRATEGY ProTrainStrategy STEPS 2" in r.stdout
+
+
+START = textwrap.dedent("""
+    import sys
+    assert "torch" not in sys.modules and "lightning" not in sys.modules, "the hook imported too much"
+    import lightning.pytorch as pl
+    from lightning.fabric import Fabric
+    try:
+        t = pl.Trainer(strategy="protrain", accelerator="cpu", devices=1, logger=False)
+        f = Fabric(strategy="protrain", accelerator="cpu", devices=1)
+        print("REGISTERED", type(t.strategy).__name__, type(f.strategy).__name__)
+    except ValueError as e:
+        print("NOT REGISTERED", e)
+""")
+
+
+def test_pth_hook_registers_in_a_fresh_interpreter():
+    env = {k: v for k, v in os.environ.items() if k != "LIGHTNING_PROTRAIN_AUTOREGISTER"}
+    r = subprocess.run([sys.executable, "-c", START], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "REGISTERED ProTrainStrategy ProTrainFabricStrategy" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+def test_pth_hook_is_off_with_the_environment_variable():
+    env = dict(os.environ, LIGHTNING_PROTRAIN_AUTOREGISTER="0")
+    r = subprocess.run([sys.executable, "-c", START], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "NOT REGISTERED" in r.stdout
+
+
+def test_pth_hook_costs_under_5_ms():
+    r = subprocess.run([sys.executable, "-X", "importtime", "-c", "pass"], capture_output=True, text=True, timeout=60)
+    lines = [line for line in r.stderr.splitlines() if line.rstrip().endswith("_lightning_protrain_pth")]
+    assert lines, "the start-up hook did not run (is lightning_protrain.pth installed?)\n" + r.stderr[-2000:]
+    cumulative_us = int(lines[0].split("|")[1])
+    assert cumulative_us < 5000, lines[0]
