@@ -6,8 +6,9 @@ registries (idempotently). The start-up hook installed with the package
 name works in scripts and LightningCLI configs that never import this package.
 """
 
+from lightning_protrain._common import AtomicCheckpointIO
 from lightning_protrain.fabric import ProTrainFabricStrategy
-from lightning_protrain.strategy import AtomicCheckpointIO, ProTrainPrecision, ProTrainStrategy
+from lightning_protrain.strategy import ProTrainPrecision, ProTrainStrategy
 
 __all__ = ["AtomicCheckpointIO", "ProTrainFabricStrategy", "ProTrainPrecision", "ProTrainStrategy", "register"]
 

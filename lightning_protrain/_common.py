@@ -9,10 +9,12 @@ import tempfile
 from pathlib import Path
 
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 from torch import Tensor, nn
 
 import protrain_core as pt
 from protrain_core.optim import check_optimizer
+from protrain_core.utils import parse_bytes
 
 # Lightning's precision flags and the engine's modes (fp32 master weights and Adam states in
 # the mixed modes; "bf16-true" trains bf16 parameters and states, as Lightning does).
@@ -35,6 +37,53 @@ def engine_precision(flag) -> str:
             "weights) or 'bf16-true' (bf16 weights and optimizer states)."
         )
     return PRECISIONS[key]
+
+
+def precision_of_plugin(plugin, known_plugins: tuple[type, ...]) -> str:
+    """The engine's precision for one of Lightning's own precision plugins (the connector turns
+    ``precision=`` into one); any other plugin is refused."""
+    if type(plugin) not in known_plugins:
+        raise ValueError(
+            f"The ProTrain strategy cannot use the precision plugin {type(plugin).__name__}; pass precision= "
+            "'32-true', '16-mixed', 'bf16-mixed' or 'bf16-true' instead of a plugin."
+        )
+    return engine_precision(plugin.precision)
+
+
+def check_plan_arguments(plan, memory_budget) -> pt.Plan | None:
+    """Validate a strategy's ``plan`` / ``memory_budget`` when it is created (before Lightning
+    starts anything); returns the plan as a ``Plan``."""
+    if isinstance(plan, dict):
+        plan = pt.Plan.from_dict(plan)
+    if plan is not None and not isinstance(plan, pt.Plan):
+        raise ValueError(f"plan must be a protrain_core.Plan, a dict of its fields or None, got {type(plan).__name__}")
+    if plan is not None and memory_budget is not None:
+        raise ValueError("memory_budget chooses a plan; pass either plan= or memory_budget=, not both.")
+    if memory_budget is not None:
+        parse_bytes(memory_budget)
+    return plan
+
+
+def accelerator_device(is_cuda: bool) -> torch.device:
+    """The device of a one-device run (Lightning creates registered strategies without one)."""
+    return torch.device("cuda", torch.cuda.current_device()) if is_cuda else torch.device("cpu")
+
+
+def register_as_protrain(registry, strategy_cls) -> None:
+    if "protrain" not in registry:
+        registry.register(
+            "protrain", strategy_cls, description="ProTrain: chunked, offloaded model states with automatic planning"
+        )
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``torch.save`` into a temporary file, then rename: never a torn checkpoint file (local
+    paths; remote ones and storage options go to Lightning's own writer)."""
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        if storage_options is not None or "://" in str(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        atomic_save(checkpoint, path)
 
 
 def autocast_context(precision: str, device: torch.device):
@@ -108,6 +157,17 @@ def route_zero_grad(optimizer: torch.optim.Optimizer, engine: pt.Engine) -> None
 
 def unroute_zero_grad(optimizer: torch.optim.Optimizer) -> None:
     optimizer.__dict__.pop("zero_grad", None)
+
+
+def scaler_state(engine: pt.Engine | None) -> dict:
+    """The precision plugin's checkpoint entry: the fp16 loss scaler's state (empty otherwise)."""
+    scaler = engine.scaler_state_dict() if engine is not None else None
+    return {"scaler": scaler} if scaler else {}
+
+
+def load_scaler_state(engine: pt.Engine | None, state: dict) -> None:
+    if state.get("scaler") and engine is not None and engine.scaler is not None:
+        engine.load_scaler_state_dict(state["scaler"])
 
 
 def loss_of(output) -> Tensor | None:

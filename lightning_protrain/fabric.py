@@ -18,7 +18,6 @@ import contextlib
 from typing import Any
 
 import torch
-from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.accelerators import CUDAAccelerator
 from lightning.fabric.strategies import Strategy
@@ -28,23 +27,20 @@ from torch import nn
 
 import protrain_core as pt
 from lightning_protrain._common import (
-    atomic_save,
+    AtomicCheckpointIO,
+    accelerator_device,
     autocast_context,
     build_engine,
     check_optimizers,
+    check_plan_arguments,
     convert_input,
-    engine_precision,
     gradient_clipping,
+    load_scaler_state,
+    precision_of_plugin,
+    register_as_protrain,
+    scaler_state,
     unroute_zero_grad,
 )
-from protrain_core.utils import parse_bytes
-
-
-class _AtomicCheckpointIO(TorchCheckpointIO):
-    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
-        if storage_options is not None or "://" in str(path):
-            return super().save_checkpoint(checkpoint, path, storage_options)
-        atomic_save(checkpoint, path)
 
 
 class ProTrainFabricPrecision(Precision):
@@ -73,14 +69,10 @@ class ProTrainFabricPrecision(Precision):
         engine.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:
-        engine = self.strategy.engine
-        scaler = engine.scaler_state_dict() if engine is not None else None
-        return {"scaler": scaler} if scaler else {}
+        return scaler_state(self.strategy.engine)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        engine = self.strategy.engine
-        if state_dict.get("scaler") and engine is not None and engine.scaler is not None:
-            engine.load_scaler_state_dict(state_dict["scaler"])
+        load_scaler_state(self.strategy.engine, state_dict)
 
 
 class _EngineSyncControl(_BackwardSyncControl):
@@ -118,14 +110,7 @@ class ProTrainFabricStrategy(Strategy):
         checkpoint_io=None,
         precision=None,
     ) -> None:
-        if isinstance(plan, dict):
-            plan = pt.Plan.from_dict(plan)
-        if plan is not None and not isinstance(plan, pt.Plan):
-            raise ValueError(f"plan must be a protrain_core.Plan, a dict of its fields or None, got {type(plan).__name__}")
-        if plan is not None and memory_budget is not None:
-            raise ValueError("memory_budget chooses a plan; pass either plan= or memory_budget=, not both.")
-        if memory_budget is not None:
-            parse_bytes(memory_budget)
+        plan = check_plan_arguments(plan, memory_budget)
         self.clipping = gradient_clipping(gradient_clip_val, gradient_clip_algorithm)
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision)
         self._root_device = torch.device(device) if device is not None else None
@@ -149,17 +134,13 @@ class ProTrainFabricStrategy(Strategy):
         if plugin is None or isinstance(plugin, ProTrainFabricPrecision):
             self._precision = plugin
             return
-        if type(plugin) not in (Precision, MixedPrecision, HalfPrecision, DoublePrecision):
-            raise ValueError(
-                f"The ProTrain strategy cannot use the precision plugin {type(plugin).__name__}; pass precision= "
-                "'32-true', '16-mixed', 'bf16-mixed' or 'bf16-true' to Fabric instead of a plugin."
-            )
-        self._precision = ProTrainFabricPrecision(engine_precision(plugin.precision), self)
+        flag = precision_of_plugin(plugin, (Precision, MixedPrecision, HalfPrecision, DoublePrecision))
+        self._precision = ProTrainFabricPrecision(flag, self)
 
     @property
     def checkpoint_io(self):
         if self._checkpoint_io is None:
-            self._checkpoint_io = _AtomicCheckpointIO()
+            self._checkpoint_io = AtomicCheckpointIO()
         return self._checkpoint_io
 
     @checkpoint_io.setter
@@ -169,8 +150,7 @@ class ProTrainFabricStrategy(Strategy):
     @property
     def root_device(self) -> torch.device:
         if self._root_device is None:
-            cuda = isinstance(self.accelerator, CUDAAccelerator)
-            self._root_device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+            self._root_device = accelerator_device(isinstance(self.accelerator, CUDAAccelerator))
         return self._root_device
 
     # One process (not a SingleDeviceStrategy: Fabric ignores no_backward_sync for those, and
@@ -306,7 +286,4 @@ class ProTrainFabricStrategy(Strategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
-        if "protrain" not in strategy_registry:
-            strategy_registry.register(
-                "protrain", cls, description="ProTrain: chunked, offloaded model states with automatic planning"
-            )
+        register_as_protrain(strategy_registry, cls)

@@ -25,7 +25,6 @@ import time
 from typing import Any
 
 import torch
-from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import SingleDeviceStrategy
@@ -34,29 +33,25 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import protrain_core as pt
 from lightning_protrain._common import (
-    atomic_save,
+    AtomicCheckpointIO,
+    accelerator_device,
     autocast_context,
     build_engine,
     check_optimizers,
+    check_plan_arguments,
     convert_input,
-    engine_precision,
     gradient_clipping,
+    load_scaler_state,
     loss_of,
+    precision_of_plugin,
+    register_as_protrain,
+    scaler_state,
     unroute_zero_grad,
 )
-from protrain_core.utils import format_seconds, parse_bytes
+from protrain_core.utils import format_seconds
 
 # Steps whose time is reported against the prediction (after the first WARMUP_STEPS).
 WARMUP_STEPS, TIMED_STEPS = 2, 5
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """``torch.save`` into a temporary file, then rename: never a torn checkpoint file."""
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
-        if storage_options is not None or "://" in str(path):
-            return super().save_checkpoint(checkpoint, path, storage_options)
-        atomic_save(checkpoint, path)
 
 
 class ProTrainPrecision(Precision):
@@ -109,12 +104,10 @@ class ProTrainPrecision(Precision):
             )
 
     def state_dict(self) -> dict[str, Any]:
-        scaler = self.engine.scaler_state_dict() if self.engine is not None else None
-        return {"scaler": scaler} if scaler else {}
+        return scaler_state(self.engine)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict.get("scaler") and self.engine is not None and self.engine.scaler is not None:
-            self.engine.load_scaler_state_dict(state_dict["scaler"])
+        load_scaler_state(self.engine, state_dict)
 
 
 # Lightning's own plugins for the flags the engine implements; any other plugin is refused.
@@ -124,12 +117,7 @@ _KNOWN_PLUGINS = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
 def to_protrain_precision(plugin) -> ProTrainPrecision:
     if isinstance(plugin, ProTrainPrecision):
         return plugin
-    if type(plugin) not in _KNOWN_PLUGINS:
-        raise ValueError(
-            f"The ProTrain strategy cannot use the precision plugin {type(plugin).__name__}; pass precision= "
-            "'32-true', '16-mixed', 'bf16-mixed' or 'bf16-true' to the Trainer instead of a plugin."
-        )
-    return ProTrainPrecision(engine_precision(plugin.precision))
+    return ProTrainPrecision(precision_of_plugin(plugin, _KNOWN_PLUGINS))
 
 
 class ProTrainStrategy(SingleDeviceStrategy):
@@ -159,15 +147,7 @@ class ProTrainStrategy(SingleDeviceStrategy):
         checkpoint_io=None,
         precision_plugin=None,
     ) -> None:
-        # Bad arguments are refused here, before Lightning starts anything.
-        if isinstance(plan, dict):
-            plan = pt.Plan.from_dict(plan)
-        if plan is not None and not isinstance(plan, pt.Plan):
-            raise ValueError(f"plan must be a protrain_core.Plan, a dict of its fields or None, got {type(plan).__name__}")
-        if plan is not None and memory_budget is not None:
-            raise ValueError("memory_budget chooses a plan; pass either plan= or memory_budget=, not both.")
-        if memory_budget is not None:
-            parse_bytes(memory_budget)
+        plan = check_plan_arguments(plan, memory_budget)
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         # None: the accelerator's first device (Lightning creates registered strategies without one).
         self._root_device = torch.device(device) if device is not None else None
@@ -209,8 +189,7 @@ class ProTrainStrategy(SingleDeviceStrategy):
     @property
     def root_device(self) -> torch.device:
         if self._root_device is None:
-            cuda = isinstance(self.accelerator, CUDAAccelerator)
-            self._root_device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+            self._root_device = accelerator_device(isinstance(self.accelerator, CUDAAccelerator))
         return self._root_device
 
     def model_to_device(self) -> None:
@@ -356,7 +335,4 @@ class ProTrainStrategy(SingleDeviceStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
-        if "protrain" not in strategy_registry:
-            strategy_registry.register(
-                "protrain", cls, description="ProTrain: chunked, offloaded model states with automatic planning"
-            )
+        register_as_protrain(strategy_registry, cls)

@@ -53,6 +53,18 @@ def n_chunks(model):
     return pt.build_layout(model, block_path, len(blocks)).n_chunks
 
 
+def standard_plans(model):
+    """Chunk plans that exercise every placement: all persistent, all streamed through one
+    buffer, mixed with two buffers, and mixed with swapped and checkpointed blocks."""
+    n = n_chunks(model)
+    return {
+        "all-persistent": pt.Plan(n_persist=n, n_buffer=0),
+        "streamed-buf1": pt.Plan(n_persist=0, n_buffer=1),
+        "mixed-buf2": pt.Plan(n_persist=1, n_buffer=2),
+        "swap-checkpoint": pt.Plan(n_persist=1, n_buffer=2, n_swap=1, n_checkpoint=2),
+    }
+
+
 def train_engine(engine, data, *, accumulate=1):
     losses = []
     for i in range(0, len(data), accumulate):

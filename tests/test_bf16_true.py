@@ -12,21 +12,11 @@ import pytest
 import torch
 
 import protrain_core as pt
-from conftest import MODELS, batches, n_chunks, tiny_gpt2, tiny_llama, train_engine, train_reference
+from conftest import MODELS, batches, n_chunks, standard_plans, tiny_gpt2, tiny_llama, train_engine, train_reference
 from protrain_core.profiler import chunk_facts
 from test_clipping import CACHE_WARNING, Clipper, train_recording_norms
 
 BF16 = torch.bfloat16
-
-
-def plans(model):
-    n = n_chunks(model)
-    return {
-        "all-persistent": pt.Plan(n_persist=n, n_buffer=0),
-        "streamed-buf1": pt.Plan(n_persist=0, n_buffer=1),
-        "mixed-buf2": pt.Plan(n_persist=1, n_buffer=2),
-        "swap-checkpoint": pt.Plan(n_persist=1, n_buffer=2, n_swap=1, n_checkpoint=2),
-    }
 
 
 def adamw(params, **kw):
@@ -65,7 +55,7 @@ def test_bf16_true_parity(arch, plan_name):
     model = MODELS[arch]()
     data = batches(8)
     ref, ref_opt, ref_losses = reference(model, data)
-    engine = wrap_bf16(model, plans(model)[plan_name])
+    engine = wrap_bf16(model, standard_plans(model)[plan_name])
     assert engine.precision is pt.Precision.BF16_TRUE and not engine._autocast_handles and engine.scaler is None
     assert all(p.dtype == BF16 for p in engine.module.parameters())
     losses = train_engine(engine, data)
@@ -147,7 +137,7 @@ def test_clipping_in_bf16(plan_name, algorithm):
     clipper = Clipper(algorithm)
     ref, _, ref_losses = reference(model, data, clip=clipper)
     clipper.assert_triggered()
-    engine = wrap_bf16(model, plans(model)[plan_name], gradient_clipping=(algorithm, clipper.value))
+    engine = wrap_bf16(model, standard_plans(model)[plan_name], gradient_clipping=(algorithm, clipper.value))
     losses, norms = train_recording_norms(engine, data)
     assert losses == ref_losses
     clipper.assert_same_norms(norms)

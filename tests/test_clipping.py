@@ -12,23 +12,13 @@ import pytest
 import torch
 
 import protrain_core as pt
-from conftest import MODELS, assert_same_weights, batches, n_chunks, tiny_gpt2, tiny_llama, train_engine, train_reference
+from conftest import MODELS, assert_same_weights, batches, standard_plans, tiny_gpt2, tiny_llama, train_engine, train_reference
 from test_overlap import _timeline
 from test_parity import reference_mixed
 
 CACHE_WARNING = "ignore:ProTrain. a key/value cache"  # swapped/checkpointed blocks run without the cache
 MAX_NORM = 0.5  # the tiny models' gradient norms are ~1-5: clipping by norm triggers every step
 CLIP_VALUE = 0.01  # some gradient elements exceed it every step
-
-
-def plans(model):
-    n = n_chunks(model)
-    return {
-        "all-persistent": pt.Plan(n_persist=n, n_buffer=0),
-        "streamed-buf1": pt.Plan(n_persist=0, n_buffer=1),
-        "mixed-buf2": pt.Plan(n_persist=1, n_buffer=2),
-        "swap-checkpoint": pt.Plan(n_persist=1, n_buffer=2, n_swap=1, n_checkpoint=2),
-    }
 
 
 class Clipper:
@@ -90,7 +80,7 @@ def test_fp32_clipping_parity(arch, plan_name, algorithm):
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1, fused=True)
     ref_losses = train_reference(ref, ref_opt, data, clip=clipper)
     clipper.assert_triggered()
-    engine = wrap_clipped(model, plans(model)[plan_name], algorithm, clipper.value)
+    engine = wrap_clipped(model, standard_plans(model)[plan_name], algorithm, clipper.value)
     losses, norms = train_recording_norms(engine, data)
     assert losses == ref_losses
     clipper.assert_same_norms(norms)
@@ -126,7 +116,7 @@ def test_mixed_precision_clipping_parity(arch, precision, dtype, plan_name, algo
     ref_losses, ref_master, _ = reference_mixed(model, dtype, data, lr=3e-3, scaler=scaler, clip=clipper)
     clipper.assert_triggered()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    engine = pt.wrap(model, opt, plans(model)[plan_name], precision=precision, device="cpu", check_invariants=True,
+    engine = pt.wrap(model, opt, standard_plans(model)[plan_name], precision=precision, device="cpu", check_invariants=True,
                      gradient_clipping=(algorithm, clipper.value))
     losses, norms = train_recording_norms(engine, data)
     assert losses == ref_losses
