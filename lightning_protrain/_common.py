@@ -50,6 +50,13 @@ def precision_of_plugin(plugin, known_plugins: tuple[type, ...]) -> str:
     return engine_precision(plugin.precision)
 
 
+def scaler_settings(plugin) -> dict | None:
+    """The settings of a 16-mixed plugin's ``torch.amp.GradScaler`` (initial scale, growth and
+    backoff), in its ``state_dict`` format, for the engine's own loss scaler."""
+    scaler = getattr(plugin, "scaler", None)
+    return scaler.state_dict() if scaler is not None and scaler.is_enabled() else None
+
+
 def check_plan_arguments(plan, memory_budget) -> pt.Plan | None:
     """Validate a strategy's ``plan`` / ``memory_budget`` when it is created (before Lightning
     starts anything); returns the plan as a ``Plan``."""
@@ -132,12 +139,14 @@ def gradient_clipping(value, algorithm) -> tuple[str, float] | None:
 
 def build_engine(module: nn.Module, optimizer, *, plan, memory_budget, blocks, chunk_size, precision: str,
                  device: torch.device, example_inputs=None, loss_fn=None, step_fn=None, clipping=None,
-                 reprofile: bool = False) -> pt.Engine:
+                 reprofile: bool = False, scaler: dict | None = None, training: bool = True) -> pt.Engine:
     engine = pt.wrap(
         module, optimizer, plan=plan, memory_budget=memory_budget, precision=precision, device=device,
         blocks=blocks, chunk_size=chunk_size, example_inputs=example_inputs, loss_fn=loss_fn, step_fn=step_fn,
-        gradient_clipping=clipping, reprofile=reprofile,
+        gradient_clipping=clipping, reprofile=reprofile, optimizer_states=training,
     )
+    if scaler and engine.scaler is not None:
+        engine.load_scaler_state_dict(scaler)  # the user's GradScaler settings
     route_zero_grad(optimizer, engine)
     return engine
 
@@ -159,9 +168,10 @@ def unroute_zero_grad(optimizer: torch.optim.Optimizer) -> None:
     optimizer.__dict__.pop("zero_grad", None)
 
 
-def scaler_state(engine: pt.Engine | None) -> dict:
-    """The precision plugin's checkpoint entry: the fp16 loss scaler's state (empty otherwise)."""
-    scaler = engine.scaler_state_dict() if engine is not None else None
+def scaler_state(engine: pt.Engine | None, kept: dict | None = None) -> dict:
+    """The precision plugin's checkpoint entry: the fp16 loss scaler's state (empty otherwise);
+    ``kept``: the state kept when the last engine closed (or the user's GradScaler settings)."""
+    scaler = engine.scaler_state_dict() if engine is not None and not engine._closed else kept
     return {"scaler": scaler} if scaler else {}
 
 

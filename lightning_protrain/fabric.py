@@ -38,15 +38,17 @@ from lightning_protrain._common import (
     load_scaler_state,
     precision_of_plugin,
     register_as_protrain,
+    scaler_settings,
     scaler_state,
     unroute_zero_grad,
 )
 
 
 class ProTrainFabricPrecision(Precision):
-    def __init__(self, precision: str, strategy: ProTrainFabricStrategy) -> None:
+    def __init__(self, precision: str, strategy: ProTrainFabricStrategy, scaler: dict | None = None) -> None:
         self.precision = precision
         self.strategy = strategy
+        self.scaler = scaler  # a 16-mixed plugin's GradScaler settings
 
     def forward_context(self):
         return autocast_context(self.precision, self.strategy.root_device)
@@ -69,7 +71,7 @@ class ProTrainFabricPrecision(Precision):
         engine.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:
-        return scaler_state(self.strategy.engine)
+        return scaler_state(self.strategy.engine, self.scaler)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         load_scaler_state(self.strategy.engine, state_dict)
@@ -135,7 +137,7 @@ class ProTrainFabricStrategy(Strategy):
             self._precision = plugin
             return
         flag = precision_of_plugin(plugin, (Precision, MixedPrecision, HalfPrecision, DoublePrecision))
-        self._precision = ProTrainFabricPrecision(flag, self)
+        self._precision = ProTrainFabricPrecision(flag, self, scaler_settings(plugin))
 
     @property
     def checkpoint_io(self):
@@ -205,7 +207,7 @@ class ProTrainFabricStrategy(Strategy):
             module, optimizer, plan=self.plan, memory_budget=self.memory_budget, blocks=self.blocks,
             chunk_size=self.chunk_size, precision=self.precision.precision, device=self.root_device,
             example_inputs=example_inputs if self.plan is None else None, loss_fn=self.loss_fn,
-            clipping=self.clipping, reprofile=self.reprofile,
+            clipping=self.clipping, reprofile=self.reprofile, scaler=self.precision.scaler,
         )
         if self.engine.choice is not None:
             rank_zero_info(self.engine.explain())
@@ -280,6 +282,7 @@ class ProTrainFabricStrategy(Strategy):
 
     def teardown(self) -> None:
         if self.engine is not None and not self.engine._closed:
+            self.precision.scaler = self.engine.scaler_state_dict()  # for fabric.save after teardown
             unroute_zero_grad(self.engine.optimizer)
             self.engine.close()
         super().teardown()

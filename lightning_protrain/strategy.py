@@ -45,13 +45,18 @@ from lightning_protrain._common import (
     loss_of,
     precision_of_plugin,
     register_as_protrain,
+    scaler_settings,
     scaler_state,
     unroute_zero_grad,
 )
+from protrain_core.profiles import discard as discard_profile
 from protrain_core.utils import format_seconds
 
 # Steps whose time is reported against the prediction (after the first WARMUP_STEPS).
 WARMUP_STEPS, TIMED_STEPS = 2, 5
+# A prediction off by more than this factor means the profile does not describe this machine as
+# it runs now (typically a cached profile taken while something else loaded the machine).
+STALE_FACTOR = 1.5
 
 
 class ProTrainPrecision(Precision):
@@ -59,8 +64,9 @@ class ProTrainPrecision(Precision):
     (the engine keeps the compute copies and fp32 masters), backward and step through the
     engine, the fp16 loss scaler's state in checkpoints."""
 
-    def __init__(self, precision: str) -> None:
+    def __init__(self, precision: str, scaler: dict | None = None) -> None:
         self.precision = precision
+        self.scaler = scaler  # a 16-mixed plugin's GradScaler settings; its state after a fit
         self.device = torch.device("cpu")
         self.engine: pt.Engine | None = None
         self.clipping: tuple[str, float] | None = None
@@ -104,7 +110,7 @@ class ProTrainPrecision(Precision):
             )
 
     def state_dict(self) -> dict[str, Any]:
-        return scaler_state(self.engine)
+        return scaler_state(self.engine, self.scaler)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         load_scaler_state(self.engine, state_dict)
@@ -117,7 +123,7 @@ _KNOWN_PLUGINS = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
 def to_protrain_precision(plugin) -> ProTrainPrecision:
     if isinstance(plugin, ProTrainPrecision):
         return plugin
-    return ProTrainPrecision(precision_of_plugin(plugin, _KNOWN_PLUGINS))
+    return ProTrainPrecision(precision_of_plugin(plugin, _KNOWN_PLUGINS), scaler_settings(plugin))
 
 
 class ProTrainStrategy(SingleDeviceStrategy):
@@ -218,14 +224,15 @@ class ProTrainStrategy(SingleDeviceStrategy):
                 example, step_fn = self._example_batch(trainer), self._profile_step
             budget = self.memory_budget if plan is None else None
         else:
-            # Evaluation only: an optimizer nobody steps; without a known plan everything streams.
+            # Evaluation only: an optimizer nobody steps (the engine allocates no states for it);
+            # without a known plan everything streams.
             optimizer = torch.optim.AdamW(module.parameters())
             clipping, example, step_fn, budget = None, None, None, None
             plan = self.plan or self._last_plan or pt.Plan(n_persist=0, n_buffer=2)
         self.engine = build_engine(
             module, optimizer, plan=plan, memory_budget=budget, blocks=self.blocks, chunk_size=self.chunk_size,
             precision=precision.precision, device=self.root_device, example_inputs=example, step_fn=step_fn,
-            clipping=clipping, reprofile=self.reprofile,
+            clipping=clipping, reprofile=self.reprofile, scaler=precision.scaler, training=fitting,
         )
         self._last_plan = self.engine.plan
         precision.engine, precision.clipping = self.engine, clipping
@@ -280,11 +287,20 @@ class ProTrainStrategy(SingleDeviceStrategy):
         measured = statistics.median(times)
         trainer = self.lightning_module.trainer
         predicted = choice.runtime.total_s * trainer.accumulate_grad_batches
-        rank_zero_info(
+        message = (
             f"ProTrain: measured step {format_seconds(measured)} (median of {len(times)} after {WARMUP_STEPS} "
             f"warm-up steps, data loading and hooks included), predicted {format_seconds(predicted)} "
             f"({(predicted - measured) / measured:+.1%})."
         )
+        if not 1 / STALE_FACTOR <= predicted / measured <= STALE_FACTOR:
+            removed = discard_profile(choice.profile.key)
+            message += (
+                " The profile does not describe this machine as it runs now (was it taken, or cached, while other "
+                "work loaded the machine?), so the plan may not be the best one. "
+                + ("It has been removed from the profile cache: the next run profiles again."
+                   if removed else "Profile again with ProTrainStrategy(reprofile=True).")
+            )
+        rank_zero_info(message)
         for logger in trainer.loggers:
             logger.log_metrics({"protrain/predicted_step_s": predicted, "protrain/measured_step_s": measured},
                                step=trainer.global_step)
@@ -299,7 +315,7 @@ class ProTrainStrategy(SingleDeviceStrategy):
 
     def optimizer_state(self, optimizer) -> dict:
         engine = self._open_engine()
-        if engine is not None:
+        if engine is not None and engine.optimizer_states:
             return engine.optimizer_state_dict()
         if self._final_optimizer_state is not None:
             return self._final_optimizer_state
@@ -323,9 +339,10 @@ class ProTrainStrategy(SingleDeviceStrategy):
     def teardown(self) -> None:
         engine = self._open_engine()
         if engine is not None:
-            if self.optimizers:
+            if self.optimizers and engine.optimizer_states:  # not after evaluation only
                 # Kept for trainer.save_checkpoint() after fit; the engine and its chunks go away.
                 self._final_optimizer_state = engine.optimizer_state_dict()
+                self.precision_plugin.scaler = engine.scaler_state_dict()  # and the loss scaler's
             unroute_zero_grad(engine.optimizer)
             engine.close()
         self.engine = None

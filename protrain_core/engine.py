@@ -48,6 +48,7 @@ def wrap(
     gradient_clipping: tuple[str, float] | None = None,
     profile_cache: bool = True,
     reprofile: bool = False,
+    optimizer_states: bool = True,
     check_invariants: bool = False,
 ) -> Engine:
     """Put ``model``'s parameters and ``optimizer``'s states into ProTrain chunks.
@@ -78,6 +79,9 @@ def wrap(
         profile_cache: reuse a profile cached on disk for the same model, batch shape,
             precision and hardware (``protrain_core.profiles.cache_dir()``).
         reprofile: profile again even when a cached profile exists.
+        optimizer_states: False builds an engine for evaluation only (a plan must be given):
+            no optimizer states are allocated, and ``backward`` outside ``no_sync`` and
+            ``step`` raise.
         check_invariants: check residency and device-byte invariants at every hook (tests).
     """
     # Everything that can be wrong with the arguments is checked before memory is touched.
@@ -94,6 +98,8 @@ def wrap(
             "memory_budget is used to search a plan; pass plan=None to search one within the budget, "
             "or drop memory_budget to use the given plan."
         )
+    if not optimizer_states and plan is None:
+        raise ValueError("wrap(optimizer_states=False) builds an engine for evaluation only: pass its plan=.")
     if plan is None:
         if example_inputs is None:
             raise ValueError(
@@ -126,7 +132,8 @@ def wrap(
             f"Plan.n_buffer must be >= 1 when chunks are streamed ({n_streamed} of "
             f"{layout.n_chunks} are not persistent)."
         )
-    engine = Engine(model, optimizer, with_persistence(layout, plan.n_persist), plan, prec, dev, check_invariants)
+    engine = Engine(model, optimizer, with_persistence(layout, plan.n_persist), plan, prec, dev, check_invariants,
+                    optimizer_states=optimizer_states)
     engine.profile, engine.choice = profile, choice
     if gradient_clipping is not None:
         engine.set_gradient_clipping(*gradient_clipping)
@@ -234,7 +241,7 @@ class Engine:
         device: torch.device,
         check_invariants: bool,
         *,
-        profiling: bool = False,
+        optimizer_states: bool = True,
     ) -> None:
         self.module = module
         self.optimizer = optimizer
@@ -263,8 +270,8 @@ class Engine:
             id(p): (c, i) for c in self.chunks for i, p in enumerate(c.params)
         }
         for c in self.chunks:
-            # A profiling engine never steps: it gets no optimizer states (and so less memory).
-            c.opt_members = {} if profiling else self._optim.members_by_group(c)
+            # A profiling (or evaluation-only) engine never steps: no optimizer states, less memory.
+            c.opt_members = self._optim.members_by_group(c) if optimizer_states else {}
         self._allocate()
         n_buffer = min(plan.n_buffer, len(self.chunks) - layout.n_persist)
         self.runtime = Runtime(
@@ -282,7 +289,8 @@ class Engine:
         self.activations = None
         self._set_block_modes(interleaved_modes(len(blocks), plan.n_swap, plan.n_checkpoint))
         self._autocast_handles = self._register_autocast() if precision.is_mixed else []
-        if optimizer.state and not profiling:
+        self.optimizer_states = optimizer_states
+        if optimizer.state and optimizer_states:
             # The optimizer already stepped: carry its state into the chunks.
             osd = optimizer.state_dict()
             optimizer.state.clear()
@@ -404,6 +412,8 @@ class Engine:
         """Backward through the managed model; streamed chunks are updated while it runs
         (unless Adam waits for step(): see ``overlap``)."""
         self._check_open()
+        if not self._no_sync:
+            self._check_trains("backward() outside no_sync()")
         self.runtime.begin_backward(boundary=not self._no_sync)
         self.activations.begin_backward()
         try:
@@ -476,6 +486,7 @@ class Engine:
     def step(self) -> None:
         """Returns when every parameter holds this step's final value."""
         self._check_open()
+        self._check_trains("step()")
         if self.runtime.phase is not Phase.IDLE:
             raise RuntimeError("engine.step() was called during backward.")
         hps = self._optim.snapshot()
@@ -660,3 +671,10 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("This ProTrain engine was closed.")
+
+    def _check_trains(self, what: str) -> None:
+        if not self.optimizer_states:
+            raise RuntimeError(
+                f"{what} on an evaluation-only ProTrain engine (wrap(optimizer_states=False)): it holds no optimizer "
+                "states. Wrap with optimizer_states=True to train."
+            )

@@ -449,7 +449,8 @@ def profile_model(
         if per_chunk * n_chunks > free // 2:
             n_persist, n_buffer = 0, max(2, min_buffers(model, layout))
     plan = Plan(n_persist=n_persist, n_buffer=n_buffer, n_swap=0, n_checkpoint=L)
-    engine = Engine(model, optimizer, with_persistence(layout, n_persist), plan, precision, device, False, profiling=True)
+    engine = Engine(model, optimizer, with_persistence(layout, n_persist), plan, precision, device, False,
+                    optimizer_states=False)
     engine.activations._warned_cache = True  # the profiler's layout, not the user's choice
     bounds = _Boundaries(engine, blocks)
     timings: list[tuple[list[float], list[float], list[float]]] = []

@@ -163,6 +163,16 @@ def load_cached(key: str, directory: Path | None = None) -> Profile | None:
     return profile if profile.key == key else None
 
 
+def discard(key: str, directory: Path | None = None) -> bool:
+    """Remove a cached profile (one that turned out not to describe this machine any more);
+    True when there was one."""
+    try:
+        _path(directory or cache_dir(), key).unlink()
+    except OSError:
+        return False
+    return True
+
+
 def store(profile: Profile, directory: Path | None = None) -> Path | None:
     """Write the profile atomically (temporary file, then rename); a cache that cannot be
     written is not an error -- the next run profiles again."""

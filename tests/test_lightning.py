@@ -1,6 +1,8 @@
 """Trainer(strategy="protrain"): parity with Lightning's default strategy, precision flags,
 optimizers and schedulers, accumulation, clipping, checkpoints and errors."""
 
+import json
+import logging
 import os
 import subprocess
 import sys
@@ -22,6 +24,25 @@ STEPS = 6
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def info_lines():
+    """What the strategy reports through ``rank_zero_info`` (Lightning's own logger, whose stream
+    handler was bound before pytest captured the output)."""
+    lines = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    log = logging.getLogger("lightning.pytorch")
+    handler, level = Collect(logging.INFO), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    yield lines
+    log.removeHandler(handler)
+    log.setLevel(level)
 
 
 class LitLM(pl.LightningModule):
@@ -156,12 +177,27 @@ def test_precision_flags_close_to_default(precision):
     assert got[1].strategy.precision_plugin.precision == precision
 
 
-def test_fp16_mixed_maps_to_the_engine_with_a_loss_scaler():
+def fp16_plugin(**scaler_kw):
+    """16-mixed on the CPU: Lightning's connector refuses the flag there (it is for GPUs), but
+    takes the plugin -- the engine's fp16 mode and loss scaler run on any device."""
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    strategy = ProTrainStrategy(plan=pt.Plan(n_persist=1, n_buffer=2))
-    strategy.precision_plugin = MixedPrecision("16-mixed", "cpu")  # what the connector does on a GPU
-    assert strategy.precision_plugin.precision == "16-mixed"
+    scaler = torch.amp.GradScaler("cpu", **scaler_kw) if scaler_kw else None
+    return MixedPrecision("16-mixed", "cpu", scaler=scaler)
+
+
+def test_fp16_mixed_close_to_default_and_uses_the_users_scaler_settings(tmp_path):
+    plan = pt.Plan(n_persist=1, n_buffer=2, n_checkpoint=1)
+    ref = fit("auto", plugins=[fp16_plugin()])
+    got = fit(ProTrainStrategy(plan=plan), plugins=[fp16_plugin()])
+    assert got[1].strategy.precision_plugin.precision == "16-mixed"
+    assert got[0].losses == pytest.approx(ref[0].losses, rel=2e-2)
+    # GradScaler(init_scale=2**8, growth_interval=2): six clean steps double the scale 3 times.
+    lit, t = fit(ProTrainStrategy(plan=plan), plugins=[fp16_plugin(init_scale=2.0**8, growth_interval=2)])
+    t.save_checkpoint(tmp_path / "after_fit.ckpt")  # after teardown: the state kept from the engine
+    (state,) = [v for k, v in torch.load(tmp_path / "after_fit.ckpt", weights_only=True).items() if k.endswith("Precision")]
+    assert state["scaler"] == {"scale": 2.0**11, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2,
+                               "_growth_tracker": 0}
 
 
 @pytest.mark.parametrize("precision", ["64-true", "16-true"])
@@ -211,7 +247,7 @@ def test_registration_is_idempotent():
     assert STRATEGY_REGISTRY["protrain"]["strategy"] is lightning_protrain.ProTrainFabricStrategy
 
 
-def test_validation_test_and_summary_keep_working(capsys):
+def test_validation_test_and_summary_keep_working(capsys, info_lines):
     torch.manual_seed(0)
     lit = LitLM()
     t = pl.Trainer(strategy="protrain", accelerator="cpu", devices=1, max_steps=4, logger=False,
@@ -222,15 +258,65 @@ def test_validation_test_and_summary_keep_working(capsys):
     out = capsys.readouterr().out
     n_params = sum(p.numel() for p in lit.parameters())
     assert f"{n_params / 1000:.1f} K" in out  # ModelSummary counts the true parameters
-    assert "ProTrain plan" in out or "ProTrain plan" in capsys.readouterr().err or True
+    assert sum("ProTrain plan: Plan(" in line for line in info_lines) == 1  # the explanation, once
     t.test(lit, loader(shuffle=False))
     assert "test_loss" in t.callback_metrics
 
 
+def test_evaluation_only_engine_holds_no_optimizer_states():
+    """trainer.validate without fit streams the weights with no Adam states: the host pool is
+    smaller than a training engine's, by at least the two fp32 moments of every parameter."""
+    seen = {}
+
+    class Probe(pl.Callback):
+        def on_validation_start(self, trainer, module):
+            seen["engine"] = (trainer.strategy.engine.optimizer_states, trainer.strategy.engine.host_bytes())
+
+    torch.manual_seed(0)
+    lit = LitLM()
+    n_params = sum(p.numel() for p in lit.parameters())
+    strategy = ProTrainStrategy(plan=pt.Plan(n_persist=0, n_buffer=2))
+    t = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, callbacks=[Probe()],
+                   enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2)
+    t.validate(lit, loader(shuffle=False))
+    states, eval_host = seen["engine"]
+    assert states is False and "val_loss" in t.callback_metrics
+    optimizer = torch.optim.AdamW(lit.parameters())
+    engine = pt.wrap(lit, optimizer, plan=pt.Plan(n_persist=0, n_buffer=2), device="cpu")
+    try:
+        assert engine.host_bytes() - eval_host >= 8 * n_params
+        with pytest.raises(RuntimeError, match="evaluation-only"):
+            other = LitLM()
+            pt.wrap(other, torch.optim.AdamW(other.parameters()), plan=pt.Plan(n_persist=0, n_buffer=2),
+                    device="cpu", optimizer_states=False).step()
+    finally:
+        engine.close()
+
+
+def test_stale_cached_profile_is_reported_and_dropped(tmp_path, info_lines):
+    """A cached profile taken while the machine was busy (here: every segment 50x slower) is
+    reported after the first steps and removed from the cache; the next run profiles afresh."""
+    fit("protrain")
+    (path,) = (tmp_path / "cache" / "profiles").glob("*.json")
+    first = json.loads(path.read_text())
+    busy = dict(first, segments=[dict(s, fwd_s=50 * s["fwd_s"], bwd_s=50 * s["bwd_s"]) for s in first["segments"]])
+    path.write_text(json.dumps(busy))
+    info_lines.clear()
+    fit("protrain", max_steps=10)
+    (report,) = [line for line in info_lines if line.startswith("ProTrain: measured step")]
+    assert "removed from the profile cache" in report
+    assert not path.exists()
+    fit("protrain")  # profiled again (too few steps for a report)
+    assert json.loads(path.read_text())["segments"][1]["fwd_s"] < busy["segments"][1]["fwd_s"] / 5
+
+
 # ----- checkpoints --------------------------------------------------------------------------
-def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("fp16", [False, True], ids=["32-true", "16-mixed"])
+def test_checkpoint_resume_equals_uninterrupted_run(tmp_path, fp16):
     """A two-epoch run saves a checkpoint (ModelCheckpoint) after its first epoch; resuming from it
-    with another plan gives exactly the second epoch's losses and the final weights."""
+    with another plan gives exactly the second epoch's losses and the final weights. In 16-mixed
+    the checkpoint carries the loss scaler's state (backed off from its initial scale in the
+    first epoch; a resume with a fresh scaler would skip steps again and differ)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     kw = {"schedule": True}
@@ -238,7 +324,7 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):
     def run(strategy, lit, ckpt_path=None, callbacks=()):
         t = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=2, logger=False,
                        callbacks=list(callbacks), enable_checkpointing=bool(callbacks), enable_progress_bar=False,
-                       enable_model_summary=False)
+                       enable_model_summary=False, plugins=[fp16_plugin(growth_interval=2)] if fp16 else [])
         t.fit(lit, loader(shuffle=False), ckpt_path=ckpt_path)  # resuming does not restore shuffling
 
     torch.manual_seed(0)
@@ -250,6 +336,12 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path):
     run(ProTrainStrategy(plan=pt.Plan(n_persist=0, n_buffer=1, n_checkpoint=2)), resumed,
         ckpt_path=tmp_path / "epoch=0.ckpt")
     assert len(full.losses) == 12 and resumed.losses == full.losses[6:]
+    saved = torch.load(tmp_path / "epoch=0.ckpt", weights_only=True)
+    scaler = [v for k, v in saved.items() if k.endswith("Precision")]
+    if fp16:  # grown (or backed off) from 2**16 in the first epoch
+        assert scaler[0]["scaler"]["scale"] != 2.0**16
+    else:
+        assert scaler in ([], [{}])
     wa, wb = weights(resumed), weights(full)
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0, msg=k)
