@@ -1,0 +1,417 @@
+"""The benchmark suite: ProTrain and the systems users would pick instead, side by side, in one run.
+
+    python -m benchmarks.run --suite cpu-smoke            # seconds; what CI runs
+    python -m benchmarks.run --suite cpu-small            # minutes; a CPU comparison less dominated by overheads
+    python -m benchmarks.run --suite gpu-80g              # one 80 GB GPU, 128 GB host RAM (H100)
+    python -m benchmarks.run --suite gpu-141g             # one 141 GB GPU, 128 GB host RAM (H200)
+    python -m benchmarks.run --suite gpu-80g --dry-run    # build every system and configuration, train nothing
+    options: --out DIR  --systems protrain-core,pytorch  --no-probes  --timeout SECONDS  --memory-budget 40GiB
+
+Every system trains the same randomly initialised LLaMA-architecture model on the same synthetic
+batches (``benchmarks/systems.py``), each run in its own process, for ``warmup`` untimed and
+``steps`` timed steps. Per run: tokens/s, achieved TFLOPS (model FLOPs: 6 N per token plus
+attention), step time median and spread, peak device memory (CUDA allocator), peak host RSS,
+final loss; out-of-memory (device, host, or no ProTrain plan fitting) is a result. For each
+ProTrain run also: the plan, predicted vs measured step time and peak memory (the cost models'
+fidelity), and the lower bound on step time -- max(compute at the measured matmul rate,
+host<->device bytes / measured copy bandwidth, CPU-Adam bytes / measured host memory
+bandwidth) -- with the measured time as a multiple of it. The probes find, per system, the
+largest model of a ladder and the largest batch that train (ascending, stopping at the first
+failure).
+
+Output in --out (default benchmarks/results/<suite>/): results.json (everything, raw step
+times included), results.md (the tables, also printed) and throughput.png (tokens/s per system
+per model). Systems that cannot run here (deepspeed or torchao not installed, no CUDA) are
+listed with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks import systems as S
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def llama(hidden, layers, heads, intermediate, vocab=32000, kv_heads=None) -> dict:
+    return {"hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads or heads,
+            "intermediate": intermediate, "vocab": vocab}
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    label: str
+    model: dict
+    batch: int
+    seq: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+    description: str
+    device: str  # "cpu" or "cuda"
+    precision: str
+    workloads: tuple[Workload, ...]  # the throughput table: every system on each
+    warmup: int
+    steps: int
+    model_ladder: tuple[Workload, ...] = ()  # max-model-size probe, ascending
+    batch_ladder: tuple[Workload, ...] = ()  # max-batch-size probe, ascending
+    probe_systems: tuple[str, ...] | None = None  # None: every system
+    timeout_s: int = 600
+
+
+TINY = llama(hidden=64, layers=4, heads=4, kv_heads=2, intermediate=172, vocab=256)
+# LLaMA shapes: TinyLlama-1.1B; LLaMA-2-7B; the same width deeper for the larger ones.
+L1B = llama(hidden=2048, layers=22, heads=32, kv_heads=4, intermediate=5632)
+L7B = llama(hidden=4096, layers=32, heads=32, intermediate=11008)
+
+
+def deeper(layers: int) -> dict:
+    return dict(L7B, layers=layers)
+
+
+def billions(m: dict) -> str:
+    return f"{S.param_counts(m)[0] / 1e9:.1f}B"
+
+
+SUITES = {
+    "cpu-smoke": Suite(
+        "tiny LLaMA on the CPU: checks that every system, the report and the chart still work (seconds)",
+        device="cpu", precision="32-true", warmup=1, steps=3,
+        workloads=(Workload("tiny-4L", TINY, batch=4, seq=64),),
+        model_ladder=(Workload("tiny-2L", dict(TINY, layers=2), 4, 64), Workload("tiny-4L", TINY, 4, 64)),
+        batch_ladder=(Workload("tiny-4L b2", TINY, 2, 64), Workload("tiny-4L b4", TINY, 4, 64)),
+        probe_systems=("protrain-core",), timeout_s=300,
+    ),
+    "cpu-small": Suite(
+        "small LLaMA (8 x 256) on the CPU: steps long enough that per-step overheads do not dominate (minutes)",
+        device="cpu", precision="32-true", warmup=3, steps=8,
+        workloads=(Workload("small-8L", llama(hidden=256, layers=8, heads=4, intermediate=688, vocab=256), 8, 256),),
+    ),
+    # One 80 GB GPU, 128 GB host RAM: 1.1B fits the device with plain PyTorch (16 B/param of
+    # states); 7B and 8.3B do not (112 / 133 GB of states) and need offload; ProTrain's host
+    # side (fp32 master and moments, ~12-16 B/param of the streamed part) caps it near 8B.
+    "gpu-80g": Suite(
+        "one 80 GB GPU (H100), 128 GB host RAM; bf16-mixed, sequence 1024",
+        device="cuda", precision="bf16-mixed", warmup=2, steps=5,
+        workloads=(Workload(f"llama-{billions(L1B)}", L1B, 8, 1024), Workload(f"llama-{billions(L7B)}", L7B, 4, 1024),
+                   Workload(f"llama-{billions(deeper(40))}", deeper(40), 4, 1024)),
+        model_ladder=tuple(Workload(f"llama-{billions(deeper(n))}", deeper(n), 2, 1024) for n in (24, 32, 40, 48)),
+        batch_ladder=tuple(Workload(f"llama-{billions(L7B)} b{b}", L7B, b, 1024) for b in (2, 4, 8, 16, 32)),
+    ),
+    # One 141 GB GPU, 128 GB host RAM: more persistent chunks; the ladder goes further.
+    "gpu-141g": Suite(
+        "one 141 GB GPU (H200), 128 GB host RAM; bf16-mixed, sequence 1024",
+        device="cuda", precision="bf16-mixed", warmup=2, steps=5,
+        workloads=(Workload(f"llama-{billions(L1B)}", L1B, 8, 1024), Workload(f"llama-{billions(L7B)}", L7B, 8, 1024),
+                   Workload(f"llama-{billions(deeper(48))}", deeper(48), 4, 1024)),
+        model_ladder=tuple(Workload(f"llama-{billions(deeper(n))}", deeper(n), 2, 1024) for n in (32, 40, 48, 56, 64)),
+        batch_ladder=tuple(Workload(f"llama-{billions(L7B)} b{b}", L7B, b, 1024) for b in (4, 8, 16, 32, 64)),
+    ),
+}
+
+
+# ----- running ---------------------------------------------------------------------------------
+def spec_of(suite: Suite, system: str, w: Workload, *, dry_run: bool, steps=None, warmup=None,
+            memory_budget=None) -> dict:
+    m = dict(w.model, seq=w.seq)
+    return {"system": system, "label": w.label, "model": m, "batch": w.batch, "seq": w.seq,
+            "device": suite.device, "precision": suite.precision, "dry_run": dry_run, "memory_budget": memory_budget,
+            "warmup": suite.warmup if warmup is None else warmup, "steps": suite.steps if steps is None else steps}
+
+
+_port = [29400]
+
+
+def launch(specs: list[dict], timeout: int, log_dir: Path) -> list[dict]:
+    """Run ``specs`` in one process (several only in a dry run) and return their results; a
+    process that dies or times out yields results that say so."""
+    for s in specs:
+        _port[0] += 1
+        s["port"] = _port[0]
+    dry = specs[0]["dry_run"]
+    name = ("dry-run" if dry else f"{specs[0]['system']}-{specs[0]['label']}-b{specs[0]['batch']}").replace(" ", "_")
+    out = log_dir / f"{name}.result.json"
+    log = log_dir / f"{name}.log"
+    cmd = [sys.executable, "-m", "benchmarks.systems", json.dumps(specs if dry else specs[0]), str(out)]
+    # Each ProTrain run profiles afresh: a cached profile may come from another load on this machine.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               PROTRAIN_REPROFILE="1")
+    with open(log, "w") as f:
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+            failure = None if proc.returncode == 0 else (
+                f"killed by signal {-proc.returncode} (host out of memory?)" if proc.returncode < 0
+                else f"exit status {proc.returncode}")
+        except subprocess.TimeoutExpired:
+            failure = f"timed out after {timeout} s"
+    if failure is None and out.exists():
+        results = json.loads(out.read_text())
+        return results if isinstance(results, list) else [results]
+    tail = log.read_text()[-1500:] if log.exists() else ""
+    status = "timeout" if failure.startswith("timed out") else "oom" if "signal 9" in failure else "error"
+    return [{"status": status, "error": failure, "log_tail": tail} for _ in specs]
+
+
+def summarise(spec: dict, result: dict) -> dict:
+    """One row of the report: the run's identity, its raw result, and the derived figures."""
+    row = {"system": spec["system"], "label": spec["label"], "batch": spec["batch"], "seq": spec["seq"],
+           "params": S.param_counts(spec["model"])[0], **result}
+    times = result.get("step_s") or []
+    if result.get("status") == "ok" and times:
+        med = statistics.median(times)
+        row.update(step_median_s=med, step_min_s=min(times), step_max_s=max(times),
+                   tokens_per_s=spec["batch"] * spec["seq"] / med,
+                   tflops=S.flops_per_step(spec) / med / 1e12)
+        bound = result.get("bound")
+        if bound:
+            lower = max(bound["compute_s"], bound["transfer_s"], bound["cpu_adam_s"])
+            row.update(lower_bound_s=lower, vs_lower_bound=med / lower)
+    return row
+
+
+def run_suite(name: str, suite: Suite, *, systems, dry_run: bool, probes: bool, timeout: int, out: Path,
+              memory_budget=None) -> dict:
+    import torch
+
+    device_type = suite.device
+    if device_type == "cuda" and not dry_run and not torch.cuda.is_available():
+        raise SystemExit(f"Suite {name!r} needs a CUDA GPU and this machine has none; run it with --dry-run to "
+                         "construct every system and configuration without training, or choose --suite cpu-smoke.")
+    chosen = [s for s in S.SYSTEMS if systems is None or s in systems]
+    skipped = {s: why for s in chosen if (why := S.unavailable(s, device_type))}
+    runnable = [s for s in chosen if s not in skipped]
+    log_dir = out / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    rows, probe_rows = [], []
+    for s, why in skipped.items():
+        print(f"skipped {s}: {why}", flush=True)
+
+    def go(specs):
+        results = launch(specs, timeout, log_dir)
+        for one, res in zip(specs, results):
+            row = summarise(one, res)
+            what = f"{row['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in row else row.get("error", "")
+            print(f"  {one['system']:<24} {one['label']:<16} batch {one['batch']:<3} {row['status']:<8} {what}",
+                  flush=True)
+            yield row
+
+    def spec(system, w, **kw):
+        return spec_of(suite, system, w, memory_budget=memory_budget, **kw)
+
+    probe_systems = [s for s in runnable if suite.probe_systems is None or s in suite.probe_systems]
+    if dry_run:  # one process constructs every system's configurations on the meta device
+        specs = []
+        for system in runnable:
+            specs += [spec(system, w, dry_run=True) for w in suite.workloads]
+            if probes and system in probe_systems:
+                specs += [spec(system, w, dry_run=True) for w in suite.model_ladder + suite.batch_ladder]
+        if specs:
+            rows.extend(go(specs))
+    else:
+        for w in suite.workloads:
+            for system in runnable:
+                rows.extend(go([spec(system, w, dry_run=False)]))
+        if probes:
+            for kind, ladder in (("max model", suite.model_ladder), ("max batch", suite.batch_ladder)):
+                for system in probe_systems:
+                    for w in ladder:  # ascending; the first failure ends the probe
+                        (row,) = go([spec(system, w, dry_run=False, steps=2, warmup=1)])
+                        probe_rows.append(dict(row, probe=kind))
+                        if row["status"] != "ok":
+                            break
+    return {"suite": name, "description": suite.description, "dry_run": dry_run, "date": now(),
+            "command": "python -m benchmarks.run " + " ".join(sys.argv[1:]), "machine": machine(suite.device),
+            "precision": suite.precision, "warmup": suite.warmup, "steps": suite.steps,
+            "skipped": skipped, "runs": rows, "probes": probe_rows}
+
+
+# ----- the report --------------------------------------------------------------------------------
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def machine(device_type: str) -> dict:
+    import torch
+
+    info = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu": cpu_model(), "cpu_threads": os.cpu_count(), "host_ram_gib": round(host_ram() / 2**30, 1)}
+    for mod in ("transformers", "lightning", "deepspeed", "torchao"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except ImportError:
+            pass
+    if device_type == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["gpu"] = f"{props.name}, {props.total_memory / 2**30:.0f} GiB"
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                        text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return info
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def host_ram() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+def count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
+
+
+def gib(n) -> str:
+    return "—" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def ms(s) -> str:
+    return "—" if s is None else f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.2f} s"
+
+
+def markdown(report: dict) -> str:
+    m = report["machine"]
+    lines = [f"### `{report['command']}` — {report['date']}", "",
+             f"{report['description']}. Machine: {m.get('gpu', 'no GPU')}; {m['cpu']} ({m['cpu_threads']} threads), "
+             f"{m['host_ram_gib']} GiB RAM; torch {m['torch']}, transformers {m.get('transformers', '?')}, lightning "
+             f"{m.get('lightning', '?')}" + (f", commit {m['commit']}" if "commit" in m else "") + ". "
+             f"Precision {report['precision']}; {report['warmup']} warm-up + {report['steps']} timed steps.", ""]
+    for system, why in report["skipped"].items():
+        lines.append(f"- not run: **{system}** — {why}")
+    if report["skipped"]:
+        lines.append("")
+    if report["dry_run"]:
+        lines += ["Dry run: every configuration constructed (meta device), nothing trained.", "",
+                  "| system | model | batch | status | note |", "|---|---|---|---|---|"]
+        for r in report["runs"]:
+            lines.append(f"| {r['system']} | {r['label']} | {r['batch']} | {r['status']} | "
+                         f"{r.get('note') or r.get('error', '')} |")
+        return "\n".join(lines) + "\n"
+    lines += ["| model | system | status | tokens/s | TFLOPS | step median (min–max) | vs pytorch | peak device | "
+              "peak host RSS | final loss |", "|---|---|---|---|---|---|---|---|---|---|"]
+    ceiling = {r["label"]: r.get("tokens_per_s") for r in report["runs"] if r["system"] == "pytorch"}
+    for r in report["runs"]:
+        ok = "tokens_per_s" in r
+        rel = f"{r['tokens_per_s'] / ceiling[r['label']]:.2f}x" if ok and ceiling.get(r["label"]) else "—"
+        status = r["status"] if ok or r["status"] != "error" else f"error: {r.get('error', '')[:80]}"
+        status = f"OOM: {r.get('error', '')[:80]}" if r["status"] == "oom" else status
+        lines.append(
+            f"| {r['label']} ({count(r['params'])}) | {r['system']} | {status} | "
+            + (f"{r['tokens_per_s']:,.0f} | {r['tflops']:.3g} | {ms(r['step_median_s'])} ({ms(r['step_min_s'])}–"
+               f"{ms(r['step_max_s'])}) | {rel} | " if ok else "— | — | — | — | ")
+            + f"{gib(r.get('peak_device_bytes'))} | {gib(r.get('peak_host_rss_bytes'))} | "
+            + (f"{r['losses'][-1]:.4f} |" if r.get("losses") else "— |"))
+    pro = [r for r in report["runs"] if r["system"].startswith("protrain") and "plan" in r]
+    if pro:
+        lines += ["", "ProTrain: plan, fidelity of the cost models, and the lower bound on step time", "",
+                  "| model | system | plan | step: predicted / measured (error) | peak: predicted / measured | "
+                  "lower bound = max(compute, transfer, CPU Adam) | measured / bound |", "|---|---|---|---|---|---|---|"]
+        for r in pro:
+            measured_peak = r.get("peak_device_bytes") or r.get("peak_device_bytes_tracked")
+            pred = r.get("predicted_step_s")
+            err = f" ({(pred - r['step_median_s']) / r['step_median_s']:+.1%})" if pred and "step_median_s" in r else ""
+            perr = (f" ({(r['predicted_peak_bytes'] - measured_peak) / measured_peak:+.1%})"
+                    if measured_peak and r.get("predicted_peak_bytes") else "")
+            b = r.get("bound")
+            bound = (f"{ms(r['lower_bound_s'])} = max({ms(b['compute_s'])}, {ms(b['transfer_s'])}, "
+                     f"{ms(b['cpu_adam_s'])})" if b and "lower_bound_s" in r else "—")
+            lines.append(f"| {r['label']} | {r['system']} | {r['plan']} | {ms(pred)} / {ms(r.get('step_median_s'))}{err}"
+                         f" | {gib(r.get('predicted_peak_bytes'))} / {gib(measured_peak)}{perr} | {bound} | "
+                         + (f"{r['vs_lower_bound']:.2f}x |" if "vs_lower_bound" in r else "— |"))
+    if report["probes"]:
+        lines += ["", "Probes (ascending; the first failure ends a probe)", "", "| probe | system | largest that trained | "
+                  "first that failed |", "|---|---|---|---|"]
+        for kind in ("max model", "max batch"):
+            for system in dict.fromkeys(r["system"] for r in report["probes"] if r["probe"] == kind):
+                tried = [r for r in report["probes"] if r["probe"] == kind and r["system"] == system]
+                good = [r for r in tried if r["status"] == "ok"]
+                bad = [r for r in tried if r["status"] != "ok"]
+                def name(r):
+                    return f"{r['label']} ({count(r['params'])})" if kind == "max model" else f"batch {r['batch']}"
+                lines.append(f"| {kind} | {system} | {name(good[-1]) if good else 'none'} | "
+                             + (f"{name(bad[0])}: {bad[0]['status']} |" if bad else "none of the ladder |"))
+    return "\n".join(lines) + "\n"
+
+
+def chart(report: dict, path: Path) -> None:
+    from benchmarks.chart import bar_chart
+
+    labels = list(dict.fromkeys(r["label"] for r in report["runs"]))
+    names = list(dict.fromkeys(r["system"] for r in report["runs"]))
+    value = {(r["system"], r["label"]): r.get("tokens_per_s") for r in report["runs"]}
+    bar_chart(path, title=f"{report['suite']}: training throughput ({report['machine'].get('gpu', 'CPU')})",
+              groups=labels, series={s: [value.get((s, lab)) for lab in labels] for s in names}, ylabel="tokens/s")
+
+
+def write(report: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in (("results.json", json.dumps(report, indent=1)), ("results.md", markdown(report))):
+        fd, tmp = tempfile.mkstemp(dir=out, prefix=".tmp-")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, out / name)
+    if not report["dry_run"]:
+        chart(report, out / "throughput.png")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", required=True, choices=sorted(SUITES))
+    ap.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/<suite>")
+    ap.add_argument("--systems", default=None, help=f"comma-separated subset of {', '.join(S.SYSTEMS)}")
+    ap.add_argument("--dry-run", action="store_true", help="construct every system and configuration, train nothing")
+    ap.add_argument("--no-probes", action="store_true", help="skip the max-model-size and max-batch-size probes")
+    ap.add_argument("--timeout", type=int, default=None, help="seconds per run (default: the suite's)")
+    ap.add_argument("--memory-budget", default=None,
+                    help="device memory ProTrain's search may use, e.g. 40GiB (default: free memory minus a margin)")
+    args = ap.parse_args(argv)
+    systems = None
+    if args.systems:
+        systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+        unknown = sorted(set(systems) - set(S.SYSTEMS))
+        if unknown:
+            ap.error(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(S.SYSTEMS)}")
+    if args.memory_budget is not None:
+        from protrain_core.utils import parse_bytes
+
+        try:
+            parse_bytes(args.memory_budget)
+        except ValueError as exc:
+            ap.error(str(exc))
+    suite = SUITES[args.suite]
+    out = args.out or ROOT / "benchmarks" / "results" / (args.suite + ("-dry-run" if args.dry_run else ""))
+    print(f"suite {args.suite}: {suite.description}", flush=True)
+    report = run_suite(args.suite, suite, systems=systems, dry_run=args.dry_run, probes=not args.no_probes,
+                       timeout=args.timeout or suite.timeout_s, out=out, memory_budget=args.memory_budget)
+    write(report, out)
+    print(markdown(report))
+    print(f"written: {out / 'results.json'}, {out / 'results.md'}"
+          + ("" if args.dry_run else f", {out / 'throughput.png'}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

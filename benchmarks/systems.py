@@ -1,0 +1,489 @@
+"""One benchmark run in its own process: one system trains one model for a fixed number of steps.
+
+    python -m benchmarks.systems '<run spec as JSON>' result.json
+
+Started by ``benchmarks.run`` (never needed by hand). Every system trains the same randomly
+initialised LLaMA-architecture model (``transformers.LlamaForCausalLM`` from a config, weights
+drawn from the same seed) on the same synthetic token batches, with AdamW at the same
+hyper-parameters, for ``warmup`` untimed and ``steps`` timed steps. The result (a JSON object)
+holds the step times, losses, peak device memory (CUDA allocator) and peak host RSS; running
+out of memory is a result (``status: "oom"``), not a crash. With ``dry_run`` the model is built
+on the meta device and each system is constructed as far as that allows (no training, no
+device needed): it checks a suite's configurations on a machine without its GPU.
+
+The systems:
+  protrain-lightning  ``Trainer(strategy="protrain")``: searched plan (default memory budget)
+  protrain-core       ``protrain_core.wrap(model, optimizer, plan=None)``: searched plan
+  pytorch             the model on the device, AdamW (fused); autocast for bf16-mixed -- the
+                      ceiling where the model fits
+  fsdp2-offload       ``fully_shard`` per block and at the root, ``CPUOffloadPolicy`` (world size 1)
+  fsdp2-offload-ac    the same with activation checkpointing of every block
+  deepspeed-zero3-offload  ZeRO-3, parameters and optimizer states offloaded to the CPU
+  torchao-offload     ``torchao.optim.CPUOffloadOptimizer`` (states and update on the CPU)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import resource
+import sys
+import time
+import traceback
+
+import torch
+from torch import nn
+
+SYSTEMS = ("protrain-lightning", "protrain-core", "pytorch", "fsdp2-offload", "fsdp2-offload-ac",
+           "deepspeed-zero3-offload", "torchao-offload")
+LR, BETAS, WEIGHT_DECAY = 1e-4, (0.9, 0.95), 0.1
+
+
+def unavailable(system: str, device_type: str) -> str | None:
+    """Why ``system`` cannot run here (checked before a process is started), or None."""
+    if system == "deepspeed-zero3-offload":
+        if importlib.util.find_spec("deepspeed") is None:
+            return "deepspeed is not installed (optional: pip install deepspeed)"
+        if device_type != "cuda":
+            return "DeepSpeed ZeRO-3 offload needs a CUDA device"
+    if system == "torchao-offload":
+        if importlib.util.find_spec("torchao") is None:
+            return "torchao is not installed (optional: pip install torchao)"
+        if device_type != "cuda":
+            return "torchao's CPUOffloadOptimizer needs a CUDA device"
+    return None
+
+
+# ----- model, batches, FLOPs --------------------------------------------------------------------
+def llama_config(m: dict):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=m["vocab"], hidden_size=m["hidden"], intermediate_size=m["intermediate"],
+        num_hidden_layers=m["layers"], num_attention_heads=m["heads"],
+        num_key_value_heads=m.get("kv_heads", m["heads"]), max_position_embeddings=m["seq"],
+        use_cache=False, tie_word_embeddings=False, attn_implementation="sdpa",
+    )
+
+
+def build_model(m: dict, device: torch.device | str, seed: int = 0) -> nn.Module:
+    """The model with every weight drawn from ``seed`` (normal, std 0.02; norms 1) on ``device``
+    (built on the meta device first, so a large model is never initialised twice). Every system
+    draws on the CPU, so all start from the same weights and their losses are comparable."""
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(llama_config(m))
+    if str(device) == "meta":
+        return model
+    model.to_empty(device=device)
+    init_weights(model, seed)
+    return model
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int) -> None:
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+    for module in model.modules():  # buffers (rotary frequencies) as the module computes them
+        own = dict(module.named_buffers(recurse=False))
+        if own and hasattr(module, "config"):
+            fresh = dict(type(module)(module.config).named_buffers(recurse=False))
+            for name, b in own.items():
+                b.copy_(fresh[name])
+
+
+def batches(spec: dict, device) -> list[torch.Tensor]:
+    """The synthetic token batches, the same for every system (drawn on the CPU)."""
+    gen = torch.Generator().manual_seed(1234)
+    n = spec["warmup"] + spec["steps"]
+    return [torch.randint(0, spec["model"]["vocab"], (spec["batch"], spec["seq"]), generator=gen).to(device)
+            for _ in range(n)]
+
+
+def param_counts(m: dict) -> tuple[int, int]:
+    """(all parameters, parameters in matmuls: all but the input embedding)."""
+    h, i, L, v = m["hidden"], m["intermediate"], m["layers"], m["vocab"]
+    kv = h // m["heads"] * m.get("kv_heads", m["heads"])
+    block = h * h * 2 + h * kv * 2 + 3 * h * i + 2 * h
+    total = L * block + 2 * v * h + h
+    return total, total - v * h
+
+
+def flops_per_step(spec: dict) -> float:
+    """Model FLOPs of one training step (forward and backward, recomputation not counted):
+    6 N per token for the matmul parameters plus 12 L h s per token for attention scores and
+    values (the PaLM appendix B formula, causal masking not discounted)."""
+    m, tokens = spec["model"], spec["batch"] * spec["seq"]
+    _, n_matmul = param_counts(m)
+    return 6 * n_matmul * tokens + 12 * m["layers"] * m["hidden"] * spec["seq"] * tokens
+
+
+# ----- measuring ----------------------------------------------------------------------------------
+class Clock:
+    """Step end times with a device synchronisation; peak device memory over the timed steps."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.ends: list[float] = []
+        self.losses: list[float] = []
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def start(self) -> None:
+        self.sync()
+        self.ends = [time.perf_counter()]
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def step_done(self, loss) -> None:
+        self.sync()
+        self.ends.append(time.perf_counter())
+        self.losses.append(float(loss))
+
+    def peak_device_bytes(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+
+
+def train_loop(step, data, spec, clock: Clock) -> None:
+    """``step(x) -> loss``: ``warmup`` untimed steps, then the timed ones."""
+    for x in data[: spec["warmup"]]:
+        clock.losses.append(float(step(x)))
+    warm_losses = clock.losses
+    clock.start()
+    clock.losses = warm_losses
+    for x in data[spec["warmup"]:]:
+        clock.step_done(step(x))
+
+
+def autocast(spec, device):
+    if spec["precision"] == "bf16-mixed":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def torch_step(model, opt, amp):
+    """One plain training step (forward under ``amp``, backward, update, zero_grad) -> loss."""
+
+    def step(x):
+        with amp:
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def adamw(params, device, **kw) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY, **kw)
+
+
+# ----- the systems ---------------------------------------------------------------------------------
+def states_note(spec) -> str:
+    """What plain PyTorch needs for the model states alone (fp32 weights, gradients, 2 moments)."""
+    n = param_counts(spec["model"])[0]
+    return f"{n / 1e9:.2f}B parameters: {16 * n / 2**30:.1f} GiB of weights, gradients and AdamW states"
+
+
+def run_pytorch(spec, device, clock):
+    if spec["dry_run"]:
+        adamw(build_model(spec["model"], "meta").parameters(), device)
+        return {"note": states_note(spec) + " on the device"}
+    model = build_model(spec["model"], "cpu").to(device)  # drawn on the CPU: the same weights for every system
+    opt = adamw(model.parameters(), device, fused=True)
+    train_loop(torch_step(model, opt, autocast(spec, device)), batches(spec, device), spec, clock)
+    return {}
+
+
+def run_fsdp2(spec, device, clock, checkpointing: bool):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    cuda = device.type == "cuda" and torch.cuda.is_available()  # a dry run may build a GPU suite on a CPU machine
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
+    try:
+        mesh = init_device_mesh("cuda" if cuda else "cpu", (1,))
+        # Built and drawn on the CPU like every system's model; fully_shard keeps the shards there.
+        model = build_model(spec["model"], "meta" if spec["dry_run"] else "cpu")
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kw = {"mesh": mesh, "offload_policy": CPUOffloadPolicy(pin_memory=cuda)}
+        if spec["precision"] == "bf16-mixed":
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.model.layers:
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
+        if spec["dry_run"]:
+            return {"note": f"fully_shard on the meta model ({'CUDA' if cuda else 'CPU'} mesh)"}
+        model.train()
+        opt = adamw(model.parameters(), device)  # the update runs on the CPU, where the states are
+        # bf16 compute comes from the MixedPrecisionPolicy, not from autocast.
+        train_loop(torch_step(model, opt, contextlib.nullcontext()), batches(spec, device), spec, clock)
+        return {}
+    finally:
+        dist.destroy_process_group()
+
+
+def run_deepspeed(spec, device, clock):
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": spec["batch"], "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": spec["precision"] == "bf16-mixed"},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
+                              "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "weight_decay": WEIGHT_DECAY}},
+    }
+    if spec["dry_run"]:
+        return {"note": f"deepspeed {deepspeed.__version__}, config built"}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    model = build_model(spec["model"], "cpu")
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+    def step(x):
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    train_loop(step, batches(spec, device), spec, clock)
+    return {}
+
+
+def run_torchao(spec, device, clock):
+    from torchao.optim import CPUOffloadOptimizer
+
+    if spec["dry_run"]:
+        return {"note": "torchao CPUOffloadOptimizer importable"}
+    model = build_model(spec["model"], "cpu").to(device)
+    opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
+                              fused=True)
+    train_loop(torch_step(model, opt, autocast(spec, device)), batches(spec, device), spec, clock)
+    return {}
+
+
+def run_protrain_core(spec, device, clock):
+    import protrain_core as pt
+
+    if spec["dry_run"]:
+        return dry_protrain(spec)
+    model = build_model(spec["model"], "cpu")  # wrap places every parameter itself
+    opt = adamw(model.parameters(), device)
+    data = batches(spec, device)
+    engine = pt.wrap(model, opt, plan=None, precision=spec["precision"], device=device,
+                     example_inputs={"input_ids": data[0], "labels": data[0]},
+                     memory_budget=spec.get("memory_budget"))
+    try:
+        def step(x):
+            loss = engine.module(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+            return loss.detach()
+
+        train_loop(step, data, spec, clock)
+        extra = protrain_facts(engine, spec, device)
+        if device.type != "cuda":  # the CPU "device": peak by the live-tensor tracker, one more step
+            from benchmarks.bench_fidelity import measure_peak
+
+            extra["peak_device_bytes_tracked"] = measure_peak(engine, data[-1], device)
+        return extra
+    finally:
+        engine.close()
+
+
+def run_protrain_lightning(spec, device, clock):
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    import lightning_protrain
+
+    if spec["dry_run"]:
+        lightning_protrain.ProTrainStrategy(memory_budget=spec.get("memory_budget"))
+        return dry_protrain(spec)
+    facts = {}
+
+    class LM(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = build_model(spec["model"], "cpu")
+
+        def training_step(self, x, _):
+            return self.model(input_ids=x, labels=x).loss
+
+        def configure_optimizers(self):
+            return adamw(self.parameters(), device)
+
+    class Timing(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if batch_idx < spec["warmup"]:
+                clock.losses.append(float(outputs["loss"]))
+                if batch_idx == spec["warmup"] - 1:
+                    losses = clock.losses
+                    clock.start()
+                    clock.losses = losses
+            else:
+                clock.step_done(outputs["loss"])
+
+        def on_train_end(self, trainer, module):
+            facts.update(protrain_facts(trainer.strategy.engine, spec, device))
+
+    data = batches(spec, "cpu")
+    strategy = lightning_protrain.ProTrainStrategy(memory_budget=spec.get("memory_budget"))
+    trainer = pl.Trainer(strategy=strategy, accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
+                         precision=spec["precision"], max_steps=len(data), logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Timing()])
+    if spec["warmup"] == 0:
+        clock.start()
+    trainer.fit(LM(), DataLoader(data, batch_size=None))
+    return facts
+
+
+def dry_protrain(spec, _done={}) -> dict:
+    """Meta device: the execution order and chunk layout ProTrain would use for this model
+    (once per model in a dry run's process)."""
+    from protrain_core.blocks import find_blocks
+    from protrain_core.layout import build_layout
+
+    key = json.dumps(spec["model"], sort_keys=True)
+    if key not in _done:
+        model = build_model(spec["model"], "meta")
+        path, blocks = find_blocks(model)
+        layout = build_layout(model, path, len(blocks))
+        _done[key] = f"{len(blocks)} blocks, {layout.n_chunks} chunks of {layout.chunk_size:,} elements (meta trace)"
+    return {"note": _done[key]}
+
+
+# ----- ProTrain: plan, fidelity and the lower bound ------------------------------------------------
+def measured_matmul_flops(device: torch.device, precision: str) -> float:
+    """Best of a few square matmuls in the compute dtype."""
+    n = 4096 if device.type == "cuda" else 512
+    dtype = torch.bfloat16 if precision.startswith("bf16") and device.type == "cuda" else torch.float32
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    best = math.inf
+    for _ in range(5):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, (time.perf_counter() - t) / 4)
+    return 2 * n**3 / best
+
+
+def host_memory_bandwidth() -> float:
+    """Bytes read plus written per second by a large host copy (best of a few)."""
+    src = torch.ones(64 * 2**20 // 4)
+    dst = torch.empty_like(src)
+    best = math.inf
+    for _ in range(5):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * 4 / best
+
+
+def protrain_facts(engine, spec, device) -> dict:
+    """The plan, the prediction (fidelity), and the inputs of the lower bound on step time."""
+    facts = {"plan": str(engine.plan)}
+    choice = engine.choice
+    if choice is None:
+        return facts
+    prof, plan = choice.profile, engine.plan
+    facts["predicted_step_s"] = choice.runtime.total_s
+    facts["predicted_peak_bytes"] = choice.memory.peak_bytes
+    facts["bottleneck"] = choice.runtime.bottleneck
+    # Lower bound: every streamed chunk goes up once and its gradient comes down once; swapped
+    # activations go out and come back; CPU Adam touches each streamed element's master, grad,
+    # two moments (read and write) and writes the compute copy.
+    streamed_elems = sum(1 for i in range(prof.n_chunks) if i >= plan.n_persist) * prof.chunk_elems
+    swapped = sum(s.saved_bytes for s in prof.blocks[: plan.n_swap]) if plan.n_swap else 0
+    hw = prof.hardware
+    up = streamed_elems * prof.compute_bytes + swapped
+    down = streamed_elems * prof.compute_bytes + swapped
+    adam_bytes = streamed_elems * (4 * 7 + (prof.compute_bytes if prof.compute_bytes != 4 else 0))
+    flops = flops_per_step(spec)
+    matmul = measured_matmul_flops(device, spec["precision"])
+    membw = host_memory_bandwidth()
+    facts["bound"] = {
+        "compute_s": flops / matmul, "matmul_flops_per_s": matmul,
+        "transfer_s": max(up / hw.h2d_bytes_per_s, down / hw.d2h_bytes_per_s), "transfer_bytes": up + down,
+        "cpu_adam_s": adam_bytes / membw, "cpu_adam_bytes": adam_bytes, "host_bytes_per_s": membw,
+    }
+    return facts
+
+
+RUNNERS = {
+    "protrain-lightning": run_protrain_lightning,
+    "protrain-core": run_protrain_core,
+    "pytorch": run_pytorch,
+    "fsdp2-offload": lambda s, d, c: run_fsdp2(s, d, c, checkpointing=False),
+    "fsdp2-offload-ac": lambda s, d, c: run_fsdp2(s, d, c, checkpointing=True),
+    "deepspeed-zero3-offload": run_deepspeed,
+    "torchao-offload": run_torchao,
+}
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return "out of memory" in text.lower() or "No ProTrain plan fits" in text or "DefaultCPUAllocator: can't allocate" in text
+
+
+def run(spec: dict) -> dict:
+    device = torch.device(spec["device"])
+    if device.type == "cuda" and not spec["dry_run"]:
+        torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    clock = Clock(device)
+    result = {"status": "ok"}
+    try:
+        result.update(RUNNERS[spec["system"]](spec, device, clock) or {})
+    except Exception as exc:  # noqa: BLE001 -- every failure is a result of the run
+        result["status"] = "oom" if is_oom(exc) else "error"
+        result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        if result["status"] == "error":
+            result["traceback"] = traceback.format_exc()[-3000:]
+    if spec["dry_run"]:
+        result["status"] = "dry-run" if result["status"] == "ok" else result["status"]
+    times = [b - a for a, b in zip(clock.ends, clock.ends[1:])]
+    if result["status"] == "ok" and len(times) != spec["steps"]:
+        result.update(status="error", error=f"{len(times)} timed steps instead of {spec['steps']}")
+    result["step_s"] = times
+    result["losses"] = clock.losses
+    result["peak_device_bytes"] = clock.peak_device_bytes() if not spec["dry_run"] else None
+    result["peak_host_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return result
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    specs, out = json.loads(argv[0]), argv[1]
+    result = [run(s) for s in specs] if isinstance(specs, list) else run(specs)  # a list: a dry run
+    tmp = out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""benchmarks.run: the cpu-smoke suite trains every system available here and writes the table,
+JSON and chart; the GPU suites construct every system and configuration in a dry run."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.chart import PALETTE, read_png
+from benchmarks.systems import SYSTEMS, unavailable
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench(*args, out, check=True):
+    env = dict(os.environ, PROTRAIN_CACHE_DIR=str(out / "cache"))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", *args, "--out", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("smoke")
+    proc = bench("--suite", "cpu-smoke", out=out)
+    return out, proc.stdout, json.loads((out / "results.json").read_text())
+
+
+def test_cpu_smoke_trains_every_available_system(smoke):
+    _, stdout, report = smoke
+    here = [s for s in SYSTEMS if unavailable(s, "cpu") is None]
+    assert {"protrain-lightning", "protrain-core", "pytorch", "fsdp2-offload", "fsdp2-offload-ac"} <= set(here)
+    runs = {r["system"]: r for r in report["runs"]}
+    assert sorted(runs) == sorted(here)
+    for system in SYSTEMS:
+        if system not in here:  # skipped with the reason, printed and reported
+            assert report["skipped"][system] == unavailable(system, "cpu") and f"skipped {system}" in stdout
+    for r in runs.values():
+        assert r["status"] == "ok", r
+        assert len(r["step_s"]) == report["steps"] and min(r["step_s"]) > 0
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * r["seq"] / r["step_median_s"])
+        assert r["tflops"] > 0 and r["peak_host_rss_bytes"] > 2**20
+        assert r["step_min_s"] <= r["step_median_s"] <= r["step_max_s"]
+    # Same model, data and seed: ProTrain's losses are plain PyTorch's, bit for bit (fp32);
+    # FSDP2's all-reduce-free world of one sums in another order, so only closely.
+    ref = runs["pytorch"]["losses"]
+    assert len(ref) == report["warmup"] + report["steps"]
+    assert runs["protrain-core"]["losses"] == ref and runs["protrain-lightning"]["losses"] == ref
+    for system in ("fsdp2-offload", "fsdp2-offload-ac"):
+        assert runs[system]["losses"] == pytest.approx(ref, rel=1e-5)
+
+
+def test_cpu_smoke_reports_protrain_plan_fidelity_and_bound(smoke):
+    _, _, report = smoke
+    for system in ("protrain-core", "protrain-lightning"):
+        r = next(r for r in report["runs"] if r["system"] == system)
+        assert r["plan"].startswith("Plan(") and r["predicted_step_s"] > 0 and r["predicted_peak_bytes"] > 0
+        bound = r["bound"]
+        assert r["lower_bound_s"] == max(bound["compute_s"], bound["transfer_s"], bound["cpu_adam_s"]) > 0
+        assert r["vs_lower_bound"] == pytest.approx(r["step_median_s"] / r["lower_bound_s"])
+    core = next(r for r in report["runs"] if r["system"] == "protrain-core")
+    assert core["peak_device_bytes_tracked"] > 0  # the CPU "device": measured by the tensor tracker
+
+
+def test_cpu_smoke_probes(smoke):
+    _, _, report = smoke
+    probes = report["probes"]
+    assert {p["system"] for p in probes} == {"protrain-core"}  # the suite probes one system (seconds)
+    for kind in ("max model", "max batch"):
+        tried = [p for p in probes if p["probe"] == kind]
+        assert len(tried) == 2 and all(p["status"] == "ok" and len(p["step_s"]) == 2 for p in tried)
+    model = [p["params"] for p in probes if p["probe"] == "max model"]
+    batch = [p["batch"] for p in probes if p["probe"] == "max batch"]
+    assert model[0] < model[1] and batch == [2, 4]  # ascending ladders
+
+
+def test_cpu_smoke_writes_table_json_and_chart(smoke):
+    out, stdout, report = smoke
+    md = (out / "results.md").read_text()
+    assert md in stdout  # the table is printed as well
+    for r in report["runs"]:
+        assert f"| {r['system']} | ok | {r['tokens_per_s']:,.0f} |" in md
+    assert "lower bound" in md and "| max batch | protrain-core | batch 4 | none of the ladder |" in md
+    width, height, rows = read_png(out / "throughput.png")
+    assert (width, height) == (900, 500)
+    pixels = {bytes(row[i:i + 3]) for row in rows for i in range(0, len(row), 3)}
+    assert all(bytes(c) in pixels for c in PALETTE[:len(report["runs"])])  # one bar colour per system
+
+
+@pytest.mark.parametrize("suite", ["gpu-80g", "gpu-141g"])
+def test_gpu_suites_dry_run_constructs_every_configuration(tmp_path, suite):
+    bench("--suite", suite, "--dry-run", out=tmp_path)
+    report = json.loads((tmp_path / "results.json").read_text())
+    statuses = {(r["system"], r["label"], r["batch"]): r["status"] for r in report["runs"]}
+    assert set(statuses.values()) == {"dry-run"}, [r for r in report["runs"] if r["status"] != "dry-run"]
+    from benchmarks.run import SUITES
+
+    s = SUITES[suite]
+    here = [x for x in SYSTEMS if unavailable(x, "cuda") is None]
+    assert len(statuses) == len(here) * len(s.workloads + s.model_ladder + s.batch_ladder)
+    assert {r["label"] for r in report["runs"]} >= {w.label for w in s.workloads}
+    # At least one model fits the device with plain PyTorch, and at least one does not.
+    gib = [16 * r["params"] / 2**30 for r in report["runs"] if r["system"] == "pytorch"
+           and r["label"] in {w.label for w in s.workloads}]
+    device_gib = 80 if suite == "gpu-80g" else 141
+    assert min(gib) < device_gib / 2 and max(gib) > device_gib
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_gpu_suite_without_a_gpu_says_what_to_do(tmp_path):
+    proc = bench("--suite", "gpu-80g", out=tmp_path, check=False)
+    assert proc.returncode != 0 and "--dry-run" in proc.stderr and "needs a CUDA GPU" in proc.stderr
+
+
+def test_out_of_memory_and_timeout_are_results(tmp_path):
+    """No ProTrain plan fitting the budget is reported as OOM; a run past its time limit as a
+    timeout -- and the report is still written."""
+    bench("--suite", "cpu-smoke", "--systems", "protrain-core", "--no-probes", "--memory-budget", "64KiB",
+          out=tmp_path / "oom")
+    (run,) = json.loads((tmp_path / "oom" / "results.json").read_text())["runs"]
+    assert run["status"] == "oom" and "No ProTrain plan fits" in run["error"]
+    assert "| protrain-core | OOM: " in (tmp_path / "oom" / "results.md").read_text()
+    bench("--suite", "cpu-smoke", "--systems", "pytorch", "--no-probes", "--timeout", "1", out=tmp_path / "slow")
+    (run,) = json.loads((tmp_path / "slow" / "results.json").read_text())["runs"]
+    assert run["status"] == "timeout" and "timed out after 1 s" in run["error"]
+
+
+def test_unknown_system_is_refused(tmp_path):
+    proc = bench("--suite", "cpu-smoke", "--systems", "protrain-core,megatron", out=tmp_path, check=False)
+    assert proc.returncode == 2 and "unknown system(s) megatron" in proc.stderr
