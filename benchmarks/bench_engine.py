@@ -1,6 +1,7 @@
 """Step time of the ProTrain engine (all-persistent, all-streamed) vs the plain PyTorch loop.
 
-Same model, same batches, one process, one run. Prints a Markdown table.
+Same model, same batches, one process, one run; the systems take steps in turn (round robin),
+so that the machine's noise hits all alike. Prints a Markdown table.
 
     python -m benchmarks.bench_engine [--layers 4 --hidden 256 --batch 8 --seq 128 --steps 20 --device cpu]
 """
@@ -17,14 +18,17 @@ import protrain_core as pt
 from benchmarks._gpt2 import machine_line, parser, setup
 
 
-def timed(step_fn, steps, warmup, sync):
-    times = []
+def round_robin(steps_fns, steps, warmup, sync):
+    """One step of each system in turn (so that machine noise hits all alike); per system the
+    step times after ``warmup``."""
+    times = [[] for _ in steps_fns]
     for i in range(warmup + steps):
-        t = time.perf_counter()
-        step_fn()
-        sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
+        for fn, acc in zip(steps_fns, times):
+            t = time.perf_counter()
+            fn()
+            sync()
+            if i >= warmup:
+                acc.append(time.perf_counter() - t)
     return times
 
 
@@ -33,7 +37,6 @@ def main(argv=None):
     device, sync, base, x = setup(args)
     n_params = sum(p.numel() for p in base.parameters())
 
-    rows = []
     plain = copy.deepcopy(base).to(device)
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-4, fused=True)
 
@@ -42,28 +45,30 @@ def main(argv=None):
         opt.step()
         opt.zero_grad()
 
-    rows.append(("plain PyTorch + AdamW(fused)", timed(plain_step, args.steps, args.warmup, sync)))
-    del plain, opt
-
+    labels, fns, engines = ["plain PyTorch + AdamW(fused)"], [plain_step], []
     block_path, blocks = pt.find_blocks(base)
     n = pt.build_layout(base, block_path, len(blocks)).n_chunks
     for label, plan in (("ProTrain all-persistent", pt.Plan(n_persist=n, n_buffer=0)),
                         ("ProTrain all-streamed (n_buffer=2)", pt.Plan(n_persist=0, n_buffer=2))):
         model = copy.deepcopy(base)
         engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4), plan, precision=args.precision, device=device)
+        engines.append(engine)
 
-        def engine_step():
+        def engine_step(engine=engine):
             engine.backward(engine.module(input_ids=x, labels=x).loss)
             engine.step()
             engine.zero_grad()
 
-        rows.append((f"{label} [{n} chunks]", timed(engine_step, args.steps, args.warmup, sync)))
+        labels.append(f"{label} [{n} chunks]")
+        fns.append(engine_step)
+    rows = list(zip(labels, round_robin(fns, args.steps, args.warmup, sync)))
+    for engine in engines:
         engine.close()
 
     base_median = statistics.median(rows[0][1])
     print("\n" + machine_line(device))
     print(f"model: GPT-2 {args.layers} layers x {args.hidden}, {n_params:,} params; batch {args.batch}x{args.seq}; "
-          f"precision {args.precision}; {args.steps} steps after {args.warmup} warm-up\n")
+          f"precision {args.precision}; {args.steps} steps after {args.warmup} warm-up, round robin\n")
     print("| system | median s/step | min | max | vs plain |")
     print("|---|---|---|---|---|")
     for label, times in rows:

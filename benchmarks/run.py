@@ -28,11 +28,13 @@ listed with the reason.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -100,11 +102,13 @@ SUITES = {
         workloads=(Workload("small-8L", llama(hidden=256, layers=8, heads=4, intermediate=688, vocab=256), 8, 256),),
     ),
     # One 80 GB GPU, 128 GB host RAM: 1.1B fits the device with plain PyTorch (16 B/param of
-    # states); 7B and 8.3B do not (112 / 133 GB of states) and need offload; ProTrain's host
-    # side (fp32 master and moments, ~12-16 B/param of the streamed part) caps it near 8B.
+    # weights, gradients and AdamW states: 18 GB); 6.7B and 8.4B do not (108 / 134 GB) and need
+    # offload; ProTrain's host side (fp32 master and moments, ~12-16 B/param of the streamed
+    # part) caps it near 8B. Every run is one process of a few minutes at most (timeout_s); the
+    # device tool's 10-minute commands run the suite in pieces: --systems ... --resume.
     "gpu-80g": Suite(
         "one 80 GB GPU (H100), 128 GB host RAM; bf16-mixed, sequence 1024",
-        device="cuda", precision="bf16-mixed", warmup=2, steps=5,
+        device="cuda", precision="bf16-mixed", warmup=2, steps=4, timeout_s=300,
         workloads=(Workload(f"llama-{billions(L1B)}", L1B, 8, 1024), Workload(f"llama-{billions(L7B)}", L7B, 4, 1024),
                    Workload(f"llama-{billions(deeper(40))}", deeper(40), 4, 1024)),
         model_ladder=tuple(Workload(f"llama-{billions(deeper(n))}", deeper(n), 2, 1024) for n in (24, 32, 40, 48)),
@@ -113,7 +117,7 @@ SUITES = {
     # One 141 GB GPU, 128 GB host RAM: more persistent chunks; the ladder goes further.
     "gpu-141g": Suite(
         "one 141 GB GPU (H200), 128 GB host RAM; bf16-mixed, sequence 1024",
-        device="cuda", precision="bf16-mixed", warmup=2, steps=5,
+        device="cuda", precision="bf16-mixed", warmup=2, steps=4, timeout_s=300,
         workloads=(Workload(f"llama-{billions(L1B)}", L1B, 8, 1024), Workload(f"llama-{billions(L7B)}", L7B, 8, 1024),
                    Workload(f"llama-{billions(deeper(48))}", deeper(48), 4, 1024)),
         model_ladder=tuple(Workload(f"llama-{billions(deeper(n))}", deeper(n), 2, 1024) for n in (32, 40, 48, 56, 64)),
@@ -136,7 +140,8 @@ _port = [29400]
 
 def launch(specs: list[dict], timeout: int, log_dir: Path) -> list[dict]:
     """Run ``specs`` in one process (several only in a dry run) and return their results; a
-    process that dies or times out yields results that say so."""
+    process that dies or times out yields results that say so. The process gets its own
+    session, and a timeout kills the whole group (compilers or workers it started included)."""
     for s in specs:
         _port[0] += 1
         s["port"] = _port[0]
@@ -144,21 +149,26 @@ def launch(specs: list[dict], timeout: int, log_dir: Path) -> list[dict]:
     name = ("dry-run" if dry else f"{specs[0]['system']}-{specs[0]['label']}-b{specs[0]['batch']}").replace(" ", "_")
     out = log_dir / f"{name}.result.json"
     log = log_dir / f"{name}.log"
+    out.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "benchmarks.systems", json.dumps(specs if dry else specs[0]), str(out)]
     # Each ProTrain run profiles afresh: a cached profile may come from another load on this machine.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                PROTRAIN_REPROFILE="1")
     with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
-            failure = None if proc.returncode == 0 else (
-                f"killed by signal {-proc.returncode} (host out of memory?)" if proc.returncode < 0
-                else f"exit status {proc.returncode}")
+            code = proc.wait(timeout=timeout)
+            failure = None if code == 0 else (
+                f"killed by signal {-code} (host out of memory?)" if code < 0 else f"exit status {code}")
         except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             failure = f"timed out after {timeout} s"
-    if failure is None and out.exists():
+    if out.exists():  # written at the end of the run: valid even if the process failed afterwards
         results = json.loads(out.read_text())
         return results if isinstance(results, list) else [results]
+    failure = failure or "the run wrote no result"
     tail = log.read_text()[-1500:] if log.exists() else ""
     status = "timeout" if failure.startswith("timed out") else "oom" if "signal 9" in failure else "error"
     return [{"status": status, "error": failure, "log_tail": tail} for _ in specs]
@@ -167,7 +177,7 @@ def launch(specs: list[dict], timeout: int, log_dir: Path) -> list[dict]:
 def summarise(spec: dict, result: dict) -> dict:
     """One row of the report: the run's identity, its raw result, and the derived figures."""
     row = {"system": spec["system"], "label": spec["label"], "batch": spec["batch"], "seq": spec["seq"],
-           "params": S.param_counts(spec["model"])[0], **result}
+           "model": spec["model"], "params": S.param_counts(spec["model"])[0], **result}
     times = result.get("step_s") or []
     if result.get("status") == "ok" and times:
         med = statistics.median(times)
@@ -181,8 +191,19 @@ def summarise(spec: dict, result: dict) -> dict:
     return row
 
 
+def run_key(row: dict) -> tuple:
+    return (row["system"], row["label"], row["batch"], row["seq"], row.get("probe"))
+
+
+def config_key(row: dict) -> tuple:
+    """What a run trains: a probe step with the same key as a throughput run reuses its result."""
+    return (row["system"], json.dumps(row["model"], sort_keys=True), row["batch"], row["seq"])
+
+
 def run_suite(name: str, suite: Suite, *, systems, dry_run: bool, probes: bool, timeout: int, out: Path,
-              memory_budget=None) -> dict:
+              memory_budget=None, resume: bool = False) -> dict:
+    """Run the suite, writing the report after every run (a suite stopped half-way keeps what
+    it measured; ``resume`` reuses the rows of a previous report in ``out`` but its errors)."""
     import torch
 
     device_type = suite.device
@@ -194,18 +215,36 @@ def run_suite(name: str, suite: Suite, *, systems, dry_run: bool, probes: bool, 
     runnable = [s for s in chosen if s not in skipped]
     log_dir = out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    rows, probe_rows = [], []
+    report = {"suite": name, "description": suite.description, "dry_run": dry_run, "date": now(),
+              "command": "python -m benchmarks.run " + " ".join(sys.argv[1:]), "machine": machine(suite.device),
+              "precision": suite.precision, "warmup": suite.warmup, "steps": suite.steps,
+              "skipped": skipped, "runs": [], "probes": []}
+    previous = {}
+    if resume and (out / "results.json").exists():
+        old = json.loads((out / "results.json").read_text())
+        previous = {run_key(r): r for r in old["runs"] + old["probes"] if r["status"] != "error"}
     for s, why in skipped.items():
         print(f"skipped {s}: {why}", flush=True)
 
-    def go(specs):
-        results = launch(specs, timeout, log_dir)
-        for one, res in zip(specs, results):
-            row = summarise(one, res)
-            what = f"{row['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in row else row.get("error", "")
-            print(f"  {one['system']:<24} {one['label']:<16} batch {one['batch']:<3} {row['status']:<8} {what}",
+    def go(specs, probe=None):
+        first = dict(specs[0], probe=probe)
+        same = [r for r in report["runs"] if probe and config_key(r) == config_key(first)]
+        if len(specs) == 1 and (run_key(first) in previous or same):
+            rows = [dict(previous[run_key(first)]) if run_key(first) in previous else dict(same[0], probe=probe)]
+            print(f"  {first['system']:<24} {first['label']:<16} batch {first['batch']:<3} {rows[0]['status']:<8} "
+                  f"({'from the previous report' if run_key(first) in previous else 'the same run as above'})",
                   flush=True)
-            yield row
+        else:
+            rows = []
+            for one, res in zip(specs, launch(specs, timeout, log_dir)):
+                row = summarise(one, res)
+                what = f"{row['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in row else row.get("error", "")
+                print(f"  {one['system']:<24} {one['label']:<16} batch {one['batch']:<3} {row['status']:<8} {what}",
+                      flush=True)
+                rows.append(dict(row, probe=probe) if probe else row)
+        report["probes" if probe else "runs"].extend(rows)
+        write(report, out)
+        return rows
 
     def spec(system, w, **kw):
         return spec_of(suite, system, w, memory_budget=memory_budget, **kw)
@@ -218,23 +257,19 @@ def run_suite(name: str, suite: Suite, *, systems, dry_run: bool, probes: bool, 
             if probes and system in probe_systems:
                 specs += [spec(system, w, dry_run=True) for w in suite.model_ladder + suite.batch_ladder]
         if specs:
-            rows.extend(go(specs))
-    else:
-        for w in suite.workloads:
-            for system in runnable:
-                rows.extend(go([spec(system, w, dry_run=False)]))
-        if probes:
-            for kind, ladder in (("max model", suite.model_ladder), ("max batch", suite.batch_ladder)):
-                for system in probe_systems:
-                    for w in ladder:  # ascending; the first failure ends the probe
-                        (row,) = go([spec(system, w, dry_run=False, steps=2, warmup=1)])
-                        probe_rows.append(dict(row, probe=kind))
-                        if row["status"] != "ok":
-                            break
-    return {"suite": name, "description": suite.description, "dry_run": dry_run, "date": now(),
-            "command": "python -m benchmarks.run " + " ".join(sys.argv[1:]), "machine": machine(suite.device),
-            "precision": suite.precision, "warmup": suite.warmup, "steps": suite.steps,
-            "skipped": skipped, "runs": rows, "probes": probe_rows}
+            go(specs)
+        return report
+    for w in suite.workloads:
+        for system in runnable:
+            go([spec(system, w, dry_run=False)])
+    if probes:
+        for kind, ladder in (("max model", suite.model_ladder), ("max batch", suite.batch_ladder)):
+            for system in probe_systems:
+                for w in ladder:  # ascending; the first failure ends the probe
+                    (row,) = go([spec(system, w, dry_run=False, steps=2, warmup=1)], probe=kind)
+                    if row["status"] != "ok":
+                        break
+    return report
 
 
 # ----- the report --------------------------------------------------------------------------------
@@ -373,7 +408,7 @@ def write(report: dict, out: Path) -> None:
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, out / name)
-    if not report["dry_run"]:
+    if not report["dry_run"] and report["runs"]:
         chart(report, out / "throughput.png")
 
 
@@ -385,6 +420,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="construct every system and configuration, train nothing")
     ap.add_argument("--no-probes", action="store_true", help="skip the max-model-size and max-batch-size probes")
     ap.add_argument("--timeout", type=int, default=None, help="seconds per run (default: the suite's)")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the runs of the report already in --out (all but errors) and run the rest")
     ap.add_argument("--memory-budget", default=None,
                     help="device memory ProTrain's search may use, e.g. 40GiB (default: free memory minus a margin)")
     args = ap.parse_args(argv)
@@ -405,7 +442,8 @@ def main(argv=None) -> int:
     out = args.out or ROOT / "benchmarks" / "results" / (args.suite + ("-dry-run" if args.dry_run else ""))
     print(f"suite {args.suite}: {suite.description}", flush=True)
     report = run_suite(args.suite, suite, systems=systems, dry_run=args.dry_run, probes=not args.no_probes,
-                       timeout=args.timeout or suite.timeout_s, out=out, memory_budget=args.memory_budget)
+                       timeout=args.timeout or suite.timeout_s, out=out, memory_budget=args.memory_budget,
+                       resume=args.resume)
     write(report, out)
     print(markdown(report))
     print(f"written: {out / 'results.json'}, {out / 'results.md'}"

@@ -86,12 +86,18 @@ def build_model(m: dict, device: torch.device | str, seed: int = 0) -> nn.Module
 
 @torch.no_grad()
 def init_weights(model: nn.Module, seed: int) -> None:
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    """Normal(0, 0.02) weights, norms 1. Drawn on the GPU when there is one (a 7B model's
+    weights take a minute to draw on the CPU, a second on a GPU), one tensor at a time, and
+    copied to wherever the parameter lives: the same weights for every system on one machine."""
+    draw_on = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    gen = torch.Generator(device=draw_on).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
-        else:
+        elif p.device == draw_on:
             p.normal_(0.0, 0.02, generator=gen)
+        else:
+            p.copy_(torch.empty(p.shape, device=draw_on).normal_(0.0, 0.02, generator=gen))
     for module in model.modules():  # buffers (rotary frequencies) as the module computes them
         own = dict(module.named_buffers(recurse=False))
         if own and hasattr(module, "config"):
@@ -134,6 +140,8 @@ class Clock:
         self.device = device
         self.ends: list[float] = []
         self.losses: list[float] = []
+        self.peak: int | None = None  # peak device bytes over the timed steps (CUDA)
+        self.rss: int | None = None  # peak host RSS of the process until the last timed step
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -150,8 +158,16 @@ class Clock:
         self.ends.append(time.perf_counter())
         self.losses.append(float(loss))
 
-    def peak_device_bytes(self) -> int | None:
-        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+    def finish(self) -> None:
+        """After the last timed step: the peaks, before the lower bound's probes allocate."""
+        if self.rss is None:
+            self.rss = peak_rss()
+        if self.peak is None and self.device.type == "cuda":
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def train_loop(step, data, spec, clock: Clock) -> None:
@@ -163,6 +179,7 @@ def train_loop(step, data, spec, clock: Clock) -> None:
     clock.losses = warm_losses
     for x in data[spec["warmup"]:]:
         clock.step_done(step(x))
+    clock.finish()
 
 
 def autocast(spec, device):
@@ -220,7 +237,7 @@ def run_fsdp2(spec, device, clock, checkpointing: bool):
         # Built and drawn on the CPU like every system's model; fully_shard keeps the shards there.
         model = build_model(spec["model"], "meta" if spec["dry_run"] else "cpu")
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable({"use_reentrant": False})
         kw = {"mesh": mesh, "offload_policy": CPUOffloadPolicy(pin_memory=cuda)}
         if spec["precision"] == "bf16-mixed":
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -271,8 +288,9 @@ def run_torchao(spec, device, clock):
     if spec["dry_run"]:
         return {"note": "torchao CPUOffloadOptimizer importable"}
     model = build_model(spec["model"], "cpu").to(device)
-    opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
-                              fused=True)
+    # Gradients offloaded too: the configuration with the least device memory.
+    opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=True, lr=LR, betas=BETAS,
+                              weight_decay=WEIGHT_DECAY, fused=True)
     train_loop(torch_step(model, opt, autocast(spec, device)), batches(spec, device), spec, clock)
     return {}
 
@@ -341,6 +359,7 @@ def run_protrain_lightning(spec, device, clock):
                 clock.step_done(outputs["loss"])
 
         def on_train_end(self, trainer, module):
+            clock.finish()
             facts.update(protrain_facts(trainer.strategy.engine, spec, device))
 
     data = batches(spec, "cpu")
@@ -388,9 +407,10 @@ def measured_matmul_flops(device: torch.device, precision: str) -> float:
     return 2 * n**3 / best
 
 
-def host_memory_bandwidth() -> float:
-    """Bytes read plus written per second by a large host copy (best of a few)."""
-    src = torch.ones(64 * 2**20 // 4)
+def host_memory_bandwidth(nbytes: int) -> float:
+    """Bytes read plus written per second by a host copy of ``nbytes`` (best of a few; large
+    enough not to fit a server's last-level cache)."""
+    src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
     best = math.inf
     for _ in range(5):
@@ -413,15 +433,17 @@ def protrain_facts(engine, spec, device) -> dict:
     # Lower bound: every streamed chunk goes up once and its gradient comes down once; swapped
     # activations go out and come back; CPU Adam touches each streamed element's master, grad,
     # two moments (read and write) and writes the compute copy.
-    streamed_elems = sum(1 for i in range(prof.n_chunks) if i >= plan.n_persist) * prof.chunk_elems
+    streamed = range(plan.n_persist, prof.n_chunks)
+    with_grad = sum(1 for i in streamed if prof.chunk_has_grad[i])
+    trainable = sum(prof.chunk_trainable[i] for i in streamed)
     swapped = sum(s.saved_bytes for s in prof.blocks[: plan.n_swap]) if plan.n_swap else 0
     hw = prof.hardware
-    up = streamed_elems * prof.compute_bytes + swapped
-    down = streamed_elems * prof.compute_bytes + swapped
-    adam_bytes = streamed_elems * (4 * 7 + (prof.compute_bytes if prof.compute_bytes != 4 else 0))
+    up = len(streamed) * prof.chunk_bytes + swapped
+    down = with_grad * prof.chunk_bytes + swapped
+    adam_bytes = trainable * (4 * 7 + (prof.compute_bytes if prof.compute_bytes != 4 else 0))
     flops = flops_per_step(spec)
     matmul = measured_matmul_flops(device, spec["precision"])
-    membw = host_memory_bandwidth()
+    membw = host_memory_bandwidth(2**30 if device.type == "cuda" else 2**28)
     facts["bound"] = {
         "compute_s": flops / matmul, "matmul_flops_per_s": matmul,
         "transfer_s": max(up / hw.h2d_bytes_per_s, down / hw.d2h_bytes_per_s), "transfer_bytes": up + down,
@@ -442,14 +464,18 @@ RUNNERS = {
 
 
 def is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, torch.OutOfMemoryError):
+    """Device or host memory ran out (ProTrain: no plan fits, or its host pool does not)."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
     text = str(exc)
-    return "out of memory" in text.lower() or "No ProTrain plan fits" in text or "DefaultCPUAllocator: can't allocate" in text
+    return any(s in text for s in ("out of memory", "No ProTrain plan fits", "DefaultCPUAllocator: can't allocate",
+                                   "cudaHostRegister", "CUDA error: out of memory"))
 
 
 def run(spec: dict) -> dict:
     device = torch.device(spec["device"])
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
     if device.type == "cuda" and not spec["dry_run"]:
         torch.cuda.set_device(device)
     torch.manual_seed(0)
@@ -469,8 +495,8 @@ def run(spec: dict) -> dict:
         result.update(status="error", error=f"{len(times)} timed steps instead of {spec['steps']}")
     result["step_s"] = times
     result["losses"] = clock.losses
-    result["peak_device_bytes"] = clock.peak_device_bytes() if not spec["dry_run"] else None
-    result["peak_host_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["peak_device_bytes"] = clock.peak
+    result["peak_host_rss_bytes"] = clock.rss or peak_rss()
     return result
 
 

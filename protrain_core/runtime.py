@@ -25,6 +25,7 @@ again when ``step()`` returns (or when the chunk is next fetched, which waits fo
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import queue
@@ -40,6 +41,14 @@ from protrain_core.device import DeviceContext
 from protrain_core.memtrack import untracked
 from protrain_core.optim import ChunkOptimizer
 from protrain_core.utils import iter_tensors
+
+_UNTRACED = contextlib.nullcontext()
+
+
+def traced(name: str):
+    """A named range in profiler traces -- only while a profiler records: entering a
+    ``record_function`` costs tens of microseconds per hook even with no profiler running."""
+    return record_function(name) if torch._C._autograd._profiler_enabled() else _UNTRACED
 
 
 class Phase(enum.Enum):
@@ -104,7 +113,7 @@ class Runtime:
 
     def _pre_forward_hook(self, idxs):
         def hook(_module, _args):
-            with record_function("ProTrain::pre_forward"):
+            with traced("ProTrain::pre_forward"):
                 self.acquire(idxs, pin=True)
                 self.prefetch(max(idxs) + 1)
                 self._check()
@@ -131,7 +140,7 @@ class Runtime:
                     "A ProTrain-managed module is running backward outside engine.backward(loss). "
                     "Call engine.backward(loss) instead of loss.backward()."
                 )
-            with record_function("ProTrain::pre_backward"):
+            with traced("ProTrain::pre_backward"):
                 self.current = set(idxs)
                 self.acquire(idxs, pin=False)
                 self.prefetch(min(idxs) - 1)
@@ -141,7 +150,7 @@ class Runtime:
 
     def _grad_hook(self, chunk: Chunk, i: int):
         def hook(p: Tensor) -> None:
-            with record_function("ProTrain::post_accumulate_grad"):
+            with traced("ProTrain::post_accumulate_grad"):
                 self._on_grad(chunk, i, p)
                 self._check()
 
@@ -389,7 +398,7 @@ class Runtime:
                 c.future = self._submit(self._update_only, c, hps)
         for c in pending:
             if c.persistent:
-                with record_function("ProTrain::device_adam"), torch.no_grad():
+                with traced("ProTrain::device_adam"), torch.no_grad():
                     self.optim.update(c, hps)
         self.wait_all()
         for c in self.chunks:

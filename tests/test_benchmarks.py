@@ -72,9 +72,12 @@ def test_cpu_smoke_probes(smoke):
     _, _, report = smoke
     probes = report["probes"]
     assert {p["system"] for p in probes} == {"protrain-core"}  # the suite probes one system (seconds)
+    (run,) = [r for r in report["runs"] if r["system"] == "protrain-core"]
     for kind in ("max model", "max batch"):
         tried = [p for p in probes if p["probe"] == kind]
-        assert len(tried) == 2 and all(p["status"] == "ok" and len(p["step_s"]) == 2 for p in tried)
+        assert len(tried) == 2 and all(p["status"] == "ok" for p in tried)
+        # The ladders' second step is the throughput run's configuration: its result is reused.
+        assert len(tried[0]["step_s"]) == 2 and tried[1]["step_s"] == run["step_s"]
     model = [p["params"] for p in probes if p["probe"] == "max model"]
     batch = [p["batch"] for p in probes if p["probe"] == "max batch"]
     assert model[0] < model[1] and batch == [2, 4]  # ascending ladders
@@ -129,6 +132,19 @@ def test_out_of_memory_and_timeout_are_results(tmp_path):
     bench("--suite", "cpu-smoke", "--systems", "pytorch", "--no-probes", "--timeout", "1", out=tmp_path / "slow")
     (run,) = json.loads((tmp_path / "slow" / "results.json").read_text())["runs"]
     assert run["status"] == "timeout" and "timed out after 1 s" in run["error"]
+
+
+def test_resume_keeps_the_runs_of_the_previous_report(tmp_path):
+    bench("--suite", "cpu-smoke", "--systems", "pytorch", "--no-probes", "--timeout", "1", out=tmp_path)
+    first = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert [r["status"] for r in first] == ["timeout"]
+    bench("--suite", "cpu-smoke", "--systems", "pytorch", "--no-probes", "--resume", out=tmp_path)
+    again = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert again == first  # a timeout is a result: kept, not run again
+    bench("--suite", "cpu-smoke", "--systems", "pytorch,protrain-core", "--no-probes", "--resume", "--timeout", "1",
+          out=tmp_path)
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert [r["system"] for r in runs] == ["protrain-core", "pytorch"] and runs[1] == first[0]
 
 
 def test_unknown_system_is_refused(tmp_path):
