@@ -42,6 +42,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import systems as S
+from protrain_core.utils import format_bytes, format_seconds, total_host_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -281,7 +282,7 @@ def machine(device_type: str) -> dict:
     import torch
 
     info = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu": cpu_model(), "cpu_threads": os.cpu_count(), "host_ram_gib": round(host_ram() / 2**30, 1)}
+            "cpu": cpu_model(), "cpu_threads": os.cpu_count(), "host_ram_gib": round(total_host_bytes() / 2**30, 1)}
     for mod in ("transformers", "lightning", "deepspeed", "torchao"):
         try:
             info[mod] = __import__(mod).__version__
@@ -308,23 +309,16 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def host_ram() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 0
-
-
 def count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
 
 
 def gib(n) -> str:
-    return "—" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    return "—" if n is None else format_bytes(n)
 
 
 def ms(s) -> str:
-    return "—" if s is None else f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.2f} s"
+    return "—" if s is None else format_seconds(s)
 
 
 def markdown(report: dict) -> str:

@@ -25,6 +25,7 @@ The systems:
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import math
@@ -174,9 +175,7 @@ def train_loop(step, data, spec, clock: Clock) -> None:
     """``step(x) -> loss``: ``warmup`` untimed steps, then the timed ones."""
     for x in data[: spec["warmup"]]:
         clock.losses.append(float(step(x)))
-    warm_losses = clock.losses
     clock.start()
-    clock.losses = warm_losses
     for x in data[spec["warmup"]:]:
         clock.step_done(step(x))
     clock.finish()
@@ -352,9 +351,7 @@ def run_protrain_lightning(spec, device, clock):
             if batch_idx < spec["warmup"]:
                 clock.losses.append(float(outputs["loss"]))
                 if batch_idx == spec["warmup"] - 1:
-                    losses = clock.losses
                     clock.start()
-                    clock.losses = losses
             else:
                 clock.step_done(outputs["loss"])
 
@@ -373,19 +370,21 @@ def run_protrain_lightning(spec, device, clock):
     return facts
 
 
-def dry_protrain(spec, _done={}) -> dict:
+def dry_protrain(spec) -> dict:
+    return {"note": meta_layout(json.dumps(spec["model"], sort_keys=True))}
+
+
+@functools.lru_cache(maxsize=None)
+def meta_layout(model_json: str) -> str:
     """Meta device: the execution order and chunk layout ProTrain would use for this model
     (once per model in a dry run's process)."""
     from protrain_core.blocks import find_blocks
     from protrain_core.layout import build_layout
 
-    key = json.dumps(spec["model"], sort_keys=True)
-    if key not in _done:
-        model = build_model(spec["model"], "meta")
-        path, blocks = find_blocks(model)
-        layout = build_layout(model, path, len(blocks))
-        _done[key] = f"{len(blocks)} blocks, {layout.n_chunks} chunks of {layout.chunk_size:,} elements (meta trace)"
-    return {"note": _done[key]}
+    model = build_model(json.loads(model_json), "meta")
+    path, blocks = find_blocks(model)
+    layout = build_layout(model, path, len(blocks))
+    return f"{len(blocks)} blocks, {layout.n_chunks} chunks of {layout.chunk_size:,} elements (meta trace)"
 
 
 # ----- ProTrain: plan, fidelity and the lower bound ------------------------------------------------

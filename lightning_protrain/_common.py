@@ -71,11 +71,6 @@ def check_plan_arguments(plan, memory_budget) -> pt.Plan | None:
     return plan
 
 
-def accelerator_device(is_cuda: bool) -> torch.device:
-    """The device of a one-device run (Lightning creates registered strategies without one)."""
-    return torch.device("cuda", torch.cuda.current_device()) if is_cuda else torch.device("cpu")
-
-
 def register_as_protrain(registry, strategy_cls) -> None:
     if "protrain" not in registry:
         registry.register(
@@ -91,6 +86,32 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None or "://" in str(path):
             return super().save_checkpoint(checkpoint, path, storage_options)
         atomic_save(checkpoint, path)
+
+
+class OneDevicePlumbing:
+    """What the Trainer and the Fabric strategy do alike, placed before their Lightning base
+    class: checkpoints written by ``AtomicCheckpointIO`` unless another IO is set, and the root
+    device, when none was given, the accelerator's current device (Lightning creates registered
+    strategies without one). ``_cuda_accelerator``: that Lightning flavour's CUDA accelerator."""
+
+    _cuda_accelerator: type
+
+    @property
+    def checkpoint_io(self):
+        if self._checkpoint_io is None:
+            self._checkpoint_io = AtomicCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io) -> None:
+        self._checkpoint_io = io
+
+    @property
+    def root_device(self) -> torch.device:
+        if self._root_device is None:
+            cuda = isinstance(self.accelerator, self._cuda_accelerator)
+            self._root_device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        return self._root_device
 
 
 def autocast_context(precision: str, device: torch.device):

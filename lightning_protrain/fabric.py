@@ -27,8 +27,7 @@ from torch import nn
 
 import protrain_core as pt
 from lightning_protrain._common import (
-    AtomicCheckpointIO,
-    accelerator_device,
+    OneDevicePlumbing,
     autocast_context,
     build_engine,
     check_optimizers,
@@ -86,7 +85,7 @@ class _EngineSyncControl(_BackwardSyncControl):
         return engine.no_sync() if enabled and engine is not None else contextlib.nullcontext()
 
 
-class ProTrainFabricStrategy(Strategy):
+class ProTrainFabricStrategy(OneDevicePlumbing, Strategy):
     """Fabric strategy running the ProTrain engine (see ``ProTrainStrategy`` for the arguments).
 
     Extra arguments:
@@ -95,6 +94,8 @@ class ProTrainFabricStrategy(Strategy):
         gradient_clip_val, gradient_clip_algorithm: clipping applied by the engine before every
             update, exactly as ``clip_grad_norm_`` ("norm") or ``clip_grad_value_`` ("value").
     """
+
+    _cuda_accelerator = CUDAAccelerator
 
     def __init__(
         self,
@@ -139,21 +140,6 @@ class ProTrainFabricStrategy(Strategy):
         flag = precision_of_plugin(plugin, (Precision, MixedPrecision, HalfPrecision, DoublePrecision))
         self._precision = ProTrainFabricPrecision(flag, self, scaler_settings(plugin))
 
-    @property
-    def checkpoint_io(self):
-        if self._checkpoint_io is None:
-            self._checkpoint_io = AtomicCheckpointIO()
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io) -> None:
-        self._checkpoint_io = io
-
-    @property
-    def root_device(self) -> torch.device:
-        if self._root_device is None:
-            self._root_device = accelerator_device(isinstance(self.accelerator, CUDAAccelerator))
-        return self._root_device
 
     # One process (not a SingleDeviceStrategy: Fabric ignores no_backward_sync for those, and
     # ProTrain needs it for accumulation): collectives are identities.

@@ -33,8 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import protrain_core as pt
 from lightning_protrain._common import (
-    AtomicCheckpointIO,
-    accelerator_device,
+    OneDevicePlumbing,
     autocast_context,
     build_engine,
     check_optimizers,
@@ -126,7 +125,7 @@ def to_protrain_precision(plugin) -> ProTrainPrecision:
     return ProTrainPrecision(precision_of_plugin(plugin, _KNOWN_PLUGINS), scaler_settings(plugin))
 
 
-class ProTrainStrategy(SingleDeviceStrategy):
+class ProTrainStrategy(OneDevicePlumbing, SingleDeviceStrategy):
     """Train with ProTrain: chunked model states streamed from host memory, CPU Adam during
     backward, and per-block activation checkpointing/swapping, chosen automatically.
 
@@ -140,6 +139,7 @@ class ProTrainStrategy(SingleDeviceStrategy):
     """
 
     strategy_name = "protrain"
+    _cuda_accelerator = CUDAAccelerator
 
     def __init__(
         self,
@@ -179,24 +179,8 @@ class ProTrainStrategy(SingleDeviceStrategy):
         self._precision_plugin = None if plugin is None else to_protrain_precision(plugin)
 
     @property
-    def checkpoint_io(self):
-        if self._checkpoint_io is None:
-            self._checkpoint_io = AtomicCheckpointIO()
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io) -> None:
-        self._checkpoint_io = io
-
-    @property
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the engine (and its chunks) must exist before weights are loaded into it
-
-    @property
-    def root_device(self) -> torch.device:
-        if self._root_device is None:
-            self._root_device = accelerator_device(isinstance(self.accelerator, CUDAAccelerator))
-        return self._root_device
 
     def model_to_device(self) -> None:
         pass  # the engine places every parameter (device or host) itself

@@ -48,7 +48,7 @@ from protrain_core.memtrack import LiveStorageTracker
 from protrain_core.plan import Plan
 from protrain_core.precision import Precision
 from protrain_core.profiles import PROFILE_VERSION, Hardware, OpRecord, Profile, Segment, load_cached, store
-from protrain_core.utils import iter_tensors
+from protrain_core.utils import iter_tensors, total_host_bytes
 
 
 # ----- inputs and loss ----------------------------------------------------------------------------
@@ -202,7 +202,7 @@ def probe_hardware(device: torch.device, chunk_elems: int, precision: Precision)
     mixed = precision.is_mixed
     cpu_rate = adam_rate(torch.device("cpu"), mixed)
     dev_rate = adam_rate(device, mixed) if cuda else cpu_rate
-    total = torch.cuda.get_device_properties(device).total_memory if cuda else _total_ram()
+    total = torch.cuda.get_device_properties(device).total_memory if cuda else total_host_bytes()
     return Hardware(
         device=_device_name(device),
         async_copies=cuda,
@@ -212,13 +212,6 @@ def probe_hardware(device: torch.device, chunk_elems: int, precision: Precision)
         device_adam_params_per_s=dev_rate,
         device_memory_bytes=int(total),
     )
-
-
-def _total_ram() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 # ----- boundaries -------------------------------------------------------------------------------

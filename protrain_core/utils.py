@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 from torch import Tensor
@@ -54,6 +55,14 @@ def parse_bytes(value: int | float | str, what: str = "memory_budget") -> int:
     if not nbytes > 0 or nbytes != nbytes or nbytes == float("inf"):
         raise ValueError(f"{what}={value!r} must be a positive, finite size.")
     return int(nbytes)
+
+
+def total_host_bytes() -> int:
+    """Physical RAM of this machine (0 where it cannot be read)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def format_bytes(n: float) -> str:
