@@ -10,6 +10,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import protrain_core as pt
+from protrain_core.runtime.device import resolve_device
 
 
 def parser(*, layers: int, steps: int, warmup: int) -> argparse.ArgumentParser:
@@ -27,7 +28,7 @@ def parser(*, layers: int, steps: int, warmup: int) -> argparse.ArgumentParser:
 
 def setup(args, **config):
     """(device, sync, model on the CPU, batch on the device); ``config``: extra GPT2Config fields."""
-    device = pt.device.resolve_device(args.device)
+    device = resolve_device(args.device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
     cfg = GPT2Config(vocab_size=256, n_positions=args.seq, n_embd=args.hidden, n_layer=args.layers,

@@ -26,7 +26,7 @@ import torch
 import protrain_core as pt
 from benchmarks._gpt2 import machine_line, parser, setup
 from protrain_core.memtrack import LiveStorageTracker
-from protrain_core.activations import describe_modes
+from protrain_core.plan import describe_modes
 
 
 def held_in_backward(forward, backward, device, exclude=lambda: ()):

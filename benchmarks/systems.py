@@ -378,8 +378,8 @@ def dry_protrain(spec) -> dict:
 def meta_layout(model_json: str) -> str:
     """Meta device: the execution order and chunk layout ProTrain would use for this model
     (once per model in a dry run's process)."""
-    from protrain_core.blocks import find_blocks
-    from protrain_core.layout import build_layout
+    from protrain_core.structure.blocks import find_blocks
+    from protrain_core.structure.layout import build_layout
 
     model = build_model(json.loads(model_json), "meta")
     path, blocks = find_blocks(model)

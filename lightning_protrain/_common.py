@@ -1,4 +1,4 @@
-"""What the Trainer strategy and the Fabric strategy share: precision flags, the optimizer
+"""What the Trainer strategy and the Fabric strategy share: precision plugins, the optimizer
 check, the engine's construction, routing ``optimizer.zero_grad``, and atomic checkpoint files."""
 
 from __future__ import annotations
@@ -13,41 +13,20 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from torch import Tensor, nn
 
 import protrain_core as pt
-from protrain_core.optim import check_optimizer
-from protrain_core.utils import parse_bytes
-
-# Lightning's precision flags and the engine's modes (fp32 master weights and Adam states in
-# the mixed modes; "bf16-true" trains bf16 parameters and states, as Lightning does).
-PRECISIONS = {
-    "32-true": "32-true",
-    "32": "32-true",
-    "16-mixed": "16-mixed",
-    "bf16-mixed": "bf16-mixed",
-    "bf16-true": "bf16-true",
-}
-
-
-def engine_precision(flag) -> str:
-    """The engine's precision for a Lightning precision flag; a clear error for the others."""
-    key = str(flag)
-    if key not in PRECISIONS:
-        raise ValueError(
-            f"The ProTrain strategy does not support precision={flag!r}. Choose one of '32-true', '16-mixed' "
-            "(fp16 compute, fp32 master weights, dynamic loss scaling), 'bf16-mixed' (bf16 compute, fp32 master "
-            "weights) or 'bf16-true' (bf16 weights and optimizer states)."
-        )
-    return PRECISIONS[key]
+from protrain_core.precision import parse_precision
+from protrain_core.runtime.optim import check_optimizer
 
 
 def precision_of_plugin(plugin, known_plugins: tuple[type, ...]) -> str:
     """The engine's precision for one of Lightning's own precision plugins (the connector turns
-    ``precision=`` into one); any other plugin is refused."""
+    ``precision=`` into one; the flag goes through ``protrain_core.precision``'s one table);
+    any other plugin is refused."""
     if type(plugin) not in known_plugins:
         raise ValueError(
             f"The ProTrain strategy cannot use the precision plugin {type(plugin).__name__}; pass precision= "
             "'32-true', '16-mixed', 'bf16-mixed' or 'bf16-true' instead of a plugin."
         )
-    return engine_precision(plugin.precision)
+    return parse_precision(plugin.precision).value
 
 
 def scaler_settings(plugin) -> dict | None:
@@ -55,20 +34,6 @@ def scaler_settings(plugin) -> dict | None:
     backoff), in its ``state_dict`` format, for the engine's own loss scaler."""
     scaler = getattr(plugin, "scaler", None)
     return scaler.state_dict() if scaler is not None and scaler.is_enabled() else None
-
-
-def check_plan_arguments(plan, memory_budget) -> pt.Plan | None:
-    """Validate a strategy's ``plan`` / ``memory_budget`` when it is created (before Lightning
-    starts anything); returns the plan as a ``Plan``."""
-    if isinstance(plan, dict):
-        plan = pt.Plan.from_dict(plan)
-    if plan is not None and not isinstance(plan, pt.Plan):
-        raise ValueError(f"plan must be a protrain_core.Plan, a dict of its fields or None, got {type(plan).__name__}")
-    if plan is not None and memory_budget is not None:
-        raise ValueError("memory_budget chooses a plan; pass either plan= or memory_budget=, not both.")
-    if memory_budget is not None:
-        parse_bytes(memory_budget)
-    return plan
 
 
 def register_as_protrain(registry, strategy_cls) -> None:
@@ -112,14 +77,6 @@ class OneDevicePlumbing:
             cuda = isinstance(self.accelerator, self._cuda_accelerator)
             self._root_device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         return self._root_device
-
-
-def autocast_context(precision: str, device: torch.device):
-    """Autocast for the mixed modes (what Lightning's MixedPrecision does around each step)."""
-    if precision in ("16-mixed", "bf16-mixed"):
-        dtype = torch.float16 if precision == "16-mixed" else torch.bfloat16
-        return torch.autocast(device.type, dtype=dtype)
-    return contextlib.nullcontext()
 
 
 def convert_input(data, precision: str):
@@ -174,12 +131,20 @@ def build_engine(module: nn.Module, optimizer, *, plan, memory_budget, blocks, c
 
 def route_zero_grad(optimizer: torch.optim.Optimizer, engine: pt.Engine) -> None:
     """``optimizer.zero_grad()`` (what the Trainer loop and Fabric scripts call) also clears the
-    gradients that ProTrain keeps in its chunks."""
+    gradients that ProTrain keeps in its chunks.
+
+    [Note: routing zero_grad]
+    This sets an instance attribute on the user's optimizer (its class is untouched;
+    ``unroute_zero_grad`` removes it), because no public seam sees a ``zero_grad``: torch.optim
+    has step and state-dict hooks but none for ``zero_grad``, which only clears ``p.grad``
+    (always None here: gradients live in the chunks), and Lightning reaches it through
+    ``LightningModule.optimizer_zero_grad``, which users override. An instance attribute follows
+    every way the user's code calls it."""
     original = type(optimizer).zero_grad
 
     def zero_grad(set_to_none: bool = True) -> None:
         original(optimizer, set_to_none=set_to_none)
-        if not engine._closed:
+        if not engine.closed:
             engine.zero_grad()
 
     optimizer.zero_grad = zero_grad
@@ -192,7 +157,7 @@ def unroute_zero_grad(optimizer: torch.optim.Optimizer) -> None:
 def scaler_state(engine: pt.Engine | None, kept: dict | None = None) -> dict:
     """The precision plugin's checkpoint entry: the fp16 loss scaler's state (empty otherwise);
     ``kept``: the state kept when the last engine closed (or the user's GradScaler settings)."""
-    scaler = engine.scaler_state_dict() if engine is not None and not engine._closed else kept
+    scaler = engine.scaler_state_dict() if engine is not None and not engine.closed else kept
     return {"scaler": scaler} if scaler else {}
 
 

@@ -21,17 +21,15 @@ import torch
 from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.accelerators import CUDAAccelerator
 from lightning.fabric.strategies import Strategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 import protrain_core as pt
+from protrain_core.plan import plan_arguments
 from lightning_protrain._common import (
     OneDevicePlumbing,
-    autocast_context,
     build_engine,
     check_optimizers,
-    check_plan_arguments,
     convert_input,
     gradient_clipping,
     load_scaler_state,
@@ -50,22 +48,23 @@ class ProTrainFabricPrecision(Precision):
         self.scaler = scaler  # a 16-mixed plugin's GradScaler settings
 
     def forward_context(self):
-        return autocast_context(self.precision, self.strategy.root_device)
+        engine = self.strategy.engine
+        return engine.autocast() if engine is not None else contextlib.nullcontext()
 
     def convert_input(self, data):
         # Fabric converts a forward call's (args, kwargs) here, right before calling the module:
         # the first call builds the engine on those inputs when no plan was given.
-        self.strategy._build_on_first_call(data)
+        self.strategy.build_engine_on_first_call(data)
         return convert_input(data, self.precision)
 
     def backward(self, tensor, model, *args, **kwargs) -> None:
-        self.strategy._engine().backward(tensor)
+        self.strategy.require_engine().backward(tensor)
 
     def optimizer_step(self, optimizer, **kwargs):
         # Fabric's optimizer wrapper resolves zero_grad to the optimizer class's own method,
         # which cannot see gradients kept in chunks: the step consumes them instead (Fabric
         # loops call zero_grad right after step anyway).
-        engine = self.strategy._engine()
+        engine = self.strategy.require_engine()
         engine.step()
         engine.zero_grad()
 
@@ -76,7 +75,11 @@ class ProTrainFabricPrecision(Precision):
         load_scaler_state(self.strategy.engine, state_dict)
 
 
-class _EngineSyncControl(_BackwardSyncControl):
+class _EngineSyncControl:
+    """What ``fabric.no_backward_sync`` asks the strategy's backward-sync control for. Fabric
+    only calls ``no_backward_sync`` on it; Lightning's own base class for it is private, so this
+    one stands alone."""
+
     def __init__(self, strategy: ProTrainFabricStrategy) -> None:
         self.strategy = strategy
 
@@ -113,7 +116,7 @@ class ProTrainFabricStrategy(OneDevicePlumbing, Strategy):
         checkpoint_io=None,
         precision=None,
     ) -> None:
-        plan = check_plan_arguments(plan, memory_budget)
+        plan, _ = plan_arguments(plan, memory_budget)
         self.clipping = gradient_clipping(gradient_clip_val, gradient_clip_algorithm)
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision)
         self._root_device = torch.device(device) if device is not None else None
@@ -175,7 +178,7 @@ class ProTrainFabricStrategy(OneDevicePlumbing, Strategy):
             self._build(self.example_inputs)
         return module, [optimizer], scheduler
 
-    def _build_on_first_call(self, data) -> None:
+    def build_engine_on_first_call(self, data) -> None:
         if self._pending is None:
             return
         args, kwargs = data if isinstance(data, tuple) and len(data) == 2 else (data, {})
@@ -200,7 +203,7 @@ class ProTrainFabricStrategy(OneDevicePlumbing, Strategy):
         else:
             rank_zero_info(f"ProTrain: {self.engine.plan} (given), overlap: {self.engine.overlap}")
 
-    def _engine(self) -> pt.Engine:
+    def require_engine(self) -> pt.Engine:
         if self.engine is None:
             raise RuntimeError("The ProTrain engine is built at the model's first forward call; none happened yet.")
         return self.engine
@@ -267,7 +270,7 @@ class ProTrainFabricStrategy(OneDevicePlumbing, Strategy):
         return checkpoint
 
     def teardown(self) -> None:
-        if self.engine is not None and not self.engine._closed:
+        if self.engine is not None and not self.engine.closed:
             self.precision.scaler = self.engine.scaler_state_dict()  # for fabric.save after teardown
             unroute_zero_grad(self.engine.optimizer)
             self.engine.close()

@@ -32,12 +32,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import protrain_core as pt
+from protrain_core.phase import TrainingPhase
+from protrain_core.plan import plan_arguments
+from protrain_core.planner.profiles import discard as discard_profile
 from lightning_protrain._common import (
     OneDevicePlumbing,
-    autocast_context,
     build_engine,
     check_optimizers,
-    check_plan_arguments,
     convert_input,
     gradient_clipping,
     load_scaler_state,
@@ -48,7 +49,6 @@ from lightning_protrain._common import (
     scaler_state,
     unroute_zero_grad,
 )
-from protrain_core.profiles import discard as discard_profile
 from protrain_core.utils import format_seconds
 
 # Steps whose time is reported against the prediction (after the first WARMUP_STEPS).
@@ -59,21 +59,21 @@ STALE_FACTOR = 1.5
 
 
 class ProTrainPrecision(Precision):
-    """The precision plugin of the ProTrain strategy: autocast around steps for the mixed modes
-    (the engine keeps the compute copies and fp32 masters), backward and step through the
-    engine, the fp16 loss scaler's state in checkpoints."""
+    """The precision plugin of the ProTrain strategy: the engine's autocast around steps for the
+    mixed modes (the engine keeps the compute copies and fp32 masters), backward and step
+    through the engine, the fp16 loss scaler's state in checkpoints."""
 
     def __init__(self, precision: str, scaler: dict | None = None) -> None:
         self.precision = precision
         self.scaler = scaler  # a 16-mixed plugin's GradScaler settings; its state after a fit
-        self.device = torch.device("cpu")
         self.engine: pt.Engine | None = None
         self.clipping: tuple[str, float] | None = None
         self.on_step = None  # the strategy's step timer
-        self._stepping = False  # inside optimizer_step: the backward of a step's last micro-batch
+        # STEP inside optimizer_step: the closure's backward is a step's last micro-batch.
+        self.phase = TrainingPhase.IDLE
 
     def forward_context(self):
-        return autocast_context(self.precision, self.device)
+        return self.engine.autocast() if self.engine is not None else contextlib.nullcontext()
 
     def convert_input(self, data):
         return convert_input(data, self.precision)
@@ -81,15 +81,16 @@ class ProTrainPrecision(Precision):
     def backward(self, tensor, model, optimizer, *args, **kwargs) -> None:
         # Lightning runs the closure of a non-final micro-batch directly, the last one's inside
         # optimizer_step: only that backward may update chunks.
-        with contextlib.nullcontext() if self._stepping else self.engine.no_sync():
+        final = self.phase is TrainingPhase.STEP
+        with contextlib.nullcontext() if final else self.engine.no_sync():
             self.engine.backward(tensor)
 
     def optimizer_step(self, optimizer, model, closure, **kwargs):
-        self._stepping = True
+        self.phase = TrainingPhase.STEP
         try:
             closure_result = closure()
         finally:
-            self._stepping = False
+            self.phase = TrainingPhase.IDLE
         self._after_closure(model, optimizer)
         if closure_result is None:
             return None  # training_step returned None: no backward, no step (as Lightning)
@@ -153,7 +154,7 @@ class ProTrainStrategy(OneDevicePlumbing, SingleDeviceStrategy):
         checkpoint_io=None,
         precision_plugin=None,
     ) -> None:
-        plan = check_plan_arguments(plan, memory_budget)
+        plan, _ = plan_arguments(plan, memory_budget)
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         # None: the accelerator's first device (Lightning creates registered strategies without one).
         self._root_device = torch.device(device) if device is not None else None
@@ -195,7 +196,6 @@ class ProTrainStrategy(OneDevicePlumbing, SingleDeviceStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         precision = self.precision_plugin
-        precision.device = self.root_device
         fitting = trainer.state.fn == TrainerFn.FITTING
         if not module.automatic_optimization:
             raise ValueError("The ProTrain strategy needs automatic optimization (self.automatic_optimization = True).")
@@ -245,7 +245,14 @@ class ProTrainStrategy(OneDevicePlumbing, SingleDeviceStrategy):
         return self.batch_to_device(batch)
 
     def _profile_step(self, module, batch):
-        """One training step for the profiler: ``training_step`` with logging switched off."""
+        """One training step for the profiler: ``training_step`` with logging switched off.
+
+        [Note: logging off while profiling]
+        ``self.log`` / ``self.log_dict`` are replaced by no-ops on the module instance for these
+        calls (the class is untouched, the instance attributes are removed afterwards): Lightning
+        has no public switch that turns a LightningModule's logging off for a call it does not
+        run itself, and the profiler's passes must not log. Profiling on the first real training
+        steps instead (no extra calls at all) removes this."""
         saved = {name: module.__dict__.get(name) for name in ("log", "log_dict")}
         module.log = module.log_dict = lambda *args, **kwargs: None
         try:
@@ -291,7 +298,7 @@ class ProTrainStrategy(OneDevicePlumbing, SingleDeviceStrategy):
 
     # ----- state -------------------------------------------------------------------------------
     def _open_engine(self) -> pt.Engine | None:
-        return self.engine if self.engine is not None and not self.engine._closed else None
+        return self.engine if self.engine is not None and not self.engine.closed else None
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         engine = self._open_engine()

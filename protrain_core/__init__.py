@@ -7,19 +7,24 @@
     engine.step()
     engine.zero_grad()
 
-This package never imports Lightning.
+The folders are the architecture (docs/architecture.md): ``structure`` (blocks, traced
+execution order, chunk layout), ``runtime`` (chunk storage and lifecycle, hooks, optimizer,
+activations, the engine), ``profiler`` and ``planner`` (profile, cost models, search); ``api``
+joins them. This package never imports Lightning.
 """
 
-from protrain_core.activations import BlockActivations, BlockMode, interleaved_modes
-from protrain_core.blocks import find_blocks
-from protrain_core.chunk import ChunkState, IllegalTransition
-from protrain_core.cost import CostModel, MemoryEstimate, RuntimeEstimate, estimate_memory, estimate_runtime
-from protrain_core.engine import Engine, default_memory_budget, profile, wrap
-from protrain_core.layout import ChunkLayout, build_layout
-from protrain_core.plan import Plan
+from protrain_core import utils
+from protrain_core.api import default_memory_budget, profile, wrap
+from protrain_core.plan import BlockMode, Plan, PlanLimits, interleaved_modes
+from protrain_core.planner.cost import CostModel, MemoryEstimate, RuntimeEstimate, estimate_memory, estimate_runtime
+from protrain_core.planner.profiles import Hardware, Profile, Segment
+from protrain_core.planner.search import InfeasibleBudget, PlanChoice, search
 from protrain_core.precision import Precision
-from protrain_core.profiles import Hardware, Profile, Segment
-from protrain_core.search import InfeasibleBudget, PlanChoice, search
+from protrain_core.runtime.activations import BlockActivations
+from protrain_core.runtime.chunk import ChunkState, GradState, IllegalTransition
+from protrain_core.runtime.engine import Engine
+from protrain_core.structure.blocks import find_blocks
+from protrain_core.structure.layout import ChunkLayout, build_layout
 
 __all__ = [
     "BlockActivations",
@@ -28,6 +33,7 @@ __all__ = [
     "InfeasibleBudget",
     "MemoryEstimate",
     "PlanChoice",
+    "PlanLimits",
     "Profile",
     "RuntimeEstimate",
     "Segment",
@@ -40,11 +46,13 @@ __all__ = [
     "ChunkLayout",
     "ChunkState",
     "Engine",
+    "GradState",
     "IllegalTransition",
     "Plan",
     "Precision",
     "build_layout",
     "find_blocks",
     "interleaved_modes",
+    "utils",
     "wrap",
 ]

@@ -78,7 +78,8 @@ def _row(label: str, prof, budget: int, tokens: int) -> str:
 
 def plan_command(args) -> int:
     import protrain_core as pt
-    from protrain_core.device import resolve_device
+    from protrain_core.api import default_host_budget
+    from protrain_core.runtime.device import resolve_device
 
     device = resolve_device(args.device)
     args.device = device
@@ -88,7 +89,7 @@ def plan_command(args) -> int:
     config = load_config(args.model)
     prof = _profile(args, config, args.batch_size)
     try:
-        choice = pt.search(prof, budget, host_budget=pt.engine.default_host_budget(device))
+        choice = pt.search(prof, budget, host_budget=default_host_budget(device))
         print(choice.explain())
     except pt.InfeasibleBudget as e:
         print(f"protrain plan: {e}")

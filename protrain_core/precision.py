@@ -1,4 +1,4 @@
-"""Precision modes and the fp16 dynamic loss scaler."""
+"""Precision modes (one table of names), and the fp16 dynamic loss scaler."""
 
 from __future__ import annotations
 
@@ -35,8 +35,16 @@ class Precision(enum.Enum):
         """A compute-dtype copy of fp32 master weights, run under autocast."""
         return self in (Precision.BF16_MIXED, Precision.FP16_MIXED)
 
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The dtype the forward runs under ``torch.autocast`` (mixed modes only); the engine
+        enters autocast (``Engine.autocast``), nothing else does."""
+        return self.compute_dtype if self.is_mixed else None
 
-_ALIASES = {
+
+# The one table of precision names: Lightning's flags and their legacy short forms (Lightning
+# maps "bf16" to "bf16-mixed" and "16" to "16-mixed" itself).
+ALIASES = {
     "32-true": Precision.FP32,
     "32": Precision.FP32,
     "bf16-true": Precision.BF16_TRUE,
@@ -45,24 +53,21 @@ _ALIASES = {
     "16-mixed": Precision.FP16_MIXED,
     "16": Precision.FP16_MIXED,
 }
+_CHOICES = (
+    "'32-true', '16-mixed' (fp16 compute, fp32 master weights, dynamic loss scaling), 'bf16-mixed' (bf16 "
+    "compute, fp32 master weights; host memory holds 4+4+4+4+2 bytes per offloaded parameter) or 'bf16-true' "
+    "(bf16 weights, gradients and Adam states: 2+2+2+2 bytes)"
+)
 
 
-def parse_precision(precision: str | Precision) -> Precision:
+def parse_precision(precision: str | int | Precision) -> Precision:
+    """The engine's mode for a precision name (a Lightning flag); a clear error for the others."""
     if isinstance(precision, Precision):
         return precision
-    key = str(precision)
-    if key in ("16-true", "64-true", "64", "transformer-engine"):
-        raise ValueError(
-            f"precision={precision!r} is not supported by ProTrain yet. Use precision='bf16-mixed' "
-            "(bf16 compute, fp32 master; host memory holds 4+4+4+4+2 bytes per offloaded "
-            "parameter), 'bf16-true' (bf16 weights, gradients and Adam states: 2+2+2+2 bytes) "
-            "or '32-true'."
-        )
-    if key not in _ALIASES:
-        raise ValueError(
-            f"Unknown precision {precision!r}; choose one of '32-true', 'bf16-true', 'bf16-mixed', '16-mixed'."
-        )
-    return _ALIASES[key]
+    found = ALIASES.get(str(precision))
+    if found is None:
+        raise ValueError(f"ProTrain does not support precision={precision!r}. Choose one of {_CHOICES}.")
+    return found
 
 
 @dataclass(kw_only=True)

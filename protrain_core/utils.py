@@ -1,11 +1,22 @@
-"""Small helpers shared by the runtime, the activation manager and the memory tracker."""
+"""Small helpers shared across protrain_core: tensors in nested outputs, sizes, host memory facts."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 
+import torch
 from torch import Tensor
+from torch.autograd.profiler import record_function
+
+_UNTRACED = contextlib.nullcontext()
+
+
+def traced(name: str):
+    """A named range in profiler traces -- only while a profiler records: entering a
+    ``record_function`` costs tens of microseconds per hook even with no profiler running."""
+    return record_function(name) if torch._C._autograd._profiler_enabled() else _UNTRACED
 
 
 def iter_tensors(obj) -> Iterator[Tensor]:
@@ -55,6 +66,30 @@ def parse_bytes(value: int | float | str, what: str = "memory_budget") -> int:
     if not nbytes > 0 or nbytes != nbytes or nbytes == float("inf"):
         raise ValueError(f"{what}={value!r} must be a positive, finite size.")
     return int(nbytes)
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_host_memory(needed: int, what: str) -> None:
+    """A clear error, before allocating, when host RAM cannot hold ``needed`` more bytes."""
+    available = available_host_bytes()
+    if available is not None and needed > available:
+        gib = 2**30
+        raise MemoryError(
+            f"ProTrain needs {needed / gib:.2f} GiB of host memory for {what}, but only "
+            f"{available / gib:.2f} GiB is available. Keep more chunks on the device (a larger "
+            "Plan.n_persist), use precision='bf16-mixed', or free host memory."
+        )
 
 
 def total_host_bytes() -> int:

@@ -123,7 +123,19 @@ def deepcopy():
     return copy.deepcopy
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "grid(ci): a parameter grid whose combinations ci(**params) rejects are slow")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
+    """Grids: mark the combinations outside a test's CI subset ``slow`` (the representative
+    combinations run in CI, every one with ``-m "slow or not slow"``). CUDA tests: skipped
+    without a GPU."""
+    for item in items:
+        grid = item.get_closest_marker("grid")
+        if grid is not None and not grid.kwargs["ci"](**item.callspec.params):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (no GPU on this machine)")

@@ -1,5 +1,11 @@
 """benchmarks.run: the cpu-smoke suite trains every system available here and writes the table,
-JSON and chart; the GPU suites construct every system and configuration in a dry run."""
+JSON and chart; the GPU suites construct every system and configuration in a dry run.
+
+Each run is a process of its own (seconds each), so CI runs a representative subset: ProTrain
+and plain PyTorch through the whole runner (bitwise-equal losses, table, JSON, chart), and the
+GPU suite's ProTrain configurations in a dry run. The full runs -- every system, the probes,
+resume, out-of-memory and timeouts, every dry-run configuration -- are marked ``slow``:
+``python -m pytest -m slow tests/test_benchmarks.py``."""
 
 import json
 import os
@@ -32,6 +38,45 @@ def smoke(tmp_path_factory):
     return out, proc.stdout, json.loads((out / "results.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def smoke_subset(tmp_path_factory):
+    out = tmp_path_factory.mktemp("smoke-subset")
+    proc = bench("--suite", "cpu-smoke", "--systems", "protrain-core,pytorch", "--no-probes", out=out)
+    return out, proc.stdout, json.loads((out / "results.json").read_text())
+
+
+def test_cpu_smoke_protrain_equals_pytorch_and_writes_the_report(smoke_subset):
+    """The CI subset: the runner end to end with ProTrain and its baseline."""
+    out, stdout, report = smoke_subset
+    runs = {r["system"]: r for r in report["runs"]}
+    assert sorted(runs) == ["protrain-core", "pytorch"] and all(r["status"] == "ok" for r in runs.values())
+    ref = runs["pytorch"]["losses"]
+    assert len(ref) == report["warmup"] + report["steps"] and runs["protrain-core"]["losses"] == ref
+    core = runs["protrain-core"]
+    assert core["plan"].startswith("Plan(") and core["predicted_step_s"] > 0 and core["lower_bound_s"] > 0
+    for r in runs.values():
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * r["seq"] / r["step_median_s"])
+    md = (out / "results.md").read_text()
+    assert md in stdout and "| protrain-core | ok |" in md
+    width, height, rows = read_png(out / "throughput.png")
+    pixels = {bytes(row[i:i + 3]) for row in rows for i in range(0, len(row), 3)}
+    assert (width, height) == (900, 500) and all(bytes(c) in pixels for c in PALETTE[:2])
+
+
+@pytest.mark.parametrize("system", ["protrain-core", "protrain-lightning"])
+def test_gpu_suite_builds_protrain_in_a_dry_run(system):
+    """The CI subset of the dry run, in this process: ProTrain's configurations of gpu-80g's
+    workloads and model ladder built on the meta device (blocks, traced order, chunk layout)."""
+    from benchmarks.run import SUITES, spec_of
+    from benchmarks.systems import run
+
+    suite = SUITES["gpu-80g"]
+    for w in suite.workloads + suite.model_ladder:
+        result = run(spec_of(suite, system, w, dry_run=True))
+        assert result["status"] == "dry-run", result.get("traceback", result)
+
+
+@pytest.mark.slow
 def test_cpu_smoke_trains_every_available_system(smoke):
     _, stdout, report = smoke
     here = [s for s in SYSTEMS if unavailable(s, "cpu") is None]
@@ -56,6 +101,7 @@ def test_cpu_smoke_trains_every_available_system(smoke):
         assert runs[system]["losses"] == pytest.approx(ref, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_cpu_smoke_reports_protrain_plan_fidelity_and_bound(smoke):
     _, _, report = smoke
     for system in ("protrain-core", "protrain-lightning"):
@@ -68,6 +114,7 @@ def test_cpu_smoke_reports_protrain_plan_fidelity_and_bound(smoke):
     assert core["peak_device_bytes_tracked"] > 0  # the CPU "device": measured by the tensor tracker
 
 
+@pytest.mark.slow
 def test_cpu_smoke_probes(smoke):
     _, _, report = smoke
     probes = report["probes"]
@@ -83,6 +130,7 @@ def test_cpu_smoke_probes(smoke):
     assert model[0] < model[1] and batch == [2, 4]  # ascending ladders
 
 
+@pytest.mark.slow
 def test_cpu_smoke_writes_table_json_and_chart(smoke):
     out, stdout, report = smoke
     md = (out / "results.md").read_text()
@@ -96,6 +144,7 @@ def test_cpu_smoke_writes_table_json_and_chart(smoke):
     assert all(bytes(c) in pixels for c in PALETTE[:len(report["runs"])])  # one bar colour per system
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("suite", ["gpu-80g", "gpu-141g"])
 def test_gpu_suites_dry_run_constructs_every_configuration(tmp_path, suite):
     bench("--suite", suite, "--dry-run", out=tmp_path)
@@ -117,10 +166,14 @@ def test_gpu_suites_dry_run_constructs_every_configuration(tmp_path, suite):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_gpu_suite_without_a_gpu_says_what_to_do(tmp_path):
-    proc = bench("--suite", "gpu-80g", out=tmp_path, check=False)
-    assert proc.returncode != 0 and "--dry-run" in proc.stderr and "needs a CUDA GPU" in proc.stderr
+    from benchmarks.run import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--suite", "gpu-80g", "--out", str(tmp_path)])
+    assert "--dry-run" in str(exit_.value.code) and "needs a CUDA GPU" in str(exit_.value.code)
 
 
+@pytest.mark.slow
 def test_out_of_memory_and_timeout_are_results(tmp_path):
     """No ProTrain plan fitting the budget is reported as OOM; a run past its time limit as a
     timeout -- and the report is still written."""
@@ -134,6 +187,7 @@ def test_out_of_memory_and_timeout_are_results(tmp_path):
     assert run["status"] == "timeout" and "timed out after 1 s" in run["error"]
 
 
+@pytest.mark.slow
 def test_resume_keeps_the_runs_of_the_previous_report(tmp_path):
     bench("--suite", "cpu-smoke", "--systems", "pytorch", "--no-probes", "--timeout", "1", out=tmp_path)
     first = json.loads((tmp_path / "results.json").read_text())["runs"]
@@ -147,6 +201,9 @@ def test_resume_keeps_the_runs_of_the_previous_report(tmp_path):
     assert [r["system"] for r in runs] == ["protrain-core", "pytorch"] and runs[1] == first[0]
 
 
-def test_unknown_system_is_refused(tmp_path):
-    proc = bench("--suite", "cpu-smoke", "--systems", "protrain-core,megatron", out=tmp_path, check=False)
-    assert proc.returncode == 2 and "unknown system(s) megatron" in proc.stderr
+def test_unknown_system_is_refused(tmp_path, capsys):
+    from benchmarks.run import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--suite", "cpu-smoke", "--systems", "protrain-core,megatron", "--out", str(tmp_path)])
+    assert exit_.value.code == 2 and "unknown system(s) megatron" in capsys.readouterr().err

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import protrain_core as pt
-from protrain_core.profiles import Hardware, Profile, Segment
+from protrain_core.planner.profiles import Hardware, Profile, Segment
 
 
-def hand_profile(*, async_copies=True, adam_in_backward=True) -> Profile:
+def hand_profile(*, async_copies=True) -> Profile:
     """3 chunks of 100 fp32 elements (400 B): X = 400/400 = 1 s per upload, Y = 400/800 = 0.5 s
     per offload; CPU Adam 100 params/s (U = 1 s a chunk), device Adam 1000/s (V = 0.1 s).
     Segments: pre on chunk 0, block.0 on chunk 1, block.1 on chunk 2, post on chunks 0 and 2
@@ -31,12 +31,12 @@ def hand_profile(*, async_copies=True, adam_in_backward=True) -> Profile:
                   cpu_adam_params_per_s=100.0, device_adam_params_per_s=1000.0, device_memory_bytes=10**6)
     return Profile(key="hand", description="hand-built", precision="32-true", n_chunks=3, chunk_elems=100,
                    compute_bytes=4, chunk_trainable=(100, 100, 100), chunk_has_grad=(True, True, True),
-                   persist_bytes=(2000, 2000, 2000), host_bytes=(1600, 1600, 1600), min_buffers=1,
-                   adam_in_backward=adam_in_backward, segments=segments, base_bytes=5, fragmentation=1.0, hardware=hw)
+                   persist_bytes=(2000, 2000, 2000), host_bytes=(1600, 1600, 1600), buffer_bytes=800, chunk_bytes=400,
+                   resident_sets=((0,), (1,), (2,)), segments=segments, base_bytes=5, fragmentation=1.0, hardware=hw)
 
 
-def rt(profile, **plan):
-    return pt.estimate_runtime(profile, pt.Plan(**plan))
+def rt(profile, adam_in_backward=True, **plan):
+    return pt.estimate_runtime(profile, pt.Plan(**plan), adam_in_backward=adam_in_backward)
 
 
 def test_all_persistent():
@@ -117,7 +117,7 @@ def test_sync_streaming_adds_up():
 
 def test_fp16_defers_adam_to_step():
     # p=1, B=2 as above but Adam at step(): T = 6 + 10 + max(0.1, 2) = 18.
-    assert rt(hand_profile(adam_in_backward=False), n_persist=1, n_buffer=2).total_s == pytest.approx(18.0)
+    assert rt(hand_profile(), adam_in_backward=False, n_persist=1, n_buffer=2).total_s == pytest.approx(18.0)
 
 
 def test_memory_keep_all():

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import protrain_core as pt
-from protrain_core.layout import ALIGN, _pack, search_chunk_size
+from protrain_core.structure.layout import ALIGN, pack as _pack, search_chunk_size
 from conftest import tiny_gpt2, tiny_llama
 
 

@@ -164,16 +164,25 @@ def test_gradient_clipping_equals_default(algorithm, value):
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
 def test_precision_flags_close_to_default(precision):
+    """Close to Lightning's default strategy: the losses, and what training did to the weights.
+    bf16-mixed: Lightning's autocast runs the embeddings (and other non-autocast ops) in fp32 on
+    fp32 weights, the engine on its bf16 compute copy, so the weights are not close element by
+    element; the update of every weight (final minus initial, over all parameters) is: within
+    25 % in norm of the default's, in the same direction. Without Adam it would be 100 % off."""
     plan = pt.Plan(n_persist=1, n_buffer=2, n_checkpoint=1)
+    torch.manual_seed(1234)
+    initial = weights(LitLM())  # what fit() starts from
     ref = fit("auto", precision=precision)
     got = fit(ProTrainStrategy(plan=plan), precision=precision)
     assert got[0].losses == pytest.approx(ref[0].losses, rel=2e-2)
+    wa, wb = weights(got[0]), weights(ref[0])
     if precision == "bf16-true":  # the same arithmetic as plain bf16 PyTorch
-        wa, wb = weights(got[0]), weights(ref[0])
         for k in wa:
             torch.testing.assert_close(wa[k], wb[k], rtol=2e-2, atol=2e-3, msg=k)
-    # bf16-mixed: Lightning's autocast runs the embeddings (and other non-autocast ops) in fp32
-    # on fp32 weights, the engine on its bf16 compute copy -- close losses, not close weights.
+    delta_got = torch.cat([(wa[k] - initial[k]).flatten() for k in initial])
+    delta_ref = torch.cat([(wb[k] - initial[k]).flatten() for k in initial])
+    assert delta_ref.norm() > 0
+    assert (delta_got - delta_ref).norm() < 0.25 * delta_ref.norm()
     assert got[1].strategy.precision_plugin.precision == precision
 
 
@@ -440,8 +449,9 @@ def test_lightning_cli_class_path(tmp_path):
         print("STRATEGY", type(cli.trainer.strategy).__name__, "STEPS", cli.trainer.global_step)
     """))
     env = dict(os.environ, LIGHTNING_PROTRAIN_AUTOREGISTER="0")  # class_path needs no registration
+    (tmp_path / "run").mkdir()
     r = subprocess.run([sys.executable, str(script), "--config", str(config)], capture_output=True, text=True, env=env,
-                       timeout=300)
+                       timeout=300, cwd=tmp_path / "run")  # the CLI writes its config.yaml into the working directory
     assert r.returncode == 0, r.stderr[-3000:]
     assert "STRATEGY ProTrainStrategy STEPS 2" in r.stdout
 
@@ -474,9 +484,19 @@ def test_pth_hook_is_off_with_the_environment_variable():
     assert "NOT REGISTERED" in r.stdout
 
 
-def test_pth_hook_costs_under_5_ms():
-    r = subprocess.run([sys.executable, "-X", "importtime", "-c", "pass"], capture_output=True, text=True, timeout=60)
-    lines = [line for line in r.stderr.splitlines() if line.rstrip().endswith("_lightning_protrain_pth")]
-    assert lines, "the start-up hook did not run (is lightning_protrain.pth installed?)\n" + r.stderr[-2000:]
-    cumulative_us = int(lines[0].split("|")[1])
-    assert cumulative_us < 5000, lines[0]
+def test_pth_hook_imports_nothing_at_start_up():
+    """The start-up hook's cost is what it imports: nothing (os and sys are loaded already). It
+    only puts its finder on sys.meta_path. Checked in ``-X importtime``'s import tree: no module
+    is imported beneath it (a line nested under it would be one)."""
+    r = subprocess.run([sys.executable, "-X", "importtime", "-c", "import sys; print(sorted(type(f).__module__ for f in sys.meta_path))"],
+                       capture_output=True, text=True, timeout=60)
+    lines = [line for line in r.stderr.splitlines() if line.startswith("import time:")]
+    (at,) = [i for i, line in enumerate(lines) if line.rstrip().endswith(" _lightning_protrain_pth")]
+    depth = lambda line: len(line.split("|")[2]) - len(line.split("|")[2].lstrip())  # noqa: E731
+    nested = []
+    for line in reversed(lines[:at]):  # children are printed before their parent, indented deeper
+        if depth(line) <= depth(lines[at]):
+            break
+        nested.append(line.split("|")[2].strip())
+    assert nested == [], f"the start-up hook imported {nested}"
+    assert "_lightning_protrain_pth" in r.stdout  # its finder waits for Lightning

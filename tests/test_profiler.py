@@ -8,7 +8,7 @@ import torch
 
 import protrain_core as pt
 from conftest import MODELS, SEQ, assert_same_weights, batches, train_engine, train_reference
-from protrain_core.profiles import Profile, cache_dir
+from protrain_core.planner.profiles import Profile, cache_dir
 
 
 @pytest.fixture(autouse=True)
@@ -146,11 +146,22 @@ def test_memory_budget_strings_and_errors():
     assert getattr(model, "_protrain_engine", None) is None  # nothing left half-wrapped
 
 
-def test_default_budget_is_free_memory_minus_margin():
-    budget = pt.default_memory_budget(torch.device("cpu"))
-    from protrain_core.host_pool import available_host_bytes
+def test_default_budget_is_free_memory_minus_margin(monkeypatch):
+    """CUDA: free device memory minus 5 % of the device, at least 1 GiB; the host budget (what
+    streamed states may use) 90 % of the available RAM. CPU: 90 % of the available RAM."""
+    import protrain_core.api as api
 
-    assert 0 < budget <= available_host_bytes()
+    gib = 2**30
+    monkeypatch.setattr(api, "available_host_bytes", lambda: 100 * gib)
+    for free, total, margin in [(70 * gib, 80 * gib, 4 * gib), (6 * gib, 8 * gib, gib), (gib // 2, 8 * gib, gib)]:
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, f=free, t=total: (f, t))
+        assert pt.default_memory_budget(torch.device("cuda", 0)) == max(0, free - margin)
+    assert api.default_host_budget(torch.device("cuda", 0)) == 90 * gib
+    assert pt.default_memory_budget(torch.device("cpu")) == 90 * gib
+    assert api.default_host_budget(torch.device("cpu")) is None
+    monkeypatch.setattr(api, "available_host_bytes", lambda: None)
+    with pytest.raises(ValueError, match="pass memory_budget="):
+        pt.default_memory_budget(torch.device("cpu"))
 
 
 def test_plan_command_prints_plan_and_what_if(capsys):

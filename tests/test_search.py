@@ -6,15 +6,16 @@ import pytest
 import torch
 
 import protrain_core as pt
-from protrain_core.activations import BlockMode, interleaved_modes
-from protrain_core.profiles import Hardware, Profile, Segment
-from protrain_core.search import brute_force
+from protrain_core.plan import BlockMode, interleaved_modes
+from protrain_core.planner.profiles import Hardware, Profile, Segment
+from protrain_core.planner.search import brute_force
 from test_cost import hand_profile
 
 
-def random_profile(rng: random.Random, n_chunks: int, n_blocks: int, async_copies: bool) -> Profile:
+def random_profile(rng: random.Random, n_chunks: int, n_blocks: int, async_copies: bool) -> tuple[Profile, bool]:
     """Blocks spread over chunks in order (several per chunk when there are fewer chunks); every
-    value drawn at random, blocks deliberately unequal."""
+    value drawn at random, blocks deliberately unequal. Also returns whether Adam overlaps
+    backward (drawn too)."""
     block_chunk = sorted(rng.randrange(n_chunks) for _ in range(n_blocks))
     segs = [Segment(name="pre", kind="pre", chunks=(0,), fwd_s=rng.uniform(0, 1), bwd_s=rng.uniform(0, 1),
                     recompute_s=0.0, out_bytes=rng.randrange(100), saved_bytes=0,
@@ -34,33 +35,36 @@ def random_profile(rng: random.Random, n_chunks: int, n_blocks: int, async_copie
                   d2h_bytes_per_s=rng.uniform(100, 2000), cpu_adam_params_per_s=rng.uniform(20, 500),
                   device_adam_params_per_s=rng.uniform(500, 5000), device_memory_bytes=10**6)
     trainable = tuple(rng.choice([0, S // 2, S]) for _ in range(n_chunks))
-    return Profile(key="r", description="random", precision="32-true", n_chunks=n_chunks, chunk_elems=S,
+    persist_bytes = tuple(rng.randrange(1000, 2000) for _ in range(n_chunks))
+    host_bytes = tuple(rng.randrange(1000, 2000) for _ in range(n_chunks))
+    adam_in_backward = rng.random() < 0.8
+    prof = Profile(key="r", description="random", precision="32-true", n_chunks=n_chunks, chunk_elems=S,
                    compute_bytes=4, chunk_trainable=trainable, chunk_has_grad=tuple(t > 0 for t in trainable),
-                   persist_bytes=tuple(rng.randrange(1000, 2000) for _ in range(n_chunks)),
-                   host_bytes=tuple(rng.randrange(1000, 2000) for _ in range(n_chunks)), min_buffers=1,
-                   adam_in_backward=rng.random() < 0.8, segments=tuple(segs), base_bytes=rng.randrange(100),
-                   fragmentation=rng.uniform(1.0, 1.2), hardware=hw)
+                   persist_bytes=persist_bytes, host_bytes=host_bytes, buffer_bytes=2 * S * 4, chunk_bytes=S * 4,
+                   resident_sets=tuple((c,) for c in range(n_chunks)), segments=tuple(segs),
+                   base_bytes=rng.randrange(100), fragmentation=rng.uniform(1.0, 1.2), hardware=hw)
+    return prof, adam_in_backward
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_search_equals_brute_force(seed):
     rng = random.Random(seed)
-    prof = random_profile(rng, n_chunks=rng.randint(1, 5), n_blocks=rng.randint(1, 4), async_copies=seed % 2 == 0)
-    cm = pt.CostModel(prof)
+    prof, adam = random_profile(rng, n_chunks=rng.randint(1, 5), n_blocks=rng.randint(1, 4), async_copies=seed % 2 == 0)
+    cm = pt.CostModel(prof, adam_in_backward=adam)
     everything = cm.memory(pt.Plan(n_persist=prof.n_chunks, n_buffer=0)).peak_bytes
     for frac in (0.3, 0.5, 0.7, 1.0, 1.5):
         budget = int(everything * frac)
         host = rng.choice([None, int(sum(prof.host_bytes) * rng.uniform(0.3, 1.5))])
         try:
-            expected = brute_force(prof, budget, host_budget=host)
+            expected = brute_force(prof, budget, host_budget=host, adam_in_backward=adam)
         except pt.InfeasibleBudget:
             with pytest.raises(pt.InfeasibleBudget):
-                pt.search(prof, budget, host_budget=host)
+                pt.search(prof, budget, host_budget=host, adam_in_backward=adam)
             continue
-        got = pt.search(prof, budget, host_budget=host)
+        got = pt.search(prof, budget, host_budget=host, adam_in_backward=adam)
         assert got.runtime.total_s == pytest.approx(expected.runtime.total_s, rel=1e-9), (frac, got.plan, expected.plan)
         assert got.memory.peak_bytes <= budget
-        assert got.runtime.total_s == pytest.approx(pt.estimate_runtime(prof, got.plan).total_s)
+        assert got.runtime.total_s == pytest.approx(pt.estimate_runtime(prof, got.plan, adam_in_backward=adam).total_s)
         if host is not None:
             assert got.memory.host_bytes <= host
         assert got.evaluated <= expected.evaluated
@@ -69,12 +73,12 @@ def test_search_equals_brute_force(seed):
 @pytest.mark.parametrize("seed", range(10))
 def test_more_budget_is_never_slower(seed):
     rng = random.Random(100 + seed)
-    prof = random_profile(rng, n_chunks=6, n_blocks=6, async_copies=True)
+    prof, adam = random_profile(rng, n_chunks=6, n_blocks=6, async_copies=True)
     everything = pt.CostModel(prof).memory(pt.Plan(n_persist=6, n_buffer=0)).peak_bytes
     last = float("inf")
     for frac in [x / 20 for x in range(1, 31)]:
         try:
-            t = pt.search(prof, int(everything * frac)).runtime.total_s
+            t = pt.search(prof, int(everything * frac), adam_in_backward=adam).runtime.total_s
         except pt.InfeasibleBudget:
             assert last == float("inf")  # infeasible only below every feasible budget
             continue
@@ -140,8 +144,8 @@ def test_grid_matches_scalar_model(seed):
     """The search's tensor form of every layout equals the scalar model: block modes, activation
     peak and swapped bytes exactly; T_f + T_b + device Adam for every (layout, n_persist, B)."""
     rng = random.Random(500 + seed)
-    prof = random_profile(rng, n_chunks=rng.randint(1, 6), n_blocks=rng.randint(1, 5), async_copies=seed % 2 == 0)
-    cm = pt.CostModel(prof)
+    prof, adam = random_profile(rng, n_chunks=rng.randint(1, 6), n_blocks=rng.randint(1, 5), async_copies=seed % 2 == 0)
+    cm = pt.CostModel(prof, adam_in_backward=adam)
     grid = cm.grid()
     N = prof.n_chunks
     layouts = [cm.layout(interleaved_modes(prof.n_blocks, s, c)) for s, c in grid.pairs]
@@ -157,5 +161,5 @@ def test_grid_matches_scalar_model(seed):
             for p in range(N + 1):
                 if (p < N and not 1 <= B <= N - p) or (p == N and B != 0):
                     continue
-                r = cm._runtime(lay, p, B)
+                r = cm.runtime_of(lay, p, B)
                 assert bound[row, p].item() == pytest.approx(r.forward_s + r.backward_s + r.device_adam_s, rel=1e-12)

@@ -1,58 +1,219 @@
-"""The per-chunk residency state machine and the device-memory invariants."""
+"""The chunk lifecycle ([Note: chunk lifecycle] in runtime/chunk.py): residency and gradient
+state machines, verbs that do their own storage work and set the state last, and the
+device-memory invariants of the runtime."""
 
 import itertools
+from concurrent.futures import Future
 
 import pytest
 import torch
 
 import protrain_core as pt
-from protrain_core.chunk import TRANSITIONS, VERBS, Chunk, ChunkState, IllegalTransition
-from protrain_core.layout import ChunkSpec, ParamSlot
 from conftest import batches, tiny_gpt2, tiny_llama
+from protrain_core.runtime.chunk import (
+    GRAD_TRANSITIONS, GRAD_VERBS, TRANSITIONS, VERBS, Chunk, ChunkState, GradState, IllegalTransition, _next,
+)
+from protrain_core.runtime.device import DeviceContext
+from protrain_core.runtime.storage import ChunkFormat, ChunkStorage
+from protrain_core.structure.layout import ChunkSpec, ParamSlot
 
-
-def _chunk(state):
-    spec = ChunkSpec(index=0, members=(ParamSlot("w", 0, 4, (4,)),), units=("u",), capacity=16)
-    c = Chunk(spec, persistent=state is ChunkState.PERSISTENT, params=[torch.nn.Parameter(torch.zeros(4))], compute_dtype=torch.float32)
-    c.state = state
-    return c
-
-
+H, F, R, O, U, P = (ChunkState.HOST, ChunkState.FETCHING, ChunkState.RESIDENT, ChunkState.OFFLOADING,
+                    ChunkState.UPDATING, ChunkState.PERSISTENT)
 EXPECTED = {
-    ("begin_fetch", ChunkState.HOST): ChunkState.FETCHING,
-    ("end_fetch", ChunkState.FETCHING): ChunkState.RESIDENT,
-    ("release", ChunkState.RESIDENT): ChunkState.HOST,
-    ("begin_offload", ChunkState.RESIDENT): ChunkState.OFFLOADING,
-    ("end_offload", ChunkState.OFFLOADING): ChunkState.UPDATING,
-    ("begin_update", ChunkState.HOST): ChunkState.UPDATING,
-    ("end_update", ChunkState.UPDATING): ChunkState.HOST,
+    ("begin_fetch", H): F,
+    ("end_fetch", F): R,
+    ("release", R): H,
+    ("begin_offload", R): O,
+    ("end_offload", O): U,
+    ("begin_update", H): U,
+    ("end_update", U): H,
+}
+G = GradState
+EXPECTED_GRAD = {
+    ("receive", G.EMPTY): G.FIRST, ("receive", G.READY): G.MORE, ("receive", G.FIRST): G.FIRST,
+    ("receive", G.MORE): G.MORE,
+    ("land", G.FIRST): G.READY, ("land", G.MORE): G.READY,
+    ("land_applied", G.FIRST): G.APPLIED, ("land_applied", G.MORE): G.APPLIED,
+    ("apply", G.READY): G.APPLIED,
+    ("finish_step", G.APPLIED): G.READY, ("finish_step", G.READY): G.READY, ("finish_step", G.EMPTY): G.EMPTY,
+    ("zero", G.EMPTY): G.EMPTY, ("zero", G.READY): G.EMPTY, ("zero", G.APPLIED): G.EMPTY,
+}
+CTX = DeviceContext(torch.device("cpu"))
+
+
+def test_transition_tables_are_the_documented_ones():
+    assert TRANSITIONS == EXPECTED
+    assert GRAD_TRANSITIONS == EXPECTED_GRAD
+
+
+def _chunk(persistent=False):
+    spec = ChunkSpec(index=0, members=(ParamSlot("w", 0, 4, (4,)),), units=("u",), capacity=16)
+    fmt = ChunkFormat(numel=16, compute_dtype=torch.float32, master_dtype=torch.float32, grads=True, adam_states=2)
+    pool = None if persistent else ChunkStorage.host_pool([fmt], pin=False)
+    storage = ChunkStorage(fmt, persistent=persistent, device=torch.device("cpu"), pool=pool, n_members=1)
+    chunk = Chunk(spec, params=[torch.nn.Parameter(torch.arange(4.0))], storage=storage, opt_members={0: [0]})
+    chunk.load_params()
+    return chunk
+
+
+def _done(value=None):
+    future = Future()
+    future.set_result(value)
+    return future
+
+
+def _offload(c, applied=False):
+    if c.state is ChunkState.RESIDENT and not c.receiving:
+        c.receive(0, torch.ones(4))  # a chunk offloads the gradients it received
+    c.begin_offload(CTX, applied=applied, landing_for=lambda replace: c.storage.grad_acc,
+                    submit=lambda event, landing, replace: _done())
+
+
+VERB_CALLS = {
+    "begin_fetch": lambda c: c.begin_fetch(CTX),
+    "end_fetch": lambda c: c.end_fetch(CTX),
+    "release": lambda c: c.release(),
+    "begin_offload": _offload,
+    "end_offload": lambda c: c.end_offload(CTX),
+    "begin_update": lambda c: c.begin_update(_done()),
+    "end_update": lambda c: c.end_update(),
 }
 
 
-def test_transition_table_is_the_documented_one():
-    assert TRANSITIONS == EXPECTED
+def _in_state(state) -> Chunk:
+    """A chunk brought to ``state`` by legal verbs only (nothing assigns its fields)."""
+    c = _chunk(persistent=state is P)
+    path = {H: [], F: ["begin_fetch"], R: ["begin_fetch", "end_fetch"], O: ["begin_fetch", "end_fetch", "recv", "begin_offload"],
+            U: ["begin_update"], P: []}[state]
+    for verb in path:
+        if verb == "recv":
+            c.receive(0, torch.ones(4))
+        else:
+            VERB_CALLS[verb](c)
+    assert c.state is state
+    return c
 
 
-@pytest.mark.parametrize("verb,state", list(itertools.product(VERBS, list(ChunkState))), ids=lambda v: getattr(v, "name", v))
+def _footprint(c: Chunk):
+    st = c.storage
+    return (c.state, c.grad_state, st.device_copy_allocated, st.grad_buffer is not None,
+            c.params[0].untyped_storage().data_ptr())
+
+
+@pytest.mark.parametrize("verb,state", list(itertools.product(VERBS, [H, F, R, O, U, P])), ids=lambda v: getattr(v, "name", v))
 def test_every_verb_from_every_state(verb, state):
-    c = _chunk(state)
+    c = _in_state(state)
     target = EXPECTED.get((verb, state))
     if target is None:
+        before = _footprint(c)
         with pytest.raises(IllegalTransition, match=f"cannot {verb} in state {state.name}"):
-            getattr(c, verb)()
-        assert c.state is state  # an illegal verb changes nothing
+            VERB_CALLS[verb](c)
+        assert _footprint(c) == before  # an illegal verb changes nothing, storage included
+        return
+    VERB_CALLS[verb](c)
+    assert c.state is target
+    st, param = c.storage, c.params[0]
+    if target in (F, R, O):  # the device copy exists exactly while the chunk is on the device
+        assert st.device_copy_allocated
     else:
-        getattr(c, verb)()
-        assert c.state is target
+        assert not st.device_copy_allocated and st.grad_buffer is None
+    if target is R:
+        assert param.untyped_storage().data_ptr() == st.device_copy.untyped_storage().data_ptr()
+        assert torch.equal(param.detach(), torch.arange(4.0))  # the fetched values
+    if target in (H, U):
+        assert param.untyped_storage().data_ptr() == st.host_copy.untyped_storage().data_ptr()
 
 
-def test_persistent_chunks_never_move():
-    c = _chunk(ChunkState.PERSISTENT)
-    for verb in VERBS:
-        with pytest.raises(IllegalTransition):
-            getattr(c, verb)()
+class _FailingCopies(DeviceContext):
+    def copy_async(self, dst, src, stream=None):
+        raise RuntimeError("copy failed")
 
 
+def test_the_state_is_set_after_the_storage_work():
+    """A verb whose storage work fails leaves the chunk in its state."""
+    c = _in_state(H)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        c.begin_fetch(_FailingCopies(torch.device("cpu")))
+    assert c.state is H
+    c = _in_state(R)
+    c.receive(0, torch.ones(4))
+    with pytest.raises(RuntimeError, match="copy failed"):
+        c.begin_offload(_FailingCopies(torch.device("cpu")), applied=True, landing_for=lambda r: c.storage.grad_acc,
+                        submit=lambda e, landing, r: _done())
+    assert (c.state, c.grad_state) == (R, G.FIRST)
+    failed = Future()
+    failed.set_exception(ValueError("worker failed"))
+    c = _in_state(H)
+    c.begin_update(failed)
+    with pytest.raises(ValueError, match="worker failed"):
+        c.end_update()
+    assert c.state is U
+
+
+def test_gradient_lifecycle_of_a_persistent_chunk():
+    c = _in_state(P)
+    acc = c.storage.grad_acc
+    assert c.grad_state is G.EMPTY and not c.has_gradients
+    assert c.receive(0, torch.ones(4))  # its one member has its gradient: complete
+    assert c.grad_state is G.FIRST and c.has_grad(0) and torch.equal(c.view(acc, 0), torch.ones(4))
+    c.end_pass()
+    c.land()
+    assert c.grad_state is G.READY
+    c.receive(0, torch.full((4,), 2.0))  # a second micro-batch adds
+    assert c.grad_state is G.MORE and torch.equal(c.view(acc, 0), torch.full((4,), 3.0))
+    c.end_pass()
+    c.land()
+    c.apply()
+    assert c.applied
+    with pytest.raises(IllegalTransition, match="cannot receive in state APPLIED"):
+        c.receive(0, torch.ones(4))
+    c.finish_step()
+    assert c.grad_state is G.READY and c.has_grad(0)  # kept until zero_grad, as p.grad in torch
+    with pytest.raises(IllegalTransition):
+        c.land()  # nothing is being received
+    c.zero()
+    assert c.grad_state is G.EMPTY and not c.has_gradients
+    c.receive(0, torch.full((4,), 5.0))  # after zero_grad the accumulator is overwritten, not added to
+    assert torch.equal(c.view(acc, 0), torch.full((4,), 5.0))
+    with pytest.raises(IllegalTransition, match="cannot zero in state FIRST"):
+        c.zero()
+
+
+@pytest.mark.parametrize("verb,state", list(itertools.product(GRAD_VERBS, list(GradState))), ids=lambda v: getattr(v, "name", v))
+def test_every_gradient_verb_from_every_state(verb, state):
+    target = EXPECTED_GRAD.get((verb, state))
+    if target is None:
+        with pytest.raises(IllegalTransition, match=f"cannot {verb} in state {state.name}"):
+            _next(GRAD_TRANSITIONS, verb, state, 0)
+    else:
+        assert _next(GRAD_TRANSITIONS, verb, state, 0) is target
+
+
+def test_offload_lands_replacing_after_zero_grad_and_adding_after_that():
+    """The first pass since zero_grad lands over the accumulator's garbage, a further one adds."""
+    c = _in_state(R)
+    c.receive(0, torch.ones(4))
+    seen = []
+    c.begin_offload(CTX, applied=False, landing_for=lambda replace: seen.append(replace) or c.storage.grad_acc,
+                    submit=lambda e, landing, replace: _done())
+    assert c.grad_state is G.READY
+    c.end_offload(CTX)
+    c.end_update()
+    VERB_CALLS["begin_fetch"](c)
+    VERB_CALLS["end_fetch"](c)
+    c.receive(0, torch.ones(4))
+    assert c.grad_state is G.MORE
+    c.begin_offload(CTX, applied=True, landing_for=lambda replace: seen.append(replace) or c.storage.grad_acc,
+                    submit=lambda e, landing, replace: _done())
+    assert seen == [True, False] and c.grad_state is G.APPLIED
+
+
+def _resident(engine):
+    return [c for c in engine.chunks if not c.persistent and c.device_resident]
+
+
+@pytest.mark.grid(ci=lambda make, plan, precision: (make is tiny_llama and precision == "bf16-mixed")
+                  or (make is tiny_gpt2 and precision == "32-true" and plan.n_buffer == 1))
 @pytest.mark.parametrize("make", [tiny_gpt2, tiny_llama])
 @pytest.mark.parametrize("plan", [pt.Plan(n_persist=0, n_buffer=1), pt.Plan(n_persist=0, n_buffer=2), pt.Plan(n_persist=1, n_buffer=2)], ids=str)
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
@@ -69,7 +230,7 @@ def test_device_bytes_invariant_at_every_hook(make, plan, precision):
     def counting():
         original()
         calls["n"] += 1
-        calls["max_resident"] = max(calls["max_resident"], len(rt._resident()))
+        calls["max_resident"] = max(calls["max_resident"], len(_resident(engine)))
         calls["max_bytes"] = max(calls["max_bytes"], rt.device_bytes())
 
     rt.assert_invariants = counting
@@ -89,29 +250,42 @@ def test_device_bytes_invariant_at_every_hook(make, plan, precision):
     assert engine.device_bytes() <= persistent + plan.n_buffer * size
 
 
-def test_streamed_parameters_read_the_host_copy_at_rest():
-    """Outside forward/backward a streamed parameter holds its current value, never garbage."""
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
+def test_streamed_parameters_read_the_host_copy_at_rest(precision):
+    """Outside forward/backward a streamed parameter holds its current value, never garbage: in
+    mixed precision the host compute copy, where the offloaded gradients landed during backward,
+    is rewritten from the updated fp32 master."""
     model = tiny_gpt2()
-    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), pt.Plan(n_persist=0, n_buffer=1), device="cpu")
-    x = batches(1)[0]
-    engine.backward(engine.module(input_ids=x, labels=x).loss)
-    engine.step()
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), pt.Plan(n_persist=0, n_buffer=1),
+                     precision=precision, device="cpu")
+    before = engine.state_dict()
+    for x in batches(2):
+        engine.backward(engine.module(input_ids=x, labels=x).loss)
+        engine.step()
+        engine.zero_grad()
     sd = engine.state_dict()
+    cdt = engine.precision.compute_dtype
     for name, p in model.named_parameters():
-        assert torch.equal(p.detach(), sd[name]), name
+        assert p.dtype == cdt and not torch.equal(sd[name], before[name]), name  # it trained
+        assert torch.equal(p.detach(), sd[name].to(cdt)), name
 
 
 def test_fetch_waits_for_the_chunks_own_update():
-    """After backward, the first chunk's forward use waits for that chunk's CPU update only."""
+    """After backward every streamed chunk is being updated; a forward's fetch of a chunk waits
+    for that chunk's update only: when the first chunk is on the device again, the others are
+    still updating."""
     model = tiny_gpt2()
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), pt.Plan(n_persist=0, n_buffer=1), device="cpu")
     x = batches(1)[0]
     engine.backward(engine.module(input_ids=x, labels=x).loss)
-    states = [c.state for c in engine.chunks]
-    assert ChunkState.UPDATING in states or all(s is ChunkState.HOST for s in states)
-    # A forward without step(): each chunk's update is collected when the chunk is fetched.
+    assert all(c.state is ChunkState.UPDATING for c in engine.chunks)
+    seen = []
+    first = model.transformer.wte
+    handle = first.register_forward_hook(lambda *a: seen.append([c.state for c in engine.chunks]))
     with torch.no_grad():
         engine.module(input_ids=x)
+    handle.remove()
+    assert seen[0][0] is ChunkState.RESIDENT and all(s is ChunkState.UPDATING for s in seen[0][2:])
     assert not any(c.state is ChunkState.UPDATING for c in engine.chunks)  # every chunk was used
     engine.step()
     assert all(c.state in (ChunkState.HOST, ChunkState.RESIDENT) for c in engine.chunks)

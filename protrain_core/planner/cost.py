@@ -1,7 +1,7 @@
 """Cost models: predicted step time and peak device memory of a plan (paper §3.3, appendix A).
 
-Both are pure functions of a ``Profile`` and a ``Plan``: ``estimate_runtime(profile, plan)``,
-``estimate_memory(profile, plan)``. ``CostModel`` holds the per-chunk arrays both need, so
+Both are pure functions of a ``Profile`` and a ``Plan`` (and of when Adam runs, update.py):
+``estimate_runtime(profile, plan)``, ``estimate_memory(profile, plan)``. ``CostModel`` holds the per-chunk arrays both need, so
 that the search can evaluate thousands of plans cheaply.
 
 Notation (all per iteration, one optimizer step):
@@ -27,9 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from protrain_core.activations import BlockMode, interleaved_modes
-from protrain_core.plan import Plan
-from protrain_core.profiles import Profile
+from protrain_core.plan import BlockMode, Plan, interleaved_modes
+from protrain_core.planner.profiles import Profile
 
 KEEP, CHECKPOINT, SWAP = BlockMode.KEEP, BlockMode.CHECKPOINT, BlockMode.SWAP
 
@@ -60,11 +59,57 @@ class MemoryEstimate:
     host_bytes: int  # host memory: streamed chunks' states and swapped activations
 
 
-class CostModel:
-    """The per-profile arrays of the two models; ``runtime(plan)`` and ``memory(plan)``."""
+# ----- eq. 4 and 5, once: for Python floats (one plan) and for tensors (every plan at once) ----
+class _ScalarOps:
+    max = staticmethod(max)
 
-    def __init__(self, profile: Profile) -> None:
+    @staticmethod
+    def where(condition, a, b):
+        return a if condition else b
+
+
+class _TensorOps:
+    max = staticmethod(torch.maximum)
+    where = staticmethod(torch.where)
+
+
+SCALAR, TENSOR = _ScalarOps(), _TensorOps()
+
+
+def eq4_forward(F, SO, up, *, hidden, async_copies: bool, ops=SCALAR):
+    """Eq. 4, the forward time of one chunk: its segments' compute ``F``, the swap copies out
+    ``SO`` of its swapped blocks and its uploads ``up`` (its own when streamed, plus extra
+    streamed chunks its segments use). A prefetched upload (``hidden``: two or more buffers,
+    not the first chunk) hides behind the previous chunk's compute:
+      t_f = max(F, up, SO)  if hidden,   max(F + up, SO)  otherwise;
+    without asynchronous copies (a CPU device) everything adds up: F + SO + up."""
+    if not async_copies:
+        return F + SO + up
+    return ops.where(hidden, ops.max(ops.max(F, up), SO), ops.max(F + up, SO))
+
+
+def eq5_backward(G, SI, up, off, *, persistent, two_buffers, async_copies: bool, ops=SCALAR):
+    """Eq. 5-6, the backward time of one chunk: compute ``G`` (recomputation included), swap
+    copies in ``SI``, uploads ``up`` and the gradient offload ``off``:
+      persistent:            max(G, SI + up)
+      streamed, B >= 2:      max(G, up + SI, off)        (upload prefetched, offload async)
+      streamed, one buffer:  max(G + up + off, up + SI)  (upload, compute, offload in turn)
+    without asynchronous copies: G + SI + up + off."""
+    if not async_copies:
+        return G + SI + up + off
+    streamed = ops.where(two_buffers, ops.max(ops.max(G, up + SI), off), ops.max(G + up + off, up + SI))
+    return ops.where(persistent, ops.max(G, SI + up), streamed)
+
+
+class CostModel:
+    """The per-profile arrays of the two models; ``runtime(plan)`` and ``memory(plan)``.
+
+    ``adam_in_backward``: streamed chunks' CPU Adam overlaps backward (else every update runs at
+    step(); ``update.overlap_mode`` decides)."""
+
+    def __init__(self, profile: Profile, *, adam_in_backward: bool = True) -> None:
         self.profile = profile
+        self.adam_in_backward = adam_in_backward
         hw = profile.hardware
         self.N = profile.n_chunks
         self.L = profile.n_blocks
@@ -84,7 +129,7 @@ class CostModel:
         self.segments = profile.segments
         self.block_seg = [i for i, s in enumerate(profile.segments) if s.kind == "block"]
         self._layouts: dict[tuple[BlockMode, ...], _Layout] = {}
-        self._base = _Base(self)
+        self.base = _Base(self)
         self._grid: _Grid | None = None
 
     # ----- helpers -------------------------------------------------------------------------
@@ -101,7 +146,7 @@ class CostModel:
         return lay
 
     def states_bytes(self, n_persist: int, n_buffer: int) -> int:
-        """Eq. 8: model-state bytes on the device, M_states = sum_{c<p} persist_c + B * 2*S*cb."""
+        """Eq. 8: model-state bytes on the device, M_states = sum_{c<p} persist_c + B * buffer."""
         return self.persist_prefix[n_persist] + n_buffer * self.profile.buffer_bytes
 
     def host_bytes(self, n_persist: int, modes: tuple[BlockMode, ...]) -> int:
@@ -109,106 +154,82 @@ class CostModel:
 
     # ----- runtime: eq. 3-7 ------------------------------------------------------------------
     def runtime(self, plan: Plan) -> RuntimeEstimate:
-        return self._runtime(self.layout(self.modes(plan)), plan.n_persist, self.buffers(plan))
+        return self.runtime_of(self.layout(self.modes(plan)), plan.n_persist, self.buffers(plan))
 
     def _t_fwd(self, lay: _Layout, c: int, p: int, B: int) -> tuple[float, float]:
         """(forward time of chunk c, its uploads) -- eq. 4."""
-        X = self.X
-        F, SO = lay.F[c], lay.SO[c]
         extra = sum(1 for e in lay.extra[c] if e >= p)
-        up = X * (extra + (1 if c >= p else 0))
-        if not self.async_copies:
-            return F + SO + up, up
-        if up and B >= 2 and c > 0:
-            return max(F, up, SO), up
-        return max(F + up, SO), up
+        up = self.X * (extra + (1 if c >= p else 0))
+        hidden = bool(up) and B >= 2 and c > 0
+        return eq4_forward(lay.F[c], lay.SO[c], up, hidden=hidden, async_copies=self.async_copies), up
 
     def _t_bwd(self, lay: _Layout, c: int, p: int, B: int) -> tuple[float, float, float]:
-        """(backward time of chunk c, its uploads, its offload) -- eq. 5-6."""
+        """(backward time of chunk c, its uploads, its offload) -- eq. 5-6. The last B streamed
+        chunks are still resident when backward starts: no upload again."""
         streamed = c >= p
         fetches = sum(1 for e in lay.extra[c] if e >= p) + (1 if streamed and c < self.N - B else 0)
         up = self.X * fetches
         off = self.Y if streamed and self.has_grad[c] else 0.0
-        G, SI = lay.G[c], lay.SI[c]
-        if not self.async_copies:
-            return G + SI + up + off, up, off
-        if not streamed:
-            return max(G, SI + up), up, off
-        if B >= 2:
-            return max(G, up + SI, off), up, off
-        return max(G + up + off, up + SI), up, off
+        t = eq5_backward(lay.G[c], lay.SI[c], up, off, persistent=not streamed, two_buffers=B >= 2,
+                         async_copies=self.async_copies)
+        return t, up, off
 
-    def _runtime(self, lay: _Layout, p: int, B: int) -> RuntimeEstimate:
-        N = self.N
-        sync = not self.async_copies
-        h2d = d2h = 0.0
-        # Eq. 4, forward. Persistent chunk: t_f = max(F_c, SO_c). Streamed chunk: its upload
-        # (and its segments' extra uploads) is prefetched while the chunk before computes, so
-        #   t_f = max(F_c, X * (1 + e_c), SO_c)         with B >= 2 buffers,
-        #   t_f = max(F_c + X * (1 + e_c), SO_c)        with one buffer (nothing to prefetch into),
-        #                                               and for chunk 0 (nothing to hide behind). Without
-        # asynchronous copies (CPU) everything adds up: t_f = F_c + SO_c + X * (1 + e_c).
-        t_fwd = lay.F_free
-        for c in range(N):
-            t, up = self._t_fwd(lay, c, p, B)
-            t_fwd += t
-            h2d += up
-            d2h += lay.SO[c]
-        # Eq. 5-6, backward, chunks in reverse. The last B streamed chunks are still resident
-        # when backward starts (no upload again). Streamed chunk c:
-        #   t_b = max(G_c, X * f_c + SI_c, Y)          with B >= 2 (upload prefetched, offload async)
-        #   t_b = max(G_c + X * f_c + Y, X * f_c + SI_c)  with one buffer (upload, compute, offload in turn)
-        # with f_c = [c < N - B] + e_c uploads; a persistent chunk t_b = max(G_c, SI_c); without
-        # asynchronous copies t_b = G_c + SI_c + X * f_c + Y. The CPU worker's Adam (eq. 7)
-        # starts on a chunk when its gradients are offloaded: a_c = max(a_{c+1}, tau_c + Y) + U_c,
-        # tau_c the time chunk c's backward ends.
-        t_bwd = lay.G_free
-        tau = lay.G_free  # the segments without chunks ("post" of a parameter-free head) come first
-        cpu_end = 0.0
-        cpu_total = dev_total = 0.0
-        for c in range(N - 1, -1, -1):
-            t, up, off = self._t_bwd(lay, c, p, B)
-            h2d += up + lay.SI[c]
-            d2h += off
-            t_bwd += t
-            tau += t
-            if c >= p:
-                cpu_total += self.U[c]
-                cpu_end = max(cpu_end, tau + off) + self.U[c]
-            else:
-                dev_total += self.V[c]
+    def runtime_of(self, lay: _Layout, p: int, B: int) -> RuntimeEstimate:
+        """Eq. 3-7 for one activation layout, ``p`` persistent chunks and ``B`` buffers."""
+        t_fwd, h2d_fwd, d2h_fwd = self._forward(lay, p, B)
+        t_bwd, h2d_bwd, d2h_bwd, cpu_end, cpu_total, dev_total = self._backward(lay, p, B)
         # Eq. 3, the iteration: the device Adam of persistent chunks runs at step(), after
         # backward; the CPU worker overlaps backward (T = T_f + max(T_b + T_gpu_adam, cpu_end)).
-        # fp16 defers every update to step(): T = T_f + T_b + max(T_gpu_adam, T_cpu_adam).
+        # Adam deferred to step() (fp16, norm clipping): T = T_f + T_b + max(T_gpu_adam, T_cpu_adam).
         # Without a separate device (CPU) the worker competes for the same cores: T adds up.
-        if sync:
+        if not self.async_copies:
             total = t_fwd + t_bwd + dev_total + cpu_total
-        elif self.profile.adam_in_backward:
+        elif self.adam_in_backward:
             total = t_fwd + max(t_bwd + dev_total, cpu_end)
         else:
             total = t_fwd + t_bwd + max(dev_total, cpu_total)
-        compute = lay.compute_s
+        h2d, d2h = h2d_fwd + h2d_bwd, d2h_fwd + d2h_bwd
         resources = {
-            "device compute": compute,
+            "device compute": lay.compute_s,
             "host->device transfers": h2d,
             "device->host transfers": d2h,
             "CPU Adam": cpu_total,
             "device Adam": dev_total,
         }
-        bottleneck = max(resources, key=resources.get)
         return RuntimeEstimate(
-            forward_s=t_fwd,
-            backward_s=t_bwd,
-            optimizer_s=total - t_fwd - t_bwd,
-            total_s=total,
-            compute_s=compute,
-            recompute_s=lay.recompute_s,
-            h2d_s=h2d,
-            d2h_s=d2h,
-            cpu_adam_s=cpu_total,
-            device_adam_s=dev_total,
-            bottleneck=bottleneck,
+            forward_s=t_fwd, backward_s=t_bwd, optimizer_s=total - t_fwd - t_bwd, total_s=total,
+            compute_s=lay.compute_s, recompute_s=lay.recompute_s, h2d_s=h2d, d2h_s=d2h, cpu_adam_s=cpu_total,
+            device_adam_s=dev_total, bottleneck=max(resources, key=resources.get),
         )
+
+    def _forward(self, lay: _Layout, p: int, B: int) -> tuple[float, float, float]:
+        """(T_f, its host->device bytes' time, its device->host time): eq. 4 summed over chunks."""
+        t, h2d, d2h = lay.F_free, 0.0, 0.0
+        for c in range(self.N):
+            t_c, up = self._t_fwd(lay, c, p, B)
+            t += t_c
+            h2d += up
+            d2h += lay.SO[c]
+        return t, h2d, d2h
+
+    def _backward(self, lay: _Layout, p: int, B: int):
+        """T_b (eq. 5-6, chunks in reverse) with its traffic, and the Adam times: the CPU worker's
+        Adam (eq. 7) starts on a chunk when its gradients are offloaded,
+        a_c = max(a_{c+1}, tau_c + Y) + U_c, tau_c the time chunk c's backward ends."""
+        t = tau = lay.G_free  # the segments without chunks ("post" of a parameter-free head) come first
+        h2d = d2h = cpu_end = cpu_total = dev_total = 0.0
+        for c in range(self.N - 1, -1, -1):
+            t_c, up, off = self._t_bwd(lay, c, p, B)
+            h2d += up + lay.SI[c]
+            d2h += off
+            t += t_c
+            tau += t_c
+            if c >= p:
+                cpu_total += self.U[c]
+                cpu_end = max(cpu_end, tau + off) + self.U[c]
+            else:
+                dev_total += self.V[c]
+        return t, h2d, d2h, cpu_end, cpu_total, dev_total
 
     def grid(self) -> _Grid:
         """Every activation layout at once, as tensors (for the search)."""
@@ -279,10 +300,7 @@ class _Layout:
     """Per-chunk arrays of one activation layout, and its activation peak (eq. 9)."""
 
     def __init__(self, model: CostModel, modes: tuple[BlockMode, ...]) -> None:
-        profile = model.profile
-        hw = profile.hardware
-        N = model.N
-        base = model._base
+        base = model.base
         # Layout-independent parts are shared: forward per chunk, extra fetches; the backward
         # gets the checkpointed blocks' recomputation, the copy links the swapped blocks' bytes.
         self.F, self.extra, self.F_free = base.F, base.extra, base.F_free
@@ -291,30 +309,32 @@ class _Layout:
         self.SO = self.SI = base.zeros
         self.recompute_s = 0.0
         self.swap_host_bytes = 0
-        segs = profile.segments
-        mode_of = [KEEP] * len(segs)  # pre/post segments keep their activations
+        mode_of = [KEEP] * len(model.segments)  # pre/post segments keep their activations
         for b, i in enumerate(model.block_seg):
-            m = modes[b]
-            if m is KEEP:
-                continue
-            mode_of[i] = m
-            home = base.home[i]
-            if m is CHECKPOINT:
-                r = segs[i].recompute_s
-                self.recompute_s += r
-                if home is None:
-                    self.G_free += r
-                else:
-                    self.G[home] += r
-            elif home is not None:
-                if self.SO is base.zeros:
-                    self.SO, self.SI = [0.0] * N, [0.0] * N
-                out_s, in_s = swap_times(segs[i], hw)
-                self.SO[home] += out_s
-                self.SI[home] += in_s
-                self.swap_host_bytes += segs[i].saved_bytes
+            mode_of[i] = modes[b]
+            self._add_block(model, i, modes[b])
         self.compute_s = base.compute + self.recompute_s
+        self.activation_peak, self.peak_at = self._memory_walk(model, mode_of)
 
+    def _add_block(self, model: CostModel, i: int, mode: BlockMode) -> None:
+        """Segment ``i`` (a block) in ``mode``: recomputation or swap copies at its home chunk."""
+        seg, home, base = model.segments[i], model.base.home[i], model.base
+        if mode is CHECKPOINT:
+            self.recompute_s += seg.recompute_s
+            if home is None:
+                self.G_free += seg.recompute_s
+            else:
+                self.G[home] += seg.recompute_s
+        elif mode is SWAP and home is not None:
+            if self.SO is base.zeros:
+                self.SO, self.SI = [0.0] * model.N, [0.0] * model.N
+            out_s, in_s = swap_times(seg, model.profile.hardware)
+            self.SO[home] += out_s
+            self.SI[home] += in_s
+            self.swap_host_bytes += seg.saved_bytes
+
+    @staticmethod
+    def _memory_walk(model: CostModel, mode_of: list[BlockMode]) -> tuple[int, str]:
         # Eq. 9: walk the segments forward, then backward, and take the most dynamic bytes at
         # any point. held_i = what segment i leaves alive until its backward:
         #   out_i + saved_i (KEEP)   out_i (CHECKPOINT: its output is the next block's input)
@@ -326,9 +346,10 @@ class _Layout:
         #                two) (+ saved_{i-1} if i-1 swaps: it is brought back one block ahead)
         # with H_i = sum_{j<i} held_j. Eq. 10 then adds the model states (eq. 8) and the base,
         # and multiplies the activation part by the measured fragmentation factor.
+        base, segs = model.base, model.segments
         held = 0
         peak, where = 0, -1
-        async_copies = hw.async_copies
+        async_copies = model.async_copies
         fwd_keep, fwd_other, bwd_ckpt, bwd_other = base.fwd_keep, base.fwd_other, base.bwd_ckpt, base.bwd_other
         out, saved = base.out, base.saved
         previous_swap = False
@@ -347,8 +368,8 @@ class _Layout:
             held += out[i] + (saved[i] if m is KEEP else 0)
             previous_swap = m is SWAP
         peak_at = "start" if where < 0 else f"{('forward', 'backward')[where % 2]} of {segs[where // 2].name}"
-        self.activation_peak = int(peak * profile.fragmentation)
-        self.peak_at = peak_at
+        return int(peak * model.profile.fragmentation), peak_at
+
 
 
 class _Grid:
@@ -360,103 +381,106 @@ class _Grid:
     Adam of every (layout, n_persist) for given buffer counts, from a few gathers: exactly the
     first terms of eq. 3, so a lower bound of the step time. Chunk 0 and chunks whose segments
     fetch extra chunks ("special") are left out of the prefix sums and added per plan by the same
-    case analysis as ``_t_fwd`` / ``_t_bwd``."""
+    ``eq4_forward`` / ``eq5_backward`` as the scalar model."""
 
     def __init__(self, model: CostModel) -> None:
-        profile, base = model.profile, model._base
-        hw = profile.hardware
-        N, L = model.N, model.L
-        f64, i64 = torch.float64, torch.int64
-        segs = profile.segments
+        self.model = model
+        L = model.L
         self.pairs = [(s, c) for s in range(L + 1) for c in range(L + 1 - s)]
-        S = torch.tensor([s for s, _ in self.pairs], dtype=i64)
-        C = torch.tensor([c for _, c in self.pairs], dtype=i64)
-        n = len(self.pairs)
+        self.swap, self.ckpt = _grid_modes(L, self.pairs)
+        self.activation_peak = self._activation_peak()
+        G, SO, SI, free, self.swap_host_bytes = self._block_costs()
+        self.G, self.SO, self.SI = G, SO, SI
+        self.free = free
+        self.special = [c for c in range(model.N) if c == 0 or model.base.extra[c]]
+        (self.fP, self.fS2, self.fS1, self.bP, self.bSin2, self.bSout2, self.bSin1, self.bSout1) = self._case_prefixes()
+        self.V = torch.cumsum(torch.tensor([0.0] + model.V, dtype=torch.float64), 0)
 
-        # Block modes, as interleaved_modes: blocks < n_swap swap; of the r = L - n_swap others,
-        # position floor(k * r / n_checkpoint) is checkpointed for k < n_checkpoint.
-        k = torch.arange(L, dtype=i64)
-        swap = k[None, :] < S[:, None]
-        pos = S[:, None] + k[None, :] * (L - S)[:, None] // C.clamp(min=1)[:, None]
-        hit = (k[None, :] < C[:, None]).to(i64)
-        ckpt = torch.zeros(n, L, dtype=i64).scatter_add_(1, pos.clamp(max=max(L - 1, 0)), hit) > 0
-        self.swap, self.ckpt = swap, ckpt
+    def _segment_modes(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(swap, checkpoint, keep) per row and segment: pre/post keep; block b takes its row's mode."""
+        m = self.model
+        n, K = len(self.pairs), len(m.segments)
+        block_seg = torch.tensor(m.block_seg, dtype=torch.int64)
+        seg_swap = torch.zeros(n, K, dtype=torch.bool)
+        seg_ckpt = torch.zeros(n, K, dtype=torch.bool)
+        seg_swap[:, block_seg] = self.swap
+        seg_ckpt[:, block_seg] = self.ckpt
+        return seg_swap, seg_ckpt, ~(seg_swap | seg_ckpt)
 
-        # Per segment: pre/post keep; block b takes its row's mode.
-        block_seg = torch.tensor(model.block_seg, dtype=i64)
-        seg_swap = torch.zeros(n, len(segs), dtype=torch.bool)
-        seg_ckpt = torch.zeros(n, len(segs), dtype=torch.bool)
-        seg_swap[:, block_seg] = swap
-        seg_ckpt[:, block_seg] = ckpt
-        seg_keep = ~(seg_swap | seg_ckpt)
-
-        def ints(xs):
-            return torch.tensor(xs, dtype=i64)
-
+    def _activation_peak(self) -> Tensor:
+        """Eq. 9, the memory walk of ``_Layout._memory_walk``, for every row at once."""
+        m, base = self.model, self.model.base
+        seg_swap, seg_ckpt, seg_keep = self._segment_modes()
+        ints = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
         out, saved = ints(base.out), ints(base.saved)
-        # Eq. 9, the memory walk of _Layout, for every row at once.
         inc = out + saved * seg_keep
         held = torch.cumsum(inc, 1) - inc
         prev = torch.zeros_like(held)
         prev[:, 1:] = seg_swap[:, :-1] * saved[:-1]
         fwd = held + torch.where(seg_keep, ints(base.fwd_keep), ints(base.fwd_other))
-        if hw.async_copies:
+        if m.async_copies:
             fwd = fwd + prev
         bwd = held + torch.where(seg_ckpt, ints(base.bwd_ckpt), ints(base.bwd_other)) + prev
-        peak = torch.maximum(fwd.amax(1), bwd.amax(1)).clamp(min=0) if len(segs) else torch.zeros(n, dtype=i64)
-        self.activation_peak = (peak.to(f64) * profile.fragmentation).floor().to(i64)
+        n = len(self.pairs)
+        peak = torch.maximum(fwd.amax(1), bwd.amax(1)).clamp(min=0) if len(m.segments) else torch.zeros(n, dtype=torch.int64)
+        return (peak.to(torch.float64) * m.profile.fragmentation).floor().to(torch.int64)
 
-        # Recomputation and swap traffic by home chunk (a block's home is its one chunk).
-        R = torch.zeros(L, N, dtype=f64)
-        WO = torch.zeros(L, N, dtype=f64)
-        WI = torch.zeros(L, N, dtype=f64)
+    def _block_costs(self):
+        """Per row and chunk: backward compute with recomputation G, swap copies out SO and in
+        SI (a block's home is its one chunk); per row: chunk-free time, swapped host bytes."""
+        m, base = self.model, self.model.base
+        f64 = torch.float64
+        L, N = m.L, m.N
+        R, WO, WI = (torch.zeros(L, N, dtype=f64) for _ in range(3))
         r_free = torch.zeros(L, dtype=f64)
-        host = torch.zeros(L, dtype=i64)
-        for b, i in enumerate(model.block_seg):
-            home = base.home[i]
+        host = torch.zeros(L, dtype=torch.int64)
+        for b, i in enumerate(m.block_seg):
+            seg, home = m.segments[i], base.home[i]
             if home is None:
-                r_free[b] = segs[i].recompute_s
+                r_free[b] = seg.recompute_s
             else:
-                R[b, home] = segs[i].recompute_s
-                WO[b, home], WI[b, home] = swap_times(segs[i], hw)
-                host[b] = segs[i].saved_bytes
-        ck, sw = ckpt.to(f64), swap.to(f64)
-        F = torch.tensor(base.F, dtype=f64)[None, :].expand(n, N)
+                R[b, home] = seg.recompute_s
+                WO[b, home], WI[b, home] = swap_times(seg, m.profile.hardware)
+                host[b] = seg.saved_bytes
+        ck, sw = self.ckpt.to(f64), self.swap.to(f64)
         G = torch.tensor(base.G, dtype=f64)[None, :] + ck @ R
-        SO, SI = sw @ WO, sw @ WI
-        self.free = base.F_free + base.G_free + ck @ r_free
-        self.swap_host_bytes = (swap.to(i64) * host).sum(1)
+        free = base.F_free + base.G_free + ck @ r_free
+        return G, sw @ WO, sw @ WI, free, (self.swap.to(torch.int64) * host).sum(1)
 
-        X, Y = model.X, model.Y
-        off = Y * torch.tensor(model.has_grad, dtype=f64)
-        mx = torch.maximum
-        if model.async_copies:
-            cases = (mx(F, SO), mx(mx(F, SO), F.new_tensor(X)), mx(F + X, SO), mx(G, SI), mx(mx(G, SI), off),
-                     mx(mx(G, X + SI), off), mx(G + off, SI), mx(G + X + off, X + SI))
-        else:
-            cases = (F + SO, F + SO + X, F + SO + X, G + SI, G + SI + off, G + SI + X + off, G + SI + off,
-                     G + SI + X + off)
-        self.special = [c for c in range(N) if c == 0 or base.extra[c]]
-        zero = torch.zeros(n, 1, dtype=f64)
+    def _case_prefixes(self) -> list[Tensor]:
+        """Prefix sums over chunks of eq. 4's and eq. 5's cases (special chunks left out)."""
+        m = self.model
+        f64 = torch.float64
+        n = len(self.pairs)
+        F = torch.tensor(m.base.F, dtype=f64)[None, :].expand(n, m.N)
+        G, SO, SI = self.G, self.SO, self.SI
+        X, zero = F.new_tensor(m.X), F.new_tensor(0.0)
+        off = m.Y * torch.tensor(m.has_grad, dtype=f64)
+        kw = dict(async_copies=m.async_copies, ops=TENSOR)
+        yes, no = torch.tensor(True), torch.tensor(False)
+        cases = (
+            eq4_forward(F, SO, zero, hidden=no, **kw),  # persistent
+            eq4_forward(F, SO, X, hidden=yes, **kw),  # streamed, two or more buffers
+            eq4_forward(F, SO, X, hidden=no, **kw),  # streamed, one buffer
+            eq5_backward(G, SI, zero, zero, persistent=yes, two_buffers=yes, **kw),  # persistent
+            eq5_backward(G, SI, zero, off, persistent=no, two_buffers=yes, **kw),  # streamed, in the window
+            eq5_backward(G, SI, X, off, persistent=no, two_buffers=yes, **kw),  # streamed, uploaded again
+            eq5_backward(G, SI, zero, off, persistent=no, two_buffers=no, **kw),
+            eq5_backward(G, SI, X, off, persistent=no, two_buffers=no, **kw),
+        )
         prefixes = []
         for v in cases:
-            v = v.clone()
+            v = v.expand(n, m.N).clone()
             v[:, self.special] = 0.0
-            prefixes.append(torch.cat([zero, torch.cumsum(v, 1)], 1))
-        (self.fP, self.fS2, self.fS1, self.bP, self.bSin2, self.bSout2, self.bSin1, self.bSout1) = prefixes
-        self.G, self.SO, self.SI = G, SO, SI
-        V = torch.tensor([0.0] + model.V, dtype=f64)
-        self.V = torch.cumsum(V, 0)
-        self.model = model
+            prefixes.append(torch.cat([torch.zeros(n, 1, dtype=f64), torch.cumsum(v, 1)], 1))
+        return prefixes
 
     def phases(self, B: Tensor) -> Tensor:
         """T_f + T_b + device Adam for row l and n_persist p with B[l, p] buffers in use
         (B: int64 [layouts, N+1]; entries with p + B > N are meaningless)."""
         m = self.model
-        N, X, Y = m.N, m.X, m.Y
-        n = B.shape[0]
-        f64 = torch.float64
-        p = torch.arange(N + 1)[None, :].expand(n, N + 1)
+        N = m.N
+        p = torch.arange(N + 1)[None, :].expand(B.shape[0], N + 1)
         two = B >= 2
         cut = torch.maximum(p, N - B).clamp(max=N)
         end = torch.full_like(p, N)
@@ -466,34 +490,45 @@ class _Grid:
 
         t = (self.free[:, None] + self.fP + span(self.fS2, self.fS1, p, end) + self.bP
              + span(self.bSout2, self.bSout1, p, cut) + span(self.bSin2, self.bSin1, cut, end) + self.V[None, :])
-        mx = torch.maximum
-        extra_of = m._base.extra
         for c in self.special:
-            streamed = p <= c
-            extra = torch.tensor([sum(1 for e in extra_of[c] if e >= q) for q in range(N + 1)], dtype=f64)[None, :]
-            F = torch.tensor(m._base.F[c], dtype=f64)
-            G, SO, SI = self.G[:, c:c + 1], self.SO[:, c:c + 1], self.SI[:, c:c + 1]
-            # forward, as _t_fwd
-            up = X * (extra + streamed)
-            if not m.async_copies:
-                t = t + F + SO + up
-            else:
-                hidden = (up > 0) & two if c > 0 else torch.zeros_like(two)
-                t = t + torch.where(hidden, mx(mx(F, up), SO), mx(F + up, SO))
-            # backward, as _t_bwd
-            up = X * (extra + (streamed & (c < N - B)))
-            off = streamed.to(f64) * (Y if m.has_grad[c] else 0.0)
-            if not m.async_copies:
-                t = t + G + SI + up + off
-            else:
-                t = t + torch.where(~streamed, mx(G, SI + up),
-                                    torch.where(two, mx(mx(G, up + SI), off), mx(G + up + off, up + SI)))
+            t = t + self._special_chunk(c, p, B, two)
         return t
 
+    def _special_chunk(self, c: int, p: Tensor, B: Tensor, two: Tensor) -> Tensor:
+        """Eq. 4 + eq. 5 of chunk ``c`` for every (row, n_persist), as ``_t_fwd`` / ``_t_bwd``."""
+        m = self.model
+        f64 = torch.float64
+        N, X = m.N, m.X
+        streamed = p <= c
+        extra = torch.tensor([sum(1 for e in m.base.extra[c] if e >= q) for q in range(N + 1)], dtype=f64)[None, :]
+        kw = dict(async_copies=m.async_copies, ops=TENSOR)
+        up = X * (extra + streamed)
+        hidden = ((up > 0) & two) if c > 0 else torch.zeros_like(two)
+        fwd = eq4_forward(torch.tensor(m.base.F[c], dtype=f64), self.SO[:, c:c + 1], up, hidden=hidden, **kw)
+        up = X * (extra + (streamed & (c < N - B)))
+        off = streamed.to(f64) * (m.Y if m.has_grad[c] else 0.0)
+        bwd = eq5_backward(self.G[:, c:c + 1], self.SI[:, c:c + 1], up, off, persistent=~streamed, two_buffers=two, **kw)
+        return fwd + bwd
 
-def estimate_runtime(profile: Profile, plan: Plan) -> RuntimeEstimate:
+
+def _grid_modes(L: int, pairs: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
+    """Block modes of every (n_swap, n_checkpoint) row, as ``interleaved_modes``: blocks <
+    n_swap swap; of the r = L - n_swap others, position floor(k * r / n_checkpoint) is
+    checkpointed for k < n_checkpoint."""
+    i64 = torch.int64
+    S = torch.tensor([s for s, _ in pairs], dtype=i64)
+    C = torch.tensor([c for _, c in pairs], dtype=i64)
+    k = torch.arange(L, dtype=i64)
+    swap = k[None, :] < S[:, None]
+    pos = S[:, None] + k[None, :] * (L - S)[:, None] // C.clamp(min=1)[:, None]
+    hit = (k[None, :] < C[:, None]).to(i64)
+    ckpt = torch.zeros(len(pairs), L, dtype=i64).scatter_add_(1, pos.clamp(max=max(L - 1, 0)), hit) > 0
+    return swap, ckpt
+
+
+def estimate_runtime(profile: Profile, plan: Plan, *, adam_in_backward: bool = True) -> RuntimeEstimate:
     """Predicted step time of ``plan`` (eq. 3-7)."""
-    return CostModel(profile).runtime(plan)
+    return CostModel(profile, adam_in_backward=adam_in_backward).runtime(plan)
 
 
 def estimate_memory(profile: Profile, plan: Plan) -> MemoryEstimate:

@@ -2,7 +2,9 @@
 
 A profile holds three kinds of facts (paper §3.3):
   static    known before anything runs: chunk count and size, which chunks hold trainable
-            parameters, the device/host bytes a chunk needs when persistent or streamed;
+            parameters, the device/host bytes a chunk needs when persistent or streamed and
+            the bytes of a chunk buffer (all from the chunks' storage formula, [Note: chunk
+            storage] in runtime/storage.py), and which chunks must be on the device at once;
   measured  from real iterations of the model on its real batch shape, per *segment* (the
             modules before the first block, each transformer block, the modules after the
             last block): forward, backward and recomputation time, and activation bytes;
@@ -36,7 +38,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-PROFILE_VERSION = 2
+from protrain_core.plan import PlanLimits
+
+PROFILE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -93,8 +97,9 @@ class Profile:
     chunk_has_grad: tuple[bool, ...]
     persist_bytes: tuple[int, ...]  # device bytes of each chunk when persistent
     host_bytes: tuple[int, ...]  # host bytes of each chunk when streamed
-    min_buffers: int  # most streamed chunks one module needs at once
-    adam_in_backward: bool  # False for fp16 (Adam waits for the overflow check at step())
+    buffer_bytes: int  # device bytes of one chunk buffer (a streamed chunk's compute copy and gradients)
+    chunk_bytes: int  # bytes moved by one chunk upload (or one gradient offload)
+    resident_sets: tuple[tuple[int, ...], ...]  # chunks needed on the device at once (PlanLimits)
     segments: tuple[Segment, ...]
     base_bytes: int  # dynamic device bytes alive during the whole iteration (the batch, ...)
     fragmentation: float  # factor on activation bytes (allocator fragmentation)
@@ -112,14 +117,8 @@ class Profile:
         return len(self.blocks)
 
     @property
-    def buffer_bytes(self) -> int:
-        """Device bytes of one chunk buffer: parameters and gradients in the compute dtype."""
-        return 2 * self.chunk_elems * self.compute_bytes
-
-    @property
-    def chunk_bytes(self) -> int:
-        """Bytes moved by one chunk upload (or one gradient offload)."""
-        return self.chunk_elems * self.compute_bytes
+    def limits(self) -> PlanLimits:
+        return PlanLimits(n_chunks=self.n_chunks, n_blocks=self.n_blocks, resident_sets=self.resident_sets)
 
     # ----- serialisation ------------------------------------------------------------------
     def to_json(self) -> str:
@@ -137,6 +136,7 @@ class Profile:
         d["ops"] = tuple(OpRecord(**o) for o in d["ops"])
         for name in ("chunk_trainable", "chunk_has_grad", "persist_bytes", "host_bytes"):
             d[name] = tuple(d[name])
+        d["resident_sets"] = tuple(tuple(s) for s in d["resident_sets"])
         return cls(**d)
 
 

@@ -9,12 +9,12 @@ that minimises wasted bytes (chunk capacity not used by parameters).
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, replace
 
-import torch
 from torch import nn
-from torch.func import functional_call
+
+from protrain_core.plan import PlanLimits
+from protrain_core.structure.trace import Trace, trace
 
 # Parameter offsets inside a chunk are multiples of ALIGN elements (>= 16-byte aligned views
 # in every dtype we use), so vectorised kernels see aligned rows.
@@ -23,7 +23,7 @@ ALIGN = 16
 _GRID_STEPS = 128
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
@@ -58,8 +58,11 @@ class ChunkLayout:
     chunk_size: int  # elements per chunk
     chunks: tuple[ChunkSpec, ...]
     block_path: str
+    n_blocks: int
     order_source: str  # "traced" (meta-device forward) or "registration"
-    n_persist: int = 0  # set by the engine from its plan
+    # Chunks that must be on the device at once: one tuple per stack of units that the trace saw
+    # running inside one another (a unit alone included).
+    resident_sets: tuple[tuple[int, ...], ...] = ()
 
     @property
     def n_chunks(self) -> int:
@@ -69,8 +72,9 @@ class ChunkLayout:
     def waste(self) -> int:
         return sum(c.waste for c in self.chunks)
 
-    def is_persistent(self, index: int) -> bool:
-        return index < self.n_persist
+    def limits(self) -> PlanLimits:
+        """What a plan must respect for this model ([Note: plan validity] in plan.py)."""
+        return PlanLimits(n_chunks=self.n_chunks, n_blocks=self.n_blocks, resident_sets=self.resident_sets)
 
     def chunk_of(self, name: str) -> int:
         for c in self.chunks:
@@ -78,19 +82,25 @@ class ChunkLayout:
                 return c.index
         raise KeyError(name)
 
-    def summary(self, element_size: int = 4) -> str:
+    def param_chunks(self, model: nn.Module) -> dict[int, int]:
+        """``id(parameter) -> chunk index`` for every managed parameter of ``model``."""
+        chunk_of = {m.name: spec.index for spec in self.chunks for m in spec.members}
+        return {id(p): chunk_of[n] for n, p in model.named_parameters() if n in chunk_of}
+
+    def summary(self, element_size: int = 4, n_persist: int | None = None) -> str:
         mib = element_size / 2**20
         total = sum(c.numel for c in self.chunks)
+        persistent = "" if n_persist is None else f", {n_persist} persistent"
         lines = [
             f"ProTrain chunk layout: {self.n_chunks} chunks x {self.chunk_size:,} elements "
             f"({self.chunk_size * mib:.2f} MiB at {element_size} B/element), "
             f"{total:,} parameters, waste {self.waste:,} elements "
-            f"({100.0 * self.waste / max(1, self.n_chunks * self.chunk_size):.1f}%), "
-            f"{self.n_persist} persistent; order {self.order_source}",
+            f"({100.0 * self.waste / max(1, self.n_chunks * self.chunk_size):.1f}%){persistent}; "
+            f"order {self.order_source}",
             f"{'chunk':>5}  {'where':<10} {'params':>7} {'elements':>12} {'waste':>10}  units",
         ]
         for c in self.chunks:
-            where = "persistent" if self.is_persistent(c.index) else "streamed"
+            where = "" if n_persist is None else "persistent" if c.index < n_persist else "streamed"
             units = c.units[0] if len(c.units) == 1 else f"{c.units[0]} .. {c.units[-1]} ({len(c.units)} units)"
             lines.append(f"{c.index:>5}  {where:<10} {len(c.members):>7} {c.numel:>12,} {c.waste:>10,}  {units}")
         return "\n".join(lines)
@@ -99,96 +109,7 @@ class ChunkLayout:
         return self.summary()
 
 
-def _meta_inputs(example_inputs):
-    def to_meta(x):
-        return torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
-
-    if isinstance(example_inputs, dict):
-        return (), {k: to_meta(v) for k, v in example_inputs.items()}
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(to_meta(v) for v in example_inputs), {}
-    return (to_meta(example_inputs),), {}
-
-
-def _is_hf_lm(model: nn.Module) -> bool:
-    return hasattr(model, "config") and hasattr(model.config, "vocab_size")
-
-
-def _inner_hf_lm(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """The one outermost Hugging Face language model inside ``model``, if there is exactly one."""
-    found = [(n, m) for n, m in model.named_modules() if n and _is_hf_lm(m)]
-    outer = [(n, m) for n, m in found if not any(n.startswith(o + ".") for o, _ in found)]
-    return outer[0] if len(outer) == 1 else None
-
-
-def execution_order(model: nn.Module, example_inputs=None) -> tuple[list[str], str]:
-    """Names of the modules that own parameters directly, in order of first call.
-
-    The order is traced by running the forward pass on the meta device (no memory, no compute):
-    ``functional_call`` substitutes meta tensors for every parameter and buffer. Without
-    ``example_inputs``, a Hugging Face model gets ``input_ids`` of shape (1, 8) (and a cache). If tracing is
-    impossible the module registration order is used, with a warning.
-    """
-    owners = [n for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
-    if not _is_hf_lm(model):
-        inner = _inner_hf_lm(model)
-        if inner is not None:
-            # A wrapper (a LightningModule, a user's module) around one Hugging Face causal LM:
-            # trace the LM with its own default inputs (the wrapper's inputs, a training batch,
-            # need not be the LM's); the wrapper's own parameters come after it.
-            name, lm = inner
-            order, how = execution_order(lm, None)
-            called = [f"{name}.{n}" if n else name for n in order]
-            return called + [n for n in owners if n not in set(called)], how
-    if _is_hf_lm(model):
-        # use_cache=True: without a cache, Hugging Face's mask code checks position_ids for packed
-        # sequences, a data-dependent test that cannot run on meta tensors. The loss (labels) does
-        # not use parameters in an order of its own.
-        if example_inputs is None:
-            example_inputs = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "use_cache": True}
-        elif isinstance(example_inputs, dict):
-            example_inputs = {k: v for k, v in example_inputs.items() if k != "labels"}
-            example_inputs.setdefault("use_cache", True)
-    if example_inputs is None:
-        return owners, "registration"
-
-    called: list[str] = []
-    seen: set[str] = set()
-    modules = dict(model.named_modules())
-
-    def record(name):
-        def hook(_module, _args):
-            if name not in seen:
-                seen.add(name)
-                called.append(name)
-
-        return hook
-
-    handles = [modules[n].register_forward_pre_hook(record(n)) for n in owners]
-    metas = {
-        n: torch.empty_like(t, device="meta")
-        for n, t in list(model.named_parameters()) + list(model.named_buffers())
-    }
-    args, kwargs = _meta_inputs(example_inputs)
-    try:
-        with torch.no_grad():
-            functional_call(model, metas, args, kwargs, tie_weights=True, strict=False)
-    except Exception as e:  # noqa: BLE001 - any failure falls back to registration order
-        warnings.warn(
-            f"Could not trace the execution order of {type(model).__name__} on the meta device "
-            f"({type(e).__name__}: {e}); using module registration order for the chunk layout. "
-            "Pass example_inputs= to protrain_core.wrap to trace it.",
-            stacklevel=3,
-        )
-        return owners, "registration"
-    finally:
-        for h in handles:
-            h.remove()
-    # Modules never called in the trace keep their registration order, after the called ones.
-    return called + [n for n in owners if n not in seen], "traced"
-
-
-def _units(model: nn.Module, block_path: str, n_blocks: int, module_order: list[str]):
+def _units(model: nn.Module, block_path: str, n_blocks: int, module_order: tuple[str, ...]):
     """Units in execution order: (unit name, [(param name, param)])."""
     modules = dict(model.named_modules())
     canonical = {id(p): n for n, p in model.named_parameters()}
@@ -209,7 +130,8 @@ def _units(model: nn.Module, block_path: str, n_blocks: int, module_order: list[
     return list(units.items())
 
 
-def _pack(unit_sizes: list[int], chunk_size: int) -> list[list[int]]:
+def pack(unit_sizes: list[int], chunk_size: int) -> list[list[int]]:
+    """Units (by size, in order) -> chunks (lists of unit indices), filling each chunk in turn."""
     chunks: list[list[int]] = [[]]
     used = 0
     for i, size in enumerate(unit_sizes):
@@ -223,12 +145,12 @@ def _pack(unit_sizes: list[int], chunk_size: int) -> list[list[int]]:
 
 def search_chunk_size(unit_sizes: list[int]) -> int:
     """Chunk size (elements) in [max_unit, 2 * max_unit] with the least waste; ties -> smaller."""
-    smallest = _align(max(unit_sizes))
+    smallest = align(max(unit_sizes))
     total = sum(unit_sizes)
     best, best_waste = smallest, None
     for k in range(_GRID_STEPS + 1):
-        size = _align(int(smallest * (1 + k / _GRID_STEPS)))
-        waste = len(_pack(unit_sizes, size)) * size - total
+        size = align(int(smallest * (1 + k / _GRID_STEPS)))
+        waste = len(pack(unit_sizes, size)) * size - total
         if best_waste is None or waste < best_waste:
             best, best_waste = size, waste
     return best
@@ -242,9 +164,9 @@ def build_layout(
     example_inputs=None,
     chunk_size: int | None = None,
 ) -> ChunkLayout:
-    module_order, source = execution_order(model, example_inputs)
-    units = _units(model, block_path, n_blocks, module_order)
-    unit_sizes = [sum(_align(p.numel()) for _, p in params) for _, params in units]
+    traced = trace(model, block_path, example_inputs)
+    units = _units(model, block_path, n_blocks, traced.order)
+    unit_sizes = [sum(align(p.numel()) for _, p in params) for _, params in units]
     if not units:
         raise ValueError(f"{type(model).__name__} has no parameters to manage.")
     if chunk_size is None:
@@ -257,23 +179,24 @@ def build_layout(
             f"{max(unit_sizes):,} or leave chunk_size=None for the automatic search."
         )
     chunks = []
-    for index, unit_ids in enumerate(_pack(unit_sizes, chunk_size)):
+    for index, unit_ids in enumerate(pack(unit_sizes, chunk_size)):
         members, offset = [], 0
         for u in unit_ids:
             for name, p in units[u][1]:
                 members.append(ParamSlot(name=name, offset=offset, numel=p.numel(), shape=tuple(p.shape)))
-                offset += _align(p.numel())
+                offset += align(p.numel())
         chunks.append(
             ChunkSpec(index=index, members=tuple(members), units=tuple(units[u][0] for u in unit_ids), capacity=chunk_size)
         )
-    return ChunkLayout(chunk_size=chunk_size, chunks=tuple(chunks), block_path=block_path, order_source=source)
+    layout = ChunkLayout(chunk_size=chunk_size, chunks=tuple(chunks), block_path=block_path, n_blocks=n_blocks,
+                         order_source=traced.source)
+    return _with_resident_sets(layout, model, traced)
 
 
 def unit_chunks(model: nn.Module, layout: ChunkLayout) -> dict[nn.Module, tuple[int, ...]]:
     """The modules the runtime hooks (each transformer block as a whole, and every module
     outside the blocks that owns parameters) -> the chunks their forward needs."""
-    chunk_of = {m.name: spec.index for spec in layout.chunks for m in spec.members}
-    index = {id(p): chunk_of[n] for n, p in model.named_parameters() if n in chunk_of}
+    index = layout.param_chunks(model)
     blocks = {id(b) for b in model.get_submodule(layout.block_path)}
     units: dict[nn.Module, tuple[int, ...]] = {}
 
@@ -292,5 +215,12 @@ def unit_chunks(model: nn.Module, layout: ChunkLayout) -> dict[nn.Module, tuple[
     return units
 
 
-def with_persistence(layout: ChunkLayout, n_persist: int) -> ChunkLayout:
-    return replace(layout, n_persist=n_persist)
+def _with_resident_sets(layout: ChunkLayout, model: nn.Module, traced: Trace) -> ChunkLayout:
+    by_module = unit_chunks(model, layout)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    sets = {}
+    for stack in traced.stacks:
+        chunks = sorted({c for unit in stack for c in by_module.get(modules[unit], ())})
+        if chunks:
+            sets[tuple(chunks)] = None
+    return replace(layout, resident_sets=tuple(sets))

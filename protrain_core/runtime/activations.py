@@ -1,7 +1,7 @@
 """Block-wise activation management: keep, checkpoint or swap each transformer block.
 
 [Note: activation layout]
-Every transformer block is in one of three modes (paper §3.1, Fig. 2):
+Every transformer block is in one of three modes (``plan.BlockMode``) (paper §3.1, Fig. 2):
   KEEP        autograd keeps the block's saved tensors on the device until its backward;
   CHECKPOINT  only the block's inputs are kept; backward re-runs the block's forward
               (``torch.utils.checkpoint``, non-reentrant) to rebuild the saved tensors;
@@ -10,17 +10,25 @@ Every transformer block is in one of three modes (paper §3.1, Fig. 2):
 The layout is interleaved: the ``n_swap`` swapped blocks take the first positions (their
 backward comes last, so their copies back have the most time to hide), the ``n_checkpoint``
 checkpointed blocks are spread evenly over the remaining positions, and the last block keeps
-its activations (its backward comes first, right after the forward). See ``interleaved_modes``.
+its activations (its backward comes first, right after the forward). See ``plan.interleaved_modes``.
 
 [Note: block forwards]
-The manager replaces each block's ``forward`` by an *instance* attribute that calls the
-original (the class is not touched; ``remove()`` restores it). Module hooks stay outside:
-the chunk runtime's forward pre-hook makes the block's chunks resident before the wrapper
-runs, and checkpoint recomputation calls the original ``forward`` directly, so the hooks do
-not run again during backward. What makes the chunks resident for the recomputation is the
-runtime's pre-backward hook on the block's outputs: it fires when the gradient of an output
-is complete, before any backward node of the block -- and so before the recomputation,
-which the first of those nodes triggers (see [Note: parameter access] in chunk.py).
+Kept and swapped blocks are managed with public hooks: a forward pre-hook (``with_kwargs``)
+enters the block's ``saved_tensors_hooks`` (counting or swapping what autograd saves) and, for
+a swapped block, drops the key/value cache arguments; the forward hook (``always_call``) leaves
+it and registers the prefetch hooks on the outputs. A checkpointed block needs its forward to
+run *inside* ``torch.utils.checkpoint.checkpoint``, and no public hook can do that (the
+composable ``checkpoint`` API lives in a private module; a wrapper module, as
+``checkpoint_wrapper`` makes, would rename the block's parameters in every state dict). So the
+manager gives a checkpointed block an *instance* ``forward`` attribute that calls the original
+inside ``checkpoint`` (the class is not touched; ``remove()`` restores it). Module hooks stay
+outside: the chunk runtime's forward pre-hook makes the block's chunks resident before the
+wrapper runs, and checkpoint recomputation calls the original ``forward`` directly, so the
+hooks do not run again during backward. What makes the chunks resident for the recomputation
+is the runtime's pre-backward hook on the block's outputs: it fires when the gradient of an
+output is complete, before any backward node of the block -- and so before the recomputation,
+which the first of those nodes triggers (see [Note: parameter access] in chunk.py); the
+manager marks the recomputation as ``TrainingPhase.RECOMPUTE``.
 Checkpointed calls get a zero-size device tensor as their first positional argument: non-
 reentrant checkpoint saves and restores the device RNG state (dropout) only for devices it sees
 among positional arguments, and a block may be called with keyword arguments only.
@@ -64,11 +72,11 @@ was modified in place (when it is still alive to tell).
 
 from __future__ import annotations
 
-import enum
 import functools
 import inspect
 import warnings
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -77,56 +85,16 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
-from protrain_core.device import DeviceContext
-from protrain_core.host_pool import check_host_memory
-from protrain_core.memtrack import untracked
+from protrain_core.phase import PhaseTracker, TrainingPhase
+from protrain_core.plan import BlockMode
+from protrain_core.runtime.device import DeviceContext
+from protrain_core.runtime.swap import Counted, HostBuffers, Packed, SwapRecord, check_version
 from protrain_core.utils import iter_tensors
 
 # Smaller storages stay on the device: a copy this small costs more in latency than it frees.
 MIN_SWAP_BYTES = 1024
 
 _CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past")
-
-
-class BlockMode(enum.Enum):
-    KEEP = "keep"
-    CHECKPOINT = "checkpoint"
-    SWAP = "swap"
-
-
-def check_activation_plan(n_blocks: int, n_swap: int, n_checkpoint: int) -> None:
-    if n_swap < 0 or n_checkpoint < 0:
-        raise ValueError(f"n_swap and n_checkpoint must be >= 0, got n_swap={n_swap}, n_checkpoint={n_checkpoint}")
-    if n_swap + n_checkpoint > n_blocks:
-        raise ValueError(
-            f"Plan.n_swap={n_swap} + Plan.n_checkpoint={n_checkpoint} = {n_swap + n_checkpoint} blocks, "
-            f"but the model has only {n_blocks} transformer blocks; each block is kept, checkpointed "
-            f"or swapped, so use n_swap + n_checkpoint <= {n_blocks}."
-        )
-
-
-def interleaved_modes(n_blocks: int, n_swap: int, n_checkpoint: int) -> tuple[BlockMode, ...]:
-    """The mode of each block, in forward order (see [Note: activation layout]).
-
-    Swapped blocks are ``0 .. n_swap-1``. Of the ``r = n_blocks - n_swap`` others, position
-    ``floor(k * r / n_checkpoint)`` is checkpointed for ``k = 0 .. n_checkpoint-1``: evenly
-    spread, distinct because ``r / n_checkpoint >= 1``, and the last position ``r - ceil(r / n)``
-    is never the last block while ``n_checkpoint < r``.
-    """
-    check_activation_plan(n_blocks, n_swap, n_checkpoint)
-    modes = [BlockMode.SWAP] * n_swap + [BlockMode.KEEP] * (n_blocks - n_swap)
-    rest = n_blocks - n_swap
-    for k in range(n_checkpoint):
-        modes[n_swap + k * rest // n_checkpoint] = BlockMode.CHECKPOINT
-    return tuple(modes)
-
-
-def describe_modes(modes: tuple[BlockMode, ...]) -> str:
-    """E.g. 'S S C K C K K K (2 swap, 2 checkpoint, 4 keep)'."""
-    letters = " ".join(m.name[0] for m in modes)
-    order = (BlockMode.SWAP, BlockMode.CHECKPOINT, BlockMode.KEEP)
-    counts = ", ".join(f"{sum(m is mode for m in modes)} {mode.value}" for mode in order)
-    return f"{letters} ({counts})"
 
 
 @dataclass(frozen=True)
@@ -156,134 +124,6 @@ class BlockActivations:
     host_bytes: int
 
 
-def _size_class(nbytes: int) -> int:
-    """``nbytes`` rounded up to one of 8 sizes per power of two (at most 12.5 % more)."""
-    step = max(64, 1 << max(0, nbytes.bit_length() - 4))  # 1/8 of the power of two below nbytes
-    return -(-nbytes // step) * step
-
-
-class _HostBuffers:
-    """Host byte buffers for swapped storages, reused across iterations (pinned in place on CUDA).
-
-    Requests are rounded up to a size class (8 per power of two, so at most 12.5 % is wasted,
-    where PyTorch's pinned allocator rounds up to the next power of two) and served from free
-    buffers of that class; a new buffer is page-locked with ``cudaHostRegister`` on CUDA. With a
-    fixed batch shape every step after the first reuses the first step's buffers. ``trim()``
-    frees the buffers that no request used since the previous ``trim()`` (shapes that changed).
-    """
-
-    def __init__(self, ctx: DeviceContext) -> None:
-        self.ctx = ctx
-        self.pin = ctx.is_cuda
-        self._free: dict[int, list[Tensor]] = {}
-        self._all: dict[int, Tensor] = {}  # id -> buffer
-        self._used: set[int] = set()  # ids handed out since the last trim
-        self.nbytes = 0
-
-    def get(self, nbytes: int) -> Tensor:
-        size = _size_class(nbytes)
-        free = self._free.get(size)
-        if free:
-            buf = free.pop()
-        else:
-            check_host_memory(size, "swapped activations")
-            with untracked():  # host memory, even when the "device" is the CPU
-                buf = torch.empty(size, dtype=torch.uint8)
-            if self.pin:
-                err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), size, 0)
-                if int(err) != 0:
-                    raise RuntimeError(f"cudaHostRegister of {size} bytes for swapped activations failed ({int(err)})")
-            self._all[id(buf)] = buf
-            self.nbytes += size
-        self._used.add(id(buf))
-        return buf
-
-    def put(self, buf: Tensor) -> None:
-        if id(buf) in self._all:
-            self._free.setdefault(buf.numel(), []).append(buf)
-
-    def trim(self) -> None:
-        idle = [b for bufs in self._free.values() for b in bufs if id(b) not in self._used]
-        if idle:
-            self.ctx.synchronize_stream(self.ctx.swap_stream)  # no copy may still read them
-            for buf in idle:
-                self._release(buf)
-        self._used.clear()
-
-    def _release(self, buf: Tensor) -> None:
-        bufs = self._free[buf.numel()]
-        bufs.pop(next(k for k, b in enumerate(bufs) if b is buf))
-        del self._all[id(buf)]
-        self.nbytes -= buf.numel()
-        if self.pin:
-            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
-
-    def storages(self) -> list[StorageWeakRef]:
-        return [StorageWeakRef(b.untyped_storage()) for b in self._all.values()]
-
-    def close(self) -> None:
-        if self.pin:
-            for buf in self._all.values():
-                torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
-        self._all.clear()
-        self._free.clear()
-        self._used.clear()
-        self.nbytes = 0
-
-
-class _SwapRecord:
-    """One device storage copied to host memory (and, in backward, back to the device)."""
-
-    __slots__ = ("host", "nbytes", "in_buf", "in_event", "__weakref__")
-
-    def __init__(self, host: Tensor, nbytes: int) -> None:
-        self.host = host  # a pool buffer of at least nbytes
-        self.nbytes = nbytes
-        self.in_buf: Tensor | None = None
-        self.in_event = None
-
-
-class _Packed:
-    """What autograd keeps for one swapped saved tensor: a view of a swapped storage."""
-
-    __slots__ = ("record", "dtype", "size", "stride", "offset", "original", "version")
-
-    def __init__(self, record: _SwapRecord, t: Tensor) -> None:
-        self.record = record
-        self.dtype = t.dtype
-        self.size = t.size()
-        self.stride = t.stride()
-        self.offset = t.storage_offset()
-        self.original = weakref.ref(t)
-        self.version = t._version
-
-
-class _Counted:
-    """A saved tensor that stays where it is (kept blocks while measuring, unswappable tensors).
-
-    A non-leaf is held detached (same storage, same version counter): holding a saved *output*
-    itself would make a reference cycle output -> grad_fn -> saved variable -> output, which
-    keeps a graph that is dropped without backward alive. A leaf (a parameter) is held as is,
-    like autograd does, so it reads whatever its ``.data`` is when backward runs.
-    """
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, t: Tensor) -> None:
-        self.tensor = t if t.grad_fn is None else t.detach()
-        self.version = t._version
-
-
-def _check_version(t: Tensor | None, version: int) -> None:
-    if t is not None and t._version != version:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an inplace "
-            f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version "
-            f"{version} instead. (Raised by ProTrain's activation hooks; the in-place operation is a "
-            "bug in the model that plain PyTorch reports too.)"
-        )
-
-
 class _BlockCall:
     """One forward call of one block: its measurements and (swap) its records."""
 
@@ -308,108 +148,160 @@ class ActivationManager:
         blocks: list[nn.Module],
         modes: tuple[BlockMode, ...],
         ctx: DeviceContext,
+        phase: PhaseTracker,
         *,
+        observers: dict | None = None,
+        warn_on_cache: bool = True,
         min_swap_bytes: int = MIN_SWAP_BYTES,
     ) -> None:
         assert len(blocks) == len(modes)
         self.blocks = blocks
         self.modes = modes
         self.ctx = ctx
+        self.phase = phase
         self.min_swap_bytes = min_swap_bytes
-        self.host = _HostBuffers(ctx)
+        self.host = HostBuffers(ctx)
         self._static: set[StorageWeakRef] = set()  # parameter storages: never swapped
         self._swapped: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._calls: list[_BlockCall | None] = [None] * len(blocks)  # the latest call of each block
+        self._open: list[list] = [[] for _ in blocks]  # per block: (call, saved-tensor hooks) of calls running
         self._rng_anchor = torch.empty(0, device=ctx.device)
         self._measure = True  # count kept blocks' saved tensors in the next forward
-        self._warned_cache = False
-        self._in_backward = False
-        self._originals: list[tuple[bool, object]] = []
-        # observer(event, block_index) with event "recompute_begin" / "recompute_end" (profiler).
-        self.observer = None
+        self._warn_on_cache = warn_on_cache
+        self._handles: list = []
+        self._originals: dict[int, tuple[bool, object]] = {}  # checkpointed blocks' own forward attribute
+        # observer(block_index, begin) around every recomputation (the owner's registry).
+        self._recompute_observers = {} if observers is None else observers
         self.stats = {"swap_out_bytes": 0, "swap_in_bytes": 0, "recomputed_blocks": 0}
 
+    @property
+    def measuring(self) -> bool:
+        """Kept blocks' saved tensors are counted in the next forward pass with gradients."""
+        return self._measure
+
     # ----- installation -------------------------------------------------------------------
-    def install(self, static_storages: list[Tensor]) -> None:
-        """Wrap every block's forward; ``static_storages``: tensors whose storage never swaps."""
-        self._static = {StorageWeakRef(t.untyped_storage()) for t in static_storages}
+    def install(self, static_tensors: list[Tensor]) -> None:
+        """Manage every block; ``static_tensors``: tensors whose storage never swaps."""
+        self._static = {StorageWeakRef(t.untyped_storage()) for t in static_tensors}
         for i, block in enumerate(self.blocks):
-            self._originals.append(("forward" in block.__dict__, block.__dict__.get("forward")))
-            block.forward = self._wrap_forward(i, block, block.forward)
+            if self.modes[i] is BlockMode.CHECKPOINT:
+                self._originals[i] = ("forward" in block.__dict__, block.__dict__.get("forward"))
+                block.forward = self._checkpointed_forward(i, block.forward)
+            else:
+                signature = inspect.signature(block.forward)
+                self._handles.append(block.register_forward_pre_hook(self._pre_forward(i, signature), with_kwargs=True))
+                self._handles.append(block.register_forward_hook(self._post_forward(i), always_call=True))
 
     def remove(self) -> None:
-        for block, (had, prev) in zip(self.blocks, self._originals):
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for i, (had, prev) in self._originals.items():
             if had:
-                block.forward = prev
+                self.blocks[i].forward = prev
             else:
-                del block.forward
+                del self.blocks[i].forward
         self._originals.clear()
         self.ctx.synchronize_device()  # no copy may still read a host buffer
         self.host.close()
 
-    def _wrap_forward(self, i: int, block: nn.Module, forward):
+    # ----- kept and swapped blocks: hooks ----------------------------------------------------
+    def _pre_forward(self, i: int, signature: inspect.Signature):
         mode = self.modes[i]
+
+        def hook(_module, args, kwargs):
+            if not torch.is_grad_enabled() or (mode is BlockMode.KEEP and not self._measure):
+                self._open[i].append(None)
+                return None
+            if mode is BlockMode.SWAP:
+                args, kwargs = self._without_cache(i, signature, args, kwargs)
+            call = self._new_call(args, kwargs)
+            pack = self._pack_swap if mode is BlockMode.SWAP else self._pack_count
+            hooks = saved_tensors_hooks(functools.partial(pack, call), self._unpack)
+            hooks.__enter__()
+            self._open[i].append((call, hooks))
+            return args, kwargs
+
+        return hook
+
+    def _post_forward(self, i: int):
+        def hook(_module, _args, output):
+            entry = self._open[i].pop()
+            call = None
+            if entry is not None:
+                call, hooks = entry
+                hooks.__exit__(None, None, None)
+            if torch.is_grad_enabled():
+                self._after_call(i, call, output)
+
+        return hook
+
+    # ----- checkpointed blocks: the forward wrapper ([Note: block forwards]) -------------------
+    def _checkpointed_forward(self, i: int, forward):
         signature = inspect.signature(forward)
-        # A swapped block's backward brings back its own activations and those of a swapped
-        # block before it; so does the block after the last swapped one.
-        prefetch_hook = mode is BlockMode.SWAP or (i > 0 and self.modes[i - 1] is BlockMode.SWAP)
+        recompute = self._recomputing(i, forward)
 
         @functools.wraps(forward)
         def wrapped(*args, **kwargs):
             if not torch.is_grad_enabled():
                 return forward(*args, **kwargs)
-            if mode is BlockMode.KEEP and not self._measure:
-                call = None
-                out = forward(*args, **kwargs)
-            else:
-                call = _BlockCall()
-                if mode is not BlockMode.KEEP:
-                    args, kwargs = self._without_cache(i, signature, args, kwargs)
-                inputs = list(iter_tensors((args, kwargs)))
-                call.shared = {k for t in inputs if not t.requires_grad and (k := self._storage_key(t)) is not None}
-                call.seen = set(call.shared)  # shared inputs are never counted
-                call.input = self._distinct_bytes(inputs, set(call.shared))
-                if mode is BlockMode.CHECKPOINT:
-                    call.device = call.input
-                    # The anchor is a positional tensor on the device, so that checkpoint saves and
-                    # restores the device's RNG state (it only looks at positional arguments).
-                    out = checkpoint(self._recomputing(i, forward), self._rng_anchor, *args, use_reentrant=False, **kwargs)
-                else:
-                    pack = self._pack_swap if mode is BlockMode.SWAP else self._pack_count
-                    with saved_tensors_hooks(functools.partial(pack, call), self._unpack):
-                        out = forward(*args, **kwargs)
-                call.seen = set()
-            previous = self._calls[i - 1] if i > 0 else None  # the previous block, this forward
-            if call is not None:
-                self._calls[i] = call
-            if prefetch_hook:
-                if call is not None:
-                    call.previous = previous
-                hook = self._pre_backward_hook(call, previous)
-                for t in iter_tensors(out):
-                    if t.requires_grad:
-                        t.register_hook(hook)
+            args, kwargs = self._without_cache(i, signature, args, kwargs)
+            call = self._new_call(args, kwargs)
+            call.device = call.input
+            # The anchor is a positional tensor on the device, so that checkpoint saves and
+            # restores the device's RNG state (it only looks at positional arguments).
+            out = checkpoint(recompute, self._rng_anchor, *args, use_reentrant=False, **kwargs)
+            self._after_call(i, call, out)
             return out
 
         return wrapped
 
     def _recomputing(self, i: int, forward):
         def run(_anchor, *args, **kwargs):
-            if not self._in_backward:
-                return forward(*args, **kwargs)
-            # Not the first run: a recomputation (it may stop early, by an exception, once the
-            # last saved tensor backward needs was rebuilt).
+            if self.phase.phase is not TrainingPhase.BACKWARD:
+                return forward(*args, **kwargs)  # the first run, in forward
+            # A recomputation (it may stop early, by an exception, once the last saved tensor
+            # backward needs was rebuilt).
             self.stats["recomputed_blocks"] += 1
-            observer = self.observer
-            if observer is not None:
-                observer("recompute_begin", i)
-            try:
-                return forward(*args, **kwargs)
-            finally:
-                if observer is not None:
-                    observer("recompute_end", i)
+            with self.phase.entered(TrainingPhase.RECOMPUTE, leaving=TrainingPhase.BACKWARD,
+                                    error="a recomputation inside a recomputation"):
+                self._notify(i, begin=True)
+                try:
+                    return forward(*args, **kwargs)
+                finally:
+                    self._notify(i, begin=False)
 
         return run
+
+    def _notify(self, i: int, *, begin: bool) -> None:
+        for observer in list(self._recompute_observers.values()):
+            observer(i, begin)
+
+    # ----- every managed call -------------------------------------------------------------------
+    def _new_call(self, args, kwargs) -> _BlockCall:
+        call = _BlockCall()
+        inputs = list(iter_tensors((args, kwargs)))
+        call.shared = {k for t in inputs if not t.requires_grad and (k := self._storage_key(t)) is not None}
+        call.seen = set(call.shared)  # shared inputs are never counted
+        call.input = self._distinct_bytes(inputs, set(call.shared))
+        return call
+
+    def _after_call(self, i: int, call: _BlockCall | None, out) -> None:
+        """Record the call and register the prefetch hooks on its outputs: a swapped block's
+        backward brings back its own activations and those of a swapped block before it; so
+        does the block after the last swapped one."""
+        if call is not None:
+            call.seen = set()
+        previous = self._calls[i - 1] if i > 0 else None  # the previous block, this forward
+        if call is not None:
+            self._calls[i] = call
+        if self.modes[i] is BlockMode.SWAP or (i > 0 and self.modes[i - 1] is BlockMode.SWAP):
+            if call is not None:
+                call.previous = previous
+            hook = self._pre_backward_hook(call, previous)
+            for t in iter_tensors(out):
+                if t.requires_grad:
+                    t.register_hook(hook)
 
     def _without_cache(self, i: int, signature: inspect.Signature, args, kwargs):
         if getattr(self.blocks[i], "_can_checkpoint_with_cache", False) and self.modes[i] is BlockMode.CHECKPOINT:
@@ -431,8 +323,8 @@ class ActivationManager:
                 changed.append("use_cache=False")
         if not changed:
             return args, kwargs
-        if not self._warned_cache:
-            self._warned_cache = True
+        if self._warn_on_cache:
+            self._warn_on_cache = False
             warnings.warn(
                 "ProTrain: a key/value cache cannot be used by checkpointed or swapped blocks "
                 "(recomputation would write it twice; a swapped block's cache would pin its activations "
@@ -466,12 +358,12 @@ class ActivationManager:
         nbytes = self._distinct_bytes([t], call.seen)
         call.saved += nbytes
         call.device += nbytes
-        return _Counted(t)
+        return Counted(t)
 
     def _pack_swap(self, call: _BlockCall, t: Tensor):
         key = self._storage_key(t)
         if key is None or key in call.shared:
-            return _Counted(t)
+            return Counted(t)
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         first_in_call = key not in call.seen
@@ -480,20 +372,20 @@ class ActivationManager:
             call.saved += nbytes
         if nbytes < self.min_swap_bytes:
             call.device += nbytes if first_in_call else 0
-            return _Counted(t)
+            return Counted(t)
         record = self._swapped.get(key)
         if record is None:
             record = self._swap_out(storage, nbytes)
             self._swapped[key] = record
             call.records.append(weakref.ref(record))
             call.host += nbytes
-        return _Packed(record, t)
+        return Packed(record, t)
 
     def _unpack(self, packed):
-        if isinstance(packed, _Counted):
-            _check_version(packed.tensor, packed.version)
+        if isinstance(packed, Counted):
+            check_version(packed.tensor, packed.version)
             return packed.tensor
-        _check_version(packed.original(), packed.version)
+        check_version(packed.original(), packed.version)
         record = packed.record
         self._swap_in(record)
         if record.in_event is not None:
@@ -505,19 +397,19 @@ class ActivationManager:
             )
 
     # ----- copies -------------------------------------------------------------------------
-    def _swap_out(self, storage, nbytes: int) -> _SwapRecord:
+    def _swap_out(self, storage, nbytes: int) -> SwapRecord:
         with torch.no_grad():
             src = torch.empty(0, dtype=torch.uint8, device=self.ctx.device).set_(storage)
             host = self.host.get(nbytes)
             self.ctx.copy_async(host[:nbytes], src, stream=self.ctx.swap_stream)
             if self.ctx.is_cuda:
                 src.record_stream(self.ctx.swap_stream)  # reused only once the copy is done
-        record = _SwapRecord(host, nbytes)
+        record = SwapRecord(host, nbytes)
         weakref.finalize(record, self.host.put, host)
         self.stats["swap_out_bytes"] += nbytes
         return record
 
-    def _swap_in(self, record: _SwapRecord) -> None:
+    def _swap_in(self, record: SwapRecord) -> None:
         if record.in_buf is not None:
             return
         with torch.no_grad():
@@ -545,16 +437,16 @@ class ActivationManager:
         return hook
 
     # ----- passes -------------------------------------------------------------------------
-    def begin_backward(self) -> None:
-        self._in_backward = True
+    @contextmanager
+    def backward_pass(self):
         if self._measure and any(c is not None for c in self._calls):
             self._measure = False
         if self.modes and self.modes[-1] is BlockMode.SWAP:
             self._prefetch(self._calls[-1])  # needed first; nothing to hide it behind
-
-    def end_backward(self) -> None:
-        self._in_backward = False
-        self.host.trim()
+        try:
+            yield
+        finally:
+            self.host.trim()
 
     def measure_next_forward(self) -> None:
         """Count the saved tensors of kept blocks in the next forward pass with gradients."""

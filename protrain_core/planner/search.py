@@ -31,10 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from protrain_core.activations import describe_modes, interleaved_modes
-from protrain_core.cost import CostModel, MemoryEstimate, RuntimeEstimate
-from protrain_core.plan import Plan
-from protrain_core.profiles import Profile
+from protrain_core.plan import Plan, describe_modes, interleaved_modes
+from protrain_core.planner.cost import CostModel, MemoryEstimate, RuntimeEstimate
+from protrain_core.planner.profiles import Profile
 from protrain_core.utils import format_bytes, format_seconds
 
 
@@ -58,6 +57,7 @@ class PlanChoice:
     evaluated: int  # plans whose runtime was evaluated
     seconds: float  # search time
     profile: Profile
+    adam_in_backward: bool = True  # the overlap the runtime model assumed (update.overlap_mode)
 
     def explain(self) -> str:
         """What was chosen and why: predicted time by phase, memory breakdown, bottleneck."""
@@ -72,11 +72,12 @@ class PlanChoice:
             ("device Adam", r.device_adam_s),
         ]
         busy = ", ".join(f"{name} {format_seconds(t)}" for name, t in resources if t > 0)
-        overlap = (
-            "copies and the CPU Adam overlap compute (CUDA streams, worker thread)"
-            if p.hardware.async_copies
-            else "no overlap on this device: compute, copies and Adam add up"
-        )
+        if not p.hardware.async_copies:
+            overlap = "no overlap on this device: compute, copies and Adam add up"
+        elif self.adam_in_backward:
+            overlap = "copies and the CPU Adam overlap compute (CUDA streams, worker thread)"
+        else:
+            overlap = "copies overlap compute (CUDA streams); Adam waits for step()"
         lines = [
             f"ProTrain plan: {self.plan}",
             f"  model: {p.description}; precision {p.precision}",
@@ -109,6 +110,7 @@ def _choice(cm: CostModel, plan: Plan, budget: int, host_budget, evaluated: int,
         evaluated=evaluated,
         seconds=seconds,
         profile=cm.profile,
+        adam_in_backward=cm.adam_in_backward,
     )
 
 
@@ -127,22 +129,24 @@ def _better(t: float, mem: int, plan: Plan, best) -> bool:
     return key < (best_mem, best_plan.n_swap, best_plan.n_checkpoint, best_plan.n_buffer, best_plan.n_persist)
 
 
-def search(profile: Profile, budget: int, *, host_budget: int | None = None) -> PlanChoice:
+def search(profile: Profile, budget: int, *, host_budget: int | None = None, adam_in_backward: bool = True) -> PlanChoice:
     """The plan with the least predicted step time whose predicted peak is <= ``budget``
-    bytes (and whose host memory is <= ``host_budget`` when given)."""
+    bytes (and whose host memory is <= ``host_budget`` when given); ``adam_in_backward``: see
+    ``CostModel``."""
     start = time.perf_counter()
-    cm = CostModel(profile)
+    cm = CostModel(profile, adam_in_backward=adam_in_backward)
     N, L = cm.N, cm.L
     grid = cm.grid()  # every layout's activation peak, swapped bytes and phase prefix sums
     buf = profile.buffer_bytes
-    min_buf = max(1, profile.min_buffers)
+    limits = profile.limits
+    need = torch.tensor([limits.buffers_needed(q) for q in range(N + 1)])  # [Note: plan validity]
     # Memory (eq. 8-10) is separable: room for model states = budget - base - activations; for
     # each (layout, n_persist) the largest n_buffer that fits is one division.
     p = torch.arange(N + 1)
     persist = torch.tensor(cm.persist_prefix)
     avail = (budget - profile.base_bytes - grid.activation_peak)[:, None] - persist[None, :]
     B = torch.where(p == N, 0, torch.minimum(N - p, avail.div(max(buf, 1), rounding_mode="floor")))
-    ok = (avail >= 0) & ((p == N) | (B >= torch.clamp(N - p, max=min_buf)))
+    ok = (avail >= 0) & ((p == N) | (B >= need))
     if host_budget is not None:
         suffix = torch.tensor(cm.host_suffix)
         ok &= suffix[None, :] + grid.swap_host_bytes[:, None] <= host_budget
@@ -164,42 +168,49 @@ def search(profile: Profile, budget: int, *, host_budget: int | None = None) -> 
         lay = cm.layout(interleaved_modes(L, s, c))
         b = 0 if pp == N else min(N - pp, (budget - profile.base_bytes - lay.activation_peak - cm.persist_prefix[pp]) // buf)
         evaluated += 1
-        t = cm._runtime(lay, pp, b).total_s
+        t = cm.runtime_of(lay, pp, b).total_s
         mem = cm.persist_prefix[pp] + b * buf + lay.activation_peak
         plan = Plan(n_persist=pp, n_buffer=b, n_swap=s, n_checkpoint=c)
         if _better(t, mem, plan, best):
             best = (t, mem, plan)
     if best is None:
         raise _infeasible(cm, budget, host_budget)
-    t, _, plan = best
-    if plan.n_buffer > 1:
-        # The largest n_buffer was evaluated; the time never grows with more buffers, so take
-        # the fewest that give the same time (memory the plan does not need stays free).
-        lay = cm.layout(interleaved_modes(L, plan.n_swap, plan.n_checkpoint))
-        lo, hi = min(min_buf, N - plan.n_persist), plan.n_buffer
-        while lo < hi:
-            mid = (lo + hi) // 2
-            evaluated += 1
-            if cm._runtime(lay, plan.n_persist, mid).total_s <= t * (1 + 1e-12):
-                hi = mid
-            else:
-                lo = mid + 1
-        plan = Plan(n_persist=plan.n_persist, n_buffer=hi, n_swap=plan.n_swap, n_checkpoint=plan.n_checkpoint)
-    return _choice(cm, plan, budget, host_budget, evaluated, time.perf_counter() - start)
+    plan, more = _fewest_buffers(cm, best[2], best[0])
+    return _choice(cm, plan, budget, host_budget, evaluated + more, time.perf_counter() - start)
 
 
-def brute_force(profile: Profile, budget: int, *, host_budget: int | None = None) -> PlanChoice:
+def _fewest_buffers(cm: CostModel, plan: Plan, t: float) -> tuple[Plan, int]:
+    """The largest n_buffer was evaluated; the time never grows with more buffers, so take the
+    fewest that give the same time (memory the plan does not need stays free). Returns the plan
+    and the number of plans evaluated."""
+    if plan.n_buffer <= 1:
+        return plan, 0
+    lay = cm.layout(interleaved_modes(cm.L, plan.n_swap, plan.n_checkpoint))
+    lo, hi = cm.profile.limits.buffers_needed(plan.n_persist), plan.n_buffer
+    evaluated = 0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        evaluated += 1
+        if cm.runtime_of(lay, plan.n_persist, mid).total_s <= t * (1 + 1e-12):
+            hi = mid
+        else:
+            lo = mid + 1
+    return Plan(n_persist=plan.n_persist, n_buffer=hi, n_swap=plan.n_swap, n_checkpoint=plan.n_checkpoint), evaluated
+
+
+def brute_force(profile: Profile, budget: int, *, host_budget: int | None = None,
+                adam_in_backward: bool = True) -> PlanChoice:
     """Every plan, no shortcuts (for checking ``search`` on small models)."""
     start = time.perf_counter()
-    cm = CostModel(profile)
+    cm = CostModel(profile, adam_in_backward=adam_in_backward)
     N, L = cm.N, cm.L
-    min_buf = max(1, profile.min_buffers)
+    limits = profile.limits
     best = None
     evaluated = 0
     for s in range(L + 1):
         for c in range(L + 1 - s):
             for p in range(N + 1):
-                for b in range(0 if p == N else min(min_buf, N - p), N - p + 1):
+                for b in range(limits.buffers_needed(p), N - p + 1):
                     plan = Plan(n_persist=p, n_buffer=b, n_swap=s, n_checkpoint=c)
                     mem = cm.memory(plan)
                     if mem.peak_bytes > budget:
@@ -218,20 +229,21 @@ def brute_force(profile: Profile, budget: int, *, host_budget: int | None = None
 
 def _infeasible(cm: CostModel, budget: int, host_budget: int | None) -> InfeasibleBudget:
     profile = cm.profile
-    N, L = cm.N, cm.L
+    L = cm.L
     # The smallest device footprint: nothing persistent, the fewest buffers, and the layout with
     # the smallest activation peak.
     grid = cm.grid()
     s, c = grid.pairs[int(torch.argmin(grid.activation_peak))]
     lay = cm.layout(interleaved_modes(L, s, c))
-    states = cm.states_bytes(0, min(max(1, profile.min_buffers), N)) if N else 0
+    fewest = profile.limits.buffers_needed(0)
+    states = cm.states_bytes(0, fewest)
     need = states + profile.base_bytes + lay.activation_peak
     host_need = cm.host_suffix[0] + lay.swap_host_bytes
     keep = cm.layout(interleaved_modes(L, 0, 0)).activation_peak
     msg = [f"No ProTrain plan fits a device memory budget of {format_bytes(budget)}."]
     if need > budget:
         msg.append(
-            f"The smallest plan (n_persist=0, n_buffer={min(max(1, profile.min_buffers), N)}, n_swap={s}, "
+            f"The smallest plan (n_persist=0, n_buffer={fewest}, n_swap={s}, "
             f"n_checkpoint={c}) needs {format_bytes(need)}: {format_bytes(need - budget)} missing. Of that, "
             f"activations are {format_bytes(lay.activation_peak)} (all kept: {format_bytes(keep)}), chunk buffers "
             f"{format_bytes(states)}, the batch {format_bytes(profile.base_bytes)}. A smaller batch or shorter "

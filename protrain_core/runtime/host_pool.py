@@ -16,29 +16,6 @@ from torch import Tensor
 _ALIGN_BYTES = 64
 
 
-def available_host_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (None where it cannot be read)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def check_host_memory(needed: int, what: str) -> None:
-    available = available_host_bytes()
-    if available is not None and needed > available:
-        gib = 2**30
-        raise MemoryError(
-            f"ProTrain needs {needed / gib:.2f} GiB of host memory for {what}, but only "
-            f"{available / gib:.2f} GiB is available. Keep more chunks on the device (a larger "
-            "Plan.n_persist), use precision='bf16-mixed', or free host memory."
-        )
-
-
 class HostPool:
     def __init__(self, sizes: list[tuple[int, torch.dtype]], *, pin: bool) -> None:
         """Reserve room for tensors of ``(numel, dtype)``; carve them in order with ``take``."""

@@ -8,16 +8,19 @@ stays empty: moments live in the chunks, next to the master weights.
 
 from __future__ import annotations
 
-import enum
-import math
-import numbers
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from protrain_core.chunk import Chunk
+from protrain_core.update import ClipAlgorithm, GradientClipping
 from protrain_ops import AdamHyperParams, adam_step, copy_to_low_precision
+
+if TYPE_CHECKING:
+    from protrain_core.runtime.chunk import Chunk
+
+# parameter id -> (its chunk, its member index): how the optimizer finds a parameter's states.
+SlotMap = dict[int, tuple["Chunk", int]]
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> bool:
@@ -40,45 +43,10 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     return decoupled
 
 
-class ClipAlgorithm(enum.Enum):
-    NORM = "norm"  # torch.nn.utils.clip_grad_norm_: scale every gradient by one global factor
-    VALUE = "value"  # torch.nn.utils.clip_grad_value_: clamp every element
-
-
-@dataclass(frozen=True, kw_only=True)
-class GradientClipping:
-    """Clipping applied to the gradients before every update (``parse_gradient_clipping``)."""
-
-    algorithm: ClipAlgorithm
-    value: float  # max_norm (NORM) or clip_value (VALUE)
-    norm_type: float = 2.0  # p of the p-norm (NORM only); inf for the largest magnitude
-
-
-def parse_gradient_clipping(algorithm: str | None, value: float | None = None, norm_type: float = 2.0) -> GradientClipping | None:
-    """Validate a clipping setting (``None`` turns clipping off)."""
-    if algorithm is None:
-        return None
-    if algorithm not in ("norm", "value"):
-        raise ValueError(
-            f"Gradient clipping algorithm must be 'norm' (torch.nn.utils.clip_grad_norm_) or 'value' "
-            f"(clip_grad_value_), or None to turn clipping off; got {algorithm!r}."
-        )
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
-        what = "max_norm" if algorithm == "norm" else "clip_value"
-        raise ValueError(
-            f"Gradient clipping by {algorithm} needs a finite {what} > 0, got {value!r}; pass "
-            "algorithm=None to turn clipping off."
-        )
-    if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real) or not norm_type > 0:
-        raise ValueError(f"norm_type must be a number > 0 (2.0 for the Euclidean norm, float('inf') for the max), got {norm_type!r}.")
-    return GradientClipping(algorithm=ClipAlgorithm(algorithm), value=float(value), norm_type=float(norm_type))
-
-
 class ChunkOptimizer:
-    def __init__(self, optimizer: torch.optim.Optimizer, *, compute_is_master: bool) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.decoupled = check_optimizer(optimizer)
-        self.compute_is_master = compute_is_master  # no separate compute copy to refresh
         # Read by update() on the CPU worker: changed only while no update is in flight.
         self.clipping: GradientClipping | None = None
         self.group_of: dict[int, int] = {}
@@ -98,10 +66,10 @@ class ChunkOptimizer:
             for group in self.optimizer.param_groups
         )
 
-    def members_by_group(self, chunk: Chunk) -> dict[int, list[int]]:
-        """Members of ``chunk`` the optimizer updates, by param group (trainable ones only)."""
+    def members_by_group(self, params: list[torch.nn.Parameter]) -> dict[int, list[int]]:
+        """Members of a chunk (its ``params``) the optimizer updates, by param group (trainable ones only)."""
         out: dict[int, list[int]] = {}
-        for i, p in enumerate(chunk.params):
+        for i, p in enumerate(params):
             g = self.group_of.get(id(p))
             if g is not None and p.requires_grad:
                 out.setdefault(g, []).append(i)
@@ -115,31 +83,32 @@ class ChunkOptimizer:
         Clipping by value is elementwise, so it is applied here, chunk by chunk.
         """
         clip = self.clipping
+        storage = chunk.storage
         for g, members in chunk.opt_members.items():
-            selected = [i for i in members if chunk.received[i]]
+            selected = [i for i in members if chunk.has_grad(i)]
             if not selected:
                 continue
             v = chunk.view
-            grads = [v(chunk.grad_acc, i) for i in selected]
+            grads = [v(storage.grad_acc, i) for i in selected]
             if clip is not None and clip.algorithm is ClipAlgorithm.VALUE:
                 # clip_grad_value_: grad = min(max(grad, -value), value), the same foreach calls.
                 torch._foreach_clamp_min_(grads, -clip.value)
                 torch._foreach_clamp_max_(grads, clip.value)
             adam_step(
-                [v(chunk.master, i) for i in selected],
+                [v(storage.master, i) for i in selected],
                 grads,
-                [v(chunk.exp_avg, i) for i in selected],
-                [v(chunk.exp_avg_sq, i) for i in selected],
-                [v(chunk.max_exp_avg_sq, i) for i in selected] if hps[g].amsgrad else [],
-                [chunk.steps[i] for i in selected],
+                [v(storage.exp_avg, i) for i in selected],
+                [v(storage.exp_avg_sq, i) for i in selected],
+                [v(storage.max_exp_avg_sq, i) for i in selected] if hps[g].amsgrad else [],
+                [storage.steps[i] for i in selected],
                 hps[g],
             )
             for i in selected:
-                chunk.initialized[i] = True
-        if not self.compute_is_master:
-            copy_to_low_precision(chunk.param_dev if chunk.persistent else chunk.param_host, chunk.master)
+                chunk.set_adam_state(i)
+        if storage.fmt.separate_master:
+            copy_to_low_precision(storage.compute_home, storage.master)
 
-    def clip_grad_norm(self, slot_of: dict[int, tuple[Chunk, int]], device: torch.device) -> Tensor:
+    def clip_grad_norm(self, slot_of: SlotMap, device: torch.device) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters (self.clipping is
         NORM); returns the total norm before clipping, on ``device``. Needs every gradient in
         its chunk's accumulator and no update of this step yet.
@@ -153,8 +122,8 @@ class ChunkOptimizer:
         grads = []
         for _, p in self._indexed_params():
             chunk, i = slot_of[id(p)]
-            if chunk.received[i]:  # torch skips p.grad is None
-                grads.append(chunk.view(chunk.grad_acc, i))
+            if chunk.has_grad(i):  # torch skips p.grad is None
+                grads.append(chunk.view(chunk.storage.grad_acc, i))
         if not grads:
             return torch.tensor(0.0, device=device)
         by_device: dict[torch.device, list[int]] = {}
@@ -179,21 +148,22 @@ class ChunkOptimizer:
                 yield index, p
                 index += 1
 
-    def state_dict(self, slot_of: dict[int, tuple[Chunk, int]]) -> dict:
+    def state_dict(self, slot_of: SlotMap) -> dict:
         base = self.optimizer.state_dict()  # param_groups with hyper-parameters and indices
         keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad else [])
         state = {}
         for index, p in self._indexed_params():
             chunk, i = slot_of[id(p)]
-            if not chunk.initialized[i]:
+            if not chunk.has_adam_state(i):
                 continue
-            entry = {"step": chunk.steps[i].detach().to("cpu", copy=True)}
+            storage = chunk.storage
+            entry = {"step": storage.steps[i].detach().to("cpu", copy=True)}
             for key in keys:
-                entry[key] = chunk.view(getattr(chunk, key), i).detach().to("cpu", copy=True)
+                entry[key] = chunk.view(getattr(storage, key), i).detach().to("cpu", copy=True)
             state[index] = entry
         return {"state": state, "param_groups": base["param_groups"]}
 
-    def validate_state_dict(self, osd: dict, slot_of: dict[int, tuple[Chunk, int]]) -> None:
+    def validate_state_dict(self, osd: dict) -> None:
         groups = self.optimizer.param_groups
         saved = osd.get("param_groups")
         if not isinstance(saved, list) or "state" not in osd:
@@ -216,8 +186,8 @@ class ChunkOptimizer:
                         f"{tuple(entry[key].shape) if key in entry else None}, expected {tuple(p.shape)}."
                     )
 
-    def load_state_dict(self, osd: dict, slot_of: dict[int, tuple[Chunk, int]]) -> None:
-        self.validate_state_dict(osd, slot_of)
+    def load_state_dict(self, osd: dict, slot_of: SlotMap) -> None:
+        self.validate_state_dict(osd)
         for group, saved in zip(self.optimizer.param_groups, osd["param_groups"]):
             for key, value in saved.items():
                 if key != "params":
@@ -225,12 +195,13 @@ class ChunkOptimizer:
         states = {int(k): v for k, v in osd["state"].items()}
         for index, p in self._indexed_params():
             chunk, i = slot_of[id(p)]
-            if chunk.exp_avg is None:
+            storage = chunk.storage
+            if storage.exp_avg is None:
                 continue  # frozen parameter: torch keeps no state for it either
             entry = states.get(index)
             with torch.no_grad():
                 for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-                    flat = getattr(chunk, key)
+                    flat = getattr(storage, key)
                     if flat is None:
                         continue
                     dst = chunk.view(flat, i)
@@ -239,5 +210,5 @@ class ChunkOptimizer:
                     else:
                         dst.zero_()
                 step = entry["step"] if entry is not None else 0.0
-                chunk.steps[i].fill_(float(step.item() if isinstance(step, Tensor) else step))
-            chunk.initialized[i] = entry is not None
+                storage.steps[i].fill_(float(step.item() if isinstance(step, Tensor) else step))
+            chunk.set_adam_state(i, entry is not None)

@@ -1,0 +1,192 @@
+"""The profiler's timeline: segment boundaries from hooks, and per-operator memory.
+
+Segment 0 is everything before the first block, 1..L the blocks, L+1 everything after the last
+block (head and loss). Boundaries come from hooks: block forward pre/post hooks, gradient
+hooks on block inputs and outputs for backward, and the engine's recomputation observer; the
+phase between them is a ``TrainingPhase``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from protrain_core.phase import TrainingPhase
+from protrain_core.planner.profiles import OpRecord
+from protrain_core.utils import iter_tensors
+
+P = TrainingPhase
+# Boundary kinds and the phase that starts at each.
+_STARTS = {"fwd": P.FORWARD, "bwd": P.BACKWARD, "rec_begin": P.RECOMPUTE, "rec_end": P.BACKWARD,
+           "fwd_end": P.IDLE, "bwd_end": P.IDLE}
+
+
+class Boundaries:
+    """Hooks that time-stamp segment boundaries: segment 0 is everything before the first block,
+    1..L the blocks, L+1 everything after the last block (head and loss)."""
+
+    def __init__(self, engine, blocks: list[nn.Module]) -> None:
+        self.engine = engine
+        self.L = len(blocks)
+        self.sync = engine.ctx.synchronize_device
+        self.times: dict[tuple[str, int], float] = {}
+        self.phase, self.seg = P.IDLE, 0
+        self.listener = None  # called with (kind, seg) after each new boundary
+        self.chunks: dict[int, set[int]] = defaultdict(set)
+        handles = [engine.module.register_forward_pre_hook(lambda _m, _a: self.mark("fwd", 0))]
+        for j, block in enumerate(blocks):
+            handles.append(block.register_forward_pre_hook(self._block_pre(j), with_kwargs=True))
+            handles.append(block.register_forward_hook(self._block_post(j)))
+        chunk_of = engine.layout.param_chunks(engine.module)
+        for m in engine.module.modules():
+            own = [p for p in m.parameters(recurse=False)]
+            if own:
+                idxs = {chunk_of[id(p)] for p in own}
+                handles.append(m.register_forward_pre_hook(self._uses(idxs)))
+        handles.append(engine.on_recompute(self._recompute))
+        self.handles = handles
+
+    def _uses(self, idxs):
+        def hook(_m, _a):
+            if self.phase is P.FORWARD:
+                self.chunks[self.seg] |= idxs
+
+        return hook
+
+    def _block_pre(self, j: int):
+        def hook(_m, args, kwargs):
+            self.mark("fwd", j + 1)
+            if torch.is_grad_enabled():
+                for t in iter_tensors((args, kwargs)):
+                    if t.requires_grad:
+                        t.register_hook(lambda _g: self.mark("bwd", j))
+
+        return hook
+
+    def _block_post(self, j: int):
+        def hook(_m, _args, out):
+            if j == self.L - 1:
+                self.mark("fwd", self.L + 1)
+            if torch.is_grad_enabled():
+                for t in iter_tensors(out):
+                    if t.requires_grad:
+                        t.register_hook(lambda _g: self.mark("bwd", j + 1))
+
+        return hook
+
+    def _recompute(self, block: int, begin: bool) -> None:
+        self.mark("rec_begin" if begin else "rec_end", block + 1)
+
+    def mark(self, kind: str, seg: int = -1) -> None:
+        key = (kind, seg)
+        if key in self.times:
+            return
+        self.sync()
+        self.times[key] = time.perf_counter()
+        self.phase = _STARTS[kind]
+        if seg >= 0:
+            self.seg = seg
+        if self.listener is not None:
+            self.listener(kind, seg)
+
+    def reset(self) -> None:
+        self.times = {}
+        self.phase, self.seg = P.IDLE, 0
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def durations(self) -> tuple[list[float], list[float], list[float]]:
+        """Forward, backward (recomputation excluded) and recomputation time per segment."""
+        t, K = self.times, self.L + 2
+        fwd = []
+        for s in range(K):
+            end = t[("fwd", s + 1)] if s + 1 < K else t[("fwd_end", -1)]
+            fwd.append(end - t[("fwd", s)])
+        end_all = t[("bwd_end", -1)]
+        start = {K - 1: t[("bwd", K - 1)]}
+        for s in range(K - 2, -1, -1):
+            start[s] = t.get(("bwd", s), end_all)  # no gradient into block 0 -> no "pre" backward
+        rec = [t[("rec_end", s)] - t[("rec_begin", s)] if ("rec_begin", s) in t and ("rec_end", s) in t else 0.0
+               for s in range(K)]
+        bwd = []
+        for s in range(K):
+            end = start[s - 1] if s > 0 else end_all
+            bwd.append(max(0.0, end - start[s] - rec[s]))
+        return fwd, bwd, rec
+
+
+class CudaMeter(TorchDispatchMode):
+    """Per operator on CUDA: dynamic bytes (allocated minus the engine's chunk memory) before,
+    at the peak during (the allocator's peak statistic, reset per operator) and after; time
+    with a synchronisation."""
+
+    def __init__(self, device: torch.device, static_bytes, on_op) -> None:
+        super().__init__()
+        self.device = device
+        self.static_bytes = static_bytes
+        self.on_op = on_op
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        static = self.static_bytes()
+        before = torch.cuda.memory_allocated(self.device) - static
+        torch.cuda.reset_peak_memory_stats(self.device)
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated(self.device) - static
+        after = torch.cuda.memory_allocated(self.device) - static
+        self.on_op(func, before, max(peak, after), seconds, after)
+        return out
+
+
+class MemoryPass:
+    """Collects per-operator records and the live bytes at each boundary."""
+
+    def __init__(self, bounds: Boundaries, live) -> None:
+        self.bounds = bounds
+        self.live = live  # () -> dynamic bytes now
+        self.ops: list[OpRecord] = []
+        self.at: dict[tuple[str, int], int] = {}
+        self.peaks: dict[tuple[str, int], int] = defaultdict(int)
+        self.rec_begin: dict[int, int] = {}
+        self.saved: dict[int, int] = {}
+        self.pending: int | None = None  # a block whose recomputation just ended
+        self.names = ["pre"] + [f"block.{j}" for j in range(bounds.L)] + ["post"]
+
+    def boundary(self, kind: str, seg: int) -> None:
+        live = self.live()
+        self._settle(live)
+        self.at[(kind, seg)] = live
+        if kind == "rec_begin":
+            self.rec_begin[seg] = live
+        elif kind == "rec_end":
+            # The recomputation may have stopped early by an exception whose traceback still
+            # holds the forward's temporaries: what it saved is read at the next operator.
+            self.pending = seg
+        if kind in ("fwd", "bwd"):
+            key = (_STARTS[kind], seg)
+            self.peaks[key] = max(self.peaks[key], live)
+
+    def _settle(self, live: int) -> None:
+        if self.pending is not None:
+            seg = self.pending
+            self.saved[seg] = max(0, live - self.rec_begin.get(seg, live))
+            self.pending = None
+
+    def op(self, func, before: int, peak: int, seconds: float, after: int | None = None) -> None:
+        self._settle(before)
+        b = self.bounds
+        if b.phase is P.IDLE:
+            return
+        after = peak if after is None else after
+        self.ops.append(OpRecord(segment=self.names[b.seg], phase=b.phase.value, op=str(func.__name__),
+                                 seconds=seconds, before=before, peak=peak, after=after))
+        key = (b.phase, b.seg)
+        self.peaks[key] = max(self.peaks[key], peak)

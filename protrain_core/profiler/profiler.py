@@ -1,0 +1,352 @@
+"""The memory-aware profiler: real iterations of the user's model, and hardware probes.
+
+[Note: profiling]
+The model is wrapped by a *profiling engine*: the same chunks, hooks and runtime as training,
+but without optimizer states (it never steps); the profiler drives it through the engine's
+public methods only (``set_block_modes``, ``on_recompute``, ``autocast``, ``device_bytes``). On CUDA its chunks are all persistent when their
+parameters and gradients fit in half the free memory, otherwise they are streamed through
+buffers (so a model that does not fit can be profiled); on the CPU they are persistent. Every
+block is checkpointed, so only one block's activations exist at a time -- and every block's
+recomputation can be timed and measured. The passes, each a forward, the loss and a backward
+(inside ``no_sync``: nothing is updated), run under ``torch.random.fork_rng``, so the user's
+parameters and random state are untouched and training afterwards is exactly what it would be
+without profiling:
+  1. warm-up (lazy initialisation, allocator caches; which chunks each segment uses);
+  2. memory: every operator runs under a dispatch mode that records its time and the dynamic
+     device bytes before, during and after it (CPU: ``LiveStorageTracker``; CUDA: the caching
+     allocator, minus the engine's chunk memory, with a synchronisation per operator). Segment
+     boundaries come from hooks (block forward pre/post hooks; gradient hooks on block inputs
+     and outputs for backward; the activation manager's recomputation observer);
+  3. timing, ``iterations`` times without the dispatch mode: the same boundaries with a
+     device synchronisation each, median per segment;
+  4. without asynchronous copies (a CPU device) the timing again with every block *swapped*:
+     there the swap copies add to the block's forward and backward, by an amount the copy
+     bandwidth does not predict well (allocation of the copies, per-tensor hook work), so
+     it is measured per block. On CUDA a copy stream overlaps compute and swapping every
+     block would need host memory for all activations: the bandwidth model is used.
+Static facts (chunk sizes, trainable elements, the bytes of a chunk when persistent or
+streamed, of a chunk buffer and of an upload) come from the chunks' storage formula
+(``runtime.storage.ChunkFormat``), not measured. See ``planner/profiles.py`` for the fields.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from protrain_core.memtrack import LiveStorageTracker
+from protrain_core.phase import TrainingPhase
+from protrain_core.plan import BlockMode, Plan
+from protrain_core.planner.profiles import PROFILE_VERSION, Profile, Segment, load_cached, store
+from protrain_core.precision import Precision
+from protrain_core.profiler.boundaries import Boundaries, CudaMeter, MemoryPass
+from protrain_core.profiler.hardware import device_name, probe_hardware
+from protrain_core.runtime.engine import Engine, EngineOptions
+from protrain_core.runtime.storage import ChunkFormat, chunk_formats
+from protrain_core.structure.layout import ChunkLayout
+from protrain_core.utils import iter_tensors
+
+
+# ----- inputs and loss ----------------------------------------------------------------------------
+def to_device(inputs, device: torch.device):
+    if isinstance(inputs, Tensor):
+        return inputs.to(device)
+    if isinstance(inputs, dict):
+        return {k: to_device(v, device) for k, v in inputs.items()}
+    if isinstance(inputs, (list, tuple)):
+        return type(inputs)(to_device(v, device) for v in inputs)
+    return inputs
+
+
+def call(model: nn.Module, inputs):
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (list, tuple)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def default_loss(output) -> Tensor:
+    """``output.loss`` (Hugging Face with labels), a scalar output, or the sum of the first
+    floating-point output (same backward cost as a real loss of that output)."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if isinstance(loss, Tensor):
+        return loss
+    for t in iter_tensors(output if not hasattr(output, "to_tuple") else output.to_tuple()):
+        if t.is_floating_point() and t.requires_grad:
+            return t if t.dim() == 0 else t.float().sum()
+    raise ValueError(
+        "The profiler cannot find a loss in the model's output: pass labels in example_inputs "
+        "(Hugging Face models return .loss then) or loss_fn=callable(output) -> scalar tensor."
+    )
+
+
+# ----- static facts -----------------------------------------------------------------------------
+def static_facts(layout: ChunkLayout, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision) -> dict:
+    """The Profile fields known before anything runs, from the chunks' storage formula (what
+    the engine allocates) and the layout's trace."""
+    params = dict(model.named_parameters())
+    optimized = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    formats = chunk_formats(model, optimizer, layout, precision)
+    trainable = tuple(sum(params[m.name].numel() for m in spec.members
+                          if params[m.name].requires_grad and id(params[m.name]) in optimized) for spec in layout.chunks)
+    return dict(
+        n_chunks=layout.n_chunks,
+        chunk_elems=layout.chunk_size,
+        compute_bytes=precision.compute_dtype.itemsize,
+        chunk_trainable=trainable,
+        chunk_has_grad=tuple(fmt.grads for fmt in formats),
+        persist_bytes=tuple(fmt.persistent_device_bytes for fmt in formats),
+        host_bytes=tuple(fmt.streamed_host_bytes for fmt in formats),
+        buffer_bytes=max(fmt.buffer_device_bytes for fmt in formats),
+        chunk_bytes=formats[0].upload_bytes,
+        resident_sets=layout.resident_sets,
+    )
+
+
+def profile_key(model, optimizer, inputs, precision: Precision, device: torch.device, layout: ChunkLayout, extra="") -> str:
+    """A hash of everything a profile depends on: model structure (parameter names, shapes,
+    dtypes, trainability; the Hugging Face config), optimizer coverage, batch shapes, precision,
+    chunk layout, device and software."""
+    h = hashlib.sha256()
+
+    def add(*parts):
+        h.update(json.dumps(parts, default=str).encode())
+
+    add("protrain-profile", PROFILE_VERSION)
+    add(type(model).__qualname__, [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()])
+    add([(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()])
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_json_string"):
+        add(config.to_json_string(use_diff=False), getattr(config, "_attn_implementation", None))
+    optimized = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    add(type(optimizer).__name__, [id(p) in optimized for p in model.parameters()],
+        [bool(g.get("amsgrad", False)) for g in optimizer.param_groups])
+    add([(tuple(t.shape), str(t.dtype)) for t in iter_tensors(inputs)],
+        sorted(inputs) if isinstance(inputs, dict) else None)
+    add(precision.value, layout.chunk_size, layout.block_path, [c.units for c in layout.chunks])
+    add(device_name(device), torch.__version__, torch.version.cuda, torch.get_num_threads(), os.cpu_count(), extra)
+    return h.hexdigest()[:24]
+
+
+# ----- the profiler -----------------------------------------------------------------------------
+@dataclass
+class _Measured:
+    """What the passes measured (see [Note: profiling])."""
+
+    chunks: dict[int, tuple[int, ...]]  # segment -> chunks its modules use
+    base: int  # device bytes neither chunks nor activations
+    mem: MemoryPass
+    fragmentation: float
+    timings: list  # per timed pass: (forward, backward, recomputation) seconds per segment
+    swap_timings: list  # the same with every block swapped (no asynchronous copies only)
+
+
+def profile_model(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    layout: ChunkLayout,
+    *,
+    example_inputs,
+    loss_fn=None,
+    step_fn=None,
+    precision: Precision,
+    device: torch.device,
+    iterations: int = 3,
+    cache: bool = True,
+    cache_dir=None,
+    reprofile: bool = False,
+    description: str | None = None,
+) -> Profile:
+    """Profile ``model`` on ``example_inputs`` (one real batch) -- or return the cached profile
+    with the same key (``reprofile=True`` or ``PROTRAIN_REPROFILE=1`` forces a new one)."""
+    loss_fn = loss_fn or default_loss
+    inputs = to_device(example_inputs, device)
+    extra = getattr(step_fn or loss_fn, "__qualname__", "")
+    key = profile_key(model, optimizer, inputs, precision, device, layout, extra=extra)
+    if step_fn is None:
+        def step_fn(module, batch):
+            out = call(module, batch)
+            return loss_fn(out), out  # the output stays alive through backward, as in training
+
+    reprofile = reprofile or os.environ.get("PROTRAIN_REPROFILE", "") not in ("", "0")
+    if cache and not reprofile:
+        cached = load_cached(key, cache_dir)
+        if cached is not None:
+            return cached
+    start = time.perf_counter()
+    hardware = probe_hardware(device, layout.chunk_size, precision)
+    measured = _measure(model, optimizer, layout, precision, device, inputs, step_fn, iterations,
+                        swap_too=not hardware.async_copies)
+    n_params = sum(p.numel() for p in model.parameters())
+    shapes = ", ".join(f"{tuple(t.shape)}" for t in iter_tensors(inputs))
+    profile = Profile(
+        key=key,
+        description=description or f"{type(model).__name__}, {n_params:,} parameters, {layout.n_blocks} blocks, batch {shapes}",
+        precision=precision.value,
+        **static_facts(layout, model, optimizer, precision),
+        segments=_segments(measured, layout.n_blocks),
+        base_bytes=measured.base,
+        fragmentation=measured.fragmentation,
+        hardware=hardware,
+        ops=tuple(measured.mem.ops),
+        iterations=len(measured.timings),
+        profile_seconds=time.perf_counter() - start,
+    )
+    if cache:
+        store(profile, cache_dir)
+    return profile
+
+
+def _profiling_plan(model: nn.Module, optimizer, layout: ChunkLayout, precision: Precision, device: torch.device) -> Plan:
+    """Every block checkpointed; chunks persistent (the CPU, or a model whose parameters and
+    gradients fit in half the free memory), otherwise streamed (a model that does not fit)."""
+    n, L = layout.n_chunks, layout.n_blocks
+    if device.type == "cuda":
+        formats: list[ChunkFormat] = chunk_formats(model, optimizer, layout, precision, optimizer_states=False)
+        free, _ = torch.cuda.mem_get_info(device)
+        if sum(fmt.persistent_device_bytes for fmt in formats) > free // 2:
+            return Plan(n_persist=0, n_buffer=max(2, layout.limits().buffers_needed(0)), n_checkpoint=L)
+    return Plan(n_persist=n, n_buffer=0, n_checkpoint=L)
+
+
+def _measure(model, optimizer, layout: ChunkLayout, precision: Precision, device: torch.device, inputs, step_fn,
+             iterations: int, *, swap_too: bool) -> _Measured:
+    """The passes of [Note: profiling] on a profiling engine, under ``fork_rng``."""
+    L = layout.n_blocks
+    plan = _profiling_plan(model, optimizer, layout, precision, device)
+    engine = Engine(model, optimizer, layout, plan, precision, device,
+                    EngineOptions(optimizer_states=False, warn_on_cache=False))
+    bounds = Boundaries(engine, list(model.get_submodule(layout.block_path)))
+    timings, swap_timings = [], []
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            _one_pass(engine, bounds, inputs, step_fn)  # warm-up
+            chunks = {s: tuple(sorted(c)) for s, c in bounds.chunks.items()}
+            base = _base_bytes(engine, inputs, device)
+            mem, fragmentation = _memory_pass(engine, bounds, inputs, step_fn, device)
+            for _ in range(max(1, iterations)):
+                _one_pass(engine, bounds, inputs, step_fn)
+                timings.append(bounds.durations())
+            if swap_too and L:
+                engine.set_block_modes((BlockMode.SWAP,) * L)
+                _one_pass(engine, bounds, inputs, step_fn)  # warm-up: host buffers
+                for _ in range(max(1, iterations)):
+                    _one_pass(engine, bounds, inputs, step_fn)
+                    swap_timings.append(bounds.durations())
+    finally:
+        bounds.remove()
+        engine.close()
+    _check_blocks_called(bounds, L)
+    return _Measured(chunks, base, mem, fragmentation, timings, swap_timings)
+
+
+def _segments(m: _Measured, L: int) -> tuple[Segment, ...]:
+    """Per segment: median times of the timed passes, and the memory pass's byte deltas."""
+    K = L + 2
+    mem = m.mem
+
+    def med(i: int, s: int, runs) -> float:
+        return statistics.median(t[i][s] for t in runs)
+
+    def swap_cost(i: int, s: int) -> float | None:
+        if not m.swap_timings or not 0 < s < K - 1:
+            return None
+        return max(0.0, med(i, s, m.swap_timings) - med(i, s, m.timings))
+
+    segments = []
+    for s in range(K):
+        L_s = mem.at[("fwd", s)]
+        L_next = mem.at[("fwd", s + 1)] if s + 1 < K else mem.at[("fwd_end", -1)]
+        recompute = (TrainingPhase.RECOMPUTE, s)
+        segments.append(Segment(
+            name=mem.names[s],
+            kind="pre" if s == 0 else "post" if s == K - 1 else "block",
+            chunks=m.chunks.get(s, ()),
+            fwd_s=med(0, s, m.timings),
+            bwd_s=med(1, s, m.timings),
+            recompute_s=med(2, s, m.timings),
+            out_bytes=max(0, L_next - L_s),
+            saved_bytes=mem.saved.get(s, 0),
+            fwd_peak_bytes=max(0, mem.peaks[(TrainingPhase.FORWARD, s)] - L_s),
+            bwd_peak_bytes=max(0, mem.peaks[(TrainingPhase.BACKWARD, s)] - L_s),
+            recompute_peak_bytes=max(0, mem.peaks[recompute] - L_s) if recompute in mem.peaks else 0,
+            swap_out_s=swap_cost(0, s),
+            swap_in_s=swap_cost(1, s),
+        ))
+    return tuple(segments)
+
+
+def _one_pass(engine: Engine, bounds: Boundaries, inputs, step_fn) -> None:
+    bounds.reset()
+    bounds.mark("fwd", 0)  # also when step_fn calls a submodule, not the wrapped module itself
+    with engine.autocast():
+        loss = step_fn(engine.module, inputs)
+    kept = None
+    if isinstance(loss, tuple):  # (loss, what the caller keeps alive until after backward)
+        loss, kept = loss
+    bounds.mark("fwd_end")
+    bounds.mark("bwd", bounds.L + 1)
+    with engine.no_sync():
+        engine.backward(loss)
+    bounds.mark("bwd_end")
+    del loss, kept
+    engine.zero_grad()
+
+
+def _memory_pass(engine: Engine, bounds: Boundaries, inputs, step_fn, device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        static = engine.device_bytes
+        mem = MemoryPass(bounds, lambda: torch.cuda.memory_allocated(device) - static())
+        mode = CudaMeter(device, static, mem.op)
+    else:
+        tracker = LiveStorageTracker(device, on_op=lambda f, b, a, s: mem.op(f, b, a, s))
+        mem = MemoryPass(bounds, lambda: tracker.live)
+        mode = tracker
+    bounds.listener = mem.boundary
+    try:
+        with mode:
+            _one_pass(engine, bounds, inputs, step_fn)
+    finally:
+        bounds.listener = None
+    fragmentation = 1.0
+    if device.type == "cuda":
+        # Reserved over allocated at the peak: the caching allocator's rounding and splitting.
+        allocated = torch.cuda.max_memory_allocated(device)
+        reserved = torch.cuda.max_memory_reserved(device)
+        fragmentation = min(1.5, max(1.0, reserved / max(1, allocated)))
+    return mem, fragmentation
+
+
+def _base_bytes(engine, inputs, device: torch.device) -> int:
+    """Device bytes alive through the iteration that are neither chunks nor activations."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return max(0, torch.cuda.memory_allocated(device) - engine.device_bytes())
+    seen, total = set(), 0
+    for t in list(iter_tensors(inputs)) + list(engine.module.buffers()):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def _check_blocks_called(bounds: Boundaries, L: int) -> None:
+    missing = [j for j in range(L) if ("fwd", j + 1) not in bounds.times]
+    if missing:
+        raise ValueError(
+            f"The profiled forward pass did not call blocks {missing[:8]} of the block list; "
+            "pass blocks= naming the ModuleList whose blocks run in order."
+        )

@@ -1,0 +1,364 @@
+"""One chunk of model states: its storage, its residency and its gradients, with the verbs
+that move it from state to state.
+
+[Note: chunk lifecycle]
+A chunk has two state machines. Every verb checks that it is legal in the current state
+(``IllegalTransition`` otherwise, with nothing changed), then does its storage work, and sets
+the new state last. Nothing outside ``Chunk`` assigns its fields; the scheduler
+(runtime/scheduler.py) only decides *when* to call a verb.
+
+Residency (``ChunkState``): where the chunk's compute copy is.
+
+  verb          from        to          storage work
+  begin_fetch   HOST        FETCHING    allocate the device copy; copy host -> device (copy stream)
+  end_fetch     FETCHING    RESIDENT    compute stream waits for the copy; parameters -> device copy
+  release       RESIDENT    HOST        parameters -> host copy; free the device copy
+  begin_offload RESIDENT    OFFLOADING  copy the gradient buffer device -> host; hand the landing
+                                        (and maybe Adam) to the CPU worker
+  end_offload   OFFLOADING  UPDATING    wait for the copy; parameters -> host copy; free the device
+                                        copy and the gradient buffer
+  begin_update  HOST        UPDATING    hand Adam on the host states to the CPU worker
+  end_update    UPDATING    HOST        wait for the worker (re-raises its failure)
+
+A persistent chunk is ``PERSISTENT`` for its whole life and has no residency verb. While a
+chunk is ``UPDATING`` the worker owns its host tensors: its parameters must not be read until
+``end_update`` (``step()`` returns after every chunk's, and a fetch waits for the chunk's own).
+
+Gradients (``GradState``): what the gradient accumulator holds since ``zero_grad``.
+
+  verb          from            to        meaning
+  receive       EMPTY           FIRST     the first backward since zero_grad writes gradients
+                READY           MORE      a further backward accumulates (no_sync micro-batch)
+                FIRST, MORE     (same)    more gradients of the same backward
+  land          FIRST, MORE     READY     this backward's gradients are in the accumulator
+                                          (a persistent chunk at the end of backward; a streamed
+                                          one in begin_offload: copied over the garbage after
+                                          FIRST, added after MORE, by the CPU worker)
+  land_applied  FIRST, MORE     APPLIED   begin_offload at a step's last backward when Adam
+                                          overlaps it: the worker runs Adam right after landing
+  apply         READY           APPLIED   Adam at step()
+  finish_step   EMPTY, READY,   READY     step() is over (EMPTY stays EMPTY); the gradients stay
+                APPLIED                   until zero_grad, as ``p.grad`` does in torch
+  zero          EMPTY, READY,   EMPTY     zero_grad
+                APPLIED
+
+``receive`` from ``APPLIED`` is illegal: a second backward after the first one already updated
+the chunk (without ``no_sync``) would need the gradients Adam consumed. Which members received
+a gradient since ``zero_grad`` (torch skips parameters whose ``.grad`` is None) and which have
+Adam state (``optimizer.state`` in torch) are per-member facts the chunk keeps alongside.
+
+[Note: parameter access]
+Every managed parameter's ``.data`` is, at any time, a view of one of two flat tensors of its
+chunk: the device copy while the chunk is resident (or persistent), and the host copy while it
+is not. A parameter of a streamed chunk therefore never holds stale or garbage data: outside
+forward/backward it reads the up-to-date host copy (after ``step()`` returns), inside it reads
+the device buffer.
+
+The device copy is one permanent tensor per chunk; releasing the chunk frees its memory with
+``untyped_storage().resize_(0)`` and fetching re-allocates it with ``resize_`` and copies the
+host values in (FSDP2's technique). Autograd's saved tensors stay valid because (1) a saved
+parameter (a leaf) is saved as the parameter object itself, so unpacking reads whatever
+``.data`` points at when backward runs, and (2) a saved *view* of a parameter made in forward
+(``weight.t()`` in ``linear``) shares the storage object of the device copy, which the fetch
+before that block's backward re-allocates and refills with the same values. Re-pointing
+``.data`` does not touch the parameter's version counter, and copying into the device copy
+bumps only the counter of the device copy itself, so autograd's in-place checks are not
+triggered. The runtime guarantees the fetch: a pre-backward hook on each unit's outputs makes
+the unit's chunks resident before any of its backward nodes runs (runtime/hooks.py). That
+includes the recomputation of a checkpointed block, which its first backward node triggers;
+it calls the block's original ``forward`` and does not re-run the forward hooks (see [Note:
+block forwards] in activations.py). The chunks are equal-size, so the device caching allocator
+recycles the same ``n_buffer`` blocks: those are the chunk buffers.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import torch
+from torch import Tensor
+
+from protrain_core.runtime.device import DeviceContext
+from protrain_core.runtime.storage import ChunkStorage
+from protrain_core.structure.layout import ChunkSpec, ParamSlot
+
+
+class ChunkState(enum.Enum):
+    PERSISTENT = "persistent"  # everything on the device for the whole run
+    HOST = "host"  # streamed chunk at rest: host copies are authoritative, no device memory
+    FETCHING = "fetching"  # host -> device copy of the compute copy issued
+    RESIDENT = "resident"  # device buffer valid; parameters point at it
+    OFFLOADING = "offloading"  # backward done; device -> host gradient copy issued
+    UPDATING = "updating"  # host copies owned by the CPU worker (grad landing and/or Adam)
+
+
+class GradState(enum.Enum):
+    EMPTY = "empty"  # nothing since zero_grad: the accumulator holds garbage
+    FIRST = "first"  # the first backward since zero_grad is writing gradients
+    MORE = "more"  # a further backward is writing gradients to add to the accumulator
+    READY = "ready"  # the accumulator holds the gradients; no update used them yet this step
+    APPLIED = "applied"  # Adam used them this step; step() completes the step
+
+
+# (verb, from-state) -> to-state. Anything else is illegal.
+TRANSITIONS: dict[tuple[str, ChunkState], ChunkState] = {
+    ("begin_fetch", ChunkState.HOST): ChunkState.FETCHING,
+    ("end_fetch", ChunkState.FETCHING): ChunkState.RESIDENT,
+    ("release", ChunkState.RESIDENT): ChunkState.HOST,
+    ("begin_offload", ChunkState.RESIDENT): ChunkState.OFFLOADING,
+    ("end_offload", ChunkState.OFFLOADING): ChunkState.UPDATING,
+    ("begin_update", ChunkState.HOST): ChunkState.UPDATING,
+    ("end_update", ChunkState.UPDATING): ChunkState.HOST,
+}
+VERBS = tuple(sorted({verb for verb, _ in TRANSITIONS}))
+
+G = GradState
+GRAD_TRANSITIONS: dict[tuple[str, GradState], GradState] = {
+    ("receive", G.EMPTY): G.FIRST,
+    ("receive", G.READY): G.MORE,
+    ("receive", G.FIRST): G.FIRST,
+    ("receive", G.MORE): G.MORE,
+    ("land", G.FIRST): G.READY,
+    ("land", G.MORE): G.READY,
+    ("land_applied", G.FIRST): G.APPLIED,
+    ("land_applied", G.MORE): G.APPLIED,
+    ("apply", G.READY): G.APPLIED,
+    ("finish_step", G.APPLIED): G.READY,
+    ("finish_step", G.READY): G.READY,
+    ("finish_step", G.EMPTY): G.EMPTY,
+    ("zero", G.EMPTY): G.EMPTY,
+    ("zero", G.READY): G.EMPTY,
+    ("zero", G.APPLIED): G.EMPTY,
+}
+GRAD_VERBS = tuple(sorted({verb for verb, _ in GRAD_TRANSITIONS}))
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+def _next(table: dict, verb: str, state, index: int):
+    target = table.get((verb, state))
+    if target is None:
+        legal = [v for v, s in table if s is state]
+        raise IllegalTransition(f"chunk {index}: cannot {verb} in state {state.name} (legal: {legal or 'none'})")
+    return target
+
+
+class Chunk:
+    """Flat storage of one chunk and the verbs of its lifecycle (see [Note: chunk lifecycle])."""
+
+    def __init__(self, spec: ChunkSpec, *, params: list[torch.nn.Parameter], storage: ChunkStorage,
+                 opt_members: dict[int, list[int]]) -> None:
+        self.spec = spec
+        self.index = spec.index
+        self.params = params  # aligned with spec.members
+        self.storage = storage
+        self.persistent = storage.persistent
+        self.opt_members = opt_members  # param group -> members the optimizer updates
+        self.grad_members = tuple(i for i, p in enumerate(params) if p.requires_grad)
+        self.state = ChunkState.PERSISTENT if self.persistent else ChunkState.HOST
+        self.grad_state = GradState.EMPTY
+        self._received = [False] * len(params)  # got a gradient since zero_grad
+        self._adam_state = [False] * len(params)  # has Adam state (like torch's optimizer.state)
+        self._arrived = 0  # members whose gradient arrived in the current backward pass
+        self.pins = 0  # forward uses in flight
+        self.last_use = 0  # for least-recently-used eviction
+        self._event = None  # the fetch or offload copy in flight
+        self._future: Future | None = None  # the CPU worker's job on this chunk
+
+    def __repr__(self) -> str:
+        return f"Chunk({self.index}, {self.state.value}, grads {self.grad_state.value})"
+
+    # ----- residency ------------------------------------------------------------------------
+    def _moved(self, verb: str) -> ChunkState:
+        return _next(TRANSITIONS, verb, self.state, self.index)
+
+    def begin_fetch(self, ctx: DeviceContext) -> None:
+        target = self._moved("begin_fetch")
+        self.storage.allocate_device_copy()
+        self._event = ctx.copy_async(self.storage.device_copy, self.storage.host_copy)
+        self.state = target
+
+    def end_fetch(self, ctx: DeviceContext, *, wait_on_host: bool = False) -> None:
+        """The compute stream waits for the copy (``wait_on_host``: the calling thread does)."""
+        target = self._moved("end_fetch")
+        ctx.synchronize(self._event) if wait_on_host else ctx.wait_on_compute(self._event)
+        self._event = None
+        self.point_params_at(self.storage.device_copy)
+        self.state = target
+
+    def release(self) -> None:
+        target = self._moved("release")
+        self.point_params_at(self.storage.host_copy)
+        self.storage.free_device_copy()
+        self.state = target
+
+    def begin_offload(self, ctx: DeviceContext, *, applied: bool, landing_for: Callable[[bool], Tensor],
+                      submit: Callable[[object, Tensor, bool], Future]) -> None:
+        """Copy the gradient buffer to the host and hand the chunk to the CPU worker, which lands
+        the gradients in the accumulator (and runs Adam when ``applied``).
+
+        ``landing_for(replace)`` is the host tensor the copy goes to; ``submit(event, landing,
+        replace)`` returns the worker's future (the worker waits for ``event`` itself).
+        ``replace``: the first pass since zero_grad, whose gradients replace the garbage.
+        """
+        target = self._moved("begin_offload")
+        grad_target = self._grad_moved("land_applied" if applied else "land")
+        replace = self.grad_state is GradState.FIRST
+        landing = landing_for(replace)
+        self._event = ctx.copy_async(landing, self.storage.grad_buffer)
+        self._future = submit(self._event, landing, replace)
+        self.grad_state = grad_target
+        self.state = target
+
+    def end_offload(self, ctx: DeviceContext) -> None:
+        target = self._moved("end_offload")
+        ctx.synchronize(self._event)
+        self._event = None
+        self.point_params_at(self.storage.host_copy)
+        self.storage.free_grad_buffer()
+        self.storage.free_device_copy()
+        self.state = target
+
+    def begin_update(self, future: Future) -> None:
+        target = self._moved("begin_update")
+        self._future = future
+        self.state = target
+
+    def end_update(self) -> None:
+        target = self._moved("end_update")
+        future, self._future = self._future, None
+        future.result()  # re-raises a failure of the worker
+        self.state = target
+
+    def update_finished(self) -> bool:
+        """An UPDATING chunk whose worker job is done (``end_update`` will not block)."""
+        return self.state is ChunkState.UPDATING and self._future.done()
+
+    @property
+    def device_resident(self) -> bool:
+        return self.state in (ChunkState.FETCHING, ChunkState.RESIDENT, ChunkState.OFFLOADING)
+
+    def pin(self, tick: int) -> None:
+        self.pins += 1
+        self.last_use = tick
+
+    def unpin(self) -> None:
+        self.pins -= 1
+
+    def touch(self, tick: int) -> None:
+        self.last_use = tick
+
+    # ----- gradients --------------------------------------------------------------------------
+    def _grad_moved(self, verb: str) -> GradState:
+        return _next(GRAD_TRANSITIONS, verb, self.grad_state, self.index)
+
+    def receive(self, i: int, grad: Tensor) -> bool:
+        """Member ``i``'s gradient of this backward: into the accumulator (persistent) or the
+        device gradient buffer (streamed; the chunk is resident). True when every member with
+        gradients has its gradient of this pass."""
+        target = self._grad_moved("receive")
+        if self.persistent:
+            dst = self.view(self.storage.grad_acc, i)
+            dst.add_(grad) if self._received[i] else dst.copy_(grad)
+        else:
+            assert self.state is ChunkState.RESIDENT, self
+            buffer = self.storage.grad_buffer
+            if buffer is None:
+                buffer = self.storage.allocate_grad_buffer()
+            self.view(buffer, i).copy_(grad)
+        self._received[i] = True
+        self._arrived += 1
+        self.grad_state = target
+        return self._arrived == len(self.grad_members)
+
+    @property
+    def receiving(self) -> bool:
+        return self.grad_state in (GradState.FIRST, GradState.MORE)
+
+    @property
+    def holds_gradient_buffer(self) -> bool:
+        return self.storage.grad_buffer is not None
+
+    def land(self) -> None:
+        """A persistent chunk's gradients of this pass are in its accumulator."""
+        assert self.persistent, self
+        self.grad_state = self._grad_moved("land")
+
+    def apply(self) -> None:
+        self.grad_state = self._grad_moved("apply")
+
+    def finish_step(self) -> None:
+        self.grad_state = self._grad_moved("finish_step")
+
+    def end_pass(self) -> None:
+        self._arrived = 0
+
+    def zero(self) -> None:
+        target = self._grad_moved("zero")
+        self._received = [False] * len(self.params)
+        self.grad_state = target
+
+    @property
+    def applied(self) -> bool:
+        return self.grad_state is GradState.APPLIED
+
+    def has_grad(self, i: int) -> bool:
+        """Member ``i`` received a gradient since zero_grad (torch: ``p.grad is not None``)."""
+        return self._received[i]
+
+    @property
+    def has_gradients(self) -> bool:
+        return any(self._received)
+
+    # ----- optimizer state ----------------------------------------------------------------------
+    def has_adam_state(self, i: int) -> bool:
+        return self._adam_state[i]
+
+    def set_adam_state(self, i: int, present: bool = True) -> None:
+        self._adam_state[i] = present
+
+    # ----- values -------------------------------------------------------------------------------
+    @property
+    def members(self) -> tuple[ParamSlot, ...]:
+        return self.spec.members
+
+    def view(self, flat: Tensor, i: int) -> Tensor:
+        m = self.spec.members[i]
+        return flat[m.offset : m.offset + m.numel].view(m.shape)
+
+    def point_params_at(self, flat: Tensor) -> None:
+        """Re-point every parameter's ``.data`` at its slot in ``flat`` (see [Note: parameter access])."""
+        for i, p in enumerate(self.params):
+            p.data = self.view(flat, i)
+
+    def load_params(self) -> None:
+        """Copy the parameters' current values in (the master, then its compute copy), and point
+        the parameters at the compute copy. An fp32 model is rounded to bf16 in bf16-true."""
+        storage = self.storage
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                self.set_member(i, p.detach())
+        self.point_params_at(storage.compute_home)
+
+    def set_member(self, i: int, value: Tensor) -> None:
+        """Write member ``i``'s value (master, and the compute copy where it rests)."""
+        storage = self.storage
+        with torch.no_grad():
+            if storage.master is not None:
+                self.view(storage.master, i).copy_(value)
+                value = self.view(storage.master, i)
+            if not storage.fmt.keeps_master or storage.fmt.separate_master:
+                self.view(storage.compute_home, i).copy_(value)
+
+    def member_value(self, i: int) -> Tensor:
+        """Member ``i``'s authoritative value: its master weights (the compute copy when the
+        chunk keeps no master)."""
+        storage = self.storage
+        return self.view(storage.master if storage.master is not None else storage.compute_home, i)
+
+    def device_bytes(self) -> int:
+        return self.storage.device_bytes()

@@ -1,0 +1,422 @@
+"""The engine: a model's parameters and optimizer states in ProTrain chunks, and the training
+API (forward through ``engine.module``, then ``backward``, ``step``, ``zero_grad``).
+
+``protrain_core.wrap`` (api.py) builds one from a model, an optimizer and a plan; the profiler
+builds one that never steps (``EngineOptions(optimizer_states=False)``) and drives it through
+the same public methods: ``set_block_modes``, ``on_recompute``, ``autocast``, ``device_bytes``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from protrain_core.phase import PhaseTracker, TrainingPhase
+from protrain_core.plan import BlockMode, Plan, check_plan, describe_modes
+from protrain_core.precision import LossScaler, Precision
+from protrain_core.runtime.activations import ActivationManager, BlockActivations
+from protrain_core.runtime.chunk import Chunk
+from protrain_core.runtime.device import DeviceContext
+from protrain_core.runtime.hooks import RuntimeHooks
+from protrain_core.runtime.host_pool import HostPool, should_pin
+from protrain_core.runtime.optim import ChunkOptimizer
+from protrain_core.runtime.scheduler import Runtime
+from protrain_core.runtime.storage import ChunkFormat, ChunkStorage, chunk_formats
+from protrain_core.structure.layout import ChunkLayout, unit_chunks
+from protrain_core.update import ClipAlgorithm, GradientClipping, clips_norm, overlap_mode, parse_gradient_clipping
+from protrain_core.utils import check_host_memory
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineOptions:
+    """How an engine is built (beyond its model, optimizer, layout, plan and precision).
+
+    Attributes:
+        optimizer_states: False builds an engine that never steps (evaluation, profiling): no
+            optimizer states are allocated; ``backward`` outside ``no_sync`` and ``step`` raise.
+        check_invariants: check residency and device-byte invariants at every hook (tests).
+        warn_on_cache: warn once when checkpointed or swapped blocks run without their key/value
+            cache (the profiler's all-checkpointed layout is not the user's choice: no warning).
+    """
+
+    optimizer_states: bool = True
+    check_invariants: bool = False
+    warn_on_cache: bool = True
+
+
+class Engine:
+    """Runs a wrapped model: forward through ``engine.module``, then backward, step, zero_grad."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, layout: ChunkLayout, plan: Plan,
+                 precision: Precision, device: torch.device, options: EngineOptions = EngineOptions()) -> None:
+        check_plan(plan, layout.limits())
+        self.module, self.optimizer, self.layout, self.plan = module, optimizer, layout, plan
+        self.precision, self.device, self.options = precision, device, options
+        self.optimizer_states = options.optimizer_states
+        self.ctx = DeviceContext(device)
+        self.phase = PhaseTracker()
+        self.scaler = LossScaler() if precision is Precision.FP16_MIXED else None
+        self._optim = ChunkOptimizer(optimizer)
+        self._no_sync = False
+        self._closed = False
+        self._autocast_depth = 0
+        self.last_grad_norm: Tensor | None = None  # total norm before clipping (norm clipping)
+        self.chunks, self.host_pool = self._allocate(chunk_formats(module, optimizer, layout, precision,
+                                                                   optimizer_states=options.optimizer_states))
+        self._slot_of: dict[int, tuple[Chunk, int]] = {id(p): (c, i) for c in self.chunks for i, p in enumerate(c.params)}
+        n_buffer = min(plan.n_buffer, len(self.chunks) - plan.n_persist)
+        self.runtime = Runtime(self.chunks, self.ctx, self._optim, self.phase, n_buffer=n_buffer,
+                               check_invariants=options.check_invariants)
+        self._set_update_mode()
+        units = {m: idxs for m, idxs in unit_chunks(module, layout).items() if any(i >= plan.n_persist for i in idxs)}
+        self.hooks = RuntimeHooks(self.runtime, units, self.chunks)
+        self.activations: ActivationManager | None = None
+        self._recompute_observers: OrderedDict[int, object] = OrderedDict()  # RemovableHandle needs a weakref-able dict
+        self.set_block_modes(plan.block_modes(layout.n_blocks))
+        self._autocast_handles = self._register_autocast() if precision.is_mixed else []
+        if optimizer.state and options.optimizer_states:
+            # The optimizer already stepped: carry its state into the chunks.
+            osd = optimizer.state_dict()
+            optimizer.state.clear()
+            self.load_optimizer_state_dict(osd)
+        module._protrain_engine = self
+        self.profile = None  # the Profile a searched plan came from (set by wrap)
+        self.choice = None  # the search's PlanChoice (set by wrap)
+
+    # ----- construction -------------------------------------------------------------------
+    def _allocate(self, formats: list[ChunkFormat]) -> tuple[list[Chunk], HostPool]:
+        """Chunk storages (host ones from one exact-size pool) holding the parameters' values;
+        the parameters then point into them."""
+        n_persist, dev = self.plan.n_persist, self.device
+        streamed = [fmt for i, fmt in enumerate(formats) if i >= n_persist]
+        host_bytes = sum(fmt.streamed_host_bytes for fmt in streamed)
+        # A CPU "device" is host memory too.
+        device_bytes = 0 if dev.type == "cuda" else sum(fmt.persistent_device_bytes for fmt in formats[:n_persist])
+        check_host_memory(host_bytes + device_bytes, "offloaded model states")
+        pool = ChunkStorage.host_pool(streamed, pin=should_pin(dev))
+        params = dict(self.module.named_parameters())
+        chunks = []
+        for spec, fmt in zip(self.layout.chunks, formats):
+            members = [params[m.name] for m in spec.members]
+            storage = ChunkStorage(fmt, persistent=spec.index < n_persist, device=dev, pool=pool, n_members=len(members))
+            opt_members = self._optim.members_by_group(members) if fmt.adam_states else {}
+            chunk = Chunk(spec, params=members, storage=storage, opt_members=opt_members)
+            chunk.load_params()
+            chunks.append(chunk)
+        for b in self.module.buffers():
+            # bf16-true runs the module as model.to(torch.bfloat16) would: floating buffers too.
+            low = self.precision is Precision.BF16_TRUE and b.is_floating_point()
+            b.data = b.data.to(dev, dtype=self.precision.compute_dtype if low else b.dtype)
+        return chunks, pool
+
+    def set_block_modes(self, modes: tuple[BlockMode, ...]) -> None:
+        """Manage the blocks' activations with these modes (replacing the current ones; the
+        profiler times its engine's blocks both checkpointed and swapped)."""
+        if self.activations is not None:
+            self.activations.remove()
+        blocks = list(self.module.get_submodule(self.layout.block_path))
+        self.block_modes = modes
+        self.activations = ActivationManager(blocks, modes, self.ctx, self.phase, observers=self._recompute_observers,
+                                             warn_on_cache=self.options.warn_on_cache)
+        static = [t for c in self.chunks for t in c.storage.static_tensors()]
+        self.activations.install(static + list(self.module.buffers()))
+
+    def on_recompute(self, observer) -> RemovableHandle:
+        """``observer(block_index, begin)`` when a checkpointed block's recomputation begins and
+        ends (the profiler's timeline); it stays across ``set_block_modes``."""
+        handle = RemovableHandle(self._recompute_observers)
+        self._recompute_observers[handle.id] = observer
+        return handle
+
+    @contextmanager
+    def autocast(self):
+        """Autocast for the mixed modes -- the one place that enters it: the engine's own forward
+        hooks on ``engine.module`` and the Lightning adapters' step contexts both use this, and
+        an enclosing use makes an inner one a no-op."""
+        if self.precision.autocast_dtype is None or self._autocast_depth:
+            yield
+            return
+        self._autocast_depth += 1
+        try:
+            with torch.autocast(self.device.type, dtype=self.precision.autocast_dtype):
+                yield
+        finally:
+            self._autocast_depth -= 1
+
+    def _register_autocast(self):
+        stack = []
+
+        def enter(_module, _args):
+            context = self.autocast()
+            context.__enter__()
+            stack.append(context)
+
+        def leave(_module, _args, _output):
+            stack.pop().__exit__(None, None, None)
+
+        return [
+            self.module.register_forward_pre_hook(enter),
+            self.module.register_forward_hook(leave, always_call=True),
+        ]
+
+    # ----- training -----------------------------------------------------------------------
+    def backward(self, loss: Tensor) -> None:
+        """Backward through the managed model; streamed chunks are updated while it runs
+        (unless Adam waits for step(): see ``overlap``)."""
+        self._check_open()
+        if not self._no_sync:
+            self._check_trains("backward() outside no_sync()")
+        with self.runtime.backward_pass(boundary=not self._no_sync), self.activations.backward_pass():
+            if self.scaler is not None:
+                loss = loss * self.scaler.scale.to(loss.device)
+            loss.backward()
+
+    @contextmanager
+    def no_sync(self):
+        """Backward passes inside only accumulate gradients (non-final micro-batches)."""
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    def step(self) -> None:
+        """Returns when every parameter holds this step's final value."""
+        self._check_open()
+        self._check_trains("step()")
+        with self.phase.entered(TrainingPhase.STEP, leaving=TrainingPhase.IDLE,
+                                error="engine.step() was called during backward."):
+            hps = self._optim.snapshot()
+            if any(c.applied for c in self.chunks) and hps != self.runtime.hps:
+                raise RuntimeError(
+                    "The optimizer's hyper-parameters changed between engine.backward() and "
+                    "engine.step(), but ProTrain already applied the backward-time values to the "
+                    "offloaded chunks. Change lr (e.g. scheduler.step()) after engine.step()."
+                )
+            if self._prepare_gradients():
+                self.runtime.step(hps)
+            else:
+                self.runtime.finish_step()  # fp16 overflow: the step is skipped
+        # Runs the optimizer's step hooks and LR-scheduler bookkeeping. No parameter holds a
+        # .grad (the engine keeps gradients in chunks), so torch's update loop skips them all.
+        self.optimizer.step()
+
+    def _prepare_gradients(self) -> bool:
+        """fp16 unscaling and overflow check, norm clipping; False when the step is skipped."""
+        clip_norm = clips_norm(self._optim.clipping)
+        if self.scaler is None and not clip_norm:
+            return True
+        self.runtime.wait_all()  # every gradient is in its accumulator, none was used yet
+        found_inf = None
+        if self.scaler is not None:
+            found_inf = self._unscale_and_check()
+            self.scaler.update(found_inf)
+        if clip_norm:
+            # Also on a skipped fp16 step: the norm is then inf/nan, as clip_grad_norm_ reports it.
+            self.last_grad_norm = self._optim.clip_grad_norm(self._slot_of, self.device)
+        return found_inf is None or not found_inf.item()
+
+    def _unscale_and_check(self) -> Tensor:
+        found_inf = torch.zeros(1, dtype=torch.float32)
+        inv_scale = self.scaler.inv_scale()
+        for c in self.chunks:
+            grads = [c.view(c.storage.grad_acc, i) for i in c.grad_members if c.has_grad(i)]
+            if grads:
+                local = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, local, inv_scale.to(grads[0].device))
+                found_inf += local.cpu()
+        return (found_inf > 0).float()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._check_open()
+        self.runtime.zero_grad()
+
+    # ----- update configuration -------------------------------------------------------------
+    def set_gradient_clipping(self, algorithm: str | None, value: float | None = None, norm_type: float = 2.0) -> None:
+        """Clip the gradients before every update exactly as plain PyTorch would with
+        ``torch.nn.utils.clip_grad_norm_(params, value, norm_type)`` ("norm") or
+        ``clip_grad_value_(params, value)`` ("value") over the optimizer's parameters, on the
+        gradients Adam reads (fp32 in mixed precision, after fp16 unscaling); None turns it off.
+
+        "value" is elementwise: each chunk is clamped right before its own Adam, so streamed
+        chunks are still updated during backward. "norm" needs the global norm before any
+        update: every chunk's Adam waits for step() (the CPU Adam no longer overlaps backward;
+        ``overlap`` says so) and ``last_grad_norm`` holds the total norm before clipping.
+        Call it between steps; setting the current value again is a no-op at any time.
+        """
+        self._check_open()
+        clipping = parse_gradient_clipping(algorithm, value, norm_type)
+        if clipping == self._optim.clipping:
+            return
+        if self.phase.phase is not TrainingPhase.IDLE:
+            raise RuntimeError("engine.set_gradient_clipping() was called during backward; call it between steps.")
+        if any(c.applied for c in self.chunks):
+            raise RuntimeError(
+                "Gradient clipping changed between engine.backward() and engine.step(), but ProTrain "
+                "already updated offloaded chunks during backward with the previous setting. Change "
+                "it after engine.step(), before the next backward."
+            )
+        self.runtime.wait_all()  # no update in flight reads the setting
+        self._optim.clipping = clipping
+        self.last_grad_norm = None
+        self._set_update_mode()
+
+    @property
+    def gradient_clipping(self) -> GradientClipping | None:
+        return self._optim.clipping
+
+    def _set_update_mode(self) -> None:
+        self.overlap_mode = overlap_mode(self.precision, self._optim.clipping)
+        self.runtime.update_during_backward = self.overlap_mode.during_backward
+
+    @property
+    def overlap(self) -> str:
+        """The overlap mode in force, e.g. "cpu-adam-during-backward" (see update.py)."""
+        return str(self.overlap_mode)
+
+    # ----- state --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Tensor]:
+        """Master weights (fp32; bf16 in bf16-true) and buffers under the model's own names, on the CPU."""
+        self.runtime.wait_all()
+        out = {}
+        for key, t in self.module.state_dict(keep_vars=True).items():
+            slot = self._slot_of.get(id(t))
+            value = t if slot is None else slot[0].member_value(slot[1])
+            out[key] = value.detach().to("cpu", copy=True)
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Tensor], strict: bool = True) -> None:
+        self._check_open()
+        expected = self.module.state_dict(keep_vars=True)
+        missing = [k for k in expected if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected]
+        if strict and (missing or unexpected):
+            raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        for key, value in state_dict.items():
+            if key in expected and tuple(value.shape) != tuple(expected[key].shape):
+                raise ValueError(f"load_state_dict: {key} has shape {tuple(value.shape)}, expected {tuple(expected[key].shape)}")
+        self.runtime.release_all()
+        with torch.no_grad():
+            for key, value in state_dict.items():
+                t = expected.get(key)
+                if t is None:
+                    continue
+                slot = self._slot_of.get(id(t))
+                if slot is None:
+                    t.copy_(value)
+                else:
+                    slot[0].set_member(slot[1], value)
+
+    def optimizer_state_dict(self) -> dict:
+        """The optimizer state in ``torch.optim.AdamW.state_dict()`` format, on the CPU."""
+        self.runtime.wait_all()
+        return self._optim.state_dict(self._slot_of)
+
+    def load_optimizer_state_dict(self, state_dict: dict) -> None:
+        self._check_open()
+        self.runtime.wait_all()
+        self._optim.load_state_dict(state_dict, self._slot_of)
+
+    def scaler_state_dict(self) -> dict | None:
+        return None if self.scaler is None else self.scaler.state_dict()
+
+    def load_scaler_state_dict(self, state_dict: dict) -> None:
+        if self.scaler is None:
+            raise ValueError("This engine does not use loss scaling (precision is not '16-mixed').")
+        self.scaler.load_state_dict(state_dict)
+
+    # ----- inspection ---------------------------------------------------------------------
+    def activation_report(self) -> tuple[BlockActivations, ...]:
+        """Per block: mode and activation bytes (saved, inputs, on the device, in host memory),
+        from the last forward pass with gradients. Kept blocks are measured in the first such
+        forward and after ``measure_activations()``."""
+        return self.activations.report()
+
+    def measure_activations(self) -> None:
+        """Measure the kept blocks' saved activations in the next forward pass with gradients."""
+        self.activations.measure_next_forward()
+
+    def device_bytes(self) -> int:
+        """Device memory held by model states right now (persistent chunks + chunk buffers)."""
+        return self.runtime.device_bytes()
+
+    def host_bytes(self) -> int:
+        return self.host_pool.nbytes
+
+    def explain(self) -> str:
+        """Why this plan: predicted step time by phase, memory breakdown, bottleneck
+        (for a searched plan; an explicit plan is reported as given)."""
+        if self.choice is None:
+            text = (f"ProTrain plan: {self.plan} (given explicitly; wrap(plan=None, memory_budget=...) "
+                    "profiles the model and searches the fastest plan that fits)")
+        else:
+            text = self.choice.explain()
+        return text if self._optim.clipping is None else f"{text}\n{self._clipping_line()}"
+
+    def _clipping_line(self) -> str:
+        clip = self._optim.clipping
+        if clip is None:
+            return "gradient clipping: off"
+        if clip.algorithm is ClipAlgorithm.VALUE:
+            return (f"gradient clipping by value ({clip.value:g}): elementwise, per chunk before its Adam; "
+                    "the CPU Adam still overlaps backward")
+        line = (f"gradient clipping by norm (max_norm {clip.value:g}, {clip.norm_type:g}-norm): the global norm "
+                "needs every gradient before any update, so the CPU Adam of offloaded chunks runs at step() "
+                "instead of overlapping backward")
+        if self.choice is not None and self.choice.adam_in_backward:
+            line += ("; this plan was searched assuming the overlap: wrap(..., gradient_clipping=('norm', "
+                     "max_norm)) searches with Adam at step()")
+        return line
+
+    def summary(self) -> str:
+        mib = 2**20
+        return "\n".join(
+            [
+                f"ProTrain engine: {self.plan}, precision={self.precision.value}, device={self.device}",
+                f"optimizer: {type(self.optimizer).__name__} per chunk; overlap: {self.overlap}",
+                self._clipping_line(),
+                f"activations per block: {describe_modes(self.block_modes)}",
+                f"device model-state bytes now {self.device_bytes() / mib:.2f} MiB "
+                f"(bound {self.runtime.device_bytes_bound() / mib:.2f} MiB); "
+                f"host pool {self.host_bytes() / mib:.2f} MiB ({'pinned' if self.host_pool.pinned else 'pageable'})",
+                self.layout.summary(self.precision.compute_dtype.itemsize, self.plan.n_persist),
+            ]
+        )
+
+    # ----- life ---------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Remove the hooks and stop the worker. The parameters keep their current values, as
+        views of the master weights (on the device for persistent chunks, else host)."""
+        if self._closed:
+            return
+        self.runtime.wait_all()
+        self.runtime.release_all()
+        for c in self.chunks:
+            c.point_params_at(c.storage.master if c.storage.master is not None else c.storage.compute_home)
+        self.hooks.remove()
+        self.activations.remove()
+        for h in self._autocast_handles:
+            h.remove()
+        self.runtime.shutdown()
+        self.module._protrain_engine = None
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("This ProTrain engine was closed.")
+
+    def _check_trains(self, what: str) -> None:
+        if not self.optimizer_states:
+            raise RuntimeError(
+                f"{what} on an evaluation-only ProTrain engine (wrap(optimizer_states=False)): it holds no optimizer "
+                "states. Wrap with optimizer_states=True to train."
+            )

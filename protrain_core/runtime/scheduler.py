@@ -1,0 +1,336 @@
+"""When chunks move: fetch, prefetch and evict; gradient offload; the CPU worker's updates.
+
+[Note: when a chunk is needed]
+Forward: the pre-hook of every *unit module* (a transformer block, or a module outside the blocks
+that owns parameters) pins the unit's chunks on the device and prefetches the next chunk in
+execution order; the post-hook unpins them. Pinned chunks are never evicted; unpinned resident
+chunks -- and prefetched ones still arriving -- stay until their buffer is needed (least
+recently used first), so the last chunks of the forward pass are still resident when backward
+starts and are not uploaded again.
+Backward: when a unit call's backward begins -- the gradient of one of its outputs is
+complete, before any backward node of the unit runs -- its chunks are made resident and join
+the *current* chunks, which stay until its backward ends ([Note: a unit's backward] in
+hooks.py); the chunk before them is prefetched.
+Gradients: ``register_post_accumulate_grad_hook`` fires once per parameter and backward pass,
+after autograd summed the contributions of every use (a tied parameter too). The hook moves the
+gradient into the chunk's gradient buffer and clears ``.grad``. When every trainable parameter
+of a streamed chunk has its gradient, the buffer is offloaded to host memory and the CPU worker
+lands it in the accumulator (fp32; bf16 in bf16-true) and, at a gradient-accumulation boundary,
+runs Adam on the chunk while backward goes on (unless Adam waits for step(): update.py). Nothing
+of the chunk is needed by backward after that point: autograd runs a parameter's accumulation
+only after every node that uses the parameter ran. A chunk that is still receiving gradients
+is evicted only as a last resort: its partial gradients are then offloaded and accumulated on
+the host like a micro-batch, and it is fetched again if more arrive. So the runtime never needs
+more buffers than the units active at once ([Note: plan validity] in plan.py).
+In mixed precision the offloaded gradients land in the chunk's host compute-dtype copy (no extra
+host memory); the worker folds them into the fp32 accumulator and then rewrites that copy from
+the fp32 master. So while a chunk is UPDATING its parameters must not be read: they are valid
+again when ``step()`` returns (or when the chunk is next fetched, which waits for the worker).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+from protrain_core.phase import PhaseTracker, TrainingPhase
+from protrain_core.runtime.chunk import Chunk, ChunkState
+from protrain_core.runtime.device import DeviceContext
+from protrain_core.runtime.optim import ChunkOptimizer
+from protrain_core.runtime.worker import CpuWorker
+from protrain_core.utils import traced
+
+# Events of the timeline that are also counted in ``Runtime.stats``.
+_COUNTED = {"fetch": "fetches", "offload": "offloads", "evict": "evictions", "cpu_adam_end": "cpu_updates"}
+
+
+class Runtime:
+    def __init__(self, chunks: list[Chunk], ctx: DeviceContext, optim: ChunkOptimizer, phase: PhaseTracker, *,
+                 n_buffer: int, check_invariants: bool) -> None:
+        self.chunks = chunks
+        self.streamed = [c for c in chunks if not c.persistent]
+        self.ctx = ctx
+        self.optim = optim
+        self.phase = phase
+        self.n_buffer = n_buffer
+        self.update_during_backward = True  # set by the engine from update.overlap_mode
+        self.check_invariants = check_invariants
+        self.boundary = True  # this backward is followed by step() (not inside no_sync)
+        self.hps = None  # hyper-parameters snapshot of the current step
+        self.current: set[int] = set()  # the chunks of the active chain
+        self._chain: list = []  # the active chain: the hooks.UnitCall whose backward began last, and its ancestors
+        self._tick = 0
+        self.stats = dict.fromkeys(_COUNTED.values(), 0)
+        self.events: list[tuple[str, int, float]] = []  # (what, chunk, time) when recording
+        self.record_events = False
+        self.worker = CpuWorker(ctx, optim, n_staging=n_buffer, record=self.record)
+
+    @property
+    def threaded(self) -> bool:
+        return self.worker.threaded
+
+    # ----- called by the hooks (runtime/hooks.py) -------------------------------------------
+    def pre_forward(self, idxs: tuple[int, ...]) -> None:
+        with traced("ProTrain::pre_forward"):
+            self.acquire(idxs, pin=True)
+            self.prefetch(max(idxs) + 1)
+            self.check()
+
+    def post_forward(self, idxs: tuple[int, ...]) -> None:
+        for i in idxs:
+            if not self.chunks[i].persistent:
+                self.chunks[i].unpin()
+
+    def begin_unit_backward(self, call) -> None:
+        """A unit call's backward begins: its chunks become resident and join (or replace) the
+        active chain ([Note: a unit's backward] in hooks.py); the chunk before them is prefetched."""
+        if self.phase.phase is not TrainingPhase.BACKWARD:
+            raise RuntimeError(
+                "A ProTrain-managed module is running backward outside engine.backward(loss). "
+                "Call engine.backward(loss) instead of loss.backward()."
+            )
+        if call.began:
+            return
+        call.began = True
+        with traced("ProTrain::pre_backward"):
+            if call not in self._chain:
+                self._chain = [call, *call.ancestors()]
+                self.current = {i for c in self._chain for i in c.idxs}
+            self.acquire(call.idxs, pin=False)
+            self.prefetch(min(call.idxs) - 1)
+            self.check()
+
+    def on_grad(self, c: Chunk, i: int, p: Tensor) -> None:
+        grad = p.grad
+        p.grad = None
+        if grad is None:
+            return
+        with traced("ProTrain::post_accumulate_grad"), torch.no_grad():
+            if not c.persistent and c.state is not ChunkState.RESIDENT:
+                self._make_resident(c, protect=self.current | {c.index})
+            complete = c.receive(i, grad)
+            if complete and not c.persistent:
+                self._offload(c, final=True)
+            self.check()
+
+    # ----- residency ----------------------------------------------------------------------
+    def acquire(self, idxs, *, pin: bool) -> None:
+        self._tick += 1
+        protect = set(idxs) | self.current
+        for i in idxs:
+            c = self.chunks[i]
+            if c.persistent:
+                continue
+            self._make_resident(c, protect=protect)
+            c.pin(self._tick) if pin else c.touch(self._tick)
+
+    def _make_resident(self, c: Chunk, protect: set[int]) -> None:
+        if c.state is ChunkState.OFFLOADING:
+            c.end_offload(self.ctx)
+        if c.state is ChunkState.UPDATING:
+            c.end_update()  # the next use of a chunk waits for its own update only
+        if c.state is ChunkState.HOST:
+            self._make_room(protect | {c.index})
+            self._fetch(c)
+        if c.state is ChunkState.FETCHING:
+            c.end_fetch(self.ctx)
+
+    def prefetch(self, index: int) -> None:
+        if not 0 <= index < len(self.chunks):
+            return
+        c = self.chunks[index]
+        if c.persistent:
+            return
+        if c.update_finished():
+            c.end_update()
+        if c.state is not ChunkState.HOST or self._victim(self.current | {index}, spill=False) is False:
+            return
+        self._make_room(self.current | {index})
+        self._fetch(c)
+        c.touch(self._tick)
+
+    def _resident(self) -> list[Chunk]:
+        return [c for c in self.streamed if c.device_resident]
+
+    def _victim(self, protect: set[int], *, spill: bool):
+        """The chunk to evict for a free buffer: None if a buffer is free, False if none can go.
+
+        Preference: a chunk whose offload is in flight, then the least recently used idle or
+        prefetched chunk, then (only if ``spill``) one holding a partial set of gradients: those
+        are offloaded and accumulated on the host like a micro-batch, and the chunk is fetched
+        again if more of its gradients arrive (a parameter unused in this pass can leave a
+        chunk incomplete until the end of backward).
+        """
+        resident = self._resident()
+        if len(resident) < self.n_buffer:
+            return None
+        offloading = [c for c in resident if c.state is ChunkState.OFFLOADING]
+        if offloading:
+            return min(offloading, key=lambda c: c.last_use)
+        idle = [c for c in resident if c.state in (ChunkState.RESIDENT, ChunkState.FETCHING)
+                and c.pins == 0 and c.index not in protect]
+        candidates = [c for c in idle if not c.holds_gradient_buffer] or (idle if spill else [])
+        return min(candidates, key=lambda c: c.last_use) if candidates else False
+
+    def _make_room(self, protect: set[int]) -> None:
+        while (victim := self._victim(protect, spill=True)) is not None:
+            if victim is False:
+                busy = [(c.index, c.state.name, c.pins) for c in self._resident()]
+                raise RuntimeError(
+                    f"ProTrain needs another device chunk buffer but all {self.n_buffer} are in use "
+                    f"(chunk, state, forward pins): {busy}. Increase Plan.n_buffer (or Plan.n_persist)."
+                )
+            if victim.state is ChunkState.FETCHING:
+                victim.end_fetch(self.ctx)  # an unused prefetch: the compute stream waits for its copy
+            if victim.state is ChunkState.RESIDENT and victim.holds_gradient_buffer:
+                self._offload(victim, final=False)  # finishes at once on the CPU
+            if victim.state is ChunkState.OFFLOADING:
+                victim.end_offload(self.ctx)
+            elif victim.state is ChunkState.RESIDENT:
+                self._evict(victim)
+
+    def _fetch(self, c: Chunk) -> None:
+        c.begin_fetch(self.ctx)
+        self.record("fetch", c.index)
+
+    def _evict(self, c: Chunk) -> None:
+        c.release()
+        self.record("evict", c.index)
+
+    def release_all(self) -> None:
+        """Free every streamed chunk's device buffer (idle only)."""
+        self.wait_all()
+        for c in self.streamed:
+            if c.state is ChunkState.FETCHING:
+                c.end_fetch(self.ctx, wait_on_host=True)
+            if c.state is ChunkState.RESIDENT:
+                self._evict(c)
+
+    # ----- gradients ----------------------------------------------------------------------
+    def _offload(self, c: Chunk, *, final: bool) -> None:
+        """Send the chunk's gradients to host memory and hand the chunk to the CPU worker.
+
+        ``final``: no more gradients of this chunk come in this backward pass, so at a
+        gradient-accumulation boundary the worker runs Adam on it right away.
+        """
+        update = final and self.update_during_backward and self.boundary
+        worker, hps = self.worker, self.hps
+
+        def submit(event, landing, replace):
+            return worker.submit(worker.land_and_update, c, event, landing, replace, update, hps)
+
+        c.begin_offload(self.ctx, applied=update, landing_for=lambda replace: worker.landing_buffer(c, replace=replace),
+                        submit=submit)
+        self.record("offload", c.index)
+        if not self.ctx.is_cuda:
+            c.end_offload(self.ctx)
+
+    # ----- passes -------------------------------------------------------------------------
+    @contextmanager
+    def backward_pass(self, *, boundary: bool):
+        """One ``engine.backward``; ``boundary``: a step follows (not inside ``no_sync``)."""
+        if any(c.applied for c in self.chunks):
+            raise RuntimeError(
+                "engine.backward() was called twice without engine.step(), but the first backward "
+                "already updated the offloaded chunks (ProTrain runs Adam during backward). For "
+                "gradient accumulation, run the non-final micro-batches inside `with engine.no_sync():`."
+            )
+        with self.phase.entered(TrainingPhase.BACKWARD, leaving=TrainingPhase.IDLE,
+                                error="engine.backward() was called while another backward is running."):
+            self.boundary = boundary
+            self.hps = self.optim.snapshot()
+            self._chain, self.current = [], set()
+            try:
+                yield
+            finally:
+                try:
+                    self._finish_backward()
+                finally:
+                    for c in self.chunks:
+                        c.end_pass()
+                    self._chain, self.current = [], set()
+        self.check()
+
+    def _finish_backward(self) -> None:
+        for c in self.chunks:
+            if not c.receiving:
+                continue
+            if c.persistent:
+                c.land()
+            else:  # some of its parameters got no gradient in this pass
+                self._offload(c, final=True)
+
+    def wait_all(self) -> None:
+        for c in self.streamed:
+            if c.state is ChunkState.OFFLOADING:
+                c.end_offload(self.ctx)
+            if c.state is ChunkState.UPDATING:
+                c.end_update()
+
+    def step(self, hps) -> None:
+        """Update every chunk that has gradients and was not updated during backward."""
+        self.wait_all()
+        pending = [c for c in self.chunks if not c.applied and c.has_gradients]
+        for c in pending:
+            c.apply()
+            if not c.persistent:
+                if c.state is ChunkState.RESIDENT:
+                    self._evict(c)  # its device copy would be stale after the update
+                c.begin_update(self.worker.submit(self.worker.update, c, hps))
+        for c in pending:
+            if c.persistent:
+                with traced("ProTrain::device_adam"), torch.no_grad():
+                    self.optim.update(c, hps)
+        self.wait_all()
+        self.finish_step()
+
+    def finish_step(self) -> None:
+        for c in self.chunks:
+            c.finish_step()
+
+    def zero_grad(self) -> None:
+        self.wait_all()
+        for c in self.chunks:
+            c.zero()
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+    # ----- accounting ---------------------------------------------------------------------
+    def device_bytes(self) -> int:
+        return sum(c.device_bytes() for c in self.chunks)
+
+    def device_bytes_bound(self) -> int:
+        """Persistent chunks plus ``n_buffer`` of the largest streamed chunk's buffer bytes."""
+        persistent = sum(c.storage.fmt.persistent_device_bytes for c in self.chunks if c.persistent)
+        per_buffer = max((c.storage.fmt.buffer_device_bytes for c in self.streamed), default=0)
+        return persistent + self.n_buffer * per_buffer
+
+    def assert_invariants(self) -> None:
+        resident = self._resident()
+        assert len(resident) <= self.n_buffer, f"{len(resident)} chunks resident > n_buffer={self.n_buffer}"
+        for c in self.streamed:
+            storage = c.storage
+            if c.device_resident:
+                assert storage.device_copy_allocated, c
+            else:
+                assert not storage.device_copy_allocated and storage.grad_buffer is None, f"{c} holds device memory"
+            home = storage.device_copy if c.state is ChunkState.RESIDENT else storage.host_copy if not c.device_resident else None
+            if home is not None:
+                for p in c.params:
+                    assert p.untyped_storage().data_ptr() == home.untyped_storage().data_ptr(), f"{c}: stale .data"
+        assert self.device_bytes() <= self.device_bytes_bound(), "device bytes above the plan's bound"
+
+    def check(self) -> None:
+        if self.check_invariants:
+            self.assert_invariants()
+
+    def record(self, what: str, index: int) -> None:
+        counter = _COUNTED.get(what)
+        if counter is not None:
+            self.stats[counter] += 1
+        if self.record_events:
+            self.events.append((what, index, time.perf_counter()))

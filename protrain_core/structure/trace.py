@@ -1,0 +1,201 @@
+"""The execution order of a model, traced on the meta device (no memory, no compute).
+
+The forward pass runs once with every parameter and buffer replaced by a meta tensor of the
+same shape (``torch.func.functional_call``). Hooks record the modules that own parameters in
+the order of their first call (the chunk layout packs parameters in that order) and, for the
+*units* the runtime will hook (each transformer block as a whole, every other module that owns
+parameters), which of them run inside one another: each such stack of active units must have
+all its chunks on the device at once ([Note: plan validity] in plan.py).
+
+Without ``example_inputs`` a Hugging Face model gets ``input_ids`` of shape (1, 8) (and
+``decoder_input_ids`` for an encoder-decoder). If tracing is impossible the module registration
+order is used, with a warning, and no unit is assumed to run inside another.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+
+@dataclass(frozen=True)
+class Trace:
+    order: tuple[str, ...]  # modules owning parameters, in order of first call (then the uncalled ones)
+    source: str  # "traced" (meta-device forward) or "registration"
+    stacks: tuple[tuple[str, ...], ...]  # distinct sets of units active at once (each unit alone included)
+
+
+def owners(model: nn.Module) -> list[str]:
+    """Modules that own parameters directly, in registration order."""
+    return [n for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
+
+
+def unit_names(model: nn.Module, block_path: str) -> list[str]:
+    """The units the runtime hooks: each block as a whole, and every module outside the blocks
+    that owns parameters (a block's submodules are part of the block's unit). A module that is
+    registered twice is one unit, under its first name (as ``model.named_modules()`` gives it)."""
+    blocks = {id(b) for b in model.get_submodule(block_path)}
+    names: list[str] = []
+    seen: set[int] = set()
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        if id(module) in blocks or any(True for _ in module.parameters(recurse=False)):
+            names.append(prefix)
+        if id(module) in blocks:
+            return
+        for child_name, child in module.named_children():
+            visit(f"{prefix}.{child_name}" if prefix else child_name, child)
+
+    visit("", model)
+    return names
+
+
+def trace(model: nn.Module, block_path: str, example_inputs=None) -> Trace:
+    """The execution order of ``model`` and its nested units (see the module docstring)."""
+    inner = _inner_hf_lm(model) if not _is_hf_lm(model) else None
+    if inner is not None:
+        return _trace_wrapper(model, block_path, *inner)
+    inputs = _default_inputs(model, example_inputs)
+    units = unit_names(model, block_path)
+    if inputs is None:
+        return Trace(tuple(owners(model)), "registration", tuple((u,) for u in units))
+    recorder = _Recorder(model, owners(model), units)
+    try:
+        _run_on_meta(model, inputs)
+    except Exception as e:  # noqa: BLE001 - any failure falls back to registration order
+        warnings.warn(
+            f"Could not trace the execution order of {type(model).__name__} on the meta device "
+            f"({type(e).__name__}: {e}); using module registration order for the chunk layout. "
+            "Pass example_inputs= to protrain_core.wrap to trace it.",
+            stacklevel=4,
+        )
+        return Trace(tuple(owners(model)), "registration", tuple((u,) for u in units))
+    finally:
+        recorder.remove()
+    return recorder.result(owners(model), units)
+
+
+def _trace_wrapper(model: nn.Module, block_path: str, name: str, lm: nn.Module) -> Trace:
+    """A wrapper (a LightningModule, a user's module) around one Hugging Face causal LM: trace
+    the LM with its own default inputs (the wrapper's inputs, a training batch, need not be the
+    LM's); the wrapper's own parameters come after it."""
+    prefix = f"{name}."
+    inner_blocks = block_path[len(prefix):] if block_path.startswith(prefix) else ""
+    if not inner_blocks:
+        return Trace(tuple(owners(model)), "registration", tuple((u,) for u in unit_names(model, block_path)))
+    inner = trace(lm, inner_blocks, None)
+    full = lambda n: f"{prefix}{n}" if n else name  # noqa: E731
+    called = [full(n) for n in inner.order]
+    order = called + [n for n in owners(model) if n not in set(called)]
+    stacks = [tuple(full(u) for u in s) for s in inner.stacks]
+    stacks += [(u,) for u in unit_names(model, block_path) if u != name and not u.startswith(prefix)]
+    return Trace(tuple(order), inner.source, tuple(stacks))
+
+
+class _Recorder:
+    """Forward hooks that record first calls of parameter owners and stacks of active units."""
+
+    def __init__(self, model: nn.Module, owner_names: list[str], units: list[str]) -> None:
+        modules = dict(model.named_modules(remove_duplicate=False))
+        self.called: dict[str, None] = {}  # ordered set
+        self.active: list[str] = []
+        self.stacks: dict[tuple[str, ...], None] = {}
+        self.handles = [modules[n].register_forward_pre_hook(self._first_call(n)) for n in owner_names]
+        for u in units:
+            self.handles.append(modules[u].register_forward_pre_hook(self._enter(u)))
+            self.handles.append(modules[u].register_forward_hook(self._leave(u), always_call=True))
+
+    def _first_call(self, name: str):
+        def hook(_module, _args):
+            self.called.setdefault(name)
+
+        return hook
+
+    def _enter(self, unit: str):
+        def hook(_module, _args):
+            self.active.append(unit)
+            self.stacks[tuple(sorted(set(self.active)))] = None
+
+        return hook
+
+    def _leave(self, unit: str):
+        def hook(_module, _args, _output):
+            if self.active and self.active[-1] == unit:
+                self.active.pop()
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def result(self, owner_names: list[str], units: list[str]) -> Trace:
+        order = list(self.called) + [n for n in owner_names if n not in self.called]
+        stacks = list(self.stacks) + [(u,) for u in units if (u,) not in self.stacks]
+        return Trace(tuple(order), "traced", tuple(stacks))
+
+
+def _run_on_meta(model: nn.Module, inputs) -> None:
+    """One forward pass with meta tensors for every parameter and buffer.
+
+    One name per (module, attribute) and the same meta tensor for tied tensors: torch's own
+    ``tie_weights=True`` (and names of a module registered twice) would leave a module that is
+    shared under two names with meta parameters after the call."""
+    memo: dict[int, torch.Tensor] = {}
+    metas: dict[str, torch.Tensor] = {}
+    for module_name, module in model.named_modules():
+        for name, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            if id(t) not in memo:
+                memo[id(t)] = torch.empty_like(t, device="meta")
+            metas[f"{module_name}.{name}" if module_name else name] = memo[id(t)]
+    args, kwargs = _meta_inputs(inputs)
+    with torch.no_grad():
+        functional_call(model, metas, args, kwargs, tie_weights=False, strict=False)
+
+
+def _meta_inputs(example_inputs):
+    def to_meta(x):
+        return torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
+
+    if isinstance(example_inputs, dict):
+        return (), {k: to_meta(v) for k, v in example_inputs.items()}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(to_meta(v) for v in example_inputs), {}
+    return (to_meta(example_inputs),), {}
+
+
+def _default_inputs(model: nn.Module, example_inputs):
+    """What the trace runs: ``example_inputs``, adjusted for a Hugging Face model (which gets
+    default token ids when none are given)."""
+    if not _is_hf_lm(model):
+        return example_inputs
+    # use_cache=True: without a cache, Hugging Face's mask code checks position_ids for packed
+    # sequences, a data-dependent test that cannot run on meta tensors. The loss (labels) does
+    # not use parameters in an order of its own.
+    if example_inputs is None:
+        example_inputs = {"input_ids": torch.zeros(1, 8, dtype=torch.long)}
+    elif not isinstance(example_inputs, dict):
+        return example_inputs
+    inputs = {k: v for k, v in example_inputs.items() if k != "labels"}
+    inputs.setdefault("use_cache", True)
+    if getattr(model.config, "is_encoder_decoder", False) and "input_ids" in inputs:
+        inputs.setdefault("decoder_input_ids", inputs["input_ids"])
+    return inputs
+
+
+def _is_hf_lm(model: nn.Module) -> bool:
+    return hasattr(model, "config") and hasattr(model.config, "vocab_size")
+
+
+def _inner_hf_lm(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The one outermost Hugging Face language model inside ``model``, if there is exactly one."""
+    found = [(n, m) for n, m in model.named_modules() if n and _is_hf_lm(m)]
+    outer = [(n, m) for n, m in found if not any(n.startswith(o + ".") for o, _ in found)]
+    return outer[0] if len(outer) == 1 else None

@@ -1,0 +1,199 @@
+"""The architecture as tests (docs/architecture.md): layers without import cycles, a pure
+planner, no reads of another module's private attributes, no Lightning in protrain_core, one
+owner of autocast and one table of precision names."""
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+LIBRARY = ("protrain_core", "lightning_protrain", "ops")
+
+
+def _modules(package: str) -> dict[str, Path]:
+    base = ROOT / package
+    out = {}
+    for path in sorted(base.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[0] == "ops":
+            parts[0] = "protrain_ops"
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(path: Path, known: set[str]) -> set[str]:
+    """Modules of ``known`` that ``path`` imports anywhere in the file (function bodies too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name:
+                found.add(name)
+    return found
+
+
+def _graph(package: str) -> dict[str, set[str]]:
+    mods = _modules(package)
+    return {m: _imports(p, set(mods)) - {m} for m, p in mods.items()}
+
+
+def test_no_import_cycle_in_protrain_core():
+    # The package __init__ ("protrain_core") is a node too: it re-exports the public names, so a
+    # module it loads must not import the package back.
+    graph = _graph("protrain_core")
+    assert graph["protrain_core"]  # the checker sees the re-exports
+    state: dict[str, int] = {}
+
+    def visit(m, path):
+        if state.get(m) == 1:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(m):] + [m]))
+        if state.get(m) == 2:
+            return
+        state[m] = 1
+        for d in sorted(graph.get(m, ())):
+            visit(d, path + [m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        visit(m, [])
+
+
+def test_layers_depend_downwards():
+    """structure and planner know nothing of the runtime or the profiler; the runtime knows
+    nothing of the profiler, the planner's search or the entry points."""
+    graph = _graph("protrain_core")
+    rules = {
+        "protrain_core.planner": ("protrain_core.runtime", "protrain_core.profiler", "protrain_core.structure",
+                                  "protrain_core.api"),
+        "protrain_core.structure": ("protrain_core.runtime", "protrain_core.profiler", "protrain_core.planner",
+                                    "protrain_core.api"),
+        "protrain_core.runtime": ("protrain_core.profiler", "protrain_core.planner", "protrain_core.api"),
+        "protrain_core.profiler": ("protrain_core.api", "protrain_core.planner.search", "protrain_core.planner.cost"),
+    }
+    for layer, forbidden in rules.items():
+        for m, deps in graph.items():
+            if m.startswith(layer):
+                bad = sorted(d for d in deps if d.startswith(forbidden))
+                assert bad == [], f"{m} imports {bad}"
+
+
+def test_planner_installs_no_hooks():
+    """The planner is pure: it imports only the plan, the utilities and itself, and registers nothing."""
+    graph = _graph("protrain_core")
+    for m, deps in graph.items():
+        if not m.startswith("protrain_core.planner"):
+            continue
+        assert deps <= {"protrain_core.plan", "protrain_core.utils"} | {d for d in graph if d.startswith("protrain_core.planner")}, m
+        source = _modules("protrain_core")[m].read_text()
+        assert "register_" not in source and "saved_tensors_hooks" not in source, m
+
+
+# Private attributes that are read across objects on purpose.
+ALLOWED_PRIVATE = {
+    "_version",  # a tensor's version counter, for autograd's in-place check on swapped tensors
+    "_protrain_engine",  # the engine's own marker on the module it wraps (no double wrap)
+}
+
+
+def test_no_module_reads_another_objects_private_attributes():
+    offences = []
+    for package in LIBRARY:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+                    continue
+                base = node.value
+                while isinstance(base, ast.Attribute):
+                    base = base.value
+                if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                    continue
+                if isinstance(base, ast.Name) and base.id == "torch" or node.attr in ALLOWED_PRIVATE:
+                    continue
+                offences.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    assert offences == []
+
+
+def test_importing_every_protrain_core_module_loads_no_lightning():
+    code = (
+        "import importlib, sys\n"
+        f"for name in {sorted(_modules('protrain_core'))!r}:\n"
+        "    importlib.import_module(name)\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning', 'lightning_fabric', 'lightning_protrain'))\n"
+        "print('LOADED', loaded)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env=dict(os.environ))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "LOADED []" in r.stdout, r.stdout
+    for m, deps in _graph("protrain_core").items():
+        assert not any(d.startswith("lightning") for d in deps), m
+
+
+def test_precision_names_come_from_one_table():
+    """The strategies map Lightning's flags with protrain_core.precision's table: what the
+    engine accepts, they accept (and refuse the rest with the same message)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+    from lightning_protrain._common import precision_of_plugin
+    from protrain_core.precision import ALIASES, parse_precision
+
+    for flag in ALIASES:
+        plugin = Precision()
+        plugin.precision = flag
+        assert precision_of_plugin(plugin, (Precision,)) == parse_precision(flag).value
+    assert precision_of_plugin(MixedPrecision("bf16-mixed", "cpu"), (MixedPrecision,)) == "bf16-mixed"
+    for bad in ("64-true", "16-true", "transformer-engine"):
+        plugin = Precision()
+        plugin.precision = bad
+        with pytest.raises(ValueError, match=f"ProTrain does not support precision='{bad}'"):
+            precision_of_plugin(plugin, (Precision,))
+    library = "".join(p.read_text() for p in (ROOT / "lightning_protrain").rglob("*.py"))
+    assert '"bf16-mixed": ' not in library  # no second table
+
+
+def test_autocast_is_entered_once_per_forward(monkeypatch):
+    """Fabric's forward context and the engine's hook on the module are the same autocast: it
+    is entered once per forward call, not twice."""
+    from lightning.fabric import Fabric
+
+    import protrain_core as pt
+    from conftest import batches, tiny_gpt2
+    from lightning_protrain import ProTrainFabricStrategy
+
+    entered = []
+    original = torch.autocast.__enter__
+
+    def counting(self):
+        entered.append(self.fast_dtype)
+        return original(self)
+
+    fabric = Fabric(strategy=ProTrainFabricStrategy(plan=pt.Plan(n_persist=1, n_buffer=2)), accelerator="cpu",
+                    devices=1, precision="bf16-mixed")
+    fabric.launch()
+    model = tiny_gpt2()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters()))
+    x = batches(1)[0]
+    monkeypatch.setattr(torch.autocast, "__enter__", counting)
+    loss = model(input_ids=x, labels=x).loss
+    monkeypatch.undo()
+    assert entered == [torch.bfloat16]
+    fabric.backward(loss)
+    engine = fabric.strategy.engine
+    with torch.no_grad():  # the core API: engine.module's own hook
+        monkeypatch.setattr(torch.autocast, "__enter__", counting)
+        engine.module(input_ids=x)
+        monkeypatch.undo()
+    assert entered == [torch.bfloat16] * 2

@@ -1,0 +1,113 @@
+"""Chunk storage: the one byte formula (runtime/storage.py) is what the engine allocates and
+what the profiler hands the planner, for trainable, frozen (compute copy only) and sharded chunks."""
+
+import pytest
+import torch
+
+import protrain_core as pt
+from conftest import n_chunks, tiny_gpt2
+from protrain_core.profiler.profiler import static_facts
+from protrain_core.runtime.host_pool import HostPool
+from protrain_core.runtime.storage import ChunkFormat, ChunkStorage
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true", "bf16-mixed", "16-mixed"])
+def test_profile_facts_match_the_allocation(precision, amsgrad):
+    """The profiler's per-chunk bytes (what the search plans with) are what the engine allocates."""
+    model = tiny_gpt2()
+    for name, p in model.named_parameters():
+        if ".h.1." in name:
+            p.requires_grad_(False)  # a chunk without gradients or Adam states
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], amsgrad=amsgrad)
+    n = n_chunks(model)
+    for n_persist in (0, n):
+        engine = pt.wrap(model, opt, pt.Plan(n_persist=n_persist, n_buffer=2), precision=precision, device="cpu")
+        facts = static_facts(engine.layout, model, opt, engine.precision)
+        streamed = [c.index for c in engine.chunks if not c.persistent]
+        # The host pool aligns each tensor to 64 bytes: at most 6 tensors per chunk.
+        host = facts["host_bytes"]
+        assert 0 <= engine.host_bytes() - sum(host[i] for i in streamed) < 64 * 6 * max(1, len(streamed))
+        for c in engine.chunks:
+            if c.persistent:
+                assert c.device_bytes() == facts["persist_bytes"][c.index]
+        assert engine.runtime.device_bytes_bound() == (
+            sum(facts["persist_bytes"][:n_persist]) + min(2, n - n_persist) * facts["buffer_bytes"])
+        engine.close()
+    S = engine.layout.chunk_size
+    per_param = {"32-true": 16, "bf16-true": 8, "bf16-mixed": 18, "16-mixed": 18}[precision]
+    assert max(host) == S * (per_param + (engine.precision.master_dtype.itemsize if amsgrad else 0))
+    cb = engine.precision.compute_dtype.itemsize
+    assert facts["buffer_bytes"] == 2 * S * cb and facts["chunk_bytes"] == S * cb
+
+
+def _storage(fmt, *, persistent, rank=0):
+    pool = None if persistent else ChunkStorage.host_pool([fmt], pin=False)
+    return ChunkStorage(fmt, persistent=persistent, device=torch.device("cpu"), pool=pool, n_members=1, rank=rank), pool
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                    (torch.bfloat16, torch.bfloat16)], ids=["fp32", "mixed", "bf16-true"])
+def test_a_trainable_chunk(dtypes):
+    cdt, mdt = dtypes
+    S, cb, mb = 1000, cdt.itemsize, mdt.itemsize
+    fmt = ChunkFormat(numel=S, compute_dtype=cdt, master_dtype=mdt, grads=True, adam_states=3)
+    separate = cdt != mdt
+    assert fmt.persistent_device_bytes == S * cb + (int(separate) + 1 + 3) * S * mb
+    assert fmt.streamed_host_bytes == S * cb + (int(separate) + 1 + 3) * S * mb
+    assert (fmt.buffer_device_bytes, fmt.upload_bytes) == (2 * S * cb, S * cb)
+    persistent, _ = _storage(fmt, persistent=True)
+    assert persistent.device_bytes() == fmt.persistent_device_bytes
+    assert (persistent.master is persistent.device_copy) is not separate
+    streamed, pool = _storage(fmt, persistent=False)
+    assert streamed.device_bytes() == 0 and streamed.host_copy.numel() == S
+    assert sum(n * d.itemsize for n, d in fmt.host_tensors()) == fmt.streamed_host_bytes <= pool.nbytes
+    assert (streamed.master is streamed.host_copy) is not separate
+    streamed.allocate_device_copy()
+    streamed.allocate_grad_buffer()
+    assert streamed.device_bytes() == fmt.buffer_device_bytes
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_chunk_with_no_trainable_member_holds_its_compute_copy_only(mixed):
+    cdt = torch.bfloat16 if mixed else torch.float32
+    S = 1000
+    fmt = ChunkFormat(numel=S, compute_dtype=cdt, master_dtype=torch.float32, keeps_master=False, grads=False,
+                      adam_states=0)
+    assert fmt.persistent_device_bytes == fmt.streamed_host_bytes == fmt.buffer_device_bytes == S * cdt.itemsize
+    assert fmt.host_tensors() == [(S, cdt)]
+    for persistent in (True, False):
+        storage, _ = _storage(fmt, persistent=persistent)
+        assert storage.master is storage.grad_acc is storage.exp_avg is storage.max_exp_avg_sq is None
+        assert storage.compute_home.numel() == S
+    with pytest.raises(AssertionError):
+        ChunkFormat(numel=S, compute_dtype=cdt, master_dtype=torch.float32, keeps_master=False, grads=True)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_shard_of_a_chunk(mixed):
+    """Two processes: each keeps half of the states, padded to equal aligned shards; the compute
+    copy is gathered to the padded size; a rank's master is its own slice of it (same dtype)."""
+    cdt = torch.bfloat16 if mixed else torch.float32
+    S, world = 1000, 2
+    fmt = ChunkFormat(numel=S, compute_dtype=cdt, master_dtype=torch.float32, grads=True, adam_states=2,
+                      world_size=world)
+    assert (fmt.shard_numel, fmt.padded_numel) == (512, 1024)  # ceil(1000 / 2) = 500, aligned to 16 elements
+    states = (int(mixed) + 1 + 2) * 512 * 4
+    assert fmt.persistent_device_bytes == 1024 * cdt.itemsize + states
+    assert fmt.streamed_host_bytes == 512 * cdt.itemsize + states
+    assert fmt.upload_bytes == 512 * cdt.itemsize and fmt.buffer_device_bytes == 2 * 1024 * cdt.itemsize
+    storage, _ = _storage(fmt, persistent=True, rank=1)
+    assert storage.device_copy.numel() == 1024 and storage.grad_acc.numel() == storage.exp_avg.numel() == 512
+    assert storage.device_bytes() == fmt.persistent_device_bytes
+    if not mixed:  # rank 1's master is elements 512..1023 of the gathered copy
+        assert storage.master.data_ptr() == storage.device_copy[512:].data_ptr()
+    streamed, _ = _storage(fmt, persistent=False, rank=1)
+    assert streamed.host_copy.numel() == 512 and streamed.device_copy.numel() == 1024
+
+
+def test_host_pool_is_exact_and_aligned():
+    pool = HostPool([(10, torch.float32), (3, torch.bfloat16)], pin=False)
+    assert pool.nbytes == 64 + 64
+    a, b = pool.take(10, torch.float32), pool.take(3, torch.bfloat16)
+    assert a.data_ptr() % 64 == 0 and b.data_ptr() - a.data_ptr() == 64
