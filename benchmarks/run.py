@@ -55,9 +55,20 @@ def llama(hidden, layers, heads, intermediate, vocab=32000, kv_heads=None) -> di
 @dataclasses.dataclass(frozen=True)
 class Workload:
     label: str
-    model: dict
+    model: dict  # llama(...) fields; "lora": {"r": ..., "targets": [...]} fine-tunes PEFT LoRA adapters only
     batch: int
     seq: int
+    systems: tuple[str, ...] | None = None  # None: every system
+
+
+def lora(m: dict, r: int = 16) -> dict:
+    """``m`` fine-tuned with PEFT LoRA adapters (rank ``r``) on every attention projection."""
+    return dict(m, lora={"r": r, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]})
+
+
+# LoRA runs: ProTrain against plain PEFT (bf16 base, fp32 adapters, autocast); offload systems
+# are for full fine-tuning.
+LORA_SYSTEMS = ("protrain-lightning", "protrain-core", "pytorch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +89,8 @@ TINY = llama(hidden=64, layers=4, heads=4, kv_heads=2, intermediate=172, vocab=2
 # LLaMA shapes: TinyLlama-1.1B; LLaMA-2-7B; the same width deeper for the larger ones.
 L1B = llama(hidden=2048, layers=22, heads=32, kv_heads=4, intermediate=5632)
 L7B = llama(hidden=4096, layers=32, heads=32, intermediate=11008)
+L13B = llama(hidden=5120, layers=40, heads=40, intermediate=13824)
+SMALL = llama(hidden=256, layers=8, heads=4, intermediate=688, vocab=256)
 
 
 def deeper(layers: int) -> dict:
@@ -100,7 +113,8 @@ SUITES = {
     "cpu-small": Suite(
         "small LLaMA (8 x 256) on the CPU: steps long enough that per-step overheads do not dominate (minutes)",
         device="cpu", precision="32-true", warmup=3, steps=8,
-        workloads=(Workload("small-8L", llama(hidden=256, layers=8, heads=4, intermediate=688, vocab=256), 8, 256),),
+        workloads=(Workload("small-8L", SMALL, 8, 256),
+                   Workload("small-8L lora", lora(SMALL, r=8), 8, 256, systems=LORA_SYSTEMS)),
     ),
     # One 80 GB GPU, 128 GB host RAM: 1.1B fits the device with plain PyTorch (16 B/param of
     # weights, gradients and AdamW states: 18 GB); 6.7B and 8.4B do not (108 / 134 GB) and need
@@ -111,7 +125,9 @@ SUITES = {
         "one 80 GB GPU (H100), 128 GB host RAM; bf16-mixed, sequence 1024",
         device="cuda", precision="bf16-mixed", warmup=2, steps=4, timeout_s=300,
         workloads=(Workload(f"llama-{billions(L1B)}", L1B, 8, 1024), Workload(f"llama-{billions(L7B)}", L7B, 4, 1024),
-                   Workload(f"llama-{billions(deeper(40))}", deeper(40), 4, 1024)),
+                   Workload(f"llama-{billions(deeper(40))}", deeper(40), 4, 1024),
+                   Workload(f"llama-{billions(L7B)} lora", lora(L7B), 4, 1024, systems=LORA_SYSTEMS),
+                   Workload(f"llama-{billions(L13B)} lora", lora(L13B), 4, 1024, systems=LORA_SYSTEMS)),
         model_ladder=tuple(Workload(f"llama-{billions(deeper(n))}", deeper(n), 2, 1024) for n in (24, 32, 40, 48)),
         batch_ladder=tuple(Workload(f"llama-{billions(L7B)} b{b}", L7B, b, 1024) for b in (2, 4, 8, 16, 32)),
     ),
@@ -120,7 +136,9 @@ SUITES = {
         "one 141 GB GPU (H200), 128 GB host RAM; bf16-mixed, sequence 1024",
         device="cuda", precision="bf16-mixed", warmup=2, steps=4, timeout_s=300,
         workloads=(Workload(f"llama-{billions(L1B)}", L1B, 8, 1024), Workload(f"llama-{billions(L7B)}", L7B, 8, 1024),
-                   Workload(f"llama-{billions(deeper(48))}", deeper(48), 4, 1024)),
+                   Workload(f"llama-{billions(deeper(48))}", deeper(48), 4, 1024),
+                   Workload(f"llama-{billions(L7B)} lora", lora(L7B), 8, 1024, systems=LORA_SYSTEMS),
+                   Workload(f"llama-{billions(L13B)} lora", lora(L13B), 4, 1024, systems=LORA_SYSTEMS)),
         model_ladder=tuple(Workload(f"llama-{billions(deeper(n))}", deeper(n), 2, 1024) for n in (32, 40, 48, 56, 64)),
         batch_ladder=tuple(Workload(f"llama-{billions(L7B)} b{b}", L7B, b, 1024) for b in (4, 8, 16, 32, 64)),
     ),
@@ -254,7 +272,7 @@ def run_suite(name: str, suite: Suite, *, systems, dry_run: bool, probes: bool, 
     if dry_run:  # one process constructs every system's configurations on the meta device
         specs = []
         for system in runnable:
-            specs += [spec(system, w, dry_run=True) for w in suite.workloads]
+            specs += [spec(system, w, dry_run=True) for w in suite.workloads if w.systems is None or system in w.systems]
             if probes and system in probe_systems:
                 specs += [spec(system, w, dry_run=True) for w in suite.model_ladder + suite.batch_ladder]
         if specs:
@@ -262,7 +280,8 @@ def run_suite(name: str, suite: Suite, *, systems, dry_run: bool, probes: bool, 
         return report
     for w in suite.workloads:
         for system in runnable:
-            go([spec(system, w, dry_run=False)])
+            if w.systems is None or system in w.systems:
+                go([spec(system, w, dry_run=False)])
     if probes:
         for kind, ladder in (("max model", suite.model_ladder), ("max batch", suite.batch_ladder)):
             for system in probe_systems:
@@ -340,7 +359,7 @@ def markdown(report: dict) -> str:
                          f"{r.get('note') or r.get('error', '')} |")
         return "\n".join(lines) + "\n"
     lines += ["| model | system | status | tokens/s | TFLOPS | step median (min–max) | vs pytorch | peak device | "
-              "peak host RSS | final loss |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "peak host RSS | model states host / device | final loss |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     ceiling = {r["label"]: r.get("tokens_per_s") for r in report["runs"] if r["system"] == "pytorch"}
     for r in report["runs"]:
         ok = "tokens_per_s" in r
@@ -352,6 +371,7 @@ def markdown(report: dict) -> str:
             + (f"{r['tokens_per_s']:,.0f} | {r['tflops']:.3g} | {ms(r['step_median_s'])} ({ms(r['step_min_s'])}–"
                f"{ms(r['step_max_s'])}) | {rel} | " if ok else "— | — | — | — | ")
             + f"{gib(r.get('peak_device_bytes'))} | {gib(r.get('peak_host_rss_bytes'))} | "
+            + (f"{gib(r['states']['host'])} / {gib(r['states']['device'])} | " if r.get("states") else "— | ")
             + (f"{r['losses'][-1]:.4f} |" if r.get("losses") else "— |"))
     pro = [r for r in report["runs"] if r["system"].startswith("protrain") and "plan" in r]
     if pro:

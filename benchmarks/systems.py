@@ -5,7 +5,9 @@
 Started by ``benchmarks.run`` (never needed by hand). Every system trains the same randomly
 initialised LLaMA-architecture model (``transformers.LlamaForCausalLM`` from a config, weights
 drawn from the same seed) on the same synthetic token batches, with AdamW at the same
-hyper-parameters, for ``warmup`` untimed and ``steps`` timed steps. The result (a JSON object)
+hyper-parameters, for ``warmup`` untimed and ``steps`` timed steps. A LoRA workload wraps the
+model with ``peft.get_peft_model`` (adapters drawn from the same seed) and trains the adapters
+only; its plain-PyTorch row is plain PEFT with the frozen base in bf16 (bf16-mixed). The result (a JSON object)
 holds the step times, losses, peak device memory (CUDA allocator) and peak host RSS; running
 out of memory is a result (``status: "oom"``), not a crash. With ``dry_run`` the model is built
 on the meta device and each system is constructed as far as that allows (no training, no
@@ -78,11 +80,32 @@ def build_model(m: dict, device: torch.device | str, seed: int = 0) -> nn.Module
 
     with torch.device("meta"):
         model = LlamaForCausalLM(llama_config(m))
-    if str(device) == "meta":
-        return model
-    model.to_empty(device=device)
-    init_weights(model, seed)
+    if str(device) != "meta":
+        model.to_empty(device=device)
+        init_weights(model, seed)
+    if m.get("lora"):
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(seed)
+        config = LoraConfig(r=m["lora"]["r"], lora_alpha=2 * m["lora"]["r"], target_modules=m["lora"]["targets"],
+                            lora_dropout=0.0)
+        model = get_peft_model(model, config)
     return model
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def state_bytes(model: nn.Module, opt: torch.optim.Optimizer, device: torch.device) -> dict:
+    """Model-state bytes of plain PyTorch: parameters, gradients (of the trainable ones) and the
+    optimizer's states, on the training device or elsewhere (the host)."""
+    out = {"host": 0, "device": 0}
+    tensors = list(model.parameters()) + [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    for t in tensors:
+        out["device" if t.device.type == device.type else "host"] += t.numel() * t.element_size()
+    return out
 
 
 @torch.no_grad()
@@ -116,10 +139,13 @@ def batches(spec: dict, device) -> list[torch.Tensor]:
 
 
 def param_counts(m: dict) -> tuple[int, int]:
-    """(all parameters, parameters in matmuls: all but the input embedding)."""
+    """(all parameters, parameters in matmuls: all but the input embedding); LoRA adapters included."""
     h, i, L, v = m["hidden"], m["intermediate"], m["layers"], m["vocab"]
     kv = h // m["heads"] * m.get("kv_heads", m["heads"])
     block = h * h * 2 + h * kv * 2 + 3 * h * i + 2 * h
+    if m.get("lora"):  # q, k, v, o: A (r x in) and B (out x r)
+        shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h)}
+        block += sum(m["lora"]["r"] * (a + b) for t, (a, b) in shapes.items() if t in m["lora"]["targets"])
     total = L * block + 2 * v * h + h
     return total, total - v * h
 
@@ -130,7 +156,8 @@ def flops_per_step(spec: dict) -> float:
     values (the PaLM appendix B formula, causal masking not discounted)."""
     m, tokens = spec["model"], spec["batch"] * spec["seq"]
     _, n_matmul = param_counts(m)
-    return 6 * n_matmul * tokens + 12 * m["layers"] * m["hidden"] * spec["seq"] * tokens
+    per_param = 4 if m.get("lora") else 6  # frozen weights: forward and input gradients, no weight gradients
+    return per_param * n_matmul * tokens + 12 * m["layers"] * m["hidden"] * spec["seq"] * tokens
 
 
 # ----- measuring ----------------------------------------------------------------------------------
@@ -207,19 +234,29 @@ def adamw(params, device, **kw) -> torch.optim.AdamW:
 
 # ----- the systems ---------------------------------------------------------------------------------
 def states_note(spec) -> str:
-    """What plain PyTorch needs for the model states alone (fp32 weights, gradients, 2 moments)."""
-    n = param_counts(spec["model"])[0]
+    """What plain PyTorch needs for the model states alone (fp32 weights, gradients, 2 moments;
+    a LoRA run: the frozen base in bf16, the adapters' full states)."""
+    m = spec["model"]
+    n = param_counts(m)[0]
+    if m.get("lora"):
+        adapters = n - param_counts({k: v for k, v in m.items() if k != "lora"})[0]
+        gib = (2 * (n - adapters) + 16 * adapters) / 2**30
+        return f"{n / 1e9:.2f}B parameters, {adapters / 1e6:.1f}M trainable: {gib:.1f} GiB of model states"
     return f"{n / 1e9:.2f}B parameters: {16 * n / 2**30:.1f} GiB of weights, gradients and AdamW states"
 
 
 def run_pytorch(spec, device, clock):
     if spec["dry_run"]:
-        adamw(build_model(spec["model"], "meta").parameters(), device)
+        adamw(trainable(build_model(spec["model"], "meta")), device)
         return {"note": states_note(spec) + " on the device"}
     model = build_model(spec["model"], "cpu").to(device)  # drawn on the CPU: the same weights for every system
-    opt = adamw(model.parameters(), device, fused=True)
+    if spec["model"].get("lora") and spec["precision"] == "bf16-mixed":
+        for p in model.parameters():  # plain PEFT's usual recipe: the frozen base in bf16
+            if not p.requires_grad:
+                p.data = p.data.to(torch.bfloat16)
+    opt = adamw(trainable(model), device, fused=True)
     train_loop(torch_step(model, opt, autocast(spec, device)), batches(spec, device), spec, clock)
-    return {}
+    return {"states": state_bytes(model, opt, device)}
 
 
 def run_fsdp2(spec, device, clock, checkpointing: bool):
@@ -300,7 +337,7 @@ def run_protrain_core(spec, device, clock):
     if spec["dry_run"]:
         return dry_protrain(spec)
     model = build_model(spec["model"], "cpu")  # wrap places every parameter itself
-    opt = adamw(model.parameters(), device)
+    opt = adamw(trainable(model), device)
     data = batches(spec, device)
     engine = pt.wrap(model, opt, plan=None, precision=spec["precision"], device=device,
                      example_inputs={"input_ids": data[0], "labels": data[0]},
@@ -344,7 +381,7 @@ def run_protrain_lightning(spec, device, clock):
             return self.model(input_ids=x, labels=x).loss
 
         def configure_optimizers(self):
-            return adamw(self.parameters(), device)
+            return adamw(trainable(self), device)
 
     class Timing(pl.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
@@ -420,8 +457,10 @@ def host_memory_bandwidth(nbytes: int) -> float:
 
 
 def protrain_facts(engine, spec, device) -> dict:
-    """The plan, the prediction (fidelity), and the inputs of the lower bound on step time."""
-    facts = {"plan": str(engine.plan)}
+    """The plan, the model states' bytes, the prediction (fidelity), and the inputs of the lower
+    bound on step time."""
+    # Device: the persistent chunks and the chunk buffers of the plan.
+    facts = {"plan": str(engine.plan), "states": {"host": engine.host_bytes(), "device": engine.runtime.device_bytes_bound()}}
     choice = engine.choice
     if choice is None:
         return facts
@@ -433,13 +472,12 @@ def protrain_facts(engine, spec, device) -> dict:
     # activations go out and come back; CPU Adam touches each streamed element's master, grad,
     # two moments (read and write) and writes the compute copy.
     streamed = range(plan.n_persist, prof.n_chunks)
-    with_grad = sum(1 for i in streamed if prof.chunk_has_grad[i])
-    trainable = sum(prof.chunk_trainable[i] for i in streamed)
+    trained = sum(prof.chunk_trainable[i] for i in streamed)
     swapped = sum(s.saved_bytes for s in prof.blocks[: plan.n_swap]) if plan.n_swap else 0
     hw = prof.hardware
     up = len(streamed) * prof.chunk_bytes + swapped
-    down = with_grad * prof.chunk_bytes + swapped
-    adam_bytes = trainable * (4 * 7 + (prof.compute_bytes if prof.compute_bytes != 4 else 0))
+    down = sum(prof.offload_bytes[i] for i in streamed) + swapped
+    adam_bytes = trained * (4 * 7 + (prof.compute_bytes if prof.compute_bytes != 4 else 0))
     flops = flops_per_step(spec)
     matmul = measured_matmul_flops(device, spec["precision"])
     membw = host_memory_bandwidth(2**30 if device.type == "cuda" else 2**28)

@@ -31,7 +31,8 @@ def hand_profile(*, async_copies=True) -> Profile:
                   cpu_adam_params_per_s=100.0, device_adam_params_per_s=1000.0, device_memory_bytes=10**6)
     return Profile(key="hand", description="hand-built", precision="32-true", n_chunks=3, chunk_elems=100,
                    compute_bytes=4, chunk_trainable=(100, 100, 100), chunk_has_grad=(True, True, True),
-                   persist_bytes=(2000, 2000, 2000), host_bytes=(1600, 1600, 1600), buffer_bytes=800, chunk_bytes=400,
+                   chunk_frozen=(0, 0, 0), persist_bytes=(2000, 2000, 2000), host_bytes=(1600, 1600, 1600),
+                   offload_bytes=(400, 400, 400), buffer_bytes=800, chunk_bytes=400,
                    resident_sets=((0,), (1,), (2,)), segments=segments, base_bytes=5, fragmentation=1.0, hardware=hw)
 
 

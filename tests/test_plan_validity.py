@@ -165,3 +165,71 @@ def test_plan_limits():
                         (pt.Plan(n_persist=4, n_buffer=0, n_swap=2, n_checkpoint=1), "n_swap \\+ n_checkpoint <= 2")]:
         with pytest.raises(ValueError, match=match):
             check_plan(plan, limits)
+
+
+class _Resident(torch.autograd.Function):
+    """Identity on a parameter; its backward records whether the parameter then reads its
+    chunk's device copy (what a backward on a GPU needs)."""
+
+    @staticmethod
+    def forward(ctx, p, probe):
+        ctx.probe = probe
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.probe()
+        return grad, None
+
+
+class LayerScale(nn.Module):
+    """Changes its input in place and returns it (timm's LayerScale(inplace=True))."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((d,), 0.5))
+        self.probe = lambda: None
+
+    def forward(self, x):
+        return x.mul_(_Resident.apply(self.gamma, self.probe))
+
+
+class ScaledStack(nn.Module):
+    def __init__(self, n=4, d=64):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.scale = LayerScale(d)
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.scale(x)).square().mean()
+
+
+def test_an_input_changed_in_place_and_returned_is_an_output():
+    """The unit's backward begins (its chunk is on the device) although its output is its
+    input object: the gradient flows through the in-place change."""
+    torch.manual_seed(0)
+    model = ScaledStack()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 64)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), pt.Plan(n_persist=0, n_buffer=1),
+                     device="cpu", example_inputs=(x,), chunk_size=64 * 64 + 64, check_invariants=True)
+    chunk = next(c for c in engine.chunks if any(m.name == "scale.gamma" for m in c.members))
+    seen = []
+    model.scale.probe = lambda: seen.append(
+        model.scale.gamma.untyped_storage().data_ptr() == chunk.storage.device_copy.untyped_storage().data_ptr())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    for _ in range(2):
+        loss = engine.module(x.clone())
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        ref_loss = ref(x.clone())
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert loss.item() == ref_loss.item()
+    assert seen == [True, True]
+    assert_same_weights(engine.state_dict(), ref)

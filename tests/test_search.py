@@ -40,7 +40,8 @@ def random_profile(rng: random.Random, n_chunks: int, n_blocks: int, async_copie
     adam_in_backward = rng.random() < 0.8
     prof = Profile(key="r", description="random", precision="32-true", n_chunks=n_chunks, chunk_elems=S,
                    compute_bytes=4, chunk_trainable=trainable, chunk_has_grad=tuple(t > 0 for t in trainable),
-                   persist_bytes=persist_bytes, host_bytes=host_bytes, buffer_bytes=2 * S * 4, chunk_bytes=S * 4,
+                   chunk_frozen=tuple(S - t for t in trainable), persist_bytes=persist_bytes, host_bytes=host_bytes,
+                   offload_bytes=tuple(S * 4 * (t > 0) for t in trainable), buffer_bytes=2 * S * 4, chunk_bytes=S * 4,
                    resident_sets=tuple((c,) for c in range(n_chunks)), segments=tuple(segs),
                    base_bytes=rng.randrange(100), fragmentation=rng.uniform(1.0, 1.2), hardware=hw)
     return prof, adam_in_backward

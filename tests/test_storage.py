@@ -1,5 +1,6 @@
 """Chunk storage: the one byte formula (runtime/storage.py) is what the engine allocates and
-what the profiler hands the planner, for trainable, frozen (compute copy only) and sharded chunks."""
+what the profiler hands the planner, for trainable, frozen (compute copy only), partly frozen
+(a trainable span) and sharded chunks."""
 
 import pytest
 import torch
@@ -35,15 +36,20 @@ def test_profile_facts_match_the_allocation(precision, amsgrad):
             sum(facts["persist_bytes"][:n_persist]) + min(2, n - n_persist) * facts["buffer_bytes"])
         engine.close()
     S = engine.layout.chunk_size
-    per_param = {"32-true": 16, "bf16-true": 8, "bf16-mixed": 18, "16-mixed": 18}[precision]
-    assert max(host) == S * (per_param + (engine.precision.master_dtype.itemsize if amsgrad else 0))
     cb = engine.precision.compute_dtype.itemsize
-    assert facts["buffer_bytes"] == 2 * S * cb and facts["chunk_bytes"] == S * cb
+    per_param = {"32-true": 16, "bf16-true": 8, "bf16-mixed": 18, "16-mixed": 18}[precision]
+    per_trainable = per_param - cb + (engine.precision.master_dtype.itemsize if amsgrad else 0)
+    for c in engine.chunks:  # the compute copy of the whole chunk, the states of its trainable span
+        assert host[c.index] == S * cb + per_trainable * c.spec.trainable_numel
+    assert facts["buffer_bytes"] == max((S + c.spec.trainable_numel) * cb for c in engine.chunks)
+    assert facts["chunk_bytes"] == S * cb
+    frozen = [c for c in engine.chunks if not c.storage.fmt.trains]  # block 1's chunk: its compute copy only
+    assert frozen and all(host[c.index] == S * cb and facts["offload_bytes"][c.index] == 0 for c in frozen)
 
 
-def _storage(fmt, *, persistent, rank=0):
+def _storage(fmt, *, persistent):
     pool = None if persistent else ChunkStorage.host_pool([fmt], pin=False)
-    return ChunkStorage(fmt, persistent=persistent, device=torch.device("cpu"), pool=pool, n_members=1, rank=rank), pool
+    return ChunkStorage(fmt, persistent=persistent, device=torch.device("cpu"), pool=pool, n_members=1), pool
 
 
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
@@ -51,18 +57,18 @@ def _storage(fmt, *, persistent, rank=0):
 def test_a_trainable_chunk(dtypes):
     cdt, mdt = dtypes
     S, cb, mb = 1000, cdt.itemsize, mdt.itemsize
-    fmt = ChunkFormat(numel=S, compute_dtype=cdt, master_dtype=mdt, grads=True, adam_states=3)
+    fmt = ChunkFormat(numel=S, compute_dtype=cdt, master_dtype=mdt, adam_states=3)
     separate = cdt != mdt
     assert fmt.persistent_device_bytes == S * cb + (int(separate) + 1 + 3) * S * mb
     assert fmt.streamed_host_bytes == S * cb + (int(separate) + 1 + 3) * S * mb
-    assert (fmt.buffer_device_bytes, fmt.upload_bytes) == (2 * S * cb, S * cb)
+    assert (fmt.buffer_device_bytes, fmt.upload_bytes, fmt.offload_bytes) == (2 * S * cb, S * cb, S * cb)
     persistent, _ = _storage(fmt, persistent=True)
     assert persistent.device_bytes() == fmt.persistent_device_bytes
-    assert (persistent.master is persistent.device_copy) is not separate
+    assert (persistent.master.data_ptr() == persistent.device_copy.data_ptr()) is not separate
     streamed, pool = _storage(fmt, persistent=False)
     assert streamed.device_bytes() == 0 and streamed.host_copy.numel() == S
     assert sum(n * d.itemsize for n, d in fmt.host_tensors()) == fmt.streamed_host_bytes <= pool.nbytes
-    assert (streamed.master is streamed.host_copy) is not separate
+    assert (streamed.master.data_ptr() == streamed.host_copy.data_ptr()) is not separate
     streamed.allocate_device_copy()
     streamed.allocate_grad_buffer()
     assert streamed.device_bytes() == fmt.buffer_device_bytes
@@ -72,37 +78,52 @@ def test_a_trainable_chunk(dtypes):
 def test_a_chunk_with_no_trainable_member_holds_its_compute_copy_only(mixed):
     cdt = torch.bfloat16 if mixed else torch.float32
     S = 1000
-    fmt = ChunkFormat(numel=S, compute_dtype=cdt, master_dtype=torch.float32, keeps_master=False, grads=False,
-                      adam_states=0)
+    fmt = ChunkFormat(numel=S, compute_dtype=cdt, master_dtype=torch.float32, trainable_numel=0, adam_states=0)
     assert fmt.persistent_device_bytes == fmt.streamed_host_bytes == fmt.buffer_device_bytes == S * cdt.itemsize
-    assert fmt.host_tensors() == [(S, cdt)]
+    assert fmt.host_tensors() == [(S, cdt)] and fmt.offload_bytes == 0
     for persistent in (True, False):
         storage, _ = _storage(fmt, persistent=persistent)
         assert storage.master is storage.grad_acc is storage.exp_avg is storage.max_exp_avg_sq is None
         assert storage.compute_home.numel() == S
     with pytest.raises(AssertionError):
-        ChunkFormat(numel=S, compute_dtype=cdt, master_dtype=torch.float32, keeps_master=False, grads=True)
+        ChunkFormat(numel=S, compute_dtype=cdt, master_dtype=torch.float32, trainable_numel=0, adam_states=2)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_partly_frozen_chunk_trains_its_span_only(mixed):
+    """Frozen members first, a trainable span of T elements after them: only the span has a
+    master, gradients and Adam states; the compute copy holds the whole chunk."""
+    cdt = torch.bfloat16 if mixed else torch.float32
+    S, start, T = 1000, 800, 160
+    fmt = ChunkFormat(numel=S, compute_dtype=cdt, master_dtype=torch.float32, trainable_start=start,
+                      trainable_numel=T, adam_states=2)
+    states = (int(mixed) + 1 + 2) * T * 4
+    assert fmt.persistent_device_bytes == fmt.streamed_host_bytes == S * cdt.itemsize + states
+    assert fmt.buffer_device_bytes == (S + T) * cdt.itemsize and fmt.offload_bytes == T * cdt.itemsize
+    for persistent in (True, False):
+        storage, _ = _storage(fmt, persistent=persistent)
+        assert storage.grad_acc.numel() == storage.exp_avg.numel() == storage.master.numel() == T
+        if not mixed:  # the master is the span of the compute copy
+            assert storage.master.data_ptr() == storage.compute_home[start:].data_ptr()
 
 
 @pytest.mark.parametrize("mixed", [False, True])
 def test_a_shard_of_a_chunk(mixed):
     """Two processes: each keeps half of the states, padded to equal aligned shards; the compute
-    copy is gathered to the padded size; a rank's master is its own slice of it (same dtype)."""
+    copy is gathered to the padded size."""
     cdt = torch.bfloat16 if mixed else torch.float32
     S, world = 1000, 2
-    fmt = ChunkFormat(numel=S, compute_dtype=cdt, master_dtype=torch.float32, grads=True, adam_states=2,
-                      world_size=world)
-    assert (fmt.shard_numel, fmt.padded_numel) == (512, 1024)  # ceil(1000 / 2) = 500, aligned to 16 elements
-    states = (int(mixed) + 1 + 2) * 512 * 4
+    fmt = ChunkFormat(numel=S, compute_dtype=cdt, master_dtype=torch.float32, adam_states=2, world_size=world)
+    assert (fmt.shard_numel, fmt.padded_numel, fmt.state_numel) == (512, 1024, 512)  # ceil(1000 / 2), aligned to 16
+    assert fmt.separate_master  # its own tensor: a rank's states are not a slice of one gathered buffer
+    states = (1 + 1 + 2) * 512 * 4
     assert fmt.persistent_device_bytes == 1024 * cdt.itemsize + states
     assert fmt.streamed_host_bytes == 512 * cdt.itemsize + states
-    assert fmt.upload_bytes == 512 * cdt.itemsize and fmt.buffer_device_bytes == 2 * 1024 * cdt.itemsize
-    storage, _ = _storage(fmt, persistent=True, rank=1)
+    assert fmt.upload_bytes == fmt.offload_bytes == 512 * cdt.itemsize
+    storage, _ = _storage(fmt, persistent=True)
     assert storage.device_copy.numel() == 1024 and storage.grad_acc.numel() == storage.exp_avg.numel() == 512
-    assert storage.device_bytes() == fmt.persistent_device_bytes
-    if not mixed:  # rank 1's master is elements 512..1023 of the gathered copy
-        assert storage.master.data_ptr() == storage.device_copy[512:].data_ptr()
-    streamed, _ = _storage(fmt, persistent=False, rank=1)
+    assert storage.master.numel() == 512 and storage.device_bytes() == fmt.persistent_device_bytes
+    streamed, _ = _storage(fmt, persistent=False)
     assert streamed.host_copy.numel() == 512 and streamed.device_copy.numel() == 1024
 
 

@@ -7,8 +7,8 @@ that the search can evaluate thousands of plans cheaply.
 Notation (all per iteration, one optimizer step):
   N        chunks, in execution order; p = n_persist; B = min(n_buffer, N - p) buffers in use
   S        chunk size in elements; cb bytes per element of the compute dtype
-  X, Y     time to upload one chunk (S*cb / host->device bandwidth) and to offload one chunk of
-           gradients (S*cb / device->host bandwidth)
+  X, Y_c   time to upload one chunk (S*cb / host->device bandwidth) and to offload the gradients
+           of chunk c (its trainable span T_c*cb / device->host bandwidth; 0 for a frozen chunk)
   segment  the modules before the first block ("pre"), each block, the modules after ("post");
            a segment's *home* chunk is the last chunk it uses (a block uses exactly one); its
            other chunks (tied embeddings used by the head) are *extra* fetches when streamed
@@ -114,7 +114,7 @@ class CostModel:
         self.N = profile.n_chunks
         self.L = profile.n_blocks
         self.X = profile.chunk_bytes / hw.h2d_bytes_per_s
-        self.Y = profile.chunk_bytes / hw.d2h_bytes_per_s
+        self.Y = [b / hw.d2h_bytes_per_s for b in profile.offload_bytes]  # 0 for a frozen chunk
         self.U = [n / hw.cpu_adam_params_per_s for n in profile.chunk_trainable]
         self.V = [n / hw.device_adam_params_per_s for n in profile.chunk_trainable]
         self.has_grad = profile.chunk_has_grad
@@ -169,7 +169,7 @@ class CostModel:
         streamed = c >= p
         fetches = sum(1 for e in lay.extra[c] if e >= p) + (1 if streamed and c < self.N - B else 0)
         up = self.X * fetches
-        off = self.Y if streamed and self.has_grad[c] else 0.0
+        off = self.Y[c] if streamed else 0.0
         t = eq5_backward(lay.G[c], lay.SI[c], up, off, persistent=not streamed, two_buffers=B >= 2,
                          async_copies=self.async_copies)
         return t, up, off
@@ -455,7 +455,7 @@ class _Grid:
         F = torch.tensor(m.base.F, dtype=f64)[None, :].expand(n, m.N)
         G, SO, SI = self.G, self.SO, self.SI
         X, zero = F.new_tensor(m.X), F.new_tensor(0.0)
-        off = m.Y * torch.tensor(m.has_grad, dtype=f64)
+        off = torch.tensor(m.Y, dtype=f64)
         kw = dict(async_copies=m.async_copies, ops=TENSOR)
         yes, no = torch.tensor(True), torch.tensor(False)
         cases = (
@@ -506,7 +506,7 @@ class _Grid:
         hidden = ((up > 0) & two) if c > 0 else torch.zeros_like(two)
         fwd = eq4_forward(torch.tensor(m.base.F[c], dtype=f64), self.SO[:, c:c + 1], up, hidden=hidden, **kw)
         up = X * (extra + (streamed & (c < N - B)))
-        off = streamed.to(f64) * (m.Y if m.has_grad[c] else 0.0)
+        off = streamed.to(f64) * m.Y[c]
         bwd = eq5_backward(self.G[:, c:c + 1], self.SI[:, c:c + 1], up, off, persistent=~streamed, two_buffers=two, **kw)
         return fwd + bwd
 

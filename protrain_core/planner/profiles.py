@@ -40,7 +40,7 @@ from pathlib import Path
 
 from protrain_core.plan import PlanLimits
 
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -94,11 +94,13 @@ class Profile:
     chunk_elems: int
     compute_bytes: int  # bytes per element of the compute dtype
     chunk_trainable: tuple[int, ...]  # elements Adam updates, per chunk
+    chunk_frozen: tuple[int, ...]  # elements of frozen parameters (a compute copy only), per chunk
     chunk_has_grad: tuple[bool, ...]
     persist_bytes: tuple[int, ...]  # device bytes of each chunk when persistent
     host_bytes: tuple[int, ...]  # host bytes of each chunk when streamed
+    offload_bytes: tuple[int, ...]  # bytes of one gradient offload of each chunk (0: frozen)
     buffer_bytes: int  # device bytes of one chunk buffer (a streamed chunk's compute copy and gradients)
-    chunk_bytes: int  # bytes moved by one chunk upload (or one gradient offload)
+    chunk_bytes: int  # bytes moved by one chunk upload
     resident_sets: tuple[tuple[int, ...], ...]  # chunks needed on the device at once (PlanLimits)
     segments: tuple[Segment, ...]
     base_bytes: int  # dynamic device bytes alive during the whole iteration (the batch, ...)
@@ -134,7 +136,7 @@ class Profile:
         d["hardware"] = Hardware(**d["hardware"])
         d["segments"] = tuple(Segment(**{**s, "chunks": tuple(s["chunks"])}) for s in d["segments"])
         d["ops"] = tuple(OpRecord(**o) for o in d["ops"])
-        for name in ("chunk_trainable", "chunk_has_grad", "persist_bytes", "host_bytes"):
+        for name in ("chunk_trainable", "chunk_frozen", "chunk_has_grad", "persist_bytes", "host_bytes", "offload_bytes"):
             d[name] = tuple(d[name])
         d["resident_sets"] = tuple(tuple(s) for s in d["resident_sets"])
         return cls(**d)

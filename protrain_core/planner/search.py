@@ -81,6 +81,7 @@ class PlanChoice:
         lines = [
             f"ProTrain plan: {self.plan}",
             f"  model: {p.description}; precision {p.precision}",
+            _states_line(p),
             f"  chunks: {p.n_chunks} x {format_bytes(p.chunk_bytes)} ({p.chunk_elems:,} elements); "
             f"{self.plan.n_persist} persistent, {streamed} streamed through {min(self.plan.n_buffer, streamed)} buffers",
             f"  activations per block: {describe_modes(modes)}",
@@ -98,6 +99,15 @@ class PlanChoice:
             f"profile: {p.hardware.device}, {p.iterations} timed iterations",
         ]
         return "\n".join(lines)
+
+
+def _states_line(p: Profile) -> str:
+    """Trainable and frozen parameters and what their model states take (wherever they live)."""
+    frozen = sum(p.chunk_frozen) * p.compute_bytes
+    total = sum(p.persist_bytes)
+    return (f"  model states {format_bytes(total)}: {sum(p.chunk_trainable):,} trainable parameters "
+            f"{format_bytes(total - frozen)} (compute copy, master, gradients, Adam states; chunk padding included), "
+            f"{sum(p.chunk_frozen):,} frozen {format_bytes(frozen)} (compute copy only)")
 
 
 def _choice(cm: CostModel, plan: Plan, budget: int, host_budget, evaluated: int, seconds: float) -> PlanChoice:

@@ -97,16 +97,18 @@ def static_facts(layout: ChunkLayout, model: nn.Module, optimizer: torch.optim.O
     params = dict(model.named_parameters())
     optimized = {id(p) for g in optimizer.param_groups for p in g["params"]}
     formats = chunk_formats(model, optimizer, layout, precision)
-    trainable = tuple(sum(params[m.name].numel() for m in spec.members
-                          if params[m.name].requires_grad and id(params[m.name]) in optimized) for spec in layout.chunks)
+    trainable = tuple(sum(m.numel for m in spec.members if m.trainable and id(params[m.name]) in optimized)
+                      for spec in layout.chunks)
     return dict(
         n_chunks=layout.n_chunks,
         chunk_elems=layout.chunk_size,
         compute_bytes=precision.compute_dtype.itemsize,
         chunk_trainable=trainable,
-        chunk_has_grad=tuple(fmt.grads for fmt in formats),
+        chunk_frozen=tuple(sum(m.numel for m in spec.members if not m.trainable) for spec in layout.chunks),
+        chunk_has_grad=tuple(fmt.trains for fmt in formats),
         persist_bytes=tuple(fmt.persistent_device_bytes for fmt in formats),
         host_bytes=tuple(fmt.streamed_host_bytes for fmt in formats),
+        offload_bytes=tuple(fmt.offload_bytes for fmt in formats),
         buffer_bytes=max(fmt.buffer_device_bytes for fmt in formats),
         chunk_bytes=formats[0].upload_bytes,
         resident_sets=layout.resident_sets,

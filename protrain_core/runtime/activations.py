@@ -190,7 +190,9 @@ class ActivationManager:
             else:
                 signature = inspect.signature(block.forward)
                 self._handles.append(block.register_forward_pre_hook(self._pre_forward(i, signature), with_kwargs=True))
-                self._handles.append(block.register_forward_hook(self._post_forward(i), always_call=True))
+                # Prepended: its prefetch hooks go on the outputs before the runtime's, so swapped
+                # activations start coming back before the block's chunks are fetched.
+                self._handles.append(block.register_forward_hook(self._post_forward(i), always_call=True, prepend=True))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -226,12 +228,14 @@ class ActivationManager:
 
     def _post_forward(self, i: int):
         def hook(_module, _args, output):
+            if not self._open[i]:
+                return  # an earlier pre-hook raised: this one never ran
             entry = self._open[i].pop()
             call = None
             if entry is not None:
                 call, hooks = entry
                 hooks.__exit__(None, None, None)
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and output is not None:  # None: the forward raised
                 self._after_call(i, call, output)
 
         return hook

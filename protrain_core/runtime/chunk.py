@@ -223,9 +223,10 @@ class Chunk:
         self.storage.free_device_copy()
         self.state = target
 
-    def begin_update(self, future: Future) -> None:
+    def begin_update(self, submit: Callable[[], Future]) -> None:
+        """Hand Adam on the host states to the CPU worker: ``submit()`` returns its future."""
         target = self._moved("begin_update")
-        self._future = future
+        self._future = submit()
         self.state = target
 
     def end_update(self) -> None:
@@ -262,14 +263,14 @@ class Chunk:
         gradients has its gradient of this pass."""
         target = self._grad_moved("receive")
         if self.persistent:
-            dst = self.view(self.storage.grad_acc, i)
+            dst = self.state_view(self.storage.grad_acc, i)
             dst.add_(grad) if self._received[i] else dst.copy_(grad)
         else:
             assert self.state is ChunkState.RESIDENT, self
             buffer = self.storage.grad_buffer
             if buffer is None:
                 buffer = self.storage.allocate_grad_buffer()
-            self.view(buffer, i).copy_(grad)
+            self.state_view(buffer, i).copy_(grad)
         self._received[i] = True
         self._arrived += 1
         self.grad_state = target
@@ -327,8 +328,17 @@ class Chunk:
         return self.spec.members
 
     def view(self, flat: Tensor, i: int) -> Tensor:
+        """Member ``i`` in a tensor of the whole chunk (a compute copy)."""
         m = self.spec.members[i]
         return flat[m.offset : m.offset + m.numel].view(m.shape)
+
+    def state_view(self, flat: Tensor, i: int) -> Tensor:
+        """Member ``i`` (a trainable one) in a tensor of the trainable span: the master, the
+        accumulator, the gradient buffer, an Adam state ([Note: chunk storage])."""
+        m = self.spec.members[i]
+        assert m.trainable, (self, m.name)
+        start = m.offset - self.storage.fmt.trainable_start
+        return flat[start : start + m.numel].view(m.shape)
 
     def point_params_at(self, flat: Tensor) -> None:
         """Re-point every parameter's ``.data`` at its slot in ``flat`` (see [Note: parameter access])."""
@@ -337,28 +347,37 @@ class Chunk:
 
     def load_params(self) -> None:
         """Copy the parameters' current values in (the master, then its compute copy), and point
-        the parameters at the compute copy. An fp32 model is rounded to bf16 in bf16-true."""
-        storage = self.storage
+        the parameters at the compute copy. An fp32 model is rounded to bf16 in bf16-true, and a
+        frozen parameter to the compute dtype in the mixed modes."""
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 self.set_member(i, p.detach())
-        self.point_params_at(storage.compute_home)
+        self.point_params_at(self.storage.compute_home)
 
     def set_member(self, i: int, value: Tensor) -> None:
-        """Write member ``i``'s value (master, and the compute copy where it rests)."""
+        """Write member ``i``'s value: its master (trainable), and the compute copy where it rests."""
         storage = self.storage
         with torch.no_grad():
-            if storage.master is not None:
-                self.view(storage.master, i).copy_(value)
-                value = self.view(storage.master, i)
-            if not storage.fmt.keeps_master or storage.fmt.separate_master:
+            if self.spec.members[i].trainable and storage.master is not None:
+                master = self.state_view(storage.master, i)
+                master.copy_(value)
+                if storage.fmt.separate_master:
+                    self.view(storage.compute_home, i).copy_(master)
+            else:
                 self.view(storage.compute_home, i).copy_(value)
 
     def member_value(self, i: int) -> Tensor:
-        """Member ``i``'s authoritative value: its master weights (the compute copy when the
-        chunk keeps no master)."""
+        """Member ``i``'s authoritative value: its master weights, or the compute copy of a
+        frozen member."""
         storage = self.storage
-        return self.view(storage.master if storage.master is not None else storage.compute_home, i)
+        if self.spec.members[i].trainable and storage.master is not None:
+            return self.state_view(storage.master, i)
+        return self.view(storage.compute_home, i)
+
+    def detach_params(self) -> None:
+        """Point the parameters at their authoritative values for good (the engine closes)."""
+        for i, p in enumerate(self.params):
+            p.data = self.member_value(i)
 
     def device_bytes(self) -> int:
         return self.storage.device_bytes()

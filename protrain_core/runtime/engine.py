@@ -225,7 +225,7 @@ class Engine:
         found_inf = torch.zeros(1, dtype=torch.float32)
         inv_scale = self.scaler.inv_scale()
         for c in self.chunks:
-            grads = [c.view(c.storage.grad_acc, i) for i in c.grad_members if c.has_grad(i)]
+            grads = [c.state_view(c.storage.grad_acc, i) for i in c.grad_members if c.has_grad(i)]
             if grads:
                 local = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, local, inv_scale.to(grads[0].device))
@@ -281,13 +281,18 @@ class Engine:
 
     # ----- state --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Tensor]:
-        """Master weights (fp32; bf16 in bf16-true) and buffers under the model's own names, on the CPU."""
+        """Master weights (fp32; bf16 in bf16-true) and buffers under the model's own names, on
+        the CPU. Frozen parameters are kept in the compute dtype (rounded once, at wrap, in the
+        mixed modes) and returned in the master dtype."""
         self.runtime.wait_all()
         out = {}
         for key, t in self.module.state_dict(keep_vars=True).items():
             slot = self._slot_of.get(id(t))
-            value = t if slot is None else slot[0].member_value(slot[1])
-            out[key] = value.detach().to("cpu", copy=True)
+            if slot is None:
+                out[key] = t.detach().to("cpu", copy=True)
+            else:  # a frozen member's compute copy is returned in the master dtype too
+                value = slot[0].member_value(slot[1])
+                out[key] = value.detach().to("cpu", dtype=self.precision.master_dtype, copy=True)
         return out
 
     def load_state_dict(self, state_dict: dict[str, Tensor], strict: bool = True) -> None:
@@ -401,7 +406,7 @@ class Engine:
         self.runtime.wait_all()
         self.runtime.release_all()
         for c in self.chunks:
-            c.point_params_at(c.storage.master if c.storage.master is not None else c.storage.compute_home)
+            c.detach_params()
         self.hooks.remove()
         self.activations.remove()
         for h in self._autocast_handles:

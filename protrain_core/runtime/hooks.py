@@ -6,7 +6,7 @@ Every forward call of a hooked unit is a ``UnitCall`` that knows the call it run
 (``parent``: the enclosing unit call in forward, if any). Its backward *begins* when the
 gradient of one of its outputs is complete -- a tensor hook on each output, not on an input the
 unit returns unchanged, whose gradient does not flow through it (T5 passes its position bias
-through every block). The runtime keeps the chunks of the *active chain* on the device: the
+through every block); an input the unit changed in place and returns is an output of its own. The runtime keeps the chunks of the *active chain* on the device: the
 call whose backward began last and its ancestors. A call that begins while its ancestor is
 active extends the chain (an outer module's own work before the inner call in forward comes
 after the inner call's backward); an ancestor of the active call that begins later (an outer
@@ -34,12 +34,13 @@ from protrain_core.utils import iter_tensors
 class UnitCall:
     """One forward call of a hooked unit, until its backward is over."""
 
-    __slots__ = ("idxs", "parent", "began")
+    __slots__ = ("idxs", "parent", "began", "inputs")
 
     def __init__(self, idxs: tuple[int, ...], parent: UnitCall | None) -> None:
         self.idxs = idxs
         self.parent = parent  # the unit call this one runs inside, in forward
         self.began = False
+        self.inputs: dict[int, int] | None = None  # while it runs: id -> version of its input tensors
 
     def ancestors(self):
         call = self.parent
@@ -55,7 +56,7 @@ class RuntimeHooks:
         self.handles = []
         self._running: list[UnitCall] = []  # the unit calls whose forward is running, outermost first
         for module, idxs in units.items():
-            self.handles.append(module.register_forward_pre_hook(self._pre_forward(idxs)))
+            self.handles.append(module.register_forward_pre_hook(self._pre_forward(idxs), with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post_forward(idxs), with_kwargs=True,
                                                              always_call=True))
         seen = set()
@@ -71,22 +72,25 @@ class RuntimeHooks:
         self.handles.clear()
 
     def _pre_forward(self, idxs):
-        def hook(_module, _args):
+        def hook(_module, args, kwargs):
+            call = UnitCall(idxs, self._running[-1] if self._running else None)
+            if torch.is_grad_enabled():  # (inference tensors have no version counter)
+                call.inputs = {id(t): t._version for t in iter_tensors((args, kwargs)) if not t.is_inference()}
+            self._running.append(call)  # before anything that can raise: the post-hook pops it
             self.runtime.pre_forward(idxs)
-            self._running.append(UnitCall(idxs, self._running[-1] if self._running else None))
 
         return hook
 
     def _post_forward(self, idxs):
-        def hook(_module, args, kwargs, output):
-            self.runtime.post_forward(idxs)
+        def hook(_module, _args, _kwargs, output):
             call = self._running.pop()
+            self.runtime.post_forward(idxs)
             if not torch.is_grad_enabled():
                 return
-            inputs = {id(t) for t in iter_tensors((args, kwargs))}
             for t in iter_tensors(output):
-                if t.requires_grad and id(t) not in inputs:
+                if t.requires_grad and call.inputs.get(id(t), -1) != t._version:  # not an input passed through
                     t.register_hook(self._pre_backward(call))
+            call.inputs = None
 
         return hook
 

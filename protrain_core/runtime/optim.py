@@ -88,7 +88,7 @@ class ChunkOptimizer:
             selected = [i for i in members if chunk.has_grad(i)]
             if not selected:
                 continue
-            v = chunk.view
+            v = chunk.state_view
             grads = [v(storage.grad_acc, i) for i in selected]
             if clip is not None and clip.algorithm is ClipAlgorithm.VALUE:
                 # clip_grad_value_: grad = min(max(grad, -value), value), the same foreach calls.
@@ -106,7 +106,7 @@ class ChunkOptimizer:
             for i in selected:
                 chunk.set_adam_state(i)
         if storage.fmt.separate_master:
-            copy_to_low_precision(storage.compute_home, storage.master)
+            copy_to_low_precision(storage.compute_span(), storage.master)
 
     def clip_grad_norm(self, slot_of: SlotMap, device: torch.device) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters (self.clipping is
@@ -123,7 +123,7 @@ class ChunkOptimizer:
         for _, p in self._indexed_params():
             chunk, i = slot_of[id(p)]
             if chunk.has_grad(i):  # torch skips p.grad is None
-                grads.append(chunk.view(chunk.storage.grad_acc, i))
+                grads.append(chunk.state_view(chunk.storage.grad_acc, i))
         if not grads:
             return torch.tensor(0.0, device=device)
         by_device: dict[torch.device, list[int]] = {}
@@ -159,7 +159,7 @@ class ChunkOptimizer:
             storage = chunk.storage
             entry = {"step": storage.steps[i].detach().to("cpu", copy=True)}
             for key in keys:
-                entry[key] = chunk.view(getattr(storage, key), i).detach().to("cpu", copy=True)
+                entry[key] = chunk.state_view(getattr(storage, key), i).detach().to("cpu", copy=True)
             state[index] = entry
         return {"state": state, "param_groups": base["param_groups"]}
 
@@ -196,7 +196,7 @@ class ChunkOptimizer:
         for index, p in self._indexed_params():
             chunk, i = slot_of[id(p)]
             storage = chunk.storage
-            if storage.exp_avg is None:
+            if storage.exp_avg is None or not chunk.spec.members[i].trainable:
                 continue  # frozen parameter: torch keeps no state for it either
             entry = states.get(index)
             with torch.no_grad():
@@ -204,7 +204,7 @@ class ChunkOptimizer:
                     flat = getattr(storage, key)
                     if flat is None:
                         continue
-                    dst = chunk.view(flat, i)
+                    dst = chunk.state_view(flat, i)
                     if entry is not None and key in entry:
                         dst.copy_(entry[key])
                     else:

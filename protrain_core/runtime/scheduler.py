@@ -16,9 +16,11 @@ after autograd summed the contributions of every use (a tied parameter too). The
 gradient into the chunk's gradient buffer and clears ``.grad``. When every trainable parameter
 of a streamed chunk has its gradient, the buffer is offloaded to host memory and the CPU worker
 lands it in the accumulator (fp32; bf16 in bf16-true) and, at a gradient-accumulation boundary,
-runs Adam on the chunk while backward goes on (unless Adam waits for step(): update.py). Nothing
-of the chunk is needed by backward after that point: autograd runs a parameter's accumulation
-only after every node that uses the parameter ran. A chunk that is still receiving gradients
+runs Adam on the chunk while backward goes on (unless Adam waits for step(): update.py). No
+trainable parameter of the chunk is needed by backward after that point: autograd runs a
+parameter's accumulation only after every node that uses the parameter ran. Frozen parameters
+give no such signal, so a chunk that has some waits while its units are in the active chain:
+it is offloaded when a unit outside the chain begins its backward, or at the end of backward. A chunk that is still receiving gradients
 is evicted only as a last resort: its partial gradients are then offloaded and accumulated on
 the host like a micro-batch, and it is fetched again if more arrive. So the runtime never needs
 more buffers than the units active at once ([Note: plan validity] in plan.py).
@@ -62,11 +64,13 @@ class Runtime:
         self.hps = None  # hyper-parameters snapshot of the current step
         self.current: set[int] = set()  # the chunks of the active chain
         self._chain: list = []  # the active chain: the hooks.UnitCall whose backward began last, and its ancestors
+        self._deferred: set[int] = set()  # chunks with all their gradients and frozen members still in use
         self._tick = 0
         self.stats = dict.fromkeys(_COUNTED.values(), 0)
         self.events: list[tuple[str, int, float]] = []  # (what, chunk, time) when recording
         self.record_events = False
-        self.worker = CpuWorker(ctx, optim, n_staging=n_buffer, record=self.record)
+        staging = max((c.storage.fmt.trainable_numel for c in self.streamed), default=0)
+        self.worker = CpuWorker(ctx, optim, n_staging=n_buffer, staging_numel=staging, record=self.record)
 
     @property
     def threaded(self) -> bool:
@@ -99,6 +103,9 @@ class Runtime:
             if call not in self._chain:
                 self._chain = [call, *call.ancestors()]
                 self.current = {i for c in self._chain for i in c.idxs}
+                for i in sorted(self._deferred - self.current):  # no module of theirs runs any more
+                    self._deferred.discard(i)
+                    self._offload(self.chunks[i], final=True)
             self.acquire(call.idxs, pin=False)
             self.prefetch(min(call.idxs) - 1)
             self.check()
@@ -113,7 +120,10 @@ class Runtime:
                 self._make_resident(c, protect=self.current | {c.index})
             complete = c.receive(i, grad)
             if complete and not c.persistent:
-                self._offload(c, final=True)
+                if c.spec.has_frozen and c.index in self.current:
+                    self._deferred.add(c.index)  # its frozen weights may still be read by this backward
+                else:
+                    self._offload(c, final=True)
             self.check()
 
     # ----- residency ----------------------------------------------------------------------
@@ -242,7 +252,7 @@ class Runtime:
                                 error="engine.backward() was called while another backward is running."):
             self.boundary = boundary
             self.hps = self.optim.snapshot()
-            self._chain, self.current = [], set()
+            self._chain, self.current, self._deferred = [], set(), set()
             try:
                 yield
             finally:
@@ -251,7 +261,7 @@ class Runtime:
                 finally:
                     for c in self.chunks:
                         c.end_pass()
-                    self._chain, self.current = [], set()
+                    self._chain, self.current, self._deferred = [], set(), set()
         self.check()
 
     def _finish_backward(self) -> None:
@@ -279,7 +289,7 @@ class Runtime:
             if not c.persistent:
                 if c.state is ChunkState.RESIDENT:
                     self._evict(c)  # its device copy would be stale after the update
-                c.begin_update(self.worker.submit(self.worker.update, c, hps))
+                c.begin_update(lambda c=c: self.worker.submit(self.worker.update, c, hps))
         for c in pending:
             if c.persistent:
                 with traced("ProTrain::device_adam"), torch.no_grad():

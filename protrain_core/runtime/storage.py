@@ -2,24 +2,26 @@
 
 [Note: chunk storage]
 A chunk of ``S`` elements (the layout's chunk size; ``c`` = compute dtype, ``m`` = master dtype:
-fp32, or bf16 in bf16-true) holds, when it trains (``ChunkFormat`` with ``keeps_master``):
+fp32, or bf16 in bf16-true) has its frozen parameters first and its trainable ones after them
+(structure/layout.py), so the trainable ones form one span of ``T`` elements. Only that span
+trains:
 
-  tensor         elements  dtype  persistent chunk        streamed chunk
-  compute copy   S         c      device, always          device buffer while resident
-  host copy      s         c      --                      host (pinned pool)
-  master         s         m      device                  host
-  grad. accum.   s         m      device (if grads)       host (if grads)
-  grad. buffer   S         c      -- (lands in accum.)    device, during backward (if grads)
-  Adam states    k * s     m      device                  host          (k = 2, 3 with amsgrad)
+  tensor          elements  dtype  persistent chunk        streamed chunk
+  compute copy    S         c      device, always          device buffer while resident
+  host copy       s_c       c      --                      host (pinned pool)
+  master          s_t       m      device                  host
+  grad. accum.    s_t       m      device                  host
+  grad. buffer    T         c      -- (lands in accum.)    device, during backward
+  Adam states     k * s_t   m      device                  host          (k = 2, 3 with amsgrad)
 
-``s`` is this rank's shard: ``ceil(S / world)`` rounded up to the layout's alignment (``S``
-itself in one process); the compute copy is then padded to ``s * world`` elements so that an
-all-gather of equal shards assembles it. The master is a tensor of its own only when its dtype
-differs from the compute dtype (the mixed modes); otherwise it *is* the compute copy's own
-elements (the host copy of a streamed chunk, this rank's slice of a persistent one's).
-A chunk with no trainable member (``keeps_master=False``: frozen weights, LoRA's base model)
-holds the compute copy only -- the host copy when streamed -- and no master, accumulator,
-buffer for gradients or Adam state.
+A frozen parameter therefore costs its compute-dtype copy and nothing else (2 bytes in the
+bf16 modes); a chunk with no trainable member (``T = 0``) holds the compute copy only, is
+uploaded and never offloaded. ``s_c`` and ``s_t`` are this rank's shards: ``S`` and ``T`` in
+one process, ``ceil(S / world)`` and ``ceil(T / world)`` rounded up to the layout's alignment
+otherwise (the compute copy is then padded to ``s_c * world`` elements so that an all-gather of
+equal shards assembles it). In one process the master is a tensor of its own only when its
+dtype differs from the compute dtype (the mixed modes); otherwise it *is* the trainable span
+of the compute copy (the host copy of a streamed chunk, the device copy of a persistent one).
 
 Everything that needs a chunk's size asks ``ChunkFormat``: the engine's allocation (here), the
 host pool's size, the runtime's device-memory bound, and the profiler's static facts, which
@@ -43,24 +45,32 @@ from protrain_core.structure.layout import ChunkLayout, align
 class ChunkFormat:
     """What one chunk stores (see [Note: chunk storage])."""
 
-    numel: int  # the layout's chunk size, in elements
+    numel: int  # the layout's chunk size S, in elements
     compute_dtype: torch.dtype
     master_dtype: torch.dtype
-    keeps_master: bool = True  # False: the compute copy only (a chunk with no trainable member)
-    grads: bool = True  # a gradient accumulator (some member requires gradients)
-    adam_states: int = 2  # Adam state tensors next to the master: 0, 2, or 3 with amsgrad
-    world_size: int = 1  # processes the states are sharded over
+    trainable_start: int = 0  # where the trainable span begins (elements)
+    trainable_numel: int | None = None  # T; None: the whole chunk trains
+    adam_states: int = 2  # Adam state tensors of the trainable span: 0, 2, or 3 with amsgrad
+    world_size: int = 1  # processes the chunk is sharded over
 
     def __post_init__(self) -> None:
-        assert self.keeps_master or (not self.grads and not self.adam_states), "a compute-only chunk trains nothing"
+        if self.trainable_numel is None:
+            object.__setattr__(self, "trainable_numel", self.numel - self.trainable_start)
+        assert 0 <= self.trainable_start and self.trainable_start + self.trainable_numel <= self.numel
         assert self.adam_states in (0, 2, 3) and self.world_size >= 1
+        assert self.trainable_numel or not self.adam_states, "a chunk with no trainable member has no Adam state"
+
+    @property
+    def trains(self) -> bool:
+        return self.trainable_numel > 0
+
+    def _shard(self, n: int) -> int:
+        return n if self.world_size == 1 else align(-(-n // self.world_size))
 
     @property
     def shard_numel(self) -> int:
-        """Elements of this rank's shard of the master, accumulator and Adam states."""
-        if self.world_size == 1:
-            return self.numel
-        return align(-(-self.numel // self.world_size))
+        """s_c: elements of this rank's shard of the compute copy."""
+        return self._shard(self.numel)
 
     @property
     def padded_numel(self) -> int:
@@ -68,13 +78,18 @@ class ChunkFormat:
         return self.shard_numel * self.world_size
 
     @property
+    def state_numel(self) -> int:
+        """s_t: elements of this rank's shard of the master, accumulator and Adam states."""
+        return self._shard(self.trainable_numel)
+
+    @property
     def separate_master(self) -> bool:
-        return self.keeps_master and self.compute_dtype != self.master_dtype
+        return self.trains and (self.compute_dtype != self.master_dtype or self.world_size > 1)
 
     def _state_bytes(self) -> int:
         """Master (when separate), accumulator and Adam states of this rank's shard."""
-        n = int(self.separate_master) + int(self.grads) + self.adam_states
-        return n * self.shard_numel * self.master_dtype.itemsize
+        n = int(self.separate_master) + int(self.trains) + self.adam_states
+        return n * self.state_numel * self.master_dtype.itemsize
 
     @property
     def persistent_device_bytes(self) -> int:
@@ -89,20 +104,25 @@ class ChunkFormat:
     @property
     def buffer_device_bytes(self) -> int:
         """Device bytes of a streamed chunk while resident: its compute copy, plus the gradient
-        buffer of a backward pass when it has gradients."""
-        return (1 + int(self.grads)) * self.padded_numel * self.compute_dtype.itemsize
+        buffer of its trainable span during backward."""
+        return (self.padded_numel + self.trainable_numel) * self.compute_dtype.itemsize
 
     @property
     def upload_bytes(self) -> int:
         """Bytes one fetch copies host -> device (this rank's shard; the gather does the rest)."""
         return self.shard_numel * self.compute_dtype.itemsize
 
+    @property
+    def offload_bytes(self) -> int:
+        """Bytes of gradients one offload copies device -> host (0 for a frozen chunk)."""
+        return self.state_numel * self.compute_dtype.itemsize
+
     def host_tensors(self) -> list[tuple[int, torch.dtype]]:
         """(elements, dtype) of a streamed chunk's host tensors, in allocation order."""
-        s, m = self.shard_numel, self.master_dtype
+        s, m = self.state_numel, self.master_dtype
         out = [(s, m)] if self.separate_master else []
-        out.append((s, self.compute_dtype))
-        out += [(s, m)] * (int(self.grads) + self.adam_states)
+        out.append((self.shard_numel, self.compute_dtype))
+        out += [(s, m)] * (int(self.trains) + self.adam_states)
         return out
 
 
@@ -111,45 +131,46 @@ class ChunkStorage:
 
     ``device_copy`` is one permanent tensor; a streamed chunk frees its memory with
     ``untyped_storage().resize_(0)`` and re-allocates it in place (FSDP2's technique), so
-    views taken of it stay valid ([Note: parameter access] in chunk.py).
+    views taken of it stay valid ([Note: parameter access] in chunk.py). The master, the
+    accumulator, the gradient buffer and the Adam states cover the trainable span only
+    (``Chunk.state_view`` finds a member in them).
     """
 
     def __init__(self, fmt: ChunkFormat, *, persistent: bool, device: torch.device, pool: HostPool | None,
-                 n_members: int, rank: int = 0) -> None:
+                 n_members: int) -> None:
         self.fmt = fmt
         self.persistent = persistent
         self.device = device
         self.grad_buffer: Tensor | None = None  # streamed: this backward's gradients, on the device
         with torch.no_grad():
             if persistent:
-                self._allocate_persistent(rank)
+                self._allocate_persistent()
             else:
                 self._allocate_streamed(pool)
         home = self.master if self.master is not None else self.compute_home
         self.steps = [torch.zeros((), dtype=torch.float32, device=home.device) for _ in range(n_members)]
 
-    def _allocate_persistent(self, rank: int) -> None:
+    def _allocate_persistent(self) -> None:
         fmt, dev = self.fmt, self.device
-        zeros = lambda: torch.zeros(fmt.shard_numel, dtype=fmt.master_dtype, device=dev)  # noqa: E731
+        zeros = lambda: torch.zeros(fmt.state_numel, dtype=fmt.master_dtype, device=dev)  # noqa: E731
         self.device_copy = torch.zeros(fmt.padded_numel, dtype=fmt.compute_dtype, device=dev)
         self.host_copy = None
-        own = self.device_copy if fmt.world_size == 1 else self.device_copy[rank * fmt.shard_numel:(rank + 1) * fmt.shard_numel]
-        self.master = zeros() if fmt.separate_master else own if fmt.keeps_master else None
+        self.master = zeros() if fmt.separate_master else self.compute_span() if fmt.trains else None
         self._allocate_states(zeros)
 
     def _allocate_streamed(self, pool: HostPool) -> None:
         fmt = self.fmt
-        take = lambda: pool.take(fmt.shard_numel, fmt.master_dtype)  # noqa: E731
+        take = lambda: pool.take(fmt.state_numel, fmt.master_dtype)  # noqa: E731
         master = take() if fmt.separate_master else None
         self.host_copy = pool.take(fmt.shard_numel, fmt.compute_dtype)
-        self.master = master if master is not None else self.host_copy if fmt.keeps_master else None
+        self.master = master if master is not None else self.compute_span() if fmt.trains else None
         self._allocate_states(take)
         self.device_copy = torch.empty(fmt.padded_numel, dtype=fmt.compute_dtype, device=self.device)
         self.free_device_copy()
 
     def _allocate_states(self, make) -> None:
         fmt = self.fmt
-        self.grad_acc = make() if fmt.grads else None
+        self.grad_acc = make() if fmt.trains else None
         self.exp_avg = make() if fmt.adam_states else None
         self.exp_avg_sq = make() if fmt.adam_states else None
         self.max_exp_avg_sq = make() if fmt.adam_states == 3 else None
@@ -166,6 +187,11 @@ class ChunkStorage:
         host copy of a streamed one."""
         return self.device_copy if self.persistent else self.host_copy
 
+    def compute_span(self) -> Tensor:
+        """The trainable span of the compute copy where it rests (a view)."""
+        start, n = self.fmt.trainable_start, self.fmt.trainable_numel
+        return self.compute_home[start:start + n]
+
     def allocate_device_copy(self) -> None:
         storage = self.device_copy.untyped_storage()
         storage.resize_(self.device_copy.numel() * self.device_copy.element_size())
@@ -179,7 +205,7 @@ class ChunkStorage:
 
     def allocate_grad_buffer(self) -> Tensor:
         with untracked():  # chunk memory: counted by device_bytes(), not as activations
-            self.grad_buffer = torch.zeros(self.fmt.padded_numel, dtype=self.fmt.compute_dtype, device=self.device)
+            self.grad_buffer = torch.zeros(self.fmt.trainable_numel, dtype=self.fmt.compute_dtype, device=self.device)
         return self.grad_buffer
 
     def free_grad_buffer(self) -> None:
@@ -210,10 +236,10 @@ def chunk_formats(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Ch
     adam = 3 if any(g.get("amsgrad", False) for g in optimizer.param_groups) else 2
     formats = []
     for spec in layout.chunks:
-        members = [params[m.name] for m in spec.members]
-        trains = optimizer_states and any(p.requires_grad and id(p) in optimized for p in members)
+        trains = optimizer_states and any(m.trainable and id(params[m.name]) in optimized for m in spec.members)
         formats.append(ChunkFormat(
             numel=layout.chunk_size, compute_dtype=precision.compute_dtype, master_dtype=precision.master_dtype,
-            grads=any(p.requires_grad for p in members), adam_states=adam if trains else 0,
+            trainable_start=spec.trainable_start if spec.trainable_numel else 0,
+            trainable_numel=spec.trainable_numel, adam_states=adam if trains else 0,
         ))
     return formats

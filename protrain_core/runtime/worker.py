@@ -25,14 +25,16 @@ from protrain_core.runtime.optim import ChunkOptimizer
 
 
 class CpuWorker:
-    def __init__(self, ctx: DeviceContext, optim: ChunkOptimizer, *, n_staging: int, record) -> None:
+    def __init__(self, ctx: DeviceContext, optim: ChunkOptimizer, *, n_staging: int, staging_numel: int, record) -> None:
         self.ctx = ctx
         self.optim = optim
         self.n_staging = n_staging
+        self.staging_numel = staging_numel  # the largest trainable span of a streamed chunk
         self.record = record  # record(what, chunk index): the runtime's timeline and counters
         self.threaded = ctx.is_cuda or os.environ.get("PROTRAIN_CPU_ADAM_THREAD", "") == "1"
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="protrain-cpu-adam")
         self._staging: queue.Queue | None = None  # landing buffers to add into grad_acc (its dtype)
+        self._lent: dict[int, Tensor] = {}  # id of a landing slice -> its staging buffer
 
     def submit(self, fn, *args) -> Future:
         if self.threaded:
@@ -45,34 +47,40 @@ class CpuWorker:
         return future
 
     def landing_buffer(self, chunk: Chunk, *, replace: bool) -> Tensor:
-        """Where an offload lands on the host: in mixed precision the chunk's host compute copy
-        (restored from the master after landing, so no extra host memory); otherwise the
-        accumulator itself for the first pass since zero_grad, else a staging buffer to add."""
+        """Where an offload lands on the host: in mixed precision the trainable span of the
+        chunk's host compute copy (restored from the master after landing, so no extra host
+        memory); otherwise the accumulator itself for the first pass since zero_grad, else a
+        staging buffer to add from (sized for the largest trainable span)."""
         storage = chunk.storage
         if storage.fmt.separate_master:
-            return storage.host_copy
+            return storage.compute_span()
         if replace:
             return storage.grad_acc
         if self._staging is None:
             self._staging = queue.Queue()
             for _ in range(self.n_staging):
                 with untracked():
-                    self._staging.put(torch.empty_like(storage.grad_acc, pin_memory=self.ctx.is_cuda))
-        return self._staging.get()
+                    self._staging.put(torch.empty(self.staging_numel, dtype=storage.grad_acc.dtype,
+                                                  pin_memory=self.ctx.is_cuda))
+        full = self._staging.get()
+        landing = full[:storage.fmt.trainable_numel]
+        self._lent[id(landing)] = full
+        return landing
 
     def land_and_update(self, chunk: Chunk, event, landing: Tensor, replace: bool, update: bool, hps) -> None:
         """Fold the offloaded gradients into the accumulator, then maybe run Adam."""
         self.ctx.synchronize(event)
         storage = chunk.storage
         with torch.no_grad():
-            if landing is not storage.grad_acc:
+            if storage.fmt.separate_master:  # landed in the compute copy's span
                 storage.grad_acc.copy_(landing) if replace else storage.grad_acc.add_(landing)
-                if landing is not storage.host_copy:
-                    self._staging.put(landing)
+            elif not replace:  # landed in a staging buffer
+                storage.grad_acc.add_(landing)
+                self._staging.put(self._lent.pop(id(landing)))
             if update:
                 self.update(chunk, hps)
             elif storage.fmt.separate_master:
-                storage.host_copy.copy_(storage.master)
+                storage.compute_span().copy_(storage.master)
 
     def update(self, chunk: Chunk, hps) -> None:
         self.record("cpu_adam_begin", chunk.index)

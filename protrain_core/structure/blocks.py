@@ -44,7 +44,18 @@ def find_blocks(model: nn.Module, blocks: nn.ModuleList | str | None = None) -> 
     Discovery tries the block paths of the Hugging Face families we support, then a ModuleList
     whose children are of a class named in the model's ``_no_split_modules``, then the only
     ModuleList of two or more same-class children. Otherwise the error lists the candidates.
+    The name returned is the list's name in ``model.named_modules()`` (a wrapper such as a PEFT
+    model resolves ``transformer.h`` through attribute forwarding; the canonical name is
+    ``base_model.model.transformer.h``).
     """
+    found = _discover(model, blocks)
+    name = next((n for n, m in model.named_modules() if m is found), None)
+    if name is None:
+        raise ValueError("blocks= is an nn.ModuleList that is not a submodule of the model.")
+    return name, found
+
+
+def _discover(model: nn.Module, blocks) -> nn.ModuleList:
     if isinstance(blocks, str):
         found = _get_submodule(model, blocks)
         if not isinstance(found, nn.ModuleList):
@@ -52,19 +63,16 @@ def find_blocks(model: nn.Module, blocks: nn.ModuleList | str | None = None) -> 
                 f"blocks={blocks!r} does not name an nn.ModuleList of the model. Candidates:\n"
                 + _describe(model)
             )
-        return blocks, found
+        return found
     if isinstance(blocks, nn.ModuleList):
-        for name, m in model.named_modules():
-            if m is blocks:
-                return name, blocks
-        raise ValueError("blocks= is an nn.ModuleList that is not a submodule of the model.")
+        return blocks
     if blocks is not None:
         raise ValueError(f"blocks= must be an nn.ModuleList or its dotted name, got {type(blocks).__name__}")
 
     for path in _KNOWN_BLOCK_PATHS:
         found = _get_submodule(model, path)
         if isinstance(found, nn.ModuleList) and len(found) > 0:
-            return path, found
+            return found
     # A wrapper (a LightningModule, a user's module) around one Hugging Face model.
     hf = [n for n, m in model.named_modules() if n and hasattr(getattr(m, "config", None), "vocab_size")]
     outer = [n for n in hf if not any(n.startswith(o + ".") for o in hf)]
@@ -72,15 +80,15 @@ def find_blocks(model: nn.Module, blocks: nn.ModuleList | str | None = None) -> 
         for path in _KNOWN_BLOCK_PATHS:
             found = _get_submodule(model, f"{outer[0]}.{path}")
             if isinstance(found, nn.ModuleList) and len(found) > 0:
-                return f"{outer[0]}.{path}", found
+                return found
 
     no_split = set(getattr(model, "_no_split_modules", None) or ())
     candidates = _candidates(model)
     if no_split:
-        for name, ml in candidates:
+        for _, ml in candidates:
             if all(type(b).__name__ in no_split for b in ml):
-                return name, ml
-    homogeneous = [(n, ml) for n, ml in candidates if len(ml) >= 2 and len({type(b) for b in ml}) == 1]
+                return ml
+    homogeneous = [ml for _, ml in candidates if len(ml) >= 2 and len({type(b) for b in ml}) == 1]
     if len(homogeneous) == 1:
         return homogeneous[0]
     raise ValueError(

@@ -5,6 +5,11 @@ them. All parameters of one transformer block form one *unit* and a unit never s
 chunks; every module outside the blocks (embeddings, final norm, head) is a unit of its own. A
 tied parameter belongs to the unit of its first use. The chunk size is chosen by a grid search
 that minimises wasted bytes (chunk capacity not used by parameters).
+
+Inside a chunk the frozen parameters (``requires_grad=False`` when the layout is built: a LoRA
+base model, frozen embeddings) come first and the trainable ones after them, each group in
+execution order, so that the trainable ones form one span: the only part of the chunk with a
+master copy, gradients and Adam states ([Note: chunk storage] in runtime/storage.py).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class ParamSlot:
     offset: int
     numel: int
     shape: tuple[int, ...]
+    trainable: bool = True  # requires_grad when the layout was built
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,21 @@ class ChunkSpec:
     @property
     def waste(self) -> int:
         return self.capacity - self.numel
+
+    @property
+    def has_frozen(self) -> bool:
+        return not all(m.trainable for m in self.members)
+
+    @property
+    def trainable_start(self) -> int:
+        """Offset of the trainable span (the capacity when the chunk has no trainable member)."""
+        return next((m.offset for m in self.members if m.trainable), self.capacity)
+
+    @property
+    def trainable_numel(self) -> int:
+        """Elements of the trainable span, from its first trainable member to the end of its last."""
+        last = [m for m in self.members if m.trainable]
+        return last[-1].offset + last[-1].numel - self.trainable_start if last else 0
 
 
 @dataclass(frozen=True)
@@ -180,11 +201,12 @@ def build_layout(
         )
     chunks = []
     for index, unit_ids in enumerate(pack(unit_sizes, chunk_size)):
+        params = [(name, p) for u in unit_ids for name, p in units[u][1]]
         members, offset = [], 0
-        for u in unit_ids:
-            for name, p in units[u][1]:
-                members.append(ParamSlot(name=name, offset=offset, numel=p.numel(), shape=tuple(p.shape)))
-                offset += align(p.numel())
+        for name, p in sorted(params, key=lambda np: np[1].requires_grad):  # stable: frozen first, then trainable
+            members.append(ParamSlot(name=name, offset=offset, numel=p.numel(), shape=tuple(p.shape),
+                                     trainable=p.requires_grad))
+            offset += align(p.numel())
         chunks.append(
             ChunkSpec(index=index, members=tuple(members), units=tuple(units[u][0] for u in unit_ids), capacity=chunk_size)
         )
