@@ -197,3 +197,15 @@ def test_autocast_is_entered_once_per_forward(monkeypatch):
         engine.module(input_ids=x)
         monkeypatch.undo()
     assert entered == [torch.bfloat16] * 2
+
+
+def test_no_library_function_is_longer_than_60_lines():
+    long = []
+    for package in LIBRARY:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    n = node.end_lineno - node.lineno + 1
+                    if n > 60:
+                        long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
+    assert long == []

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import protrain_core as pt
-from conftest import MODELS, batches, n_chunks
+from conftest import MODELS, batches, n_chunks, train_engine, train_reference
 
 FREEZE = {
     # frozen before the trainable ones in a block: the norm and the attention, the MLP trains
@@ -59,13 +59,7 @@ def reference(model, data, precision):
         if dtype is not None:
             ref = ref.to(dtype)
         opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, fused=True)
-        losses = []
-        for x in data:
-            loss = ref(input_ids=x, labels=x).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = train_reference(ref, opt, data)
         return losses, {k: v.float() if dtype is None else v for k, v in ref.state_dict().items()}
     trained = [(p_lp, p) for p_lp, p in zip(ref.parameters(), model.parameters()) if p.requires_grad]
     for p in ref.parameters():
@@ -93,17 +87,6 @@ def reference(model, data, precision):
     return losses, {k: master_of.get(id(v), v.detach().float()) for k, v in ref.state_dict(keep_vars=True).items()}
 
 
-def train(engine, data):
-    losses = []
-    for x in data:
-        loss = engine.module(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def _ci(arch, pattern, plan_name, precision):
     """The CI subset: every pattern and every plan in fp32 on LLaMA, every precision streamed."""
     return (arch == "llama" and precision == "32-true") or (plan_name == "all-streamed" and arch == "gpt2") \
@@ -122,7 +105,7 @@ def test_frozen_parameters_train_like_the_recipe(arch, pattern, plan_name, preci
     ref_losses, ref_values = reference(model, data, precision)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     engine = pt.wrap(model, opt, plans(model)[plan_name], precision=precision, device="cpu", check_invariants=True)
-    assert train(engine, data) == ref_losses
+    assert train_engine(engine, data) == ref_losses
     sd = engine.state_dict()
     assert set(sd) == set(ref_values)
     ulp = 1.2e-7 if precision.endswith("mixed") else 0.0  # the masters of the mixed recipe: 1 ulp of fp32
@@ -139,7 +122,7 @@ def test_a_frozen_chunk_is_uploaded_and_never_offloaded():
     frozen = {c.index for c in engine.chunks if not c.storage.fmt.trains}
     assert frozen
     engine.runtime.record_events = True
-    train(engine, batches(2))
+    train_engine(engine, batches(2))
     events = engine.runtime.events
     assert {i for what, i, _ in events if what == "fetch"} >= frozen
     assert not {i for what, i, _ in events if what == "offload"} & frozen
@@ -151,15 +134,9 @@ def test_an_optimizer_over_every_parameter_keeps_no_state_for_frozen_ones():
     ref = copy.deepcopy(model)
     data = batches(3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
-    ref_losses = []
-    for x in data:
-        loss = ref(input_ids=x, labels=x).loss
-        loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(loss.item())
+    ref_losses = train_reference(ref, ref_opt, data)
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=LR), pt.Plan(n_persist=0, n_buffer=1), device="cpu")
-    assert train(engine, data) == ref_losses
+    assert train_engine(engine, data) == ref_losses
     osd, ref_osd = engine.optimizer_state_dict(), ref_opt.state_dict()
     assert osd["state"].keys() == ref_osd["state"].keys()
     for i, entry in ref_osd["state"].items():

@@ -12,9 +12,9 @@ from peft import LoraConfig, get_peft_model
 from torch.utils.data import DataLoader, TensorDataset
 
 import protrain_core as pt
-from conftest import MODELS, SEQ, VOCAB, batches
+from conftest import MODELS, SEQ, VOCAB, batches, train_engine
 from lightning_protrain import ProTrainStrategy
-from test_frozen import LR, plans, reference, train
+from test_frozen import LR, plans, reference
 
 TARGETS = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"], "qwen2": ["q_proj", "v_proj"]}
 
@@ -53,7 +53,7 @@ def test_lora_core_api(arch, plan_name, precision):
     ref_losses, ref_values = reference(model, data, precision)
     engine = pt.wrap(model, torch.optim.AdamW(trainable(model), lr=LR), plans(model)[plan_name], precision=precision,
                      device="cpu", check_invariants=True)
-    assert train(engine, data) == ref_losses
+    assert train_engine(engine, data) == ref_losses
     sd = engine.state_dict()
     assert list(sd) == list(model.state_dict())  # PEFT's own names
     ulp = 1.2e-7 if precision == "bf16-mixed" else 0.0
@@ -167,6 +167,6 @@ def test_cuda_lora(precision):
     ref_losses, _ = reference(copy.deepcopy(model).cuda(), data, precision)
     engine = pt.wrap(model, torch.optim.AdamW(trainable(model), lr=LR), pt.Plan(n_persist=0, n_buffer=1),
                      precision=precision, device="cuda", check_invariants=True)
-    losses = train(engine, data)
+    losses = train_engine(engine, data)
     assert engine.host_pool.pinned
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5 if precision == "32-true" else 2e-2, atol=0)
