@@ -66,7 +66,7 @@ def test_cuda_parity(precision, persist):
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), pt.Plan(n_persist=persist, n_buffer=2),
                      precision=precision, device="cuda", check_invariants=True)
     losses = train_engine(engine, data)
-    assert engine.host_pool.pinned
+    assert engine.host_pinned
     if precision == "32-true":
         # CPU fused Adam vs CUDA fused Adam may round differently: compare closely, not bitwise.
         torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)

@@ -168,5 +168,5 @@ def test_cuda_lora(precision):
     engine = pt.wrap(model, torch.optim.AdamW(trainable(model), lr=LR), pt.Plan(n_persist=0, n_buffer=1),
                      precision=precision, device="cuda", check_invariants=True)
     losses = train_engine(engine, data)
-    assert engine.host_pool.pinned
+    assert engine.host_pinned
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5 if precision == "32-true" else 2e-2, atol=0)

@@ -20,6 +20,8 @@ from protrain_core.structure.layout import ChunkSpec, ParamSlot
 H, F, R, O, U, P = (ChunkState.HOST, ChunkState.FETCHING, ChunkState.RESIDENT, ChunkState.OFFLOADING,
                     ChunkState.UPDATING, ChunkState.PERSISTENT)
 EXPECTED = {
+    ("persist", H): P,
+    ("unpersist", P): H,
     ("begin_fetch", H): F,
     ("end_fetch", F): R,
     ("release", R): H,
@@ -49,8 +51,7 @@ def test_transition_tables_are_the_documented_ones():
 def _chunk(persistent=False):
     spec = ChunkSpec(index=0, members=(ParamSlot("w", 0, 4, (4,)),), units=("u",), capacity=16)
     fmt = ChunkFormat(numel=16, compute_dtype=torch.float32, master_dtype=torch.float32, trainable_numel=4, adam_states=2)
-    pool = None if persistent else ChunkStorage.host_pool([fmt], pin=False)
-    storage = ChunkStorage(fmt, persistent=persistent, device=torch.device("cpu"), pool=pool, n_members=1)
+    storage = ChunkStorage(fmt, persistent=persistent, device=torch.device("cpu"), pin=False, n_members=1)
     chunk = Chunk(spec, params=[torch.nn.Parameter(torch.arange(4.0))], storage=storage, opt_members={0: [0]})
     chunk.load_params()
     return chunk
@@ -70,6 +71,8 @@ def _offload(c, applied=False):
 
 
 VERB_CALLS = {
+    "persist": lambda c: c.persist(),
+    "unpersist": lambda c: c.unpersist(),
     "begin_fetch": lambda c: c.begin_fetch(CTX),
     "end_fetch": lambda c: c.end_fetch(CTX),
     "release": lambda c: c.release(),
@@ -113,11 +116,11 @@ def test_every_verb_from_every_state(verb, state):
     VERB_CALLS[verb](c)
     assert c.state is target
     st, param = c.storage, c.params[0]
-    if target in (F, R, O):  # the device copy exists exactly while the chunk is on the device
+    if target in (F, R, O, P):  # the device copy exists exactly while the chunk is on the device
         assert st.device_copy_allocated
     else:
         assert not st.device_copy_allocated and st.grad_buffer is None
-    if target is R:
+    if target in (R, P):
         assert param.untyped_storage().data_ptr() == st.device_copy.untyped_storage().data_ptr()
         assert torch.equal(param.detach(), torch.arange(4.0))  # the fetched values
     if target in (H, U):

@@ -48,8 +48,8 @@ def test_profile_facts_match_the_allocation(precision, amsgrad):
 
 
 def _storage(fmt, *, persistent):
-    pool = None if persistent else ChunkStorage.host_pool([fmt], pin=False)
-    return ChunkStorage(fmt, persistent=persistent, device=torch.device("cpu"), pool=pool, n_members=1), pool
+    storage = ChunkStorage(fmt, persistent=persistent, device=torch.device("cpu"), pin=False, n_members=1)
+    return storage, storage.pool
 
 
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),

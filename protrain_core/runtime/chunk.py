@@ -10,6 +10,8 @@ the new state last. Nothing outside ``Chunk`` assigns its fields; the scheduler
 Residency (``ChunkState``): where the chunk's compute copy is.
 
   verb          from        to          storage work
+  persist       HOST        PERSISTENT  (a re-plan) every tensor moved to the device; host buffer freed
+  unpersist     PERSISTENT  HOST        (a re-plan) every tensor moved to a new host buffer
   begin_fetch   HOST        FETCHING    allocate the device copy; copy host -> device (copy stream)
   end_fetch     FETCHING    RESIDENT    compute stream waits for the copy; parameters -> device copy
   release       RESIDENT    HOST        parameters -> host copy; free the device copy
@@ -20,7 +22,7 @@ Residency (``ChunkState``): where the chunk's compute copy is.
   begin_update  HOST        UPDATING    hand Adam on the host states to the CPU worker
   end_update    UPDATING    HOST        wait for the worker (re-raises its failure)
 
-A persistent chunk is ``PERSISTENT`` for its whole life and has no residency verb. While a
+A persistent chunk stays ``PERSISTENT`` until a re-plan between steps streams it. While a
 chunk is ``UPDATING`` the worker owns its host tensors: its parameters must not be read until
 ``end_update`` (``step()`` returns after every chunk's, and a fetch waits for the chunk's own).
 
@@ -86,7 +88,7 @@ from protrain_core.structure.layout import ChunkSpec, ParamSlot
 
 
 class ChunkState(enum.Enum):
-    PERSISTENT = "persistent"  # everything on the device for the whole run
+    PERSISTENT = "persistent"  # everything on the device (until a re-plan streams it)
     HOST = "host"  # streamed chunk at rest: host copies are authoritative, no device memory
     FETCHING = "fetching"  # host -> device copy of the compute copy issued
     RESIDENT = "resident"  # device buffer valid; parameters point at it
@@ -104,6 +106,8 @@ class GradState(enum.Enum):
 
 # (verb, from-state) -> to-state. Anything else is illegal.
 TRANSITIONS: dict[tuple[str, ChunkState], ChunkState] = {
+    ("persist", ChunkState.HOST): ChunkState.PERSISTENT,
+    ("unpersist", ChunkState.PERSISTENT): ChunkState.HOST,
     ("begin_fetch", ChunkState.HOST): ChunkState.FETCHING,
     ("end_fetch", ChunkState.FETCHING): ChunkState.RESIDENT,
     ("release", ChunkState.RESIDENT): ChunkState.HOST,
@@ -156,10 +160,9 @@ class Chunk:
         self.index = spec.index
         self.params = params  # aligned with spec.members
         self.storage = storage
-        self.persistent = storage.persistent
         self.opt_members = opt_members  # param group -> members the optimizer updates
         self.grad_members = tuple(i for i, p in enumerate(params) if p.requires_grad)
-        self.state = ChunkState.PERSISTENT if self.persistent else ChunkState.HOST
+        self.state = ChunkState.PERSISTENT if storage.persistent else ChunkState.HOST
         self.grad_state = GradState.EMPTY
         self._received = [False] * len(params)  # got a gradient since zero_grad
         self._adam_state = [False] * len(params)  # has Adam state (like torch's optimizer.state)
@@ -173,8 +176,26 @@ class Chunk:
         return f"Chunk({self.index}, {self.state.value}, grads {self.grad_state.value})"
 
     # ----- residency ------------------------------------------------------------------------
+    @property
+    def persistent(self) -> bool:
+        return self.state is ChunkState.PERSISTENT
+
     def _moved(self, verb: str) -> ChunkState:
         return _next(TRANSITIONS, verb, self.state, self.index)
+
+    def persist(self) -> None:
+        """A re-plan keeps this streamed chunk on the device from now on (all its states move)."""
+        target = self._moved("persist")
+        self.storage.make_persistent()
+        self.point_params_at(self.storage.device_copy)
+        self.state = target
+
+    def unpersist(self) -> None:
+        """A re-plan streams this persistent chunk from now on (all its states move to the host)."""
+        target = self._moved("unpersist")
+        self.storage.make_streamed()
+        self.point_params_at(self.storage.host_copy)
+        self.state = target
 
     def begin_fetch(self, ctx: DeviceContext) -> None:
         target = self._moved("begin_fetch")

@@ -17,13 +17,13 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from protrain_core.phase import PhaseTracker, TrainingPhase
-from protrain_core.plan import BlockMode, Plan, check_plan, describe_modes
+from protrain_core.plan import BlockMode, Plan, as_plan, check_plan, describe_modes
 from protrain_core.precision import LossScaler, Precision
 from protrain_core.runtime.activations import ActivationManager, BlockActivations
 from protrain_core.runtime.chunk import Chunk
 from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.hooks import RuntimeHooks
-from protrain_core.runtime.host_pool import HostPool, should_pin
+from protrain_core.runtime.host_pool import should_pin
 from protrain_core.runtime.optim import ChunkOptimizer
 from protrain_core.runtime.scheduler import Runtime
 from protrain_core.runtime.storage import ChunkFormat, ChunkStorage, chunk_formats
@@ -66,15 +66,14 @@ class Engine:
         self._closed = False
         self._autocast_depth = 0
         self.last_grad_norm: Tensor | None = None  # total norm before clipping (norm clipping)
-        self.chunks, self.host_pool = self._allocate(chunk_formats(module, optimizer, layout, precision,
-                                                                   optimizer_states=options.optimizer_states))
+        self.chunks = self._allocate(chunk_formats(module, optimizer, layout, precision,
+                                                   optimizer_states=options.optimizer_states))
         self._slot_of: dict[int, tuple[Chunk, int]] = {id(p): (c, i) for c in self.chunks for i, p in enumerate(c.params)}
         n_buffer = min(plan.n_buffer, len(self.chunks) - plan.n_persist)
         self.runtime = Runtime(self.chunks, self.ctx, self._optim, self.phase, n_buffer=n_buffer,
                                check_invariants=options.check_invariants)
         self._set_update_mode()
-        units = {m: idxs for m, idxs in unit_chunks(module, layout).items() if any(i >= plan.n_persist for i in idxs)}
-        self.hooks = RuntimeHooks(self.runtime, units, self.chunks)
+        self.hooks = self._runtime_hooks()
         self.activations: ActivationManager | None = None
         self._recompute_observers: OrderedDict[int, object] = OrderedDict()  # RemovableHandle needs a weakref-able dict
         self.set_block_modes(plan.block_modes(layout.n_blocks))
@@ -89,21 +88,21 @@ class Engine:
         self.choice = None  # the search's PlanChoice (set by wrap)
 
     # ----- construction -------------------------------------------------------------------
-    def _allocate(self, formats: list[ChunkFormat]) -> tuple[list[Chunk], HostPool]:
-        """Chunk storages (host ones from one exact-size pool) holding the parameters' values;
-        the parameters then point into them."""
+    def _allocate(self, formats: list[ChunkFormat]) -> list[Chunk]:
+        """Chunk storages (a streamed one in an exact-size host buffer of its own) holding the
+        parameters' values; the parameters then point into them."""
         n_persist, dev = self.plan.n_persist, self.device
         streamed = [fmt for i, fmt in enumerate(formats) if i >= n_persist]
         host_bytes = sum(fmt.streamed_host_bytes for fmt in streamed)
         # A CPU "device" is host memory too.
         device_bytes = 0 if dev.type == "cuda" else sum(fmt.persistent_device_bytes for fmt in formats[:n_persist])
         check_host_memory(host_bytes + device_bytes, "offloaded model states")
-        pool = ChunkStorage.host_pool(streamed, pin=should_pin(dev))
         params = dict(self.module.named_parameters())
         chunks = []
         for spec, fmt in zip(self.layout.chunks, formats):
             members = [params[m.name] for m in spec.members]
-            storage = ChunkStorage(fmt, persistent=spec.index < n_persist, device=dev, pool=pool, n_members=len(members))
+            storage = ChunkStorage(fmt, persistent=spec.index < n_persist, device=dev, pin=should_pin(dev),
+                                   n_members=len(members))
             opt_members = self._optim.members_by_group(members) if fmt.adam_states else {}
             chunk = Chunk(spec, params=members, storage=storage, opt_members=opt_members)
             chunk.load_params()
@@ -112,7 +111,39 @@ class Engine:
             # bf16-true runs the module as model.to(torch.bfloat16) would: floating buffers too.
             low = self.precision is Precision.BF16_TRUE and b.is_floating_point()
             b.data = b.data.to(dev, dtype=self.precision.compute_dtype if low else b.dtype)
-        return chunks, pool
+        return chunks
+
+    def _runtime_hooks(self) -> RuntimeHooks:
+        """The runtime's hooks on every unit with a streamed chunk, and on every trainable parameter."""
+        units = {m: idxs for m, idxs in unit_chunks(self.module, self.layout).items()
+                 if any(i >= self.plan.n_persist for i in idxs)}
+        return RuntimeHooks(self.runtime, units, self.chunks)
+
+    def replan(self, plan: Plan | dict) -> None:
+        """Run with ``plan`` from the next step on, keeping every state (weights, gradients not yet
+        cleared, Adam states, the loss scaler): chunks move between the device and the host,
+        the buffers and the blocks' activation modes change. Call it between steps. Chunks leave
+        the device before others join it, so the device never holds more model states than the
+        larger of the two plans does, and no chunk is ever in two places for longer than its move."""
+        plan = as_plan(plan)
+        check_plan(plan, self.layout.limits())
+        self._check_open()
+        if self.phase.phase is not TrainingPhase.IDLE or any(c.applied or c.receiving for c in self.chunks):
+            raise RuntimeError("engine.replan() was called within a step; call it after engine.step().")
+        self.runtime.wait_all()
+        self.runtime.release_all()
+        old, new = self.plan.n_persist, plan.n_persist
+        leaving = self.chunks[new:old]
+        check_host_memory(sum(c.storage.fmt.streamed_host_bytes for c in leaving), "offloaded model states")
+        for c in leaving:
+            c.unpersist()
+        for c in self.chunks[old:new]:
+            c.persist()
+        self.plan = plan
+        self.hooks.remove()
+        self.hooks = self._runtime_hooks()
+        self.runtime.reconfigure(min(plan.n_buffer, len(self.chunks) - new))
+        self.set_block_modes(plan.block_modes(self.layout.n_blocks))
 
     def set_block_modes(self, modes: tuple[BlockMode, ...]) -> None:
         """Manage the blocks' activations with these modes (replacing the current ones; the
@@ -351,7 +382,14 @@ class Engine:
         return self.runtime.device_bytes()
 
     def host_bytes(self) -> int:
-        return self.host_pool.nbytes
+        """Host memory of the streamed chunks' model states (their exact-size buffers)."""
+        return sum(c.storage.host_bytes for c in self.chunks)
+
+    @property
+    def host_pinned(self) -> bool:
+        """The streamed chunks' host buffers are page-locked (CUDA), so copies run asynchronously."""
+        streamed = [c for c in self.chunks if not c.persistent]
+        return bool(streamed) and all(c.storage.host_pinned for c in streamed)
 
     def explain(self) -> str:
         """Why this plan: predicted step time by phase, memory breakdown, bottleneck
@@ -388,7 +426,7 @@ class Engine:
                 f"activations per block: {describe_modes(self.block_modes)}",
                 f"device model-state bytes now {self.device_bytes() / mib:.2f} MiB "
                 f"(bound {self.runtime.device_bytes_bound() / mib:.2f} MiB); "
-                f"host pool {self.host_bytes() / mib:.2f} MiB ({'pinned' if self.host_pool.pinned else 'pageable'})",
+                f"host {self.host_bytes() / mib:.2f} MiB ({'pinned' if self.host_pinned else 'pageable'})",
                 self.layout.summary(self.precision.compute_dtype.itemsize, self.plan.n_persist),
             ]
         )

@@ -306,6 +306,14 @@ class Runtime:
         for c in self.chunks:
             c.zero()
 
+    def reconfigure(self, n_buffer: int) -> None:
+        """After a re-plan moved chunks between the device and the host (all idle)."""
+        self.streamed = [c for c in self.chunks if not c.persistent]
+        assert not self._resident()
+        self.n_buffer = n_buffer
+        staging = max((c.storage.fmt.trainable_numel for c in self.streamed), default=0)
+        self.worker.resize_staging(n_staging=n_buffer, staging_numel=staging)
+
     def shutdown(self) -> None:
         self.worker.shutdown()
 

@@ -8,7 +8,7 @@ trains:
 
   tensor          elements  dtype  persistent chunk        streamed chunk
   compute copy    S         c      device, always          device buffer while resident
-  host copy       s_c       c      --                      host (pinned pool)
+  host copy       s_c       c      --                      host (its own pinned buffer)
   master          s_t       m      device                  host
   grad. accum.    s_t       m      device                  host
   grad. buffer    T         c      -- (lands in accum.)    device, during backward
@@ -24,7 +24,7 @@ dtype differs from the compute dtype (the mixed modes); otherwise it *is* the tr
 of the compute copy (the host copy of a streamed chunk, the device copy of a persistent one).
 
 Everything that needs a chunk's size asks ``ChunkFormat``: the engine's allocation (here), the
-host pool's size, the runtime's device-memory bound, and the profiler's static facts, which
+size of a streamed chunk's exact host buffer, the runtime's device-memory bound, and the profiler's static facts, which
 are all the cost model knows of chunks.
 """
 
@@ -133,20 +133,26 @@ class ChunkStorage:
     ``untyped_storage().resize_(0)`` and re-allocates it in place (FSDP2's technique), so
     views taken of it stay valid ([Note: parameter access] in chunk.py). The master, the
     accumulator, the gradient buffer and the Adam states cover the trainable span only
-    (``Chunk.state_view`` finds a member in them).
+    (``Chunk.state_view`` finds a member in them). A streamed chunk's host tensors live in one
+    exact-size host buffer of its own (pinned on CUDA), so that a re-plan can move one chunk to
+    the device or back (``make_persistent`` / ``make_streamed``).
     """
 
-    def __init__(self, fmt: ChunkFormat, *, persistent: bool, device: torch.device, pool: HostPool | None,
+    _STATES = ("grad_acc", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+    def __init__(self, fmt: ChunkFormat, *, persistent: bool, device: torch.device, pin: bool,
                  n_members: int) -> None:
         self.fmt = fmt
-        self.persistent = persistent
         self.device = device
+        self.pin = pin
+        self.pool: HostPool | None = None
         self.grad_buffer: Tensor | None = None  # streamed: this backward's gradients, on the device
+        self.persistent = persistent
         with torch.no_grad():
             if persistent:
                 self._allocate_persistent()
             else:
-                self._allocate_streamed(pool)
+                self._allocate_streamed()
         home = self.master if self.master is not None else self.compute_home
         self.steps = [torch.zeros((), dtype=torch.float32, device=home.device) for _ in range(n_members)]
 
@@ -158,8 +164,9 @@ class ChunkStorage:
         self.master = zeros() if fmt.separate_master else self.compute_span() if fmt.trains else None
         self._allocate_states(zeros)
 
-    def _allocate_streamed(self, pool: HostPool) -> None:
+    def _allocate_streamed(self) -> None:
         fmt = self.fmt
+        self.pool = pool = HostPool(fmt.host_tensors(), pin=self.pin)
         take = lambda: pool.take(fmt.state_numel, fmt.master_dtype)  # noqa: E731
         master = take() if fmt.separate_master else None
         self.host_copy = pool.take(fmt.shard_numel, fmt.compute_dtype)
@@ -175,10 +182,45 @@ class ChunkStorage:
         self.exp_avg_sq = make() if fmt.adam_states else None
         self.max_exp_avg_sq = make() if fmt.adam_states == 3 else None
 
-    @staticmethod
-    def host_pool(formats: list[ChunkFormat], *, pin: bool) -> HostPool:
-        """One exact-size pool for the host tensors of these (streamed) chunks."""
-        return HostPool([t for fmt in formats for t in fmt.host_tensors()], pin=pin)
+    # ----- moving between the device and the host (a re-plan) ----------------------------------
+    def make_persistent(self) -> None:
+        """Streamed -> persistent: every tensor allocated on the device and copied there, then
+        the host buffer given up. The caller re-points the parameters (Chunk.persist)."""
+        assert not self.persistent and self.grad_buffer is None
+        old = self._snapshot()
+        with torch.no_grad():
+            self.persistent = True
+            self._allocate_persistent()
+            self._restore(old)
+        self.pool.close()
+        self.pool = None
+
+    def make_streamed(self) -> None:
+        """Persistent -> streamed: a host buffer allocated and every tensor copied there. The
+        device tensors go when nothing refers to them: the parameters are re-pointed next."""
+        assert self.persistent
+        old = self._snapshot()
+        with torch.no_grad():
+            self.persistent = False
+            self._allocate_streamed()
+            self._restore(old)
+
+    def _snapshot(self) -> dict:
+        tensors = {name: getattr(self, name) for name in self._STATES}
+        tensors["compute"] = self.compute_home
+        tensors["master"] = self.master if self.fmt.separate_master else None
+        tensors["steps"] = self.steps
+        return tensors
+
+    def _restore(self, old: dict) -> None:
+        self.compute_home.copy_(old["compute"])
+        if old["master"] is not None:
+            self.master.copy_(old["master"])
+        for name in self._STATES:
+            if old[name] is not None:
+                getattr(self, name).copy_(old[name])
+        home = self.master if self.master is not None else self.compute_home
+        self.steps = [t.to(home.device) for t in old["steps"]]
 
     # ----- where the compute copy is --------------------------------------------------------
     @property
@@ -220,6 +262,14 @@ class ChunkStorage:
             if self.fmt.separate_master:
                 tensors.append(self.master)
         return sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
+
+    @property
+    def host_bytes(self) -> int:
+        return 0 if self.pool is None else self.pool.nbytes
+
+    @property
+    def host_pinned(self) -> bool:
+        return self.pool is not None and self.pool.pinned
 
     def static_tensors(self) -> list[Tensor]:
         """Tensors whose storages hold model states (never activations)."""

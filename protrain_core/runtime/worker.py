@@ -36,6 +36,11 @@ class CpuWorker:
         self._staging: queue.Queue | None = None  # landing buffers to add into grad_acc (its dtype)
         self._lent: dict[int, Tensor] = {}  # id of a landing slice -> its staging buffer
 
+    def resize_staging(self, *, n_staging: int, staging_numel: int) -> None:
+        """After a re-plan (no landing in flight): other buffers, other largest span."""
+        assert not self._lent
+        self.n_staging, self.staging_numel, self._staging = n_staging, staging_numel, None
+
     def submit(self, fn, *args) -> Future:
         if self.threaded:
             return self._pool.submit(fn, *args)
