@@ -9,7 +9,6 @@ import platform
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-import protrain_core as pt
 from protrain_core.runtime.device import resolve_device
 
 

@@ -9,7 +9,8 @@
 
 Every system trains the same randomly initialised LLaMA-architecture model on the same synthetic
 batches (``benchmarks/systems.py``), each run in its own process, for ``warmup`` untimed and
-``steps`` timed steps. Per run: tokens/s, achieved TFLOPS (model FLOPs: 6 N per token plus
+``steps`` timed steps. The ProTrain systems plan on their first training steps (3 on CUDA, 6 on
+a CPU device): the warm-up covers them and a step on the searched plan, for every system alike. Per run: tokens/s, achieved TFLOPS (model FLOPs: 6 N per token plus
 attention), step time median and spread, peak device memory (CUDA allocator), peak host RSS,
 final loss; out-of-memory (device, host, or no ProTrain plan fitting) is a result. For each
 ProTrain run also: the plan, predicted vs measured step time and peak memory (the cost models'
@@ -77,7 +78,7 @@ class Suite:
     device: str  # "cpu" or "cuda"
     precision: str
     workloads: tuple[Workload, ...]  # the throughput table: every system on each
-    warmup: int
+    warmup: int  # untimed steps: ProTrain profiles in them (3 on CUDA, 6 on a CPU) and switches plan
     steps: int
     model_ladder: tuple[Workload, ...] = ()  # max-model-size probe, ascending
     batch_ladder: tuple[Workload, ...] = ()  # max-batch-size probe, ascending
@@ -104,7 +105,7 @@ def billions(m: dict) -> str:
 SUITES = {
     "cpu-smoke": Suite(
         "tiny LLaMA on the CPU: checks that every system, the report and the chart still work (seconds)",
-        device="cpu", precision="32-true", warmup=1, steps=3,
+        device="cpu", precision="32-true", warmup=7, steps=3,
         workloads=(Workload("tiny-4L", TINY, batch=4, seq=64),),
         model_ladder=(Workload("tiny-2L", dict(TINY, layers=2), 4, 64), Workload("tiny-4L", TINY, 4, 64)),
         batch_ladder=(Workload("tiny-4L b2", TINY, 2, 64), Workload("tiny-4L b4", TINY, 4, 64)),
@@ -112,7 +113,7 @@ SUITES = {
     ),
     "cpu-small": Suite(
         "small LLaMA (8 x 256) on the CPU: steps long enough that per-step overheads do not dominate (minutes)",
-        device="cpu", precision="32-true", warmup=3, steps=8,
+        device="cpu", precision="32-true", warmup=7, steps=8,
         workloads=(Workload("small-8L", SMALL, 8, 256),
                    Workload("small-8L lora", lora(SMALL, r=8), 8, 256, systems=LORA_SYSTEMS)),
     ),
@@ -123,7 +124,7 @@ SUITES = {
     # device tool's 10-minute commands run the suite in pieces: --systems ... --resume.
     "gpu-80g": Suite(
         "one 80 GB GPU (H100), 128 GB host RAM; bf16-mixed, sequence 1024",
-        device="cuda", precision="bf16-mixed", warmup=2, steps=4, timeout_s=300,
+        device="cuda", precision="bf16-mixed", warmup=4, steps=4, timeout_s=300,
         workloads=(Workload(f"llama-{billions(L1B)}", L1B, 8, 1024), Workload(f"llama-{billions(L7B)}", L7B, 4, 1024),
                    Workload(f"llama-{billions(deeper(40))}", deeper(40), 4, 1024),
                    Workload(f"llama-{billions(L7B)} lora", lora(L7B), 4, 1024, systems=LORA_SYSTEMS),
@@ -134,7 +135,7 @@ SUITES = {
     # One 141 GB GPU, 128 GB host RAM: more persistent chunks; the ladder goes further.
     "gpu-141g": Suite(
         "one 141 GB GPU (H200), 128 GB host RAM; bf16-mixed, sequence 1024",
-        device="cuda", precision="bf16-mixed", warmup=2, steps=4, timeout_s=300,
+        device="cuda", precision="bf16-mixed", warmup=4, steps=4, timeout_s=300,
         workloads=(Workload(f"llama-{billions(L1B)}", L1B, 8, 1024), Workload(f"llama-{billions(L7B)}", L7B, 8, 1024),
                    Workload(f"llama-{billions(deeper(48))}", deeper(48), 4, 1024),
                    Workload(f"llama-{billions(L7B)} lora", lora(L7B), 8, 1024, systems=LORA_SYSTEMS),
@@ -286,7 +287,7 @@ def run_suite(name: str, suite: Suite, *, systems, dry_run: bool, probes: bool, 
         for kind, ladder in (("max model", suite.model_ladder), ("max batch", suite.batch_ladder)):
             for system in probe_systems:
                 for w in ladder:  # ascending; the first failure ends the probe
-                    (row,) = go([spec(system, w, dry_run=False, steps=2, warmup=1)], probe=kind)
+                    (row,) = go([spec(system, w, dry_run=False, steps=2, warmup=suite.warmup)], probe=kind)
                     if row["status"] != "ok":
                         break
     return report
@@ -387,7 +388,8 @@ def markdown(report: dict) -> str:
             b = r.get("bound")
             bound = (f"{ms(r['lower_bound_s'])} = max({ms(b['compute_s'])}, {ms(b['transfer_s'])}, "
                      f"{ms(b['cpu_adam_s'])})" if b and "lower_bound_s" in r else "—")
-            lines.append(f"| {r['label']} | {r['system']} | {r['plan']} | {ms(pred)} / {ms(r.get('step_median_s'))}{err}"
+            plan = r["plan"] if r.get("searched", True) else f"{r['plan']} (the safe plan: still profiling)"
+            lines.append(f"| {r['label']} | {r['system']} | {plan} | {ms(pred)} / {ms(r.get('step_median_s'))}{err}"
                          f" | {gib(r.get('predicted_peak_bytes'))} / {gib(measured_peak)}{perr} | {bound} | "
                          + (f"{r['vs_lower_bound']:.2f}x |" if "vs_lower_bound" in r else "— |"))
     if report["probes"]:

@@ -14,8 +14,9 @@ on the meta device and each system is constructed as far as that allows (no trai
 device needed): it checks a suite's configurations on a machine without its GPU.
 
 The systems:
-  protrain-lightning  ``Trainer(strategy="protrain")``: searched plan (default memory budget)
-  protrain-core       ``protrain_core.wrap(model, optimizer, plan=None)``: searched plan
+  protrain-lightning  ``Trainer(strategy="protrain")``: the plan searched on its first steps
+                      (default memory budget)
+  protrain-core       ``protrain_core.wrap(model, optimizer, plan=None)``: the same
   pytorch             the model on the device, AdamW (fused); autocast for bf16-mixed -- the
                       ceiling where the model fits
   fsdp2-offload       ``fully_shard`` per block and at the root, ``CPUOffloadPolicy`` (world size 1)
@@ -340,8 +341,7 @@ def run_protrain_core(spec, device, clock):
     opt = adamw(trainable(model), device)
     data = batches(spec, device)
     engine = pt.wrap(model, opt, plan=None, precision=spec["precision"], device=device,
-                     example_inputs={"input_ids": data[0], "labels": data[0]},
-                     memory_budget=spec.get("memory_budget"))
+                     memory_budget=spec.get("memory_budget"), report=_report)
     try:
         def step(x):
             loss = engine.module(input_ids=x, labels=x).loss
@@ -407,6 +407,15 @@ def run_protrain_lightning(spec, device, clock):
     return facts
 
 
+_PROFILING: dict = {}
+
+
+def _report(text: str, **metrics) -> None:
+    """ProTrain's reports: printed (the run's log), the profiling figures kept for the result."""
+    print(text, flush=True)
+    _PROFILING.update({k: v for k, v in metrics.items() if k.startswith("profiling")})
+
+
 def dry_protrain(spec) -> dict:
     return {"note": meta_layout(json.dumps(spec["model"], sort_keys=True))}
 
@@ -460,7 +469,8 @@ def protrain_facts(engine, spec, device) -> dict:
     """The plan, the model states' bytes, the prediction (fidelity), and the inputs of the lower
     bound on step time."""
     # Device: the persistent chunks and the chunk buffers of the plan.
-    facts = {"plan": str(engine.plan), "states": {"host": engine.host_bytes(), "device": engine.runtime.device_bytes_bound()}}
+    facts = {"plan": str(engine.plan), "states": {"host": engine.host_bytes(), "device": engine.runtime.device_bytes_bound()},
+             "searched": engine.choice is not None, **_PROFILING}
     choice = engine.choice
     if choice is None:
         return facts

@@ -1,8 +1,9 @@
 """Fine-tune with Lightning Fabric and ``Fabric(strategy="protrain")``: your own loop.
 
 Same model and data as examples/finetune.py (built-in "tiny-gpt2" on the standard library's
-source by default). ProTrain builds its engine at the first forward call: it profiles that batch
-and picks the plan (printed). Gradient accumulation uses ``fabric.no_backward_sync``; the
+source by default). ProTrain builds its engine at ``fabric.setup`` on a safe plan, profiles the
+first training steps (they train as usual) and then switches to the plan it picked (printed,
+and later its predicted against the measured step time). Gradient accumulation uses ``fabric.no_backward_sync``; the
 checkpoint at the end is written atomically by ``fabric.save`` and holds the model's own state
 dict and a ``torch.optim.AdamW`` state dict.
 

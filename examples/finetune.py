@@ -3,8 +3,9 @@
 Default, with no arguments: the built-in "tiny-gpt2" config (4 layers, byte-level vocabulary,
 ~0.9 M parameters; nothing is downloaded) trained for 60 steps on the Python standard library's
 own source (text found on every machine), tokenised as raw bytes, with validation perplexity
-(torchmetrics) every 30 steps. ProTrain profiles the first batch, prints the plan it chose and,
-after the first steps, its predicted against the measured step time.
+(torchmetrics) every 30 steps. ProTrain profiles the first training steps (they train as usual),
+prints the plan it switched to and, a few steps later, its predicted against the measured step
+time.
 
     python examples/finetune.py [--model tiny-gpt2 | tiny-llama | /path/to/hf/model]
                                 [--data file.txt | file.jsonl] [--max-steps 60] [--precision 32-true]

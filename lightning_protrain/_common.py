@@ -116,12 +116,14 @@ def gradient_clipping(value, algorithm) -> tuple[str, float] | None:
 
 
 def build_engine(module: nn.Module, optimizer, *, plan, memory_budget, blocks, chunk_size, precision: str,
-                 device: torch.device, example_inputs=None, loss_fn=None, step_fn=None, clipping=None,
-                 reprofile: bool = False, scaler: dict | None = None, training: bool = True) -> pt.Engine:
+                 device: torch.device, example_inputs=None, loss_fn=None, clipping=None, reprofile: bool = False,
+                 max_tokens: int | None = None, scaler: dict | None = None, training: bool = True,
+                 report) -> pt.Engine:
     engine = pt.wrap(
         module, optimizer, plan=plan, memory_budget=memory_budget, precision=precision, device=device,
-        blocks=blocks, chunk_size=chunk_size, example_inputs=example_inputs, loss_fn=loss_fn, step_fn=step_fn,
-        gradient_clipping=clipping, reprofile=reprofile, optimizer_states=training,
+        blocks=blocks, chunk_size=chunk_size, example_inputs=example_inputs, loss_fn=loss_fn,
+        gradient_clipping=clipping, reprofile=reprofile, optimizer_states=training, max_tokens=max_tokens,
+        report=report,
     )
     if scaler and engine.scaler is not None:
         engine.load_scaler_state_dict(scaler)  # the user's GradScaler settings
@@ -164,18 +166,6 @@ def scaler_state(engine: pt.Engine | None, kept: dict | None = None) -> dict:
 def load_scaler_state(engine: pt.Engine | None, state: dict) -> None:
     if state.get("scaler") and engine is not None and engine.scaler is not None:
         engine.load_scaler_state_dict(state["scaler"])
-
-
-def loss_of(output) -> Tensor | None:
-    """The loss a training step returned: a tensor, or a dict's "loss" (None: skip the step)."""
-    if output is None or isinstance(output, Tensor):
-        return output
-    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
-        return output["loss"]
-    raise ValueError(
-        "training_step must return the loss: a scalar tensor, or a dict with a 'loss' tensor "
-        f"(got {type(output).__name__})."
-    )
 
 
 def atomic_save(obj, path) -> None:

@@ -1,10 +1,12 @@
 """``Fabric(strategy="protrain")``: the Fabric twin of ``ProTrainStrategy``.
 
 After ``fabric.launch()`` (Fabric asks for it with any strategy that controls backward sync),
-``model, optimizer = fabric.setup(model, optimizer)`` hands both to the ProTrain engine. Fabric
-gives a strategy no batch before training, so without ``plan=`` or ``example_inputs=`` the
-engine is built (profiled and planned) on the first forward call, with that call's inputs and
-``loss_fn`` (default: ``output.loss``). Then ``fabric.backward(loss)``, ``optimizer.step()``,
+``model, optimizer = fabric.setup(model, optimizer)`` hands both to the ProTrain engine.
+Without ``plan=`` the engine starts on a safe plan, profiles the first training steps (they
+train as usual) and then switches to the fastest plan that fits ``memory_budget``, re-planning
+for batches of other lengths; ``example_inputs=`` (with ``loss_fn``, default ``output.loss``)
+profiles ahead at setup instead. The plan and, after a few more steps, the measured step time
+against the prediction are printed. Then ``fabric.backward(loss)``, ``optimizer.step()``,
 ``optimizer.zero_grad()`` (a step also clears the gradients it used: gradients are not carried
 across steps), ``fabric.no_backward_sync(model)`` for accumulation, and
 ``fabric.save`` / ``fabric.load`` (portable state dicts, written atomically) work as usual.
@@ -52,9 +54,6 @@ class ProTrainFabricPrecision(Precision):
         return engine.autocast() if engine is not None else contextlib.nullcontext()
 
     def convert_input(self, data):
-        # Fabric converts a forward call's (args, kwargs) here, right before calling the module:
-        # the first call builds the engine on those inputs when no plan was given.
-        self.strategy.build_engine_on_first_call(data)
         return convert_input(data, self.precision)
 
     def backward(self, tensor, model, *args, **kwargs) -> None:
@@ -75,6 +74,10 @@ class ProTrainFabricPrecision(Precision):
         load_scaler_state(self.strategy.engine, state_dict)
 
 
+def _report(text: str, **metrics) -> None:
+    rank_zero_info(text)
+
+
 class _EngineSyncControl:
     """What ``fabric.no_backward_sync`` asks the strategy's backward-sync control for. Fabric
     only calls ``no_backward_sync`` on it; Lightning's own base class for it is private, so this
@@ -92,8 +95,9 @@ class ProTrainFabricStrategy(OneDevicePlumbing, Strategy):
     """Fabric strategy running the ProTrain engine (see ``ProTrainStrategy`` for the arguments).
 
     Extra arguments:
-        example_inputs: one batch to profile at ``fabric.setup`` (else the first forward's).
-        loss_fn: ``loss_fn(output) -> loss`` for profiling (default ``output.loss``).
+        example_inputs: one batch to profile ahead, at ``fabric.setup`` (default: profile the
+            first training steps).
+        loss_fn: ``loss_fn(output) -> loss`` for profiling ahead (default ``output.loss``).
         gradient_clip_val, gradient_clip_algorithm: clipping applied by the engine before every
             update, exactly as ``clip_grad_norm_`` ("norm") or ``clip_grad_value_`` ("value").
     """
@@ -111,12 +115,13 @@ class ProTrainFabricStrategy(OneDevicePlumbing, Strategy):
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str = "norm",
         reprofile: bool = False,
+        max_tokens: int | None = None,
         device=None,
         accelerator=None,
         checkpoint_io=None,
         precision=None,
     ) -> None:
-        plan, _ = plan_arguments(plan, memory_budget)
+        plan, _ = plan_arguments(plan, memory_budget, max_tokens)
         self.clipping = gradient_clipping(gradient_clip_val, gradient_clip_algorithm)
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision)
         self._root_device = torch.device(device) if device is not None else None
@@ -124,8 +129,8 @@ class ProTrainFabricStrategy(OneDevicePlumbing, Strategy):
         self.world_size = 1
         self.plan, self.memory_budget, self.blocks, self.chunk_size = plan, memory_budget, blocks, chunk_size
         self.example_inputs, self.loss_fn, self.reprofile = example_inputs, loss_fn, reprofile
+        self.max_tokens = max_tokens
         self.engine: pt.Engine | None = None
-        self._pending: tuple[nn.Module, torch.optim.Optimizer] | None = None
         self._backward_sync_control = _EngineSyncControl(self)
 
     # ----- Fabric plumbing ---------------------------------------------------------------------
@@ -173,39 +178,22 @@ class ProTrainFabricStrategy(OneDevicePlumbing, Strategy):
 
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
         optimizer = check_optimizers(optimizers)
-        self._pending = (module, optimizer)
-        if self.plan is not None or self.example_inputs is not None:
-            self._build(self.example_inputs)
-        return module, [optimizer], scheduler
-
-    def build_engine_on_first_call(self, data) -> None:
-        if self._pending is None:
-            return
-        args, kwargs = data if isinstance(data, tuple) and len(data) == 2 else (data, {})
-        if args and kwargs:
-            raise ValueError(
-                "ProTrain profiles the first forward call to plan, which needs either positional or keyword "
-                "inputs, not both; pass ProTrainFabricStrategy(example_inputs=...) or plan=."
-            )
-        self._build(kwargs if kwargs else tuple(args))
-
-    def _build(self, example_inputs) -> None:
-        module, optimizer = self._pending
-        self._pending = None
+        searched = self.plan is None
         self.engine = build_engine(
             module, optimizer, plan=self.plan, memory_budget=self.memory_budget, blocks=self.blocks,
             chunk_size=self.chunk_size, precision=self.precision.precision, device=self.root_device,
-            example_inputs=example_inputs if self.plan is None else None, loss_fn=self.loss_fn,
-            clipping=self.clipping, reprofile=self.reprofile, scaler=self.precision.scaler,
+            example_inputs=self.example_inputs if searched else None, loss_fn=self.loss_fn, clipping=self.clipping,
+            reprofile=self.reprofile, max_tokens=self.max_tokens, scaler=self.precision.scaler, report=_report,
         )
-        if self.engine.choice is not None:
-            rank_zero_info(self.engine.explain())
-        else:
+        if not searched:
             rank_zero_info(f"ProTrain: {self.engine.plan} (given), overlap: {self.engine.overlap}")
+        elif self.example_inputs is not None:
+            rank_zero_info(self.engine.explain())
+        return module, [optimizer], scheduler
 
     def require_engine(self) -> pt.Engine:
         if self.engine is None:
-            raise RuntimeError("The ProTrain engine is built at the model's first forward call; none happened yet.")
+            raise RuntimeError("The ProTrain engine is built by fabric.setup(model, optimizer); it was not called yet.")
         return self.engine
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
@@ -241,12 +229,6 @@ class ProTrainFabricStrategy(OneDevicePlumbing, Strategy):
         return super().load_module_state_dict(module, state_dict, strict=strict)
 
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only=None):
-        if self.engine is None and self._pending is not None:
-            raise RuntimeError(
-                "fabric.load before the model's first forward: ProTrain builds its engine on the first forward "
-                "when no plan is given. Pass ProTrainFabricStrategy(plan=...) or example_inputs=, or load after "
-                "one forward."
-            )
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         if not state:
             return checkpoint

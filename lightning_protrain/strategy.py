@@ -1,11 +1,14 @@
 """``Trainer(strategy="protrain")``: the ProTrain engine behind Lightning's strategy API.
 
 The strategy is a thin adapter over ``protrain_core``:
-  setup       the user's Adam/AdamW from ``configure_optimizers`` (param groups, schedulers kept);
-              unless a plan is given, one training batch (the first of the train dataloader, read
-              with the random state restored afterwards) is profiled through ``training_step`` and
-              the fastest plan that fits ``memory_budget`` is chosen; the explanation is printed
-              once. The engine then owns the parameters: ``model_to_device`` does nothing.
+  setup       the user's Adam/AdamW from ``configure_optimizers`` (param groups, schedulers kept)
+              go into the engine, which owns the parameters from then on (``model_to_device``
+              does nothing). Unless a plan is given, it starts on a safe plan and profiles the
+              first training steps (they train as usual: ``training_step`` runs once per batch),
+              then switches to the fastest plan that fits ``memory_budget`` and re-plans for
+              batches of other lengths (``max_tokens``: plan once); the explanation is printed
+              once, and the measured step time against the prediction after a few more steps
+              (also logged as ``protrain/predicted_step_s`` and ``protrain/measured_step_s``).
   backward    ``engine.backward`` (streamed chunks are updated while it runs); a backward that
               Lightning runs outside ``optimizer_step`` is a non-final micro-batch of
               ``accumulate_grad_batches`` and runs under ``engine.no_sync()``.
@@ -20,8 +23,6 @@ One process, one device for now: multi-GPU is not implemented yet.
 from __future__ import annotations
 
 import contextlib
-import statistics
-import time
 from typing import Any
 
 import torch
@@ -34,7 +35,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 import protrain_core as pt
 from protrain_core.phase import TrainingPhase
 from protrain_core.plan import plan_arguments
-from protrain_core.planner.profiles import discard as discard_profile
 from lightning_protrain._common import (
     OneDevicePlumbing,
     build_engine,
@@ -42,20 +42,12 @@ from lightning_protrain._common import (
     convert_input,
     gradient_clipping,
     load_scaler_state,
-    loss_of,
     precision_of_plugin,
     register_as_protrain,
     scaler_settings,
     scaler_state,
     unroute_zero_grad,
 )
-from protrain_core.utils import format_seconds
-
-# Steps whose time is reported against the prediction (after the first WARMUP_STEPS).
-WARMUP_STEPS, TIMED_STEPS = 2, 5
-# A prediction off by more than this factor means the profile does not describe this machine as
-# it runs now (typically a cached profile taken while something else loaded the machine).
-STALE_FACTOR = 1.5
 
 
 class ProTrainPrecision(Precision):
@@ -68,7 +60,6 @@ class ProTrainPrecision(Precision):
         self.scaler = scaler  # a 16-mixed plugin's GradScaler settings; its state after a fit
         self.engine: pt.Engine | None = None
         self.clipping: tuple[str, float] | None = None
-        self.on_step = None  # the strategy's step timer
         # STEP inside optimizer_step: the closure's backward is a step's last micro-batch.
         self.phase = TrainingPhase.IDLE
 
@@ -95,8 +86,6 @@ class ProTrainPrecision(Precision):
         if closure_result is None:
             return None  # training_step returned None: no backward, no step (as Lightning)
         self.engine.step()
-        if self.on_step is not None:
-            self.on_step()
         return closure_result
 
     def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None) -> None:
@@ -137,6 +126,8 @@ class ProTrainStrategy(OneDevicePlumbing, SingleDeviceStrategy):
         blocks: the transformer blocks (dotted name or ``nn.ModuleList``) when discovery fails.
         chunk_size: chunk size in elements (default: the waste-minimising search).
         reprofile: profile again even when a cached profile of this set-up exists.
+        max_tokens: plan once for training batches of up to this many tokens (batch size x
+            sequence length); default: the plan follows the batches' lengths.
     """
 
     strategy_name = "protrain"
@@ -149,12 +140,13 @@ class ProTrainStrategy(OneDevicePlumbing, SingleDeviceStrategy):
         blocks=None,
         chunk_size: int | None = None,
         reprofile: bool = False,
+        max_tokens: int | None = None,
         device=None,
         accelerator=None,
         checkpoint_io=None,
         precision_plugin=None,
     ) -> None:
-        plan, _ = plan_arguments(plan, memory_budget)
+        plan, _ = plan_arguments(plan, memory_budget, max_tokens)
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         # None: the accelerator's first device (Lightning creates registered strategies without one).
         self._root_device = torch.device(device) if device is not None else None
@@ -163,10 +155,10 @@ class ProTrainStrategy(OneDevicePlumbing, SingleDeviceStrategy):
         self.blocks = blocks
         self.chunk_size = chunk_size
         self.reprofile = reprofile
+        self.max_tokens = max_tokens
         self.engine: pt.Engine | None = None
         self._last_plan: pt.Plan | None = None
         self._final_optimizer_state: dict | None = None
-        self._step_ends: list[float] = []
 
     # ----- Lightning plumbing ----------------------------------------------------------------
     @property
@@ -203,98 +195,39 @@ class ProTrainStrategy(OneDevicePlumbing, SingleDeviceStrategy):
             self.setup_optimizers(trainer)
             optimizer = check_optimizers(self.optimizers)
             clipping = gradient_clipping(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
-            plan, example, step_fn = self.plan, None, None
-            if plan is None:
-                example, step_fn = self._example_batch(trainer), self._profile_step
-            budget = self.memory_budget if plan is None else None
+            plan = self.plan
         else:
             # Evaluation only: an optimizer nobody steps (the engine allocates no states for it);
             # without a known plan everything streams.
             optimizer = torch.optim.AdamW(module.parameters())
-            clipping, example, step_fn, budget = None, None, None, None
+            clipping = None
             plan = self.plan or self._last_plan or pt.Plan(n_persist=0, n_buffer=2)
+        searched = fitting and plan is None
         self.engine = build_engine(
-            module, optimizer, plan=plan, memory_budget=budget, blocks=self.blocks, chunk_size=self.chunk_size,
-            precision=precision.precision, device=self.root_device, example_inputs=example, step_fn=step_fn,
-            clipping=clipping, reprofile=self.reprofile, scaler=precision.scaler, training=fitting,
+            module, optimizer, plan=plan, memory_budget=self.memory_budget if searched else None, blocks=self.blocks,
+            chunk_size=self.chunk_size, precision=precision.precision, device=self.root_device, clipping=clipping,
+            reprofile=self.reprofile, max_tokens=self.max_tokens if searched else None, scaler=precision.scaler,
+            training=fitting, report=self._report,
         )
-        self._last_plan = self.engine.plan
         precision.engine, precision.clipping = self.engine, clipping
-        precision.on_step = self._on_step if fitting else None
-        self._step_ends = []
         self.model = module
         self.setup_precision_plugin()
-        if fitting:
-            if self.engine.choice is not None:
-                rank_zero_info(self.engine.explain())
-            else:
-                rank_zero_info(f"ProTrain: {self.engine.plan} (given), overlap: {self.engine.overlap}")
+        if fitting and not searched:
+            rank_zero_info(f"ProTrain: {self.engine.plan} (given), overlap: {self.engine.overlap}")
 
-    def _example_batch(self, trainer):
-        """The first training batch, on the device, for profiling; the random state (shuffling
-        draws from it) is restored so training sees exactly the batches it would have."""
-        trainer.fit_loop.setup_data()
-        loader = trainer.train_dataloader
-        if loader is None or isinstance(loader, (dict, list, tuple)):
-            raise ValueError(
-                "The ProTrain strategy profiles one training batch to choose its plan, but the train dataloader "
-                "is missing or a collection of loaders. Pass ProTrainStrategy(plan=protrain_core.Plan(...))."
-            )
-        with torch.random.fork_rng(devices=[]):
-            batch = next(iter(loader))
-        return self.batch_to_device(batch)
+    def training_step(self, *args, **kwargs):
+        # The batch before anything of it runs: the engine may re-plan for its length.
+        if self.engine is not None and args:
+            self.engine.begin_batch(args[0])
+        return super().training_step(*args, **kwargs)
 
-    def _profile_step(self, module, batch):
-        """One training step for the profiler: ``training_step`` with logging switched off.
-
-        [Note: logging off while profiling]
-        ``self.log`` / ``self.log_dict`` are replaced by no-ops on the module instance for these
-        calls (the class is untouched, the instance attributes are removed afterwards): Lightning
-        has no public switch that turns a LightningModule's logging off for a call it does not
-        run itself, and the profiler's passes must not log. Profiling on the first real training
-        steps instead (no extra calls at all) removes this."""
-        saved = {name: module.__dict__.get(name) for name in ("log", "log_dict")}
-        module.log = module.log_dict = lambda *args, **kwargs: None
-        try:
-            with self.precision_plugin.train_step_context():
-                loss = loss_of(module.training_step(batch, 0))
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    module.__dict__.pop(name, None)
-                else:
-                    module.__dict__[name] = value
-        if loss is None:
-            raise ValueError("training_step returned None for the profiled batch; ProTrain needs its loss.")
-        return loss
-
-    def _on_step(self) -> None:
-        """After the first steps: predicted vs measured step time, printed and logged once."""
-        self._step_ends.append(time.perf_counter())
-        choice = self.engine.choice if self.engine is not None else None
-        if choice is None or len(self._step_ends) != WARMUP_STEPS + TIMED_STEPS + 1:
-            return
-        times = [b - a for a, b in zip(self._step_ends[WARMUP_STEPS:], self._step_ends[WARMUP_STEPS + 1:])]
-        measured = statistics.median(times)
-        trainer = self.lightning_module.trainer
-        predicted = choice.runtime.total_s * trainer.accumulate_grad_batches
-        message = (
-            f"ProTrain: measured step {format_seconds(measured)} (median of {len(times)} after {WARMUP_STEPS} "
-            f"warm-up steps, data loading and hooks included), predicted {format_seconds(predicted)} "
-            f"({(predicted - measured) / measured:+.1%})."
-        )
-        if not 1 / STALE_FACTOR <= predicted / measured <= STALE_FACTOR:
-            removed = discard_profile(choice.profile.key)
-            message += (
-                " The profile does not describe this machine as it runs now (was it taken, or cached, while other "
-                "work loaded the machine?), so the plan may not be the best one. "
-                + ("It has been removed from the profile cache: the next run profiles again."
-                   if removed else "Profile again with ProTrainStrategy(reprofile=True).")
-            )
-        rank_zero_info(message)
-        for logger in trainer.loggers:
-            logger.log_metrics({"protrain/predicted_step_s": predicted, "protrain/measured_step_s": measured},
-                               step=trainer.global_step)
+    def _report(self, text: str, **metrics) -> None:
+        """What the engine's planner says: printed once (rank zero); its figures also logged."""
+        rank_zero_info(text)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if metrics and trainer is not None:
+            for logger in trainer.loggers:
+                logger.log_metrics({f"protrain/{k}": v for k, v in metrics.items()}, step=trainer.global_step)
 
     # ----- state -------------------------------------------------------------------------------
     def _open_engine(self) -> pt.Engine | None:
@@ -334,6 +267,7 @@ class ProTrainStrategy(OneDevicePlumbing, SingleDeviceStrategy):
                 # Kept for trainer.save_checkpoint() after fit; the engine and its chunks go away.
                 self._final_optimizer_state = engine.optimizer_state_dict()
                 self.precision_plugin.scaler = engine.scaler_state_dict()  # and the loss scaler's
+            self._last_plan = engine.plan  # the plan evaluation after fit runs with
             unroute_zero_grad(engine.optimizer)
             engine.close()
         self.engine = None

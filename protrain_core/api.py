@@ -11,18 +11,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from protrain_core.autoplan import AutoPlanner, check_budget_holds_states, follow, plan_on_first_steps, print_report
 from protrain_core.plan import Plan, check_plan, plan_arguments
 from protrain_core.planner.profiles import Profile
-from protrain_core.planner.search import search
 from protrain_core.precision import Precision, parse_precision
-from protrain_core.profiler.profiler import profile_model
+from protrain_core.profiler.profiler import profile_model, reprofile_requested, safe_plan
 from protrain_core.runtime.device import resolve_device
 from protrain_core.runtime.engine import Engine, EngineOptions
 from protrain_core.runtime.optim import check_optimizer
+from protrain_core.runtime.storage import chunk_formats
 from protrain_core.structure.blocks import find_blocks
 from protrain_core.structure.layout import ChunkLayout, build_layout
 from protrain_core.update import overlap_mode, parse_gradient_clipping
-from protrain_core.utils import available_host_bytes
+from protrain_core.utils import available_host_bytes, batch_tokens
 
 
 def wrap(
@@ -31,70 +32,90 @@ def wrap(
     device: torch.device | str | None = None, blocks: nn.ModuleList | str | None = None,
     chunk_size: int | None = None, example_inputs=None, loss_fn=None, step_fn=None,
     gradient_clipping: tuple[str, float] | None = None, profile_cache: bool = True, reprofile: bool = False,
-    optimizer_states: bool = True, check_invariants: bool = False,
+    optimizer_states: bool = True, check_invariants: bool = False, max_tokens: int | None = None,
+    report=print_report,
 ) -> Engine:
     """Put ``model``'s parameters and ``optimizer``'s states into ProTrain chunks.
 
     Args:
-        model: the module to train; its parameters may be on the CPU or on ``device``.
-        optimizer: a ``torch.optim.AdamW`` or ``Adam`` over (some of) the model's parameters.
-        plan: a :class:`Plan` (or dict of its fields): chunks kept on the device, chunk
-            buffers, and how many transformer blocks swap or checkpoint their activations.
-            None (the default) profiles one iteration on ``example_inputs`` and picks the plan
-            with the least predicted step time that fits ``memory_budget`` (``engine.explain()``).
+        model, optimizer: the module to train (its parameters on the CPU or on ``device``), and a
+            ``torch.optim.AdamW`` or ``Adam`` over (some of) its parameters.
+        plan: a :class:`Plan` (or dict of its fields): chunks kept on the device, chunk buffers,
+            and how many transformer blocks swap or checkpoint their activations. None (default):
+            the engine starts on a safe plan, measures the first training steps (they train as
+            usual: [Note: live profiling] in profiler/live.py), then switches to the fastest plan
+            that fits ``memory_budget`` (``engine.explain()``); ``example_inputs``: profile ahead.
         memory_budget: device memory the plan may use (plan=None only): bytes, or "20GiB", "500MB"...
-        precision: "32-true", "bf16-mixed", "16-mixed" or "bf16-true".
-        device: the compute device; None means CUDA when available, else the CPU.
-        blocks: the transformer blocks (ModuleList or dotted name) when discovery fails.
-        chunk_size: chunk size in elements; None runs the waste-minimising grid search.
-        example_inputs: one batch (dict of keyword arguments, tuple or tensor). It traces the
-            execution order on the meta device (Hugging Face models need none for that) and,
-            with plan=None, is what the profiler runs -- a real batch of the real shape.
-        loss_fn: ``loss_fn(output) -> scalar`` for profiling; default ``output.loss``.
-        step_fn: ``step_fn(module, example_inputs) -> loss`` (or ``(loss, kept_alive)``) for
-            profiling, instead of the module and ``loss_fn`` (e.g. a LightningModule's ``training_step``).
+        precision, device: "32-true", "bf16-mixed", "16-mixed" or "bf16-true"; None: CUDA if any.
+        blocks, chunk_size: the transformer blocks (ModuleList or dotted name) when discovery
+            fails; chunk size in elements (None: the waste-minimising search).
+        example_inputs: one batch (keyword arguments, tuple or tensor) to trace the execution
+            order on the meta device (Hugging Face models need none) and, with plan=None, to profile
+            ahead of training (your module or ``step_fn`` then runs a few more times).
+        loss_fn, step_fn: profiling ahead: ``loss_fn(output) -> scalar`` (default ``output.loss``),
+            or ``step_fn(module, example_inputs) -> loss`` (or ``(loss, kept_alive)``) instead.
         gradient_clipping: ``("norm", max_norm)`` or ``("value", clip_value)``: exactly
             ``clip_grad_norm_`` / ``clip_grad_value_`` before every update (``Engine.set_gradient_clipping``).
-        profile_cache: reuse a profile cached on disk for the same model, batch shape, precision and
-            hardware (``protrain_core.planner.profiles.cache_dir()``); ``reprofile``: profile again anyway.
-        optimizer_states: False builds an engine for evaluation only (a plan must be given): no
-            optimizer states; ``backward`` outside ``no_sync`` and ``step`` raise.
-        check_invariants: check residency and device-byte invariants at every hook (tests).
+        profile_cache, reprofile: reuse a profile cached on disk for the same model, batch shape,
+            precision and hardware (``planner.profiles.cache_dir()``); profile again anyway.
+        optimizer_states, check_invariants: False: an engine for evaluation only (give its plan)
+            holds no optimizer states; True: check the runtime's invariants at every hook (tests).
+        max_tokens: plan once for batches of up to this many tokens (batch x sequence); else
+            the plan follows the batch shapes ([Note: batch shapes] in autoplan.py).
+        report: ``report(text, **metrics)``: the plan chosen, switches for batch shapes, the step
+            time measured against the prediction (default: print).
     """
     # Everything that can be wrong with the arguments is checked before memory is touched.
-    prec = parse_precision(precision)
-    dev = resolve_device(device)
-    clipping = None if gradient_clipping is None else parse_gradient_clipping(*gradient_clipping)
-    plan, budget = plan_arguments(plan, memory_budget)
-    if plan is None:
-        _check_search_arguments(example_inputs, optimizer_states)
-        budget = budget if budget is not None else default_memory_budget(dev)
-    layout = _prepare(model, optimizer, blocks, chunk_size, example_inputs)
-    choice = profile = None
-    if plan is None:
-        profile = profile_model(model, optimizer, layout, example_inputs=example_inputs, loss_fn=loss_fn,
-                                step_fn=step_fn, precision=prec, device=dev, cache=profile_cache, reprofile=reprofile)
-        choice = search(profile, budget, host_budget=default_host_budget(dev),
-                        adam_in_backward=overlap_mode(prec, clipping).during_backward)
-        plan = choice.plan
-    check_plan(plan, layout.limits())
-    engine = Engine(model, optimizer, layout, plan, prec, dev,
-                    EngineOptions(optimizer_states=optimizer_states, check_invariants=check_invariants))
-    engine.profile, engine.choice = profile, choice
+    prec, dev = parse_precision(precision), resolve_device(device)
     if gradient_clipping is not None:
-        engine.set_gradient_clipping(*gradient_clipping)
+        parse_gradient_clipping(*gradient_clipping)
+    plan, budget = plan_arguments(plan, memory_budget, max_tokens)
+    if plan is None and not optimizer_states:
+        raise ValueError("wrap(optimizer_states=False) builds an engine for evaluation only: pass its plan=.")
+    budget = default_memory_budget(dev) if budget is None and plan is None else budget
+    layout = _prepare(model, optimizer, blocks, chunk_size, example_inputs)
+    options = EngineOptions(optimizer_states=optimizer_states, check_invariants=check_invariants)
+    if plan is not None:
+        return _engine(model, optimizer, layout, plan, prec, dev, gradient_clipping, options)
+    return _searched(model, optimizer, layout, prec, dev, gradient_clipping, options, budget, max_tokens, report,
+                     example_inputs=example_inputs, loss_fn=loss_fn, step_fn=step_fn, cache=profile_cache,
+                     reprofile=reprofile or reprofile_requested())
+
+
+def _searched(model, optimizer, layout: ChunkLayout, prec: Precision, dev: torch.device, gradient_clipping,
+              options: EngineOptions, budget: int, max_tokens: int | None, report, *, example_inputs, loss_fn, step_fn,
+              cache: bool, reprofile: bool) -> Engine:
+    """``wrap`` with plan=None: the engine on a safe plan that switches after profiling its first
+    steps, or (``example_inputs``) profiled and searched first."""
+    host_budget = default_host_budget(dev)
+    if example_inputs is None:
+        check_budget_holds_states(chunk_formats(model, optimizer, layout, prec, optimizer_states=True),
+                                  layout.limits(), budget)
+        start = safe_plan(model, optimizer, layout, prec, dev, optimizer_states=True, budget=budget)
+        engine = _engine(model, optimizer, layout, start, prec, dev, gradient_clipping, options)
+        plan_on_first_steps(engine, budget=budget, host_budget=host_budget, report=report, max_tokens=max_tokens,
+                            cache=cache, reprofile=reprofile)
+        return engine
+    profile = profile_model(model, optimizer, layout, example_inputs=example_inputs, loss_fn=loss_fn,
+                            step_fn=step_fn, precision=prec, device=dev, cache=cache, reprofile=reprofile)
+    n = batch_tokens(example_inputs)
+    overlap = overlap_mode(prec, None if gradient_clipping is None else parse_gradient_clipping(*gradient_clipping))
+    planner = AutoPlanner(None, profile, budget=budget, host_budget=host_budget, report=report, max_tokens=max_tokens,
+                          adam_in_backward=overlap.during_backward,
+                          tokens_per_batch_token=profile.tokens / n if n and profile.tokens else None)
+    choice = planner.first_choice()
+    planner.engine = engine = _engine(model, optimizer, layout, choice.plan, prec, dev, gradient_clipping, options)
+    follow(engine, planner, choice, report=report)
     return engine
 
 
-def _check_search_arguments(example_inputs, optimizer_states: bool) -> None:
-    if not optimizer_states:
-        raise ValueError("wrap(optimizer_states=False) builds an engine for evaluation only: pass its plan=.")
-    if example_inputs is None:
-        raise ValueError(
-            "wrap(plan=None) profiles one training iteration to choose the plan: pass "
-            "example_inputs= one real batch (e.g. {'input_ids': x, 'labels': x} for a Hugging Face "
-            "causal LM), or pass an explicit plan=protrain_core.Plan(...)."
-        )
+def _engine(model, optimizer, layout: ChunkLayout, plan: Plan, precision: Precision, device: torch.device,
+            gradient_clipping, options: EngineOptions) -> Engine:
+    check_plan(plan, layout.limits())
+    engine = Engine(model, optimizer, layout, plan, precision, device, options)
+    if gradient_clipping is not None:
+        engine.set_gradient_clipping(*gradient_clipping)
+    return engine
 
 
 def _prepare(model: nn.Module, optimizer, blocks, chunk_size, example_inputs) -> ChunkLayout:

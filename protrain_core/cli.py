@@ -7,13 +7,17 @@
 
 The model is built from its Hugging Face config with random weights (the step time and memory
 of a plan do not depend on the weights' values), on the CPU, and profiled on a random batch of
-token ids of the given shape on the chosen device.
+token ids of the given shape on the chosen device. Then (``--check-steps``, default 5) a few
+training steps on random data run with the chosen plan and their measured time is compared
+with the prediction, as a training run does: a stale cached profile is reported and removed
+from the cache. Progress goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
 
@@ -53,13 +57,50 @@ def build(config):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
+def progress(text: str) -> None:
+    print(f"protrain plan: {text}", file=sys.stderr, flush=True)
+
+
+def _batch(config, batch_size: int, seq_len: int) -> dict:
+    x = torch.randint(0, config.vocab_size, (batch_size, seq_len))
+    return {"input_ids": x, "labels": x}
+
+
 def _profile(args, config, batch_size: int):
     import protrain_core as pt
 
     model, opt = build(config)
-    x = torch.randint(0, config.vocab_size, (batch_size, args.seq_len))
-    return pt.profile(model, opt, {"input_ids": x, "labels": x}, precision=args.precision, device=args.device,
-                      cache=not args.no_cache, reprofile=args.reprofile)
+    progress(f"profiling {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} parameters) on a "
+             f"batch of {batch_size} x {args.seq_len} tokens on {args.device} ...")
+    start = time.perf_counter()
+    prof = pt.profile(model, opt, _batch(config, batch_size, args.seq_len), precision=args.precision,
+                      device=args.device, cache=not args.no_cache, reprofile=args.reprofile)
+    progress(f"profile ready after {format_seconds(time.perf_counter() - start)}")
+    return prof
+
+
+def check_prediction(args, config, prof, choice) -> None:
+    """A few training steps on random data with the chosen plan, timed against the prediction
+    (the check a training run makes after its first steps; a stale cached profile is removed)."""
+    import protrain_core as pt
+    from protrain_core.autoplan import WARMUP_STEPS, AutoPlanner, PredictionCheck
+
+    model, opt = build(config)
+    engine = pt.wrap(model, opt, choice.plan, precision=args.precision, device=args.device)
+    planner = AutoPlanner(engine, prof, budget=choice.budget_bytes, host_budget=choice.host_budget_bytes,
+                          adam_in_backward=choice.adam_in_backward)
+    PredictionCheck(engine, planner, report=lambda text, **_: print(text), hint="--reprofile",
+                    checked_steps=args.check_steps)
+    batch = {k: v.to(args.device) for k, v in _batch(config, args.batch_size, args.seq_len).items()}
+    steps = WARMUP_STEPS + args.check_steps + 1
+    progress(f"checking the prediction: {steps} training steps on random data ...")
+    try:
+        for _ in range(steps):
+            engine.backward(engine.module(**batch).loss)
+            engine.step()
+            engine.zero_grad()
+    finally:
+        engine.close()
 
 
 def _row(label: str, prof, budget: int, tokens: int) -> str:
@@ -84,13 +125,13 @@ def plan_command(args) -> int:
     device = resolve_device(args.device)
     args.device = device
     budget = parse_bytes(args.budget, "--budget") if args.budget else pt.default_memory_budget(device)
-    budgets = [parse_bytes(b, "--budgets") for b in args.budgets.split(",")] if args.budgets else None
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else None
-    config = load_config(args.model)
+    budgets, batch_sizes, config = args.budgets, args.batch_sizes, args.config
     prof = _profile(args, config, args.batch_size)
     try:
         choice = pt.search(prof, budget, host_budget=default_host_budget(device))
-        print(choice.explain())
+        print(choice.explain(), flush=True)
+        if args.check_steps:
+            check_prediction(args, config, prof, choice)
     except pt.InfeasibleBudget as e:
         print(f"protrain plan: {e}")
     print()
@@ -129,18 +170,37 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--reprofile", action="store_true", help="profile again even if a cached profile exists")
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the profile cache")
+    p.add_argument("--check-steps", type=int, default=5,
+                   help="training steps timed against the prediction after the plan is chosen (0: none)")
     args = ap.parse_args(argv)
+    check_arguments(ap, args)
+    return plan_command(args)
+
+
+def check_arguments(ap: argparse.ArgumentParser, args) -> None:
+    """Every argument, before anything is built or profiled (``ap.error`` exits with usage)."""
     for name in ("batch_size", "seq_len"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.check_steps < 0:
+        ap.error("--check-steps must be >= 0")
     try:
         if args.budget:
             parse_bytes(args.budget, "--budget")
-        if args.budgets:
-            [parse_bytes(b, "--budgets") for b in args.budgets.split(",")]
+        args.budgets = [parse_bytes(b, "--budgets") for b in args.budgets.split(",")] if args.budgets else None
     except ValueError as e:
         ap.error(str(e))
-    return plan_command(args)
+    if args.batch_sizes:
+        items = [b.strip() for b in args.batch_sizes.split(",")]
+        if not all(b.isdigit() and int(b) >= 1 for b in items):
+            ap.error(f"--batch-sizes {args.batch_sizes!r}: give positive integers separated by commas, e.g. 1,2,4,8")
+        args.batch_sizes = [int(b) for b in items]
+    args.config = load_config(args.model)
+    positions = next((getattr(args.config, a) for a in ("max_position_embeddings", "n_positions", "n_ctx")
+                      if isinstance(getattr(args.config, a, None), int)), None)
+    if positions is not None and args.seq_len > positions:
+        ap.error(f"--seq-len {args.seq_len} is longer than the {positions} positions of {args.model}: "
+                 f"use --seq-len {positions} or less.")
 
 
 if __name__ == "__main__":

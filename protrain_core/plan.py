@@ -74,15 +74,20 @@ def as_plan(plan: Plan | dict | None) -> Plan | None:
     return plan
 
 
-def plan_arguments(plan: Plan | dict | None, memory_budget) -> tuple[Plan | None, int | None]:
-    """Check the ``plan`` / ``memory_budget`` arguments of ``wrap`` and the strategies before
-    anything is built: at most one of them, each well-formed. Returns (plan, budget in bytes)."""
+def plan_arguments(plan: Plan | dict | None, memory_budget, max_tokens=None) -> tuple[Plan | None, int | None]:
+    """Check the ``plan`` / ``memory_budget`` / ``max_tokens`` arguments of ``wrap`` and the
+    strategies before anything is built: a plan, or what to search one for; each well-formed.
+    Returns (plan, budget in bytes)."""
     plan = as_plan(plan)
-    if plan is not None and memory_budget is not None:
-        raise ValueError(
-            "memory_budget is used to search a plan: pass either plan= (the plan to use) or memory_budget= with "
-            "plan=None (search the fastest plan that fits), not both."
-        )
+    for name, value in (("memory_budget", memory_budget), ("max_tokens", max_tokens)):
+        if plan is not None and value is not None:
+            raise ValueError(
+                f"{name} is used to search a plan: pass either plan= (the plan to use) or {name}= with "
+                "plan=None (search the fastest plan that fits), not both."
+            )
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ValueError(f"max_tokens={max_tokens!r}: give the most tokens (batch size x sequence length) of a "
+                         "training batch, a positive integer.")
     return plan, None if memory_budget is None else parse_bytes(memory_budget)
 
 

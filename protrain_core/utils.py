@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import Tensor
@@ -23,7 +23,7 @@ def iter_tensors(obj) -> Iterator[Tensor]:
     """The tensors in ``obj``, looking into dicts, lists and tuples (model outputs, arguments)."""
     if isinstance(obj, Tensor):
         yield obj
-    elif isinstance(obj, dict):
+    elif isinstance(obj, Mapping):  # dicts, model outputs, a tokenizer's BatchEncoding
         for v in obj.values():
             yield from iter_tensors(v)
     elif isinstance(obj, (list, tuple)):
@@ -37,6 +37,30 @@ _UNITS = {
     "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
     "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40,
 }
+
+
+def batch_tokens(batch) -> int:
+    """A batch's size in tokens as far as its tensors show it: the most elements of an integer
+    or boolean tensor of one or two dimensions (token ids, labels, a padding mask: batch x
+    sequence), else the most elements of a floating tensor per its last dimension (batch x
+    sequence x features); 0 without tensors. Only ratios between batches of one run are used."""
+    tensors = list(iter_tensors(batch))
+    ids = [t.numel() for t in tensors if not t.is_floating_point() and 1 <= t.dim() <= 2]
+    if ids:
+        return max(ids)
+    return max((t.numel() // max(1, t.shape[-1]) for t in tensors if t.is_floating_point() and t.dim() >= 2), default=0)
+
+
+def block_tokens(shapes: list[tuple[tuple[int, ...], str]]) -> int:
+    """The tokens of a transformer block's input, from the (shape, dtype) of its inputs: the
+    first one's elements per its last dimension (hidden states: batch x sequence x hidden)."""
+    if not shapes:
+        return 0
+    shape = shapes[0][0]
+    n = 1
+    for d in shape[:-1] if len(shape) >= 2 else shape:
+        n *= d
+    return n
 
 
 def parse_bytes(value: int | float | str, what: str = "memory_budget") -> int:

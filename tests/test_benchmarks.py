@@ -54,6 +54,7 @@ def test_cpu_smoke_protrain_equals_pytorch_and_writes_the_report(smoke_subset):
     assert len(ref) == report["warmup"] + report["steps"] and runs["protrain-core"]["losses"] == ref
     core = runs["protrain-core"]
     assert core["plan"].startswith("Plan(") and core["predicted_step_s"] > 0 and core["lower_bound_s"] > 0
+    assert core["searched"] and core["profiling_steps"] == 6 < report["warmup"]  # planned in the warm-up
     for r in runs.values():
         assert r["tokens_per_s"] == pytest.approx(r["batch"] * r["seq"] / r["step_median_s"])
     md = (out / "results.md").read_text()
@@ -155,7 +156,9 @@ def test_gpu_suites_dry_run_constructs_every_configuration(tmp_path, suite):
 
     s = SUITES[suite]
     here = [x for x in SYSTEMS if unavailable(x, "cuda") is None]
-    assert len(statuses) == len(here) * len(s.workloads + s.model_ladder + s.batch_ladder)
+    probing = [x for x in here if s.probe_systems is None or x in s.probe_systems]
+    expected = sum(len([x for x in here if w.systems is None or x in w.systems]) for w in s.workloads)
+    assert len(statuses) == expected + len(probing) * len(s.model_ladder + s.batch_ladder)
     assert {r["label"] for r in report["runs"]} >= {w.label for w in s.workloads}
     # At least one model fits the device with plain PyTorch, and at least one does not.
     gib = [16 * r["params"] / 2**30 for r in report["runs"] if r["system"] == "pytorch"

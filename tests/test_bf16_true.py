@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import protrain_core as pt
-from conftest import MODELS, batches, n_chunks, standard_plans, tiny_gpt2, tiny_llama, train_engine, train_reference
+from conftest import MODELS, batches, standard_plans, tiny_gpt2, tiny_llama, train_engine, train_reference
 from test_clipping import CACHE_WARNING, Clipper, train_recording_norms
 
 BF16 = torch.bfloat16

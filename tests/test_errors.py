@@ -31,7 +31,10 @@ def test_plan_validation():
 @pytest.mark.parametrize(
     "kw,match",
     [
-        (dict(plan=None), "pass example_inputs= one real batch"),
+        (dict(plan=None, max_tokens=0), "max_tokens=0: give the most tokens"),
+        (dict(plan=None, max_tokens=64.0), "max_tokens=64.0"),
+        (dict(max_tokens=64), "max_tokens is used to search a plan"),
+        (dict(plan=None, optimizer_states=False), "pass its plan="),
         (dict(plan=pt.Plan(n_persist=99, n_buffer=1)), "has only"),
         (dict(plan=pt.Plan(n_persist=0, n_buffer=0)), "Use n_buffer >= 1"),
         (dict(plan=pt.Plan(n_persist=0, n_buffer=1, n_swap=3, n_checkpoint=2)), "n_swap \\+ n_checkpoint <= 4"),

@@ -259,7 +259,8 @@ def test_registration_is_idempotent():
 def test_validation_test_and_summary_keep_working(capsys, info_lines):
     torch.manual_seed(0)
     lit = LitLM()
-    t = pl.Trainer(strategy="protrain", accelerator="cpu", devices=1, max_steps=4, logger=False,
+    # Validation runs between the profiled steps too (they plan from the first training steps).
+    t = pl.Trainer(strategy="protrain", accelerator="cpu", devices=1, max_steps=8, logger=False,
                    enable_checkpointing=False, limit_val_batches=2, val_check_interval=2, num_sanity_val_steps=1,
                    enable_model_summary=True)
     t.fit(lit, loader(), loader(shuffle=False))
@@ -411,7 +412,7 @@ def test_model_checkpoint_callback_and_crash_mid_save(tmp_path, monkeypatch):
 # ----- LightningCLI and the start-up hook ----------------------------------------------------
 def test_lightning_cli_class_path(tmp_path):
     config = tmp_path / "config.yaml"
-    config.write_text(textwrap.dedent(f"""
+    config.write_text(textwrap.dedent("""
         trainer:
           accelerator: cpu
           devices: 1

@@ -1,6 +1,7 @@
 """The profiler on tiny GPT-2 and LLaMA; the profile cache; wrap(plan=None) end to end."""
 
 import copy
+import json
 import re
 
 import pytest
@@ -137,8 +138,8 @@ def test_memory_budget_strings_and_errors():
     for bad in ("20 parsecs", "-1GiB", "", True, "nan GiB"):
         with pytest.raises(ValueError, match="memory_budget"):
             pt.wrap(model, opt, memory_budget=bad, example_inputs=inputs)
-    with pytest.raises(ValueError, match="example_inputs"):
-        pt.wrap(model, opt, memory_budget="1GiB")
+    with pytest.raises(pt.InfeasibleBudget, match="buffers alone"):  # planning on the first steps: refused now
+        pt.wrap(model, opt, memory_budget="10KiB")
     with pytest.raises(ValueError, match="plan=None"):
         pt.wrap(model, opt, pt.Plan(n_persist=1, n_buffer=1), memory_budget="1GiB")
     with pytest.raises(pt.InfeasibleBudget, match="missing"):
@@ -185,3 +186,41 @@ def test_plan_command_prints_plan_and_what_if(capsys):
         main(args + ["--budget", "lots"])
     with pytest.raises(SystemExit, match="built-in configs"):
         main(["plan", "--model", "/nonexistent/model", "--device", "cpu"])
+
+
+@pytest.mark.parametrize("bad,message", [
+    (["--batch-sizes", "0,x"], "--batch-sizes '0,x': give positive integers"),
+    (["--batch-sizes", "0"], "--batch-sizes '0': give positive integers"),
+    (["--seq-len", "2048"], "--seq-len 2048 is longer than the 1024 positions of tiny-gpt2"),
+    (["--budgets", "1MiB,zz"], "--budgets='zz' is not a size"),
+    (["--check-steps", "-1"], "--check-steps must be >= 0"),
+])
+def test_plan_command_checks_its_arguments_before_profiling(bad, message, capsys, monkeypatch):
+    import protrain_core.cli as cli
+
+    monkeypatch.setattr(cli, "_profile", lambda *a: pytest.fail("profiled despite a bad argument"))
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "--model", "tiny-gpt2", "--device", "cpu", *bad])
+    assert message in capsys.readouterr().err
+
+
+def test_plan_command_shows_progress_and_checks_its_prediction(capsys, tmp_path, monkeypatch):
+    """Progress on stderr while it profiles; after the plan, steps timed against the prediction.
+    A cached profile 50x too slow is said to be stale and removed from the cache."""
+    from protrain_core.cli import main
+
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
+    args = ["plan", "--model", "tiny-gpt2", "--batch-size", "2", "--seq-len", "32", "--device", "cpu", "--budget", "1GiB"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "protrain plan: profiling GPT2LMHeadModel" in captured.err and "profile ready after" in captured.err
+    assert "checking the prediction: 8 training steps" in captured.err
+    assert "ProTrain: measured step" in captured.out and "predicted" in captured.out
+    (path,) = (tmp_path / "profiles").glob("*.json")
+    first = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(first, segments=[dict(s, fwd_s=50 * s["fwd_s"], bwd_s=50 * s["bwd_s"])
+                                                      for s in first["segments"]])))
+    assert main(args + ["--check-steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "does not describe this machine" in out and "removed from the profile cache" in out
+    assert not path.exists()

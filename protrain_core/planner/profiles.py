@@ -33,14 +33,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from protrain_core.plan import PlanLimits
 
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
+
+
+class ProfileVersionError(ValueError):
+    """A profile written by another version of protrain_core (an older format)."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,7 @@ class Profile:
     fragmentation: float  # factor on activation bytes (allocator fragmentation)
     hardware: Hardware
     ops: tuple[OpRecord, ...] = ()
+    tokens: int = 0  # tokens of the profiled batch as the first block sees it (0: not known)
     iterations: int = 0  # timed iterations (median per segment)
     profile_seconds: float = 0.0
 
@@ -122,6 +129,62 @@ class Profile:
     def limits(self) -> PlanLimits:
         return PlanLimits(n_chunks=self.n_chunks, n_blocks=self.n_blocks, resident_sets=self.resident_sets)
 
+    def at_tokens(self, tokens: int) -> Profile:
+        """This profile for a batch of ``tokens`` tokens (same model, same hardware): the
+        segments' compute times, swap times and activation bytes scale with the tokens; the
+        bytes alive through the step (the batch, the model's buffers) only grow.
+
+        Linear in tokens is exact for everything a transformer block does per token (the
+        projections, the MLP, norms, and attention kernels that do not store the score matrix,
+        such as SDPA's flash and memory-efficient kernels); an attention that materialises the
+        score matrix grows quadratically in the sequence length, so a plan for sequences longer
+        than the profiled ones is then optimistic (profiling ahead on the longest batch,
+        ``wrap(example_inputs=...)``, is exact for it)."""
+        if tokens == self.tokens or self.tokens <= 0:
+            return self
+        factor = tokens / self.tokens
+
+        def seg(s: Segment) -> Segment:
+            times = {f: getattr(s, f) * factor for f in ("fwd_s", "bwd_s", "recompute_s")}
+            swaps = {f: None if getattr(s, f) is None else getattr(s, f) * factor for f in ("swap_out_s", "swap_in_s")}
+            sizes = {f: math.ceil(getattr(s, f) * factor)
+                     for f in ("out_bytes", "saved_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "recompute_peak_bytes")}
+            return dataclasses.replace(s, **times, **swaps, **sizes)
+
+        return dataclasses.replace(self, segments=tuple(seg(s) for s in self.segments), tokens=tokens,
+                                   base_bytes=math.ceil(self.base_bytes * max(1.0, factor)), ops=())
+
+    def problems(self) -> list[str]:
+        """What makes this profile unusable by the cost models (a cache file edited or written
+        by a broken run): lengths that disagree, indices out of range, rates that are not
+        positive, negative or non-finite measurements. Empty when it is sound."""
+        bad = []
+        n = self.n_chunks
+        per_chunk = ("chunk_trainable", "chunk_frozen", "chunk_has_grad", "persist_bytes", "host_bytes", "offload_bytes")
+        bad += [f"{name} has {len(getattr(self, name))} entries for {n} chunks"
+                for name in per_chunk if len(getattr(self, name)) != n]
+        if n < 1 or self.chunk_elems < 1 or self.compute_bytes < 1 or self.chunk_bytes < 1:
+            bad.append("chunk count, size or element size is not positive")
+        kinds = [s.kind for s in self.segments]
+        if len(kinds) < 2 or kinds[0] != "pre" or kinds[-1] != "post" or any(k != "block" for k in kinds[1:-1]):
+            bad.append(f"segments are not pre, blocks, post: {kinds}")
+        indices = [i for s in self.segments for i in s.chunks] + [i for r in self.resident_sets for i in r]
+        if any(not 0 <= i < n for i in indices):
+            bad.append("a chunk index is out of range")
+        hw = self.hardware
+        rates = (hw.h2d_bytes_per_s, hw.d2h_bytes_per_s, hw.cpu_adam_params_per_s, hw.device_adam_params_per_s)
+        if not all(isinstance(r, (int, float)) and math.isfinite(r) and r > 0 for r in rates):
+            bad.append("a hardware rate is not a positive number")
+        numbers = [getattr(s, f.name) for s in self.segments for f in dataclasses.fields(Segment)
+                   if f.name not in ("name", "kind", "chunks")]
+        numbers += [*self.persist_bytes, *self.host_bytes, *self.offload_bytes, self.buffer_bytes, self.base_bytes,
+                    self.tokens]
+        if not all(x is None or (isinstance(x, (int, float)) and math.isfinite(x) and x >= 0) for x in numbers):
+            bad.append("a measured time or size is negative or not a number")
+        if not (isinstance(self.fragmentation, (int, float)) and 1.0 <= self.fragmentation < 10):
+            bad.append(f"fragmentation factor {self.fragmentation!r} is not in [1, 10)")
+        return bad
+
     # ----- serialisation ------------------------------------------------------------------
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
@@ -132,7 +195,7 @@ class Profile:
     def from_json(cls, text: str) -> Profile:
         d = json.loads(text)
         if d.pop("version", None) != PROFILE_VERSION:
-            raise ValueError("profile written by another version of protrain_core")
+            raise ProfileVersionError("profile written by another version of protrain_core")
         d["hardware"] = Hardware(**d["hardware"])
         d["segments"] = tuple(Segment(**{**s, "chunks": tuple(s["chunks"])}) for s in d["segments"])
         d["ops"] = tuple(OpRecord(**o) for o in d["ops"])
@@ -156,13 +219,35 @@ def _path(directory: Path, key: str) -> Path:
     return Path(directory) / "profiles" / f"{key}.json"
 
 
-def load_cached(key: str, directory: Path | None = None) -> Profile | None:
+def load_cached(key: str, directory: Path | None = None, *, n_chunks: int | None = None,
+                n_blocks: int | None = None) -> Profile | None:
+    """The cached profile with this key, or None: missing, written by another version, or
+    unsound (``Profile.problems``, or not ``n_chunks`` chunks and ``n_blocks`` blocks) -- the
+    last is said in a warning and the file removed, so that it is measured again."""
     path = _path(directory or cache_dir(), key)
     try:
-        profile = Profile.from_json(path.read_text())
-    except (OSError, ValueError, TypeError, KeyError):
-        return None  # missing, unreadable or stale: profile again
-    return profile if profile.key == key else None
+        text = path.read_text()
+    except OSError:
+        return None
+    try:
+        profile = Profile.from_json(text)
+        problems = profile.problems()
+        if profile.key != key:
+            problems.append(f"its key is {profile.key!r}")
+        if n_chunks is not None and profile.n_chunks != n_chunks:
+            problems.append(f"{profile.n_chunks} chunks where the model has {n_chunks}")
+        if n_blocks is not None and profile.n_blocks != n_blocks:
+            problems.append(f"{profile.n_blocks} blocks where the model has {n_blocks}")
+    except ProfileVersionError:
+        return None  # an older format: profile again (and overwrite it)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        problems = [f"not a profile ({type(e).__name__}: {e})"]
+    if not problems:
+        return profile
+    warnings.warn(f"ProTrain: the cached profile {path} is unusable ({'; '.join(problems)}); it is discarded and "
+                  "the model is profiled again.", stacklevel=2)
+    discard(key, directory)
+    return None
 
 
 def discard(key: str, directory: Path | None = None) -> bool:
@@ -175,10 +260,14 @@ def discard(key: str, directory: Path | None = None) -> bool:
     return True
 
 
+_UNWRITABLE_WARNED: set[str] = set()
+
+
 def store(profile: Profile, directory: Path | None = None) -> Path | None:
     """Write the profile atomically (temporary file, then rename); a cache that cannot be
-    written is not an error -- the next run profiles again."""
-    path = _path(directory or cache_dir(), profile.key)
+    written is not an error -- the next run profiles again -- but it is said once per directory."""
+    directory = Path(directory or cache_dir())
+    path = _path(directory, profile.key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
@@ -189,6 +278,10 @@ def store(profile: Profile, directory: Path | None = None) -> Path | None:
         except BaseException:
             os.unlink(tmp)
             raise
-    except OSError:
+    except OSError as e:
+        if str(directory) not in _UNWRITABLE_WARNED:
+            _UNWRITABLE_WARNED.add(str(directory))
+            warnings.warn(f"ProTrain cannot write its profile cache in {directory} ({e}); every run will profile "
+                          "again. Set PROTRAIN_CACHE_DIR to a writable directory.", stacklevel=2)
         return None
     return path

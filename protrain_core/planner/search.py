@@ -139,10 +139,12 @@ def _better(t: float, mem: int, plan: Plan, best) -> bool:
     return key < (best_mem, best_plan.n_swap, best_plan.n_checkpoint, best_plan.n_buffer, best_plan.n_persist)
 
 
-def search(profile: Profile, budget: int, *, host_budget: int | None = None, adam_in_backward: bool = True) -> PlanChoice:
+def search(profile: Profile, budget: int, *, host_budget: int | None = None, adam_in_backward: bool = True,
+           n_persist: int | None = None) -> PlanChoice:
     """The plan with the least predicted step time whose predicted peak is <= ``budget``
     bytes (and whose host memory is <= ``host_budget`` when given); ``adam_in_backward``: see
-    ``CostModel``."""
+    ``CostModel``; ``n_persist``: only plans that keep this many chunks on the device (the
+    activation part and the buffers are re-solved: a new batch shape between steps)."""
     start = time.perf_counter()
     cm = CostModel(profile, adam_in_backward=adam_in_backward)
     N, L = cm.N, cm.L
@@ -157,6 +159,8 @@ def search(profile: Profile, budget: int, *, host_budget: int | None = None, ada
     avail = (budget - profile.base_bytes - grid.activation_peak)[:, None] - persist[None, :]
     B = torch.where(p == N, 0, torch.minimum(N - p, avail.div(max(buf, 1), rounding_mode="floor")))
     ok = (avail >= 0) & ((p == N) | (B >= need))
+    if n_persist is not None:
+        ok &= (p == n_persist)[None, :]
     if host_budget is not None:
         suffix = torch.tensor(cm.host_suffix)
         ok &= suffix[None, :] + grid.swap_host_bytes[:, None] <= host_budget
@@ -209,7 +213,7 @@ def _fewest_buffers(cm: CostModel, plan: Plan, t: float) -> tuple[Plan, int]:
 
 
 def brute_force(profile: Profile, budget: int, *, host_budget: int | None = None,
-                adam_in_backward: bool = True) -> PlanChoice:
+                adam_in_backward: bool = True, n_persist: int | None = None) -> PlanChoice:
     """Every plan, no shortcuts (for checking ``search`` on small models)."""
     start = time.perf_counter()
     cm = CostModel(profile, adam_in_backward=adam_in_backward)
@@ -219,7 +223,7 @@ def brute_force(profile: Profile, budget: int, *, host_budget: int | None = None
     evaluated = 0
     for s in range(L + 1):
         for c in range(L + 1 - s):
-            for p in range(N + 1):
+            for p in range(N + 1) if n_persist is None else (n_persist,):
                 for b in range(limits.buffers_needed(p), N - p + 1):
                     plan = Plan(n_persist=p, n_buffer=b, n_swap=s, n_checkpoint=c)
                     mem = cm.memory(plan)

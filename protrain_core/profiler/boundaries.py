@@ -27,17 +27,26 @@ _STARTS = {"fwd": P.FORWARD, "bwd": P.BACKWARD, "rec_begin": P.RECOMPUTE, "rec_e
 
 class Boundaries:
     """Hooks that time-stamp segment boundaries: segment 0 is everything before the first block,
-    1..L the blocks, L+1 everything after the last block (head and loss)."""
+    1..L the blocks, L+1 everything after the last block (head and loss).
 
-    def __init__(self, engine, blocks: list[nn.Module]) -> None:
+    Ahead of training the profiler calls the model itself and marks the start of a pass. On
+    live training steps (``live``) the first module with parameters that runs with gradients
+    marks it, forward passes without gradients (evaluation) are not marked, and ``first_inputs``
+    / ``block_inputs`` keep the tensors that module and the first block got (the batch, and what
+    the profile's key is made of)."""
+
+    def __init__(self, engine, blocks: list[nn.Module], *, live: bool = False) -> None:
         self.engine = engine
         self.L = len(blocks)
+        self.live = live
         self.sync = engine.ctx.synchronize_device
         self.times: dict[tuple[str, int], float] = {}
         self.phase, self.seg = P.IDLE, 0
         self.listener = None  # called with (kind, seg) after each new boundary
         self.chunks: dict[int, set[int]] = defaultdict(set)
-        handles = [engine.module.register_forward_pre_hook(lambda _m, _a: self.mark("fwd", 0))]
+        self.first_inputs: list | None = None
+        self.block_inputs: list | None = None
+        handles = [] if live else [engine.module.register_forward_pre_hook(lambda _m, _a: self.mark("fwd", 0))]
         for j, block in enumerate(blocks):
             handles.append(block.register_forward_pre_hook(self._block_pre(j), with_kwargs=True))
             handles.append(block.register_forward_hook(self._block_post(j)))
@@ -51,7 +60,10 @@ class Boundaries:
         self.handles = handles
 
     def _uses(self, idxs):
-        def hook(_m, _a):
+        def hook(_m, args):
+            if self.live and ("fwd", 0) not in self.times and torch.is_grad_enabled():
+                self.first_inputs = list(iter_tensors(args))
+                self.mark("fwd", 0)
             if self.phase is P.FORWARD:
                 self.chunks[self.seg] |= idxs
 
@@ -59,6 +71,10 @@ class Boundaries:
 
     def _block_pre(self, j: int):
         def hook(_m, args, kwargs):
+            if self.live and not torch.is_grad_enabled():
+                return
+            if j == 0 and self.block_inputs is None:
+                self.block_inputs = list(iter_tensors((args, kwargs)))
             self.mark("fwd", j + 1)
             if torch.is_grad_enabled():
                 for t in iter_tensors((args, kwargs)):
@@ -69,6 +85,8 @@ class Boundaries:
 
     def _block_post(self, j: int):
         def hook(_m, _args, out):
+            if self.live and not torch.is_grad_enabled():
+                return
             if j == self.L - 1:
                 self.mark("fwd", self.L + 1)
             if torch.is_grad_enabled():
@@ -96,6 +114,7 @@ class Boundaries:
     def reset(self) -> None:
         self.times = {}
         self.phase, self.seg = P.IDLE, 0
+        self.first_inputs = self.block_inputs = None
 
     def remove(self) -> None:
         for h in self.handles:

@@ -51,7 +51,7 @@ from protrain_core.profiler.hardware import device_name, probe_hardware
 from protrain_core.runtime.engine import Engine, EngineOptions
 from protrain_core.runtime.storage import ChunkFormat, chunk_formats
 from protrain_core.structure.layout import ChunkLayout
-from protrain_core.utils import iter_tensors
+from protrain_core.utils import block_tokens, iter_tensors
 
 
 # ----- inputs and loss ----------------------------------------------------------------------------
@@ -115,10 +115,16 @@ def static_facts(layout: ChunkLayout, model: nn.Module, optimizer: torch.optim.O
     )
 
 
-def profile_key(model, optimizer, inputs, precision: Precision, device: torch.device, layout: ChunkLayout, extra="") -> str:
+def tensor_shapes(tensors) -> list[tuple[tuple[int, ...], str]]:
+    """(shape, dtype) of each tensor: what a profile's key knows of a batch."""
+    return [(tuple(t.shape), str(t.dtype)) for t in tensors]
+
+
+def profile_key(model, optimizer, batch: list[tuple[tuple[int, ...], str]], precision: Precision,
+                device: torch.device, layout: ChunkLayout) -> str:
     """A hash of everything a profile depends on: model structure (parameter names, shapes,
-    dtypes, trainability; the Hugging Face config), optimizer coverage, batch shapes, precision,
-    chunk layout, device and software."""
+    dtypes, trainability; the Hugging Face config), optimizer coverage, the batch as the first
+    block sees it (``tensor_shapes`` of its inputs), precision, chunk layout, device and software."""
     h = hashlib.sha256()
 
     def add(*parts):
@@ -133,16 +139,15 @@ def profile_key(model, optimizer, inputs, precision: Precision, device: torch.de
     optimized = {id(p) for g in optimizer.param_groups for p in g["params"]}
     add(type(optimizer).__name__, [id(p) in optimized for p in model.parameters()],
         [bool(g.get("amsgrad", False)) for g in optimizer.param_groups])
-    add([(tuple(t.shape), str(t.dtype)) for t in iter_tensors(inputs)],
-        sorted(inputs) if isinstance(inputs, dict) else None)
+    add(batch)
     add(precision.value, layout.chunk_size, layout.block_path, [c.units for c in layout.chunks])
-    add(device_name(device), torch.__version__, torch.version.cuda, torch.get_num_threads(), os.cpu_count(), extra)
+    add(device_name(device), torch.__version__, torch.version.cuda, torch.get_num_threads(), os.cpu_count())
     return h.hexdigest()[:24]
 
 
 # ----- the profiler -----------------------------------------------------------------------------
 @dataclass
-class _Measured:
+class Measured:
     """What the passes measured (see [Note: profiling])."""
 
     chunks: dict[int, tuple[int, ...]]  # segment -> chunks its modules use
@@ -167,33 +172,54 @@ def profile_model(
     cache: bool = True,
     cache_dir=None,
     reprofile: bool = False,
-    description: str | None = None,
 ) -> Profile:
-    """Profile ``model`` on ``example_inputs`` (one real batch) -- or return the cached profile
-    with the same key (``reprofile=True`` or ``PROTRAIN_REPROFILE=1`` forces a new one)."""
+    """Profile ``model`` on ``example_inputs`` (one real batch) ahead of training -- or, after
+    one pass that shows the batch as the first block sees it, return the cached profile with the
+    same key (``reprofile=True`` or ``PROTRAIN_REPROFILE=1`` forces a new one)."""
     loss_fn = loss_fn or default_loss
     inputs = to_device(example_inputs, device)
-    extra = getattr(step_fn or loss_fn, "__qualname__", "")
-    key = profile_key(model, optimizer, inputs, precision, device, layout, extra=extra)
     if step_fn is None:
         def step_fn(module, batch):
             out = call(module, batch)
             return loss_fn(out), out  # the output stays alive through backward, as in training
 
-    reprofile = reprofile or os.environ.get("PROTRAIN_REPROFILE", "") not in ("", "0")
-    if cache and not reprofile:
-        cached = load_cached(key, cache_dir)
-        if cached is not None:
-            return cached
+    reprofile = reprofile or reprofile_requested()
     start = time.perf_counter()
+    plan = _profiling_plan(model, optimizer, layout, precision, device)
+    engine = Engine(model, optimizer, layout, plan, precision, device,
+                    EngineOptions(optimizer_states=False, warn_on_cache=False))
+    bounds = Boundaries(engine, list(model.get_submodule(layout.block_path)))
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            _one_pass(engine, bounds, inputs, step_fn)  # warm-up, and the batch as the first block sees it
+            shapes = tensor_shapes(bounds.block_inputs or [])
+            key = profile_key(model, optimizer, shapes, precision, device, layout)
+            cached = (load_cached(key, cache_dir, n_chunks=layout.n_chunks, n_blocks=layout.n_blocks)
+                      if cache and not reprofile else None)
+            if cached is not None:
+                return cached
+            measured = _measure(engine, bounds, inputs, step_fn, iterations)
+    finally:
+        bounds.remove()
+        engine.close()
+    check_blocks_called(bounds, layout.n_blocks)
+    profile = build_profile(key, shapes, measured, model, optimizer, layout, precision, device, start)
+    if cache:
+        store(profile, cache_dir)
+    return profile
+
+
+def build_profile(key: str, shapes, measured: Measured, model, optimizer, layout: ChunkLayout, precision: Precision,
+                  device: torch.device, start: float) -> Profile:
+    """The Profile of what the passes measured, the static facts and the hardware probes."""
     hardware = probe_hardware(device, layout.chunk_size, precision)
-    measured = _measure(model, optimizer, layout, precision, device, inputs, step_fn, iterations,
-                        swap_too=not hardware.async_copies)
+    if hardware.async_copies:
+        measured.swap_timings = []
     n_params = sum(p.numel() for p in model.parameters())
-    shapes = ", ".join(f"{tuple(t.shape)}" for t in iter_tensors(inputs))
-    profile = Profile(
+    return Profile(
         key=key,
-        description=description or f"{type(model).__name__}, {n_params:,} parameters, {layout.n_blocks} blocks, batch {shapes}",
+        description=f"{type(model).__name__}, {n_params:,} parameters, {layout.n_blocks} blocks, first block's inputs "
+                    + ", ".join(str(shape) for shape, _ in shapes),
         precision=precision.value,
         **static_facts(layout, model, optimizer, precision),
         segments=_segments(measured, layout.n_blocks),
@@ -201,58 +227,57 @@ def profile_model(
         fragmentation=measured.fragmentation,
         hardware=hardware,
         ops=tuple(measured.mem.ops),
+        tokens=block_tokens(shapes),
         iterations=len(measured.timings),
         profile_seconds=time.perf_counter() - start,
     )
-    if cache:
-        store(profile, cache_dir)
-    return profile
 
 
-def _profiling_plan(model: nn.Module, optimizer, layout: ChunkLayout, precision: Precision, device: torch.device) -> Plan:
-    """Every block checkpointed; chunks persistent (the CPU, or a model whose parameters and
-    gradients fit in half the free memory), otherwise streamed (a model that does not fit)."""
+def reprofile_requested() -> bool:
+    return os.environ.get("PROTRAIN_REPROFILE", "") not in ("", "0")
+
+
+def safe_plan(model: nn.Module, optimizer, layout: ChunkLayout, precision: Precision, device: torch.device, *,
+              optimizer_states: bool, budget: int | None = None) -> Plan:
+    """A plan any batch the profiler measures can run on: every block checkpointed; every chunk
+    persistent on a CPU, or when the model states (``optimizer_states``: with Adam's) take at
+    most half the device budget (default: the free memory), else every chunk streamed."""
     n, L = layout.n_chunks, layout.n_blocks
     if device.type == "cuda":
-        formats: list[ChunkFormat] = chunk_formats(model, optimizer, layout, precision, optimizer_states=False)
-        free, _ = torch.cuda.mem_get_info(device)
-        if sum(fmt.persistent_device_bytes for fmt in formats) > free // 2:
+        formats: list[ChunkFormat] = chunk_formats(model, optimizer, layout, precision, optimizer_states=optimizer_states)
+        room = budget if budget is not None else torch.cuda.mem_get_info(device)[0]
+        if sum(fmt.persistent_device_bytes for fmt in formats) > room // 2:
             return Plan(n_persist=0, n_buffer=max(2, layout.limits().buffers_needed(0)), n_checkpoint=L)
     return Plan(n_persist=n, n_buffer=0, n_checkpoint=L)
 
 
-def _measure(model, optimizer, layout: ChunkLayout, precision: Precision, device: torch.device, inputs, step_fn,
-             iterations: int, *, swap_too: bool) -> _Measured:
-    """The passes of [Note: profiling] on a profiling engine, under ``fork_rng``."""
-    L = layout.n_blocks
-    plan = _profiling_plan(model, optimizer, layout, precision, device)
-    engine = Engine(model, optimizer, layout, plan, precision, device,
-                    EngineOptions(optimizer_states=False, warn_on_cache=False))
-    bounds = Boundaries(engine, list(model.get_submodule(layout.block_path)))
+def _profiling_plan(model: nn.Module, optimizer, layout: ChunkLayout, precision: Precision, device: torch.device) -> Plan:
+    return safe_plan(model, optimizer, layout, precision, device, optimizer_states=False)
+
+
+def _measure(engine: Engine, bounds: Boundaries, inputs, step_fn, iterations: int) -> Measured:
+    """The passes of [Note: profiling] after the warm-up, on the profiling engine."""
+    L, device = engine.layout.n_blocks, engine.device
+    chunks = {s: tuple(sorted(c)) for s, c in bounds.chunks.items()}
+    base = base_bytes(engine, inputs, device)
+    mem, meter = memory_meter(engine, bounds, device)
+    with meter:
+        _one_pass(engine, bounds, inputs, step_fn)
+    bounds.listener = None
     timings, swap_timings = [], []
-    try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            _one_pass(engine, bounds, inputs, step_fn)  # warm-up
-            chunks = {s: tuple(sorted(c)) for s, c in bounds.chunks.items()}
-            base = _base_bytes(engine, inputs, device)
-            mem, fragmentation = _memory_pass(engine, bounds, inputs, step_fn, device)
-            for _ in range(max(1, iterations)):
-                _one_pass(engine, bounds, inputs, step_fn)
-                timings.append(bounds.durations())
-            if swap_too and L:
-                engine.set_block_modes((BlockMode.SWAP,) * L)
-                _one_pass(engine, bounds, inputs, step_fn)  # warm-up: host buffers
-                for _ in range(max(1, iterations)):
-                    _one_pass(engine, bounds, inputs, step_fn)
-                    swap_timings.append(bounds.durations())
-    finally:
-        bounds.remove()
-        engine.close()
-    _check_blocks_called(bounds, L)
-    return _Measured(chunks, base, mem, fragmentation, timings, swap_timings)
+    for _ in range(max(1, iterations)):
+        _one_pass(engine, bounds, inputs, step_fn)
+        timings.append(bounds.durations())
+    if device.type != "cuda" and L:  # no asynchronous copies: measure what swapping adds
+        engine.set_block_modes((BlockMode.SWAP,) * L)
+        _one_pass(engine, bounds, inputs, step_fn)  # warm-up: host buffers
+        for _ in range(max(1, iterations)):
+            _one_pass(engine, bounds, inputs, step_fn)
+            swap_timings.append(bounds.durations())
+    return Measured(chunks, base, mem, fragmentation_factor(device), timings, swap_timings)
 
 
-def _segments(m: _Measured, L: int) -> tuple[Segment, ...]:
+def _segments(m: Measured, L: int) -> tuple[Segment, ...]:
     """Per segment: median times of the timed passes, and the memory pass's byte deltas."""
     K = L + 2
     mem = m.mem
@@ -305,7 +330,9 @@ def _one_pass(engine: Engine, bounds: Boundaries, inputs, step_fn) -> None:
     engine.zero_grad()
 
 
-def _memory_pass(engine: Engine, bounds: Boundaries, inputs, step_fn, device: torch.device):
+def memory_meter(engine: Engine, bounds: Boundaries, device: torch.device):
+    """(MemoryPass, the dispatch mode that feeds it): enter the mode around one pass. CPU: the
+    tensor tracker; CUDA: the caching allocator, minus the engine's chunk memory."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -316,22 +343,21 @@ def _memory_pass(engine: Engine, bounds: Boundaries, inputs, step_fn, device: to
         tracker = LiveStorageTracker(device, on_op=lambda f, b, a, s: mem.op(f, b, a, s))
         mem = MemoryPass(bounds, lambda: tracker.live)
         mode = tracker
-    bounds.listener = mem.boundary
-    try:
-        with mode:
-            _one_pass(engine, bounds, inputs, step_fn)
-    finally:
-        bounds.listener = None
-    fragmentation = 1.0
-    if device.type == "cuda":
-        # Reserved over allocated at the peak: the caching allocator's rounding and splitting.
-        allocated = torch.cuda.max_memory_allocated(device)
-        reserved = torch.cuda.max_memory_reserved(device)
-        fragmentation = min(1.5, max(1.0, reserved / max(1, allocated)))
-    return mem, fragmentation
+    if bounds.listener is None:
+        bounds.listener = mem.boundary
+    return mem, mode
 
 
-def _base_bytes(engine, inputs, device: torch.device) -> int:
+def fragmentation_factor(device: torch.device) -> float:
+    """Reserved over allocated at the peak (CUDA): the caching allocator's rounding and splitting."""
+    if device.type != "cuda":
+        return 1.0
+    allocated = torch.cuda.max_memory_allocated(device)
+    reserved = torch.cuda.max_memory_reserved(device)
+    return min(1.5, max(1.0, reserved / max(1, allocated)))
+
+
+def base_bytes(engine, inputs, device: torch.device) -> int:
     """Device bytes alive through the iteration that are neither chunks nor activations."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -345,7 +371,7 @@ def _base_bytes(engine, inputs, device: torch.device) -> int:
     return total
 
 
-def _check_blocks_called(bounds: Boundaries, L: int) -> None:
+def check_blocks_called(bounds: Boundaries, L: int) -> None:
     missing = [j for j in range(L) if ("fwd", j + 1) not in bounds.times]
     if missing:
         raise ValueError(

@@ -76,6 +76,9 @@ class Engine:
         self.hooks = self._runtime_hooks()
         self.activations: ActivationManager | None = None
         self._recompute_observers: OrderedDict[int, object] = OrderedDict()  # RemovableHandle needs a weakref-able dict
+        self._step_observers: OrderedDict[int, object] = OrderedDict()
+        self._batch_begun = False  # begin_batch ran for the micro-batch now running
+        self._batch_hook = module.register_forward_pre_hook(self._on_module_call, with_kwargs=True, prepend=True)
         self.set_block_modes(plan.block_modes(layout.n_blocks))
         self._autocast_handles = self._register_autocast() if precision.is_mixed else []
         if optimizer.state and options.optimizer_states:
@@ -114,10 +117,9 @@ class Engine:
         return chunks
 
     def _runtime_hooks(self) -> RuntimeHooks:
-        """The runtime's hooks on every unit with a streamed chunk, and on every trainable parameter."""
-        units = {m: idxs for m, idxs in unit_chunks(self.module, self.layout).items()
-                 if any(i >= self.plan.n_persist for i in idxs)}
-        return RuntimeHooks(self.runtime, units, self.chunks)
+        """The runtime's hooks on every unit (they act for units with a streamed chunk: which
+        those are changes with ``replan``), and on every trainable parameter."""
+        return RuntimeHooks(self.runtime, unit_chunks(self.module, self.layout), self.chunks)
 
     def replan(self, plan: Plan | dict) -> None:
         """Run with ``plan`` from the next step on, keeping every state (weights, gradients not yet
@@ -140,8 +142,6 @@ class Engine:
         for c in self.chunks[old:new]:
             c.persist()
         self.plan = plan
-        self.hooks.remove()
-        self.hooks = self._runtime_hooks()
         self.runtime.reconfigure(min(plan.n_buffer, len(self.chunks) - new))
         self.set_block_modes(plan.block_modes(self.layout.n_blocks))
 
@@ -163,6 +163,38 @@ class Engine:
         handle = RemovableHandle(self._recompute_observers)
         self._recompute_observers[handle.id] = observer
         return handle
+
+    def observe(self, observer) -> RemovableHandle:
+        """``observer`` hears of the training steps through whichever of these methods it has:
+        ``batch_begins(batch)`` before a training micro-batch's forward (``begin_batch``),
+        ``backward_begins()`` and ``backward_ends()`` around every ``backward``, ``step_ends()``
+        after every ``step``, ``engine_closes()``. All but the last come when no forward or
+        backward is running, so the observer may ``replan``. The live profiler and planner use
+        this; ``remove()`` on the handle stops it."""
+        handle = RemovableHandle(self._step_observers)
+        self._step_observers[handle.id] = observer
+        return handle
+
+    def _notify(self, event: str, *args) -> None:
+        for observer in list(self._step_observers.values()):
+            callback = getattr(observer, event, None)
+            if callback is not None:
+                callback(*args)
+
+    def begin_batch(self, batch) -> None:
+        """A training micro-batch (its inputs: a tensor, or a collection of them) is about to run.
+        Observers may re-plan for its shape, or refuse it, before anything of it runs. The
+        module's own forward pre-hook calls this (when gradients are enabled); an adapter that
+        runs a step without calling the module itself (the Trainer's ``training_step``) calls it
+        first. Once per micro-batch: later calls before its backward are ignored."""
+        if self._batch_begun or self._closed or self.phase.phase is not TrainingPhase.IDLE:
+            return
+        self._notify("batch_begins", batch)
+        self._batch_begun = True
+
+    def _on_module_call(self, _module, args, kwargs) -> None:
+        if torch.is_grad_enabled():
+            self.begin_batch((args, kwargs))
 
     @contextmanager
     def autocast(self):
@@ -202,10 +234,15 @@ class Engine:
         self._check_open()
         if not self._no_sync:
             self._check_trains("backward() outside no_sync()")
-        with self.runtime.backward_pass(boundary=not self._no_sync), self.activations.backward_pass():
-            if self.scaler is not None:
-                loss = loss * self.scaler.scale.to(loss.device)
-            loss.backward()
+        self._notify("backward_begins")
+        try:
+            with self.runtime.backward_pass(boundary=not self._no_sync), self.activations.backward_pass():
+                if self.scaler is not None:
+                    loss = loss * self.scaler.scale.to(loss.device)
+                loss.backward()
+        finally:
+            self._batch_begun = False
+            self._notify("backward_ends")
 
     @contextmanager
     def no_sync(self):
@@ -236,6 +273,8 @@ class Engine:
         # Runs the optimizer's step hooks and LR-scheduler bookkeeping. No parameter holds a
         # .grad (the engine keeps gradients in chunks), so torch's update loop skips them all.
         self.optimizer.step()
+        self._batch_begun = False
+        self._notify("step_ends")
 
     def _prepare_gradients(self) -> bool:
         """fp16 unscaling and overflow check, norm clipping; False when the step is skipped."""
@@ -441,6 +480,7 @@ class Engine:
         views of the master weights (on the device for persistent chunks, else host)."""
         if self._closed:
             return
+        self._notify("engine_closes")
         self.runtime.wait_all()
         self.runtime.release_all()
         for c in self.chunks:
@@ -449,6 +489,7 @@ class Engine:
         self.activations.remove()
         for h in self._autocast_handles:
             h.remove()
+        self._batch_hook.remove()
         self.runtime.shutdown()
         self.module._protrain_engine = None
         self._closed = True

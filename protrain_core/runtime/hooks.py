@@ -51,8 +51,11 @@ class UnitCall:
 
 class RuntimeHooks:
     def __init__(self, runtime: Runtime, units: dict[nn.Module, tuple[int, ...]], chunks: list[Chunk]) -> None:
-        """``units``: hooked modules -> the chunks their forward needs (streamed ones matter)."""
+        """``units``: hooked modules -> the chunks their forward needs. A unit's hooks act while
+        one of those chunks is streamed (a re-plan between steps changes which are), so the
+        hooks of a call are the same from its forward to the end of its backward."""
         self.runtime = runtime
+        self.chunks = chunks
         self.handles = []
         self._running: list[UnitCall] = []  # the unit calls whose forward is running, outermost first
         for module, idxs in units.items():
@@ -71,8 +74,13 @@ class RuntimeHooks:
             h.remove()
         self.handles.clear()
 
+    def _streams(self, idxs: tuple[int, ...]) -> bool:
+        return any(not self.chunks[i].persistent for i in idxs)
+
     def _pre_forward(self, idxs):
         def hook(_module, args, kwargs):
+            if not self._streams(idxs):
+                return
             call = UnitCall(idxs, self._running[-1] if self._running else None)
             if torch.is_grad_enabled():  # (inference tensors have no version counter)
                 call.inputs = {id(t): t._version for t in iter_tensors((args, kwargs)) if not t.is_inference()}
@@ -83,6 +91,8 @@ class RuntimeHooks:
 
     def _post_forward(self, idxs):
         def hook(_module, _args, _kwargs, output):
+            if not self._streams(idxs):
+                return
             call = self._running.pop()
             self.runtime.post_forward(idxs)
             if not torch.is_grad_enabled():

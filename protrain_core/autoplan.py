@@ -1,0 +1,271 @@
+"""Planning alongside training: the plan searched on the first steps' profile, applied to the
+live engine; a plan valid for every batch shape the run sees; the prediction checked.
+
+[Note: batch shapes]
+The profile holds the step of one batch shape. Activation bytes and per-block compute grow
+with the batch's tokens (``Profile.at_tokens``), so a batch of another length needs no new
+profile, only another look at the plan. Before each training micro-batch (``batch_begins``,
+when nothing of it has run yet) the ``AutoPlanner`` counts its tokens and, for a count it has
+not planned for, predicts the current plan's peak and time for it, and re-solves the activation
+part and the buffers with the chunks on the device unchanged (``search(n_persist=...)``;
+fewer persistent chunks only when nothing else fits). It switches (``Engine.replan``, which
+keeps every state and does not change the numerics) only when the current plan would exceed
+the budget or the new one is predicted at least ``SWITCH_GAIN`` faster, and says so once per
+token count and plan. A batch that no plan fits is refused before its forward, naming the
+largest token count that fits. ``max_tokens`` plans once for that many tokens: batches up to
+it keep that plan.
+
+Tokens are counted the way the first block sees them (batch x sequence of its input); a batch
+shows its count through ``utils.batch_tokens`` (its token ids), in a ratio measured on the
+profiled batch.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from protrain_core.plan import Plan, PlanLimits
+from protrain_core.planner.cost import CostModel
+from protrain_core.planner.profiles import Profile, discard
+from protrain_core.planner.search import InfeasibleBudget, PlanChoice, search
+from protrain_core.profiler.live import LiveProfile, LiveProfiler
+from protrain_core.runtime.engine import Engine
+from protrain_core.runtime.storage import ChunkFormat
+from protrain_core.utils import batch_tokens, format_bytes, format_seconds
+
+# A batch shape's plan replaces the current one only when predicted at least this much faster.
+SWITCH_GAIN = 0.02
+# The prediction check: steps after the switch before timing, steps timed.
+WARMUP_STEPS, CHECKED_STEPS = 2, 5
+# A prediction off by more than this factor means the profile does not describe this machine as
+# it runs now.
+STALE_FACTOR = 1.5
+
+
+def print_report(text: str, **metrics) -> None:
+    print(text, flush=True)
+
+
+class BatchTooLarge(ValueError):
+    """A training batch that fits no plan within the memory budget (raised before its forward)."""
+
+    def __init__(self, message: str, *, tokens: int, largest: int) -> None:
+        super().__init__(message)
+        self.tokens = tokens
+        self.largest = largest
+
+
+class AutoPlanner:
+    """The plan of one engine once its profile exists (see [Note: batch shapes])."""
+
+    def __init__(self, engine: Engine | None, profile: Profile, *, budget: int, host_budget: int | None,
+                 adam_in_backward: bool, report=print_report, max_tokens: int | None = None,
+                 tokens_per_batch_token: float | None = None, cache_dir=None) -> None:
+        """``engine``: may be set later (a plan searched before the engine is built);
+        ``adam_in_backward``: the engine's overlap (``update.overlap_mode``);
+        ``tokens_per_batch_token``: the first block's tokens per ``batch_tokens`` of the batch
+        (None: batches do not show their tokens, and the plan stays the first choice)."""
+        self.engine, self.profile, self.budget, self.host_budget = engine, profile, budget, host_budget
+        self.report, self.max_tokens, self.cache_dir = report, max_tokens, cache_dir
+        self.ratio = tokens_per_batch_token
+        self.adam_in_backward = adam_in_backward
+        self.planned_tokens = max(profile.tokens, max_tokens or 0)
+        self._models: dict[int, CostModel] = {}
+        self._decisions: dict[tuple[int, Plan], Plan] = {}
+        self._said: set[tuple[int, Plan]] = set()
+        self.handle = None
+
+    # ----- the plans ------------------------------------------------------------------------
+    def cost_model(self, tokens: int) -> CostModel:
+        if tokens not in self._models:
+            self._models[tokens] = CostModel(self.profile.at_tokens(tokens), adam_in_backward=self.adam_in_backward)
+        return self._models[tokens]
+
+    def search(self, tokens: int, n_persist: int | None = None) -> PlanChoice:
+        return search(self.profile.at_tokens(tokens), self.budget, host_budget=self.host_budget,
+                      adam_in_backward=self.adam_in_backward, n_persist=n_persist)
+
+    def first_choice(self) -> PlanChoice:
+        """The fastest plan for the profiled batch (or ``max_tokens``, when larger)."""
+        try:
+            return self.search(self.planned_tokens)
+        except InfeasibleBudget as e:
+            if self.planned_tokens == self.profile.tokens:
+                raise
+            raise self._too_large(self.planned_tokens, e, what="max_tokens") from None
+
+    def plan_for(self, tokens: int) -> Plan:
+        """The plan to run a batch of ``tokens`` tokens with, from the current one."""
+        current = self.engine.plan
+        if self.max_tokens is not None and tokens <= self.max_tokens:
+            tokens = self.max_tokens  # the plan made for max_tokens fits every shorter batch
+        key = (tokens, current)
+        if key not in self._decisions:
+            self._decisions[key] = self._decide(tokens, current)
+        return self._decisions[key]
+
+    def _decide(self, tokens: int, current: Plan) -> Plan:
+        cm = self.cost_model(tokens)
+        memory = cm.memory(current)
+        fits = memory.peak_bytes <= self.budget and (self.host_budget is None or memory.host_bytes <= self.host_budget)
+        try:
+            best = self.search(tokens, n_persist=current.n_persist)
+        except InfeasibleBudget:
+            try:
+                best = self.search(tokens)  # fewer chunks on the device
+            except InfeasibleBudget as e:
+                raise self._too_large(tokens, e, what="batch") from None
+        now = cm.runtime(current).total_s
+        if fits and best.runtime.total_s >= now * (1 - SWITCH_GAIN):
+            return current
+        if (tokens, best.plan) not in self._said:
+            self._said.add((tokens, best.plan))
+            why = (f"{current} would need {format_bytes(memory.peak_bytes)} of the {format_bytes(self.budget)} budget"
+                   if not fits else f"{current} is predicted {format_seconds(now)} a step")
+            self.report(f"ProTrain: batches of {tokens:,} tokens (the plan was made for {self.planned_tokens:,}): {why}; "
+                        f"switching to {best.plan}: predicted {format_seconds(best.runtime.total_s)} a step, peak "
+                        f"{format_bytes(best.memory.peak_bytes)}.")
+        return best.plan
+
+    def largest_fitting(self, below: int) -> int:
+        """The largest token count under ``below`` that some plan fits (0: none)."""
+        lo, hi = 0, below - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            try:
+                self.search(mid)
+                lo = mid
+            except InfeasibleBudget:
+                hi = mid - 1
+        return lo
+
+    def _too_large(self, tokens: int, error: InfeasibleBudget, *, what: str) -> BatchTooLarge:
+        largest = self.largest_fitting(tokens)
+        fix = ("use shorter sequences (truncate, or bucket batches by length) or smaller batches, or raise memory_budget"
+               if largest else "no batch fits this budget: raise memory_budget or use a smaller chunk_size")
+        return BatchTooLarge(
+            f"ProTrain: a {what} of {tokens:,} tokens (batch x sequence) fits no plan within the memory budget of "
+            f"{format_bytes(self.budget)}: the smallest plan needs {format_bytes(error.needed_bytes)}. The largest "
+            f"batch that fits has {largest:,} tokens; {fix}.",
+            tokens=tokens, largest=largest)
+
+    # ----- following the run ----------------------------------------------------------------
+    def follow(self) -> None:
+        """From now on, check every micro-batch's shape (when batches show their tokens)."""
+        if self.ratio is not None:
+            self.handle = self.engine.observe(self)
+
+    def tokens_of(self, batch) -> int | None:
+        """A batch's tokens as the first block will see them (None: it does not show them)."""
+        n = batch_tokens(batch) if self.ratio is not None else 0
+        return round(n * self.ratio) if n else None
+
+    def batch_begins(self, batch) -> None:
+        tokens = self.tokens_of(batch)
+        if tokens is None:
+            return
+        plan = self.plan_for(tokens)
+        if plan != self.engine.plan:
+            self.engine.replan(plan)
+
+    def predicted_step(self, tokens: int | None) -> float:
+        """The current plan's predicted time for one micro-batch of ``tokens`` (None: as planned)."""
+        return self.cost_model(self.planned_tokens if tokens is None else tokens).runtime(self.engine.plan).total_s
+
+
+class PredictionCheck:
+    """After a plan was searched: the measured step time of a few steps (``WARMUP_STEPS`` after
+    the switch, then the median of ``CHECKED_STEPS``) against the prediction for the same
+    micro-batches, reported once with both as metrics (``predicted_step_s``,
+    ``measured_step_s``). A stale profile is said so and removed from the cache: the next run
+    profiles again."""
+
+    def __init__(self, engine: Engine, planner: AutoPlanner, *, report=print_report, hint: str = "reprofile=True",
+                 checked_steps: int = CHECKED_STEPS) -> None:
+        self.engine, self.planner, self.report, self.hint = engine, planner, report, hint
+        self.checked_steps = checked_steps
+        self.ends: list[float] = []
+        self.predicted: list[float] = []  # per step: the sum over its micro-batches
+        self.pending = 0.0
+        self.tokens: int | None = None  # the running micro-batch's
+        self.handle = engine.observe(self)
+
+    def batch_begins(self, batch) -> None:
+        self.tokens = self.planner.tokens_of(batch)
+
+    def backward_ends(self) -> None:
+        self.pending += self.planner.predicted_step(self.tokens)
+        self.tokens = None
+
+    def step_ends(self) -> None:
+        self.ends.append(time.perf_counter())
+        self.predicted.append(self.pending)
+        self.pending = 0.0
+        if len(self.ends) < WARMUP_STEPS + self.checked_steps + 1:
+            return
+        self.handle.remove()
+        measured = statistics.median(b - a for a, b in zip(self.ends[WARMUP_STEPS:], self.ends[WARMUP_STEPS + 1:]))
+        predicted = statistics.median(self.predicted[WARMUP_STEPS + 1:])
+        if predicted <= 0 or measured <= 0:
+            return  # steps without a backward: nothing to compare
+        message = (f"ProTrain: measured step {format_seconds(measured)} (median of {self.checked_steps} after {WARMUP_STEPS} "
+                   f"warm-up steps, data loading and your code included), predicted {format_seconds(predicted)} "
+                   f"({(predicted - measured) / measured:+.1%}).")
+        if not 1 / STALE_FACTOR <= predicted / measured <= STALE_FACTOR:
+            removed = discard(self.planner.profile.key, self.planner.cache_dir)
+            message += (
+                " The profile does not describe this machine as it runs now (was it taken, or cached, while other "
+                "work loaded the machine?), so the plan may not be the best one. "
+                + ("It has been removed from the profile cache: the next run profiles again."
+                   if removed else f"Profile again with {self.hint}.")
+            )
+        self.report(message, predicted_step_s=predicted, measured_step_s=measured)
+
+
+def follow(engine: Engine, planner: AutoPlanner, choice: PlanChoice, *, report) -> None:
+    """Record the choice on the engine, check batch shapes and the prediction from now on."""
+    engine.profile, engine.choice = planner.profile, choice
+    planner.follow()
+    PredictionCheck(engine, planner, report=report)
+
+
+def check_budget_holds_states(formats: list[ChunkFormat], limits: PlanLimits, budget: int) -> None:
+    """Before a safe plan starts: a budget below the smallest plan's chunk buffers (every chunk
+    streamed through the fewest buffers the model allows) fits no plan, whatever the profile
+    says; refuse it now instead of after the profiled steps."""
+    fewest = limits.buffers_needed(0)
+    need = fewest * max(fmt.buffer_device_bytes for fmt in formats)
+    if need > budget:
+        raise InfeasibleBudget(
+            f"No ProTrain plan fits a device memory budget of {format_bytes(budget)}: streaming every chunk through the "
+            f"fewest buffers this model allows ({fewest}) needs {format_bytes(need)} for the buffers alone, before "
+            "any activation. Raise memory_budget, or pass a smaller chunk_size.", needed_bytes=need, budget_bytes=budget)
+
+
+def plan_on_first_steps(engine: Engine, *, budget: int, host_budget: int | None, report=print_report,
+                        max_tokens: int | None = None, cache: bool = True, reprofile: bool = False,
+                        cache_dir=None) -> LiveProfiler:
+    """Profile the engine's first training steps (it runs a safe plan meanwhile), then switch it
+    to the fastest plan that fits ``budget`` ([Note: live profiling] in profiler/live.py)."""
+
+    def profiled(result: LiveProfile) -> None:
+        ratio = result.tokens / result.batch_tokens if result.tokens and result.batch_tokens else None
+        profile = result.profile.at_tokens(result.tokens) if result.tokens else result.profile
+        planner = AutoPlanner(engine, profile, budget=budget, host_budget=host_budget,
+                              adam_in_backward=engine.overlap_mode.during_backward, report=report,
+                              max_tokens=max_tokens, tokens_per_batch_token=ratio, cache_dir=cache_dir)
+        choice = planner.first_choice()
+        engine.replan(choice.plan)
+        follow(engine, planner, choice, report=report)
+        how = "from the profile cache, 1 step" if result.cached else f"{result.steps} steps"
+        report(f"ProTrain profiling: {how}, {format_seconds(result.seconds)} (they trained as usual, on a safe plan); "
+               f"switching to the searched plan.\n{engine.explain()}",
+               profiling_steps=result.steps, profiling_s=result.seconds)
+
+    def unfinished(steps: int) -> None:
+        report(f"ProTrain: the run ended after {steps} steps, before profiling was over; it ran the safe plan "
+               f"{engine.plan} throughout.")
+
+    return LiveProfiler(engine, on_profile=profiled, on_unfinished=unfinished, cache=cache, reprofile=reprofile,
+                        cache_dir=cache_dir)
