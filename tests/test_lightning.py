@@ -423,7 +423,7 @@ def test_lightning_cli_class_path(tmp_path):
           strategy:
             class_path: lightning_protrain.ProTrainStrategy
             init_args:
-              plan: {{n_persist: 1, n_buffer: 2}}
+              plan: {n_persist: 1, n_buffer: 2}
         model:
           arch: gpt2
           n_layer: 2
