@@ -60,6 +60,7 @@ class Workload:
     batch: int
     seq: int
     systems: tuple[str, ...] | None = None  # None: every system
+    clip: float | None = None  # clip_grad_norm_(max_norm=clip) before every update (each system's own way)
 
 
 def lora(m: dict, r: int = 16) -> dict:
@@ -70,6 +71,12 @@ def lora(m: dict, r: int = 16) -> dict:
 # LoRA runs: ProTrain against plain PEFT (bf16 base, fp32 adapters, autocast); offload systems
 # are for full fine-tuning.
 LORA_SYSTEMS = ("protrain-lightning", "protrain-core", "pytorch")
+# Clipping rows: the same workload with gradient-norm clipping at 1.0, against its unclipped row.
+CLIP_SYSTEMS = ("protrain-lightning", "protrain-core", "pytorch")
+
+
+def clipped(w: Workload, systems: tuple[str, ...] = CLIP_SYSTEMS) -> Workload:
+    return dataclasses.replace(w, label=f"{w.label} clip1", clip=1.0, systems=systems)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +121,7 @@ SUITES = {
     "cpu-small": Suite(
         "small LLaMA (8 x 256) on the CPU: steps long enough that per-step overheads do not dominate (minutes)",
         device="cpu", precision="32-true", warmup=7, steps=8,
-        workloads=(Workload("small-8L", SMALL, 8, 256),
+        workloads=(Workload("small-8L", SMALL, 8, 256), clipped(Workload("small-8L", SMALL, 8, 256)),
                    Workload("small-8L lora", lora(SMALL, r=8), 8, 256, systems=LORA_SYSTEMS)),
     ),
     # One 80 GB GPU, 128 GB host RAM: 1.1B fits the device with plain PyTorch (16 B/param of
@@ -127,6 +134,8 @@ SUITES = {
         device="cuda", precision="bf16-mixed", warmup=4, steps=4, timeout_s=300,
         workloads=(Workload(f"llama-{billions(L1B)}", L1B, 8, 1024), Workload(f"llama-{billions(L7B)}", L7B, 4, 1024),
                    Workload(f"llama-{billions(deeper(40))}", deeper(40), 4, 1024),
+                   clipped(Workload(f"llama-{billions(L1B)}", L1B, 8, 1024)),
+                   clipped(Workload(f"llama-{billions(L7B)}", L7B, 4, 1024), ("protrain-core", "fsdp2-offload")),
                    Workload(f"llama-{billions(L7B)} lora", lora(L7B), 4, 1024, systems=LORA_SYSTEMS),
                    Workload(f"llama-{billions(L13B)} lora", lora(L13B), 4, 1024, systems=LORA_SYSTEMS)),
         model_ladder=tuple(Workload(f"llama-{billions(deeper(n))}", deeper(n), 2, 1024) for n in (24, 32, 40, 48)),
@@ -138,6 +147,8 @@ SUITES = {
         device="cuda", precision="bf16-mixed", warmup=4, steps=4, timeout_s=300,
         workloads=(Workload(f"llama-{billions(L1B)}", L1B, 8, 1024), Workload(f"llama-{billions(L7B)}", L7B, 8, 1024),
                    Workload(f"llama-{billions(deeper(48))}", deeper(48), 4, 1024),
+                   clipped(Workload(f"llama-{billions(L1B)}", L1B, 8, 1024)),
+                   clipped(Workload(f"llama-{billions(L7B)}", L7B, 8, 1024), ("protrain-core", "fsdp2-offload")),
                    Workload(f"llama-{billions(L7B)} lora", lora(L7B), 8, 1024, systems=LORA_SYSTEMS),
                    Workload(f"llama-{billions(L13B)} lora", lora(L13B), 4, 1024, systems=LORA_SYSTEMS)),
         model_ladder=tuple(Workload(f"llama-{billions(deeper(n))}", deeper(n), 2, 1024) for n in (32, 40, 48, 56, 64)),
@@ -152,6 +163,7 @@ def spec_of(suite: Suite, system: str, w: Workload, *, dry_run: bool, steps=None
     m = dict(w.model, seq=w.seq)
     return {"system": system, "label": w.label, "model": m, "batch": w.batch, "seq": w.seq,
             "device": suite.device, "precision": suite.precision, "dry_run": dry_run, "memory_budget": memory_budget,
+            "clip": w.clip,
             "warmup": suite.warmup if warmup is None else warmup, "steps": suite.steps if steps is None else steps}
 
 

@@ -215,13 +215,17 @@ def autocast(spec, device):
     return contextlib.nullcontext()
 
 
-def torch_step(model, opt, amp):
-    """One plain training step (forward under ``amp``, backward, update, zero_grad) -> loss."""
+def torch_step(model, opt, amp, clip=None):
+    """One plain training step (forward under ``amp``, backward, ``clip_grad_norm_`` to ``clip``
+    over the optimizer's parameters when given, update, zero_grad) -> loss."""
+    params = [p for group in opt.param_groups for p in group["params"]]
 
     def step(x):
         with amp:
             loss = model(input_ids=x, labels=x).loss
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
@@ -256,7 +260,7 @@ def run_pytorch(spec, device, clock):
             if not p.requires_grad:
                 p.data = p.data.to(torch.bfloat16)
     opt = adamw(trainable(model), device, fused=True)
-    train_loop(torch_step(model, opt, autocast(spec, device)), batches(spec, device), spec, clock)
+    train_loop(torch_step(model, opt, autocast(spec, device), spec.get("clip")), batches(spec, device), spec, clock)
     return {"states": state_bytes(model, opt, device)}
 
 
@@ -286,7 +290,7 @@ def run_fsdp2(spec, device, clock, checkpointing: bool):
         model.train()
         opt = adamw(model.parameters(), device)  # the update runs on the CPU, where the states are
         # bf16 compute comes from the MixedPrecisionPolicy, not from autocast.
-        train_loop(torch_step(model, opt, contextlib.nullcontext()), batches(spec, device), spec, clock)
+        train_loop(torch_step(model, opt, contextlib.nullcontext(), spec.get("clip")), batches(spec, device), spec, clock)
         return {}
     finally:
         dist.destroy_process_group()
@@ -302,6 +306,8 @@ def run_deepspeed(spec, device, clock):
                               "offload_optimizer": {"device": "cpu", "pin_memory": True}},
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "weight_decay": WEIGHT_DECAY}},
     }
+    if spec.get("clip") is not None:
+        config["gradient_clipping"] = spec["clip"]
     if spec["dry_run"]:
         return {"note": f"deepspeed {deepspeed.__version__}, config built"}
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]), RANK="0", WORLD_SIZE="1",
@@ -328,7 +334,7 @@ def run_torchao(spec, device, clock):
     # Gradients offloaded too: the configuration with the least device memory.
     opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=True, lr=LR, betas=BETAS,
                               weight_decay=WEIGHT_DECAY, fused=True)
-    train_loop(torch_step(model, opt, autocast(spec, device)), batches(spec, device), spec, clock)
+    train_loop(torch_step(model, opt, autocast(spec, device), spec.get("clip")), batches(spec, device), spec, clock)
     return {}
 
 
@@ -340,8 +346,10 @@ def run_protrain_core(spec, device, clock):
     model = build_model(spec["model"], "cpu")  # wrap places every parameter itself
     opt = adamw(trainable(model), device)
     data = batches(spec, device)
+    clip = spec.get("clip")
     engine = pt.wrap(model, opt, plan=None, precision=spec["precision"], device=device,
-                     memory_budget=spec.get("memory_budget"), report=_report)
+                     memory_budget=spec.get("memory_budget"), report=_report,
+                     gradient_clipping=None if clip is None else ("norm", clip))
     try:
         def step(x):
             loss = engine.module(input_ids=x, labels=x).loss
@@ -400,6 +408,7 @@ def run_protrain_lightning(spec, device, clock):
     strategy = lightning_protrain.ProTrainStrategy(memory_budget=spec.get("memory_budget"))
     trainer = pl.Trainer(strategy=strategy, accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
                          precision=spec["precision"], max_steps=len(data), logger=False, enable_checkpointing=False,
+                         gradient_clip_val=spec.get("clip"),
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[Timing()])
     if spec["warmup"] == 0:
         clock.start()

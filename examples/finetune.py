@@ -3,13 +3,14 @@
 Default, with no arguments: the built-in "tiny-gpt2" config (4 layers, byte-level vocabulary,
 ~0.9 M parameters; nothing is downloaded) trained for 60 steps on the Python standard library's
 own source (text found on every machine), tokenised as raw bytes, with validation perplexity
-(torchmetrics) every 30 steps. ProTrain profiles the first training steps (they train as usual),
+(torchmetrics) every 30 steps, the gradient norm clipped at 1.0 as most fine-tuning recipes do
+(logged as ``grad_norm``). ProTrain profiles the first training steps (they train as usual),
 prints the plan it switched to and, a few steps later, its predicted against the measured step
 time.
 
     python examples/finetune.py [--model tiny-gpt2 | tiny-llama | /path/to/hf/model]
                                 [--data file.txt | file.jsonl] [--max-steps 60] [--precision 32-true]
-                                [--memory-budget 2GiB] [--ckpt-dir checkpoints]
+                                [--gradient-clip-val 1.0] [--memory-budget 2GiB] [--ckpt-dir checkpoints]
 
 A local model directory brings its own tokenizer (``AutoTokenizer``, local files only); the
 built-in configs use bytes. JSONL files are read line by line, taking each record's "text".
@@ -157,6 +158,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--precision", default="32-true")
+    ap.add_argument("--gradient-clip-val", type=float, default=1.0, help="clip the gradient norm (0: off)")
     ap.add_argument("--memory-budget", default=None, help='device memory for the plan, e.g. "2GiB" (default: free memory)')
     ap.add_argument("--ckpt-dir", default=None, help="save checkpoints here (ModelCheckpoint)")
     ap.add_argument("--seed", type=int, default=0)
@@ -170,7 +172,7 @@ def main(argv=None) -> dict:
     callbacks = [pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True)] if args.ckpt_dir else []
     trainer = pl.Trainer(
         strategy=ProTrainStrategy(memory_budget=args.memory_budget), precision=args.precision,
-        max_steps=args.max_steps, val_check_interval=30, check_val_every_n_epoch=None, limit_val_batches=4,
+        gradient_clip_val=args.gradient_clip_val or None, max_steps=args.max_steps, val_check_interval=30, check_val_every_n_epoch=None, limit_val_batches=4,
         log_every_n_steps=10, logger=False, callbacks=callbacks, enable_checkpointing=bool(callbacks),
     )
     start = time.perf_counter()

@@ -10,8 +10,9 @@ against the prediction are printed. Then ``fabric.backward(loss)``, ``optimizer.
 ``optimizer.zero_grad()`` (a step also clears the gradients it used: gradients are not carried
 across steps), ``fabric.no_backward_sync(model)`` for accumulation, and
 ``fabric.save`` / ``fabric.load`` (portable state dicts, written atomically) work as usual.
-Gradient clipping is configured on the strategy (``gradient_clip_val=``) because the engine
-applies it inside its overlapped update; ``fabric.clip_gradients`` is refused with that hint.
+``fabric.clip_gradients(model, optimizer, max_norm=...)`` between backward and step clips
+exactly as with the default strategies and returns the total norm (``Engine.clip_grad_norm_``);
+``gradient_clip_val=`` on the strategy clips at every step without the call.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ class ProTrainFabricPrecision(Precision):
         engine = self.strategy.require_engine()
         engine.step()
         engine.zero_grad()
+        # Fabric cannot see the loop between this step and the next forward, where code may read
+        # the weights (an EMA, a save_pretrained): the offloaded chunks' updates end here too.
+        engine.wait_for_updates()
 
     def state_dict(self) -> dict[str, Any]:
         return scaler_state(self.strategy.engine, self.scaler)
@@ -99,7 +103,8 @@ class ProTrainFabricStrategy(OneDevicePlumbing, Strategy):
             first training steps).
         loss_fn: ``loss_fn(output) -> loss`` for profiling ahead (default ``output.loss``).
         gradient_clip_val, gradient_clip_algorithm: clipping applied by the engine before every
-            update, exactly as ``clip_grad_norm_`` ("norm") or ``clip_grad_value_`` ("value").
+            update, exactly as ``clip_grad_norm_`` ("norm") or ``clip_grad_value_`` ("value")
+            (``fabric.clip_gradients`` with the same setting then only returns the norm).
     """
 
     _cuda_accelerator = CUDAAccelerator
@@ -197,19 +202,10 @@ class ProTrainFabricStrategy(OneDevicePlumbing, Strategy):
         return self.engine
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
-        self._refuse_clip(("norm", float(max_norm)))
+        return self.require_engine().clip_grad_norm_(max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
 
     def clip_gradients_value(self, module, optimizer, clip_val):
-        self._refuse_clip(("value", float(clip_val)))
-
-    def _refuse_clip(self, requested) -> None:
-        if requested != self.clipping:
-            raise ValueError(
-                f"ProTrain clips gradients inside its update (during backward for streamed chunks), so "
-                f"fabric.clip_gradients cannot change them afterwards; asked for {requested}, configured "
-                f"{self.clipping}. Pass ProTrainFabricStrategy(gradient_clip_val=..., gradient_clip_algorithm=...) "
-                "and drop the fabric.clip_gradients call."
-            )
+        self.require_engine().clip_grad_value_(clip_val)
 
     # ----- state -------------------------------------------------------------------------------
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:

@@ -12,9 +12,14 @@ The strategy is a thin adapter over ``protrain_core``:
   backward    ``engine.backward`` (streamed chunks are updated while it runs); a backward that
               Lightning runs outside ``optimizer_step`` is a non-final micro-batch of
               ``accumulate_grad_batches`` and runs under ``engine.no_sync()``.
-  step        ``engine.step()``; LR schedulers step the user's optimizer as usual.
+  step        ``engine.step()``; LR schedulers step the user's optimizer as usual. Updates
+              that overlap the next forward (fp16, norm clipping) are waited for at the end of
+              the step when the module or a user callback has a hook that runs before that
+              forward (``reads_weights_between_steps``).
   clipping    ``gradient_clip_val`` / ``gradient_clip_algorithm`` are handed to the engine,
-              which clips exactly as ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``.
+              which clips exactly as ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``
+              and logs the total norm as ``grad_norm``; an overridden
+              ``configure_gradient_clipping`` clips through the engine between backward and step.
   checkpoints the model's own state dict (fp32 master weights) and the optimizer state in
               ``torch.optim.AdamW`` format, written atomically; any plan can load them.
 One process, one device for now: multi-GPU is not implemented yet.
@@ -25,11 +30,14 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint, ModelSummary, ProgressBar, Timer
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import protrain_core as pt
@@ -59,7 +67,8 @@ class ProTrainPrecision(Precision):
         self.precision = precision
         self.scaler = scaler  # a 16-mixed plugin's GradScaler settings; its state after a fit
         self.engine: pt.Engine | None = None
-        self.clipping: tuple[str, float] | None = None
+        self.wait_after_step = False  # user hooks between step and the next forward may read weights
+        self.log_grad_norm = True  # Lightning's own configure_gradient_clipping: log the norm it returns
         # STEP inside optimizer_step: the closure's backward is a step's last micro-batch.
         self.phase = TrainingPhase.IDLE
 
@@ -86,23 +95,46 @@ class ProTrainPrecision(Precision):
         if closure_result is None:
             return None  # training_step returned None: no backward, no step (as Lightning)
         self.engine.step()
+        if self.wait_after_step:
+            self.engine.wait_for_updates()
         return closure_result
 
     def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None) -> None:
+        """Lightning's clipping call (from ``configure_gradient_clipping``): the engine clips at
+        step() exactly as torch would now; the total norm is logged as ``grad_norm``."""
         requested = gradient_clipping(clip_val, gradient_clip_algorithm)
-        if requested != self.clipping:
-            raise ValueError(
-                f"ProTrain clips gradients inside its optimizer step (before chunks are updated during backward), "
-                f"configured from Trainer(gradient_clip_val=..., gradient_clip_algorithm=...) as {self.clipping}; "
-                f"configure_gradient_clipping asked for {requested}. Set the Trainer's arguments instead of "
-                "clipping with other values in configure_gradient_clipping."
-            )
+        if requested is None or not self.engine.runtime.stepped_backward:
+            return  # nothing to clip (training_step returned None: no backward ran)
+        algorithm, value = requested
+        if algorithm == "value":
+            self.engine.clip_grad_value_(value)
+            return
+        norm = self.engine.clip_grad_norm_(value)
+        module = self.engine.module
+        if self.log_grad_norm and getattr(module, "_trainer", None) is not None:
+            module.log("grad_norm", norm, on_step=True, on_epoch=False)
 
     def state_dict(self) -> dict[str, Any]:
         return scaler_state(self.engine, self.scaler)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         load_scaler_state(self.engine, state_dict)
+
+
+# Lightning callbacks that read no weights between a step and the next forward (ModelCheckpoint
+# saves through the strategy, whose state dicts wait for the updates).
+_SAFE_CALLBACKS = (ProgressBar, ModelCheckpoint, ModelSummary, LearningRateMonitor, Timer, EarlyStopping)
+_BETWEEN_STEPS = ("on_before_zero_grad", "optimizer_zero_grad", "on_train_batch_end")
+
+
+def reads_weights_between_steps(module, callbacks) -> bool:
+    """May code that runs between ``optimizer_step`` and the next forward read the weights?
+    Yes when the LightningModule or a callback other than Lightning's bookkeeping ones
+    overrides a hook that runs there."""
+    if any(is_overridden(hook, module, pl.LightningModule) for hook in _BETWEEN_STEPS):
+        return True
+    return any(not isinstance(cb, _SAFE_CALLBACKS) and any(is_overridden(h, cb, pl.Callback) for h in _BETWEEN_STEPS)
+               for cb in callbacks)
 
 
 # Lightning's own plugins for the flags the engine implements; any other plugin is refused.
@@ -194,13 +226,16 @@ class ProTrainStrategy(OneDevicePlumbing, SingleDeviceStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             optimizer = check_optimizers(self.optimizers)
-            clipping = gradient_clipping(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+            # An overridden configure_gradient_clipping may clip at any step, with any setting:
+            # the engine hears of it between backward and step (expect_late_clipping below).
+            late = is_overridden("configure_gradient_clipping", module, pl.LightningModule)
+            clipping = None if late else gradient_clipping(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
             plan = self.plan
         else:
             # Evaluation only: an optimizer nobody steps (the engine allocates no states for it);
             # without a known plan everything streams.
             optimizer = torch.optim.AdamW(module.parameters())
-            clipping = None
+            clipping, late = None, False
             plan = self.plan or self._last_plan or pt.Plan(n_persist=0, n_buffer=2)
         searched = fitting and plan is None
         self.engine = build_engine(
@@ -209,11 +244,19 @@ class ProTrainStrategy(OneDevicePlumbing, SingleDeviceStrategy):
             reprofile=self.reprofile, max_tokens=self.max_tokens if searched else None, scaler=precision.scaler,
             training=fitting, report=self._report,
         )
-        precision.engine, precision.clipping = self.engine, clipping
+        if fitting:
+            # Lightning clips only through configure_gradient_clipping: the engine is told whether
+            # that may come between backward and step (an override) or never (gradient_clip_val,
+            # configured ahead); and step() waits for the offloaded chunks' updates when hooks
+            # that run before the next forward may read the weights.
+            self.engine.expect_late_clipping(late)
+            precision.log_grad_norm = not late
+            precision.wait_after_step = reads_weights_between_steps(module, trainer.callbacks)
+        precision.engine = self.engine
         self.model = module
         self.setup_precision_plugin()
         if fitting and not searched:
-            rank_zero_info(f"ProTrain: {self.engine.plan} (given), overlap: {self.engine.overlap}")
+            rank_zero_info(f"ProTrain: {self.engine.plan} (given), overlap: {self.engine.steady_overlap()}")
 
     def training_step(self, *args, **kwargs):
         # The batch before anything of it runs: the engine may re-plan for its length.

@@ -88,7 +88,7 @@ def check_prediction(args, config, prof, choice) -> None:
     model, opt = build(config)
     engine = pt.wrap(model, opt, choice.plan, precision=args.precision, device=args.device)
     planner = AutoPlanner(engine, prof, budget=choice.budget_bytes, host_budget=choice.host_budget_bytes,
-                          adam_in_backward=choice.adam_in_backward)
+                          schedule=choice.schedule)
     PredictionCheck(engine, planner, report=lambda text, **_: print(text), hint="--reprofile",
                     checked_steps=args.check_steps)
     batch = {k: v.to(args.device) for k, v in _batch(config, args.batch_size, args.seq_len).items()}

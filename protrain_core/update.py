@@ -1,8 +1,33 @@
 """How the optimizer update is configured: gradient clipping, and when each chunk's Adam runs.
 
-``overlap_mode`` is the one place that decides whether streamed chunks are updated during
-backward: the runtime follows it, the cost model predicts the step time of that mode (the
-search gets it from ``wrap``), and ``engine.overlap`` / the explanations name it.
+``overlap_mode`` is the one place that decides when streamed chunks are updated: the runtime
+follows it, the cost model predicts the step time of that schedule (the search gets it from
+``wrap``), and ``engine.overlap`` / the explanations name it.
+
+[Note: the overlap under clipping and fp16]
+Without norm clipping and fp16, a streamed chunk's CPU Adam starts as soon as its gradients
+are offloaded and overlaps the rest of backward (DURING_BACKWARD): T = T_f + max(T_b + T_gpu_adam,
+T_cpu_adam chain). Norm clipping and fp16's overflow check need every gradient of the step first.
+Two exact ways keep an overlap; the cost model predicts both (planner/cost.py) and
+``python -m benchmarks.bench_clipping`` prints them for LLaMA 1.1B / 7B / 13B on hand-built H100
+figures (500 TFLOP/s, PCIe 50 GB/s, CPU Adam 3e9 params/s; docs/benchmarks.md):
+- SPECULATIVE: update during backward into a second copy of the host states and keep it unless
+  the step clips or overflows, else redo after backward. Kept steps cost what DURING_BACKWARD
+  costs, redone ones what NEXT_FORWARD costs. But the second copy is 14 B per streamed
+  parameter (fp32 master and moments, bf16 copy) on top of 16: 7B needs 82.8 GiB of host
+  memory instead of 44.2, 13B on a 141 GB GPU 164 GiB instead of 102 -- more than the 128 GB
+  hosts these GPUs come with, where host memory is what caps the model size. (A snapshot copied
+  in place instead costs a copy as large as Adam's own memory traffic at every step.)
+- NEXT_FORWARD (chosen): finish the gradients as they land ([Note: finishing gradients early] in
+  runtime/gradients.py), then run the streamed chunks' Adam in forward order after backward,
+  overlapping the next forward; each chunk's fetch waits for its own update. No extra memory,
+  the same prediction whether the step clips or not: 7B 1.333 s against 1.182 s without clipping
+  (and 1.509 s with every update deferred to step(), as before); 1.1B 440 against 376 ms; 13B
+  2.571 against 2.330 s. SPECULATIVE would beat it only by (1 - p) x that gap, with p the
+  fraction of steps that clip, which is not known ahead and is high early in fine-tuning
+  (clip 1.0 acts at every step of this repository's tests).
+So NEXT_FORWARD runs whenever norm clipping or fp16 is on; speculation for fp16 alone (overflow
+about once per growth interval) is the combination left for when host memory allows it.
 """
 
 from __future__ import annotations
@@ -53,30 +78,40 @@ def clips_norm(clipping: GradientClipping | None) -> bool:
     return clipping is not None and clipping.algorithm is ClipAlgorithm.NORM
 
 
+class UpdateSchedule(enum.Enum):
+    """When the streamed chunks' CPU Adam runs ([Note: the overlap under clipping and fp16])."""
+
+    DURING_BACKWARD = "cpu-adam-during-backward"  # a chunk's Adam starts once its gradients are offloaded
+    NEXT_FORWARD = "cpu-adam-during-next-forward"  # all start at step(), in forward order; step() does not wait
+    SPECULATIVE = "speculative"  # predicted by the cost model for comparison only; the runtime does not run it
+
+
 @dataclass(frozen=True)
 class Overlap:
-    """When the streamed chunks' CPU Adam runs.
+    """The schedule in force and why it is not ``DURING_BACKWARD`` (empty when it is)."""
 
-    Attributes:
-        during_backward: a chunk is updated as soon as its gradients are offloaded, while
-            backward goes on; otherwise every update waits for ``step()``.
-        reasons: why the updates wait (empty when they do not).
-    """
-
-    during_backward: bool
+    schedule: UpdateSchedule
     reasons: tuple[str, ...] = ()
 
+    @property
+    def during_backward(self) -> bool:
+        return self.schedule is UpdateSchedule.DURING_BACKWARD
+
     def __str__(self) -> str:
-        return "cpu-adam-during-backward" if self.during_backward else f"deferred-to-step ({', '.join(self.reasons)})"
+        return self.schedule.value + (f" ({', '.join(self.reasons)})" if self.reasons else "")
 
 
-def overlap_mode(precision: Precision, clipping: GradientClipping | None) -> Overlap:
+def overlap_mode(precision: Precision, clipping: GradientClipping | None, *, late_clipping: str | None = None) -> Overlap:
     """fp16 (an inf/nan anywhere skips the whole step) and norm clipping (one factor for all
-    gradients) must see every gradient before any update, so Adam runs at step(); otherwise
-    streamed chunks are updated during backward."""
+    gradients) need every gradient before any update: the streamed chunks' Adam then runs after
+    backward, overlapping the next forward. So does a step whose clipping may still be requested
+    between backward and step(): ``late_clipping`` says why it may (the engine's first step, or
+    an adapter that clips late). Otherwise streamed chunks are updated during backward."""
     reasons = []
     if precision is Precision.FP16_MIXED:
         reasons.append("fp16 overflow check")
     if clips_norm(clipping):
         reasons.append("gradient norm clipping")
-    return Overlap(during_backward=not reasons, reasons=tuple(reasons))
+    elif clipping is None and late_clipping:
+        reasons.append(late_clipping)
+    return Overlap(UpdateSchedule.NEXT_FORWARD if reasons else UpdateSchedule.DURING_BACKWARD, tuple(reasons))

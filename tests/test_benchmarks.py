@@ -64,6 +64,29 @@ def test_cpu_smoke_protrain_equals_pytorch_and_writes_the_report(smoke_subset):
     assert (width, height) == (900, 500) and all(bytes(c) in pixels for c in PALETTE[:2])
 
 
+def test_clipping_rows_train_like_plain_pytorch(tmp_path, monkeypatch):
+    """A clipping row (clip_grad_norm_(1.0) every step, each system its own way) in this process:
+    ProTrain's losses equal plain PyTorch's bitwise, and differ from the unclipped run's."""
+    from benchmarks.run import SUITES, clipped, spec_of
+    from benchmarks.systems import run
+
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
+    suite = SUITES["cpu-smoke"]
+    (w,) = suite.workloads
+    losses = {}
+    for system in ("protrain-core", "pytorch"):
+        for workload in (w, clipped(w)):
+            spec = spec_of(suite, system, workload, dry_run=False, warmup=7, steps=1)
+            spec["memory_budget"] = "4MiB"  # every chunk streamed: the schedule under test
+            result = run(spec)
+            assert result["status"] == "ok", result.get("traceback", result)
+            assert system == "pytorch" or result["plan"].startswith("Plan(n_persist=0")
+            losses[system, workload.clip] = result["losses"]
+    assert losses["protrain-core", 1.0] == losses["pytorch", 1.0] != losses["pytorch", None]
+    assert losses["protrain-core", None] == losses["pytorch", None]
+    assert clipped(w).label == "tiny-4L clip1" and any(x.clip == 1.0 for x in SUITES["cpu-small"].workloads)
+
+
 @pytest.mark.parametrize("system", ["protrain-core", "protrain-lightning"])
 def test_gpu_suite_builds_protrain_in_a_dry_run(system):
     """The CI subset of the dry run, in this process: ProTrain's configurations of gpu-80g's

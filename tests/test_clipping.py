@@ -192,19 +192,19 @@ def test_norm_clipping_with_fp16_overflow_skips(plan):
         torch.testing.assert_close(sd[name], m.detach(), rtol=0, atol=0, msg=name)
 
 
-def test_norm_clipping_defers_adam_and_disabling_restores_the_overlap():
+def test_norm_clipping_updates_after_backward_and_disabling_restores_the_overlap():
     model = tiny_llama(n_layer=6)
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), pt.Plan(n_persist=0, n_buffer=2),
                      device="cpu", gradient_clipping=("norm", 1.0))
     assert engine.gradient_clipping.value == 1.0
-    assert "deferred-to-step" in engine.overlap and "norm clipping" in engine.overlap
+    assert engine.overlap == "cpu-adam-during-next-forward (gradient norm clipping)"
     x = batches(1)[0]
     events, backward_end = _timeline(engine, x)
     engine.zero_grad()
     begins = [t for what, _, t in events if what == "cpu_adam_begin"]
-    assert begins and min(begins) > backward_end  # every update waited for step()
+    assert begins and min(begins) > backward_end  # every update waited for the global norm
 
-    engine.set_gradient_clipping("value", 0.5)  # elementwise: keeps the overlap
+    engine.set_gradient_clipping("value", 0.5)  # elementwise: keeps the overlap with backward
     assert engine.overlap == "cpu-adam-during-backward" and engine.last_grad_norm is None
     events, backward_end = _timeline(engine, x)
     engine.zero_grad()
@@ -235,7 +235,7 @@ def test_bad_arguments(args, match):
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=1, n_buffer=1), device="cpu")
     with pytest.raises(ValueError, match=match):
         engine.set_gradient_clipping(*args)
-    assert engine.gradient_clipping is None and engine.overlap == "cpu-adam-during-backward"
+    assert engine.gradient_clipping is None and engine.overlap.startswith("cpu-adam-during-next-forward (first step")
 
 
 def test_changing_clipping_within_a_step():
@@ -263,7 +263,7 @@ def test_explain_and_summary_mention_clipping():
     assert "gradient clipping: off" in engine.summary()
     engine.set_gradient_clipping("norm", 1.0)
     for text in (engine.explain(), engine.summary()):
-        assert "clipping by norm" in text and "instead of overlapping backward" in text
+        assert "clipping by norm" in text and "overlapping the next forward" in text
     engine.set_gradient_clipping("value", 1.0)
     assert "still overlaps backward" in engine.explain()
 
@@ -274,7 +274,8 @@ def test_explain_says_when_a_searched_plan_assumed_the_overlap():
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), None, example_inputs={"input_ids": x, "labels": x},
                      memory_budget="1GiB", device="cpu", profile_cache=False)
     engine.set_gradient_clipping("norm", 1.0)
-    assert "searched assuming the overlap" in engine.explain()
+    assert ("searched for cpu-adam-during-backward: wrap(..., gradient_clipping=('norm', max_norm)) searches for "
+            "cpu-adam-during-next-forward") in engine.explain()
 
 
 @pytest.mark.cuda

@@ -7,6 +7,7 @@ import torch
 
 import protrain_core as pt
 from protrain_core.planner.profiles import Hardware, Profile, Segment
+from protrain_core.update import UpdateSchedule
 
 
 def hand_profile(*, async_copies=True) -> Profile:
@@ -36,8 +37,8 @@ def hand_profile(*, async_copies=True) -> Profile:
                    resident_sets=((0,), (1,), (2,)), segments=segments, base_bytes=5, fragmentation=1.0, hardware=hw)
 
 
-def rt(profile, adam_in_backward=True, **plan):
-    return pt.estimate_runtime(profile, pt.Plan(**plan), adam_in_backward=adam_in_backward)
+def rt(profile, schedule=UpdateSchedule.DURING_BACKWARD, redo_fraction=0.0, **plan):
+    return pt.estimate_runtime(profile, pt.Plan(**plan), schedule=schedule, redo_fraction=redo_fraction)
 
 
 def test_all_persistent():
@@ -116,9 +117,28 @@ def test_sync_streaming_adds_up():
     assert (r.forward_s, r.backward_s, r.total_s) == pytest.approx((8.0, 11.0, 21.1))
 
 
-def test_fp16_defers_adam_to_step():
-    # p=1, B=2 as above but Adam at step(): T = 6 + 10 + max(0.1, 2) = 18.
-    assert rt(hand_profile(), adam_in_backward=False, n_persist=1, n_buffer=2).total_s == pytest.approx(18.0)
+def test_adam_after_backward_overlaps_the_next_forward():
+    # p=1, B=2 as in test_streamed_with_prefetch_and_resident_window, Adam after backward
+    # (NEXT_FORWARD): backward 10; the last gradients (chunk 1's) land at 9 + 0.5 = 9.5, before
+    # backward ends, so the worker starts at once. Next forward: device Adam 0.1 first; c0
+    # (persistent) to 1.1; c1's update ends at 1, its forward (upload hidden) 2 -> 3.1; c2's
+    # update ends at 2, forward 3 -> 6.1. T = 10 + 6.1 = 16.1 (during backward: 16.5, where the
+    # CPU chain ends 0.4 after backward's device work).
+    r = rt(hand_profile(), UpdateSchedule.NEXT_FORWARD, n_persist=1, n_buffer=2)
+    assert r.total_s == pytest.approx(16.1) and r.forward_s == pytest.approx(6.0)
+    # A slow CPU Adam (U = 10 s a chunk): c1 waits to 10, c2 to 20: T = 10 + 20 + 3 = 33, where
+    # updating during backward gives 6 + max(10.1, (5.5 + 10 = 15.5, then 25.5)) = 31.5.
+    slow = dataclasses.replace(hand_profile(), hardware=dataclasses.replace(hand_profile().hardware, cpu_adam_params_per_s=10.0))
+    assert rt(slow, UpdateSchedule.NEXT_FORWARD, n_persist=1, n_buffer=2).total_s == pytest.approx(33.0)
+    assert rt(slow, n_persist=1, n_buffer=2).total_s == pytest.approx(31.5)
+
+
+def test_speculative_update_is_between_the_two():
+    # p=1, B=2: during backward 16.5 (test_streamed_with_prefetch_and_resident_window), after
+    # backward 16.1 (above): a speculative step is the first when kept, the second when redone.
+    assert rt(hand_profile(), UpdateSchedule.SPECULATIVE, n_persist=1, n_buffer=2).total_s == pytest.approx(16.5)
+    half = rt(hand_profile(), UpdateSchedule.SPECULATIVE, redo_fraction=0.5, n_persist=1, n_buffer=2)
+    assert half.total_s == pytest.approx(16.3)
 
 
 def test_memory_keep_all():

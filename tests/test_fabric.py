@@ -14,27 +14,34 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def plain(data, accumulate):
+def plain(data, accumulate, clip=None):
+    """Plain PyTorch; ``clip`` = ("norm", max_norm) or ("value", clip_value) before every step
+    (the norms clip_grad_norm_ returns are in ``model.norms``)."""
     model = MODELS["gpt2"]()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
-    losses = []
+    losses, model.norms, model.sums = [], [], []
     for i in range(0, len(data), accumulate):
         for x in data[i:i + accumulate]:
             loss = model(input_ids=x, labels=x).loss / accumulate
             loss.backward()
             losses.append(loss.item())
+        if clip is not None and clip[0] == "norm":
+            model.norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip[1]))
+        elif clip is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip[1])
         opt.step()
         opt.zero_grad()
+        model.sums.append([p.detach().double().sum().item() for p in model.parameters()])
     return model, opt, losses
 
 
-def fabric_loop(strategy, data, accumulate):
+def fabric_loop(strategy, data, accumulate, clip=None):
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1)
     fabric.launch()
     model = MODELS["gpt2"]()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
     model, opt = fabric.setup(model, opt)
-    losses = []
+    losses, fabric.norms, fabric.sums = [], [], []
     for i in range(0, len(data), accumulate):
         micro = data[i:i + accumulate]
         for j, x in enumerate(micro):
@@ -42,8 +49,13 @@ def fabric_loop(strategy, data, accumulate):
                 loss = model(input_ids=x, labels=x).loss / accumulate
                 fabric.backward(loss)
             losses.append(loss.item())
+        if clip is not None and clip[0] == "norm":
+            fabric.norms.append(fabric.clip_gradients(model, opt, max_norm=clip[1]))
+        elif clip is not None:
+            assert fabric.clip_gradients(model, opt, clip_val=clip[1]) is None
         opt.step()
         opt.zero_grad()
+        fabric.sums.append([p.detach().double().sum().item() for p in model.parameters()])  # as an EMA reads them
     return fabric, model, opt, losses
 
 
@@ -55,6 +67,27 @@ def test_fabric_loop_equals_plain_pytorch(strategy):
     ref_model, _, ref_losses = plain(data, accumulate=2)
     fabric, model, opt, losses = fabric_loop(strategy, data, accumulate=2)
     assert losses == ref_losses
+    for k, v in ref_model.state_dict().items():
+        torch.testing.assert_close(fabric.strategy.engine.state_dict()[k], v, rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("clip", [("norm", 0.5), ("value", 0.01)], ids=["norm", "value"])
+@pytest.mark.parametrize("strategy", ["protrain", "streamed"])
+def test_fabric_clip_gradients_equals_plain_pytorch(strategy, clip, monkeypatch):
+    """fabric.clip_gradients between backward and step: the same losses, weights and returned
+    norms as plain clip_grad_norm_ / clip_grad_value_, on the searched and a streamed plan; the
+    weights read right after each optimizer.step() are that step's (worker thread, as on a GPU)."""
+    monkeypatch.setenv("PROTRAIN_CPU_ADAM_THREAD", "1")
+    if strategy == "streamed":
+        strategy = ProTrainFabricStrategy(plan=pt.Plan(n_persist=0, n_buffer=1))
+    data = batches(8, batch=4)
+    ref_model, _, ref_losses = plain(data, accumulate=2, clip=clip)
+    unclipped = plain(data, accumulate=2)[2]
+    assert unclipped != ref_losses  # the clipping acts
+    fabric, model, opt, losses = fabric_loop(strategy, data, accumulate=2, clip=clip)
+    assert losses == ref_losses
+    assert len(fabric.norms) == len(ref_model.norms) and all(torch.equal(a, b) for a, b in zip(fabric.norms, ref_model.norms))
+    assert fabric.sums == ref_model.sums
     for k, v in ref_model.state_dict().items():
         torch.testing.assert_close(fabric.strategy.engine.state_dict()[k], v, rtol=0, atol=0, msg=k)
 
@@ -104,7 +137,7 @@ def test_fabric_refuses_what_it_cannot_do():
         fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     opt = torch.optim.AdamW(model.parameters())
     model, opt = fabric.setup(model, opt)
-    with pytest.raises(ValueError, match="gradient_clip_val"):
+    with pytest.raises(RuntimeError, match="after engine.backward"):
         fabric.clip_gradients(model, opt, max_norm=1.0)
     with pytest.raises(ValueError, match="does not support precision"):
         Fabric(strategy="protrain", accelerator="cpu", devices=1, precision="64-true")

@@ -162,6 +162,107 @@ def test_gradient_clipping_equals_default(algorithm, value):
     assert unclipped[0].losses != ref[0].losses  # the clipping really acted
 
 
+class NormRecorder(pl.Callback):
+    """Per step: the logged ``grad_norm`` (ProTrain's strategy logs it when clipping by norm),
+    and the total norm of the ``.grad`` the default strategy's optimizer is about to use."""
+
+    def __init__(self):
+        self.logged, self.computed, self.overlap = [], [], None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        if grads:
+            self.computed.append(torch.nn.utils.get_total_norm(grads))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if "grad_norm" in trainer.callback_metrics:
+            self.logged.append(trainer.callback_metrics["grad_norm"].clone())
+        engine = getattr(trainer.strategy, "engine", None)
+        self.overlap = engine.overlap if engine is not None else None
+
+
+def test_gradient_clip_val_logs_the_total_norm():
+    """``grad_norm`` logged by the strategy equals the total norm before clipping that plain
+    PyTorch computes from the same gradients, at every step."""
+    plan = pt.Plan(n_persist=0, n_buffer=1)
+    ref_norms, got_norms = NormRecorder(), NormRecorder()
+    ref = fit("auto", gradient_clip_val=0.05, callbacks=[ref_norms])
+    got = fit(ProTrainStrategy(plan=plan), gradient_clip_val=0.05, callbacks=[got_norms])
+    assert_same(got, ref)
+    assert not got_norms.computed  # ProTrain keeps gradients in its chunks, not in .grad
+    assert len(got_norms.logged) == STEPS and torch.equal(torch.stack(got_norms.logged), torch.stack(ref_norms.computed))
+    assert got_norms.overlap == "cpu-adam-during-next-forward (gradient norm clipping)"
+
+
+class ClipOddSteps(LitLM):
+    """Clips by norm at odd steps only, with a value of its own."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        if self.trainer.global_step % 2 == 1:
+            self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+
+
+@pytest.mark.parametrize("plan", [dict(n_persist=0, n_buffer=1), dict(n_persist=1, n_buffer=2, n_checkpoint=1)], ids=str)
+def test_overridden_configure_gradient_clipping_equals_default(plan):
+    recorder = NormRecorder()
+
+    def run(strategy):
+        torch.manual_seed(1234)
+        lit = ClipOddSteps()
+        t = trainer(strategy, callbacks=[recorder])
+        t.fit(lit, loader())
+        return lit, t
+
+    ref = run("auto")
+    got = run(ProTrainStrategy(plan=pt.Plan(**plan)))
+    assert_same(got, ref)
+    assert recorder.overlap == "cpu-adam-during-next-forward (gradient clipping requested after backward)"
+    unclipped = fit("auto")
+    assert unclipped[0].losses != ref[0].losses  # the clipping acts
+
+
+class WeightSums(pl.Callback):
+    """Reads every weight after each optimizer step, before the next forward (as an EMA does)."""
+
+    def __init__(self):
+        self.sums = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.sums.append([p.detach().double().sum().item() for p in pl_module.parameters()])
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_callbacks_read_the_updated_weights(clip, monkeypatch):
+    """A callback reading the weights between a step and the next forward sees this step's
+    weights, also when the offloaded chunks' updates overlap the next forward (clipping, with
+    the worker thread a GPU uses)."""
+    monkeypatch.setenv("PROTRAIN_CPU_ADAM_THREAD", "1")
+    ref_sums, got_sums = WeightSums(), WeightSums()
+    ref = fit("auto", gradient_clip_val=clip, callbacks=[ref_sums])
+    got = fit(ProTrainStrategy(plan=pt.Plan(n_persist=0, n_buffer=1)), gradient_clip_val=clip, callbacks=[got_sums])
+    assert_same(got, ref)
+    assert got_sums.sums == ref_sums.sums
+
+
+class SkipOddBatches(LitLM):
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx % 2 else super().training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if outputs:  # Lightning hands {} for a skipped batch
+            super().on_train_batch_end(outputs, batch, batch_idx)
+
+
+def test_training_step_returning_none_with_clipping_equals_default():
+    def run(strategy):
+        torch.manual_seed(1234)
+        lit = SkipOddBatches()
+        trainer(strategy, gradient_clip_val=0.05).fit(lit, loader())
+        return lit, None
+
+    assert_same(run(ProTrainStrategy(plan=pt.Plan(n_persist=0, n_buffer=1))), run("auto"))
+
+
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
 def test_precision_flags_close_to_default(precision):
     """Close to Lightning's default strategy: the losses, and what training did to the weights.

@@ -10,6 +10,14 @@ import protrain_core as pt
 from conftest import assert_same_weights, batches, tiny_gpt2, tiny_llama, train_engine, train_reference
 
 
+def first_step(engine, x):
+    """One step and zero_grad: an engine's first step holds its updates for a late clipping
+    request ([Note: finishing gradients early]); the schedule under test comes after it."""
+    engine.backward(engine.module(input_ids=x, labels=x).loss)
+    engine.step()
+    engine.zero_grad()
+
+
 def _timeline(engine, x):
     rt = engine.runtime
     rt.events.clear()
@@ -18,6 +26,7 @@ def _timeline(engine, x):
     engine.backward(loss)
     backward_end = time.perf_counter()
     engine.step()
+    engine.wait_for_updates()
     rt.record_events = False
     return list(rt.events), backward_end
 
@@ -30,6 +39,9 @@ def test_cpu_adam_starts_before_backward_ends_on_cpu(threaded, monkeypatch):
     monkeypatch.setenv("PROTRAIN_CPU_ADAM_THREAD", threaded)
     model = tiny_llama(n_layer=6)
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), pt.Plan(n_persist=0, n_buffer=2), device="cpu")
+    assert engine.overlap.startswith("cpu-adam-during-next-forward (first step")
+    first_step(engine, batches(1)[0])
+    assert engine.overlap == "cpu-adam-during-backward"
     events, backward_end = _timeline(engine, batches(1)[0])
     last = engine.layout.n_chunks - 1
     begin_last = next(t for what, c, t in events if what == "cpu_adam_begin" and c == last)

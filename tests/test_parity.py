@@ -63,24 +63,31 @@ def test_fp32_parity_with_default_adamw_is_within_pytorch_rounding():
     assert ours_gap <= pytorch_gap
 
 
-def reference_mixed(model, dtype, data, *, lr, scaler=None, clip=None):
+def reference_mixed(model, dtype, data, *, lr, scaler=None, clip=None, accumulate=1, prepare=None):
     """The classic mixed-precision recipe: low-precision model + autocast, fp32 master AdamW;
-    ``clip(master)`` clips the fp32 master gradients (after unscaling) before every step."""
+    ``clip(master)`` clips the fp32 master gradients (after unscaling) before every step. With
+    ``accumulate`` micro-batches per step, each micro-batch's gradients are added to the fp32
+    master gradients (as the engine's fp32 accumulators do); ``prepare(lp)`` sees the model."""
     lp = copy.deepcopy(model)
     lp_params = list(lp.parameters())
     for p in lp_params:  # parameters in low precision; buffers (rotary inv_freq) stay fp32
         p.data = p.data.to(dtype)
+    if prepare is not None:
+        prepare(lp)
     # The fp32 masters start from the fp32 weights, not from their low-precision rounding.
     master = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
     opt = torch.optim.AdamW(master, lr=lr, fused=True)
     losses = []
-    for x in data:
-        with torch.autocast("cpu", dtype=dtype):
-            loss = lp(input_ids=x, labels=x).loss
-        (scaler.scale(loss) if scaler else loss).backward()
-        for m, p in zip(master, lp_params):
-            m.grad = p.grad.float()
-            p.grad = None
+    for i in range(0, len(data), accumulate):
+        micro, total = data[i:i + accumulate], 0.0
+        for x in micro:
+            with torch.autocast("cpu", dtype=dtype):
+                loss = lp(input_ids=x, labels=x).loss / len(micro)
+            (scaler.scale(loss) if scaler else loss).backward()
+            for m, p in zip(master, lp_params):
+                m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
+                p.grad = None
+            total += loss.item()
         if clip is not None:
             if scaler:
                 scaler.unscale_(opt)
@@ -94,7 +101,7 @@ def reference_mixed(model, dtype, data, *, lr, scaler=None, clip=None):
         with torch.no_grad():
             for m, p in zip(master, lp_params):
                 p.copy_(m)
-        losses.append(loss.item())
+        losses.append(total)
     names = [n for n, _ in lp.named_parameters()]
     return losses, dict(zip(names, master)), lp
 

@@ -9,6 +9,7 @@ import protrain_core as pt
 from protrain_core.plan import BlockMode, interleaved_modes
 from protrain_core.planner.profiles import Hardware, Profile, Segment
 from protrain_core.planner.search import brute_force
+from protrain_core.update import UpdateSchedule
 from test_cost import hand_profile
 
 
@@ -37,35 +38,35 @@ def random_profile(rng: random.Random, n_chunks: int, n_blocks: int, async_copie
     trainable = tuple(rng.choice([0, S // 2, S]) for _ in range(n_chunks))
     persist_bytes = tuple(rng.randrange(1000, 2000) for _ in range(n_chunks))
     host_bytes = tuple(rng.randrange(1000, 2000) for _ in range(n_chunks))
-    adam_in_backward = rng.random() < 0.8
+    schedule = rng.choice([UpdateSchedule.DURING_BACKWARD] * 3 + [UpdateSchedule.NEXT_FORWARD])
     prof = Profile(key="r", description="random", precision="32-true", n_chunks=n_chunks, chunk_elems=S,
                    compute_bytes=4, chunk_trainable=trainable, chunk_has_grad=tuple(t > 0 for t in trainable),
                    chunk_frozen=tuple(S - t for t in trainable), persist_bytes=persist_bytes, host_bytes=host_bytes,
                    offload_bytes=tuple(S * 4 * (t > 0) for t in trainable), buffer_bytes=2 * S * 4, chunk_bytes=S * 4,
                    resident_sets=tuple((c,) for c in range(n_chunks)), segments=tuple(segs),
                    base_bytes=rng.randrange(100), fragmentation=rng.uniform(1.0, 1.2), hardware=hw)
-    return prof, adam_in_backward
+    return prof, schedule
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_search_equals_brute_force(seed):
     rng = random.Random(seed)
-    prof, adam = random_profile(rng, n_chunks=rng.randint(1, 5), n_blocks=rng.randint(1, 4), async_copies=seed % 2 == 0)
-    cm = pt.CostModel(prof, adam_in_backward=adam)
+    prof, schedule = random_profile(rng, n_chunks=rng.randint(1, 5), n_blocks=rng.randint(1, 4), async_copies=seed % 2 == 0)
+    cm = pt.CostModel(prof, schedule=schedule)
     everything = cm.memory(pt.Plan(n_persist=prof.n_chunks, n_buffer=0)).peak_bytes
     for frac in (0.3, 0.5, 0.7, 1.0, 1.5):
         budget = int(everything * frac)
         host = rng.choice([None, int(sum(prof.host_bytes) * rng.uniform(0.3, 1.5))])
         try:
-            expected = brute_force(prof, budget, host_budget=host, adam_in_backward=adam)
+            expected = brute_force(prof, budget, host_budget=host, schedule=schedule)
         except pt.InfeasibleBudget:
             with pytest.raises(pt.InfeasibleBudget):
-                pt.search(prof, budget, host_budget=host, adam_in_backward=adam)
+                pt.search(prof, budget, host_budget=host, schedule=schedule)
             continue
-        got = pt.search(prof, budget, host_budget=host, adam_in_backward=adam)
+        got = pt.search(prof, budget, host_budget=host, schedule=schedule)
         assert got.runtime.total_s == pytest.approx(expected.runtime.total_s, rel=1e-9), (frac, got.plan, expected.plan)
         assert got.memory.peak_bytes <= budget
-        assert got.runtime.total_s == pytest.approx(pt.estimate_runtime(prof, got.plan, adam_in_backward=adam).total_s)
+        assert got.runtime.total_s == pytest.approx(pt.estimate_runtime(prof, got.plan, schedule=schedule).total_s)
         if host is not None:
             assert got.memory.host_bytes <= host
         assert got.evaluated <= expected.evaluated
@@ -74,12 +75,12 @@ def test_search_equals_brute_force(seed):
 @pytest.mark.parametrize("seed", range(10))
 def test_more_budget_is_never_slower(seed):
     rng = random.Random(100 + seed)
-    prof, adam = random_profile(rng, n_chunks=6, n_blocks=6, async_copies=True)
+    prof, schedule = random_profile(rng, n_chunks=6, n_blocks=6, async_copies=True)
     everything = pt.CostModel(prof).memory(pt.Plan(n_persist=6, n_buffer=0)).peak_bytes
     last = float("inf")
     for frac in [x / 20 for x in range(1, 31)]:
         try:
-            t = pt.search(prof, int(everything * frac), adam_in_backward=adam).runtime.total_s
+            t = pt.search(prof, int(everything * frac), schedule=schedule).runtime.total_s
         except pt.InfeasibleBudget:
             assert last == float("inf")  # infeasible only below every feasible budget
             continue
@@ -145,8 +146,8 @@ def test_grid_matches_scalar_model(seed):
     """The search's tensor form of every layout equals the scalar model: block modes, activation
     peak and swapped bytes exactly; T_f + T_b + device Adam for every (layout, n_persist, B)."""
     rng = random.Random(500 + seed)
-    prof, adam = random_profile(rng, n_chunks=rng.randint(1, 6), n_blocks=rng.randint(1, 5), async_copies=seed % 2 == 0)
-    cm = pt.CostModel(prof, adam_in_backward=adam)
+    prof, schedule = random_profile(rng, n_chunks=rng.randint(1, 6), n_blocks=rng.randint(1, 5), async_copies=seed % 2 == 0)
+    cm = pt.CostModel(prof, schedule=schedule)
     grid = cm.grid()
     N = prof.n_chunks
     layouts = [cm.layout(interleaved_modes(prof.n_blocks, s, c)) for s, c in grid.pairs]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import protrain_core as pt
-from conftest import batches, tiny_gpt2, tiny_llama
+from conftest import batches, tiny_gpt2, tiny_llama, train_engine
 from protrain_core.runtime.chunk import (
     GRAD_TRANSITIONS, GRAD_VERBS, TRANSITIONS, VERBS, Chunk, ChunkState, GradState, IllegalTransition, _next,
 )
@@ -284,6 +284,7 @@ def test_fetch_waits_for_the_chunks_own_update():
     model = tiny_gpt2()
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), pt.Plan(n_persist=0, n_buffer=1), device="cpu")
     x = batches(1)[0]
+    train_engine(engine, [x])  # the first step holds its updates for a late clipping request
     engine.backward(engine.module(input_ids=x, labels=x).loss)
     assert all(c.state is ChunkState.UPDATING for c in engine.chunks)
     seen = []
@@ -296,3 +297,29 @@ def test_fetch_waits_for_the_chunks_own_update():
     assert not any(c.state is ChunkState.UPDATING for c in engine.chunks)  # every chunk was used
     engine.step()
     assert all(c.state in (ChunkState.HOST, ChunkState.RESIDENT) for c in engine.chunks)
+
+
+def test_updates_after_step_are_waited_for_by_their_own_fetch():
+    """Under norm clipping step() hands the streamed chunks' Adam to the worker and returns with
+    the chunks UPDATING; zero_grad does not wait for them; the next forward's fetch of a chunk
+    waits for that chunk's update only; state_dict waits for all of them."""
+    model = tiny_gpt2()
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), pt.Plan(n_persist=0, n_buffer=1), device="cpu",
+                     gradient_clipping=("norm", 1.0))
+    x = batches(1)[0]
+    engine.backward(engine.module(input_ids=x, labels=x).loss)
+    assert not any(c.applied for c in engine.chunks)  # landed and finished, not updated
+    engine.step()
+    engine.zero_grad()
+    assert all(c.state is ChunkState.UPDATING for c in engine.chunks)
+    seen = []
+    handle = model.transformer.wte.register_forward_hook(lambda *a: seen.append([c.state for c in engine.chunks]))
+    with torch.no_grad():
+        engine.module(input_ids=x)
+    handle.remove()
+    assert seen[0][0] is ChunkState.RESIDENT and all(s is ChunkState.UPDATING for s in seen[0][2:])
+    engine.backward(engine.module(input_ids=x, labels=x).loss)
+    engine.step()
+    assert any(c.state is ChunkState.UPDATING for c in engine.chunks)
+    engine.state_dict()
+    assert not any(c.state is ChunkState.UPDATING for c in engine.chunks)

@@ -1,6 +1,7 @@
 """Cost models: predicted step time and peak device memory of a plan (paper §3.3, appendix A).
 
-Both are pure functions of a ``Profile`` and a ``Plan`` (and of when Adam runs, update.py):
+Both are pure functions of a ``Profile`` and a ``Plan`` (and of when Adam runs: the
+``UpdateSchedule`` of update.py):
 ``estimate_runtime(profile, plan)``, ``estimate_memory(profile, plan)``. ``CostModel`` holds the per-chunk arrays both need, so
 that the search can evaluate thousands of plans cheaply.
 
@@ -29,6 +30,7 @@ from torch import Tensor
 
 from protrain_core.plan import BlockMode, Plan, interleaved_modes
 from protrain_core.planner.profiles import Profile
+from protrain_core.update import UpdateSchedule
 
 KEEP, CHECKPOINT, SWAP = BlockMode.KEEP, BlockMode.CHECKPOINT, BlockMode.SWAP
 
@@ -101,15 +103,25 @@ def eq5_backward(G, SI, up, off, *, persistent, two_buffers, async_copies: bool,
     return ops.where(persistent, ops.max(G, SI + up), streamed)
 
 
+# SPECULATIVE (predicted, not run): each streamed chunk is updated during backward into a second
+# set of its host states, kept when the step turns out to need no clipping and no skip, dropped
+# (and the update run again, as NEXT_FORWARD) when it does. Its host memory: fp32 master and two
+# moments and the compute copy again, per streamed trainable element (bytes).
+SPECULATIVE_EXTRA_HOST_BYTES = {2: 14, 4: 12}  # by compute-dtype bytes (mixed precision; fp32)
+
+
 class CostModel:
     """The per-profile arrays of the two models; ``runtime(plan)`` and ``memory(plan)``.
 
-    ``adam_in_backward``: streamed chunks' CPU Adam overlaps backward (else every update runs at
-    step(); ``update.overlap_mode`` decides)."""
+    ``schedule``: when the streamed chunks' CPU Adam runs (``update.overlap_mode`` decides);
+    ``redo_fraction``: for ``SPECULATIVE`` only, the fraction of steps whose speculative update
+    must be undone and redone ([Note: the overlap under clipping and fp16] in update.py)."""
 
-    def __init__(self, profile: Profile, *, adam_in_backward: bool = True) -> None:
+    def __init__(self, profile: Profile, *, schedule: UpdateSchedule = UpdateSchedule.DURING_BACKWARD,
+                 redo_fraction: float = 0.0) -> None:
         self.profile = profile
-        self.adam_in_backward = adam_in_backward
+        self.schedule = schedule
+        self.redo_fraction = redo_fraction
         hw = profile.hardware
         self.N = profile.n_chunks
         self.L = profile.n_blocks
@@ -177,17 +189,24 @@ class CostModel:
     def runtime_of(self, lay: _Layout, p: int, B: int) -> RuntimeEstimate:
         """Eq. 3-7 for one activation layout, ``p`` persistent chunks and ``B`` buffers."""
         t_fwd, h2d_fwd, d2h_fwd = self._forward(lay, p, B)
-        t_bwd, h2d_bwd, d2h_bwd, cpu_end, cpu_total, dev_total = self._backward(lay, p, B)
-        # Eq. 3, the iteration: the device Adam of persistent chunks runs at step(), after
-        # backward; the CPU worker overlaps backward (T = T_f + max(T_b + T_gpu_adam, cpu_end)).
-        # Adam deferred to step() (fp16, norm clipping): T = T_f + T_b + max(T_gpu_adam, T_cpu_adam).
+        t_bwd, h2d_bwd, d2h_bwd, cpu_end, cpu_total, dev_total, landed = self._backward(lay, p, B)
+        # Eq. 3, the iteration. The device Adam of persistent chunks runs at step(), after backward.
+        # DURING_BACKWARD: the CPU worker overlaps backward, T = T_f + max(T_b + T_gpu_adam, cpu_end).
+        # NEXT_FORWARD: the CPU Adam starts when the last gradients have landed and runs in forward
+        #   order while the next forward waits for each chunk's own update (_forward_after_updates).
+        # SPECULATIVE: DURING_BACKWARD's step, or NEXT_FORWARD's in the fraction of steps that must
+        #   redo their updates (their speculative updates only delayed the redo by nothing more
+        #   than the landings it needs anyway); its cost is host memory (SPECULATIVE_EXTRA_HOST_BYTES).
         # Without a separate device (CPU) the worker competes for the same cores: T adds up.
         if not self.async_copies:
             total = t_fwd + t_bwd + dev_total + cpu_total
-        elif self.adam_in_backward:
-            total = t_fwd + max(t_bwd + dev_total, cpu_end)
+        elif self.schedule is UpdateSchedule.NEXT_FORWARD:
+            total = t_bwd + self._forward_after_updates(lay, p, B, max(0.0, landed - t_bwd), dev_total)
+        elif self.schedule is UpdateSchedule.SPECULATIVE:
+            redo = t_bwd + self._forward_after_updates(lay, p, B, max(0.0, landed - t_bwd), dev_total)
+            total = (1 - self.redo_fraction) * (t_fwd + max(t_bwd + dev_total, cpu_end)) + self.redo_fraction * redo
         else:
-            total = t_fwd + t_bwd + max(dev_total, cpu_total)
+            total = t_fwd + max(t_bwd + dev_total, cpu_end)
         h2d, d2h = h2d_fwd + h2d_bwd, d2h_fwd + d2h_bwd
         resources = {
             "device compute": lay.compute_s,
@@ -212,12 +231,27 @@ class CostModel:
             d2h += lay.SO[c]
         return t, h2d, d2h
 
+    def _forward_after_updates(self, lay: _Layout, p: int, B: int, start: float, dev_total: float) -> float:
+        """The next forward under NEXT_FORWARD, from the end of backward: the device first runs
+        the persistent chunks' Adam; the CPU worker updates the streamed chunks one after the
+        other in forward order from ``start``; a streamed chunk's forward (its upload included)
+        begins no earlier than its update ends."""
+        t, done = dev_total + lay.F_free, start
+        for c in range(self.N):
+            t_c, _ = self._t_fwd(lay, c, p, B)
+            if c >= p and self.has_grad[c]:
+                done += self.U[c]
+                t = max(t, done)
+            t += t_c
+        return t
+
     def _backward(self, lay: _Layout, p: int, B: int):
         """T_b (eq. 5-6, chunks in reverse) with its traffic, and the Adam times: the CPU worker's
         Adam (eq. 7) starts on a chunk when its gradients are offloaded,
-        a_c = max(a_{c+1}, tau_c + Y) + U_c, tau_c the time chunk c's backward ends."""
+        a_c = max(a_{c+1}, tau_c + Y) + U_c, tau_c the time chunk c's backward ends; ``landed``,
+        when the last offloaded gradients are in host memory."""
         t = tau = lay.G_free  # the segments without chunks ("post" of a parameter-free head) come first
-        h2d = d2h = cpu_end = cpu_total = dev_total = 0.0
+        h2d = d2h = cpu_end = cpu_total = dev_total = landed = 0.0
         for c in range(self.N - 1, -1, -1):
             t_c, up, off = self._t_bwd(lay, c, p, B)
             h2d += up + lay.SI[c]
@@ -227,9 +261,10 @@ class CostModel:
             if c >= p:
                 cpu_total += self.U[c]
                 cpu_end = max(cpu_end, tau + off) + self.U[c]
+                landed = max(landed, tau + off)
             else:
                 dev_total += self.V[c]
-        return t, h2d, d2h, cpu_end, cpu_total, dev_total
+        return t, h2d, d2h, cpu_end, cpu_total, dev_total, landed
 
     def grid(self) -> _Grid:
         """Every activation layout at once, as tensors (for the search)."""
@@ -526,9 +561,10 @@ def _grid_modes(L: int, pairs: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
     return swap, ckpt
 
 
-def estimate_runtime(profile: Profile, plan: Plan, *, adam_in_backward: bool = True) -> RuntimeEstimate:
-    """Predicted step time of ``plan`` (eq. 3-7)."""
-    return CostModel(profile, adam_in_backward=adam_in_backward).runtime(plan)
+def estimate_runtime(profile: Profile, plan: Plan, *, schedule: UpdateSchedule = UpdateSchedule.DURING_BACKWARD,
+                     redo_fraction: float = 0.0) -> RuntimeEstimate:
+    """Predicted step time of ``plan`` (eq. 3-7) when the CPU Adam runs on ``schedule``."""
+    return CostModel(profile, schedule=schedule, redo_fraction=redo_fraction).runtime(plan)
 
 
 def estimate_memory(profile: Profile, plan: Plan) -> MemoryEstimate:

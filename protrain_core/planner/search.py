@@ -34,6 +34,7 @@ import torch
 from protrain_core.plan import Plan, describe_modes, interleaved_modes
 from protrain_core.planner.cost import CostModel, MemoryEstimate, RuntimeEstimate
 from protrain_core.planner.profiles import Profile
+from protrain_core.update import UpdateSchedule
 from protrain_core.utils import format_bytes, format_seconds
 
 
@@ -57,7 +58,7 @@ class PlanChoice:
     evaluated: int  # plans whose runtime was evaluated
     seconds: float  # search time
     profile: Profile
-    adam_in_backward: bool = True  # the overlap the runtime model assumed (update.overlap_mode)
+    schedule: UpdateSchedule = UpdateSchedule.DURING_BACKWARD  # when the runtime model assumed the CPU Adam runs
 
     def explain(self) -> str:
         """What was chosen and why: predicted time by phase, memory breakdown, bottleneck."""
@@ -74,10 +75,10 @@ class PlanChoice:
         busy = ", ".join(f"{name} {format_seconds(t)}" for name, t in resources if t > 0)
         if not p.hardware.async_copies:
             overlap = "no overlap on this device: compute, copies and Adam add up"
-        elif self.adam_in_backward:
-            overlap = "copies and the CPU Adam overlap compute (CUDA streams, worker thread)"
+        elif self.schedule is UpdateSchedule.NEXT_FORWARD:
+            overlap = "copies overlap compute (CUDA streams); the CPU Adam runs after backward, overlapping the next forward"
         else:
-            overlap = "copies overlap compute (CUDA streams); Adam waits for step()"
+            overlap = "copies and the CPU Adam overlap compute (CUDA streams, worker thread)"
         lines = [
             f"ProTrain plan: {self.plan}",
             f"  model: {p.description}; precision {p.precision}",
@@ -120,7 +121,7 @@ def _choice(cm: CostModel, plan: Plan, budget: int, host_budget, evaluated: int,
         evaluated=evaluated,
         seconds=seconds,
         profile=cm.profile,
-        adam_in_backward=cm.adam_in_backward,
+        schedule=cm.schedule,
     )
 
 
@@ -139,14 +140,14 @@ def _better(t: float, mem: int, plan: Plan, best) -> bool:
     return key < (best_mem, best_plan.n_swap, best_plan.n_checkpoint, best_plan.n_buffer, best_plan.n_persist)
 
 
-def search(profile: Profile, budget: int, *, host_budget: int | None = None, adam_in_backward: bool = True,
-           n_persist: int | None = None) -> PlanChoice:
+def search(profile: Profile, budget: int, *, host_budget: int | None = None,
+           schedule: UpdateSchedule = UpdateSchedule.DURING_BACKWARD, n_persist: int | None = None) -> PlanChoice:
     """The plan with the least predicted step time whose predicted peak is <= ``budget``
-    bytes (and whose host memory is <= ``host_budget`` when given); ``adam_in_backward``: see
+    bytes (and whose host memory is <= ``host_budget`` when given); ``schedule``: see
     ``CostModel``; ``n_persist``: only plans that keep this many chunks on the device (the
     activation part and the buffers are re-solved: a new batch shape between steps)."""
     start = time.perf_counter()
-    cm = CostModel(profile, adam_in_backward=adam_in_backward)
+    cm = CostModel(profile, schedule=schedule)
     N, L = cm.N, cm.L
     grid = cm.grid()  # every layout's activation peak, swapped bytes and phase prefix sums
     buf = profile.buffer_bytes
@@ -213,10 +214,10 @@ def _fewest_buffers(cm: CostModel, plan: Plan, t: float) -> tuple[Plan, int]:
 
 
 def brute_force(profile: Profile, budget: int, *, host_budget: int | None = None,
-                adam_in_backward: bool = True, n_persist: int | None = None) -> PlanChoice:
+                schedule: UpdateSchedule = UpdateSchedule.DURING_BACKWARD, n_persist: int | None = None) -> PlanChoice:
     """Every plan, no shortcuts (for checking ``search`` on small models)."""
     start = time.perf_counter()
-    cm = CostModel(profile, adam_in_backward=adam_in_backward)
+    cm = CostModel(profile, schedule=schedule)
     N, L = cm.N, cm.L
     limits = profile.limits
     best = None

@@ -108,6 +108,9 @@ class LiveProfiler:
         self.bounds.reset()
 
     def step_ends(self) -> None:
+        # Updates that overlap the next forward would be timed as that forward's: the profiled
+        # steps let them finish first.
+        self.engine.wait_for_updates()
         self._leave_memory_pass()
         self.bounds.reset()
         if not self.recorded:

@@ -24,7 +24,8 @@ Residency (``ChunkState``): where the chunk's compute copy is.
 
 A persistent chunk stays ``PERSISTENT`` until a re-plan between steps streams it. While a
 chunk is ``UPDATING`` the worker owns its host tensors: its parameters must not be read until
-``end_update`` (``step()`` returns after every chunk's, and a fetch waits for the chunk's own).
+``end_update`` (a fetch waits for the chunk's own; ``step()`` waits for every chunk's unless
+the updates overlap the next forward, update.py, and then state dicts and ``wait_all`` do).
 
 Gradients (``GradState``): what the gradient accumulator holds since ``zero_grad``.
 
@@ -53,8 +54,8 @@ Adam state (``optimizer.state`` in torch) are per-member facts the chunk keeps a
 Every managed parameter's ``.data`` is, at any time, a view of one of two flat tensors of its
 chunk: the device copy while the chunk is resident (or persistent), and the host copy while it
 is not. A parameter of a streamed chunk therefore never holds stale or garbage data: outside
-forward/backward it reads the up-to-date host copy (after ``step()`` returns), inside it reads
-the device buffer.
+forward/backward it reads the up-to-date host copy (once its update is over: see
+``Engine.step``), inside it reads the device buffer.
 
 The device copy is one permanent tensor per chunk; releasing the chunk frees its memory with
 ``untyped_storage().resize_(0)`` and fetching re-allocates it with ``resize_`` and copies the

@@ -22,13 +22,14 @@ from protrain_core.precision import LossScaler, Precision
 from protrain_core.runtime.activations import ActivationManager, BlockActivations
 from protrain_core.runtime.chunk import Chunk
 from protrain_core.runtime.device import DeviceContext
+from protrain_core.runtime.gradients import StepGradients
 from protrain_core.runtime.hooks import RuntimeHooks
 from protrain_core.runtime.host_pool import should_pin
 from protrain_core.runtime.optim import ChunkOptimizer
 from protrain_core.runtime.scheduler import Runtime
 from protrain_core.runtime.storage import ChunkFormat, ChunkStorage, chunk_formats
 from protrain_core.structure.layout import ChunkLayout, unit_chunks
-from protrain_core.update import ClipAlgorithm, GradientClipping, clips_norm, overlap_mode, parse_gradient_clipping
+from protrain_core.update import ClipAlgorithm, GradientClipping, Overlap, overlap_mode, parse_gradient_clipping
 from protrain_core.utils import check_host_memory
 
 
@@ -65,13 +66,14 @@ class Engine:
         self._no_sync = False
         self._closed = False
         self._autocast_depth = 0
-        self.last_grad_norm: Tensor | None = None  # total norm before clipping (norm clipping)
         self.chunks = self._allocate(chunk_formats(module, optimizer, layout, precision,
                                                    optimizer_states=options.optimizer_states))
         self._slot_of: dict[int, tuple[Chunk, int]] = {id(p): (c, i) for c in self.chunks for i, p in enumerate(c.params)}
         n_buffer = min(plan.n_buffer, len(self.chunks) - plan.n_persist)
         self.runtime = Runtime(self.chunks, self.ctx, self._optim, self.phase, n_buffer=n_buffer,
                                check_invariants=options.check_invariants)
+        self.grads = StepGradients(self._optim, self.scaler, self.chunks, self._slot_of, device)
+        self.runtime.finisher = self.grads.finisher
         self._set_update_mode()
         self.hooks = self._runtime_hooks()
         self.activations: ActivationManager | None = None
@@ -86,6 +88,8 @@ class Engine:
             osd = optimizer.state_dict()
             optimizer.state.clear()
             self.load_optimizer_state_dict(osd)
+        # model.state_dict() (save_pretrained, torch.save) reads the parameters: wait for their updates.
+        self._state_dict_hook = module.register_state_dict_pre_hook(lambda *_: self.runtime.wait_all())
         module._protrain_engine = self
         self.profile = None  # the Profile a searched plan came from (set by wrap)
         self.choice = None  # the search's PlanChoice (set by wrap)
@@ -229,11 +233,12 @@ class Engine:
 
     # ----- training -----------------------------------------------------------------------
     def backward(self, loss: Tensor) -> None:
-        """Backward through the managed model; streamed chunks are updated while it runs
-        (unless Adam waits for step(): see ``overlap``)."""
+        """Backward through the managed model; streamed chunks are updated while it runs, or
+        their gradients are finished for an update at step() (see ``overlap``)."""
         self._check_open()
         if not self._no_sync:
             self._check_trains("backward() outside no_sync()")
+        self._set_update_mode()
         self._notify("backward_begins")
         try:
             with self.runtime.backward_pass(boundary=not self._no_sync), self.activations.backward_pass():
@@ -254,7 +259,9 @@ class Engine:
             self._no_sync = previous
 
     def step(self) -> None:
-        """Returns when every parameter holds this step's final value."""
+        """Returns when every parameter holds this step's final value -- except, when the CPU
+        Adam overlaps the next forward (``overlap``), the offloaded chunks' parameters: their
+        next use in forward, ``wait_for_updates`` and every state dict wait for their update."""
         self._check_open()
         self._check_trains("step()")
         with self.phase.entered(TrainingPhase.STEP, leaving=TrainingPhase.IDLE,
@@ -266,45 +273,31 @@ class Engine:
                     "engine.step(), but ProTrain already applied the backward-time values to the "
                     "offloaded chunks. Change lr (e.g. scheduler.step()) after engine.step()."
                 )
-            if self._prepare_gradients():
-                self.runtime.step(hps)
+            if self.grads.needs_finishing():
+                self.runtime.wait_all()  # every gradient is in its accumulator, none was used yet
+                self.grads.finish_all()
+            clip, runs = self.grads.step_clip()
+            if runs:
+                self.runtime.step(hps, clip, wait=self.runtime.update_during_backward)
             else:
                 self.runtime.finish_step()  # fp16 overflow: the step is skipped
+            self.grads.end_step()
         # Runs the optimizer's step hooks and LR-scheduler bookkeeping. No parameter holds a
         # .grad (the engine keeps gradients in chunks), so torch's update loop skips them all.
         self.optimizer.step()
         self._batch_begun = False
         self._notify("step_ends")
 
-    def _prepare_gradients(self) -> bool:
-        """fp16 unscaling and overflow check, norm clipping; False when the step is skipped."""
-        clip_norm = clips_norm(self._optim.clipping)
-        if self.scaler is None and not clip_norm:
-            return True
-        self.runtime.wait_all()  # every gradient is in its accumulator, none was used yet
-        found_inf = None
-        if self.scaler is not None:
-            found_inf = self._unscale_and_check()
-            self.scaler.update(found_inf)
-        if clip_norm:
-            # Also on a skipped fp16 step: the norm is then inf/nan, as clip_grad_norm_ reports it.
-            self.last_grad_norm = self._optim.clip_grad_norm(self._slot_of, self.device)
-        return found_inf is None or not found_inf.item()
-
-    def _unscale_and_check(self) -> Tensor:
-        found_inf = torch.zeros(1, dtype=torch.float32)
-        inv_scale = self.scaler.inv_scale()
-        for c in self.chunks:
-            grads = [c.state_view(c.storage.grad_acc, i) for i in c.grad_members if c.has_grad(i)]
-            if grads:
-                local = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, local, inv_scale.to(grads[0].device))
-                found_inf += local.cpu()
-        return (found_inf > 0).float()
+    def wait_for_updates(self) -> None:
+        """Return when every chunk's update is over (see ``step``): before reading parameters
+        directly between ``step()`` and the next forward."""
+        self._check_open()
+        self.runtime.wait_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._check_open()
         self.runtime.zero_grad()
+        self.grads.discard()
 
     # ----- update configuration -------------------------------------------------------------
     def set_gradient_clipping(self, algorithm: str | None, value: float | None = None, norm_type: float = 2.0) -> None:
@@ -315,13 +308,15 @@ class Engine:
 
         "value" is elementwise: each chunk is clamped right before its own Adam, so streamed
         chunks are still updated during backward. "norm" needs the global norm before any
-        update: every chunk's Adam waits for step() (the CPU Adam no longer overlaps backward;
-        ``overlap`` says so) and ``last_grad_norm`` holds the total norm before clipping.
-        Call it between steps; setting the current value again is a no-op at any time.
+        update: the gradients' norms are taken as they land and the streamed chunks' Adam runs
+        after backward, overlapping the next forward (``overlap`` says so); ``last_grad_norm``
+        holds the total norm before clipping. Call it between steps; setting the current value
+        again is a no-op at any time. To clip between backward and step instead, see
+        ``clip_grad_norm_``.
         """
         self._check_open()
         clipping = parse_gradient_clipping(algorithm, value, norm_type)
-        if clipping == self._optim.clipping:
+        if clipping == self.grads.configured:
             return
         if self.phase.phase is not TrainingPhase.IDLE:
             raise RuntimeError("engine.set_gradient_clipping() was called during backward; call it between steps.")
@@ -332,22 +327,103 @@ class Engine:
                 "it after engine.step(), before the next backward."
             )
         self.runtime.wait_all()  # no update in flight reads the setting
-        self._optim.clipping = clipping
-        self.last_grad_norm = None
+        self.grads.configured = clipping
+        self.grads.last_norm = None
+        self._set_update_mode()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, called between
+        ``backward`` and ``step`` (what ``fabric.clip_gradients`` and Lightning's
+        ``configure_gradient_clipping`` do): returns the total norm before clipping; ``step()``
+        applies the clipping. Exact when no chunk was updated during this backward: the engine
+        holds the updates of its first step, and of every step after one that clipped late
+        ([Note: finishing gradients early] in gradients.py). With clipping configured ahead
+        (``set_gradient_clipping``), the same setting only returns the norm."""
+        clipping = self._late_request("norm", max_norm, norm_type)
+        total = self.grads.late_norm(clipping)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(
+                f"The total {norm_type:g}-norm of the gradients is non-finite ({total.item()}), so it cannot be "
+                "clipped (clip_grad_norm_ with error_if_nonfinite=True). Pass error_if_nonfinite=False to scale "
+                "the gradients by it anyway (under fp16 the step is then skipped by the loss scaler)."
+            )
+        self.grads.accept(clipping)
+        return total
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """``torch.nn.utils.clip_grad_value_`` over the optimizer's parameters, between
+        ``backward`` and ``step`` (see ``clip_grad_norm_``)."""
+        self.grads.accept(self._late_request("value", clip_value))
+
+    def _late_request(self, algorithm: str, value, norm_type: float = 2.0) -> GradientClipping:
+        clipping = parse_gradient_clipping(algorithm, value, norm_type)
+        self._check_step_gradients(f"engine.clip_grad_{algorithm}_()")
+        self.grads.check_request(clipping, updated_in_backward=any(c.applied for c in self.chunks))
+        self.runtime.wait_all()  # every gradient in its accumulator
+        self.grads.finish_all()
+        return clipping
+
+    def grad_norm(self, norm_type: float = 2.0) -> Tensor:
+        """The total norm of the gradients over the optimizer's parameters, between ``backward``
+        and ``step`` (as ``torch.nn.utils.get_total_norm`` of their ``.grad``; after fp16
+        unscaling), without clipping anything. When streamed chunks are updated during backward
+        it waits for those updates (the gradients stay in the chunks until ``zero_grad``)."""
+        parse_gradient_clipping("norm", 1.0, norm_type)
+        self._check_step_gradients("engine.grad_norm()")
+        clip = self.grads.configured
+        if clip is not None and clip.algorithm is ClipAlgorithm.VALUE and any(c.applied for c in self.chunks):
+            raise RuntimeError(
+                "engine.grad_norm() is the norm before clipping, but with clipping by value configured ahead "
+                "the offloaded chunks' gradients were clamped when they were updated during backward. Request "
+                "the clipping between backward and step instead (engine.clip_grad_value_) to measure it first."
+            )
+        self.runtime.wait_all()
+        self.grads.finish_all()
+        return self.grads.total_norm(norm_type)
+
+    def _check_step_gradients(self, what: str) -> None:
+        self._check_open()
+        if self.phase.phase is not TrainingPhase.IDLE or not self.runtime.stepped_backward:
+            raise RuntimeError(
+                f"{what} reads the step's gradients: call it after engine.backward() of the step's last "
+                "micro-batch (outside no_sync) and before engine.step()."
+            )
+
+    def expect_late_clipping(self, expected: bool = True, norm_type: float = 2.0) -> None:
+        """Say whether gradient clipping will be requested between backward and step
+        (``clip_grad_norm_``). True: possibly at any step, not every one: every step's updates
+        wait for step() (the ``norm_type`` norms are taken as gradients land). False: never: no
+        step is held for it (a late request is then refused). Not called: the first step is held,
+        and every step after one that clipped late."""
+        parse_gradient_clipping("norm", 1.0, norm_type)
+        self.grads.expect_late = norm_type if expected else None
+        self.grads.hold_first = expected
         self._set_update_mode()
 
     @property
     def gradient_clipping(self) -> GradientClipping | None:
-        return self._optim.clipping
+        """The clipping configured ahead (``set_gradient_clipping``)."""
+        return self.grads.configured
+
+    @property
+    def last_grad_norm(self) -> Tensor | None:
+        """The total norm before clipping of the last step clipped by norm (or of the last
+        ``clip_grad_norm_`` call)."""
+        return self.grads.last_norm
 
     def _set_update_mode(self) -> None:
-        self.overlap_mode = overlap_mode(self.precision, self._optim.clipping)
+        self.overlap_mode = overlap_mode(self.precision, self.grads.configured, late_clipping=self.grads.late_reason())
         self.runtime.update_during_backward = self.overlap_mode.during_backward
+        self.runtime.landing_clip = self.grads.landing_clip()
+
+    def steady_overlap(self) -> Overlap:
+        """The schedule after the first step (what plans are searched for)."""
+        return overlap_mode(self.precision, self.grads.configured, late_clipping=self.grads.late_reason(steady=True))
 
     @property
     def overlap(self) -> str:
-        """The overlap mode in force, e.g. "cpu-adam-during-backward" (see update.py)."""
-        return str(self.overlap_mode)
+        """When the CPU Adam runs now, e.g. "cpu-adam-during-backward" (see update.py)."""
+        return str(overlap_mode(self.precision, self.grads.configured, late_clipping=self.grads.late_reason()))
 
     # ----- state --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Tensor]:
@@ -438,21 +514,22 @@ class Engine:
                     "profiles the model and searches the fastest plan that fits)")
         else:
             text = self.choice.explain()
-        return text if self._optim.clipping is None else f"{text}\n{self._clipping_line()}"
+        return text if self.grads.configured is None else f"{text}\n{self._clipping_line()}"
 
     def _clipping_line(self) -> str:
-        clip = self._optim.clipping
+        clip = self.grads.configured
         if clip is None:
-            return "gradient clipping: off"
+            return "gradient clipping: off" + (" (requested after backward)" if self.grads.late_seen else "")
         if clip.algorithm is ClipAlgorithm.VALUE:
             return (f"gradient clipping by value ({clip.value:g}): elementwise, per chunk before its Adam; "
                     "the CPU Adam still overlaps backward")
-        line = (f"gradient clipping by norm (max_norm {clip.value:g}, {clip.norm_type:g}-norm): the global norm "
-                "needs every gradient before any update, so the CPU Adam of offloaded chunks runs at step() "
-                "instead of overlapping backward")
-        if self.choice is not None and self.choice.adam_in_backward:
-            line += ("; this plan was searched assuming the overlap: wrap(..., gradient_clipping=('norm', "
-                     "max_norm)) searches with Adam at step()")
+        line = (f"gradient clipping by norm (max_norm {clip.value:g}, {clip.norm_type:g}-norm): the norms are "
+                "taken as gradients land, and the CPU Adam of offloaded chunks runs after backward, overlapping "
+                "the next forward")
+        steady = self.steady_overlap().schedule
+        if self.choice is not None and self.choice.schedule is not steady:
+            line += (f"; this plan was searched for {self.choice.schedule.value}: wrap(..., gradient_clipping=('norm', "
+                     f"max_norm)) searches for {steady.value}")
         return line
 
     def summary(self) -> str:
@@ -490,6 +567,7 @@ class Engine:
         for h in self._autocast_handles:
             h.remove()
         self._batch_hook.remove()
+        self._state_dict_hook.remove()
         self.runtime.shutdown()
         self.module._protrain_engine = None
         self._closed = True

@@ -8,12 +8,12 @@ stays empty: moments live in the chunks, next to the master weights.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from protrain_core.update import ClipAlgorithm, GradientClipping
 from protrain_ops import AdamHyperParams, adam_step, copy_to_low_precision
 
 if TYPE_CHECKING:
@@ -43,12 +43,22 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     return decoupled
 
 
+@dataclass(frozen=True)
+class UpdateClip:
+    """The clipping one update applies (runtime/gradients.py decides it per step)."""
+
+    coef: Tensor | None = None  # clip_grad_norm_'s coefficient: every gradient *= coef first
+    value: float | None = None  # clip_grad_value_: clamp every element to [-value, value]
+
+    def on(self, device: torch.device) -> UpdateClip:
+        """The same clipping with the coefficient where the gradients are (one copy per update)."""
+        return self if self.coef is None or self.coef.device == device else UpdateClip(self.coef.to(device), self.value)
+
+
 class ChunkOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.decoupled = check_optimizer(optimizer)
-        # Read by update() on the CPU worker: changed only while no update is in flight.
-        self.clipping: GradientClipping | None = None
         self.group_of: dict[int, int] = {}
         for g, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
@@ -75,70 +85,47 @@ class ChunkOptimizer:
                 out.setdefault(g, []).append(i)
         return out
 
-    def update(self, chunk: Chunk, hps: tuple[AdamHyperParams, ...]) -> None:
-        """One Adam step of every member that received a gradient since zero_grad.
-
-        Runs on the device for persistent chunks (main thread) and on the host for streamed
-        chunks (CPU worker). Params without a gradient are skipped, as torch.optim does.
-        Clipping by value is elementwise, so it is applied here, chunk by chunk.
-        """
-        clip = self.clipping
-        storage = chunk.storage
+    def selected(self, chunk: Chunk) -> dict[int, list[int]]:
+        """The members an update of ``chunk`` steps, by param group: those that received a
+        gradient since zero_grad (torch skips parameters whose ``.grad`` is None). Taken on the
+        main thread when the update is handed out; the chunk then records their Adam state."""
+        out = {}
         for g, members in chunk.opt_members.items():
             selected = [i for i in members if chunk.has_grad(i)]
-            if not selected:
-                continue
-            v = chunk.state_view
-            grads = [v(storage.grad_acc, i) for i in selected]
-            if clip is not None and clip.algorithm is ClipAlgorithm.VALUE:
-                # clip_grad_value_: grad = min(max(grad, -value), value), the same foreach calls.
+            if selected:
+                out[g] = selected
+                for i in selected:
+                    chunk.set_adam_state(i)
+        return out
+
+    def update(self, chunk: Chunk, hps: tuple[AdamHyperParams, ...], selected: dict[int, list[int]],
+               clip: UpdateClip) -> None:
+        """One Adam step of the ``selected`` members (``selected(chunk)``), clipped by ``clip``
+        first with the calls of clip_grad_norm_ (``_foreach_mul_`` by the coefficient) and
+        clip_grad_value_ (clamp), on this chunk's gradients.
+
+        Runs on the device for persistent chunks (main thread) and on the host for streamed
+        chunks (CPU worker)."""
+        storage = chunk.storage
+        v = chunk.state_view
+        for g, members in selected.items():
+            grads = [v(storage.grad_acc, i) for i in members]
+            if clip.coef is not None:
+                torch._foreach_mul_(grads, clip.coef)
+            if clip.value is not None:
                 torch._foreach_clamp_min_(grads, -clip.value)
                 torch._foreach_clamp_max_(grads, clip.value)
             adam_step(
-                [v(storage.master, i) for i in selected],
+                [v(storage.master, i) for i in members],
                 grads,
-                [v(storage.exp_avg, i) for i in selected],
-                [v(storage.exp_avg_sq, i) for i in selected],
-                [v(storage.max_exp_avg_sq, i) for i in selected] if hps[g].amsgrad else [],
-                [storage.steps[i] for i in selected],
+                [v(storage.exp_avg, i) for i in members],
+                [v(storage.exp_avg_sq, i) for i in members],
+                [v(storage.max_exp_avg_sq, i) for i in members] if hps[g].amsgrad else [],
+                [storage.steps[i] for i in members],
                 hps[g],
             )
-            for i in selected:
-                chunk.set_adam_state(i)
         if storage.fmt.separate_master:
             copy_to_low_precision(storage.compute_span(), storage.master)
-
-    def clip_grad_norm(self, slot_of: SlotMap, device: torch.device) -> Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters (self.clipping is
-        NORM); returns the total norm before clipping, on ``device``. Needs every gradient in
-        its chunk's accumulator and no update of this step yet.
-
-        Same arithmetic as torch's: per-tensor norms (``_foreach_norm`` of each gradient with its
-        own shape, computed where it lives, device or host), stacked in param-group order on the
-        device (where plain PyTorch keeps all gradients), total = vector_norm(stack);
-        coef = min(max_norm / (total + 1e-6), 1); every gradient *= coef.
-        """
-        clip = self.clipping
-        grads = []
-        for _, p in self._indexed_params():
-            chunk, i = slot_of[id(p)]
-            if chunk.has_grad(i):  # torch skips p.grad is None
-                grads.append(chunk.state_view(chunk.storage.grad_acc, i))
-        if not grads:
-            return torch.tensor(0.0, device=device)
-        by_device: dict[torch.device, list[int]] = {}
-        for k, grad in enumerate(grads):
-            by_device.setdefault(grad.device, []).append(k)
-        norms: list[Tensor | None] = [None] * len(grads)
-        for ks in by_device.values():
-            local = torch.stack(torch._foreach_norm([grads[k] for k in ks], clip.norm_type)).to(device)
-            for k, norm in zip(ks, local):  # one transfer per device, then back in param order
-                norms[k] = norm
-        total = torch.linalg.vector_norm(torch.stack(norms), clip.norm_type)
-        coef = torch.clamp(clip.value / (total + 1e-6), max=1.0)
-        for grad_device, ks in by_device.items():
-            torch._foreach_mul_([grads[k] for k in ks], coef.to(grad_device))
-        return total
 
     # ----- torch.optim state-dict format --------------------------------------------------
     def _indexed_params(self):

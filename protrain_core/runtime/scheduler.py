@@ -16,7 +16,10 @@ after autograd summed the contributions of every use (a tied parameter too). The
 gradient into the chunk's gradient buffer and clears ``.grad``. When every trainable parameter
 of a streamed chunk has its gradient, the buffer is offloaded to host memory and the CPU worker
 lands it in the accumulator (fp32; bf16 in bf16-true) and, at a gradient-accumulation boundary,
-runs Adam on the chunk while backward goes on (unless Adam waits for step(): update.py). No
+finishes the gradients (fp16 unscaling, norms: [Note: finishing gradients early] in
+gradients.py) and runs Adam on the chunk while backward goes on -- or, under fp16 or norm
+clipping, leaves Adam to ``step()``, which hands every streamed chunk to the worker in forward
+order and returns: the next forward's use of a chunk waits for that chunk's update only. No
 trainable parameter of the chunk is needed by backward after that point: autograd runs a
 parameter's accumulation only after every node that uses the parameter ran. Frozen parameters
 give no such signal, so a chunk that has some waits while its units are in the active chain:
@@ -27,7 +30,9 @@ more buffers than the units active at once ([Note: plan validity] in plan.py).
 In mixed precision the offloaded gradients land in the chunk's host compute-dtype copy (no extra
 host memory); the worker folds them into the fp32 accumulator and then rewrites that copy from
 the fp32 master. So while a chunk is UPDATING its parameters must not be read: they are valid
-again when ``step()`` returns (or when the chunk is next fetched, which waits for the worker).
+again when its update ends: ``step()`` waits for that when updates overlap backward; when they
+overlap the next forward, the chunk's next fetch, ``wait_all`` and everything that reads states
+(state dicts, ``replan``, ``close``) wait for it.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from torch import Tensor
 from protrain_core.phase import PhaseTracker, TrainingPhase
 from protrain_core.runtime.chunk import Chunk, ChunkState
 from protrain_core.runtime.device import DeviceContext
-from protrain_core.runtime.optim import ChunkOptimizer
+from protrain_core.runtime.optim import ChunkOptimizer, UpdateClip
 from protrain_core.runtime.worker import CpuWorker
 from protrain_core.utils import traced
 
@@ -59,6 +64,10 @@ class Runtime:
         self.phase = phase
         self.n_buffer = n_buffer
         self.update_during_backward = True  # set by the engine from update.overlap_mode
+        self.landing_clip = UpdateClip()  # the clipping of updates during backward (elementwise only)
+        self.finisher = None  # chunk -> the worker's job finishing its gradients at a boundary (or None)
+        self._after_step: set[int] = set()  # chunks whose update step() handed out and did not wait for
+        self._stepped_backward = False  # a backward outside no_sync ran since the last step / zero_grad
         self.check_invariants = check_invariants
         self.boundary = True  # this backward is followed by step() (not inside no_sync)
         self.hps = None  # hyper-parameters snapshot of the current step
@@ -71,6 +80,11 @@ class Runtime:
         self.record_events = False
         staging = max((c.storage.fmt.trainable_numel for c in self.streamed), default=0)
         self.worker = CpuWorker(ctx, optim, n_staging=n_buffer, staging_numel=staging, record=self.record)
+
+    @property
+    def stepped_backward(self) -> bool:
+        """A backward outside ``no_sync`` ran since the last step (its gradients are the step's)."""
+        return self._stepped_backward
 
     @property
     def threaded(self) -> bool:
@@ -226,13 +240,17 @@ class Runtime:
         ``final``: no more gradients of this chunk come in this backward pass, so at a
         gradient-accumulation boundary the worker runs Adam on it right away.
         """
-        update = final and self.update_during_backward and self.boundary
-        worker, hps = self.worker, self.hps
+        at_boundary = final and self.boundary
+        finish = self.finisher(c) if at_boundary and self.finisher is not None else None
+        update = None
+        if at_boundary and self.update_during_backward:
+            update = (self.hps, self.optim.selected(c), self.landing_clip)
+        worker = self.worker
 
         def submit(event, landing, replace):
-            return worker.submit(worker.land_and_update, c, event, landing, replace, update, hps)
+            return worker.submit(worker.land_and_update, c, event, landing, replace, finish, update)
 
-        c.begin_offload(self.ctx, applied=update, landing_for=lambda replace: worker.landing_buffer(c, replace=replace),
+        c.begin_offload(self.ctx, applied=update is not None, landing_for=lambda replace: worker.landing_buffer(c, replace=replace),
                         submit=submit)
         self.record("offload", c.index)
         if not self.ctx.is_cuda:
@@ -242,19 +260,22 @@ class Runtime:
     @contextmanager
     def backward_pass(self, *, boundary: bool):
         """One ``engine.backward``; ``boundary``: a step follows (not inside ``no_sync``)."""
-        if any(c.applied for c in self.chunks):
+        if self._stepped_backward:
             raise RuntimeError(
                 "engine.backward() was called twice without engine.step(), but the first backward "
-                "already updated the offloaded chunks (ProTrain runs Adam during backward). For "
-                "gradient accumulation, run the non-final micro-batches inside `with engine.no_sync():`."
+                "already finished this step's gradients (ProTrain updates offloaded chunks during "
+                "backward, or unscales them and takes their norms). For gradient accumulation, run "
+                "the non-final micro-batches inside `with engine.no_sync():`."
             )
         with self.phase.entered(TrainingPhase.BACKWARD, leaving=TrainingPhase.IDLE,
                                 error="engine.backward() was called while another backward is running."):
             self.boundary = boundary
             self.hps = self.optim.snapshot()
             self._chain, self.current, self._deferred = [], set(), set()
+            self._after_step.clear()  # from here on, zero_grad waits for every job in flight
             try:
                 yield
+                self._stepped_backward = boundary
             finally:
                 try:
                     self._finish_backward()
@@ -280,29 +301,46 @@ class Runtime:
             if c.state is ChunkState.UPDATING:
                 c.end_update()
 
-    def step(self, hps) -> None:
-        """Update every chunk that has gradients and was not updated during backward."""
+    def step(self, hps, clip: UpdateClip, *, wait: bool) -> None:
+        """Update every chunk that has gradients and was not updated during backward, clipped by
+        ``clip``: the streamed ones on the CPU worker in forward order, then the persistent ones
+        on the device. ``wait``: return when every update is over (else the streamed chunks'
+        updates overlap what comes next; their next use waits for them)."""
         self.wait_all()
         pending = [c for c in self.chunks if not c.applied and c.has_gradients]
+        host_clip = clip.on(torch.device("cpu"))
+        self._after_step.clear()
         for c in pending:
             c.apply()
             if not c.persistent:
                 if c.state is ChunkState.RESIDENT:
                     self._evict(c)  # its device copy would be stale after the update
-                c.begin_update(lambda c=c: self.worker.submit(self.worker.update, c, hps))
+                job = (hps, self.optim.selected(c), host_clip)
+                c.begin_update(lambda c=c, job=job: self.worker.submit(self.worker.update, c, *job))
+                self._after_step.add(c.index)
+        device_clip = clip.on(self.ctx.device)
         for c in pending:
             if c.persistent:
                 with traced("ProTrain::device_adam"), torch.no_grad():
-                    self.optim.update(c, hps)
-        self.wait_all()
+                    self.optim.update(c, hps, self.optim.selected(c), device_clip)
+        if wait:
+            self.wait_all()
         self.finish_step()
 
     def finish_step(self) -> None:
+        self._stepped_backward = False
         for c in self.chunks:
             c.finish_step()
 
     def zero_grad(self) -> None:
-        self.wait_all()
+        """Clear the gradients; updates handed out by step() may go on (they hold their own
+        list of members, and the accumulators are written again only after the next fetch)."""
+        for c in self.streamed:
+            if c.state is ChunkState.OFFLOADING:
+                c.end_offload(self.ctx)
+            if c.state is ChunkState.UPDATING and c.index not in self._after_step:
+                c.end_update()
+        self._stepped_backward = False
         for c in self.chunks:
             c.zero()
 

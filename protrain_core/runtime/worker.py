@@ -72,8 +72,9 @@ class CpuWorker:
         self._lent[id(landing)] = full
         return landing
 
-    def land_and_update(self, chunk: Chunk, event, landing: Tensor, replace: bool, update: bool, hps) -> None:
-        """Fold the offloaded gradients into the accumulator, then maybe run Adam."""
+    def land_and_update(self, chunk: Chunk, event, landing: Tensor, replace: bool, finish, update) -> None:
+        """Fold the offloaded gradients into the accumulator; then ``finish()`` them (unscale,
+        norms: runtime/gradients.py) and run ``update`` = (hps, selected, clip) when given."""
         self.ctx.synchronize(event)
         storage = chunk.storage
         with torch.no_grad():
@@ -82,15 +83,17 @@ class CpuWorker:
             elif not replace:  # landed in a staging buffer
                 storage.grad_acc.add_(landing)
                 self._staging.put(self._lent.pop(id(landing)))
-            if update:
-                self.update(chunk, hps)
+            if finish is not None:
+                finish()
+            if update is not None:
+                self.update(chunk, *update)
             elif storage.fmt.separate_master:
                 storage.compute_span().copy_(storage.master)
 
-    def update(self, chunk: Chunk, hps) -> None:
+    def update(self, chunk: Chunk, hps, selected, clip) -> None:
         self.record("cpu_adam_begin", chunk.index)
         with torch.no_grad():
-            self.optim.update(chunk, hps)
+            self.optim.update(chunk, hps, selected, clip)
         self.record("cpu_adam_end", chunk.index)
 
     def shutdown(self) -> None:

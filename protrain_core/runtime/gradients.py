@@ -1,0 +1,239 @@
+"""A step's gradients between backward and the update: fp16 unscaling and the overflow check,
+gradient clipping (configured ahead, or requested between backward and ``step()``), and the
+schedule of the streamed chunks' CPU Adam that these allow (update.py).
+
+[Note: finishing gradients early]
+Under fp16 or norm clipping no chunk may be updated before every gradient of the step is known:
+one inf/nan anywhere skips the step, and one global norm scales every gradient. What the
+update needs from the gradients is small, though: per chunk, whether it overflowed and the
+norm of each of its tensors. So at a step's last backward, when a streamed chunk's gradients
+have landed in its host accumulator, the CPU worker *finishes* them right there, while backward
+goes on: it unscales them and checks them for inf/nan (``torch._amp_foreach_non_finite_check_and_unscale_``,
+as ``GradScaler.unscale_``) and takes the norm of each tensor (``torch._foreach_norm``, as
+``clip_grad_norm_``). At ``step()`` only the persistent chunks (on the device) are left; the
+total norm is ``vector_norm`` of the per-tensor norms stacked in the optimizer's parameter order
+on the device, and the coefficient ``min(max_norm / (total + 1e-6), 1)``: the arithmetic of
+``clip_grad_norm_``, so fp32 stays bitwise. ``step()`` then hands the streamed chunks to the CPU
+worker in forward order (the coefficient is the first thing each job applies) and returns; the
+next forward's use of a chunk waits for that chunk's update only (scheduler.py). The CPU Adam
+thus overlaps the next forward instead of backward (``UpdateSchedule.NEXT_FORWARD``).
+
+Clipping requested late (``engine.clip_grad_norm_`` between backward and step, as
+``fabric.clip_gradients`` and Lightning's ``configure_gradient_clipping`` do) is exact only when
+no chunk was updated during that backward. The engine therefore holds the updates of its first
+step until ``step()`` (``late_reason``), and of every step after one that clipped late, or of
+every step when told that clipping will come late (``expect_late``, which also names the norm
+to finish early); told that none will come (``hold_first`` False) it holds nothing. A late
+request after a backward that already updated chunks is refused with the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from protrain_core.precision import LossScaler
+from protrain_core.runtime.chunk import Chunk
+from protrain_core.runtime.optim import ChunkOptimizer, UpdateClip
+from protrain_core.update import ClipAlgorithm, GradientClipping, clips_norm
+
+
+@dataclass
+class _Finished:
+    """A chunk's gradients of this step: unscaled (fp16) and the norms taken so far."""
+
+    found_inf: Tensor | None  # fp16: > 0 when an inf/nan was found (where the gradients live)
+    norms: dict[float, list[Tensor]]  # norm type -> the norm of each member in ``members``
+    members: list[int]  # the chunk's members the optimizer updates that have a gradient
+
+
+class StepGradients:
+    """What the engine knows about clipping, and the finished gradients of the current step."""
+
+    def __init__(self, optim: ChunkOptimizer, scaler: LossScaler | None, chunks: list[Chunk], slot_of,
+                 device: torch.device) -> None:
+        self.optim, self.scaler, self.chunks, self.slot_of, self.device = optim, scaler, chunks, slot_of, device
+        self.configured: GradientClipping | None = None  # applied at every step (wrap / set_gradient_clipping)
+        self.expect_late: float | None = None  # clipping comes late at any step: the norm type to finish early
+        self.hold_first = True  # hold the first step for a late request (False: no late request will come)
+        self.late_seen = False  # some step clipped late
+        self.steps = 0
+        self.last_norm: Tensor | None = None  # total norm before clipping, of the last norm clipping
+        self._late: GradientClipping | None = None  # this step's late request
+        self._totals: dict[float, Tensor] = {}  # norm type -> this step's total norm
+        self._finished: dict[int, _Finished] = {}  # chunk index -> (streamed chunks: written by the worker)
+
+    # ----- the schedule ---------------------------------------------------------------------
+    def late_reason(self, *, steady: bool = False) -> str | None:
+        """Why the next backward must hold the CPU updates for a late clipping request (None: it
+        need not); ``steady``: after the first step."""
+        if self.configured is not None:
+            return None  # a late request must then match it: nothing to hold for
+        if self.expect_late is not None:
+            return "gradient clipping requested after backward"
+        if not self.hold_first:
+            return None
+        if self.late_seen:
+            return "gradient clipping requested after backward in an earlier step"
+        if self.steps == 0 and not steady:
+            return "first step: gradient clipping may still be requested after backward"
+        return None
+
+    def _norm_type(self) -> float | None:
+        if clips_norm(self.configured):
+            return self.configured.norm_type
+        return self.expect_late
+
+    # ----- finishing ------------------------------------------------------------------------
+    def finisher(self, chunk: Chunk):
+        """The CPU worker's job after a streamed chunk's last landing of the step (None: nothing
+        to finish). Runs on the main thread; the job only touches this chunk."""
+        norm_type = self._norm_type()
+        if self.scaler is None and norm_type is None:
+            return None
+        members = self._members(chunk)
+        inv_scale = None if self.scaler is None else self.scaler.inv_scale()
+
+        def job():
+            self._finished[chunk.index] = self._finish(chunk, members, inv_scale, norm_type)
+
+        return job
+
+    def _members(self, chunk: Chunk) -> list[int]:
+        return [i for members in chunk.opt_members.values() for i in members if chunk.has_grad(i)]
+
+    @staticmethod
+    def _finish(chunk: Chunk, members: list[int], inv_scale: Tensor | None, norm_type: float | None) -> _Finished:
+        grads = [chunk.state_view(chunk.storage.grad_acc, i) for i in members]
+        found = None
+        if inv_scale is not None and grads:
+            found = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(grads[0].device))
+        norms = {} if norm_type is None or not grads else {norm_type: list(torch._foreach_norm(grads, norm_type))}
+        return _Finished(found, norms, members)
+
+    def finish_all(self) -> None:
+        """Finish every chunk with gradients that is not finished yet (the persistent chunks, and
+        streamed ones whose last landing came before this step's last backward). No update may
+        be in flight."""
+        for c in self.chunks:
+            if c.index not in self._finished and c.opt_members and c.has_gradients:
+                inv_scale = None if self.scaler is None else self.scaler.inv_scale()
+                self._finished[c.index] = self._finish(c, self._members(c), inv_scale, None)
+
+    def _norms(self, norm_type: float) -> dict[int, Tensor]:
+        """Parameter id -> the norm of its gradient (after finish_all)."""
+        out = {}
+        for index, f in self._finished.items():
+            if norm_type not in f.norms:
+                c = self.chunks[index]
+                grads = [c.state_view(c.storage.grad_acc, i) for i in f.members]
+                f.norms[norm_type] = list(torch._foreach_norm(grads, norm_type)) if grads else []
+            params = self.chunks[index].params
+            out.update((id(params[i]), n) for i, n in zip(f.members, f.norms[norm_type]))
+        return out
+
+    def total_norm(self, norm_type: float) -> Tensor:
+        """``clip_grad_norm_``'s total norm over the optimizer's parameters (after finish_all):
+        the per-tensor norms, moved to the device one transfer per place they were taken,
+        stacked in the optimizer's parameter order. Once per step and norm type."""
+        if norm_type not in self._totals:
+            self._totals[norm_type] = self._total_norm(norm_type)
+        return self._totals[norm_type]
+
+    def _total_norm(self, norm_type: float) -> Tensor:
+        norms = self._norms(norm_type)
+        ordered = [norms[id(p)] for group in self.optim.optimizer.param_groups for p in group["params"] if id(p) in norms]
+        if not ordered:
+            return torch.tensor(0.0, device=self.device)
+        moved: dict[torch.device, Tensor] = {}
+        for where in {n.device for n in ordered}:
+            ks = [k for k, n in enumerate(ordered) if n.device == where]
+            for k, n in zip(ks, torch.stack([ordered[k] for k in ks]).to(self.device)):
+                moved[k] = n
+        return torch.linalg.vector_norm(torch.stack([moved[k] for k in range(len(ordered))]), norm_type)
+
+    def found_inf(self) -> Tensor:
+        """1.0 when any gradient of the step overflowed (fp16), on the CPU (after finish_all)."""
+        found = torch.zeros(1, dtype=torch.float32)
+        for f in self._finished.values():
+            if f.found_inf is not None:
+                found += f.found_inf.cpu()
+        return (found > 0).float()
+
+    # ----- late requests --------------------------------------------------------------------
+    def check_request(self, clipping: GradientClipping, *, updated_in_backward: bool) -> None:
+        """Refuse a clipping request between backward and step that cannot be exact."""
+        if self.configured is not None:
+            if clipping != self.configured:
+                raise ValueError(
+                    f"Gradient clipping {_describe(clipping)} was requested after backward, but this engine "
+                    f"already clips with {_describe(self.configured)} at every step "
+                    "(wrap(gradient_clipping=...) / set_gradient_clipping / the strategy's gradient_clip_val). "
+                    "Configure one of the two: remove the configured setting, or the late call."
+                )
+            return
+        if updated_in_backward:
+            raise RuntimeError(
+                f"Gradient clipping {_describe(clipping)} was requested between backward and step, but no "
+                "earlier step clipped, so ProTrain already updated the offloaded chunks during this backward "
+                "with unclipped gradients. Clip from the first step on, or say so before training: "
+                "wrap(..., gradient_clipping=(algorithm, value)), engine.expect_late_clipping(), or the "
+                "strategy's gradient_clip_val."
+            )
+        if self._late is not None:
+            raise RuntimeError("Gradient clipping was already requested for this step; request it once per step.")
+
+    def accept(self, clipping: GradientClipping) -> None:
+        """This step applies ``clipping`` (after ``check_request``; a no-op when configured)."""
+        if self.configured is None:
+            self._late, self.late_seen = clipping, True
+
+    def late_norm(self, clipping: GradientClipping) -> Tensor:
+        """The total norm for a request by norm (after finish_all); it is the last norm now."""
+        self.last_norm = self.total_norm(clipping.norm_type)
+        return self.last_norm
+
+    # ----- the update -----------------------------------------------------------------------
+    def needs_finishing(self) -> bool:
+        return self.scaler is not None or clips_norm(self.configured) or clips_norm(self._late)
+
+    def step_clip(self) -> tuple[UpdateClip, bool]:
+        """This step's clipping for every chunk's Adam, and whether the step runs (fp16 overflow
+        skips it). After ``finish_all`` when ``needs_finishing``."""
+        clip = self._late or self.configured
+        found_inf = None
+        if self.scaler is not None:
+            found_inf = self.found_inf()
+            self.scaler.update(found_inf)
+        coef = None
+        if clips_norm(clip):
+            # Also on a skipped fp16 step: the norm is then inf/nan, as clip_grad_norm_ reports it.
+            total = self.last_norm = self.total_norm(clip.norm_type)
+            coef = torch.clamp(clip.value / (total + 1e-6), max=1.0)
+        value = clip.value if clip is not None and clip.algorithm is ClipAlgorithm.VALUE else None
+        return UpdateClip(coef=coef, value=value), found_inf is None or not found_inf.item()
+
+    def landing_clip(self) -> UpdateClip:
+        """The clipping of updates during backward (only elementwise clipping allows them)."""
+        clip = self.configured
+        return UpdateClip(value=clip.value if clip is not None and clip.algorithm is ClipAlgorithm.VALUE else None)
+
+    def end_step(self) -> None:
+        self.discard()
+        self.steps += 1
+
+    def discard(self) -> None:
+        """Forget this step's finished gradients and requests (after step, or zero_grad)."""
+        self._finished.clear()
+        self._totals.clear()
+        self._late = None
+
+
+def _describe(clipping: GradientClipping) -> str:
+    if clipping.algorithm is ClipAlgorithm.VALUE:
+        return f"by value ({clipping.value:g})"
+    return f"by norm (max_norm {clipping.value:g}, {clipping.norm_type:g}-norm)"
+
