@@ -18,6 +18,7 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, TensorDataset
 
 import protrain_core as pt
+from protrain_core.autoplan import SWITCH_GAIN
 from conftest import MODELS, VOCAB, assert_same_weights, batches, train_engine, train_reference
 from lightning_protrain import ProTrainFabricStrategy, ProTrainStrategy
 
@@ -199,8 +200,8 @@ def tight_budget():
 def test_batches_of_16_to_64_tokens_equal_plain_pytorch_and_longer_ones_checkpoint_more():
     """Profiled on 2 x 16 tokens, then sequences of 16-64: every micro-batch runs a plan whose
     predicted peak for its own length fits the budget; long ones checkpoint, short ones keep
-    their activations again (switching back is predicted faster); each switch is said once
-    per length and plan; the run is bitwise plain PyTorch."""
+    their activations again where that is predicted faster; each switch is said once per
+    length and plan; the run is bitwise plain PyTorch."""
     budget = tight_budget()
     lengths = [16] * PROFILED_STEPS + [64, 16, 40, 64, 24, 64, 16, 40]
     data = varying(lengths)
@@ -218,14 +219,21 @@ def test_batches_of_16_to_64_tokens_equal_plain_pytorch_and_longer_ones_checkpoi
     for n, plan in searched:
         assert pt.CostModel(engine.profile.at_tokens(2 * n)).memory(plan).peak_bytes <= budget, (n, plan)
     checkpointed = {n: plan.n_checkpoint + plan.n_swap for n, plan in searched}
-    assert checkpointed[16] == 0 and checkpointed[64] > 0 and checkpointed[64] >= checkpointed[40]
+    assert checkpointed[64] > 0  # no plan keeping every activation fits 2 x 64 tokens
+    # Each batch runs the fastest plan for its length with the chunks on the device unchanged, or
+    # keeps the current one when that fits and the fastest is not SWITCH_GAIN faster (so whether
+    # a short batch after a long one keeps its activations again depends on the block times).
+    for n, plan in searched:
+        profile = engine.profile.at_tokens(2 * n)
+        best = pt.search(profile, budget, n_persist=plan.n_persist)
+        assert plan == best.plan or best.runtime.total_s >= pt.CostModel(profile).runtime(plan).total_s * (1 - SWITCH_GAIN)
     switched, previous = set(), engine.choice.plan
     for n, plan in searched:
         if plan != previous:
             switched.add((n, plan))
         previous = plan
     switches = reports.texts("ProTrain: batches of")
-    assert len(switches) == len(switched) >= 2
+    assert len(switches) == len(switched) >= 1
     assert any("128 tokens (the plan was made for 32)" in s and "would need" in s for s in switches)
 
 
