@@ -74,7 +74,7 @@ class AutoPlanner:
         self._schedule = schedule
         self.planned_tokens = max(profile.tokens, max_tokens or 0)
         self._models: dict[tuple[int, UpdateSchedule], CostModel] = {}
-        self._decisions: dict[tuple[int, Plan], Plan] = {}
+        self._decisions: dict[tuple[int, Plan, UpdateSchedule], Plan] = {}
         self._said: set[tuple[int, Plan]] = set()
         self.handle = None
 
@@ -107,7 +107,7 @@ class AutoPlanner:
         current = self.engine.plan
         if self.max_tokens is not None and tokens <= self.max_tokens:
             tokens = self.max_tokens  # the plan made for max_tokens fits every shorter batch
-        key = (tokens, current)
+        key = (tokens, current, self.schedule)  # a late clipping request changes the schedule
         if key not in self._decisions:
             self._decisions[key] = self._decide(tokens, current)
         return self._decisions[key]

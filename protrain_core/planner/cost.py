@@ -198,15 +198,15 @@ class CostModel:
         #   redo their updates (their speculative updates only delayed the redo by nothing more
         #   than the landings it needs anyway); its cost is host memory (SPECULATIVE_EXTRA_HOST_BYTES).
         # Without a separate device (CPU) the worker competes for the same cores: T adds up.
+        during = t_fwd + max(t_bwd + dev_total, cpu_end)
         if not self.async_copies:
             total = t_fwd + t_bwd + dev_total + cpu_total
-        elif self.schedule is UpdateSchedule.NEXT_FORWARD:
-            total = t_bwd + self._forward_after_updates(lay, p, B, max(0.0, landed - t_bwd), dev_total)
-        elif self.schedule is UpdateSchedule.SPECULATIVE:
-            redo = t_bwd + self._forward_after_updates(lay, p, B, max(0.0, landed - t_bwd), dev_total)
-            total = (1 - self.redo_fraction) * (t_fwd + max(t_bwd + dev_total, cpu_end)) + self.redo_fraction * redo
+        elif self.schedule is UpdateSchedule.DURING_BACKWARD:
+            total = during
         else:
-            total = t_fwd + max(t_bwd + dev_total, cpu_end)
+            after = t_bwd + self._forward_after_updates(lay, p, B, max(0.0, landed - t_bwd), dev_total)
+            r = self.redo_fraction if self.schedule is UpdateSchedule.SPECULATIVE else 1.0
+            total = (1 - r) * during + r * after
         h2d, d2h = h2d_fwd + h2d_bwd, d2h_fwd + d2h_bwd
         resources = {
             "device compute": lay.compute_s,

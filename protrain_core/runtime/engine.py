@@ -72,7 +72,7 @@ class Engine:
         n_buffer = min(plan.n_buffer, len(self.chunks) - plan.n_persist)
         self.runtime = Runtime(self.chunks, self.ctx, self._optim, self.phase, n_buffer=n_buffer,
                                check_invariants=options.check_invariants)
-        self.grads = StepGradients(self._optim, self.scaler, self.chunks, self._slot_of, device)
+        self.grads = StepGradients(self._optim, self.scaler, self.chunks, device)
         self.runtime.finisher = self.grads.finisher
         self._set_update_mode()
         self.hooks = self._runtime_hooks()
@@ -411,19 +411,21 @@ class Engine:
         ``clip_grad_norm_`` call)."""
         return self.grads.last_norm
 
+    def _overlap(self, *, steady: bool = False) -> Overlap:
+        return overlap_mode(self.precision, self.grads.configured, late_clipping=self.grads.late_reason(steady=steady))
+
     def _set_update_mode(self) -> None:
-        self.overlap_mode = overlap_mode(self.precision, self.grads.configured, late_clipping=self.grads.late_reason())
-        self.runtime.update_during_backward = self.overlap_mode.during_backward
+        self.runtime.update_during_backward = self._overlap().during_backward
         self.runtime.landing_clip = self.grads.landing_clip()
 
     def steady_overlap(self) -> Overlap:
         """The schedule after the first step (what plans are searched for)."""
-        return overlap_mode(self.precision, self.grads.configured, late_clipping=self.grads.late_reason(steady=True))
+        return self._overlap(steady=True)
 
     @property
     def overlap(self) -> str:
         """When the CPU Adam runs now, e.g. "cpu-adam-during-backward" (see update.py)."""
-        return str(overlap_mode(self.precision, self.grads.configured, late_clipping=self.grads.late_reason()))
+        return str(self._overlap())
 
     # ----- state --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Tensor]:

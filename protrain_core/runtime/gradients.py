@@ -52,9 +52,8 @@ class _Finished:
 class StepGradients:
     """What the engine knows about clipping, and the finished gradients of the current step."""
 
-    def __init__(self, optim: ChunkOptimizer, scaler: LossScaler | None, chunks: list[Chunk], slot_of,
-                 device: torch.device) -> None:
-        self.optim, self.scaler, self.chunks, self.slot_of, self.device = optim, scaler, chunks, slot_of, device
+    def __init__(self, optim: ChunkOptimizer, scaler: LossScaler | None, chunks: list[Chunk], device: torch.device) -> None:
+        self.optim, self.scaler, self.chunks, self.device = optim, scaler, chunks, device
         self.configured: GradientClipping | None = None  # applied at every step (wrap / set_gradient_clipping)
         self.expect_late: float | None = None  # clipping comes late at any step: the norm type to finish early
         self.hold_first = True  # hold the first step for a late request (False: no late request will come)
@@ -118,9 +117,9 @@ class StepGradients:
         """Finish every chunk with gradients that is not finished yet (the persistent chunks, and
         streamed ones whose last landing came before this step's last backward). No update may
         be in flight."""
+        inv_scale = None if self.scaler is None else self.scaler.inv_scale()
         for c in self.chunks:
             if c.index not in self._finished and c.opt_members and c.has_gradients:
-                inv_scale = None if self.scaler is None else self.scaler.inv_scale()
                 self._finished[c.index] = self._finish(c, self._members(c), inv_scale, None)
 
     def _norms(self, norm_type: float) -> dict[int, Tensor]:

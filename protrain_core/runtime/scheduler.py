@@ -308,7 +308,8 @@ class Runtime:
         updates overlap what comes next; their next use waits for them)."""
         self.wait_all()
         pending = [c for c in self.chunks if not c.applied and c.has_gradients]
-        host_clip = clip.on(torch.device("cpu"))
+        # The coefficient's copy to the host (a device sync on CUDA) only when a streamed chunk needs it.
+        host_clip = clip.on(torch.device("cpu")) if any(not c.persistent for c in pending) else None
         self._after_step.clear()
         for c in pending:
             c.apply()
