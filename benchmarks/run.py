@@ -61,6 +61,7 @@ class Workload:
     seq: int
     systems: tuple[str, ...] | None = None  # None: every system
     clip: float | None = None  # clip_grad_norm_(max_norm=clip) before every update (each system's own way)
+    devices: int = 1  # processes (data parallel, one device each; started by torchrun); 0: every GPU there is
 
 
 def lora(m: dict, r: int = 16) -> dict:
@@ -91,6 +92,14 @@ class Suite:
     batch_ladder: tuple[Workload, ...] = ()  # max-batch-size probe, ascending
     probe_systems: tuple[str, ...] | None = None  # None: every system
     timeout_s: int = 600
+    # Several processes, data parallel: ProTrain's chunks sharded over them (ZeRO-3 style), FSDP2
+    # and DeepSpeed at the same number; on a GPU suite they run when the machine has 2+ GPUs.
+    multi: tuple[Workload, ...] = ()
+
+
+# Systems of the several-process rows: ProTrain and the sharded offload systems; DDP (pytorch)
+# where the model fits.
+MULTI_SYSTEMS = ("protrain-core", "pytorch", "fsdp2-offload", "deepspeed-zero3-offload")
 
 
 TINY = llama(hidden=64, layers=4, heads=4, kv_heads=2, intermediate=172, vocab=256)
@@ -114,6 +123,7 @@ SUITES = {
         "tiny LLaMA on the CPU: checks that every system, the report and the chart still work (seconds)",
         device="cpu", precision="32-true", warmup=7, steps=3,
         workloads=(Workload("tiny-4L", TINY, batch=4, seq=64),),
+        multi=(Workload("tiny-4L x2", TINY, batch=4, seq=64, systems=("protrain-core", "pytorch"), devices=2),),
         model_ladder=(Workload("tiny-2L", dict(TINY, layers=2), 4, 64), Workload("tiny-4L", TINY, 4, 64)),
         batch_ladder=(Workload("tiny-4L b2", TINY, 2, 64), Workload("tiny-4L b4", TINY, 4, 64)),
         probe_systems=("protrain-core",), timeout_s=300,
@@ -140,6 +150,8 @@ SUITES = {
                    Workload(f"llama-{billions(L13B)} lora", lora(L13B), 4, 1024, systems=LORA_SYSTEMS)),
         model_ladder=tuple(Workload(f"llama-{billions(deeper(n))}", deeper(n), 2, 1024) for n in (24, 32, 40, 48)),
         batch_ladder=tuple(Workload(f"llama-{billions(L7B)} b{b}", L7B, b, 1024) for b in (2, 4, 8, 16, 32)),
+        multi=(Workload(f"llama-{billions(L7B)} all GPUs", L7B, 4, 1024, systems=MULTI_SYSTEMS, devices=0),
+               Workload(f"llama-{billions(L13B)} all GPUs", L13B, 4, 1024, systems=MULTI_SYSTEMS, devices=0)),
     ),
     # One 141 GB GPU, 128 GB host RAM: more persistent chunks; the ladder goes further.
     "gpu-141g": Suite(
@@ -153,6 +165,8 @@ SUITES = {
                    Workload(f"llama-{billions(L13B)} lora", lora(L13B), 4, 1024, systems=LORA_SYSTEMS)),
         model_ladder=tuple(Workload(f"llama-{billions(deeper(n))}", deeper(n), 2, 1024) for n in (32, 40, 48, 56, 64)),
         batch_ladder=tuple(Workload(f"llama-{billions(L7B)} b{b}", L7B, b, 1024) for b in (4, 8, 16, 32, 64)),
+        multi=(Workload(f"llama-{billions(L7B)} all GPUs", L7B, 8, 1024, systems=MULTI_SYSTEMS, devices=0),
+               Workload(f"llama-{billions(L13B)} all GPUs", L13B, 4, 1024, systems=MULTI_SYSTEMS, devices=0)),
     ),
 }
 
@@ -163,7 +177,7 @@ def spec_of(suite: Suite, system: str, w: Workload, *, dry_run: bool, steps=None
     m = dict(w.model, seq=w.seq)
     return {"system": system, "label": w.label, "model": m, "batch": w.batch, "seq": w.seq,
             "device": suite.device, "precision": suite.precision, "dry_run": dry_run, "memory_budget": memory_budget,
-            "clip": w.clip,
+            "clip": w.clip, "devices": w.devices,
             "warmup": suite.warmup if warmup is None else warmup, "steps": suite.steps if steps is None else steps}
 
 
@@ -183,6 +197,9 @@ def launch(specs: list[dict], timeout: int, log_dir: Path) -> list[dict]:
     log = log_dir / f"{name}.log"
     out.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "benchmarks.systems", json.dumps(specs if dry else specs[0]), str(out)]
+    n = specs[0].get("devices", 1)
+    if n > 1 and not dry:  # torchrun starts one process per device; rank 0 writes the result
+        cmd[1:3] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", "-m", "benchmarks.systems"]
     # Each ProTrain run profiles afresh: a cached profile may come from another load on this machine.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                PROTRAIN_REPROFILE="1")
@@ -213,9 +230,10 @@ def summarise(spec: dict, result: dict) -> dict:
     times = result.get("step_s") or []
     if result.get("status") == "ok" and times:
         med = statistics.median(times)
+        n = spec.get("devices", 1)  # every process trains its own batch: the figures are all of them
         row.update(step_median_s=med, step_min_s=min(times), step_max_s=max(times),
-                   tokens_per_s=spec["batch"] * spec["seq"] / med,
-                   tflops=S.flops_per_step(spec) / med / 1e12)
+                   tokens_per_s=n * spec["batch"] * spec["seq"] / med,
+                   tflops=n * S.flops_per_step(spec) / med / 1e12, devices=n)
         bound = result.get("bound")
         if bound:
             lower = max(bound["compute_s"], bound["transfer_s"], bound["cpu_adam_s"])
@@ -291,7 +309,7 @@ def run_suite(name: str, suite: Suite, *, systems, dry_run: bool, probes: bool, 
         if specs:
             go(specs)
         return report
-    for w in suite.workloads:
+    for w in suite.workloads + multi_workloads(suite):
         for system in runnable:
             if w.systems is None or system in w.systems:
                 go([spec(system, w, dry_run=False)])
@@ -303,6 +321,20 @@ def run_suite(name: str, suite: Suite, *, systems, dry_run: bool, probes: bool, 
                     if row["status"] != "ok":
                         break
     return report
+
+
+def multi_workloads(suite: Suite) -> tuple[Workload, ...]:
+    """The suite's several-process rows this machine can run: on a GPU suite with 2+ GPUs (every
+    GPU: ``devices=0``), on the CPU always (gloo)."""
+    if suite.device != "cuda":
+        return suite.multi
+    import torch
+
+    n = torch.cuda.device_count()
+    if n < 2:
+        return ()
+    return tuple(dataclasses.replace(w, devices=w.devices or n, label=w.label.replace("all GPUs", f"x{n} GPUs"))
+                 for w in suite.multi)
 
 
 # ----- the report --------------------------------------------------------------------------------

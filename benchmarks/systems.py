@@ -132,8 +132,9 @@ def init_weights(model: nn.Module, seed: int) -> None:
 
 
 def batches(spec: dict, device) -> list[torch.Tensor]:
-    """The synthetic token batches, the same for every system (drawn on the CPU)."""
-    gen = torch.Generator().manual_seed(1234)
+    """The synthetic token batches, the same for every system (drawn on the CPU; each process
+    of a several-process run its own)."""
+    gen = torch.Generator().manual_seed(1234 + rank())
     n = spec["warmup"] + spec["steps"]
     return [torch.randint(0, spec["model"]["vocab"], (spec["batch"], spec["seq"]), generator=gen).to(device)
             for _ in range(n)]
@@ -255,6 +256,8 @@ def run_pytorch(spec, device, clock):
         adamw(trainable(build_model(spec["model"], "meta")), device)
         return {"note": states_note(spec) + " on the device"}
     model = build_model(spec["model"], "cpu").to(device)  # drawn on the CPU: the same weights for every system
+    if world() > 1:  # several processes: DDP
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     if spec["model"].get("lora") and spec["precision"] == "bf16-mixed":
         for p in model.parameters():  # plain PEFT's usual recipe: the frozen base in bf16
             if not p.requires_grad:
@@ -269,12 +272,14 @@ def run_fsdp2(spec, device, clock, checkpointing: bool):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
     cuda = device.type == "cuda" and torch.cuda.is_available()  # a dry run may build a GPU suite on a CPU machine
-    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
+    own_group = not dist.is_initialized()  # several processes: torchrun's, set up by run()
+    if own_group:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]), RANK="0", WORLD_SIZE="1",
+                          LOCAL_RANK="0")
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
     try:
-        mesh = init_device_mesh("cuda" if cuda else "cpu", (1,))
+        mesh = init_device_mesh("cuda" if cuda else "cpu", (world(),))
         # Built and drawn on the CPU like every system's model; fully_shard keeps the shards there.
         model = build_model(spec["model"], "meta" if spec["dry_run"] else "cpu")
         if checkpointing:
@@ -293,7 +298,8 @@ def run_fsdp2(spec, device, clock, checkpointing: bool):
         train_loop(torch_step(model, opt, contextlib.nullcontext(), spec.get("clip")), batches(spec, device), spec, clock)
         return {}
     finally:
-        dist.destroy_process_group()
+        if own_group:
+            dist.destroy_process_group()
 
 
 def run_deepspeed(spec, device, clock):
@@ -310,8 +316,9 @@ def run_deepspeed(spec, device, clock):
         config["gradient_clipping"] = spec["clip"]
     if spec["dry_run"]:
         return {"note": f"deepspeed {deepspeed.__version__}, config built"}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
+    if world() == 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]), RANK="0", WORLD_SIZE="1",
+                          LOCAL_RANK="0")
     model = build_model(spec["model"], "cpu")
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
@@ -406,7 +413,7 @@ def run_protrain_lightning(spec, device, clock):
 
     data = batches(spec, "cpu")
     strategy = lightning_protrain.ProTrainStrategy(memory_budget=spec.get("memory_budget"))
-    trainer = pl.Trainer(strategy=strategy, accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
+    trainer = pl.Trainer(strategy=strategy, accelerator="gpu" if device.type == "cuda" else "cpu", devices=world(),
                          precision=spec["precision"], max_steps=len(data), logger=False, enable_checkpointing=False,
                          gradient_clip_val=spec.get("clip"),
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[Timing()])
@@ -528,15 +535,30 @@ def is_oom(exc: BaseException) -> bool:
                                    "cudaHostRegister", "CUDA error: out of memory"))
 
 
+def world() -> int:
+    """Processes of this run (torchrun's ``WORLD_SIZE``; 1 when started alone)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if os.environ.get("TORCHELASTIC_RUN_ID") else 1
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0")) if world() > 1 else 0
+
+
 def run(spec: dict) -> dict:
     device = torch.device(spec["device"])
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", 0)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) if world() > 1 else 0)
     if device.type == "cuda" and not spec["dry_run"]:
         torch.cuda.set_device(device)
     torch.manual_seed(0)
     clock = Clock(device)
     result = {"status": "ok"}
+    # Several processes: one process group for the run (the Lightning Trainer sets up its own).
+    group = world() > 1 and spec["system"] != "protrain-lightning" and not spec["dry_run"]
+    if group:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         result.update(RUNNERS[spec["system"]](spec, device, clock) or {})
     except Exception as exc:  # noqa: BLE001 -- every failure is a result of the run
@@ -544,6 +566,9 @@ def run(spec: dict) -> dict:
         result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
         if result["status"] == "error":
             result["traceback"] = traceback.format_exc()[-3000:]
+    finally:
+        if group:
+            dist.destroy_process_group()
     if spec["dry_run"]:
         result["status"] = "dry-run" if result["status"] == "ok" else result["status"]
     times = [b - a for a, b in zip(clock.ends, clock.ends[1:])]
@@ -560,6 +585,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     specs, out = json.loads(argv[0]), argv[1]
     result = [run(s) for s in specs] if isinstance(specs, list) else run(specs)  # a list: a dry run
+    if rank() != 0:
+        return 0  # rank 0 writes the result of a several-process run
     tmp = out + ".tmp"
     with open(tmp, "w") as f:
         json.dump(result, f)

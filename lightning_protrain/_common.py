@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
 
 import protrain_core as pt
@@ -52,6 +53,113 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path, storage_options)
         atomic_save(checkpoint, path)
 
+    def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
+        """Memory-mapped (local files): every rank of a sharded run reads only the pieces it
+        copies into its shards, not the whole file into memory."""
+        if "://" in str(path) or map_location not in (None, "cpu"):
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+
+
+class ProcessesPlumbing:
+    """The processes of a ProTrain run, alike for the Trainer and Fabric, placed before their
+    Lightning base class (a ``ParallelStrategy``). One process: nothing is launched and no
+    process group is created (the data order, seeds and loaders are those of a single-device
+    run). Several (``devices`` x ``num_nodes`` > 1, or an external launcher: torchrun, SLURM):
+    Lightning's own DDP strategy of that flavour (``_ddp_class``) launches the processes and
+    sets up the process group, and ProTrain shards its chunks over it; nothing is launched by
+    ProTrain itself. Its collectives (barrier, broadcast, reduce) are the DDP strategy's."""
+
+    _ddp_class: type
+
+    def _init_processes(self, process_group_backend, timeout, start_method) -> None:
+        self._num_nodes = 1
+        self._pg_args = dict(process_group_backend=process_group_backend, start_method=start_method)
+        if timeout is not None:
+            self._pg_args["timeout"] = timeout
+        self._ddp = None
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices else 1
+
+    @property
+    def is_distributed(self) -> bool:
+        """Several processes (Lightning then adds distributed samplers)."""
+        return self.num_processes * self.num_nodes > 1 or (
+            self.cluster_environment is not None and self.cluster_environment.creates_processes_externally
+            and self.cluster_environment.world_size() > 1)
+
+    def ddp(self):
+        """Lightning's DDP strategy for the same devices, nodes and cluster environment: it
+        launches the processes and sets up the process group."""
+        if self._ddp is None:
+            self._ddp = self._ddp_class(accelerator=self.accelerator, parallel_devices=self.parallel_devices,
+                                        cluster_environment=self.cluster_environment, **self._pg_args)
+            self._ddp.num_nodes = self.num_nodes
+        return self._ddp
+
+    def _configure_launcher(self) -> None:
+        if not self.is_distributed:
+            self._launcher = None
+            return
+        if self._root_device is not None:
+            raise ValueError(
+                f"ProTrain was given device={self._root_device} but runs {self.num_processes} processes x "
+                f"{self.num_nodes} nodes, each on its own device: remove device= (or use devices=1)."
+            )
+        if self._pg_args["start_method"] != "popen":
+            raise ValueError(
+                f"ProTrain starts its processes with Lightning's script launcher (start_method='popen'); "
+                f"start_method={self._pg_args['start_method']!r} is not supported. Run a script (python train.py, "
+                "torchrun or srun) rather than a notebook."
+            )
+        ddp = self.ddp()
+        ddp._configure_launcher()  # the hook every Lightning strategy implements
+        self._launcher = ddp.launcher
+
+    def assign_world_ranks(self) -> None:
+        """This process's global rank and the world size, from the devices and nodes (what
+        Lightning's connectors ask every strategy for before the launch)."""
+        env = self.cluster_environment
+        if env is None or not self.is_distributed:
+            return
+        env.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        env.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    def setup_processes(self) -> None:
+        """After the launch, in every process: the process group (and the world ranks)."""
+        if self.is_distributed:
+            self.ddp().setup_environment()
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict | None:
+        """None in one process (Fabric then keeps the loaders' samplers)."""
+        if not self.is_distributed:
+            return None
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    def barrier(self, *args, **kwargs) -> None:
+        if self.is_distributed:
+            self.ddp().barrier(*args, **kwargs)
+
+    def broadcast(self, obj, src: int = 0):
+        return self.ddp().broadcast(obj, src) if self.is_distributed else obj
+
+    def reduce(self, tensor, *args, **kwargs):
+        return self.ddp().reduce(tensor, *args, **kwargs) if self.is_distributed else tensor
+
 
 class OneDevicePlumbing:
     """What the Trainer and the Fabric strategy do alike, placed before their Lightning base
@@ -73,10 +181,15 @@ class OneDevicePlumbing:
 
     @property
     def root_device(self) -> torch.device:
-        if self._root_device is None:
-            cuda = isinstance(self.accelerator, self._cuda_accelerator)
-            self._root_device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        return self._root_device
+        """The ``device=`` given; else this process's device of the accelerator's devices; else
+        the accelerator's current device."""
+        if self._root_device is not None:
+            return self._root_device
+        devices = getattr(self, "parallel_devices", None)
+        if devices:
+            return devices[self.local_rank]
+        cuda = isinstance(self.accelerator, self._cuda_accelerator)
+        return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 
 def convert_input(data, precision: str):
@@ -190,3 +303,12 @@ def atomic_save(obj, path) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def check_state_dict_type(state_dict_type: str) -> str:
+    if state_dict_type not in ("full", "sharded"):
+        raise ValueError(
+            f"state_dict_type={state_dict_type!r}: use 'full' (one checkpoint file, gathered to rank 0) or "
+            "'sharded' (a torch.distributed.checkpoint directory written by every rank)."
+        )
+    return state_dict_type

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.accelerators import CUDAAccelerator
-from lightning.fabric.strategies import Strategy
+from lightning.fabric.strategies import DDPStrategy, ParallelStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
@@ -31,7 +31,9 @@ import protrain_core as pt
 from protrain_core.plan import plan_arguments
 from lightning_protrain._common import (
     OneDevicePlumbing,
+    ProcessesPlumbing,
     build_engine,
+    check_state_dict_type,
     check_optimizers,
     convert_input,
     gradient_clipping,
@@ -95,7 +97,7 @@ class _EngineSyncControl:
         return engine.no_sync() if enabled and engine is not None else contextlib.nullcontext()
 
 
-class ProTrainFabricStrategy(OneDevicePlumbing, Strategy):
+class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
     """Fabric strategy running the ProTrain engine (see ``ProTrainStrategy`` for the arguments).
 
     Extra arguments:
@@ -105,9 +107,13 @@ class ProTrainFabricStrategy(OneDevicePlumbing, Strategy):
         gradient_clip_val, gradient_clip_algorithm: clipping applied by the engine before every
             update, exactly as ``clip_grad_norm_`` ("norm") or ``clip_grad_value_`` ("value")
             (``fabric.clip_gradients`` with the same setting then only returns the norm).
+        state_dict_type: "full" or "sharded" checkpoints (``ProTrainStrategy``).
+        process_group_backend, timeout, start_method: as for Fabric's ``DDPStrategy`` (several
+            processes: ``Fabric(devices=N, num_nodes=M)``, torchrun, SLURM).
     """
 
     _cuda_accelerator = CUDAAccelerator
+    _ddp_class = DDPStrategy
 
     def __init__(
         self,
@@ -121,17 +127,24 @@ class ProTrainFabricStrategy(OneDevicePlumbing, Strategy):
         gradient_clip_algorithm: str = "norm",
         reprofile: bool = False,
         max_tokens: int | None = None,
+        state_dict_type: str = "full",
         device=None,
         accelerator=None,
         checkpoint_io=None,
         precision=None,
+        parallel_devices=None,
+        cluster_environment=None,
+        process_group_backend: str | None = None,
+        timeout=None,
+        start_method: str = "popen",
     ) -> None:
         plan, _ = plan_arguments(plan, memory_budget, max_tokens)
         self.clipping = gradient_clipping(gradient_clip_val, gradient_clip_algorithm)
-        super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision)
+        self.state_dict_type = check_state_dict_type(state_dict_type)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision)
+        self._init_processes(process_group_backend, timeout, start_method)
         self._root_device = torch.device(device) if device is not None else None
-        self.global_rank = self.local_rank = 0
-        self.world_size = 1
         self.plan, self.memory_budget, self.blocks, self.chunk_size = plan, memory_budget, blocks, chunk_size
         self.example_inputs, self.loss_fn, self.reprofile = example_inputs, loss_fn, reprofile
         self.max_tokens = max_tokens
@@ -154,23 +167,18 @@ class ProTrainFabricStrategy(OneDevicePlumbing, Strategy):
         self._precision = ProTrainFabricPrecision(flag, self, scaler_settings(plugin))
 
 
-    # One process (not a SingleDeviceStrategy: Fabric ignores no_backward_sync for those, and
-    # ProTrain needs it for accumulation): collectives are identities.
-    @property
-    def is_global_zero(self) -> bool:
-        return True
+    # A parallel strategy (also in one process: Fabric ignores no_backward_sync for a
+    # SingleDeviceStrategy, and ProTrain needs it for accumulation); collectives are Lightning
+    # DDP's with several processes, identities in one.
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.setup_processes()
+
+    def _set_world_ranks(self) -> None:  # the name Fabric's connector calls
+        self.assign_world_ranks()
 
     def all_reduce(self, tensor, *args, **kwargs):
-        return tensor
-
-    def all_gather(self, tensor, group=None, sync_grads: bool = False):
-        return tensor
-
-    def barrier(self, *args, **kwargs) -> None:
-        pass
-
-    def broadcast(self, obj, src: int = 0):
-        return obj
+        return self.ddp().all_reduce(tensor, *args, **kwargs) if self.is_distributed else tensor
 
     def module_to_device(self, module: nn.Module) -> None:
         pass  # the engine places every parameter itself
@@ -224,7 +232,32 @@ class ProTrainFabricStrategy(OneDevicePlumbing, Strategy):
             return self.engine.load_state_dict(state_dict, strict=strict)
         return super().load_module_state_dict(module, state_dict, strict=strict)
 
+    def _is_engine_object(self, obj) -> str | None:
+        """"model" / "optimizer" when ``obj`` (maybe wrapped by Fabric) is the engine's."""
+        obj = getattr(obj, "_forward_module", obj)
+        if self.engine is None or self.engine.closed:
+            return None
+        if obj is self.engine.module:
+            return "model"
+        if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+            return None  # it has an .optimizer too, but its own state
+        return "optimizer" if getattr(obj, "optimizer", obj) is self.engine.optimizer else None
+
+    def save_checkpoint(self, path, state, storage_options=None, filter=None) -> None:
+        """``state_dict_type="sharded"``: the model and optimizer go into a
+        ``torch.distributed.checkpoint`` directory, every rank writing its own shards; the rest
+        of ``state`` beside them (rank 0)."""
+        if self.state_dict_type != "sharded" or not any(self._is_engine_object(v) for v in state.values()):
+            return super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+        meta = {k: (v.state_dict() if hasattr(v, "state_dict") else v)
+                for k, v in state.items() if not self._is_engine_object(v)}
+        self.engine.save_sharded(path, meta=meta)
+
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only=None):
+        from protrain_core.checkpoint import is_sharded_checkpoint
+
+        if is_sharded_checkpoint(path):
+            return self._load_sharded(path, state or {}, strict)
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         if not state:
             return checkpoint
@@ -246,6 +279,28 @@ class ProTrainFabricStrategy(OneDevicePlumbing, Strategy):
             else:
                 state[key] = value
         return checkpoint
+
+    def _load_sharded(self, path, state: dict, strict: bool) -> dict:
+        from protrain_core.checkpoint import read_meta
+
+        engine = self.require_engine()
+        meta = read_meta(path)
+        kinds = {key: self._is_engine_object(obj) for key, obj in state.items()}
+        engine.load_sharded(path, model="model" in kinds.values(), optimizer="optimizer" in kinds.values(),
+                            strict=strict)
+        for key, obj in state.items():
+            if kinds[key] is not None:
+                continue
+            if key not in meta:
+                if strict:
+                    raise KeyError(f"'{key}' is not in the checkpoint {path}; its keys: {sorted(meta)}.")
+                continue
+            value = meta.pop(key)
+            if hasattr(obj, "load_state_dict"):
+                obj.load_state_dict(value)
+            else:
+                state[key] = value
+        return meta
 
     def teardown(self) -> None:
         if self.engine is not None and not self.engine.closed:

@@ -22,7 +22,12 @@ The strategy is a thin adapter over ``protrain_core``:
               ``configure_gradient_clipping`` clips through the engine between backward and step.
   checkpoints the model's own state dict (fp32 master weights) and the optimizer state in
               ``torch.optim.AdamW`` format, written atomically; any plan can load them.
-One process, one device for now: multi-GPU is not implemented yet.
+  processes   ``Trainer(devices=N, num_nodes=M)``, torchrun or SLURM: Lightning's DDP launcher and
+              process-group set-up start the processes, and the engine shards every chunk over
+              them (ZeRO-3 over chunks: [Note: sharded chunks] in protrain_core/runtime/sharding.py);
+              rank 0's plan is followed. Checkpoints are consolidated files (gathered chunk by
+              chunk to rank 0) or, with ``state_dict_type="sharded"``, ``torch.distributed.checkpoint``
+              directories; both load at any number of processes.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint, ModelSummary, ProgressBar, Timer
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -44,7 +49,9 @@ import protrain_core as pt
 from protrain_core.phase import TrainingPhase
 from protrain_core.plan import plan_arguments
 from lightning_protrain._common import (
+    check_state_dict_type,
     OneDevicePlumbing,
+    ProcessesPlumbing,
     build_engine,
     check_optimizers,
     convert_input,
@@ -147,7 +154,7 @@ def to_protrain_precision(plugin) -> ProTrainPrecision:
     return ProTrainPrecision(precision_of_plugin(plugin, _KNOWN_PLUGINS), scaler_settings(plugin))
 
 
-class ProTrainStrategy(OneDevicePlumbing, SingleDeviceStrategy):
+class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
     """Train with ProTrain: chunked model states streamed from host memory, CPU Adam during
     backward, and per-block activation checkpointing/swapping, chosen automatically.
 
@@ -160,10 +167,15 @@ class ProTrainStrategy(OneDevicePlumbing, SingleDeviceStrategy):
         reprofile: profile again even when a cached profile of this set-up exists.
         max_tokens: plan once for training batches of up to this many tokens (batch size x
             sequence length); default: the plan follows the batches' lengths.
+        state_dict_type: "full" (default): checkpoints are one file, gathered chunk by chunk to
+            rank 0; "sharded": a ``torch.distributed.checkpoint`` directory each rank writes its
+            shards into (for models whose full state does not fit one host's memory).
+        process_group_backend, timeout, start_method: as for ``DDPStrategy`` (several processes).
     """
 
     strategy_name = "protrain"
     _cuda_accelerator = CUDAAccelerator
+    _ddp_class = DDPStrategy
 
     def __init__(
         self,
@@ -173,13 +185,23 @@ class ProTrainStrategy(OneDevicePlumbing, SingleDeviceStrategy):
         chunk_size: int | None = None,
         reprofile: bool = False,
         max_tokens: int | None = None,
+        state_dict_type: str = "full",
         device=None,
         accelerator=None,
         checkpoint_io=None,
         precision_plugin=None,
+        parallel_devices=None,
+        cluster_environment=None,
+        process_group_backend: str | None = None,
+        timeout=None,
+        start_method: str = "popen",
     ) -> None:
         plan, _ = plan_arguments(plan, memory_budget, max_tokens)
-        super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        self.state_dict_type = check_state_dict_type(state_dict_type)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self._init_processes(process_group_backend, timeout, start_method)
         # None: the accelerator's first device (Lightning creates registered strategies without one).
         self._root_device = torch.device(device) if device is not None else None
         self.plan = plan
@@ -191,6 +213,7 @@ class ProTrainStrategy(OneDevicePlumbing, SingleDeviceStrategy):
         self.engine: pt.Engine | None = None
         self._last_plan: pt.Plan | None = None
         self._final_optimizer_state: dict | None = None
+        self._sharded_from = None  # a sharded checkpoint directory being restored
 
     # ----- Lightning plumbing ----------------------------------------------------------------
     @property
@@ -210,13 +233,15 @@ class ProTrainStrategy(OneDevicePlumbing, SingleDeviceStrategy):
     def model_to_device(self) -> None:
         pass  # the engine places every parameter (device or host) itself
 
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.setup_processes()
+
+    def set_world_ranks(self) -> None:
+        self.assign_world_ranks()
+
     # ----- setup -------------------------------------------------------------------------------
     def setup(self, trainer) -> None:
-        if trainer.num_devices * trainer.num_nodes > 1:
-            raise ValueError(
-                f"The ProTrain strategy runs on one device for now; got {trainer.num_devices} devices x "
-                f"{trainer.num_nodes} nodes. Use Trainer(devices=1, num_nodes=1)."
-            )
         self.accelerator.setup(trainer)
         module = self.lightning_module
         precision = self.precision_plugin
@@ -276,12 +301,40 @@ class ProTrainStrategy(OneDevicePlumbing, SingleDeviceStrategy):
     def _open_engine(self) -> pt.Engine | None:
         return self.engine if self.engine is not None and not self.engine.closed else None
 
+    def _sharded(self) -> pt.Engine | None:
+        """The open engine when checkpoints are sharded directories."""
+        engine = self._open_engine()
+        return engine if engine is not None and self.state_dict_type == "sharded" else None
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._sharded() is not None:
+            return {}  # written by save_checkpoint, shard by shard
         engine = self._open_engine()
         return engine.state_dict() if engine is not None else super().lightning_module_state_dict()
 
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        """``state_dict_type="sharded"``: a ``torch.distributed.checkpoint`` directory every rank
+        writes its shards into, the rest of Lightning's checkpoint beside them (rank 0);
+        "full": one file, gathered to rank 0 chunk by chunk (``lightning_module_state_dict``)."""
+        engine = self._sharded()
+        if engine is None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        engine.save_sharded(filepath, meta=meta)
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict[str, Any]:
+        from protrain_core.checkpoint import is_sharded_checkpoint, read_meta
+
+        if not is_sharded_checkpoint(checkpoint_path):
+            self._sharded_from = None
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._sharded_from = checkpoint_path  # read by the load_*_state_dict below, into the engine
+        return {**read_meta(checkpoint_path), "state_dict": {}, "optimizer_states": [{}]}
+
     def optimizer_state(self, optimizer) -> dict:
         engine = self._open_engine()
+        if self._sharded() is not None:
+            return {}
         if engine is not None and engine.optimizer_states:
             return engine.optimizer_state_dict()
         if self._final_optimizer_state is not None:
@@ -292,12 +345,16 @@ class ProTrainStrategy(OneDevicePlumbing, SingleDeviceStrategy):
         engine = self._open_engine()
         if engine is None:
             return super().load_model_state_dict(checkpoint, strict=strict)
+        if getattr(self, "_sharded_from", None) is not None:
+            return engine.load_sharded(self._sharded_from, optimizer=False, strict=strict)
         engine.load_state_dict(checkpoint["state_dict"], strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
         engine = self._open_engine()
         if engine is None:
             return super().load_optimizer_state_dict(checkpoint)
+        if getattr(self, "_sharded_from", None) is not None:
+            return engine.load_sharded(self._sharded_from, model=False)
         states = checkpoint["optimizer_states"]
         if len(states) != 1:
             raise ValueError(f"The checkpoint holds {len(states)} optimizer states; ProTrain trains with one.")

@@ -19,6 +19,7 @@ from protrain_core.profiler.profiler import profile_model, reprofile_requested, 
 from protrain_core.runtime.device import resolve_device
 from protrain_core.runtime.engine import Engine, EngineOptions
 from protrain_core.runtime.optim import check_optimizer
+from protrain_core.runtime.sharding import Sharding, agree
 from protrain_core.runtime.storage import chunk_formats
 from protrain_core.structure.blocks import find_blocks
 from protrain_core.structure.layout import ChunkLayout, build_layout
@@ -33,7 +34,7 @@ def wrap(
     chunk_size: int | None = None, example_inputs=None, loss_fn=None, step_fn=None,
     gradient_clipping: tuple[str, float] | None = None, profile_cache: bool = True, reprofile: bool = False,
     optimizer_states: bool = True, check_invariants: bool = False, max_tokens: int | None = None,
-    report=print_report,
+    report=print_report, process_group=None,
 ) -> Engine:
     """Put ``model``'s parameters and ``optimizer``'s states into ProTrain chunks.
 
@@ -64,6 +65,9 @@ def wrap(
             the plan follows the batch shapes ([Note: batch shapes] in autoplan.py).
         report: ``report(text, **metrics)``: the plan chosen, switches for batch shapes, the step
             time measured against the prediction (default: print).
+        process_group: the processes to shard the chunks over ([Note: sharded chunks]); default:
+            the initialised default group, if any. Every rank calls ``wrap`` alike; rank 0's
+            weights are broadcast and rank 0's plan is followed.
     """
     # Everything that can be wrong with the arguments is checked before memory is touched.
     prec, dev = parse_precision(precision), resolve_device(device)
@@ -72,47 +76,54 @@ def wrap(
     plan, budget = plan_arguments(plan, memory_budget, max_tokens)
     if plan is None and not optimizer_states:
         raise ValueError("wrap(optimizer_states=False) builds an engine for evaluation only: pass its plan=.")
+    sharding = Sharding.resolve(process_group)
+    if sharding is not None:
+        sharding.check_device(dev)
     budget = default_memory_budget(dev) if budget is None and plan is None else budget
     layout = _prepare(model, optimizer, blocks, chunk_size, example_inputs)
     options = EngineOptions(optimizer_states=optimizer_states, check_invariants=check_invariants)
     if plan is not None:
-        return _engine(model, optimizer, layout, plan, prec, dev, gradient_clipping, options)
-    return _searched(model, optimizer, layout, prec, dev, gradient_clipping, options, budget, max_tokens, report,
+        return _engine(model, optimizer, layout, agree(sharding, plan), prec, dev, gradient_clipping, options, sharding)
+    return _searched(model, optimizer, layout, prec, dev, gradient_clipping, options, sharding, budget, max_tokens, report,
                      example_inputs=example_inputs, loss_fn=loss_fn, step_fn=step_fn, cache=profile_cache,
                      reprofile=reprofile or reprofile_requested())
 
 
 def _searched(model, optimizer, layout: ChunkLayout, prec: Precision, dev: torch.device, gradient_clipping,
-              options: EngineOptions, budget: int, max_tokens: int | None, report, *, example_inputs, loss_fn, step_fn,
-              cache: bool, reprofile: bool) -> Engine:
+              options: EngineOptions, sharding: Sharding | None, budget: int, max_tokens: int | None, report, *,
+              example_inputs, loss_fn, step_fn, cache: bool, reprofile: bool) -> Engine:
     """``wrap`` with plan=None: the engine on a safe plan that switches after profiling its first
     steps, or (``example_inputs``) profiled and searched first."""
     host_budget = default_host_budget(dev)
+    world = 1 if sharding is None else sharding.world
     if example_inputs is None:
-        check_budget_holds_states(chunk_formats(model, optimizer, layout, prec, optimizer_states=True),
+        check_budget_holds_states(chunk_formats(model, optimizer, layout, prec, optimizer_states=True, world_size=world),
                                   layout.limits(), budget)
-        start = safe_plan(model, optimizer, layout, prec, dev, optimizer_states=True, budget=budget)
-        engine = _engine(model, optimizer, layout, start, prec, dev, gradient_clipping, options)
+        start = safe_plan(model, optimizer, layout, prec, dev, optimizer_states=True, budget=budget, world_size=world)
+        engine = _engine(model, optimizer, layout, agree(sharding, start), prec, dev, gradient_clipping, options,
+                         sharding)
         plan_on_first_steps(engine, budget=budget, host_budget=host_budget, report=report, max_tokens=max_tokens,
                             cache=cache, reprofile=reprofile)
         return engine
     profile = profile_model(model, optimizer, layout, example_inputs=example_inputs, loss_fn=loss_fn,
-                            step_fn=step_fn, precision=prec, device=dev, cache=cache, reprofile=reprofile)
+                            step_fn=step_fn, precision=prec, device=dev, cache=cache, reprofile=reprofile,
+                            sharding=sharding)
     n = batch_tokens(example_inputs)
     overlap = overlap_mode(prec, None if gradient_clipping is None else parse_gradient_clipping(*gradient_clipping))
     planner = AutoPlanner(None, profile, budget=budget, host_budget=host_budget, report=report, max_tokens=max_tokens,
                           schedule=overlap.schedule,
                           tokens_per_batch_token=profile.tokens / n if n and profile.tokens else None)
     choice = planner.first_choice()
-    planner.engine = engine = _engine(model, optimizer, layout, choice.plan, prec, dev, gradient_clipping, options)
+    planner.engine = engine = _engine(model, optimizer, layout, choice.plan, prec, dev, gradient_clipping, options,
+                                      sharding)
     follow(engine, planner, choice, report=report)
     return engine
 
 
 def _engine(model, optimizer, layout: ChunkLayout, plan: Plan, precision: Precision, device: torch.device,
-            gradient_clipping, options: EngineOptions) -> Engine:
+            gradient_clipping, options: EngineOptions, sharding: Sharding | None = None) -> Engine:
     check_plan(plan, layout.limits())
-    engine = Engine(model, optimizer, layout, plan, precision, device, options)
+    engine = Engine(model, optimizer, layout, plan, precision, device, options, sharding=sharding)
     if gradient_clipping is not None:
         engine.set_gradient_clipping(*gradient_clipping)
     return engine

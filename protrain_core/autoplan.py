@@ -25,6 +25,9 @@ from __future__ import annotations
 import statistics
 import time
 
+import torch
+import torch.distributed as dist
+
 from protrain_core.plan import Plan, PlanLimits
 from protrain_core.planner.cost import CostModel
 from protrain_core.planner.profiles import Profile, discard
@@ -172,6 +175,9 @@ class AutoPlanner:
         tokens = self.tokens_of(batch)
         if tokens is None:
             return
+        sharding = self.engine.sharding
+        if sharding is not None:  # every rank plans for the longest of the ranks' batches
+            tokens = int(sharding.all_reduce_(torch.tensor([tokens], device=self.engine.device), dist.ReduceOp.MAX).item())
         plan = self.plan_for(tokens)
         if plan != self.engine.plan:
             self.engine.replan(plan)

@@ -126,16 +126,19 @@ def plan_command(args) -> int:
     args.device = device
     budget = parse_bytes(args.budget, "--budget") if args.budget else pt.default_memory_budget(device)
     budgets, batch_sizes, config = args.budgets, args.batch_sizes, args.config
-    prof = _profile(args, config, args.batch_size)
+    prof = _sharded(args, config, _profile(args, config, args.batch_size))
+    host_budget = default_host_budget(device)
+    if host_budget is not None and args.world_size > 1:
+        host_budget //= min(args.world_size, max(1, torch.cuda.device_count()))  # the node's ranks share its host
     try:
-        choice = pt.search(prof, budget, host_budget=default_host_budget(device))
+        choice = pt.search(prof, budget, host_budget=host_budget)
         print(choice.explain(), flush=True)
-        if args.check_steps:
+        if args.check_steps and args.world_size == 1:
             check_prediction(args, config, prof, choice)
     except pt.InfeasibleBudget as e:
         print(f"protrain plan: {e}")
     print()
-    tokens = args.batch_size * args.seq_len
+    tokens = args.batch_size * args.seq_len * args.world_size  # tokens/s of all the processes
     header = "| {} | plan (persist/buffer/swap/checkpoint) | predicted step | tokens/s | predicted peak | bottleneck |"
     rule = "|---|---|---|---|---|---|"
     if batch_sizes:
@@ -143,16 +146,33 @@ def plan_command(args) -> int:
         print(header.format("batch size"))
         print(rule)
         for b in batch_sizes:
-            p = prof if b == args.batch_size else _profile(args, config, b)
-            print(_row(str(b), p, budget, b * args.seq_len))
+            p = prof if b == args.batch_size else _sharded(args, config, _profile(args, config, b))
+            print(_row(str(b), p, budget, b * args.seq_len * args.world_size))
     else:
         budgets = budgets or [int(budget * f) for f in (0.25, 0.5, 0.75, 1.0, 1.5, 2.0)]
-        print(f"What if the memory budget changes (batch {args.batch_size} x {args.seq_len}):\n")
+        ranks = f", on each of {args.world_size} processes; tokens/s of all" if args.world_size > 1 else ""
+        print(f"What if the memory budget changes (batch {args.batch_size} x {args.seq_len}{ranks}):\n")
         print(header.format("budget"))
         print(rule)
         for b in budgets:
             print(_row(format_bytes(b), prof, b, tokens))
     return 0
+
+
+def _sharded(args, config, prof):
+    """The what-if of ``--world-size``: this profile with the chunks sharded over that many
+    processes, collectives at ``--collective-bandwidth`` (one process cannot measure them)."""
+    if args.world_size == 1:
+        return prof
+    from protrain_core.precision import parse_precision
+    from protrain_core.profiler.profiler import for_world_size
+
+    model, opt = build(config)
+    progress(f"what if the chunks are sharded over {args.world_size} processes (batch {args.batch_size} x "
+             f"{args.seq_len} each; all-gather and reduce-scatter assumed at {args.collective_bandwidth:g} GB/s: a "
+             "training run measures them) ...")
+    return for_world_size(prof, model, opt, parse_precision(args.precision), args.world_size,
+                          args.collective_bandwidth * 1e9)
 
 
 def main(argv=None) -> int:
@@ -171,7 +191,14 @@ def main(argv=None) -> int:
     p.add_argument("--reprofile", action="store_true", help="profile again even if a cached profile exists")
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the profile cache")
     p.add_argument("--check-steps", type=int, default=5,
-                   help="training steps timed against the prediction after the plan is chosen (0: none)")
+                   help="training steps timed against the prediction after the plan is chosen (0: none; "
+                        "not with --world-size)")
+    p.add_argument("--world-size", type=int, default=1,
+                   help="what if the chunks are sharded over this many processes (data parallel; the batch is each "
+                        "process's)")
+    p.add_argument("--collective-bandwidth", type=float, default=25.0,
+                   help="with --world-size: all-gather / reduce-scatter bandwidth to assume, GB/s (default 25: "
+                        "PCIe or InfiniBand; NVLink is several times more)")
     args = ap.parse_args(argv)
     check_arguments(ap, args)
     return plan_command(args)
@@ -184,6 +211,8 @@ def check_arguments(ap: argparse.ArgumentParser, args) -> None:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.check_steps < 0:
         ap.error("--check-steps must be >= 0")
+    if args.world_size < 1 or args.collective_bandwidth <= 0:
+        ap.error("--world-size must be >= 1 and --collective-bandwidth > 0")
     try:
         if args.budget:
             parse_bytes(args.budget, "--budget")

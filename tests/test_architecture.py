@@ -106,6 +106,9 @@ def test_planner_installs_no_hooks():
 ALLOWED_PRIVATE = {
     "_version",  # a tensor's version counter, for autograd's in-place check on swapped tensors
     "_protrain_engine",  # the engine's own marker on the module it wraps (no double wrap)
+    # Lightning's launcher hook, which its connectors call on every strategy: ProTrain's strategies
+    # call it on the DDP strategy they delegate the launch to (lightning_protrain/_common.py).
+    "_configure_launcher",
 }
 
 

@@ -63,11 +63,12 @@ def test_fp32_parity_with_default_adamw_is_within_pytorch_rounding():
     assert ours_gap <= pytorch_gap
 
 
-def reference_mixed(model, dtype, data, *, lr, scaler=None, clip=None, accumulate=1, prepare=None):
+def reference_mixed(model, dtype, data, *, lr, scaler=None, clip=None, accumulate=1, prepare=None, reduce=None):
     """The classic mixed-precision recipe: low-precision model + autocast, fp32 master AdamW;
     ``clip(master)`` clips the fp32 master gradients (after unscaling) before every step. With
     ``accumulate`` micro-batches per step, each micro-batch's gradients are added to the fp32
-    master gradients (as the engine's fp32 accumulators do); ``prepare(lp)`` sees the model."""
+    master gradients (as the engine's fp32 accumulators do); ``prepare(lp)`` sees the model;
+    ``reduce(grad)`` reduces each low-precision gradient in place first (several processes)."""
     lp = copy.deepcopy(model)
     lp_params = list(lp.parameters())
     for p in lp_params:  # parameters in low precision; buffers (rotary inv_freq) stay fp32
@@ -85,6 +86,8 @@ def reference_mixed(model, dtype, data, *, lr, scaler=None, clip=None, accumulat
                 loss = lp(input_ids=x, labels=x).loss / len(micro)
             (scaler.scale(loss) if scaler else loss).backward()
             for m, p in zip(master, lp_params):
+                if reduce is not None:
+                    reduce(p.grad)
                 m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
                 p.grad = None
             total += loss.item()

@@ -188,12 +188,32 @@ def test_plan_command_prints_plan_and_what_if(capsys):
         main(["plan", "--model", "/nonexistent/model", "--device", "cpu"])
 
 
+def test_plan_command_shows_the_what_if_of_several_processes(capsys, tmp_path, monkeypatch):
+    """``--world-size 4``: one rank's states are a quarter of the sharded chunks, so a budget
+    keeps more of them on the device; the collectives are charged at the assumed bandwidth."""
+    from protrain_core.cli import main
+
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
+    args = ["plan", "--model", "tiny-gpt2", "--batch-size", "2", "--seq-len", "32", "--device", "cpu",
+            "--budget", "12MiB", "--budgets", "12MiB", "--check-steps", "0"]
+    rows = {}
+    for world in ("1", "4"):
+        assert main(args + ["--world-size", world]) == 0
+        captured = capsys.readouterr()
+        rows[world] = re.search(r"\| 12\.00 MiB \| (\d+)/(\d+)/\d+/\d+ \|", captured.out).groups()
+    assert "sharded over 4 processes" in captured.err and "on each of 4 processes" in captured.out
+    persist1, buffers1 = map(int, rows["1"])
+    persist4, buffers4 = map(int, rows["4"])
+    assert persist4 + buffers4 > persist1 + buffers1 or persist4 > persist1, rows
+
+
 @pytest.mark.parametrize("bad,message", [
     (["--batch-sizes", "0,x"], "--batch-sizes '0,x': give positive integers"),
     (["--batch-sizes", "0"], "--batch-sizes '0': give positive integers"),
     (["--seq-len", "2048"], "--seq-len 2048 is longer than the 1024 positions of tiny-gpt2"),
     (["--budgets", "1MiB,zz"], "--budgets='zz' is not a size"),
     (["--check-steps", "-1"], "--check-steps must be >= 0"),
+    (["--world-size", "0"], "--world-size must be >= 1"),
 ])
 def test_plan_command_checks_its_arguments_before_profiling(bad, message, capsys, monkeypatch):
     import protrain_core.cli as cli

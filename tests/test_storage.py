@@ -9,6 +9,7 @@ import protrain_core as pt
 from conftest import n_chunks, tiny_gpt2
 from protrain_core.profiler.profiler import static_facts
 from protrain_core.runtime.host_pool import HostPool
+from protrain_core.runtime.sharding import Sharding, piece
 from protrain_core.runtime.storage import ChunkFormat, ChunkStorage
 
 
@@ -109,22 +110,40 @@ def test_a_partly_frozen_chunk_trains_its_span_only(mixed):
 
 @pytest.mark.parametrize("mixed", [False, True])
 def test_a_shard_of_a_chunk(mixed):
-    """Two processes: each keeps half of the states, padded to equal aligned shards; the compute
-    copy is gathered to the padded size."""
+    """Two processes ([Note: sharded chunks]): each keeps half of the frozen and of the trainable
+    span, padded to equal aligned shards; the compute copy is gathered to the padded size, and
+    the trainable span starts after the padded frozen span in it."""
     cdt = torch.bfloat16 if mixed else torch.float32
-    S, world = 1000, 2
-    fmt = ChunkFormat(numel=S, compute_dtype=cdt, master_dtype=torch.float32, adam_states=2, world_size=world)
-    assert (fmt.shard_numel, fmt.padded_numel, fmt.state_numel) == (512, 1024, 512)  # ceil(1000 / 2), aligned to 16
+    S, F, world = 1000, 100, 2
+    fmt = ChunkFormat(numel=S, compute_dtype=cdt, master_dtype=torch.float32, trainable_start=F, adam_states=2,
+                      world_size=world)
+    # T = 900: ceil(900 / 2) = 450 -> 464 (aligned to 16); F = 100: 50 -> 64.
+    assert (fmt.frozen_shard, fmt.state_numel, fmt.shard_numel, fmt.padded_numel) == (64, 464, 528, 1056)
+    assert fmt.trainable_device_start == 128 and fmt.grad_buffer_numel == 928
     assert fmt.separate_master  # its own tensor: a rank's states are not a slice of one gathered buffer
-    states = (1 + 1 + 2) * 512 * 4
-    assert fmt.persistent_device_bytes == 1024 * cdt.itemsize + states
-    assert fmt.streamed_host_bytes == 512 * cdt.itemsize + states
-    assert fmt.upload_bytes == fmt.offload_bytes == 512 * cdt.itemsize
-    storage, _ = _storage(fmt, persistent=True)
-    assert storage.device_copy.numel() == 1024 and storage.grad_acc.numel() == storage.exp_avg.numel() == 512
-    assert storage.master.numel() == 512 and storage.device_bytes() == fmt.persistent_device_bytes
-    streamed, _ = _storage(fmt, persistent=False)
-    assert streamed.host_copy.numel() == 512 and streamed.device_copy.numel() == 1024
+    states = (1 + 1 + 2) * 464 * 4
+    assert fmt.persistent_device_bytes == (1056 + 928) * cdt.itemsize + states  # with its gradient buffer
+    assert fmt.streamed_host_bytes == 528 * cdt.itemsize + states
+    assert fmt.upload_bytes == 528 * cdt.itemsize and fmt.offload_bytes == 464 * cdt.itemsize
+    assert fmt.gather_bytes == 1056 * cdt.itemsize and fmt.reduce_bytes == 928 * cdt.itemsize
+    rank1 = Sharding(group=None, rank=1, world=world)
+    kw = dict(device=torch.device("cpu"), pin=False, n_members=1, sharding=rank1)
+    storage = ChunkStorage(fmt, persistent=True, **kw)
+    assert storage.device_copy.numel() == 1056 and storage.grad_acc.numel() == storage.exp_avg.numel() == 464
+    assert storage.master.numel() == 464
+    span = storage.compute_span()  # rank 1's piece of the trainable span, in the gathered copy
+    assert span.storage_offset() == 128 + 464 and span.numel() == 464
+    streamed = ChunkStorage(fmt, persistent=False, **kw)
+    assert streamed.host_copy.numel() == 528 and streamed.device_copy.numel() == 1056
+    streamed.allocate_device_copy()
+    places = [(h.storage_offset() - streamed.host_copy.storage_offset(), d.storage_offset(), d.numel())
+              for h, d in streamed.shard_places()]
+    assert places == [(0, 64, 64), (64, 128 + 464, 464)]
+
+
+def test_a_member_split_between_ranks():
+    """piece(): the part of a member each rank owns."""
+    assert piece(10, 20, 16, 0) == (0, 10, 6) and piece(10, 20, 16, 1) == (6, 0, 14) and piece(10, 20, 16, 2) is None
 
 
 def test_host_pool_is_exact_and_aligned():

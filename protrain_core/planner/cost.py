@@ -18,6 +18,9 @@ Notation (all per iteration, one optimizer step):
   SO_c,SI_c  time to swap out / in the saved tensors of swapped blocks homed at c (saved bytes
            over the copy bandwidth; measured per block where copies do not overlap compute)
   U_c, V_c Adam time of chunk c on the CPU worker / on the device (trainable elements / rate)
+  W        processes the chunks are sharded over: X adds a chunk's all-gather, Y_c its
+           gradients' reduce-scatter, U_c and V_c update 1/W of the elements (V_c also pays the
+           persistent chunk's reduce-scatter and gather), all at the measured collective rates
   e_c      extra streamed chunks fetched by the segments homed at c
 """
 
@@ -125,10 +128,20 @@ class CostModel:
         hw = profile.hardware
         self.N = profile.n_chunks
         self.L = profile.n_blocks
-        self.X = profile.chunk_bytes / hw.h2d_bytes_per_s
-        self.Y = [b / hw.d2h_bytes_per_s for b in profile.offload_bytes]  # 0 for a frozen chunk
-        self.U = [n / hw.cpu_adam_params_per_s for n in profile.chunk_trainable]
-        self.V = [n / hw.device_adam_params_per_s for n in profile.chunk_trainable]
+        # Sharded over W processes ([Note: sharded chunks]): a fetch uploads the rank's shard and
+        # then all-gathers the chunk; an offload reduce-scatters the gradients first, and Adam
+        # updates the rank's shard (1/W of the elements). A persistent chunk's reduce-scatter and
+        # the all-gather after its update are charged to its device-side update (conservative:
+        # the reduce-scatter in fact runs on the communication stream during backward).
+        w = profile.world_size
+        gather = profile.gather_bytes / hw.gather_bytes_per_s if w > 1 and hw.gather_bytes_per_s else 0.0
+        reduce = ([b / hw.reduce_bytes_per_s for b in profile.reduce_bytes] if w > 1 and hw.reduce_bytes_per_s
+                  else [0.0] * profile.n_chunks)
+        self.X = profile.chunk_bytes / hw.h2d_bytes_per_s + gather
+        self.Y = [b / hw.d2h_bytes_per_s + r for b, r in zip(profile.offload_bytes, reduce)]  # 0 for a frozen chunk
+        self.U = [n / w / hw.cpu_adam_params_per_s for n in profile.chunk_trainable]
+        self.V = [n / w / hw.device_adam_params_per_s + ((r + gather) if n else 0.0)
+                  for n, r in zip(profile.chunk_trainable, reduce)]
         self.has_grad = profile.chunk_has_grad
         self.async_copies = hw.async_copies
         # Prefix sums of the chunk sizes when persistent (eq. 8 is linear in n_persist).

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from protrain_core.plan import PlanLimits
 
-PROFILE_VERSION = 5
+PROFILE_VERSION = 6
 
 
 class ProfileVersionError(ValueError):
@@ -58,6 +58,10 @@ class Hardware:
     cpu_adam_params_per_s: float  # the CPU worker's Adam on one chunk (with the bf16/fp16 copy back)
     device_adam_params_per_s: float  # Adam on a persistent chunk on the device
     device_memory_bytes: int  # total device memory (CPU: total RAM)
+    # Sharded over several processes: chunk-size all-gather (bytes assembled) and reduce-scatter
+    # (bytes reduced) per second; 0 in one process.
+    gather_bytes_per_s: float = 0.0
+    reduce_bytes_per_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,9 @@ class Profile:
     tokens: int = 0  # tokens of the profiled batch as the first block sees it (0: not known)
     iterations: int = 0  # timed iterations (median per segment)
     profile_seconds: float = 0.0
+    world_size: int = 1  # processes the chunks are sharded over (the bytes above are one rank's)
+    gather_bytes: int = 0  # bytes one all-gather of a chunk's compute copy assembles (0: one process)
+    reduce_bytes: tuple[int, ...] = ()  # bytes one reduce-scatter of each chunk's gradients reads
 
     @property
     def blocks(self) -> tuple[Segment, ...]:
@@ -199,7 +206,8 @@ class Profile:
         d["hardware"] = Hardware(**d["hardware"])
         d["segments"] = tuple(Segment(**{**s, "chunks": tuple(s["chunks"])}) for s in d["segments"])
         d["ops"] = tuple(OpRecord(**o) for o in d["ops"])
-        for name in ("chunk_trainable", "chunk_frozen", "chunk_has_grad", "persist_bytes", "host_bytes", "offload_bytes"):
+        for name in ("chunk_trainable", "chunk_frozen", "chunk_has_grad", "persist_bytes", "host_bytes", "offload_bytes",
+                     "reduce_bytes"):
             d[name] = tuple(d[name])
         d["resident_sets"] = tuple(tuple(s) for s in d["resident_sets"])
         return cls(**d)

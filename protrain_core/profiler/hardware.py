@@ -35,8 +35,9 @@ def _median_time(fn, sync, *, budget_s: float = 0.15, max_reps: int = 20) -> flo
     return statistics.median(times)
 
 
-def probe_hardware(device: torch.device, chunk_elems: int, precision: Precision) -> Hardware:
-    """Chunk-size copies each way and Adam on one chunk, as the runtime performs them.
+def probe_hardware(device: torch.device, chunk_elems: int, precision: Precision, *, sharding=None) -> Hardware:
+    """Chunk-size copies each way and Adam on one chunk, as the runtime performs them (and with
+    ``sharding``, a chunk's all-gather and reduce-scatter: every rank must call it).
 
     CUDA: pinned host buffer <-> device buffer; CPU Adam on host tensors (plus the
     compute-dtype copy back in mixed precision, as the worker does); device Adam on device
@@ -80,7 +81,10 @@ def probe_hardware(device: torch.device, chunk_elems: int, precision: Precision)
     cpu_rate = adam_rate(torch.device("cpu"), mixed)
     dev_rate = adam_rate(device, mixed) if cuda else cpu_rate
     total = torch.cuda.get_device_properties(device).total_memory if cuda else total_host_bytes()
+    gather, reduce = (0.0, 0.0) if sharding is None else collective_rates(sharding, device, n, cdt)
     return Hardware(
+        gather_bytes_per_s=gather,
+        reduce_bytes_per_s=reduce,
         device=device_name(device),
         async_copies=cuda,
         h2d_bytes_per_s=h2d,
@@ -89,3 +93,34 @@ def probe_hardware(device: torch.device, chunk_elems: int, precision: Precision)
         device_adam_params_per_s=dev_rate,
         device_memory_bytes=int(total),
     )
+
+
+COLLECTIVE_REPS = 5
+
+
+def collective_rates(sharding, device: torch.device, n: int, dtype: torch.dtype) -> tuple[float, float]:
+    """(all-gather, reduce-scatter) bytes per second on a chunk of ``n`` elements, as the runtime
+    runs them (in place / into a shard). A fixed number of repetitions (every rank must issue the
+    same collectives), the median, and the slowest rank's figure (all-reduced), so every rank
+    plans with the same numbers."""
+    world = sharding.world
+    n = max(world, n // world * world)
+    full = torch.ones(n, dtype=dtype, device=device)
+    out = torch.empty(n // world, dtype=dtype, device=device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(COLLECTIVE_REPS + 1):  # the first one warms up
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+    seconds = torch.tensor([timed(lambda: sharding.gather_(full)),
+                            timed(lambda: sharding.reduce_scatter_mean(out, full))], dtype=torch.float64)
+    seconds = sharding.all_reduce_(seconds.to(device), torch.distributed.ReduceOp.MAX).cpu()
+    nbytes = n * dtype.itemsize
+    return nbytes / max(float(seconds[0]), 1e-9), nbytes / max(float(seconds[1]), 1e-9)

@@ -36,6 +36,7 @@ from protrain_core.profiler.profiler import (
     tensor_shapes,
 )
 from protrain_core.runtime.engine import Engine
+from protrain_core.runtime.sharding import agree
 from protrain_core.utils import batch_tokens, block_tokens
 
 TIMED_STEPS = 2
@@ -164,10 +165,11 @@ class LiveProfiler:
         engine = self.engine
         self.shapes = tensor_shapes(self.bounds.block_inputs or [])
         self.key = profile_key(engine.module, engine.optimizer, self.shapes, engine.precision, engine.device,
-                               engine.layout)
+                               engine.layout, world_size=engine.world_size)
         if self.cache and not self.reprofile:
             self.cached = load_cached(self.key, self.cache_dir, n_chunks=engine.layout.n_chunks,
                                       n_blocks=engine.layout.n_blocks)
+        self.cached = agree(engine.sharding, self.cached)  # sharded: every rank profiles as rank 0 does
         if self.cached is not None:  # nothing to measure: this step only finishes
             self._leave_memory_pass()
             self.measured.mem = None
@@ -186,8 +188,12 @@ class LiveProfiler:
         profile = self.cached
         if profile is None:
             profile = build_profile(self.key, self.shapes, self.measured, engine.module, engine.optimizer,
-                                    engine.layout, engine.precision, engine.device, self.started)
-            if self.cache:
+                                    engine.layout, engine.precision, engine.device, self.started,
+                                    sharding=engine.sharding)
+            if self.cache and engine.rank == 0:
                 store(profile, self.cache_dir)
-        self.on_profile(LiveProfile(profile=profile, steps=self.step, seconds=time.perf_counter() - self.started,
-                                    cached=self.cached is not None, tokens=self.ref_tokens, batch_tokens=self.ref_batch))
+        # Sharded: rank 0's profile and batch, so that every rank searches the same plan.
+        result = agree(engine.sharding, LiveProfile(
+            profile=profile, steps=self.step, seconds=time.perf_counter() - self.started,
+            cached=self.cached is not None, tokens=self.ref_tokens, batch_tokens=self.ref_batch))
+        self.on_profile(result)

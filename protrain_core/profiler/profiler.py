@@ -36,6 +36,7 @@ import json
 import os
 import statistics
 import time
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -49,8 +50,10 @@ from protrain_core.precision import Precision
 from protrain_core.profiler.boundaries import Boundaries, CudaMeter, MemoryPass
 from protrain_core.profiler.hardware import device_name, probe_hardware
 from protrain_core.runtime.engine import Engine, EngineOptions
+from protrain_core.runtime.sharding import agree
 from protrain_core.runtime.storage import ChunkFormat, chunk_formats
-from protrain_core.structure.layout import ChunkLayout
+from protrain_core.structure.blocks import find_blocks
+from protrain_core.structure.layout import ChunkLayout, build_layout
 from protrain_core.utils import block_tokens, iter_tensors
 
 
@@ -91,12 +94,13 @@ def default_loss(output) -> Tensor:
 
 
 # ----- static facts -----------------------------------------------------------------------------
-def static_facts(layout: ChunkLayout, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision) -> dict:
+def static_facts(layout: ChunkLayout, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, *,
+                 world_size: int = 1) -> dict:
     """The Profile fields known before anything runs, from the chunks' storage formula (what
-    the engine allocates) and the layout's trace."""
+    the engine allocates, per rank when sharded over ``world_size`` processes) and the layout's trace."""
     params = dict(model.named_parameters())
     optimized = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    formats = chunk_formats(model, optimizer, layout, precision)
+    formats = chunk_formats(model, optimizer, layout, precision, world_size=world_size)
     trainable = tuple(sum(m.numel for m in spec.members if m.trainable and id(params[m.name]) in optimized)
                       for spec in layout.chunks)
     return dict(
@@ -112,6 +116,9 @@ def static_facts(layout: ChunkLayout, model: nn.Module, optimizer: torch.optim.O
         buffer_bytes=max(fmt.buffer_device_bytes for fmt in formats),
         chunk_bytes=formats[0].upload_bytes,
         resident_sets=layout.resident_sets,
+        world_size=world_size,
+        gather_bytes=formats[0].gather_bytes,
+        reduce_bytes=tuple(fmt.reduce_bytes for fmt in formats),
     )
 
 
@@ -120,8 +127,12 @@ def tensor_shapes(tensors) -> list[tuple[tuple[int, ...], str]]:
     return [(tuple(t.shape), str(t.dtype)) for t in tensors]
 
 
+def world_of(sharding) -> int:
+    return 1 if sharding is None else sharding.world
+
+
 def profile_key(model, optimizer, batch: list[tuple[tuple[int, ...], str]], precision: Precision,
-                device: torch.device, layout: ChunkLayout) -> str:
+                device: torch.device, layout: ChunkLayout, *, world_size: int = 1) -> str:
     """A hash of everything a profile depends on: model structure (parameter names, shapes,
     dtypes, trainability; the Hugging Face config), optimizer coverage, the batch as the first
     block sees it (``tensor_shapes`` of its inputs), precision, chunk layout, device and software."""
@@ -142,6 +153,8 @@ def profile_key(model, optimizer, batch: list[tuple[tuple[int, ...], str]], prec
     add(batch)
     add(precision.value, layout.chunk_size, layout.block_path, [c.units for c in layout.chunks])
     add(device_name(device), torch.__version__, torch.version.cuda, torch.get_num_threads(), os.cpu_count())
+    if world_size > 1:
+        add("world", world_size)
     return h.hexdigest()[:24]
 
 
@@ -172,10 +185,13 @@ def profile_model(
     cache: bool = True,
     cache_dir=None,
     reprofile: bool = False,
+    sharding=None,
 ) -> Profile:
     """Profile ``model`` on ``example_inputs`` (one real batch) ahead of training -- or, after
     one pass that shows the batch as the first block sees it, return the cached profile with the
-    same key (``reprofile=True`` or ``PROTRAIN_REPROFILE=1`` forces a new one)."""
+    same key (``reprofile=True`` or ``PROTRAIN_REPROFILE=1`` forces a new one). ``sharding``:
+    the processes the engine will be sharded over: each rank profiles its own (unsharded)
+    engine, the collectives are probed, and every rank gets rank 0's profile."""
     loss_fn = loss_fn or default_loss
     inputs = to_device(example_inputs, device)
     if step_fn is None:
@@ -193,9 +209,9 @@ def profile_model(
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             _one_pass(engine, bounds, inputs, step_fn)  # warm-up, and the batch as the first block sees it
             shapes = tensor_shapes(bounds.block_inputs or [])
-            key = profile_key(model, optimizer, shapes, precision, device, layout)
-            cached = (load_cached(key, cache_dir, n_chunks=layout.n_chunks, n_blocks=layout.n_blocks)
-                      if cache and not reprofile else None)
+            key = profile_key(model, optimizer, shapes, precision, device, layout, world_size=world_of(sharding))
+            cached = agree(sharding, load_cached(key, cache_dir, n_chunks=layout.n_chunks, n_blocks=layout.n_blocks)
+                           if cache and not reprofile else None)
             if cached is not None:
                 return cached
             measured = _measure(engine, bounds, inputs, step_fn, iterations)
@@ -203,16 +219,18 @@ def profile_model(
         bounds.remove()
         engine.close()
     check_blocks_called(bounds, layout.n_blocks)
-    profile = build_profile(key, shapes, measured, model, optimizer, layout, precision, device, start)
-    if cache:
+    profile = agree(sharding, build_profile(key, shapes, measured, model, optimizer, layout, precision, device, start,
+                                            sharding=sharding))
+    if cache and (sharding is None or sharding.rank == 0):
         store(profile, cache_dir)
     return profile
 
 
 def build_profile(key: str, shapes, measured: Measured, model, optimizer, layout: ChunkLayout, precision: Precision,
-                  device: torch.device, start: float) -> Profile:
-    """The Profile of what the passes measured, the static facts and the hardware probes."""
-    hardware = probe_hardware(device, layout.chunk_size, precision)
+                  device: torch.device, start: float, sharding=None) -> Profile:
+    """The Profile of what the passes measured, the static facts and the hardware probes (with
+    ``sharding``: the collectives' bandwidths too, a collective call)."""
+    hardware = probe_hardware(device, layout.chunk_size, precision, sharding=sharding)
     if hardware.async_copies:
         measured.swap_timings = []
     n_params = sum(p.numel() for p in model.parameters())
@@ -221,7 +239,7 @@ def build_profile(key: str, shapes, measured: Measured, model, optimizer, layout
         description=f"{type(model).__name__}, {n_params:,} parameters, {layout.n_blocks} blocks, first block's inputs "
                     + ", ".join(str(shape) for shape, _ in shapes),
         precision=precision.value,
-        **static_facts(layout, model, optimizer, precision),
+        **static_facts(layout, model, optimizer, precision, world_size=world_of(sharding)),
         segments=_segments(measured, layout.n_blocks),
         base_bytes=measured.base,
         fragmentation=measured.fragmentation,
@@ -233,18 +251,33 @@ def build_profile(key: str, shapes, measured: Measured, model, optimizer, layout
     )
 
 
+def for_world_size(profile: Profile, model: nn.Module, optimizer, precision: Precision, world_size: int,
+                   collective_bytes_per_s: float) -> Profile:
+    """What ``profile`` (measured in one process) predicts with the chunks sharded over
+    ``world_size`` processes: one rank's static bytes, and all-gathers and reduce-scatters at
+    ``collective_bytes_per_s`` (assumed: one process cannot measure them). The batch is each
+    rank's. ``protrain plan --world-size`` prints this what-if."""
+    block_path, blocks = find_blocks(model, None)
+    layout = build_layout(model, block_path, len(blocks), chunk_size=profile.chunk_elems)
+    hw = dataclasses.replace(profile.hardware, gather_bytes_per_s=collective_bytes_per_s,
+                             reduce_bytes_per_s=collective_bytes_per_s)
+    return dataclasses.replace(profile, hardware=hw,
+                               **static_facts(layout, model, optimizer, precision, world_size=world_size))
+
+
 def reprofile_requested() -> bool:
     return os.environ.get("PROTRAIN_REPROFILE", "") not in ("", "0")
 
 
 def safe_plan(model: nn.Module, optimizer, layout: ChunkLayout, precision: Precision, device: torch.device, *,
-              optimizer_states: bool, budget: int | None = None) -> Plan:
+              optimizer_states: bool, budget: int | None = None, world_size: int = 1) -> Plan:
     """A plan any batch the profiler measures can run on: every block checkpointed; every chunk
     persistent on a CPU, or when the model states (``optimizer_states``: with Adam's) take at
     most half the device budget (default: the free memory), else every chunk streamed."""
     n, L = layout.n_chunks, layout.n_blocks
     if device.type == "cuda":
-        formats: list[ChunkFormat] = chunk_formats(model, optimizer, layout, precision, optimizer_states=optimizer_states)
+        formats: list[ChunkFormat] = chunk_formats(model, optimizer, layout, precision, optimizer_states=optimizer_states,
+                                                   world_size=world_size)
         room = budget if budget is not None else torch.cuda.mem_get_info(device)[0]
         if sum(fmt.persistent_device_bytes for fmt in formats) > room // 2:
             return Plan(n_persist=0, n_buffer=max(2, layout.limits().buffers_needed(0)), n_checkpoint=L)

@@ -84,6 +84,7 @@ import torch
 from torch import Tensor
 
 from protrain_core.runtime.device import DeviceContext
+from protrain_core.runtime.sharding import piece
 from protrain_core.runtime.storage import ChunkStorage
 from protrain_core.structure.layout import ChunkSpec, ParamSlot
 
@@ -172,6 +173,7 @@ class Chunk:
         self.last_use = 0  # for least-recently-used eviction
         self._event = None  # the fetch or offload copy in flight
         self._future: Future | None = None  # the CPU worker's job on this chunk
+        self._reduced: Tensor | None = None  # W processes: this rank's piece of the reduced gradients
 
     def __repr__(self) -> str:
         return f"Chunk({self.index}, {self.state.value}, grads {self.grad_state.value})"
@@ -195,13 +197,19 @@ class Chunk:
         """A re-plan streams this persistent chunk from now on (all its states move to the host)."""
         target = self._moved("unpersist")
         self.storage.make_streamed()
-        self.point_params_at(self.storage.host_copy)
+        self.point_at_rest()
         self.state = target
 
     def begin_fetch(self, ctx: DeviceContext) -> None:
+        """Upload the compute copy (with ``W`` processes: this rank's shard, then all-gather it
+        on the communication stream)."""
         target = self._moved("begin_fetch")
-        self.storage.allocate_device_copy()
-        self._event = ctx.copy_async(self.storage.device_copy, self.storage.host_copy)
+        storage = self.storage
+        storage.allocate_device_copy()
+        for host, device in storage.shard_places():
+            self._event = ctx.copy_async(device, host)
+        if storage.sharding is not None:
+            self._event = ctx.collective(storage.gather_spans, after=self._event)
         self.state = target
 
     def end_fetch(self, ctx: DeviceContext, *, wait_on_host: bool = False) -> None:
@@ -214,7 +222,7 @@ class Chunk:
 
     def release(self) -> None:
         target = self._moved("release")
-        self.point_params_at(self.storage.host_copy)
+        self.point_at_rest()
         self.storage.free_device_copy()
         self.state = target
 
@@ -226,12 +234,15 @@ class Chunk:
         ``landing_for(replace)`` is the host tensor the copy goes to; ``submit(event, landing,
         replace)`` returns the worker's future (the worker waits for ``event`` itself).
         ``replace``: the first pass since zero_grad, whose gradients replace the garbage.
+        With ``W`` processes the gradients are reduce-scattered first and this rank's piece of
+        their mean is offloaded.
         """
         target = self._moved("begin_offload")
         grad_target = self._grad_moved("land_applied" if applied else "land")
         replace = self.grad_state is GradState.FIRST
         landing = landing_for(replace)
-        self._event = ctx.copy_async(landing, self.storage.grad_buffer)
+        source, after = self._reduced_gradients(ctx)
+        self._event = ctx.copy_async(landing, source, after=after)
         self._future = submit(self._event, landing, replace)
         self.grad_state = grad_target
         self.state = target
@@ -240,7 +251,8 @@ class Chunk:
         target = self._moved("end_offload")
         ctx.synchronize(self._event)
         self._event = None
-        self.point_params_at(self.storage.host_copy)
+        self.point_at_rest()
+        self._reduced = None
         self.storage.free_grad_buffer()
         self.storage.free_device_copy()
         self.state = target
@@ -284,15 +296,15 @@ class Chunk:
         device gradient buffer (streamed; the chunk is resident). True when every member with
         gradients has its gradient of this pass."""
         target = self._grad_moved("receive")
-        if self.persistent:
+        if self.persistent and self.storage.sharding is None:
             dst = self.state_view(self.storage.grad_acc, i)
             dst.add_(grad) if self._received[i] else dst.copy_(grad)
-        else:
-            assert self.state is ChunkState.RESIDENT, self
+        else:  # a streamed chunk (resident), or any chunk sharded over W processes
+            assert self.state in (ChunkState.RESIDENT, ChunkState.PERSISTENT), self
             buffer = self.storage.grad_buffer
             if buffer is None:
                 buffer = self.storage.allocate_grad_buffer()
-            self.state_view(buffer, i).copy_(grad)
+            self.span_view(buffer, i).copy_(grad)
         self._received[i] = True
         self._arrived += 1
         self.grad_state = target
@@ -306,10 +318,31 @@ class Chunk:
     def holds_gradient_buffer(self) -> bool:
         return self.storage.grad_buffer is not None
 
-    def land(self) -> None:
-        """A persistent chunk's gradients of this pass are in its accumulator."""
+    def land(self, ctx: DeviceContext | None = None) -> None:
+        """A persistent chunk's gradients of this pass are in its accumulator (with ``W``
+        processes: reduce-scattered from its gradient buffer into it now)."""
         assert self.persistent, self
-        self.grad_state = self._grad_moved("land")
+        target = self._grad_moved("land")
+        storage = self.storage
+        if storage.sharding is not None and storage.grad_buffer is not None:
+            reduced, after = self._reduced_gradients(ctx)
+            ctx.wait_on_compute(after)
+            storage.grad_acc.copy_(reduced) if self.grad_state is GradState.FIRST else storage.grad_acc.add_(reduced)
+            self._reduced = None
+            storage.free_grad_buffer()
+        self.grad_state = target
+
+    def _reduced_gradients(self, ctx: DeviceContext) -> tuple[Tensor, object]:
+        """The gradients to accumulate, and the event to wait for before reading them: the
+        gradient buffer, or with ``W`` processes this rank's piece of their mean over the ranks
+        (reduce-scattered on the communication stream)."""
+        storage = self.storage
+        if storage.sharding is None:
+            return storage.grad_buffer, None
+        buffer = storage.grad_buffer
+        self._reduced = out = torch.empty(storage.fmt.state_numel, dtype=buffer.dtype, device=buffer.device)
+        event = ctx.collective(lambda: storage.sharding.reduce_scatter_mean(out, buffer))
+        return out, event
 
     def apply(self) -> None:
         self.grad_state = self._grad_moved("apply")
@@ -350,17 +383,64 @@ class Chunk:
         return self.spec.members
 
     def view(self, flat: Tensor, i: int) -> Tensor:
-        """Member ``i`` in a tensor of the whole chunk (a compute copy)."""
+        """Member ``i`` in a tensor of the whole chunk: a compute copy (with ``W`` processes
+        only the gathered device copy holds whole members)."""
         m = self.spec.members[i]
-        return flat[m.offset : m.offset + m.numel].view(m.shape)
+        fmt = self.storage.fmt
+        offset = m.offset if not m.trainable else fmt.trainable_device_start + m.offset - fmt.trainable_start
+        return flat[offset : offset + m.numel].view(m.shape)
 
-    def state_view(self, flat: Tensor, i: int) -> Tensor:
-        """Member ``i`` (a trainable one) in a tensor of the trainable span: the master, the
-        accumulator, the gradient buffer, an Adam state ([Note: chunk storage])."""
+    def span_view(self, flat: Tensor, i: int) -> Tensor:
+        """Member ``i`` (a trainable one) in a tensor of the whole trainable span (the gradient
+        buffer; in one process also the master, the accumulator and the Adam states)."""
         m = self.spec.members[i]
         assert m.trainable, (self, m.name)
         start = m.offset - self.storage.fmt.trainable_start
         return flat[start : start + m.numel].view(m.shape)
+
+    def state_view(self, flat: Tensor, i: int) -> Tensor:
+        """Member ``i`` (a trainable one) in a tensor of this rank's shard of the trainable span:
+        the master, the accumulator, an Adam state ([Note: chunk storage]). In one process the
+        shard is the span; with ``W`` processes the view is the flat piece of the member this
+        rank owns (empty when it owns none)."""
+        if self.storage.sharding is None:
+            return self.span_view(flat, i)
+        part = self.member_piece(i)
+        if part is None:
+            return flat[:0]
+        m = self.spec.members[i]
+        at = m.offset - self.storage.fmt.trainable_start + part[0] - self.storage.rank * self.storage.fmt.state_numel
+        return flat[at:at + part[1]]
+
+    def member_piece(self, i: int) -> tuple[int, int] | None:
+        """(offset, length) in member ``i``'s flattened elements of the piece ``state_view`` gives
+        (the whole member in one process); None when this rank owns none of it."""
+        storage = self.storage
+        m = self.spec.members[i]
+        if storage.sharding is None:
+            return 0, m.numel
+        part = piece(m.offset - storage.fmt.trainable_start, m.numel, storage.fmt.state_numel, storage.rank)
+        return None if part is None else (part[0], part[2])
+
+    @property
+    def rest_copy(self) -> Tensor:
+        """What the parameters of a streamed chunk point at while it is not resident: its host
+        copy in one process; with ``W`` processes the (freed) device copy, as the host copy
+        holds only a shard ([Note: sharded chunks] in sharding.py)."""
+        storage = self.storage
+        return storage.host_copy if storage.sharding is None else storage.device_copy
+
+    def point_at_rest(self) -> None:
+        """Point the parameters at ``rest_copy``. Views of a freed storage can only be taken
+        while it is allocated (they stay valid after it is freed), so with ``W`` processes a
+        freed device copy is allocated for the moment it takes."""
+        storage = self.storage
+        freed = storage.sharding is not None and not storage.device_copy_allocated
+        if freed:
+            storage.allocate_device_copy()
+        self.point_params_at(self.rest_copy)
+        if freed:
+            storage.free_device_copy()
 
     def point_params_at(self, flat: Tensor) -> None:
         """Re-point every parameter's ``.data`` at its slot in ``flat`` (see [Note: parameter access])."""
@@ -374,13 +454,24 @@ class Chunk:
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 self.set_member(i, p.detach())
-        self.point_params_at(self.storage.compute_home)
+        self.point_params_at(self.storage.device_copy) if self.persistent else self.point_at_rest()
+
+    def own_piece(self, i: int, value: Tensor) -> Tensor:
+        """This rank's piece of member ``i``'s ``value`` (a whole tensor): what ``state_view``
+        holds of it ([Note: sharded chunks] in sharding.py); ``value`` itself in one process."""
+        if self.storage.sharding is None:
+            return value
+        part = self.member_piece(i)
+        return value.reshape(-1)[:0] if part is None else value.reshape(-1)[part[0]:part[0] + part[1]]
 
     def set_member(self, i: int, value: Tensor) -> None:
-        """Write member ``i``'s value: its master (trainable), and the compute copy where it rests."""
+        """Write member ``i``'s value: its master (trainable), and the compute copy where it rests
+        (with ``W`` processes: this rank's pieces, or the whole device copy of a persistent chunk)."""
         storage = self.storage
         with torch.no_grad():
-            if self.spec.members[i].trainable and storage.master is not None:
+            if storage.sharding is not None:
+                self._set_sharded(i, value)
+            elif self.spec.members[i].trainable and storage.master is not None:
                 master = self.state_view(storage.master, i)
                 master.copy_(value)
                 if storage.fmt.separate_master:
@@ -388,18 +479,76 @@ class Chunk:
             else:
                 self.view(storage.compute_home, i).copy_(value)
 
+    def _set_sharded(self, i: int, value: Tensor) -> None:
+        storage, fmt, m = self.storage, self.storage.fmt, self.spec.members[i]
+        trainable = m.trainable and storage.master is not None
+        if trainable:
+            master = self.state_view(storage.master, i)
+            master.copy_(self.own_piece(i, value))
+        if self.persistent:
+            self.view(storage.device_copy, i).copy_(value)
+        elif trainable:
+            at = self.state_view(storage.master, i).storage_offset() - storage.master.storage_offset()
+            storage.compute_span()[at:at + master.numel()].copy_(master)
+        else:  # this rank's piece of the frozen span
+            part = piece(m.offset, m.numel, fmt.frozen_shard, storage.rank)
+            if part is not None:
+                off, at, n = part
+                storage.host_copy[at:at + n].copy_(value.reshape(-1)[off:off + n])
+
     def member_value(self, i: int) -> Tensor:
         """Member ``i``'s authoritative value: its master weights, or the compute copy of a
-        frozen member."""
+        frozen member (one process: ``gathered_values`` with ``W``)."""
         storage = self.storage
+        assert storage.sharding is None, "a sharded chunk holds pieces only: gathered_values()"
         if self.spec.members[i].trainable and storage.master is not None:
             return self.state_view(storage.master, i)
         return self.view(storage.compute_home, i)
 
+    def gathered_values(self, tensor_of=None) -> list[Tensor]:
+        """Every member's whole authoritative value (``member_value``), assembled from the ranks'
+        pieces with all-gathers when sharded -- a collective: every rank calls it, for the same
+        chunks in the same order. ``tensor_of(storage)``: gather that shard tensor of the
+        trainable span instead of the master (an Adam state; frozen members then give None)."""
+        storage, fmt = self.storage, self.storage.fmt
+        if storage.sharding is None:
+            if tensor_of is None:
+                return [self.member_value(i) for i in range(len(self.params))]
+            flat = tensor_of(storage)
+            return [self.state_view(flat, i) if m.trainable and flat is not None else None
+                    for i, m in enumerate(self.members)]
+        shard = storage.master if tensor_of is None else tensor_of(storage)
+        trainable = None if shard is None else _gather_shard(storage, shard)
+        frozen = None
+        if tensor_of is None and fmt.frozen_numel and any(not m.trainable for m in self.members):
+            frozen = storage.device_copy[:fmt.trainable_device_start] if self.persistent else \
+                _gather_shard(storage, storage.host_copy[:fmt.frozen_shard])
+        out = []
+        for i, m in enumerate(self.members):
+            if m.trainable and trainable is not None:
+                out.append(self.span_view(trainable, i))
+            elif tensor_of is None:
+                out.append(self.view(frozen, i) if not m.trainable else self.view(storage.device_copy, i))
+            else:
+                out.append(None)
+        return out
+
     def detach_params(self) -> None:
-        """Point the parameters at their authoritative values for good (the engine closes)."""
-        for i, p in enumerate(self.params):
-            p.data = self.member_value(i)
+        """Point the parameters at their authoritative values for good (the engine closes; with
+        ``W`` processes every rank then holds the whole values, gathered chunk by chunk)."""
+        values = self.gathered_values()
+        for p, value in zip(self.params, values):
+            p.data = value if self.storage.sharding is None or self.persistent else value.to("cpu")
 
     def device_bytes(self) -> int:
         return self.storage.device_bytes()
+
+
+def _gather_shard(storage: ChunkStorage, shard: Tensor) -> Tensor:
+    """The whole of a span sharded like ``shard`` (this rank's piece): all-gathered through the
+    device (NCCL gathers device tensors only); one chunk's span at a time."""
+    n, sharding = shard.numel(), storage.sharding
+    full = torch.empty(n * sharding.world, dtype=shard.dtype, device=storage.device)
+    full[storage.rank * n:(storage.rank + 1) * n].copy_(shard)
+    sharding.gather_(full)
+    return full

@@ -9,7 +9,10 @@ waits on before the chunk is used. A device->host gradient offload waits for the
 before reading the host copy; the device buffers are freed only after that event completed.
 Swapped activations use their own ``swap_stream`` with the same rules, so that device->host
 activation copies in forward do not queue behind (or delay) the parameter prefetches.
-On the CPU there are no streams: copies run synchronously and events are ``None``.
+Collectives of sharded chunks ([Note: sharded chunks] in sharding.py) run on ``comm_stream``
+with the same rules: it waits for the compute stream (and for the upload of the rank's shard),
+and the compute stream waits for its event before the chunk is used.
+On the CPU there are no streams: copies and collectives run synchronously and events are ``None``.
 """
 
 from __future__ import annotations
@@ -24,17 +27,35 @@ class DeviceContext:
         self.is_cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device=device) if self.is_cuda else None
         self.swap_stream = torch.cuda.Stream(device=device) if self.is_cuda else None
+        self.comm_stream = torch.cuda.Stream(device=device) if self.is_cuda else None
 
-    def copy_async(self, dst: Tensor, src: Tensor, stream=None):
+    def copy_async(self, dst: Tensor, src: Tensor, stream=None, after=None):
         """Copy ``src`` into ``dst`` on ``stream`` (default: the copy stream) after the work
-        queued so far on the compute stream; return the event to wait on (None on the CPU)."""
+        queued so far on the compute stream (and ``after``, an event); return the event to wait
+        on (None on the CPU)."""
         if not self.is_cuda:
             dst.copy_(src)
             return None
         stream = stream or self.copy_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        if after is not None:
+            stream.wait_event(after)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
+            return stream.record_event()
+
+    def collective(self, fn, after=None):
+        """Run ``fn`` (collectives) on the communication stream after the compute stream's work
+        so far (and ``after``); return the event to wait on (None on the CPU: ``fn`` ran)."""
+        if not self.is_cuda:
+            fn()
+            return None
+        stream = self.comm_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        if after is not None:
+            stream.wait_event(after)
+        with torch.cuda.stream(stream):
+            fn()
             return stream.record_event()
 
     def wait_on_compute(self, event) -> None:

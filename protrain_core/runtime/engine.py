@@ -27,6 +27,7 @@ from protrain_core.runtime.hooks import RuntimeHooks
 from protrain_core.runtime.host_pool import should_pin
 from protrain_core.runtime.optim import ChunkOptimizer
 from protrain_core.runtime.scheduler import Runtime
+from protrain_core.runtime.sharding import Sharding, broadcast_module
 from protrain_core.runtime.storage import ChunkFormat, ChunkStorage, chunk_formats
 from protrain_core.structure.layout import ChunkLayout, unit_chunks
 from protrain_core.update import ClipAlgorithm, GradientClipping, Overlap, overlap_mode, parse_gradient_clipping
@@ -54,8 +55,14 @@ class Engine:
     """Runs a wrapped model: forward through ``engine.module``, then backward, step, zero_grad."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, layout: ChunkLayout, plan: Plan,
-                 precision: Precision, device: torch.device, options: EngineOptions = EngineOptions()) -> None:
+                 precision: Precision, device: torch.device, options: EngineOptions = EngineOptions(),
+                 sharding: Sharding | None = None) -> None:
+        """``sharding``: the processes the chunks are sharded over (``Sharding.resolve``; None:
+        one process). Every rank builds its engine alike, with the same plan."""
         check_plan(plan, layout.limits())
+        if sharding is not None:
+            sharding.check_device(device)
+        self.sharding = sharding
         self.module, self.optimizer, self.layout, self.plan = module, optimizer, layout, plan
         self.precision, self.device, self.options = precision, device, options
         self.optimizer_states = options.optimizer_states
@@ -67,7 +74,8 @@ class Engine:
         self._closed = False
         self._autocast_depth = 0
         self.chunks = self._allocate(chunk_formats(module, optimizer, layout, precision,
-                                                   optimizer_states=options.optimizer_states))
+                                                   optimizer_states=options.optimizer_states,
+                                                   world_size=self.world_size))
         self._slot_of: dict[int, tuple[Chunk, int]] = {id(p): (c, i) for c in self.chunks for i, p in enumerate(c.params)}
         n_buffer = min(plan.n_buffer, len(self.chunks) - plan.n_persist)
         self.runtime = Runtime(self.chunks, self.ctx, self._optim, self.phase, n_buffer=n_buffer,
@@ -105,11 +113,13 @@ class Engine:
         device_bytes = 0 if dev.type == "cuda" else sum(fmt.persistent_device_bytes for fmt in formats[:n_persist])
         check_host_memory(host_bytes + device_bytes, "offloaded model states")
         params = dict(self.module.named_parameters())
+        if self.sharding is not None:  # every rank starts from rank 0's values, as DDP does
+            broadcast_module(self.module, self.sharding, dev)
         chunks = []
         for spec, fmt in zip(self.layout.chunks, formats):
             members = [params[m.name] for m in spec.members]
             storage = ChunkStorage(fmt, persistent=spec.index < n_persist, device=dev, pin=should_pin(dev),
-                                   n_members=len(members))
+                                   n_members=len(members), sharding=self.sharding)
             opt_members = self._optim.members_by_group(members) if fmt.adam_states else {}
             chunk = Chunk(spec, params=members, storage=storage, opt_members=opt_members)
             chunk.load_params()
@@ -428,19 +438,41 @@ class Engine:
         return str(self._overlap())
 
     # ----- state --------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Tensor]:
+    def slot_of(self, p: torch.nn.Parameter) -> tuple[Chunk, int]:
+        """The chunk holding parameter ``p``, and its member index there."""
+        return self._slot_of[id(p)]
+
+    @property
+    def world_size(self) -> int:
+        """Processes the chunks are sharded over (1: not sharded)."""
+        return 1 if self.sharding is None else self.sharding.world
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.sharding is None else self.sharding.rank
+
+    def state_dict(self, *, rank0_only: bool = True) -> dict[str, Tensor]:
         """Master weights (fp32; bf16 in bf16-true) and buffers under the model's own names, on
         the CPU. Frozen parameters are kept in the compute dtype (rounded once, at wrap, in the
-        mixed modes) and returned in the master dtype."""
+        mixed modes) and returned in the master dtype. Sharded over ``W`` processes, every rank
+        calls it: the chunks are gathered one at a time, and (``rank0_only``) only rank 0 keeps
+        the result -- the other ranks get an empty dict, and no rank ever holds more than its
+        own states, one gathered chunk and (rank 0) the result."""
         self.runtime.wait_all()
+        keep = not rank0_only or self.rank == 0
         out = {}
+        gathered: tuple[Chunk | None, list] = (None, [])  # the last chunk's whole values
         for key, t in self.module.state_dict(keep_vars=True).items():
             slot = self._slot_of.get(id(t))
             if slot is None:
-                out[key] = t.detach().to("cpu", copy=True)
-            else:  # a frozen member's compute copy is returned in the master dtype too
-                value = slot[0].member_value(slot[1])
-                out[key] = value.detach().to("cpu", dtype=self.precision.master_dtype, copy=True)
+                if keep:
+                    out[key] = t.detach().to("cpu", copy=True)
+                continue
+            chunk, i = slot
+            if gathered[0] is not chunk:
+                gathered = chunk, chunk.gathered_values()
+            if keep:  # a frozen member's compute copy is returned in the master dtype too
+                out[key] = gathered[1][i].detach().to("cpu", dtype=self.precision.master_dtype, copy=True)
         return out
 
     def load_state_dict(self, state_dict: dict[str, Tensor], strict: bool = True) -> None:
@@ -465,15 +497,33 @@ class Engine:
                 else:
                     slot[0].set_member(slot[1], value)
 
-    def optimizer_state_dict(self) -> dict:
-        """The optimizer state in ``torch.optim.AdamW.state_dict()`` format, on the CPU."""
+    def optimizer_state_dict(self, *, rank0_only: bool = True) -> dict:
+        """The optimizer state in ``torch.optim.AdamW.state_dict()`` format, on the CPU (sharded:
+        gathered chunk by chunk, kept by rank 0 only unless ``rank0_only`` is False)."""
         self.runtime.wait_all()
-        return self._optim.state_dict(self._slot_of)
+        return self._optim.state_dict(self._slot_of, keep=not rank0_only or self.rank == 0)
 
     def load_optimizer_state_dict(self, state_dict: dict) -> None:
         self._check_open()
         self.runtime.wait_all()
         self._optim.load_state_dict(state_dict, self._slot_of)
+
+    def save_sharded(self, path, meta: dict | None = None) -> None:
+        """Write the weights and optimizer state as a sharded ``torch.distributed.checkpoint``
+        directory: every rank writes its own shards, nothing is gathered ([Note: sharded
+        checkpoints] in checkpoint.py). Every rank calls it."""
+        from protrain_core.checkpoint import save_sharded
+
+        self._check_open()
+        save_sharded(self, path, meta)
+
+    def load_sharded(self, path, *, model: bool = True, optimizer: bool = True, strict: bool = True) -> None:
+        """Load a directory of ``save_sharded`` written by any number of processes: the weights
+        (``model``), Adam's state and hyper-parameters (``optimizer``)."""
+        from protrain_core.checkpoint import load_sharded
+
+        self._check_open()
+        load_sharded(self, path, model=model, optimizer=optimizer, strict=strict)
 
     def scaler_state_dict(self) -> dict | None:
         return None if self.scaler is None else self.scaler.state_dict()

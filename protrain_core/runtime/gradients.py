@@ -29,9 +29,11 @@ request after a backward that already updated chunks is refused with the fix.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from protrain_core.precision import LossScaler
@@ -54,6 +56,7 @@ class StepGradients:
 
     def __init__(self, optim: ChunkOptimizer, scaler: LossScaler | None, chunks: list[Chunk], device: torch.device) -> None:
         self.optim, self.scaler, self.chunks, self.device = optim, scaler, chunks, device
+        self.sharding = chunks[0].storage.sharding if chunks else None  # norms and overflow all-reduced
         self.configured: GradientClipping | None = None  # applied at every step (wrap / set_gradient_clipping)
         self.expect_late: float | None = None  # clipping comes late at any step: the norm type to finish early
         self.hold_first = True  # hold the first step for a late request (False: no late request will come)
@@ -145,6 +148,8 @@ class StepGradients:
     def _total_norm(self, norm_type: float) -> Tensor:
         norms = self._norms(norm_type)
         ordered = [norms[id(p)] for group in self.optim.optimizer.param_groups for p in group["params"] if id(p) in norms]
+        if self.sharding is not None:
+            return self._sharded_total(ordered, norm_type)
         if not ordered:
             return torch.tensor(0.0, device=self.device)
         moved: dict[torch.device, Tensor] = {}
@@ -154,12 +159,27 @@ class StepGradients:
                 moved[k] = n
         return torch.linalg.vector_norm(torch.stack([moved[k] for k in range(len(ordered))]), norm_type)
 
+    def _sharded_total(self, ordered: list[Tensor], norm_type: float) -> Tensor:
+        """The global norm over the ranks' pieces: each rank's pieces' norms combined (the
+        p-th powers summed, or the maximum), all-reduced, then the p-th root. Equal to
+        ``clip_grad_norm_``'s over whole gradients up to the order of the additions."""
+        local = torch.zeros((), dtype=torch.float32, device=self.device)
+        if ordered:
+            local = torch.linalg.vector_norm(torch.stack([n.to(self.device, torch.float32) for n in ordered]), norm_type)
+        if math.isinf(norm_type):
+            op = dist.ReduceOp.MAX if norm_type > 0 else dist.ReduceOp.MIN
+            return self.sharding.all_reduce_(local, op)
+        return self.sharding.all_reduce_(local.pow(norm_type)).pow(1.0 / norm_type)
+
     def found_inf(self) -> Tensor:
-        """1.0 when any gradient of the step overflowed (fp16), on the CPU (after finish_all)."""
+        """1.0 when any gradient of the step overflowed (fp16) on any rank, on the CPU (after
+        finish_all)."""
         found = torch.zeros(1, dtype=torch.float32)
         for f in self._finished.values():
             if f.found_inf is not None:
                 found += f.found_inf.cpu()
+        if self.sharding is not None:
+            found = self.sharding.all_reduce_(found.to(self.device), dist.ReduceOp.MAX).cpu()
         return (found > 0).float()
 
     # ----- late requests --------------------------------------------------------------------

@@ -43,6 +43,15 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     return decoupled
 
 
+def indexed_params(optimizer: torch.optim.Optimizer):
+    """(index, parameter) in torch's state-dict numbering: param groups in order."""
+    index = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            yield index, p
+            index += 1
+
+
 @dataclass(frozen=True)
 class UpdateClip:
     """The clipping one update applies (runtime/gradients.py decides it per step)."""
@@ -129,26 +138,29 @@ class ChunkOptimizer:
 
     # ----- torch.optim state-dict format --------------------------------------------------
     def _indexed_params(self):
-        index = 0
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                yield index, p
-                index += 1
+        return indexed_params(self.optimizer)
 
-    def state_dict(self, slot_of: SlotMap) -> dict:
+    def state_dict(self, slot_of: SlotMap, *, keep: bool = True) -> dict:
+        """The state in torch's format. Sharded over ``W`` processes every rank must call it (the
+        states are gathered chunk by chunk, one chunk at a time); ``keep`` False: this rank takes
+        part only (its result is empty)."""
         base = self.optimizer.state_dict()  # param_groups with hyper-parameters and indices
         keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad else [])
         state = {}
+        gathered: tuple[Chunk | None, dict] = (None, {})  # the last chunk's whole states
         for index, p in self._indexed_params():
             chunk, i = slot_of[id(p)]
             if not chunk.has_adam_state(i):
                 continue
-            storage = chunk.storage
-            entry = {"step": storage.steps[i].detach().to("cpu", copy=True)}
+            if gathered[0] is not chunk:
+                gathered = chunk, {key: chunk.gathered_values(lambda st, key=key: getattr(st, key)) for key in keys}
+            if not keep:
+                continue
+            entry = {"step": chunk.storage.steps[i].detach().to("cpu", copy=True)}
             for key in keys:
-                entry[key] = chunk.state_view(getattr(storage, key), i).detach().to("cpu", copy=True)
+                entry[key] = gathered[1][key][i].detach().reshape(p.shape).to("cpu", copy=True)
             state[index] = entry
-        return {"state": state, "param_groups": base["param_groups"]}
+        return {"state": state, "param_groups": base["param_groups"]} if keep else {}
 
     def validate_state_dict(self, osd: dict) -> None:
         groups = self.optimizer.param_groups
@@ -193,7 +205,7 @@ class ChunkOptimizer:
                         continue
                     dst = chunk.state_view(flat, i)
                     if entry is not None and key in entry:
-                        dst.copy_(entry[key])
+                        dst.copy_(chunk.own_piece(i, entry[key]))
                     else:
                         dst.zero_()
                 step = entry["step"] if entry is not None else 0.0

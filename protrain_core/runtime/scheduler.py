@@ -60,6 +60,7 @@ class Runtime:
         self.chunks = chunks
         self.streamed = [c for c in chunks if not c.persistent]
         self.ctx = ctx
+        self.sharding = chunks[0].storage.sharding if chunks else None  # W processes ([Note: sharded chunks])
         self.optim = optim
         self.phase = phase
         self.n_buffer = n_buffer
@@ -78,7 +79,7 @@ class Runtime:
         self.stats = dict.fromkeys(_COUNTED.values(), 0)
         self.events: list[tuple[str, int, float]] = []  # (what, chunk, time) when recording
         self.record_events = False
-        staging = max((c.storage.fmt.trainable_numel for c in self.streamed), default=0)
+        staging = max((c.storage.fmt.state_numel for c in self.streamed), default=0)
         self.worker = CpuWorker(ctx, optim, n_staging=n_buffer, staging_numel=staging, record=self.record)
 
     @property
@@ -133,7 +134,9 @@ class Runtime:
             if not c.persistent and c.state is not ChunkState.RESIDENT:
                 self._make_resident(c, protect=self.current | {c.index})
             complete = c.receive(i, grad)
-            if complete and not c.persistent:
+            if complete and c.persistent and self.sharding is not None:
+                c.land(self.ctx)  # reduce-scattered into its accumulator now
+            elif complete and not c.persistent:
                 if c.spec.has_frozen and c.index in self.current:
                     self._deferred.add(c.index)  # its frozen weights may still be read by this backward
                 else:
@@ -168,8 +171,8 @@ class Runtime:
         c = self.chunks[index]
         if c.persistent:
             return
-        if c.update_finished():
-            c.end_update()
+        if c.update_finished() or (self.sharding is not None and c.state is ChunkState.UPDATING):
+            c.end_update()  # sharded: every rank must prefetch alike, whatever the worker's timing
         if c.state is not ChunkState.HOST or self._victim(self.current | {index}, spill=False) is False:
             return
         self._make_room(self.current | {index})
@@ -290,7 +293,7 @@ class Runtime:
             if not c.receiving:
                 continue
             if c.persistent:
-                c.land()
+                c.land(self.ctx)
             else:  # some of its parameters got no gradient in this pass
                 self._offload(c, final=True)
 
@@ -324,6 +327,8 @@ class Runtime:
             if c.persistent:
                 with traced("ProTrain::device_adam"), torch.no_grad():
                     self.optim.update(c, hps, self.optim.selected(c), device_clip)
+                    if self.sharding is not None:
+                        c.storage.gather_trainable()  # every rank's updated piece
         if wait:
             self.wait_all()
         self.finish_step()
@@ -350,7 +355,7 @@ class Runtime:
         self.streamed = [c for c in self.chunks if not c.persistent]
         assert not self._resident()
         self.n_buffer = n_buffer
-        staging = max((c.storage.fmt.trainable_numel for c in self.streamed), default=0)
+        staging = max((c.storage.fmt.state_numel for c in self.streamed), default=0)
         self.worker.resize_staging(n_staging=n_buffer, staging_numel=staging)
 
     def shutdown(self) -> None:
@@ -375,7 +380,7 @@ class Runtime:
                 assert storage.device_copy_allocated, c
             else:
                 assert not storage.device_copy_allocated and storage.grad_buffer is None, f"{c} holds device memory"
-            home = storage.device_copy if c.state is ChunkState.RESIDENT else storage.host_copy if not c.device_resident else None
+            home = storage.device_copy if c.state is ChunkState.RESIDENT else c.rest_copy if not c.device_resident else None
             if home is not None:
                 for p in c.params:
                     assert p.untyped_storage().data_ptr() == home.untyped_storage().data_ptr(), f"{c}: stale .data"

@@ -17,11 +17,14 @@ trains:
 A frozen parameter therefore costs its compute-dtype copy and nothing else (2 bytes in the
 bf16 modes); a chunk with no trainable member (``T = 0``) holds the compute copy only, is
 uploaded and never offloaded. ``s_c`` and ``s_t`` are this rank's shards: ``S`` and ``T`` in
-one process, ``ceil(S / world)`` and ``ceil(T / world)`` rounded up to the layout's alignment
-otherwise (the compute copy is then padded to ``s_c * world`` elements so that an all-gather of
-equal shards assembles it). In one process the master is a tensor of its own only when its
-dtype differs from the compute dtype (the mixed modes); otherwise it *is* the trainable span
-of the compute copy (the host copy of a streamed chunk, the device copy of a persistent one).
+one process; with ``W`` processes the frozen span (``F`` elements) and the trainable span are
+sharded separately, ``s_f = ceil(F / W)`` and ``s_t = ceil(T / W)`` rounded up to the layout's
+alignment, ``s_c = s_f + s_t``, and the gathered compute copy holds ``(s_f + s_t) * W`` elements
+([Note: sharded chunks] in sharding.py; a persistent chunk's gradients then also pass through a
+device buffer of the padded trainable span). In one process the master is a tensor of its own
+only when its dtype differs from the compute dtype (the mixed modes); otherwise it *is* the
+trainable span of the compute copy (the host copy of a streamed chunk, the device copy of a
+persistent one).
 
 Everything that needs a chunk's size asks ``ChunkFormat``: the engine's allocation (here), the
 size of a streamed chunk's exact host buffer, the runtime's device-memory bound, and the profiler's static facts, which
@@ -30,7 +33,7 @@ are all the cost model knows of chunks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -38,6 +41,7 @@ from torch import Tensor, nn
 from protrain_core.memtrack import untracked
 from protrain_core.precision import Precision
 from protrain_core.runtime.host_pool import HostPool
+from protrain_core.runtime.sharding import Sharding
 from protrain_core.structure.layout import ChunkLayout, align
 
 
@@ -68,19 +72,39 @@ class ChunkFormat:
         return n if self.world_size == 1 else align(-(-n // self.world_size))
 
     @property
+    def frozen_numel(self) -> int:
+        """F: the span before the trainable one (the whole chunk when nothing in it trains)."""
+        return self.trainable_start if self.trains else self.numel
+
+    @property
+    def frozen_shard(self) -> int:
+        """s_f: elements of this rank's piece of the frozen span (sharded processes only)."""
+        return self._shard(self.frozen_numel)
+
+    @property
     def shard_numel(self) -> int:
         """s_c: elements of this rank's shard of the compute copy."""
-        return self._shard(self.numel)
+        return self.numel if self.world_size == 1 else self.frozen_shard + self.state_numel
 
     @property
     def padded_numel(self) -> int:
         """Elements of the gathered compute copy (``numel`` in one process)."""
-        return self.shard_numel * self.world_size
+        return self.numel if self.world_size == 1 else self.shard_numel * self.world_size
+
+    @property
+    def trainable_device_start(self) -> int:
+        """Where the trainable span begins in the gathered compute copy."""
+        return self.trainable_start if self.world_size == 1 else self.frozen_shard * self.world_size
 
     @property
     def state_numel(self) -> int:
         """s_t: elements of this rank's shard of the master, accumulator and Adam states."""
         return self._shard(self.trainable_numel)
+
+    @property
+    def grad_buffer_numel(self) -> int:
+        """Elements of the device gradient buffer: the trainable span, padded to ``s_t * W``."""
+        return self.trainable_numel if self.world_size == 1 else self.state_numel * self.world_size
 
     @property
     def separate_master(self) -> bool:
@@ -93,8 +117,10 @@ class ChunkFormat:
 
     @property
     def persistent_device_bytes(self) -> int:
-        """Device bytes of the chunk when it is persistent."""
-        return self.padded_numel * self.compute_dtype.itemsize + self._state_bytes()
+        """Device bytes of the chunk when it is persistent (with ``W`` processes, its gradient
+        buffer during backward included)."""
+        grads = 0 if self.world_size == 1 else self.grad_buffer_numel
+        return (self.padded_numel + grads) * self.compute_dtype.itemsize + self._state_bytes()
 
     @property
     def streamed_host_bytes(self) -> int:
@@ -105,7 +131,7 @@ class ChunkFormat:
     def buffer_device_bytes(self) -> int:
         """Device bytes of a streamed chunk while resident: its compute copy, plus the gradient
         buffer of its trainable span during backward."""
-        return (self.padded_numel + self.trainable_numel) * self.compute_dtype.itemsize
+        return (self.padded_numel + self.grad_buffer_numel) * self.compute_dtype.itemsize
 
     @property
     def upload_bytes(self) -> int:
@@ -116,6 +142,19 @@ class ChunkFormat:
     def offload_bytes(self) -> int:
         """Bytes of gradients one offload copies device -> host (0 for a frozen chunk)."""
         return self.state_numel * self.compute_dtype.itemsize
+
+    @property
+    def gather_bytes(self) -> int:
+        """Bytes one all-gather of the compute copy assembles (0 in one process)."""
+        return 0 if self.world_size == 1 else self.padded_numel * self.compute_dtype.itemsize
+
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes of gradients one reduce-scatter reads (0 in one process)."""
+        return 0 if self.world_size == 1 else self.grad_buffer_numel * self.compute_dtype.itemsize
+
+    def sharded(self, world_size: int) -> ChunkFormat:
+        return replace(self, world_size=world_size)
 
     def host_tensors(self) -> list[tuple[int, torch.dtype]]:
         """(elements, dtype) of a streamed chunk's host tensors, in allocation order."""
@@ -141,8 +180,11 @@ class ChunkStorage:
     _STATES = ("grad_acc", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
     def __init__(self, fmt: ChunkFormat, *, persistent: bool, device: torch.device, pin: bool,
-                 n_members: int) -> None:
+                 n_members: int, sharding: Sharding | None = None) -> None:
+        assert (sharding.world if sharding is not None else 1) == fmt.world_size
         self.fmt = fmt
+        self.sharding = sharding
+        self.rank = sharding.rank if sharding is not None else 0
         self.device = device
         self.pin = pin
         self.pool: HostPool | None = None
@@ -213,7 +255,15 @@ class ChunkStorage:
         return tensors
 
     def _restore(self, old: dict) -> None:
-        self.compute_home.copy_(old["compute"])
+        if self.sharding is None:
+            self.compute_home.copy_(old["compute"])
+        elif self.persistent:  # from the host shards: uploaded, then gathered
+            for host, device in self.shard_places(old["compute"]):
+                device.copy_(host)
+            self.gather_spans()
+        else:  # the rank's pieces of the gathered copy
+            for host, device in self.shard_places(device_copy=old["compute"]):
+                host.copy_(device)
         if old["master"] is not None:
             self.master.copy_(old["master"])
         for name in self._STATES:
@@ -230,9 +280,39 @@ class ChunkStorage:
         return self.device_copy if self.persistent else self.host_copy
 
     def compute_span(self) -> Tensor:
-        """The trainable span of the compute copy where it rests (a view)."""
-        start, n = self.fmt.trainable_start, self.fmt.trainable_numel
-        return self.compute_home[start:start + n]
+        """The trainable span of the compute copy where it rests (a view); with ``W`` processes
+        this rank's piece of it (the one its master shard updates)."""
+        fmt = self.fmt
+        if self.sharding is None:
+            return self.compute_home[fmt.trainable_start:fmt.trainable_start + fmt.trainable_numel]
+        if not self.persistent:
+            return self.host_copy[fmt.frozen_shard:]
+        start = fmt.trainable_device_start + self.rank * fmt.state_numel
+        return self.device_copy[start:start + fmt.state_numel]
+
+    # ----- shards (W processes: [Note: sharded chunks] in sharding.py) --------------------------
+    def shard_places(self, host_copy: Tensor | None = None, device_copy: Tensor | None = None):
+        """(host shard span, its place in the gathered device copy) for the frozen and the
+        trainable span; one process: the whole copies."""
+        host = self.host_copy if host_copy is None else host_copy
+        device = self.device_copy if device_copy is None else device_copy
+        if self.sharding is None:
+            return [(host, device)]
+        fmt, r = self.fmt, self.rank
+        sf, st, tds = fmt.frozen_shard, fmt.state_numel, fmt.trainable_device_start
+        return [(host[:sf], device[r * sf:(r + 1) * sf]), (host[sf:], device[tds + r * st:tds + (r + 1) * st])]
+
+    def gather_spans(self) -> None:
+        """All-gather the device copy's frozen and trainable spans in place (each rank's pieces
+        are in place already)."""
+        fmt = self.fmt
+        tds = fmt.trainable_device_start
+        self.sharding.gather_(self.device_copy[:tds])
+        self.sharding.gather_(self.device_copy[tds:])
+
+    def gather_trainable(self) -> None:
+        """All-gather the device copy's trainable span (a persistent chunk after its update)."""
+        self.sharding.gather_(self.device_copy[self.fmt.trainable_device_start:])
 
     def allocate_device_copy(self) -> None:
         storage = self.device_copy.untyped_storage()
@@ -247,7 +327,7 @@ class ChunkStorage:
 
     def allocate_grad_buffer(self) -> Tensor:
         with untracked():  # chunk memory: counted by device_bytes(), not as activations
-            self.grad_buffer = torch.zeros(self.fmt.trainable_numel, dtype=self.fmt.compute_dtype, device=self.device)
+            self.grad_buffer = torch.zeros(self.fmt.grad_buffer_numel, dtype=self.fmt.compute_dtype, device=self.device)
         return self.grad_buffer
 
     def free_grad_buffer(self) -> None:
@@ -277,7 +357,7 @@ class ChunkStorage:
 
 
 def chunk_formats(model: nn.Module, optimizer: torch.optim.Optimizer, layout: ChunkLayout, precision: Precision, *,
-                  optimizer_states: bool = True) -> list[ChunkFormat]:
+                  optimizer_states: bool = True, world_size: int = 1) -> list[ChunkFormat]:
     """The format of every chunk of ``layout``: what the engine allocates, and what the profiler
     reports to the cost model. Adam states go with chunks holding a trainable parameter the
     optimizer updates (none for an engine that never steps)."""
@@ -290,6 +370,6 @@ def chunk_formats(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Ch
         formats.append(ChunkFormat(
             numel=layout.chunk_size, compute_dtype=precision.compute_dtype, master_dtype=precision.master_dtype,
             trainable_start=spec.trainable_start if spec.trainable_numel else 0,
-            trainable_numel=spec.trainable_numel, adam_states=adam if trains else 0,
+            trainable_numel=spec.trainable_numel, adam_states=adam if trains else 0, world_size=world_size,
         ))
     return formats

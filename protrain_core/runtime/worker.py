@@ -29,7 +29,7 @@ class CpuWorker:
         self.ctx = ctx
         self.optim = optim
         self.n_staging = n_staging
-        self.staging_numel = staging_numel  # the largest trainable span of a streamed chunk
+        self.staging_numel = staging_numel  # the largest trainable shard of a streamed chunk
         self.record = record  # record(what, chunk index): the runtime's timeline and counters
         self.threaded = ctx.is_cuda or os.environ.get("PROTRAIN_CPU_ADAM_THREAD", "") == "1"
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="protrain-cpu-adam")
@@ -68,7 +68,7 @@ class CpuWorker:
                     self._staging.put(torch.empty(self.staging_numel, dtype=storage.grad_acc.dtype,
                                                   pin_memory=self.ctx.is_cuda))
         full = self._staging.get()
-        landing = full[:storage.fmt.trainable_numel]
+        landing = full[:storage.fmt.state_numel]
         self._lent[id(landing)] = full
         return landing
 

@@ -1,0 +1,275 @@
+"""Sharded checkpoints: a ``torch.distributed.checkpoint`` directory that every rank writes its
+own pieces into, and that loads at any number of processes (one included).
+
+[Note: sharded checkpoints]
+A consolidated checkpoint (``Engine.state_dict``) gathers every chunk to rank 0, so rank 0's host
+must hold the whole model. A sharded one never assembles anything: each rank writes the pieces
+of the parameters it owns ([Note: sharded chunks] in runtime/sharding.py) under keys that say
+what they are and where they start:
+
+  model/<name>/<offset>              a piece of parameter <name>'s master weights (a frozen
+                                     one's values), its flattened elements from <offset>
+  optim/<index>/<state>/<offset>     the same piece of Adam's <state> of parameter <index>
+                                     (torch's numbering: param groups in order)
+  optim/<index>/step                 Adam's step of parameter <index> (rank 0)
+  buffer/<name>                      a buffer, whole (rank 0)
+  optim/param_groups                 the optimizer's hyper-parameters (rank 0)
+
+The pieces tile every parameter whatever the number of processes that wrote them, so loading
+needs only the directory's metadata: a rank reads, one chunk at a time, every piece of that
+chunk's parameters, and keeps what its own shards hold (``Chunk.set_member``,
+``Chunk.own_piece``) -- at most one chunk beyond its own states at a time. A directory is
+written into a temporary sibling and renamed into place: an interrupted save never leaves a
+torn checkpoint.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import uuid
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+
+from protrain_core.runtime.optim import indexed_params
+from protrain_core.runtime.sharding import piece
+
+ADAM_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def _pieces(chunk, i: int, flat: Tensor | None) -> tuple[int, Tensor] | None:
+    """(offset, this rank's piece) of member ``i`` of ``chunk`` in ``flat`` (a shard tensor of the
+    trainable span), or of its values when ``flat`` is None."""
+    storage, m = chunk.storage, chunk.members[i]
+    if m.trainable and (flat is not None or storage.master is not None):
+        part = chunk.member_piece(i)
+        if part is None:
+            return None
+        return part[0], chunk.state_view(storage.master if flat is None else flat, i).reshape(-1)
+    if flat is not None:
+        return None
+    # A frozen member: the piece of the frozen span this rank owns (of the whole device copy of
+    # a persistent chunk, where it is replicated, or of the host shard of a streamed one).
+    fmt, rank = storage.fmt, storage.rank
+    if storage.sharding is None:
+        return 0, chunk.view(storage.compute_home, i).reshape(-1)
+    part = piece(m.offset, m.numel, fmt.frozen_shard, rank)
+    if part is None:
+        return None
+    off, at, n = part
+    if chunk.persistent:
+        return off, chunk.view(storage.device_copy, i).reshape(-1)[off:off + n]
+    return off, storage.host_copy[at:at + n]
+
+
+META = "meta.pt"
+
+
+def save_sharded(engine, path, meta: dict | None = None) -> None:
+    """Write ``engine``'s weights and optimizer state as a sharded checkpoint directory at
+    ``path`` (every rank calls it; see [Note: sharded checkpoints]); ``meta``: anything else
+    to keep with them (rank 0's is written, ``torch.save``d as ``meta.pt``)."""
+    engine.runtime.wait_all()
+    path = Path(path)
+    rank, names = engine.rank, _param_names(engine)
+    state: dict[str, object] = {}
+    for chunk in engine.chunks:
+        for i, p in enumerate(chunk.params):
+            got = _pieces(chunk, i, None)
+            if got is not None and got[1].numel():
+                state[f"model/{names[id(p)]}/{got[0]}"] = got[1].detach().to("cpu", engine.precision.master_dtype)
+    for index, p in _indexed(engine):
+        chunk, i = engine.slot_of(p)
+        if not chunk.has_adam_state(i):
+            continue
+        for key in ADAM_KEYS:
+            flat = getattr(chunk.storage, key)
+            got = None if flat is None else _pieces(chunk, i, flat)
+            if got is not None and got[1].numel():
+                state[f"optim/{index}/{key}/{got[0]}"] = got[1].detach().to("cpu", copy=True)
+        if rank == 0:
+            state[f"optim/{index}/step"] = chunk.storage.steps[i].detach().to("cpu", copy=True)
+    if rank == 0:
+        for name, b in engine.module.named_buffers():
+            state[f"buffer/{name}"] = b.detach().to("cpu", copy=True)
+        groups = io.BytesIO()
+        torch.save(engine.optimizer.state_dict()["param_groups"], groups)
+        state["optim/param_groups"] = groups  # one object, not flattened
+    tmp = _agreed_tmp(engine, path)
+    with _quiet():
+        dcp.save(state, checkpoint_id=str(tmp), process_group=_group(engine), no_dist=engine.sharding is None)
+    if rank == 0 and meta is not None:
+        torch.save(meta, tmp / META)
+    _barrier(engine)
+    if rank == 0:
+        old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}") if path.exists() else None
+        if old is not None:
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+    _barrier(engine)
+
+
+def is_sharded_checkpoint(path) -> bool:
+    return (Path(path) / ".metadata").is_file()
+
+
+def read_meta(path) -> dict:
+    """What ``save_sharded`` kept beside the weights (``meta``; empty when none)."""
+    file = Path(path) / META
+    return torch.load(file, map_location="cpu", weights_only=False) if file.is_file() else {}
+
+
+def load_sharded(engine, path, *, model: bool = True, optimizer: bool = True, strict: bool = True) -> None:
+    """Load a sharded checkpoint directory (written at any number of processes) into
+    ``engine``'s chunks, one chunk at a time: the weights (``model``) and Adam's state and
+    hyper-parameters (``optimizer``). Every rank calls it."""
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"{path} is not a sharded ProTrain checkpoint (a torch.distributed.checkpoint directory).")
+    engine.runtime.wait_all()
+    engine.runtime.release_all()
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    pieces: dict[str, list[tuple[int, str, int]]] = {}  # prefix -> (offset, key, elements)
+    for key, md in saved.items():
+        head, sep, off = key.rpartition("/")
+        if sep and off.isdigit() and hasattr(md, "size"):
+            pieces.setdefault(head, []).append((int(off), key, md.size.numel()))
+    names = _param_names(engine)
+    missing = sorted(n for n in names.values() if f"model/{n}" not in pieces)
+    if model and strict and missing:
+        raise KeyError(f"The sharded checkpoint {path} has no weights for {missing[:5]}{'...' if len(missing) > 5 else ''}.")
+    index_of = {id(p): index for index, p in _indexed(engine)}
+    for chunk in engine.chunks:
+        wanted = {f"model/{names[id(p)]}": p for p in chunk.params if model and f"model/{names[id(p)]}" in pieces}
+        if optimizer:
+            for p in chunk.params:
+                if id(p) in index_of:
+                    for key in ADAM_KEYS:
+                        prefix = f"optim/{index_of[id(p)]}/{key}"
+                        if prefix in pieces:
+                            wanted[prefix] = p
+        whole = _read_whole(engine, path, pieces, wanted)
+        with torch.no_grad():
+            for i, p in enumerate(chunk.params):
+                value = whole.get(f"model/{names[id(p)]}")
+                if value is not None:
+                    chunk.set_member(i, value.view(p.shape))
+        if optimizer and chunk.storage.exp_avg is not None:
+            _load_adam(chunk, whole, index_of, path, saved)
+    if optimizer:
+        groups = _read_object(engine, path, "optim/param_groups")
+        for group, s in zip(engine.optimizer.param_groups, groups):
+            group.update({k: v for k, v in s.items() if k != "params"})
+    if model:
+        _load_buffers(engine, path, saved)
+
+
+def _load_adam(chunk, whole: dict, index_of: dict, path: Path, saved) -> None:
+    steps = {}
+    for i, p in enumerate(chunk.params):
+        index = index_of.get(id(p))
+        if index is None or not chunk.members[i].trainable:
+            continue
+        key = f"optim/{index}/step"
+        present = key in saved and f"optim/{index}/exp_avg" in whole
+        if present:
+            steps[i] = key
+        for name in ADAM_KEYS:
+            flat = getattr(chunk.storage, name)
+            if flat is None:
+                continue
+            value = whole.get(f"optim/{index}/{name}")
+            dst = chunk.state_view(flat, i)
+            dst.copy_(chunk.own_piece(i, value.view(p.shape)).view(dst.shape)) if value is not None else dst.zero_()
+        chunk.set_adam_state(i, present)
+    if steps:
+        read = {key: torch.zeros(()) for key in steps.values()}
+        with _quiet():
+            dcp.load(read, checkpoint_id=str(path), no_dist=True)
+        for i, key in steps.items():
+            chunk.storage.steps[i].fill_(float(read[key]))
+
+
+def _read_whole(engine, path: Path, pieces: dict, wanted: dict) -> dict[str, Tensor]:
+    """Every piece under the ``wanted`` prefixes, assembled into whole flat tensors."""
+    read, whole = {}, {}
+    for prefix, p in wanted.items():
+        dtype = engine.precision.master_dtype if prefix.startswith("model/") else _state_dtype(engine, p)
+        whole[prefix] = out = torch.empty(p.numel(), dtype=dtype)
+        for off, key, n in pieces[prefix]:
+            read[key] = out[off:off + n]
+    if read:  # every rank reads what it needs on its own: no collective
+        with _quiet():
+            dcp.load(read, checkpoint_id=str(path), no_dist=True)
+    return whole
+
+
+def _state_dtype(engine, p) -> torch.dtype:
+    chunk, _ = engine.slot_of(p)
+    return chunk.storage.exp_avg.dtype
+
+
+def _read_object(engine, path: Path, key: str):
+    box = {key: io.BytesIO()}
+    with _quiet():
+        dcp.load(box, checkpoint_id=str(path), no_dist=True)
+    box[key].seek(0)
+    return torch.load(box[key], weights_only=True)
+
+
+def _load_buffers(engine, path: Path, saved) -> None:
+    read = {f"buffer/{n}": torch.empty_like(b, device="cpu") for n, b in engine.module.named_buffers()
+            if f"buffer/{n}" in saved}
+    if read:
+        with _quiet():
+            dcp.load(read, checkpoint_id=str(path), no_dist=True)
+        with torch.no_grad():
+            for n, b in engine.module.named_buffers():
+                if f"buffer/{n}" in read:
+                    b.copy_(read[f"buffer/{n}"])
+
+
+@contextmanager
+def _quiet():
+    """DCP warns that it "assumes" one process when told so (``no_dist``): it is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _param_names(engine) -> dict[int, str]:
+    names = {}
+    for name, p in engine.module.named_parameters():
+        names.setdefault(id(p), name)
+    return names
+
+
+def _indexed(engine):
+    return indexed_params(engine.optimizer)
+
+
+def _group(engine):
+    return None if engine.sharding is None else engine.sharding.group
+
+
+def _barrier(engine) -> None:
+    if engine.sharding is not None:
+        engine.sharding.barrier()
+
+
+def _agreed_tmp(engine, path: Path) -> Path:
+    """A fresh temporary sibling of ``path`` with rank 0's name on every rank."""
+    name = f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    if engine.sharding is not None:
+        name = engine.sharding.broadcast_object(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path.with_name(name)
+

@@ -1,0 +1,344 @@
+"""Several processes: chunks sharded ZeRO-3 style over a gloo process group on the CPU, against
+DDP (issue 17). Every test here starts processes, so they are few and each covers a lot.
+
+Tolerances. With 2 processes the reduction is DDP's exactly: DDP multiplies each rank's
+gradient by 1/2 (exact) and all-reduces the sum; ProTrain multiplies by 1/2 and reduce-scatters
+the sum; a + b is the same float either way, and Adam is elementwise, so a shard of a tensor
+updates exactly as the whole would: bitwise. Three things change the order of floating-point
+additions, and only they get a tolerance: 3 processes (gloo's all-reduce and reduce-scatter add
+the three ranks' values in different orders, and x/3 is not exact), gradient accumulation
+(DDP sums the micro-batches locally and reduces once; ProTrain reduces each micro-batch into
+its shard), and norm clipping (the global norm is the square root of the ranks' summed squared
+norms instead of the norm of all per-tensor norms). Each is a rounding of the last bit of a
+gradient element; through a few Adam steps at lr 1e-2 (each moves a weight by at most about lr)
+that stays below 1e-4 in the weights and 1e-5 in the losses (measured: at most 8e-6 and 1e-6).
+The mixed modes are bitwise with 2 processes too; with 3 see LOW_WEIGHT_ATOL.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import protrain_core as pt
+from _distributed import ddp_reduce, ddp_reference, protrain_run, spawn
+from conftest import batches, standard_plans, tiny_llama, train_engine
+from test_parity import reference_mixed
+
+WEIGHT_ATOL, LOSS_ATOL = 1e-4, 1e-5
+# bf16 / fp16 with 3 processes: the gradients are reduced in the compute dtype (as DDP reduces
+# them), and three values summed in another order can round differently by one low-precision
+# unit; where they nearly cancel that flips the sign of Adam's first update (+-lr each). Each of
+# the 4 steps moves a weight by at most about lr, so the runs stay within 2 lr per step; the
+# losses within a few bf16 units. Measured: 1.7e-2 and 2.2e-3.
+LOW_WEIGHT_ATOL, LOW_LOSS_ATOL = 4 * 2 * 1e-2, 5e-3
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "lightning_run.py")
+
+# (plan, options, frozen): every plan kind, accumulation, clipping, frozen parameters, weight decay
+SCENARIOS = [
+    ("all-persistent", {}, False),
+    ("streamed-buf1", {}, False),
+    ("mixed-buf2", {"accumulate": 2}, False),
+    ("swap-checkpoint", {"clip": 0.5}, False),
+    ("mixed-buf2", {"weight_decay": 0.1, "clip": 0.1}, True),
+    ("streamed-buf1", {"accumulate": 2}, True),
+]
+
+
+def _model(frozen: bool, seed: int = 0):
+    model = tiny_llama(seed=seed)
+    if frozen:  # LoRA-like: chunks with frozen and trainable members, and wholly frozen ones
+        for name, p in model.named_parameters():
+            if "mlp" in name or "embed" in name:
+                p.requires_grad_(False)
+    return model
+
+
+def _scenarios(rank, world):
+    """Each scenario: DDP and ProTrain on the same model and per-rank data; the per-rank losses,
+    and on rank 0 the largest weight difference (the engine's gathered state dict)."""
+    out = []
+    for plan_name, kw, frozen in SCENARIOS:
+        model = _model(frozen)
+        data = batches(4, seed=10 + rank)
+        ref_losses, ref_weights = ddp_reference(model, data, **kw)
+        losses, engine = protrain_run(_model(frozen), data, standard_plans(model)[plan_name], **kw)
+        weights = engine.state_dict()
+        assert (weights == {}) == (rank != 0)  # consolidated on rank 0 only
+        engine.close()
+        diff = max((weights[k] - ref_weights[k]).abs().max().item() for k in weights) if rank == 0 else None
+        out.append((ref_losses, losses, diff))
+    return {"cases": out + _mixed_scenarios(rank, world), "inf_skipped": _one_rank_overflows(rank, world)}
+
+
+def _one_rank_overflows(rank, world) -> bool:
+    """fp16: an inf in the last rank's gradients only skips the step on every rank (found-inf is
+    all-reduced), and every rank's loss scale halves, as GradScaler does."""
+    model = tiny_llama(seed=0)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), standard_plans(model)["streamed-buf1"],
+                     precision="16-mixed", device="cpu")
+    x = batches(1, seed=10 + rank)[0]
+    before, scale = engine.state_dict(rank0_only=False), engine.scaler.scale.item()
+    loss = engine.module(input_ids=x, labels=x).loss
+    engine.backward(loss * float("inf") if rank == world - 1 else loss)
+    engine.step()
+    engine.zero_grad()
+    after = engine.state_dict(rank0_only=False)
+    skipped = all(torch.equal(before[k], after[k]) for k in before) and engine.scaler.scale.item() == scale / 2
+    engine.close()
+    return skipped
+
+
+# (plan, precision): the mixed modes against DDP over the same recipe (bf16 / fp16 compute copies,
+# fp32 masters); fp16 with its loss scaler.
+MIXED = [("mixed-buf2", "bf16-mixed"), ("streamed-buf1", "16-mixed")]
+
+
+def _mixed_scenarios(rank, world):
+    out = []
+    for plan_name, precision in MIXED:
+        dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
+        model = tiny_llama(seed=0)
+        data = batches(4, seed=10 + rank)
+        scaler = torch.amp.GradScaler("cpu") if dtype == torch.float16 else None  # the engine's defaults
+        ref_losses, ref_master, _ = reference_mixed(model, dtype, data, lr=1e-2, scaler=scaler, reduce=ddp_reduce)
+        losses, engine = protrain_run(tiny_llama(seed=0), data, standard_plans(model)[plan_name], precision=precision,
+                                      weight_decay=0.01)  # reference_mixed's AdamW default
+        if engine.scaler is not None:
+            assert engine.scaler.scale.item() == scaler.get_scale(), "the loss scale moved alike"
+        weights = engine.state_dict()
+        engine.close()
+        diff = max((weights[k] - ref_master[k].detach()).abs().max().item() for k in ref_master) if rank == 0 else None
+        out.append((ref_losses, losses, diff))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_engines_train_like_ddp(world, tmp_path):
+    results = spawn(_scenarios, world, tmp_path)
+    cases = SCENARIOS + [(plan_name, {"precision": precision}, False) for plan_name, precision in MIXED]
+    for s, (plan_name, kw, frozen) in enumerate(cases):
+        exact = world == 2 and "accumulate" not in kw and "clip" not in kw
+        low = "precision" in kw and world > 2  # three low-precision gradients summed in another order
+        loss_atol, weight_atol = (LOW_LOSS_ATOL, LOW_WEIGHT_ATOL) if low else (LOSS_ATOL, WEIGHT_ATOL)
+        for rank in range(world):
+            ref, got, diff = results[rank]["cases"][s]
+            what = f"{plan_name} {kw} frozen={frozen} rank {rank}"
+            if exact:
+                assert got == ref, what
+            else:
+                assert got == pytest.approx(ref, abs=loss_atol), what
+            if rank == 0:
+                assert diff == 0.0 if exact else diff < weight_atol, (what, diff)
+    assert all(r["inf_skipped"] for r in results)
+
+
+# ----- checkpoints at other world sizes ---------------------------------------------------------
+def _train_and_save(rank, world, out, plan_name, steps):
+    """Train ``steps`` steps, then save both checkpoint formats: a consolidated file (rank 0)
+    and a sharded directory (every rank)."""
+    model = _model(frozen=True)
+    losses, engine = protrain_run(model, batches(steps, seed=20 + rank), standard_plans(model)[plan_name], clip=0.5)
+    state = {"model": engine.state_dict(), "optimizer": engine.optimizer_state_dict()}
+    if rank == 0:
+        torch.save(state, os.path.join(out, "full.pt"))
+    engine.save_sharded(os.path.join(out, "sharded"))
+    engine.close()
+    return state
+
+
+def _resume(rank, world, out, plan_name, source):
+    """Load ``source`` ("full.pt" or "sharded") into ProTrain at this world size and into plain
+    PyTorch + DDP (from the consolidated file), train both two more steps."""
+    data = batches(2, seed=30 + rank)
+    full = torch.load(os.path.join(out, "full.pt"), weights_only=True)
+    reference = _model(frozen=True, seed=7)
+    reference.load_state_dict(full["model"])
+    model = _model(frozen=True, seed=7)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine = pt.wrap(model, torch.optim.AdamW(trainable, lr=1e-2), standard_plans(model)[plan_name], device="cpu",
+                     check_invariants=True, gradient_clipping=("norm", 0.5))
+    if source == "sharded":
+        engine.load_sharded(os.path.join(out, "sharded"))
+    else:
+        engine.load_state_dict(full["model"])
+        engine.load_optimizer_state_dict(full["optimizer"])
+    loaded = engine.state_dict(rank0_only=False)
+    assert all(torch.equal(loaded[k], full["model"][k]) for k in full["model"]), "the weights did not load exactly"
+    losses = train_engine(engine, data)
+    weights = engine.state_dict()
+    engine.close()
+    ref_losses, ref_weights = _ddp_from(reference, full["optimizer"], data, ddp=world > 1)
+    return losses, ref_losses, weights, ref_weights
+
+
+def _ddp_from(model, optimizer_state, data, *, ddp: bool):
+    """DDP (or plain PyTorch in one process) from the consolidated checkpoint: the optimizer
+    state in torch's format loads as is."""
+    model = copy.deepcopy(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=True)
+    opt.load_state_dict(optimizer_state)
+    for group in opt.param_groups:  # the saved groups say fused=None (ProTrain's user optimizer): keep fused
+        group.update(fused=True, foreach=None)
+    losses = []
+    for x in data:
+        loss = ddp(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def _check_resumed(results, *, exact=False):
+    for rank, (losses, ref_losses, weights, ref_weights) in enumerate(results):
+        if exact:
+            assert losses == ref_losses, rank
+            assert all(torch.equal(weights[k], ref_weights[k]) for k in weights)
+            continue
+        assert losses == pytest.approx(ref_losses, abs=LOSS_ATOL), rank
+        if rank == 0:
+            assert max((weights[k] - ref_weights[k]).abs().max().item() for k in weights) < WEIGHT_ATOL
+
+
+def test_checkpoints_resume_at_other_world_sizes(tmp_path):
+    """2 -> 3 (sharded directory), 2 -> 1 (both formats, in this process), 1 -> 3 (consolidated
+    file): the state loads exactly, and training goes on as DDP (or plain PyTorch) from it."""
+    saved = spawn(_train_and_save, 2, tmp_path / "w2", str(tmp_path), "mixed-buf2", 2)[0]
+    assert saved["optimizer"]["state"]  # Adam's moments came along
+    full = torch.load(tmp_path / "full.pt", weights_only=True)  # opens in plain PyTorch and in from_pretrained
+    config = _model(frozen=False).config
+    hf = type(_model(frozen=False)).from_pretrained(None, config=config, state_dict=full["model"])
+    assert all(torch.equal(hf.state_dict()[k], v) for k, v in full["model"].items())
+    _check_resumed(spawn(_resume, 3, tmp_path / "w3", str(tmp_path), "streamed-buf1", "sharded"))
+    for source in ("sharded", "full.pt"):  # 2 -> 1: one process is bitwise with plain PyTorch
+        _check_resumed([_resume(0, 1, str(tmp_path), "all-persistent", source)], exact=True)
+    one = tmp_path / "one"
+    one.mkdir()
+    _train_and_save(0, 1, str(one), "swap-checkpoint", 2)  # 1 -> 3
+    _check_resumed(spawn(_resume, 3, tmp_path / "w3b", str(one), "mixed-buf2", "full.pt"))
+
+
+# ----- Lightning: the Trainer and Fabric with devices=2 on the CPU ------------------------------
+def _launch(*args, out):
+    os.makedirs(out, exist_ok=True)
+    run = subprocess.run([sys.executable, SCRIPT, *args, str(out)], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PROTRAIN_CACHE_DIR": str(out)})
+    assert run.returncode == 0, run.stderr[-4000:]
+    return [torch.load(os.path.join(out, f), weights_only=False) for f in sorted(os.listdir(out)) if f.startswith("rank")]
+
+
+def test_trainer_with_two_cpu_devices_trains_like_ddp_and_resumes_on_one(tmp_path):
+    """``Trainer(accelerator="cpu", devices=2, strategy=ProTrainStrategy(...))`` (Lightning's
+    launcher, gloo): per-rank losses equal ``strategy="ddp"``'s, with accumulation and clipping;
+    its sharded checkpoint resumes on one device like the default strategy from the full file."""
+    ddp = _launch("trainer", "ddp", "2", out=tmp_path / "ddp")
+    protrain = _launch("trainer", "protrain", "2", "--sharded", out=tmp_path / "pt")
+    assert [r["world"] for r in protrain] == [2, 2]
+    for a, b in zip(ddp, protrain):
+        assert b["losses"] == pytest.approx(a["losses"], abs=LOSS_ATOL)
+        assert max((a["weights"][k] - b["weights"][k]).abs().max().item() for k in a["weights"]) < WEIGHT_ATOL
+    assert (tmp_path / "pt" / "ckpt.ckpt" / ".metadata").is_file()  # a sharded directory
+    assert (tmp_path / "pt" / "final.ckpt").is_file()  # after fit: one file
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    try:
+        import lightning_run
+    finally:
+        sys.path.remove(os.path.dirname(SCRIPT))
+    one = {}
+    for name, strategy, ckpt in (("pt1", "protrain", "ckpt.ckpt"), ("auto1", "auto", "final.ckpt")):
+        args = lightning_run.argparse.Namespace(strategy=strategy, devices=1, out=str(tmp_path / name), sharded=False,
+                                                resume=str(tmp_path / "pt" / ckpt), epochs=2)
+        os.makedirs(args.out)
+        lightning_run.trainer_run(args)
+        one[name] = torch.load(tmp_path / name / "rank0.pt", weights_only=False)
+    assert one["pt1"]["losses"] == one["auto1"]["losses"]  # 2 -> 1: one process is bitwise
+    assert all(torch.equal(one["pt1"]["weights"][k], v) for k, v in one["auto1"]["weights"].items())
+
+
+def test_fabric_with_two_cpu_devices_trains_like_ddp(tmp_path):
+    """``Fabric(accelerator="cpu", devices=2, strategy=ProTrainFabricStrategy(...))``: per-rank
+    losses equal DDP's (``fabric.clip_gradients`` included), and ``fabric.save`` writes a sharded
+    directory."""
+    ddp = _launch("fabric", "ddp", "2", out=tmp_path / "ddp")
+    protrain = _launch("fabric", "protrain", "2", "--sharded", out=tmp_path / "pt")
+    assert [r["world"] for r in protrain] == [2, 2]  # not one process silently
+    for a, b in zip(ddp, protrain):
+        assert b["losses"] == pytest.approx(a["losses"], abs=LOSS_ATOL)
+    assert (tmp_path / "pt" / "ckpt" / ".metadata").is_file() and (tmp_path / "pt" / "ckpt" / "meta.pt").is_file()
+
+
+@pytest.mark.slow
+def test_trainer_resumes_a_two_process_checkpoint_on_three(tmp_path):
+    """2 -> 3 through the Trainer: the sharded directory resumes with 3 processes as DDP resumes
+    from the full file."""
+    _launch("trainer", "protrain", "2", "--sharded", out=tmp_path / "two")
+    ddp = _launch("trainer", "ddp", "3", "--resume", str(tmp_path / "two" / "final.ckpt"), "--epochs", "2",
+                  out=tmp_path / "ddp3")
+    protrain = _launch("trainer", "protrain", "3", "--resume", str(tmp_path / "two" / "ckpt.ckpt"), "--epochs", "2",
+                       out=tmp_path / "pt3")
+    assert [r["world"] for r in protrain] == [3, 3, 3]
+    for a, b in zip(ddp, protrain):
+        assert b["losses"] == pytest.approx(a["losses"], abs=LOSS_ATOL)
+        assert max((a["weights"][k] - b["weights"][k]).abs().max().item() for k in a["weights"]) < WEIGHT_ATOL
+
+
+def _cuda_scenarios(rank, world):
+    """The fp32 plans on the GPUs over NCCL (collectives on the communication stream)."""
+    device = torch.device("cuda", rank)
+    out = []
+    for plan_name, kw, frozen in SCENARIOS[:4]:
+        model = _model(frozen)
+        data = [x.to(device) for x in batches(4, seed=10 + rank)]
+        ref_losses, ref_weights = ddp_reference(model, data, device=device, **kw)
+        losses, engine = protrain_run(_model(frozen), data, standard_plans(model)[plan_name], device=device, **kw)
+        weights = engine.state_dict()
+        engine.close()
+        diff = max((weights[k] - ref_weights[k].cpu()).abs().max().item() for k in weights) if rank == 0 else None
+        out.append((ref_losses, losses, diff))
+    return out
+
+
+@pytest.mark.cuda
+def test_nccl_sharded_engines_train_like_ddp(tmp_path):
+    """Several GPUs: the same comparison with NCCL (GPU kernels may differ between the two runs in
+    their reduction order, so within the tolerances, not bitwise)."""
+    n = torch.cuda.device_count()
+    if n < 2:
+        pytest.skip(f"NCCL over several processes needs 2 or more GPUs; this machine has {n}")
+    results = spawn(_cuda_scenarios, min(n, 4), tmp_path, backend="nccl")
+    for rank, rows in enumerate(results):
+        for (ref, got, diff), (plan_name, kw, _) in zip(rows, SCENARIOS):
+            assert got == pytest.approx(ref, abs=LOSS_ATOL), (plan_name, kw, rank)
+            assert rank or diff < WEIGHT_ATOL, (plan_name, kw, diff)
+
+
+def test_a_device_count_is_never_ignored():
+    """What several processes cannot honour is refused when the Trainer is built, with the fix."""
+    import lightning.pytorch as pl
+    from lightning.fabric import Fabric
+    from lightning_protrain import ProTrainFabricStrategy, ProTrainStrategy
+
+    with pytest.raises(ValueError, match="remove device="):
+        pl.Trainer(accelerator="cpu", devices=2, strategy=ProTrainStrategy(device="cpu"), logger=False)
+    with pytest.raises(ValueError, match="start_method='popen'"):
+        Fabric(accelerator="cpu", devices=2, strategy=ProTrainFabricStrategy(start_method="spawn"))
+    trainer = pl.Trainer(accelerator="cpu", devices=3, num_nodes=2, strategy="protrain", logger=False)
+    assert trainer.world_size == 6 and trainer.strategy.is_distributed  # launched by Lightning, not ignored
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="protrain")
+    assert fabric.world_size == 2 and fabric.strategy.distributed_sampler_kwargs["num_replicas"] == 2
+
+
+def test_an_unknown_checkpoint_type_is_refused():
+    from lightning_protrain import ProTrainFabricStrategy, ProTrainStrategy
+
+    for cls in (ProTrainStrategy, ProTrainFabricStrategy):
+        with pytest.raises(ValueError, match="'full'.*'sharded'"):
+            cls(state_dict_type="dcp")
