@@ -113,15 +113,17 @@ def test_cpu_smoke_trains_every_available_system(smoke):
     _, stdout, report = smoke
     here = [s for s in SYSTEMS if unavailable(s, "cpu") is None]
     assert {"protrain-lightning", "protrain-core", "pytorch", "fsdp2-offload", "fsdp2-offload-ac"} <= set(here)
-    runs = {r["system"]: r for r in report["runs"]}
+    runs = {r["system"]: r for r in report["runs"] if r["devices"] == 1}
     assert sorted(runs) == sorted(here)
+    two = {r["system"]: r for r in report["runs"] if r["devices"] == 2}  # the devices=2 gloo row
+    assert sorted(two) == ["protrain-core", "pytorch"] and two["protrain-core"]["losses"] == two["pytorch"]["losses"]
     for system in SYSTEMS:
         if system not in here:  # skipped with the reason, printed and reported
             assert report["skipped"][system] == unavailable(system, "cpu") and f"skipped {system}" in stdout
-    for r in runs.values():
+    for r in report["runs"]:
         assert r["status"] == "ok", r
         assert len(r["step_s"]) == report["steps"] and min(r["step_s"]) > 0
-        assert r["tokens_per_s"] == pytest.approx(r["batch"] * r["seq"] / r["step_median_s"])
+        assert r["tokens_per_s"] == pytest.approx(r["devices"] * r["batch"] * r["seq"] / r["step_median_s"])
         assert r["tflops"] > 0 and r["peak_host_rss_bytes"] > 2**20
         assert r["step_min_s"] <= r["step_median_s"] <= r["step_max_s"]
     # Same model, data and seed: ProTrain's losses are plain PyTorch's, bit for bit (fp32);
@@ -151,7 +153,7 @@ def test_cpu_smoke_probes(smoke):
     _, _, report = smoke
     probes = report["probes"]
     assert {p["system"] for p in probes} == {"protrain-core"}  # the suite probes one system (seconds)
-    (run,) = [r for r in report["runs"] if r["system"] == "protrain-core"]
+    (run,) = [r for r in report["runs"] if r["system"] == "protrain-core" and r["devices"] == 1]
     for kind in ("max model", "max batch"):
         tried = [p for p in probes if p["probe"] == kind]
         assert len(tried) == 2 and all(p["status"] == "ok" for p in tried)
@@ -173,7 +175,8 @@ def test_cpu_smoke_writes_table_json_and_chart(smoke):
     width, height, rows = read_png(out / "throughput.png")
     assert (width, height) == (900, 500)
     pixels = {bytes(row[i:i + 3]) for row in rows for i in range(0, len(row), 3)}
-    assert all(bytes(c) in pixels for c in PALETTE[:len(report["runs"])])  # one bar colour per system
+    systems = {r["system"] for r in report["runs"]}
+    assert all(bytes(c) in pixels for c in PALETTE[:len(systems)])  # one bar colour per system
 
 
 @pytest.mark.slow
@@ -213,26 +216,26 @@ def test_out_of_memory_and_timeout_are_results(tmp_path):
     timeout -- and the report is still written."""
     bench("--suite", "cpu-smoke", "--systems", "protrain-core", "--no-probes", "--memory-budget", "64KiB",
           out=tmp_path / "oom")
-    (run,) = json.loads((tmp_path / "oom" / "results.json").read_text())["runs"]
-    assert run["status"] == "oom" and "No ProTrain plan fits" in run["error"]
+    for run in json.loads((tmp_path / "oom" / "results.json").read_text())["runs"]:  # one process and two
+        assert run["status"] == "oom" and "No ProTrain plan fits" in run["error"]
     assert "| protrain-core | OOM: " in (tmp_path / "oom" / "results.md").read_text()
     bench("--suite", "cpu-smoke", "--systems", "pytorch", "--no-probes", "--timeout", "1", out=tmp_path / "slow")
-    (run,) = json.loads((tmp_path / "slow" / "results.json").read_text())["runs"]
-    assert run["status"] == "timeout" and "timed out after 1 s" in run["error"]
+    for run in json.loads((tmp_path / "slow" / "results.json").read_text())["runs"]:
+        assert run["status"] == "timeout" and "timed out after 1 s" in run["error"]
 
 
 @pytest.mark.slow
 def test_resume_keeps_the_runs_of_the_previous_report(tmp_path):
     bench("--suite", "cpu-smoke", "--systems", "pytorch", "--no-probes", "--timeout", "1", out=tmp_path)
     first = json.loads((tmp_path / "results.json").read_text())["runs"]
-    assert [r["status"] for r in first] == ["timeout"]
+    assert [r["status"] for r in first] == ["timeout", "timeout"]  # one process and two
     bench("--suite", "cpu-smoke", "--systems", "pytorch", "--no-probes", "--resume", out=tmp_path)
     again = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert again == first  # a timeout is a result: kept, not run again
     bench("--suite", "cpu-smoke", "--systems", "pytorch,protrain-core", "--no-probes", "--resume", "--timeout", "1",
           out=tmp_path)
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
-    assert [r["system"] for r in runs] == ["protrain-core", "pytorch"] and runs[1] == first[0]
+    assert [r["system"] for r in runs] == ["protrain-core", "pytorch"] * 2 and [runs[1], runs[3]] == first
 
 
 def test_unknown_system_is_refused(tmp_path, capsys):
