@@ -16,6 +16,7 @@ from torch import Tensor, nn
 import protrain_core as pt
 from protrain_core.precision import parse_precision
 from protrain_core.runtime.optim import check_optimizer
+from protrain_core.utils import temporary_prefix
 
 
 def precision_of_plugin(plugin, known_plugins: tuple[type, ...]) -> str:
@@ -283,14 +284,19 @@ def load_scaler_state(engine: pt.Engine | None, state: dict) -> None:
 
 def atomic_save(obj, path) -> None:
     """``torch.save`` to a temporary file in the same directory, flushed to disk, then renamed
-    over ``path``: a crash mid-save leaves the previous file (if any) intact, never a torn one."""
+    over ``path``: a crash mid-save leaves the previous file (if any) intact, never a torn one.
+    The file gets the permissions of any new file (``0o666`` less the umask), as Lightning's
+    own writer gives it. The temporary file's name carries the writing process's id, so that a
+    save after a crash (``kill -9``) removes the leftovers of processes no longer running."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    pt.utils.remove_stale_temporaries(path.parent)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temporary_prefix(path), suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -303,6 +309,12 @@ def atomic_save(obj, path) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def check_state_dict_type(state_dict_type: str) -> str:

@@ -269,10 +269,9 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
                     raise KeyError(f"'{key}' is not in the checkpoint {path}; its keys: {sorted(checkpoint)}.")
                 continue
             value = checkpoint.pop(key)
-            optimizer = getattr(obj, "optimizer", obj)
             if isinstance(obj, nn.Module):
                 self.load_module_state_dict(obj, value, strict=strict)
-            elif self.engine is not None and optimizer is self.engine.optimizer:
+            elif self._is_engine_object(obj) == "optimizer":  # not an LR scheduler (it has .optimizer too)
                 self.engine.load_optimizer_state_dict(value)
             elif hasattr(obj, "load_state_dict"):
                 obj.load_state_dict(value)

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from protrain_core.runtime.optim import indexed_params
 from protrain_core.runtime.sharding import piece
+from protrain_core.utils import remove_stale_temporaries, temporary_prefix
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
@@ -266,10 +267,14 @@ def _barrier(engine) -> None:
 
 
 def _agreed_tmp(engine, path: Path) -> Path:
-    """A fresh temporary sibling of ``path`` with rank 0's name on every rank."""
-    name = f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    """A fresh temporary sibling of ``path`` with rank 0's name on every rank (rank 0 first
+    removes what killed saves left there)."""
+    name = None
+    if engine.rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(path.parent)
+        name = f"{temporary_prefix(path)}{uuid.uuid4().hex[:8]}"
     if engine.sharding is not None:
         name = engine.sharding.broadcast_object(name)
-    path.parent.mkdir(parents=True, exist_ok=True)
     return path.with_name(name)
 

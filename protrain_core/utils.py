@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+from pathlib import Path
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -137,3 +139,37 @@ def format_seconds(s: float) -> str:
     if s >= 1e-3:
         return f"{s * 1e3:.2f} ms"
     return f"{s * 1e6:.1f} us"
+
+
+# ----- temporary files of atomic saves ----------------------------------------------------------
+_TMP_TAG = ".protrain-tmp-"
+
+
+def temporary_prefix(path) -> str:
+    """The name prefix of an atomic save's temporary sibling of ``path``: hidden, and carrying the
+    writing process's id (``remove_stale_temporaries``)."""
+    return f".{Path(path).name}{_TMP_TAG}{os.getpid()}-"
+
+
+def remove_stale_temporaries(directory) -> list[Path]:
+    """Delete the temporary files and directories of atomic saves in ``directory`` whose writing
+    process is gone (a crash mid-save: ``kill -9``); a save still running is left alone.
+    Returns what it removed."""
+    removed = []
+    for tmp in Path(directory).glob(f".*{_TMP_TAG}*"):
+        pid = tmp.name.split(_TMP_TAG, 1)[1].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):
+                shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+                removed.append(tmp)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True

@@ -336,6 +336,27 @@ def test_a_device_count_is_never_ignored():
     assert fabric.world_size == 2 and fabric.strategy.distributed_sampler_kwargs["num_replicas"] == 2
 
 
+def test_a_sharded_save_replaces_the_old_directory_and_removes_what_killed_saves_left(tmp_path):
+    """One process (no process group): the directory is written beside and renamed over the old
+    one; the temporary directory of a save whose process is gone is removed, a running one's kept."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".ckpt.protrain-tmp-{dead.pid}-0000"
+    running = tmp_path / f".ckpt.protrain-tmp-{os.getpid()}-1111"
+    for d in (stale, running):
+        d.mkdir()
+        (d / "__0_0.distcp").write_bytes(b"x")
+    model = _model(frozen=True)
+    losses, engine = protrain_run(model, batches(2), standard_plans(model)["mixed-buf2"])
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "old").write_bytes(b"old")
+    engine.save_sharded(tmp_path / "ckpt")
+    assert not stale.exists() and running.exists()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".metadata", "__0_0.distcp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [running.name, "ckpt"]
+    engine.close()
+
+
 def test_an_unknown_checkpoint_type_is_refused():
     from lightning_protrain import ProTrainFabricStrategy, ProTrainStrategy
 

@@ -141,3 +141,34 @@ def test_fabric_refuses_what_it_cannot_do():
         fabric.clip_gradients(model, opt, max_norm=1.0)
     with pytest.raises(ValueError, match="does not support precision"):
         Fabric(strategy="protrain", accelerator="cpu", devices=1, precision="64-true")
+
+
+@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
+def test_fabric_saves_and_loads_a_scheduler_beside_the_optimizer(tmp_path, state_dict_type):
+    """An LR scheduler has an ``.optimizer`` too: it loads its own state, as with the default
+    strategy, and the optimizer's state still goes to the engine (issue 18, case 2)."""
+    data = batches(4, batch=4)
+
+    def setup(seed):
+        strategy = ProTrainFabricStrategy(plan=pt.Plan(n_persist=1, n_buffer=2), state_dict_type=state_dict_type)
+        fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1)
+        fabric.launch()
+        model = MODELS["gpt2"](seed=seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # on the optimizer itself
+        model, opt = fabric.setup(model, opt)
+        return fabric, model, opt, sched
+
+    fabric, model, opt, sched = setup(0)
+    for x in data[:2]:
+        fabric.backward(model(input_ids=x, labels=x).loss)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    fabric.save(tmp_path / "ckpt", {"model": model, "optimizer": opt, "scheduler": sched})
+    fabric2, model2, opt2, sched2 = setup(5)
+    fabric2.load(tmp_path / "ckpt", {"model": model2, "optimizer": opt2, "scheduler": sched2})
+    assert sched2.state_dict() == sched.state_dict() and sched2.get_last_lr() == [3e-3 / 4]
+    assert opt2.param_groups[0]["lr"] == 3e-3 / 4
+    saved, loaded = fabric.strategy.engine.optimizer_state_dict(), fabric2.strategy.engine.optimizer_state_dict()
+    assert all(torch.equal(saved["state"][k]["exp_avg"], loaded["state"][k]["exp_avg"]) for k in saved["state"])

@@ -4,6 +4,7 @@ optimizers and schedulers, accumulation, clipping, checkpoints and errors."""
 import json
 import logging
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -263,6 +264,22 @@ def test_training_step_returning_none_with_clipping_equals_default():
     assert_same(run(ProTrainStrategy(plan=pt.Plan(n_persist=0, n_buffer=1))), run("auto"))
 
 
+@pytest.mark.parametrize("strategy", ["protrain", "planned"])
+def test_an_empty_train_dataloader_finishes_like_the_default_strategy(strategy, recwarn):
+    """No training batch: Lightning warns and ``fit`` returns, as with the default strategy;
+    the weights are the initial ones (issue 18, case 1)."""
+    if strategy == "planned":
+        strategy = ProTrainStrategy(plan=pt.Plan(n_persist=0, n_buffer=2))
+    torch.manual_seed(1234)
+    lit = LitLM()
+    before = weights(lit)
+    t = trainer(strategy, max_epochs=1, max_steps=-1)
+    t.fit(lit, DataLoader(TensorDataset(torch.zeros(0, SEQ, dtype=torch.long)), batch_size=4))
+    assert t.state.finished and t.global_step == 0 and lit.losses == []
+    assert all(torch.equal(a, b) for a, b in zip(before.values(), weights(lit).values()))
+    assert any("length of `DataLoader` across ranks is zero" in str(w.message) for w in recwarn)
+
+
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
 def test_precision_flags_close_to_default(precision):
     """Close to Lightning's default strategy: the losses, and what training did to the weights.
@@ -481,6 +498,43 @@ def test_checkpoint_is_plain_pytorch(tmp_path):
     again = GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
     for k, v in again.state_dict().items():
         torch.testing.assert_close(v, plain.state_dict()[k], rtol=0, atol=0)
+
+
+def test_checkpoint_files_are_like_lightnings(tmp_path):
+    """Issue 18, case 3: the file's permissions are those Lightning's own writer gives (the
+    umask's), tied weights are stored once (the size of the default strategy's file), and a save
+    removes the temporary files a killed save left, not those of a save still running."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    leftovers = tmp_path / "pt"
+    leftovers.mkdir()
+    stale = leftovers / f".last.ckpt.protrain-tmp-{dead.pid}-abcd.tmp"
+    running = leftovers / f".other.ckpt.protrain-tmp-{os.getpid()}-efgh.tmp"
+    for f in (stale, running):
+        f.write_bytes(b"x" * 1000)
+    files = {}
+    for name, strategy in (("auto", "auto"), ("pt", ProTrainStrategy(plan=pt.Plan(n_persist=1, n_buffer=2)))):
+        torch.manual_seed(0)
+        cb = ModelCheckpoint(dirpath=tmp_path / name, filename="last", every_n_train_steps=2)
+        t = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, logger=False, callbacks=[cb],
+                       enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+        t.fit(LitLM(), loader())  # GPT-2: the head's weight is the embedding's
+        files[name] = tmp_path / name / "last.ckpt"
+    mode = {name: stat.S_IMODE(f.stat().st_mode) for name, f in files.items()}
+    assert mode["pt"] == mode["auto"] == 0o666 & ~_umask()
+    sizes = {name: f.stat().st_size for name, f in files.items()}
+    assert sizes["pt"] <= sizes["auto"] * 1.01, sizes
+    saved = torch.load(files["pt"], weights_only=True)["state_dict"]
+    assert saved["model.lm_head.weight"].data_ptr() == saved["model.transformer.wte.weight"].data_ptr()
+    assert not stale.exists() and running.exists()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def test_model_checkpoint_callback_and_crash_mid_save(tmp_path, monkeypatch):

@@ -457,22 +457,28 @@ class Engine:
         mixed modes) and returned in the master dtype. Sharded over ``W`` processes, every rank
         calls it: the chunks are gathered one at a time, and (``rank0_only``) only rank 0 keeps
         the result -- the other ranks get an empty dict, and no rank ever holds more than its
-        own states, one gathered chunk and (rank 0) the result."""
+        own states, one gathered chunk and (rank 0) the result. A tensor under several names (tied
+        weights) is one tensor under each, as in ``module.state_dict()``: saved once."""
         self.runtime.wait_all()
         keep = not rank0_only or self.rank == 0
-        out = {}
+        out, seen = {}, {}
         gathered: tuple[Chunk | None, list] = (None, [])  # the last chunk's whole values
         for key, t in self.module.state_dict(keep_vars=True).items():
+            if id(t) in seen:
+                if keep:
+                    out[key] = seen[id(t)]
+                continue
             slot = self._slot_of.get(id(t))
             if slot is None:
-                if keep:
-                    out[key] = t.detach().to("cpu", copy=True)
-                continue
-            chunk, i = slot
-            if gathered[0] is not chunk:
-                gathered = chunk, chunk.gathered_values()
-            if keep:  # a frozen member's compute copy is returned in the master dtype too
-                out[key] = gathered[1][i].detach().to("cpu", dtype=self.precision.master_dtype, copy=True)
+                value = t.detach().to("cpu", copy=True) if keep else None
+            else:
+                chunk, i = slot
+                if gathered[0] is not chunk:
+                    gathered = chunk, chunk.gathered_values()
+                # a frozen member's compute copy is returned in the master dtype too
+                value = gathered[1][i].detach().to("cpu", dtype=self.precision.master_dtype, copy=True) if keep else None
+            if keep:
+                out[key] = seen[id(t)] = value
         return out
 
     def load_state_dict(self, state_dict: dict[str, Tensor], strict: bool = True) -> None:
