@@ -514,6 +514,17 @@ class Engine:
         self.runtime.wait_all()
         self._optim.load_state_dict(state_dict, self._slot_of)
 
+    def save_pretrained(self, save_directory, **kwargs) -> None:
+        """Export a Hugging Face (or PEFT) model: its ``save_pretrained`` with the master weights
+        (fp32; bf16 in bf16-true) and that dtype in ``config.json``, so that ``from_pretrained``
+        loads exactly the trained model in every precision (protrain_core/export.py). Use it
+        instead of the model's own ``save_pretrained`` while the engine is open, which writes the
+        compute copies (bf16 / fp16 in the mixed modes)."""
+        from protrain_core.export import save_pretrained
+
+        self._check_open()
+        save_pretrained(self, save_directory, **kwargs)
+
     def save_sharded(self, path, meta: dict | None = None) -> None:
         """Write the weights and optimizer state as a sharded ``torch.distributed.checkpoint``
         directory: every rank writes its own shards, nothing is gathered ([Note: sharded

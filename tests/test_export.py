@@ -1,0 +1,82 @@
+"""engine.save_pretrained: the one export of a wrapped Hugging Face model (issue 18, case 4).
+The model's own save_pretrained, while the engine is open, writes the compute copies (bf16 in
+bf16-mixed) and their dtype; the engine's writes the master weights and their dtype, so that
+from_pretrained rebuilds exactly the trained model in every precision."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import protrain_core as pt
+from conftest import MODELS, batches
+
+MASTER = {"32-true": torch.float32, "bf16-mixed": torch.float32, "16-mixed": torch.float32, "bf16-true": torch.bfloat16}
+
+
+def trained(model, precision):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine = pt.wrap(model, torch.optim.AdamW(trainable, lr=1e-2), pt.Plan(n_persist=1, n_buffer=2),
+                     precision=precision, device="cpu")
+    for x in batches(2):
+        engine.backward(engine.module(input_ids=x, labels=x).loss)
+        engine.step()
+        engine.zero_grad()
+    return engine
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("precision", list(MASTER))
+def test_save_pretrained_writes_the_master_weights_and_their_dtype(tmp_path, arch, precision):
+    engine = trained(MODELS[arch](), precision)
+    before = engine.module.config.dtype
+    engine.save_pretrained(tmp_path)
+    assert engine.module.config.dtype == before  # the running model's config is left as it was
+    masters = engine.state_dict()
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == str(MASTER[precision]).split(".")[1]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.dtype == MASTER[precision]
+    # The same logits as the master weights loaded by hand into the same architecture.
+    by_hand = AutoModelForCausalLM.from_config(loaded.config, dtype=MASTER[precision])
+    by_hand.load_state_dict(masters)
+    x = batches(1, seed=9)[0]
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=x).logits, by_hand(input_ids=x).logits)
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, masters[k]), k
+    engine.close()
+
+
+def test_save_pretrained_of_a_peft_model_writes_the_adapters(tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    model = get_peft_model(MODELS["llama"](), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    engine = trained(model, "bf16-mixed")
+    engine.save_pretrained(tmp_path)
+    masters = engine.state_dict()
+    again = PeftModel.from_pretrained(MODELS["llama"](), tmp_path).state_dict()
+    lora = [k for k in masters if "lora_" in k]
+    assert lora and all(again[k].dtype == torch.float32 and torch.equal(again[k], masters[k]) for k in lora)
+    engine.close()
+
+
+def test_save_pretrained_needs_a_model_that_has_it(tmp_path):
+    class Plain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    model = Plain()
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=1, n_buffer=1), device="cpu",
+                     example_inputs=torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="no save_pretrained.*torch.save"):
+        engine.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="state_dict= itself"):
+        trained(MODELS["gpt2"](), "32-true").save_pretrained(tmp_path, state_dict={})
+    engine.close()
