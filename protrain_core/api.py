@@ -71,6 +71,7 @@ def wrap(
     """
     # Everything that can be wrong with the arguments is checked before memory is touched.
     prec, dev = parse_precision(precision), resolve_device(device)
+    check_parameter_dtypes(model, prec)
     if gradient_clipping is not None:
         parse_gradient_clipping(*gradient_clipping)
     plan, budget = plan_arguments(plan, memory_budget, max_tokens)
@@ -142,19 +143,47 @@ def _prepare(model: nn.Module, optimizer, blocks, chunk_size, example_inputs) ->
     if getattr(model, "_protrain_engine", None) is not None:
         raise ValueError("This model is already wrapped by a ProTrain engine.")
 
-    # transformers >= 5 names it is_activation_checkpointing (is_gradient_checkpointing is deprecated).
-    hf_checkpointing = next(
-        (getattr(model, a) for a in ("is_activation_checkpointing", "is_gradient_checkpointing") if hasattr(type(model), a)),
-        False,
-    )
-    if hf_checkpointing:
+    checkpointed = _hf_checkpointing(model)
+    if checkpointed is not None:
+        where = "The model" if checkpointed == "" else f"Its submodule {checkpointed!r}"
         raise ValueError(
-            "The model has Hugging Face gradient checkpointing enabled; ProTrain decides per block "
+            f"{where} has Hugging Face gradient checkpointing enabled; ProTrain decides per block "
             "which activations to keep, recompute or swap (Plan.n_checkpoint / Plan.n_swap). Call "
-            "model.gradient_checkpointing_disable() before wrap()."
+            "gradient_checkpointing_disable() on it before wrap() (in a LightningModule: in __init__ or "
+            "configure_model, instead of gradient_checkpointing_enable())."
         )
     block_path, block_list = find_blocks(model, blocks)
     return build_layout(model, block_path, len(block_list), example_inputs=example_inputs, chunk_size=chunk_size)
+
+
+def check_parameter_dtypes(model: nn.Module, precision: Precision) -> None:
+    """Under "32-true" every floating-point parameter must be fp32: ProTrain would otherwise
+    train the others in fp32 too, where plain PyTorch (and Lightning's default strategy) would
+    compute in their dtype, or fail on the mismatch."""
+    if precision is not Precision.FP32:
+        return
+    other = [(n, p.dtype) for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
+    if other:
+        dtypes = sorted({str(d).removeprefix("torch.") for _, d in other})
+        raise ValueError(
+            f"precision='32-true' trains fp32 parameters, but {len(other)} parameter(s) are {', '.join(dtypes)} "
+            f"(e.g. {other[0][0]}). Cast the model with model.float(), or choose the precision of its dtype: "
+            "'bf16-true' for a bf16 model, 'bf16-mixed' / '16-mixed' for fp32 masters with low-precision compute."
+        )
+
+
+def _hf_checkpointing(model: nn.Module) -> str | None:
+    """The name of the (sub)module with Hugging Face gradient checkpointing enabled ("" for the
+    model itself), or None -- the model may be a LightningModule holding the Hugging Face model.
+    transformers >= 5 names the flag is_activation_checkpointing (is_gradient_checkpointing is
+    deprecated)."""
+    for name, module in model.named_modules():
+        for attr in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+            if hasattr(type(module), attr):
+                if getattr(module, attr):
+                    return name
+                break
+    return None
 
 
 def profile(

@@ -90,3 +90,19 @@ def test_cuda_device_without_cuda():
         pytest.skip("CUDA is available here")
     with pytest.raises(ValueError, match="CUDA is not available"):
         _wrap(device="cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_parameters_under_32_true_are_refused(dtype):
+    """Issue 18, case 6: under "32-true" a bf16 or fp16 parameter would be trained in fp32 here,
+    in its dtype (or not at all: a dtype mismatch) by plain PyTorch. Refused with the fix, before
+    anything is allocated; the same model trains under the precision of its dtype."""
+    model = tiny_gpt2()
+    model.transformer.h[1].to(dtype)
+    with pytest.raises(ValueError, match=rf"'32-true'.*{str(dtype)[6:]}.*transformer\.h\.1\..*model\.float\(\)"):
+        _wrap(model=model, plan=pt.Plan(n_persist=1, n_buffer=1))
+    assert all(p.device.type == "cpu" for p in model.parameters()) and getattr(model, "_protrain_engine", None) is None
+    whole = tiny_gpt2().to(torch.bfloat16)
+    engine = pt.wrap(whole, torch.optim.AdamW(whole.parameters()), pt.Plan(n_persist=1, n_buffer=1), precision="bf16-true",
+                     device="cpu")
+    engine.close()

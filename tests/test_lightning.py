@@ -264,6 +264,27 @@ def test_training_step_returning_none_with_clipping_equals_default():
     assert_same(run(ProTrainStrategy(plan=pt.Plan(n_persist=0, n_buffer=1))), run("auto"))
 
 
+def test_hugging_face_gradient_checkpointing_inside_a_lightning_module_is_refused_as_in_the_core():
+    """Issue 18, case 5: the LightningModule holds the Hugging Face model: refused before any
+    training step, with the fix, as wrap() refuses it on the model itself."""
+    lit = LitLM()
+    enable = getattr(lit.model, "activation_checkpointing_enable", None) or lit.model.gradient_checkpointing_enable
+    enable()
+    with pytest.raises(ValueError, match="submodule 'model'.*gradient_checkpointing_disable"):
+        trainer("protrain").fit(lit, loader())
+    assert lit.losses == []  # training_step never ran
+
+
+def test_low_precision_parameters_under_32_true_are_refused_before_training():
+    """Issue 18, case 6: the default strategy fails on the dtype mismatch in forward; ProTrain
+    says what to do before any step."""
+    lit = LitLM()
+    lit.model.transformer.h[0].to(torch.bfloat16)
+    with pytest.raises(ValueError, match="'32-true'.*bfloat16.*bf16-true"):
+        trainer("protrain").fit(lit, loader())
+    assert lit.losses == []
+
+
 @pytest.mark.parametrize("strategy", ["protrain", "planned"])
 def test_an_empty_train_dataloader_finishes_like_the_default_strategy(strategy, recwarn):
     """No training batch: Lightning warns and ``fit`` returns, as with the default strategy;
