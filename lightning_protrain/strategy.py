@@ -373,6 +373,16 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         self.engine = None
         if self._precision_plugin is not None:
             self._precision_plugin.engine = None
+        module = self.lightning_module
+        if module is not None and any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+            # setup refused a model on the meta device: Lightning's teardown would move it to the
+            # CPU and fail ("Cannot copy out of meta tensor"), hiding that error behind its own.
+            self._lightning_module = None
+            try:
+                super().teardown()
+            finally:
+                self._lightning_module = module
+            return
         super().teardown()
 
     @classmethod

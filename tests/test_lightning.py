@@ -275,6 +275,15 @@ def test_hugging_face_gradient_checkpointing_inside_a_lightning_module_is_refuse
     assert lit.losses == []  # training_step never ran
 
 
+def test_a_model_on_the_meta_device_gets_the_clear_error_alone():
+    """Issue 18, case 7: the refusal is the error the user sees, not a teardown failure after it."""
+    lit = LitLM()
+    lit.model.to("meta")
+    with pytest.raises(ValueError, match="meta device; materialise them") as info:
+        trainer("protrain").fit(lit, loader())
+    assert not isinstance(info.value.__context__, NotImplementedError)
+
+
 def test_low_precision_parameters_under_32_true_are_refused_before_training():
     """Issue 18, case 6: the default strategy fails on the dtype mismatch in forward; ProTrain
     says what to do before any step."""
