@@ -143,6 +143,14 @@ def _prepare(model: nn.Module, optimizer, blocks, chunk_size, example_inputs) ->
     if getattr(model, "_protrain_engine", None) is not None:
         raise ValueError("This model is already wrapped by a ProTrain engine.")
 
+    compiled = next((name for name, m in model.named_modules() if _is_compiled(m)), None)
+    if compiled is not None:
+        where = "The model is" if compiled == "" else f"Its submodule {compiled!r} is"
+        raise ValueError(
+            f"{where} compiled with torch.compile. ProTrain hooks every block and moves its parameters "
+            "between the device and the host, which a compiled graph does not see; wrap the model before "
+            "compiling anything (torch.compile of a ProTrain-wrapped model is not supported yet)."
+        )
     checkpointed = _hf_checkpointing(model)
     if checkpointed is not None:
         where = "The model" if checkpointed == "" else f"Its submodule {checkpointed!r}"
@@ -170,6 +178,13 @@ def check_parameter_dtypes(model: nn.Module, precision: Precision) -> None:
             f"(e.g. {other[0][0]}). Cast the model with model.float(), or choose the precision of its dtype: "
             "'bf16-true' for a bf16 model, 'bf16-mixed' / '16-mixed' for fp32 masters with low-precision compute."
         )
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    """``torch.compile(module)``'s wrapper (torch._dynamo's OptimizedModule), without importing
+    dynamo."""
+    cls = type(module)
+    return cls.__name__ == "OptimizedModule" and cls.__module__.startswith("torch._dynamo")
 
 
 def _hf_checkpointing(model: nn.Module) -> str | None:

@@ -106,3 +106,16 @@ def test_low_precision_parameters_under_32_true_are_refused(dtype):
     engine = pt.wrap(whole, torch.optim.AdamW(whole.parameters()), pt.Plan(n_persist=1, n_buffer=1), precision="bf16-true",
                      device="cpu")
     engine.close()
+
+
+def test_a_compiled_model_is_refused_with_a_message_about_torch_compile():
+    """Issue 18, case 8: a compiled model (or a compiled block) would give misleading errors
+    later (blocks found through the compiled wrapper's attribute forwarding); refused at wrap."""
+    model = tiny_gpt2()
+    plan = pt.Plan(n_persist=0, n_buffer=2)
+    with pytest.raises(ValueError, match="compiled with torch.compile.*wrap the model before compiling"):
+        pt.wrap(torch.compile(model), torch.optim.AdamW(model.parameters()), plan, device="cpu")
+    model.transformer.h[1] = torch.compile(model.transformer.h[1])
+    with pytest.raises(ValueError, match="submodule 'transformer.h.1' is compiled"):
+        pt.wrap(model, torch.optim.AdamW(model.parameters()), plan, device="cpu")
+    assert getattr(model, "_protrain_engine", None) is None
