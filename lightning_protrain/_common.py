@@ -61,7 +61,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+        try:
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+        except RuntimeError as e:  # a torn zip archive: say what it means
+            raise ValueError(
+                f"The checkpoint {path} cannot be read ({e}). The file is truncated (a save that did not finish?) "
+                "or not a checkpoint; pass another one, or none to start from scratch."
+            ) from None
 
 
 class ProcessesPlumbing:
@@ -324,3 +330,4 @@ def check_state_dict_type(state_dict_type: str) -> str:
             "'sharded' (a torch.distributed.checkpoint directory written by every rank)."
         )
     return state_dict_type
+

@@ -214,6 +214,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         self._last_plan: pt.Plan | None = None
         self._final_optimizer_state: dict | None = None
         self._sharded_from = None  # a sharded checkpoint directory being restored
+        self._sharded_weights: bool | None = None  # its weights wait for the engine (the strict flag)
 
     # ----- Lightning plumbing ----------------------------------------------------------------
     @property
@@ -228,7 +229,10 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        return True  # the engine (and its chunks) must exist before weights are loaded into it
+        # The weights of ckpt_path go into the module before the engine is built (it takes them
+        # from the module): a file that does not read or does not match the model is refused
+        # before anything else happens. A sharded directory loads right after the engine exists.
+        return False
 
     def model_to_device(self) -> None:
         pass  # the engine places every parameter (device or host) itself
@@ -278,6 +282,9 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
             precision.log_grad_norm = not late
             precision.wait_after_step = reads_weights_between_steps(module, trainer.callbacks)
         precision.engine = self.engine
+        if self._sharded_weights is not None:  # ckpt_path is a sharded directory (load_model_state_dict)
+            self.engine.load_sharded(self._sharded_from, optimizer=False, strict=self._sharded_weights)
+            self._sharded_weights = None
         self.model = module
         self.setup_precision_plugin()
         if fitting and not searched:
@@ -343,10 +350,17 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         engine = self._open_engine()
+        sharded = getattr(self, "_sharded_from", None)
+        if engine is None and sharded is not None:
+            from protrain_core.checkpoint import check_sharded
+
+            check_sharded(sharded, self.lightning_module)  # names and sizes now; the pieces after setup
+            self._sharded_weights = strict
+            return None
         if engine is None:
             return super().load_model_state_dict(checkpoint, strict=strict)
-        if getattr(self, "_sharded_from", None) is not None:
-            return engine.load_sharded(self._sharded_from, optimizer=False, strict=strict)
+        if sharded is not None:
+            return engine.load_sharded(sharded, optimizer=False, strict=strict)
         engine.load_state_dict(checkpoint["state_dict"], strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint) -> None:

@@ -128,6 +128,26 @@ def read_meta(path) -> dict:
     return torch.load(file, map_location="cpu", weights_only=False) if file.is_file() else {}
 
 
+def check_sharded(path, module) -> None:
+    """Before an engine exists: the directory's weights have ``module``'s parameter names and
+    sizes (from its metadata alone), or a ``ValueError`` says what differs."""
+    sizes: dict[str, int] = {}
+    for key, md in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items():
+        head, _, off = key.rpartition("/")
+        if head.startswith("model/") and off.isdigit():
+            sizes[head[6:]] = sizes.get(head[6:], 0) + md.size.numel()
+    params = dict(module.named_parameters())
+    missing = sorted(set(params) - set(sizes))
+    unexpected = sorted(set(sizes) - set(params))
+    bad = [f"{k}: {sizes[k]} elements saved, {params[k].numel()} expected" for k in params
+           if k in sizes and sizes[k] != params[k].numel()]
+    if missing or unexpected or bad:
+        parts = [f"{what} {items[:4]}{' ...' if len(items) > 4 else ''}"
+                 for what, items in (("missing", missing), ("unexpected", unexpected), ("sizes differ:", bad)) if items]
+        raise ValueError(f"The sharded checkpoint {path} does not match this model ({'; '.join(parts)}): it was "
+                         "saved for another model or configuration.")
+
+
 def load_sharded(engine, path, *, model: bool = True, optimizer: bool = True, strict: bool = True) -> None:
     """Load a sharded checkpoint directory (written at any number of processes) into
     ``engine``'s chunks, one chunk at a time: the weights (``model``) and Adam's state and

@@ -355,6 +355,11 @@ def test_a_sharded_save_replaces_the_old_directory_and_removes_what_killed_saves
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".metadata", "__0_0.distcp"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [running.name, "ckpt"]
     engine.close()
+    from protrain_core.checkpoint import check_sharded
+
+    check_sharded(tmp_path / "ckpt", _model(frozen=False))  # names and sizes match (trainability aside)
+    with pytest.raises(ValueError, match="does not match this model.*missing"):
+        check_sharded(tmp_path / "ckpt", tiny_llama(n_layer=5))
 
 
 def test_an_unknown_checkpoint_type_is_refused():

@@ -275,6 +275,24 @@ def test_hugging_face_gradient_checkpointing_inside_a_lightning_module_is_refuse
     assert lit.losses == []  # training_step never ran
 
 
+def test_a_bad_ckpt_path_is_refused_before_the_engine_is_built(tmp_path):
+    """Issue 18, case 10: a truncated file, or one of another model, is reported before anything
+    is built or profiled (the module takes the weights first; the engine takes them from it)."""
+    t = trainer("protrain", max_steps=2)
+    t.fit(LitLM(), loader())
+    good = tmp_path / "good.ckpt"
+    t.save_checkpoint(good)
+    torn = tmp_path / "torn.ckpt"
+    torn.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    for path, lit, message in ((torn, LitLM(), "cannot be read.*truncated"),
+                               (good, LitLM(n_layer=2), "Unexpected key"),
+                               (good, LitLM(arch="llama"), "Missing key")):
+        t = trainer("protrain", max_steps=4)
+        with pytest.raises((ValueError, RuntimeError), match=message):
+            t.fit(lit, loader(), ckpt_path=path)
+        assert t.strategy.engine is None and lit.losses == []
+
+
 def test_a_model_on_the_meta_device_gets_the_clear_error_alone():
     """Issue 18, case 7: the refusal is the error the user sees, not a teardown failure after it."""
     lit = LitLM()
