@@ -212,14 +212,18 @@ def convert_input(data, precision: str):
     return data
 
 
+def one_optimizer_message(got) -> str:
+    return (f"The ProTrain strategy trains with exactly one optimizer, got {got}: return a single "
+            "torch.optim.AdamW (or Adam) from configure_optimizers, with param groups for different settings "
+            "(learning rates, weight decay, frozen parts). ProTrain runs it per chunk, so manual optimization "
+            "with several optimizers is not supported either.")
+
+
 def check_optimizers(optimizers) -> torch.optim.Optimizer:
     """Exactly one torch.optim.Adam or AdamW (any param groups); anything else is refused."""
     optimizers = list(optimizers)
     if len(optimizers) != 1:
-        raise ValueError(
-            f"The ProTrain strategy trains with exactly one optimizer, got {len(optimizers)}. Return a single "
-            "torch.optim.AdamW (or Adam) from configure_optimizers; use param groups for different settings."
-        )
+        raise ValueError(one_optimizer_message(len(optimizers)))
     opt = optimizers[0]
     opt = getattr(opt, "optimizer", opt) if not isinstance(opt, torch.optim.Optimizer) else opt
     check_optimizer(opt)  # raises ValueError naming what is supported

@@ -50,6 +50,7 @@ from protrain_core.phase import TrainingPhase
 from protrain_core.plan import plan_arguments
 from lightning_protrain._common import (
     check_state_dict_type,
+    one_optimizer_message,
     OneDevicePlumbing,
     ProcessesPlumbing,
     build_engine,
@@ -253,7 +254,13 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         if not module.automatic_optimization:
             raise ValueError("The ProTrain strategy needs automatic optimization (self.automatic_optimization = True).")
         if fitting:
-            self.setup_optimizers(trainer)
+            try:
+                self.setup_optimizers(trainer)
+            except RuntimeError as e:
+                if "multiple optimizers" not in str(e):
+                    raise
+                # Lightning would send the user to manual optimization, which ProTrain refuses.
+                raise ValueError(one_optimizer_message("several")) from None
             optimizer = check_optimizers(self.optimizers)
             # An overridden configure_gradient_clipping may clip at any step, with any setting:
             # the engine hears of it between backward and step (expect_late_clipping below).

@@ -386,6 +386,18 @@ def test_unsupported_optimizer_is_refused():
         fit("protrain", {"optimizer": "sgd"})
 
 
+def test_several_optimizers_are_refused_with_what_protrain_needs():
+    """Issue 18, case 11: Lightning's own message would send the user to manual optimization,
+    which ProTrain refuses too; the first message says what ProTrain needs."""
+    class Two(LitLM):
+        def configure_optimizers(self):
+            return [torch.optim.AdamW(self.model.transformer.parameters()), torch.optim.AdamW(self.model.lm_head.parameters())]
+
+    with pytest.raises(ValueError, match="exactly one optimizer.*param groups") as info:
+        trainer("protrain").fit(Two(), loader())
+    assert "automatic_optimization = False" not in str(info.value)
+
+
 def test_model_without_blocks_is_refused():
     class Plain(pl.LightningModule):
         def __init__(self):
