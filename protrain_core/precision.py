@@ -10,6 +10,13 @@ from torch import Tensor
 
 
 class Precision(enum.Enum):
+    """The precision of a ProTrain engine. The mixed modes are DeepSpeed's recipe, not
+    Lightning's default-strategy one: every parameter has a compute-dtype (bf16 / fp16) copy of
+    its fp32 master, the forward runs under autocast, and the gradients come out in the compute
+    dtype and are accumulated and applied in fp32. Lightning's own bf16-mixed keeps fp32 weights
+    and autocasts only, so its gradients are fp32; the two stray from fp32 differently
+    (benchmarks/bench_precision.py, docs/benchmarks.md)."""
+
     FP32 = "32-true"  # fp32 compute, the parameters are the master weights
     BF16_TRUE = "bf16-true"  # bf16 parameters (= master), gradients and Adam states, no autocast
     BF16_MIXED = "bf16-mixed"  # bf16 compute copy + autocast, fp32 master and Adam states

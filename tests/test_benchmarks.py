@@ -244,3 +244,18 @@ def test_unknown_system_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--suite", "cpu-smoke", "--systems", "protrain-core,megatron", "--out", str(tmp_path)])
     assert exit_.value.code == 2 and "unknown system(s) megatron" in capsys.readouterr().err
+
+
+def test_precision_drift_benchmark_runs_and_its_fp32_row_is_exact(capsys):
+    """benchmarks.bench_precision (docs/benchmarks.md): the two bf16-mixed recipes against fp32;
+    ProTrain's 32-true run equals the fp32 reference bitwise (a check of the set-up)."""
+    import argparse
+
+    from benchmarks.bench_precision import batches, build, main, plain, protrain
+
+    args = argparse.Namespace(steps=3, layers=1, hidden=64, seq=16, batch=2, vocab=512, lr=1e-3)
+    model, data = build(args), batches(args)
+    assert protrain(model, data, "32-true", args.lr) == plain(model, data, False, args.lr)
+    assert main(["--steps", "3", "--layers", "1", "--hidden", "64", "--seq", "16", "--batch", "2"]) == 0
+    rows = {line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("| ")}
+    assert {"fp32", "lightning-bf16", "protrain-bf16", "protrain-fp32"} <= rows
