@@ -128,3 +128,27 @@ def test_chunk_size_override_and_summary():
     text = engine.summary()
     assert "persistent" in text and "streamed" in text and "transformer.h.0" in text
     assert str(engine.layout).startswith("ProTrain chunk layout")
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_mixture_of_experts_models_are_traced(family, recwarn):
+    """Issue 18, case 9: Hugging Face's MoE layers call grouped matmuls whose meta kernels take
+    bf16 only; the trace retries with bf16 meta tensors (the call order does not depend on the
+    dtype) instead of falling back to registration order, and the model trains."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=96)
+    torch.manual_seed(0)
+    if family == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common))
+    else:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                                   head_dim=8, **common))
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=0, n_buffer=2), device="cpu")
+    assert engine.layout.order_source == "traced"
+    assert not [w for w in recwarn if "Could not trace" in str(w.message)]
+    x = torch.randint(0, 96, (2, 8))
+    engine.backward(engine.module(input_ids=x, labels=x).loss)
+    engine.step()
+    engine.close()

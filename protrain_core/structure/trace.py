@@ -66,20 +66,28 @@ def trace(model: nn.Module, block_path: str, example_inputs=None) -> Trace:
     units = unit_names(model, block_path)
     if inputs is None:
         return Trace(tuple(owners(model)), "registration", tuple((u,) for u in units))
-    recorder = _Recorder(model, owners(model), units)
-    try:
-        _run_on_meta(model, inputs)
-    except Exception as e:  # noqa: BLE001 - any failure falls back to registration order
-        warnings.warn(
-            f"Could not trace the execution order of {type(model).__name__} on the meta device "
-            f"({type(e).__name__}: {e}); using module registration order for the chunk layout. "
-            "Pass example_inputs= to protrain_core.wrap to trace it.",
-            stacklevel=4,
-        )
-        return Trace(tuple(owners(model)), "registration", tuple((u,) for u in units))
-    finally:
-        recorder.remove()
-    return recorder.result(owners(model), units)
+    error = None
+    # Some kernels' meta implementations accept bf16 only (the grouped matmuls of Hugging Face's
+    # mixture-of-experts layers: Mixtral, Qwen3-MoE); the order of the calls does not depend on
+    # the dtype, so a failed trace is tried again with bf16 meta tensors.
+    for dtype in (None, torch.bfloat16):
+        recorder = _Recorder(model, owners(model), units)
+        try:
+            _run_on_meta(model, inputs, dtype)
+            return recorder.result(owners(model), units)
+        except Exception as e:  # noqa: BLE001 - any failure falls back to registration order
+            error = error or e
+        finally:
+            recorder.remove()
+    warnings.warn(
+        f"Could not trace the execution order of {type(model).__name__} on the meta device "
+        f"({type(error).__name__}: {error}); the chunk layout follows the module registration order instead "
+        "(training is unaffected; chunks may hold parameters used far apart, so a plan may need more "
+        "buffers). If the model needs other inputs than input_ids, pass them as example_inputs= (they are "
+        "traced on the meta device too).",
+        stacklevel=4,
+    )
+    return Trace(tuple(owners(model)), "registration", tuple((u,) for u in units))
 
 
 def _trace_wrapper(model: nn.Module, block_path: str, name: str, lm: nn.Module) -> Trace:
@@ -142,8 +150,9 @@ class _Recorder:
         return Trace(tuple(order), "traced", tuple(stacks))
 
 
-def _run_on_meta(model: nn.Module, inputs) -> None:
-    """One forward pass with meta tensors for every parameter and buffer.
+def _run_on_meta(model: nn.Module, inputs, dtype: torch.dtype | None = None) -> None:
+    """One forward pass with meta tensors for every parameter and buffer (floating ones in
+    ``dtype`` when given).
 
     One name per (module, attribute) and the same meta tensor for tied tensors: torch's own
     ``tie_weights=True`` (and names of a module registered twice) would leave a module that is
@@ -153,7 +162,8 @@ def _run_on_meta(model: nn.Module, inputs) -> None:
     for module_name, module in model.named_modules():
         for name, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
             if id(t) not in memo:
-                memo[id(t)] = torch.empty_like(t, device="meta")
+                cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+                memo[id(t)] = torch.empty_like(t, device="meta", dtype=cast)
             metas[f"{module_name}.{name}" if module_name else name] = memo[id(t)]
     args, kwargs = _meta_inputs(inputs)
     with torch.no_grad():
