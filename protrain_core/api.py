@@ -19,7 +19,7 @@ from protrain_core.profiler.profiler import profile_model, reprofile_requested, 
 from protrain_core.runtime.device import resolve_device
 from protrain_core.runtime.engine import Engine, EngineOptions
 from protrain_core.runtime.optim import check_optimizer
-from protrain_core.runtime.sharding import Sharding, agree
+from protrain_core.runtime.sharding import Sharding, agree, agree_budgets
 from protrain_core.runtime.storage import chunk_formats
 from protrain_core.structure.blocks import find_blocks
 from protrain_core.structure.layout import ChunkLayout, build_layout
@@ -95,7 +95,7 @@ def _searched(model, optimizer, layout: ChunkLayout, prec: Precision, dev: torch
               example_inputs, loss_fn, step_fn, cache: bool, reprofile: bool) -> Engine:
     """``wrap`` with plan=None: the engine on a safe plan that switches after profiling its first
     steps, or (``example_inputs``) profiled and searched first."""
-    host_budget = default_host_budget(dev)
+    budget, host_budget = agree_budgets(sharding, budget, default_host_budget(dev))  # one plan for every rank
     world = 1 if sharding is None else sharding.world
     if example_inputs is None:
         check_budget_holds_states(chunk_formats(model, optimizer, layout, prec, optimizer_states=True, world_size=world),

@@ -32,7 +32,8 @@ def save_pretrained(engine, save_directory, **kwargs) -> None:
     config = getattr(module, "config", None)
     before = getattr(config, "dtype", None) if config is not None else None
     try:
-        module.save_pretrained(save_directory, state_dict=state if main else None, is_main_process=main, **kwargs)
+        if main:  # the others took part in the gathering; the model's save_pretrained would read its parameters
+            module.save_pretrained(save_directory, state_dict=state, **kwargs)
         if main and config is not None and hasattr(config, "save_pretrained") and (Path(save_directory) / "config.json").exists():
             # The model's save_pretrained wrote the compute copies' dtype: say the masters'.
             config.dtype = str(engine.precision.master_dtype).removeprefix("torch.")

@@ -60,11 +60,12 @@ def spawn(fn, world: int, out_dir, *args, backend: str = "gloo") -> list:
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
-def ddp_reference(model, data, *, lr=1e-2, accumulate=1, clip=None, weight_decay=0.0, device="cpu"):
+def ddp_reference(model, data, *, lr=1e-2, accumulate=1, clip=None, weight_decay=0.0, device="cpu",
+                  find_unused_parameters=False):
     """Lightning's ``ddp`` in plain torch: DDP, AdamW(fused), ``no_sync`` for the non-final
     micro-batches; per-step losses and the final state dict."""
     model = copy.deepcopy(model).to(device)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=find_unused_parameters)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, fused=True)
     losses = []

@@ -148,8 +148,17 @@ def _train_and_save(rank, world, out, plan_name, steps):
     if rank == 0:
         torch.save(state, os.path.join(out, "full.pt"))
     engine.save_sharded(os.path.join(out, "sharded"))
+    # Sharded, an offloaded chunk's parameters are whole on no rank: model.state_dict() is refused
+    # with the fix, and reading such a parameter gives NaN (not freed memory).
+    try:
+        engine.module.state_dict()
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
+    streamed = [p for c in engine.chunks if not c.persistent for p in c.params]
+    nan = bool(streamed) and all(torch.isnan(p).all() for p in streamed)
     engine.close()
-    return state
+    return dict(state, refused=refused, nan=nan, world=world)
 
 
 def _resume(rank, world, out, plan_name, source):
@@ -213,6 +222,7 @@ def test_checkpoints_resume_at_other_world_sizes(tmp_path):
     file): the state loads exactly, and training goes on as DDP (or plain PyTorch) from it."""
     saved = spawn(_train_and_save, 2, tmp_path / "w2", str(tmp_path), "mixed-buf2", 2)[0]
     assert saved["optimizer"]["state"]  # Adam's moments came along
+    assert "engine.state_dict()" in saved["refused"] and saved["nan"]
     full = torch.load(tmp_path / "full.pt", weights_only=True)  # opens in plain PyTorch and in from_pretrained
     config = _model(frozen=False).config
     hf = type(_model(frozen=False)).from_pretrained(None, config=config, state_dict=full["model"])
@@ -318,6 +328,45 @@ def test_nccl_sharded_engines_train_like_ddp(tmp_path):
         for (ref, got, diff), (plan_name, kw, _) in zip(rows, SCENARIOS):
             assert got == pytest.approx(ref, abs=LOSS_ATOL), (plan_name, kw, rank)
             assert rank or diff < WEIGHT_ATOL, (plan_name, kw, diff)
+
+
+def _one_rank_skips_a_module(rank, world, plan_name):
+    """The last rank's last MLP gives no gradient (its output replaced by zeros there only):
+    either every rank stops with the fix, or the run equals DDP(find_unused_parameters=True)."""
+    def build():
+        model = _model(frozen=False)
+        if rank == world - 1:
+            model.model.layers[-1].mlp.forward = lambda x: x * 0
+        return model
+
+    data = batches(2, seed=10 + rank)
+    try:
+        losses, engine = protrain_run(build(), data, standard_plans(_model(frozen=False))[plan_name])
+    except RuntimeError as e:
+        return str(e), None
+    weights = engine.state_dict(rank0_only=False)
+    engine.close()
+    ref_losses, ref_weights = ddp_reference(build(), data, find_unused_parameters=True)
+    return None, (losses == ref_losses, max((weights[k] - ref_weights[k]).abs().max().item() for k in weights))
+
+
+@pytest.mark.parametrize("plan_name", ["all-persistent", "streamed-buf1"])
+def test_a_parameter_used_on_some_ranks_only_is_refused_or_trained_like_ddp(plan_name, tmp_path):
+    """Review of issue 17: with a parameter unused on one rank, the ranks' reduce-scatters came in
+    different orders (a gloo size error, or chunks silently mixed up where sizes agree), and its
+    update was skipped on that rank only. The ranks now agree on each chunk and on which members
+    got a gradient anywhere before reducing it: where the order differs (all-persistent: the
+    chunk completes early on one rank, at the end of backward on the other) every rank stops
+    with the fix; where it agrees (one buffer: the chunk is evicted with its partial gradients
+    at the same point) the run equals DDP with find_unused_parameters=True."""
+    results = spawn(_one_rank_skips_a_module, 2, tmp_path, plan_name)
+    messages = [m for m, _ in results]
+    if plan_name == "all-persistent":
+        assert all(m is not None and "find_unused_parameters" in m and "requires_grad=False" in m for m in messages)
+    for message, trained in results:
+        if message is None:
+            same_losses, diff = trained
+            assert same_losses and diff == 0.0
 
 
 def test_a_device_count_is_never_ignored():

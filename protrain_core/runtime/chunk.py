@@ -310,6 +310,13 @@ class Chunk:
         self.grad_state = target
         return self._arrived == len(self.grad_members)
 
+    def agree_received(self) -> None:
+        """Several processes: before this chunk's gradients are reduced, every rank agrees on
+        it and on which members got a gradient on any rank (``Sharding.agree_received``)."""
+        sharding = self.storage.sharding
+        if sharding is not None:
+            self._received = sharding.agree_received(self.index, self._received)
+
     @property
     def receiving(self) -> bool:
         return self.grad_state in (GradState.FIRST, GradState.MORE)
@@ -422,25 +429,19 @@ class Chunk:
         part = piece(m.offset - storage.fmt.trainable_start, m.numel, storage.fmt.state_numel, storage.rank)
         return None if part is None else (part[0], part[2])
 
-    @property
-    def rest_copy(self) -> Tensor:
-        """What the parameters of a streamed chunk point at while it is not resident: its host
-        copy in one process; with ``W`` processes the (freed) device copy, as the host copy
-        holds only a shard ([Note: sharded chunks] in sharding.py)."""
-        storage = self.storage
-        return storage.host_copy if storage.sharding is None else storage.device_copy
-
     def point_at_rest(self) -> None:
-        """Point the parameters at ``rest_copy``. Views of a freed storage can only be taken
-        while it is allocated (they stay valid after it is freed), so with ``W`` processes a
-        freed device copy is allocated for the moment it takes."""
+        """Point the parameters of a streamed chunk that is not resident at its host copy. With
+        ``W`` processes the host copy holds only this rank's shard: the parameters then point at
+        a NaN of the compute dtype expanded to their shapes (no memory; reading them directly
+        gives NaN, never freed memory), and ``model.state_dict()`` is refused with the fix
+        (``Engine.state_dict`` gathers them: [Note: sharded chunks] in sharding.py)."""
         storage = self.storage
-        freed = storage.sharding is not None and not storage.device_copy_allocated
-        if freed:
-            storage.allocate_device_copy()
-        self.point_params_at(self.rest_copy)
-        if freed:
-            storage.free_device_copy()
+        if storage.sharding is None:
+            self.point_params_at(storage.host_copy)
+            return
+        nan = torch.full((), float("nan"), dtype=storage.fmt.compute_dtype)
+        for p in self.params:
+            p.data = nan.expand(p.shape)
 
     def point_params_at(self, flat: Tensor) -> None:
         """Re-point every parameter's ``.data`` at its slot in ``flat`` (see [Note: parameter access])."""

@@ -62,6 +62,7 @@ class Engine:
         check_plan(plan, layout.limits())
         if sharding is not None:
             sharding.check_device(device)
+            sharding.members = max(len(spec.members) for spec in layout.chunks)
         self.sharding = sharding
         self.module, self.optimizer, self.layout, self.plan = module, optimizer, layout, plan
         self.precision, self.device, self.options = precision, device, options
@@ -97,7 +98,8 @@ class Engine:
             optimizer.state.clear()
             self.load_optimizer_state_dict(osd)
         # model.state_dict() (save_pretrained, torch.save) reads the parameters: wait for their updates.
-        self._state_dict_hook = module.register_state_dict_pre_hook(lambda *_: self.runtime.wait_all())
+        self._state_dict_hook = module.register_state_dict_pre_hook(self._before_module_state_dict)
+        self._reading_states = False  # Engine.state_dict is reading the module's
         module._protrain_engine = self
         self.profile = None  # the Profile a searched plan came from (set by wrap)
         self.choice = None  # the search's PlanChoice (set by wrap)
@@ -438,6 +440,18 @@ class Engine:
         return str(self._overlap())
 
     # ----- state --------------------------------------------------------------------------
+    def _before_module_state_dict(self, *_) -> None:
+        """``model.state_dict()`` (torch.save, save_pretrained) reads the parameters: wait for
+        their updates. Sharded over several processes an offloaded chunk's parameters are not
+        whole on any rank: refused, with the fix."""
+        if self.sharding is not None and not self._reading_states and any(not c.persistent for c in self.chunks):
+            raise RuntimeError(
+                f"model.state_dict() on a model sharded over {self.world_size} processes: the parameters of "
+                "offloaded chunks are not whole on any rank. Call engine.state_dict() (gathered chunk by chunk to "
+                "rank 0) or engine.save_pretrained(directory) on every rank instead."
+            )
+        self.runtime.wait_all()
+
     def slot_of(self, p: torch.nn.Parameter) -> tuple[Chunk, int]:
         """The chunk holding parameter ``p``, and its member index there."""
         return self._slot_of[id(p)]
@@ -463,7 +477,7 @@ class Engine:
         keep = not rank0_only or self.rank == 0
         out, seen = {}, {}
         gathered: tuple[Chunk | None, list] = (None, [])  # the last chunk's whole values
-        for key, t in self.module.state_dict(keep_vars=True).items():
+        for key, t in self._module_tensors().items():
             if id(t) in seen:
                 if keep:
                     out[key] = seen[id(t)]
@@ -481,9 +495,17 @@ class Engine:
                 out[key] = seen[id(t)] = value
         return out
 
+    def _module_tensors(self) -> dict[str, Tensor]:
+        """The module's own state-dict entries (parameters and buffers as they are: keep_vars)."""
+        self._reading_states = True
+        try:
+            return self.module.state_dict(keep_vars=True)
+        finally:
+            self._reading_states = False
+
     def load_state_dict(self, state_dict: dict[str, Tensor], strict: bool = True) -> None:
         self._check_open()
-        expected = self.module.state_dict(keep_vars=True)
+        expected = self._module_tensors()
         missing = [k for k in expected if k not in state_dict]
         unexpected = [k for k in state_dict if k not in expected]
         if strict and (missing or unexpected):

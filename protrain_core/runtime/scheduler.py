@@ -135,6 +135,7 @@ class Runtime:
                 self._make_resident(c, protect=self.current | {c.index})
             complete = c.receive(i, grad)
             if complete and c.persistent and self.sharding is not None:
+                c.agree_received()
                 c.land(self.ctx)  # reduce-scattered into its accumulator now
             elif complete and not c.persistent:
                 if c.spec.has_frozen and c.index in self.current:
@@ -243,6 +244,7 @@ class Runtime:
         ``final``: no more gradients of this chunk come in this backward pass, so at a
         gradient-accumulation boundary the worker runs Adam on it right away.
         """
+        c.agree_received()  # several processes: the same chunk on every rank, its members' gradients
         at_boundary = final and self.boundary
         finish = self.finisher(c) if at_boundary and self.finisher is not None else None
         update = None
@@ -293,9 +295,12 @@ class Runtime:
             if not c.receiving:
                 continue
             if c.persistent:
+                c.agree_received()
                 c.land(self.ctx)
             else:  # some of its parameters got no gradient in this pass
                 self._offload(c, final=True)
+        if self.sharding is not None:
+            self.sharding.agree_received(-1, [])  # no rank reduces a chunk the others did not
 
     def wait_all(self) -> None:
         for c in self.streamed:
@@ -380,7 +385,9 @@ class Runtime:
                 assert storage.device_copy_allocated, c
             else:
                 assert not storage.device_copy_allocated and storage.grad_buffer is None, f"{c} holds device memory"
-            home = storage.device_copy if c.state is ChunkState.RESIDENT else c.rest_copy if not c.device_resident else None
+            home = storage.device_copy if c.state is ChunkState.RESIDENT else None
+            if not c.device_resident and self.sharding is None:
+                home = storage.host_copy
             if home is not None:
                 for p in c.params:
                     assert p.untyped_storage().data_ptr() == home.untyped_storage().data_ptr(), f"{c}: stale .data"

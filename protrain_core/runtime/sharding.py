@@ -35,6 +35,7 @@ broadcast (``agree``).
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -46,13 +47,15 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-@dataclass(frozen=True)
+@dataclass
 class Sharding:
     """The process group a wrapped model is sharded over (one per engine)."""
 
     group: object  # a torch.distributed ProcessGroup
     rank: int
     world: int
+    checks: object = None  # a gloo group over the same ranks for host-side agreement (None: ``group``)
+    members: int = 0  # the most members with gradients of any chunk (the width of ``agree_received``)
 
     @staticmethod
     def resolve(process_group=None) -> Sharding | None:
@@ -65,7 +68,11 @@ class Sharding:
         world = dist.get_world_size(process_group)
         if world == 1:
             return None
-        return Sharding(process_group, dist.get_rank(process_group), world)
+        checks = None
+        if "gloo" not in str(dist.get_backend(process_group)):  # NCCL: host-side checks need their own group
+            ranks = [dist.get_global_rank(process_group, r) for r in range(world)]
+            checks = dist.new_group(ranks=ranks, backend="gloo")
+        return Sharding(process_group, dist.get_rank(process_group), world, checks)
 
     @property
     def backend(self) -> str:
@@ -101,6 +108,28 @@ class Sharding:
         dist.all_reduce(t, op=op, group=self.group)
         return t
 
+    def agree_received(self, index: int, received: list[bool]) -> list[bool]:
+        """Before chunk ``index``'s gradients are reduced (``index`` -1: the end of a backward):
+        check on the host that every rank reduces the same chunk now, and return which of its
+        members got a gradient on any rank (the mean of their gradients exists; torch skips the
+        others). The ranks' collectives must come in the same order ([Note: sharded chunks]); a
+        parameter that gets a gradient on some ranks and not others breaks that, so it is
+        refused here, with the fix, instead of mixing up chunks."""
+        t = torch.zeros(2 + self.members, dtype=torch.int64)
+        t[0], t[1] = index, -index
+        t[2:2 + len(received)] = torch.tensor(received, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.checks or self.group)
+        if int(t[0]) != -int(t[1]):
+            here = f"chunk {index}" if index >= 0 else "the end of backward"
+            raise RuntimeError(
+                f"ProTrain with {self.world} processes: rank {self.rank} is at {here} of its backward while another "
+                f"rank reduces chunk {int(t[0])}: some parameter got a gradient on some ranks and not on others (a "
+                "branch, an expert or a module one rank did not use). Every rank must give a gradient to the same "
+                "parameters in every backward, as DDP requires by default (find_unused_parameters=False): use the "
+                "parameter on every rank (e.g. add 0 * its output to the loss), or set requires_grad=False on it."
+            )
+        return [bool(v) for v in t[2:2 + len(received)]]
+
     def broadcast_object(self, obj, src: int = 0):
         """Rank ``src``'s ``obj`` on every rank."""
         box = [obj]
@@ -121,6 +150,21 @@ def broadcast_module(module, sharding: Sharding, device: torch.device) -> None:
             dist.broadcast(moved, src=src, group=sharding.group)
             if moved is not t.data:
                 t.data.copy_(moved)
+
+
+def agree_budgets(sharding: Sharding | None, device_budget: int, host_budget: int | None) -> tuple[int, int | None]:
+    """The budgets every rank plans with: the smallest device budget of the ranks, and the
+    smallest host budget divided among the ranks of a node (they share its memory). Each rank
+    measured its own free memory, which differs a little, and a plan must be the same on all."""
+    if sharding is None:
+        return device_budget, host_budget
+    hosts = [None] * sharding.world
+    dist.all_gather_object(hosts, socket.gethostname(), group=sharding.checks or sharding.group)
+    per_node = hosts.count(hosts[sharding.rank])
+    # Every rank has the same kind of device, so the host budget is None on all of them or none.
+    t = torch.tensor([device_budget, 0 if host_budget is None else host_budget // per_node], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=sharding.checks or sharding.group)
+    return int(t[0]), None if host_budget is None else int(t[1])
 
 
 def agree(sharding: Sharding | None, decision):
