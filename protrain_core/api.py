@@ -70,10 +70,7 @@ def wrap(
             weights are broadcast and rank 0's plan is followed.
     """
     # Everything that can be wrong with the arguments is checked before memory is touched.
-    prec, dev = parse_precision(precision), resolve_device(device)
-    check_parameter_dtypes(model, prec)
-    if gradient_clipping is not None:
-        parse_gradient_clipping(*gradient_clipping)
+    prec, dev = _checked(model, precision, device, gradient_clipping)
     plan, budget = plan_arguments(plan, memory_budget, max_tokens)
     if plan is None and not optimizer_states:
         raise ValueError("wrap(optimizer_states=False) builds an engine for evaluation only: pass its plan=.")
@@ -162,6 +159,16 @@ def _prepare(model: nn.Module, optimizer, blocks, chunk_size, example_inputs) ->
         )
     block_path, block_list = find_blocks(model, blocks)
     return build_layout(model, block_path, len(block_list), example_inputs=example_inputs, chunk_size=chunk_size)
+
+
+def _checked(model: nn.Module, precision: str, device, gradient_clipping) -> tuple[Precision, torch.device]:
+    """The precision and device of ``wrap``, after the checks of its arguments that need no model
+    structure (nothing is allocated yet)."""
+    prec, dev = parse_precision(precision), resolve_device(device)
+    check_parameter_dtypes(model, prec)
+    if gradient_clipping is not None:
+        parse_gradient_clipping(*gradient_clipping)
+    return prec, dev
 
 
 def check_parameter_dtypes(model: nn.Module, precision: Precision) -> None:

@@ -1,5 +1,7 @@
 """Block discovery and the execution-order chunk layout."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -152,3 +154,60 @@ def test_mixture_of_experts_models_are_traced(family, recwarn):
     engine.backward(engine.module(input_ids=x, labels=x).loss)
     engine.step()
     engine.close()
+
+
+def _encoder_decoder(family):
+    from transformers import BartConfig, BartForConditionalGeneration, T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    if family == "t5":
+        return T5ForConditionalGeneration(T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                   num_decoder_layers=3, num_heads=4, decoder_start_token_id=0,
+                                                   pad_token_id=0, dropout_rate=0.0))
+    return BartForConditionalGeneration(BartConfig(
+        vocab_size=96, d_model=32, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, bos_token_id=0, eos_token_id=2,
+        decoder_start_token_id=2))
+
+
+@pytest.mark.parametrize("family", ["t5", "bart"])
+def test_encoder_decoder_models_have_both_stacks_as_blocks(family):
+    """Issue 18, case 9: the encoder's and the decoder's blocks are all blocks (2 + 3 here), so
+    the plan checkpoints and swaps either stack; training equals plain PyTorch: bitwise for BART,
+    and for T5 bitwise when every block keeps its activations and within float rounding when
+    they are recomputed or swapped (its position bias, made by the first block and used by all,
+    gets its gradient summed in another order: torch's own gradient checkpointing of T5 moves
+    the loss by the same 5e-7)."""
+    model = _encoder_decoder(family)
+    path, blocks = pt.find_blocks(model)
+    assert len(blocks) == 5 and path in ("encoder.block+decoder.block", "model.encoder.layers+model.decoder.layers")
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(3, 96, (2, 12), generator=g) for _ in range(3)]
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    expected = []
+    for x in data:
+        loss = ref(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+    for plan in (pt.Plan(n_persist=1, n_buffer=2), pt.Plan(n_persist=1, n_buffer=2, n_swap=2, n_checkpoint=2)):
+        m = copy.deepcopy(model)
+        engine = pt.wrap(m, torch.optim.AdamW(m.parameters(), lr=1e-2), plan, device="cpu", check_invariants=True)
+        assert engine.layout.n_blocks == 5 and len(engine.block_modes) == 5
+        losses = []
+        for x in data:
+            loss = engine.module(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+            losses.append(loss.item())
+        report = engine.activation_report()
+        engine.close()
+        assert len(report) == 5  # the decoder's blocks too
+        if family == "bart" or plan.n_swap == plan.n_checkpoint == 0:
+            assert losses == expected, plan
+        else:
+            assert losses == pytest.approx(expected, abs=1e-5), plan

@@ -36,6 +36,7 @@ from protrain_core.profiler.profiler import (
     tensor_shapes,
 )
 from protrain_core.runtime.engine import Engine
+from protrain_core.structure.blocks import block_modules
 from protrain_core.runtime.sharding import agree
 from protrain_core.utils import batch_tokens, block_tokens
 
@@ -63,7 +64,7 @@ class LiveProfiler:
         """``on_unfinished(steps)``: the engine closed before profiling was over."""
         self.engine, self.on_profile, self.on_unfinished = engine, on_profile, on_unfinished
         self.cache, self.reprofile, self.cache_dir = cache, reprofile, cache_dir
-        blocks = list(engine.module.get_submodule(engine.layout.block_path))
+        blocks = block_modules(engine.module, engine.layout.block_path)
         self.L = len(blocks)
         self.bounds = Boundaries(engine, blocks, live=True)
         self.bounds.listener = self._boundary

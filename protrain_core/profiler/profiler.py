@@ -52,7 +52,7 @@ from protrain_core.profiler.hardware import device_name, probe_hardware
 from protrain_core.runtime.engine import Engine, EngineOptions
 from protrain_core.runtime.sharding import agree
 from protrain_core.runtime.storage import ChunkFormat, chunk_formats
-from protrain_core.structure.blocks import find_blocks
+from protrain_core.structure.blocks import block_modules, find_blocks
 from protrain_core.structure.layout import ChunkLayout, build_layout
 from protrain_core.utils import block_tokens, iter_tensors
 
@@ -204,7 +204,7 @@ def profile_model(
     plan = _profiling_plan(model, optimizer, layout, precision, device)
     engine = Engine(model, optimizer, layout, plan, precision, device,
                     EngineOptions(optimizer_states=False, warn_on_cache=False))
-    bounds = Boundaries(engine, list(model.get_submodule(layout.block_path)))
+    bounds = Boundaries(engine, block_modules(model, layout.block_path))
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             _one_pass(engine, bounds, inputs, step_fn)  # warm-up, and the batch as the first block sees it

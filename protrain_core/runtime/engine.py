@@ -29,6 +29,7 @@ from protrain_core.runtime.optim import ChunkOptimizer
 from protrain_core.runtime.scheduler import Runtime
 from protrain_core.runtime.sharding import Sharding, broadcast_module
 from protrain_core.runtime.storage import ChunkFormat, ChunkStorage, chunk_formats
+from protrain_core.structure.blocks import block_modules
 from protrain_core.structure.layout import ChunkLayout, unit_chunks
 from protrain_core.update import ClipAlgorithm, GradientClipping, Overlap, overlap_mode, parse_gradient_clipping
 from protrain_core.utils import check_host_memory
@@ -166,7 +167,7 @@ class Engine:
         profiler times its engine's blocks both checkpointed and swapped)."""
         if self.activations is not None:
             self.activations.remove()
-        blocks = list(self.module.get_submodule(self.layout.block_path))
+        blocks = block_modules(self.module, self.layout.block_path)
         self.block_modes = modes
         self.activations = ActivationManager(blocks, modes, self.ctx, self.phase, observers=self._recompute_observers,
                                              warn_on_cache=self.options.warn_on_cache)

@@ -322,6 +322,8 @@ class Runtime:
         for c in pending:
             c.apply()
             if not c.persistent:
+                if c.state is ChunkState.FETCHING:
+                    c.end_fetch(self.ctx, wait_on_host=True)  # a prefetch at the end of backward
                 if c.state is ChunkState.RESIDENT:
                     self._evict(c)  # its device copy would be stale after the update
                 job = (hps, self.optim.selected(c), host_clip)

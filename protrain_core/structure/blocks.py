@@ -17,6 +17,25 @@ _KNOWN_BLOCK_PATHS = (
 )
 
 
+# Encoder-decoder models: both stacks are blocks, the encoder's first (it runs first).
+_KNOWN_STACK_PAIRS = (
+    ("encoder.block", "decoder.block"),  # T5, mT5, UMT5
+    ("model.encoder.layers", "model.decoder.layers"),  # BART, mBART, Marian, Pegasus
+    ("encoder.layers", "decoder.layers"),  # a bare BartModel-like encoder-decoder
+)
+SEP = "+"  # joins the dotted names of several block lists in one block path
+
+
+def split_paths(block_path: str) -> list[str]:
+    """The dotted names of the block lists in ``block_path`` (one, or several joined by "+")."""
+    return block_path.split(SEP)
+
+
+def block_modules(model: nn.Module, block_path: str) -> list[nn.Module]:
+    """The blocks of ``block_path``, in order: every list's blocks, the lists in order."""
+    return [b for path in split_paths(block_path) for b in model.get_submodule(path)]
+
+
 def _get_submodule(model: nn.Module, path: str) -> nn.Module | None:
     try:
         return model.get_submodule(path)
@@ -37,22 +56,42 @@ def _describe(model: nn.Module) -> str:
     return "\n".join(lines) if lines else "  (the model has no non-empty nn.ModuleList)"
 
 
-def find_blocks(model: nn.Module, blocks: nn.ModuleList | str | None = None) -> tuple[str, nn.ModuleList]:
-    """Return ``(dotted_name, module_list)`` of the model's transformer blocks.
+def find_blocks(model: nn.Module, blocks=None) -> tuple[str, list[nn.Module]]:
+    """Return ``(block_path, blocks)``: the dotted name of the model's transformer block list
+    (several lists joined by "+": an encoder-decoder's two stacks) and the blocks, in order.
 
-    ``blocks`` overrides discovery: a ModuleList that is part of ``model``, or its dotted name.
-    Discovery tries the block paths of the Hugging Face families we support, then a ModuleList
+    ``blocks`` overrides discovery: a ModuleList that is part of ``model``, its dotted name, or a
+    list of those (several stacks, in execution order). Discovery tries the block paths of the
+    Hugging Face families we support (both stacks of an encoder-decoder), then a ModuleList
     whose children are of a class named in the model's ``_no_split_modules``, then the only
     ModuleList of two or more same-class children. Otherwise the error lists the candidates.
-    The name returned is the list's name in ``model.named_modules()`` (a wrapper such as a PEFT
+    A name returned is the list's name in ``model.named_modules()`` (a wrapper such as a PEFT
     model resolves ``transformer.h`` through attribute forwarding; the canonical name is
     ``base_model.model.transformer.h``).
     """
-    found = _discover(model, blocks)
-    name = next((n for n, m in model.named_modules() if m is found), None)
-    if name is None:
-        raise ValueError("blocks= is an nn.ModuleList that is not a submodule of the model.")
-    return name, found
+    if isinstance(blocks, (list, tuple)):
+        found = [_discover(model, b) for b in blocks]
+    else:
+        found = _stacks(model) if blocks is None else None
+        found = found or [_discover(model, blocks)]
+    names = []
+    for lst in found:
+        name = next((n for n, m in model.named_modules() if m is lst), None)
+        if name is None:
+            raise ValueError("blocks= is an nn.ModuleList that is not a submodule of the model.")
+        names.append(name)
+    return SEP.join(names), [b for lst in found for b in lst]
+
+
+def _stacks(model: nn.Module) -> list[nn.ModuleList] | None:
+    """Both block lists of an encoder-decoder (possibly inside a wrapper), or None."""
+    prefixes = [""] + [f"{n}." for n, m in model.named_modules() if n and hasattr(getattr(m, "config", None), "vocab_size")]
+    for prefix in prefixes:
+        for pair in _KNOWN_STACK_PAIRS:
+            found = [_get_submodule(model, prefix + p) for p in pair]
+            if all(isinstance(f, nn.ModuleList) and len(f) > 0 for f in found):
+                return found
+    return None
 
 
 def _discover(model: nn.Module, blocks) -> nn.ModuleList:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from protrain_core.plan import PlanLimits
+from protrain_core.structure.blocks import block_modules, split_paths
 from protrain_core.structure.trace import Trace, trace
 
 # Parameter offsets inside a chunk are multiples of ALIGN elements (>= 16-byte aligned views
@@ -136,13 +137,16 @@ def _units(model: nn.Module, block_path: str, n_blocks: int, module_order: tuple
     canonical = {id(p): n for n, p in model.named_parameters()}
     placed: set[int] = set()
     units: dict[str, list[tuple[str, nn.Parameter]]] = {}
-    prefix = block_path + "." if block_path else ""
+    # Each block list's prefix and length (an encoder-decoder has two lists).
+    stacks = [(f"{path}." if path else "", len(model.get_submodule(path))) for path in split_paths(block_path)]
     for mod_name in module_order:
         unit = mod_name
-        if mod_name.startswith(prefix):
-            head = mod_name[len(prefix):].split(".", 1)[0]
-            if head.isdigit() and int(head) < n_blocks:
-                unit = f"{prefix}{head}"
+        for prefix, length in stacks:
+            if mod_name.startswith(prefix):
+                head = mod_name[len(prefix):].split(".", 1)[0]
+                if head.isdigit() and int(head) < length:
+                    unit = f"{prefix}{head}"
+                    break
         for _, p in modules[mod_name].named_parameters(recurse=False):
             if id(p) in placed:
                 continue
@@ -219,7 +223,7 @@ def unit_chunks(model: nn.Module, layout: ChunkLayout) -> dict[nn.Module, tuple[
     """The modules the runtime hooks (each transformer block as a whole, and every module
     outside the blocks that owns parameters) -> the chunks their forward needs."""
     index = layout.param_chunks(model)
-    blocks = {id(b) for b in model.get_submodule(layout.block_path)}
+    blocks = {id(b) for b in block_modules(model, layout.block_path)}
     units: dict[nn.Module, tuple[int, ...]] = {}
 
     def visit(module: nn.Module) -> None:

@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from protrain_core.structure.blocks import SEP, block_modules, split_paths
+
 
 @dataclass(frozen=True)
 class Trace:
@@ -38,7 +40,7 @@ def unit_names(model: nn.Module, block_path: str) -> list[str]:
     """The units the runtime hooks: each block as a whole, and every module outside the blocks
     that owns parameters (a block's submodules are part of the block's unit). A module that is
     registered twice is one unit, under its first name (as ``model.named_modules()`` gives it)."""
-    blocks = {id(b) for b in model.get_submodule(block_path)}
+    blocks = {id(b) for b in block_modules(model, block_path)}
     names: list[str] = []
     seen: set[int] = set()
 
@@ -95,7 +97,8 @@ def _trace_wrapper(model: nn.Module, block_path: str, name: str, lm: nn.Module) 
     the LM with its own default inputs (the wrapper's inputs, a training batch, need not be the
     LM's); the wrapper's own parameters come after it."""
     prefix = f"{name}."
-    inner_blocks = block_path[len(prefix):] if block_path.startswith(prefix) else ""
+    paths = split_paths(block_path)
+    inner_blocks = SEP.join(p[len(prefix):] for p in paths) if all(p.startswith(prefix) for p in paths) else ""
     if not inner_blocks:
         return Trace(tuple(owners(model)), "registration", tuple((u,) for u in unit_names(model, block_path)))
     inner = trace(lm, inner_blocks, None)
