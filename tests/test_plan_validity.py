@@ -141,9 +141,20 @@ def test_every_accepted_plan_trains_like_plain_pytorch(name):
                 ref_loss.backward()
                 ref_opt.step()
                 ref_opt.zero_grad()
-                assert loss.item() == ref_loss.item(), (name, plan)
-            assert_same_weights(engine.state_dict(), ref)
+                if rounding(name, plan):
+                    assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-5), (name, plan)
+                else:
+                    assert loss.item() == ref_loss.item(), (name, plan)
+            assert_same_weights(engine.state_dict(), ref, atol=1e-5 if rounding(name, plan) else 0.0)
             engine.close()
+
+
+def rounding(name, plan) -> bool:
+    """T5 with recomputed or swapped blocks: its decoder blocks are blocks too (both stacks), and
+    the gradients of what they all use (the position bias, the encoder's output) are summed in
+    another order when blocks recompute, so the last bit may differ; torch's own gradient
+    checkpointing of T5 moves the loss likewise (tests/test_layout.py)."""
+    return name == "t5" and bool(plan.n_swap or plan.n_checkpoint)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
