@@ -369,6 +369,28 @@ def test_a_parameter_used_on_some_ranks_only_is_refused_or_trained_like_ddp(plan
             assert same_losses and diff == 0.0
 
 
+def _tied_states(rank, world):
+    from conftest import tiny_gpt2
+
+    model = tiny_gpt2()  # the head's weight is the embedding's: one tensor under two names
+    losses, engine = protrain_run(model, batches(2, seed=10 + rank), pt.Plan(n_persist=1, n_buffer=2))
+    weights = engine.state_dict()  # rank 0 keeps it; every rank must gather the same chunks
+    states = engine.optimizer_state_dict(rank0_only=False)
+    engine.close()
+    return weights, states
+
+
+def test_tied_weights_gather_alike_on_every_rank(tmp_path):
+    """Found by the 3-process Trainer test: rank 0 skipped the tied name's second gather and the
+    others did not, so the collectives after it were paired wrongly. Every rank now gathers the
+    same chunks: the optimizer state gathered after the state dict is the same on both ranks,
+    and rank 0's state dict holds the tied tensor once under both names."""
+    (w0, s0), (w1, s1) = spawn(_tied_states, 2, tmp_path)
+    assert w1 == {} and w0["lm_head.weight"] is w0["transformer.wte.weight"]
+    assert set(s0["state"]) == set(s1["state"])
+    assert all(torch.equal(s0["state"][k][n], s1["state"][k][n]) for k in s0["state"] for n in ("exp_avg", "exp_avg_sq"))
+
+
 def test_a_device_count_is_never_ignored():
     """What several processes cannot honour is refused when the Trainer is built, with the fix."""
     import lightning.pytorch as pl

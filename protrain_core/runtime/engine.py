@@ -492,8 +492,9 @@ class Engine:
                     gathered = chunk, chunk.gathered_values()
                 # a frozen member's compute copy is returned in the master dtype too
                 value = gathered[1][i].detach().to("cpu", dtype=self.precision.master_dtype, copy=True) if keep else None
+            seen[id(t)] = value  # on every rank: the gathers must be the same everywhere
             if keep:
-                out[key] = seen[id(t)] = value
+                out[key] = value
         return out
 
     def _module_tensors(self) -> dict[str, Tensor]:
