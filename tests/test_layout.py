@@ -8,7 +8,7 @@ from torch import nn
 
 import protrain_core as pt
 from protrain_core.structure.layout import ALIGN, pack as _pack, search_chunk_size
-from conftest import tiny_gpt2, tiny_llama
+from conftest import tiny_gpt2, tiny_llama, train_engine, train_reference
 
 
 def _hf(name):
@@ -185,25 +185,12 @@ def test_encoder_decoder_models_have_both_stacks_as_blocks(family):
     g = torch.Generator().manual_seed(1)
     data = [torch.randint(3, 96, (2, 12), generator=g) for _ in range(3)]
     ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
-    expected = []
-    for x in data:
-        loss = ref(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        expected.append(loss.item())
+    expected = train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True), data)
     for plan in (pt.Plan(n_persist=1, n_buffer=2), pt.Plan(n_persist=1, n_buffer=2, n_swap=2, n_checkpoint=2)):
         m = copy.deepcopy(model)
         engine = pt.wrap(m, torch.optim.AdamW(m.parameters(), lr=1e-2), plan, device="cpu", check_invariants=True)
         assert engine.layout.n_blocks == 5 and len(engine.block_modes) == 5
-        losses = []
-        for x in data:
-            loss = engine.module(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            engine.step()
-            engine.zero_grad()
-            losses.append(loss.item())
+        losses = train_engine(engine, data)
         report = engine.activation_report()
         engine.close()
         assert len(report) == 5  # the decoder's blocks too

@@ -137,9 +137,6 @@ class ChunkOptimizer:
             copy_to_low_precision(storage.compute_span(), storage.master)
 
     # ----- torch.optim state-dict format --------------------------------------------------
-    def _indexed_params(self):
-        return indexed_params(self.optimizer)
-
     def state_dict(self, slot_of: SlotMap, *, keep: bool = True) -> dict:
         """The state in torch's format. Sharded over ``W`` processes every rank must call it (the
         states are gathered chunk by chunk, one chunk at a time); ``keep`` False: this rank takes
@@ -148,7 +145,7 @@ class ChunkOptimizer:
         keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad else [])
         state = {}
         gathered: tuple[Chunk | None, dict] = (None, {})  # the last chunk's whole states
-        for index, p in self._indexed_params():
+        for index, p in indexed_params(self.optimizer):
             chunk, i = slot_of[id(p)]
             if not chunk.has_adam_state(i):
                 continue
@@ -173,7 +170,7 @@ class ChunkOptimizer:
                 f"{[len(g['params']) for g in saved]} but the optimizer has "
                 f"{[len(g['params']) for g in groups]}; it was saved for a different model or grouping."
             )
-        params = dict(self._indexed_params())
+        params = dict(indexed_params(self.optimizer))
         for index, entry in osd["state"].items():
             p = params.get(int(index))
             if p is None:
@@ -192,7 +189,7 @@ class ChunkOptimizer:
                 if key != "params":
                     group[key] = value
         states = {int(k): v for k, v in osd["state"].items()}
-        for index, p in self._indexed_params():
+        for index, p in indexed_params(self.optimizer):
             chunk, i = slot_of[id(p)]
             storage = chunk.storage
             if storage.exp_avg is None or not chunk.spec.members[i].trainable:
