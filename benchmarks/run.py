@@ -18,12 +18,16 @@ fidelity), and the lower bound on step time -- max(compute at the measured matmu
 host<->device bytes / measured copy bandwidth, CPU-Adam bytes / measured host memory
 bandwidth) -- with the measured time as a multiple of it. The probes find, per system, the
 largest model of a ladder and the largest batch that train (ascending, stopping at the first
-failure).
+failure). The study run (ProTrain core on the suite's study workload, after its timed steps)
+measures the cost models across the plans that fit its budget and records one step's timeline
+(protrain_core Engine.record_timeline).
 
 Output in --out (default benchmarks/results/<suite>/): results.json (everything, raw step
-times included), results.md (the tables, also printed) and throughput.png (tokens/s per system
-per model). Systems that cannot run here (deepspeed or torchao not installed, no CUDA) are
-listed with the reason.
+times and the timeline included), results.md (the tables, also printed) and the figures
+(benchmarks/figures.py: throughput.png, memory.png, fidelity.png, timeline.png, probes.png;
+they need matplotlib, the ``bench`` extra, and without it the runner says so and writes the
+rest). Systems that cannot run here (deepspeed or torchao not installed, no CUDA) are listed
+with the reason.
 """
 
 from __future__ import annotations
@@ -91,10 +95,18 @@ class Suite:
     model_ladder: tuple[Workload, ...] = ()  # max-model-size probe, ascending
     batch_ladder: tuple[Workload, ...] = ()  # max-batch-size probe, ascending
     probe_systems: tuple[str, ...] | None = None  # None: every system
+    # ProTrain's memory budget in the probes (None: the device's): on a CPU, where nothing else
+    # runs out of memory, it stands for a device's memory and the ladders end at a plan that no longer fits.
+    probe_budget: str | None = None
     timeout_s: int = 600
     # Several processes, data parallel: ProTrain's chunks sharded over them (ZeRO-3 style), FSDP2
     # and DeepSpeed at the same number; on a GPU suite they run when the machine has 2+ GPUs.
     multi: tuple[Workload, ...] = ()
+    # The study run (ProTrain core on this workload, at ``study_budget``; None: the default
+    # budget): after its timed steps the cost models across plans that fit, memory by category,
+    # and one step's timeline (benchmarks/systems.py: study).
+    study: Workload | None = None
+    study_budget: str | None = None
 
 
 # Systems of the several-process rows: ProTrain and the sharded offload systems; DDP (pytorch)
@@ -120,19 +132,25 @@ def billions(m: dict) -> str:
 
 SUITES = {
     "cpu-smoke": Suite(
-        "tiny LLaMA on the CPU: checks that every system, the report and the chart still work (seconds)",
+        "tiny LLaMA on the CPU: checks that every system, the report and the figures still work (seconds)",
         device="cpu", precision="32-true", warmup=7, steps=3,
         workloads=(Workload("tiny-4L", TINY, batch=4, seq=64),),
         multi=(Workload("tiny-4L x2", TINY, batch=4, seq=64, systems=("protrain-core", "pytorch"), devices=2),),
         model_ladder=(Workload("tiny-2L", dict(TINY, layers=2), 4, 64), Workload("tiny-4L", TINY, 4, 64)),
         batch_ladder=(Workload("tiny-4L b2", TINY, 2, 64), Workload("tiny-4L b4", TINY, 4, 64)),
         probe_systems=("protrain-core",), timeout_s=300,
+        study=Workload("tiny-4L", TINY, batch=4, seq=64), study_budget="5MiB",
     ),
     "cpu-small": Suite(
         "small LLaMA (8 x 256) on the CPU: steps long enough that per-step overheads do not dominate (minutes)",
         device="cpu", precision="32-true", warmup=7, steps=8,
         workloads=(Workload("small-8L", SMALL, 8, 256), clipped(Workload("small-8L", SMALL, 8, 256)),
                    Workload("small-8L lora", lora(SMALL, r=8), 8, 256, systems=LORA_SYSTEMS)),
+        # A budget under the all-persistent plan's peak: the study streams chunks (CPU Adam).
+        study=Workload("small-8L", SMALL, 8, 256), study_budget="200MiB",
+        model_ladder=tuple(Workload(f"small-{n}L", dict(SMALL, layers=n), 8, 256) for n in (8, 16, 32, 64)),
+        batch_ladder=tuple(Workload(f"small-8L b{b}", SMALL, b, 256) for b in (8, 16, 32, 64)),
+        probe_systems=("protrain-core",), probe_budget="160MiB",
     ),
     # One 80 GB GPU, 128 GB host RAM: 1.1B fits the device with plain PyTorch (16 B/param of
     # weights, gradients and AdamW states: 18 GB); 6.7B and 8.4B do not (108 / 134 GB) and need
@@ -152,6 +170,7 @@ SUITES = {
         batch_ladder=tuple(Workload(f"llama-{billions(L7B)} b{b}", L7B, b, 1024) for b in (2, 4, 8, 16, 32)),
         multi=(Workload(f"llama-{billions(L7B)} all GPUs", L7B, 4, 1024, systems=MULTI_SYSTEMS, devices=0),
                Workload(f"llama-{billions(L13B)} all GPUs", L13B, 4, 1024, systems=MULTI_SYSTEMS, devices=0)),
+        study=Workload(f"llama-{billions(L7B)}", L7B, 4, 1024),
     ),
     # One 141 GB GPU, 128 GB host RAM: more persistent chunks; the ladder goes further.
     "gpu-141g": Suite(
@@ -167,17 +186,18 @@ SUITES = {
         batch_ladder=tuple(Workload(f"llama-{billions(L7B)} b{b}", L7B, b, 1024) for b in (4, 8, 16, 32, 64)),
         multi=(Workload(f"llama-{billions(L7B)} all GPUs", L7B, 8, 1024, systems=MULTI_SYSTEMS, devices=0),
                Workload(f"llama-{billions(L13B)} all GPUs", L13B, 4, 1024, systems=MULTI_SYSTEMS, devices=0)),
+        study=Workload(f"llama-{billions(L7B)}", L7B, 8, 1024),
     ),
 }
 
 
 # ----- running ---------------------------------------------------------------------------------
 def spec_of(suite: Suite, system: str, w: Workload, *, dry_run: bool, steps=None, warmup=None,
-            memory_budget=None) -> dict:
+            memory_budget=None, study: bool = False) -> dict:
     m = dict(w.model, seq=w.seq)
     return {"system": system, "label": w.label, "model": m, "batch": w.batch, "seq": w.seq,
             "device": suite.device, "precision": suite.precision, "dry_run": dry_run, "memory_budget": memory_budget,
-            "clip": w.clip, "devices": w.devices,
+            "clip": w.clip, "devices": w.devices, "study": study,
             "warmup": suite.warmup if warmup is None else warmup, "steps": suite.steps if steps is None else steps}
 
 
@@ -214,6 +234,10 @@ def launch(specs: list[dict], timeout: int, log_dir: Path) -> list[dict]:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             failure = f"timed out after {timeout} s"
+        except BaseException:  # the runner itself is stopped (SIGTERM, Ctrl-C): so is its run
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise
     if out.exists():  # written at the end of the run: valid even if the process failed afterwards
         results = json.loads(out.read_text())
         return results if isinstance(results, list) else [results]
@@ -226,7 +250,8 @@ def launch(specs: list[dict], timeout: int, log_dir: Path) -> list[dict]:
 def summarise(spec: dict, result: dict) -> dict:
     """One row of the report: the run's identity, its raw result, and the derived figures."""
     row = {"system": spec["system"], "label": spec["label"], "batch": spec["batch"], "seq": spec["seq"],
-           "model": spec["model"], "params": S.param_counts(spec["model"])[0], **result}
+           "model": spec["model"], "params": S.param_counts(spec["model"])[0], "memory_budget": spec["memory_budget"],
+           **result}
     times = result.get("step_s") or []
     if result.get("status") == "ok" and times:
         med = statistics.median(times)
@@ -234,6 +259,8 @@ def summarise(spec: dict, result: dict) -> dict:
         row.update(step_median_s=med, step_min_s=min(times), step_max_s=max(times),
                    tokens_per_s=n * spec["batch"] * spec["seq"] / med,
                    tflops=n * S.flops_per_step(spec) / med / 1e12, devices=n)
+        if result.get("timeline"):
+            row.update(adam_in_backward=adam_in_backward(result["timeline"]))
         bound = result.get("bound")
         if bound:
             lower = max(bound["compute_s"], bound["transfer_s"], bound["cpu_adam_s"])
@@ -242,18 +269,21 @@ def summarise(spec: dict, result: dict) -> dict:
 
 
 def run_key(row: dict) -> tuple:
-    return (row["system"], row["label"], row["batch"], row["seq"], row.get("probe"))
+    return (row["system"], row["label"], row["batch"], row["seq"], row.get("probe"), row.get("memory_budget"))
 
 
 def config_key(row: dict) -> tuple:
     """What a run trains: a probe step with the same key as a throughput run reuses its result."""
-    return (row["system"], json.dumps(row["model"], sort_keys=True), row["batch"], row["seq"])
+    return (row["system"], json.dumps(row["model"], sort_keys=True), row["batch"], row["seq"], row.get("memory_budget"))
 
 
 def run_suite(name: str, suite: Suite, *, systems, dry_run: bool, probes: bool, timeout: int, out: Path,
-              memory_budget=None, resume: bool = False) -> dict:
+              memory_budget=None, resume: bool = False, workloads: set[str] | None = None) -> dict:
     """Run the suite, writing the report after every run (a suite stopped half-way keeps what
-    it measured; ``resume`` reuses the rows of a previous report in ``out`` but its errors)."""
+    it measured). ``resume``: the report starts as the one in ``out``; its runs are not run
+    again, but for its errors, which are run again if selected (and kept if not). ``workloads``:
+    run only the throughput, several-process and study workloads of these labels (the study's is
+    "<label> study"); None: all."""
     import torch
 
     device_type = suite.device
@@ -268,31 +298,43 @@ def run_suite(name: str, suite: Suite, *, systems, dry_run: bool, probes: bool, 
     report = {"suite": name, "description": suite.description, "dry_run": dry_run, "date": now(),
               "command": "python -m benchmarks.run " + " ".join(sys.argv[1:]), "machine": machine(suite.device),
               "precision": suite.precision, "warmup": suite.warmup, "steps": suite.steps,
-              "skipped": skipped, "runs": [], "probes": []}
-    previous = {}
-    if resume and (out / "results.json").exists():
+              "skipped": skipped, "runs": [], "probes": [], "study": []}
+    if resume and not dry_run and (out / "results.json").exists():
         old = json.loads((out / "results.json").read_text())
-        previous = {run_key(r): r for r in old["runs"] + old["probes"] if r["status"] != "error"}
+        if old["machine"].get("gpu") != report["machine"].get("gpu") or old["suite"] != name:
+            raise SystemExit(f"{out} holds a report of suite {old['suite']} on {old['machine'].get('gpu', 'no GPU')}; "
+                             f"resuming it with suite {name} on {report['machine'].get('gpu', 'no GPU')} would mix "
+                             "them: give another --out.")
+        for part in ("runs", "probes", "study"):
+            report[part] = list(old.get(part, []))
+        report["skipped"] = {**{s: why for s, why in old.get("skipped", {}).items() if s not in runnable}, **skipped}
     for s, why in skipped.items():
         print(f"skipped {s}: {why}", flush=True)
+    rank = ordering(suite)
 
-    def go(specs, probe=None):
+    def go(specs, probe=None, into="runs", limit=None):
         first = dict(specs[0], probe=probe)
+        part = "probes" if probe else into
+        done = [r for r in report[part] if run_key(r) == run_key(first) and r["status"] != "error"]
         same = [r for r in report["runs"] if probe and config_key(r) == config_key(first)]
-        if len(specs) == 1 and (run_key(first) in previous or same):
-            rows = [dict(previous[run_key(first)]) if run_key(first) in previous else dict(same[0], probe=probe)]
+        if len(specs) == 1 and done:
+            print(f"  {first['system']:<24} {first['label']:<16} batch {first['batch']:<3} {done[0]['status']:<8} "
+                  "(from the previous report)", flush=True)
+            return done
+        if len(specs) == 1 and same:
+            rows = [dict(same[0], probe=probe)]
             print(f"  {first['system']:<24} {first['label']:<16} batch {first['batch']:<3} {rows[0]['status']:<8} "
-                  f"({'from the previous report' if run_key(first) in previous else 'the same run as above'})",
-                  flush=True)
+                  "(the same run as above)", flush=True)
         else:
             rows = []
-            for one, res in zip(specs, launch(specs, timeout, log_dir)):
+            for one, res in zip(specs, launch(specs, limit or timeout, log_dir)):
                 row = summarise(one, res)
                 what = f"{row['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in row else row.get("error", "")
                 print(f"  {one['system']:<24} {one['label']:<16} batch {one['batch']:<3} {row['status']:<8} {what}",
                       flush=True)
                 rows.append(dict(row, probe=probe) if probe else row)
-        report["probes" if probe else "runs"].extend(rows)
+        keys = {run_key(r) for r in rows}  # an error of the previous report, run again
+        report[part] = sorted([r for r in report[part] if run_key(r) not in keys] + rows, key=rank)
         write(report, out)
         return rows
 
@@ -311,16 +353,45 @@ def run_suite(name: str, suite: Suite, *, systems, dry_run: bool, probes: bool, 
         return report
     for w in suite.workloads + multi_workloads(suite):
         for system in runnable:
-            if w.systems is None or system in w.systems:
+            if (w.systems is None or system in w.systems) and (workloads is None or w.label in workloads):
                 go([spec(system, w, dry_run=False)])
+    study = study_workload(suite)
+    if study is not None and "protrain-core" in runnable and (workloads is None or study.label in workloads):
+        # its timed steps, then every other plan's and the timeline's: twice a run's time limit
+        go([spec_of(suite, "protrain-core", study, dry_run=False, study=True,
+                    memory_budget=memory_budget or suite.study_budget)], into="study", limit=2 * timeout)
     if probes:
         for kind, ladder in (("max model", suite.model_ladder), ("max batch", suite.batch_ladder)):
             for system in probe_systems:
                 for w in ladder:  # ascending; the first failure ends the probe
-                    (row,) = go([spec(system, w, dry_run=False, steps=2, warmup=suite.warmup)], probe=kind)
+                    budget = memory_budget or (suite.probe_budget if system.startswith("protrain") else None)
+                    (row,) = go([spec_of(suite, system, w, dry_run=False, steps=2, warmup=suite.warmup,
+                                         memory_budget=budget)], probe=kind)
                     if row["status"] != "ok":
                         break
     return report
+
+
+def study_workload(suite: Suite) -> Workload | None:
+    return suite.study and dataclasses.replace(suite.study, label=f"{suite.study.label} study")
+
+
+def ordering(suite: Suite):
+    """Sort key of a report's rows: the suite's order of workloads (ladders for probes), then
+    of systems."""
+    labels = [w.label for w in suite.workloads + suite.multi]
+    ladders = {"max model": [w.label for w in suite.model_ladder], "max batch": [w.label for w in suite.batch_ladder]}
+
+    def key(row):
+        label, order = row["label"], ladders.get(row.get("probe"), labels)
+        for w in suite.multi:  # "... all GPUs" is run as "... xN GPUs"
+            if label.startswith(w.label.replace("all GPUs", "x")):
+                label = w.label
+        where = order.index(label) if label in order else len(order)
+        system = S.SYSTEMS.index(row["system"]) if row["system"] in S.SYSTEMS else len(S.SYSTEMS)
+        return (row.get("probe") or "", where, system, row["batch"])
+
+    return key
 
 
 def multi_workloads(suite: Suite) -> tuple[Workload, ...]:
@@ -436,6 +507,7 @@ def markdown(report: dict) -> str:
             lines.append(f"| {r['label']} | {r['system']} | {plan} | {ms(pred)} / {ms(r.get('step_median_s'))}{err}"
                          f" | {gib(r.get('predicted_peak_bytes'))} / {gib(measured_peak)}{perr} | {bound} | "
                          + (f"{r['vs_lower_bound']:.2f}x |" if "vs_lower_bound" in r else "— |"))
+    lines += study_markdown(report.get("study", []))
     if report["probes"]:
         lines += ["", "Probes (ascending; the first failure ends a probe)", "", "| probe | system | largest that trained | "
                   "first that failed |", "|---|---|---|---|"]
@@ -451,25 +523,85 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def chart(report: dict, path: Path) -> None:
-    from benchmarks.chart import bar_chart
+def study_markdown(rows: list[dict]) -> list[str]:
+    """The study run: the cost models across plans, and the timeline's overlap."""
+    lines = []
+    for r in rows:
+        if r["status"] != "ok":
+            lines += ["", f"Study run ({r['label']}): {r['status']}: {r.get('error', '')[:200]}"]
+            continue
+        lines += ["", f"Study run ({r['label']}, memory budget {r.get('memory_budget') or 'default'}): the cost models "
+                  "across the plans that fit (the best at each number of persistent chunks)", "",
+                  "| plan | step: predicted / measured (error) | peak: predicted / measured (error) |", "|---|---|---|"]
+        for p in r.get("plans", []):
+            if "measured_step_s" not in p:
+                lines.append(f"| {p['plan']} | {ms(p['predicted_step_s'])} / {p['status']}: {p['error'][:120]} | "
+                             f"{gib(p['predicted_peak_bytes'])} / — |")
+                continue
+            err = (p["predicted_step_s"] - p["measured_step_s"]) / p["measured_step_s"]
+            perr = (p["predicted_peak_bytes"] - p["measured_peak_bytes"]) / p["measured_peak_bytes"]
+            lines.append(f"| {p['plan']}{' (searched)' if p['searched'] else ''} | {ms(p['predicted_step_s'])} / "
+                         f"{ms(p['measured_step_s'])} ({err:+.1%}) | {gib(p['predicted_peak_bytes'])} / "
+                         f"{gib(p['measured_peak_bytes'])} ({perr:+.1%}) |")
+        tl = r.get("timeline")
+        if tl:
+            busy = ", ".join(f"{lane} {ms(sum(s['end'] - s['start'] for s in tl['spans'] if s['lane'] == lane))}"
+                             for lane in tl["lanes"])
+            lines += ["", f"Timeline of one step ({tl['plan']}, {tl['overlap']}, CPU Adam "
+                      f"{'in the worker thread' if tl['threaded'] else 'inline'}): busy time per lane: {busy}."
+                      + (f" {r['adam_in_backward']:.0%} of the CPU Adam time ran while backward was running."
+                         if r.get("adam_in_backward") is not None else "")]
+        elif r.get("timeline_error"):
+            lines += ["", f"Timeline: not recorded: {r['timeline_error']}"]
+    return lines
 
-    labels = list(dict.fromkeys(r["label"] for r in report["runs"]))
-    names = list(dict.fromkeys(r["system"] for r in report["runs"]))
-    value = {(r["system"], r["label"]): r.get("tokens_per_s") for r in report["runs"]}
-    bar_chart(path, title=f"{report['suite']}: training throughput ({report['machine'].get('gpu', 'CPU')})",
-              groups=labels, series={s: [value.get((s, lab)) for lab in labels] for s in names}, ylabel="tokens/s")
+
+def adam_in_backward(timeline: dict) -> float | None:
+    """The fraction of the CPU Adam's time that falls inside the backward phase."""
+    backward = [(s["start"], s["end"]) for s in timeline["spans"] if s["lane"] == "compute" and s["label"] == "backward"]
+    adam = [(s["start"], s["end"]) for s in timeline["spans"] if s["lane"] == "CPU Adam"]
+    total = sum(e - b for b, e in adam)
+    if not backward or not total:
+        return None
+    inside = sum(max(0.0, min(e, be) - max(b, bb)) for b, e in adam for bb, be in backward)
+    return inside / total
 
 
-def write(report: dict, out: Path) -> None:
+def write(report: dict, out: Path) -> list[Path]:
+    """results.json and results.md, then the figures (benchmarks/figures.py); returns the
+    figures written (none without matplotlib: ``report["figures"]`` says why)."""
+    from benchmarks import figures
+
     out.mkdir(parents=True, exist_ok=True)
-    for name, text in (("results.json", json.dumps(report, indent=1)), ("results.md", markdown(report))):
-        fd, tmp = tempfile.mkstemp(dir=out, prefix=".tmp-")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, out / name)
-    if not report["dry_run"] and report["runs"]:
-        chart(report, out / "throughput.png")
+    written, report["figures"] = [], None
+
+    def tables():
+        for name, text in (("results.json", json.dumps(report, indent=1)), ("results.md", markdown(report))):
+            write_text(out / name, text)
+
+    tables()  # first: a figure that cannot be drawn loses no result
+    if report["dry_run"]:
+        return written
+    try:
+        written = figures.write_figures(report, out)
+        report["figures"] = [p.name for p in written]
+    except figures.FiguresUnavailable as exc:
+        report["figures"] = str(exc)
+    except Exception as exc:  # noqa: BLE001 -- reported, and the tables are written
+        report["figures"] = f"drawing the figures failed: {type(exc).__name__}: {exc}"
+    tables()
+    return written
+
+
+def write_text(path: Path, text: str) -> None:
+    """Atomically (a temporary file, then a rename), with the mode the umask gives new files."""
+    from benchmarks.figures import readable_mode
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, readable_mode())
+    os.replace(tmp, path)
 
 
 def main(argv=None) -> int:
@@ -482,6 +614,9 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=int, default=None, help="seconds per run (default: the suite's)")
     ap.add_argument("--resume", action="store_true",
                     help="keep the runs of the report already in --out (all but errors) and run the rest")
+    ap.add_argument("--workloads", default=None,
+                    help="comma-separated labels of the workloads to run (as in the table; the study run's is "
+                         "'<label> study'); '' for none (the probes alone)")
     ap.add_argument("--memory-budget", default=None,
                     help="device memory ProTrain's search may use, e.g. 40GiB (default: free memory minus a margin)")
     args = ap.parse_args(argv)
@@ -501,13 +636,23 @@ def main(argv=None) -> int:
     suite = SUITES[args.suite]
     out = args.out or ROOT / "benchmarks" / "results" / (args.suite + ("-dry-run" if args.dry_run else ""))
     print(f"suite {args.suite}: {suite.description}", flush=True)
+    workloads = None if args.workloads is None else {w.strip() for w in args.workloads.split(",") if w.strip()}
+    if workloads:
+        study = study_workload(suite)
+        known = {w.label for w in suite.workloads + multi_workloads(suite)} | ({study.label} if study else set())
+        if workloads - known:
+            ap.error(f"unknown workload(s) {', '.join(sorted(workloads - known))}; choose from {', '.join(sorted(known))}")
+    # The GPU session (benchmarks.gpu_session) stops a runner that outlasts its piece with SIGTERM:
+    # the run in flight is killed with it (launch), and every run before it is in the report.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     report = run_suite(args.suite, suite, systems=systems, dry_run=args.dry_run, probes=not args.no_probes,
                        timeout=args.timeout or suite.timeout_s, out=out, memory_budget=args.memory_budget,
-                       resume=args.resume)
-    write(report, out)
+                       resume=args.resume, workloads=workloads)
+    written = write(report, out)
     print(markdown(report))
-    print(f"written: {out / 'results.json'}, {out / 'results.md'}"
-          + ("" if args.dry_run else f", {out / 'throughput.png'}"))
+    print(f"written: {', '.join(str(p) for p in [out / 'results.json', out / 'results.md', *written])}")
+    if isinstance(report["figures"], str):
+        print(f"no figures: {report['figures']}")
     return 0
 
 

@@ -34,6 +34,7 @@ import json
 import math
 import os
 import resource
+import statistics
 import sys
 import time
 import traceback
@@ -358,22 +359,30 @@ def run_protrain_core(spec, device, clock):
                      memory_budget=spec.get("memory_budget"), report=_report,
                      gradient_clipping=None if clip is None else ("norm", clip))
     try:
-        def step(x):
-            loss = engine.module(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            engine.step()
-            engine.zero_grad()
-            return loss.detach()
-
+        step = engine_step(engine)
         train_loop(step, data, spec, clock)
         extra = protrain_facts(engine, spec, device)
         if device.type != "cuda":  # the CPU "device": peak by the live-tensor tracker, one more step
             from benchmarks.bench_fidelity import measure_peak
 
             extra["peak_device_bytes_tracked"] = measure_peak(engine, data[-1], device)
+        extra["memory"] = memory_categories(engine, extra.get("peak_device_bytes_tracked") or clock.peak)
+        if spec.get("study"):
+            extra.update(study(engine, step, data, spec, device))
         return extra
     finally:
         engine.close()
+
+
+def engine_step(engine):
+    def step(x):
+        loss = engine.module(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        return loss.detach()
+
+    return step
 
 
 def run_protrain_lightning(spec, device, clock):
@@ -513,6 +522,124 @@ def protrain_facts(engine, spec, device) -> dict:
         "cpu_adam_s": adam_bytes / membw, "cpu_adam_bytes": adam_bytes, "host_bytes_per_s": membw,
     }
     return facts
+
+
+# ----- the study run: the cost models across plans, memory by category, one step's timeline -----
+def memory_categories(engine, measured_peak: int | None) -> dict | None:
+    """Device and host memory by category, predicted (the search's estimate of the plan) and
+    measured: the engine's persistent chunks and chunk buffers as allocated, the rest of the
+    measured device peak (activations, the batch, temporaries), and host memory of the model
+    states and of swapped activations (the last step's)."""
+    choice = engine.choice
+    if choice is None or engine.plan != choice.plan or not measured_peak:
+        return None
+    import protrain_core as pt
+
+    m = choice.memory
+    host_states = pt.CostModel(choice.profile).host_suffix[choice.plan.n_persist]
+    persistent = sum(c.storage.fmt.persistent_device_bytes for c in engine.chunks if c.persistent)
+    streamed = [c.storage.fmt.buffer_device_bytes for c in engine.chunks if not c.persistent]
+    buffers = min(engine.plan.n_buffer, len(streamed)) * max(streamed, default=0)
+    swapped = sum(b.host_bytes for b in engine.activation_report())
+    return {
+        "predicted": {"persistent chunks": m.persistent_bytes, "chunk buffers": m.buffer_bytes,
+                      "activations and the rest": m.base_bytes + m.activation_bytes,
+                      "host: model states": host_states, "host: swapped activations": m.host_bytes - host_states},
+        "measured": {"persistent chunks": persistent, "chunk buffers": buffers,
+                     "activations and the rest": max(measured_peak - persistent - buffers, 0),
+                     "host: model states": engine.host_bytes(), "host: swapped activations": swapped},
+    }
+
+
+def study(engine, step, data, spec, device) -> dict:
+    """The suite's study run, after its timed steps: the cost models' predicted step time and
+    peak against the measured ones for the searched plan and the best plan at other numbers of
+    persistent chunks that fit the same budgets (``engine.replan`` between them, one untimed
+    step each), then one step's timeline on the searched plan."""
+    import protrain_core as pt
+
+    choice = engine.choice
+    if choice is None:
+        return {}
+    n = choice.profile.n_chunks
+    choices = [choice]
+    for k in sorted({0, n // 4, n // 2, 3 * n // 4, n} - {choice.plan.n_persist}):
+        try:
+            choices.append(pt.search(choice.profile, choice.budget_bytes, host_budget=choice.host_budget_bytes,
+                                     schedule=choice.schedule, n_persist=k))
+        except pt.InfeasibleBudget:
+            continue
+    plans = []
+    for c in choices:
+        row = {"plan": str(c.plan), "searched": c is choice, "predicted_step_s": c.runtime.total_s,
+               "predicted_peak_bytes": c.memory.peak_bytes}
+        try:
+            engine.replan(c.plan)
+            times, peak = timed_steps(engine, step, data, spec["steps"], device)
+            if engine.plan != c.plan:
+                raise RuntimeError(f"the engine re-planned to {engine.plan} while {c.plan} was timed")
+            row.update(measured_step_s=statistics.median(times), step_s=times, measured_peak_bytes=peak)
+        except Exception as exc:  # noqa: BLE001 -- one plan's failure (out of memory) is its result
+            row.update(status="oom" if is_oom(exc) else "error", error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        plans.append(row)
+    facts = {"plans": plans}
+    try:
+        engine.replan(choice.plan)
+        facts["timeline"] = step_timeline(engine, step, data, spec, device)
+    except Exception as exc:  # noqa: BLE001 -- the plans' figures stand without it
+        facts["timeline_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return facts
+
+
+def timed_steps(engine, step, data, steps: int, device) -> tuple[list[float], int]:
+    """One untimed step, then ``steps`` timed ones; their times and the peak device bytes."""
+    from benchmarks.bench_fidelity import measure_peak
+
+    step(data[0])
+    times = []
+    for i in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            if i == 0:
+                torch.cuda.reset_peak_memory_stats(device)
+        t = time.perf_counter()
+        step(data[(i + 1) % len(data)])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else measure_peak(engine, data[0], device)
+    return times, peak
+
+
+def step_timeline(engine, step, data, spec, device) -> dict:
+    """One step's timeline ([Note: the step timeline] in protrain_core/runtime/timeline.py) on
+    the engine's plan. On a CPU device the CPU Adam runs inline by default, so the timeline
+    comes from a second engine with the worker thread (PROTRAIN_CPU_ADAM_THREAD=1) and the same
+    plan: what the overlap looks like when the device is not the CPU."""
+    import protrain_core as pt
+
+    if device.type != "cuda":
+        old = os.environ.get("PROTRAIN_CPU_ADAM_THREAD")
+        os.environ["PROTRAIN_CPU_ADAM_THREAD"] = "1"
+        try:
+            model = build_model(spec["model"], "cpu")
+            engine = pt.wrap(model, adamw(trainable(model), device), plan=engine.plan, precision=spec["precision"],
+                             device=device, gradient_clipping=None if spec.get("clip") is None else ("norm", spec["clip"]))
+        finally:
+            os.environ.pop("PROTRAIN_CPU_ADAM_THREAD") if old is None else os.environ.update(PROTRAIN_CPU_ADAM_THREAD=old)
+        step = engine_step(engine)
+    try:
+        for x in data[:2]:  # the first step holds its updates for a late clipping request
+            step(x)
+        with engine.record_timeline() as timeline:
+            step(data[2 % len(data)])
+        return dict(timeline.to_json(), plan=str(engine.plan), overlap=engine.overlap,
+                    threaded=engine.runtime.threaded)
+    finally:
+        if device.type != "cuda":
+            engine.close()
 
 
 RUNNERS = {

@@ -1,8 +1,9 @@
 """benchmarks.run: the cpu-smoke suite trains every system available here and writes the table,
-JSON and chart; the GPU suites construct every system and configuration in a dry run.
+JSON and figures; the GPU suites construct every system and configuration in a dry run.
 
 Each run is a process of its own (seconds each), so CI runs a representative subset: ProTrain
-and plain PyTorch through the whole runner (bitwise-equal losses, table, JSON, chart), and the
+and plain PyTorch through the whole runner (bitwise-equal losses, table, JSON, figures, the study
+run), and the
 GPU suite's ProTrain configurations in a dry run. The full runs -- every system, the probes,
 resume, out-of-memory and timeouts, every dry-run configuration -- are marked ``slow``:
 ``python -m pytest -m slow tests/test_benchmarks.py``."""
@@ -13,10 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import pytest
 import torch
 
-from benchmarks.chart import PALETTE, read_png
 from benchmarks.systems import SYSTEMS, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,9 +68,39 @@ def test_cpu_smoke_protrain_equals_pytorch_and_writes_the_report(smoke_subset):
     assert single[0] != single[1]  # the two-process run is not the one-process run again
     md = (out / "results.md").read_text()
     assert md in stdout and "| protrain-core | ok |" in md and "| tiny-4L x2 (215k) | protrain-core | ok |" in md
-    width, height, rows = read_png(out / "throughput.png")
-    pixels = {bytes(row[i:i + 3]) for row in rows for i in range(0, len(row), 3)}
-    assert (width, height) == (900, 500) and all(bytes(c) in pixels for c in PALETTE[:2])
+    figures = ["throughput.png", "memory.png", "fidelity.png", "timeline.png"]  # no probes: no probes.png
+    assert report["figures"] == figures and not (out / "probes.png").exists()
+    for name in figures:
+        assert str(out / name) in stdout
+        image = plt.imread(out / name)
+        assert image.shape[0] > 200 and image.shape[1] > 300 and image[..., :3].std() > 0.05  # drawn, not blank
+
+
+def test_cpu_smoke_study_run(smoke_subset):
+    """The study run: the cost models across plans that fit its budget (other plans, same losses
+    as plain PyTorch), memory by category, and a timeline whose CPU Adam (the worker thread on a
+    CPU) overlaps backward."""
+    out, stdout, report = smoke_subset
+    (study,) = report["study"]
+    assert study["status"] == "ok" and study["label"] == "tiny-4L study" and study["memory_budget"] == "5MiB"
+    pytorch = next(r for r in report["runs"] if r["system"] == "pytorch" and r["label"] == "tiny-4L")
+    assert study["losses"] == pytorch["losses"]  # a streamed plan trains like plain PyTorch
+    plans = study["plans"]
+    assert plans[0]["searched"] and plans[0]["plan"] == study["plan"] and len({p["plan"] for p in plans}) == len(plans) >= 3
+    for p in plans:
+        assert p["predicted_step_s"] > 0 and len(p["step_s"]) == report["steps"] and p["measured_peak_bytes"] > 0
+        assert p["predicted_peak_bytes"] <= 5 * 2**20  # every plan was searched under the budget
+    memory = study["memory"]
+    assert memory["measured"]["persistent chunks"] == memory["predicted"]["persistent chunks"]
+    assert memory["measured"]["host: model states"] == memory["predicted"]["host: model states"] > 0
+    timeline = study["timeline"]
+    assert timeline["threaded"] and timeline["overlap"] == "cpu-adam-during-backward"
+    adam = [s for s in timeline["spans"] if s["lane"] == "CPU Adam"]
+    assert adam and all(s["thread"].startswith("protrain-cpu-adam") for s in adam)
+    assert study["adam_in_backward"] > 0.5
+    md = (out / "results.md").read_text()
+    assert "Study run (tiny-4L study, memory budget 5MiB)" in md and f"| {plans[0]['plan']} (searched) |" in md
+    assert f"{study['adam_in_backward']:.0%} of the CPU Adam time ran while backward was running" in md
 
 
 def test_clipping_rows_train_like_plain_pytorch(tmp_path, monkeypatch):
@@ -165,18 +196,16 @@ def test_cpu_smoke_probes(smoke):
 
 
 @pytest.mark.slow
-def test_cpu_smoke_writes_table_json_and_chart(smoke):
+def test_cpu_smoke_writes_table_json_and_figures(smoke):
     out, stdout, report = smoke
     md = (out / "results.md").read_text()
     assert md in stdout  # the table is printed as well
     for r in report["runs"]:
         assert f"| {r['system']} | ok | {r['tokens_per_s']:,.0f} |" in md
     assert "lower bound" in md and "| max batch | protrain-core | batch 4 | none of the ladder |" in md
-    width, height, rows = read_png(out / "throughput.png")
-    assert (width, height) == (900, 500)
-    pixels = {bytes(row[i:i + 3]) for row in rows for i in range(0, len(row), 3)}
-    systems = {r["system"] for r in report["runs"]}
-    assert all(bytes(c) in pixels for c in PALETTE[:len(systems)])  # one bar colour per system
+    assert report["figures"] == ["throughput.png", "memory.png", "fidelity.png", "timeline.png", "probes.png"]
+    for name in report["figures"]:
+        assert plt.imread(out / name)[..., :3].std() > 0.05
 
 
 @pytest.mark.slow
@@ -259,3 +288,63 @@ def test_precision_drift_benchmark_runs_and_its_fp32_row_is_exact(capsys):
     assert main(["--steps", "3", "--layers", "1", "--hidden", "64", "--seq", "16", "--batch", "2"]) == 0
     rows = {line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines() if line.startswith("| ")}
     assert {"fp32", "lightning-bf16", "protrain-bf16", "protrain-fp32"} <= rows
+
+
+def _fake_launch(outcomes):
+    """benchmarks.run.launch without processes: each spec's result from ``outcomes[label]``."""
+    def launch(specs, timeout, log_dir):
+        results = []
+        for s in specs:
+            ok = outcomes[s["label"]]
+            results.append({"status": "ok", "step_s": [0.01] * s["steps"], "losses": [1.0]} if ok
+                           else {"status": "error", "error": "RuntimeError: broken"})
+        return results
+    return launch
+
+
+def test_resume_keeps_errors_it_does_not_rerun_and_replaces_those_it_does(tmp_path, monkeypatch):
+    """A piece of a session (--resume --workloads) keeps the other pieces' rows, their errors
+    included; an error of a selected workload is run again and replaced."""
+    from benchmarks import run
+
+    kw = dict(systems=["pytorch"], dry_run=False, probes=False, timeout=10, out=tmp_path, resume=True)
+    suite = run.SUITES["cpu-smoke"]
+    monkeypatch.setattr(run, "launch", _fake_launch({"tiny-4L": False, "tiny-4L x2": True}))
+    run.run_suite("cpu-smoke", suite, workloads={"tiny-4L"}, **kw)
+    run.run_suite("cpu-smoke", suite, workloads={"tiny-4L x2"}, **kw)
+    rows = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert [(r["label"], r["status"]) for r in rows] == [("tiny-4L", "error"), ("tiny-4L x2", "ok")]
+    assert "error: RuntimeError: broken" in (tmp_path / "results.md").read_text()
+    monkeypatch.setattr(run, "launch", _fake_launch({"tiny-4L": True, "tiny-4L x2": False}))
+    run.run_suite("cpu-smoke", suite, workloads={"tiny-4L"}, **kw)  # the error again: now it trains
+    run.run_suite("cpu-smoke", suite, workloads=None, **kw)  # every run is done: nothing runs
+    rows = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert [(r["label"], r["status"]) for r in rows] == [("tiny-4L", "ok"), ("tiny-4L x2", "ok")]
+
+
+def test_a_figure_that_cannot_be_drawn_loses_no_result(tmp_path, monkeypatch, capsys):
+    from benchmarks import figures, run
+
+    def broken(report, out):
+        raise ValueError("a drawing bug")
+
+    monkeypatch.setattr(figures, "write_figures", broken)
+    monkeypatch.setattr(run, "launch", _fake_launch({"tiny-4L": True, "tiny-4L x2": True}))
+    report = run.run_suite("cpu-smoke", run.SUITES["cpu-smoke"], systems=["pytorch"], dry_run=False, probes=False,
+                           timeout=10, out=tmp_path, workloads={"tiny-4L"})
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["runs"] == report["runs"] and report["runs"][0]["status"] == "ok"
+    assert saved["figures"] == "drawing the figures failed: ValueError: a drawing bug"
+
+
+def test_resume_refuses_another_machines_report(tmp_path, monkeypatch):
+    from benchmarks import run
+
+    monkeypatch.setattr(run, "launch", _fake_launch({"tiny-4L": True}))
+    kw = dict(systems=["pytorch"], dry_run=False, probes=False, timeout=10, out=tmp_path, workloads={"tiny-4L"})
+    run.run_suite("cpu-smoke", run.SUITES["cpu-smoke"], **kw)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    saved["machine"]["gpu"] = "NVIDIA H200, 141 GiB"
+    (tmp_path / "results.json").write_text(json.dumps(saved))
+    with pytest.raises(SystemExit, match="would mix them"):
+        run.run_suite("cpu-smoke", run.SUITES["cpu-smoke"], resume=True, **kw)

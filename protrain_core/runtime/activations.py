@@ -405,7 +405,7 @@ class ActivationManager:
         with torch.no_grad():
             src = torch.empty(0, dtype=torch.uint8, device=self.ctx.device).set_(storage)
             host = self.host.get(nbytes)
-            self.ctx.copy_async(host[:nbytes], src, stream=self.ctx.swap_stream)
+            self.ctx.copy_async(host[:nbytes], src, stream=self.ctx.swap_stream, span=("device->host", "activations"))
             if self.ctx.is_cuda:
                 src.record_stream(self.ctx.swap_stream)  # reused only once the copy is done
         record = SwapRecord(host, nbytes)
@@ -418,7 +418,8 @@ class ActivationManager:
             return
         with torch.no_grad():
             record.in_buf = torch.empty(record.nbytes, dtype=torch.uint8, device=self.ctx.device)
-            record.in_event = self.ctx.copy_async(record.in_buf, record.host[: record.nbytes], stream=self.ctx.swap_stream)
+            record.in_event = self.ctx.copy_async(record.in_buf, record.host[: record.nbytes], stream=self.ctx.swap_stream,
+                                                 span=("host->device", "activations"))
             if self.ctx.is_cuda:
                 # Freed unread (a prefetched tensor whose node never runs), it still waits for the copy.
                 record.in_buf.record_stream(self.ctx.swap_stream)

@@ -207,9 +207,10 @@ class Chunk:
         storage = self.storage
         storage.allocate_device_copy()
         for host, device in storage.shard_places():
-            self._event = ctx.copy_async(device, host)
+            self._event = ctx.copy_async(device, host, span=("host->device", f"chunk {self.index}"))
         if storage.sharding is not None:
-            self._event = ctx.collective(storage.gather_spans, after=self._event)
+            self._event = ctx.collective(storage.gather_spans, after=self._event,
+                                         span=("collectives", f"all-gather chunk {self.index}"))
         self.state = target
 
     def end_fetch(self, ctx: DeviceContext, *, wait_on_host: bool = False) -> None:
@@ -242,7 +243,7 @@ class Chunk:
         replace = self.grad_state is GradState.FIRST
         landing = landing_for(replace)
         source, after = self._reduced_gradients(ctx)
-        self._event = ctx.copy_async(landing, source, after=after)
+        self._event = ctx.copy_async(landing, source, after=after, span=("device->host", f"chunk {self.index}"))
         self._future = submit(self._event, landing, replace)
         self.grad_state = grad_target
         self.state = target
@@ -348,7 +349,8 @@ class Chunk:
             return storage.grad_buffer, None
         buffer = storage.grad_buffer
         self._reduced = out = torch.empty(storage.fmt.state_numel, dtype=buffer.dtype, device=buffer.device)
-        event = ctx.collective(lambda: storage.sharding.reduce_scatter_mean(out, buffer))
+        event = ctx.collective(lambda: storage.sharding.reduce_scatter_mean(out, buffer),
+                               span=("collectives", f"reduce-scatter chunk {self.index}"))
         return out, event
 
     def apply(self) -> None:

@@ -28,34 +28,35 @@ class DeviceContext:
         self.copy_stream = torch.cuda.Stream(device=device) if self.is_cuda else None
         self.swap_stream = torch.cuda.Stream(device=device) if self.is_cuda else None
         self.comm_stream = torch.cuda.Stream(device=device) if self.is_cuda else None
+        self.timeline = None  # a Timeline while Engine.record_timeline() records ([Note: the step timeline])
 
-    def copy_async(self, dst: Tensor, src: Tensor, stream=None, after=None):
+    def copy_async(self, dst: Tensor, src: Tensor, stream=None, after=None, *, span: tuple[str, str] = ("", "")):
         """Copy ``src`` into ``dst`` on ``stream`` (default: the copy stream) after the work
         queued so far on the compute stream (and ``after``, an event); return the event to wait
-        on (None on the CPU)."""
-        if not self.is_cuda:
-            dst.copy_(src)
-            return None
-        stream = stream or self.copy_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        if after is not None:
-            stream.wait_event(after)
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-            return stream.record_event()
+        on (None on the CPU). ``span``: (lane, label) of the copy in a recorded timeline."""
+        return self._on_stream(stream or self.copy_stream, lambda: dst.copy_(src, non_blocking=self.is_cuda), after, span)
 
-    def collective(self, fn, after=None):
+    def collective(self, fn, after=None, *, span: tuple[str, str] = ("collectives", "")):
         """Run ``fn`` (collectives) on the communication stream after the compute stream's work
         so far (and ``after``); return the event to wait on (None on the CPU: ``fn`` ran)."""
+        return self._on_stream(self.comm_stream, fn, after, span)
+
+    def _on_stream(self, stream, fn, after, span):
+        timeline = self.timeline
         if not self.is_cuda:
+            begin = None if timeline is None else timeline.stamp()
             fn()
+            if timeline is not None:
+                timeline.add(*span, begin, timeline.stamp())
             return None
-        stream = self.comm_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         if after is not None:
             stream.wait_event(after)
         with torch.cuda.stream(stream):
+            begin = None if timeline is None else timeline.stamp(stream)
             fn()
+            if timeline is not None:
+                timeline.add(*span, begin, timeline.stamp(stream))
             return stream.record_event()
 
     def wait_on_compute(self, event) -> None:

@@ -9,6 +9,7 @@ the same public methods: ``set_block_modes``, ``on_recompute``, ``autocast``, ``
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ from protrain_core.runtime.optim import ChunkOptimizer
 from protrain_core.runtime.scheduler import Runtime
 from protrain_core.runtime.sharding import Sharding, broadcast_module
 from protrain_core.runtime.storage import ChunkFormat, ChunkStorage, chunk_formats
+from protrain_core.runtime.timeline import Timeline
 from protrain_core.structure.blocks import block_modules
 from protrain_core.structure.layout import ChunkLayout, unit_chunks
 from protrain_core.update import ClipAlgorithm, GradientClipping, Overlap, overlap_mode, parse_gradient_clipping
@@ -300,6 +302,26 @@ class Engine:
         self.optimizer.step()
         self._batch_begun = False
         self._notify("step_ends")
+
+    @contextmanager
+    def record_timeline(self) -> Iterator[Timeline]:
+        """Record what runs when in the steps taken inside: compute phases, chunk uploads and
+        gradient offloads, activation swaps, collectives and each chunk's CPU Adam
+        ([Note: the step timeline] in runtime/timeline.py). On exit every update has ended and
+        the timeline's ``spans`` are complete. Recording changes nothing that is computed."""
+        self._check_open()
+        if self.ctx.timeline is not None:
+            raise RuntimeError("engine.record_timeline() is already recording; record one timeline at a time.")
+        timeline = Timeline(self.device)
+        self.ctx.timeline = self.runtime.timeline = timeline
+        handle = self.observe(timeline)
+        try:
+            yield timeline
+            self.runtime.wait_all()
+        finally:
+            handle.remove()
+            self.ctx.timeline = self.runtime.timeline = None
+        timeline.finish()  # only after a recording that ended well: an error propagates as it was
 
     def wait_for_updates(self) -> None:
         """Return when every chunk's update is over (see ``step``): before reading parameters

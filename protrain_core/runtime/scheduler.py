@@ -79,6 +79,7 @@ class Runtime:
         self.stats = dict.fromkeys(_COUNTED.values(), 0)
         self.events: list[tuple[str, int, float]] = []  # (what, chunk, time) when recording
         self.record_events = False
+        self.timeline = None  # a Timeline while Engine.record_timeline() records
         staging = max((c.storage.fmt.state_numel for c in self.streamed), default=0)
         self.worker = CpuWorker(ctx, optim, n_staging=n_buffer, staging_numel=staging, record=self.record)
 
@@ -405,3 +406,6 @@ class Runtime:
             self.stats[counter] += 1
         if self.record_events:
             self.events.append((what, index, time.perf_counter()))
+        timeline = self.timeline  # read once: the worker thread records too
+        if timeline is not None:
+            timeline.event(what, index)
