@@ -79,8 +79,12 @@ def measure(device: torch.device, mib: int = 256, iters: int = 10) -> list[dict]
     return rows
 
 
-def markdown(rows: list[dict], device: torch.device, mib: int) -> str:
-    lines = [f"{mib} MiB per copy, device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}",
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def markdown(rows: list[dict], device: str, mib: int) -> str:
+    lines = [f"{mib} MiB per copy, device {device}",
              "", "| host memory | direction | median | GB/s |", "|---|---|---|---|"]
     lines += [f"| {r['memory']} | {r['direction']} | {r['seconds'] * 1e3:.2f} ms | {r['gb_per_s']:.1f} |" for r in rows]
     return "\n".join(lines)
@@ -95,9 +99,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     rows = measure(device, args.mib, args.iters)
-    print(markdown(rows, device, args.mib))
+    print(markdown(rows, device_name(device), args.mib))
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": str(device), "mib": args.mib, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"device": device_name(device), "mib": args.mib, "rows": rows}, indent=1))
     return 0
 
 

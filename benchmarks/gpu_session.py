@@ -66,11 +66,11 @@ class Interrupted(Exception):
 
 # ----- the plan ---------------------------------------------------------------------------------
 def default_suite() -> str:
-    import torch
+    """gpu-141g on a GPU of more than 100 GiB, else gpu-80g (this process creates no CUDA
+    context: it holds no device memory while the pieces run)."""
+    from benchmarks.run import gpu_properties
 
-    if torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_memory > 100 * 2**30:
-        return "gpu-141g"
-    return "gpu-80g"
+    return "gpu-141g" if gpu_properties()[1] > 100 * 2**30 else "gpu-80g"
 
 
 def billions(row_params: int) -> float:
@@ -273,10 +273,8 @@ def markdown(state: dict, out: Path) -> str:
 
     transfer = state["pieces"].get("transfer", {}).get("data")
     if transfer:
-        import torch
-
         lines += ["", "Host<->device copies (`benchmarks/bench_transfer.py`):", "",
-                  bench_transfer.markdown(transfer["rows"], torch.device(transfer["device"]), transfer["mib"])]
+                  bench_transfer.markdown(transfer["rows"], transfer["device"], transfer["mib"])]
     adam = state["pieces"].get("cpu-adam", {}).get("data")
     if adam:
         lines += ["", "CPU Adam (`benchmarks/bench_adam.py`):", "", bench_adam.markdown(adam["rows"], iters=20)]
@@ -301,7 +299,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     import torch
 
-    if not args.dry and not torch.cuda.is_available():
+    if not args.dry and not torch.cuda.is_available():  # (no CUDA context is created by asking)
         ap.error("this machine has no CUDA GPU: run with --dry to plan the session and run what a CPU can")
     suite = args.suite or ("gpu-80g" if args.dry else default_suite())
     run_session(args.out, suite, dry=args.dry, budget=args.budget, retry_failed=args.retry_failed, start=start)

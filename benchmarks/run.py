@@ -424,14 +424,22 @@ def machine(device_type: str) -> dict:
         except ImportError:
             pass
     if device_type == "cuda" and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        info["gpu"] = f"{props.name}, {props.total_memory / 2**30:.0f} GiB"
+        name, total = gpu_properties()
+        info["gpu"] = f"{name}, {total / 2**30:.0f} GiB"
     try:
         info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                         text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         pass
     return info
+
+
+def gpu_properties() -> tuple[str, int]:
+    """GPU 0's name and memory in bytes, asked in a process of its own: the runner then holds no
+    CUDA context (nor the device memory one takes) while its runs train."""
+    ask = "import torch; p = torch.cuda.get_device_properties(0); print(p.total_memory, p.name)"
+    out = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, check=True).stdout.split(maxsplit=1)
+    return out[1].strip(), int(out[0])
 
 
 def cpu_model() -> str:

@@ -128,7 +128,7 @@ def test_every_verb_from_every_state(verb, state):
 
 
 class _FailingCopies(DeviceContext):
-    def copy_async(self, dst, src, stream=None, after=None):
+    def copy_async(self, dst, src, stream=None, after=None, **_):
         raise RuntimeError("copy failed")
 
 
