@@ -177,8 +177,10 @@ def test_plan_command_prints_plan_and_what_if(capsys):
     out = capsys.readouterr().out
     assert "ProTrain plan: Plan(" in out and "predicted step" in out and "bottleneck" in out
     assert "| 1.00 MiB | does not fit (" in out and "| 8.00 MiB | " in out
-    # With a gigabyte everything stays on the device and keeps its activations.
-    assert re.search(r"\| 1\.00 GiB \| \d+/0/0/0 \|", out)
+    # With a gigabyte every chunk stays on the device (no buffers) and no block is recomputed.
+    # Swapping may be chosen: on a CPU "device" it is a host memcpy whose measured cost can be
+    # about nothing, so a plan that swaps may be predicted as fast (seen once in CI: 5/0/2/0).
+    assert re.search(r"\| 1\.00 GiB \| \d+/0/\d+/0 \|", out)
     assert main(args + ["--budget", "1GiB", "--batch-sizes", "1,2"]) == 0
     out = capsys.readouterr().out
     assert "| 1 | " in out and "| 2 | " in out
