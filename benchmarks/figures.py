@@ -28,6 +28,8 @@ import re
 import tempfile
 from pathlib import Path
 
+from protrain_core.utils import new_file_mode
+
 INSTALL = 'pip install -e ".[bench]"  (matplotlib)'
 LANE_COLOURS = {"compute": "#4c72b0", "host->device": "#55a868", "device->host": "#c44e52",
                 "collectives": "#8172b2", "CPU Adam": "#dd8452"}
@@ -65,19 +67,12 @@ def save(fig, path: Path) -> Path:
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        os.chmod(tmp, readable_mode())
+        os.chmod(tmp, new_file_mode())
         os.replace(tmp, path)
     finally:
         plt.close(fig)
         Path(tmp).unlink(missing_ok=True)
     return path
-
-
-def readable_mode() -> int:
-    """The mode a new file gets from the umask (mkstemp's files are private: 0600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
 
 
 def _title(report: dict, what: str) -> str:

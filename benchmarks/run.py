@@ -47,7 +47,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import systems as S
-from protrain_core.utils import format_bytes, format_seconds, total_host_bytes
+from protrain_core.utils import format_bytes, format_seconds, new_file_mode, total_host_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -603,12 +603,10 @@ def write(report: dict, out: Path) -> list[Path]:
 
 def write_text(path: Path, text: str) -> None:
     """Atomically (a temporary file, then a rename), with the mode the umask gives new files."""
-    from benchmarks.figures import readable_mode
-
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     with os.fdopen(fd, "w") as f:
         f.write(text)
-    os.chmod(tmp, readable_mode())
+    os.chmod(tmp, new_file_mode())
     os.replace(tmp, path)
 
 

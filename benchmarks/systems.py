@@ -597,20 +597,10 @@ def timed_steps(engine, step, data, steps: int, device) -> tuple[list[float], in
     """One untimed step, then ``steps`` timed ones; their times and the peak device bytes."""
     from benchmarks.bench_fidelity import measure_peak
 
-    step(data[0])
-    times = []
-    for i in range(steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            if i == 0:
-                torch.cuda.reset_peak_memory_stats(device)
-        t = time.perf_counter()
-        step(data[(i + 1) % len(data)])
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else measure_peak(engine, data[0], device)
-    return times, peak
+    clock = Clock(device)
+    train_loop(step, [data[i % len(data)] for i in range(steps + 1)], {"warmup": 1}, clock)
+    times = [b - a for a, b in zip(clock.ends, clock.ends[1:])]
+    return times, clock.peak if device.type == "cuda" else measure_peak(engine, data[0], device)
 
 
 def step_timeline(engine, step, data, spec, device) -> dict:

@@ -306,7 +306,7 @@ def atomic_save(obj, path) -> None:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
-            os.fchmod(f.fileno(), 0o666 & ~_umask())
+            os.fchmod(f.fileno(), pt.utils.new_file_mode())
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -319,12 +319,6 @@ def atomic_save(obj, path) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def check_state_dict_type(state_dict_type: str) -> str:

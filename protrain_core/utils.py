@@ -145,6 +145,14 @@ def format_seconds(s: float) -> str:
 _TMP_TAG = ".protrain-tmp-"
 
 
+def new_file_mode() -> int:
+    """The permissions a new file gets (``0o666`` less the umask): for a file written to a
+    ``mkstemp`` temporary (created 0600) and renamed into place."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def temporary_prefix(path) -> str:
     """The name prefix of an atomic save's temporary sibling of ``path``: hidden, and carrying the
     writing process's id (``remove_stale_temporaries``)."""
