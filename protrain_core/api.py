@@ -16,7 +16,7 @@ from protrain_core.plan import Plan, check_plan, plan_arguments
 from protrain_core.planner.profiles import Profile
 from protrain_core.precision import Precision, parse_precision
 from protrain_core.profiler.profiler import profile_model, reprofile_requested, safe_plan
-from protrain_core.runtime.device import resolve_device
+from protrain_core.runtime.device import DeviceContext, as_context
 from protrain_core.runtime.engine import Engine, EngineOptions
 from protrain_core.runtime.optim import check_optimizer
 from protrain_core.runtime.sharding import Sharding, agree, agree_budgets
@@ -76,9 +76,9 @@ def wrap(
         raise ValueError("wrap(optimizer_states=False) builds an engine for evaluation only: pass its plan=.")
     sharding = Sharding.resolve(process_group)
     if sharding is not None:
-        sharding.check_device(dev)
+        sharding.check_device(dev.device)
     budget = default_memory_budget(dev) if budget is None and plan is None else budget
-    layout = _prepare(model, optimizer, blocks, chunk_size, example_inputs)
+    layout = _prepare(model, optimizer, blocks, chunk_size, example_inputs, dev)
     options = EngineOptions(optimizer_states=optimizer_states, check_invariants=check_invariants)
     if plan is not None:
         return _engine(model, optimizer, layout, agree(sharding, plan), prec, dev, gradient_clipping, options, sharding)
@@ -87,7 +87,7 @@ def wrap(
                      reprofile=reprofile or reprofile_requested())
 
 
-def _searched(model, optimizer, layout: ChunkLayout, prec: Precision, dev: torch.device, gradient_clipping,
+def _searched(model, optimizer, layout: ChunkLayout, prec: Precision, dev: DeviceContext, gradient_clipping,
               options: EngineOptions, sharding: Sharding | None, budget: int, max_tokens: int | None, report, *,
               example_inputs, loss_fn, step_fn, cache: bool, reprofile: bool) -> Engine:
     """``wrap`` with plan=None: the engine on a safe plan that switches after profiling its first
@@ -118,7 +118,7 @@ def _searched(model, optimizer, layout: ChunkLayout, prec: Precision, dev: torch
     return engine
 
 
-def _engine(model, optimizer, layout: ChunkLayout, plan: Plan, precision: Precision, device: torch.device,
+def _engine(model, optimizer, layout: ChunkLayout, plan: Plan, precision: Precision, device: DeviceContext,
             gradient_clipping, options: EngineOptions, sharding: Sharding | None = None) -> Engine:
     check_plan(plan, layout.limits())
     engine = Engine(model, optimizer, layout, plan, precision, device, options, sharding=sharding)
@@ -127,10 +127,10 @@ def _engine(model, optimizer, layout: ChunkLayout, plan: Plan, precision: Precis
     return engine
 
 
-def _prepare(model: nn.Module, optimizer, blocks, chunk_size, example_inputs) -> ChunkLayout:
+def _prepare(model: nn.Module, optimizer, blocks, chunk_size, example_inputs, ctx: DeviceContext) -> ChunkLayout:
     """Checks shared by ``wrap`` and ``profile``; returns the chunk layout."""
     check_optimizer(optimizer)
-    if any(p.device.type == "meta" for p in model.parameters()):
+    if ctx.device.type != "meta" and any(p.device.type == "meta" for p in model.parameters()):
         raise ValueError("The model has parameters on the meta device; materialise them before wrap().")
     model_params = {id(p) for p in model.parameters()}
     for group in optimizer.param_groups:
@@ -161,10 +161,11 @@ def _prepare(model: nn.Module, optimizer, blocks, chunk_size, example_inputs) ->
     return build_layout(model, block_path, len(block_list), example_inputs=example_inputs, chunk_size=chunk_size)
 
 
-def _checked(model: nn.Module, precision: str, device, gradient_clipping) -> tuple[Precision, torch.device]:
-    """The precision and device of ``wrap``, after the checks of its arguments that need no model
-    structure (nothing is allocated yet)."""
-    prec, dev = parse_precision(precision), resolve_device(device)
+def _checked(model: nn.Module, precision: str, device, gradient_clipping) -> tuple[Precision, DeviceContext]:
+    """The precision and device of ``wrap`` (a torch device, or a DeviceContext: a simulated
+    device), after the checks of its arguments that need no model structure (nothing is
+    allocated yet)."""
+    prec, dev = parse_precision(precision), as_context(device)
     check_parameter_dtypes(model, prec)
     if gradient_clipping is not None:
         parse_gradient_clipping(*gradient_clipping)
@@ -226,8 +227,8 @@ def profile(
     """Profile ``model`` on one real batch without wrapping it for training (the parameters,
     the optimizer and the random state are left as they were). See ``protrain_core.profiler``."""
     prec: Precision = parse_precision(precision)
-    dev = resolve_device(device)
-    layout = _prepare(model, optimizer, blocks, chunk_size, example_inputs)
+    dev = as_context(device)
+    layout = _prepare(model, optimizer, blocks, chunk_size, example_inputs, dev)
     return profile_model(
         model, optimizer, layout, example_inputs=example_inputs, loss_fn=loss_fn, step_fn=step_fn, precision=prec,
         device=dev, iterations=iterations, cache=cache, reprofile=reprofile,
@@ -246,11 +247,11 @@ CUDA_MARGIN_MIN_BYTES = 2**30
 CPU_MARGIN_FRACTION = 0.10
 
 
-def default_memory_budget(device: torch.device) -> int:
-    """Free device memory minus a margin (CUDA: 5 % of the device, >= 1 GiB; CPU: 10 % of the
-    available RAM, which a CPU "device" shares with the host side of ProTrain)."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
+def default_memory_budget(device: torch.device | DeviceContext) -> int:
+    """Free device memory minus a margin (CUDA and a simulated GPU: 5 % of the device, >= 1 GiB;
+    CPU: 10 % of the available RAM, which a CPU "device" shares with the host side of ProTrain)."""
+    if _asynchronous(device):
+        free, total = device.free_memory() if isinstance(device, DeviceContext) else torch.cuda.mem_get_info(device)
         return max(0, free - max(int(total * CUDA_MARGIN_FRACTION), CUDA_MARGIN_MIN_BYTES))
     available = available_host_bytes()
     if available is None:
@@ -258,10 +259,15 @@ def default_memory_budget(device: torch.device) -> int:
     return int(available * (1 - CPU_MARGIN_FRACTION))
 
 
-def default_host_budget(device: torch.device) -> int | None:
-    """Host RAM the streamed chunks and swapped activations may use (CUDA; None on the CPU,
-    where the device budget already covers the same memory)."""
-    if device.type != "cuda":
+def default_host_budget(device: torch.device | DeviceContext) -> int | None:
+    """Host RAM the streamed chunks and swapped activations may use (CUDA and a simulated GPU;
+    None on the CPU, where the device budget already covers the same memory)."""
+    if not _asynchronous(device):
         return None
-    available = available_host_bytes()
+    available = device.available_host_bytes() if isinstance(device, DeviceContext) else available_host_bytes()
     return None if available is None else int(available * (1 - CPU_MARGIN_FRACTION))
+
+
+def _asynchronous(device: torch.device | DeviceContext) -> bool:
+    """A device with memory of its own beside the host's (CUDA, a simulated GPU)."""
+    return device.asynchronous if isinstance(device, DeviceContext) else device.type == "cuda"

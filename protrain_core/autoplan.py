@@ -212,7 +212,7 @@ class PredictionCheck:
         self.tokens = None
 
     def step_ends(self) -> None:
-        self.ends.append(time.perf_counter())
+        self.ends.append(self.engine.ctx.clock())
         self.predicted.append(self.pending)
         self.pending = 0.0
         if len(self.ends) < WARMUP_STEPS + self.checked_steps + 1:

@@ -40,6 +40,7 @@ class Boundaries:
         self.L = len(blocks)
         self.live = live
         self.sync = engine.ctx.synchronize_device
+        self.clock = engine.ctx.clock
         self.times: dict[tuple[str, int], float] = {}
         self.phase, self.seg = P.IDLE, 0
         self.listener = None  # called with (kind, seg) after each new boundary
@@ -104,7 +105,7 @@ class Boundaries:
         if key in self.times:
             return
         self.sync()
-        self.times[key] = time.perf_counter()
+        self.times[key] = self.clock()
         self.phase = _STARTS[kind]
         if seg >= 0:
             self.seg = seg

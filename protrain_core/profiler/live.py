@@ -68,7 +68,7 @@ class LiveProfiler:
         self.L = len(blocks)
         self.bounds = Boundaries(engine, blocks, live=True)
         self.bounds.listener = self._boundary
-        swaps = engine.device.type != "cuda"  # no asynchronous copies: measure what swapping adds
+        swaps = not engine.ctx.asynchronous  # no asynchronous copies: measure what swapping adds
         self.schedule = ["memory"] + ["time"] * TIMED_STEPS + (["swap-warm-up"] + ["swap"] * TIMED_STEPS if swaps else [])
         self.step = 0
         self.recorded = False  # a micro-batch of this step was measured
@@ -90,7 +90,7 @@ class LiveProfiler:
     def _boundary(self, kind: str, seg: int) -> None:
         if kind == "fwd" and seg == 0:
             if self.started is None:
-                self.started = time.perf_counter()
+                self.started = self.engine.ctx.clock()
             if self.schedule[self.step] == "memory" and self.measured.mem is None and self.cached is None:
                 self._enter_memory_pass()
         if kind == "fwd" and seg == 1 and self.key is None:
@@ -150,8 +150,8 @@ class LiveProfiler:
 
     def _enter_memory_pass(self) -> None:
         engine = self.engine
-        self.measured.base = base_bytes(engine, self.bounds.first_inputs or [], engine.device)
-        self.mem, self._meter = memory_meter(engine, self.bounds, engine.device)
+        self.measured.base = base_bytes(engine, self.bounds.first_inputs or [])
+        self.mem, self._meter = memory_meter(engine, self.bounds)
         self._meter.__enter__()
 
     def _leave_memory_pass(self) -> None:
@@ -160,12 +160,12 @@ class LiveProfiler:
         self._meter.__exit__(None, None, None)
         self._meter = None
         self.measured.mem, self.mem = self.mem, None
-        self.measured.fragmentation = fragmentation_factor(self.engine.device)
+        self.measured.fragmentation = fragmentation_factor(self.engine.ctx)
 
     def _look_up_cache(self) -> None:
         engine = self.engine
         self.shapes = tensor_shapes(self.bounds.block_inputs or [])
-        self.key = profile_key(engine.module, engine.optimizer, self.shapes, engine.precision, engine.device,
+        self.key = profile_key(engine.module, engine.optimizer, self.shapes, engine.precision, engine.ctx,
                                engine.layout, world_size=engine.world_size)
         if self.cache and not self.reprofile:
             self.cached = load_cached(self.key, self.cache_dir, n_chunks=engine.layout.n_chunks,
@@ -189,12 +189,12 @@ class LiveProfiler:
         profile = self.cached
         if profile is None:
             profile = build_profile(self.key, self.shapes, self.measured, engine.module, engine.optimizer,
-                                    engine.layout, engine.precision, engine.device, self.started,
+                                    engine.layout, engine.precision, engine.ctx, self.started,
                                     sharding=engine.sharding)
             if self.cache and engine.rank == 0:
                 store(profile, self.cache_dir)
         # Sharded: rank 0's profile and batch, so that every rank searches the same plan.
         result = agree(engine.sharding, LiveProfile(
-            profile=profile, steps=self.step, seconds=time.perf_counter() - self.started,
+            profile=profile, steps=self.step, seconds=self.engine.ctx.clock() - self.started,
             cached=self.cached is not None, tokens=self.ref_tokens, batch_tokens=self.ref_batch))
         self.on_profile(result)

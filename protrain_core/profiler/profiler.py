@@ -35,12 +35,12 @@ import hashlib
 import json
 import os
 import statistics
-import time
 import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from protrain_core.memtrack import LiveStorageTracker
 from protrain_core.phase import TrainingPhase
@@ -49,6 +49,7 @@ from protrain_core.planner.profiles import PROFILE_VERSION, Profile, Segment, lo
 from protrain_core.precision import Precision
 from protrain_core.profiler.boundaries import Boundaries, CudaMeter, MemoryPass
 from protrain_core.profiler.hardware import device_name, probe_hardware
+from protrain_core.runtime.device import DeviceContext, as_context
 from protrain_core.runtime.engine import Engine, EngineOptions
 from protrain_core.runtime.sharding import agree
 from protrain_core.runtime.storage import ChunkFormat, chunk_formats
@@ -132,7 +133,7 @@ def world_of(sharding) -> int:
 
 
 def profile_key(model, optimizer, batch: list[tuple[tuple[int, ...], str]], precision: Precision,
-                device: torch.device, layout: ChunkLayout, *, world_size: int = 1) -> str:
+                device: torch.device | DeviceContext, layout: ChunkLayout, *, world_size: int = 1) -> str:
     """A hash of everything a profile depends on: model structure (parameter names, shapes,
     dtypes, trainability; the Hugging Face config), optimizer coverage, the batch as the first
     block sees it (``tensor_shapes`` of its inputs), precision, chunk layout, device and software."""
@@ -193,6 +194,8 @@ def profile_model(
     the processes the engine will be sharded over: each rank profiles its own (unsharded)
     engine, the collectives are probed, and every rank gets rank 0's profile."""
     loss_fn = loss_fn or default_loss
+    ctx = as_context(device)
+    device = ctx.device
     inputs = to_device(example_inputs, device)
     if step_fn is None:
         def step_fn(module, batch):
@@ -200,16 +203,16 @@ def profile_model(
             return loss_fn(out), out  # the output stays alive through backward, as in training
 
     reprofile = reprofile or reprofile_requested()
-    start = time.perf_counter()
-    plan = _profiling_plan(model, optimizer, layout, precision, device)
-    engine = Engine(model, optimizer, layout, plan, precision, device,
+    start = ctx.clock()
+    plan = _profiling_plan(model, optimizer, layout, precision, ctx)
+    engine = Engine(model, optimizer, layout, plan, precision, ctx,
                     EngineOptions(optimizer_states=False, warn_on_cache=False))
     bounds = Boundaries(engine, block_modules(model, layout.block_path))
     try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with torch.random.fork_rng(devices=[device] if ctx.is_cuda else []):
             _one_pass(engine, bounds, inputs, step_fn)  # warm-up, and the batch as the first block sees it
             shapes = tensor_shapes(bounds.block_inputs or [])
-            key = profile_key(model, optimizer, shapes, precision, device, layout, world_size=world_of(sharding))
+            key = profile_key(model, optimizer, shapes, precision, ctx, layout, world_size=world_of(sharding))
             cached = agree(sharding, load_cached(key, cache_dir, n_chunks=layout.n_chunks, n_blocks=layout.n_blocks)
                            if cache and not reprofile else None)
             if cached is not None:
@@ -219,7 +222,7 @@ def profile_model(
         bounds.remove()
         engine.close()
     check_blocks_called(bounds, layout.n_blocks)
-    profile = agree(sharding, build_profile(key, shapes, measured, model, optimizer, layout, precision, device, start,
+    profile = agree(sharding, build_profile(key, shapes, measured, model, optimizer, layout, precision, ctx, start,
                                             sharding=sharding))
     if cache and (sharding is None or sharding.rank == 0):
         store(profile, cache_dir)
@@ -227,10 +230,10 @@ def profile_model(
 
 
 def build_profile(key: str, shapes, measured: Measured, model, optimizer, layout: ChunkLayout, precision: Precision,
-                  device: torch.device, start: float, sharding=None) -> Profile:
+                  ctx: DeviceContext, start: float, sharding=None) -> Profile:
     """The Profile of what the passes measured, the static facts and the hardware probes (with
     ``sharding``: the collectives' bandwidths too, a collective call)."""
-    hardware = probe_hardware(device, layout.chunk_size, precision, sharding=sharding)
+    hardware = probe_hardware(ctx, layout.chunk_size, precision, sharding=sharding)
     if hardware.async_copies:
         measured.swap_timings = []
     n_params = sum(p.numel() for p in model.parameters())
@@ -247,7 +250,7 @@ def build_profile(key: str, shapes, measured: Measured, model, optimizer, layout
         ops=tuple(measured.mem.ops),
         tokens=block_tokens(shapes),
         iterations=len(measured.timings),
-        profile_seconds=time.perf_counter() - start,
+        profile_seconds=ctx.clock() - start,
     )
 
 
@@ -269,31 +272,33 @@ def reprofile_requested() -> bool:
     return os.environ.get("PROTRAIN_REPROFILE", "") not in ("", "0")
 
 
-def safe_plan(model: nn.Module, optimizer, layout: ChunkLayout, precision: Precision, device: torch.device, *,
-              optimizer_states: bool, budget: int | None = None, world_size: int = 1) -> Plan:
+def safe_plan(model: nn.Module, optimizer, layout: ChunkLayout, precision: Precision,
+              device: torch.device | DeviceContext, *, optimizer_states: bool, budget: int | None = None,
+              world_size: int = 1) -> Plan:
     """A plan any batch the profiler measures can run on: every block checkpointed; every chunk
     persistent on a CPU, or when the model states (``optimizer_states``: with Adam's) take at
     most half the device budget (default: the free memory), else every chunk streamed."""
     n, L = layout.n_chunks, layout.n_blocks
-    if device.type == "cuda":
+    ctx = as_context(device)
+    if ctx.asynchronous:
         formats: list[ChunkFormat] = chunk_formats(model, optimizer, layout, precision, optimizer_states=optimizer_states,
                                                    world_size=world_size)
-        room = budget if budget is not None else torch.cuda.mem_get_info(device)[0]
+        room = budget if budget is not None else ctx.free_memory()[0]
         if sum(fmt.persistent_device_bytes for fmt in formats) > room // 2:
             return Plan(n_persist=0, n_buffer=max(2, layout.limits().buffers_needed(0)), n_checkpoint=L)
     return Plan(n_persist=n, n_buffer=0, n_checkpoint=L)
 
 
-def _profiling_plan(model: nn.Module, optimizer, layout: ChunkLayout, precision: Precision, device: torch.device) -> Plan:
-    return safe_plan(model, optimizer, layout, precision, device, optimizer_states=False)
+def _profiling_plan(model: nn.Module, optimizer, layout: ChunkLayout, precision: Precision, ctx: DeviceContext) -> Plan:
+    return safe_plan(model, optimizer, layout, precision, ctx, optimizer_states=False)
 
 
 def _measure(engine: Engine, bounds: Boundaries, inputs, step_fn, iterations: int) -> Measured:
     """The passes of [Note: profiling] after the warm-up, on the profiling engine."""
-    L, device = engine.layout.n_blocks, engine.device
+    L, ctx = engine.layout.n_blocks, engine.ctx
     chunks = {s: tuple(sorted(c)) for s, c in bounds.chunks.items()}
-    base = base_bytes(engine, inputs, device)
-    mem, meter = memory_meter(engine, bounds, device)
+    base = base_bytes(engine, inputs)
+    mem, meter = memory_meter(engine, bounds)
     with meter:
         _one_pass(engine, bounds, inputs, step_fn)
     bounds.listener = None
@@ -301,13 +306,13 @@ def _measure(engine: Engine, bounds: Boundaries, inputs, step_fn, iterations: in
     for _ in range(max(1, iterations)):
         _one_pass(engine, bounds, inputs, step_fn)
         timings.append(bounds.durations())
-    if device.type != "cuda" and L:  # no asynchronous copies: measure what swapping adds
+    if not ctx.asynchronous and L:  # no asynchronous copies: measure what swapping adds
         engine.set_block_modes((BlockMode.SWAP,) * L)
         _one_pass(engine, bounds, inputs, step_fn)  # warm-up: host buffers
         for _ in range(max(1, iterations)):
             _one_pass(engine, bounds, inputs, step_fn)
             swap_timings.append(bounds.durations())
-    return Measured(chunks, base, mem, fragmentation_factor(device), timings, swap_timings)
+    return Measured(chunks, base, mem, fragmentation_factor(ctx), timings, swap_timings)
 
 
 def _segments(m: Measured, L: int) -> tuple[Segment, ...]:
@@ -363,10 +368,12 @@ def _one_pass(engine: Engine, bounds: Boundaries, inputs, step_fn) -> None:
     engine.zero_grad()
 
 
-def memory_meter(engine: Engine, bounds: Boundaries, device: torch.device):
-    """(MemoryPass, the dispatch mode that feeds it): enter the mode around one pass. CPU: the
-    tensor tracker; CUDA: the caching allocator, minus the engine's chunk memory."""
-    if device.type == "cuda":
+def memory_meter(engine: Engine, bounds: Boundaries):
+    """(MemoryPass, the dispatch mode that feeds it): enter the mode around one pass. CPU (and a
+    simulated device): the tensor tracker; CUDA: the caching allocator, minus the engine's chunk
+    memory."""
+    device = engine.device
+    if engine.ctx.is_cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         static = engine.device_bytes
@@ -381,25 +388,26 @@ def memory_meter(engine: Engine, bounds: Boundaries, device: torch.device):
     return mem, mode
 
 
-def fragmentation_factor(device: torch.device) -> float:
+def fragmentation_factor(ctx: DeviceContext) -> float:
     """Reserved over allocated at the peak (CUDA): the caching allocator's rounding and splitting."""
-    if device.type != "cuda":
+    if not ctx.is_cuda:
         return 1.0
+    device = ctx.device
     allocated = torch.cuda.max_memory_allocated(device)
     reserved = torch.cuda.max_memory_reserved(device)
     return min(1.5, max(1.0, reserved / max(1, allocated)))
 
 
-def base_bytes(engine, inputs, device: torch.device) -> int:
+def base_bytes(engine, inputs) -> int:
     """Device bytes alive through the iteration that are neither chunks nor activations."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        return max(0, torch.cuda.memory_allocated(device) - engine.device_bytes())
+    if engine.ctx.is_cuda:
+        torch.cuda.synchronize(engine.device)
+        return max(0, torch.cuda.memory_allocated(engine.device) - engine.device_bytes())
     seen, total = set(), 0
     for t in list(iter_tensors(inputs)) + list(engine.module.buffers()):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in seen:
-            seen.add(ptr)
+        key = StorageWeakRef(t.untyped_storage())  # meta storages have no address
+        if key not in seen:
+            seen.add(key)
             total += t.untyped_storage().nbytes()
     return total
 

@@ -406,8 +406,7 @@ class ActivationManager:
             src = torch.empty(0, dtype=torch.uint8, device=self.ctx.device).set_(storage)
             host = self.host.get(nbytes)
             self.ctx.copy_async(host[:nbytes], src, stream=self.ctx.swap_stream, span=("device->host", "activations"))
-            if self.ctx.is_cuda:
-                src.record_stream(self.ctx.swap_stream)  # reused only once the copy is done
+            self.ctx.record_stream(src, self.ctx.swap_stream)  # reused only once the copy is done
         record = SwapRecord(host, nbytes)
         weakref.finalize(record, self.host.put, host)
         self.stats["swap_out_bytes"] += nbytes
@@ -420,9 +419,8 @@ class ActivationManager:
             record.in_buf = torch.empty(record.nbytes, dtype=torch.uint8, device=self.ctx.device)
             record.in_event = self.ctx.copy_async(record.in_buf, record.host[: record.nbytes], stream=self.ctx.swap_stream,
                                                  span=("host->device", "activations"))
-            if self.ctx.is_cuda:
-                # Freed unread (a prefetched tensor whose node never runs), it still waits for the copy.
-                record.in_buf.record_stream(self.ctx.swap_stream)
+            # Freed unread (a prefetched tensor whose node never runs), it still waits for the copy.
+            self.ctx.record_stream(record.in_buf, self.ctx.swap_stream)
         self.stats["swap_in_bytes"] += record.nbytes
 
     def _prefetch(self, call: _BlockCall | None) -> None:

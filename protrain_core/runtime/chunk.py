@@ -207,7 +207,7 @@ class Chunk:
         storage = self.storage
         storage.allocate_device_copy()
         for host, device in storage.shard_places():
-            self._event = ctx.copy_async(device, host, span=("host->device", f"chunk {self.index}"))
+            self._event = ctx.copy_async(device, host, stream=ctx.h2d_stream, span=("host->device", f"chunk {self.index}"))
         if storage.sharding is not None:
             self._event = ctx.collective(storage.gather_spans, after=self._event,
                                          span=("collectives", f"all-gather chunk {self.index}"))
@@ -243,7 +243,8 @@ class Chunk:
         replace = self.grad_state is GradState.FIRST
         landing = landing_for(replace)
         source, after = self._reduced_gradients(ctx)
-        self._event = ctx.copy_async(landing, source, after=after, span=("device->host", f"chunk {self.index}"))
+        self._event = ctx.copy_async(landing, source, stream=ctx.h2d_stream, after=after,
+                                     span=("device->host", f"chunk {self.index}"))
         self._future = submit(self._event, landing, replace)
         self.grad_state = grad_target
         self.state = target
@@ -257,6 +258,10 @@ class Chunk:
         self.storage.free_grad_buffer()
         self.storage.free_device_copy()
         self.state = target
+
+    def copy_done(self, ctx: DeviceContext) -> bool:
+        """The fetch or offload copy in flight (if any) has completed."""
+        return ctx.done(self._event)
 
     def begin_update(self, submit: Callable[[], Future]) -> None:
         """Hand Adam on the host states to the CPU worker: ``submit()`` returns its future."""

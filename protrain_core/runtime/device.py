@@ -1,40 +1,103 @@
-"""The device side: streams and events on CUDA, synchronous copies on the CPU.
+"""The device side: streams and events on CUDA, synchronous copies on the CPU -- and the seam a
+simulated device plugs into (protrain_core/simulator: [Note: the simulated device]).
 
 [Note: streams]
-All long-lived device memory is allocated on the compute (current) stream; the copy stream
-only copies. A host->device fetch waits for the compute stream (the recycled block may still be
-read by earlier kernels), copies on the copy stream and records an event that the compute stream
-waits on before the chunk is used. A device->host gradient offload waits for the compute stream
-(the gradients are written there) and records an event that the CPU worker synchronises on
-before reading the host copy; the device buffers are freed only after that event completed.
+All long-lived device memory is allocated on the compute (current) stream; the copy streams
+only copy. Host->device and device->host copies run on two streams of their own (``h2d_stream``,
+``d2h_stream``), so that both directions of the link are busy at once in backward (uploads of
+the chunks backward needs next, offloads of the gradients it produced). A fetch waits for the
+compute stream (the recycled block may still be read by earlier kernels), copies on the h2d
+stream and records an event that the compute stream waits on before the chunk is used. A
+gradient offload waits for the compute stream (the gradients are written there), copies on the
+d2h stream and records an event that only its consumer, the CPU worker, waits on; the device
+gradient buffer is freed in stream order (``record_stream``: the caching allocator reuses its
+memory only after the copy), so no host thread waits for the copy.
 Swapped activations use their own ``swap_stream`` with the same rules, so that device->host
 activation copies in forward do not queue behind (or delay) the parameter prefetches.
 Collectives of sharded chunks ([Note: sharded chunks] in sharding.py) run on ``comm_stream``
 with the same rules: it waits for the compute stream (and for the upload of the rank's shard),
-and the compute stream waits for its event before the chunk is used.
+and the compute stream waits for its event where the result is used.
+Orderings that make the separate streams safe: a streamed chunk's host compute copy is both the
+source of its uploads and, in mixed precision, the landing area of its gradient offloads
+(runtime/worker.py). The two never overlap in time: a chunk is uploaded only from ``HOST``,
+which it reaches after an offload only through ``end_update`` -- the worker's job, which waits
+for the offload's event, landed the gradients and restored the copy from the master
+(scheduler.py ``_make_resident``). Activation swaps write and read host buffers of their own.
 On the CPU there are no streams: copies and collectives run synchronously and events are ``None``.
+
+[Note: host waits]
+The places where a host thread blocks on the device, on CUDA (the simulated device lists each
+one by call site: ``protrain plan --simulate``):
+- the CPU worker waits for each gradient offload it lands (its own thread, not the one that
+  drives the device);
+- ``Engine.step``: the clipping coefficient and fp16's found-inf are read on the host
+  (``to_host``), once per step, when a streamed chunk needs them;
+- the end of backward: swap buffers left unused by this backward are freed after the swap
+  stream is done (``HostBuffers.trim``);
+- a fetch of a chunk whose CPU update is still running waits for that update (NEXT_FORWARD:
+  the next forward's first use of the chunk; a gradient-holding chunk evicted and fetched
+  again in the same backward);
+- ``wait_all`` (state dicts, ``replan``, ``close``, ``wait_for_updates``) and a prefetch left
+  unused at ``step()``.
+No other host wait runs on the thread that drives the device during backward.
 """
 
 from __future__ import annotations
 
+import os
+import platform
+import threading
+import time
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+
 import torch
 from torch import Tensor
 
+from protrain_core.utils import available_host_bytes, check_host_memory, total_host_bytes
+
+
+class InlineExecutor(Executor):
+    """Runs each job when it is submitted, on the calling thread (the CPU worker on a CPU device:
+    [Note: CPU Adam on a CPU device] in worker.py)."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - re-raised by the future's result(), as from a thread
+            future.set_exception(e)
+        return future
+
 
 class DeviceContext:
+    """Streams, events and host waits of one device (see [Note: streams]).
+
+    ``device``: where device tensors live; ``host``: where host tensors live (the CPU; a
+    size-only simulation keeps both on the meta device). ``asynchronous``: copies, collectives
+    and the CPU worker run beside the compute stream (CUDA, or a simulated GPU); False: every
+    copy runs inline (a CPU device). ``is_cuda``: a real CUDA device (pinned memory, CUDA
+    events, ``record_stream``)."""
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.is_cuda = device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(device=device) if self.is_cuda else None
-        self.swap_stream = torch.cuda.Stream(device=device) if self.is_cuda else None
-        self.comm_stream = torch.cuda.Stream(device=device) if self.is_cuda else None
+        self.host = torch.device("cpu")
+        self.is_cuda = self.asynchronous = device.type == "cuda"
+        new = (lambda: torch.cuda.Stream(device=device)) if self.is_cuda else (lambda: None)
+        self.h2d_stream, self.d2h_stream, self.swap_stream, self.comm_stream = new(), new(), new(), new()
         self.timeline = None  # a Timeline while Engine.record_timeline() records ([Note: the step timeline])
 
-    def copy_async(self, dst: Tensor, src: Tensor, stream=None, after=None, *, span: tuple[str, str] = ("", "")):
-        """Copy ``src`` into ``dst`` on ``stream`` (default: the copy stream) after the work
-        queued so far on the compute stream (and ``after``, an event); return the event to wait
-        on (None on the CPU). ``span``: (lane, label) of the copy in a recorded timeline."""
-        return self._on_stream(stream or self.copy_stream, lambda: dst.copy_(src, non_blocking=self.is_cuda), after, span)
+    @property
+    def pin_memory(self) -> bool:
+        """Host buffers of streamed chunks are page-locked (CUDA, unless PROTRAIN_NO_PIN=1)."""
+        return self.is_cuda and os.environ.get("PROTRAIN_NO_PIN", "0") != "1"
+
+    # ----- work on the side streams -------------------------------------------------------------
+    def copy_async(self, dst: Tensor, src: Tensor, *, stream, after=None, span: tuple[str, str] = ("", "")):
+        """Copy ``src`` into ``dst`` on ``stream`` after the work queued so far on the compute
+        stream (and ``after``, an event); return the event to wait on (None on the CPU).
+        ``span``: (lane, label) of the copy in a recorded timeline; the lane, "host->device" or
+        "device->host", is the copy's direction."""
+        return self._on_stream(stream, lambda: dst.copy_(src, non_blocking=self.is_cuda), after, span)
 
     def collective(self, fn, after=None, *, span: tuple[str, str] = ("collectives", "")):
         """Run ``fn`` (collectives) on the communication stream after the compute stream's work
@@ -59,19 +122,24 @@ class DeviceContext:
                 timeline.add(*span, begin, timeline.stamp(stream))
             return stream.record_event()
 
+    def record_stream(self, t: Tensor, stream) -> None:
+        """``t``'s memory is in use by ``stream``: freed, it is reused only after the work queued
+        on ``stream`` so far (the caching allocator's stream-ordered free; no host wait)."""
+        if self.is_cuda:
+            t.record_stream(stream)
+
+    # ----- waits ------------------------------------------------------------------------------
     def wait_on_compute(self, event) -> None:
         """Make the compute stream wait for ``event`` (no host blocking)."""
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
 
-    @staticmethod
-    def synchronize(event) -> None:
+    def synchronize(self, event) -> None:
         """Block the calling host thread until ``event`` completed."""
         if event is not None:
             event.synchronize()
 
-    @staticmethod
-    def done(event) -> bool:
+    def done(self, event) -> bool:
         return event is None or event.query()
 
     def synchronize_stream(self, stream) -> None:
@@ -83,8 +151,70 @@ class DeviceContext:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
 
+    def to_host(self, t: Tensor) -> Tensor:
+        """``t`` (a small device tensor) on the host: a host wait for the compute stream on CUDA
+        (one of the waits [Note: host waits] names)."""
+        return t.to(self.host)
+
+    # ----- the host side ------------------------------------------------------------------------
+    def worker(self, threaded: bool) -> Executor:
+        """The CPU worker's executor: a thread (``threaded``), else jobs run inline."""
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="protrain-cpu-adam") if threaded else InlineExecutor()
+
+    def clock(self) -> float:
+        """Seconds on the calling host thread (``time.perf_counter``; simulated time on a
+        simulated device)."""
+        return time.perf_counter()
+
+    def thread_name(self) -> str:
+        """The calling host thread's name (a timeline's host spans carry it)."""
+        return threading.current_thread().name
+
+    def stamp(self, stream=None):
+        """Now on ``stream`` for a timeline: a CUDA timing event recorded on it (default: the
+        compute stream); on the CPU, ``clock()``."""
+        if not self.is_cuda:
+            return self.clock()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream or torch.cuda.current_stream(self.device))
+        return event
+
+    def check_host_memory(self, nbytes: int, what: str) -> None:
+        """Refuse, with the numbers, ``nbytes`` of host memory the machine does not have."""
+        check_host_memory(nbytes, what)
+
+    @property
+    def autocast_device_type(self) -> str | None:
+        """The device type for ``torch.autocast`` (None: run in the parameters' dtypes)."""
+        return self.device.type
+
+    def available_host_bytes(self) -> int | None:
+        """Host memory available for offloaded states (None: unknown)."""
+        return available_host_bytes()
+
+    def free_memory(self) -> tuple[int, int]:
+        """(free, total) bytes of device memory (CUDA: ``torch.cuda.mem_get_info``)."""
+        if self.is_cuda:
+            return torch.cuda.mem_get_info(self.device)
+        return available_host_bytes() or 0, total_host_bytes()
+
+    def name(self) -> str:
+        """What a profile's key and report call this device."""
+        if self.is_cuda:
+            return f"{self.device} {torch.cuda.get_device_name(self.device)}"
+        return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def as_context(device: torch.device | str | DeviceContext | None) -> DeviceContext:
+    """The DeviceContext of ``device`` (a DeviceContext is used as it is: a simulated device)."""
+    if isinstance(device, DeviceContext):
+        return device
+    return DeviceContext(resolve_device(device))
+
 
 def resolve_device(device) -> torch.device:
+    if isinstance(device, DeviceContext):
+        return device.device
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)

@@ -22,10 +22,9 @@ from protrain_core.plan import BlockMode, Plan, as_plan, check_plan, describe_mo
 from protrain_core.precision import LossScaler, Precision
 from protrain_core.runtime.activations import ActivationManager, BlockActivations
 from protrain_core.runtime.chunk import Chunk
-from protrain_core.runtime.device import DeviceContext
+from protrain_core.runtime.device import DeviceContext, as_context
 from protrain_core.runtime.gradients import StepGradients
 from protrain_core.runtime.hooks import RuntimeHooks
-from protrain_core.runtime.host_pool import should_pin
 from protrain_core.runtime.optim import ChunkOptimizer
 from protrain_core.runtime.scheduler import Runtime
 from protrain_core.runtime.sharding import Sharding, broadcast_module
@@ -34,7 +33,6 @@ from protrain_core.runtime.timeline import Timeline
 from protrain_core.structure.blocks import block_modules
 from protrain_core.structure.layout import ChunkLayout, unit_chunks
 from protrain_core.update import ClipAlgorithm, GradientClipping, Overlap, overlap_mode, parse_gradient_clipping
-from protrain_core.utils import check_host_memory
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,11 +56,14 @@ class Engine:
     """Runs a wrapped model: forward through ``engine.module``, then backward, step, zero_grad."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, layout: ChunkLayout, plan: Plan,
-                 precision: Precision, device: torch.device, options: EngineOptions = EngineOptions(),
+                 precision: Precision, device: torch.device | DeviceContext, options: EngineOptions = EngineOptions(),
                  sharding: Sharding | None = None) -> None:
-        """``sharding``: the processes the chunks are sharded over (``Sharding.resolve``; None:
+        """``device``: a torch device, or a DeviceContext (a simulated device: protrain_core/simulator).
+        ``sharding``: the processes the chunks are sharded over (``Sharding.resolve``; None:
         one process). Every rank builds its engine alike, with the same plan."""
         check_plan(plan, layout.limits())
+        self.ctx = as_context(device)
+        device = self.ctx.device
         if sharding is not None:
             sharding.check_device(device)
             sharding.members = max(len(spec.members) for spec in layout.chunks)
@@ -70,7 +71,6 @@ class Engine:
         self.module, self.optimizer, self.layout, self.plan = module, optimizer, layout, plan
         self.precision, self.device, self.options = precision, device, options
         self.optimizer_states = options.optimizer_states
-        self.ctx = DeviceContext(device)
         self.phase = PhaseTracker()
         self.scaler = LossScaler() if precision is Precision.FP16_MIXED else None
         self._optim = ChunkOptimizer(optimizer)
@@ -84,7 +84,7 @@ class Engine:
         n_buffer = min(plan.n_buffer, len(self.chunks) - plan.n_persist)
         self.runtime = Runtime(self.chunks, self.ctx, self._optim, self.phase, n_buffer=n_buffer,
                                check_invariants=options.check_invariants)
-        self.grads = StepGradients(self._optim, self.scaler, self.chunks, device)
+        self.grads = StepGradients(self._optim, self.scaler, self.chunks, self.ctx)
         self.runtime.finisher = self.grads.finisher
         self._set_update_mode()
         self.hooks = self._runtime_hooks()
@@ -115,16 +115,16 @@ class Engine:
         streamed = [fmt for i, fmt in enumerate(formats) if i >= n_persist]
         host_bytes = sum(fmt.streamed_host_bytes for fmt in streamed)
         # A CPU "device" is host memory too.
-        device_bytes = 0 if dev.type == "cuda" else sum(fmt.persistent_device_bytes for fmt in formats[:n_persist])
-        check_host_memory(host_bytes + device_bytes, "offloaded model states")
+        device_bytes = 0 if dev.type != "cpu" else sum(fmt.persistent_device_bytes for fmt in formats[:n_persist])
+        self.ctx.check_host_memory(host_bytes + device_bytes, "offloaded model states")
         params = dict(self.module.named_parameters())
         if self.sharding is not None:  # every rank starts from rank 0's values, as DDP does
             broadcast_module(self.module, self.sharding, dev)
         chunks = []
         for spec, fmt in zip(self.layout.chunks, formats):
             members = [params[m.name] for m in spec.members]
-            storage = ChunkStorage(fmt, persistent=spec.index < n_persist, device=dev, pin=should_pin(dev),
-                                   n_members=len(members), sharding=self.sharding)
+            storage = ChunkStorage(fmt, persistent=spec.index < n_persist, device=dev, pin=self.ctx.pin_memory,
+                                   n_members=len(members), sharding=self.sharding, host=self.ctx.host)
             opt_members = self._optim.members_by_group(members) if fmt.adam_states else {}
             chunk = Chunk(spec, params=members, storage=storage, opt_members=opt_members)
             chunk.load_params()
@@ -155,7 +155,7 @@ class Engine:
         self.runtime.release_all()
         old, new = self.plan.n_persist, plan.n_persist
         leaving = self.chunks[new:old]
-        check_host_memory(sum(c.storage.fmt.streamed_host_bytes for c in leaving), "offloaded model states")
+        self.ctx.check_host_memory(sum(c.storage.fmt.streamed_host_bytes for c in leaving), "offloaded model states")
         for c in leaving:
             c.unpersist()
         for c in self.chunks[old:new]:
@@ -220,12 +220,13 @@ class Engine:
         """Autocast for the mixed modes -- the one place that enters it: the engine's own forward
         hooks on ``engine.module`` and the Lightning adapters' step contexts both use this, and
         an enclosing use makes an inner one a no-op."""
-        if self.precision.autocast_dtype is None or self._autocast_depth:
+        device_type = self.ctx.autocast_device_type
+        if self.precision.autocast_dtype is None or self._autocast_depth or device_type is None:
             yield
             return
         self._autocast_depth += 1
         try:
-            with torch.autocast(self.device.type, dtype=self.precision.autocast_dtype):
+            with torch.autocast(device_type, dtype=self.precision.autocast_dtype):
                 yield
         finally:
             self._autocast_depth -= 1
@@ -312,7 +313,7 @@ class Engine:
         self._check_open()
         if self.ctx.timeline is not None:
             raise RuntimeError("engine.record_timeline() is already recording; record one timeline at a time.")
-        timeline = Timeline(self.device)
+        timeline = Timeline(self.ctx)
         self.ctx.timeline = self.runtime.timeline = timeline
         handle = self.observe(timeline)
         try:

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from protrain_core.precision import LossScaler
 from protrain_core.runtime.chunk import Chunk
+from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.optim import ChunkOptimizer, UpdateClip
 from protrain_core.update import ClipAlgorithm, GradientClipping, clips_norm
 
@@ -54,8 +55,8 @@ class _Finished:
 class StepGradients:
     """What the engine knows about clipping, and the finished gradients of the current step."""
 
-    def __init__(self, optim: ChunkOptimizer, scaler: LossScaler | None, chunks: list[Chunk], device: torch.device) -> None:
-        self.optim, self.scaler, self.chunks, self.device = optim, scaler, chunks, device
+    def __init__(self, optim: ChunkOptimizer, scaler: LossScaler | None, chunks: list[Chunk], ctx: DeviceContext) -> None:
+        self.optim, self.scaler, self.chunks, self.ctx, self.device = optim, scaler, chunks, ctx, ctx.device
         self.sharding = chunks[0].storage.sharding if chunks else None  # norms and overflow all-reduced
         self.configured: GradientClipping | None = None  # applied at every step (wrap / set_gradient_clipping)
         self.expect_late: float | None = None  # clipping comes late at any step: the norm type to finish early
@@ -172,15 +173,16 @@ class StepGradients:
         return self.sharding.all_reduce_(local.pow(norm_type)).pow(1.0 / norm_type)
 
     def found_inf(self) -> Tensor:
-        """1.0 when any gradient of the step overflowed (fp16) on any rank, on the CPU (after
-        finish_all)."""
-        found = torch.zeros(1, dtype=torch.float32)
+        """1.0 when any gradient of the step overflowed (fp16) on any rank, on the host (after
+        finish_all): summed on the device (the streamed chunks' flags are host tensors: small
+        copies in), all-reduced, and read on the host once (``to_host``: [Note: host waits])."""
+        found = torch.zeros(1, dtype=torch.float32, device=self.device)
         for f in self._finished.values():
             if f.found_inf is not None:
-                found += f.found_inf.cpu()
+                found += f.found_inf.to(self.device)
         if self.sharding is not None:
-            found = self.sharding.all_reduce_(found.to(self.device), dist.ReduceOp.MAX).cpu()
-        return (found > 0).float()
+            self.sharding.all_reduce_(found, dist.ReduceOp.MAX)
+        return (self.ctx.to_host(found) > 0).float()
 
     # ----- late requests --------------------------------------------------------------------
     def check_request(self, clipping: GradientClipping, *, updated_in_backward: bool) -> None:

@@ -8,8 +8,6 @@ ordinary host buffer of exactly the bytes needed and, on CUDA, page-locks it in 
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
@@ -17,13 +15,14 @@ _ALIGN_BYTES = 64
 
 
 class HostPool:
-    def __init__(self, sizes: list[tuple[int, torch.dtype]], *, pin: bool) -> None:
-        """Reserve room for tensors of ``(numel, dtype)``; carve them in order with ``take``."""
+    def __init__(self, sizes: list[tuple[int, torch.dtype]], *, pin: bool, device: torch.device = torch.device("cpu")) -> None:
+        """Reserve room for tensors of ``(numel, dtype)``; carve them in order with ``take``.
+        ``device``: the host (the meta device in a size-only simulation)."""
         total = 0
         for numel, dtype in sizes:
             total = _round(total) + numel * dtype.itemsize
         self.nbytes = _round(total)
-        self.buffer = torch.zeros(self.nbytes, dtype=torch.uint8)  # Adam moments start at 0
+        self.buffer = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)  # Adam moments start at 0
         self.pinned = False
         if pin and self.nbytes > 0:
             cudart = torch.cuda.cudart()
@@ -49,6 +48,3 @@ class HostPool:
 def _round(n: int) -> int:
     return (n + _ALIGN_BYTES - 1) // _ALIGN_BYTES * _ALIGN_BYTES
 
-
-def should_pin(device: torch.device) -> bool:
-    return device.type == "cuda" and os.environ.get("PROTRAIN_NO_PIN", "0") != "1"

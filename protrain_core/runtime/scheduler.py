@@ -37,7 +37,6 @@ overlap the next forward, the chunk's next fetch, ``wait_all`` and everything th
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 
 import torch
@@ -259,7 +258,7 @@ class Runtime:
         c.begin_offload(self.ctx, applied=update is not None, landing_for=lambda replace: worker.landing_buffer(c, replace=replace),
                         submit=submit)
         self.record("offload", c.index)
-        if not self.ctx.is_cuda:
+        if not self.ctx.asynchronous:
             c.end_offload(self.ctx)
 
     # ----- passes -------------------------------------------------------------------------
@@ -317,8 +316,10 @@ class Runtime:
         updates overlap what comes next; their next use waits for them)."""
         self.wait_all()
         pending = [c for c in self.chunks if not c.applied and c.has_gradients]
-        # The coefficient's copy to the host (a device sync on CUDA) only when a streamed chunk needs it.
-        host_clip = clip.on(torch.device("cpu")) if any(not c.persistent for c in pending) else None
+        # The coefficient's copy to the host (a host wait on CUDA) only when a streamed chunk needs it.
+        host_clip = None
+        if any(not c.persistent for c in pending):
+            host_clip = clip if clip.coef is None else UpdateClip(self.ctx.to_host(clip.coef), clip.value)
         self._after_step.clear()
         for c in pending:
             c.apply()
@@ -405,7 +406,7 @@ class Runtime:
         if counter is not None:
             self.stats[counter] += 1
         if self.record_events:
-            self.events.append((what, index, time.perf_counter()))
+            self.events.append((what, index, self.ctx.clock()))
         timeline = self.timeline  # read once: the worker thread records too
         if timeline is not None:
             timeline.event(what, index)

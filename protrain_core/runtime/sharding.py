@@ -108,6 +108,12 @@ class Sharding:
         dist.all_reduce(t, op=op, group=self.group)
         return t
 
+    def max_on_host(self, values: list[float]) -> list[float]:
+        """The largest of each value over the ranks (host numbers: the slowest rank's timings)."""
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.checks or self.group)
+        return t.tolist()
+
     def agree_received(self, index: int, received: list[bool]) -> list[bool]:
         """Before chunk ``index``'s gradients are reduced (``index`` -1: the end of a backward):
         check on the host that every rank reduces the same chunk now, and return which of its
@@ -130,6 +136,10 @@ class Sharding:
             )
         return [bool(v) for v in t[2:2 + len(received)]]
 
+    def broadcast_(self, t: Tensor, src: int = 0) -> None:
+        """Rank ``src``'s ``t`` on every rank, in place."""
+        dist.broadcast(t, src=dist.get_global_rank(self.group, src), group=self.group)
+
     def broadcast_object(self, obj, src: int = 0):
         """Rank ``src``'s ``obj`` on every rank."""
         box = [obj]
@@ -143,11 +153,10 @@ class Sharding:
 def broadcast_module(module, sharding: Sharding, device: torch.device) -> None:
     """Rank 0's parameters and buffers on every rank, one tensor at a time (through ``device``:
     NCCL broadcasts device tensors only), as DDP does when it wraps a model."""
-    src = dist.get_global_rank(sharding.group, 0)
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
             moved = t.detach().to(device)
-            dist.broadcast(moved, src=src, group=sharding.group)
+            sharding.broadcast_(moved)
             if moved is not t.data:
                 t.data.copy_(moved)
 

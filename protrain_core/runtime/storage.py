@@ -180,12 +180,13 @@ class ChunkStorage:
     _STATES = ("grad_acc", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
     def __init__(self, fmt: ChunkFormat, *, persistent: bool, device: torch.device, pin: bool,
-                 n_members: int, sharding: Sharding | None = None) -> None:
+                 n_members: int, sharding: Sharding | None = None, host: torch.device = torch.device("cpu")) -> None:
         assert (sharding.world if sharding is not None else 1) == fmt.world_size
         self.fmt = fmt
         self.sharding = sharding
         self.rank = sharding.rank if sharding is not None else 0
         self.device = device
+        self.host = host  # where host tensors live (the meta device in a size-only simulation)
         self.pin = pin
         self.pool: HostPool | None = None
         self.grad_buffer: Tensor | None = None  # streamed: this backward's gradients, on the device
@@ -208,7 +209,7 @@ class ChunkStorage:
 
     def _allocate_streamed(self) -> None:
         fmt = self.fmt
-        self.pool = pool = HostPool(fmt.host_tensors(), pin=self.pin)
+        self.pool = pool = HostPool(fmt.host_tensors(), pin=self.pin, device=self.host)
         take = lambda: pool.take(fmt.state_numel, fmt.master_dtype)  # noqa: E731
         master = take() if fmt.separate_master else None
         self.host_copy = pool.take(fmt.shard_numel, fmt.compute_dtype)

@@ -15,7 +15,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from protrain_core.memtrack import untracked
 from protrain_core.runtime.device import DeviceContext
-from protrain_core.utils import check_host_memory
 
 
 def size_class(nbytes: int) -> int:
@@ -48,9 +47,9 @@ class HostBuffers:
         if free:
             buf = free.pop()
         else:
-            check_host_memory(size, "swapped activations")
+            self.ctx.check_host_memory(size, "swapped activations")
             with untracked():  # host memory, even when the "device" is the CPU
-                buf = torch.empty(size, dtype=torch.uint8)
+                buf = torch.empty(size, dtype=torch.uint8, device=self.ctx.host)
             if self.pin:
                 err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), size, 0)
                 if int(err) != 0:

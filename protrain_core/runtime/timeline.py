@@ -11,20 +11,19 @@ stream, the copy and communication streams, and the CPU worker.
 - CPU Adam: each streamed chunk's update, with the name of the thread that ran it (the worker
   thread, or the main thread where Adam runs inline: [Note: CPU Adam on a CPU device]).
 Host-side work (CPU Adam, and everything on a CPU device, where copies are synchronous) is
-timed with ``time.perf_counter``. Device-side work on CUDA is timed with timing events recorded
-on the stream that runs it (a copy's begin and end on the copy stream, the phase marks on the
-compute stream), converted to seconds from one event recorded when recording began, right after
-a device synchronisation: so a span shows when the device ran the work, not when the host
-queued it. Recording adds two events per copy and changes nothing that is computed.
+timed with the device context's clock (``time.perf_counter``). Device-side work on CUDA is timed
+with timing events recorded on the stream that runs it (a copy's begin and end on the copy
+stream, the phase marks on the compute stream), converted to seconds from one event recorded
+when recording began, right after a device synchronisation: so a span shows when the device ran
+the work, not when the host queued it. Recording adds two events per copy and changes nothing
+that is computed. A simulated device (protrain_core/simulator) stamps with its own clocks: the
+same spans, in simulated seconds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-import time
-
-import torch
 
 LANES = ("compute", "host->device", "device->host", "collectives", "CPU Adam")
 
@@ -46,43 +45,40 @@ class Timeline:
     """Spans of work, filled by the engine while ``Engine.record_timeline()`` is entered and
     complete when it exits. ``spans``: every span, by start; ``lane(name)``: one lane's."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.is_cuda = device.type == "cuda"
+    def __init__(self, ctx) -> None:
+        """``ctx``: the engine's DeviceContext (its clock and stamps)."""
+        self.ctx = ctx
+        self.device = ctx.device
+        self.is_cuda = ctx.is_cuda
         self.spans: list[Span] = []
         self._pending: list[tuple[str, str, object, object, str | None]] = []  # stamps not yet converted
         self._open: dict[tuple[str, object], object] = {}  # (what, key) -> begin stamp
         self._lock = threading.Lock()  # the CPU worker records too
-        if self.is_cuda:
-            torch.cuda.synchronize(device)
-        self._t0 = time.perf_counter()
+        ctx.synchronize_device()
+        self._t0 = ctx.clock()
         self._origin = self.stamp() if self.is_cuda else None
 
     # ----- stamps --------------------------------------------------------------------------
     def stamp(self, stream=None):
         """Now on ``stream`` (CUDA: a timing event recorded on it, default the current stream)
         or on the host (a CPU device)."""
-        if not self.is_cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(stream or torch.cuda.current_stream(self.device))
-        return event
+        return self.ctx.stamp(stream)
 
     def add(self, lane: str, label: str, begin, end, *, host: bool = False) -> None:
         """A span from two stamps (``host``: ``perf_counter`` readings taken by the calling thread)."""
-        thread = threading.current_thread().name if host or not self.is_cuda else None
+        thread = self.ctx.thread_name() if host or not self.is_cuda else None
         with self._lock:
             self._pending.append((lane, label, begin, end, thread))
 
     def begin(self, lane: str, key, *, host: bool = False) -> None:
         with self._lock:
-            self._open[(lane, key)] = time.perf_counter() if host else self.stamp()
+            self._open[(lane, key)] = self.ctx.clock() if host else self.stamp()
 
     def end(self, lane: str, key, label: str, *, host: bool = False) -> None:
         with self._lock:
             begin = self._open.pop((lane, key), None)
         if begin is not None:  # began before the recording: left out
-            self.add(lane, label, begin, time.perf_counter() if host else self.stamp(), host=host)
+            self.add(lane, label, begin, self.ctx.clock() if host else self.stamp(), host=host)
 
     # ----- the engine's events -------------------------------------------------------------------
     def event(self, what: str, index: int) -> None:
@@ -111,7 +107,7 @@ class Timeline:
     def finish(self) -> None:
         """Convert every stamp to seconds since the recording began (CUDA: waits for the device)."""
         if self.is_cuda:
-            torch.cuda.synchronize(self.device)
+            self.ctx.synchronize_device()
         with self._lock:
             pending, self._pending = self._pending, []
             self._open.clear()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import queue
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 from torch import Tensor
@@ -31,8 +31,8 @@ class CpuWorker:
         self.n_staging = n_staging
         self.staging_numel = staging_numel  # the largest trainable shard of a streamed chunk
         self.record = record  # record(what, chunk index): the runtime's timeline and counters
-        self.threaded = ctx.is_cuda or os.environ.get("PROTRAIN_CPU_ADAM_THREAD", "") == "1"
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="protrain-cpu-adam")
+        self.threaded = ctx.asynchronous or os.environ.get("PROTRAIN_CPU_ADAM_THREAD", "") == "1"
+        self._pool = ctx.worker(self.threaded)
         self._staging: queue.Queue | None = None  # landing buffers to add into grad_acc (its dtype)
         self._lent: dict[int, Tensor] = {}  # id of a landing slice -> its staging buffer
 
@@ -42,14 +42,9 @@ class CpuWorker:
         self.n_staging, self.staging_numel, self._staging = n_staging, staging_numel, None
 
     def submit(self, fn, *args) -> Future:
-        if self.threaded:
-            return self._pool.submit(fn, *args)
-        future = Future()
-        try:
-            future.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - re-raised by Chunk.end_update, as from the worker
-            future.set_exception(e)
-        return future
+        """Run ``fn(*args)`` on the worker (inline on a CPU device); a failure is re-raised by
+        the future's ``result()`` (Chunk.end_update)."""
+        return self._pool.submit(fn, *args)
 
     def landing_buffer(self, chunk: Chunk, *, replace: bool) -> Tensor:
         """Where an offload lands on the host: in mixed precision the trainable span of the
@@ -66,7 +61,7 @@ class CpuWorker:
             for _ in range(self.n_staging):
                 with untracked():
                     self._staging.put(torch.empty(self.staging_numel, dtype=storage.grad_acc.dtype,
-                                                  pin_memory=self.ctx.is_cuda))
+                                                  device=self.ctx.host, pin_memory=self.ctx.is_cuda))
         full = self._staging.get()
         landing = full[:storage.fmt.state_numel]
         self._lent[id(landing)] = full
