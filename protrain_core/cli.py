@@ -21,40 +21,19 @@ import time
 
 import torch
 
+from protrain_core import models
+from protrain_core.models import BUILTIN
 from protrain_core.utils import format_bytes, format_seconds, parse_bytes
 
-# Configs built in for machines without a model hub (nothing is downloaded).
-BUILTIN = {
-    "tiny-gpt2": ("gpt2", dict(n_layer=4, n_embd=128, n_head=4, vocab_size=256, n_positions=1024)),
-    "tiny-llama": ("llama", dict(num_hidden_layers=4, hidden_size=128, intermediate_size=344, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=2048)),
-    "gpt2-124m": ("gpt2", dict()),
-    "llama-1b": ("llama", dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
-                               num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096)),
-}
-
-
 def load_config(name: str):
-    from transformers import AutoConfig, CONFIG_MAPPING
-
-    if name in BUILTIN:
-        model_type, fields = BUILTIN[name]
-        return CONFIG_MAPPING[model_type](**fields)
     try:
-        return AutoConfig.from_pretrained(name, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise SystemExit(
-            f"protrain plan: cannot read a model config from {name!r} ({e}). Give a local model directory, "
-            f"a config.json path, or one of the built-in configs: {', '.join(BUILTIN)}."
-        ) from None
+        return models.load_config(name)
+    except ValueError as e:
+        raise SystemExit(f"protrain plan: {e}") from None
 
 
 def build(config):
-    from transformers import AutoModelForCausalLM
-
-    config.use_cache = False
-    model = AutoModelForCausalLM.from_config(config)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return models.build(config)
 
 
 def progress(text: str) -> None:
@@ -62,8 +41,7 @@ def progress(text: str) -> None:
 
 
 def _batch(config, batch_size: int, seq_len: int) -> dict:
-    x = torch.randint(0, config.vocab_size, (batch_size, seq_len))
-    return {"input_ids": x, "labels": x}
+    return models.token_batch(config, batch_size, seq_len)
 
 
 def _profile(args, config, batch_size: int):

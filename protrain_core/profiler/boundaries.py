@@ -39,9 +39,10 @@ class Boundaries:
         self.engine = engine
         self.L = len(blocks)
         self.live = live
-        self.sync = engine.ctx.synchronize_device
-        self.clock = engine.ctx.clock
+        self.ctx = engine.ctx
         self.times: dict[tuple[str, int], float] = {}
+        self._start = None  # the compute stream's stamp where the current interval began
+        self._spans: list[tuple[P, int, object, object]] = []  # (phase, segment, begin stamp, end stamp)
         self.phase, self.seg = P.IDLE, 0
         self.listener = None  # called with (kind, seg) after each new boundary
         self.chunks: dict[int, set[int]] = defaultdict(set)
@@ -101,11 +102,19 @@ class Boundaries:
         self.mark("rec_begin" if begin else "rec_end", block + 1)
 
     def mark(self, kind: str, seg: int = -1) -> None:
+        """A boundary: the interval since the previous one ends where the compute stream has
+        got to (its kernels, not the copies or collectives issued beside them), then the device
+        is synchronised and the next interval begins -- so a segment's time is its compute
+        alone, even when the chunks it uses are streamed."""
         key = (kind, seg)
         if key in self.times:
             return
-        self.sync()
-        self.times[key] = self.clock()
+        end = self.ctx.stamp()
+        if self._start is not None:
+            self._spans.append((self.phase, self.seg, self._start, end))
+        self.ctx.synchronize_device()
+        self.times[key] = self.ctx.clock()
+        self._start = self.ctx.stamp()
         self.phase = _STARTS[kind]
         if seg >= 0:
             self.seg = seg
@@ -114,6 +123,7 @@ class Boundaries:
 
     def reset(self) -> None:
         self.times = {}
+        self._start, self._spans = None, []
         self.phase, self.seg = P.IDLE, 0
         self.first_inputs = self.block_inputs = None
 
@@ -122,23 +132,14 @@ class Boundaries:
             h.remove()
 
     def durations(self) -> tuple[list[float], list[float], list[float]]:
-        """Forward, backward (recomputation excluded) and recomputation time per segment."""
-        t, K = self.times, self.L + 2
-        fwd = []
-        for s in range(K):
-            end = t[("fwd", s + 1)] if s + 1 < K else t[("fwd_end", -1)]
-            fwd.append(end - t[("fwd", s)])
-        end_all = t[("bwd_end", -1)]
-        start = {K - 1: t[("bwd", K - 1)]}
-        for s in range(K - 2, -1, -1):
-            start[s] = t.get(("bwd", s), end_all)  # no gradient into block 0 -> no "pre" backward
-        rec = [t[("rec_end", s)] - t[("rec_begin", s)] if ("rec_begin", s) in t and ("rec_end", s) in t else 0.0
-               for s in range(K)]
-        bwd = []
-        for s in range(K):
-            end = start[s - 1] if s > 0 else end_all
-            bwd.append(max(0.0, end - start[s] - rec[s]))
-        return fwd, bwd, rec
+        """Forward, backward (recomputation excluded) and recomputation time per segment: the
+        compute of the intervals between boundaries, by the phase and segment they belong to."""
+        K = self.L + 2
+        out = {P.FORWARD: [0.0] * K, P.BACKWARD: [0.0] * K, P.RECOMPUTE: [0.0] * K}
+        for phase, seg, begin, end in self._spans:
+            if phase in out:
+                out[phase][seg] += max(0.0, self.ctx.elapsed(begin, end))
+        return out[P.FORWARD], out[P.BACKWARD], out[P.RECOMPUTE]
 
 
 class CudaMeter(TorchDispatchMode):

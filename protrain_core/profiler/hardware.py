@@ -56,8 +56,10 @@ def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, preci
     host.fill_(1)
     nbytes = n * cdt.itemsize
     if ctx.asynchronous:
-        h2d = nbytes / _median_time(ctx, lambda: ctx.copy_async(dev, host, stream=ctx.h2d_stream), sync)
-        d2h = nbytes / _median_time(ctx, lambda: ctx.copy_async(host, dev, stream=ctx.d2h_stream), sync)
+        h2d = nbytes / _median_time(ctx, lambda: ctx.copy_async(dev, host, stream=ctx.h2d_stream,
+                                                                 span=("host->device", "probe")), sync)
+        d2h = nbytes / _median_time(ctx, lambda: ctx.copy_async(host, dev, stream=ctx.d2h_stream,
+                                                                 span=("device->host", "probe")), sync)
     else:
         # The CPU runtime allocates a chunk's "device" buffer (and gradient buffer) anew for
         # every upload (and offload): fresh pages, so the probe allocates too.

@@ -254,7 +254,8 @@ class ActivationManager:
             call.device = call.input
             # The anchor is a positional tensor on the device, so that checkpoint saves and
             # restores the device's RNG state (it only looks at positional arguments).
-            out = checkpoint(recompute, self._rng_anchor, *args, use_reentrant=False, **kwargs)
+            out = checkpoint(recompute, self._rng_anchor, *args, use_reentrant=False,
+                             context_fn=self.ctx.checkpoint_contexts, **kwargs)
             self._after_call(i, call, out)
             return out
 

@@ -446,7 +446,7 @@ class Chunk:
         if storage.sharding is None:
             self.point_params_at(storage.host_copy)
             return
-        nan = torch.full((), float("nan"), dtype=storage.fmt.compute_dtype)
+        nan = torch.full((), float("nan"), dtype=storage.fmt.compute_dtype, device=storage.host)
         for p in self.params:
             p.data = nan.expand(p.shape)
 
@@ -546,7 +546,7 @@ class Chunk:
         ``W`` processes every rank then holds the whole values, gathered chunk by chunk)."""
         values = self.gathered_values()
         for p, value in zip(self.params, values):
-            p.data = value if self.storage.sharding is None or self.persistent else value.to("cpu")
+            p.data = value if self.storage.sharding is None or self.persistent else value.to(self.storage.host)
 
     def device_bytes(self) -> int:
         return self.storage.device_bytes()

@@ -38,12 +38,17 @@ one by call site: ``protrain plan --simulate``):
   the next forward's first use of the chunk; a gradient-holding chunk evicted and fetched
   again in the same backward);
 - ``wait_all`` (state dicts, ``replan``, ``close``, ``wait_for_updates``) and a prefetch left
-  unused at ``step()``.
-No other host wait runs on the thread that drives the device during backward.
+  unused at ``step()``;
+- sharded over several processes: the ranks' agreement on each chunk before its gradients are
+  reduced (``Chunk.agree_received``, a small host collective on a gloo group).
+No other host wait runs on the thread that drives the device during backward:
+``BACKWARD_HOST_WAITS`` lists the call sites allowed there (tests/test_simulator.py holds the
+runtime to it on a simulated H100).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import threading
@@ -54,6 +59,16 @@ import torch
 from torch import Tensor
 
 from protrain_core.utils import available_host_bytes, check_host_memory, total_host_bytes
+
+
+# [Note: host waits]: where the thread that drives the device may block during backward (the
+# innermost runtime frame, as the simulated device names a call site).
+BACKWARD_HOST_WAITS = (
+    "swap.py:HostBuffers.trim",  # the end of backward: swap buffers this backward did not use
+    "chunk.py:Chunk.end_update",  # a chunk needed again while its CPU job runs
+    "chunk.py:Chunk.agree_received",  # sharded: the ranks agree on the chunk they reduce
+    "scheduler.py:Runtime._finish_backward",  # sharded: ... and on the end of backward
+)
 
 
 class InlineExecutor(Executor):
@@ -92,7 +107,7 @@ class DeviceContext:
         return self.is_cuda and os.environ.get("PROTRAIN_NO_PIN", "0") != "1"
 
     # ----- work on the side streams -------------------------------------------------------------
-    def copy_async(self, dst: Tensor, src: Tensor, *, stream, after=None, span: tuple[str, str] = ("", "")):
+    def copy_async(self, dst: Tensor, src: Tensor, *, stream, span: tuple[str, str], after=None):
         """Copy ``src`` into ``dst`` on ``stream`` after the work queued so far on the compute
         stream (and ``after``, an event); return the event to wait on (None on the CPU).
         ``span``: (lane, label) of the copy in a recorded timeline; the lane, "host->device" or
@@ -178,6 +193,15 @@ class DeviceContext:
         event = torch.cuda.Event(enable_timing=True)
         event.record(stream or torch.cuda.current_stream(self.device))
         return event
+
+    def checkpoint_contexts(self):
+        """``torch.utils.checkpoint``'s ``context_fn``: what a checkpointed block's forward and
+        its recomputation run under (nothing here; a simulated device's kernel choices)."""
+        return contextlib.nullcontext(), contextlib.nullcontext()
+
+    def elapsed(self, begin, end) -> float:
+        """Seconds between two ``stamp()`` results (CUDA events: both complete)."""
+        return begin.elapsed_time(end) / 1e3 if self.is_cuda else end - begin
 
     def check_host_memory(self, nbytes: int, what: str) -> None:
         """Refuse, with the numbers, ``nbytes`` of host memory the machine does not have."""

@@ -60,7 +60,10 @@ class Sharding:
     @staticmethod
     def resolve(process_group=None) -> Sharding | None:
         """The sharding of an engine built now: ``process_group`` (default: the default group when
-        torch.distributed is initialized); None in one process."""
+        torch.distributed is initialized); None in one process. A ``Sharding`` is used as it
+        is (a simulated group of ranks: protrain_core/simulator)."""
+        if isinstance(process_group, Sharding):
+            return process_group
         if process_group is None:
             if not (dist.is_available() and dist.is_initialized()):
                 return None

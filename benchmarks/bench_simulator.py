@@ -1,0 +1,118 @@
+"""LLaMA-7B on a simulated H100 (or H200): the GPU contract's runs, and the figures the issue
+notes give before and after a runtime change ([Note: the simulated device]).
+
+    python -m benchmarks.bench_simulator [--hardware h100] [--batch 32] [--seq 2048] [--json FILE]
+
+No GPU is needed: the model lives on the meta device and the simulated device times the
+runtime's CUDA path. For each plan (all persistent; all streamed with 2 and 3 buffers; mixed;
+with swapped and checkpointed blocks) and each variant (bf16-mixed, with norm clipping at 1.0,
+16-mixed) it prints the simulated step, the cost model's prediction for the same plan and
+schedule, the compute stream's idle time by cause, the host waits during backward that
+[Note: host waits] does not name, the time both copy directions run at once in backward, and
+the share of the CPU Adam time inside backward; then the sharded runs (2 and 4 simulated ranks).
+tests/test_simulator.py holds the runtime to the same runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import protrain_core as pt
+from protrain_core import models
+from protrain_core.runtime.device import BACKWARD_HOST_WAITS
+from protrain_core.simulator.device import SimulatedDevice
+from protrain_core.simulator.run import Simulation, simulate
+from protrain_core.utils import format_seconds
+
+PLANS = {
+    "all-persistent": pt.Plan(n_persist=34, n_buffer=0),
+    "streamed-buf2": pt.Plan(n_persist=0, n_buffer=2),
+    "streamed-buf3": pt.Plan(n_persist=0, n_buffer=3),
+    "mixed": pt.Plan(n_persist=8, n_buffer=2),
+    "swap": pt.Plan(n_persist=0, n_buffer=2, n_swap=4),
+    "checkpoint": pt.Plan(n_persist=0, n_buffer=2, n_checkpoint=16),
+    "mixed-swap-checkpoint": pt.Plan(n_persist=8, n_buffer=2, n_swap=2, n_checkpoint=12),
+}
+VARIANTS = {"bf16": ("bf16-mixed", None), "bf16-clip": ("bf16-mixed", ("norm", 1.0)), "fp16": ("16-mixed", None)}
+SHARDED = [(plan, world) for plan in ("streamed-buf2", "mixed") for world in (2, 4)]
+
+
+def unnamed_backward_waits(result: Simulation):
+    """Host waits of the thread that drives the device during backward at a call site that
+    [Note: host waits] does not name."""
+    return [w for w in result.report.host_waits if w.phase in ("backward", "recompute")
+            and w.site.split(" < ")[0] not in BACKWARD_HOST_WAITS]
+
+
+class Runner:
+    """Simulates the runs on one model and batch, reusing one profile per precision and world."""
+
+    def __init__(self, hardware: str = "h100", batch: int = 32, seq: int = 2048) -> None:
+        self.hardware = hardware
+        config = models.load_config("llama-7b")
+        self.model, self.optimizer = models.build(config, "meta")
+        self.batch = models.token_batch(config, batch, seq, "meta")
+        self.profiles: dict = {}
+
+    def run(self, plan: str, variant: str = "bf16", world: int = 1) -> Simulation:
+        precision, clipping = VARIANTS[variant]
+        key = (precision, world)
+        result = simulate(self.model, self.optimizer, self.batch, device=SimulatedDevice(self.hardware),
+                          plan=PLANS[plan], precision=precision, gradient_clipping=clipping, world_size=world,
+                          profile=self.profiles.get(key))
+        self.profiles[key] = result.profile
+        return result
+
+
+def row(plan: str, variant: str, world: int, result: Simulation) -> dict:
+    r = result.report
+    waits = unnamed_backward_waits(result)
+    top = sorted(r.idle_s.items(), key=lambda kv: -kv[1])[:3]
+    return {
+        "plan": plan, "variant": variant, "world": world, "simulated_s": r.step_s, "predicted_s": result.predicted.total_s,
+        "error": result.error, "idle_s": r.idle_total_s, "idle_top": [[cause, s] for cause, s in top],
+        "unnamed_backward_waits": len(waits), "unnamed_backward_wait_s": sum(w.seconds for w in waits),
+        "duplex_backward_s": r.duplex_backward_s, "copy_backward_s": r.copy_busy_backward_s,
+        "cpu_adam_s": r.cpu_adam_s, "cpu_adam_in_backward": r.cpu_adam_inside_backward, "backward_s": r.backward_s,
+        "collectives": r.collectives, "reduce_scatter_waits_backward_s": r.waits_for_backward_s("reduce-scatter"),
+    }
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| plan | variant | ranks | simulated | cost model | error | compute idle | largest idle causes | "
+             "backward host waits not named | both directions at once in backward | CPU Adam inside backward |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for x in rows:
+        causes = "; ".join(f"{c} {format_seconds(s)}" for c, s in x["idle_top"]) or "-"
+        lines.append(
+            f"| {x['plan']} | {x['variant']} | {x['world']} | {format_seconds(x['simulated_s'])} | "
+            f"{format_seconds(x['predicted_s'])} | {100 * x['error']:+.1f} % | {format_seconds(x['idle_s'])} | {causes} | "
+            f"{x['unnamed_backward_waits']} ({format_seconds(x['unnamed_backward_wait_s'])}) | "
+            f"{format_seconds(x['duplex_backward_s'])} | {100 * x['cpu_adam_in_backward']:.0f} % |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hardware", default="h100", help="h100, h200 or a JSON file (protrain_core/simulator/hardware.py)")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    args = ap.parse_args(argv)
+    start = time.perf_counter()
+    runner = Runner(args.hardware, args.batch, args.seq)
+    rows = [row(plan, variant, 1, runner.run(plan, variant)) for plan in PLANS for variant in VARIANTS]
+    rows += [row(plan, "bf16", world, runner.run(plan, "bf16", world)) for plan, world in SHARDED]
+    print(f"LLaMA-7B, batch {args.batch} x {args.seq}, on {runner.profiles and SimulatedDevice(args.hardware).spec.name} "
+          f"({time.perf_counter() - start:.0f} s of real time)\n")
+    print(markdown(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,56 @@
+"""Model configs built in for machines without a model hub (nothing is downloaded), and the
+model a config describes: random weights on the CPU, or on the meta device for a size-only
+simulation (protrain_core/simulator)."""
+
+from __future__ import annotations
+
+import torch
+
+# name -> (Hugging Face model type, config fields)
+BUILTIN = {
+    "tiny-gpt2": ("gpt2", dict(n_layer=4, n_embd=128, n_head=4, vocab_size=256, n_positions=1024)),
+    "tiny-llama": ("llama", dict(num_hidden_layers=4, hidden_size=128, intermediate_size=344, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=256, max_position_embeddings=2048)),
+    "gpt2-124m": ("gpt2", dict()),
+    "llama-1b": ("llama", dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
+                               num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096)),
+    # LLaMA-2 shapes (Touvron et al. 2023, table 1 and the released configs).
+    "llama-7b": ("llama", dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
+                               num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)),
+    "llama-13b": ("llama", dict(num_hidden_layers=40, hidden_size=5120, intermediate_size=13824, num_attention_heads=40,
+                                num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096)),
+    "llama-70b": ("llama", dict(num_hidden_layers=80, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
+                                num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096)),
+}
+
+
+def load_config(name: str):
+    """A built-in config by name, or a local Hugging Face model directory / config.json
+    (``ValueError`` with the choices when neither)."""
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    if name in BUILTIN:
+        model_type, fields = BUILTIN[name]
+        return CONFIG_MAPPING[model_type](**fields)
+    try:
+        return AutoConfig.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read a model config from {name!r} ({e}). Give a local model directory, a config.json "
+                         f"path, or one of the built-in configs: {', '.join(BUILTIN)}.") from None
+
+
+def build(config, device: torch.device | str = "cpu"):
+    """(a causal LM of ``config`` with random weights on ``device``, AdamW over its parameters);
+    ``device="meta"``: shapes only, no memory."""
+    from transformers import AutoModelForCausalLM
+
+    config.use_cache = False
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def token_batch(config, batch_size: int, seq_len: int, device: torch.device | str = "cpu") -> dict:
+    """Random token ids as inputs and labels (on the meta device: shapes only)."""
+    x = torch.randint(0, config.vocab_size, (batch_size, seq_len), device=device)
+    return {"input_ids": x, "labels": x}

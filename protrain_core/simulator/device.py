@@ -1,0 +1,562 @@
+"""A simulated device: the runtime's CUDA code path on CPU or meta tensors, timed by a model.
+
+[Note: the simulated device]
+``SimulatedDevice`` is a ``DeviceContext`` (runtime/device.py, the seam): an engine built on
+it takes the asynchronous path a GPU takes -- streams, events, ``wait_event``, stream-ordered
+frees, event queries, host waits, the CPU worker, collectives on the communication stream --
+while its tensors are small real CPU tensors (correctness runs: the numbers are the real ones)
+or meta tensors (size-only runs of 7B-70B shapes: no memory, no values). Nothing else of the
+runtime knows it is simulated. A discrete-event clock (clock.py) keeps the time of every lane:
+- the host thread that drives the device: it issues each operator (``launch_s``), and a host
+  wait (an event's ``synchronize``, a CPU job's ``result()``, a read of a device value) moves
+  it to the time the awaited work ends -- recorded by call site and training phase;
+- the compute stream: every operator the host issues outside the side streams runs there
+  after the host issued it and after the events the stream waits for, for its roofline time
+  (FLOPs from ``torch.utils.flop_counter`` over the matmul rate of its dtype, or its bytes over
+  the memory bandwidth, at least ``kernel_s``); the gap before it is *idle time*, charged to
+  what held the stream: the event it waited for (a chunk's upload, an all-gather, a swap) or
+  the host (a host wait, or the host's own issue time);
+- the h2d and d2h copy streams and the swap stream: copies of their bytes over the bandwidth
+  of their direction; each direction is one copy engine (a PCIe link is full duplex), so two
+  streams of the same direction take turns and two of opposite directions overlap;
+- the communication stream: all-gathers and reduce-scatters over the bus bandwidth, for the
+  ranks of a ``SimulatedGroup`` (W identical ranks, one simulated; size-only);
+- the CPU worker: each job starts when submitted and the worker is free, waits for the events
+  it synchronizes on, and is charged its operators on the host's figures (fused Adam at
+  ``cpu_adam_params_per_s``, the rest at ``host_memory_bytes_per_s``). Jobs run inline, so a
+  simulation is deterministic; a job's future is done when the simulated clock has passed it.
+Every figure is a field of a ``DeviceSpec`` (hardware.py), none is hidden here. The runtime's
+``Timeline`` records the same spans as on CUDA, in simulated seconds; ``report.py`` sums a step.
+The meta device cannot give values: ``.item()`` of a meta tensor reads True for a boolean (the
+all-true branch of the model's own checks, e.g. Hugging Face's attention-mask shortcuts) and
+raises otherwise; a device value read on the host (``to_host``, a copy to a CPU tensor) reads
+as zeros -- no fp16 overflow, a clipping coefficient of 0 -- after the host wait a GPU would
+make. Attention runs the kernel CUDA picks (flash for bf16/fp16, memory-efficient for fp32), not
+the math path that meta tensors would take, so its FLOPs and saved bytes are the GPU's.
+The CPU device (``hardware.cpu_spec``) is simulated too, synchronously: compute and host work
+take the time they take, copies and Adam the time the profile's figures give them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+import time
+from concurrent.futures import Executor, Future
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from protrain_core.runtime.device import DeviceContext
+from protrain_core.runtime.sharding import Sharding
+from protrain_core.simulator.clock import Event, Lane, MeasuredLane, Records, Stream, Wait, Work
+from protrain_core.simulator.hardware import DeviceSpec, load_spec
+from protrain_core.utils import iter_tensors
+
+aten = torch.ops.aten
+# Operators that launch no kernel: allocation, metadata, aliasing.
+_FREE = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "_unsafe_view", "_reshape_alias",
+         "resize_", "set_", "lift_fresh", "lift_fresh_copy", "detach", "alias", "sym_size", "sym_stride", "sym_numel",
+         "is_same_size", "_has_compatible_shallow_copy_type", "record_stream"}
+_ADAM = {"_fused_adamw_", "_fused_adam_"}
+_HERE = (str(Path(__file__).resolve().parent),)
+
+
+class SimulatedDevice(DeviceContext):
+    """A ``DeviceContext`` whose streams and threads are simulated (see the Note). Enter it
+    (``with sim:``) around everything that runs on it: building the engine, training steps.
+
+    ``tensors``: "meta" (size-only) or "cpu" (small real tensors: the numbers are real)."""
+
+    def __init__(self, spec: DeviceSpec | str = "h100", *, tensors: str = "meta") -> None:
+        if tensors not in ("meta", "cpu"):
+            raise ValueError(f"SimulatedDevice(tensors={tensors!r}): use 'meta' (size-only) or 'cpu' (real values).")
+        self.spec = load_spec(spec)
+        device = torch.device(tensors)
+        self.device, self.host = device, device
+        self.is_cuda = False
+        self.asynchronous = self.spec.asynchronous
+        if not self.asynchronous and tensors == "meta":
+            raise ValueError("The CPU device is simulated with real tensors (tensors='cpu'): its compute is measured.")
+        self.timeline = None
+        self.records = Records()
+        self.phase_of = lambda: ""  # the training phase now (set by the harness: ``watch``)
+        self.main = Lane("host") if self.asynchronous else MeasuredLane("host")
+        self.worker_lane = Lane("protrain-cpu-adam_0") if self.asynchronous else self.main
+        self.compute = Stream("compute")
+        self.h2d_stream, self.d2h_stream = Stream("h2d"), Stream("d2h")
+        self.swap_stream, self.comm_stream = Stream("swap"), Stream("comm")
+        self.links = {"host->device": Lane("pcie h2d"), "device->host": Lane("pcie d2h"), "collectives": Lane("fabric")}
+        self._local = threading.local()
+        self._last_wait: Wait | None = None  # the main lane's latest host wait (idle attribution)
+        self._modes: list = []
+
+    # ----- entering --------------------------------------------------------------------------
+    def __enter__(self) -> SimulatedDevice:
+        modes = [_Charging(self)] + ([_GpuAttention()] if self.device.type == "meta" else [])
+        for m in modes:
+            m.__enter__()
+        self._modes.append(modes)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for m in reversed(self._modes.pop()):
+            m.__exit__(*exc)
+
+    def watch(self, engine) -> None:
+        """Record host waits with the engine's training phase."""
+        self.phase_of = lambda: engine.phase.phase.value
+
+    # ----- where work goes -------------------------------------------------------------------------
+    def _where(self):
+        """(kind, lane) of the calling code: ("compute", main) by default, ("stream", s) inside
+        ``_on_stream``, ("cpu", lane) inside a worker job, ("off", None) uncharged."""
+        return getattr(self._local, "where", ("compute", None))
+
+    @contextmanager
+    def _at(self, kind: str, lane):
+        previous = self._where()
+        self._local.where = (kind, lane)
+        try:
+            yield
+        finally:
+            self._local.where = previous
+
+    def uncharged(self):
+        """Operators inside are not charged (a collective's stand-in values)."""
+        return self._at("off", None)
+
+    def _host_lane(self) -> Lane:
+        kind, lane = self._where()
+        return lane if kind == "cpu" else self.main
+
+    def _run(self, stream: Stream, seconds: float, label: str, kind: str, link: Lane | None = None,
+             nbytes: int = 0) -> None:
+        """Issue ``seconds`` of work on ``stream`` from the main lane (see the Note)."""
+        main = self.main
+        waited = stream.t
+        start = max(waited, main.t)
+        if link is not None:
+            start = max(start, link.t)
+        if stream is self.compute and start > stream.last_end:
+            self._idle(stream.last_end, waited, start, stream.held_by)
+        end = start + seconds
+        stream.t = stream.last_end = end
+        stream.busy += seconds
+        if link is not None:
+            link.t = end
+            link.busy += seconds
+        self.records.work.append(Work(stream.name, start, end, label, kind, nbytes))
+        main.t += self.spec.launch_s
+
+    def _idle(self, last_end: float, waited: float, start: float, held_by: str) -> None:
+        """The compute stream idled from ``last_end`` to ``start``: until ``waited`` for the event
+        it waited for, then for the host (its latest wait where they overlap, else its own issue)."""
+        add = self.records.work.append
+        if waited > last_end:
+            add(Work("compute", last_end, waited, held_by or "waits", "idle"))
+        lo = max(last_end, waited)
+        if start > lo:
+            w = self._last_wait
+            a, b = (max(lo, w.start), min(start, w.end)) if w is not None else (0.0, 0.0)
+            if b > a:
+                add(Work("compute", a, b, f"host wait: {w.label} ({w.site})", "idle"))
+                if a > lo:
+                    add(Work("compute", lo, a, "host issue", "idle"))
+                if start > b:
+                    add(Work("compute", b, start, "host issue", "idle"))
+            else:
+                add(Work("compute", lo, start, "host issue", "idle"))
+
+    # ----- charging operators (the dispatch mode calls this) ----------------------------------
+    def charge(self, func, args, kwargs, out, real_seconds: float) -> None:
+        name = func.overloadpacket.__name__
+        if name in _FREE or func.is_view:
+            return
+        kind, lane = self._where()
+        if kind == "off":
+            return
+        self.records.ops += 1
+        if kind == "cpu":
+            start = lane.t
+            lane.t += self._cpu_seconds(name, args, out)
+            self.records.work.append(Work(lane.name, start, lane.t, name, "cpu"))
+            return
+        if kind == "inline":  # a copy on the CPU device
+            if name == "copy_" and lane in ("host->device", "device->host"):
+                self._copy(self.main, lane, _nbytes(args[1]))
+            return
+        if not self.asynchronous:  # the CPU device: compute takes the time it takes (the main lane's clock)
+            return
+        if kind == "stream":
+            stream, direction = lane
+            if name == "copy_" and direction in ("host->device", "device->host"):
+                nb = _nbytes(args[1])
+                self._copy(stream, direction, nb)
+                return
+            self._run(stream, self._device_seconds(func, args, kwargs, out), name, "compute")
+            return
+        self._run(self.compute, self._device_seconds(func, args, kwargs, out), name, "compute")
+
+    def _device_seconds(self, func, args, kwargs, out) -> float:
+        spec = self.spec
+        tensors = list(iter_tensors((args, kwargs))) + list(iter_tensors(out))
+        nbytes = sum(_nbytes(t) for t in {id(t): t for t in tensors}.values())
+        seconds = nbytes / spec.memory_bytes_per_s
+        formula = flop_registry.get(func.overloadpacket)
+        if formula is not None:
+            flops = formula(*args, **kwargs, out_val=out)
+            low = any(t.dtype in (torch.bfloat16, torch.float16) for t in tensors)
+            seconds = max(seconds, flops / (spec.tensor_flops_per_s if low else spec.fp32_flops_per_s))
+        return spec.kernel_s + seconds
+
+    def _cpu_seconds(self, name: str, args, out) -> float:
+        spec = self.spec
+        if name in _ADAM:
+            return spec.cpu_op_s + sum(t.numel() for t in args[0]) / spec.cpu_adam_params_per_s
+        tensors = list(iter_tensors(args)) + list(iter_tensors(out))
+        nbytes = sum(_nbytes(t) for t in {id(t): t for t in tensors}.values())
+        return spec.cpu_op_s + nbytes / spec.host_memory_bytes_per_s
+
+    def _copy(self, stream: Lane, direction: str, nbytes: int) -> None:
+        bandwidth = self.spec.h2d_bytes_per_s if direction == "host->device" else self.spec.d2h_bytes_per_s
+        seconds = self.spec.copy_latency_s + nbytes / bandwidth
+        if stream is self.main:  # the CPU device: the host thread copies
+            start = stream.t
+            stream.t += seconds
+            self.records.work.append(Work(stream.name, start, stream.t, direction, "copy", nbytes))
+            return
+        self._run(stream, seconds, direction, "copy", self.links[direction], nbytes)
+
+    def charge_collective(self, what: str, nbytes: int, factor: float) -> None:
+        """A collective moving ``factor * nbytes`` over the bus, on the calling lane's stream (the
+        communication stream inside ``collective``; else the compute stream, as NCCL orders a
+        collective called outside a stream context after the current one)."""
+        kind, lane = self._where()
+        if kind == "off":
+            return
+        stream = lane[0] if kind == "stream" else self.compute
+        spec = self.spec
+        self._run(stream, spec.collective_latency_s + factor * nbytes / spec.collective_bytes_per_s, what, "collective",
+                  self.links["collectives"], nbytes)
+
+    def host_collective(self, what: str) -> None:
+        """A blocking host-side agreement between the ranks (gloo): the calling host lane waits."""
+        lane = self._host_lane()
+        self._wait(lane, lane.t + self.spec.host_collective_s, f"host collective: {what}")
+
+    # ----- the DeviceContext interface ------------------------------------------------------------
+    def _on_stream(self, stream, fn, after, span):
+        lane_name, label = span
+        if not self.asynchronous:  # the CPU device: the copy runs on the host thread, for its modeled time
+            lane = self.main
+            begin, r0 = lane.t, time.perf_counter()
+            with self._at("inline", lane_name):
+                fn()
+            lane.exclude(time.perf_counter() - r0)
+            if self.timeline is not None:
+                self.timeline.add(lane_name, label, begin, lane.t)
+            return None
+        self._wait_stream(stream, self.compute)
+        if after is not None:
+            self._wait_event(stream, after)
+        first = len(self.records.work)
+        with self._at("stream", (stream, lane_name)):
+            fn()
+        mine = [w for w in self.records.work[first:] if w.lane == stream.name]
+        begin = mine[0].start if mine else max(stream.t, self.main.t)
+        if self.timeline is not None:
+            self.timeline.add(lane_name, label, begin, stream.t)
+        return Event(max(stream.t, self.main.t), label or lane_name, stream.name)
+
+    def _wait_stream(self, stream: Stream, other: Stream) -> None:
+        if other.t > stream.t:
+            stream.t = other.t
+            stream.held_by = f"{other.name} stream"
+
+    def _wait_event(self, stream: Stream, event: Event) -> None:
+        if event.time > stream.t:
+            stream.t = event.time
+            stream.held_by = event.label
+
+    def wait_on_compute(self, event) -> None:
+        if event is not None:
+            self._wait_event(self.compute, event)
+
+    def synchronize(self, event) -> None:
+        if event is not None:
+            lane = self._host_lane()
+            self._wait(lane, event.time, event.label)
+
+    def _wait(self, lane: Lane, until: float, label: str) -> None:
+        if until <= lane.t:
+            return
+        wait = Wait(lane.name, lane.t, until, _call_site(), label, self.phase_of())
+        self.records.waits.append(wait)
+        if lane is self.main:
+            self._last_wait = wait
+        lane.t = until
+
+    def done(self, event) -> bool:
+        return event is None or event.time <= self._host_lane().t
+
+    def synchronize_stream(self, stream) -> None:
+        if stream is not None:
+            self._wait(self._host_lane(), stream.t, f"{stream.name} stream")
+
+    def synchronize_device(self) -> None:
+        streams = (self.compute, self.h2d_stream, self.d2h_stream, self.swap_stream, self.comm_stream)
+        last = max(streams, key=lambda s: s.t)
+        self._wait(self._host_lane(), last.t, "device synchronize")
+
+    def record_stream(self, t: Tensor, stream) -> None:
+        pass  # memory reuse is not simulated: frees are stream-ordered, the runtime waits for nothing
+
+    def to_host(self, t: Tensor) -> Tensor:
+        self.read_on_host("a device value read on the host")
+        if self.device.type == "meta":
+            return torch.zeros(t.shape, dtype=t.dtype)
+        return t.to("cpu")
+
+    def read_on_host(self, label: str) -> None:
+        """The calling host lane reads a value the compute stream produces: it waits for it."""
+        if self.asynchronous and self._where()[0] == "compute":
+            self._run(self.compute, self.spec.copy_latency_s, "read on host", "copy")
+            self._wait(self._host_lane(), self.compute.t, label)
+
+    def worker(self, threaded: bool) -> Executor:
+        return SimulatedWorker(self, self.worker_lane if threaded else self.main)
+
+    def clock(self) -> float:
+        return self._host_lane().t
+
+    def thread_name(self) -> str:
+        return self._host_lane().name
+
+    def stamp(self, stream=None):
+        stream = stream or self.compute
+        return max(stream.t, self.main.t) if self.asynchronous else self.main.t
+
+    def checkpoint_contexts(self):
+        # Autograd runs a recomputation without the forward's function modes: enter it again.
+        return contextlib.nullcontext(), (_GpuAttention() if self.device.type == "meta" else contextlib.nullcontext())
+
+    def check_host_memory(self, nbytes: int, what: str) -> None:
+        if self.device.type != "meta":
+            super().check_host_memory(nbytes, what)
+
+    @property
+    def autocast_device_type(self) -> str | None:
+        return None if self.device.type == "meta" else self.device.type
+
+    def available_host_bytes(self) -> int | None:
+        return self.spec.host_memory_bytes
+
+    def free_memory(self) -> tuple[int, int]:
+        return self.spec.device_memory_bytes, self.spec.device_memory_bytes
+
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def pin_memory(self) -> bool:
+        return False
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size() if isinstance(t, Tensor) else 0
+
+
+def _call_site() -> str:
+    """The innermost frames of the runtime that led here: "scheduler.py:_make_room <
+    chunk.py:end_offload" (the simulator's own frames and the caller's code left out)."""
+    frames = []
+    frame = inspect.currentframe()
+    while frame is not None and len(frames) < 3:
+        path = frame.f_code.co_filename
+        if "protrain_core" in path and not path.startswith(_HERE):
+            code = frame.f_code
+            frames.append(f"{Path(path).name}:{getattr(code, 'co_qualname', code.co_name)}")
+        frame = frame.f_back
+    return " < ".join(frames) or "user code"
+
+
+class SimulatedWorker(Executor):
+    """The CPU worker on a lane of the simulated clock: each job runs when submitted (inline),
+    from max(submit time, the lane's time); its future is done when the clock has passed it."""
+
+    def __init__(self, sim: SimulatedDevice, lane: Lane) -> None:
+        self.sim, self.lane = sim, lane
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        sim, lane = self.sim, self.lane
+        lane.t = max(lane.t, sim._host_lane().t)
+        start = lane.t
+        future = SimulatedFuture(sim)
+        r0 = time.perf_counter()
+        try:
+            with sim._at("cpu", lane):
+                value = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - re-raised by result(), as from a thread
+            future.set_exception(e)
+        else:
+            future.set_result(value)
+        if isinstance(lane, MeasuredLane):
+            lane.exclude(time.perf_counter() - r0)
+        future.end = lane.t
+        sim.records.work.append(Work(lane.name, start, lane.t, getattr(fn, "__name__", "job"), "cpu"))
+        return future
+
+
+class SimulatedFuture(Future):
+    """Done when the calling lane's clock has reached the job's end; ``result()`` waits until
+    then (a host wait, recorded)."""
+
+    def __init__(self, sim: SimulatedDevice) -> None:
+        super().__init__()
+        self.sim = sim
+        self.end = 0.0
+
+    def done(self) -> bool:
+        return super().done() and self.sim._host_lane().t >= self.end
+
+    def result(self, timeout=None):
+        lane = self.sim._host_lane()
+        self.sim._wait(lane, self.end, "CPU worker job")
+        return super().result(timeout)
+
+
+class _Charging(TorchDispatchMode):
+    """Charges every operator to the lane that runs it (``SimulatedDevice.charge``), and
+    answers the meta device's value reads (see the Note)."""
+
+    def __init__(self, sim: SimulatedDevice) -> None:
+        super().__init__()
+        self.sim = sim
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        sim = self.sim
+        if func is aten._local_scalar_dense.default:
+            (t,) = args
+            sim.read_on_host(".item() of a device tensor")
+            if t.device.type != "meta":
+                return func(t)
+            if t.dtype is torch.bool:
+                return True
+            raise RuntimeError(
+                "A size-only simulation (meta tensors) cannot read a tensor's value, but the model or the "
+                f"training code calls .item() on a {t.dtype} tensor of shape {tuple(t.shape)}. Simulate with "
+                "tensors='cpu' (a small model), or keep data-dependent reads out of the step."
+            )
+        if _reads_meta_on_cpu(func, args, kwargs):
+            sim.read_on_host("a device tensor copied to the CPU")
+            out = func(*[a if not (isinstance(a, Tensor) and a.device.type == "meta") else
+                         torch.zeros(a.shape, dtype=a.dtype) for a in args], **kwargs)
+            return out
+        out = func(*args, **kwargs)
+        sim.charge(func, args, kwargs, out, 0.0)
+        return out
+
+
+def _reads_meta_on_cpu(func, args, kwargs) -> bool:
+    """A copy of a meta tensor into a CPU tensor (``_to_copy`` to the CPU, ``copy_`` into one)."""
+    name = func.overloadpacket.__name__
+    if name == "_to_copy":
+        target = kwargs.get("device")
+        return isinstance(args[0], Tensor) and args[0].device.type == "meta" and target is not None and \
+            torch.device(target).type == "cpu"
+    if name == "copy_":
+        return args[0].device.type == "cpu" and args[1].device.type == "meta"
+    return False
+
+
+class _GpuAttention(TorchFunctionMode):
+    """On meta tensors, ``scaled_dot_product_attention`` runs the kernel CUDA would pick
+    (flash attention for bf16/fp16, memory-efficient attention for fp32): its FLOPs and saved
+    tensors are a GPU's, not those of the math path meta tensors would take."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            out = _gpu_sdpa(*args, **kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+
+def _gpu_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if query.device.type != "meta":
+        return None
+    if key.shape[-3] != query.shape[-3]:  # grouped-query attention: the kernels take equal heads
+        repeat = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+    if attn_mask is None and query.dtype in (torch.bfloat16, torch.float16):
+        return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
+    bias = None if attn_mask is None else attn_mask.to(query.dtype) if attn_mask.dtype is not torch.bool else \
+        torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
+    return aten._scaled_dot_product_efficient_attention(query, key, value, bias, True, dropout_p, is_causal,
+                                                        scale=scale)[0]
+
+
+class SimulatedGroup(Sharding):
+    """``world`` identical ranks, one of them simulated (rank 0): collectives are charged on the
+    simulated clock and do not communicate. Size-only: the other ranks' pieces of a gathered
+    chunk hold nothing meaningful, so a sharded simulation runs on meta tensors."""
+
+    def __init__(self, sim: SimulatedDevice, world: int) -> None:
+        if world < 2:
+            raise ValueError("SimulatedGroup(world): simulate 2 or more ranks (one rank is not sharded).")
+        if sim.device.type != "meta":
+            raise ValueError("A sharded simulation is size-only: build its SimulatedDevice with tensors='meta'.")
+        super().__init__(group=None, rank=0, world=world)
+        self.sim = sim
+
+    @property
+    def backend(self) -> str:
+        return "simulated"
+
+    def check_device(self, device: torch.device) -> None:
+        pass
+
+    def gather_(self, full: Tensor) -> None:
+        w = self.world
+        self.sim.charge_collective("all-gather", _nbytes(full), (w - 1) / w)
+
+    def reduce_scatter_mean(self, out: Tensor, full: Tensor) -> None:
+        if not out.numel():
+            return
+        full.mul_(1.0 / self.world)
+        w = self.world
+        self.sim.charge_collective("reduce-scatter", _nbytes(full), (w - 1) / w)
+
+    def all_reduce_(self, t: Tensor, op=None) -> Tensor:
+        w = self.world
+        if t.device.type == "cpu":
+            self.sim.host_collective("all-reduce")
+        else:
+            self.sim.charge_collective("all-reduce", _nbytes(t), 2 * (w - 1) / w)
+        return t
+
+    def max_on_host(self, values: list[float]) -> list[float]:
+        self.sim.host_collective("max over ranks")
+        return list(values)
+
+    def agree_received(self, index: int, received: list[bool]) -> list[bool]:
+        self.sim.host_collective("agree_received")
+        return list(received)
+
+    def broadcast_(self, t: Tensor, src: int = 0) -> None:
+        pass
+
+    def broadcast_object(self, obj, src: int = 0):
+        return obj
+
+    def barrier(self) -> None:
+        self.sim.host_collective("barrier")

@@ -1,0 +1,190 @@
+"""What a simulated device is made of: every figure the simulation uses, with its source.
+
+``DeviceSpec`` is the one place these numbers live; the simulated device (device.py) reads
+nothing else. Presets: ``H100`` (SXM5 80 GB with a PCIe Gen5 x16 host link) and ``H200``;
+``load_spec("h100" | "h200" | path.json)`` returns one, a JSON file naming a ``"base"`` preset
+and the fields it changes. ``cpu_spec(profile)`` describes the CPU device from a profile's
+measured figures ([Note: the simulated device] in device.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    """One device to simulate and the host around it.
+
+    Attributes:
+        name: what reports call it.
+        asynchronous: a GPU: streams run beside the host thread, copies on copy engines, the CPU
+            worker on a thread of its own. False: the CPU device, where the runtime copies and
+            updates inline and compute is what it measures (``cpu_spec``).
+        tensor_flops_per_s: matmuls and attention in bf16/fp16 (tensor cores), achieved.
+        fp32_flops_per_s: matmuls in fp32 (PyTorch's default keeps TF32 off), achieved.
+        memory_bytes_per_s: device memory bandwidth, achieved: every other kernel is charged
+            its bytes read and written over it.
+        kernel_s: the least time of one kernel on the device.
+        launch_s: host time to issue one operator (eager PyTorch: dispatch and launch).
+        h2d_bytes_per_s, d2h_bytes_per_s: pinned host <-> device copies, each direction on its
+            own copy engine (full duplex when they run on separate streams).
+        copy_latency_s: fixed cost of one copy.
+        collective_bytes_per_s: bus bandwidth of all-gather and reduce-scatter between the
+            simulated ranks (a ring moves (W-1)/W of the buffer per rank; all-reduce twice that).
+        collective_latency_s: fixed cost of one collective.
+        host_collective_s: one blocking host-side agreement between ranks (gloo, a few bytes).
+        cpu_adam_params_per_s: the CPU worker's fused AdamW.
+        host_memory_bytes_per_s: the CPU worker's other work (landing gradients, copies back,
+            norms), charged its bytes over this bandwidth.
+        cpu_op_s: the CPU worker's overhead per operator.
+        device_memory_bytes, host_memory_bytes: the memory of the device and of the host.
+        sources: where each figure comes from.
+    """
+
+    name: str
+    asynchronous: bool = True
+    tensor_flops_per_s: float
+    fp32_flops_per_s: float
+    memory_bytes_per_s: float
+    kernel_s: float
+    launch_s: float
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    copy_latency_s: float
+    collective_bytes_per_s: float
+    collective_latency_s: float
+    host_collective_s: float
+    cpu_adam_params_per_s: float
+    host_memory_bytes_per_s: float
+    cpu_op_s: float
+    device_memory_bytes: int
+    host_memory_bytes: int
+    sources: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        rates = [f.name for f in dataclasses.fields(self) if f.name.endswith("_per_s")]
+        bad = [n for n in rates if not getattr(self, n) > 0]
+        bad += [n for n in ("kernel_s", "launch_s", "copy_latency_s", "collective_latency_s", "host_collective_s",
+                            "cpu_op_s") if getattr(self, n) < 0]
+        bad += [n for n in ("device_memory_bytes", "host_memory_bytes") if getattr(self, n) <= 0]
+        if bad:
+            raise ValueError(f"DeviceSpec {self.name!r}: {', '.join(bad)} must be positive numbers (rates, memory) "
+                             "or >= 0 (times).")
+
+
+# The GPU machines this project is lent (shared/GPU_NOTES.md): one H100 80 GB or one H200 141 GB,
+# 16 CPU cores and 128 GiB of host memory each.
+_SHARED_SOURCES = (
+    "launch_s 5 us: eager PyTorch's host cost per operator (dispatcher and cudaLaunchKernel), an order of "
+    "magnitude, assumed",
+    "kernel_s 3 us: the shortest kernels' duration on Hopper, assumed",
+    "h2d/d2h 50 GB/s each way: PCIe Gen5 x16 is 63 GB/s per direction (32 GT/s x 16 lanes, 128b/130b); pinned "
+    "copies reach about 80 % of it, assumed (the profiler's probe measures it on the machine)",
+    "copy_latency_s 10 us per copy, assumed",
+    "collective_bytes_per_s 350 GB/s: NVLink 4 gives 450 GB/s per direction per GPU (NVIDIA H100 datasheet: "
+    "900 GB/s total); NCCL all-gather / reduce-scatter bus bandwidth about 350 GB/s on 8 GPUs (nccl-tests), assumed",
+    "collective_latency_s 20 us, host_collective_s 50 us (gloo between local processes), assumed",
+    "cpu_adam_params_per_s 3e9: memory-bound fused AdamW on the 16-core host, the figure the cost-model studies "
+    "use (update.py); benchmarks.gpu_session's cpu-adam piece measures it",
+    "host_memory_bytes_per_s 100 GB/s and cpu_op_s 5 us for the worker's other operators, assumed",
+    "host_memory_bytes 128 GiB: the lent machines",
+)
+
+H100 = DeviceSpec(
+    name="simulated NVIDIA H100 80GB HBM3 (PCIe Gen5 x16 host link)",
+    tensor_flops_per_s=790e12,
+    fp32_flops_per_s=53.5e12,
+    memory_bytes_per_s=3.0e12,
+    kernel_s=3e-6,
+    launch_s=5e-6,
+    h2d_bytes_per_s=50e9,
+    d2h_bytes_per_s=50e9,
+    copy_latency_s=10e-6,
+    collective_bytes_per_s=350e9,
+    collective_latency_s=20e-6,
+    host_collective_s=50e-6,
+    cpu_adam_params_per_s=3e9,
+    host_memory_bytes_per_s=100e9,
+    cpu_op_s=5e-6,
+    device_memory_bytes=78 * GIB,
+    host_memory_bytes=128 * GIB,
+    sources=(
+        "tensor_flops_per_s 790 TFLOP/s: bf16 matmul measured on the lent H100 (shared/GPU_NOTES.md); the "
+        "datasheet's dense peak is 989 TFLOP/s",
+        "fp32_flops_per_s 53.5 TFLOP/s: the datasheet's 67 TFLOP/s FP32 (SXM5) at the same 80 % of peak",
+        "memory_bytes_per_s 3.0 TB/s: device-to-device copy measured on the lent H100 (shared/GPU_NOTES.md); the "
+        "datasheet's HBM3 peak is 3.35 TB/s",
+        "device_memory_bytes 78 GiB: what the device tool reports for the lent H100",
+        *_SHARED_SOURCES,
+    ),
+)
+
+H200 = dataclasses.replace(
+    H100,
+    name="simulated NVIDIA H200 141GB HBM3e (PCIe Gen5 x16 host link)",
+    memory_bytes_per_s=4.3e12,
+    device_memory_bytes=139 * GIB,
+    sources=(
+        "tensor_flops_per_s, fp32_flops_per_s: as the H100 (the same SXM5 compute; NVIDIA H200 datasheet)",
+        "memory_bytes_per_s 4.3 TB/s: device-to-device copy measured on the lent H200 (shared/GPU_NOTES.md); the "
+        "datasheet's HBM3e peak is 4.8 TB/s",
+        "device_memory_bytes 139 GiB: what the device tool reports for the lent H200",
+        *_SHARED_SOURCES,
+    ),
+)
+
+PRESETS = {"h100": H100, "h200": H200}
+
+
+def load_spec(name_or_path: str | Path | DeviceSpec) -> DeviceSpec:
+    """A preset by name ("h100", "h200"), or a JSON file: ``{"base": "h100", "h2d_bytes_per_s":
+    25e9, ...}`` (every field not given comes from the base preset; without a base, every
+    field must be given)."""
+    if isinstance(name_or_path, DeviceSpec):
+        return name_or_path
+    key = str(name_or_path).lower()
+    if key in PRESETS:
+        return PRESETS[key]
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ValueError(f"Unknown hardware {name_or_path!r}: use one of {', '.join(PRESETS)} or a JSON file of "
+                         "DeviceSpec fields (with \"base\": a preset to start from).")
+    fields = json.loads(path.read_text())
+    base = fields.pop("base", None)
+    known = {f.name for f in dataclasses.fields(DeviceSpec)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown DeviceSpec fields {unknown}; the fields are {sorted(known)}.")
+    if "sources" in fields:
+        fields["sources"] = tuple(fields["sources"])
+    fields.setdefault("sources", (f"{path}",))
+    if base is not None:
+        return dataclasses.replace(load_spec(base), name=fields.pop("name", f"{PRESETS[base].name} ({path.name})"),
+                                   **fields)
+    missing = sorted(f.name for f in dataclasses.fields(DeviceSpec)
+                     if f.name not in fields and f.default is dataclasses.MISSING)
+    if missing:
+        raise ValueError(f"{path}: fields {missing} are missing; give them, or \"base\": one of {', '.join(PRESETS)}.")
+    return DeviceSpec(**fields)
+
+
+def cpu_spec(hardware, *, name: str = "the CPU device (measured figures)") -> DeviceSpec:
+    """The CPU device as a simulated device, from a profile's measured hardware figures
+    (``Profile.hardware``): copies at the measured bandwidths, Adam at the measured rate, compute
+    and host work as they run (there is no other device to model on a CPU)."""
+    return DeviceSpec(
+        name=name, asynchronous=False, tensor_flops_per_s=1.0, fp32_flops_per_s=1.0, memory_bytes_per_s=1.0,
+        kernel_s=0.0, launch_s=0.0, h2d_bytes_per_s=hardware.h2d_bytes_per_s, d2h_bytes_per_s=hardware.d2h_bytes_per_s,
+        copy_latency_s=0.0, collective_bytes_per_s=1.0, collective_latency_s=0.0, host_collective_s=0.0,
+        cpu_adam_params_per_s=hardware.cpu_adam_params_per_s, host_memory_bytes_per_s=hardware.d2h_bytes_per_s,
+        cpu_op_s=0.0, device_memory_bytes=int(hardware.device_memory_bytes),
+        host_memory_bytes=int(hardware.device_memory_bytes),
+        sources=("copies, Adam: the profile's probes on this machine (profiler/hardware.py); compute and host work: "
+                 "as measured while the simulation runs",),
+    )

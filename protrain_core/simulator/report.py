@@ -1,0 +1,178 @@
+"""What one simulated step did: its time, the compute stream's idle time by cause, host waits by
+call site, the CPU Adam inside backward, bytes per direction -- from the simulated device's
+records over a window (``StepReport.of``), with a text summary."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from protrain_core.simulator.clock import Records, Wait, Work
+from protrain_core.utils import format_bytes, format_seconds
+
+_ADAM_OPS = ("_fused_adamw_", "_fused_adam_")
+
+
+@dataclass(frozen=True)
+class HostWaits:
+    """The host waits of one call site in one training phase."""
+
+    site: str
+    label: str
+    phase: str
+    count: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Phases:
+    """Simulated times (compute-stream positions) of one step's phases."""
+
+    forward: float
+    backward: float
+    backward_end: float
+    next_backward: float  # the next step's backward begins: the window ends
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One simulated step, from its backward to the next step's backward (a whole period of the
+    steady state: backward, the update, the next forward with what it waits for)."""
+
+    step_s: float
+    backward_s: float
+    compute_busy_s: float
+    idle_s: dict[str, float]  # compute stream idle time by cause
+    host_waits: tuple[HostWaits, ...]  # the thread that drives the device
+    worker_waits: tuple[HostWaits, ...]  # the CPU worker
+    cpu_adam_s: float
+    cpu_adam_in_backward_s: float
+    bytes: dict[str, int]  # per direction ("host->device", "device->host", "collectives")
+    copy_busy_backward_s: dict[str, float]  # per direction: time its link copied during backward
+    duplex_backward_s: float  # both directions copying at once during backward
+    idle_backward_s: dict[str, float] = field(default_factory=dict)  # the same, during backward
+    collectives: dict[str, float] = field(default_factory=dict)  # stream -> seconds of collectives on it
+
+    @property
+    def cpu_adam_inside_backward(self) -> float:
+        return self.cpu_adam_in_backward_s / self.cpu_adam_s if self.cpu_adam_s else 1.0
+
+    def waits_for_backward_s(self, *prefixes: str) -> float:
+        """Compute idle time during backward for events whose label starts with ``prefixes``
+        (e.g. "reduce-scatter", "all-gather")."""
+        return sum(s for cause, s in self.idle_backward_s.items() if cause.startswith(prefixes))
+
+    @property
+    def idle_total_s(self) -> float:
+        return sum(self.idle_s.values())
+
+    @classmethod
+    def of(cls, records: Records, phases: Phases, worker_lane: str) -> StepReport:
+        lo, hi = phases.backward, phases.next_backward
+        bwd = (phases.backward, phases.backward_end)
+        work = [w for w in records.work if w.end > lo and w.start < hi]
+        busy = sum(_clip(w, lo, hi) for w in work if w.lane == "compute" and w.kind != "idle")
+        adam = [w for w in work if w.lane == worker_lane and w.label in _ADAM_OPS]
+        copies = {d: _union([(w.start, w.end) for w in work if w.kind == "copy" and w.label == d], *bwd)
+                  for d in ("host->device", "device->host")}
+        collectives = defaultdict(float)
+        for w in work:
+            if w.kind == "collective":
+                collectives[w.lane] += _clip(w, lo, hi)
+        return cls(
+            step_s=hi - lo,
+            backward_s=bwd[1] - bwd[0],
+            compute_busy_s=busy,
+            idle_s=records.idle_between(lo, hi),
+            host_waits=_waits(records.waits, "host", lo, hi),
+            worker_waits=_waits(records.waits, worker_lane, lo, hi),
+            cpu_adam_s=sum(_clip(w, lo, hi) for w in adam),
+            cpu_adam_in_backward_s=sum(_clip(w, *bwd) for w in adam),
+            bytes=_bytes(work, lo, hi),
+            copy_busy_backward_s={d: _length(v) for d, v in copies.items()},
+            duplex_backward_s=_length(_intersect(copies["host->device"], copies["device->host"])),
+            idle_backward_s=records.idle_between(*bwd),
+            collectives=dict(collectives),
+        )
+
+    def text(self, predicted_s: float | None = None) -> str:
+        """The summary ``protrain plan --simulate`` prints."""
+        pct = lambda part, whole: f"{100 * part / whole:.0f} %" if whole else "-"  # noqa: E731
+        lines = [f"simulated step {format_seconds(self.step_s)}"
+                 + ("" if predicted_s is None else
+                    f"; cost model {format_seconds(predicted_s)} ({100 * (self.step_s / predicted_s - 1):+.1f} %)")
+                 + f"; backward {format_seconds(self.backward_s)}"]
+        lines.append(f"compute stream busy {format_seconds(self.compute_busy_s)} ({pct(self.compute_busy_s, self.step_s)}), "
+                     f"idle {format_seconds(self.idle_total_s)}" + (":" if self.idle_s else ""))
+        for cause, s in sorted(self.idle_s.items(), key=lambda kv: -kv[1])[:8]:
+            lines.append(f"  {format_seconds(s):>9}  {cause}")
+        if len(self.idle_s) > 8:
+            rest = sorted(self.idle_s.values(), reverse=True)[8:]
+            lines.append(f"  {format_seconds(sum(rest)):>9}  {len(rest)} other causes")
+        lines.append("host waits of the thread that drives the device:" + ("" if self.host_waits else " none"))
+        for w in self.host_waits:
+            lines.append(f"  {w.phase:>9} {w.count:4d} x {format_seconds(w.seconds):>9}  {w.label}  [{w.site}]")
+        lines.append(f"CPU Adam {format_seconds(self.cpu_adam_s)}, {pct(self.cpu_adam_in_backward_s, self.cpu_adam_s)} "
+                     "of it inside backward")
+        moved = ", ".join(f"{d} {format_bytes(b)}" for d, b in self.bytes.items() if b)
+        lines.append(f"bytes: {moved or 'none'}; during backward host->device copied "
+                     f"{format_seconds(self.copy_busy_backward_s['host->device'])}, device->host "
+                     f"{format_seconds(self.copy_busy_backward_s['device->host'])}, both at once "
+                     f"{format_seconds(self.duplex_backward_s)}")
+        if self.collectives:
+            on = ", ".join(f"{format_seconds(s)} on the {lane} stream" for lane, s in sorted(self.collectives.items()))
+            lines.append(f"collectives: {on}; during backward the compute stream waited "
+                         f"{format_seconds(self.waits_for_backward_s('all-gather'))} for all-gathers, "
+                         f"{format_seconds(self.waits_for_backward_s('reduce-scatter'))} for reduce-scatters")
+        return "\n".join(lines)
+
+
+def _clip(w: Work, lo: float, hi: float) -> float:
+    return max(0.0, min(w.end, hi) - max(w.start, lo))
+
+
+def _waits(waits: list[Wait], lane: str, lo: float, hi: float) -> tuple[HostWaits, ...]:
+    groups: dict[tuple[str, str, str], list[Wait]] = defaultdict(list)
+    for w in waits:
+        if w.lane == lane and w.end > lo and w.start < hi:
+            groups[(w.site, w.label if not w.label.startswith("chunk ") else "a chunk's copy", w.phase)].append(w)
+    out = [HostWaits(site, label, phase, len(ws), sum(min(w.end, hi) - max(w.start, lo) for w in ws))
+           for (site, label, phase), ws in groups.items()]
+    return tuple(sorted(out, key=lambda h: -h.seconds))
+
+
+def _bytes(work: list[Work], lo: float, hi: float) -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
+    for w in work:
+        if w.nbytes and lo <= w.start < hi:
+            out["collectives" if w.kind == "collective" else w.label] += w.nbytes
+    return dict(out)
+
+
+def _union(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in intervals):
+        if b <= a:
+            continue
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _intersect(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out, i, j = [], 0, 0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if b > a:
+            out.append((a, b))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)

@@ -1,0 +1,159 @@
+"""Training steps of a model on a simulated device, next to the cost model's prediction.
+
+``simulate(model, optimizer, batch, device=SimulatedDevice(...))`` profiles the model on the
+simulated device (the profiler's own passes and probes, in simulated time: the profile describes
+the device the run sees), searches a plan within the budget unless one is given, wraps the model
+on the device with that plan, runs training steps and returns a ``Simulation``: the step's
+``StepReport`` (report.py), the cost model's prediction for the same plan and schedule, and the
+``Timeline`` of the steps (the same one ``Engine.record_timeline`` gives on a GPU).
+``protrain plan --simulate`` (cli.py) is this, for a built-in or local model config on the meta
+device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from protrain_core.api import default_memory_budget, wrap
+from protrain_core.plan import Plan, as_plan
+from protrain_core.planner.cost import MemoryEstimate, RuntimeEstimate, estimate_memory, estimate_runtime
+from protrain_core.planner.profiles import Profile
+from protrain_core.planner.search import PlanChoice, search
+from protrain_core.precision import parse_precision
+from protrain_core.profiler.profiler import call, default_loss, profile_model
+from protrain_core.simulator.device import SimulatedDevice, SimulatedGroup
+from protrain_core.simulator.report import Phases, StepReport
+from protrain_core.structure.blocks import find_blocks
+from protrain_core.structure.layout import build_layout
+from protrain_core.update import overlap_mode, parse_gradient_clipping
+from protrain_core.utils import format_bytes, format_seconds
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """What ``simulate`` found. ``predicted`` and ``memory``: the cost models' estimates for
+    the same plan and update schedule; ``choice``: the search's, when it chose the plan."""
+
+    hardware: str
+    description: str
+    plan: Plan
+    precision: str
+    overlap: str
+    world_size: int
+    report: StepReport
+    predicted: RuntimeEstimate
+    memory: MemoryEstimate
+    device_memory_bytes: int
+    timeline: dict
+    profile: Profile
+    choice: PlanChoice | None = None
+
+    @property
+    def step_s(self) -> float:
+        return self.report.step_s
+
+    @property
+    def error(self) -> float:
+        """Simulated over predicted step time, minus 1."""
+        return self.report.step_s / self.predicted.total_s - 1
+
+    def text(self) -> str:
+        p = self.plan
+        fits = self.memory.peak_bytes <= self.device_memory_bytes
+        head = [
+            f"{self.hardware}: {self.description}",
+            f"plan {p.n_persist}/{p.n_buffer}/{p.n_swap}/{p.n_checkpoint} (persist/buffer/swap/checkpoint), "
+            f"{self.precision}, {self.overlap}" + (f", {self.world_size} simulated ranks" if self.world_size > 1 else ""),
+            f"cost model: step {format_seconds(self.predicted.total_s)} (forward {format_seconds(self.predicted.forward_s)}, "
+            f"backward {format_seconds(self.predicted.backward_s)}, bottleneck {self.predicted.bottleneck}); peak "
+            f"{format_bytes(self.memory.peak_bytes)} of {format_bytes(self.device_memory_bytes)}"
+            + ("" if fits else " -- does NOT fit the device"),
+        ]
+        return "\n".join(head + [self.report.text(self.predicted.total_s)])
+
+
+class _Marks:
+    """Compute-stream positions of each step's phases (an engine observer)."""
+
+    def __init__(self, sim: SimulatedDevice) -> None:
+        self.sim = sim
+        self.forward: list[float] = []
+        self.backward: list[float] = []
+        self.backward_end: list[float] = []
+
+    def batch_begins(self, _batch) -> None:
+        self.forward.append(self.sim.stamp())
+
+    def backward_begins(self) -> None:
+        self.backward.append(self.sim.stamp())
+
+    def backward_ends(self) -> None:
+        self.backward_end.append(self.sim.stamp())
+
+    def phases(self, step: int) -> Phases:
+        return Phases(self.forward[step], self.backward[step], self.backward_end[step], self.backward[step + 1])
+
+
+def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *, device: SimulatedDevice,
+             plan: Plan | dict | None = None, budget: int | None = None, precision: str = "bf16-mixed",
+             gradient_clipping: tuple[str, float] | None = None, world_size: int = 1, profile: Profile | None = None,
+             steps: int = 2, description: str = "") -> Simulation:
+    """Simulate ``steps`` training steps (at least 2; the report is the first step's period, from
+    its backward to the next one's) of ``model`` on ``batch`` (keyword inputs with labels).
+    ``profile``: one taken on this device before (the same model, batch, precision and world
+    size); ``world_size``: simulated ranks the chunks are sharded over (meta tensors only)."""
+    if steps < 2:
+        raise ValueError("simulate(steps=...) needs at least 2 steps: a step's period ends where the next backward begins.")
+    sim, prec = device, parse_precision(precision)
+    clipping = None if gradient_clipping is None else parse_gradient_clipping(*gradient_clipping)
+    group = SimulatedGroup(sim, world_size) if world_size > 1 else None
+    schedule = overlap_mode(prec, clipping).schedule
+    with sim:
+        if profile is None:
+            block_path, blocks = find_blocks(model)
+            layout = build_layout(model, block_path, len(blocks))
+            # One timed pass: the simulated clock gives the same times every pass.
+            profile = profile_model(model, optimizer, layout, example_inputs=batch, precision=prec, device=sim,
+                                    iterations=1, cache=False, sharding=group)
+        choice = None
+        if plan is None:
+            choice = search(profile, budget or default_memory_budget(sim), host_budget=sim.spec.host_memory_bytes,
+                            schedule=schedule)
+            plan = choice.plan
+        plan = as_plan(plan)
+        engine = wrap(model, optimizer, plan, device=sim, precision=precision, gradient_clipping=gradient_clipping,
+                      process_group=group)
+        try:
+            report, timeline, overlap = _run(engine, sim, batch, steps, late=gradient_clipping is None)
+        finally:
+            engine.close()
+    return Simulation(
+        hardware=sim.spec.name, description=description or profile.description, plan=plan, precision=prec.value,
+        overlap=overlap, world_size=world_size, report=report,
+        predicted=estimate_runtime(profile, plan, schedule=schedule), memory=estimate_memory(profile, plan),
+        device_memory_bytes=sim.spec.device_memory_bytes, timeline=timeline, profile=profile, choice=choice,
+    )
+
+
+def _run(engine, sim: SimulatedDevice, batch: dict, steps: int, *, late: bool):
+    """Train ``steps`` steps on ``batch``; (the first step's report, the timeline, the schedule)."""
+    if late:
+        engine.expect_late_clipping(False)  # no step is held for a clipping request: the steady schedule
+    sim.watch(engine)
+    marks = _Marks(sim)
+    handle = engine.observe(marks)
+    try:
+        with engine.record_timeline() as timeline:
+            for _ in range(steps):
+                engine.backward(default_loss(call(engine.module, batch)))
+                engine.step()
+                engine.zero_grad()
+    finally:
+        handle.remove()
+    report = StepReport.of(sim.records, marks.phases(0), sim.worker_lane.name)
+    data = timeline.to_json()
+    data.update(plan=str(engine.plan), overlap=engine.overlap)
+    return report, data, engine.overlap
