@@ -1,15 +1,18 @@
 """LLaMA-7B on a simulated H100 (or H200): the GPU contract's runs, and the figures the issue
 notes give before and after a runtime change ([Note: the simulated device]).
 
-    python -m benchmarks.bench_simulator [--hardware h100] [--batch 32] [--seq 2048] [--json FILE]
+    python -m benchmarks.bench_simulator [--hardware h100] [--seq 2048] [--json FILE]
 
 No GPU is needed: the model lives on the meta device and the simulated device times the
-runtime's CUDA path. For each plan (all persistent; all streamed with 2 and 3 buffers; mixed;
-with swapped and checkpointed blocks) and each variant (bf16-mixed, with norm clipping at 1.0,
-16-mixed) it prints the simulated step, the cost model's prediction for the same plan and
-schedule, the compute stream's idle time by cause, the host waits during backward that
-[Note: host waits] does not name, the time both copy directions run at once in backward, and
-the share of the CPU Adam time inside backward; then the sharded runs (2 and 4 simulated ranks).
+runtime's CUDA path. Batch 32 x 2048 is compute-bound (a block's backward takes longer than
+its chunk's copies, and the CPU Adam keeps pace with backward); batch 2 x 2048 is bound by
+the host link, where both copy directions must run at once. For each plan (all persistent; all
+streamed with 2 and 3 buffers; mixed; with swapped and checkpointed blocks) and variant
+(bf16-mixed; with norm clipping at 1.0; 16-mixed) it prints the simulated step, the cost
+model's prediction for the same plan and schedule, the compute stream's idle time by cause,
+the host waits during backward that [Note: host waits] does not name, the time both copy
+directions run at once in backward (and copies queued behind the other direction's), and the
+share of the CPU Adam time inside backward; then the sharded runs (2 and 4 simulated ranks).
 tests/test_simulator.py holds the runtime to the same runs.
 """
 
@@ -37,6 +40,12 @@ PLANS = {
     "mixed-swap-checkpoint": pt.Plan(n_persist=8, n_buffer=2, n_swap=2, n_checkpoint=12),
 }
 VARIANTS = {"bf16": ("bf16-mixed", None), "bf16-clip": ("bf16-mixed", ("norm", 1.0)), "fp16": ("16-mixed", None)}
+COMPUTE_BOUND, LINK_BOUND = 32, 2  # batch sizes (x 2048 tokens)
+# (plan, variant) at the compute-bound batch: every plan in bf16-mixed, the streaming ones also
+# with norm clipping and in 16-mixed.
+RUNS = [(plan, "bf16") for plan in PLANS] + [
+    (plan, variant) for plan in ("streamed-buf2", "mixed", "swap", "mixed-swap-checkpoint") for variant in ("bf16-clip", "fp16")]
+DUPLEX = ["streamed-buf2", "streamed-buf3", "mixed", "checkpoint"]  # at the link-bound batch
 SHARDED = [(plan, world) for plan in ("streamed-buf2", "mixed") for world in (2, 4)]
 
 
@@ -67,46 +76,50 @@ class Runner:
         return result
 
 
-def row(plan: str, variant: str, world: int, result: Simulation) -> dict:
+def row(plan: str, variant: str, world: int, result: Simulation, batch: int) -> dict:
     r = result.report
     waits = unnamed_backward_waits(result)
     top = sorted(r.idle_s.items(), key=lambda kv: -kv[1])[:3]
     return {
-        "plan": plan, "variant": variant, "world": world, "simulated_s": r.step_s, "predicted_s": result.predicted.total_s,
+        "plan": plan, "variant": variant, "world": world, "batch": batch, "simulated_s": r.step_s,
+        "predicted_s": result.predicted.total_s,
         "error": result.error, "idle_s": r.idle_total_s, "idle_top": [[cause, s] for cause, s in top],
         "unnamed_backward_waits": len(waits), "unnamed_backward_wait_s": sum(w.seconds for w in waits),
-        "duplex_backward_s": r.duplex_backward_s, "copy_backward_s": r.copy_busy_backward_s,
+        "duplex_backward_s": r.duplex_backward_s, "copy_backward_s": r.copy_busy_backward_s, "half_duplex_s": r.half_duplex_s,
         "cpu_adam_s": r.cpu_adam_s, "cpu_adam_in_backward": r.cpu_adam_inside_backward, "backward_s": r.backward_s,
         "collectives": r.collectives, "reduce_scatter_waits_backward_s": r.waits_for_backward_s("reduce-scatter"),
     }
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| plan | variant | ranks | simulated | cost model | error | compute idle | largest idle causes | "
-             "backward host waits not named | both directions at once in backward | CPU Adam inside backward |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| plan | variant | batch | ranks | simulated | cost model | error | compute idle | largest idle causes | "
+             "backward host waits not named | copies in backward: h2d / d2h / both at once / behind the other "
+             "direction | CPU Adam inside backward |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in rows:
         causes = "; ".join(f"{c} {format_seconds(s)}" for c, s in x["idle_top"]) or "-"
+        copies = " / ".join(format_seconds(v) for v in (*x["copy_backward_s"].values(), x["duplex_backward_s"],
+                                                        x["half_duplex_s"]))
         lines.append(
-            f"| {x['plan']} | {x['variant']} | {x['world']} | {format_seconds(x['simulated_s'])} | "
+            f"| {x['plan']} | {x['variant']} | {x['batch']} | {x['world']} | {format_seconds(x['simulated_s'])} | "
             f"{format_seconds(x['predicted_s'])} | {100 * x['error']:+.1f} % | {format_seconds(x['idle_s'])} | {causes} | "
-            f"{x['unnamed_backward_waits']} ({format_seconds(x['unnamed_backward_wait_s'])}) | "
-            f"{format_seconds(x['duplex_backward_s'])} | {100 * x['cpu_adam_in_backward']:.0f} % |")
+            f"{x['unnamed_backward_waits']} ({format_seconds(x['unnamed_backward_wait_s'])}) | {copies} | "
+            f"{100 * x['cpu_adam_in_backward']:.0f} % |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hardware", default="h100", help="h100, h200 or a JSON file (protrain_core/simulator/hardware.py)")
-    ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args(argv)
     start = time.perf_counter()
-    runner = Runner(args.hardware, args.batch, args.seq)
-    rows = [row(plan, variant, 1, runner.run(plan, variant)) for plan in PLANS for variant in VARIANTS]
-    rows += [row(plan, "bf16", world, runner.run(plan, "bf16", world)) for plan, world in SHARDED]
-    print(f"LLaMA-7B, batch {args.batch} x {args.seq}, on {runner.profiles and SimulatedDevice(args.hardware).spec.name} "
+    runner, linked = Runner(args.hardware, COMPUTE_BOUND, args.seq), Runner(args.hardware, LINK_BOUND, args.seq)
+    rows = [row(plan, variant, 1, runner.run(plan, variant), COMPUTE_BOUND) for plan, variant in RUNS]
+    rows += [row(plan, "bf16", 1, linked.run(plan, "bf16"), LINK_BOUND) for plan in DUPLEX]
+    rows += [row(plan, "bf16", world, runner.run(plan, "bf16", world), COMPUTE_BOUND) for plan, world in SHARDED]
+    print(f"LLaMA-7B, sequences of {args.seq}, on {SimulatedDevice(args.hardware).spec.name} "
           f"({time.perf_counter() - start:.0f} s of real time)\n")
     print(markdown(rows))
     if args.json:

@@ -23,17 +23,13 @@ the runner then writes its Markdown and JSON alone and says so.
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import tempfile
 from pathlib import Path
 
-from protrain_core.utils import new_file_mode
+from protrain_core import timeline_figure
 
 INSTALL = 'pip install -e ".[bench]"  (matplotlib)'
-LANE_COLOURS = {"compute": "#4c72b0", "host->device": "#55a868", "device->host": "#c44e52",
-                "collectives": "#8172b2", "CPU Adam": "#dd8452"}
-PHASE_COLOURS = {"forward": "#4c72b0", "backward": "#64b5cd", "step": "#8c8c8c"}
+save = timeline_figure.save  # every figure is written atomically, with the umask's mode
 
 
 class FiguresUnavailable(RuntimeError):
@@ -57,22 +53,6 @@ def write_figures(report: dict, out: Path) -> list[Path]:
         if fig is not None:
             written.append(save(fig, Path(out) / name))
     return written
-
-
-def save(fig, path: Path) -> Path:
-    """Write atomically (a temporary file, then a rename), then close the figure."""
-    import matplotlib.pyplot as plt
-
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".png")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        os.chmod(tmp, new_file_mode())
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        Path(tmp).unlink(missing_ok=True)
-    return path
 
 
 def _title(report: dict, what: str) -> str:
@@ -229,40 +209,14 @@ def fidelity(report: dict):
 
 
 def timeline(report: dict):
-    import matplotlib
-    import matplotlib.pyplot as plt
-
     study = next((r for r in report.get("study", []) if r.get("timeline")), None)
     if study is None:
         return None
     tl = study["timeline"]
-    lanes = [lane for lane in LANE_COLOURS if any(s["lane"] == lane for s in tl["spans"])]
-    fig, ax = plt.subplots(figsize=(11, 0.6 * len(lanes) + 1.8))
-    visible = 2e-3 * max(s["end"] for s in tl["spans"]) * 1e3  # the narrowest bar drawn (ms): 0.2 % of the step
-    for y, lane in enumerate(reversed(lanes)):
-        spans = [s for s in tl["spans"] if s["lane"] == lane]
-        colours = [PHASE_COLOURS.get(s["label"], LANE_COLOURS[lane]) if lane == "compute" else LANE_COLOURS[lane]
-                   for s in spans]
-        # activation swaps lighter than the chunks' copies
-        colours = [matplotlib.colors.to_rgba(c, 0.35 if s["label"] == "activations" else 1.0)
-                   for c, s in zip(colours, spans)]
-        ax.broken_barh([(s["start"] * 1e3, max((s["end"] - s["start"]) * 1e3, visible)) for s in spans], (y - 0.35, 0.7),
-                       facecolors=colours, edgecolor="none")
-        if lane in ("compute", "CPU Adam"):
-            for s in spans:
-                text = s["label"].replace("chunk ", "c")
-                ax.annotate(text, ((s["start"] + s["end"]) / 2 * 1e3, y), ha="center", va="center", fontsize=6,
-                            color="white" if lane == "compute" else "black")
-    threads = sorted({s["thread"] for s in tl["spans"] if s["lane"] == "CPU Adam" and s["thread"]})
-    names = {"CPU Adam": f"CPU Adam\n({', '.join(threads)})" if threads else "CPU Adam"}
-    ax.set_yticks(range(len(lanes)), [names.get(lane, lane) for lane in reversed(lanes)], fontsize=8)
-    ax.set_xlabel("ms since the step began (copies: dark = a chunk, light = swapped activations)")
-    ax.grid(axis="x", alpha=0.3)
     overlap = study.get("adam_in_backward")
     sub = f"{study['label']}, {tl['plan']}; {tl['overlap']}" + (
         f"; {overlap:.0%} of CPU Adam time ran during backward" if overlap is not None else "")
-    ax.set_title(_title(report, "one ProTrain step") + "\n" + sub, fontsize=9)
-    return fig
+    return timeline_figure.draw(tl, _title(report, "one ProTrain step") + "\n" + sub)
 
 
 def probes(report: dict):

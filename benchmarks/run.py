@@ -540,16 +540,18 @@ def study_markdown(rows: list[dict]) -> list[str]:
             continue
         lines += ["", f"Study run ({r['label']}, memory budget {r.get('memory_budget') or 'default'}): the cost models "
                   "across the plans that fit (the best at each number of persistent chunks)", "",
-                  "| plan | step: predicted / measured (error) | peak: predicted / measured (error) |", "|---|---|---|"]
+                  "| plan | step: predicted / measured (error) | step: simulated (error) | "
+                  "peak: predicted / measured (error) |", "|---|---|---|---|"]
         for p in r.get("plans", []):
+            sim = _simulated(p)
             if "measured_step_s" not in p:
-                lines.append(f"| {p['plan']} | {ms(p['predicted_step_s'])} / {p['status']}: {p['error'][:120]} | "
+                lines.append(f"| {p['plan']} | {ms(p['predicted_step_s'])} / {p['status']}: {p['error'][:120]} | {sim} | "
                              f"{gib(p['predicted_peak_bytes'])} / — |")
                 continue
             err = (p["predicted_step_s"] - p["measured_step_s"]) / p["measured_step_s"]
             perr = (p["predicted_peak_bytes"] - p["measured_peak_bytes"]) / p["measured_peak_bytes"]
             lines.append(f"| {p['plan']}{' (searched)' if p['searched'] else ''} | {ms(p['predicted_step_s'])} / "
-                         f"{ms(p['measured_step_s'])} ({err:+.1%}) | {gib(p['predicted_peak_bytes'])} / "
+                         f"{ms(p['measured_step_s'])} ({err:+.1%}) | {sim} | {gib(p['predicted_peak_bytes'])} / "
                          f"{gib(p['measured_peak_bytes'])} ({perr:+.1%}) |")
         tl = r.get("timeline")
         if tl:
@@ -562,6 +564,15 @@ def study_markdown(rows: list[dict]) -> list[str]:
         elif r.get("timeline_error"):
             lines += ["", f"Timeline: not recorded: {r['timeline_error']}"]
     return lines
+
+
+def _simulated(p: dict) -> str:
+    """The study plan's simulated step (protrain_core/simulator) and its distance to the measured one."""
+    if "simulated_step_s" not in p:
+        return f"not simulated: {p['simulation_error'][:80]}" if p.get("simulation_error") else "—"
+    if "measured_step_s" not in p:
+        return ms(p["simulated_step_s"])
+    return f"{ms(p['simulated_step_s'])} ({(p['simulated_step_s'] - p['measured_step_s']) / p['measured_step_s']:+.1%})"
 
 
 def adam_in_backward(timeline: dict) -> float | None:

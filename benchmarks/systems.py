@@ -583,6 +583,10 @@ def study(engine, step, data, spec, device) -> dict:
             row.update(status="oom" if is_oom(exc) else "error", error=f"{type(exc).__name__}: {str(exc)[:300]}")
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        try:
+            row["simulated_step_s"] = simulated_step(spec, c.plan, choice.profile, device)
+        except Exception as exc:  # noqa: BLE001 -- the measured figures stand without it
+            row["simulation_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         plans.append(row)
     facts = {"plans": plans}
     try:
@@ -591,6 +595,27 @@ def study(engine, step, data, spec, device) -> dict:
     except Exception as exc:  # noqa: BLE001 -- the plans' figures stand without it
         facts["timeline_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     return facts
+
+
+def simulated_step(spec, plan, profile, device) -> float:
+    """The plan's step on the simulated device (protrain_core/simulator) given this machine's
+    measured figures: on the CPU the CPU device itself (compute as it runs, copies and Adam at
+    the profile's rates, on a second model of real tensors); on CUDA this GPU's preset with the
+    profile's copy bandwidths and CPU Adam rate, the model on the meta device."""
+    from protrain_core.simulator.device import SimulatedDevice
+    from protrain_core.simulator.hardware import cpu_spec, preset_for, with_measured
+    from protrain_core.simulator.run import simulate
+
+    cuda = device.type == "cuda"
+    tensors = "meta" if cuda else "cpu"
+    hardware = with_measured(preset_for(torch.cuda.get_device_name(device)), profile.hardware) if cuda else \
+        cpu_spec(profile.hardware)
+    model = build_model(spec["model"], tensors)
+    x = batches(dict(spec, warmup=1, steps=0), tensors)[0]
+    result = simulate(model, adamw(trainable(model), tensors), {"input_ids": x, "labels": x},
+                      device=SimulatedDevice(hardware, tensors=tensors), plan=plan, precision=spec["precision"],
+                      gradient_clipping=None if spec.get("clip") is None else ("norm", spec["clip"]))
+    return result.step_s
 
 
 def timed_steps(engine, step, data, steps: int, device) -> tuple[list[float], int]:

@@ -25,6 +25,10 @@ from protrain_core import models
 from protrain_core.models import BUILTIN
 from protrain_core.utils import format_bytes, format_seconds, parse_bytes
 
+WHAT_IF_HEADER = "| {} | plan (persist/buffer/swap/checkpoint) | predicted step | tokens/s | predicted peak | bottleneck |"
+WHAT_IF_RULE = "|---|---|---|---|---|---|"
+
+
 def load_config(name: str):
     try:
         return models.load_config(name)
@@ -117,8 +121,7 @@ def plan_command(args) -> int:
         print(f"protrain plan: {e}")
     print()
     tokens = args.batch_size * args.seq_len * args.world_size  # tokens/s of all the processes
-    header = "| {} | plan (persist/buffer/swap/checkpoint) | predicted step | tokens/s | predicted peak | bottleneck |"
-    rule = "|---|---|---|---|---|---|"
+    header, rule = WHAT_IF_HEADER, WHAT_IF_RULE
     if batch_sizes:
         print(f"What if the batch size changes (budget {format_bytes(budget)}, sequence {args.seq_len}):\n")
         print(header.format("batch size"))
@@ -134,6 +137,53 @@ def plan_command(args) -> int:
         print(rule)
         for b in budgets:
             print(_row(format_bytes(b), prof, b, tokens))
+    return 0
+
+
+def simulate_command(args) -> int:
+    """``--simulate``: profile, plan and train on a simulated device (protrain_core/simulator),
+    the model on the meta device: no memory, no GPU. Prints the search's explanation, the
+    simulated step next to the cost model's prediction (idle time by cause, host waits, copies,
+    CPU Adam), and the what-if table of the simulated profile."""
+    from protrain_core.api import default_memory_budget
+    from protrain_core.simulator.device import SimulatedDevice
+    from protrain_core.simulator.run import simulate
+
+    sim = SimulatedDevice(args.hardware)
+    budget = parse_bytes(args.budget, "--budget") if args.budget else default_memory_budget(sim)
+    model, opt = models.build(args.config, "meta")
+    batch = models.token_batch(args.config, args.batch_size, args.seq_len, "meta")
+    ranks = f", {args.world_size} simulated ranks" if args.world_size > 1 else ""
+    progress(f"simulating {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} parameters) on a "
+             f"batch of {args.batch_size} x {args.seq_len} tokens on the {sim.spec.name}{ranks}: profile, plan, "
+             "two training steps ...")
+    start = time.perf_counter()
+    import protrain_core as pt
+
+    try:
+        result = simulate(model, opt, batch, device=sim, plan=args.plan, budget=budget, precision=args.precision,
+                          gradient_clipping=("norm", args.clip_norm) if args.clip_norm else None,
+                          world_size=args.world_size, description=f"{args.model}, batch {args.batch_size} x {args.seq_len}")
+    except pt.InfeasibleBudget as e:
+        print(f"protrain plan: {e}")
+        return 1
+    progress(f"simulated in {format_seconds(time.perf_counter() - start)} of real time")
+    if result.choice is not None:
+        print(result.choice.explain(), end="\n\n")
+    print(result.text(), flush=True)
+    if args.timeline:
+        from protrain_core import timeline_figure
+
+        title = (f"{result.hardware}: {result.description}, plan {result.timeline['plan']}\n"
+                 f"{result.overlap}; simulated step {format_seconds(result.step_s)}, cost model "
+                 f"{format_seconds(result.predicted.total_s)}")
+        print(f"timeline: {timeline_figure.save(timeline_figure.draw(result.timeline, title), args.timeline)}")
+    tokens = args.batch_size * args.seq_len * args.world_size
+    print(f"\nWhat if the memory budget changes (the simulated profile; batch {args.batch_size} x {args.seq_len}):\n")
+    print(WHAT_IF_HEADER.format("budget"))
+    print(WHAT_IF_RULE)
+    for b in args.budgets or [int(budget * f) for f in (0.25, 0.5, 0.75, 1.0, 1.5, 2.0)]:
+        print(_row(format_bytes(b), result.profile, b, tokens))
     return 0
 
 
@@ -177,9 +227,18 @@ def main(argv=None) -> int:
     p.add_argument("--collective-bandwidth", type=float, default=25.0,
                    help="with --world-size: all-gather / reduce-scatter bandwidth to assume, GB/s (default 25: "
                         "PCIe or InfiniBand; NVLink is several times more)")
+    p.add_argument("--simulate", action="store_true",
+                   help="plan and train on a simulated device instead of this machine's: the model on the meta device, "
+                        "any size, no GPU (prints the simulated step next to the cost model's prediction)")
+    p.add_argument("--hardware", default="h100",
+                   help="with --simulate: h100, h200, or a JSON file of DeviceSpec fields (protrain_core/simulator/hardware.py)")
+    p.add_argument("--plan", default=None, help="with --simulate: simulate this plan, persist/buffer/swap/checkpoint, e.g. 0/2/0/8 "
+                                                "(default: the one the search chooses)")
+    p.add_argument("--clip-norm", type=float, default=None, help="with --simulate: clip the gradient norm at this value")
+    p.add_argument("--timeline", default=None, help="with --simulate: write the simulated steps' timeline figure here (PNG)")
     args = ap.parse_args(argv)
     check_arguments(ap, args)
-    return plan_command(args)
+    return simulate_command(args) if args.simulate else plan_command(args)
 
 
 def check_arguments(ap: argparse.ArgumentParser, args) -> None:
@@ -202,12 +261,43 @@ def check_arguments(ap: argparse.ArgumentParser, args) -> None:
         if not all(b.isdigit() and int(b) >= 1 for b in items):
             ap.error(f"--batch-sizes {args.batch_sizes!r}: give positive integers separated by commas, e.g. 1,2,4,8")
         args.batch_sizes = [int(b) for b in items]
+    _check_simulation_arguments(ap, args)
     args.config = load_config(args.model)
     positions = next((getattr(args.config, a) for a in ("max_position_embeddings", "n_positions", "n_ctx")
                       if isinstance(getattr(args.config, a, None), int)), None)
     if positions is not None and args.seq_len > positions:
         ap.error(f"--seq-len {args.seq_len} is longer than the {positions} positions of {args.model}: "
                  f"use --seq-len {positions} or less.")
+
+
+
+def _check_simulation_arguments(ap: argparse.ArgumentParser, args) -> None:
+    only = [name for name, given in (("--plan", args.plan), ("--clip-norm", args.clip_norm), ("--timeline", args.timeline))
+            if given is not None]
+    if not args.simulate:
+        if only:
+            ap.error(f"{', '.join(only)} need --simulate")
+        return
+    if args.device is not None or args.batch_sizes:
+        ap.error("--simulate replaces the device and simulates one batch size: leave out --device and --batch-sizes")
+    from protrain_core.simulator.hardware import load_spec
+
+    try:
+        load_spec(args.hardware)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.plan is not None:
+        parts = args.plan.split("/")
+        if len(parts) != 4 or not all(p.isdigit() for p in parts):
+            ap.error(f"--plan {args.plan!r}: give persist/buffer/swap/checkpoint, e.g. 0/2/0/8")
+        args.plan = dict(zip(("n_persist", "n_buffer", "n_swap", "n_checkpoint"), map(int, parts)))
+    if args.clip_norm is not None and not args.clip_norm > 0:
+        ap.error("--clip-norm must be > 0")
+    if args.timeline is not None:
+        from protrain_core import timeline_figure
+
+        if not timeline_figure.available():
+            ap.error('--timeline draws with matplotlib, which is not installed: pip install matplotlib')
 
 
 if __name__ == "__main__":

@@ -51,7 +51,11 @@ gradients (attention masks, LLaMA's rotary cos/sin): they are made once per forw
 passed to every block, so copying them would free nothing; they are not counted in any
 block's activation bytes either.
 On CUDA the copies run on the device context's swap stream, which first waits for the compute
-stream (the tensor was just produced there). The device storage is marked with
+stream (the tensor was just produced there). The compute stream does not wait for them, except
+that a block's forward begins only after the copies out of the block before the previous one
+are done (``_throttle``): where the link is slower than compute, swapped activations would
+otherwise pile up on the device beyond what the memory model counts (eq. 9: the previous
+block's copy may still run). The device storage is marked with
 ``record_stream(swap_stream)``: when autograd drops it, the caching allocator hands its memory
 to another tensor only after the copy has completed -- no host thread waits for it. Copies
 back are allocated on the compute stream, run on the swap stream and are waited for by the
@@ -127,7 +131,7 @@ class BlockActivations:
 class _BlockCall:
     """One forward call of one block: its measurements and (swap) its records."""
 
-    __slots__ = ("saved", "input", "device", "host", "seen", "shared", "records", "previous")
+    __slots__ = ("saved", "input", "device", "host", "seen", "shared", "records", "previous", "copied")
 
     def __init__(self) -> None:
         self.saved = 0
@@ -138,6 +142,7 @@ class _BlockCall:
         self.shared: set[StorageWeakRef] = set()  # inputs without gradient: never swapped
         self.records: list[weakref.ref] = []  # swap records first made by this call
         self.previous: _BlockCall | None = None  # the previous block's call in the same forward
+        self.copied = None  # the event of its last copy out (swapped blocks; until waited for)
 
 
 class ActivationManager:
@@ -212,6 +217,7 @@ class ActivationManager:
         mode = self.modes[i]
 
         def hook(_module, args, kwargs):
+            self._throttle(i)
             if not torch.is_grad_enabled() or (mode is BlockMode.KEEP and not self._measure):
                 self._open[i].append(None)
                 return None
@@ -249,6 +255,7 @@ class ActivationManager:
         def wrapped(*args, **kwargs):
             if not torch.is_grad_enabled():
                 return forward(*args, **kwargs)
+            self._throttle(i)
             args, kwargs = self._without_cache(i, signature, args, kwargs)
             call = self._new_call(args, kwargs)
             call.device = call.input
@@ -380,7 +387,7 @@ class ActivationManager:
             return Counted(t)
         record = self._swapped.get(key)
         if record is None:
-            record = self._swap_out(storage, nbytes)
+            record, call.copied = self._swap_out(storage, nbytes)
             self._swapped[key] = record
             call.records.append(weakref.ref(record))
             call.host += nbytes
@@ -402,16 +409,29 @@ class ActivationManager:
             )
 
     # ----- copies -------------------------------------------------------------------------
-    def _swap_out(self, storage, nbytes: int) -> SwapRecord:
+    def _swap_out(self, storage, nbytes: int) -> tuple[SwapRecord, object]:
+        """(the record of ``storage`` copied out, the copy's event)."""
         with torch.no_grad():
             src = torch.empty(0, dtype=torch.uint8, device=self.ctx.device).set_(storage)
             host = self.host.get(nbytes)
-            self.ctx.copy_async(host[:nbytes], src, stream=self.ctx.swap_stream, span=("device->host", "activations"))
+            event = self.ctx.copy_async(host[:nbytes], src, stream=self.ctx.swap_stream,
+                                        span=("device->host", "activations"))
             self.ctx.record_stream(src, self.ctx.swap_stream)  # reused only once the copy is done
         record = SwapRecord(host, nbytes)
         weakref.finalize(record, self.host.put, host)
         self.stats["swap_out_bytes"] += nbytes
-        return record
+        return record, event
+
+    def _throttle(self, i: int) -> None:
+        """Before block ``i``'s forward, the compute stream waits for the copies out of block
+        ``i - 2`` (this forward pass's call): a swapped block's activations leave the device
+        by the time the block after next runs, as the memory model assumes (eq. 9: at most
+        the previous block's may still be copying). Without it a copy slower than compute
+        would let swapped activations pile up on the device."""
+        call = self._calls[i - 2] if i >= 2 else None
+        if call is not None and call.copied is not None:
+            self.ctx.wait_on_compute(call.copied)
+            call.copied = None
 
     def _swap_in(self, record: SwapRecord) -> None:
         if record.in_buf is not None:

@@ -243,20 +243,28 @@ class Chunk:
         replace = self.grad_state is GradState.FIRST
         landing = landing_for(replace)
         source, after = self._reduced_gradients(ctx)
-        self._event = ctx.copy_async(landing, source, stream=ctx.h2d_stream, after=after,
+        self._event = ctx.copy_async(landing, source, stream=ctx.d2h_stream, after=after,
                                      span=("device->host", f"chunk {self.index}"))
         self._future = submit(self._event, landing, replace)
         self.grad_state = grad_target
         self.state = target
 
     def end_offload(self, ctx: DeviceContext) -> None:
+        """Free the device memory without waiting for the copy: the gradient buffer (and the
+        reduce-scattered piece) in stream order, reused only once the copies reading them are
+        done ([Note: streams] in device.py); the CPU worker alone waits for the copy it lands."""
         target = self._moved("end_offload")
-        ctx.synchronize(self._event)
+        storage = self.storage
+        for t in (storage.grad_buffer, self._reduced):
+            if t is not None:
+                ctx.record_stream(t, ctx.d2h_stream)
+                if storage.sharding is not None:
+                    ctx.record_stream(t, ctx.comm_stream)
         self._event = None
         self.point_at_rest()
         self._reduced = None
-        self.storage.free_grad_buffer()
-        self.storage.free_device_copy()
+        storage.free_grad_buffer()
+        storage.free_device_copy()
         self.state = target
 
     def copy_done(self, ctx: DeviceContext) -> bool:
@@ -332,18 +340,38 @@ class Chunk:
         return self.storage.grad_buffer is not None
 
     def land(self, ctx: DeviceContext | None = None) -> None:
-        """A persistent chunk's gradients of this pass are in its accumulator (with ``W``
-        processes: reduce-scattered from its gradient buffer into it now)."""
+        """A persistent chunk's gradients of this pass are in its accumulator -- with ``W``
+        processes, reduce-scattered from its gradient buffer and added to it on the
+        communication stream; the compute stream waits for that once, at the end of backward
+        (``await_reduction``), not here."""
         assert self.persistent, self
         target = self._grad_moved("land")
         storage = self.storage
         if storage.sharding is not None and storage.grad_buffer is not None:
-            reduced, after = self._reduced_gradients(ctx)
-            ctx.wait_on_compute(after)
-            storage.grad_acc.copy_(reduced) if self.grad_state is GradState.FIRST else storage.grad_acc.add_(reduced)
-            self._reduced = None
+            buffer, first = storage.grad_buffer, self.grad_state is GradState.FIRST
+
+            def reduce() -> None:
+                out = torch.empty(storage.fmt.state_numel, dtype=buffer.dtype, device=buffer.device)
+                storage.sharding.reduce_scatter_mean(out, buffer)
+                storage.grad_acc.copy_(out) if first else storage.grad_acc.add_(out)
+
+            self._event = ctx.collective(reduce, span=("collectives", f"reduce-scatter chunk {self.index}"))
+            ctx.record_stream(buffer, ctx.comm_stream)
             storage.free_grad_buffer()
         self.grad_state = target
+
+    def await_reduction(self, ctx: DeviceContext) -> None:
+        """The compute stream waits for this persistent chunk's reduce-scatter (``land``) or
+        all-gather after its update (``gather_updated``) still in flight."""
+        ctx.wait_on_compute(self._event)
+        self._event = None
+
+    def gather_updated(self, ctx: DeviceContext) -> None:
+        """With ``W`` processes, after a persistent chunk's update: every rank's updated piece
+        of the trainable span, all-gathered on the communication stream (``await_reduction``
+        waits for it)."""
+        self._event = ctx.collective(self.storage.gather_trainable,
+                                     span=("collectives", f"all-gather chunk {self.index}"))
 
     def _reduced_gradients(self, ctx: DeviceContext) -> tuple[Tensor, object]:
         """The gradients to accumulate, and the event to wait for before reading them: the

@@ -186,7 +186,9 @@ class Runtime:
     def _victim(self, protect: set[int], *, spill: bool):
         """The chunk to evict for a free buffer: None if a buffer is free, False if none can go.
 
-        Preference: a chunk whose offload is in flight, then the least recently used idle or
+        Preference: a chunk whose offload is issued (one whose copy is done first: the memory
+        of a copy in flight returns to the allocator only when the copy completes, [Note:
+        streams] in device.py), then the least recently used idle or
         prefetched chunk, then (only if ``spill``) one holding a partial set of gradients: those
         are offloaded and accumulated on the host like a micro-batch, and the chunk is fetched
         again if more of its gradients arrive (a parameter unused in this pass can leave a
@@ -197,7 +199,7 @@ class Runtime:
             return None
         offloading = [c for c in resident if c.state is ChunkState.OFFLOADING]
         if offloading:
-            return min(offloading, key=lambda c: c.last_use)
+            return min(offloading, key=lambda c: (not c.copy_done(self.ctx), c.last_use))
         idle = [c for c in resident if c.state in (ChunkState.RESIDENT, ChunkState.FETCHING)
                 and c.pins == 0 and c.index not in protect]
         candidates = [c for c in idle if not c.holds_gradient_buffer] or (idle if spill else [])
@@ -301,6 +303,9 @@ class Runtime:
                 self._offload(c, final=True)
         if self.sharding is not None:
             self.sharding.agree_received(-1, [])  # no rank reduces a chunk the others did not
+            for c in self.chunks:
+                if c.persistent:
+                    c.await_reduction(self.ctx)  # the reduce-scatters ran beside backward
 
     def wait_all(self) -> None:
         for c in self.streamed:
@@ -336,8 +341,11 @@ class Runtime:
             if c.persistent:
                 with traced("ProTrain::device_adam"), torch.no_grad():
                     self.optim.update(c, hps, self.optim.selected(c), device_clip)
-                    if self.sharding is not None:
-                        c.storage.gather_trainable()  # every rank's updated piece
+                if self.sharding is not None:
+                    c.gather_updated(self.ctx)  # every rank's updated piece, beside the next updates
+        for c in pending:
+            if c.persistent and self.sharding is not None:
+                c.await_reduction(self.ctx)  # before the next forward reads the chunk
         if wait:
             self.wait_all()
         self.finish_step()

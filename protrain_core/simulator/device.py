@@ -59,7 +59,6 @@ from protrain_core.simulator.clock import Event, Lane, MeasuredLane, Records, St
 from protrain_core.simulator.hardware import DeviceSpec, load_spec
 from protrain_core.utils import iter_tensors
 
-aten = torch.ops.aten
 # Operators that launch no kernel: allocation, metadata, aliasing.
 _FREE = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "_unsafe_view", "_reshape_alias",
          "resize_", "set_", "lift_fresh", "lift_fresh_copy", "detach", "alias", "sym_size", "sym_stride", "sym_numel",
@@ -95,6 +94,7 @@ class SimulatedDevice(DeviceContext):
         self.links = {"host->device": Lane("pcie h2d"), "device->host": Lane("pcie d2h"), "collectives": Lane("fabric")}
         self._local = threading.local()
         self._last_wait: Wait | None = None  # the main lane's latest host wait (idle attribution)
+        self._directions: dict[str, str] = {}  # stream -> direction of its last copy
         self._modes: list = []
 
     # ----- entering --------------------------------------------------------------------------
@@ -128,11 +128,15 @@ class SimulatedDevice(DeviceContext):
         finally:
             self._local.where = previous
 
+    def cpu_work(self, lane: Lane):
+        """Operators inside run on the host lane ``lane`` (a CPU worker's job), at the host's rates."""
+        return self._at("cpu", lane)
+
     def uncharged(self):
         """Operators inside are not charged (a collective's stand-in values)."""
         return self._at("off", None)
 
-    def _host_lane(self) -> Lane:
+    def host_lane(self) -> Lane:
         kind, lane = self._where()
         return lane if kind == "cpu" else self.main
 
@@ -248,8 +252,8 @@ class SimulatedDevice(DeviceContext):
 
     def host_collective(self, what: str) -> None:
         """A blocking host-side agreement between the ranks (gloo): the calling host lane waits."""
-        lane = self._host_lane()
-        self._wait(lane, lane.t + self.spec.host_collective_s, f"host collective: {what}")
+        lane = self.host_lane()
+        self.block(lane, lane.t + self.spec.host_collective_s, f"host collective: {what}")
 
     # ----- the DeviceContext interface ------------------------------------------------------------
     def _on_stream(self, stream, fn, after, span):
@@ -263,6 +267,7 @@ class SimulatedDevice(DeviceContext):
             if self.timeline is not None:
                 self.timeline.add(lane_name, label, begin, lane.t)
             return None
+        self._check_duplex(stream, lane_name, after)
         self._wait_stream(stream, self.compute)
         if after is not None:
             self._wait_event(stream, after)
@@ -274,6 +279,20 @@ class SimulatedDevice(DeviceContext):
         if self.timeline is not None:
             self.timeline.add(lane_name, label, begin, stream.t)
         return Event(max(stream.t, self.main.t), label or lane_name, stream.name)
+
+    def _check_duplex(self, stream: Stream, direction: str, after) -> None:
+        """A copy queued on a stream behind a copy of the other direction waits for it although
+        the link could carry both at once: recorded as a "stall" of the time it lost."""
+        previous = self._directions.get(stream.name)
+        if direction not in self.links or direction == "collectives":
+            return
+        self._directions[stream.name] = direction
+        if previous in (None, direction):
+            return
+        free = max(self.compute.t, self.main.t, self.links[direction].t, after.time if after is not None else 0.0)
+        if stream.last_end > free:
+            self.records.work.append(Work(stream.name, free, stream.last_end,
+                                          f"{direction} copy queued behind a {previous} copy", "stall"))
 
     def _wait_stream(self, stream: Stream, other: Stream) -> None:
         if other.t > stream.t:
@@ -291,10 +310,11 @@ class SimulatedDevice(DeviceContext):
 
     def synchronize(self, event) -> None:
         if event is not None:
-            lane = self._host_lane()
-            self._wait(lane, event.time, event.label)
+            lane = self.host_lane()
+            self.block(lane, event.time, event.label)
 
-    def _wait(self, lane: Lane, until: float, label: str) -> None:
+    def block(self, lane: Lane, until: float, label: str) -> None:
+        """The host lane ``lane`` waits until ``until`` for ``label`` (recorded with the call site)."""
         if until <= lane.t:
             return
         wait = Wait(lane.name, lane.t, until, _call_site(), label, self.phase_of())
@@ -304,16 +324,16 @@ class SimulatedDevice(DeviceContext):
         lane.t = until
 
     def done(self, event) -> bool:
-        return event is None or event.time <= self._host_lane().t
+        return event is None or event.time <= self.host_lane().t
 
     def synchronize_stream(self, stream) -> None:
         if stream is not None:
-            self._wait(self._host_lane(), stream.t, f"{stream.name} stream")
+            self.block(self.host_lane(), stream.t, f"{stream.name} stream")
 
     def synchronize_device(self) -> None:
         streams = (self.compute, self.h2d_stream, self.d2h_stream, self.swap_stream, self.comm_stream)
         last = max(streams, key=lambda s: s.t)
-        self._wait(self._host_lane(), last.t, "device synchronize")
+        self.block(self.host_lane(), last.t, "device synchronize")
 
     def record_stream(self, t: Tensor, stream) -> None:
         pass  # memory reuse is not simulated: frees are stream-ordered, the runtime waits for nothing
@@ -328,16 +348,16 @@ class SimulatedDevice(DeviceContext):
         """The calling host lane reads a value the compute stream produces: it waits for it."""
         if self.asynchronous and self._where()[0] == "compute":
             self._run(self.compute, self.spec.copy_latency_s, "read on host", "copy")
-            self._wait(self._host_lane(), self.compute.t, label)
+            self.block(self.host_lane(), self.compute.t, label)
 
     def worker(self, threaded: bool) -> Executor:
         return SimulatedWorker(self, self.worker_lane if threaded else self.main)
 
     def clock(self) -> float:
-        return self._host_lane().t
+        return self.host_lane().t
 
     def thread_name(self) -> str:
-        return self._host_lane().name
+        return self.host_lane().name
 
     def stamp(self, stream=None):
         stream = stream or self.compute
@@ -396,12 +416,12 @@ class SimulatedWorker(Executor):
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
         sim, lane = self.sim, self.lane
-        lane.t = max(lane.t, sim._host_lane().t)
+        lane.t = max(lane.t, sim.host_lane().t)
         start = lane.t
         future = SimulatedFuture(sim)
         r0 = time.perf_counter()
         try:
-            with sim._at("cpu", lane):
+            with sim.cpu_work(lane):
                 value = fn(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - re-raised by result(), as from a thread
             future.set_exception(e)
@@ -424,11 +444,11 @@ class SimulatedFuture(Future):
         self.end = 0.0
 
     def done(self) -> bool:
-        return super().done() and self.sim._host_lane().t >= self.end
+        return super().done() and self.sim.host_lane().t >= self.end
 
     def result(self, timeout=None):
-        lane = self.sim._host_lane()
-        self.sim._wait(lane, self.end, "CPU worker job")
+        lane = self.sim.host_lane()
+        self.sim.block(lane, self.end, "CPU worker job")
         return super().result(timeout)
 
 
@@ -443,7 +463,7 @@ class _Charging(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         sim = self.sim
-        if func is aten._local_scalar_dense.default:
+        if func is torch.ops.aten._local_scalar_dense.default:
             (t,) = args
             sim.read_on_host(".item() of a device tensor")
             if t.device.type != "meta":
@@ -498,10 +518,10 @@ def _gpu_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         repeat = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
     if attn_mask is None and query.dtype in (torch.bfloat16, torch.float16):
-        return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
+        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
     bias = None if attn_mask is None else attn_mask.to(query.dtype) if attn_mask.dtype is not torch.bool else \
         torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
-    return aten._scaled_dot_product_efficient_attention(query, key, value, bias, True, dropout_p, is_causal,
+    return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, True, dropout_p, is_causal,
                                                         scale=scale)[0]
 
 

@@ -188,3 +188,19 @@ def cpu_spec(hardware, *, name: str = "the CPU device (measured figures)") -> De
         sources=("copies, Adam: the profile's probes on this machine (profiler/hardware.py); compute and host work: "
                  "as measured while the simulation runs",),
     )
+
+
+def preset_for(device_name: str) -> DeviceSpec:
+    """The preset of a GPU by its name (``torch.cuda.get_device_name``): H200, else H100."""
+    return H200 if "H200" in device_name.upper() else H100
+
+
+def with_measured(spec: DeviceSpec, hardware) -> DeviceSpec:
+    """``spec`` with the figures a profile measured on the machine (``Profile.hardware``): the
+    copy bandwidths each way and the CPU Adam rate (the update as the worker runs it)."""
+    return dataclasses.replace(
+        spec, name=f"{spec.name}, with this machine's measured copies and CPU Adam",
+        h2d_bytes_per_s=hardware.h2d_bytes_per_s, d2h_bytes_per_s=hardware.d2h_bytes_per_s,
+        cpu_adam_params_per_s=hardware.cpu_adam_params_per_s,
+        sources=spec.sources + ("h2d/d2h, cpu_adam_params_per_s: measured by the profiler's probes",),
+    )

@@ -51,11 +51,17 @@ class StepReport:
     copy_busy_backward_s: dict[str, float]  # per direction: time its link copied during backward
     duplex_backward_s: float  # both directions copying at once during backward
     idle_backward_s: dict[str, float] = field(default_factory=dict)  # the same, during backward
+    idle_backward: tuple[tuple[str, float], ...] = ()  # each idle interval during backward: (cause, seconds)
+    half_duplex_s: float = 0.0  # copies that waited for a copy of the other direction on their stream
     collectives: dict[str, float] = field(default_factory=dict)  # stream -> seconds of collectives on it
 
     @property
     def cpu_adam_inside_backward(self) -> float:
         return self.cpu_adam_in_backward_s / self.cpu_adam_s if self.cpu_adam_s else 1.0
+
+    def waits_for_backward(self, *prefixes: str) -> list[float]:
+        """Each compute idle interval during backward whose cause starts with ``prefixes``."""
+        return [s for cause, s in self.idle_backward if cause.startswith(prefixes)]
 
     def waits_for_backward_s(self, *prefixes: str) -> float:
         """Compute idle time during backward for events whose label starts with ``prefixes``
@@ -92,6 +98,8 @@ class StepReport:
             copy_busy_backward_s={d: _length(v) for d, v in copies.items()},
             duplex_backward_s=_length(_intersect(copies["host->device"], copies["device->host"])),
             idle_backward_s=records.idle_between(*bwd),
+            idle_backward=tuple((w.label, _clip(w, *bwd)) for w in work if w.kind == "idle" and _clip(w, *bwd) > 0),
+            half_duplex_s=sum(_clip(w, lo, hi) for w in work if w.kind == "stall"),
             collectives=dict(collectives),
         )
 
@@ -118,7 +126,9 @@ class StepReport:
         lines.append(f"bytes: {moved or 'none'}; during backward host->device copied "
                      f"{format_seconds(self.copy_busy_backward_s['host->device'])}, device->host "
                      f"{format_seconds(self.copy_busy_backward_s['device->host'])}, both at once "
-                     f"{format_seconds(self.duplex_backward_s)}")
+                     f"{format_seconds(self.duplex_backward_s)}"
+                     + (f"; copies queued behind the other direction's on one stream "
+                        f"{format_seconds(self.half_duplex_s)}" if self.half_duplex_s else ""))
         if self.collectives:
             on = ", ".join(f"{format_seconds(s)} on the {lane} stream" for lane, s in sorted(self.collectives.items()))
             lines.append(f"collectives: {on}; during backward the compute stream waited "
