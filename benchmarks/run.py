@@ -500,8 +500,9 @@ def markdown(report: dict) -> str:
     pro = [r for r in report["runs"] if r["system"].startswith("protrain") and "plan" in r]
     if pro:
         lines += ["", "ProTrain: plan, fidelity of the cost models, and the lower bound on step time", "",
-                  "| model | system | plan | step: predicted / measured (error) | peak: predicted / measured | "
-                  "lower bound = max(compute, transfer, CPU Adam) | measured / bound |", "|---|---|---|---|---|---|---|"]
+                  "| model | system | plan | step: predicted / measured (error) | step: simulated (error) | "
+                  "peak: predicted / measured | lower bound = max(compute, transfer, CPU Adam) | measured / bound |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in pro:
             measured_peak = r.get("peak_device_bytes") or r.get("peak_device_bytes_tracked")
             pred = r.get("predicted_step_s")
@@ -512,8 +513,9 @@ def markdown(report: dict) -> str:
             bound = (f"{ms(r['lower_bound_s'])} = max({ms(b['compute_s'])}, {ms(b['transfer_s'])}, "
                      f"{ms(b['cpu_adam_s'])})" if b and "lower_bound_s" in r else "—")
             plan = r["plan"] if r.get("searched", True) else f"{r['plan']} (the safe plan: still profiling)"
+            sim = _simulated(dict(r, measured_step_s=r["step_median_s"]) if "step_median_s" in r else r)
             lines.append(f"| {r['label']} | {r['system']} | {plan} | {ms(pred)} / {ms(r.get('step_median_s'))}{err}"
-                         f" | {gib(r.get('predicted_peak_bytes'))} / {gib(measured_peak)}{perr} | {bound} | "
+                         f" | {sim} | {gib(r.get('predicted_peak_bytes'))} / {gib(measured_peak)}{perr} | {bound} | "
                          + (f"{r['vs_lower_bound']:.2f}x |" if "vs_lower_bound" in r else "— |"))
     lines += study_markdown(report.get("study", []))
     if report["probes"]:

@@ -75,13 +75,16 @@ def test_layers_depend_downwards():
     """structure and planner know nothing of the runtime or the profiler; the runtime knows
     nothing of the profiler, the planner's search or the entry points."""
     graph = _graph("protrain_core")
+    sim = "protrain_core.simulator"  # the simulated device sits on top: nothing below knows it
     rules = {
         "protrain_core.planner": ("protrain_core.runtime", "protrain_core.profiler", "protrain_core.structure",
-                                  "protrain_core.api"),
+                                  "protrain_core.api", sim),
         "protrain_core.structure": ("protrain_core.runtime", "protrain_core.profiler", "protrain_core.planner",
-                                    "protrain_core.api"),
-        "protrain_core.runtime": ("protrain_core.profiler", "protrain_core.planner", "protrain_core.api"),
-        "protrain_core.profiler": ("protrain_core.api", "protrain_core.planner.search", "protrain_core.planner.cost"),
+                                    "protrain_core.api", sim),
+        "protrain_core.runtime": ("protrain_core.profiler", "protrain_core.planner", "protrain_core.api", sim),
+        "protrain_core.profiler": ("protrain_core.api", "protrain_core.planner.search", "protrain_core.planner.cost", sim),
+        "protrain_core.api": (sim,),
+        "protrain_core.autoplan": (sim,),
     }
     for layer, forbidden in rules.items():
         for m, deps in graph.items():
@@ -213,3 +216,17 @@ def test_no_library_function_is_longer_than_60_lines():
                     if n > 60:
                         long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
     assert long == []
+
+
+def test_every_package_is_installed():
+    """pyproject.toml names every package and subpackage: a regular install (a wheel) ships
+    only those, and a missing subpackage breaks ``import protrain_core`` there."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = set()
+    for package in LIBRARY:
+        for init in (ROOT / package).rglob("__init__.py"):
+            parts = list(init.parent.relative_to(ROOT).parts)
+            found.add(".".join(["protrain_ops" if parts[0] == "ops" else parts[0], *parts[1:]]))
+    assert found == listed

@@ -99,7 +99,9 @@ class SimulatedDevice(DeviceContext):
 
     # ----- entering --------------------------------------------------------------------------
     def __enter__(self) -> SimulatedDevice:
-        modes = [_Charging(self)] + ([_GpuAttention()] if self.device.type == "meta" else [])
+        # The CPU device charges only the work it models (copies, the worker's jobs: ``charging``);
+        # its compute runs untouched, at its own speed.
+        modes = ([_Charging(self)] if self.asynchronous else []) + ([_GpuAttention()] if self.device.type == "meta" else [])
         for m in modes:
             m.__enter__()
         self._modes.append(modes)
@@ -127,6 +129,11 @@ class SimulatedDevice(DeviceContext):
             yield
         finally:
             self._local.where = previous
+
+    def charging(self):
+        """Charge the operators run inside (always on a GPU: entering the device does; on the
+        CPU device only around the work it models)."""
+        return contextlib.nullcontext() if self.asynchronous else _Charging(self)
 
     def cpu_work(self, lane: Lane):
         """Operators inside run on the host lane ``lane`` (a CPU worker's job), at the host's rates."""
@@ -261,7 +268,7 @@ class SimulatedDevice(DeviceContext):
         if not self.asynchronous:  # the CPU device: the copy runs on the host thread, for its modeled time
             lane = self.main
             begin, r0 = lane.t, time.perf_counter()
-            with self._at("inline", lane_name):
+            with self._at("inline", lane_name), self.charging():
                 fn()
             lane.exclude(time.perf_counter() - r0)
             if self.timeline is not None:
@@ -421,7 +428,7 @@ class SimulatedWorker(Executor):
         future = SimulatedFuture(sim)
         r0 = time.perf_counter()
         try:
-            with sim.cpu_work(lane):
+            with sim.cpu_work(lane), sim.charging():
                 value = fn(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - re-raised by result(), as from a thread
             future.set_exception(e)

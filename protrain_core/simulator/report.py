@@ -53,6 +53,7 @@ class StepReport:
     idle_backward_s: dict[str, float] = field(default_factory=dict)  # the same, during backward
     idle_backward: tuple[tuple[str, float], ...] = ()  # each idle interval during backward: (cause, seconds)
     half_duplex_s: float = 0.0  # copies that waited for a copy of the other direction on their stream
+    asynchronous: bool = True  # False: the CPU device, where everything runs in turn on the host thread
     collectives: dict[str, float] = field(default_factory=dict)  # stream -> seconds of collectives on it
 
     @property
@@ -73,7 +74,7 @@ class StepReport:
         return sum(self.idle_s.values())
 
     @classmethod
-    def of(cls, records: Records, phases: Phases, worker_lane: str) -> StepReport:
+    def of(cls, records: Records, phases: Phases, worker_lane: str, *, asynchronous: bool = True) -> StepReport:
         lo, hi = phases.backward, phases.next_backward
         bwd = (phases.backward, phases.backward_end)
         work = [w for w in records.work if w.end > lo and w.start < hi]
@@ -100,6 +101,7 @@ class StepReport:
             idle_backward_s=records.idle_between(*bwd),
             idle_backward=tuple((w.label, _clip(w, *bwd)) for w in work if w.kind == "idle" and _clip(w, *bwd) > 0),
             half_duplex_s=sum(_clip(w, lo, hi) for w in work if w.kind == "stall"),
+            asynchronous=asynchronous,
             collectives=dict(collectives),
         )
 
@@ -110,8 +112,12 @@ class StepReport:
                  + ("" if predicted_s is None else
                     f"; cost model {format_seconds(predicted_s)} ({100 * (self.step_s / predicted_s - 1):+.1f} %)")
                  + f"; backward {format_seconds(self.backward_s)}"]
-        lines.append(f"compute stream busy {format_seconds(self.compute_busy_s)} ({pct(self.compute_busy_s, self.step_s)}), "
-                     f"idle {format_seconds(self.idle_total_s)}" + (":" if self.idle_s else ""))
+        if not self.asynchronous:
+            lines.append("the CPU device: compute, copies and the CPU Adam run in turn on the host thread")
+        else:
+            lines.append(f"compute stream busy {format_seconds(self.compute_busy_s)} "
+                         f"({pct(self.compute_busy_s, self.step_s)}), idle {format_seconds(self.idle_total_s)}"
+                         + (":" if self.idle_s else ""))
         for cause, s in sorted(self.idle_s.items(), key=lambda kv: -kv[1])[:8]:
             lines.append(f"  {format_seconds(s):>9}  {cause}")
         if len(self.idle_s) > 8:

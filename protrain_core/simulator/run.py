@@ -47,6 +47,7 @@ class Simulation:
     predicted: RuntimeEstimate
     memory: MemoryEstimate
     device_memory_bytes: int
+    host_memory_bytes: int
     timeline: dict
     profile: Profile
     choice: PlanChoice | None = None
@@ -63,6 +64,7 @@ class Simulation:
     def text(self) -> str:
         p = self.plan
         fits = self.memory.peak_bytes <= self.device_memory_bytes
+        host_fits = self.memory.host_bytes <= self.host_memory_bytes
         head = [
             f"{self.hardware}: {self.description}",
             f"plan {p.n_persist}/{p.n_buffer}/{p.n_swap}/{p.n_checkpoint} (persist/buffer/swap/checkpoint), "
@@ -70,7 +72,8 @@ class Simulation:
             f"cost model: step {format_seconds(self.predicted.total_s)} (forward {format_seconds(self.predicted.forward_s)}, "
             f"backward {format_seconds(self.predicted.backward_s)}, bottleneck {self.predicted.bottleneck}); peak "
             f"{format_bytes(self.memory.peak_bytes)} of {format_bytes(self.device_memory_bytes)}"
-            + ("" if fits else " -- does NOT fit the device"),
+            + ("" if fits else " -- does NOT fit the device") + f"; host {format_bytes(self.memory.host_bytes)} of "
+            f"{format_bytes(self.host_memory_bytes)}" + ("" if host_fits else " -- does NOT fit the host"),
         ]
         return "\n".join(head + [self.report.text(self.predicted.total_s)])
 
@@ -134,7 +137,8 @@ def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
         hardware=sim.spec.name, description=description or profile.description, plan=plan, precision=prec.value,
         overlap=overlap, world_size=world_size, report=report,
         predicted=estimate_runtime(profile, plan, schedule=schedule), memory=estimate_memory(profile, plan),
-        device_memory_bytes=sim.spec.device_memory_bytes, timeline=timeline, profile=profile, choice=choice,
+        device_memory_bytes=sim.spec.device_memory_bytes, host_memory_bytes=sim.spec.host_memory_bytes,
+        timeline=timeline, profile=profile, choice=choice,
     )
 
 
@@ -153,7 +157,7 @@ def _run(engine, sim: SimulatedDevice, batch: dict, steps: int, *, late: bool):
                 engine.zero_grad()
     finally:
         handle.remove()
-    report = StepReport.of(sim.records, marks.phases(0), sim.worker_lane.name)
+    report = StepReport.of(sim.records, marks.phases(0), sim.worker_lane.name, asynchronous=sim.asynchronous)
     data = timeline.to_json()
     data.update(plan=str(engine.plan), overlap=engine.overlap)
     return report, data, engine.overlap
