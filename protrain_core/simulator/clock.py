@@ -15,7 +15,6 @@ class Lane:
     def __init__(self, name: str) -> None:
         self.name = name
         self.t = 0.0
-        self.busy = 0.0  # seconds of work done
 
 
 class MeasuredLane(Lane):
@@ -25,7 +24,6 @@ class MeasuredLane(Lane):
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.busy = 0.0
         self._real0 = time.perf_counter()
         self._offset = 0.0
 
@@ -100,7 +98,6 @@ class Records:
     def reset(self) -> None:
         self.work: list[Work] = []
         self.waits: list[Wait] = []
-        self.ops = 0
 
     def idle_between(self, start: float, end: float) -> dict[str, float]:
         """Compute-stream idle time by cause within [start, end] (from the idle intervals)."""

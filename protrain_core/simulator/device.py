@@ -117,8 +117,9 @@ class SimulatedDevice(DeviceContext):
 
     # ----- where work goes -------------------------------------------------------------------------
     def _where(self):
-        """(kind, lane) of the calling code: ("compute", main) by default, ("stream", s) inside
-        ``_on_stream``, ("cpu", lane) inside a worker job, ("off", None) uncharged."""
+        """(kind, lane) of the calling code: ("compute", None) by default, ("stream", (stream,
+        direction)) inside ``_on_stream``, ("cpu", lane) inside a worker job, ("inline",
+        direction) inside a copy on the CPU device."""
         return getattr(self._local, "where", ("compute", None))
 
     @contextmanager
@@ -139,10 +140,6 @@ class SimulatedDevice(DeviceContext):
         """Operators inside run on the host lane ``lane`` (a CPU worker's job), at the host's rates."""
         return self._at("cpu", lane)
 
-    def uncharged(self):
-        """Operators inside are not charged (a collective's stand-in values)."""
-        return self._at("off", None)
-
     def host_lane(self) -> Lane:
         kind, lane = self._where()
         return lane if kind == "cpu" else self.main
@@ -159,10 +156,8 @@ class SimulatedDevice(DeviceContext):
             self._idle(stream.last_end, waited, start, stream.held_by)
         end = start + seconds
         stream.t = stream.last_end = end
-        stream.busy += seconds
         if link is not None:
             link.t = end
-            link.busy += seconds
         self.records.work.append(Work(stream.name, start, end, label, kind, nbytes))
         main.t += self.spec.launch_s
 
@@ -186,14 +181,11 @@ class SimulatedDevice(DeviceContext):
                 add(Work("compute", lo, start, "host issue", "idle"))
 
     # ----- charging operators (the dispatch mode calls this) ----------------------------------
-    def charge(self, func, args, kwargs, out, real_seconds: float) -> None:
+    def charge(self, func, args, kwargs, out) -> None:
         name = func.overloadpacket.__name__
         if name in _FREE or func.is_view:
             return
         kind, lane = self._where()
-        if kind == "off":
-            return
-        self.records.ops += 1
         if kind == "cpu":
             start = lane.t
             lane.t += self._cpu_seconds(name, args, out)
@@ -250,8 +242,6 @@ class SimulatedDevice(DeviceContext):
         communication stream inside ``collective``; else the compute stream, as NCCL orders a
         collective called outside a stream context after the current one)."""
         kind, lane = self._where()
-        if kind == "off":
-            return
         stream = lane[0] if kind == "stream" else self.compute
         spec = self.spec
         self._run(stream, spec.collective_latency_s + factor * nbytes / spec.collective_bytes_per_s, what, "collective",
@@ -488,7 +478,7 @@ class _Charging(TorchDispatchMode):
                          torch.zeros(a.shape, dtype=a.dtype) for a in args], **kwargs)
             return out
         out = func(*args, **kwargs)
-        sim.charge(func, args, kwargs, out, 0.0)
+        sim.charge(func, args, kwargs, out)
         return out
 
 
