@@ -11,11 +11,14 @@ The pieces, in order:
   transfer          host<->device bandwidth with the pinned host pool (benchmarks/bench_transfer.py)
   cpu-adam          CPU Adam throughput on the host's cores (benchmarks/bench_adam.py)
   timeline          the suite's study run: one ProTrain step's overlap timeline and the cost
-                    models across plans (benchmarks/run.py)
+                    models across plans (benchmarks/run.py), each plan also simulated on this
+                    GPU's preset with the measured copy and CPU Adam figures (simulated against
+                    measured: protrain_core/simulator)
   run: <workload>, <system>
                     the suite's throughput rows, one piece per run: ProTrain, plain PyTorch, FSDP2
                     offload, and DeepSpeed ZeRO-3 offload when it is installed (README: bringing
-                    DeepSpeed; a system that is not installed is listed as not run)
+                    DeepSpeed; a system that is not installed is listed as not run); every
+                    one-process ProTrain run is simulated too
   probes: <system>  the largest-model and largest-batch ladders of one system
 
 A call runs pending pieces in order while the next one's estimate fits what is left of its
@@ -104,13 +107,15 @@ def plan_pieces(suite_name: str, dry: bool) -> list[Piece]:
         return pieces
     study = R.study_workload(suite)
     if study is not None:
-        pieces.append(Piece("timeline", 60 + 25 * billions(S.param_counts(study.model)[0]),
+        # + the simulation of each study plan on the meta device (a few seconds each)
+        pieces.append(Piece("timeline", 90 + 25 * billions(S.param_counts(study.model)[0]),
                             runner + ("--systems", "protrain-core", "--workloads", study.label, "--no-probes"), "suite"))
     for w in suite.workloads + R.multi_workloads(suite):
         size = billions(S.param_counts(w.model)[0])
         for system in SESSION_SYSTEMS:
             if w.systems is None or system in w.systems:
-                estimate = 30 + 2 * size if system == "pytorch" else 45 + 15 * size  # model set-up, profiling, steps
+                # model set-up, profiling, steps (ProTrain: and the run simulated on the meta device)
+                estimate = 30 + 2 * size if system == "pytorch" else 50 + 16 * size
                 pieces.append(Piece(f"run: {w.label}, {system}", min(estimate, R.SUITES[suite_name].timeout_s + 30),
                                     runner + ("--systems", system, "--workloads", w.label, "--no-probes"), "suite"))
     for system in SESSION_SYSTEMS:

@@ -367,7 +367,7 @@ def run_protrain_core(spec, device, clock):
 
             extra["peak_device_bytes_tracked"] = measure_peak(engine, data[-1], device)
         extra["memory"] = memory_categories(engine, extra.get("peak_device_bytes_tracked") or clock.peak)
-        if engine.choice is not None:
+        if engine.choice is not None and world() == 1:
             try:  # the same run on the simulated device (protrain_core/simulator), given this machine's figures
                 extra["simulated_step_s"] = simulated_step(spec, engine.plan, engine.choice.profile, device)
             except Exception as exc:  # noqa: BLE001 -- the measured figures stand without it
