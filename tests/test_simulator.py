@@ -108,12 +108,13 @@ def test_copies_streams_and_waits_follow_the_stated_figures():
     with sim:
         up = sim.copy_async(dev, host, stream=sim.h2d_stream, span=("host->device", "chunk 7"))
         down = sim.copy_async(host, dev, stream=sim.d2h_stream, span=("device->host", "grads"))
-        # at once: the second starts as soon as the host issued it (one launch later)
-        assert up.time == pytest.approx(seconds) and down.time == pytest.approx(seconds + spec.launch_s)
+        # at once: each starts as soon as the host has issued it (one launch each)
+        launch = spec.launch_s
+        assert up.time == pytest.approx(launch + seconds) and down.time == pytest.approx(2 * launch + seconds)
         sim.wait_on_compute(up)
         dev.add_(1)  # a kernel on the compute stream, after the copy
         idle = [w for w in sim.records.work if w.kind == "idle"]
-        assert [(w.label, w.end - w.start) for w in idle] == [("chunk 7", pytest.approx(seconds))]
+        assert [(w.label, w.end - w.start) for w in idle] == [("chunk 7", pytest.approx(launch + seconds))]
         again = sim.copy_async(dev, host, stream=sim.d2h_stream, span=("host->device", "same stream"))
         stall = [w for w in sim.records.work if w.kind == "stall"]
         assert len(stall) == 1 and again.time > down.time + seconds * 0.99
@@ -213,3 +214,33 @@ def test_plan_simulate_command(capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(["plan", "--model", "tiny-llama", "--plan", "0/2/0/0"])
     assert "need --simulate" in capsys.readouterr().err
+
+
+def test_a_link_serves_the_copy_that_is_ready_and_nothing_is_charged_twice():
+    """A copy engine serves a copy in the first free gap from when it is ready, not in the
+    host's issue order: a prefetch on an idle h2d stream runs before a swap-in issued earlier
+    that is queued behind a swap-out on its stream. Entering the device twice charges an
+    operator once. Compute idle time within one gap is charged to each host wait it overlaps."""
+    sim = SimulatedDevice("h100", tensors="cpu")
+    spec = sim.spec
+    n = 2**22
+    one = spec.copy_latency_s + 4 * n / spec.h2d_bytes_per_s
+    a, b, c, d = (torch.zeros(n) for _ in range(4))
+    e, f = torch.zeros(n // 4), torch.zeros(n // 4)
+    with sim:
+        sim.copy_async(a, b, stream=sim.swap_stream, span=("device->host", "activations"))
+        swap_in = sim.copy_async(c, d, stream=sim.swap_stream, span=("host->device", "activations"))
+        prefetch = sim.copy_async(e, f, stream=sim.h2d_stream, span=("host->device", "chunk 3"))
+        assert swap_in.time > 2 * one and prefetch.time < one  # the link was free before the swap-in's turn
+        with sim:  # nested
+            before = len(sim.records.work)
+            a.add_(1)
+            assert len([w for w in sim.records.work[before:] if w.kind == "compute"]) == 1
+        sim.synchronize(prefetch)
+        x = sim.copy_async(a, b, stream=sim.d2h_stream, span=("device->host", "first"))
+        y = sim.copy_async(c, d, stream=sim.d2h_stream, span=("device->host", "second"))
+        sim.synchronize(x)
+        sim.synchronize(y)
+        a.add_(1)
+    causes = {w.label.split(" (")[0] for w in sim.records.work if w.kind == "idle"}
+    assert {"host wait: first", "host wait: second"} <= causes

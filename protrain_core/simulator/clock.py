@@ -39,6 +39,38 @@ class MeasuredLane(Lane):
         self._offset -= real_seconds
 
 
+class Link:
+    """What carries one transfer at a time (a PCIe direction, the fabric between ranks): a
+    transfer takes the first free gap at or after the time it is ready, as a copy engine serves
+    whichever copy is ready rather than the host's issue order. Bookings are made as the host
+    issues the copies and are not moved afterwards (their events are out already): a copy issued
+    later cannot take a gap shorter than itself before one promised to an earlier copy."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.busy: list[tuple[float, float]] = []  # booked intervals, sorted, disjoint
+
+    def first_gap(self, ready: float, seconds: float) -> float:
+        """When a transfer of ``seconds`` ready at ``ready`` would start."""
+        start = ready
+        for a, b in self.busy:
+            if b <= start:
+                continue
+            if a >= start + seconds:
+                break
+            start = b
+        return start
+
+    def book(self, ready: float, seconds: float, floor: float) -> float:
+        """Book a transfer of ``seconds`` ready at ``ready``; return its start. ``floor``: no
+        later transfer is ready before it (bookings that end earlier are forgotten)."""
+        self.busy = [iv for iv in self.busy if iv[1] > floor]
+        start = self.first_gap(ready, seconds)
+        self.busy.append((start, start + seconds))
+        self.busy.sort()
+        return start
+
+
 class Stream(Lane):
     """A device stream: its work queue's end ``t``, the end of its last piece of work, and what
     it waited for since (the latest event: the cause of its idle time)."""

@@ -17,15 +17,21 @@ runtime knows it is simulated. A discrete-event clock (clock.py) keeps the time 
   what held the stream: the event it waited for (a chunk's upload, an all-gather, a swap) or
   the host (a host wait, or the host's own issue time);
 - the h2d and d2h copy streams and the swap stream: copies of their bytes over the bandwidth
-  of their direction; each direction is one copy engine (a PCIe link is full duplex), so two
-  streams of the same direction take turns and two of opposite directions overlap;
+  of their direction; each direction is one copy engine (a PCIe link is full duplex), which
+  serves each copy in the first free gap from the time the copy is ready (``clock.Link``), so
+  two streams of the same direction take turns and two of opposite directions overlap;
 - the communication stream: all-gathers and reduce-scatters over the bus bandwidth, for the
   ranks of a ``SimulatedGroup`` (W identical ranks, one simulated; size-only);
 - the CPU worker: each job starts when submitted and the worker is free, waits for the events
   it synchronizes on, and is charged its operators on the host's figures (fused Adam at
   ``cpu_adam_params_per_s``, the rest at ``host_memory_bytes_per_s``). Jobs run inline, so a
   simulation is deterministic; a job's future is done when the simulated clock has passed it.
-Every figure is a field of a ``DeviceSpec`` (hardware.py), none is hidden here. The runtime's
+Every figure is a field of a ``DeviceSpec`` (hardware.py), none is hidden here. Not modeled:
+device memory (the allocator, and when a stream-ordered free returns memory); contention of
+the side streams' kernels with compute for the GPU's cores; host-side blocking inside the
+runtime's own structures -- a CPU job runs when it is submitted, so a host thread that would
+wait for the worker to give back a staging buffer (worker.py, fp32 gradient accumulation)
+does not wait here. The runtime's
 ``Timeline`` records the same spans as on CUDA, in simulated seconds; ``report.py`` sums a step.
 The meta device cannot give values: ``.item()`` of a meta tensor reads True for a boolean (the
 all-true branch of the model's own checks, e.g. Hugging Face's attention-mask shortcuts) and
@@ -55,7 +61,7 @@ from torch.utils.flop_counter import flop_registry
 
 from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.sharding import Sharding
-from protrain_core.simulator.clock import Event, Lane, MeasuredLane, Records, Stream, Wait, Work
+from protrain_core.simulator.clock import Event, Lane, Link, MeasuredLane, Records, Stream, Wait, Work
 from protrain_core.simulator.hardware import DeviceSpec, load_spec
 from protrain_core.utils import iter_tensors
 
@@ -91,23 +97,29 @@ class SimulatedDevice(DeviceContext):
         self.compute = Stream("compute")
         self.h2d_stream, self.d2h_stream = Stream("h2d"), Stream("d2h")
         self.swap_stream, self.comm_stream = Stream("swap"), Stream("comm")
-        self.links = {"host->device": Lane("pcie h2d"), "device->host": Lane("pcie d2h"), "collectives": Lane("fabric")}
+        self.links = {"host->device": Link("pcie h2d"), "device->host": Link("pcie d2h"), "collectives": Link("fabric")}
         self._local = threading.local()
-        self._last_wait: Wait | None = None  # the main lane's latest host wait (idle attribution)
+        self._main_waits: list[Wait] = []  # the main lane's host waits not yet behind the compute stream
         self._directions: dict[str, str] = {}  # stream -> direction of its last copy
         self._modes: list = []
+        self._depth = 0  # ``with sim:`` entered (nested entries add nothing)
+        self.charging_depth = 0  # _Charging modes active (one charges; a second would charge twice)
 
     # ----- entering --------------------------------------------------------------------------
     def __enter__(self) -> SimulatedDevice:
         # The CPU device charges only the work it models (copies, the worker's jobs: ``charging``);
         # its compute runs untouched, at its own speed.
-        modes = ([_Charging(self)] if self.asynchronous else []) + ([_GpuAttention()] if self.device.type == "meta" else [])
-        for m in modes:
-            m.__enter__()
+        self._depth += 1
+        modes = []
+        if self._depth == 1:
+            modes = [self.charging()] + ([_GpuAttention()] if self.device.type == "meta" else [])
+            for m in modes:
+                m.__enter__()
         self._modes.append(modes)
         return self
 
     def __exit__(self, *exc) -> None:
+        self._depth -= 1
         for m in reversed(self._modes.pop()):
             m.__exit__(*exc)
 
@@ -132,9 +144,9 @@ class SimulatedDevice(DeviceContext):
             self._local.where = previous
 
     def charging(self):
-        """Charge the operators run inside (always on a GPU: entering the device does; on the
-        CPU device only around the work it models)."""
-        return contextlib.nullcontext() if self.asynchronous else _Charging(self)
+        """Charge the operators run inside (once: a no-op where they are charged already). A GPU
+        charges all its work (entering the device does); the CPU device only the work it models."""
+        return contextlib.nullcontext() if self.charging_depth else _Charging(self)
 
     def cpu_work(self, lane: Lane):
         """Operators inside run on the host lane ``lane`` (a CPU worker's job), at the host's rates."""
@@ -144,41 +156,43 @@ class SimulatedDevice(DeviceContext):
         kind, lane = self._where()
         return lane if kind == "cpu" else self.main
 
-    def _run(self, stream: Stream, seconds: float, label: str, kind: str, link: Lane | None = None,
+    def _run(self, stream: Stream, seconds: float, label: str, kind: str, link: Link | None = None,
              nbytes: int = 0) -> None:
-        """Issue ``seconds`` of work on ``stream`` from the main lane (see the Note)."""
+        """Issue ``seconds`` of work on ``stream`` from the main lane (see the Note): it starts
+        once the host has issued it, the stream's earlier work and waits are done, and (a
+        transfer) its link has room."""
         main = self.main
+        main.t += self.spec.launch_s
         waited = stream.t
-        start = max(waited, main.t)
-        if link is not None:
-            start = max(start, link.t)
+        ready = max(waited, main.t)
+        start = ready if link is None else link.book(ready, seconds, floor=main.t)
         if stream is self.compute and start > stream.last_end:
-            self._idle(stream.last_end, waited, start, stream.held_by)
+            self._idle(stream.last_end, waited, ready, start, stream.held_by)
         end = start + seconds
         stream.t = stream.last_end = end
-        if link is not None:
-            link.t = end
         self.records.work.append(Work(stream.name, start, end, label, kind, nbytes))
-        main.t += self.spec.launch_s
 
-    def _idle(self, last_end: float, waited: float, start: float, held_by: str) -> None:
+    def _idle(self, last_end: float, waited: float, ready: float, start: float, held_by: str) -> None:
         """The compute stream idled from ``last_end`` to ``start``: until ``waited`` for the event
-        it waited for, then for the host (its latest wait where they overlap, else its own issue)."""
+        it waited for; then until ``ready`` for the host (its waits where they overlap, else its
+        own issue); then for the link (a collective on the compute stream)."""
         add = self.records.work.append
         if waited > last_end:
             add(Work("compute", last_end, waited, held_by or "waits", "idle"))
-        lo = max(last_end, waited)
-        if start > lo:
-            w = self._last_wait
-            a, b = (max(lo, w.start), min(start, w.end)) if w is not None else (0.0, 0.0)
-            if b > a:
-                add(Work("compute", a, b, f"host wait: {w.label} ({w.site})", "idle"))
-                if a > lo:
-                    add(Work("compute", lo, a, "host issue", "idle"))
-                if start > b:
-                    add(Work("compute", b, start, "host issue", "idle"))
-            else:
-                add(Work("compute", lo, start, "host issue", "idle"))
+        cursor = max(last_end, waited)
+        self._main_waits = [w for w in self._main_waits if w.end > cursor]
+        for w in self._main_waits:
+            a, b = max(cursor, w.start), min(ready, w.end)
+            if b <= a:
+                continue
+            if a > cursor:
+                add(Work("compute", cursor, a, "host issue", "idle"))
+            add(Work("compute", a, b, f"host wait: {w.label} ({w.site})", "idle"))
+            cursor = b
+        if ready > cursor:
+            add(Work("compute", cursor, ready, "host issue", "idle"))
+        if start > ready:
+            add(Work("compute", ready, start, "link busy", "idle"))
 
     # ----- charging operators (the dispatch mode calls this) ----------------------------------
     def charge(self, func, args, kwargs, out) -> None:
@@ -258,9 +272,11 @@ class SimulatedDevice(DeviceContext):
         if not self.asynchronous:  # the CPU device: the copy runs on the host thread, for its modeled time
             lane = self.main
             begin, r0 = lane.t, time.perf_counter()
-            with self._at("inline", lane_name), self.charging():
-                fn()
-            lane.exclude(time.perf_counter() - r0)
+            try:
+                with self._at("inline", lane_name), self.charging():
+                    fn()
+            finally:
+                lane.exclude(time.perf_counter() - r0)
             if self.timeline is not None:
                 self.timeline.add(lane_name, label, begin, lane.t)
             return None
@@ -286,7 +302,8 @@ class SimulatedDevice(DeviceContext):
         self._directions[stream.name] = direction
         if previous in (None, direction):
             return
-        free = max(self.compute.t, self.main.t, self.links[direction].t, after.time if after is not None else 0.0)
+        ready = max(self.compute.t, self.main.t + self.spec.launch_s, after.time if after is not None else 0.0)
+        free = self.links[direction].first_gap(ready, 0.0)
         if stream.last_end > free:
             self.records.work.append(Work(stream.name, free, stream.last_end,
                                           f"{direction} copy queued behind a {previous} copy", "stall"))
@@ -317,7 +334,7 @@ class SimulatedDevice(DeviceContext):
         wait = Wait(lane.name, lane.t, until, _call_site(), label, self.phase_of())
         self.records.waits.append(wait)
         if lane is self.main:
-            self._last_wait = wait
+            self._main_waits.append(wait)
         lane.t = until
 
     def done(self, event) -> bool:
@@ -457,11 +474,21 @@ class _Charging(TorchDispatchMode):
         super().__init__()
         self.sim = sim
 
+    def __enter__(self):
+        self.sim.charging_depth += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.sim.charging_depth -= 1
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         sim = self.sim
         if func is torch.ops.aten._local_scalar_dense.default:
             (t,) = args
+            if t.device.type != "meta" and sim.device.type == "meta":
+                return func(t)  # a host tensor beside a meta device: no device read
             sim.read_on_host(".item() of a device tensor")
             if t.device.type != "meta":
                 return func(t)
@@ -478,7 +505,8 @@ class _Charging(TorchDispatchMode):
                          torch.zeros(a.shape, dtype=a.dtype) for a in args], **kwargs)
             return out
         out = func(*args, **kwargs)
-        sim.charge(func, args, kwargs, out)
+        if sim.device.type != "meta" or any(t.device.type == "meta" for t in iter_tensors((args, kwargs, out))):
+            sim.charge(func, args, kwargs, out)  # (beside a meta device, real CPU tensors are host work)
         return out
 
 

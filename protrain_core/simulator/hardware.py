@@ -165,8 +165,8 @@ def load_spec(name_or_path: str | Path | DeviceSpec) -> DeviceSpec:
         fields["sources"] = tuple(fields["sources"])
     fields.setdefault("sources", (f"{path}",))
     if base is not None:
-        return dataclasses.replace(load_spec(base), name=fields.pop("name", f"{PRESETS[base].name} ({path.name})"),
-                                   **fields)
+        base_spec = load_spec(base)
+        return dataclasses.replace(base_spec, name=fields.pop("name", f"{base_spec.name} ({path.name})"), **fields)
     missing = sorted(f.name for f in dataclasses.fields(DeviceSpec)
                      if f.name not in fields and f.default is dataclasses.MISSING)
     if missing:

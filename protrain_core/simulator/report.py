@@ -92,7 +92,7 @@ class StepReport:
             compute_busy_s=busy,
             idle_s=records.idle_between(lo, hi),
             host_waits=_waits(records.waits, "host", lo, hi),
-            worker_waits=_waits(records.waits, worker_lane, lo, hi),
+            worker_waits=_waits(records.waits, worker_lane, lo, hi) if worker_lane != "host" else (),
             cpu_adam_s=sum(_clip(w, lo, hi) for w in adam),
             cpu_adam_in_backward_s=sum(_clip(w, *bwd) for w in adam),
             bytes=_bytes(work, lo, hi),
