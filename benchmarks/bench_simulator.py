@@ -59,19 +59,20 @@ def unnamed_backward_waits(result: Simulation):
 class Runner:
     """Simulates the runs on one model and batch, reusing one profile per precision and world."""
 
-    def __init__(self, hardware: str = "h100", batch: int = 32, seq: int = 2048) -> None:
+    def __init__(self, hardware: str = "h100", batch: int = 32, seq: int = 2048, model: str = "llama-7b") -> None:
         self.hardware = hardware
-        config = models.load_config("llama-7b")
+        config = models.load_config(model)
         self.model, self.optimizer = models.build(config, "meta")
         self.batch = models.token_batch(config, batch, seq, "meta")
         self.profiles: dict = {}
 
-    def run(self, plan: str, variant: str = "bf16", world: int = 1) -> Simulation:
+    def run(self, plan: str | pt.Plan, variant: str = "bf16", world: int = 1) -> Simulation:
+        """``plan``: a name of ``PLANS`` (LLaMA-7B's 34 chunks) or a Plan."""
         precision, clipping = VARIANTS[variant]
         key = (precision, world)
         result = simulate(self.model, self.optimizer, self.batch, device=SimulatedDevice(self.hardware),
-                          plan=PLANS[plan], precision=precision, gradient_clipping=clipping, world_size=world,
-                          profile=self.profiles.get(key))
+                          plan=PLANS.get(plan, plan), precision=precision, gradient_clipping=clipping,
+                          world_size=world, profile=self.profiles.get(key))
         self.profiles[key] = result.profile
         return result
 

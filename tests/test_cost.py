@@ -177,7 +177,8 @@ def test_sharded_chunks_add_the_collectives():
     """Sharded over W=2 processes (the hand profile's bytes as one rank's): a fetch also
     all-gathers the chunk (gather_bytes 800 at 800 B/s: +1 s), an offload reduce-scatters the
     gradients first (reduce_bytes 800 at 1600 B/s: +0.5 s), each rank's Adam updates half of the
-    elements, and a persistent chunk pays its reduce-scatter and gather at its update."""
+    elements; the persistent chunks' reduce-scatters and gathers run beside backward and the
+    updates (communication stream): what sticks out is charged."""
     one = hand_profile()
     hw = dataclasses.replace(one.hardware, gather_bytes_per_s=800.0, reduce_bytes_per_s=1600.0)
     two = dataclasses.replace(one, world_size=2, gather_bytes=800, reduce_bytes=(800, 800, 800), hardware=hw)
@@ -185,9 +186,12 @@ def test_sharded_chunks_add_the_collectives():
     assert cm2.X == pytest.approx(cm1.X + 1.0)
     assert cm2.Y == pytest.approx([y + 0.5 for y in cm1.Y])
     assert cm2.U == pytest.approx([u / 2 for u in cm1.U])
-    assert cm2.V == pytest.approx([v / 2 + 0.5 + 1.0 for v in cm1.V])
-    # All persistent: forward 6, backward 10, the device updates 3 x (0.05 + 1.5) after backward.
-    assert rt(two, n_persist=3, n_buffer=0).total_s == pytest.approx(6 + 10 + 3 * 1.55)
+    assert cm1.V_prefix == pytest.approx([0.0, 0.1, 0.2, 0.3])  # one process: the Adam times
+    # W=2: updates of 0.05 each; each chunk's gather (1 s) after its update and the one before;
+    # the reduce-scatter of chunk 0, the last to finish backward (0.5 s), sticks out too.
+    assert cm2.V_prefix == pytest.approx([0.0, 1.05 + 0.5, 2.05 + 0.5, 3.05 + 0.5])
+    # All persistent: forward 6, backward 10, then the updates and what sticks out of them.
+    assert rt(two, n_persist=3, n_buffer=0).total_s == pytest.approx(6 + 10 + 3.55)
     streamed = rt(two, n_persist=0, n_buffer=1)
     assert streamed.total_s > rt(one, n_persist=0, n_buffer=1).total_s  # the gathers are not hidden with one buffer
     # Measured in one process (world_size 1, no rates): nothing is added.

@@ -19,8 +19,9 @@ Notation (all per iteration, one optimizer step):
            over the copy bandwidth; measured per block where copies do not overlap compute)
   U_c, V_c Adam time of chunk c on the CPU worker / on the device (trainable elements / rate)
   W        processes the chunks are sharded over: X adds a chunk's all-gather, Y_c its
-           gradients' reduce-scatter, U_c and V_c update 1/W of the elements (V_c also pays the
-           persistent chunk's reduce-scatter and gather), all at the measured collective rates
+           gradients' reduce-scatter, U_c and V_c update 1/W of the elements, and the persistent
+           chunks' reduce-scatters and gathers are charged where they outlast backward and the
+           updates (``CostModel._device_updates``), all at the measured collective rates
   e_c      extra streamed chunks fetched by the segments homed at c
 """
 
@@ -130,9 +131,9 @@ class CostModel:
         self.L = profile.n_blocks
         # Sharded over W processes ([Note: sharded chunks]): a fetch uploads the rank's shard and
         # then all-gathers the chunk; an offload reduce-scatters the gradients first, and Adam
-        # updates the rank's shard (1/W of the elements). A persistent chunk's reduce-scatter and
-        # the all-gather after its update are charged to its device-side update (conservative:
-        # the reduce-scatter in fact runs on the communication stream during backward).
+        # updates the rank's shard (1/W of the elements). A persistent chunk's reduce-scatter
+        # and the all-gather after its update run on the communication stream beside backward
+        # and beside the next chunks' updates: only what sticks out is charged (``V_prefix``).
         w = profile.world_size
         gather = profile.gather_bytes / hw.gather_bytes_per_s if w > 1 and hw.gather_bytes_per_s else 0.0
         reduce = ([b / hw.reduce_bytes_per_s for b in profile.reduce_bytes] if w > 1 and hw.reduce_bytes_per_s
@@ -140,9 +141,9 @@ class CostModel:
         self.X = profile.chunk_bytes / hw.h2d_bytes_per_s + gather
         self.Y = [b / hw.d2h_bytes_per_s + r for b, r in zip(profile.offload_bytes, reduce)]  # 0 for a frozen chunk
         self.U = [n / w / hw.cpu_adam_params_per_s for n in profile.chunk_trainable]
-        self.V = [n / w / hw.device_adam_params_per_s + ((r + gather) if n else 0.0)
-                  for n, r in zip(profile.chunk_trainable, reduce)]
         self.has_grad = profile.chunk_has_grad
+        self.V_prefix = self._device_updates([n / w / hw.device_adam_params_per_s for n in profile.chunk_trainable],
+                                             reduce, gather if w > 1 else 0.0)
         self.async_copies = hw.async_copies
         # Prefix sums of the chunk sizes when persistent (eq. 8 is linear in n_persist).
         self.persist_prefix = [0]
@@ -156,6 +157,23 @@ class CostModel:
         self._layouts: dict[tuple[BlockMode, ...], _Layout] = {}
         self.base = _Base(self)
         self._grid: _Grid | None = None
+
+    def _device_updates(self, adam: list[float], reduce: list[float], gather: float) -> list[float]:
+        """V_prefix[p]: what the persistent chunks' updates add after backward with p of them:
+        their device Adam, one after the other, and what their collectives add (W processes):
+        the reduce-scatter of the last one to finish backward (the lowest with gradients: the
+        others run beside backward), and the all-gathers after the updates beyond the last
+        update (each gather follows its chunk's update and the gather before it):
+          a_c = a_{c-1} + V_c,  g_c = max(g_{c-1}, a_c) + gather,  V_prefix[p] = g_p + r_first
+        (one process: V_prefix[p] = a_p, the sum of the Adam times)."""
+        out, a, g, first = [0.0], 0.0, 0.0, None
+        for c in range(self.N):
+            if self.has_grad[c]:
+                a += adam[c]
+                g = max(g, a) + gather
+                first = c if first is None else first
+            out.append((g if gather else a) + (reduce[first] if first is not None else 0.0))
+        return out
 
     # ----- helpers -------------------------------------------------------------------------
     def modes(self, plan: Plan) -> tuple[BlockMode, ...]:
@@ -275,8 +293,7 @@ class CostModel:
                 cpu_total += self.U[c]
                 cpu_end = max(cpu_end, tau + off) + self.U[c]
                 landed = max(landed, tau + off)
-            else:
-                dev_total += self.V[c]
+        dev_total = self.V_prefix[p]
         return t, h2d, d2h, cpu_end, cpu_total, dev_total, landed
 
     def grid(self) -> _Grid:
@@ -442,7 +459,7 @@ class _Grid:
         self.free = free
         self.special = [c for c in range(model.N) if c == 0 or model.base.extra[c]]
         (self.fP, self.fS2, self.fS1, self.bP, self.bSin2, self.bSout2, self.bSin1, self.bSout1) = self._case_prefixes()
-        self.V = torch.cumsum(torch.tensor([0.0] + model.V, dtype=torch.float64), 0)
+        self.V = torch.tensor(model.V_prefix, dtype=torch.float64)
 
     def _segment_modes(self) -> tuple[Tensor, Tensor, Tensor]:
         """(swap, checkpoint, keep) per row and segment: pre/post keep; block b takes its row's mode."""
