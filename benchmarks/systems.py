@@ -700,6 +700,15 @@ def run(spec: dict) -> dict:
     torch.manual_seed(0)
     clock = Clock(device)
     result = {"status": "ok"}
+    if world() > 1 and device.type == "cuda" and spec["system"] in ("fsdp2-offload", "fsdp2-offload-ac",
+                                                                     "deepspeed-zero3-offload"):
+        # Their CPU optimizer gets the cores ProTrain's CPU worker gets (torchrun set 1 thread):
+        # [Note: CPU Adam threads] in protrain_core/runtime/worker.py.
+        from protrain_core.runtime.device import worker_threads
+
+        threads, why = worker_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        torch.set_num_threads(threads)
+        result["cpu_threads"] = f"{threads} ({why})"
     # Several processes: one process group for the run (the Lightning Trainer sets up its own).
     group = world() > 1 and spec["system"] != "protrain-lightning" and not spec["dry_run"]
     if group:

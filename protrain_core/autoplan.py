@@ -23,10 +23,6 @@ profiled batch.
 from __future__ import annotations
 
 import statistics
-import time
-
-import torch
-import torch.distributed as dist
 
 from protrain_core.plan import Plan, PlanLimits
 from protrain_core.planner.cost import CostModel
@@ -176,8 +172,8 @@ class AutoPlanner:
         if tokens is None:
             return
         sharding = self.engine.sharding
-        if sharding is not None:  # every rank plans for the longest of the ranks' batches
-            tokens = int(sharding.all_reduce_(torch.tensor([tokens], device=self.engine.device), dist.ReduceOp.MAX).item())
+        if sharding is not None:  # every rank plans for the longest of the ranks' batches (a host collective)
+            tokens = int(sharding.max_on_host([tokens])[0])
         plan = self.plan_for(tokens)
         if plan != self.engine.plan:
             self.engine.replan(plan)

@@ -439,3 +439,15 @@ def test_an_unknown_checkpoint_type_is_refused():
     for cls in (ProTrainStrategy, ProTrainFabricStrategy):
         with pytest.raises(ValueError, match="'full'.*'sharded'"):
             cls(state_dict_type="dcp")
+
+
+def _host_max(rank, world):
+    from protrain_core.runtime.sharding import Sharding
+
+    return Sharding.resolve().max_on_host([10.0 * rank, 5.0])
+
+
+def test_host_numbers_agree_without_the_device(tmp_path):
+    """``Sharding.max_on_host`` (the longest batch of the ranks, the slowest rank's collective
+    timings) is a host collective: every rank gets the largest of each value."""
+    assert spawn(_host_max, 2, tmp_path) == [[10.0, 5.0], [10.0, 5.0]]

@@ -96,3 +96,55 @@ def test_cuda_cpu_adam_overlaps_backward():
     events, backward_end = _timeline(engine, x)
     begins = [t for what, c, t in events if what == "cpu_adam_begin"]
     assert begins and min(begins) < backward_end
+
+
+def test_cpu_worker_threads_follow_the_cores_the_process_owns(monkeypatch):
+    """[Note: CPU Adam threads]: the worker's share is the process's CPU affinity when a launcher
+    bound it, else the machine's cores over the node's processes, minus one for the thread that
+    drives the device; its jobs run with that many intra-op threads while the calling thread
+    keeps its own count (torchrun's OMP_NUM_THREADS=1)."""
+    import os
+
+    from protrain_core.runtime import device as dev
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)), raising=False)
+    assert dev.worker_threads(1)[0] == 15 and dev.worker_threads(2)[0] == 7 and dev.worker_threads(32)[0] == 1
+    assert "16 cores / 2 processes" in dev.worker_threads(2)[1]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3}, raising=False)
+    assert dev.worker_threads(2) == (3, "4 cores this process is bound to, one left for the thread that drives the device")
+    monkeypatch.undo()
+    ctx = dev.DeviceContext(torch.device("cpu"))
+    main = torch.get_num_threads()
+    worker = ctx.worker(threaded=True, threads=1 if main > 1 else 2)
+    try:
+        assert worker.submit(torch.get_num_threads).result() == (1 if main > 1 else 2)
+    finally:
+        worker.shutdown()
+    assert torch.get_num_threads() == main
+
+
+def test_summary_says_where_the_cpu_adam_runs(monkeypatch):
+    model = tiny_gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = pt.wrap(model, opt, pt.Plan(n_persist=0, n_buffer=2), device="cpu")
+    assert "CPU worker: inline" in engine.summary()
+    engine.close()
+    monkeypatch.setenv("PROTRAIN_CPU_ADAM_THREAD", "1")
+    model = tiny_gpt2()
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), pt.Plan(n_persist=0, n_buffer=2), device="cpu")
+    assert "CPU worker: the process's intra-op threads" in engine.summary()
+    engine.close()
+
+
+@pytest.mark.cuda
+def test_cuda_worker_uses_the_cores_the_process_owns(monkeypatch):
+    from protrain_core.runtime.device import worker_threads
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    model = tiny_gpt2()
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), pt.Plan(n_persist=0, n_buffer=2), device="cuda")
+    n = engine.runtime.worker.threads
+    assert n == worker_threads(1)[0] and f"CPU worker: {n} thread" in engine.summary()
+    assert engine.runtime.worker.submit(torch.get_num_threads).result() == n
+    engine.close()

@@ -26,24 +26,32 @@ for the offload's event, landed the gradients and restored the copy from the mas
 On the CPU there are no streams: copies and collectives run synchronously and events are ``None``.
 
 [Note: host waits]
-The places where a host thread blocks on the device, on CUDA (the simulated device lists each
-one by call site: ``protrain plan --simulate``):
-- the CPU worker waits for each gradient offload it lands (its own thread, not the one that
-  drives the device);
-- ``Engine.step``: the clipping coefficient and fp16's found-inf are read on the host
-  (``to_host``), once per step, when a streamed chunk needs them;
-- the end of backward: swap buffers left unused by this backward are freed after the swap
-  stream is done (``HostBuffers.trim``);
-- a fetch of a chunk whose CPU update is still running waits for that update (NEXT_FORWARD:
-  the next forward's first use of the chunk; a gradient-holding chunk evicted and fetched
-  again in the same backward);
-- ``wait_all`` (state dicts, ``replan``, ``close``, ``wait_for_updates``) and a prefetch left
-  unused at ``step()``;
-- sharded over several processes: the ranks' agreement on each chunk before its gradients are
-  reduced (``Chunk.agree_received``, a small host collective on a gloo group).
-No other host wait runs on the thread that drives the device during backward:
-``BACKWARD_HOST_WAITS`` lists the call sites allowed there (tests/test_simulator.py holds the
-runtime to it on a simulated H100).
+Every place on the training step's path where a host thread blocks on the device or on the CPU
+worker, on CUDA, and why (the simulated device lists each by call site: ``protrain plan
+--simulate``). Waits on the device:
+- ``Engine.step``: the clipping coefficient (norm clipping), read on the host (``to_host``) once
+  per step when a streamed chunk's update needs it; fp16's found-inf, read once per step to
+  decide whether the step runs;
+- the end of backward (``HostBuffers.trim``): swap buffers this backward did not use are freed
+  only after the swap stream is done with them;
+- a prefetch left unused at ``step()`` (``end_fetch(wait_on_host=True)``): the chunk's update is
+  about to rewrite the host copy the upload reads;
+- ``wait_all`` callers that read device state: state dicts, ``replan``, ``close``.
+Waits on the CPU worker (no device involved):
+- ``step()`` when the CPU Adam overlaps backward: it returns when every update is over;
+- a fetch of a chunk whose update still runs (NEXT_FORWARD: the next forward's first use of it;
+  a gradient-holding chunk evicted and fetched again within a backward);
+- ``wait_all``: ``wait_for_updates``, ``zero_grad`` (for jobs it must not race), state dicts;
+- the worker itself waits for each gradient offload it lands (its own thread).
+Host collectives between ranks (sharded; gloo, no device): the agreement on each chunk before
+its gradients are reduced (``Chunk.agree_received``) and at the end of backward; the longest
+batch of the ranks before each micro-batch when plans follow batch lengths
+(``Sharding.max_on_host``); the budgets at ``wrap``. Not the runtime's: the model's own reads
+(Hugging Face's attention-mask code reads a device value in every forward) and the user's
+(``loss.item()``). The norms taken on the host move to the device from pinned memory, without
+a wait. During backward the thread that drives the device waits only where
+``BACKWARD_HOST_WAITS`` says (tests/test_simulator.py holds the runtime to it on a simulated
+H100).
 """
 
 from __future__ import annotations
@@ -172,9 +180,14 @@ class DeviceContext:
         return t.to(self.host)
 
     # ----- the host side ------------------------------------------------------------------------
-    def worker(self, threaded: bool) -> Executor:
-        """The CPU worker's executor: a thread (``threaded``), else jobs run inline."""
-        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="protrain-cpu-adam") if threaded else InlineExecutor()
+    def worker(self, threaded: bool, threads: int | None = None) -> Executor:
+        """The CPU worker's executor: a thread (``threaded``), else jobs run inline. ``threads``:
+        the intra-op threads its operators use (``torch.set_num_threads`` in that thread; None:
+        the process's)."""
+        if not threaded:
+            return InlineExecutor()
+        setup = {} if threads is None else {"initializer": torch.set_num_threads, "initargs": (threads,)}
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="protrain-cpu-adam", **setup)
 
     def clock(self) -> float:
         """Seconds on the calling host thread (``time.perf_counter``; simulated time on a
@@ -250,3 +263,22 @@ def resolve_device(device) -> torch.device:
     elif device.type != "cpu":
         raise ValueError(f"Unsupported device {device}; ProTrain runs on 'cuda' or 'cpu'.")
     return device
+
+
+def worker_threads(local_processes: int) -> tuple[int, str]:
+    """(threads for the CPU worker of one process, why): the cores this process may run on --
+    its CPU affinity when that is a part of the machine (a launcher or the scheduler bound it),
+    else the machine's cores shared among the node's ``local_processes`` -- minus one for the
+    thread that drives the device. torchrun's OMP_NUM_THREADS=1 is its default, not a choice the
+    user made ([Note: CPU Adam threads] in worker.py)."""
+    total = os.cpu_count() or 1
+    try:
+        mine = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        mine = total
+    if mine < total:
+        share, how = mine, f"{mine} cores this process is bound to"
+    else:
+        share = max(1, total // max(1, local_processes))
+        how = f"{total} cores / {local_processes} process{'es' if local_processes > 1 else ''} on this node"
+    return max(1, share - 1), f"{how}, one left for the thread that drives the device"

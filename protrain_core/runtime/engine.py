@@ -654,6 +654,7 @@ class Engine:
             [
                 f"ProTrain engine: {self.plan}, precision={self.precision.value}, device={self.device}",
                 f"optimizer: {type(self.optimizer).__name__} per chunk; overlap: {self.overlap}",
+                f"CPU worker: {self._worker_line()}",
                 self._clipping_line(),
                 f"activations per block: {describe_modes(self.block_modes)}",
                 f"device model-state bytes now {self.device_bytes() / mib:.2f} MiB "
@@ -662,6 +663,12 @@ class Engine:
                 self.layout.summary(self.precision.compute_dtype.itemsize, self.plan.n_persist),
             ]
         )
+
+    def _worker_line(self) -> str:
+        worker = self.runtime.worker
+        if worker.threads is None:
+            return worker.threads_why
+        return f"{worker.threads} thread{'s' if worker.threads > 1 else ''} ({worker.threads_why})"
 
     # ----- life ---------------------------------------------------------------------------
     @property

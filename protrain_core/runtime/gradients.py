@@ -153,12 +153,21 @@ class StepGradients:
             return self._sharded_total(ordered, norm_type)
         if not ordered:
             return torch.tensor(0.0, device=self.device)
-        moved: dict[torch.device, Tensor] = {}
+        return torch.linalg.vector_norm(self._stacked_on_device(ordered), norm_type)
+
+    def _stacked_on_device(self, ordered: list[Tensor]) -> Tensor:
+        """The per-tensor norms, in order, as one tensor on the device: one transfer per place
+        they were taken (the host's through pinned memory on CUDA, so the copy does not make
+        the host wait for the compute stream, as a copy from pageable memory does)."""
+        moved: dict[int, Tensor] = {}
         for where in {n.device for n in ordered}:
             ks = [k for k, n in enumerate(ordered) if n.device == where]
-            for k, n in zip(ks, torch.stack([ordered[k] for k in ks]).to(self.device)):
+            stacked = torch.stack([ordered[k] for k in ks])
+            if where != self.device and self.ctx.is_cuda:
+                stacked = stacked.pin_memory()
+            for k, n in zip(ks, stacked.to(self.device, non_blocking=self.ctx.is_cuda)):
                 moved[k] = n
-        return torch.linalg.vector_norm(torch.stack([moved[k] for k in range(len(ordered))]), norm_type)
+        return torch.stack([moved[k] for k in range(len(ordered))])
 
     def _sharded_total(self, ordered: list[Tensor], norm_type: float) -> Tensor:
         """The global norm over the ranks' pieces: each rank's pieces' norms combined (the
@@ -166,7 +175,7 @@ class StepGradients:
         ``clip_grad_norm_``'s over whole gradients up to the order of the additions."""
         local = torch.zeros((), dtype=torch.float32, device=self.device)
         if ordered:
-            local = torch.linalg.vector_norm(torch.stack([n.to(self.device, torch.float32) for n in ordered]), norm_type)
+            local = torch.linalg.vector_norm(self._stacked_on_device(ordered).float(), norm_type)
         if math.isinf(norm_type):
             op = dist.ReduceOp.MAX if norm_type > 0 else dist.ReduceOp.MIN
             return self.sharding.all_reduce_(local, op)

@@ -80,7 +80,8 @@ class Runtime:
         self.record_events = False
         self.timeline = None  # a Timeline while Engine.record_timeline() records
         staging = max((c.storage.fmt.state_numel for c in self.streamed), default=0)
-        self.worker = CpuWorker(ctx, optim, n_staging=n_buffer, staging_numel=staging, record=self.record)
+        self.worker = CpuWorker(ctx, optim, n_staging=n_buffer, staging_numel=staging, record=self.record,
+                                world=1 if self.sharding is None else self.sharding.world)
 
     @property
     def stepped_backward(self) -> bool:

@@ -7,6 +7,17 @@ the same cores slow each other down far more than Adam costs (measured 2-core VM
 of 0.3 ms per chunk, and +30 % backward). So Adam runs inline, at the same points;
 PROTRAIN_CPU_ADAM_THREAD=1 keeps the worker thread (the tests use it to exercise the threaded
 path on the CPU).
+
+[Note: CPU Adam threads]
+On CUDA the worker thread's operators (landing, Adam, copies back) run with as many intra-op
+threads as the process has cores to spare (``device.worker_threads``): its CPU affinity when a
+launcher bound it, else the machine's cores divided among the node's processes
+(``LOCAL_WORLD_SIZE`` as torchrun sets it; else, with several processes, as many as the node
+has GPUs, at most the processes in all), minus one for the thread that
+drives the device. That thread's own count is left as it was (1 under torchrun, which sets
+OMP_NUM_THREADS=1 for every process: a default that would leave the CPU Adam on one core). On a
+CPU device the worker's threads would compete with the compute's, so they are not changed.
+``engine.summary()`` says what was chosen.
 """
 
 from __future__ import annotations
@@ -20,19 +31,28 @@ from torch import Tensor
 
 from protrain_core.memtrack import untracked
 from protrain_core.runtime.chunk import Chunk
-from protrain_core.runtime.device import DeviceContext
+from protrain_core.runtime.device import DeviceContext, worker_threads
 from protrain_core.runtime.optim import ChunkOptimizer
 
 
 class CpuWorker:
-    def __init__(self, ctx: DeviceContext, optim: ChunkOptimizer, *, n_staging: int, staging_numel: int, record) -> None:
+    def __init__(self, ctx: DeviceContext, optim: ChunkOptimizer, *, n_staging: int, staging_numel: int, record,
+                 world: int = 1) -> None:
+        """``world``: the processes the chunks are sharded over (for the worker's thread count)."""
         self.ctx = ctx
         self.optim = optim
         self.n_staging = n_staging
         self.staging_numel = staging_numel  # the largest trainable shard of a streamed chunk
         self.record = record  # record(what, chunk index): the runtime's timeline and counters
         self.threaded = ctx.asynchronous or os.environ.get("PROTRAIN_CPU_ADAM_THREAD", "") == "1"
-        self._pool = ctx.worker(self.threaded)
+        self.threads, self.threads_why = None, "inline on the thread that runs the step (a CPU device)"
+        if self.threaded:
+            self.threads_why = "the process's intra-op threads (a CPU device: they would compete with the compute)"
+            if ctx.is_cuda:
+                local = os.environ.get("LOCAL_WORLD_SIZE")
+                local = int(local) if local else min(world, max(1, torch.cuda.device_count()))
+                self.threads, self.threads_why = worker_threads(local)
+        self._pool = ctx.worker(self.threaded, self.threads)
         self._staging: queue.Queue | None = None  # landing buffers to add into grad_acc (its dtype)
         self._lent: dict[int, Tensor] = {}  # id of a landing slice -> its staging buffer
 
