@@ -121,7 +121,8 @@ def test_cpu_worker_threads_follow_the_cores_the_process_owns(monkeypatch):
         assert worker.submit(torch.get_num_threads).result() == (1 if main > 1 else 2)
     finally:
         worker.shutdown()
-    assert torch.get_num_threads() == main
+        assert torch.get_num_threads() == main  # this thread's count is its own ...
+        torch.set_num_threads(main)  # ... but the count new threads start with is torch's global: restore it
 
 
 def test_summary_says_where_the_cpu_adam_runs(monkeypatch):

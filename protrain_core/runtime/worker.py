@@ -17,7 +17,8 @@ has GPUs, at most the processes in all), minus one for the thread that
 drives the device. That thread's own count is left as it was (1 under torchrun, which sets
 OMP_NUM_THREADS=1 for every process: a default that would leave the CPU Adam on one core). On a
 CPU device the worker's threads would compete with the compute's, so they are not changed.
-``engine.summary()`` says what was chosen.
+``engine.summary()`` says what was chosen. (``torch.set_num_threads`` also sets the count that
+threads started later in the process begin with; the calling threads keep theirs.)
 """
 
 from __future__ import annotations
