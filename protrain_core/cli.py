@@ -36,26 +36,18 @@ def load_config(name: str):
         raise SystemExit(f"protrain plan: {e}") from None
 
 
-def build(config):
-    return models.build(config)
-
-
 def progress(text: str) -> None:
     print(f"protrain plan: {text}", file=sys.stderr, flush=True)
-
-
-def _batch(config, batch_size: int, seq_len: int) -> dict:
-    return models.token_batch(config, batch_size, seq_len)
 
 
 def _profile(args, config, batch_size: int):
     import protrain_core as pt
 
-    model, opt = build(config)
+    model, opt = models.build(config)
     progress(f"profiling {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} parameters) on a "
              f"batch of {batch_size} x {args.seq_len} tokens on {args.device} ...")
     start = time.perf_counter()
-    prof = pt.profile(model, opt, _batch(config, batch_size, args.seq_len), precision=args.precision,
+    prof = pt.profile(model, opt, models.token_batch(config, batch_size, args.seq_len), precision=args.precision,
                       device=args.device, cache=not args.no_cache, reprofile=args.reprofile)
     progress(f"profile ready after {format_seconds(time.perf_counter() - start)}")
     return prof
@@ -67,13 +59,13 @@ def check_prediction(args, config, prof, choice) -> None:
     import protrain_core as pt
     from protrain_core.autoplan import WARMUP_STEPS, AutoPlanner, PredictionCheck
 
-    model, opt = build(config)
+    model, opt = models.build(config)
     engine = pt.wrap(model, opt, choice.plan, precision=args.precision, device=args.device)
     planner = AutoPlanner(engine, prof, budget=choice.budget_bytes, host_budget=choice.host_budget_bytes,
                           schedule=choice.schedule)
     PredictionCheck(engine, planner, report=lambda text, **_: print(text), hint="--reprofile",
                     checked_steps=args.check_steps)
-    batch = {k: v.to(args.device) for k, v in _batch(config, args.batch_size, args.seq_len).items()}
+    batch = {k: v.to(args.device) for k, v in models.token_batch(config, args.batch_size, args.seq_len).items()}
     steps = WARMUP_STEPS + args.check_steps + 1
     progress(f"checking the prediction: {steps} training steps on random data ...")
     try:
@@ -145,11 +137,12 @@ def simulate_command(args) -> int:
     the model on the meta device: no memory, no GPU. Prints the search's explanation, the
     simulated step next to the cost model's prediction (idle time by cause, host waits, copies,
     CPU Adam), and the what-if table of the simulated profile."""
+    import protrain_core as pt
     from protrain_core.api import default_memory_budget
     from protrain_core.simulator.device import SimulatedDevice
     from protrain_core.simulator.run import simulate
 
-    sim = SimulatedDevice(args.hardware)
+    sim = SimulatedDevice(args.hardware)  # a DeviceSpec: check_arguments read it
     budget = parse_bytes(args.budget, "--budget") if args.budget else default_memory_budget(sim)
     model, opt = models.build(args.config, "meta")
     batch = models.token_batch(args.config, args.batch_size, args.seq_len, "meta")
@@ -158,8 +151,6 @@ def simulate_command(args) -> int:
              f"batch of {args.batch_size} x {args.seq_len} tokens on the {sim.spec.name}{ranks}: profile, plan, "
              "two training steps ...")
     start = time.perf_counter()
-    import protrain_core as pt
-
     try:
         result = simulate(model, opt, batch, device=sim, plan=args.plan, budget=budget, precision=args.precision,
                           gradient_clipping=("norm", args.clip_norm) if args.clip_norm else None,
@@ -195,7 +186,7 @@ def _sharded(args, config, prof):
     from protrain_core.precision import parse_precision
     from protrain_core.profiler.profiler import for_world_size
 
-    model, opt = build(config)
+    model, opt = models.build(config)
     progress(f"what if the chunks are sharded over {args.world_size} processes (batch {args.batch_size} x "
              f"{args.seq_len} each; all-gather and reduce-scatter assumed at {args.collective_bandwidth:g} GB/s: a "
              "training run measures them) ...")
@@ -270,7 +261,6 @@ def check_arguments(ap: argparse.ArgumentParser, args) -> None:
                  f"use --seq-len {positions} or less.")
 
 
-
 def _check_simulation_arguments(ap: argparse.ArgumentParser, args) -> None:
     only = [name for name, given in (("--plan", args.plan), ("--clip-norm", args.clip_norm), ("--timeline", args.timeline))
             if given is not None]
@@ -283,7 +273,7 @@ def _check_simulation_arguments(ap: argparse.ArgumentParser, args) -> None:
     from protrain_core.simulator.hardware import load_spec
 
     try:
-        load_spec(args.hardware)
+        args.hardware = load_spec(args.hardware)
     except ValueError as e:
         ap.error(str(e))
     if args.plan is not None:

@@ -250,8 +250,6 @@ def as_context(device: torch.device | str | DeviceContext | None) -> DeviceConte
 
 
 def resolve_device(device) -> torch.device:
-    if isinstance(device, DeviceContext):
-        return device.device
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)

@@ -70,6 +70,7 @@ _FREE = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided
          "resize_", "set_", "lift_fresh", "lift_fresh_copy", "detach", "alias", "sym_size", "sym_stride", "sym_numel",
          "is_same_size", "_has_compatible_shallow_copy_type", "record_stream"}
 _ADAM = {"_fused_adamw_", "_fused_adam_"}
+_DIRECTIONS = ("host->device", "device->host")  # a copy's span lane: its direction
 _HERE = (str(Path(__file__).resolve().parent),)
 
 
@@ -206,25 +207,20 @@ class SimulatedDevice(DeviceContext):
             self.records.work.append(Work(lane.name, start, lane.t, name, "cpu"))
             return
         if kind == "inline":  # a copy on the CPU device
-            if name == "copy_" and lane in ("host->device", "device->host"):
+            if name == "copy_" and lane in _DIRECTIONS:
                 self._copy(self.main, lane, _nbytes(args[1]))
             return
         if not self.asynchronous:  # the CPU device: compute takes the time it takes (the main lane's clock)
             return
-        if kind == "stream":
-            stream, direction = lane
-            if name == "copy_" and direction in ("host->device", "device->host"):
-                nb = _nbytes(args[1])
-                self._copy(stream, direction, nb)
-                return
+        stream, direction = lane if kind == "stream" else (self.compute, None)
+        if name == "copy_" and direction in _DIRECTIONS:
+            self._copy(stream, direction, _nbytes(args[1]))
+        else:
             self._run(stream, self._device_seconds(func, args, kwargs, out), name, "compute")
-            return
-        self._run(self.compute, self._device_seconds(func, args, kwargs, out), name, "compute")
 
     def _device_seconds(self, func, args, kwargs, out) -> float:
         spec = self.spec
-        tensors = list(iter_tensors((args, kwargs))) + list(iter_tensors(out))
-        nbytes = sum(_nbytes(t) for t in {id(t): t for t in tensors}.values())
+        tensors, nbytes = _touched(args, kwargs, out)
         seconds = nbytes / spec.memory_bytes_per_s
         formula = flop_registry.get(func.overloadpacket)
         if formula is not None:
@@ -237,9 +233,7 @@ class SimulatedDevice(DeviceContext):
         spec = self.spec
         if name in _ADAM:
             return spec.cpu_op_s + sum(t.numel() for t in args[0]) / spec.cpu_adam_params_per_s
-        tensors = list(iter_tensors(args)) + list(iter_tensors(out))
-        nbytes = sum(_nbytes(t) for t in {id(t): t for t in tensors}.values())
-        return spec.cpu_op_s + nbytes / spec.host_memory_bytes_per_s
+        return spec.cpu_op_s + _touched(args, out)[1] / spec.host_memory_bytes_per_s
 
     def _copy(self, stream: Lane, direction: str, nbytes: int) -> None:
         bandwidth = self.spec.h2d_bytes_per_s if direction == "host->device" else self.spec.d2h_bytes_per_s
@@ -297,7 +291,7 @@ class SimulatedDevice(DeviceContext):
         """A copy queued on a stream behind a copy of the other direction waits for it although
         the link could carry both at once: recorded as a "stall" of the time it lost."""
         previous = self._directions.get(stream.name)
-        if direction not in self.links or direction == "collectives":
+        if direction not in _DIRECTIONS:
             return
         self._directions[stream.name] = direction
         if previous in (None, direction):
@@ -406,6 +400,13 @@ class SimulatedDevice(DeviceContext):
 
 def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size() if isinstance(t, Tensor) else 0
+
+
+def _touched(*objs) -> tuple[list[Tensor], int]:
+    """The tensors an operator reads and writes (its arguments and outputs), and their bytes
+    (each tensor once)."""
+    tensors = list({id(t): t for t in iter_tensors(objs)}.values())
+    return tensors, sum(_nbytes(t) for t in tensors)
 
 
 def _call_site() -> str:

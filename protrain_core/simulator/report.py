@@ -28,7 +28,6 @@ class HostWaits:
 class Phases:
     """Simulated times (compute-stream positions) of one step's phases."""
 
-    forward: float
     backward: float
     backward_end: float
     next_backward: float  # the next step's backward begins: the window ends

@@ -83,12 +83,8 @@ class _Marks:
 
     def __init__(self, sim: SimulatedDevice) -> None:
         self.sim = sim
-        self.forward: list[float] = []
         self.backward: list[float] = []
         self.backward_end: list[float] = []
-
-    def batch_begins(self, _batch) -> None:
-        self.forward.append(self.sim.stamp())
 
     def backward_begins(self) -> None:
         self.backward.append(self.sim.stamp())
@@ -97,7 +93,7 @@ class _Marks:
         self.backward_end.append(self.sim.stamp())
 
     def phases(self, step: int) -> Phases:
-        return Phases(self.forward[step], self.backward[step], self.backward_end[step], self.backward[step + 1])
+        return Phases(self.backward[step], self.backward_end[step], self.backward[step + 1])
 
 
 def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *, device: SimulatedDevice,
