@@ -204,6 +204,37 @@ def spec_of(suite: Suite, system: str, w: Workload, *, dry_run: bool, steps=None
 _port = [29400]
 
 
+class _Stopping:
+    """The runner's SIGTERM: it exits (143), and ``launch`` kills the run in flight on the way.
+    While a run is being started the signal is held until its pid is known: raised inside
+    ``Popen``, it would leave the new run going with nothing left to stop it."""
+
+    def __init__(self):
+        self.holding = self.pending = False
+
+    def __call__(self, *_):
+        if self.holding:
+            self.pending = True
+        else:
+            sys.exit(143)
+
+    @contextlib.contextmanager
+    def held(self):
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+
+    def release(self):
+        """Exit now if the signal came while it was held."""
+        if self.pending:
+            sys.exit(143)
+
+
+_stopping = _Stopping()
+
+
 def launch(specs: list[dict], timeout: int, log_dir: Path) -> list[dict]:
     """Run ``specs`` in one process (several only in a dry run) and return their results; a
     process that dies or times out yields results that say so. The process gets its own
@@ -224,8 +255,10 @@ def launch(specs: list[dict], timeout: int, log_dir: Path) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                PROTRAIN_REPROFILE="1")
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        with _stopping.held():
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
+            _stopping.release()
             code = proc.wait(timeout=timeout)
             failure = None if code == 0 else (
                 f"killed by signal {-code} (host out of memory?)" if code < 0 else f"exit status {code}")
@@ -234,9 +267,10 @@ def launch(specs: list[dict], timeout: int, log_dir: Path) -> list[dict]:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             failure = f"timed out after {timeout} s"
-        except BaseException:  # the runner itself is stopped (SIGTERM, Ctrl-C): so is its run
+        except BaseException:  # the runner itself is stopped (SIGTERM, Ctrl-C): so is its run, before it exits
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             raise
     if out.exists():  # written at the end of the run: valid even if the process failed afterwards
         results = json.loads(out.read_text())
@@ -663,7 +697,7 @@ def main(argv=None) -> int:
             ap.error(f"unknown workload(s) {', '.join(sorted(workloads - known))}; choose from {', '.join(sorted(known))}")
     # The GPU session (benchmarks.gpu_session) stops a runner that outlasts its piece with SIGTERM:
     # the run in flight is killed with it (launch), and every run before it is in the report.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGTERM, _stopping)
     report = run_suite(args.suite, suite, systems=systems, dry_run=args.dry_run, probes=not args.no_probes,
                        timeout=args.timeout or suite.timeout_s, out=out, memory_budget=args.memory_budget,
                        resume=args.resume, workloads=workloads)

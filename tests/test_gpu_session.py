@@ -104,6 +104,34 @@ def test_a_piece_past_its_time_is_stopped_with_its_children(tmp_path):
     assert not (out / "results.json").exists() or not json.loads((out / "results.json").read_text())["runs"]
 
 
+def test_a_runner_stopped_while_it_starts_a_run_stops_that_run(tmp_path, monkeypatch):
+    """SIGTERM that lands inside Popen (the run forked, its pid not yet known to launch) is held
+    until the pid is known: the runner still exits, and the run it had just started dies with it."""
+    import signal
+
+    from benchmarks import run
+
+    started = []
+    real_popen = subprocess.Popen
+
+    def popen_then_sigterm(cmd, **kw):
+        started.append(real_popen([sys.executable, "-c", "import time; time.sleep(60)"], **kw))
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, before Popen returns
+        time.sleep(0.2)
+        return started[-1]
+
+    monkeypatch.setattr(run.subprocess, "Popen", popen_then_sigterm)
+    previous = signal.signal(signal.SIGTERM, run._stopping)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            run.launch([{"system": "pytorch", "label": "x", "batch": 1, "dry_run": False}], 60, tmp_path)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        run._stopping.pending = False
+    assert stopped.value.code == 143
+    assert started and started[0].poll() is not None, "the run started as the runner was stopped is still running"
+
+
 def test_interrupted_piece(tmp_path):
     piece = G.Piece("sleeper", 1, (sys.executable, "-c", "import time; time.sleep(60)"), "json")
     t = time.monotonic()
