@@ -1,6 +1,9 @@
-"""CPU Adam throughput (parameters/s): protrain_ops.adam_step on one chunk vs torch.optim.AdamW.
+"""CPU Adam throughput (parameters/s): protrain_ops.adam_step on one chunk vs torch.optim.AdamW,
+and the CPU worker's whole update pipeline of a streamed chunk (landing, clipping, Adam, the
+copy back to the compute dtype) against torch.optim.AdamW(fused=True) alone on the same
+parameters: time and bytes per parameter.
 
-    python -m benchmarks.bench_adam [--numel 16777216 --tensors 16 --iters 20]
+    python -m benchmarks.bench_adam [--numel 16777216 --tensors 16 --iters 20] [--hidden 1024]
 """
 
 from __future__ import annotations
@@ -54,6 +57,75 @@ def measure(numel: int = 16 * 2**20, tensors: int = 16, iters: int = 20) -> list
     return [{"kernel": label, "numel": n, "seconds": t, "params_per_s": n / t} for label, t in rows]
 
 
+# The update pipelines of a streamed chunk the CPU worker runs, and the bytes per parameter each
+# operation reads and writes: Adam (fused AdamW: fp32 master, gradient, m, v read; master, m, v
+# written) 28; in mixed precision the gradient landed in the compute-dtype copy is folded into
+# the fp32 accumulator (2 + 4) and the master rounded back into that copy (4 + 2); norm clipping
+# multiplies the gradients by the coefficient first (4 + 4).
+PIPELINES = {"fp32": ("32-true", False), "fp32, norm clipping": ("32-true", True),
+             "bf16-mixed": ("bf16-mixed", False), "bf16-mixed, norm clipping": ("bf16-mixed", True)}
+ADAM_BYTES, FOLD_BYTES, COPY_BACK_BYTES, CLIP_BYTES = 28, 6, 6, 8
+
+
+def pipeline_bytes(precision: str, clip: bool) -> int:
+    mixed = precision != "32-true"
+    return ADAM_BYTES + (FOLD_BYTES + COPY_BACK_BYTES if mixed else 0) + (CLIP_BYTES if clip else 0)
+
+
+def streamed_chunk(precision: str, hidden: int):
+    """A LLaMA-shaped two-block model wrapped all-streamed on the CPU; its largest streamed chunk."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import protrain_core as pt
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=2, hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_attention_heads=8,
+                      num_key_value_heads=8, vocab_size=256, max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01), pt.Plan(n_persist=0, n_buffer=2),
+                     precision=precision, device="cpu", report=None)
+    chunk = max(engine.chunks, key=lambda c: c.storage.fmt.state_numel)
+    return engine, chunk
+
+
+def pipeline(hidden: int = 1024, iters: int = 20) -> list[dict]:
+    """Rows of {pipeline, numel, seconds, ns_per_param, bytes_per_param, ratio}: the worker's
+    ``land_and_update`` of one streamed chunk (landed, then updated), and AdamW(fused=True)
+    alone on fp32 copies of the same parameters (``ratio``: the pipeline's time over it)."""
+    from protrain_core.runtime.optim import ChunkOptimizer, UpdateClip
+
+    rows = []
+    for name, (precision, clip) in PIPELINES.items():
+        engine, chunk = streamed_chunk(precision, hidden)
+        storage, worker = chunk.storage, engine.runtime.worker
+        members = [i for group in chunk.opt_members.values() for i in group]
+        numel = sum(chunk.params[i].numel() for i in members)
+        storage.grad_acc.normal_()
+        mixed = storage.fmt.separate_master
+        landing = storage.compute_span() if mixed else storage.grad_acc
+        update = (ChunkOptimizer(engine.optimizer).snapshot(), {g: list(m) for g, m in chunk.opt_members.items()},
+                  UpdateClip(coef=torch.tensor(0.5)) if clip else UpdateClip())
+        seconds = bench(lambda: worker.land_and_update(chunk, None, landing, True, None, update), iters)
+        params = [torch.nn.Parameter(torch.randn(chunk.params[i].shape)) for i in members]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        baseline = bench(torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True).step, iters)
+        engine.close()
+        rows.append({"pipeline": name, "numel": numel, "members": len(members), "seconds": seconds,
+                     "ns_per_param": seconds / numel * 1e9, "fused_adamw_ns_per_param": baseline / numel * 1e9,
+                     "bytes_per_param": pipeline_bytes(precision, clip), "ratio": seconds / baseline})
+    return rows
+
+
+def pipeline_markdown(rows: list[dict], iters: int) -> str:
+    lines = [f"one streamed chunk of {rows[0]['numel']:,} parameters in {rows[0]['members']} tensors; median of {iters} "
+             "updates; AdamW(fused=True) alone: on fp32 copies of the same parameters, 28 bytes per parameter", "",
+             "| pipeline | bytes/param | ns/param | AdamW(fused) ns/param | ratio |", "|---|---|---|---|---|"]
+    lines += [f"| {r['pipeline']} | {r['bytes_per_param']} | {r['ns_per_param']:.2f} | {r['fused_adamw_ns_per_param']:.2f} "
+              f"| {r['ratio']:.2f}x |" for r in rows]
+    return "\n".join(lines)
+
+
 def markdown(rows: list[dict], iters: int) -> str:
     lines = [f"machine: {platform.node()} {platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}",
              f"chunk: {rows[0]['numel']:,} fp32 parameters; median of {iters} steps", "",
@@ -67,12 +139,16 @@ def main(argv=None):
     ap.add_argument("--numel", type=int, default=16 * 2**20, help="parameters in the chunk")
     ap.add_argument("--tensors", type=int, default=16, help="parameters per chunk")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--hidden", type=int, default=1024, help="hidden size of the pipeline's LLaMA blocks")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
     rows = measure(args.numel, args.tensors, args.iters)
     print("\n" + markdown(rows, args.iters))
+    pipelines = pipeline(args.hidden, args.iters)
+    print("\n" + pipeline_markdown(pipelines, args.iters))
     if args.json:
-        Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows, "pipelines": pipelines},
+                                              indent=1))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ checkpointed blocks, with and without norm clipping, in bf16-mixed and 16-mixed
 - without clipping (bf16-mixed), at least 90 % of the CPU Adam time falls inside backward
   where the CPU keeps up with backward (a large batch);
 - the simulated step is within 10 % of the cost model's prediction;
-- sharded over 2 and 4 simulated ranks: collectives run on the communication stream, and the
-  compute stream waits for a reduce-scatter once per backward, at its end.
+- sharded over 2 and 4 simulated ranks: collectives run on the communication stream, the
+  compute stream waits for a reduce-scatter once per backward, at its end, and the host thread
+  takes part in one host collective per backward, before it.
 Small real tensors through the same path train bitwise like plain PyTorch in fp32.
 """
 
@@ -70,6 +71,9 @@ def test_sharded_collectives_stay_off_the_compute_stream(llama7b, plan, world):
     # fetch), and for the persistent chunks' reduce-scatters once, at the end.
     assert len(r.waits_for_backward("reduce-scatter")) <= 1, summary
     assert r.waits_for_backward("all-reduce") == [], summary
+    # One host collective per backward, before it (which parameters the losses reach), none in it.
+    agreements = [(w.label, w.phase, w.count) for w in r.host_waits if w.label.startswith("host collective")]
+    assert agreements == [("host collective: parameters used", "idle", 1)], summary
 
 
 def test_persistent_collectives_are_charged_where_they_stick_out():

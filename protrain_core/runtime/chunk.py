@@ -79,6 +79,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -153,6 +154,20 @@ def _next(table: dict, verb: str, state, index: int):
     return target
 
 
+@dataclass(frozen=True)
+class UpdateViews:
+    """Per-member views of a chunk's states for one optimizer step (``Chunk.update_views``)."""
+
+    flats: tuple  # the storage's tensors they view (a change rebuilds them)
+    steps: list  # the storage's step counters they were taken from
+    master: list[Tensor]
+    grads: list[Tensor]
+    exp_avgs: list[Tensor]
+    exp_avg_sqs: list[Tensor]
+    max_exp_avg_sqs: list[Tensor]
+    member_steps: list[Tensor]
+
+
 class Chunk:
     """Flat storage of one chunk and the verbs of its lifecycle (see [Note: chunk lifecycle])."""
 
@@ -174,6 +189,7 @@ class Chunk:
         self._event = None  # the fetch or offload copy in flight
         self._future: Future | None = None  # the CPU worker's job on this chunk
         self._reduced: Tensor | None = None  # W processes: this rank's piece of the reduced gradients
+        self._views: dict[tuple[int, ...], UpdateViews] = {}  # members -> their views for an update
 
     def __repr__(self) -> str:
         return f"Chunk({self.index}, {self.state.value}, grads {self.grad_state.value})"
@@ -189,6 +205,7 @@ class Chunk:
     def persist(self) -> None:
         """A re-plan keeps this streamed chunk on the device from now on (all its states move)."""
         target = self._moved("persist")
+        self._views.clear()
         self.storage.make_persistent()
         self.point_params_at(self.storage.device_copy)
         self.state = target
@@ -196,6 +213,7 @@ class Chunk:
     def unpersist(self) -> None:
         """A re-plan streams this persistent chunk from now on (all its states move to the host)."""
         target = self._moved("unpersist")
+        self._views.clear()
         self.storage.make_streamed()
         self.point_at_rest()
         self.state = target
@@ -324,13 +342,6 @@ class Chunk:
         self.grad_state = target
         return self._arrived == len(self.grad_members)
 
-    def agree_received(self) -> None:
-        """Several processes: before this chunk's gradients are reduced, every rank agrees on
-        it and on which members got a gradient on any rank (``Sharding.agree_received``)."""
-        sharding = self.storage.sharding
-        if sharding is not None:
-            self._received = sharding.agree_received(self.index, self._received)
-
     @property
     def receiving(self) -> bool:
         return self.grad_state in (GradState.FIRST, GradState.MORE)
@@ -453,6 +464,21 @@ class Chunk:
         m = self.spec.members[i]
         at = m.offset - self.storage.fmt.trainable_start + part[0] - self.storage.rank * self.storage.fmt.state_numel
         return flat[at:at + part[1]]
+
+    def update_views(self, members: tuple[int, ...]) -> UpdateViews:
+        """The views of ``members`` an Adam step reads and writes, built once per set of members
+        (a chunk is updated every step with the same members: rebuilding the lists cost more
+        than the step itself on small chunks) and again when the storage's tensors change."""
+        storage = self.storage
+        flats = (storage.master, storage.grad_acc, storage.exp_avg, storage.exp_avg_sq, storage.max_exp_avg_sq)
+        views = self._views.get(members)
+        if views is None or views.steps is not storage.steps or any(a is not b for a, b in zip(views.flats, flats)):
+            def of(flat):
+                return [] if flat is None else [self.state_view(flat, i) for i in members]
+
+            views = UpdateViews(flats, storage.steps, *(of(f) for f in flats), [storage.steps[i] for i in members])
+            self._views[members] = views
+        return views
 
     def member_piece(self, i: int) -> tuple[int, int] | None:
         """(offset, length) in member ``i``'s flattened elements of the piece ``state_view`` gives

@@ -43,8 +43,8 @@ Waits on the CPU worker (no device involved):
   a gradient-holding chunk evicted and fetched again within a backward);
 - ``wait_all``: ``wait_for_updates``, ``zero_grad`` (for jobs it must not race), state dicts;
 - the worker itself waits for each gradient offload it lands (its own thread).
-Host collectives between ranks (sharded; gloo, no device): the agreement on each chunk before
-its gradients are reduced (``Chunk.agree_received``) and at the end of backward; the longest
+Host collectives between ranks (sharded; gloo, no device): one before each backward, on which
+parameters the losses reach (``Runtime.check_usage``: [Note: sharded chunks]); the longest
 batch of the ranks before each micro-batch when plans follow batch lengths
 (``Sharding.max_on_host``); the budgets at ``wrap``. Not the runtime's: the model's own reads
 (Hugging Face's attention-mask code reads a device value in every forward) and the user's
@@ -74,8 +74,6 @@ from protrain_core.utils import available_host_bytes, check_host_memory, total_h
 BACKWARD_HOST_WAITS = (
     "swap.py:HostBuffers.trim",  # the end of backward: swap buffers this backward did not use
     "chunk.py:Chunk.end_update",  # a chunk needed again while its CPU job runs
-    "chunk.py:Chunk.agree_received",  # sharded: the ranks agree on the chunk they reduce
-    "scheduler.py:Runtime._finish_backward",  # sharded: ... and on the end of backward
 )
 
 

@@ -66,7 +66,6 @@ class Engine:
         device = self.ctx.device
         if sharding is not None:
             sharding.check_device(device)
-            sharding.members = max(len(spec.members) for spec in layout.chunks)
         self.sharding = sharding
         self.module, self.optimizer, self.layout, self.plan = module, optimizer, layout, plan
         self.precision, self.device, self.options = precision, device, options
@@ -255,6 +254,7 @@ class Engine:
         if not self._no_sync:
             self._check_trains("backward() outside no_sync()")
         self._set_update_mode()
+        self.runtime.check_usage(loss)  # W processes: the ranks' losses reach the same parameters
         self._notify("backward_begins")
         try:
             with self.runtime.backward_pass(boundary=not self._no_sync), self.activations.backward_pass():

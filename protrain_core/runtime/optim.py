@@ -116,23 +116,15 @@ class ChunkOptimizer:
         Runs on the device for persistent chunks (main thread) and on the host for streamed
         chunks (CPU worker)."""
         storage = chunk.storage
-        v = chunk.state_view
         for g, members in selected.items():
-            grads = [v(storage.grad_acc, i) for i in members]
+            views = chunk.update_views(tuple(members))
             if clip.coef is not None:
-                torch._foreach_mul_(grads, clip.coef)
+                torch._foreach_mul_(views.grads, clip.coef)
             if clip.value is not None:
-                torch._foreach_clamp_min_(grads, -clip.value)
-                torch._foreach_clamp_max_(grads, clip.value)
-            adam_step(
-                [v(storage.master, i) for i in members],
-                grads,
-                [v(storage.exp_avg, i) for i in members],
-                [v(storage.exp_avg_sq, i) for i in members],
-                [v(storage.max_exp_avg_sq, i) for i in members] if hps[g].amsgrad else [],
-                [storage.steps[i] for i in members],
-                hps[g],
-            )
+                torch._foreach_clamp_min_(views.grads, -clip.value)
+                torch._foreach_clamp_max_(views.grads, clip.value)
+            adam_step(views.master, views.grads, views.exp_avgs, views.exp_avg_sqs,
+                      views.max_exp_avg_sqs if hps[g].amsgrad else [], views.member_steps, hps[g])
         if storage.fmt.separate_master:
             copy_to_low_precision(storage.compute_span(), storage.master)
 

@@ -75,6 +75,7 @@ class Runtime:
         self._chain: list = []  # the active chain: the hooks.UnitCall whose backward began last, and its ancestors
         self._deferred: set[int] = set()  # chunks with all their gradients and frozen members still in use
         self._tick = 0
+        self._order = 0  # W processes: a hash of the chunks this backward reduced, in order
         self.stats = dict.fromkeys(_COUNTED.values(), 0)
         self.events: list[tuple[str, int, float]] = []  # (what, chunk, time) when recording
         self.record_events = False
@@ -136,8 +137,7 @@ class Runtime:
                 self._make_resident(c, protect=self.current | {c.index})
             complete = c.receive(i, grad)
             if complete and c.persistent and self.sharding is not None:
-                c.agree_received()
-                c.land(self.ctx)  # reduce-scattered into its accumulator now
+                self._reduce(c)  # reduce-scattered into its accumulator now
             elif complete and not c.persistent:
                 if c.spec.has_frozen and c.index in self.current:
                     self._deferred.add(c.index)  # its frozen weights may still be read by this backward
@@ -247,7 +247,7 @@ class Runtime:
         ``final``: no more gradients of this chunk come in this backward pass, so at a
         gradient-accumulation boundary the worker runs Adam on it right away.
         """
-        c.agree_received()  # several processes: the same chunk on every rank, its members' gradients
+        self._ordered(c)
         at_boundary = final and self.boundary
         finish = self.finisher(c) if at_boundary and self.finisher is not None else None
         update = None
@@ -263,6 +263,32 @@ class Runtime:
         self.record("offload", c.index)
         if not self.ctx.asynchronous:
             c.end_offload(self.ctx)
+
+    def _reduce(self, c: Chunk) -> None:
+        """A persistent chunk's gradients of this pass into its accumulator (W processes:
+        reduce-scattered)."""
+        self._ordered(c)
+        c.land(self.ctx)
+
+    def _ordered(self, c: Chunk) -> None:
+        """W processes: chunk ``c``'s gradients are reduced now; the next backward's
+        ``check_usage`` compares the order with the other ranks'."""
+        self._order = (self._order * 1_000_003 + c.index + 1) % (1 << 61)
+
+    def check_usage(self, loss: Tensor | None) -> None:
+        """W processes, before a backward: one host all-reduce compares which parameters the
+        ranks' losses reach, and the order of the previous backward's reductions; a difference
+        stops every rank here, with the fix, before a collective could pair different chunks
+        ([Note: sharded chunks])."""
+        if self.sharding is None:
+            return
+        members = [(c, i) for c in self.chunks for i in c.grad_members]
+        reached = reached_leaves(loss)
+        differ, order_differs = self.sharding.differences([id(c.params[i]) in reached for c, i in members], self._order)
+        self._order = 0
+        if differ or order_differs:
+            names = [members[k][0].spec.members[members[k][1]].name for k in differ]
+            raise RuntimeError(_usage_mismatch(self.sharding, names))
 
     # ----- passes -------------------------------------------------------------------------
     @contextmanager
@@ -298,12 +324,10 @@ class Runtime:
             if not c.receiving:
                 continue
             if c.persistent:
-                c.agree_received()
-                c.land(self.ctx)
+                self._reduce(c)
             else:  # some of its parameters got no gradient in this pass
                 self._offload(c, final=True)
         if self.sharding is not None:
-            self.sharding.agree_received(-1, [])  # no rank reduces a chunk the others did not
             for c in self.chunks:
                 if c.persistent:
                     c.await_reduction(self.ctx)  # the reduce-scatters ran beside backward
@@ -419,3 +443,31 @@ class Runtime:
         timeline = self.timeline  # read once: the worker thread records too
         if timeline is not None:
             timeline.event(what, index)
+
+
+def reached_leaves(root: Tensor | None) -> set[int]:
+    """The ids of the leaf tensors whose gradients ``root.backward()`` computes: the variables
+    of the ``AccumulateGrad`` nodes its autograd graph reaches."""
+    seen, leaves = set(), set()
+    stack = [getattr(root, "grad_fn", None)]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            leaves.add(id(variable))
+        stack.extend(f for f, _ in node.next_functions)
+    return leaves
+
+
+def _usage_mismatch(sharding, names: list[str]) -> str:
+    what = (f"parameter(s) {', '.join(names[:3])}{' and others' if len(names) > 3 else ''} get a gradient on some "
+            "ranks and not on others" if names else
+            "the previous backward reduced its chunks in a different order on some ranks (the model ran its modules in "
+            "a data-dependent order)")
+    return (f"ProTrain with {sharding.world} processes (rank {sharding.rank}): {what}. Every rank must give a gradient "
+            "to the same parameters, in the same order, in every backward, as DDP requires by default "
+            "(find_unused_parameters=False): use the parameter on every rank (e.g. add 0 * its output to the loss), "
+            "or set requires_grad=False on it.")

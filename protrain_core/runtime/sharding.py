@@ -13,9 +13,10 @@ in the layout, shifted by the trainable span's move for trainable members (``Chu
   fetch     upload the rank's compute shard into its place in the device copy, then
             ``all_gather_into_tensor`` in place (one collective per non-empty span)
   backward  gradients land in a device buffer of the whole (padded) trainable span; when the
-            chunk is done they are multiplied by ``1/W`` and ``reduce_scatter_tensor``ed (sum),
-            as DDP does (each rank's gradient times ``1/W``, summed), and the rank's piece goes
-            to the accumulator (offloaded to the host for a streamed chunk)
+            chunk is done they are ``reduce_scatter_tensor``ed to their mean as DDP takes it
+            (each rank's gradient times ``1/W``, summed: NCCL's AVG; gloo: a scaling pass
+            first), and the rank's piece goes to the accumulator (offloaded to the host for a
+            streamed chunk)
   update    Adam on the rank's pieces (it is elementwise, so a piece of a parameter updates
             exactly as the whole would); a persistent chunk then gathers its trainable span
             again; a streamed one is gathered at its next fetch
@@ -30,7 +31,13 @@ is sharded like the rest (host memory is shared by a node's ranks, so replicatio
 Every rank must issue the same collectives in the same order: the runtime's decisions depend
 only on the state machines of the chunks, never on timing (a prefetch waits for the chunk's
 update instead of skipping a chunk still updating), and the planner's decisions are rank 0's,
-broadcast (``agree``).
+broadcast (``agree``). What the runtime cannot decide alone is which parameters get gradients:
+that is the user's graph. So before each backward the ranks compare, in one host all-reduce
+(``Runtime.check_usage``), which parameters their losses reach (the autograd graph's leaves,
+as DDP's ``find_unused_parameters`` finds them), and stop together with the fix where they
+differ -- before any reduce-scatter could pair one rank's chunk with another's. The same
+collective compares a hash of the order in which the previous backward reduced its chunks,
+which the graph decides too (a model that runs its modules in a data-dependent order).
 """
 
 from __future__ import annotations
@@ -55,7 +62,6 @@ class Sharding:
     rank: int
     world: int
     checks: object = None  # a gloo group over the same ranks for host-side agreement (None: ``group``)
-    members: int = 0  # the most members with gradients of any chunk (the width of ``agree_received``)
 
     @staticmethod
     def resolve(process_group=None) -> Sharding | None:
@@ -93,18 +99,42 @@ class Sharding:
             raise ValueError(f"The process group's backend {backend!r} cannot run collectives on CUDA tensors: use 'nccl'.")
 
     # ----- collectives ---------------------------------------------------------------------------
+    @property
+    def _by_all_reduce(self) -> bool:
+        """gloo moves data through its all-reduce faster than through its reduce-scatter and
+        all-gather (two processes on the CPU, 168 MB: all-reduce 0.10 s, reduce-scatter 0.16 s,
+        all-gather 0.17 s; docs/benchmarks.md, issue 26), so on gloo both are all-reduces."""
+        return "gloo" in self.backend
+
     def gather_(self, full: Tensor) -> None:
-        """All-gather in place: piece ``rank`` of ``full`` (W equal pieces) is this rank's."""
+        """All-gather in place: piece ``rank`` of ``full`` (W equal pieces) is this rank's. On
+        gloo, the sum of every rank's piece among zeros (each value plus zeros: exactly the
+        piece; a -0.0 comes back as 0.0)."""
         n = full.numel() // self.world
-        if n:
-            _all_gather(full, full[self.rank * n:(self.rank + 1) * n], group=self.group)
+        if not n:
+            return
+        if self._by_all_reduce:
+            full[:self.rank * n].zero_()
+            full[(self.rank + 1) * n:].zero_()
+            dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.group)
+            return
+        _all_gather(full, full[self.rank * n:(self.rank + 1) * n], group=self.group)
 
     def reduce_scatter_mean(self, out: Tensor, full: Tensor) -> None:
         """``out`` = piece ``rank`` of the mean of ``full`` over the ranks, as DDP averages:
-        every rank's values times ``1/W``, then summed. ``full`` is scaled in place."""
+        every rank's values times ``1/W``, then summed. NCCL's average does exactly that inside
+        the collective (a pre-multiplied sum); gloo has no average, so ``full`` is scaled in
+        place first (and all-reduced: ``_by_all_reduce``)."""
         if not out.numel():
             return
+        if "nccl" in self.backend:
+            _reduce_scatter(out, full, op=dist.ReduceOp.AVG, group=self.group)
+            return
         full.mul_(1.0 / self.world)
+        if self._by_all_reduce:  # the whole sum, of which this rank keeps its piece
+            dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.group)
+            out.copy_(full[self.rank * out.numel():(self.rank + 1) * out.numel()])
+            return
         _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=self.group)
 
     def all_reduce_(self, t: Tensor, op=dist.ReduceOp.SUM) -> Tensor:
@@ -117,27 +147,17 @@ class Sharding:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.checks or self.group)
         return t.tolist()
 
-    def agree_received(self, index: int, received: list[bool]) -> list[bool]:
-        """Before chunk ``index``'s gradients are reduced (``index`` -1: the end of a backward):
-        check on the host that every rank reduces the same chunk now, and return which of its
-        members got a gradient on any rank (the mean of their gradients exists; torch skips the
-        others). The ranks' collectives must come in the same order ([Note: sharded chunks]); a
-        parameter that gets a gradient on some ranks and not others breaks that, so it is
-        refused here, with the fix, instead of mixing up chunks."""
-        t = torch.zeros(2 + self.members, dtype=torch.int64)
-        t[0], t[1] = index, -index
-        t[2:2 + len(received)] = torch.tensor(received, dtype=torch.int64)
+    def differences(self, used: list[bool], order: int) -> tuple[list[int], bool]:
+        """One host all-reduce, at the start of a backward (``Runtime.check_usage``): the
+        positions of ``used`` (which parameters this rank's loss reaches) where the ranks
+        differ, and whether ``order`` (a hash of the chunks the previous backward reduced, in
+        order) differs. The ranks' collectives must come in the same order ([Note: sharded
+        chunks]); a parameter that gets a gradient on some ranks and not others breaks that."""
+        t = torch.tensor([order, -order, *used, *(-int(u) for u in used)], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.checks or self.group)
-        if int(t[0]) != -int(t[1]):
-            here = f"chunk {index}" if index >= 0 else "the end of backward"
-            raise RuntimeError(
-                f"ProTrain with {self.world} processes: rank {self.rank} is at {here} of its backward while another "
-                f"rank reduces chunk {int(t[0])}: some parameter got a gradient on some ranks and not on others (a "
-                "branch, an expert or a module one rank did not use). Every rank must give a gradient to the same "
-                "parameters in every backward, as DDP requires by default (find_unused_parameters=False): use the "
-                "parameter on every rank (e.g. add 0 * its output to the loss), or set requires_grad=False on it."
-            )
-        return [bool(v) for v in t[2:2 + len(received)]]
+        n = len(used)
+        differ = (t[2:2 + n] != -t[2 + n:]).nonzero().flatten().tolist()
+        return differ, int(t[0]) != -int(t[1])
 
     def broadcast_(self, t: Tensor, src: int = 0) -> None:
         """Rank ``src``'s ``t`` on every rank, in place."""

@@ -579,8 +579,7 @@ class SimulatedGroup(Sharding):
     def reduce_scatter_mean(self, out: Tensor, full: Tensor) -> None:
         if not out.numel():
             return
-        full.mul_(1.0 / self.world)
-        w = self.world
+        w = self.world  # NCCL's average: the scaling happens inside the collective
         self.sim.charge_collective("reduce-scatter", _nbytes(full), (w - 1) / w)
 
     def all_reduce_(self, t: Tensor, op=None) -> Tensor:
@@ -595,9 +594,9 @@ class SimulatedGroup(Sharding):
         self.sim.host_collective("max over ranks")
         return list(values)
 
-    def agree_received(self, index: int, received: list[bool]) -> list[bool]:
-        self.sim.host_collective("agree_received")
-        return list(received)
+    def differences(self, used: list[bool], order: int) -> tuple[list[int], bool]:
+        self.sim.host_collective("parameters used")
+        return [], False
 
     def broadcast_(self, t: Tensor, src: int = 0) -> None:
         pass
