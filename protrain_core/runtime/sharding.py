@@ -114,9 +114,10 @@ class Sharding:
         if not n:
             return
         if self._by_all_reduce:
-            full[:self.rank * n].zero_()
-            full[(self.rank + 1) * n:].zero_()
-            dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.group)
+            pieces = full[:self.world * n]
+            pieces[:self.rank * n].zero_()
+            pieces[(self.rank + 1) * n:].zero_()
+            dist.all_reduce(pieces, op=dist.ReduceOp.SUM, group=self.group)
             return
         _all_gather(full, full[self.rank * n:(self.rank + 1) * n], group=self.group)
 
