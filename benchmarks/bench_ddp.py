@@ -13,6 +13,7 @@ that trained differently shows.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -42,34 +43,19 @@ def build(size: str):
 
 
 def trainer(system: str, model):
-    """(step function, close): one training step of ``system`` on ``model`` for a batch."""
+    """(step function -> loss tensor, close): one training step of ``system`` on ``model`` for a
+    batch (the suite's own step functions, ``benchmarks.systems``)."""
     import protrain_core as pt
+    from benchmarks.systems import engine_step, torch_step
 
     if system == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-
-        def step(x):
-            loss = ddp(input_ids=x, labels=x).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.item()
-
-        return step, lambda: None
+        return torch_step(ddp, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), contextlib.nullcontext()), None
     block_path, blocks = pt.find_blocks(model)
     n = pt.build_layout(model, block_path, len(blocks)).n_chunks
     plan = pt.Plan(n_persist=n, n_buffer=0) if system.endswith("all-persistent") else pt.Plan(n_persist=0, n_buffer=2)
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4), plan, device="cpu", report=None)
-
-    def step(x):
-        loss = engine.module(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-        return loss.item()
-
-    return step, engine.close
+    return engine_step(engine), engine.close
 
 
 def _rank(rank: int, world: int, port: int, sizes: list[str], warmup: int, steps: int, out: str) -> None:
@@ -87,10 +73,11 @@ def _rank(rank: int, world: int, port: int, sizes: list[str], warmup: int, steps
                 for i, x in enumerate(data):
                     dist.barrier()
                     t = time.perf_counter()
-                    losses.append(step(x))
+                    losses.append(step(x).item())
                     if i >= warmup:
                         times.append(time.perf_counter() - t)
-                close()
+                if close is not None:
+                    close()
                 rows.append({"size": size, "params": params, "system": system, "median_s": statistics.median(times),
                              "times_s": times, "last_loss": losses[-1]})
         if rank == 0:
