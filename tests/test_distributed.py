@@ -505,3 +505,97 @@ def test_each_backend_reduces_and_gathers_with_its_fastest_collective(monkeypatc
         assert [c[:2] for c in calls] == [("all_reduce", dist.ReduceOp.SUM)] * 2
         assert torch.equal(calls[0][2], torch.full((4,), 1.5))
         assert torch.equal(calls[1][2], torch.tensor([0.0, 0.0, 3.0, 4.0]))  # rank 1's piece among zeros
+
+
+def _collective_schedule(rank, world):
+    """One all-persistent step on 2 gloo processes, recording in order: the gradient hooks, the
+    chunk collectives the sharding issues (and whether they block), and the waits for them."""
+    from protrain_core.runtime import device as D
+    from protrain_core.runtime import sharding as S
+    from protrain_core.runtime.scheduler import Runtime
+
+    events = []
+    all_reduce, wait, on_grad = S.dist.all_reduce, D.HostEvent.wait, Runtime.on_grad
+
+    def recording_all_reduce(t, *args, async_op=False, **kw):
+        events.append(("issue", async_op))
+        return all_reduce(t, *args, async_op=async_op, **kw)
+
+    def recording_wait(self):
+        events.append(("wait", self._done))
+        return wait(self)
+
+    def recording_on_grad(self, *args):
+        events.append(("hook", None))
+        return on_grad(self, *args)
+
+    S.dist.all_reduce, D.HostEvent.wait, Runtime.on_grad = recording_all_reduce, recording_wait, recording_on_grad
+    try:
+        model = tiny_llama(seed=0)
+        engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), standard_plans(model)["all-persistent"],
+                         device="cpu")
+        x = batches(1, seed=10 + rank)[0]
+        loss = engine.module(input_ids=x, labels=x).loss
+        events.append(("backward", None))
+        engine.backward(loss)
+        events.append(("step", None))
+        engine.step()
+        events.append(("done", None))
+        chunks = len(engine.chunks)
+        engine.close()
+    finally:
+        S.dist.all_reduce, D.HostEvent.wait, Runtime.on_grad = all_reduce, wait, on_grad
+    return events, chunks
+
+
+def test_cpu_collectives_run_beside_backward_and_are_waited_where_their_results_are_needed(tmp_path):
+    """On a CPU device the chunks' reduce-scatters (gloo: all-reduces) are issued without
+    blocking as each chunk's gradients complete, while backward goes on (gloo runs them on its
+    own threads, as DDP's are), and waited once each, after the last gradient hook; the
+    all-gathers after the updates likewise, waited at the end of the step."""
+    for events, chunks in spawn(_collective_schedule, 2, tmp_path):
+        backward = events[events.index(("backward", None)) + 1:events.index(("step", None))]
+        step = events[events.index(("step", None)) + 1:events.index(("done", None))]
+        hooks = [k for k, e in enumerate(backward) if e[0] == "hook"]
+        issues = [k for k, e in enumerate(backward) if e[0] == "issue"]
+        assert backward[issues[0]] == ("issue", False) and issues[0] < hooks[0], backward  # the usage check
+        issues = issues[1:]
+        assert all(backward[k][1] for k in issues) and len(issues) == chunks, backward  # one per chunk, none blocking
+        assert min(issues) < hooks[-1], backward  # the first ones while gradients still come
+        waits = [k for k, e in enumerate(backward) if e[0] == "wait"]
+        assert len(waits) == chunks and min(waits) > hooks[-1], backward  # waited after the last hook
+        gathers = [e for e in step if e[0] == "issue"]
+        assert len(gathers) == chunks and all(asynchronous for _, asynchronous in gathers), step
+        assert sum(e[0] == "wait" for e in step) == chunks, step
+
+
+def test_a_host_event_finishes_its_collectives_then_its_continuations_once_in_order():
+    """HostEvent (a CPU device's collectives in flight): ``wait`` finishes the event it comes
+    after, then waits for every collective, then runs the continuations in the order they were
+    added, once, whichever thread waits first; ``query`` looks at the collectives only."""
+    from protrain_core.runtime.device import HostEvent
+
+    log = []
+
+    class Work:
+        def __init__(self, name):
+            self.name, self.completed = name, False
+
+        def is_completed(self):
+            return self.completed
+
+        def wait(self):
+            log.append(f"wait {self.name}")
+            self.completed = True
+
+    first = HostEvent()
+    first.add(Work("a"), lambda: log.append("then a"))
+    event = HostEvent(first)
+    event.add(Work("b"), lambda: log.append("then b"))
+    event.add(Work("c"), lambda: log.append("then c"))
+    assert not event.query() and not event.empty and HostEvent().empty
+    event.wait()
+    event.wait()
+    first.wait()
+    assert log == ["wait a", "then a", "wait b", "wait c", "then b", "then c"]
+    assert event.query()

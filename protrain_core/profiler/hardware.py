@@ -133,7 +133,7 @@ def collective_rates(sharding, ctx: DeviceContext, n: int, dtype: torch.dtype) -
             times.append(ctx.clock() - t0)
         return statistics.median(times[1:])
 
-    seconds = sharding.max_on_host([timed(lambda: ctx.collective(lambda: sharding.gather_(full))),
-                                    timed(lambda: ctx.collective(lambda: sharding.reduce_scatter_mean(out, full)))])
+    seconds = sharding.max_on_host([timed(lambda: ctx.synchronize(ctx.collective(lambda: sharding.gather_(full)))),
+                                    timed(lambda: ctx.synchronize(ctx.collective(lambda: sharding.reduce_scatter_mean(out, full))))])
     nbytes = n * dtype.itemsize
     return nbytes / max(float(seconds[0]), 1e-9), nbytes / max(float(seconds[1]), 1e-9)

@@ -360,13 +360,20 @@ class Chunk:
         storage = self.storage
         if storage.sharding is not None and storage.grad_buffer is not None:
             buffer, first = storage.grad_buffer, self.grad_state is GradState.FIRST
+            direct = first and storage.grad_acc.dtype == buffer.dtype  # reduced into the accumulator itself
+            reduced = []
 
             def reduce() -> None:
-                out = torch.empty(storage.fmt.state_numel, dtype=buffer.dtype, device=buffer.device)
+                out = storage.grad_acc if direct else torch.empty(storage.fmt.state_numel, dtype=buffer.dtype,
+                                                                  device=buffer.device)
+                reduced.append(out)
                 storage.sharding.reduce_scatter_mean(out, buffer)
-                storage.grad_acc.copy_(out) if first else storage.grad_acc.add_(out)
 
-            self._event = ctx.collective(reduce, span=("collectives", f"reduce-scatter chunk {self.index}"))
+            def accumulate() -> None:
+                storage.grad_acc.copy_(reduced[0]) if first else storage.grad_acc.add_(reduced[0])
+
+            self._event = ctx.collective(reduce, then=None if direct else accumulate,
+                                         span=("collectives", f"reduce-scatter chunk {self.index}"))
             ctx.record_stream(buffer, ctx.comm_stream)
             storage.free_grad_buffer()
         self.grad_state = target

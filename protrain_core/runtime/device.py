@@ -23,7 +23,13 @@ source of its uploads and, in mixed precision, the landing area of its gradient 
 which it reaches after an offload only through ``end_update`` -- the worker's job, which waits
 for the offload's event, landed the gradients and restored the copy from the master
 (scheduler.py ``_make_resident``). Activation swaps write and read host buffers of their own.
-On the CPU there are no streams: copies and collectives run synchronously and events are ``None``.
+On the CPU there are no streams: copies run synchronously and their events are ``None``.
+Collectives are issued with ``async_op=True`` (gloo runs them on its own threads, beside the
+compute, as DDP's are) and return a ``HostEvent``; what reads their results (the piece a
+reduce-scatter keeps, its sum into the accumulator, the copy of it to the host) runs when the
+event is waited for: at the end of backward, at the end of the step, or by the CPU worker before
+it lands a streamed chunk's gradients. They are issued from the thread that drives the step, in
+program order, so every rank's collectives still pair up, the user's own included.
 
 [Note: host waits]
 Every place on the training step's path where a host thread blocks on the device or on the CPU
@@ -77,6 +83,61 @@ BACKWARD_HOST_WAITS = (
 )
 
 
+class HostEvent:
+    """Collectives in flight on the CPU (gloo runs them on its own threads, beside the compute)
+    and what runs once they are done: ``DeviceContext.collective`` on a CPU device returns one,
+    and whoever needs the results waits (``wait``): the end of backward, the end of a step, the
+    CPU worker before it lands a chunk's gradients. The continuations run once, on the thread
+    that waits first, in the order they were added, after every collective of the event (none
+    may feed a later collective of the same event). ``after``: an event to finish first."""
+
+    def __init__(self, after: HostEvent | None = None, span=None) -> None:
+        self.after, self.span = after, span  # span: (timeline, lane, label, begin) or None
+        self.works: list = []
+        self.continuations: list = []
+        self._lock = threading.Lock()
+        self._done = False
+
+    def add(self, work, then=None) -> None:
+        """A collective issued with ``async_op=True`` (its ``Work``), and what follows it."""
+        if work is not None:
+            self.works.append(work)
+        if then is not None:
+            self.continuations.append(then)
+
+    @property
+    def empty(self) -> bool:
+        return self.after is None and not self.works and not self.continuations
+
+    def query(self) -> bool:
+        """Whether the collectives completed (the continuations may not have run yet)."""
+        return self._done or (all(w.is_completed() for w in self.works) and (self.after is None or self.after.query()))
+
+    def wait(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            if self.after is not None:
+                self.after.wait()
+            for work in self.works:
+                work.wait()
+            for then in self.continuations:
+                then()
+            self._done = True
+            if self.span is not None:
+                timeline, lane, label, begin = self.span
+                timeline.add(lane, label, begin, timeline.stamp())
+
+
+_deferring = threading.local()
+
+
+def deferring() -> HostEvent | None:
+    """The event ``DeviceContext.collective`` is assembling on this thread (a CPU device), if
+    any: the sharding's collectives join it with ``async_op=True`` instead of blocking."""
+    return getattr(_deferring, "event", None)
+
+
 class InlineExecutor(Executor):
     """Runs each job when it is submitted, on the calling thread (the CPU worker on a CPU device:
     [Note: CPU Adam on a CPU device] in worker.py)."""
@@ -106,6 +167,9 @@ class DeviceContext:
         new = (lambda: torch.cuda.Stream(device=device)) if self.is_cuda else (lambda: None)
         self.h2d_stream, self.d2h_stream, self.swap_stream, self.comm_stream = new(), new(), new(), new()
         self.timeline = None  # a Timeline while Engine.record_timeline() records ([Note: the step timeline])
+        # A CPU device issues collectives asynchronously and waits where their results are used
+        # (gloo runs them on its own threads, as DDP's do); a CUDA device orders them on comm_stream.
+        self.deferred_collectives = not self.is_cuda
 
     @property
     def pin_memory(self) -> bool:
@@ -120,13 +184,37 @@ class DeviceContext:
         "device->host", is the copy's direction."""
         return self._on_stream(stream, lambda: dst.copy_(src, non_blocking=self.is_cuda), after, span)
 
-    def collective(self, fn, after=None, *, span: tuple[str, str] = ("collectives", "")):
-        """Run ``fn`` (collectives) on the communication stream after the compute stream's work
-        so far (and ``after``); return the event to wait on (None on the CPU: ``fn`` ran)."""
-        return self._on_stream(self.comm_stream, fn, after, span)
+    def collective(self, fn, after=None, *, then=None, span: tuple[str, str] = ("collectives", "")):
+        """Run ``fn`` (collectives) and then ``then`` on the communication stream after the
+        compute stream's work so far (and ``after``); return the event to wait on. On a CPU
+        device ``fn``'s collectives are issued without blocking and ``then`` runs when the
+        event is waited for (a ``HostEvent``; None if ``fn`` issued none and there is no
+        ``then``)."""
+        if not self.deferred_collectives:
+            return self._on_stream(self.comm_stream, fn if then is None else lambda: (fn(), then()), after, span)
+        self.synchronize(after)  # a CPU copy ran inline; a collective's results are needed now
+        timeline = self.timeline
+        event = HostEvent(span=None if timeline is None else (timeline, *span, timeline.stamp()))
+        _deferring.event = event
+        try:
+            fn()
+        finally:
+            _deferring.event = None
+        event.add(None, then)
+        return None if event.empty else event
 
     def _on_stream(self, stream, fn, after, span):
         timeline = self.timeline
+        if isinstance(after, HostEvent):  # a CPU copy of a collective's result: it runs when that is waited for
+            def run() -> None:
+                begin = None if timeline is None else timeline.stamp()
+                fn()
+                if timeline is not None:
+                    timeline.add(*span, begin, timeline.stamp())
+
+            event = HostEvent(after)
+            event.add(None, run)
+            return event
         if not self.is_cuda:
             begin = None if timeline is None else timeline.stamp()
             fn()
@@ -151,13 +239,18 @@ class DeviceContext:
 
     # ----- waits ------------------------------------------------------------------------------
     def wait_on_compute(self, event) -> None:
-        """Make the compute stream wait for ``event`` (no host blocking)."""
-        if event is not None:
+        """Make the compute stream wait for ``event`` (no host blocking; a CPU device's
+        collectives: the host waits for them)."""
+        if isinstance(event, HostEvent):
+            event.wait()
+        elif event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
 
     def synchronize(self, event) -> None:
         """Block the calling host thread until ``event`` completed."""
-        if event is not None:
+        if isinstance(event, HostEvent):
+            event.wait()
+        elif event is not None:
             event.synchronize()
 
     def done(self, event) -> bool:

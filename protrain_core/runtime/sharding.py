@@ -49,6 +49,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from protrain_core.runtime.device import deferring
+
 # torch >= 2.12 renamed the tensor collectives; the older names still work (with a warning).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -117,9 +119,9 @@ class Sharding:
             pieces = full[:self.world * n]
             pieces[:self.rank * n].zero_()
             pieces[(self.rank + 1) * n:].zero_()
-            dist.all_reduce(pieces, op=dist.ReduceOp.SUM, group=self.group)
+            _issue(dist.all_reduce, pieces, op=dist.ReduceOp.SUM, group=self.group)
             return
-        _all_gather(full, full[self.rank * n:(self.rank + 1) * n], group=self.group)
+        _issue(_all_gather, full, full[self.rank * n:(self.rank + 1) * n], group=self.group)
 
     def reduce_scatter_mean(self, out: Tensor, full: Tensor) -> None:
         """``out`` = piece ``rank`` of the mean of ``full`` over the ranks, as DDP averages:
@@ -129,14 +131,14 @@ class Sharding:
         if not out.numel():
             return
         if "nccl" in self.backend:
-            _reduce_scatter(out, full, op=dist.ReduceOp.AVG, group=self.group)
+            _issue(_reduce_scatter, out, full, op=dist.ReduceOp.AVG, group=self.group)
             return
         full.mul_(1.0 / self.world)
         if self._by_all_reduce:  # the whole sum, of which this rank keeps its piece
-            dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.group)
-            out.copy_(full[self.rank * out.numel():(self.rank + 1) * out.numel()])
+            mine = full[self.rank * out.numel():(self.rank + 1) * out.numel()]
+            _issue(dist.all_reduce, full, op=dist.ReduceOp.SUM, group=self.group, then=lambda: out.copy_(mine))
             return
-        _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=self.group)
+        _issue(_reduce_scatter, out, full, op=dist.ReduceOp.SUM, group=self.group)
 
     def all_reduce_(self, t: Tensor, op=dist.ReduceOp.SUM) -> Tensor:
         dist.all_reduce(t, op=op, group=self.group)
@@ -172,6 +174,20 @@ class Sharding:
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
+
+
+def _issue(collective, *args, then=None, **kwargs) -> None:
+    """Run a tensor collective, then ``then``: at once, or -- inside a CPU device's
+    ``DeviceContext.collective`` -- issued without blocking and joined to its event, which runs
+    ``then`` when it is waited for (every rank still issues the same collectives in the same
+    order: from the thread that drives the step)."""
+    event = deferring()
+    if event is None:
+        collective(*args, **kwargs)
+        if then is not None:
+            then()
+        return
+    event.add(collective(*args, async_op=True, **kwargs), then)
 
 
 def broadcast_module(module, sharding: Sharding, device: torch.device) -> None:

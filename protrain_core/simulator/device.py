@@ -88,6 +88,7 @@ class SimulatedDevice(DeviceContext):
         self.device, self.host = device, device
         self.is_cuda = False
         self.asynchronous = self.spec.asynchronous
+        self.deferred_collectives = False  # simulated collectives take their modeled time on their stream
         if not self.asynchronous and tensors == "meta":
             raise ValueError("The CPU device is simulated with real tensors (tensors='cpu'): its compute is measured.")
         self.timeline = None
