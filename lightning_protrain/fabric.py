@@ -190,6 +190,14 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
         )
 
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
+        if self.engine is not None and not self.engine.closed:
+            raise RuntimeError(
+                "This ProTrain strategy already trains a model: fabric.setup(model, optimizer) was called "
+                f"before (for {type(self.engine.module).__name__}), and one ProTrain strategy runs one model. "
+                "To train several models, put them in one nn.Module (e.g. nn.ModuleDict({'generator': g, "
+                "'discriminator': d})) with one optimizer (one param group each, if they need their own "
+                "settings) and call fabric.setup once; or give the other model its own Fabric."
+            )
         optimizer = check_optimizers(optimizers)
         searched = self.plan is None
         self.engine = build_engine(

@@ -143,6 +143,27 @@ def test_fabric_refuses_what_it_cannot_do():
         Fabric(strategy="protrain", accelerator="cpu", devices=1, precision="64-true")
 
 
+def test_a_second_model_in_one_fabric_is_refused_before_anything_is_built(monkeypatch):
+    """One ProTrain strategy runs one engine: a second fabric.setup used to re-point the strategy
+    at the new engine and leave the first model training silently wrong; it is refused with the
+    fix, before the second model is profiled or wrapped, and the first keeps training."""
+    import lightning_protrain.fabric as F
+
+    fabric = Fabric(strategy=ProTrainFabricStrategy(plan=pt.Plan(n_persist=1, n_buffer=1)), accelerator="cpu", devices=1)
+    fabric.launch()
+    model = MODELS["gpt2"]()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters()))
+    builds = []
+    monkeypatch.setattr(F, "build_engine", lambda *a, **k: builds.append(a))
+    other = MODELS["gpt2"]()
+    with pytest.raises(RuntimeError, match="one ProTrain strategy runs one model.*nn.ModuleDict"):
+        fabric.setup(other, torch.optim.AdamW(other.parameters()))
+    assert builds == []
+    x = batches(1)[0]
+    fabric.backward(model(input_ids=x, labels=x).loss)
+    opt.step()
+
+
 @pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
 def test_fabric_saves_and_loads_a_scheduler_beside_the_optimizer(tmp_path, state_dict_type):
     """An LR scheduler has an ``.optimizer`` too: it loads its own state, as with the default
