@@ -81,6 +81,30 @@ def test_profiling_leaves_model_optimizer_and_rng_untouched():
     assert getattr(model, "_protrain_engine", None) is None
 
 
+def test_profiling_leaves_buffers_the_forward_updates_untouched():
+    """BatchNorm's running statistics change in every training forward; the profiling passes
+    are not the user's steps, so the statistics end as they were (before: 5 passes' worth)."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16))
+                                              for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    model = Net()
+    before = copy.deepcopy(model.state_dict())
+    x = torch.randn(8, 16)
+    pt.profile(model, torch.optim.AdamW(model.parameters()), (x,), loss_fn=lambda out: out.square().mean(),
+               cache=False, blocks="layers")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
 def test_profile_cache_hit_and_invalidation():
     model, opt, x, first = _profile("gpt2")
     files = list((cache_dir() / "profiles").glob("*.json"))

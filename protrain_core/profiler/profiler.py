@@ -205,6 +205,8 @@ def profile_model(
     reprofile = reprofile or reprofile_requested()
     start = ctx.clock()
     plan = _profiling_plan(model, optimizer, layout, precision, ctx)
+    with torch.no_grad():  # what the passes' forwards update (BatchNorm's running statistics) is put back after
+        buffers = {name: b.detach().to("cpu", copy=True) for name, b in model.named_buffers() if not b.is_meta}
     engine = Engine(model, optimizer, layout, plan, precision, ctx,
                     EngineOptions(optimizer_states=False, warn_on_cache=False))
     bounds = Boundaries(engine, block_modules(model, layout.block_path))
@@ -221,6 +223,10 @@ def profile_model(
     finally:
         bounds.remove()
         engine.close()
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
     check_blocks_called(bounds, layout.n_blocks)
     profile = agree(sharding, build_profile(key, shapes, measured, model, optimizer, layout, precision, ctx, start,
                                             sharding=sharding))

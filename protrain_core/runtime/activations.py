@@ -29,6 +29,14 @@ is the runtime's pre-backward hook on the block's outputs: it fires when the gra
 output is complete, before any backward node of the block -- and so before the recomputation,
 which the first of those nodes triggers (see [Note: parameter access] in chunk.py); the
 manager marks the recomputation as ``TrainingPhase.RECOMPUTE``.
+Buffers a checkpointed block updates in forward (BatchNorm's running statistics and
+``num_batches_tracked``) would be updated again by the recomputation. The first run keeps a copy
+of the block's buffers from before its forward when the forward changed any of them (their
+version counters moved; the copy is dropped otherwise); the recomputation runs on fresh copies
+of those values (it reads what the forward read), put in the buffers' places for its duration,
+and the buffers themselves are put back untouched afterwards (``_BufferState``): the buffers end
+as one forward left them, as without checkpointing, and recomputed activations equal the
+forward's.
 Checkpointed calls get a zero-size device tensor as their first positional argument: non-
 reentrant checkpoint saves and restores the device RNG state (dropout) only for devices it sees
 among positional arguments, and a block may be called with keyword arguments only.
@@ -261,7 +269,8 @@ class ActivationManager:
             call.device = call.input
             # The anchor is a positional tensor on the device, so that checkpoint saves and
             # restores the device's RNG state (it only looks at positional arguments).
-            out = checkpoint(recompute, self._rng_anchor, *args, use_reentrant=False,
+            buffers = _BufferState.of(self.blocks[i])
+            out = checkpoint(recompute, buffers, self._rng_anchor, *args, use_reentrant=False,
                              context_fn=self.ctx.checkpoint_contexts, **kwargs)
             self._after_call(i, call, out)
             return out
@@ -269,9 +278,10 @@ class ActivationManager:
         return wrapped
 
     def _recomputing(self, i: int, forward):
-        def run(_anchor, *args, **kwargs):
-            if self.phase.phase is not TrainingPhase.BACKWARD:
-                return forward(*args, **kwargs)  # the first run, in forward
+        def run(buffers, _anchor, *args, **kwargs):
+            if self.phase.phase is not TrainingPhase.BACKWARD:  # the first run, in forward
+                with buffers.forward():
+                    return forward(*args, **kwargs)
             # A recomputation (it may stop early, by an exception, once the last saved tensor
             # backward needs was rebuilt).
             self.stats["recomputed_blocks"] += 1
@@ -279,7 +289,8 @@ class ActivationManager:
                                     error="a recomputation inside a recomputation"):
                 self._notify(i, begin=True)
                 try:
-                    return forward(*args, **kwargs)
+                    with buffers.recompute():
+                        return forward(*args, **kwargs)
                 finally:
                     self._notify(i, begin=False)
 
@@ -493,3 +504,44 @@ class ActivationManager:
                 )
             )
         return tuple(out)
+
+
+class _BufferState:
+    """The buffers of one call of a checkpointed block, for its recomputation ([Note: block
+    forwards]): their values from before the forward, kept only if the forward changed them."""
+
+    def __init__(self, places: list[tuple[nn.Module, str, Tensor]]) -> None:
+        self.places = places  # (module, buffer name, buffer)
+        self.before: list[Tensor] | None = None
+
+    @staticmethod
+    def of(block: nn.Module) -> _BufferState:
+        return _BufferState([(m, name, b) for m in block.modules() for name, b in m.named_buffers(recurse=False)
+                             if b is not None])
+
+    @contextmanager
+    def forward(self):
+        if not self.places:
+            yield
+            return
+        versions = [b._version for _, _, b in self.places]
+        with torch.no_grad():
+            before = [b.clone() for _, _, b in self.places]
+        yield
+        if any(b._version != v for (_, _, b), v in zip(self.places, versions)):
+            self.before = before
+
+    @contextmanager
+    def recompute(self):
+        if self.before is None:  # the forward left its buffers alone
+            yield
+            return
+        with torch.no_grad():
+            stand_ins = [b.clone() for b in self.before]
+        for (module, name, _), stand_in in zip(self.places, stand_ins):
+            setattr(module, name, stand_in)
+        try:
+            yield
+        finally:
+            for module, name, buffer in self.places:
+                setattr(module, name, buffer)
