@@ -262,8 +262,11 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
         self.engine.save_sharded(path, meta=meta)
 
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only=None):
-        from protrain_core.checkpoint import is_sharded_checkpoint
+        from protrain_core.checkpoint import is_sharded_checkpoint, recover
 
+        if self.global_rank == 0:
+            recover(path)  # what a save killed between its renames left
+        self.barrier("protrain-recover-checkpoint")
         if is_sharded_checkpoint(path):
             return self._load_sharded(path, state or {}, strict)
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)

@@ -337,8 +337,11 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         engine.save_sharded(filepath, meta=meta)
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict[str, Any]:
-        from protrain_core.checkpoint import is_sharded_checkpoint, read_meta
+        from protrain_core.checkpoint import is_sharded_checkpoint, read_meta, recover
 
+        if self.global_rank == 0:
+            recover(checkpoint_path)  # what a save killed between its renames left
+        self.barrier("protrain-recover-checkpoint")
         if not is_sharded_checkpoint(checkpoint_path):
             self._sharded_from = None
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)

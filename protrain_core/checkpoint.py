@@ -18,13 +18,31 @@ what they are and where they start:
 The pieces tile every parameter whatever the number of processes that wrote them, so loading
 needs only the directory's metadata: a rank reads, one chunk at a time, every piece of that
 chunk's parameters, and keeps what its own shards hold (``Chunk.set_member``,
-``Chunk.own_piece``) -- at most one chunk beyond its own states at a time. A directory is
-written into a temporary sibling and renamed into place: an interrupted save never leaves a
-torn checkpoint.
+``Chunk.own_piece``) -- at most one chunk beyond its own states at a time.
+
+[Note: replacing a checkpoint directory]
+A directory cannot be swapped for another in one rename, so a save that replaces ``NAME``
+goes through names that say what each directory is (``PID`` is the saving process's):
+
+  1. every rank writes into ``.NAME.protrain-tmp-PID-*`` (incomplete: removed once PID is gone)
+  2. rank 0 renames it ``.NAME.new-PID-*``: complete, not yet in place
+  3. the old ``NAME``, if any, is renamed ``.NAME.old-PID-*``
+  4. ``.NAME.new-PID-*`` is renamed ``NAME``
+  5. ``.NAME.old-PID-*`` is removed
+
+A process killed anywhere leaves ``NAME`` holding the old checkpoint (before 3, or the new
+one after 4) or, between 3 and 4, nothing under ``NAME`` but the complete new copy beside it.
+The next save or load of ``NAME`` finishes what a dead save left (``recover``): a complete new
+copy is put in place (the old one removed), a lone old copy is put back, leftovers go. A
+failed write removes its temporary directory and names the cause (``ENOSPC``: the disk is
+full) in the first line of the error, on every rank.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import glob
 import io
 import os
 import shutil
@@ -39,7 +57,7 @@ from torch import Tensor
 
 from protrain_core.runtime.optim import indexed_params
 from protrain_core.runtime.sharding import piece
-from protrain_core.utils import remove_stale_temporaries, temporary_prefix
+from protrain_core.utils import alive, remove_stale_temporaries, temporary_prefix
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
@@ -103,22 +121,116 @@ def save_sharded(engine, path, meta: dict | None = None) -> None:
         torch.save(engine.optimizer.state_dict()["param_groups"], groups)
         state["optim/param_groups"] = groups  # one object, not flattened
     tmp = _agreed_tmp(engine, path)
-    with _quiet():
-        dcp.save(state, checkpoint_id=str(tmp), process_group=_group(engine), no_dist=engine.sharding is None)
-    if rank == 0 and meta is not None:
-        torch.save(meta, tmp / META)
+    _SAVING.add(path.resolve())
+    try:
+        _write(engine, state, tmp, path, meta)
+        if rank == 0:
+            _replace(tmp, path)
+    finally:
+        _SAVING.discard(path.resolve())
     _barrier(engine)
-    if rank == 0:
-        old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}") if path.exists() else None
-        if old is not None:
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+
+
+_SAVING: set[Path] = set()  # the checkpoint paths this process is saving now
+
+
+def _write(engine, state: dict, tmp: Path, path: Path, meta: dict | None) -> None:
+    """Steps 1-2 of [Note: replacing a checkpoint directory] up to the barrier after them; a
+    failure on any rank raises on every rank (DCP gathers the ranks' results) with its cause
+    first, and the temporary directory is removed."""
+    try:
+        with _quiet():
+            dcp.save(state, checkpoint_id=str(tmp), process_group=_group(engine), no_dist=engine.sharding is None)
+        if engine.rank == 0 and meta is not None:
+            torch.save(meta, tmp / META)
+    except (Exception, dcp.CheckpointException) as e:  # DCP's is a BaseException
+        shutil.rmtree(tmp, ignore_errors=True)  # every rank: none waits for another on a failure
+        raise _write_error(e, path) from e
     _barrier(engine)
+
+
+def _write_error(e: Exception, path: Path) -> Exception:
+    """The error a failed save raises: the first ``OSError`` among the ranks' failures (a full
+    disk: ENOSPC; an unwritable directory: EACCES) named in its first line."""
+    cause = _first_os_error(e)
+    if cause is None:
+        return e
+    return type(cause)(cause.errno, f"Could not write the sharded checkpoint {path}: {cause.strerror or cause}"
+                       + (" (ENOSPC: the disk is full; free space or save elsewhere)" if cause.errno == errno.ENOSPC else ""),
+                       cause.filename)
+
+
+def _first_os_error(e: BaseException | None, depth: int = 0) -> OSError | None:
+    """The first ``OSError`` in ``e``, its causes, or the per-rank failures DCP collects."""
+    if e is None or depth > 8:
+        return None
+    if isinstance(e, OSError) and e.errno is not None:
+        return e
+    failures = getattr(e, "failures", None)
+    for failure in (failures.values() if isinstance(failures, dict) else []):
+        found = _first_os_error(failure[0] if isinstance(failure, tuple) else failure, depth + 1)
+        if found is not None:
+            return found
+    return _first_os_error(e.__cause__ or e.__context__, depth + 1)
+
+
+def _replace(tmp: Path, path: Path) -> None:
+    """Steps 2-5 of [Note: replacing a checkpoint directory] (rank 0)."""
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    new, old = path.with_name(f".{path.name}.new-{tag}"), path.with_name(f".{path.name}.old-{tag}")
+    _rename(tmp, new)
+    if path.exists():
+        _rename(path, old)
+    _rename(new, path)
+    _remove(old)
+
+
+def _rename(src: Path, dst: Path) -> None:
+    os.replace(src, dst)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists():
+        path.unlink()
+
+
+def recover(path) -> None:
+    """Finish what a save of ``path`` killed between its renames left ([Note: replacing a
+    checkpoint directory]): a complete new copy goes in place, or a lone old copy goes back;
+    leftovers of dead saves are removed. Saves still running (another live process's, or this
+    process's own) are left alone."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return
+
+    def dead(p: Path) -> bool:
+        pid = p.name.rsplit("-", 2)[-2] if p.name.count("-") >= 2 else ""
+        if not pid.isdigit():
+            return False
+        if int(pid) == os.getpid():
+            return path.resolve() not in _SAVING  # this process's own save, ended by an exception
+        return not alive(int(pid))
+
+    leftovers = {kind: sorted((p for p in path.parent.glob(f"{glob.escape('.' + path.name)}.{kind}-*") if dead(p)),
+                              key=lambda p: p.stat().st_mtime) for kind in ("new", "old")}
+    with contextlib.suppress(OSError):  # another rank on a shared file system may be recovering too
+        if leftovers["new"]:
+            newest = leftovers["new"].pop()
+            if path.exists():
+                aside = path.with_name(f".{path.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+                _rename(path, aside)
+                leftovers["old"].append(aside)
+            _rename(newest, path)
+        elif leftovers["old"] and not path.exists():
+            _rename(leftovers["old"].pop(), path)
+        for p in leftovers["new"] + leftovers["old"]:
+            _remove(p)
 
 
 def is_sharded_checkpoint(path) -> bool:
+    """Whether ``path`` is a sharded checkpoint directory (``recover`` it first)."""
     return (Path(path) / ".metadata").is_file()
 
 
@@ -153,6 +265,9 @@ def load_sharded(engine, path, *, model: bool = True, optimizer: bool = True, st
     ``engine``'s chunks, one chunk at a time: the weights (``model``) and Adam's state and
     hyper-parameters (``optimizer``). Every rank calls it."""
     path = Path(path)
+    if engine.rank == 0:
+        recover(path)
+    _barrier(engine)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a sharded ProTrain checkpoint (a torch.distributed.checkpoint directory).")
     engine.runtime.wait_all()
@@ -213,8 +328,7 @@ def _load_adam(chunk, whole: dict, index_of: dict, path: Path, saved) -> None:
         chunk.set_adam_state(i, present)
     if steps:
         read = {key: torch.zeros(()) for key in steps.values()}
-        with _quiet():
-            dcp.load(read, checkpoint_id=str(path), no_dist=True)
+        _load(read, path)
         for i, key in steps.items():
             chunk.storage.steps[i].fill_(float(read[key]))
 
@@ -228,8 +342,7 @@ def _read_whole(engine, path: Path, pieces: dict, wanted: dict) -> dict[str, Ten
         for off, key, n in pieces[prefix]:
             read[key] = out[off:off + n]
     if read:  # every rank reads what it needs on its own: no collective
-        with _quiet():
-            dcp.load(read, checkpoint_id=str(path), no_dist=True)
+        _load(read, path)
     return whole
 
 
@@ -240,8 +353,7 @@ def _state_dtype(engine, p) -> torch.dtype:
 
 def _read_object(engine, path: Path, key: str):
     box = {key: io.BytesIO()}
-    with _quiet():
-        dcp.load(box, checkpoint_id=str(path), no_dist=True)
+    _load(box, path)
     box[key].seek(0)
     return torch.load(box[key], weights_only=True)
 
@@ -250,12 +362,27 @@ def _load_buffers(engine, path: Path, saved) -> None:
     read = {f"buffer/{n}": torch.empty_like(b, device="cpu") for n, b in engine.module.named_buffers()
             if f"buffer/{n}" in saved}
     if read:
-        with _quiet():
-            dcp.load(read, checkpoint_id=str(path), no_dist=True)
+        _load(read, path)
         with torch.no_grad():
             for n, b in engine.module.named_buffers():
                 if f"buffer/{n}" in read:
                     b.copy_(read[f"buffer/{n}"])
+
+
+def _load(read: dict, path: Path) -> None:
+    """``dcp.load`` of ``read`` from ``path`` by this rank alone; a file it cannot read (a shard
+    file missing: ENOENT) is named in the first line of the error."""
+    try:
+        with _quiet():
+            dcp.load(read, checkpoint_id=str(path), no_dist=True)
+    except (Exception, dcp.CheckpointException) as e:  # DCP's is a BaseException
+        cause = _first_os_error(e)
+        if cause is None:
+            raise
+        raise type(cause)(cause.errno, f"The sharded checkpoint {path} cannot be read: {cause.strerror or cause}"
+                          + (f" ({Path(cause.filename).name} is missing: the directory is incomplete; save it again "
+                             "or copy every file of it)" if cause.errno == errno.ENOENT and cause.filename else ""),
+                          cause.filename) from e
 
 
 @contextmanager
@@ -293,6 +420,7 @@ def _agreed_tmp(engine, path: Path) -> Path:
     if engine.rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(path.parent)
+        recover(path)
         name = f"{temporary_prefix(path)}{uuid.uuid4().hex[:8]}"
     if engine.sharding is not None:
         name = engine.sharding.broadcast_object(name)

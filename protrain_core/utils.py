@@ -166,14 +166,15 @@ def remove_stale_temporaries(directory) -> list[Path]:
     removed = []
     for tmp in Path(directory).glob(f".*{_TMP_TAG}*"):
         pid = tmp.name.split(_TMP_TAG, 1)[1].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not alive(int(pid)):
             with contextlib.suppress(OSError):
                 shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
                 removed.append(tmp)
     return removed
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (on this machine)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

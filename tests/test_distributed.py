@@ -599,3 +599,155 @@ def test_a_host_event_finishes_its_collectives_then_its_continuations_once_in_or
     first.wait()
     assert log == ["wait a", "then a", "wait b", "wait c", "then b", "then c"]
     assert event.query()
+
+
+class _Killed(BaseException):
+    """A save stopped dead at a rename (as ``kill -9`` would stop it)."""
+
+
+def _saved_and_trained(tmp_path):
+    """An engine whose checkpoint ``ckpt`` holds its weights after 2 steps; then a third step:
+    (engine, weights at the save, weights now)."""
+    model = _model(frozen=False)
+    data = batches(3)
+    _, engine = protrain_run(model, data[:2], standard_plans(model)["mixed-buf2"])
+    engine.save_sharded(tmp_path / "ckpt")
+    saved = engine.state_dict()
+    train_engine(engine, data[2:])
+    return engine, saved, engine.state_dict()
+
+
+def _loaded(path):
+    model = _model(frozen=False)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), standard_plans(model)["mixed-buf2"], device="cpu")
+    engine.load_sharded(path)
+    weights = engine.state_dict()
+    engine.close()
+    return weights
+
+
+def _same(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("kill_at", range(4))
+def test_a_save_stopped_at_any_rename_leaves_the_old_or_the_new_checkpoint(kill_at, tmp_path, monkeypatch):
+    """A save over an existing checkpoint stopped before each of its four renames and removals
+    ([Note: replacing a checkpoint directory]): the name then holds the old checkpoint or the new
+    one, or the next load restores the new one (before: stopped between the two renames, no
+    checkpoint had the name, and the next save deleted the complete new copy as a temporary);
+    nothing is left beside it after the next save."""
+    import protrain_core.checkpoint as C
+
+    engine, old, new = _saved_and_trained(tmp_path)
+    steps = []
+    rename, remove = C._rename, C._remove
+
+    def stopping(real):
+        def step(*args):
+            if len(steps) == kill_at:
+                raise _Killed
+            steps.append(args)
+            return real(*args)
+        return step
+
+    monkeypatch.setattr(C, "_rename", stopping(rename))
+    monkeypatch.setattr(C, "_remove", stopping(remove))
+    with pytest.raises(_Killed):
+        engine.save_sharded(tmp_path / "ckpt")
+    monkeypatch.setattr(C, "_rename", rename)
+    monkeypatch.setattr(C, "_remove", remove)
+    assert (tmp_path / "ckpt").exists() == (kill_at != 2)
+    assert _same(_loaded(tmp_path / "ckpt"), old if kill_at == 0 else new)  # a complete new copy wins
+    engine.save_sharded(tmp_path / "ckpt")
+    engine.close()
+    assert _same(_loaded(tmp_path / "ckpt"), new)
+    beside = sorted(p.name for p in tmp_path.iterdir() if p.name != "ckpt" and "protrain-tmp" not in p.name)
+    assert beside == [], beside
+
+
+KILLED_SAVE = """
+import os, sys, torch
+sys.path.insert(0, {tests!r})
+import protrain_core as pt
+from conftest import batches, standard_plans, train_engine
+from test_distributed import _model
+model = _model(frozen=False)
+engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), standard_plans(model)["mixed-buf2"], device="cpu")
+train_engine(engine, batches(3))
+rename = os.replace
+def dying(src, dst):
+    rename(src, dst)
+    if str(src) == {path!r}:
+        os._exit(9)  # killed once the old copy is aside, before the new one is in place
+os.replace = dying
+engine.save_sharded({path!r})
+"""
+
+
+def test_a_save_killed_between_its_renames_is_finished_by_the_next_load(tmp_path):
+    """The process really dies (``os._exit``) with the old copy aside and the complete new one
+    not yet in place: the next load (in another process) puts the new one in place."""
+    engine, old, _ = _saved_and_trained(tmp_path)
+    engine.close()
+    script = KILLED_SAVE.format(tests=os.path.dirname(__file__), path=str(tmp_path / "ckpt"))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 9, done.stderr
+    assert not (tmp_path / "ckpt").exists()
+    weights = _loaded(tmp_path / "ckpt")
+    assert not _same(weights, old)  # the new one, trained 3 steps
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def _full_disk_on(rank_failing: int):
+    def run(rank, world, out):
+        import errno
+
+        from torch.distributed.checkpoint.filesystem import FileSystem
+
+        model = _model(frozen=False)
+        _, engine = protrain_run(model, batches(1), standard_plans(model)["mixed-buf2"])
+        create = FileSystem.create_stream
+
+        def full(self, path, mode):
+            if rank == rank_failing and "distcp" in str(path):
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            return create(self, path, mode)
+
+        FileSystem.create_stream = full
+        try:
+            engine.save_sharded(os.path.join(out, "ckpt"))
+        except OSError as e:
+            return type(e).__name__, e.errno, str(e).splitlines()[0], sorted(os.listdir(out))
+        finally:
+            FileSystem.create_stream = create
+        return None
+    return run
+
+
+def _save_on_a_full_disk(rank, world, out):
+    return _full_disk_on(1)(rank, world, out)
+
+
+def test_a_full_disk_fails_the_save_on_every_rank_and_names_enospc(tmp_path):
+    """One rank's shard does not fit on its disk: every rank's save raises an OSError whose first
+    line names ENOSPC and the checkpoint, and no temporary directory is left."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, code, line, left in spawn(_save_on_a_full_disk, 2, tmp_path / "spawn", str(out)):
+        assert name == "OSError" and code == 28, line
+        assert "ENOSPC" in line and "Could not write the sharded checkpoint" in line and "ckpt" in line, line
+        assert left == [], left
+
+
+def test_a_missing_shard_file_is_named_in_the_first_line(tmp_path):
+    model = _model(frozen=False)
+    _, engine = protrain_run(model, batches(1), standard_plans(model)["mixed-buf2"])
+    engine.save_sharded(tmp_path / "ckpt")
+    engine.close()
+    (shard,) = (tmp_path / "ckpt").glob("*.distcp")
+    shard.unlink()
+    with pytest.raises(FileNotFoundError) as raised:
+        _loaded(tmp_path / "ckpt")
+    first = str(raised.value).splitlines()[0]
+    assert shard.name in first and "cannot be read" in first, first
