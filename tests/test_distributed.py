@@ -751,3 +751,54 @@ def test_a_missing_shard_file_is_named_in_the_first_line(tmp_path):
         _loaded(tmp_path / "ckpt")
     first = str(raised.value).splitlines()[0]
     assert shard.name in first and "cannot be read" in first, first
+
+
+class _Holder(torch.nn.Module):
+    """A LightningModule's shape: the Hugging Face model is ``self.model`` of the wrapped root."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = _model(frozen=False)
+
+    def forward(self, **batch):
+        return self.model(**batch)
+
+
+def _inner_state_dicts(rank, world, out):
+    results = {}
+    for plan_name in ("streamed-buf1", "all-persistent"):
+        holder = _Holder()
+        _, engine = protrain_run(holder, batches(2), standard_plans(holder.model)[plan_name])
+        whole = engine.state_dict(rank0_only=False)
+        outcome = {}
+        for what, call in (("model.state_dict", lambda: holder.model.state_dict()),
+                           ("lm_head.state_dict", lambda: holder.model.lm_head.state_dict()),
+                           ("save_pretrained", lambda: holder.model.save_pretrained(os.path.join(out, f"hf{rank}")))):
+            try:
+                got = call()
+            except RuntimeError as e:
+                outcome[what] = str(e).splitlines()[0]
+                continue
+            if isinstance(got, dict):
+                prefix = "model." if what == "model.state_dict" else "model.lm_head."
+                outcome[what] = all(torch.equal(v.detach().cpu(), whole[prefix + k]) for k, v in got.items())
+            else:
+                outcome[what] = "saved"
+        engine.close()
+        results[plan_name] = outcome
+    return results
+
+
+def test_a_module_inside_the_wrapped_model_gives_its_true_values_or_refuses_with_the_fix(tmp_path):
+    """With 2 processes, ``self.model.state_dict()`` inside a LightningModule (EMA and export
+    callbacks) does not run the wrapped root's hooks; it returned the offloaded chunks'
+    parameters as garbage (NaN), and save_pretrained failed with a misleading error. Now a
+    module holding an offloaded chunk's parameter refuses with the fix, and one whose chunks are
+    whole on every rank (persistent) returns exactly the engine's gathered values."""
+    for result in spawn(_inner_state_dicts, 2, tmp_path / "spawn", str(tmp_path)):
+        for what, outcome in result["streamed-buf1"].items():
+            assert isinstance(outcome, str) and "offloaded chunks are not whole" in outcome \
+                and "engine.state_dict()" in outcome, (what, outcome)
+        assert result["all-persistent"]["model.state_dict"] is True
+        assert result["all-persistent"]["lm_head.state_dict"] is True
+        assert result["all-persistent"]["save_pretrained"] == "saved"

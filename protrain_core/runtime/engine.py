@@ -100,7 +100,9 @@ class Engine:
             optimizer.state.clear()
             self.load_optimizer_state_dict(osd)
         # model.state_dict() (save_pretrained, torch.save) reads the parameters: wait for their updates.
-        self._state_dict_hook = module.register_state_dict_pre_hook(self._before_module_state_dict)
+        # Every module's: a LightningModule's self.model.state_dict() does not run the root's hooks.
+        self._state_dict_hooks = [m.register_state_dict_pre_hook(self._before_module_state_dict)
+                                  for m in module.modules()]
         self._reading_states = False  # Engine.state_dict is reading the module's
         module._protrain_engine = self
         self.profile = None  # the Profile a searched plan came from (set by wrap)
@@ -464,15 +466,19 @@ class Engine:
         return str(self._overlap())
 
     # ----- state --------------------------------------------------------------------------
-    def _before_module_state_dict(self, *_) -> None:
-        """``model.state_dict()`` (torch.save, save_pretrained) reads the parameters: wait for
-        their updates. Sharded over several processes an offloaded chunk's parameters are not
-        whole on any rank: refused, with the fix."""
-        if self.sharding is not None and not self._reading_states and any(not c.persistent for c in self.chunks):
+    def _before_module_state_dict(self, module: torch.nn.Module, *_) -> None:
+        """``state_dict()`` of the model or of any module in it (torch.save, save_pretrained,
+        an EMA callback's ``self.model.state_dict()``) reads the parameters: wait for their
+        updates. Sharded over several processes an offloaded chunk's parameters are not whole on
+        any rank: refused, with the fix, for every module holding one."""
+        if self.sharding is not None and not self._reading_states and any(
+                not self._slot_of[id(p)][0].persistent for p in module.parameters() if id(p) in self._slot_of):
+            name = "model" if module is self.module else f"{type(module).__name__} (a module of the wrapped model)"
             raise RuntimeError(
-                f"model.state_dict() on a model sharded over {self.world_size} processes: the parameters of "
-                "offloaded chunks are not whole on any rank. Call engine.state_dict() (gathered chunk by chunk to "
-                "rank 0) or engine.save_pretrained(directory) on every rank instead."
+                f"state_dict() of the {name}, sharded over {self.world_size} processes: the parameters of "
+                "offloaded chunks are not whole on any rank, so its values would be wrong. Call "
+                "engine.state_dict() (gathered chunk by chunk to rank 0; under Lightning "
+                "trainer.strategy.engine.state_dict()) or engine.save_pretrained(directory) on every rank instead."
             )
         self.runtime.wait_all()
 
@@ -690,7 +696,8 @@ class Engine:
         for h in self._autocast_handles:
             h.remove()
         self._batch_hook.remove()
-        self._state_dict_hook.remove()
+        for h in self._state_dict_hooks:
+            h.remove()
         self.runtime.shutdown()
         self.module._protrain_engine = None
         self._closed = True
