@@ -19,7 +19,7 @@ from protrain_core.profiler.profiler import profile_model, reprofile_requested, 
 from protrain_core.runtime.device import DeviceContext, as_context
 from protrain_core.runtime.engine import Engine, EngineOptions
 from protrain_core.runtime.optim import check_optimizer
-from protrain_core.runtime.sharding import Sharding, agree, agree_budgets
+from protrain_core.runtime.sharding import Sharding, agree, agree_budgets, check_same_configuration
 from protrain_core.runtime.storage import chunk_formats
 from protrain_core.structure.blocks import find_blocks
 from protrain_core.structure.layout import ChunkLayout, build_layout
@@ -79,12 +79,33 @@ def wrap(
         sharding.check_device(dev.device)
     budget = default_memory_budget(dev) if budget is None and plan is None else budget
     layout = _prepare(model, optimizer, blocks, chunk_size, example_inputs, dev)
+    check_same_configuration(sharding, _configuration(model, optimizer, layout, prec, plan, gradient_clipping,
+                                                      optimizer_states, max_tokens))
     options = EngineOptions(optimizer_states=optimizer_states, check_invariants=check_invariants)
     if plan is not None:
         return _engine(model, optimizer, layout, agree(sharding, plan), prec, dev, gradient_clipping, options, sharding)
     return _searched(model, optimizer, layout, prec, dev, gradient_clipping, options, sharding, budget, max_tokens, report,
                      example_inputs=example_inputs, loss_fn=loss_fn, step_fn=step_fn, cache=profile_cache,
                      reprofile=reprofile or reprofile_requested())
+
+
+def _configuration(model: nn.Module, optimizer, layout: ChunkLayout, prec: Precision, plan, gradient_clipping,
+                   optimizer_states: bool, max_tokens) -> dict[str, object]:
+    """What every rank's ``wrap`` must agree on (``check_same_configuration``)."""
+    hyper = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+    return {
+        "precision": prec.value,
+        "chunk size": layout.chunk_size,
+        "blocks": f"{layout.block_path} ({layout.n_blocks})",
+        "parameters": [(name, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad)
+                       for name, p in model.named_parameters()],
+        "optimizer": [(type(optimizer).__name__, len(g["params"]), *(repr(g.get(k)) for k in hyper))
+                      for g in optimizer.param_groups],
+        "plan": "searched" if plan is None else repr(plan),
+        "gradient clipping": repr(gradient_clipping),
+        "optimizer states": optimizer_states,
+        "max tokens": max_tokens,
+    }
 
 
 def _searched(model, optimizer, layout: ChunkLayout, prec: Precision, dev: DeviceContext, gradient_clipping,

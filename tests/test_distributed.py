@@ -802,3 +802,32 @@ def test_a_module_inside_the_wrapped_model_gives_its_true_values_or_refuses_with
         assert result["all-persistent"]["model.state_dict"] is True
         assert result["all-persistent"]["lm_head.state_dict"] is True
         assert result["all-persistent"]["save_pretrained"] == "saved"
+
+
+def _configured_differently(rank, world, what):
+    kw = {"precision": "32-true", "chunk_size": None, "n_layer": 4}
+    if rank == 1:
+        kw.update({"precision": {"precision": "bf16-mixed"}, "chunk size": {"chunk_size": 32768},
+                   "model": {"n_layer": 5}}[what])
+    model = tiny_llama(n_layer=kw["n_layer"])
+    try:
+        pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), pt.Plan(n_persist=1, n_buffer=1),
+                precision=kw["precision"], chunk_size=kw["chunk_size"], device="cpu")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("what,named", [
+    ("precision", "precision: rank 0: 32-true; rank 1: bf16-mixed"),
+    ("chunk size", "chunk size: rank 0: "),
+    ("model", "parameters: rank 0: "),
+])
+def test_ranks_configured_differently_are_refused_at_wrap_naming_the_difference(what, named, tmp_path):
+    """Precision, chunk size or model structure differing between ranks (torchrun ranks reading
+    different configs) used to end in a gloo collective mismatch or a hang; now every rank's wrap
+    raises, before anything is allocated, with the field and each rank's value."""
+    for message in spawn(_configured_differently, 2, tmp_path, what):
+        assert message is not None and "wrap their models differently" in message and named in message, message
+    if what == "model":
+        assert "model.layers.4" in message, message  # where the parameter lists part

@@ -162,6 +162,12 @@ class Sharding:
         differ = (t[2:2 + n] != -t[2 + n:]).nonzero().flatten().tolist()
         return differ, int(t[0]) != -int(t[1])
 
+    def gather_objects(self, obj) -> list:
+        """Every rank's ``obj``, by rank (a host collective)."""
+        every = [None] * self.world
+        dist.all_gather_object(every, obj, group=self.checks or self.group)
+        return every
+
     def broadcast_(self, t: Tensor, src: int = 0) -> None:
         """Rank ``src``'s ``t`` on every rank, in place."""
         dist.broadcast(t, src=dist.get_global_rank(self.group, src), group=self.group)
@@ -214,6 +220,32 @@ def agree_budgets(sharding: Sharding | None, device_budget: int, host_budget: in
     t = torch.tensor([device_budget, 0 if host_budget is None else host_budget // per_node], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=sharding.checks or sharding.group)
     return int(t[0]), None if host_budget is None else int(t[1])
+
+
+def check_same_configuration(sharding: Sharding | None, fields: dict[str, object]) -> None:
+    """Every rank's ``fields`` (what ``wrap`` was given and derived: precision, chunk size, the
+    model's parameters, the optimizer, the plan's inputs) compared in one host collective; where
+    they differ, every rank raises the same error naming the fields and each rank's value --
+    before anything is allocated, instead of a collective mismatch later."""
+    if sharding is None:
+        return
+    every = sharding.gather_objects(fields)
+    differ = [key for key in fields if any(other.get(key) != every[0].get(key) for other in every)]
+    if not differ:
+        return
+    lines = []
+    for key in differ:
+        values = [other.get(key) for other in every]
+        if all(isinstance(v, (list, tuple)) for v in values):  # say where the lists part
+            at = next((k for k in range(max(map(len, values))) if len({repr(v[k]) if k < len(v) else None
+                                                                          for v in values}) > 1), 0)
+            values = [f"{len(v)} entries, entry {at}: {v[at] if at < len(v) else 'none'}" for v in values]
+        lines.append(f"  {key}: " + "; ".join(f"rank {r}: {v}" for r, v in enumerate(values)))
+    raise ValueError(
+        f"The {sharding.world} processes wrap their models differently, so their chunks and collectives "
+        "would not match:\n" + "\n".join(lines) + "\nEvery rank must call wrap (or build the strategy) with the "
+        "same model, optimizer, precision, chunk size and plan arguments."
+    )
 
 
 def agree(sharding: Sharding | None, decision):

@@ -599,6 +599,10 @@ class SimulatedGroup(Sharding):
         self.sim.host_collective("parameters used")
         return [], False
 
+    def gather_objects(self, obj) -> list:
+        self.sim.host_collective("configurations")
+        return [obj] * self.world
+
     def broadcast_(self, t: Tensor, src: int = 0) -> None:
         pass
 
