@@ -216,6 +216,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         self._final_optimizer_state: dict | None = None
         self._sharded_from = None  # a sharded checkpoint directory being restored
         self._sharded_weights: bool | None = None  # its weights wait for the engine (the strict flag)
+        self._failed = False  # an exception ends the run: teardown runs no collective
 
     # ----- Lightning plumbing ----------------------------------------------------------------
     @property
@@ -246,7 +247,17 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         self.assign_world_ranks()
 
     # ----- setup -------------------------------------------------------------------------------
+    def on_exception(self, exception: BaseException) -> None:
+        """The run ends with ``exception`` (the user's, a failed save, ctrl-C): teardown follows.
+        The other ranks may be anywhere -- in a forward's all-gather, a barrier, or failing
+        too -- so it runs no collective (the optimizer-state gather, the engine's waits): this
+        process ends at once with the user's error, and the others' collectives fail on its
+        closed connections within seconds, as under ``strategy="ddp"``."""
+        super().on_exception(exception)
+        self._failed = True
+
     def setup(self, trainer) -> None:
+        self._failed = False
         self.accelerator.setup(trainer)
         module = self.lightning_module
         precision = self.precision_plugin
@@ -386,7 +397,10 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
 
     def teardown(self) -> None:
         engine = self._open_engine()
-        if engine is not None:
+        if engine is not None and self._failed:
+            unroute_zero_grad(engine.optimizer)
+            engine.close(after_failure=True)
+        elif engine is not None:
             if self.optimizers and engine.optimizer_states:  # not after evaluation only
                 # Kept for trainer.save_checkpoint() after fit; the engine and its chunks go away.
                 self._final_optimizer_state = engine.optimizer_state_dict()

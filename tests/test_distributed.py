@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -831,3 +833,41 @@ def test_ranks_configured_differently_are_refused_at_wrap_naming_the_difference(
         assert message is not None and "wrap their models differently" in message and named in message, message
     if what == "model":
         assert "model.layers.4" in message, message  # where the parameter lists part
+
+
+FAILING = os.path.join(os.path.dirname(__file__), "scripts", "failing_run.py")
+
+
+@pytest.mark.parametrize("case,printed", [
+    ("raise-rank0", ["[rank0]: ValueError: the user's own error on rank 0"]),
+    ("raise-rank1", ["[rank1]: ValueError: the user's own error on rank 1"]),
+    ("unwritable", ["[rank0]: NotADirectoryError"]),
+    ("full-disk", ["[rank0]: OSError: [Errno 28] Could not write the sharded checkpoint",
+                   "[rank1]: OSError: [Errno 28] Could not write the sharded checkpoint", "ENOSPC"]),
+    ("interrupt", ["Detected KeyboardInterrupt"]),
+])
+def test_a_failure_on_one_rank_ends_every_process_with_the_users_error(case, printed, tmp_path):
+    """``Trainer(devices=2, strategy=ProTrainStrategy(...))`` (Lightning's launcher, gloo) and a
+    failure: training_step raising on rank 0 or on rank 1, a checkpoint directory that cannot be
+    created, one rank's disk full under a sharded save, ctrl-C (SIGINT to every process). Every
+    process ends within the harness's time limit and the user's error is printed. Before: the
+    teardown's collectives (the optimizer-state gather, the engine's gathers) met the other
+    rank's forward or barrier: a gloo "collective mismatch" abort without the user's error, or a
+    hang until gloo's 30-minute timeout."""
+    run = subprocess.Popen([sys.executable, FAILING, case, str(tmp_path)], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                           env={**os.environ, "PROTRAIN_CACHE_DIR": str(tmp_path / "cache")})
+    try:
+        if case == "interrupt":  # ctrl-C in a terminal: SIGINT to the whole process group, mid-training
+            while not all((tmp_path / f"running{r}").exists() for r in (0, 1)):
+                assert run.poll() is None, run.communicate()[0][-4000:]
+                time.sleep(0.1)
+            os.killpg(run.pid, signal.SIGINT)
+        output, _ = run.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)
+        pytest.fail(f"{case}: the processes did not end within the time limit:\n{run.communicate()[0][-4000:]}")
+    assert run.returncode != 0
+    for text in printed:
+        assert text in output, (text, output[-4000:])
+    assert "collective mismatch" not in output, output[-4000:]

@@ -681,16 +681,20 @@ class Engine:
     def closed(self) -> bool:
         return self._closed
 
-    def close(self) -> None:
+    def close(self, *, after_failure: bool = False) -> None:
         """Remove the hooks and stop the worker. The parameters keep their current values, as
-        views of the master weights (on the device for persistent chunks, else host)."""
+        views of the master weights (on the device for persistent chunks, else host).
+        ``after_failure``: the run ends with an exception (a Lightning strategy's teardown after
+        ``on_exception``); nothing is waited for -- an update or collective in flight may wait
+        for a rank that will not come -- and no observer runs: the values are what they are."""
         if self._closed:
             return
-        self._notify("engine_closes")
-        self.runtime.wait_all()
-        self.runtime.release_all()
-        for c in self.chunks:
-            c.detach_params()
+        if not after_failure:
+            self._notify("engine_closes")
+            self.runtime.wait_all()
+            self.runtime.release_all()
+            for c in self.chunks:
+                c.detach_params()  # sharded: gathered, a collective per chunk
         self.hooks.remove()
         self.activations.remove()
         for h in self._autocast_handles:
@@ -698,7 +702,7 @@ class Engine:
         self._batch_hook.remove()
         for h in self._state_dict_hooks:
             h.remove()
-        self.runtime.shutdown()
+        self.runtime.shutdown(wait=not after_failure)
         self.module._protrain_engine = None
         self._closed = True
 

@@ -400,8 +400,8 @@ class Runtime:
         staging = max((c.storage.fmt.state_numel for c in self.streamed), default=0)
         self.worker.resize_staging(n_staging=n_buffer, staging_numel=staging)
 
-    def shutdown(self) -> None:
-        self.worker.shutdown()
+    def shutdown(self, *, wait: bool = True) -> None:
+        self.worker.shutdown(wait=wait)
 
     # ----- accounting ---------------------------------------------------------------------
     def device_bytes(self) -> int:

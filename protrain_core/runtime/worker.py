@@ -112,5 +112,7 @@ class CpuWorker:
             self.optim.update(chunk, hps, selected, clip)
         self.record("cpu_adam_end", chunk.index)
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
+    def shutdown(self, *, wait: bool = True) -> None:
+        """Stop the worker; ``wait`` False (after a failure): drop the jobs not started and
+        return without waiting for the one running."""
+        self._pool.shutdown(wait=wait, cancel_futures=not wait)
