@@ -22,7 +22,21 @@ from lightning_protrain import ProTrainStrategy  # noqa: E402
 
 
 def main(case: str, out: str) -> None:
+    import atexit
+
     import lightning.pytorch as pl
+
+    rank = os.environ.get("LOCAL_RANK", "0")
+
+    def stamp(what: str) -> None:  # when this process met the failure, and when it ended
+        with open(os.path.join(out, f"{what}{rank}"), "w") as f:
+            f.write(repr(time.time()))
+
+    atexit.register(stamp, "ended")
+
+    class Stamps(pl.Callback):
+        def on_exception(self, trainer, pl_module, exception):
+            stamp("failed")
 
     class Lit(pl.LightningModule):
         def __init__(self):
@@ -41,7 +55,7 @@ def main(case: str, out: str) -> None:
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
-    if case == "full-disk" and os.environ.get("LOCAL_RANK", "0") == "1":
+    if case == "full-disk" and rank == "1":
         from torch.distributed.checkpoint.filesystem import FileSystem
 
         create = FileSystem.create_stream
@@ -62,7 +76,7 @@ def main(case: str, out: str) -> None:
                                 state_dict_type="sharded" if case == "full-disk" else "full")
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=dirpath, filename="ckpt", every_n_train_steps=2)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=False,
-                         callbacks=[checkpoint], enable_progress_bar=False, enable_model_summary=False)
+                         callbacks=[checkpoint, Stamps()], enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Lit(), data)
 
 
