@@ -36,6 +36,7 @@ import json
 import os
 import statistics
 import dataclasses
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -205,13 +206,11 @@ def profile_model(
     reprofile = reprofile or reprofile_requested()
     start = ctx.clock()
     plan = _profiling_plan(model, optimizer, layout, precision, ctx)
-    with torch.no_grad():  # what the passes' forwards update (BatchNorm's running statistics) is put back after
-        buffers = {name: b.detach().to("cpu", copy=True) for name, b in model.named_buffers() if not b.is_meta}
     engine = Engine(model, optimizer, layout, plan, precision, ctx,
                     EngineOptions(optimizer_states=False, warn_on_cache=False))
     bounds = Boundaries(engine, block_modules(model, layout.block_path))
     try:
-        with torch.random.fork_rng(devices=[device] if ctx.is_cuda else []):
+        with torch.random.fork_rng(devices=[device] if ctx.is_cuda else []), _buffers_kept(model):
             _one_pass(engine, bounds, inputs, step_fn)  # warm-up, and the batch as the first block sees it
             shapes = tensor_shapes(bounds.block_inputs or [])
             key = profile_key(model, optimizer, shapes, precision, ctx, layout, world_size=world_of(sharding))
@@ -223,16 +222,27 @@ def profile_model(
     finally:
         bounds.remove()
         engine.close()
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                if name in buffers:
-                    b.copy_(buffers[name])
     check_blocks_called(bounds, layout.n_blocks)
     profile = agree(sharding, build_profile(key, shapes, measured, model, optimizer, layout, precision, ctx, start,
                                             sharding=sharding))
     if cache and (sharding is None or sharding.rank == 0):
         store(profile, cache_dir)
     return profile
+
+
+@contextmanager
+def _buffers_kept(model: nn.Module):
+    """The model's buffers as they were before (what the passes' forwards update, BatchNorm's
+    running statistics, is put back: the passes are not the user's steps)."""
+    with torch.no_grad():
+        kept = {name: b.detach().to("cpu", copy=True) for name, b in model.named_buffers() if not b.is_meta}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in kept:
+                    b.copy_(kept[name])
 
 
 def build_profile(key: str, shapes, measured: Measured, model, optimizer, layout: ChunkLayout, precision: Precision,
