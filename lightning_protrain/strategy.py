@@ -90,8 +90,14 @@ class ProTrainPrecision(Precision):
         # Lightning runs the closure of a non-final micro-batch directly, the last one's inside
         # optimizer_step: only that backward may update chunks.
         final = self.phase is TrainingPhase.STEP
+        # An overridden LightningModule.backward starts autograd inside the engine's backward, as
+        # the default strategy calls it every step.
+        run = None
+        if is_overridden("backward", model, pl.LightningModule):
+            def run(loss):
+                model.backward(loss, *args, **kwargs)
         with contextlib.nullcontext() if final else self.engine.no_sync():
-            self.engine.backward(tensor)
+            self.engine.backward(tensor, run=run)
 
     def optimizer_step(self, optimizer, model, closure, **kwargs):
         self.phase = TrainingPhase.STEP

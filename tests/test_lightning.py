@@ -264,6 +264,32 @@ def test_training_step_returning_none_with_clipping_equals_default():
     assert_same(run(ProTrainStrategy(plan=pt.Plan(n_persist=0, n_buffer=1))), run("auto"))
 
 
+class DoubledBackward(LitLM):
+    """Overrides LightningModule.backward: counts its calls and doubles the gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.backward_calls = 0
+
+    def backward(self, loss, *args, **kwargs):
+        self.backward_calls += 1
+        (loss * 2).backward(*args, **kwargs)
+
+
+def test_an_overridden_backward_runs_every_step_as_under_the_default_strategy():
+    """The default strategy calls LightningModule.backward for every backward; ProTrain used to
+    call loss.backward() itself and never the override, silently."""
+    def run(strategy):
+        torch.manual_seed(1234)
+        lit = DoubledBackward()
+        trainer(strategy, accumulate_grad_batches=2).fit(lit, loader())
+        return lit, None
+
+    ours, default = run(ProTrainStrategy(plan=_plan("streamed"))), run("auto")
+    assert ours[0].backward_calls == default[0].backward_calls == 2 * STEPS
+    assert_same(ours, default)
+
+
 def test_hugging_face_gradient_checkpointing_inside_a_lightning_module_is_refused_as_in_the_core():
     """Issue 18, case 5: the LightningModule holds the Hugging Face model: refused before any
     training step, with the fix, as wrap() refuses it on the model itself."""

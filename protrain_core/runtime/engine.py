@@ -249,9 +249,11 @@ class Engine:
         ]
 
     # ----- training -----------------------------------------------------------------------
-    def backward(self, loss: Tensor) -> None:
+    def backward(self, loss: Tensor, run=None) -> None:
         """Backward through the managed model; streamed chunks are updated while it runs, or
-        their gradients are finished for an update at step() (see ``overlap``)."""
+        their gradients are finished for an update at step() (see ``overlap``). ``run(loss)``:
+        what starts autograd instead of ``loss.backward()`` (an overridden
+        ``LightningModule.backward``), given the loss as scaled for fp16."""
         self._check_open()
         if not self._no_sync:
             self._check_trains("backward() outside no_sync()")
@@ -262,7 +264,7 @@ class Engine:
             with self.runtime.backward_pass(boundary=not self._no_sync), self.activations.backward_pass():
                 if self.scaler is not None:
                     loss = loss * self.scaler.scale.to(loss.device)
-                loss.backward()
+                loss.backward() if run is None else run(loss)
         finally:
             self._batch_begun = False
             self._notify("backward_ends")
