@@ -69,6 +69,37 @@ def test_unsupported_optimizer():
         _wrap(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+class _NeedsClosure(torch.optim.AdamW):
+    def step(self, closure):
+        closure()
+        return super().step()
+
+
+class _Centralised(torch.optim.AdamW):
+    """Gradient centralisation: edits the gradients, then AdamW's step."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.dim() > 1:
+                    p.grad -= p.grad.mean(dim=tuple(range(1, p.dim())), keepdim=True)
+        return super().step(closure)
+
+
+class _Named(torch.optim.AdamW):
+    """A subclass that keeps AdamW's step: accepted."""
+
+
+@pytest.mark.parametrize("cls", [_NeedsClosure, _Centralised])
+def test_an_optimizer_subclass_with_its_own_step_is_refused(cls):
+    """Its step would never run (ProTrain runs Adam's update per chunk): one needing a closure
+    crashed deep in the engine, one editing gradients before super().step() was skipped silently."""
+    model = tiny_gpt2()
+    with pytest.raises(ValueError, match=f"{cls.__name__} overrides step\\(\\).*Use torch.optim.AdamW"):
+        _wrap(model=model, optimizer=cls(model.parameters(), lr=1e-3))
+    _wrap(model=model, optimizer=_Named(model.parameters(), lr=1e-3)).close()
+
+
 def test_dict_plan_and_double_wrap():
     model = tiny_gpt2()
     engine = _wrap(model=model, plan={"n_persist": 1, "n_buffer": 2})

@@ -8,6 +8,7 @@ stays empty: moments live in the chunks, next to the master weights.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,16 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> bool:
             f"ProTrain runs the optimizer per chunk and supports torch.optim.AdamW and "
             f"torch.optim.Adam; got {type(optimizer).__name__}. Create the optimizer with "
             "torch.optim.AdamW(model.parameters(), ...) (param groups are fine)."
+        )
+    # torch wraps each optimizer class's step for its profiler hooks: compare what is wrapped.
+    own_step = inspect.unwrap(type(optimizer).step)
+    if own_step not in (inspect.unwrap(torch.optim.Adam.step), inspect.unwrap(torch.optim.AdamW.step)):
+        raise ValueError(
+            f"{type(optimizer).__name__} overrides step() ({own_step.__module__}.{own_step.__qualname__}). ProTrain "
+            "runs Adam/AdamW's update itself, chunk by chunk on the device and the CPU, so an overridden step "
+            "(a closure it needs, gradients it edits before super().step()) would never run. Use "
+            "torch.optim.AdamW or torch.optim.Adam itself (a subclass that keeps their step() is fine); "
+            "for gradient clipping use wrap(gradient_clipping=...) or Lightning's gradient_clip_val."
         )
     for group in optimizer.param_groups:
         if group.get("differentiable", False):
