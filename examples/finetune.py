@@ -149,7 +149,8 @@ class CausalLM(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
 
 
-def main(argv=None) -> dict:
+def parser() -> argparse.ArgumentParser:
+    """The command line (examples/config.yaml holds the same defaults for LightningCLI)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-gpt2")
     ap.add_argument("--data", default=None)
@@ -162,7 +163,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--memory-budget", default=None, help='device memory for the plan, e.g. "2GiB" (default: free memory)')
     ap.add_argument("--ckpt-dir", default=None, help="save checkpoints here (ModelCheckpoint)")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> dict:
+    args = parser().parse_args(argv)
 
     from lightning_protrain import ProTrainStrategy
 

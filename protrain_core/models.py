@@ -8,7 +8,8 @@ import torch
 
 # name -> (Hugging Face model type, config fields)
 BUILTIN = {
-    "tiny-gpt2": ("gpt2", dict(n_layer=4, n_embd=128, n_head=4, vocab_size=256, n_positions=1024)),
+    "tiny-gpt2": ("gpt2", dict(n_layer=4, n_embd=128, n_head=4, vocab_size=256, n_positions=1024, bos_token_id=0,
+                               eos_token_id=0)),  # GPT-2's own ids (50256) are outside a 256-token vocabulary
     "tiny-llama": ("llama", dict(num_hidden_layers=4, hidden_size=128, intermediate_size=344, num_attention_heads=4,
                                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=2048)),
     "gpt2-124m": ("gpt2", dict()),

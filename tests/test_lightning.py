@@ -437,8 +437,17 @@ def test_model_without_blocks_is_refused():
             return torch.optim.AdamW(self.parameters())
 
     data = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4)
-    with pytest.raises(ValueError, match="blocks"):
+    with pytest.raises(ValueError, match=r"ProTrainStrategy\(blocks=\.\.\.\) for the Trainer"):
         trainer("protrain").fit(Plain(), data)
+
+
+def test_blocks_naming_an_empty_list_is_refused_before_training():
+    """blocks= naming an empty nn.ModuleList used to fail with a KeyError at the first backward."""
+    model = MODELS["gpt2"]()
+    model.extra = torch.nn.ModuleList()
+    with pytest.raises(ValueError, match="blocks='extra' is an empty nn.ModuleList"):
+        pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=1, n_buffer=1), device="cpu",
+                blocks="extra")
 
 
 def test_bad_strategy_arguments_fail_fast():
@@ -742,3 +751,27 @@ def test_pth_hook_imports_nothing_at_start_up():
         nested.append(line.split("|")[2].strip())
     assert nested == [], f"the start-up hook imported {nested}"
     assert "_lightning_protrain_pth" in r.stdout  # its finder waits for Lightning
+
+
+def test_the_example_config_trains_as_the_example_script():
+    """examples/config.yaml (LightningCLI) and examples/finetune.py (its command line's defaults)
+    describe the same run: the same trainer settings, model and data (the config lacked the
+    script's gradient clipping)."""
+    import yaml
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        from examples.finetune import parser
+    finally:
+        sys.path.pop(0)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "examples", "config.yaml")) as f:
+        config = yaml.safe_load(f)
+    defaults = parser().parse_args([])
+    trainer, model, data = config["trainer"], config["model"]["init_args"], config["data"]["init_args"]
+    assert trainer["gradient_clip_val"] == defaults.gradient_clip_val
+    assert trainer["precision"] == defaults.precision and trainer["max_steps"] == defaults.max_steps
+    assert config["seed_everything"] == defaults.seed
+    assert model["model"] == data["model"] == defaults.model and model["lr"] == defaults.lr
+    assert (data["data"], data["seq_len"], data["batch_size"]) == (defaults.data, defaults.seq_len, defaults.batch_size)
+    assert trainer["strategy"]["init_args"]["memory_budget"] == defaults.memory_budget

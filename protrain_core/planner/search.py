@@ -127,8 +127,9 @@ def _choice(cm: CostModel, plan: Plan, budget: int, host_budget, evaluated: int,
 
 def _better(t: float, mem: int, plan: Plan, best) -> bool:
     """Is (t, mem, plan) better than ``best`` = (time, memory, plan)? Ties in time (within
-    floating-point noise) go to the plan that needs less memory, then to fewer swapped and
-    checkpointed blocks (less traffic and recomputation for the same predicted time)."""
+    floating-point noise) go to fewer swapped, then fewer checkpointed blocks (activations kept:
+    no traffic, host memory or recomputation for the same predicted time), then to the plan that
+    needs less memory."""
     if best is None:
         return True
     best_t, best_mem, best_plan = best
@@ -136,8 +137,8 @@ def _better(t: float, mem: int, plan: Plan, best) -> bool:
         return True
     if t > best_t * (1 + 1e-12):
         return False
-    key = (mem, plan.n_swap, plan.n_checkpoint, plan.n_buffer, plan.n_persist)
-    return key < (best_mem, best_plan.n_swap, best_plan.n_checkpoint, best_plan.n_buffer, best_plan.n_persist)
+    key = (plan.n_swap, plan.n_checkpoint, mem, plan.n_buffer, plan.n_persist)
+    return key < (best_plan.n_swap, best_plan.n_checkpoint, best_mem, best_plan.n_buffer, best_plan.n_persist)
 
 
 def search(profile: Profile, budget: int, *, host_budget: int | None = None,

@@ -103,6 +103,8 @@ class Engine:
         # Every module's: a LightningModule's self.model.state_dict() does not run the root's hooks.
         self._state_dict_hooks = [m.register_state_dict_pre_hook(self._before_module_state_dict)
                                   for m in module.modules()]
+        self._step_hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
+        self._in_step = False  # engine.step() runs the optimizer's own step (its hooks, LR schedulers)
         self._reading_states = False  # Engine.state_dict is reading the module's
         module._protrain_engine = self
         self.profile = None  # the Profile a searched plan came from (set by wrap)
@@ -304,7 +306,11 @@ class Engine:
             self.grads.end_step()
         # Runs the optimizer's step hooks and LR-scheduler bookkeeping. No parameter holds a
         # .grad (the engine keeps gradients in chunks), so torch's update loop skips them all.
-        self.optimizer.step()
+        self._in_step = True
+        try:
+            self.optimizer.step()
+        finally:
+            self._in_step = False
         self._batch_begun = False
         self._notify("step_ends")
 
@@ -483,6 +489,11 @@ class Engine:
                 "trainer.strategy.engine.state_dict()) or engine.save_pretrained(directory) on every rank instead."
             )
         self.runtime.wait_all()
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        """``optimizer.step()`` by the user instead of ``engine.step()``: refused with the fix."""
+        if not self._in_step:
+            _refuse_optimizer_step(optimizer)
 
     def slot_of(self, p: torch.nn.Parameter) -> tuple[Chunk, int]:
         """The chunk holding parameter ``p``, and its member index there."""
@@ -704,6 +715,7 @@ class Engine:
         self._batch_hook.remove()
         for h in self._state_dict_hooks:
             h.remove()
+        self._step_hook.remove()
         self.runtime.shutdown(wait=not after_failure)
         self.module._protrain_engine = None
         self._closed = True
@@ -718,3 +730,12 @@ class Engine:
                 f"{what} on an evaluation-only ProTrain engine (wrap(optimizer_states=False)): it holds no optimizer "
                 "states. Wrap with optimizer_states=True to train."
             )
+
+
+def _refuse_optimizer_step(optimizer) -> None:
+    """The optimizer's own step would find no gradients (they are in the chunks) and do nothing."""
+    raise RuntimeError(
+        f"{type(optimizer).__name__}.step() was called on the optimizer of a ProTrain engine; it would update "
+        "nothing: the gradients and Adam's states live in the engine's chunks. Call engine.step() (and "
+        "engine.zero_grad()) instead; under Lightning or Fabric, optimizer.step() through them does that."
+    )

@@ -74,6 +74,10 @@ def find_blocks(model: nn.Module, blocks=None) -> tuple[str, list[nn.Module]]:
     else:
         found = _stacks(model) if blocks is None else None
         found = found or [_discover(model, blocks)]
+    empty = [b for b, lst in zip(blocks if isinstance(blocks, (list, tuple)) else [blocks], found) if not len(lst)]
+    if blocks is not None and empty:
+        raise ValueError(f"blocks={empty[0]!r} is an empty nn.ModuleList: name the list that holds the model's "
+                         "repeated blocks. Candidates:\n" + _describe(model))
     names = []
     for lst in found:
         name = next((n for n, m in model.named_modules() if m is lst), None)
@@ -131,7 +135,8 @@ def _discover(model: nn.Module, blocks) -> nn.ModuleList:
     if len(homogeneous) == 1:
         return homogeneous[0]
     raise ValueError(
-        f"Could not find the transformer blocks of {type(model).__name__}. Pass "
-        "blocks=<dotted name or nn.ModuleList> to protrain_core.wrap. Candidate ModuleLists:\n"
+        f"Could not find the transformer blocks of {type(model).__name__}. Name them: blocks=<dotted name or "
+        "nn.ModuleList> to protrain_core.wrap, ProTrainStrategy(blocks=...) for the Trainer, "
+        "ProTrainFabricStrategy(blocks=...) for Fabric. Candidate ModuleLists:\n"
         + _describe(model)
     )
