@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_protrain
 import protrain_core as pt
-from conftest import MODELS, SEQ, VOCAB
+from conftest import MODELS, SEQ, VOCAB, n_chunks
 from lightning_protrain import ProTrainStrategy
 
 STEPS = 6
@@ -230,6 +230,35 @@ class WeightSums(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.sums.append([p.detach().double().sum().item() for p in pl_module.parameters()])
+
+
+class ResetWeights(pl.Callback):
+    """At step 3, rebinds every weight matrix's ``.data`` to a scaled copy and shrinks the biases
+    in place: the lottery-ticket reset of Lightning's ModelPruning rebinds ``p.data``."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step != 3:
+            return
+        with torch.no_grad():
+            for p in pl_module.parameters():
+                if p.dim() >= 2:
+                    p.data = p.detach().clone() * 0.5
+                else:
+                    p.mul_(0.5)
+
+
+@pytest.mark.parametrize("plan", ["persistent", "streamed"])
+def test_parameter_writes_between_steps_survive_like_under_the_default_strategy(plan):
+    """Both kinds of writes by a callback between steps train on and end in the weights after
+    fit: in-place writes, and ``p.data = tensor`` rebinding (before: rebinding was lost, the
+    chunks kept the old values)."""
+    def run(strategy):
+        torch.manual_seed(1234)
+        lit = LitLM()
+        trainer(strategy, callbacks=[ResetWeights()]).fit(lit, loader())
+        return lit, None
+
+    assert_same(run(ProTrainStrategy(plan=_plan(plan, n_chunks(LitLM())))), run("auto"))
 
 
 @pytest.mark.parametrize("clip", [None, 0.05])

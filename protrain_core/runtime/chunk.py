@@ -510,11 +510,35 @@ class Chunk:
         nan = torch.full((), float("nan"), dtype=storage.fmt.compute_dtype, device=storage.host)
         for p in self.params:
             p.data = nan.expand(p.shape)
+        self._pointed = [p.data_ptr() for p in self.params]
 
     def point_params_at(self, flat: Tensor) -> None:
         """Re-point every parameter's ``.data`` at its slot in ``flat`` (see [Note: parameter access])."""
         for i, p in enumerate(self.params):
             p.data = self.view(flat, i)
+        self._pointed = [p.data_ptr() for p in self.params]
+
+    def rebound(self) -> list[int]:
+        """The members whose ``.data`` was rebound since the chunk last pointed them (``p.data =
+        tensor`` by the user: a callback's reset of the weights)."""
+        pointed = getattr(self, "_pointed", None)
+        if pointed is None:
+            return []
+        return [i for i, p in enumerate(self.params) if p.data_ptr() != pointed[i]]
+
+    def adopt(self, members: list[int]) -> None:
+        """Take the rebound members' values into the chunk (master and compute copy; the device
+        copy too when it is there), and point the parameters back at the chunk."""
+        with torch.no_grad():
+            for i in members:
+                value = self.params[i].detach()
+                self.set_member(i, value)
+                if not self.persistent and self.device_resident:
+                    self.view(self.storage.device_copy, i).copy_(value)
+        if self.persistent or self.device_resident:
+            self.point_params_at(self.storage.device_copy)
+        else:
+            self.point_at_rest()
 
     def load_params(self) -> None:
         """Copy the parameters' current values in (the master, then its compute copy), and point

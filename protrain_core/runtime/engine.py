@@ -211,12 +211,28 @@ class Engine:
         first. Once per micro-batch: later calls before its backward are ignored."""
         if self._batch_begun or self._closed or self.phase.phase is not TrainingPhase.IDLE:
             return
+        self._adopt_rebound()
         self._notify("batch_begins", batch)
         self._batch_begun = True
 
     def _on_module_call(self, _module, args, kwargs) -> None:
+        self._adopt_rebound()
         if torch.is_grad_enabled():
             self.begin_batch((args, kwargs))
+
+    def _adopt_rebound(self) -> None:
+        """Parameters whose ``.data`` the user rebound between steps (``p.data = tensor``, as
+        Lightning's ModelPruning resets weights) keep the new values: before the next forward
+        and before every state dict, they are written into their chunks (after the updates in
+        flight) and pointed back at them. In-place writes land in the chunks by themselves."""
+        if self._closed or self.phase.phase is not TrainingPhase.IDLE:
+            return
+        rebound = [(c, members) for c in self.chunks if (members := c.rebound())]
+        if not rebound:
+            return
+        self.runtime.wait_all()
+        for c, members in rebound:
+            c.adopt(members)
 
     @contextmanager
     def autocast(self):
@@ -488,6 +504,8 @@ class Engine:
                 "engine.state_dict() (gathered chunk by chunk to rank 0; under Lightning "
                 "trainer.strategy.engine.state_dict()) or engine.save_pretrained(directory) on every rank instead."
             )
+        if not self._reading_states:
+            self._adopt_rebound()
         self.runtime.wait_all()
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
@@ -516,6 +534,7 @@ class Engine:
         the result -- the other ranks get an empty dict, and no rank ever holds more than its
         own states, one gathered chunk and (rank 0) the result. A tensor under several names (tied
         weights) is one tensor under each, as in ``module.state_dict()``: saved once."""
+        self._adopt_rebound()
         self.runtime.wait_all()
         keep = not rank0_only or self.rank == 0
         out, seen = {}, {}
@@ -598,6 +617,7 @@ class Engine:
         from protrain_core.checkpoint import save_sharded
 
         self._check_open()
+        self._adopt_rebound()
         save_sharded(self, path, meta)
 
     def load_sharded(self, path, *, model: bool = True, optimizer: bool = True, strict: bool = True) -> None:
@@ -704,6 +724,7 @@ class Engine:
             return
         if not after_failure:
             self._notify("engine_closes")
+            self._adopt_rebound()
             self.runtime.wait_all()
             self.runtime.release_all()
             for c in self.chunks:
