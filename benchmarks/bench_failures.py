@@ -1,0 +1,62 @@
+"""How fast a failing 2-process Trainer run ends, and what it prints (issue 27): each case of
+``tests/scripts/failing_run.py`` (training_step raising on rank 0 or 1, a checkpoint directory
+that cannot be created, rank 1's disk full under a sharded save, ctrl-C to every process), with
+the seconds from the failure -- the first rank's ``on_exception``, or the SIGINT -- to each
+process's end (a rank killed by Lightning's launcher writes no end stamp), and the errors the
+ranks printed.
+
+    python -m benchmarks.bench_failures
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "tests" / "scripts" / "failing_run.py"
+CASES = ("raise-rank0", "raise-rank1", "unwritable", "full-disk", "interrupt")
+
+
+def run(case: str, limit: float = 300.0) -> dict:
+    out = Path(tempfile.mkdtemp(prefix=f"protrain-{case}-"))
+    start = time.time()
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), case, str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    sigint = None
+    if case == "interrupt":
+        while not all((out / f"running{r}").exists() for r in (0, 1)) and proc.poll() is None:
+            time.sleep(0.1)
+        sigint = time.time()
+        os.killpg(proc.pid, signal.SIGINT)
+    try:
+        output, _ = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output = proc.communicate()[0] + f"\n(killed after {limit:.0f} s)"
+    stamps = {f.name: float(f.read_text()) for f in out.iterdir() if f.name.startswith(("failed", "ended"))}
+    shutil.rmtree(out, ignore_errors=True)
+    failed = [v for k, v in stamps.items() if k.startswith("failed")]
+    origin = sigint or (min(failed) if failed else start)
+    errors = [line[:160] for line in output.splitlines() if line.startswith("[rank") and "Error" in line]
+    return {"case": case, "returncode": proc.returncode, "wall_s": time.time() - start,
+            "ended_after_s": {k[5:]: round(v - origin, 2) for k, v in sorted(stamps.items()) if k.startswith("ended")},
+            "errors": errors[-3:]}
+
+
+def main() -> None:
+    print("| case | exit | whole run | each rank's end after the failure | errors printed (last 3) |")
+    print("|---|---|---|---|---|")
+    for case in CASES:
+        r = run(case)
+        ends = ", ".join(f"rank {k} {v:.2f} s" for k, v in r["ended_after_s"].items()) or "-"
+        print(f"| {case} | {r['returncode']} | {r['wall_s']:.1f} s | {ends} | {'<br>'.join(r['errors'])} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
