@@ -11,7 +11,11 @@ The strategy is a thin adapter over ``protrain_core``:
               (also logged as ``protrain/predicted_step_s`` and ``protrain/measured_step_s``).
   backward    ``engine.backward`` (streamed chunks are updated while it runs); a backward that
               Lightning runs outside ``optimizer_step`` is a non-final micro-batch of
-              ``accumulate_grad_batches`` and runs under ``engine.no_sync()``.
+              ``accumulate_grad_batches`` and runs under ``engine.no_sync()``. Manual
+              optimization: every ``manual_backward`` accumulates so (nothing is updated during
+              it), ``self.clip_gradients`` clips exactly, ``opt.step()`` is ``engine.step()`` and
+              ``opt.zero_grad()`` reaches the engine through Lightning's optimizer wrapper. An
+              overridden ``LightningModule.backward`` starts autograd inside ``engine.backward``.
   step        ``engine.step()``; LR schedulers step the user's optimizer as usual. Updates
               that overlap the next forward (fp16, norm clipping) are waited for at the end of
               the step when the module or a user callback has a hook that runs before that
@@ -60,6 +64,7 @@ from lightning_protrain._common import (
     load_scaler_state,
     precision_of_plugin,
     register_as_protrain,
+    route_zero_grad,
     scaler_settings,
     scaler_state,
     unroute_zero_grad,
@@ -106,9 +111,9 @@ class ProTrainPrecision(Precision):
         finally:
             self.phase = TrainingPhase.IDLE
         self._after_closure(model, optimizer)
-        if closure_result is None:
+        if closure_result is None and model.automatic_optimization:
             return None  # training_step returned None: no backward, no step (as Lightning)
-        self.engine.step()
+        self.engine.step()  # manual optimization: opt.step() after the manual_backward calls
         if self.wait_after_step:
             self.engine.wait_for_updates()
         return closure_result
@@ -117,7 +122,7 @@ class ProTrainPrecision(Precision):
         """Lightning's clipping call (from ``configure_gradient_clipping``): the engine clips at
         step() exactly as torch would now; the total norm is logged as ``grad_norm``."""
         requested = gradient_clipping(clip_val, gradient_clip_algorithm)
-        if requested is None or not self.engine.runtime.stepped_backward:
+        if requested is None or not self.engine.step_gradients_ready:
             return  # nothing to clip (training_step returned None: no backward ran)
         algorithm, value = requested
         if algorithm == "value":
@@ -223,6 +228,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         self._sharded_from = None  # a sharded checkpoint directory being restored
         self._sharded_weights: bool | None = None  # its weights wait for the engine (the strict flag)
         self._failed = False  # an exception ends the run: teardown runs no collective
+        self._wrapped_optimizers: list = []  # Lightning's wrappers of the optimizer, zero_grad routed
 
     # ----- Lightning plumbing ----------------------------------------------------------------
     @property
@@ -268,8 +274,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         module = self.lightning_module
         precision = self.precision_plugin
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if not module.automatic_optimization:
-            raise ValueError("The ProTrain strategy needs automatic optimization (self.automatic_optimization = True).")
+        manual = not module.automatic_optimization
         if fitting:
             try:
                 self.setup_optimizers(trainer)
@@ -282,7 +287,10 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
             # An overridden configure_gradient_clipping may clip at any step, with any setting:
             # the engine hears of it between backward and step (expect_late_clipping below).
             late = is_overridden("configure_gradient_clipping", module, pl.LightningModule)
-            clipping = None if late else gradient_clipping(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+            # Manual optimization: every manual_backward accumulates (as inside no_sync) and
+            # opt.step() updates; self.clip_gradients between them clips exactly.
+            clipping = None if late or manual else gradient_clipping(trainer.gradient_clip_val,
+                                                                     trainer.gradient_clip_algorithm)
             plan = self.plan
         else:
             # Evaluation only: an optimizer nobody steps (the engine allocates no states for it);
@@ -303,14 +311,21 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
             # configured ahead); and step() waits for the offloaded chunks' updates when hooks
             # that run before the next forward may read the weights.
             self.engine.expect_late_clipping(late)
-            precision.log_grad_norm = not late
+            precision.log_grad_norm = not (late or manual)
             precision.wait_after_step = reads_weights_between_steps(module, trainer.callbacks)
         precision.engine = self.engine
         if self._sharded_weights is not None:  # ckpt_path is a sharded directory (load_model_state_dict)
             self.engine.load_sharded(self._sharded_from, optimizer=False, strict=self._sharded_weights)
             self._sharded_weights = None
         self.model = module
-        self.setup_precision_plugin()
+        self.setup_precision_plugin()  # re-creates Lightning's wrappers of the optimizer
+        if fitting:
+            # self.optimizers().zero_grad() (manual optimization) reaches the optimizer class's own
+            # method through Lightning's wrapper, not the user's optimizer: route it there too.
+            wrapped = module.optimizers(use_pl_optimizer=True)
+            self._wrapped_optimizers = wrapped if isinstance(wrapped, list) else [wrapped]
+            for wrapper in self._wrapped_optimizers:
+                route_zero_grad(wrapper, self.engine)
         if fitting and not searched:
             rank_zero_info(f"ProTrain: {self.engine.plan} (given), overlap: {self.engine.steady_overlap()}")
 
@@ -402,6 +417,9 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         engine.load_optimizer_state_dict(states[0])
 
     def teardown(self) -> None:
+        for wrapper in self._wrapped_optimizers:
+            unroute_zero_grad(wrapper)
+        self._wrapped_optimizers = []
         engine = self._open_engine()
         if engine is not None and self._failed:
             unroute_zero_grad(engine.optimizer)

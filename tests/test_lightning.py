@@ -293,6 +293,46 @@ def test_training_step_returning_none_with_clipping_equals_default():
     assert_same(run(ProTrainStrategy(plan=pt.Plan(n_persist=0, n_buffer=1))), run("auto"))
 
 
+class Manual(LitLM):
+    """Manual optimization: manual_backward every batch, clip_gradients and a step every second
+    batch (accumulation), toggle_optimizer around it."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        self.toggle_optimizer(opt)
+        (x,) = batch
+        loss = self.model(input_ids=x, labels=x).loss
+        self.manual_backward(loss / 2)
+        if batch_idx % 2 == 1:
+            self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+            opt.step()
+            opt.zero_grad()
+        self.untoggle_optimizer(opt)
+        self.losses.append(loss.item())
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        pass
+
+
+@pytest.mark.parametrize("plan", ["persistent", "streamed"])
+def test_manual_optimization_trains_as_under_the_default_strategy(plan):
+    """manual_backward, clip_gradients, opt.step() every second batch, zero_grad and
+    toggle_optimizer train bitwise like the default strategy (before: refused at setup)."""
+    def run(strategy):
+        torch.manual_seed(1234)
+        lit = Manual()
+        trainer(strategy, max_steps=4).fit(lit, loader())
+        return lit, None
+
+    ours, default = run(ProTrainStrategy(plan=_plan(plan, n_chunks(LitLM())))), run("auto")
+    assert len(ours[0].losses) == len(default[0].losses) == 8
+    assert_same(ours, default)
+
+
 class DoubledBackward(LitLM):
     """Overrides LightningModule.backward: counts its calls and doubles the gradients."""
 

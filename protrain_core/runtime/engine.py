@@ -443,9 +443,19 @@ class Engine:
         self.grads.finish_all()
         return self.grads.total_norm(norm_type)
 
+    @property
+    def step_gradients_ready(self) -> bool:
+        """The step's gradients are complete and not used yet: after a backward outside
+        no_sync, or after backwards inside it only (Lightning's manual optimization: nothing
+        was updated during them), before ``step()``."""
+        if self.phase.phase is not TrainingPhase.IDLE:
+            return False
+        accumulated = any(c.has_gradients for c in self.chunks) and not any(c.applied for c in self.chunks)
+        return self.runtime.stepped_backward or accumulated
+
     def _check_step_gradients(self, what: str) -> None:
         self._check_open()
-        if self.phase.phase is not TrainingPhase.IDLE or not self.runtime.stepped_backward:
+        if not self.step_gradients_ready:
             raise RuntimeError(
                 f"{what} reads the step's gradients: call it after engine.backward() of the step's last "
                 "micro-batch (outside no_sync) and before engine.step()."
