@@ -311,6 +311,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
             # configured ahead); and step() waits for the offloaded chunks' updates when hooks
             # that run before the next forward may read the weights.
             self.engine.expect_late_clipping(late)
+            self.engine.set_manual_optimization(manual)
             precision.log_grad_norm = not (late or manual)
             precision.wait_after_step = reads_weights_between_steps(module, trainer.callbacks)
         precision.engine = self.engine
@@ -320,14 +321,17 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         self.model = module
         self.setup_precision_plugin()  # re-creates Lightning's wrappers of the optimizer
         if fitting:
-            # self.optimizers().zero_grad() (manual optimization) reaches the optimizer class's own
-            # method through Lightning's wrapper, not the user's optimizer: route it there too.
-            wrapped = module.optimizers(use_pl_optimizer=True)
-            self._wrapped_optimizers = wrapped if isinstance(wrapped, list) else [wrapped]
-            for wrapper in self._wrapped_optimizers:
-                route_zero_grad(wrapper, self.engine)
+            self._route_wrapped_zero_grad(module)
         if fitting and not searched:
             rank_zero_info(f"ProTrain: {self.engine.plan} (given), overlap: {self.engine.steady_overlap()}")
+
+    def _route_wrapped_zero_grad(self, module) -> None:
+        """``self.optimizers().zero_grad()`` (manual optimization) reaches the optimizer class's
+        own method through Lightning's wrapper, not the user's optimizer: routed there too."""
+        wrapped = module.optimizers(use_pl_optimizer=True)
+        self._wrapped_optimizers = wrapped if isinstance(wrapped, list) else [wrapped]
+        for wrapper in self._wrapped_optimizers:
+            route_zero_grad(wrapper, self.engine)
 
     def training_step(self, *args, **kwargs):
         # The batch before anything of it runs: the engine may re-plan for its length.

@@ -115,6 +115,13 @@ def _searched(model, optimizer, layout: ChunkLayout, prec: Precision, dev: Devic
     steps, or (``example_inputs``) profiled and searched first."""
     budget, host_budget = agree_budgets(sharding, budget, default_host_budget(dev))  # one plan for every rank
     world = 1 if sharding is None else sharding.world
+    if layout.n_blocks == 0:  # no activations to plan: the placement alone, without profiling
+        plan = safe_plan(model, optimizer, layout, prec, dev, optimizer_states=True, budget=budget, world_size=world)
+        engine = _engine(model, optimizer, layout, agree(sharding, plan), prec, dev, gradient_clipping, options,
+                         sharding)
+        report(f"ProTrain: {plan} -- the model has no repeated blocks, so there is no activation plan to search: "
+               "its chunks persist when its model states take at most half the memory budget, else they stream.")
+        return engine
     if example_inputs is None:
         check_budget_holds_states(chunk_formats(model, optimizer, layout, prec, optimizer_states=True, world_size=world),
                                   layout.limits(), budget)

@@ -493,21 +493,35 @@ def test_several_optimizers_are_refused_with_what_protrain_needs():
     assert "automatic_optimization = False" not in str(info.value)
 
 
-def test_model_without_blocks_is_refused():
-    class Plain(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+class Plain(pl.LightningModule):
+    """No repeated blocks: two Linear layers (Lightning's own test models are one Linear)."""
 
-        def training_step(self, batch, i):
-            return self.b(self.a(batch[0])).sum()
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
 
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters())
+    def training_step(self, batch, i):
+        return self.b(torch.tanh(self.a(batch[0]))).square().mean()
 
-    data = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4)
-    with pytest.raises(ValueError, match=r"ProTrainStrategy\(blocks=\.\.\.\) for the Trainer"):
-        trainer("protrain").fit(Plain(), data)
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+
+
+@pytest.mark.parametrize("plan", [None, pt.Plan(n_persist=0, n_buffer=1)], ids=["searched", "streamed"])
+def test_a_model_without_blocks_trains_like_the_default_strategy(plan):
+    """Any nn.Module trains: without repeated blocks its modules are the chunks' units and every
+    activation is kept (a warning says so, and how to name blocks); before: refused."""
+    def run(strategy):
+        torch.manual_seed(0)
+        lit = Plain()
+        data = DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4)
+        trainer(strategy, max_steps=8).fit(lit, data)
+        return {k: v.detach().clone() for k, v in lit.state_dict().items()}
+
+    with pytest.warns(UserWarning, match=r"no repeated blocks in Plain.*ProTrainStrategy\(blocks=\.\.\.\)"):
+        ours = run(ProTrainStrategy(plan=plan))
+    reference = run("auto")
+    assert all(torch.equal(ours[k], reference[k]) for k in reference)
 
 
 def test_blocks_naming_an_empty_list_is_refused_before_training():

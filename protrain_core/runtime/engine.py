@@ -74,6 +74,7 @@ class Engine:
         self.scaler = LossScaler() if precision is Precision.FP16_MIXED else None
         self._optim = ChunkOptimizer(optimizer)
         self._no_sync = False
+        self._manual = False  # Lightning manual optimization (set_manual_optimization)
         self._closed = False
         self._autocast_depth = 0
         self.chunks = self._allocate(chunk_formats(module, optimizer, layout, precision,
@@ -443,14 +444,21 @@ class Engine:
         self.grads.finish_all()
         return self.grads.total_norm(norm_type)
 
+    def set_manual_optimization(self, enabled: bool = True) -> None:
+        """Lightning's manual optimization: every backward runs inside no_sync and the user's
+        ``opt.step()`` ends the step, so the step's gradients are complete after any backward
+        (clipping and norms are allowed then); otherwise only after a backward outside no_sync."""
+        self._manual = enabled
+
     @property
     def step_gradients_ready(self) -> bool:
         """The step's gradients are complete and not used yet: after a backward outside
-        no_sync, or after backwards inside it only (Lightning's manual optimization: nothing
-        was updated during them), before ``step()``."""
+        no_sync, or under manual optimization after backwards inside it (nothing was updated
+        during them), before ``step()``."""
         if self.phase.phase is not TrainingPhase.IDLE:
             return False
-        accumulated = any(c.has_gradients for c in self.chunks) and not any(c.applied for c in self.chunks)
+        accumulated = (self._manual and any(c.has_gradients for c in self.chunks)
+                       and not any(c.applied for c in self.chunks))
         return self.runtime.stepped_backward or accumulated
 
     def _check_step_gradients(self, what: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 from torch import nn
 
 # Dotted paths of the block list in Hugging Face causal LMs, tried in order.
@@ -28,7 +30,7 @@ SEP = "+"  # joins the dotted names of several block lists in one block path
 
 def split_paths(block_path: str) -> list[str]:
     """The dotted names of the block lists in ``block_path`` (one, or several joined by "+")."""
-    return block_path.split(SEP)
+    return block_path.split(SEP) if block_path else []
 
 
 def block_modules(model: nn.Module, block_path: str) -> list[nn.Module]:
@@ -73,7 +75,11 @@ def find_blocks(model: nn.Module, blocks=None) -> tuple[str, list[nn.Module]]:
         found = [_discover(model, b) for b in blocks]
     else:
         found = _stacks(model) if blocks is None else None
-        found = found or [_discover(model, blocks)]
+        try:
+            found = found or [_discover(model, blocks)]
+        except _NoBlocks as e:  # any nn.Module trains: its modules are the chunks' units
+            warnings.warn(str(e), stacklevel=2)
+            return "", []
     empty = [b for b, lst in zip(blocks if isinstance(blocks, (list, tuple)) else [blocks], found) if not len(lst)]
     if blocks is not None and empty:
         raise ValueError(f"blocks={empty[0]!r} is an empty nn.ModuleList: name the list that holds the model's "
@@ -134,9 +140,20 @@ def _discover(model: nn.Module, blocks) -> nn.ModuleList:
     homogeneous = [ml for _, ml in candidates if len(ml) >= 2 and len({type(b) for b in ml}) == 1]
     if len(homogeneous) == 1:
         return homogeneous[0]
-    raise ValueError(
-        f"Could not find the transformer blocks of {type(model).__name__}. Name them: blocks=<dotted name or "
-        "nn.ModuleList> to protrain_core.wrap, ProTrainStrategy(blocks=...) for the Trainer, "
-        "ProTrainFabricStrategy(blocks=...) for Fabric. Candidate ModuleLists:\n"
-        + _describe(model)
+    if candidates:  # lists of modules that may be the blocks: the user chooses
+        raise ValueError(
+            f"Could not tell which nn.ModuleList holds the repeated blocks of {type(model).__name__}. Name it: "
+            "blocks=<dotted name or nn.ModuleList> to protrain_core.wrap, ProTrainStrategy(blocks=...) for the "
+            "Trainer, ProTrainFabricStrategy(blocks=...) for Fabric. Candidate ModuleLists:\n" + _describe(model)
+        )
+    raise _NoBlocks(
+        f"ProTrain found no repeated blocks in {type(model).__name__}: it trains with the model's modules as the "
+        "units of its chunks and keeps every activation (nothing to checkpoint or swap, no plan to search). For "
+        "a model built of repeated blocks, name them: blocks=<dotted name or nn.ModuleList> to "
+        "protrain_core.wrap, ProTrainStrategy(blocks=...) for the Trainer, ProTrainFabricStrategy(blocks=...) "
+        "for Fabric. Candidate ModuleLists:\n" + _describe(model)
     )
+
+
+class _NoBlocks(ValueError):
+    """Discovery found no block list (``find_blocks`` then trains without blocks, with a warning)."""
