@@ -23,28 +23,32 @@ SCRIPT = Path(__file__).resolve().parent.parent / "tests" / "scripts" / "failing
 CASES = ("raise-rank0", "raise-rank1", "unwritable", "full-disk", "interrupt")
 
 
-def run(case: str, limit: float = 300.0) -> dict:
+def run(case: str, limit: float = 300.0, env: dict | None = None) -> dict:
+    """One case: {case, returncode, timed_out, output, wall_s, ended_after_s, errors}; the
+    processes are killed after ``limit`` seconds (``timed_out``)."""
     out = Path(tempfile.mkdtemp(prefix=f"protrain-{case}-"))
     start = time.time()
     proc = subprocess.Popen([sys.executable, str(SCRIPT), case, str(out)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    sigint = None
-    if case == "interrupt":
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
+    sigint, timed_out = None, False
+    if case == "interrupt":  # ctrl-C in a terminal: SIGINT to the whole process group, mid-training
         while not all((out / f"running{r}").exists() for r in (0, 1)) and proc.poll() is None:
             time.sleep(0.1)
-        sigint = time.time()
-        os.killpg(proc.pid, signal.SIGINT)
+        if proc.poll() is None:  # (a run that ended first is reported as it ended)
+            sigint = time.time()
+            os.killpg(proc.pid, signal.SIGINT)
     try:
         output, _ = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        output = proc.communicate()[0] + f"\n(killed after {limit:.0f} s)"
+        output, timed_out = proc.communicate()[0] + f"\n(killed after {limit:.0f} s)", True
     stamps = {f.name: float(f.read_text()) for f in out.iterdir() if f.name.startswith(("failed", "ended"))}
     shutil.rmtree(out, ignore_errors=True)
     failed = [v for k, v in stamps.items() if k.startswith("failed")]
     origin = sigint or (min(failed) if failed else start)
     errors = [line[:160] for line in output.splitlines() if line.startswith("[rank") and "Error" in line]
-    return {"case": case, "returncode": proc.returncode, "wall_s": time.time() - start,
+    return {"case": case, "returncode": proc.returncode, "timed_out": timed_out, "output": output,
+            "wall_s": time.time() - start,
             "ended_after_s": {k[5:]: round(v - origin, 2) for k, v in sorted(stamps.items()) if k.startswith("ended")},
             "errors": errors[-3:]}
 

@@ -155,9 +155,13 @@ def _write_error(e: Exception, path: Path) -> Exception:
     cause = _first_os_error(e)
     if cause is None:
         return e
-    return type(cause)(cause.errno, f"Could not write the sharded checkpoint {path}: {cause.strerror or cause}"
-                       + (" (ENOSPC: the disk is full; free space or save elsewhere)" if cause.errno == errno.ENOSPC else ""),
-                       cause.filename)
+    hint = " (ENOSPC: the disk is full; free space or save elsewhere)" if cause.errno == errno.ENOSPC else ""
+    return _naming(cause, f"Could not write the sharded checkpoint {path}", hint)
+
+
+def _naming(cause: OSError, what: str, hint: str) -> OSError:
+    """An error of ``cause``'s type and errno whose first line says ``what`` failed and why."""
+    return type(cause)(cause.errno, f"{what}: {cause.strerror or cause}{hint}", cause.filename)
 
 
 def _first_os_error(e: BaseException | None, depth: int = 0) -> OSError | None:
@@ -379,10 +383,9 @@ def _load(read: dict, path: Path) -> None:
         cause = _first_os_error(e)
         if cause is None:
             raise
-        raise type(cause)(cause.errno, f"The sharded checkpoint {path} cannot be read: {cause.strerror or cause}"
-                          + (f" ({Path(cause.filename).name} is missing: the directory is incomplete; save it again "
-                             "or copy every file of it)" if cause.errno == errno.ENOENT and cause.filename else ""),
-                          cause.filename) from e
+        hint = (f" ({Path(cause.filename).name} is missing: the directory is incomplete; save it again or copy every "
+                "file of it)" if cause.errno == errno.ENOENT and cause.filename else "")
+        raise _naming(cause, f"The sharded checkpoint {path} cannot be read", hint) from e
 
 
 @contextmanager

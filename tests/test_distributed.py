@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import copy
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -835,8 +833,6 @@ def test_ranks_configured_differently_are_refused_at_wrap_naming_the_difference(
         assert "model.layers.4" in message, message  # where the parameter lists part
 
 
-FAILING = os.path.join(os.path.dirname(__file__), "scripts", "failing_run.py")
-
 
 @pytest.mark.parametrize("case,printed", [
     ("raise-rank0", ["[rank0]: ValueError: the user's own error on rank 0"]),
@@ -854,20 +850,12 @@ def test_a_failure_on_one_rank_ends_every_process_with_the_users_error(case, pri
     teardown's collectives (the optimizer-state gather, the engine's gathers) met the other
     rank's forward or barrier: a gloo "collective mismatch" abort without the user's error, or a
     hang until gloo's 30-minute timeout."""
-    run = subprocess.Popen([sys.executable, FAILING, case, str(tmp_path)], stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                           env={**os.environ, "PROTRAIN_CACHE_DIR": str(tmp_path / "cache")})
-    try:
-        if case == "interrupt":  # ctrl-C in a terminal: SIGINT to the whole process group, mid-training
-            while not all((tmp_path / f"running{r}").exists() for r in (0, 1)):
-                assert run.poll() is None, run.communicate()[0][-4000:]
-                time.sleep(0.1)
-            os.killpg(run.pid, signal.SIGINT)
-        output, _ = run.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(run.pid, signal.SIGKILL)
-        pytest.fail(f"{case}: the processes did not end within the time limit:\n{run.communicate()[0][-4000:]}")
-    assert run.returncode != 0
+    from benchmarks.bench_failures import run
+
+    result = run(case, limit=120, env={**os.environ, "PROTRAIN_CACHE_DIR": str(tmp_path / "cache")})
+    output = result["output"]
+    assert not result["timed_out"], f"{case}: the processes did not end within the time limit:\n{output[-4000:]}"
+    assert result["returncode"] != 0
     for text in printed:
         assert text in output, (text, output[-4000:])
     assert "collective mismatch" not in output, output[-4000:]

@@ -190,6 +190,7 @@ class Chunk:
         self._future: Future | None = None  # the CPU worker's job on this chunk
         self._reduced: Tensor | None = None  # W processes: this rank's piece of the reduced gradients
         self._views: dict[tuple[int, ...], UpdateViews] = {}  # members -> their views for an update
+        self._pointed: list[int] | None = None  # data_ptr() of each parameter where the chunk pointed it
 
     def __repr__(self) -> str:
         return f"Chunk({self.index}, {self.state.value}, grads {self.grad_state.value})"
@@ -521,10 +522,9 @@ class Chunk:
     def rebound(self) -> list[int]:
         """The members whose ``.data`` was rebound since the chunk last pointed them (``p.data =
         tensor`` by the user: a callback's reset of the weights)."""
-        pointed = getattr(self, "_pointed", None)
-        if pointed is None:
+        if self._pointed is None:
             return []
-        return [i for i, p in enumerate(self.params) if p.data_ptr() != pointed[i]]
+        return [i for i, p in enumerate(self.params) if p.data_ptr() != self._pointed[i]]
 
     def adopt(self, members: list[int]) -> None:
         """Take the rebound members' values into the chunk (master and compute copy; the device

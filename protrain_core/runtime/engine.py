@@ -210,16 +210,19 @@ class Engine:
         module's own forward pre-hook calls this (when gradients are enabled); an adapter that
         runs a step without calling the module itself (the Trainer's ``training_step``) calls it
         first. Once per micro-batch: later calls before its backward are ignored."""
+        self._adopt_rebound()
+        self._begin_batch(batch)
+
+    def _begin_batch(self, batch) -> None:
         if self._batch_begun or self._closed or self.phase.phase is not TrainingPhase.IDLE:
             return
-        self._adopt_rebound()
         self._notify("batch_begins", batch)
         self._batch_begun = True
 
     def _on_module_call(self, _module, args, kwargs) -> None:
-        self._adopt_rebound()
+        self._adopt_rebound()  # every forward, evaluation too
         if torch.is_grad_enabled():
-            self.begin_batch((args, kwargs))
+            self._begin_batch((args, kwargs))
 
     def _adopt_rebound(self) -> None:
         """Parameters whose ``.data`` the user rebound between steps (``p.data = tensor``, as

@@ -213,8 +213,7 @@ def agree_budgets(sharding: Sharding | None, device_budget: int, host_budget: in
     measured its own free memory, which differs a little, and a plan must be the same on all."""
     if sharding is None:
         return device_budget, host_budget
-    hosts = [None] * sharding.world
-    dist.all_gather_object(hosts, socket.gethostname(), group=sharding.checks or sharding.group)
+    hosts = sharding.gather_objects(socket.gethostname())
     per_node = hosts.count(hosts[sharding.rank])
     # Every rank has the same kind of device, so the host budget is None on all of them or none.
     t = torch.tensor([device_budget, 0 if host_budget is None else host_budget // per_node], dtype=torch.int64)

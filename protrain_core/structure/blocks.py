@@ -140,18 +140,15 @@ def _discover(model: nn.Module, blocks) -> nn.ModuleList:
     homogeneous = [ml for _, ml in candidates if len(ml) >= 2 and len({type(b) for b in ml}) == 1]
     if len(homogeneous) == 1:
         return homogeneous[0]
+    name_them = ("blocks=<dotted name or nn.ModuleList> to protrain_core.wrap, ProTrainStrategy(blocks=...) for the "
+                 "Trainer, ProTrainFabricStrategy(blocks=...) for Fabric. Candidate ModuleLists:\n" + _describe(model))
     if candidates:  # lists of modules that may be the blocks: the user chooses
-        raise ValueError(
-            f"Could not tell which nn.ModuleList holds the repeated blocks of {type(model).__name__}. Name it: "
-            "blocks=<dotted name or nn.ModuleList> to protrain_core.wrap, ProTrainStrategy(blocks=...) for the "
-            "Trainer, ProTrainFabricStrategy(blocks=...) for Fabric. Candidate ModuleLists:\n" + _describe(model)
-        )
+        raise ValueError(f"Could not tell which nn.ModuleList holds the repeated blocks of {type(model).__name__}. "
+                         f"Name it: {name_them}")
     raise _NoBlocks(
         f"ProTrain found no repeated blocks in {type(model).__name__}: it trains with the model's modules as the "
         "units of its chunks and keeps every activation (nothing to checkpoint or swap, no plan to search). For "
-        "a model built of repeated blocks, name them: blocks=<dotted name or nn.ModuleList> to "
-        "protrain_core.wrap, ProTrainStrategy(blocks=...) for the Trainer, ProTrainFabricStrategy(blocks=...) "
-        "for Fabric. Candidate ModuleLists:\n" + _describe(model)
+        f"a model built of repeated blocks, name them: {name_them}"
     )
 
 
