@@ -571,7 +571,7 @@ def study(engine, step, data, spec, device) -> dict:
     for k in sorted({0, n // 4, n // 2, 3 * n // 4, n} - {choice.plan.n_persist}):
         try:
             choices.append(pt.search(choice.profile, choice.budget_bytes, host_budget=choice.host_budget_bytes,
-                                     schedule=choice.schedule, n_persist=k))
+                                     schedule=choice.schedule, gradient_passes=choice.gradient_passes, n_persist=k))
         except pt.InfeasibleBudget:
             continue
     plans = []

@@ -137,7 +137,7 @@ def _searched(model, optimizer, layout: ChunkLayout, prec: Precision, dev: Devic
     n = batch_tokens(example_inputs)
     overlap = overlap_mode(prec, None if gradient_clipping is None else parse_gradient_clipping(*gradient_clipping))
     planner = AutoPlanner(None, profile, budget=budget, host_budget=host_budget, report=report, max_tokens=max_tokens,
-                          schedule=overlap.schedule,
+                          overlap=overlap,
                           tokens_per_batch_token=profile.tokens / n if n and profile.tokens else None)
     choice = planner.first_choice()
     planner.engine = engine = _engine(model, optimizer, layout, choice.plan, prec, dev, gradient_clipping, options,

@@ -31,7 +31,7 @@ from protrain_core.planner.search import InfeasibleBudget, PlanChoice, search
 from protrain_core.profiler.live import LiveProfile, LiveProfiler
 from protrain_core.runtime.engine import Engine
 from protrain_core.runtime.storage import ChunkFormat
-from protrain_core.update import UpdateSchedule
+from protrain_core.update import Overlap
 from protrain_core.utils import batch_tokens, format_bytes, format_seconds
 
 # A batch shape's plan replaces the current one only when predicted at least this much faster.
@@ -60,37 +60,39 @@ class AutoPlanner:
     """The plan of one engine once its profile exists (see [Note: batch shapes])."""
 
     def __init__(self, engine: Engine | None, profile: Profile, *, budget: int, host_budget: int | None,
-                 schedule: UpdateSchedule, report=print_report, max_tokens: int | None = None,
+                 overlap: Overlap, report=print_report, max_tokens: int | None = None,
                  tokens_per_batch_token: float | None = None, cache_dir=None) -> None:
         """``engine``: may be set later (a plan searched before the engine is built);
-        ``schedule``: when the CPU Adam runs (``update.overlap_mode``) until the engine is set;
-            then the engine's steady schedule (``Engine.steady_overlap``);
+        ``overlap``: when the CPU Adam runs and the passes clipping adds (``update.overlap_mode``)
+            until the engine is set; then the engine's steady overlap (``Engine.steady_overlap``);
         ``tokens_per_batch_token``: the first block's tokens per ``batch_tokens`` of the batch
         (None: batches do not show their tokens, and the plan stays the first choice)."""
         self.engine, self.profile, self.budget, self.host_budget = engine, profile, budget, host_budget
         self.report, self.max_tokens, self.cache_dir = report, max_tokens, cache_dir
         self.ratio = tokens_per_batch_token
-        self._schedule = schedule
+        self._overlap = overlap
         self.planned_tokens = max(profile.tokens, max_tokens or 0)
-        self._models: dict[tuple[int, UpdateSchedule], CostModel] = {}
-        self._decisions: dict[tuple[int, Plan, UpdateSchedule], Plan] = {}
+        self._models: dict[tuple[int, Overlap], CostModel] = {}
+        self._decisions: dict[tuple[int, Plan, Overlap], Plan] = {}
         self._said: set[tuple[int, Plan]] = set()
         self.handle = None
 
     # ----- the plans ------------------------------------------------------------------------
     @property
-    def schedule(self) -> UpdateSchedule:
-        return self._schedule if self.engine is None else self.engine.steady_overlap().schedule
+    def overlap(self) -> Overlap:
+        return self._overlap if self.engine is None else self.engine.steady_overlap()
 
     def cost_model(self, tokens: int) -> CostModel:
-        key = (tokens, self.schedule)
+        key = (tokens, self.overlap)
         if key not in self._models:
-            self._models[key] = CostModel(self.profile.at_tokens(tokens), schedule=key[1])
+            self._models[key] = CostModel(self.profile.at_tokens(tokens), schedule=key[1].schedule,
+                                          gradient_passes=key[1].gradient_passes)
         return self._models[key]
 
     def search(self, tokens: int, n_persist: int | None = None) -> PlanChoice:
+        overlap = self.overlap
         return search(self.profile.at_tokens(tokens), self.budget, host_budget=self.host_budget,
-                      schedule=self.schedule, n_persist=n_persist)
+                      schedule=overlap.schedule, gradient_passes=overlap.gradient_passes, n_persist=n_persist)
 
     def first_choice(self) -> PlanChoice:
         """The fastest plan for the profiled batch (or ``max_tokens``, when larger)."""
@@ -106,7 +108,7 @@ class AutoPlanner:
         current = self.engine.plan
         if self.max_tokens is not None and tokens <= self.max_tokens:
             tokens = self.max_tokens  # the plan made for max_tokens fits every shorter batch
-        key = (tokens, current, self.schedule)  # a late clipping request changes the schedule
+        key = (tokens, current, self.overlap)  # a late clipping request changes the schedule
         if key not in self._decisions:
             self._decisions[key] = self._decide(tokens, current)
         return self._decisions[key]
@@ -262,7 +264,7 @@ def plan_on_first_steps(engine: Engine, *, budget: int, host_budget: int | None,
         ratio = result.tokens / result.batch_tokens if result.tokens and result.batch_tokens else None
         profile = result.profile.at_tokens(result.tokens) if result.tokens else result.profile
         planner = AutoPlanner(engine, profile, budget=budget, host_budget=host_budget,
-                              schedule=engine.steady_overlap().schedule, report=report,
+                              overlap=engine.steady_overlap(), report=report,
                               max_tokens=max_tokens, tokens_per_batch_token=ratio, cache_dir=cache_dir)
         choice = planner.first_choice()
         engine.replan(choice.plan)

@@ -58,11 +58,12 @@ def check_prediction(args, config, prof, choice) -> None:
     (the check a training run makes after its first steps; a stale cached profile is removed)."""
     import protrain_core as pt
     from protrain_core.autoplan import WARMUP_STEPS, AutoPlanner, PredictionCheck
+    from protrain_core.update import Overlap
 
     model, opt = models.build(config)
     engine = pt.wrap(model, opt, choice.plan, precision=args.precision, device=args.device)
     planner = AutoPlanner(engine, prof, budget=choice.budget_bytes, host_budget=choice.host_budget_bytes,
-                          schedule=choice.schedule)
+                          overlap=Overlap(choice.schedule, gradient_passes=choice.gradient_passes))
     PredictionCheck(engine, planner, report=lambda text, **_: print(text), hint="--reprofile",
                     checked_steps=args.check_steps)
     batch = {k: v.to(args.device) for k, v in models.token_batch(config, args.batch_size, args.seq_len).items()}

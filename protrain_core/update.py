@@ -92,6 +92,9 @@ class Overlap:
 
     schedule: UpdateSchedule
     reasons: tuple[str, ...] = ()
+    # Elementwise passes clipping makes over the gradients before each update (the multiply of
+    # clip_grad_norm_, the two clamps of clip_grad_value_): the cost model charges them.
+    gradient_passes: int = 0
 
     @property
     def during_backward(self) -> bool:
@@ -114,4 +117,12 @@ def overlap_mode(precision: Precision, clipping: GradientClipping | None, *, lat
         reasons.append("gradient norm clipping")
     elif clipping is None and late_clipping:
         reasons.append(late_clipping)
-    return Overlap(UpdateSchedule.NEXT_FORWARD if reasons else UpdateSchedule.DURING_BACKWARD, tuple(reasons))
+    return Overlap(UpdateSchedule.NEXT_FORWARD if reasons else UpdateSchedule.DURING_BACKWARD, tuple(reasons),
+                   gradient_passes=gradient_passes(clipping))
+
+
+def gradient_passes(clipping: GradientClipping | None) -> int:
+    """Elementwise passes over the gradients that ``clipping`` adds before an update."""
+    if clipping is None:
+        return 0
+    return 1 if clipping.algorithm is ClipAlgorithm.NORM else 2

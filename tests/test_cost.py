@@ -133,6 +133,27 @@ def test_adam_after_backward_overlaps_the_next_forward():
     assert rt(slow, n_persist=1, n_buffer=2).total_s == pytest.approx(31.5)
 
 
+def test_each_part_of_the_cpu_update_is_charged_where_the_runtime_runs_it():
+    # The slow CPU above (U = 10 s a chunk) of which the landing is L = 100 / 50 = 2 s. After
+    # backward (NEXT_FORWARD) the landing and the compute copy's restore (2 L) run when the
+    # gradients arrive: chunk 2's land at 5.5 -> 9.5, chunk 1's at max(9.5, 9.5) -> 13.5, 3.5
+    # after backward's 10. Then U - L = 8 a chunk: c1 done 11.5, its forward to 13.5; c2 done
+    # 19.5, forward to 22.5: T = 32.5 (33 when the whole update waited for the last landing).
+    hw = dataclasses.replace(hand_profile().hardware, cpu_adam_params_per_s=10.0, cpu_land_params_per_s=50.0,
+                             cpu_pass_params_per_s=100.0)
+    split = dataclasses.replace(hand_profile(), hardware=hw)
+    assert rt(split, UpdateSchedule.NEXT_FORWARD, n_persist=1, n_buffer=2).total_s == pytest.approx(32.5)
+    # One clipping pass (1 s a chunk) is part of the update, wherever it runs: after backward
+    # c1 is done at 12.5 -> 14.5, c2 at 21.5 -> 24.5: T = 34.5; during backward the chain is
+    # 5.5 + 11 = 16.5, then 27.5: T = 6 + 27.5 = 33.5 (31.5 without the pass).
+    def clipped(schedule):
+        return pt.estimate_runtime(split, pt.Plan(n_persist=1, n_buffer=2), schedule=schedule, gradient_passes=1)
+
+    assert clipped(UpdateSchedule.NEXT_FORWARD).total_s == pytest.approx(34.5)
+    assert clipped(UpdateSchedule.DURING_BACKWARD).total_s == pytest.approx(33.5)
+    assert rt(split, n_persist=1, n_buffer=2).total_s == pytest.approx(31.5)  # the landing's place changes nothing here
+
+
 def test_speculative_update_is_between_the_two():
     # p=1, B=2: during backward 16.5 (test_streamed_with_prefetch_and_resident_window), after
     # backward 16.1 (above): a speculative step is the first when kept, the second when redone.

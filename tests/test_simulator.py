@@ -50,7 +50,10 @@ def check_contract(result):
 
 @pytest.mark.parametrize("plan, variant", RUNS)
 def test_gpu_contract_on_a_simulated_h100(llama7b, plan, variant):
-    r, summary = check_contract(llama7b.run(plan, variant))
+    result = llama7b.run(plan, variant)
+    r, summary = check_contract(result)
+    if variant != "bf16":  # updates after backward: each part of the CPU's work charged where it runs
+        assert abs(result.error) <= 0.02, summary  # [Note: the CPU worker's work, by schedule]
     if variant == "bf16" and PLANS[plan].n_persist < 34:
         assert r.cpu_adam_s <= r.backward_s, summary  # the CPU keeps pace at this batch ...
         assert r.cpu_adam_inside_backward >= 0.9, summary  # ... and the runtime lets it

@@ -17,12 +17,27 @@ Notation (all per iteration, one optimizer step):
   G_c      their backward compute, plus their forward again for checkpointed blocks
   SO_c,SI_c  time to swap out / in the saved tensors of swapped blocks homed at c (saved bytes
            over the copy bandwidth; measured per block where copies do not overlap compute)
-  U_c, V_c Adam time of chunk c on the CPU worker / on the device (trainable elements / rate)
+  U_c, V_c Adam time of chunk c on the CPU worker / on the device (trainable elements / rate;
+           U_c: the worker's whole update, landing and clipping passes included)
+  L_c      the part of U_c that lands chunk c's gradients (mixed precision; 0 otherwise)
   W        processes the chunks are sharded over: X adds a chunk's all-gather, Y_c its
            gradients' reduce-scatter, U_c and V_c update 1/W of the elements, and the persistent
            chunks' reduce-scatters and gathers are charged where they outlast backward and the
            updates (``CostModel._device_updates``), all at the measured collective rates
   e_c      extra streamed chunks fetched by the segments homed at c
+
+[Note: the CPU worker's work, by schedule]
+What the worker does for a streamed chunk (runtime/worker.py ``land_and_update``) depends on
+the schedule, and the model charges each part where it runs (profiled separately:
+``Hardware.cpu_land_params_per_s``, ``cpu_pass_params_per_s``):
+- DURING_BACKWARD: one job when the gradients arrive: landing (L_c), clipping's passes, Adam,
+  copy back. U_c in all, in the backward chain of eq. 7.
+- NEXT_FORWARD: at the landing, during backward, the landing and the compute copy restored from
+  the master (as many bytes again: 2 L_c; fp16's unscale and the norms are not charged, they
+  read what the landing wrote and hide in backward), and after backward, in forward order,
+  clipping's passes, Adam and the copy back (U_c - L_c), which the next forward waits for.
+Charging U_c whole after backward put the fp16 rows of ``benchmarks/bench_simulator.py`` 5 %
+above their simulated step.
 """
 
 from __future__ import annotations
@@ -118,13 +133,16 @@ class CostModel:
     """The per-profile arrays of the two models; ``runtime(plan)`` and ``memory(plan)``.
 
     ``schedule``: when the streamed chunks' CPU Adam runs (``update.overlap_mode`` decides);
-    ``redo_fraction``: for ``SPECULATIVE`` only, the fraction of steps whose speculative update
-    must be undone and redone ([Note: the overlap under clipping and fp16] in update.py)."""
+    ``gradient_passes``: the elementwise passes clipping makes over a chunk's gradients before
+    its update (``Overlap.gradient_passes``); ``redo_fraction``: for ``SPECULATIVE`` only, the
+    fraction of steps whose speculative update must be undone and redone ([Note: the overlap
+    under clipping and fp16] in update.py)."""
 
     def __init__(self, profile: Profile, *, schedule: UpdateSchedule = UpdateSchedule.DURING_BACKWARD,
-                 redo_fraction: float = 0.0) -> None:
+                 gradient_passes: int = 0, redo_fraction: float = 0.0) -> None:
         self.profile = profile
         self.schedule = schedule
+        self.gradient_passes = gradient_passes
         self.redo_fraction = redo_fraction
         hw = profile.hardware
         self.N = profile.n_chunks
@@ -140,7 +158,11 @@ class CostModel:
                   else [0.0] * profile.n_chunks)
         self.X = profile.chunk_bytes / hw.h2d_bytes_per_s + gather
         self.Y = [b / hw.d2h_bytes_per_s + r for b, r in zip(profile.offload_bytes, reduce)]  # 0 for a frozen chunk
-        self.U = [n / w / hw.cpu_adam_params_per_s for n in profile.chunk_trainable]
+        # A streamed chunk's CPU work, per part ([Note: the CPU worker's work, by schedule]).
+        n_upd = [n / w for n in profile.chunk_trainable]
+        self.U_land = [n / hw.cpu_land_params_per_s if hw.cpu_land_params_per_s else 0.0 for n in n_upd]
+        passes = [gradient_passes * n / hw.cpu_pass_params_per_s if hw.cpu_pass_params_per_s else 0.0 for n in n_upd]
+        self.U = [n / hw.cpu_adam_params_per_s + k for n, k in zip(n_upd, passes)]
         self.has_grad = profile.chunk_has_grad
         self.V_prefix = self._device_updates([n / w / hw.device_adam_params_per_s for n in profile.chunk_trainable],
                                              reduce, gather if w > 1 else 0.0)
@@ -271,7 +293,7 @@ class CostModel:
         for c in range(self.N):
             t_c, _ = self._t_fwd(lay, c, p, B)
             if c >= p and self.has_grad[c]:
-                done += self.U[c]
+                done += self.U[c] - self.U_land[c]
                 t = max(t, done)
             t += t_c
         return t
@@ -280,9 +302,12 @@ class CostModel:
         """T_b (eq. 5-6, chunks in reverse) with its traffic, and the Adam times: the CPU worker's
         Adam (eq. 7) starts on a chunk when its gradients are offloaded,
         a_c = max(a_{c+1}, tau_c + Y) + U_c, tau_c the time chunk c's backward ends; ``landed``,
-        when the last offloaded gradients are in host memory."""
+        when the worker has landed the last offloaded gradients, under NEXT_FORWARD (each chunk's
+        landing then also restores its compute copy: as long again), and ``cpu_total`` all of
+        the worker's work."""
         t = tau = lay.G_free  # the segments without chunks ("post" of a parameter-free head) come first
         h2d = d2h = cpu_end = cpu_total = dev_total = landed = 0.0
+        deferred = self.schedule is not UpdateSchedule.DURING_BACKWARD
         for c in range(self.N - 1, -1, -1):
             t_c, up, off = self._t_bwd(lay, c, p, B)
             h2d += up + lay.SI[c]
@@ -290,9 +315,9 @@ class CostModel:
             t += t_c
             tau += t_c
             if c >= p:
-                cpu_total += self.U[c]
+                cpu_total += self.U[c] + (self.U_land[c] if deferred else 0.0)
                 cpu_end = max(cpu_end, tau + off) + self.U[c]
-                landed = max(landed, tau + off)
+                landed = max(landed, tau + off) + (2 * self.U_land[c] if deferred else 0.0)
         dev_total = self.V_prefix[p]
         return t, h2d, d2h, cpu_end, cpu_total, dev_total, landed
 
@@ -592,9 +617,11 @@ def _grid_modes(L: int, pairs: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
 
 
 def estimate_runtime(profile: Profile, plan: Plan, *, schedule: UpdateSchedule = UpdateSchedule.DURING_BACKWARD,
-                     redo_fraction: float = 0.0) -> RuntimeEstimate:
-    """Predicted step time of ``plan`` (eq. 3-7) when the CPU Adam runs on ``schedule``."""
-    return CostModel(profile, schedule=schedule, redo_fraction=redo_fraction).runtime(plan)
+                     gradient_passes: int = 0, redo_fraction: float = 0.0) -> RuntimeEstimate:
+    """Predicted step time of ``plan`` (eq. 3-7) when the CPU Adam runs on ``schedule`` after
+    ``gradient_passes`` of clipping (``CostModel``)."""
+    return CostModel(profile, schedule=schedule, gradient_passes=gradient_passes,
+                     redo_fraction=redo_fraction).runtime(plan)
 
 
 def estimate_memory(profile: Profile, plan: Plan) -> MemoryEstimate:

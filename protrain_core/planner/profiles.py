@@ -42,7 +42,7 @@ from pathlib import Path
 
 from protrain_core.plan import PlanLimits
 
-PROFILE_VERSION = 6
+PROFILE_VERSION = 7
 
 
 class ProfileVersionError(ValueError):
@@ -55,13 +55,19 @@ class Hardware:
     async_copies: bool  # copies and CPU Adam overlap device compute (CUDA) or not (CPU)
     h2d_bytes_per_s: float  # chunk-size copies host -> device (pinned on CUDA)
     d2h_bytes_per_s: float
-    cpu_adam_params_per_s: float  # the CPU worker's Adam on one chunk (with the bf16/fp16 copy back)
+    cpu_adam_params_per_s: float  # the CPU worker's whole update of one chunk: landing, Adam, copy back
     device_adam_params_per_s: float  # Adam on a persistent chunk on the device
     device_memory_bytes: int  # total device memory (CPU: total RAM)
     # Sharded over several processes: chunk-size all-gather (bytes assembled) and reduce-scatter
     # (bytes reduced) per second; 0 in one process.
     gather_bytes_per_s: float = 0.0
     reduce_bytes_per_s: float = 0.0
+    # Parts of the CPU worker's work, per parameter (0: none, or not measured). The landing alone
+    # (mixed precision: gradients landed in the compute dtype folded into the fp32 accumulator;
+    # a part of ``cpu_adam_params_per_s``), and one elementwise pass over fp32 gradients in place
+    # (what clipping adds before Adam: clip_grad_norm_'s multiply, clip_grad_value_'s clamps).
+    cpu_land_params_per_s: float = 0.0
+    cpu_pass_params_per_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -182,6 +188,11 @@ class Profile:
         rates = (hw.h2d_bytes_per_s, hw.d2h_bytes_per_s, hw.cpu_adam_params_per_s, hw.device_adam_params_per_s)
         if not all(isinstance(r, (int, float)) and math.isfinite(r) and r > 0 for r in rates):
             bad.append("a hardware rate is not a positive number")
+        parts = (hw.cpu_land_params_per_s, hw.cpu_pass_params_per_s)
+        if not all(isinstance(r, (int, float)) and math.isfinite(r) and r >= 0 for r in parts):
+            bad.append("a part of the CPU update's rate is negative or not a number")
+        elif hw.cpu_land_params_per_s and hw.cpu_land_params_per_s < hw.cpu_adam_params_per_s:
+            bad.append("the landing alone is slower than the whole CPU update it is part of")
         numbers = [getattr(s, f.name) for s in self.segments for f in dataclasses.fields(Segment)
                    if f.name not in ("name", "kind", "chunks")]
         numbers += [*self.persist_bytes, *self.host_bytes, *self.offload_bytes, self.buffer_bytes, self.base_bytes,

@@ -59,6 +59,7 @@ class PlanChoice:
     seconds: float  # search time
     profile: Profile
     schedule: UpdateSchedule = UpdateSchedule.DURING_BACKWARD  # when the runtime model assumed the CPU Adam runs
+    gradient_passes: int = 0  # the clipping passes it charged before each update
 
     def explain(self) -> str:
         """What was chosen and why: predicted time by phase, memory breakdown, bottleneck."""
@@ -122,6 +123,7 @@ def _choice(cm: CostModel, plan: Plan, budget: int, host_budget, evaluated: int,
         seconds=seconds,
         profile=cm.profile,
         schedule=cm.schedule,
+        gradient_passes=cm.gradient_passes,
     )
 
 
@@ -142,13 +144,14 @@ def _better(t: float, mem: int, plan: Plan, best) -> bool:
 
 
 def search(profile: Profile, budget: int, *, host_budget: int | None = None,
-           schedule: UpdateSchedule = UpdateSchedule.DURING_BACKWARD, n_persist: int | None = None) -> PlanChoice:
+           schedule: UpdateSchedule = UpdateSchedule.DURING_BACKWARD, gradient_passes: int = 0,
+           n_persist: int | None = None) -> PlanChoice:
     """The plan with the least predicted step time whose predicted peak is <= ``budget``
-    bytes (and whose host memory is <= ``host_budget`` when given); ``schedule``: see
-    ``CostModel``; ``n_persist``: only plans that keep this many chunks on the device (the
+    bytes (and whose host memory is <= ``host_budget`` when given); ``schedule``,
+    ``gradient_passes``: see ``CostModel``; ``n_persist``: only plans that keep this many chunks on the device (the
     activation part and the buffers are re-solved: a new batch shape between steps)."""
     start = time.perf_counter()
-    cm = CostModel(profile, schedule=schedule)
+    cm = CostModel(profile, schedule=schedule, gradient_passes=gradient_passes)
     N, L = cm.N, cm.L
     grid = cm.grid()  # every layout's activation peak, swapped bytes and phase prefix sums
     buf = profile.buffer_bytes
@@ -215,10 +218,11 @@ def _fewest_buffers(cm: CostModel, plan: Plan, t: float) -> tuple[Plan, int]:
 
 
 def brute_force(profile: Profile, budget: int, *, host_budget: int | None = None,
-                schedule: UpdateSchedule = UpdateSchedule.DURING_BACKWARD, n_persist: int | None = None) -> PlanChoice:
+                schedule: UpdateSchedule = UpdateSchedule.DURING_BACKWARD, gradient_passes: int = 0,
+                n_persist: int | None = None) -> PlanChoice:
     """Every plan, no shortcuts (for checking ``search`` on small models)."""
     start = time.perf_counter()
-    cm = CostModel(profile, schedule=schedule)
+    cm = CostModel(profile, schedule=schedule, gradient_passes=gradient_passes)
     N, L = cm.N, cm.L
     limits = profile.limits
     best = None

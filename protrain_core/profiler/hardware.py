@@ -69,10 +69,11 @@ def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, preci
     mixed = precision.is_mixed
     worker = ctx.worker(ctx.asynchronous)
     try:
-        cpu_rate = _adam_rate(ctx, n, ctx.host, cdt if mixed else None, lambda fn: worker.submit(fn).result())
+        cpu_rate, land_rate, pass_rate = _adam_rate(ctx, n, ctx.host, cdt if mixed else None,
+                                                    lambda fn: worker.submit(fn).result(), parts=True)
     finally:
         worker.shutdown()
-    dev_rate = _adam_rate(ctx, n, ctx.device, cdt if mixed else None, lambda fn: fn()) if ctx.asynchronous else cpu_rate
+    dev_rate = _adam_rate(ctx, n, ctx.device, cdt if mixed else None, lambda fn: fn())[0] if ctx.asynchronous else cpu_rate
     gather, reduce = (0.0, 0.0) if sharding is None else collective_rates(sharding, ctx, n, cdt)
     return Hardware(
         gather_bytes_per_s=gather,
@@ -82,16 +83,22 @@ def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, preci
         h2d_bytes_per_s=h2d,
         d2h_bytes_per_s=d2h,
         cpu_adam_params_per_s=cpu_rate,
+        cpu_land_params_per_s=land_rate,
+        cpu_pass_params_per_s=pass_rate,
         device_adam_params_per_s=dev_rate,
         device_memory_bytes=int(ctx.free_memory()[1]),
     )
 
 
-def _adam_rate(ctx: DeviceContext, n: int, on: torch.device, low: torch.dtype | None, run) -> float:
+def _adam_rate(ctx: DeviceContext, n: int, on: torch.device, low: torch.dtype | None, run, *,
+               parts: bool = False) -> tuple[float, float, float]:
     """Parameters per second of one chunk's update on ``on`` as the runtime runs it (``run(fn)``:
     where): Adam, and with a low-precision compute dtype ``low`` the landing of the gradients
     into the accumulator before and the compute copy written from the master after (the host
-    side does both; a persistent chunk's gradients land in the accumulator directly)."""
+    side does both; a persistent chunk's gradients land in the accumulator directly). With
+    ``parts``, also the landing alone (0 without one) and one elementwise pass over the fp32
+    gradients in place (clipping's), which the cost model charges where the runtime runs them
+    ([Note: the overlap under clipping and fp16] in update.py); else (rate, 0, 0)."""
     p, g, m, v = (torch.zeros(n, device=on) for _ in range(4))
     steps = [torch.zeros((), device=on)]
     copy = torch.zeros(n, dtype=low, device=on) if low is not None else None
@@ -99,14 +106,23 @@ def _adam_rate(ctx: DeviceContext, n: int, on: torch.device, low: torch.dtype | 
     hp = AdamHyperParams(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
     landing = copy is not None and on == ctx.host
 
+    def land():
+        g.copy_(copy)
+
     def step():
         if landing:
-            g.copy_(copy)
+            land()
         adam_step([p], [g], [m], [v], [], steps, hp)
         if copy is not None:
             copy_to_low_precision(copy, p)
 
-    return n / _median_time(ctx, lambda: run(step), ctx.synchronize_device)
+    def rate(fn, **budget) -> float:
+        return n / _median_time(ctx, lambda: run(fn), ctx.synchronize_device, **budget)
+
+    if not parts:
+        return rate(step), 0.0, 0.0
+    short = dict(budget_s=0.05, max_reps=10)  # the parts are a few memory passes each
+    return rate(step), rate(land, **short) if landing else 0.0, rate(lambda: torch._foreach_mul_([g], 1.0), **short)
 
 
 COLLECTIVE_REPS = 5

@@ -109,7 +109,7 @@ def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
     sim, prec = device, parse_precision(precision)
     clipping = None if gradient_clipping is None else parse_gradient_clipping(*gradient_clipping)
     group = SimulatedGroup(sim, world_size) if world_size > 1 else None
-    schedule = overlap_mode(prec, clipping).schedule
+    mode = overlap_mode(prec, clipping)
     with sim:
         if profile is None:
             block_path, blocks = find_blocks(model)
@@ -120,7 +120,7 @@ def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
         choice = None
         if plan is None:
             choice = search(profile, budget or default_memory_budget(sim), host_budget=sim.spec.host_memory_bytes,
-                            schedule=schedule)
+                            schedule=mode.schedule, gradient_passes=mode.gradient_passes)
             plan = choice.plan
         plan = as_plan(plan)
         engine = wrap(model, optimizer, plan, device=sim, precision=precision, gradient_clipping=gradient_clipping,
@@ -132,7 +132,7 @@ def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
     return Simulation(
         hardware=sim.spec.name, description=description or profile.description, plan=plan, precision=prec.value,
         overlap=overlap, world_size=world_size, report=report,
-        predicted=estimate_runtime(profile, plan, schedule=schedule), memory=estimate_memory(profile, plan),
+        predicted=estimate_runtime(profile, plan, schedule=mode.schedule, gradient_passes=mode.gradient_passes), memory=estimate_memory(profile, plan),
         device_memory_bytes=sim.spec.device_memory_bytes, host_memory_bytes=sim.spec.host_memory_bytes,
         timeline=timeline, profile=profile, choice=choice,
     )
