@@ -220,7 +220,8 @@ def one_optimizer_message(got) -> str:
 
 
 def check_optimizers(optimizers) -> torch.optim.Optimizer:
-    """Exactly one torch.optim.Adam or AdamW (any param groups); anything else is refused."""
+    """Exactly one optimizer ProTrain runs per chunk (Adam/AdamW, or another elementwise one:
+    ``runtime/elementwise.py``), with any param groups; anything else is refused."""
     optimizers = list(optimizers)
     if len(optimizers) != 1:
         raise ValueError(one_optimizer_message(len(optimizers)))

@@ -92,7 +92,7 @@ def wrap(
 def _configuration(model: nn.Module, optimizer, layout: ChunkLayout, prec: Precision, plan, gradient_clipping,
                    optimizer_states: bool, max_tokens) -> dict[str, object]:
     """What every rank's ``wrap`` must agree on (``check_same_configuration``)."""
-    hyper = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+    hyper = sorted({k for g in optimizer.param_groups for k in g if k != "params"})
     return {
         "precision": prec.value,
         "chunk size": layout.chunk_size,

@@ -55,11 +55,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
-from protrain_core.runtime.optim import indexed_params
+from protrain_core.runtime.optim import SLOT_ATTRS, indexed_params
 from protrain_core.runtime.sharding import piece
 from protrain_core.utils import alive, remove_stale_temporaries, temporary_prefix
 
-ADAM_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 def _pieces(chunk, i: int, flat: Tensor | None) -> tuple[int, Tensor] | None:
@@ -103,17 +102,24 @@ def save_sharded(engine, path, meta: dict | None = None) -> None:
             got = _pieces(chunk, i, None)
             if got is not None and got[1].numel():
                 state[f"model/{names[id(p)]}/{got[0]}"] = got[1].detach().to("cpu", engine.precision.master_dtype)
+    optim = engine.chunk_optimizer
+    scalars = {}  # other optimizers than Adam: each parameter's non-slot state, as one object
     for index, p in _indexed(engine):
         chunk, i = engine.slot_of(p)
-        if not chunk.has_adam_state(i):
+        held = optim.scalar_state(chunk, i)
+        if held is None:
             continue
-        for key in ADAM_KEYS:
-            flat = getattr(chunk.storage, key)
-            got = None if flat is None else _pieces(chunk, i, flat)
+        for key, attr in zip(optim.slot_names(), SLOT_ATTRS):
+            got = _pieces(chunk, i, getattr(chunk.storage, attr))
             if got is not None and got[1].numel():
                 state[f"optim/{index}/{key}/{got[0]}"] = got[1].detach().to("cpu", copy=True)
-        if rank == 0:
+        if rank == 0 and optim.kind is None:
             state[f"optim/{index}/step"] = chunk.storage.steps[i].detach().to("cpu", copy=True)
+        scalars[index] = {k: v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else v for k, v in held.items()}
+    if rank == 0 and optim.kind is not None:
+        box = io.BytesIO()
+        torch.save(scalars, box)
+        state["optim/scalars"] = box
     if rank == 0:
         for name, b in engine.module.named_buffers():
             state[f"buffer/{name}"] = b.detach().to("cpu", copy=True)
@@ -287,12 +293,13 @@ def load_sharded(engine, path, *, model: bool = True, optimizer: bool = True, st
     if model and strict and missing:
         raise KeyError(f"The sharded checkpoint {path} has no weights for {missing[:5]}{'...' if len(missing) > 5 else ''}.")
     index_of = {id(p): index for index, p in _indexed(engine)}
+    scalars = _saved_scalars(engine, path, saved) if optimizer else None
     for chunk in engine.chunks:
         wanted = {f"model/{names[id(p)]}": p for p in chunk.params if model and f"model/{names[id(p)]}" in pieces}
         if optimizer:
             for p in chunk.params:
                 if id(p) in index_of:
-                    for key in ADAM_KEYS:
+                    for key in engine.chunk_optimizer.slot_names():
                         prefix = f"optim/{index_of[id(p)]}/{key}"
                         if prefix in pieces:
                             wanted[prefix] = p
@@ -302,9 +309,10 @@ def load_sharded(engine, path, *, model: bool = True, optimizer: bool = True, st
                 value = whole.get(f"model/{names[id(p)]}")
                 if value is not None:
                     chunk.set_member(i, value.view(p.shape))
-        if optimizer and chunk.storage.exp_avg is not None:
-            _load_adam(chunk, whole, index_of, path, saved)
+        if optimizer and chunk.opt_members:
+            _load_states(engine, chunk, whole, index_of, path, saved, scalars)
     if optimizer:
+        engine.chunk_optimizer.loaded()
         groups = _read_object(engine, path, "optim/param_groups")
         for group, s in zip(engine.optimizer.param_groups, groups):
             group.update({k: v for k, v in s.items() if k != "params"})
@@ -312,20 +320,38 @@ def load_sharded(engine, path, *, model: bool = True, optimizer: bool = True, st
         _load_buffers(engine, path, saved)
 
 
-def _load_adam(chunk, whole: dict, index_of: dict, path: Path, saved) -> None:
-    steps = {}
+def _saved_scalars(engine, path: Path, saved) -> dict | None:
+    """Another optimizer than Adam: each parameter's non-slot state (None for Adam)."""
+    kind = engine.chunk_optimizer.kind
+    if kind is None:
+        if "optim/scalars" in saved:
+            raise ValueError(f"The sharded checkpoint {path} holds another optimizer's state than Adam's: load it "
+                             "with the optimizer it was saved with, or with optimizer=False.")
+        return None
+    if "optim/scalars" not in saved:
+        raise ValueError(f"The sharded checkpoint {path} holds Adam's optimizer state, not {kind.cls.__name__}'s: "
+                         "load it with the optimizer it was saved with, or with optimizer=False.")
+    return _read_object(engine, path, "optim/scalars")
+
+
+def _load_states(engine, chunk, whole: dict, index_of: dict, path: Path, saved, scalars: dict | None) -> None:
+    """The optimizer states of ``chunk``'s members: slots from ``whole``, Adam's steps from the
+    checkpoint, another optimizer's other states from ``scalars``."""
+    optim, steps = engine.chunk_optimizer, {}
     for i, p in enumerate(chunk.params):
         index = index_of.get(id(p))
         if index is None or not chunk.members[i].trainable:
             continue
-        key = f"optim/{index}/step"
-        present = key in saved and f"optim/{index}/exp_avg" in whole
-        if present:
-            steps[i] = key
-        for name in ADAM_KEYS:
-            flat = getattr(chunk.storage, name)
-            if flat is None:
-                continue
+        if scalars is not None:
+            present = index in scalars
+            optim.load_scalars(chunk, i, scalars.get(index))
+        else:
+            key = f"optim/{index}/step"
+            present = key in saved and f"optim/{index}/exp_avg" in whole
+            if present:
+                steps[i] = key
+        for name, attr in zip(optim.slot_names(), SLOT_ATTRS):
+            flat = getattr(chunk.storage, attr)
             value = whole.get(f"optim/{index}/{name}")
             dst = chunk.state_view(flat, i)
             dst.copy_(chunk.own_piece(i, value.view(p.shape)).view(dst.shape)) if value is not None else dst.zero_()

@@ -61,13 +61,15 @@ def spawn(fn, world: int, out_dir, *args, backend: str = "gloo") -> list:
 
 
 def ddp_reference(model, data, *, lr=1e-2, accumulate=1, clip=None, weight_decay=0.0, device="cpu",
-                  find_unused_parameters=False):
-    """Lightning's ``ddp`` in plain torch: DDP, AdamW(fused), ``no_sync`` for the non-final
-    micro-batches; per-step losses and the final state dict."""
+                  find_unused_parameters=False, optimizer=None, optimizer_state: dict | None = None):
+    """Lightning's ``ddp`` in plain torch: DDP, AdamW(fused) (or ``optimizer(params)``),
+    ``no_sync`` for the non-final micro-batches; per-step losses and the final state dict (and
+    the optimizer's into ``optimizer_state``, when given)."""
     model = copy.deepcopy(model).to(device)
     ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=find_unused_parameters)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, fused=True)
+    opt = (optimizer(trainable) if optimizer is not None
+           else torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, fused=True))
     losses = []
     for i in range(0, len(data), accumulate):
         micro = data[i:i + accumulate]
@@ -81,13 +83,15 @@ def ddp_reference(model, data, *, lr=1e-2, accumulate=1, clip=None, weight_decay
             torch.nn.utils.clip_grad_norm_(trainable, clip)
         opt.step()
         opt.zero_grad()
+    if optimizer_state is not None:
+        optimizer_state.update(opt.state_dict())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def protrain_run(model, data, plan, *, lr=1e-2, accumulate=1, clip=None, weight_decay=0.0, precision="32-true",
-                 device="cpu"):
+                 device="cpu", optimizer=None):
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
+    opt = optimizer(trainable) if optimizer is not None else torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
     engine = pt.wrap(model, opt, plan, precision=precision, device=device, check_invariants=True,
                      gradient_clipping=None if clip is None else ("norm", clip))
     losses = []

@@ -134,7 +134,7 @@ def test_fabric_refuses_what_it_cannot_do():
     fabric.launch()
     model = MODELS["gpt2"]()
     with pytest.raises(ValueError, match="AdamW"):
-        fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        fabric.setup(model, torch.optim.LBFGS(model.parameters(), lr=0.1))
     opt = torch.optim.AdamW(model.parameters())
     model, opt = fabric.setup(model, opt)
     with pytest.raises(RuntimeError, match="after engine.backward"):

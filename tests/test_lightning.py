@@ -476,9 +476,20 @@ def test_unsupported_precision_is_refused(precision):
         fit("protrain", precision=precision)
 
 
-def test_unsupported_optimizer_is_refused():
-    with pytest.raises(ValueError, match="AdamW"):
-        fit("protrain", {"optimizer": "sgd"})
+@pytest.mark.parametrize("plan", [None, "streamed"])
+def test_sgd_trains_like_the_default_strategy(plan):
+    """Lightning's test models use SGD: it runs per chunk by torch's own class, bitwise."""
+    strategy = "protrain" if plan is None else ProTrainStrategy(plan=_plan(plan))
+    assert_same(fit(strategy, {"optimizer": "sgd"}), fit("auto", {"optimizer": "sgd"}))
+
+
+def test_an_optimizer_that_needs_whole_parameters_is_refused():
+    class Factored(LitLM):
+        def configure_optimizers(self):
+            return torch.optim.Adafactor(self.parameters())
+
+    with pytest.raises(ValueError, match="Adafactor per chunk: its second moment is factored"):
+        trainer("protrain").fit(Factored(), loader())
 
 
 def test_several_optimizers_are_refused_with_what_protrain_needs():

@@ -63,8 +63,10 @@ def test_fp32_parity_with_default_adamw_is_within_pytorch_rounding():
     assert ours_gap <= pytorch_gap
 
 
-def reference_mixed(model, dtype, data, *, lr, scaler=None, clip=None, accumulate=1, prepare=None, reduce=None):
-    """The classic mixed-precision recipe: low-precision model + autocast, fp32 master AdamW;
+def reference_mixed(model, dtype, data, *, lr, scaler=None, clip=None, accumulate=1, prepare=None, reduce=None,
+                    optimizer=None):
+    """The classic mixed-precision recipe: low-precision model + autocast, fp32 master AdamW
+    (or ``optimizer(master)``);
     ``clip(master)`` clips the fp32 master gradients (after unscaling) before every step. With
     ``accumulate`` micro-batches per step, each micro-batch's gradients are added to the fp32
     master gradients (as the engine's fp32 accumulators do); ``prepare(lp)`` sees the model;
@@ -77,7 +79,7 @@ def reference_mixed(model, dtype, data, *, lr, scaler=None, clip=None, accumulat
         prepare(lp)
     # The fp32 masters start from the fp32 weights, not from their low-precision rounding.
     master = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
-    opt = torch.optim.AdamW(master, lr=lr, fused=True)
+    opt = optimizer(master) if optimizer is not None else torch.optim.AdamW(master, lr=lr, fused=True)
     losses = []
     for i in range(0, len(data), accumulate):
         micro, total = data[i:i + accumulate], 0.0

@@ -52,6 +52,7 @@ from protrain_core.profiler.boundaries import Boundaries, CudaMeter, MemoryPass
 from protrain_core.profiler.hardware import device_name, probe_hardware
 from protrain_core.runtime.device import DeviceContext, as_context
 from protrain_core.runtime.engine import Engine, EngineOptions
+from protrain_core.runtime.elementwise import state_slots
 from protrain_core.runtime.sharding import agree
 from protrain_core.runtime.storage import ChunkFormat, chunk_formats
 from protrain_core.structure.blocks import block_modules, find_blocks
@@ -151,7 +152,7 @@ def profile_key(model, optimizer, batch: list[tuple[tuple[int, ...], str]], prec
         add(config.to_json_string(use_diff=False), getattr(config, "_attn_implementation", None))
     optimized = {id(p) for g in optimizer.param_groups for p in g["params"]}
     add(type(optimizer).__name__, [id(p) in optimized for p in model.parameters()],
-        [bool(g.get("amsgrad", False)) for g in optimizer.param_groups])
+        state_slots(optimizer))
     add(batch)
     add(precision.value, layout.chunk_size, layout.block_path, [c.units for c in layout.chunks])
     add(device_name(device), torch.__version__, torch.version.cuda, torch.get_num_threads(), os.cpu_count())

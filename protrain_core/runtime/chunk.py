@@ -167,6 +167,11 @@ class UpdateViews:
     max_exp_avg_sqs: list[Tensor]
     member_steps: list[Tensor]
 
+    @property
+    def states(self) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+        """The state slots' views (Adam's moments, or another optimizer's states)."""
+        return self.exp_avgs, self.exp_avg_sqs, self.max_exp_avg_sqs
+
 
 class Chunk:
     """Flat storage of one chunk and the verbs of its lifecycle (see [Note: chunk lifecycle])."""

@@ -129,7 +129,7 @@ class Engine:
             members = [params[m.name] for m in spec.members]
             storage = ChunkStorage(fmt, persistent=spec.index < n_persist, device=dev, pin=self.ctx.pin_memory,
                                    n_members=len(members), sharding=self.sharding, host=self.ctx.host)
-            opt_members = self._optim.members_by_group(members) if fmt.adam_states else {}
+            opt_members = self._optim.members_by_group(members) if self.optimizer_states else {}
             chunk = Chunk(spec, params=members, storage=storage, opt_members=opt_members)
             chunk.load_params()
             chunks.append(chunk)
@@ -614,6 +614,11 @@ class Engine:
         gathered chunk by chunk, kept by rank 0 only unless ``rank0_only`` is False)."""
         self.runtime.wait_all()
         return self._optim.state_dict(self._slot_of, keep=not rank0_only or self.rank == 0)
+
+    @property
+    def chunk_optimizer(self) -> ChunkOptimizer:
+        """Where the chunks' optimizer states are named and kept (the sharded checkpoint's view)."""
+        return self._optim
 
     def load_optimizer_state_dict(self, state_dict: dict) -> None:
         self._check_open()

@@ -1,4 +1,6 @@
-"""Per-chunk Adam/AdamW with exactly the semantics of the user's torch optimizer (DESIGN §3).
+"""Per-chunk Adam/AdamW with exactly the semantics of the user's torch optimizer (DESIGN §3);
+other elementwise optimizers run per chunk by their own class ([Note: elementwise optimizers]
+in elementwise.py).
 
 The user's optimizer object stays the one the user (or Lightning) holds: its ``param_groups``
 are read at every step, so schedulers that change ``lr`` keep working, and its
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from protrain_core.runtime.elementwise import Elementwise, ElementwiseSteps, describe, is_adam
 from protrain_ops import AdamHyperParams, adam_step, copy_to_low_precision
 
 if TYPE_CHECKING:
@@ -22,20 +25,18 @@ if TYPE_CHECKING:
 
 # parameter id -> (its chunk, its member index): how the optimizer finds a parameter's states.
 SlotMap = dict[int, tuple["Chunk", int]]
+# The storage's state slots, in order: Adam's moments, or another optimizer's states.
+SLOT_ATTRS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer) -> bool:
-    """Validate the optimizer; return whether weight decay is decoupled (AdamW)."""
-    if isinstance(optimizer, torch.optim.AdamW):
-        decoupled = True
-    elif isinstance(optimizer, torch.optim.Adam):
-        decoupled = bool(optimizer.defaults.get("decoupled_weight_decay", False))
-    else:
-        raise ValueError(
-            f"ProTrain runs the optimizer per chunk and supports torch.optim.AdamW and "
-            f"torch.optim.Adam; got {type(optimizer).__name__}. Create the optimizer with "
-            "torch.optim.AdamW(model.parameters(), ...) (param groups are fine)."
-        )
+def check_optimizer(optimizer: torch.optim.Optimizer) -> Elementwise | None:
+    """Validate the optimizer: None for Adam/AdamW (the fused kernel's path), else what
+    ``elementwise.describe`` found (it refuses optimizers that need whole parameters)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"ProTrain needs a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+    _check_groups(optimizer)
+    if not is_adam(optimizer):
+        return describe(optimizer)
     # torch wraps each optimizer class's step for its profiler hooks: compare what is wrapped.
     own_step = inspect.unwrap(type(optimizer).step)
     if own_step not in (inspect.unwrap(torch.optim.Adam.step), inspect.unwrap(torch.optim.AdamW.step)):
@@ -46,12 +47,15 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> bool:
             "torch.optim.AdamW or torch.optim.Adam itself (a subclass that keeps their step() is fine); "
             "for gradient clipping use wrap(gradient_clipping=...) or Lightning's gradient_clip_val."
         )
+    return None
+
+
+def _check_groups(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         if group.get("differentiable", False):
             raise ValueError("differentiable=True optimizers are not supported by ProTrain.")
-        if isinstance(group["lr"], Tensor) and group["lr"].numel() != 1:
+        if isinstance(group.get("lr"), Tensor) and group["lr"].numel() != 1:
             raise ValueError("lr must be a float or a one-element tensor.")
-    return decoupled
 
 
 def indexed_params(optimizer: torch.optim.Optimizer):
@@ -78,7 +82,10 @@ class UpdateClip:
 class ChunkOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self.decoupled = check_optimizer(optimizer)
+        self.kind = check_optimizer(optimizer)
+        self.decoupled = bool(isinstance(optimizer, torch.optim.AdamW)
+                              or optimizer.defaults.get("decoupled_weight_decay", False))
+        self.elementwise = None if self.kind is None else ElementwiseSteps(optimizer, self.kind)
         self.group_of: dict[int, int] = {}
         for g, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
@@ -90,7 +97,10 @@ class ChunkOptimizer:
     def amsgrad(self) -> bool:
         return any(group.get("amsgrad", False) for group in self.optimizer.param_groups)
 
-    def snapshot(self) -> tuple[AdamHyperParams, ...]:
+    def snapshot(self) -> tuple:
+        """Each param group's hyper-parameters now (Adam's, or the other optimizer's settings)."""
+        if self.elementwise is not None:
+            return self.elementwise.snapshot()
         return tuple(
             AdamHyperParams.from_group(group, decoupled_weight_decay=self.decoupled)
             for group in self.optimizer.param_groups
@@ -134,32 +144,56 @@ class ChunkOptimizer:
             if clip.value is not None:
                 torch._foreach_clamp_min_(views.grads, -clip.value)
                 torch._foreach_clamp_max_(views.grads, clip.value)
+            if self.elementwise is not None:
+                self.elementwise.step(chunk, g, tuple(members), views, hps[g])
+                continue
             adam_step(views.master, views.grads, views.exp_avgs, views.exp_avg_sqs,
                       views.max_exp_avg_sqs if hps[g].amsgrad else [], views.member_steps, hps[g])
         if storage.fmt.separate_master:
             copy_to_low_precision(storage.compute_span(), storage.master)
 
     # ----- torch.optim state-dict format --------------------------------------------------
+    def slot_names(self) -> tuple[str, ...]:
+        """torch's names of the states the chunks hold in their slots (``SLOT_ATTRS``), in order."""
+        if self.kind is not None:
+            return self.kind.slots
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.amsgrad else ())
+
+    def scalar_state(self, chunk: Chunk, i: int) -> dict | None:
+        """Member ``i``'s state that is not in the slots ("step", ...); None when it has none yet."""
+        if self.elementwise is not None:
+            return self.elementwise.extra.get((chunk.index, i))
+        return {"step": chunk.storage.steps[i]} if chunk.has_adam_state(i) else None
+
+    def _order(self) -> tuple[str, ...]:
+        return self.kind.order if self.kind is not None else ("step",) + self.slot_names()
+
     def state_dict(self, slot_of: SlotMap, *, keep: bool = True) -> dict:
         """The state in torch's format. Sharded over ``W`` processes every rank must call it (the
         states are gathered chunk by chunk, one chunk at a time); ``keep`` False: this rank takes
         part only (its result is empty)."""
         base = self.optimizer.state_dict()  # param_groups with hyper-parameters and indices
-        keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad else [])
+        names, order = self.slot_names(), self._order()
         state = {}
-        gathered: tuple[Chunk | None, dict] = (None, {})  # the last chunk's whole states
+        gathered: tuple[Chunk | None, list] = (None, [])  # the last chunk's whole states
         for index, p in indexed_params(self.optimizer):
             chunk, i = slot_of[id(p)]
-            if not chunk.has_adam_state(i):
+            scalars = self.scalar_state(chunk, i)
+            if scalars is None:
                 continue
-            if gathered[0] is not chunk:
-                gathered = chunk, {key: chunk.gathered_values(lambda st, key=key: getattr(st, key)) for key in keys}
+            if names and gathered[0] is not chunk:
+                gathered = chunk, [chunk.gathered_values(lambda st, a=a: getattr(st, a)) for a in SLOT_ATTRS[:len(names)]]
             if not keep:
                 continue
-            entry = {"step": chunk.storage.steps[i].detach().to("cpu", copy=True)}
-            for key in keys:
-                entry[key] = gathered[1][key][i].detach().reshape(p.shape).to("cpu", copy=True)
-            state[index] = entry
+            entry = {}
+            for name in order + tuple(n for n in scalars if n not in order):
+                if name in names:
+                    entry[name] = gathered[1][names.index(name)][i].detach().reshape(p.shape).to("cpu", copy=True)
+                elif name in scalars:
+                    value = scalars[name]
+                    entry[name] = value.detach().to("cpu", copy=True) if isinstance(value, Tensor) else value
+            if entry:  # torch keeps no entry for a parameter without state (SGD without momentum)
+                state[index] = entry
         return {"state": state, "param_groups": base["param_groups"]} if keep else {}
 
     def validate_state_dict(self, osd: dict) -> None:
@@ -174,11 +208,12 @@ class ChunkOptimizer:
                 f"{[len(g['params']) for g in groups]}; it was saved for a different model or grouping."
             )
         params = dict(indexed_params(self.optimizer))
+        required = ("exp_avg", "exp_avg_sq") if self.kind is None else ()
         for index, entry in osd["state"].items():
             p = params.get(int(index))
             if p is None:
                 raise ValueError(f"Optimizer state for parameter index {index}, which does not exist.")
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in required + tuple(k for k in self.slot_names() if k in entry and k not in required):
                 if key not in entry or tuple(entry[key].shape) != tuple(p.shape):
                     raise ValueError(
                         f"Optimizer state {index}.{key} is missing or has shape "
@@ -192,22 +227,35 @@ class ChunkOptimizer:
                 if key != "params":
                     group[key] = value
         states = {int(k): v for k, v in osd["state"].items()}
+        names = self.slot_names()
         for index, p in indexed_params(self.optimizer):
             chunk, i = slot_of[id(p)]
-            storage = chunk.storage
-            if storage.exp_avg is None or not chunk.spec.members[i].trainable:
+            if not chunk.opt_members or not chunk.spec.members[i].trainable:
                 continue  # frozen parameter: torch keeps no state for it either
             entry = states.get(index)
             with torch.no_grad():
-                for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-                    flat = getattr(storage, key)
-                    if flat is None:
-                        continue
-                    dst = chunk.state_view(flat, i)
-                    if entry is not None and key in entry:
-                        dst.copy_(chunk.own_piece(i, entry[key]))
+                for name, attr in zip(names, SLOT_ATTRS):
+                    dst = chunk.state_view(getattr(chunk.storage, attr), i)
+                    if entry is not None and name in entry:
+                        dst.copy_(chunk.own_piece(i, entry[name]))
                     else:
                         dst.zero_()
-                step = entry["step"] if entry is not None else 0.0
-                storage.steps[i].fill_(float(step.item() if isinstance(step, Tensor) else step))
+                self.load_scalars(chunk, i, entry)
             chunk.set_adam_state(i, entry is not None)
+        self.loaded()
+
+    def loaded(self) -> None:
+        """After the states were loaded: the instances stepping them are built again."""
+        if self.elementwise is not None:
+            self.elementwise.forget()
+
+    def load_scalars(self, chunk: Chunk, i: int, entry: dict | None) -> None:
+        """Member ``i``'s non-slot state from ``entry`` (a state-dict entry; None: no state)."""
+        if self.elementwise is None:
+            step = entry["step"] if entry is not None else 0.0
+            chunk.storage.steps[i].fill_(float(step.item() if isinstance(step, Tensor) else step))
+        elif entry is None:
+            self.elementwise.extra.pop((chunk.index, i), None)
+        else:
+            self.elementwise.extra[(chunk.index, i)] = {
+                n: (v.detach().clone() if isinstance(v, Tensor) else v) for n, v in entry.items() if n not in self.slot_names()}

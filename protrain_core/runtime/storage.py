@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from protrain_core.memtrack import untracked
 from protrain_core.precision import Precision
+from protrain_core.runtime.elementwise import state_slots
 from protrain_core.runtime.host_pool import HostPool
 from protrain_core.runtime.sharding import Sharding
 from protrain_core.structure.layout import ChunkLayout, align
@@ -54,14 +55,16 @@ class ChunkFormat:
     master_dtype: torch.dtype
     trainable_start: int = 0  # where the trainable span begins (elements)
     trainable_numel: int | None = None  # T; None: the whole chunk trains
-    adam_states: int = 2  # Adam state tensors of the trainable span: 0, 2, or 3 with amsgrad
+    # Optimizer state tensors of the trainable span: Adam's 2, or 3 with amsgrad; another
+    # elementwise optimizer's 0-3 ([Note: elementwise optimizers] in runtime/elementwise.py).
+    adam_states: int = 2
     world_size: int = 1  # processes the chunk is sharded over
 
     def __post_init__(self) -> None:
         if self.trainable_numel is None:
             object.__setattr__(self, "trainable_numel", self.numel - self.trainable_start)
         assert 0 <= self.trainable_start and self.trainable_start + self.trainable_numel <= self.numel
-        assert self.adam_states in (0, 2, 3) and self.world_size >= 1
+        assert self.adam_states in (0, 1, 2, 3) and self.world_size >= 1
         assert self.trainable_numel or not self.adam_states, "a chunk with no trainable member has no Adam state"
 
     @property
@@ -221,8 +224,9 @@ class ChunkStorage:
     def _allocate_states(self, make) -> None:
         fmt = self.fmt
         self.grad_acc = make() if fmt.trains else None
-        self.exp_avg = make() if fmt.adam_states else None
-        self.exp_avg_sq = make() if fmt.adam_states else None
+        # Slots 1-3: Adam's moments, or another optimizer's states in its order.
+        self.exp_avg = make() if fmt.adam_states >= 1 else None
+        self.exp_avg_sq = make() if fmt.adam_states >= 2 else None
         self.max_exp_avg_sq = make() if fmt.adam_states == 3 else None
 
     # ----- moving between the device and the host (a re-plan) ----------------------------------
@@ -364,7 +368,7 @@ def chunk_formats(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Ch
     optimizer updates (none for an engine that never steps)."""
     params = dict(model.named_parameters())
     optimized = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    adam = 3 if any(g.get("amsgrad", False) for g in optimizer.param_groups) else 2
+    adam = state_slots(optimizer)
     formats = []
     for spec in layout.chunks:
         trains = optimizer_states and any(m.trainable and id(params[m.name]) in optimized for m in spec.members)
