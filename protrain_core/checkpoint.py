@@ -60,7 +60,6 @@ from protrain_core.runtime.sharding import piece
 from protrain_core.utils import alive, remove_stale_temporaries, temporary_prefix
 
 
-
 def _pieces(chunk, i: int, flat: Tensor | None) -> tuple[int, Tensor] | None:
     """(offset, this rank's piece) of member ``i`` of ``chunk`` in ``flat`` (a shard tensor of the
     trainable span), or of its values when ``flat`` is None."""
@@ -115,7 +114,8 @@ def save_sharded(engine, path, meta: dict | None = None) -> None:
                 state[f"optim/{index}/{key}/{got[0]}"] = got[1].detach().to("cpu", copy=True)
         if rank == 0 and optim.kind is None:
             state[f"optim/{index}/step"] = chunk.storage.steps[i].detach().to("cpu", copy=True)
-        scalars[index] = {k: v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else v for k, v in held.items()}
+        elif rank == 0:
+            scalars[index] = {k: v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else v for k, v in held.items()}
     if rank == 0 and optim.kind is not None:
         box = io.BytesIO()
         torch.save(scalars, box)
