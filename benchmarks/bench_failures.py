@@ -42,7 +42,7 @@ def run(case: str, limit: float = 300.0, env: dict | None = None) -> dict:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, timed_out = proc.communicate()[0] + f"\n(killed after {limit:.0f} s)", True
-    stamps = {f.name: float(f.read_text()) for f in out.iterdir() if f.name.startswith(("failed", "ended"))}
+    stamps = {f.name: float(f.read_text()) for f in out.iterdir() if f.name.startswith(("failed", "ended")) and not f.name.endswith(".tmp")}
     shutil.rmtree(out, ignore_errors=True)
     failed = [v for k, v in stamps.items() if k.startswith("failed")]
     origin = sigint or (min(failed) if failed else start)

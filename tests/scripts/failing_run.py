@@ -29,8 +29,12 @@ def main(case: str, out: str) -> None:
     rank = os.environ.get("LOCAL_RANK", "0")
 
     def stamp(what: str) -> None:  # when this process met the failure, and when it ended
-        with open(os.path.join(out, f"{what}{rank}"), "w") as f:
+        # Written aside and renamed: a process killed mid-write (Lightning's launcher ends the
+        # other rank) leaves no stamp rather than an empty one.
+        path = os.path.join(out, f"{what}{rank}")
+        with open(f"{path}.tmp", "w") as f:
             f.write(repr(time.time()))
+        os.replace(f"{path}.tmp", path)
 
     atexit.register(stamp, "ended")
 
