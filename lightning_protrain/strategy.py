@@ -52,6 +52,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 import protrain_core as pt
 from protrain_core.phase import TrainingPhase
 from protrain_core.plan import plan_arguments
+from protrain_core.precision import parse_precision
 from lightning_protrain._common import (
     check_state_dict_type,
     one_optimizer_message,
@@ -80,13 +81,19 @@ class ProTrainPrecision(Precision):
         self.precision = precision
         self.scaler = scaler  # a 16-mixed plugin's GradScaler settings; its state after a fit
         self.engine: pt.Engine | None = None
+        self.device: torch.device | None = None  # where a module without an engine is evaluated
         self.wait_after_step = False  # user hooks between step and the next forward may read weights
         self.log_grad_norm = True  # Lightning's own configure_gradient_clipping: log the norm it returns
         # STEP inside optimizer_step: the closure's backward is a step's last micro-batch.
         self.phase = TrainingPhase.IDLE
 
     def forward_context(self):
-        return self.engine.autocast() if self.engine is not None else contextlib.nullcontext()
+        if self.engine is not None:
+            return self.engine.autocast()
+        dtype = parse_precision(self.precision).autocast_dtype
+        if self.device is None or dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)  # evaluation without an engine
 
     def convert_input(self, data):
         return convert_input(data, self.precision)
@@ -292,6 +299,9 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
             clipping = None if late or manual else gradient_clipping(trainer.gradient_clip_val,
                                                                      trainer.gradient_clip_algorithm)
             plan = self.plan
+        elif next(module.parameters(), None) is None:
+            self._evaluate_without_engine(module)
+            return
         else:
             # Evaluation only: an optimizer nobody steps (the engine allocates no states for it);
             # without a known plan everything streams.
@@ -324,6 +334,14 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
             self._route_wrapped_zero_grad(module)
         if fitting and not searched:
             rank_zero_info(f"ProTrain: {self.engine.plan} (given), overlap: {self.engine.steady_overlap()}")
+
+    def _evaluate_without_engine(self, module) -> None:
+        """``validate``/``test``/``predict`` of a module without parameters: nothing to place
+        or stream, so no engine; the module runs on the device as under the default strategy."""
+        module.to(self.root_device)
+        self.precision_plugin.device = self.root_device
+        self.model = module
+        self.setup_precision_plugin()
 
     def _route_wrapped_zero_grad(self, module) -> None:
         """``self.optimizers().zero_grad()`` (manual optimization) reaches the optimizer class's
@@ -438,7 +456,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
             engine.close()
         self.engine = None
         if self._precision_plugin is not None:
-            self._precision_plugin.engine = None
+            self._precision_plugin.engine = self._precision_plugin.device = None
         module = self.lightning_module
         if module is not None and any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
             # setup refused a model on the meta device: Lightning's teardown would move it to the

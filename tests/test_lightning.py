@@ -535,6 +535,76 @@ def test_a_model_without_blocks_trains_like_the_default_strategy(plan):
     assert all(torch.equal(ours[k], reference[k]) for k in reference)
 
 
+class Stemless(pl.LightningModule):
+    """Named blocks and nothing before them: the first block takes the batch directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(4))
+
+    def training_step(self, batch, i):
+        x = batch[0]
+        for block in self.layers:
+            x = block(x)
+        return x.square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+
+
+def test_named_blocks_taking_the_batch_directly_plan_automatically_like_the_default_strategy(info_lines):
+    """The first block takes the batch (no stem before it): the live profiler started its forward
+    at the first module with parameters, inside block 0, after block 0's own boundary, and the
+    profile failed with KeyError ('fwd', 1) at the end of the profiled steps."""
+    def run(strategy):
+        torch.manual_seed(0)
+        lit = Stemless()
+        trainer(strategy, max_steps=8).fit(lit, DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=4))
+        return {k: v.detach().clone() for k, v in lit.state_dict().items()}
+
+    ours = run(ProTrainStrategy(blocks="layers"))
+    assert sum("ProTrain plan: Plan(" in line for line in info_lines) == 1  # planned from the profiled steps
+    reference = run("auto")
+    assert all(torch.equal(ours[k], reference[k]) for k in reference)
+
+
+class NoParameters(pl.LightningModule):
+    """Evaluation of a module without parameters: a fixed projection held in a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("projection", torch.linspace(-1, 1, 12).reshape(4, 3))
+
+    def forward(self, x):
+        return x @ self.projection
+
+    def validation_step(self, batch, i):
+        self.log("val_mean", self(batch[0]).float().mean())
+
+    def test_step(self, batch, i):
+        self.log("test_mean", self(batch[0]).float().mean())
+
+    def predict_step(self, batch, i):
+        return self(batch[0])
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_evaluating_a_module_without_parameters_runs_like_the_default_strategy(precision):
+    """``validate``/``test``/``predict`` of a module without parameters run without an engine,
+    on the device and under the precision's autocast as under the default strategy (before:
+    torch's "optimizer got an empty parameter list" from the engine's evaluation optimizer)."""
+    def run(strategy):
+        data = DataLoader(TensorDataset(torch.randn(16, 4, generator=torch.Generator().manual_seed(0))), batch_size=4)
+        t = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, precision=precision, logger=False,
+                       enable_progress_bar=False, enable_model_summary=False)
+        return t.validate(NoParameters(), data), t.test(NoParameters(), data), t.predict(NoParameters(), data)
+
+    (val, test, predicted), reference = run("protrain"), run("auto")
+    assert val == reference[0] and test == reference[1]
+    assert [p.dtype for p in predicted] == [p.dtype for p in reference[2]]
+    assert all(torch.equal(a, b) for a, b in zip(predicted, reference[2], strict=True))
+
+
 def test_blocks_naming_an_empty_list_is_refused_before_training():
     """blocks= naming an empty nn.ModuleList used to fail with a KeyError at the first backward."""
     model = MODELS["gpt2"]()

@@ -77,6 +77,9 @@ class Boundaries:
                 return
             if j == 0 and self.block_inputs is None:
                 self.block_inputs = list(iter_tensors((args, kwargs)))
+            if self.live and ("fwd", 0) not in self.times:  # no stem: the first block takes the batch
+                self.first_inputs = list(iter_tensors((args, kwargs)))
+                self.mark("fwd", 0)
             self.mark("fwd", j + 1)
             if torch.is_grad_enabled():
                 for t in iter_tensors((args, kwargs)):
