@@ -214,7 +214,8 @@ def convert_input(data, precision: str):
 
 def one_optimizer_message(got) -> str:
     return (f"The ProTrain strategy trains with exactly one optimizer, got {got}: return a single "
-            "torch.optim.AdamW (or Adam) from configure_optimizers, with param groups for different settings "
+            "torch.optim optimizer (AdamW, Adam, SGD, or another elementwise one) from configure_optimizers, "
+            "with param groups for different settings "
             "(learning rates, weight decay, frozen parts). ProTrain runs it per chunk, so manual optimization "
             "with several optimizers is not supported either.")
 
@@ -227,6 +228,13 @@ def check_optimizers(optimizers) -> torch.optim.Optimizer:
         raise ValueError(one_optimizer_message(len(optimizers)))
     opt = optimizers[0]
     opt = getattr(opt, "optimizer", opt) if not isinstance(opt, torch.optim.Optimizer) else opt
+    if not any(group.get("params") for group in getattr(opt, "param_groups", None) or []):
+        # Lightning stands in a parameterless optimizer when configure_optimizers returns None.
+        raise ValueError(
+            "The ProTrain strategy trains with an optimizer over the model's parameters, and got none "
+            "(configure_optimizers returned None, or an optimizer without parameters): return one from "
+            "configure_optimizers, or evaluate with trainer.validate/test/predict, which need none."
+        )
     check_optimizer(opt)  # raises ValueError naming what is supported
     return opt
 

@@ -82,6 +82,7 @@ class ProTrainPrecision(Precision):
         self.scaler = scaler  # a 16-mixed plugin's GradScaler settings; its state after a fit
         self.engine: pt.Engine | None = None
         self.device: torch.device | None = None  # where a module without an engine is evaluated
+        self.plain_after_fit = False  # the optimizer holds its state again (one process)
         self.wait_after_step = False  # user hooks between step and the next forward may read weights
         self.log_grad_norm = True  # Lightning's own configure_gradient_clipping: log the norm it returns
         # STEP inside optimizer_step: the closure's backward is a step's last micro-batch.
@@ -99,19 +100,25 @@ class ProTrainPrecision(Precision):
         return convert_input(data, self.precision)
 
     def backward(self, tensor, model, optimizer, *args, **kwargs) -> None:
+        if self.engine is None:
+            self._check_plain()
+            return super().backward(tensor, model, optimizer, *args, **kwargs)
         # Lightning runs the closure of a non-final micro-batch directly, the last one's inside
-        # optimizer_step: only that backward may update chunks.
-        final = self.phase is TrainingPhase.STEP
-        # An overridden LightningModule.backward starts autograd inside the engine's backward, as
-        # the default strategy calls it every step.
-        run = None
-        if is_overridden("backward", model, pl.LightningModule):
-            def run(loss):
-                model.backward(loss, *args, **kwargs)
+        # optimizer_step: only that backward may update chunks. Under manual optimization every
+        # backward accumulates (also those of a closure given to opt.step): the step updates.
+        final = self.phase is TrainingPhase.STEP and model.automatic_optimization
+        # LightningModule.backward (``loss.backward()`` unless overridden) starts autograd inside
+        # the engine's backward: the default strategy calls it every backward.
+        def run(loss):
+            model.backward(loss, *args, **kwargs)
+
         with contextlib.nullcontext() if final else self.engine.no_sync():
             self.engine.backward(tensor, run=run)
 
     def optimizer_step(self, optimizer, model, closure, **kwargs):
+        if self.engine is None:
+            self._check_plain()
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
         self.phase = TrainingPhase.STEP
         try:
             closure_result = closure()
@@ -124,6 +131,17 @@ class ProTrainPrecision(Precision):
         if self.wait_after_step:
             self.engine.wait_for_updates()
         return closure_result
+
+    def _check_plain(self) -> None:
+        """A backward or step through the strategy after fit: plain PyTorch on the module and its
+        optimizer, as under the default strategy -- where the optimizer got its state back."""
+        if not self.plain_after_fit:
+            raise RuntimeError(
+                "The ProTrain engine is built by trainer.fit and closed at its end; after a fit with "
+                "several processes the optimizer's state is in the checkpoint, not in the optimizer, "
+                "so a step outside fit would start it afresh. Train inside trainer.fit (resume from "
+                "the checkpoint with ckpt_path=)."
+            )
 
     def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None) -> None:
         """Lightning's clipping call (from ``configure_gradient_clipping``): the engine clips at
@@ -331,7 +349,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         self.model = module
         self.setup_precision_plugin()  # re-creates Lightning's wrappers of the optimizer
         if fitting:
-            self._route_wrapped_zero_grad(module)
+            self._route_wrapped_zero_grad()
         if fitting and not searched:
             rank_zero_info(f"ProTrain: {self.engine.plan} (given), overlap: {self.engine.steady_overlap()}")
 
@@ -343,11 +361,12 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         self.model = module
         self.setup_precision_plugin()
 
-    def _route_wrapped_zero_grad(self, module) -> None:
+    def _route_wrapped_zero_grad(self) -> None:
         """``self.optimizers().zero_grad()`` (manual optimization) reaches the optimizer class's
         own method through Lightning's wrapper, not the user's optimizer: routed there too."""
-        wrapped = module.optimizers(use_pl_optimizer=True)
-        self._wrapped_optimizers = wrapped if isinstance(wrapped, list) else [wrapped]
+        # (Lightning's wrappers as this strategy holds them: module.optimizers() is the user's to
+        # override, and runs only when the user calls it.)
+        self._wrapped_optimizers = list(self._lightning_optimizers)
         for wrapper in self._wrapped_optimizers:
             route_zero_grad(wrapper, self.engine)
 
@@ -454,6 +473,11 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
             self._last_plan = engine.plan  # the plan evaluation after fit runs with
             unroute_zero_grad(engine.optimizer)
             engine.close()
+            if self._final_optimizer_state is not None and self.world_size == 1:
+                # The optimizer is plain PyTorch again, with its state as under the default
+                # strategy (the tensors are the state dict's: nothing is copied).
+                engine.optimizer.load_state_dict(self._final_optimizer_state)
+                self.precision_plugin.plain_after_fit = True
         self.engine = None
         if self._precision_plugin is not None:
             self._precision_plugin.engine = self._precision_plugin.device = None

@@ -165,7 +165,8 @@ def _prepare(model: nn.Module, optimizer, blocks, chunk_size, example_inputs, ct
         for p in group["params"]:
             if id(p) not in model_params:
                 raise ValueError("The optimizer holds a parameter that is not part of the model.")
-    if getattr(model, "_protrain_engine", None) is not None:
+    engine = getattr(model, "_protrain_engine", None)
+    if engine is not None and engine.module is model:  # (a deep copy of a wrapped model is not)
         raise ValueError("This model is already wrapped by a ProTrain engine.")
 
     compiled = next((name for name, m in model.named_modules() if _is_compiled(m)), None)

@@ -1,6 +1,7 @@
 """Trainer(strategy="protrain"): parity with Lightning's default strategy, precision flags,
 optimizers and schedulers, accumulation, clipping, checkpoints and errors."""
 
+import functools
 import json
 import logging
 import os
@@ -333,6 +334,103 @@ def test_manual_optimization_trains_as_under_the_default_strategy(plan):
     assert_same(ours, default)
 
 
+class ManualClosure(LitLM):
+    """Manual optimization with the backwards inside a closure given to opt.step (two backwards
+    of the same loss, as Lightning's own test of closures does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.optimizers_calls = 0
+
+    def optimizers(self, *args, **kwargs):
+        self.optimizers_calls += 1
+        return super().optimizers(*args, **kwargs)
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        (x,) = batch
+
+        def closure():
+            loss = self.model(input_ids=x, labels=x).loss
+            self.manual_backward(loss / 2, retain_graph=True)
+            self.manual_backward(loss / 2)
+            self.losses.append(loss.item())
+
+        opt.step(closure=closure)
+        opt.zero_grad()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        pass
+
+
+@pytest.mark.parametrize("plan", ["persistent", "streamed"])
+def test_manual_backwards_inside_a_step_closure_train_as_under_the_default_strategy(plan):
+    """opt.step(closure=...) runs the closure inside the strategy's optimizer_step: its backwards
+    were taken for the step's final one, and the second was refused ("engine.backward() was
+    called twice without engine.step()"). The strategy itself never calls the user's
+    ``optimizers()`` (it did once at setup): only the user's code does, as often as under the
+    default strategy."""
+    def run(strategy):
+        torch.manual_seed(1234)
+        lit = ManualClosure()
+        trainer(strategy, max_steps=4).fit(lit, loader())
+        return lit, None
+
+    ours, default = run(ProTrainStrategy(plan=_plan(plan, n_chunks(LitLM())))), run("auto")
+    assert len(ours[0].losses) == len(default[0].losses) == 4
+    assert ours[0].optimizers_calls == default[0].optimizers_calls == 4
+    assert_same(ours, default)
+
+
+def test_lightning_module_backward_replaced_on_the_instance_runs_every_backward():
+    """The default strategy calls ``LightningModule.backward`` for every backward, whatever it
+    is; ProTrain called it only when it looked overridden, so a wrapper set on the instance
+    around the inherited method (Lightning's hook-order test records calls so) never ran."""
+    def run(strategy):
+        torch.manual_seed(1234)
+        lit = LitLM()
+        calls = []
+
+        @functools.wraps(lit.backward)  # a recording wrapper, as decorators make them
+        def backward(loss, *a, **kw):
+            calls.append(1)
+            return original(loss, *a, **kw)
+
+        original, lit.backward = lit.backward, backward
+        trainer(strategy, accumulate_grad_batches=2).fit(lit, loader())
+        return lit, calls
+
+    (ours, ours_calls), (default, default_calls) = run(ProTrainStrategy(plan=_plan("streamed"))), run("auto")
+    assert len(ours_calls) == len(default_calls) == 2 * STEPS
+    assert_same((ours, None), (default, None))
+
+
+def test_a_step_driven_through_the_strategy_after_fit_runs_as_under_the_default_strategy():
+    """After fit the engine is gone and the module and its optimizer are plain PyTorch again: a
+    step driven through the strategy (``strategy.optimizer_step`` with a closure calling
+    ``strategy.backward``, as Lightning's own loop tests do after fit) runs as under the default
+    strategy. Before: AttributeError on the closed engine."""
+    def run(strategy):
+        torch.manual_seed(1234)
+        lit = LitLM()
+        t = trainer(strategy)
+        t.fit(lit, loader())
+        (x,) = next(iter(loader()))
+        optimizer = t.optimizers[0]
+        optimizer.zero_grad()  # (the default strategy leaves the last step's .grad behind)
+
+        def closure():
+            loss = lit.model(input_ids=x, labels=x).loss
+            t.strategy.backward(loss, optimizer)
+            return loss
+
+        t.strategy.optimizer_step(optimizer, closure)
+        return lit, None
+
+    assert_same(run(ProTrainStrategy(plan=_plan("streamed"))), run("auto"))
+
+
 class DoubledBackward(LitLM):
     """Overrides LightningModule.backward: counts its calls and doubles the gradients."""
 
@@ -502,6 +600,19 @@ def test_several_optimizers_are_refused_with_what_protrain_needs():
     with pytest.raises(ValueError, match="exactly one optimizer.*param groups") as info:
         trainer("protrain").fit(Two(), loader())
     assert "automatic_optimization = False" not in str(info.value)
+
+
+def test_no_optimizer_is_refused_before_training_with_what_protrain_needs():
+    """configure_optimizers returning None: Lightning stands in an optimizer without parameters;
+    the engine failed on it with a KeyError ('param_groups')."""
+    class NoOptimizer(LitLM):
+        def configure_optimizers(self):
+            return None
+
+    lit = NoOptimizer()
+    with pytest.raises(ValueError, match="configure_optimizers returned None"):
+        trainer("protrain").fit(lit, loader())
+    assert lit.losses == []  # refused before the first training step
 
 
 class Plain(pl.LightningModule):

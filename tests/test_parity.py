@@ -137,3 +137,40 @@ def test_mixed_precision_parity(arch, precision, dtype, plan_kind):
         assert sd[name].dtype == torch.float32
     if scaler is not None:
         assert engine.scaler_state_dict()["scale"] == scaler.get_scale()
+
+
+@pytest.mark.parametrize("plan", [pt.Plan(n_persist=1, n_buffer=2, n_swap=1, n_checkpoint=2),
+                                  pt.Plan(n_persist=99, n_buffer=0, n_checkpoint=3)], ids=["streamed", "persistent"])
+def test_a_deep_copy_of_the_wrapped_model_is_a_plain_model_with_the_weights_of_the_moment(plan):
+    """``copy.deepcopy(model)`` between steps (an EMA; Lightning's weight averaging and some of
+    its own tests copy the model so) gives a plain module: its forward, backward and state dict
+    are its own, with the values of the moment, and training goes on as if no copy were made.
+    Before: the copy took a copy of the engine along (its hooks refer to it), a checkpointed
+    block's copy ran the original block, and the copy's state_dict() failed in the copied
+    engine ("setStorage ... out of bounds")."""
+    model = MODELS["gpt2"]()
+    ref = copy.deepcopy(model)
+    plan = pt.Plan(**{**plan.__dict__, "n_persist": min(plan.n_persist, n_chunks(model))})
+    data = batches(6)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), plan, device="cpu", check_invariants=True)
+    for step, x in enumerate(data):
+        if step == 3:
+            snapshot = copy.deepcopy(model)
+            assert not any(p is q for p, q in zip(snapshot.parameters(), model.parameters()))
+            out, expected = snapshot(input_ids=x, labels=x).loss, ref(input_ids=x, labels=x).loss
+            assert torch.equal(out, expected)
+            out.backward()  # the copy's own autograd: nothing of the engine runs
+            assert all(p.grad is not None for p in snapshot.parameters())
+            assert set(snapshot.state_dict()) == set(ref.state_dict())
+            assert all(torch.equal(v, ref.state_dict()[k]) for k, v in snapshot.state_dict().items())
+            pt.wrap(snapshot, torch.optim.AdamW(snapshot.parameters()), pt.Plan(n_persist=1, n_buffer=1), device="cpu").close()
+        loss, ref_loss = engine.module(input_ids=x, labels=x).loss, ref(input_ids=x, labels=x).loss
+        assert torch.equal(loss, ref_loss), step
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_same_weights(engine.state_dict(), ref)

@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 import warnings
 import weakref
 from contextlib import contextmanager
@@ -199,7 +200,9 @@ class ActivationManager:
         for i, block in enumerate(self.blocks):
             if self.modes[i] is BlockMode.CHECKPOINT:
                 self._originals[i] = ("forward" in block.__dict__, block.__dict__.get("forward"))
-                block.forward = self._checkpointed_forward(i, block.forward)
+                # Bound to the block: a deep copy of the model (an EMA, Lightning's weight
+                # averaging) binds it to the copied block, which then runs its own forward.
+                block.forward = types.MethodType(self._checkpointed_forward(i, block.forward), block)
             else:
                 signature = inspect.signature(block.forward)
                 self._handles.append(block.register_forward_pre_hook(self._pre_forward(i, signature), with_kwargs=True))
@@ -224,7 +227,9 @@ class ActivationManager:
     def _pre_forward(self, i: int, signature: inspect.Signature):
         mode = self.modes[i]
 
-        def hook(_module, args, kwargs):
+        def hook(module, args, kwargs):
+            if module is not self.blocks[i]:  # a deep copy of the block shares this hook
+                return
             self._throttle(i)
             if not torch.is_grad_enabled() or (mode is BlockMode.KEEP and not self._measure):
                 self._open[i].append(None)
@@ -241,8 +246,8 @@ class ActivationManager:
         return hook
 
     def _post_forward(self, i: int):
-        def hook(_module, _args, output):
-            if not self._open[i]:
+        def hook(module, _args, output):
+            if module is not self.blocks[i] or not self._open[i]:
                 return  # an earlier pre-hook raised: this one never ran
             entry = self._open[i].pop()
             call = None
@@ -260,7 +265,9 @@ class ActivationManager:
         recompute = self._recomputing(i, forward)
 
         @functools.wraps(forward)
-        def wrapped(*args, **kwargs):
+        def wrapped(module, *args, **kwargs):
+            if module is not self.blocks[i]:  # a copy of the block: a plain module
+                return type(module).forward(module, *args, **kwargs)
             if not torch.is_grad_enabled():
                 return forward(*args, **kwargs)
             self._throttle(i)

@@ -104,6 +104,7 @@ class Engine:
         # Every module's: a LightningModule's self.model.state_dict() does not run the root's hooks.
         self._state_dict_hooks = [m.register_state_dict_pre_hook(self._before_module_state_dict)
                                   for m in module.modules()]
+        self._managed = {id(m) for m in module.modules()}
         self._step_hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
         self._in_step = False  # engine.step() runs the optimizer's own step (its hooks, LR schedulers)
         self._reading_states = False  # Engine.state_dict is reading the module's
@@ -219,7 +220,9 @@ class Engine:
         self._notify("batch_begins", batch)
         self._batch_begun = True
 
-    def _on_module_call(self, _module, args, kwargs) -> None:
+    def _on_module_call(self, module, args, kwargs) -> None:
+        if module is not self.module:  # a deep copy of the model
+            return
         self._adopt_rebound()  # every forward, evaluation too
         if torch.is_grad_enabled():
             self._begin_batch((args, kwargs))
@@ -257,12 +260,16 @@ class Engine:
     def _register_autocast(self):
         stack = []
 
-        def enter(_module, _args):
+        def enter(module, _args):
+            if module is not self.module:  # a deep copy of the model
+                return
             context = self.autocast()
             context.__enter__()
             stack.append(context)
 
-        def leave(_module, _args, _output):
+        def leave(module, _args, _output):
+            if module is not self.module:
+                return
             stack.pop().__exit__(None, None, None)
 
         return [
@@ -516,6 +523,8 @@ class Engine:
         an EMA callback's ``self.model.state_dict()``) reads the parameters: wait for their
         updates. Sharded over several processes an offloaded chunk's parameters are not whole on
         any rank: refused, with the fix, for every module holding one."""
+        if id(module) not in self._managed:  # a deep copy's module: its own tensors
+            return
         if self.sharding is not None and not self._reading_states and any(
                 not self._slot_of[id(p)][0].persistent for p in module.parameters() if id(p) in self._slot_of):
             name = "model" if module is self.module else f"{type(module).__name__} (a module of the wrapped model)"
@@ -766,6 +775,14 @@ class Engine:
         self.runtime.shutdown(wait=not after_failure)
         self.module._protrain_engine = None
         self._closed = True
+
+    def __deepcopy__(self, memo) -> Engine:
+        """The engine is not a value: it owns the device, pinned memory, a worker thread and the
+        process group. A deep copy of the model (an EMA, Lightning's weight averaging) copies
+        its hooks, which refer to the engine: they get this engine, and ignore the copy's
+        modules, so the copy is a plain module with the weights of the moment."""
+        memo[id(self)] = self
+        return self
 
     def _check_open(self) -> None:
         if self._closed:

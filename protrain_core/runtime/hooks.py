@@ -58,6 +58,7 @@ class RuntimeHooks:
         self.chunks = chunks
         self.handles = []
         self._running: list[UnitCall] = []  # the unit calls whose forward is running, outermost first
+        self._units = {id(m) for m in units}  # (a deep copy of the model shares the hooks: ignored)
         for module, idxs in units.items():
             self.handles.append(module.register_forward_pre_hook(self._pre_forward(idxs), with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post_forward(idxs), with_kwargs=True,
@@ -78,8 +79,8 @@ class RuntimeHooks:
         return any(not self.chunks[i].persistent for i in idxs)
 
     def _pre_forward(self, idxs):
-        def hook(_module, args, kwargs):
-            if not self._streams(idxs):
+        def hook(module, args, kwargs):
+            if id(module) not in self._units or not self._streams(idxs):
                 return
             call = UnitCall(idxs, self._running[-1] if self._running else None)
             if torch.is_grad_enabled():  # (inference tensors have no version counter)
@@ -90,8 +91,8 @@ class RuntimeHooks:
         return hook
 
     def _post_forward(self, idxs):
-        def hook(_module, _args, _kwargs, output):
-            if not self._streams(idxs):
+        def hook(module, _args, _kwargs, output):
+            if id(module) not in self._units or not self._streams(idxs):
                 return
             call = self._running.pop()
             self.runtime.post_forward(idxs)

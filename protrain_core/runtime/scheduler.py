@@ -108,11 +108,7 @@ class Runtime:
     def begin_unit_backward(self, call) -> None:
         """A unit call's backward begins: its chunks become resident and join (or replace) the
         active chain ([Note: a unit's backward] in hooks.py); the chunk before them is prefetched."""
-        if self.phase.phase is not TrainingPhase.BACKWARD:
-            raise RuntimeError(
-                "A ProTrain-managed module is running backward outside engine.backward(loss). "
-                "Call engine.backward(loss) instead of loss.backward()."
-            )
+        self._check_in_backward()
         if call.began:
             return
         call.began = True
@@ -127,7 +123,16 @@ class Runtime:
             self.prefetch(min(call.idxs) - 1)
             self.check()
 
+    def _check_in_backward(self) -> None:
+        if self.phase.phase is not TrainingPhase.BACKWARD:
+            raise RuntimeError(
+                "A ProTrain-managed module is running backward outside engine.backward(loss): call "
+                "engine.backward(loss) instead of loss.backward() (in a LightningModule "
+                "self.manual_backward(loss); with Fabric fabric.backward(loss))."
+            )
+
     def on_grad(self, c: Chunk, i: int, p: Tensor) -> None:
+        self._check_in_backward()
         grad = p.grad
         p.grad = None
         if grad is None:
