@@ -38,7 +38,10 @@ def _force(cls) -> None:
 
     @functools.wraps(init)  # Lightning reads the signature (its PL_TRAINER_* environment defaults)
     def __init__(self, *args, **kwargs):
-        bound = signature.bind_partial(self, *args, **kwargs)
+        try:
+            bound = signature.bind_partial(self, *args, **kwargs)
+        except TypeError:  # bad arguments: Lightning's own error, as without the plugin
+            return init(self, *args, **kwargs)
         if bound.arguments.get("strategy", "auto") == "auto":
             bound.arguments["strategy"] = "protrain"
             forced["count"] += 1

@@ -50,9 +50,14 @@ MODULES = (
 REFUSALS = ("ValueError", "TypeError", "RuntimeError", "NotImplementedError", "MisconfigurationException")
 
 
-def run_module(src: Path, module: str, force: bool, out: Path, timeout: float) -> dict:
-    """One pytest session over ``module`` of Lightning's tests; its records by test id."""
+def run_module(src: Path, module: str, force: bool, out: Path, timeout: float, reuse: bool = False) -> dict:
+    """One pytest session over ``module`` of Lightning's tests; its records by test id
+    (``reuse``: the records a previous run left in ``out``, classified again)."""
     records = out / f"{module.replace('/', '_')}.{'forced' if force else 'as-is'}.jsonl"
+    if reuse:
+        saved = out / "uncollected.json"
+        uncollected = json.loads(saved.read_text()).get(module, []) if saved.exists() else []
+        return {**_records(records), "seconds": 0.0, "timed_out": False, "tail": "", "uncollected": uncollected}
     records.unlink(missing_ok=True)
     env = {**os.environ, "PROTRAIN_CONFORMANCE_OUT": str(records), "PROTRAIN_CONFORMANCE_FORCE": "1" if force else "0",
            "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO), os.environ.get("PYTHONPATH", "")]),
@@ -65,18 +70,23 @@ def run_module(src: Path, module: str, force: bool, out: Path, timeout: float) -
         output, timed_out = proc.stdout, False
     except subprocess.TimeoutExpired as e:
         output, timed_out = (e.stdout or b"").decode(errors="replace"), True
-    results = {}
-    if records.exists():
-        for line in records.read_text().splitlines():
-            record = json.loads(line)
-            previous = results.get(record["test"])
-            if previous is None or previous["outcome"] == "passed":  # a failed teardown after a passed call
-                results[record["test"]] = record
+    results = _records(records)["results"]
     # Test files that did not import (a missing optional dependency): named in the table.
     uncollected = sorted(set(re.findall(r"^ERROR (\S+\.py)( |$)", output, flags=re.M)))
     uncollected = [f for f, _ in uncollected]
     return {"results": results, "seconds": time.time() - start, "timed_out": timed_out, "tail": output[-2000:],
             "uncollected": uncollected}
+
+
+def _records(path: Path) -> dict:
+    results = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            previous = results.get(record["test"])
+            if previous is None or previous["outcome"] == "passed":  # a failed teardown after a passed call
+                results[record["test"]] = record
+    return {"results": results}
 
 
 def classify(record: dict, reviewed: dict) -> tuple[str, str]:
@@ -169,6 +179,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="where the per-test records go (default: a temporary folder)")
     ap.add_argument("--report", type=Path, default=None, help="write the table there (e.g. docs/conformance.md)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per pytest session")
+    ap.add_argument("--reuse", action="store_true", help="classify the records already in --out again, run nothing")
     args = ap.parse_args()
     src = args.lightning_src.resolve()
     if not (src / "tests" / "tests_pytorch").is_dir():
@@ -177,9 +188,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     reviewed = json.loads((HERE / "reviewed.json").read_text())
     start, rows = time.time(), []
+    uncollected = {}
     for module in args.modules.split(","):
-        as_is = run_module(src, module, False, out, args.timeout)
-        forced = run_module(src, module, True, out, args.timeout)
+        as_is = run_module(src, module, False, out, args.timeout, args.reuse)
+        forced = run_module(src, module, True, out, args.timeout, args.reuse)
+        uncollected[module] = as_is["uncollected"]
         rows.append(summarise(module, as_is, forced, reviewed))
         r = rows[-1]
         print(f"{module}: {r['tests']} tests, {r['passed_as_is']} passed as is, {r['passed_forced']} forced; "
@@ -190,6 +203,8 @@ def main() -> None:
     if args.report:
         args.report.write_text(text)
     (out / "rows.json").write_text(json.dumps(rows, indent=1))
+    if not args.reuse:
+        (out / "uncollected.json").write_text(json.dumps(uncollected))
 
 
 def _describe(src: Path) -> str:
