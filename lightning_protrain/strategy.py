@@ -13,9 +13,10 @@ The strategy is a thin adapter over ``protrain_core``:
               Lightning runs outside ``optimizer_step`` is a non-final micro-batch of
               ``accumulate_grad_batches`` and runs under ``engine.no_sync()``. Manual
               optimization: every ``manual_backward`` accumulates so (nothing is updated during
-              it), ``self.clip_gradients`` clips exactly, ``opt.step()`` is ``engine.step()`` and
-              ``opt.zero_grad()`` reaches the engine through Lightning's optimizer wrapper. An
-              overridden ``LightningModule.backward`` starts autograd inside ``engine.backward``.
+              it; also inside a closure given to ``opt.step``), ``self.clip_gradients`` clips
+              exactly, ``opt.step()`` is ``engine.step()`` and ``opt.zero_grad()`` reaches the
+              engine through Lightning's optimizer wrapper. ``LightningModule.backward``
+              (overridden or not) starts autograd inside ``engine.backward``, every backward.
   step        ``engine.step()``; LR schedulers step the user's optimizer as usual. Updates
               that overlap the next forward (fp16, norm clipping) are waited for at the end of
               the step when the module or a user callback has a hook that runs before that
