@@ -100,9 +100,10 @@ def trainer(strategy="auto", **kw):
                       limit_val_batches=0, **kw)
 
 
-def fit(strategy="auto", module_kw=None, **trainer_kw):
+def fit(strategy="auto", module_kw=None, module=LitLM, **trainer_kw):
+    """``module(**module_kw)`` trained from seed 1234 on ``loader()``: (module, trainer)."""
     torch.manual_seed(1234)
-    lit = LitLM(**(module_kw or {}))
+    lit = module(**(module_kw or {}))
     t = trainer(strategy, **trainer_kw)
     t.fit(lit, loader())
     return lit, t
@@ -209,11 +210,7 @@ def test_overridden_configure_gradient_clipping_equals_default(plan):
     recorder = NormRecorder()
 
     def run(strategy):
-        torch.manual_seed(1234)
-        lit = ClipOddSteps()
-        t = trainer(strategy, callbacks=[recorder])
-        t.fit(lit, loader())
-        return lit, t
+        return fit(strategy, module=ClipOddSteps, callbacks=[recorder])
 
     ref = run("auto")
     got = run(ProTrainStrategy(plan=pt.Plan(**plan)))
@@ -254,10 +251,7 @@ def test_parameter_writes_between_steps_survive_like_under_the_default_strategy(
     fit: in-place writes, and ``p.data = tensor`` rebinding (before: rebinding was lost, the
     chunks kept the old values)."""
     def run(strategy):
-        torch.manual_seed(1234)
-        lit = LitLM()
-        trainer(strategy, callbacks=[ResetWeights()]).fit(lit, loader())
-        return lit, None
+        return fit(strategy, callbacks=[ResetWeights()])
 
     assert_same(run(ProTrainStrategy(plan=_plan(plan, n_chunks(LitLM())))), run("auto"))
 
@@ -286,10 +280,7 @@ class SkipOddBatches(LitLM):
 
 def test_training_step_returning_none_with_clipping_equals_default():
     def run(strategy):
-        torch.manual_seed(1234)
-        lit = SkipOddBatches()
-        trainer(strategy, gradient_clip_val=0.05).fit(lit, loader())
-        return lit, None
+        return fit(strategy, module=SkipOddBatches, gradient_clip_val=0.05)
 
     assert_same(run(ProTrainStrategy(plan=pt.Plan(n_persist=0, n_buffer=1))), run("auto"))
 
@@ -324,10 +315,7 @@ def test_manual_optimization_trains_as_under_the_default_strategy(plan):
     """manual_backward, clip_gradients, opt.step() every second batch, zero_grad and
     toggle_optimizer train bitwise like the default strategy (before: refused at setup)."""
     def run(strategy):
-        torch.manual_seed(1234)
-        lit = Manual()
-        trainer(strategy, max_steps=4).fit(lit, loader())
-        return lit, None
+        return fit(strategy, module=Manual, max_steps=4)
 
     ours, default = run(ProTrainStrategy(plan=_plan(plan, n_chunks(LitLM())))), run("auto")
     assert len(ours[0].losses) == len(default[0].losses) == 8
@@ -372,10 +360,7 @@ def test_manual_backwards_inside_a_step_closure_train_as_under_the_default_strat
     ``optimizers()`` (it did once at setup): only the user's code does, as often as under the
     default strategy."""
     def run(strategy):
-        torch.manual_seed(1234)
-        lit = ManualClosure()
-        trainer(strategy, max_steps=4).fit(lit, loader())
-        return lit, None
+        return fit(strategy, module=ManualClosure, max_steps=4)
 
     ours, default = run(ProTrainStrategy(plan=_plan(plan, n_chunks(LitLM())))), run("auto")
     assert len(ours[0].losses) == len(default[0].losses) == 4
@@ -447,10 +432,7 @@ def test_an_overridden_backward_runs_every_step_as_under_the_default_strategy():
     """The default strategy calls LightningModule.backward for every backward; ProTrain used to
     call loss.backward() itself and never the override, silently."""
     def run(strategy):
-        torch.manual_seed(1234)
-        lit = DoubledBackward()
-        trainer(strategy, accumulate_grad_batches=2).fit(lit, loader())
-        return lit, None
+        return fit(strategy, module=DoubledBackward, accumulate_grad_batches=2)
 
     ours, default = run(ProTrainStrategy(plan=_plan("streamed"))), run("auto")
     assert ours[0].backward_calls == default[0].backward_calls == 2 * STEPS
