@@ -9,6 +9,7 @@ parameters: time and bytes per parameter.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -58,17 +59,21 @@ def measure(numel: int = 16 * 2**20, tensors: int = 16, iters: int = 20) -> list
 
 
 # The update pipelines of a streamed chunk the CPU worker runs, and the bytes per parameter each
-# operation reads and writes: Adam (fused AdamW: fp32 master, gradient, m, v read; master, m, v
-# written) 28; in mixed precision the gradient landed in the compute-dtype copy is folded into
-# the fp32 accumulator (2 + 4) and the master rounded back into that copy (4 + 2); norm clipping
-# multiplies the gradients by the coefficient first (4 + 4).
+# operation reads and writes. Separate passes: Adam (fused AdamW: fp32 master, gradient, m, v
+# read; master, m, v written) 28; in mixed precision the gradient landed in the compute-dtype copy
+# is folded into the fp32 accumulator (2 + 4) and the master rounded back into that copy (4 + 2);
+# norm clipping multiplies the gradients by the coefficient first (4 + 4). The one-pass kernel
+# (protrain_ops/onepass.py, mixed precision): bf16 gradient in, fp32 gradient out (it stays until
+# zero_grad), master, m, v read and written, bf16 copy out -- 32, clipped or not.
 PIPELINES = {"fp32": ("32-true", False), "fp32, norm clipping": ("32-true", True),
              "bf16-mixed": ("bf16-mixed", False), "bf16-mixed, norm clipping": ("bf16-mixed", True)}
-ADAM_BYTES, FOLD_BYTES, COPY_BACK_BYTES, CLIP_BYTES = 28, 6, 6, 8
+ADAM_BYTES, FOLD_BYTES, COPY_BACK_BYTES, CLIP_BYTES, ONE_PASS_BYTES = 28, 6, 6, 8, 32
 
 
-def pipeline_bytes(precision: str, clip: bool) -> int:
+def pipeline_bytes(precision: str, clip: bool, *, one_pass: bool = False) -> int:
     mixed = precision != "32-true"
+    if one_pass and mixed:
+        return ONE_PASS_BYTES
     return ADAM_BYTES + (FOLD_BYTES + COPY_BACK_BYTES if mixed else 0) + (CLIP_BYTES if clip else 0)
 
 
@@ -90,39 +95,70 @@ def streamed_chunk(precision: str, hidden: int):
 
 def pipeline(hidden: int = 1024, iters: int = 20) -> list[dict]:
     """Rows of {pipeline, numel, seconds, ns_per_param, bytes_per_param, ratio}: the worker's
-    ``land_and_update`` of one streamed chunk (landed, then updated), and AdamW(fused=True)
-    alone on fp32 copies of the same parameters (``ratio``: the pipeline's time over it)."""
-    from protrain_core.runtime.optim import ChunkOptimizer, UpdateClip
+    ``land_and_update`` of one streamed chunk (landed, then updated) -- in mixed precision with
+    the separate passes and with the one-pass kernel --, and AdamW(fused=True) alone on fp32
+    copies of the same parameters in the same run (``ratio``: the pipeline's time over it)."""
+    from protrain_ops import onepass
 
     rows = []
     for name, (precision, clip) in PIPELINES.items():
         engine, chunk = streamed_chunk(precision, hidden)
-        storage, worker = chunk.storage, engine.runtime.worker
         members = [i for group in chunk.opt_members.values() for i in group]
         numel = sum(chunk.params[i].numel() for i in members)
-        storage.grad_acc.normal_()
-        mixed = storage.fmt.separate_master
-        landing = storage.compute_span() if mixed else storage.grad_acc
-        update = (ChunkOptimizer(engine.optimizer).snapshot(), {g: list(m) for g, m in chunk.opt_members.items()},
-                  UpdateClip(coef=torch.tensor(0.5)) if clip else UpdateClip())
-        seconds = bench(lambda: worker.land_and_update(chunk, None, landing, True, None, update), iters)
-        params = [torch.nn.Parameter(torch.randn(chunk.params[i].shape)) for i in members]
-        for p in params:
-            p.grad = torch.randn_like(p)
-        baseline = bench(torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True).step, iters)
+        baseline = _fused_adamw(chunk, members, iters)
+        ways = [("separate passes", True)] + ([("one pass", False)] if chunk.storage.fmt.separate_master else [])
+        for way, off in ways:
+            with onepass.turned_off() if off else contextlib.nullcontext():
+                seconds = _land_and_update(engine, chunk, clip, iters)
+            rows.append({"pipeline": name, "way": way, "numel": numel, "members": len(members), "seconds": seconds,
+                         "ns_per_param": seconds / numel * 1e9, "fused_adamw_ns_per_param": baseline / numel * 1e9,
+                         "bytes_per_param": pipeline_bytes(precision, clip, one_pass=not off),
+                         "ratio": seconds / baseline})
         engine.close()
-        rows.append({"pipeline": name, "numel": numel, "members": len(members), "seconds": seconds,
-                     "ns_per_param": seconds / numel * 1e9, "fused_adamw_ns_per_param": baseline / numel * 1e9,
-                     "bytes_per_param": pipeline_bytes(precision, clip), "ratio": seconds / baseline})
     return rows
+
+
+def _fused_adamw(chunk, members: list[int], iters: int) -> float:
+    """Median seconds of AdamW(fused=True) on fp32 copies of the members, a fresh gradient
+    written before each step (outside the timed region) as for the pipelines."""
+    params = [torch.nn.Parameter(torch.randn(chunk.params[i].shape)) for i in members]
+    for p in params:
+        p.grad = torch.empty_like(p)
+    step = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True).step
+    times = []
+    for _ in range(iters + 1):  # the first one warms up
+        for p in params:
+            p.grad.normal_(std=1e-3)
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
+
+
+def _land_and_update(engine, chunk, clip: bool, iters: int) -> float:
+    """Median seconds of the worker landing a full chunk's gradient and updating it; a fresh
+    gradient is written where it lands before each (outside the timed region)."""
+    from protrain_core.runtime.optim import ChunkOptimizer, UpdateClip
+
+    storage, worker = chunk.storage, engine.runtime.worker
+    update = (ChunkOptimizer(engine.optimizer).snapshot(), {g: list(m) for g, m in chunk.opt_members.items()},
+              UpdateClip(coef=torch.tensor(0.5)) if clip else UpdateClip())
+    times = []
+    for _ in range(iters + 1):  # the first one warms up
+        landing = storage.compute_span() if storage.fmt.separate_master else storage.grad_acc
+        landing.normal_(std=1e-3)
+        t = time.perf_counter()
+        worker.land_and_update(chunk, None, landing, True, None, update)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
 
 
 def pipeline_markdown(rows: list[dict], iters: int) -> str:
     lines = [f"one streamed chunk of {rows[0]['numel']:,} parameters in {rows[0]['members']} tensors; median of {iters} "
              "updates; AdamW(fused=True) alone: on fp32 copies of the same parameters, 28 bytes per parameter", "",
-             "| pipeline | bytes/param | ns/param | AdamW(fused) ns/param | ratio |", "|---|---|---|---|---|"]
-    lines += [f"| {r['pipeline']} | {r['bytes_per_param']} | {r['ns_per_param']:.2f} | {r['fused_adamw_ns_per_param']:.2f} "
-              f"| {r['ratio']:.2f}x |" for r in rows]
+             "| pipeline | way | bytes/param | ns/param | AdamW(fused) ns/param | ratio |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['pipeline']} | {r['way']} | {r['bytes_per_param']} | {r['ns_per_param']:.2f} "
+              f"| {r['fused_adamw_ns_per_param']:.2f} | {r['ratio']:.2f}x |" for r in rows]
     return "\n".join(lines)
 
 

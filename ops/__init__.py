@@ -5,6 +5,7 @@ The engine calls these on one chunk at a time: lists of flat fp32 (bf16 in bf16-
 memory (non-persistent chunks, updated by the CPU worker).
 """
 
+from protrain_ops import onepass
 from protrain_ops.adam import AdamHyperParams, adam_step, copy_to_low_precision
 
-__all__ = ["AdamHyperParams", "adam_step", "copy_to_low_precision"]
+__all__ = ["AdamHyperParams", "adam_step", "copy_to_low_precision", "onepass"]

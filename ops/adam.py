@@ -64,6 +64,14 @@ def adam_step(
     if not params:
         return
     torch._foreach_add_(steps, 1)
+    fused_kernel_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hp)
+
+
+def fused_kernel_step(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+                      max_exp_avg_sqs: list[Tensor], steps: list[Tensor], hp: AdamHyperParams) -> None:
+    """torch's fused kernel on the lists of ``adam_step``, with ``steps`` already incremented."""
+    if not params:
+        return
     kernel = torch._fused_adamw_ if hp.decoupled_weight_decay else torch._fused_adam_
     kernel(
         params,

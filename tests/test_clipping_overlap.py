@@ -280,10 +280,10 @@ def slow_cpu_adam(monkeypatch, seconds):
     """The CPU worker's Adam takes ``seconds`` longer per chunk (device Adam is unchanged)."""
     update = ChunkOptimizer.update
 
-    def slow(self, *args):
+    def slow(self, *args, **kwargs):
         if threading.current_thread().name.startswith("protrain-cpu-adam"):
             time.sleep(seconds)
-        return update(self, *args)
+        return update(self, *args, **kwargs)
 
     monkeypatch.setattr(ChunkOptimizer, "update", slow)
 
@@ -401,11 +401,11 @@ def test_live_profiling_does_not_time_the_updates_as_forward(clipping, monkeypat
     lock = threading.Lock()
     update, boundary = ChunkOptimizer.update, LiveProfiler._boundary
 
-    def counted_update(self, *args):
+    def counted_update(self, *args, **kwargs):
         with lock:
             running[0] += 1
         try:
-            return update(self, *args)
+            return update(self, *args, **kwargs)
         finally:
             with lock:
                 running[0] -= 1

@@ -166,6 +166,7 @@ class UpdateViews:
     exp_avg_sqs: list[Tensor]
     max_exp_avg_sqs: list[Tensor]
     member_steps: list[Tensor]
+    lows: list[Tensor]  # in the compute copy's trainable span (mixed precision only, else [])
 
     @property
     def states(self) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
@@ -483,13 +484,15 @@ class Chunk:
         (a chunk is updated every step with the same members: rebuilding the lists cost more
         than the step itself on small chunks) and again when the storage's tensors change."""
         storage = self.storage
-        flats = (storage.master, storage.grad_acc, storage.exp_avg, storage.exp_avg_sq, storage.max_exp_avg_sq)
+        states = (storage.master, storage.grad_acc, storage.exp_avg, storage.exp_avg_sq, storage.max_exp_avg_sq)
+        flats = states + (storage.compute_home,)
         views = self._views.get(members)
         if views is None or views.steps is not storage.steps or any(a is not b for a, b in zip(views.flats, flats)):
             def of(flat):
                 return [] if flat is None else [self.state_view(flat, i) for i in members]
 
-            views = UpdateViews(flats, storage.steps, *(of(f) for f in flats), [storage.steps[i] for i in members])
+            lows = of(storage.compute_span()) if storage.fmt.separate_master else []
+            views = UpdateViews(flats, storage.steps, *(of(f) for f in states), [storage.steps[i] for i in members], lows)
             self._views[members] = views
         return views
 

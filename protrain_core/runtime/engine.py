@@ -33,6 +33,7 @@ from protrain_core.runtime.timeline import Timeline
 from protrain_core.structure.blocks import block_modules
 from protrain_core.structure.layout import ChunkLayout, unit_chunks
 from protrain_core.update import ClipAlgorithm, GradientClipping, Overlap, overlap_mode, parse_gradient_clipping
+from protrain_ops import onepass
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +74,8 @@ class Engine:
         self.phase = PhaseTracker()
         self.scaler = LossScaler() if precision is Precision.FP16_MIXED else None
         self._optim = ChunkOptimizer(optimizer)
+        if precision is Precision.BF16_MIXED and self._optim.kind is None:
+            onepass.kernel()  # built (once per machine) and checked now, not in the first backward
         self._no_sync = False
         self._manual = False  # Lightning manual optimization (set_manual_optimization)
         self._closed = False
@@ -740,9 +743,11 @@ class Engine:
 
     def _worker_line(self) -> str:
         worker = self.runtime.worker
-        if worker.threads is None:
-            return worker.threads_why
-        return f"{worker.threads} thread{'s' if worker.threads > 1 else ''} ({worker.threads_why})"
+        line = worker.threads_why if worker.threads is None else \
+            f"{worker.threads} thread{'s' if worker.threads > 1 else ''} ({worker.threads_why})"
+        if self.precision is Precision.BF16_MIXED and self._optim.kind is None:
+            line += f"; updates of streamed chunks: {onepass.status()}"
+        return line
 
     # ----- life ---------------------------------------------------------------------------
     @property

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from protrain_core.runtime.elementwise import Elementwise, ElementwiseSteps, describe, is_adam
-from protrain_ops import AdamHyperParams, adam_step, copy_to_low_precision
+from protrain_ops import AdamHyperParams, adam_step, copy_to_low_precision, onepass
 
 if TYPE_CHECKING:
     from protrain_core.runtime.chunk import Chunk
@@ -79,6 +79,21 @@ class UpdateClip:
         return self if self.coef is None or self.coef.device == device else UpdateClip(self.coef.to(device), self.value)
 
 
+def _uncovered(flats: tuple[Tensor, ...], covered: list[Tensor]) -> tuple[list[Tensor], ...]:
+    """For each of ``flats`` (tensors laid out as the master, ``flats[0]``), its pieces that no
+    view in ``covered`` (views of the master) holds."""
+    master = flats[0]
+    base, size = master.data_ptr(), master.element_size()
+    pieces = sorted(((v.data_ptr() - base) // size, v.numel()) for v in covered if v.numel())
+    out, at = tuple([] for _ in flats), 0
+    for start, n in pieces + [(master.numel(), 0)]:
+        if start > at:
+            for rest, flat in zip(out, flats):
+                rest.append(flat[at:start])
+        at = max(at, start + n)
+    return out
+
+
 class ChunkOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
@@ -128,14 +143,31 @@ class ChunkOptimizer:
                     chunk.set_adam_state(i)
         return out
 
+    def one_pass(self, chunk: Chunk):
+        """The kernel that updates ``chunk`` in one pass (protrain_ops/onepass.py), or None: Adam
+        on a bf16-mixed chunk whose states are in host memory, where the kernel built and
+        matched torch's arithmetic."""
+        storage = chunk.storage
+        if (self.elementwise is not None or not storage.fmt.separate_master or storage.master.device.type != "cpu"
+                or storage.fmt.compute_dtype != torch.bfloat16):
+            return None
+        return onepass.kernel()
+
     def update(self, chunk: Chunk, hps: tuple[AdamHyperParams, ...], selected: dict[int, list[int]],
-               clip: UpdateClip) -> None:
+               clip: UpdateClip, *, landed: str | None = None) -> None:
         """One Adam step of the ``selected`` members (``selected(chunk)``), clipped by ``clip``
         first with the calls of clip_grad_norm_ (``_foreach_mul_`` by the coefficient) and
         clip_grad_value_ (clamp), on this chunk's gradients.
 
-        Runs on the device for persistent chunks (main thread) and on the host for streamed
-        chunks (CPU worker)."""
+        ``landed`` ("copy" or "add", only where ``one_pass(chunk)`` gave a kernel): the gradient
+        is still in the compute copy's span where it landed, and goes into the accumulator in
+        the same pass. Runs on the device for persistent chunks (main thread) and on the host for
+        streamed chunks (CPU worker)."""
+        kernel = self.one_pass(chunk)
+        if kernel is not None:
+            self._update_one_pass(kernel, chunk, hps, selected, clip, landed)
+            return
+        assert landed is None, "a landed gradient needs the one-pass kernel"
         storage = chunk.storage
         for g, members in selected.items():
             views = chunk.update_views(tuple(members))
@@ -151,6 +183,27 @@ class ChunkOptimizer:
                       views.max_exp_avg_sqs if hps[g].amsgrad else [], views.member_steps, hps[g])
         if storage.fmt.separate_master:
             copy_to_low_precision(storage.compute_span(), storage.master)
+
+    @staticmethod
+    def _update_one_pass(kernel, chunk: Chunk, hps, selected: dict[int, list[int]], clip: UpdateClip,
+                         landed: str | None) -> None:
+        """``update`` in one pass per param group (the same results bit for bit), then the
+        rest of the span, as the separate passes leave it: the landing folded into the
+        accumulator, the compute copy from the master (the landing overwrote it)."""
+        covered = []
+        for g, members in selected.items():
+            views = chunk.update_views(tuple(members))
+            onepass.update(kernel, views.master, views.lows, views.grads, views.exp_avgs, views.exp_avg_sqs,
+                           views.max_exp_avg_sqs, views.member_steps, hps[g], coef=clip.coef, clamp=clip.value,
+                           landed=landed is not None, accumulate=landed == "add")
+            covered += views.master
+        storage = chunk.storage
+        masters, lows, accs = _uncovered((storage.master, storage.compute_span(), storage.grad_acc), covered)
+        if landed is not None:
+            for acc, low in zip(accs, lows):
+                acc.copy_(low) if landed == "copy" else acc.add_(low)
+        if lows:
+            torch._foreach_copy_(lows, masters)
 
     # ----- torch.optim state-dict format --------------------------------------------------
     def slot_names(self) -> tuple[str, ...]:

@@ -93,6 +93,9 @@ class CpuWorker:
         norms: runtime/gradients.py) and run ``update`` = (hps, selected, clip) when given."""
         self.ctx.synchronize(event)
         storage = chunk.storage
+        if update is not None and finish is None and self.optim.one_pass(chunk) is not None:
+            self.update(chunk, *update, landed="copy" if replace else "add")  # landing, Adam, copy back: one pass
+            return
         with torch.no_grad():
             if storage.fmt.separate_master:  # landed in the compute copy's span
                 storage.grad_acc.copy_(landing) if replace else storage.grad_acc.add_(landing)
@@ -106,10 +109,10 @@ class CpuWorker:
             elif storage.fmt.separate_master:
                 storage.compute_span().copy_(storage.master)
 
-    def update(self, chunk: Chunk, hps, selected, clip) -> None:
+    def update(self, chunk: Chunk, hps, selected, clip, *, landed: str | None = None) -> None:
         self.record("cpu_adam_begin", chunk.index)
         with torch.no_grad():
-            self.optim.update(chunk, hps, selected, clip)
+            self.optim.update(chunk, hps, selected, clip, landed=landed)
         self.record("cpu_adam_end", chunk.index)
 
     def shutdown(self, *, wait: bool = True) -> None:

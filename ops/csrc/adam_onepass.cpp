@@ -1,0 +1,205 @@
+// One pass of Adam/AdamW over a streamed chunk on the CPU in mixed precision: the gradient is
+// read where it landed (bf16, added to the fp32 accumulator when micro-batches accumulate),
+// clipped, stored as the fp32 gradient the step leaves behind, and the updated fp32 master is
+// rounded into the bf16 copy in the same pass. 32 bytes per parameter against the 40-48 of
+// landing + torch._fused_adamw_ + copy-back as separate passes.
+//
+// [Note: one-pass arithmetic]
+// Every result must equal, bit for bit, what the separate passes give: `acc.copy_(low)` or
+// `acc.add_(low)`, `_foreach_mul_(grads, coef)`, `clamp_min_`/`clamp_max_`,
+// `torch._fused_adamw_` / `torch._fused_adam_`, and `low.copy_(master)`. So the loop below spells
+// out the order and rounding of the operations of torch's vectorised CPU Adam kernel (its
+// main loop, over whole vectors of each tensor): decay, or the L2 term by one fused multiply-add
+// (torch's compiler fuses it), the first moment as a lerp by one fused multiply-add, the second moment with one fused multiply-add, the denominator, the
+// step. It is compiled with -ffp-contract=off so that the compiler adds no fused multiply-add
+// of its own. The last elements of each tensor that do not fill a whole vector run through
+// torch's own kernel instead (protrain_ops/onepass.py): torch computes them in a scalar loop
+// whose roundings depend on how its binary was compiled. `verify()` in onepass.py checks the
+// whole claim against torch at load time, and the kernel is not used where it fails.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+// Loop invariants of one member's update. Absent options are neutral values (a coefficient of
+// 1, a clamp at infinity, a sign of +1, a decay of 1) so that the loop has no branch on them;
+// multiplying by 1 or -1 and comparing with infinity change no value.
+struct Hyper {
+  float decay;      // AdamW: 1 - lr * weight_decay (1 without weight decay)
+  float l2;         // Adam: the weight-decay factor added to the gradient (only with LEVEL2)
+  float sign;       // -1 with maximize, else 1
+  bool small_lerp;  // |1 - beta1| < 0.5: the lerp from the moment, else from the gradient
+  float lerp_coeff; // 1 - beta1, or (1 - beta1) - 1
+  float beta2, one_minus_beta2, bias2_sqrt, eps, neg_step_size;
+  float coef, clamp;
+};
+
+Hyper make_hyper(double lr, double beta1, double beta2, double weight_decay, double eps, double step,
+                 bool decoupled, bool maximize, c10::optional<double> coef, c10::optional<double> clamp) {
+  Hyper h{};
+  // The bias corrections in double, as torch's kernel computes them.
+  double bias1 = 1 - std::pow(beta1, step);
+  double bias2 = 1 - std::pow(beta2, step);
+  h.decay = decoupled && weight_decay != 0.f ? static_cast<float>(1 - lr * weight_decay) : 1.0f;
+  h.l2 = static_cast<float>(weight_decay);
+  h.sign = maximize ? -1.0f : 1.0f;
+  float weight = static_cast<float>(1 - beta1);
+  h.small_lerp = std::abs(weight) < 0.5f;
+  h.lerp_coeff = h.small_lerp ? weight : weight - 1.0f;
+  h.beta2 = static_cast<float>(beta2);
+  h.one_minus_beta2 = static_cast<float>(1 - beta2);
+  h.bias2_sqrt = static_cast<float>(std::sqrt(bias2));
+  h.eps = static_cast<float>(eps);
+  h.neg_step_size = static_cast<float>(-(lr / bias1));
+  h.coef = coef.has_value() ? static_cast<float>(*coef) : 1.0f;
+  h.clamp = clamp.has_value() ? static_cast<float>(*clamp) : INFINITY;
+  return h;
+}
+
+using fVec = at::vec::Vectorized<float>;
+using bVec = at::vec::Vectorized<at::BFloat16>;
+// Elements per iteration: one vector of bf16, two of fp32 (32 with AVX-512, 16 with AVX2).
+constexpr int64_t kLanes = bVec::size();
+
+struct Member {
+  float* p;
+  at::BFloat16* low;  // the bf16 span: the gradient in (READ_LOW), the rounded master out
+  float* acc;         // the fp32 gradient: added to (READ_ACC), the clipped one out (WRITE_ACC)
+  float* m;
+  float* v;
+  float* vmax;        // AMSGRAD only
+};
+
+// The gradient left in the accumulator is not read again in this step: with STREAM (the
+// member's accumulator aligned to whole vectors) it bypasses the cache, which saves reading the
+// line before writing it (a fifth of the pass's memory traffic).
+template <bool STREAM>
+inline void store_gradient(float* dst, const fVec& g) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (STREAM) return _mm512_stream_ps(dst, g);
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (STREAM) return _mm256_stream_ps(dst, g);
+#endif
+  g.store(dst);
+}
+
+// One vector of one member at `i`: `g` is its gradient; returns the updated master.
+template <bool WRITE_ACC, bool STREAM, bool LEVEL2, bool AMSGRAD>
+inline fVec update_vector(const Hyper& h, const Member& t, int64_t i, fVec g) {
+  g = g * fVec(h.coef);                      // _foreach_mul_ by clip_grad_norm_'s coefficient
+  g = at::vec::clamp_min(g, fVec(-h.clamp));  // clamp_min_ / clamp_max_: a NaN stays
+  g = at::vec::clamp_max(g, fVec(h.clamp));
+  if constexpr (WRITE_ACC) store_gradient<STREAM>(t.acc + i, g);
+  g = g * fVec(h.sign);
+  fVec param = fVec::loadu(t.p + i);
+  if constexpr (LEVEL2) g = at::vec::fmadd(param, fVec(h.l2), g);
+  else param = param * fVec(h.decay);
+  fVec m = fVec::loadu(t.m + i);
+  m = at::vec::fmadd(fVec(h.lerp_coeff), g - m, h.small_lerp ? m : g);
+  fVec v = at::vec::fmadd(fVec(h.one_minus_beta2) * g, g, fVec::loadu(t.v + i) * fVec(h.beta2));
+  m.store(t.m + i);
+  v.store(t.v + i);
+  if constexpr (AMSGRAD) {
+    v = at::vec::maximum(fVec::loadu(t.vmax + i), v);
+    v.store(t.vmax + i);
+  }
+  fVec denom = v.sqrt() / fVec(h.bias2_sqrt) + fVec(h.eps);
+  param = param + fVec(h.neg_step_size) * m / denom;
+  param.store(t.p + i);
+  return param;
+}
+
+// Elements [begin, end) of one member, a multiple of kLanes.
+template <bool READ_LOW, bool READ_ACC, bool WRITE_ACC, bool STREAM, bool LEVEL2, bool AMSGRAD>
+void update_range(const Hyper h, const Member t, int64_t begin, int64_t end) {
+  constexpr int64_t half = fVec::size();
+  for (int64_t i = begin; i < end; i += kLanes) {
+    fVec g0, g1;
+    if constexpr (READ_LOW) {
+      std::tie(g0, g1) = at::vec::convert_to_float<at::BFloat16>(bVec::loadu(t.low + i));
+      if constexpr (READ_ACC) {
+        g0 = fVec::loadu(t.acc + i) + g0;
+        g1 = fVec::loadu(t.acc + i + half) + g1;
+      }
+    } else {
+      g0 = fVec::loadu(t.acc + i);
+      g1 = fVec::loadu(t.acc + i + half);
+    }
+    fVec p0 = update_vector<WRITE_ACC, STREAM, LEVEL2, AMSGRAD>(h, t, i, g0);
+    fVec p1 = update_vector<WRITE_ACC, STREAM, LEVEL2, AMSGRAD>(h, t, i + half, g1);
+    at::vec::convert_from_float<at::BFloat16>(p0, p1).store(t.low + i);
+  }
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  if constexpr (STREAM) _mm_sfence();  // streamed stores are visible to every thread after this
+#endif
+}
+
+using RangeFn = void (*)(const Hyper, const Member, int64_t, int64_t);
+
+template <bool READ_LOW, bool READ_ACC, bool WRITE_ACC, bool STREAM>
+RangeFn pick(bool level2, bool amsgrad) {
+  if (level2) return amsgrad ? update_range<READ_LOW, READ_ACC, WRITE_ACC, STREAM, true, true>
+                             : update_range<READ_LOW, READ_ACC, WRITE_ACC, STREAM, true, false>;
+  return amsgrad ? update_range<READ_LOW, READ_ACC, WRITE_ACC, STREAM, false, true>
+                 : update_range<READ_LOW, READ_ACC, WRITE_ACC, STREAM, false, false>;
+}
+
+// What the gradient is: landed in the bf16 span (added to the accumulator when micro-batches
+// accumulate; streamed out when `stream`), or already in the accumulator (written back only when
+// clipping changed it).
+RangeFn pick(bool landed, bool accumulate, bool write_acc, bool stream, bool level2, bool amsgrad) {
+  if (landed && !accumulate) {
+    return stream ? pick<true, false, true, true>(level2, amsgrad) : pick<true, false, true, false>(level2, amsgrad);
+  }
+  if (landed) return pick<true, true, true, false>(level2, amsgrad);
+  return write_acc ? pick<false, true, true, false>(level2, amsgrad) : pick<false, true, false, false>(level2, amsgrad);
+}
+
+// One param group's members: each list holds one tensor per member (``max_exp_avg_sqs`` empty
+// without amsgrad); `lengths[k]` elements of member k are updated (its whole vectors: the caller
+// runs the rest through torch).
+void adam_onepass(std::vector<at::Tensor> params, std::vector<at::Tensor> lows, std::vector<at::Tensor> accs,
+                  std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
+                  std::vector<at::Tensor> max_exp_avg_sqs, std::vector<int64_t> lengths, std::vector<double> steps,
+                  double lr, double beta1, double beta2, double weight_decay, double eps, bool decoupled,
+                  bool amsgrad, bool maximize, c10::optional<double> coef, c10::optional<double> clamp,
+                  bool landed, bool accumulate, bool write_acc) {
+  const size_t n = params.size();
+  TORCH_CHECK(lows.size() == n && accs.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
+                  lengths.size() == n && steps.size() == n && (!amsgrad || max_exp_avg_sqs.size() == n),
+              "adam_onepass: one tensor per member in every list");
+  const bool level2 = !decoupled && weight_decay != 0.f;
+  for (size_t k = 0; k < n; ++k) {
+    std::vector<const at::Tensor*> fp32 = {&params[k], &accs[k], &exp_avgs[k], &exp_avg_sqs[k]};
+    if (amsgrad) fp32.push_back(&max_exp_avg_sqs[k]);
+    for (const at::Tensor* t : fp32) {
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu() &&
+                      t->numel() >= lengths[k], "adam_onepass: fp32 contiguous CPU tensors");
+    }
+    TORCH_CHECK(lows[k].scalar_type() == at::kBFloat16 && lows[k].is_contiguous() && lows[k].numel() >= lengths[k],
+                "adam_onepass: the low-precision span is bf16 and contiguous");
+    const Hyper h = make_hyper(lr, beta1, beta2, weight_decay, eps, steps[k], decoupled, maximize, coef, clamp);
+    TORCH_CHECK(lengths[k] % kLanes == 0, "adam_onepass: lengths are multiples of lanes()");
+    const bool aligned = reinterpret_cast<uintptr_t>(accs[k].data_ptr<float>()) % sizeof(fVec) == 0;
+    const RangeFn fn = pick(landed, accumulate, write_acc || landed, aligned, level2, amsgrad);
+    const Member t{params[k].data_ptr<float>(), lows[k].data_ptr<at::BFloat16>(),
+                   accs[k].data_ptr<float>(), exp_avgs[k].data_ptr<float>(), exp_avg_sqs[k].data_ptr<float>(),
+                   amsgrad ? max_exp_avg_sqs[k].data_ptr<float>() : nullptr};
+    at::parallel_for(0, lengths[k] / kLanes, 16384 / kLanes,
+                     [&](int64_t begin, int64_t end) { fn(h, t, begin * kLanes, end * kLanes); });
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("adam_onepass", &adam_onepass, "One-pass Adam/AdamW of a chunk's members in mixed precision");
+  module.def("lanes", [] { return kLanes; }, "Elements per iteration: lengths are multiples of it");
+}

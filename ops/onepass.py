@@ -1,0 +1,215 @@
+"""The CPU update of a mixed-precision chunk in one pass over its states (csrc/adam_onepass.cpp).
+
+In bf16-mixed a streamed chunk's gradient lands in the bf16 span of its host compute copy. The
+separate passes fold it into the fp32 accumulator, clip it, run ``torch._fused_adamw_`` and round
+the master back into the span: 40 bytes per parameter (48 with clipping) where one pass needs 32
+(bf16 gradient in, fp32 gradient out -- it stays until ``zero_grad``, as ``p.grad`` does --, fp32
+master, m and v read and written, bf16 copy out). ``update`` does it in one pass with results
+equal bit for bit to the separate passes ([Note: one-pass arithmetic] in the C++ file).
+
+The kernel is compiled on first use (``torch.utils.cpp_extension``: a C++ compiler, about 20 s,
+cached per machine) and checked against torch's own kernel before it is used (``verify``). When
+either fails the engine keeps the separate passes and ``status()`` says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from protrain_ops.adam import AdamHyperParams, fused_kernel_step
+
+SOURCE = Path(__file__).with_name("csrc") / "adam_onepass.cpp"
+# -ffp-contract=off: no fused multiply-add but those the source spells ([Note: one-pass arithmetic]);
+# -fopenmp: at::parallel_for runs on torch's OpenMP threads (without it, on one thread).
+FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
+# ATen's vector types for the instruction set torch's own kernels were dispatched to here (the
+# flags torch builds those kernels with); without one of these, ATen's portable vectors.
+CAPABILITY_FLAGS = {
+    "AVX512": ("-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
+               "-mavx512dq", "-mfma"),
+    "AVX2": ("-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mbmi2", "-mf16c"),
+}
+
+
+@dataclass
+class _Kernel:
+    module: object | None = None
+    reason: str = "not loaded yet"
+    loaded: bool = False
+    disabled: int = 0
+
+
+_kernel = _Kernel()
+_lock = threading.Lock()
+
+
+def kernel():
+    """The compiled and verified kernel module, or None (``status()`` says why)."""
+    if not _kernel.loaded:
+        with _lock:
+            if not _kernel.loaded:
+                _kernel.module, _kernel.reason = _load()
+                _kernel.loaded = True
+    return None if _kernel.disabled else _kernel.module
+
+
+def status() -> str:
+    """How mixed-precision chunks are updated on the CPU, for ``engine.summary()``."""
+    if _kernel.disabled:
+        return "separate passes (one-pass kernel turned off)"
+    if not _kernel.loaded:
+        return "one-pass kernel when first needed"
+    return "one pass (protrain_ops kernel)" if _kernel.module is not None else f"separate passes ({_kernel.reason})"
+
+
+@contextmanager
+def turned_off():
+    """Use the separate passes inside (tests and benchmarks compare the two)."""
+    _kernel.disabled += 1
+    try:
+        yield
+    finally:
+        _kernel.disabled -= 1
+
+
+def _load():
+    if os.environ.get("PROTRAIN_ONEPASS", "1") == "0":
+        return None, "PROTRAIN_ONEPASS=0"
+    if sys.platform != "linux":
+        return None, f"the kernel is built on Linux only, not {sys.platform}"
+    try:
+        from torch.utils.cpp_extension import load
+        flags = FLAGS + CAPABILITY_FLAGS.get(torch.backends.cpu.get_cpu_capability(), ())
+        digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:12]
+        module = load(name=f"protrain_onepass_{digest}", sources=[str(SOURCE)], extra_cflags=list(flags),
+                      extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # no compiler, no ninja, a build error: the separate passes stay
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return None, f"the kernel did not build: {first[:200]}"
+    # Checked once per build of the kernel (and torch): the stamp beside the library says it was.
+    stamp = Path(module.__file__).with_suffix(".verified")
+    if not stamp.is_file():
+        mismatch = verify(module)
+        if mismatch:
+            return None, f"the kernel differs from torch's Adam here ({mismatch})"
+        part = stamp.with_name(f"{stamp.name}.{os.getpid()}")
+        part.write_text("equal to torch's kernel bit for bit\n")
+        part.replace(stamp)
+    return module, ""
+
+
+# ----- the update --------------------------------------------------------------------------
+def update(module, masters: list[Tensor], lows: list[Tensor], accs: list[Tensor], exp_avgs: list[Tensor],
+           exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], steps: list[Tensor], hp: AdamHyperParams, *,
+           coef: Tensor | None, clamp: float | None, landed: bool, accumulate: bool) -> None:
+    """One Adam step of members given by per-member views (fp32 ``masters``, ``accs``, moments;
+    bf16 ``lows`` of the compute copy; 0-D ``steps``), as the separate passes would run it:
+
+    - ``landed``: the gradient is in ``lows``; it is copied into ``accs`` (added to it when
+      ``accumulate``) first; otherwise it is in ``accs`` already.
+    - clipping: ``accs *= coef``, then clamped to ``[-clamp, clamp]``.
+    - Adam on ``masters`` with ``accs`` as gradients, then ``lows`` = the masters rounded."""
+    torch._foreach_add_(steps, 1)
+    write_acc = landed or coef is not None or clamp is not None
+    lanes = module.lanes()  # torch's kernel runs whole vectors (8 or 16 floats) and the rest in a scalar
+    # loop whose roundings are its compiler's: a multiple of its width leaves torch exactly that rest
+    lengths = [t.numel() - t.numel() % lanes for t in masters]
+    tails = [k for k, (t, n) in enumerate(zip(masters, lengths)) if n < t.numel()]
+    if tails:
+        def tail(ts):
+            return [ts[k].view(-1)[lengths[k]:] for k in tails]
+
+        if landed:
+            _fold(tail(accs), tail(lows), accumulate)
+        _clip(tail(accs), coef, clamp)
+        fused_kernel_step(tail(masters), tail(accs), tail(exp_avgs), tail(exp_avg_sqs),
+                          tail(max_exp_avg_sqs) if hp.amsgrad else [], [steps[k] for k in tails], hp)
+        torch._foreach_copy_(tail(lows), tail(masters))
+    module.adam_onepass(masters, lows, accs, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if hp.amsgrad else [], lengths,
+                        [float(s) for s in steps], hp.lr, hp.beta1, hp.beta2, hp.weight_decay, hp.eps,
+                        hp.decoupled_weight_decay, hp.amsgrad, hp.maximize,
+                        None if coef is None else float(coef), clamp, landed, accumulate, write_acc)
+
+
+def _fold(accs: list[Tensor], lows: list[Tensor], accumulate: bool) -> None:
+    for acc, low in zip(accs, lows):
+        acc.add_(low) if accumulate else acc.copy_(low)
+
+
+def _clip(grads: list[Tensor], coef: Tensor | None, clamp: float | None) -> None:
+    if coef is not None:
+        torch._foreach_mul_(grads, coef)
+    if clamp is not None:
+        torch._foreach_clamp_min_(grads, -clamp)
+        torch._foreach_clamp_max_(grads, clamp)
+
+
+def separate_passes(masters, lows, accs, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hp, *, coef, clamp, landed,
+                    accumulate) -> None:
+    """What ``update`` must equal: the passes the worker runs without the kernel."""
+    if landed:
+        _fold(accs, lows, accumulate)
+    _clip(accs, coef, clamp)
+    torch._foreach_add_(steps, 1)
+    fused_kernel_step(masters, accs, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if hp.amsgrad else [], steps, hp)
+    torch._foreach_copy_(lows, masters)
+
+
+# ----- the check against torch ----------------------------------------------------------------
+def verify(module) -> str:
+    """Run ``update`` and ``separate_passes`` on the same random members for every kind of
+    step (AdamW's decay, Adam's L2 term or none; landed, landed and accumulated, or already
+    folded; no clipping, by norm, by value -- each with amsgrad, maximize and beta1 below 0.5
+    on and off in turn); '' when every result is equal bit for bit, else the first difference."""
+    gen = torch.Generator().manual_seed(0)
+    lanes = module.lanes()  # members as the engine gives them: views shaped as their parameters
+    shapes = ((lanes * 40 + 5,), (3, lanes), (7,), (5, 2 * lanes - 1), (9, lanes * 11 + 1))
+    kinds = [(decoupled, weight_decay, landed, accumulate, coef, clamp)
+             for decoupled, weight_decay in ((True, 0.1), (False, 0.1), (True, 0.0))
+             for landed, accumulate in ((True, False), (True, True), (False, False))
+             for coef, clamp in ((None, None), (0.37, None), (None, 3e-3))]
+    for i, (decoupled, weight_decay, *kind) in enumerate(kinds):
+        hp = AdamHyperParams(lr=1e-2, beta1=0.3 if i % 2 else 0.9, beta2=0.99, eps=1e-8, weight_decay=weight_decay,
+                             amsgrad=bool(i // 2 % 2), maximize=bool(i // 4 % 2), decoupled_weight_decay=decoupled)
+        difference = _compare(module, hp, kind, shapes, gen)
+        if difference:
+            return difference
+    return ""
+
+
+def _compare(module, hp: AdamHyperParams, kind, shapes, gen) -> str:
+    landed, accumulate, coef, clamp = kind
+
+    def members():
+        out = []
+        for shape in shapes:
+            def r(scale, dtype=torch.float32, positive=False):
+                t = torch.rand(shape, generator=gen) if positive else torch.randn(shape, generator=gen)
+                return (t * scale).to(dtype)
+            out.append({"master": r(1.0), "low": r(1e-2, torch.bfloat16), "acc": r(1e-2), "m": r(1e-3),
+                        "v": r(1e-5, positive=True), "vmax": r(2e-5, positive=True), "step": torch.tensor(4.0)})
+        return out
+
+    ours = members()
+    theirs = [{k: v.clone() for k, v in m.items()} for m in ours]
+    for states, run in ((ours, update), (theirs, None)):
+        lists = [[m[k] for m in states] for k in ("master", "low", "acc", "m", "v", "vmax", "step")]
+        kw = dict(coef=None if coef is None else torch.tensor(coef), clamp=clamp, landed=landed, accumulate=accumulate)
+        if run is None:
+            separate_passes(*lists, hp, **kw)
+        else:
+            update(module, *lists, hp, **kw)
+    for a, b, shape in zip(ours, theirs, shapes):
+        for key in a:
+            if not torch.equal(a[key], b[key]):
+                return f"{key} of shape {shape}, {hp}, landed={landed} accumulate={accumulate} coef={coef} clamp={clamp}"
+    return ""
