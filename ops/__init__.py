@@ -6,6 +6,6 @@ memory (non-persistent chunks, updated by the CPU worker).
 """
 
 from protrain_ops import onepass
-from protrain_ops.adam import AdamHyperParams, adam_step, copy_to_low_precision
+from protrain_ops.adam import AdamHyperParams, adam_step, clip_gradients, copy_to_low_precision, fold_landing
 
-__all__ = ["AdamHyperParams", "adam_step", "copy_to_low_precision", "onepass"]
+__all__ = ["AdamHyperParams", "adam_step", "clip_gradients", "copy_to_low_precision", "fold_landing", "onepass"]

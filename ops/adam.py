@@ -90,6 +90,25 @@ def fused_kernel_step(params: list[Tensor], grads: list[Tensor], exp_avgs: list[
     )
 
 
+def fold_landing(accs: list[Tensor], landings: list[Tensor], *, accumulate: bool) -> None:
+    """Landed gradients (any dtype) into the fp32 accumulators: copied, or added when
+    micro-batches accumulate."""
+    if accumulate:
+        torch._foreach_add_(accs, landings)
+    else:
+        torch._foreach_copy_(accs, landings)
+
+
+def clip_gradients(grads: list[Tensor], coef: Tensor | None, value: float | None) -> None:
+    """The calls of ``clip_grad_norm_`` (multiply by its coefficient) and ``clip_grad_value_``
+    (clamp to ``[-value, value]``) on the gradients an update reads."""
+    if coef is not None:
+        torch._foreach_mul_(grads, coef)
+    if value is not None:
+        torch._foreach_clamp_min_(grads, -value)
+        torch._foreach_clamp_max_(grads, value)
+
+
 def copy_to_low_precision(
     dst: Tensor,  # (S,) compute-dtype copy (bf16/fp16) of a chunk
     src: Tensor,  # (S,) fp32 master of the same chunk

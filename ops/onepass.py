@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from protrain_ops.adam import AdamHyperParams, fused_kernel_step
+from protrain_ops.adam import AdamHyperParams, clip_gradients, fold_landing, fused_kernel_step
 
 SOURCE = Path(__file__).with_name("csrc") / "adam_onepass.cpp"
 # -ffp-contract=off: no fused multiply-add but those the source spells ([Note: one-pass arithmetic]);
@@ -95,14 +95,16 @@ def _load():
     except Exception as e:  # no compiler, no ninja, a build error: the separate passes stay
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return None, f"the kernel did not build: {first[:200]}"
-    # Checked once per build of the kernel (and torch): the stamp beside the library says it was.
+    # Checked once per build of the kernel (and torch) and version of the Python around it (the
+    # tails, the separate passes): the stamp beside the library names the sources it checked.
     stamp = Path(module.__file__).with_suffix(".verified")
-    if not stamp.is_file():
+    checked = hashlib.sha1(Path(__file__).read_bytes() + Path(__file__).with_name("adam.py").read_bytes()).hexdigest()
+    if not stamp.is_file() or stamp.read_text().strip() != checked:
         mismatch = verify(module)
         if mismatch:
             return None, f"the kernel differs from torch's Adam here ({mismatch})"
         part = stamp.with_name(f"{stamp.name}.{os.getpid()}")
-        part.write_text("equal to torch's kernel bit for bit\n")
+        part.write_text(checked + "\n")
         part.replace(stamp)
     return module, ""
 
@@ -129,8 +131,8 @@ def update(module, masters: list[Tensor], lows: list[Tensor], accs: list[Tensor]
             return [ts[k].view(-1)[lengths[k]:] for k in tails]
 
         if landed:
-            _fold(tail(accs), tail(lows), accumulate)
-        _clip(tail(accs), coef, clamp)
+            fold_landing(tail(accs), tail(lows), accumulate=accumulate)
+        clip_gradients(tail(accs), coef, clamp)
         fused_kernel_step(tail(masters), tail(accs), tail(exp_avgs), tail(exp_avg_sqs),
                           tail(max_exp_avg_sqs) if hp.amsgrad else [], [steps[k] for k in tails], hp)
         torch._foreach_copy_(tail(lows), tail(masters))
@@ -140,25 +142,12 @@ def update(module, masters: list[Tensor], lows: list[Tensor], accs: list[Tensor]
                         None if coef is None else float(coef), clamp, landed, accumulate, write_acc)
 
 
-def _fold(accs: list[Tensor], lows: list[Tensor], accumulate: bool) -> None:
-    for acc, low in zip(accs, lows):
-        acc.add_(low) if accumulate else acc.copy_(low)
-
-
-def _clip(grads: list[Tensor], coef: Tensor | None, clamp: float | None) -> None:
-    if coef is not None:
-        torch._foreach_mul_(grads, coef)
-    if clamp is not None:
-        torch._foreach_clamp_min_(grads, -clamp)
-        torch._foreach_clamp_max_(grads, clamp)
-
-
 def separate_passes(masters, lows, accs, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hp, *, coef, clamp, landed,
                     accumulate) -> None:
     """What ``update`` must equal: the passes the worker runs without the kernel."""
     if landed:
-        _fold(accs, lows, accumulate)
-    _clip(accs, coef, clamp)
+        fold_landing(accs, lows, accumulate=accumulate)
+    clip_gradients(accs, coef, clamp)
     torch._foreach_add_(steps, 1)
     fused_kernel_step(masters, accs, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if hp.amsgrad else [], steps, hp)
     torch._foreach_copy_(lows, masters)

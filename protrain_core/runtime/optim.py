@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from protrain_core.runtime.elementwise import Elementwise, ElementwiseSteps, describe, is_adam
-from protrain_ops import AdamHyperParams, adam_step, copy_to_low_precision, onepass
+from protrain_ops import AdamHyperParams, adam_step, clip_gradients, copy_to_low_precision, fold_landing, onepass
 
 if TYPE_CHECKING:
     from protrain_core.runtime.chunk import Chunk
@@ -171,11 +171,7 @@ class ChunkOptimizer:
         storage = chunk.storage
         for g, members in selected.items():
             views = chunk.update_views(tuple(members))
-            if clip.coef is not None:
-                torch._foreach_mul_(views.grads, clip.coef)
-            if clip.value is not None:
-                torch._foreach_clamp_min_(views.grads, -clip.value)
-                torch._foreach_clamp_max_(views.grads, clip.value)
+            clip_gradients(views.grads, clip.coef, clip.value)
             if self.elementwise is not None:
                 self.elementwise.step(chunk, g, tuple(members), views, hps[g])
                 continue
@@ -199,9 +195,8 @@ class ChunkOptimizer:
             covered += views.master
         storage = chunk.storage
         masters, lows, accs = _uncovered((storage.master, storage.compute_span(), storage.grad_acc), covered)
-        if landed is not None:
-            for acc, low in zip(accs, lows):
-                acc.copy_(low) if landed == "copy" else acc.add_(low)
+        if landed is not None and lows:
+            fold_landing(accs, lows, accumulate=landed == "add")
         if lows:
             torch._foreach_copy_(lows, masters)
 

@@ -34,6 +34,7 @@ from protrain_core.memtrack import untracked
 from protrain_core.runtime.chunk import Chunk
 from protrain_core.runtime.device import DeviceContext, worker_threads
 from protrain_core.runtime.optim import ChunkOptimizer
+from protrain_ops import fold_landing
 
 
 class CpuWorker:
@@ -98,7 +99,7 @@ class CpuWorker:
             return
         with torch.no_grad():
             if storage.fmt.separate_master:  # landed in the compute copy's span
-                storage.grad_acc.copy_(landing) if replace else storage.grad_acc.add_(landing)
+                fold_landing([storage.grad_acc], [landing], accumulate=not replace)
             elif not replace:  # landed in a staging buffer
                 storage.grad_acc.add_(landing)
                 self._staging.put(self._lent.pop(id(landing)))
