@@ -63,15 +63,26 @@ def measure(numel: int = 16 * 2**20, tensors: int = 16, iters: int = 20) -> list
 # read; master, m, v written) 28; in mixed precision the gradient landed in the compute-dtype copy
 # is folded into the fp32 accumulator (2 + 4) and the master rounded back into that copy (4 + 2);
 # norm clipping multiplies the gradients by the coefficient first (4 + 4). The one-pass kernel
-# (protrain_ops/onepass.py, mixed precision): bf16 gradient in, fp32 gradient out (it stays until
-# zero_grad), master, m, v read and written, bf16 copy out -- 32, clipped or not.
+# (protrain_ops/onepass.py, mixed precision): the landed gradient in, fp32 gradient out (it stays
+# until zero_grad), master, m, v read and written, the copy out -- 32, clipped or not.
+# fp16 cannot update as the gradient lands (every chunk's overflow check comes first): the landing
+# is folded, unscaled (4 + 4) and the copy restored (4 + 2) at once, and the update follows; the
+# norms read the gradients once more (4). One pass: the landing, unscale and restore in one (12),
+# then the update from the accumulator (30, 34 when clipping writes the gradient back).
 PIPELINES = {"fp32": ("32-true", False), "fp32, norm clipping": ("32-true", True),
-             "bf16-mixed": ("bf16-mixed", False), "bf16-mixed, norm clipping": ("bf16-mixed", True)}
+             "bf16-mixed": ("bf16-mixed", False), "bf16-mixed, norm clipping": ("bf16-mixed", True),
+             "16-mixed": ("16-mixed", False), "16-mixed, norm clipping": ("16-mixed", True)}
 ADAM_BYTES, FOLD_BYTES, COPY_BACK_BYTES, CLIP_BYTES, ONE_PASS_BYTES = 28, 6, 6, 8, 32
+UNSCALE_BYTES, NORM_BYTES, LAND_BYTES = 8, 4, 12
 
 
 def pipeline_bytes(precision: str, clip: bool, *, one_pass: bool = False) -> int:
     mixed = precision != "32-true"
+    if precision == "16-mixed":
+        norms = NORM_BYTES if clip else 0
+        if one_pass:
+            return LAND_BYTES + norms + ONE_PASS_BYTES - 2 + (4 if clip else 0)
+        return FOLD_BYTES + UNSCALE_BYTES + COPY_BACK_BYTES + norms + ADAM_BYTES + COPY_BACK_BYTES + (CLIP_BYTES if clip else 0)
     if one_pass and mixed:
         return ONE_PASS_BYTES
     return ADAM_BYTES + (FOLD_BYTES + COPY_BACK_BYTES if mixed else 0) + (CLIP_BYTES if clip else 0)
@@ -109,11 +120,11 @@ def pipeline(hidden: int = 1024, iters: int = 20) -> list[dict]:
         ways = [("separate passes", True)] + ([("one pass", False)] if chunk.storage.fmt.separate_master else [])
         for way, off in ways:
             with onepass.turned_off() if off else contextlib.nullcontext():
-                seconds = _land_and_update(engine, chunk, clip, iters)
+                seconds, after = _land_and_update(engine, chunk, clip, iters)
             rows.append({"pipeline": name, "way": way, "numel": numel, "members": len(members), "seconds": seconds,
                          "ns_per_param": seconds / numel * 1e9, "fused_adamw_ns_per_param": baseline / numel * 1e9,
                          "bytes_per_param": pipeline_bytes(precision, clip, one_pass=not off),
-                         "ratio": seconds / baseline})
+                         "ratio": seconds / baseline, "after_backward_ratio": after and after / baseline})
         engine.close()
     return rows
 
@@ -137,28 +148,43 @@ def _fused_adamw(chunk, members: list[int], iters: int) -> float:
 
 def _land_and_update(engine, chunk, clip: bool, iters: int) -> float:
     """Median seconds of the worker landing a full chunk's gradient and updating it; a fresh
-    gradient is written where it lands before each (outside the timed region)."""
+    gradient is written where it lands before each (outside the timed region). fp16: the
+    landing with the step's finishing (unscale and check, the norms when clipping), then the
+    update, as the step after backward runs it."""
+    from protrain_core.runtime.gradients import Finishing
     from protrain_core.runtime.optim import ChunkOptimizer, UpdateClip
 
     storage, worker = chunk.storage, engine.runtime.worker
     update = (ChunkOptimizer(engine.optimizer).snapshot(), {g: list(m) for g, m in chunk.opt_members.items()},
               UpdateClip(coef=torch.tensor(0.5)) if clip else UpdateClip())
-    times = []
+    members = [i for group in chunk.opt_members.values() for i in group]
+    times, after = [], []
     for _ in range(iters + 1):  # the first one warms up
         landing = storage.compute_span() if storage.fmt.separate_master else storage.grad_acc
         landing.normal_(std=1e-3)
         t = time.perf_counter()
-        worker.land_and_update(chunk, None, landing, True, None, update)
+        if engine.scaler is None:
+            worker.land_and_update(chunk, None, landing, True, None, update)
+        else:
+            finish = Finishing(chunk, members, engine.scaler.inv_scale(), 2.0 if clip else None, {})
+            worker.land_and_update(chunk, None, landing, True, finish, None)
+            landed = time.perf_counter()
+            worker.update(chunk, *update)
+            after.append(time.perf_counter() - landed)
         times.append(time.perf_counter() - t)
-    return statistics.median(times[1:])
+    return statistics.median(times[1:]), statistics.median(after[1:]) if after else None
 
 
 def pipeline_markdown(rows: list[dict], iters: int) -> str:
     lines = [f"one streamed chunk of {rows[0]['numel']:,} parameters in {rows[0]['members']} tensors; median of {iters} "
-             "updates; AdamW(fused=True) alone: on fp32 copies of the same parameters, 28 bytes per parameter", "",
-             "| pipeline | way | bytes/param | ns/param | AdamW(fused) ns/param | ratio |", "|---|---|---|---|---|---|"]
+             "updates; AdamW(fused=True) alone: on fp32 copies of the same parameters, 28 bytes per parameter; "
+             "16-mixed: the update after backward alone in the last column (the landing runs during backward)", "",
+             "| pipeline | way | bytes/param | ns/param | AdamW(fused) ns/param | ratio | after backward |",
+             "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['pipeline']} | {r['way']} | {r['bytes_per_param']} | {r['ns_per_param']:.2f} "
-              f"| {r['fused_adamw_ns_per_param']:.2f} | {r['ratio']:.2f}x |" for r in rows]
+              f"| {r['fused_adamw_ns_per_param']:.2f} | {r['ratio']:.2f}x "
+              f"| {'' if r['after_backward_ratio'] is None else format(r['after_backward_ratio'], '.2f') + 'x'} |"
+              for r in rows]
     return "\n".join(lines)
 
 

@@ -1,11 +1,18 @@
 """The CPU update of a mixed-precision chunk in one pass over its states (csrc/adam_onepass.cpp).
 
-In bf16-mixed a streamed chunk's gradient lands in the bf16 span of its host compute copy. The
-separate passes fold it into the fp32 accumulator, clip it, run ``torch._fused_adamw_`` and round
-the master back into the span: 40 bytes per parameter (48 with clipping) where one pass needs 32
-(bf16 gradient in, fp32 gradient out -- it stays until ``zero_grad``, as ``p.grad`` does --, fp32
-master, m and v read and written, bf16 copy out). ``update`` does it in one pass with results
-equal bit for bit to the separate passes ([Note: one-pass arithmetic] in the C++ file).
+In bf16-mixed and 16-mixed a streamed chunk's gradient lands in the low-precision span of its
+host compute copy. The separate passes fold it into the fp32 accumulator, clip it, run
+``torch._fused_adamw_`` and round the master back into the span: 40 bytes per parameter (48
+with clipping) where one pass needs 32 (the gradient in, the fp32 gradient out -- it stays until
+``zero_grad``, as ``p.grad`` does --, fp32 master, m and v read and written, the copy out).
+``update`` does it in one pass with results equal bit for bit to the separate passes ([Note:
+one-pass arithmetic] in the C++ file).
+
+Where the update cannot follow the landing at once (fp16: every chunk's overflow check comes
+first; a norm to clip by; accumulation), ``land`` folds the landing into the accumulator,
+unscales and checks it (fp16, the step's last landing) and restores the compute copy from the
+master in one pass (12 bytes per parameter against the 20 of fold, unscale and copy), and the
+update reads the gradient from the accumulator.
 
 The kernel is compiled on first use (``torch.utils.cpp_extension``: a C++ compiler, about 20 s,
 cached per machine) and checked against torch's own kernel before it is used (``verify``). When
@@ -63,7 +70,7 @@ def kernel():
 
 
 def status() -> str:
-    """How mixed-precision chunks are updated on the CPU, for ``engine.summary()``."""
+    """How mixed-precision chunks are landed and updated on the CPU, for ``engine.summary()``."""
     if _kernel.disabled:
         return "separate passes (one-pass kernel turned off)"
     if not _kernel.loaded:
@@ -114,7 +121,7 @@ def update(module, masters: list[Tensor], lows: list[Tensor], accs: list[Tensor]
            exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], steps: list[Tensor], hp: AdamHyperParams, *,
            coef: Tensor | None, clamp: float | None, landed: bool, accumulate: bool) -> None:
     """One Adam step of members given by per-member views (fp32 ``masters``, ``accs``, moments;
-    bf16 ``lows`` of the compute copy; 0-D ``steps``), as the separate passes would run it:
+    bf16 or fp16 ``lows`` of the compute copy; 0-D ``steps``), as the separate passes would run it:
 
     - ``landed``: the gradient is in ``lows``; it is copied into ``accs`` (added to it when
       ``accumulate``) first; otherwise it is in ``accs`` already.
@@ -153,12 +160,33 @@ def separate_passes(masters, lows, accs, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
     torch._foreach_copy_(lows, masters)
 
 
+def land(module, masters: list[Tensor], lows: list[Tensor], accs: list[Tensor], *, accumulate: bool,
+         inv_scale: Tensor | None = None, found: Tensor | None = None) -> None:
+    """Pieces of a chunk's span (fp32 ``masters`` and ``accs``, the compute copy's ``lows``
+    where the gradient landed), as ``separate_landing`` leaves them: the landing into ``accs``
+    (added when ``accumulate``); with ``inv_scale`` (a one-element fp32 tensor) unscaled, and
+    ``found`` (one element) set to 1 where a folded value is inf/nan; ``lows`` from ``masters``."""
+    scale = None if inv_scale is None else float(inv_scale)
+    if module.land(masters, lows, accs, accumulate, scale):
+        found.fill_(1.0)
+
+
+def separate_landing(masters, lows, accs, *, accumulate, inv_scale=None, found=None) -> None:
+    """What ``land`` must equal: the landing folded, ``GradScaler.unscale_``'s call, the copy."""
+    fold_landing(accs, lows, accumulate=accumulate)
+    if inv_scale is not None and accs:
+        torch._amp_foreach_non_finite_check_and_unscale_(accs, found, inv_scale)
+    torch._foreach_copy_(lows, masters)
+
+
 # ----- the check against torch ----------------------------------------------------------------
 def verify(module) -> str:
     """Run ``update`` and ``separate_passes`` on the same random members for every kind of
     step (AdamW's decay, Adam's L2 term or none; landed, landed and accumulated, or already
-    folded; no clipping, by norm, by value -- each with amsgrad, maximize and beta1 below 0.5
-    on and off in turn); '' when every result is equal bit for bit, else the first difference."""
+    folded; no clipping, by norm, by value -- each with amsgrad, maximize, beta1 below 0.5 and
+    an fp16 instead of a bf16 copy on and off in turn), and ``land`` and ``separate_landing``
+    for every kind of landing (copied or added; unscaled or not; bf16 or fp16; an inf, a nan
+    or neither); '' when every result is equal bit for bit, else the first difference."""
     gen = torch.Generator().manual_seed(0)
     lanes = module.lanes()  # members as the engine gives them: views shaped as their parameters
     shapes = ((lanes * 40 + 5,), (3, lanes), (7,), (5, 2 * lanes - 1), (9, lanes * 11 + 1))
@@ -169,36 +197,66 @@ def verify(module) -> str:
     for i, (decoupled, weight_decay, *kind) in enumerate(kinds):
         hp = AdamHyperParams(lr=1e-2, beta1=0.3 if i % 2 else 0.9, beta2=0.99, eps=1e-8, weight_decay=weight_decay,
                              amsgrad=bool(i // 2 % 2), maximize=bool(i // 4 % 2), decoupled_weight_decay=decoupled)
-        difference = _compare(module, hp, kind, shapes, gen)
+        low = torch.float16 if i // 8 % 2 else torch.bfloat16
+        difference = _compare(module, hp, kind, low, shapes, gen)
         if difference:
             return difference
+    for low in (torch.bfloat16, torch.float16):
+        for accumulate in (False, True):
+            for unscale, bad in ((False, None), (True, None), (True, float("inf")), (True, float("nan"))):
+                difference = _compare_landing(module, low, accumulate, unscale, bad, shapes, gen)
+                if difference:
+                    return difference
     return ""
 
 
-def _compare(module, hp: AdamHyperParams, kind, shapes, gen) -> str:
-    landed, accumulate, coef, clamp = kind
+def _random(shape, gen, scale, dtype=torch.float32, positive=False) -> Tensor:
+    t = torch.rand(shape, generator=gen) if positive else torch.randn(shape, generator=gen)
+    return (t * scale).to(dtype)
 
-    def members():
-        out = []
-        for shape in shapes:
-            def r(scale, dtype=torch.float32, positive=False):
-                t = torch.rand(shape, generator=gen) if positive else torch.randn(shape, generator=gen)
-                return (t * scale).to(dtype)
-            out.append({"master": r(1.0), "low": r(1e-2, torch.bfloat16), "acc": r(1e-2), "m": r(1e-3),
-                        "v": r(1e-5, positive=True), "vmax": r(2e-5, positive=True), "step": torch.tensor(4.0)})
-        return out
 
-    ours = members()
-    theirs = [{k: v.clone() for k, v in m.items()} for m in ours]
-    for states, run in ((ours, update), (theirs, None)):
-        lists = [[m[k] for m in states] for k in ("master", "low", "acc", "m", "v", "vmax", "step")]
-        kw = dict(coef=None if coef is None else torch.tensor(coef), clamp=clamp, landed=landed, accumulate=accumulate)
-        if run is None:
-            separate_passes(*lists, hp, **kw)
-        else:
-            update(module, *lists, hp, **kw)
+def _differs(ours: list[dict], theirs: list[dict], shapes) -> str:
+    """The first state that differs in a bit (NaNs and signed zeros included), or ''."""
     for a, b, shape in zip(ours, theirs, shapes):
         for key in a:
-            if not torch.equal(a[key], b[key]):
-                return f"{key} of shape {shape}, {hp}, landed={landed} accumulate={accumulate} coef={coef} clamp={clamp}"
+            x, y = a[key], b[key]
+            bits = {4: torch.int32, 2: torch.int16}.get(x.element_size())
+            if x.dtype != y.dtype or not torch.equal(x.view(bits) if bits else x, y.view(bits) if bits else y):
+                return f"{key} of shape {shape}"
     return ""
+
+
+def _compare(module, hp: AdamHyperParams, kind, low, shapes, gen) -> str:
+    landed, accumulate, coef, clamp = kind
+    ours = [{"master": _random(s, gen, 1.0), "low": _random(s, gen, 1e-2, low), "acc": _random(s, gen, 1e-2),
+             "m": _random(s, gen, 1e-3), "v": _random(s, gen, 1e-5, positive=True),
+             "vmax": _random(s, gen, 2e-5, positive=True), "step": torch.tensor(4.0)} for s in shapes]
+    theirs = [{k: v.clone() for k, v in m.items()} for m in ours]
+    for states, run in ((ours, update), (theirs, separate_passes)):
+        lists = [[m[k] for m in states] for k in ("master", "low", "acc", "m", "v", "vmax", "step")]
+        kw = dict(coef=None if coef is None else torch.tensor(coef), clamp=clamp, landed=landed, accumulate=accumulate)
+        if run is update:
+            update(module, *lists, hp, **kw)
+        else:
+            run(*lists, hp, **kw)
+    difference = _differs(ours, theirs, shapes)
+    return difference and f"{difference}, {low}, {hp}, landed={landed} accumulate={accumulate} coef={coef} clamp={clamp}"
+
+
+def _compare_landing(module, low, accumulate: bool, unscale: bool, bad: float | None, shapes, gen) -> str:
+    ours = [{"master": _random(s, gen, 1.0), "low": _random(s, gen, 1e3, low), "acc": _random(s, gen, 1e3)}
+            for s in shapes]
+    if bad is not None:  # an inf in the elements after the last whole vector, a nan in a whole vector
+        ours[-1 if bad > 0 else 0]["low"].view(-1)[-2 if bad > 0 else 3] = bad
+    theirs = [{k: v.clone() for k, v in m.items()} for m in ours]
+    for states, run in ((ours, land), (theirs, separate_landing)):
+        inv_scale = torch.tensor([2.0 ** -13]) if unscale else None
+        found = torch.zeros(1) if unscale else None
+        lists = [[m[k] for m in states] for k in ("master", "low", "acc")]
+        if run is land:
+            land(module, *lists, accumulate=accumulate, inv_scale=inv_scale, found=found)
+        else:
+            run(*lists, accumulate=accumulate, inv_scale=inv_scale, found=found)
+        states.append({"found": torch.zeros(1) if found is None else found})
+    difference = _differs(ours, theirs, list(shapes) + ["found"])
+    return difference and f"landing: {difference}, {low}, accumulate={accumulate} unscale={unscale} bad={bad}"

@@ -347,17 +347,17 @@ def test_grad_norm_is_refused_after_value_clipping_updated_chunks():
 def test_zero_grad_without_a_step_forgets_the_finished_gradients(monkeypatch):
     """A discarded backward (zero_grad, no step) under fp16 with the worker thread: its overflow
     must not leak into the next step, however late the worker finishes it."""
-    from protrain_core.runtime.gradients import StepGradients
+    from protrain_core.runtime.gradients import Finishing
 
     monkeypatch.setenv("PROTRAIN_CPU_ADAM_THREAD", "1")
-    finish = StepGradients._finish
+    finish = Finishing.unscaled
 
-    def slow_finish(*args):
+    def slow_finish(self, found):
         if threading.current_thread().name.startswith("protrain-cpu-adam"):
             time.sleep(0.05)
-        return finish(*args)
+        return finish(self, found)
 
-    monkeypatch.setattr(StepGradients, "_finish", staticmethod(slow_finish))
+    monkeypatch.setattr(Finishing, "unscaled", slow_finish)
     model = tiny_llama(n_layer=2)
     engine = wrap(model, pt.Plan(n_persist=0, n_buffer=2), "16-mixed")
     x = batches(1)[0]

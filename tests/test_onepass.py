@@ -1,6 +1,7 @@
-"""The one-pass CPU update of bf16-mixed chunks (protrain_ops/onepass.py) gives the results of
-the separate passes bit for bit: the landing folded into the fp32 accumulator, clipping,
-torch's fused Adam/AdamW, the copy back into the bf16 compute copy.
+"""The one-pass CPU update of bf16-mixed and 16-mixed chunks (protrain_ops/onepass.py) gives the
+results of the separate passes bit for bit: the landing folded into the fp32 accumulator (fp16:
+unscaled and checked for inf/nan), clipping, torch's fused Adam/AdamW, the copy back into the
+compute copy.
 
 The kernel is built here as on any Linux machine with a C++ compiler (CI has one): a kernel that
 does not build or does not match torch fails these tests instead of skipping them.
@@ -49,6 +50,31 @@ def test_verify_names_a_difference(kernel):
     assert difference.startswith("master of shape"), difference
 
 
+class _MissesTheRest(_Off):
+    """The landing kernel that does not look for inf/nan after the last whole vector."""
+
+    def adam_onepass(self, *args):
+        self.module.adam_onepass(*args)
+
+    def land(self, masters, lows, accs, accumulate, inv_scale):
+        lanes = self.module.lanes()
+        whole = [t.numel() - t.numel() % lanes for t in masters]
+        found = self.module.land([t.view(-1)[:n] for t, n in zip(masters, whole)],
+                                 [t.view(-1)[:n] for t, n in zip(lows, whole)],
+                                 [t.view(-1)[:n] for t, n in zip(accs, whole)], accumulate, inv_scale)
+        self.module.land([t.view(-1)[n:] for t, n in zip(masters, whole)], [t.view(-1)[n:] for t, n in zip(lows, whole)],
+                         [t.view(-1)[n:] for t, n in zip(accs, whole)], accumulate, None)
+        if inv_scale is not None:  # the rest unscaled, but not checked
+            torch._foreach_mul_([t.view(-1)[n:] for t, n in zip(accs, whole)], inv_scale)
+        return found
+
+
+def test_verify_names_a_landing_that_misses_an_overflow(kernel):
+    difference = onepass.verify(_MissesTheRest(kernel))
+    assert difference.startswith("landing: found"), difference
+    assert "bad=inf" in difference, difference
+
+
 def odd_llama(seed=0):
     """Sizes that are not multiples of the kernel's vectors: every tensor has elements that
     torch's own kernel updates (the rest of ``onepass.update``)."""
@@ -72,14 +98,17 @@ def optimizer(model, kind):
     return torch.optim.Adam(groups, lr=1e-2, amsgrad=True, maximize=True)  # L2 weight decay
 
 
-def train(kind, clipping, accumulate, *, steps=3):
+def train(kind, clipping, accumulate, precision="bf16-mixed", *, steps=3, scale=None):
     """Losses, then per step the chunks' gradients left after step() (as ``p.grad`` stays until
-    zero_grad), then the final weights and optimizer state."""
+    zero_grad), then the final weights and optimizer state, and the loss scale after each step
+    (fp16; ``scale``: the first one)."""
     model = odd_llama()
-    engine = pt.wrap(model, optimizer(model, kind), pt.Plan(n_persist=0, n_buffer=2), precision="bf16-mixed",
+    engine = pt.wrap(model, optimizer(model, kind), pt.Plan(n_persist=0, n_buffer=2), precision=precision,
                      device="cpu", gradient_clipping=clipping, report=None)
+    if scale is not None:
+        engine.scaler.scale.fill_(scale)
     data = batches(steps * accumulate, seed=3, distinct=3)
-    losses, grads = [], []
+    losses, grads, scales = [], [], []
     for i in range(0, len(data), accumulate):
         for j, x in enumerate(data[i:i + accumulate]):
             with engine.no_sync() if j < accumulate - 1 else contextlib.nullcontext():
@@ -89,10 +118,35 @@ def train(kind, clipping, accumulate, *, steps=3):
         engine.step()
         engine.wait_for_updates()
         grads.append([c.storage.grad_acc.clone() for c in engine.chunks if c.storage.grad_acc is not None])
+        scales.append(None if engine.scaler is None else engine.scaler.scale.item())
         engine.zero_grad()
     state, optim = engine.state_dict(), engine.optimizer_state_dict()
     engine.close()
-    return losses, grads, state, optim
+    return losses, grads, state, optim, scales
+
+
+def bits(t):
+    return t.view({4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()]) if t.is_floating_point() else t
+
+
+def assert_equal_runs(fused, separate):
+    assert fused[0] == separate[0]
+    for ours, theirs in zip(fused[1], separate[1]):
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(ours, theirs))
+    assert fused[2].keys() == separate[2].keys()
+    assert all(torch.equal(bits(fused[2][k]), bits(separate[2][k])) for k in fused[2])
+    for index, entry in separate[3]["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(bits(fused[3]["state"][index][key]), bits(value)), (index, key)
+    assert fused[3]["state"].keys() == separate[3]["state"].keys()
+    assert fused[4] == separate[4]
+
+
+def record(monkeypatch, name, what):
+    calls = []
+    original = getattr(onepass, name)
+    monkeypatch.setattr(onepass, name, lambda *a, **kw: (calls.append(what(kw)), original(*a, **kw))[1])
+    return calls
 
 
 @pytest.mark.parametrize("kind, clipping, accumulate", [
@@ -103,9 +157,7 @@ def train(kind, clipping, accumulate, *, steps=3):
     ("adam-amsgrad-maximize", None, 1),
 ])
 def test_training_with_the_kernel_equals_the_separate_passes_bit_for_bit(kernel, monkeypatch, kind, clipping, accumulate):
-    calls = []
-    update = onepass.update
-    monkeypatch.setattr(onepass, "update", lambda *a, **kw: (calls.append(kw["landed"]), update(*a, **kw)))
+    calls = record(monkeypatch, "update", lambda kw: kw["landed"])
     with onepass.turned_off():
         separate = train(kind, clipping, accumulate)
     assert calls == []
@@ -115,13 +167,31 @@ def test_training_with_the_kernel_equals_the_separate_passes_bit_for_bit(kernel,
     # norm must be known first.
     expected = {None: {False, True}, "value": {True}, "norm": {False}}[clipping and clipping[0]]
     assert set(calls) == expected, calls
+    assert_equal_runs(fused, separate)
 
-    assert fused[0] == separate[0]
-    for ours, theirs in zip(fused[1], separate[1]):
-        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
-    assert fused[2].keys() == separate[2].keys()
-    assert all(torch.equal(fused[2][k], separate[2][k]) for k in fused[2])
-    for index, entry in separate[3]["state"].items():
-        for key, value in entry.items():
-            assert torch.equal(fused[3]["state"][index][key], value), (index, key)
-    assert fused[3]["state"].keys() == separate[3]["state"].keys()
+
+@pytest.mark.parametrize("kind, clipping, accumulate", [
+    ("adamw", None, 1),
+    ("adamw", None, 2),  # the micro-batches' landings are added, the last one unscaled in the pass
+    ("adamw", ("norm", 0.5), 1),  # the norms of the gradients the pass unscaled
+    ("adam-amsgrad-maximize", ("value", 0.01), 1),
+])
+def test_fp16_training_with_the_kernel_equals_the_separate_passes_bit_for_bit(kernel, monkeypatch, kind, clipping,
+                                                                               accumulate):
+    """fp16: every landing is folded, unscaled (the step's last) and checked, and the copy
+    restored in one pass; every update then reads the accumulator in one pass. From a loss scale
+    of 2^18 some steps overflow and are skipped, and some are taken (the scale's history): alike."""
+    updates = record(monkeypatch, "update", lambda kw: kw["landed"])
+    landings = record(monkeypatch, "land", lambda kw: (kw["accumulate"], kw.get("inv_scale") is not None))
+    with onepass.turned_off():
+        separate = train(kind, clipping, accumulate, "16-mixed", steps=5, scale=2.0**18)
+    assert updates == [] and landings == []
+    fused = train(kind, clipping, accumulate, "16-mixed", steps=5, scale=2.0**18)
+    history = [2.0**18] + separate[4]
+    skipped = sum(b < a for a, b in zip(history, history[1:]))
+    assert 0 < skipped < len(separate[4]), history
+    assert set(updates) == {False}
+    # (added, unscaled): the members unscaled at the step's last landing, the rest of the span not
+    expected = {(False, True), (False, False)} if accumulate == 1 else {(False, False), (True, True), (True, False)}
+    assert set(landings) == expected, landings
+    assert_equal_runs(fused, separate)

@@ -1,8 +1,13 @@
 // One pass of Adam/AdamW over a streamed chunk on the CPU in mixed precision: the gradient is
-// read where it landed (bf16, added to the fp32 accumulator when micro-batches accumulate),
-// clipped, stored as the fp32 gradient the step leaves behind, and the updated fp32 master is
-// rounded into the bf16 copy in the same pass. 32 bytes per parameter against the 40-48 of
-// landing + torch._fused_adamw_ + copy-back as separate passes.
+// read where it landed (bf16 or fp16, added to the fp32 accumulator when micro-batches
+// accumulate), clipped, stored as the fp32 gradient the step leaves behind, and the updated fp32
+// master is rounded into the low-precision copy in the same pass. 32 bytes per parameter against
+// the 40-48 of landing + torch._fused_adamw_ + copy-back as separate passes.
+//
+// A landing that is not updated at once (fp16: the step waits for every chunk's overflow
+// check; a norm to clip by; gradient accumulation) is folded into the accumulator, unscaled and
+// checked for inf/nan (fp16, at the step's last landing), and the low-precision copy restored
+// from the master, in one pass too (`land`): 12 bytes per parameter against 20.
 //
 // [Note: one-pass arithmetic]
 // Every result must equal, bit for bit, what the separate passes give: `acc.copy_(low)` or
@@ -22,6 +27,7 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -64,13 +70,14 @@ Hyper make_hyper(double lr, double beta1, double beta2, double weight_decay, dou
 }
 
 using fVec = at::vec::Vectorized<float>;
-using bVec = at::vec::Vectorized<at::BFloat16>;
-// Elements per iteration: one vector of bf16, two of fp32 (32 with AVX-512, 16 with AVX2).
-constexpr int64_t kLanes = bVec::size();
+// Elements per iteration: one vector of bf16 or fp16, two of fp32 (32 with AVX-512, 16 with AVX2).
+constexpr int64_t kLanes = at::vec::Vectorized<at::BFloat16>::size();
+static_assert(at::vec::Vectorized<at::Half>::size() == kLanes, "bf16 and fp16 vectors of one width");
 
+template <typename Low>
 struct Member {
   float* p;
-  at::BFloat16* low;  // the bf16 span: the gradient in (READ_LOW), the rounded master out
+  Low* low;           // the bf16/fp16 span: the gradient in (READ_LOW), the rounded master out
   float* acc;         // the fp32 gradient: added to (READ_ACC), the clipped one out (WRITE_ACC)
   float* m;
   float* v;
@@ -91,8 +98,8 @@ inline void store_gradient(float* dst, const fVec& g) {
 }
 
 // One vector of one member at `i`: `g` is its gradient; returns the updated master.
-template <bool WRITE_ACC, bool STREAM, bool LEVEL2, bool AMSGRAD>
-inline fVec update_vector(const Hyper& h, const Member& t, int64_t i, fVec g) {
+template <bool WRITE_ACC, bool STREAM, bool LEVEL2, bool AMSGRAD, typename Low>
+inline fVec update_vector(const Hyper& h, const Member<Low>& t, int64_t i, fVec g) {
   g = g * fVec(h.coef);                      // _foreach_mul_ by clip_grad_norm_'s coefficient
   g = at::vec::clamp_min(g, fVec(-h.clamp));  // clamp_min_ / clamp_max_: a NaN stays
   g = at::vec::clamp_max(g, fVec(h.clamp));
@@ -117,13 +124,13 @@ inline fVec update_vector(const Hyper& h, const Member& t, int64_t i, fVec g) {
 }
 
 // Elements [begin, end) of one member, a multiple of kLanes.
-template <bool READ_LOW, bool READ_ACC, bool WRITE_ACC, bool STREAM, bool LEVEL2, bool AMSGRAD>
-void update_range(const Hyper h, const Member t, int64_t begin, int64_t end) {
+template <typename Low, bool READ_LOW, bool READ_ACC, bool WRITE_ACC, bool STREAM, bool LEVEL2, bool AMSGRAD>
+void update_range(const Hyper h, const Member<Low> t, int64_t begin, int64_t end) {
   constexpr int64_t half = fVec::size();
   for (int64_t i = begin; i < end; i += kLanes) {
     fVec g0, g1;
     if constexpr (READ_LOW) {
-      std::tie(g0, g1) = at::vec::convert_to_float<at::BFloat16>(bVec::loadu(t.low + i));
+      std::tie(g0, g1) = at::vec::convert_to_float<Low>(at::vec::Vectorized<Low>::loadu(t.low + i));
       if constexpr (READ_ACC) {
         g0 = fVec::loadu(t.acc + i) + g0;
         g1 = fVec::loadu(t.acc + i + half) + g1;
@@ -134,32 +141,47 @@ void update_range(const Hyper h, const Member t, int64_t begin, int64_t end) {
     }
     fVec p0 = update_vector<WRITE_ACC, STREAM, LEVEL2, AMSGRAD>(h, t, i, g0);
     fVec p1 = update_vector<WRITE_ACC, STREAM, LEVEL2, AMSGRAD>(h, t, i + half, g1);
-    at::vec::convert_from_float<at::BFloat16>(p0, p1).store(t.low + i);
+    at::vec::convert_from_float<Low>(p0, p1).store(t.low + i);
   }
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   if constexpr (STREAM) _mm_sfence();  // streamed stores are visible to every thread after this
 #endif
 }
 
-using RangeFn = void (*)(const Hyper, const Member, int64_t, int64_t);
+template <typename Low>
+using RangeFn = void (*)(const Hyper, const Member<Low>, int64_t, int64_t);
 
-template <bool READ_LOW, bool READ_ACC, bool WRITE_ACC, bool STREAM>
-RangeFn pick(bool level2, bool amsgrad) {
-  if (level2) return amsgrad ? update_range<READ_LOW, READ_ACC, WRITE_ACC, STREAM, true, true>
-                             : update_range<READ_LOW, READ_ACC, WRITE_ACC, STREAM, true, false>;
-  return amsgrad ? update_range<READ_LOW, READ_ACC, WRITE_ACC, STREAM, false, true>
-                 : update_range<READ_LOW, READ_ACC, WRITE_ACC, STREAM, false, false>;
+template <typename Low, bool READ_LOW, bool READ_ACC, bool WRITE_ACC, bool STREAM>
+RangeFn<Low> pick(bool level2, bool amsgrad) {
+  if (level2) return amsgrad ? update_range<Low, READ_LOW, READ_ACC, WRITE_ACC, STREAM, true, true>
+                             : update_range<Low, READ_LOW, READ_ACC, WRITE_ACC, STREAM, true, false>;
+  return amsgrad ? update_range<Low, READ_LOW, READ_ACC, WRITE_ACC, STREAM, false, true>
+                 : update_range<Low, READ_LOW, READ_ACC, WRITE_ACC, STREAM, false, false>;
 }
 
 // What the gradient is: landed in the bf16 span (added to the accumulator when micro-batches
 // accumulate; streamed out when `stream`), or already in the accumulator (written back only when
 // clipping changed it).
-RangeFn pick(bool landed, bool accumulate, bool write_acc, bool stream, bool level2, bool amsgrad) {
+template <typename Low>
+RangeFn<Low> pick(bool landed, bool accumulate, bool write_acc, bool stream, bool level2, bool amsgrad) {
   if (landed && !accumulate) {
-    return stream ? pick<true, false, true, true>(level2, amsgrad) : pick<true, false, true, false>(level2, amsgrad);
+    return stream ? pick<Low, true, false, true, true>(level2, amsgrad)
+                  : pick<Low, true, false, true, false>(level2, amsgrad);
   }
-  if (landed) return pick<true, true, true, false>(level2, amsgrad);
-  return write_acc ? pick<false, true, true, false>(level2, amsgrad) : pick<false, true, false, false>(level2, amsgrad);
+  if (landed) return pick<Low, true, true, true, false>(level2, amsgrad);
+  return write_acc ? pick<Low, false, true, true, false>(level2, amsgrad)
+                   : pick<Low, false, true, false, false>(level2, amsgrad);
+}
+
+template <typename Low>
+void run_member(const Hyper& h, const at::Tensor& param, const at::Tensor& low, const at::Tensor& acc,
+                const at::Tensor& m, const at::Tensor& v, const at::Tensor* vmax, int64_t length, bool landed,
+                bool accumulate, bool write_acc, bool level2) {
+  const bool aligned = reinterpret_cast<uintptr_t>(acc.data_ptr<float>()) % sizeof(fVec) == 0;
+  const RangeFn<Low> fn = pick<Low>(landed, accumulate, write_acc || landed, aligned, level2, vmax != nullptr);
+  const Member<Low> t{param.data_ptr<float>(), low.data_ptr<Low>(), acc.data_ptr<float>(), m.data_ptr<float>(),
+                      v.data_ptr<float>(), vmax != nullptr ? vmax->data_ptr<float>() : nullptr};
+  at::parallel_for(0, length / kLanes, 16384 / kLanes, [&](int64_t begin, int64_t end) { fn(h, t, begin * kLanes, end * kLanes); });
 }
 
 // One param group's members: each list holds one tensor per member (``max_exp_avg_sqs`` empty
@@ -183,23 +205,105 @@ void adam_onepass(std::vector<at::Tensor> params, std::vector<at::Tensor> lows, 
       TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu() &&
                       t->numel() >= lengths[k], "adam_onepass: fp32 contiguous CPU tensors");
     }
-    TORCH_CHECK(lows[k].scalar_type() == at::kBFloat16 && lows[k].is_contiguous() && lows[k].numel() >= lengths[k],
-                "adam_onepass: the low-precision span is bf16 and contiguous");
+    const bool half = lows[k].scalar_type() == at::kHalf;
+    TORCH_CHECK((half || lows[k].scalar_type() == at::kBFloat16) && lows[k].is_contiguous() &&
+                    lows[k].numel() >= lengths[k], "adam_onepass: the low-precision span is bf16 or fp16 and contiguous");
     const Hyper h = make_hyper(lr, beta1, beta2, weight_decay, eps, steps[k], decoupled, maximize, coef, clamp);
     TORCH_CHECK(lengths[k] % kLanes == 0, "adam_onepass: lengths are multiples of lanes()");
-    const bool aligned = reinterpret_cast<uintptr_t>(accs[k].data_ptr<float>()) % sizeof(fVec) == 0;
-    const RangeFn fn = pick(landed, accumulate, write_acc || landed, aligned, level2, amsgrad);
-    const Member t{params[k].data_ptr<float>(), lows[k].data_ptr<at::BFloat16>(),
-                   accs[k].data_ptr<float>(), exp_avgs[k].data_ptr<float>(), exp_avg_sqs[k].data_ptr<float>(),
-                   amsgrad ? max_exp_avg_sqs[k].data_ptr<float>() : nullptr};
-    at::parallel_for(0, lengths[k] / kLanes, 16384 / kLanes,
-                     [&](int64_t begin, int64_t end) { fn(h, t, begin * kLanes, end * kLanes); });
+    const at::Tensor* vmax = amsgrad ? &max_exp_avg_sqs[k] : nullptr;
+    if (half) {
+      run_member<at::Half>(h, params[k], lows[k], accs[k], exp_avgs[k], exp_avg_sqs[k], vmax, lengths[k], landed,
+                           accumulate, write_acc, level2);
+    } else {
+      run_member<at::BFloat16>(h, params[k], lows[k], accs[k], exp_avgs[k], exp_avg_sqs[k], vmax, lengths[k], landed,
+                               accumulate, write_acc, level2);
+    }
   }
+}
+
+// ----- landing without an update --------------------------------------------------------------
+// Elements [begin, end) of one piece: the landed gradient into the accumulator (`acc.copy_(low)`
+// or `acc.add_(low)`); with UNSCALE also `torch._amp_foreach_non_finite_check_and_unscale_`'s
+// check (of the folded value) and multiplication by the inverse scale; then `low.copy_(master)`.
+// Each is one rounding of one operation, so the scalar loop for the last elements gives what
+// torch's gives. Returns whether an inf/nan was found (only looked for with UNSCALE).
+template <typename Low, bool ACCUMULATE, bool UNSCALE>
+bool land_range(const float* master, Low* low, float* acc, float inv_scale, int64_t begin, int64_t end) {
+  using lVec = at::vec::Vectorized<Low>;
+  constexpr int64_t half = fVec::size();
+  bool found = false;
+  int64_t i = begin;
+  for (; i + kLanes <= end; i += kLanes) {
+    auto [g0, g1] = at::vec::convert_to_float<Low>(lVec::loadu(low + i));
+    if constexpr (ACCUMULATE) {
+      g0 = fVec::loadu(acc + i) + g0;
+      g1 = fVec::loadu(acc + i + half) + g1;
+    }
+    if constexpr (UNSCALE) {
+      found = found || g0.has_inf_nan() || g1.has_inf_nan();
+      g0 = g0 * fVec(inv_scale);
+      g1 = g1 * fVec(inv_scale);
+    }
+    g0.store(acc + i);
+    g1.store(acc + i + half);
+    at::vec::convert_from_float<Low>(fVec::loadu(master + i), fVec::loadu(master + i + half)).store(low + i);
+  }
+  for (; i < end; ++i) {
+    float g = static_cast<float>(low[i]);
+    if constexpr (ACCUMULATE) g = acc[i] + g;
+    if constexpr (UNSCALE) {
+      found = found || !std::isfinite(g);
+      g = g * inv_scale;
+    }
+    acc[i] = g;
+    low[i] = static_cast<Low>(master[i]);
+  }
+  return found;
+}
+
+template <typename Low>
+bool land_piece(const at::Tensor& master, const at::Tensor& low, const at::Tensor& acc, bool accumulate,
+                c10::optional<double> inv_scale) {
+  using Fn = bool (*)(const float*, Low*, float*, float, int64_t, int64_t);
+  const Fn fn = accumulate ? (inv_scale ? land_range<Low, true, true> : land_range<Low, true, false>)
+                           : (inv_scale ? land_range<Low, false, true> : land_range<Low, false, false>);
+  const float inv = inv_scale ? static_cast<float>(*inv_scale) : 1.0f;
+  const float* m = master.data_ptr<float>();
+  Low* l = low.data_ptr<Low>();
+  float* a = acc.data_ptr<float>();
+  std::atomic<bool> found{false};
+  at::parallel_for(0, master.numel(), 16384, [&](int64_t begin, int64_t end) {
+    if (fn(m, l, a, inv, begin, end)) found.store(true, std::memory_order_relaxed);
+  });
+  return found.load();
+}
+
+// Pieces of a chunk's span (views of the master, the low-precision copy and the accumulator
+// alike): returns whether an inf/nan was found in a folded gradient (with `inv_scale` only).
+bool land(std::vector<at::Tensor> masters, std::vector<at::Tensor> lows, std::vector<at::Tensor> accs,
+          bool accumulate, c10::optional<double> inv_scale) {
+  TORCH_CHECK(lows.size() == masters.size() && accs.size() == masters.size(), "land: one tensor per piece in every list");
+  bool found = false;
+  for (size_t k = 0; k < masters.size(); ++k) {
+    const int64_t n = masters[k].numel();
+    for (const at::Tensor* t : {&masters[k], &accs[k]}) {
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu() && t->numel() == n,
+                  "land: fp32 contiguous CPU tensors of one size");
+    }
+    const bool half = lows[k].scalar_type() == at::kHalf;
+    TORCH_CHECK((half || lows[k].scalar_type() == at::kBFloat16) && lows[k].is_contiguous() && lows[k].numel() == n,
+                "land: the low-precision piece is bf16 or fp16, contiguous, of the master's size");
+    const bool f = half ? land_piece<at::Half>(masters[k], lows[k], accs[k], accumulate, inv_scale)
+                        : land_piece<at::BFloat16>(masters[k], lows[k], accs[k], accumulate, inv_scale);
+    found = found || f;
+  }
+  return found;
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("adam_onepass", &adam_onepass, "One-pass Adam/AdamW of a chunk's members in mixed precision");
+  module.def("land", &land, "A landing folded into the accumulator (unscaled and checked), the copy restored");
   module.def("lanes", [] { return kLanes; }, "Elements per iteration: lengths are multiples of it");
 }

@@ -33,8 +33,9 @@ the schedule, and the model charges each part where it runs (profiled separately
 - DURING_BACKWARD: one job when the gradients arrive: landing (L_c), clipping's passes, Adam,
   copy back. U_c in all, in the backward chain of eq. 7.
 - NEXT_FORWARD: at the landing, during backward, the landing and the compute copy restored from
-  the master (as many bytes again: 2 L_c; fp16's unscale and the norms are not charged, they
-  read what the landing wrote and hide in backward), and after backward, in forward order,
+  the master (as many bytes again: 2 L_c; one pass of the kernel where it runs, which fp16's
+  unscale joins; the norms are not charged, they read what the landing wrote and hide in
+  backward), and after backward, in forward order,
   clipping's passes, Adam and the copy back (U_c - L_c), which the next forward waits for.
 Charging U_c whole after backward put the fp16 rows of ``benchmarks/bench_simulator.py`` 5 %
 above their simulated step.

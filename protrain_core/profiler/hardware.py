@@ -14,7 +14,7 @@ import torch
 from protrain_core.planner.profiles import Hardware
 from protrain_core.precision import Precision
 from protrain_core.runtime.device import DeviceContext, as_context
-from protrain_ops import AdamHyperParams, adam_step, copy_to_low_precision
+from protrain_ops import AdamHyperParams, adam_step, copy_to_low_precision, onepass
 
 
 def device_name(device: torch.device | DeviceContext) -> str:
@@ -98,18 +98,30 @@ def _adam_rate(ctx: DeviceContext, n: int, on: torch.device, low: torch.dtype | 
     side does both; a persistent chunk's gradients land in the accumulator directly). With
     ``parts``, also the landing alone (0 without one) and one elementwise pass over the fp32
     gradients in place (clipping's), which the cost model charges where the runtime runs them
-    ([Note: the overlap under clipping and fp16] in update.py); else (rate, 0, 0)."""
+    ([Note: the overlap under clipping and fp16] in update.py); else (rate, 0, 0).
+
+    Where the host's mixed-precision update runs in one pass (protrain_ops/onepass.py), that
+    pass is timed, and the landing's part is half of the one-pass landing (fold and copy
+    restored), which the cost model charges twice where the update waits."""
     p, g, m, v = (torch.zeros(n, device=on) for _ in range(4))
     steps = [torch.zeros((), device=on)]
     copy = torch.zeros(n, dtype=low, device=on) if low is not None else None
     g.fill_(1e-3)
     hp = AdamHyperParams(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
     landing = copy is not None and on == ctx.host
+    kernel = onepass.kernel() if landing and on.type == "cpu" else None
 
     def land():
-        g.copy_(copy)
+        if kernel is not None:
+            onepass.land(kernel, [p], [copy], [g], accumulate=False)
+        else:
+            g.copy_(copy)
 
     def step():
+        if kernel is not None:
+            onepass.update(kernel, [p], [copy], [g], [m], [v], [], steps, hp, coef=None, clamp=None, landed=True,
+                           accumulate=False)
+            return
         if landing:
             land()
         adam_step([p], [g], [m], [v], [], steps, hp)
@@ -122,7 +134,8 @@ def _adam_rate(ctx: DeviceContext, n: int, on: torch.device, low: torch.dtype | 
     if not parts:
         return rate(step), 0.0, 0.0
     short = dict(budget_s=0.05, max_reps=10)  # the parts are a few memory passes each
-    return rate(step), rate(land, **short) if landing else 0.0, rate(lambda: torch._foreach_mul_([g], 1.0), **short)
+    land_rate = (rate(land, **short) * (2 if kernel is not None else 1)) if landing else 0.0
+    return rate(step), land_rate, rate(lambda: torch._foreach_mul_([g], 1.0), **short)
 
 
 COLLECTIVE_REPS = 5

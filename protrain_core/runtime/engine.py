@@ -74,7 +74,7 @@ class Engine:
         self.phase = PhaseTracker()
         self.scaler = LossScaler() if precision is Precision.FP16_MIXED else None
         self._optim = ChunkOptimizer(optimizer)
-        if precision is Precision.BF16_MIXED and self._optim.kind is None:
+        if precision in (Precision.BF16_MIXED, Precision.FP16_MIXED) and self._optim.kind is None:
             onepass.kernel()  # built (once per machine) and checked now, not in the first backward
         self._no_sync = False
         self._manual = False  # Lightning manual optimization (set_manual_optimization)
@@ -745,7 +745,7 @@ class Engine:
         worker = self.runtime.worker
         line = worker.threads_why if worker.threads is None else \
             f"{worker.threads} thread{'s' if worker.threads > 1 else ''} ({worker.threads_why})"
-        if self.precision is Precision.BF16_MIXED and self._optim.kind is None:
+        if self.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED) and self._optim.kind is None:
             line += f"; updates of streamed chunks: {onepass.status()}"
         return line
 

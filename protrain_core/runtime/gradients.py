@@ -52,6 +52,34 @@ class _Finished:
     members: list[int]  # the chunk's members the optimizer updates that have a gradient
 
 
+class Finishing:
+    """Finishing one chunk's gradients of the step: those of ``members`` unscaled and checked
+    for inf/nan (fp16: ``inv_scale``), then the norms taken (``norm_type``), the result kept in
+    ``finished``. Called, it runs the separate passes; where the CPU worker's one-pass landing
+    unscaled and checked them already, ``unscaled(found)`` does the rest."""
+
+    def __init__(self, chunk: Chunk, members: list[int], inv_scale: Tensor | None, norm_type: float | None,
+                 finished: dict[int, _Finished]) -> None:
+        self.chunk, self.members, self.inv_scale, self.norm_type, self.finished = chunk, members, inv_scale, norm_type, finished
+
+    def _grads(self) -> list[Tensor]:
+        return [self.chunk.state_view(self.chunk.storage.grad_acc, i) for i in self.members]
+
+    def __call__(self) -> None:
+        grads, found = self._grads(), None
+        if self.inv_scale is not None and grads:
+            found = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, self.inv_scale.to(grads[0].device))
+        self.unscaled(found)
+
+    def unscaled(self, found: Tensor | None) -> None:
+        """After the gradients were unscaled and checked (``found``: the flag; None without a
+        scaler or gradients): the norms, and the chunk is finished."""
+        grads = self._grads() if self.norm_type is not None else []
+        norms = {self.norm_type: list(torch._foreach_norm(grads, self.norm_type))} if grads else {}
+        self.finished[self.chunk.index] = _Finished(found, norms, self.members)
+
+
 class StepGradients:
     """What the engine knows about clipping, and the finished gradients of the current step."""
 
@@ -90,32 +118,17 @@ class StepGradients:
         return self.expect_late
 
     # ----- finishing ------------------------------------------------------------------------
-    def finisher(self, chunk: Chunk):
+    def finisher(self, chunk: Chunk) -> Finishing | None:
         """The CPU worker's job after a streamed chunk's last landing of the step (None: nothing
         to finish). Runs on the main thread; the job only touches this chunk."""
         norm_type = self._norm_type()
         if self.scaler is None and norm_type is None:
             return None
-        members = self._members(chunk)
         inv_scale = None if self.scaler is None else self.scaler.inv_scale()
-
-        def job():
-            self._finished[chunk.index] = self._finish(chunk, members, inv_scale, norm_type)
-
-        return job
+        return Finishing(chunk, self._members(chunk), inv_scale, norm_type, self._finished)
 
     def _members(self, chunk: Chunk) -> list[int]:
         return [i for members in chunk.opt_members.values() for i in members if chunk.has_grad(i)]
-
-    @staticmethod
-    def _finish(chunk: Chunk, members: list[int], inv_scale: Tensor | None, norm_type: float | None) -> _Finished:
-        grads = [chunk.state_view(chunk.storage.grad_acc, i) for i in members]
-        found = None
-        if inv_scale is not None and grads:
-            found = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(grads[0].device))
-        norms = {} if norm_type is None or not grads else {norm_type: list(torch._foreach_norm(grads, norm_type))}
-        return _Finished(found, norms, members)
 
     def finish_all(self) -> None:
         """Finish every chunk with gradients that is not finished yet (the persistent chunks, and
@@ -124,7 +137,7 @@ class StepGradients:
         inv_scale = None if self.scaler is None else self.scaler.inv_scale()
         for c in self.chunks:
             if c.index not in self._finished and c.opt_members and c.has_gradients:
-                self._finished[c.index] = self._finish(c, self._members(c), inv_scale, None)
+                Finishing(c, self._members(c), inv_scale, None, self._finished)()
 
     def _norms(self, norm_type: float) -> dict[int, Tensor]:
         """Parameter id -> the norm of its gradient (after finish_all)."""

@@ -144,14 +144,32 @@ class ChunkOptimizer:
         return out
 
     def one_pass(self, chunk: Chunk):
-        """The kernel that updates ``chunk`` in one pass (protrain_ops/onepass.py), or None: Adam
-        on a bf16-mixed chunk whose states are in host memory, where the kernel built and
-        matched torch's arithmetic."""
+        """The kernel that lands and updates ``chunk`` in one pass (protrain_ops/onepass.py), or
+        None: Adam on a bf16-mixed or 16-mixed chunk whose states are in host memory, where the
+        kernel built and matched torch's arithmetic."""
         storage = chunk.storage
         if (self.elementwise is not None or not storage.fmt.separate_master or storage.master.device.type != "cpu"
-                or storage.fmt.compute_dtype != torch.bfloat16):
+                or storage.fmt.compute_dtype not in (torch.bfloat16, torch.float16)):
             return None
         return onepass.kernel()
+
+    @staticmethod
+    def land(kernel, chunk: Chunk, *, accumulate: bool, members: list[int], inv_scale: Tensor | None) -> Tensor | None:
+        """A gradient landed in the compute copy's span (``one_pass(chunk)`` gave ``kernel``)
+        into the accumulator (added when ``accumulate``), and the copy restored from the master,
+        in one pass; with ``inv_scale`` (fp16, the step's last landing) the gradients of
+        ``members`` are also unscaled and checked for inf/nan in it, and the flag is returned
+        (1.0: found) as ``torch._amp_foreach_non_finite_check_and_unscale_`` leaves it."""
+        storage, found, covered = chunk.storage, None, []
+        if inv_scale is not None and members:
+            views = chunk.update_views(tuple(members))
+            found = torch.zeros(1, dtype=torch.float32, device=storage.master.device)
+            onepass.land(kernel, views.master, views.lows, views.grads, accumulate=accumulate, inv_scale=inv_scale,
+                         found=found)
+            covered = views.master
+        masters, lows, accs = _uncovered((storage.master, storage.compute_span(), storage.grad_acc), covered)
+        onepass.land(kernel, masters, lows, accs, accumulate=accumulate)
+        return found
 
     def update(self, chunk: Chunk, hps: tuple[AdamHyperParams, ...], selected: dict[int, list[int]],
                clip: UpdateClip, *, landed: str | None = None) -> None:

@@ -90,14 +90,25 @@ class CpuWorker:
         return landing
 
     def land_and_update(self, chunk: Chunk, event, landing: Tensor, replace: bool, finish, update) -> None:
-        """Fold the offloaded gradients into the accumulator; then ``finish()`` them (unscale,
-        norms: runtime/gradients.py) and run ``update`` = (hps, selected, clip) when given."""
+        """Fold the offloaded gradients into the accumulator; then ``finish`` them (unscale,
+        norms: runtime/gradients.py ``Finishing``) and run ``update`` = (hps, selected, clip)
+        when given."""
         self.ctx.synchronize(event)
         storage = chunk.storage
-        if update is not None and finish is None and self.optim.one_pass(chunk) is not None:
+        kernel = self.optim.one_pass(chunk)
+        if kernel is not None and update is not None and finish is None:
             self.update(chunk, *update, landed="copy" if replace else "add")  # landing, Adam, copy back: one pass
             return
         with torch.no_grad():
+            if kernel is not None:  # landing, fp16's unscale and check, copy restored: one pass
+                unscale = finish is not None and finish.inv_scale is not None
+                found = self.optim.land(kernel, chunk, accumulate=not replace, members=finish.members if unscale else [],
+                                        inv_scale=finish.inv_scale if unscale else None)
+                if finish is not None:
+                    finish.unscaled(found)
+                if update is not None:
+                    self.update(chunk, *update)
+                return
             if storage.fmt.separate_master:  # landed in the compute copy's span
                 fold_landing([storage.grad_acc], [landing], accumulate=not replace)
             elif not replace:  # landed in a staging buffer
