@@ -484,8 +484,8 @@ def test_host_numbers_agree_without_the_device(tmp_path):
 def test_each_backend_reduces_and_gathers_with_its_fastest_collective(monkeypatch, backend):
     """NCCL averages inside the reduce-scatter (a pre-multiplied sum, what DDP computes): no
     scaling pass over the gradient buffer first, and gathers with all-gather. gloo has no
-    average, so the buffer is scaled first; its all-reduce is faster than its reduce-scatter and
-    all-gather, so both are all-reduces (the gather: every rank's piece among zeros)."""
+    average, so the buffer is scaled first; its all-reduce is faster than its reduce-scatter,
+    and one broadcast per rank's piece than its all-gather or an all-reduce."""
     import torch.distributed as dist
 
     from protrain_core.runtime import sharding as S
@@ -494,6 +494,8 @@ def test_each_backend_reduces_and_gathers_with_its_fastest_collective(monkeypatc
     monkeypatch.setattr(S, "_reduce_scatter", lambda out, full, op, group: calls.append(("reduce_scatter", op, full.clone())))
     monkeypatch.setattr(S, "_all_gather", lambda full, piece, group: calls.append(("all_gather", None, full.clone())))
     monkeypatch.setattr(S.dist, "all_reduce", lambda t, op, group: calls.append(("all_reduce", op, t.clone())))
+    monkeypatch.setattr(S.dist, "broadcast", lambda t, src, group: calls.append(("broadcast", src, t.clone())))
+    monkeypatch.setattr(S.dist, "get_global_rank", lambda group, rank: rank + 10)
     monkeypatch.setattr(S.dist, "get_backend", lambda group: backend)
     sharding = S.Sharding(group=None, rank=1, world=2)
     sharding.reduce_scatter_mean(torch.empty(2), torch.full((4,), 3.0))
@@ -502,9 +504,10 @@ def test_each_backend_reduces_and_gathers_with_its_fastest_collective(monkeypatc
         assert [c[:2] for c in calls] == [("reduce_scatter", dist.ReduceOp.AVG), ("all_gather", None)]
         assert torch.equal(calls[0][2], torch.full((4,), 3.0))
     else:
-        assert [c[:2] for c in calls] == [("all_reduce", dist.ReduceOp.SUM)] * 2
+        assert [c[:2] for c in calls] == [("all_reduce", dist.ReduceOp.SUM), ("broadcast", 10), ("broadcast", 11)]
         assert torch.equal(calls[0][2], torch.full((4,), 1.5))
-        assert torch.equal(calls[1][2], torch.tensor([0.0, 0.0, 3.0, 4.0]))  # rank 1's piece among zeros
+        assert torch.equal(calls[1][2], torch.tensor([1.0, 2.0]))  # each piece from its rank (global numbers)
+        assert torch.equal(calls[2][2], torch.tensor([3.0, 4.0]))
 
 
 def _collective_schedule(rank, world):
@@ -515,11 +518,15 @@ def _collective_schedule(rank, world):
     from protrain_core.runtime.scheduler import Runtime
 
     events = []
-    all_reduce, wait, on_grad = S.dist.all_reduce, D.HostEvent.wait, Runtime.on_grad
+    all_reduce, broadcast, wait, on_grad = S.dist.all_reduce, S.dist.broadcast, D.HostEvent.wait, Runtime.on_grad
 
     def recording_all_reduce(t, *args, async_op=False, **kw):
         events.append(("issue", async_op))
         return all_reduce(t, *args, async_op=async_op, **kw)
+
+    def recording_broadcast(t, *args, async_op=False, **kw):
+        events.append(("broadcast", async_op))
+        return broadcast(t, *args, async_op=async_op, **kw)
 
     def recording_wait(self):
         events.append(("wait", self._done))
@@ -529,7 +536,8 @@ def _collective_schedule(rank, world):
         events.append(("hook", None))
         return on_grad(self, *args)
 
-    S.dist.all_reduce, D.HostEvent.wait, Runtime.on_grad = recording_all_reduce, recording_wait, recording_on_grad
+    S.dist.all_reduce, S.dist.broadcast = recording_all_reduce, recording_broadcast
+    D.HostEvent.wait, Runtime.on_grad = recording_wait, recording_on_grad
     try:
         model = tiny_llama(seed=0)
         engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), standard_plans(model)["all-persistent"],
@@ -544,7 +552,7 @@ def _collective_schedule(rank, world):
         chunks = len(engine.chunks)
         engine.close()
     finally:
-        S.dist.all_reduce, D.HostEvent.wait, Runtime.on_grad = all_reduce, wait, on_grad
+        S.dist.all_reduce, S.dist.broadcast, D.HostEvent.wait, Runtime.on_grad = all_reduce, broadcast, wait, on_grad
     return events, chunks
 
 
@@ -552,7 +560,8 @@ def test_cpu_collectives_run_beside_backward_and_are_waited_where_their_results_
     """On a CPU device the chunks' reduce-scatters (gloo: all-reduces) are issued without
     blocking as each chunk's gradients complete, while backward goes on (gloo runs them on its
     own threads, as DDP's are), and waited once each, after the last gradient hook; the
-    all-gathers after the updates likewise, waited at the end of the step."""
+    all-gathers after the updates (gloo: a broadcast per rank's piece) likewise, waited at the
+    end of the step."""
     for events, chunks in spawn(_collective_schedule, 2, tmp_path):
         backward = events[events.index(("backward", None)) + 1:events.index(("step", None))]
         step = events[events.index(("step", None)) + 1:events.index(("done", None))]
@@ -564,8 +573,10 @@ def test_cpu_collectives_run_beside_backward_and_are_waited_where_their_results_
         assert min(issues) < hooks[-1], backward  # the first ones while gradients still come
         waits = [k for k, e in enumerate(backward) if e[0] == "wait"]
         assert len(waits) == chunks and min(waits) > hooks[-1], backward  # waited after the last hook
-        gathers = [e for e in step if e[0] == "issue"]
-        assert len(gathers) == chunks and all(asynchronous for _, asynchronous in gathers), step
+        assert not any(e[0] == "broadcast" for e in backward), backward
+        assert not any(e[0] == "issue" for e in step), step
+        gathers = [e for e in step if e[0] == "broadcast"]
+        assert len(gathers) == 2 * chunks and all(asynchronous for _, asynchronous in gathers), step
         assert sum(e[0] == "wait" for e in step) == chunks, step
 
 

@@ -102,24 +102,24 @@ class Sharding:
 
     # ----- collectives ---------------------------------------------------------------------------
     @property
-    def _by_all_reduce(self) -> bool:
-        """gloo moves data through its all-reduce faster than through its reduce-scatter and
-        all-gather (two processes on the CPU, 168 MB: all-reduce 0.10 s, reduce-scatter 0.16 s,
-        all-gather 0.17 s; docs/benchmarks.md, issue 26), so on gloo both are all-reduces."""
+    def _on_gloo(self) -> bool:
+        """gloo's own all-gather and reduce-scatter are its slowest ways to move a chunk (two
+        processes on the CPU, 168 MB, one thread each: all-gather 0.17-0.18 s and
+        reduce-scatter 0.16-0.20 s, against 0.09-0.10 s for an all-reduce and 0.034 s for one
+        broadcast per piece; docs/benchmarks.md, issue 26). So on gloo a gather is a broadcast
+        from each rank of its piece, and a reduction an all-reduce."""
         return "gloo" in self.backend
 
     def gather_(self, full: Tensor) -> None:
         """All-gather in place: piece ``rank`` of ``full`` (W equal pieces) is this rank's. On
-        gloo, the sum of every rank's piece among zeros (each value plus zeros: exactly the
-        piece; a -0.0 comes back as 0.0)."""
+        gloo, each rank broadcasts its piece into the others' ``full`` (the same values, bit
+        for bit: a copy)."""
         n = full.numel() // self.world
         if not n:
             return
-        if self._by_all_reduce:
-            pieces = full[:self.world * n]
-            pieces[:self.rank * n].zero_()
-            pieces[(self.rank + 1) * n:].zero_()
-            _issue(dist.all_reduce, pieces, op=dist.ReduceOp.SUM, group=self.group)
+        if self._on_gloo:
+            for r in range(self.world):
+                _issue(dist.broadcast, full[r * n:(r + 1) * n], src=dist.get_global_rank(self.group, r), group=self.group)
             return
         _issue(_all_gather, full, full[self.rank * n:(self.rank + 1) * n], group=self.group)
 
@@ -127,14 +127,14 @@ class Sharding:
         """``out`` = piece ``rank`` of the mean of ``full`` over the ranks, as DDP averages:
         every rank's values times ``1/W``, then summed. NCCL's average does exactly that inside
         the collective (a pre-multiplied sum); gloo has no average, so ``full`` is scaled in
-        place first (and all-reduced: ``_by_all_reduce``)."""
+        place first (and all-reduced: ``_on_gloo``)."""
         if not out.numel():
             return
         if "nccl" in self.backend:
             _issue(_reduce_scatter, out, full, op=dist.ReduceOp.AVG, group=self.group)
             return
         full.mul_(1.0 / self.world)
-        if self._by_all_reduce:  # the whole sum, of which this rank keeps its piece
+        if self._on_gloo:  # the whole sum, of which this rank keeps its piece
             mine = full[self.rank * out.numel():(self.rank + 1) * out.numel()]
             _issue(dist.all_reduce, full, op=dist.ReduceOp.SUM, group=self.group, then=lambda: out.copy_(mine))
             return
