@@ -11,12 +11,13 @@ The folders are the architecture (docs/architecture.md): ``structure`` (blocks, 
 execution order, chunk layout), ``runtime`` (chunk storage and lifecycle, hooks, optimizer,
 activations, the engine), ``profiler`` and ``planner`` (profile, cost models, search),
 ``autoplan`` (the plan of a running engine: after its first steps, for each batch shape); ``api``
-joins them. This package never imports Lightning.
+joins them, and ``engine`` adds the checkpoint and export verbs to the engine it returns. This package never imports Lightning.
 """
 
 from protrain_core import utils
 from protrain_core.api import default_memory_budget, profile, wrap
 from protrain_core.autoplan import BatchTooLarge
+from protrain_core.engine import Engine
 from protrain_core.plan import BlockMode, Plan, PlanLimits, interleaved_modes
 from protrain_core.planner.cost import CostModel, MemoryEstimate, RuntimeEstimate, estimate_memory, estimate_runtime
 from protrain_core.planner.profiles import Hardware, Profile, Segment
@@ -24,7 +25,6 @@ from protrain_core.planner.search import InfeasibleBudget, PlanChoice, search
 from protrain_core.precision import Precision
 from protrain_core.runtime.activations import BlockActivations
 from protrain_core.runtime.chunk import ChunkState, GradState, IllegalTransition
-from protrain_core.runtime.engine import Engine
 from protrain_core.structure.blocks import find_blocks
 from protrain_core.structure.layout import ChunkLayout, build_layout
 

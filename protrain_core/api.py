@@ -17,7 +17,8 @@ from protrain_core.planner.profiles import Profile
 from protrain_core.precision import Precision, parse_precision
 from protrain_core.profiler.profiler import profile_model, reprofile_requested, safe_plan
 from protrain_core.runtime.device import DeviceContext, as_context
-from protrain_core.runtime.engine import Engine, EngineOptions
+from protrain_core.engine import Engine
+from protrain_core.runtime.engine import EngineOptions
 from protrain_core.runtime.optim import check_optimizer
 from protrain_core.runtime.sharding import Sharding, agree, agree_budgets, check_same_configuration
 from protrain_core.runtime.storage import chunk_formats

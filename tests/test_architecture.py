@@ -76,12 +76,16 @@ def test_layers_depend_downwards():
     nothing of the profiler, the planner's search or the entry points."""
     graph = _graph("protrain_core")
     sim = "protrain_core.simulator"  # the simulated device sits on top: nothing below knows it
+    # The modules above the runtime: the entry points, and the checkpoint and export functions of
+    # the engine they return (function-level imports count too).
+    above = ("protrain_core.api", "protrain_core.engine", "protrain_core.checkpoint", "protrain_core.export",
+             "protrain_core.autoplan", "protrain_core.cli", "protrain_core.timeline_figure")
     rules = {
         "protrain_core.planner": ("protrain_core.runtime", "protrain_core.profiler", "protrain_core.structure",
                                   "protrain_core.api", sim),
         "protrain_core.structure": ("protrain_core.runtime", "protrain_core.profiler", "protrain_core.planner",
                                     "protrain_core.api", sim),
-        "protrain_core.runtime": ("protrain_core.profiler", "protrain_core.planner", "protrain_core.api", sim),
+        "protrain_core.runtime": ("protrain_core.profiler", "protrain_core.planner", sim) + above,
         "protrain_core.profiler": ("protrain_core.api", "protrain_core.planner.search", "protrain_core.planner.cost", sim),
         "protrain_core.api": (sim,),
         "protrain_core.autoplan": (sim,),
@@ -91,6 +95,23 @@ def test_layers_depend_downwards():
             if m.startswith(layer):
                 bad = sorted(d for d in deps if d.startswith(forbidden))
                 assert bad == [], f"{m} imports {bad}"
+
+
+def test_the_lightning_adapters_use_the_engines_public_face_only():
+    """lightning_protrain drives the engine through its own methods, never through the runtime
+    behind it (``engine.runtime``) or the runtime's modules, but for the optimizer check it
+    shares with ``wrap``."""
+    offences = []
+    for path in (ROOT / "lightning_protrain").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "runtime":
+                offences.append(f"{path.name}:{node.lineno} .runtime")
+    graph = _graph("lightning_protrain")
+    for m, path in _modules("lightning_protrain").items():
+        for imported in _imports(path, set(_modules("protrain_core"))):
+            if imported.startswith("protrain_core.runtime") and imported != "protrain_core.runtime.optim":
+                offences.append(f"{m} imports {imported}")
+    assert graph and offences == []
 
 
 def test_planner_installs_no_hooks():

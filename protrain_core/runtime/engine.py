@@ -637,35 +637,6 @@ class Engine:
         self.runtime.wait_all()
         self._optim.load_state_dict(state_dict, self._slot_of)
 
-    def save_pretrained(self, save_directory, **kwargs) -> None:
-        """Export a Hugging Face (or PEFT) model: its ``save_pretrained`` with the master weights
-        (fp32; bf16 in bf16-true) and that dtype in ``config.json``, so that ``from_pretrained``
-        loads exactly the trained model in every precision (protrain_core/export.py). Use it
-        instead of the model's own ``save_pretrained`` while the engine is open, which writes the
-        compute copies (bf16 / fp16 in the mixed modes)."""
-        from protrain_core.export import save_pretrained
-
-        self._check_open()
-        save_pretrained(self, save_directory, **kwargs)
-
-    def save_sharded(self, path, meta: dict | None = None) -> None:
-        """Write the weights and optimizer state as a sharded ``torch.distributed.checkpoint``
-        directory: every rank writes its own shards, nothing is gathered ([Note: sharded
-        checkpoints] in checkpoint.py). Every rank calls it."""
-        from protrain_core.checkpoint import save_sharded
-
-        self._check_open()
-        self._adopt_rebound()
-        save_sharded(self, path, meta)
-
-    def load_sharded(self, path, *, model: bool = True, optimizer: bool = True, strict: bool = True) -> None:
-        """Load a directory of ``save_sharded`` written by any number of processes: the weights
-        (``model``), Adam's state and hyper-parameters (``optimizer``)."""
-        from protrain_core.checkpoint import load_sharded
-
-        self._check_open()
-        load_sharded(self, path, model=model, optimizer=optimizer, strict=strict)
-
     def scaler_state_dict(self) -> dict | None:
         return None if self.scaler is None else self.scaler.state_dict()
 
