@@ -73,7 +73,7 @@ PIPELINES = {"fp32": ("32-true", False), "fp32, norm clipping": ("32-true", True
              "bf16-mixed": ("bf16-mixed", False), "bf16-mixed, norm clipping": ("bf16-mixed", True),
              "16-mixed": ("16-mixed", False), "16-mixed, norm clipping": ("16-mixed", True)}
 ADAM_BYTES, FOLD_BYTES, COPY_BACK_BYTES, CLIP_BYTES, ONE_PASS_BYTES = 28, 6, 6, 8, 32
-UNSCALE_BYTES, NORM_BYTES, LAND_BYTES = 8, 4, 12
+UNSCALE_BYTES, NORM_BYTES, LAND_BYTES, FROM_ACC_BYTES, CLIPPED_BACK_BYTES = 8, 4, 12, 30, 4
 
 
 def pipeline_bytes(precision: str, clip: bool, *, one_pass: bool = False) -> int:
@@ -81,7 +81,7 @@ def pipeline_bytes(precision: str, clip: bool, *, one_pass: bool = False) -> int
     if precision == "16-mixed":
         norms = NORM_BYTES if clip else 0
         if one_pass:
-            return LAND_BYTES + norms + ONE_PASS_BYTES - 2 + (4 if clip else 0)
+            return LAND_BYTES + norms + FROM_ACC_BYTES + (CLIPPED_BACK_BYTES if clip else 0)
         return FOLD_BYTES + UNSCALE_BYTES + COPY_BACK_BYTES + norms + ADAM_BYTES + COPY_BACK_BYTES + (CLIP_BYTES if clip else 0)
     if one_pass and mixed:
         return ONE_PASS_BYTES

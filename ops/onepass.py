@@ -109,7 +109,7 @@ def _load():
     if not stamp.is_file() or stamp.read_text().strip() != checked:
         mismatch = verify(module)
         if mismatch:
-            return None, f"the kernel differs from torch's Adam here ({mismatch})"
+            return None, f"the kernel differs from torch's Adam or landing passes here ({mismatch})"
         part = stamp.with_name(f"{stamp.name}.{os.getpid()}")
         part.write_text(checked + "\n")
         part.replace(stamp)

@@ -159,7 +159,7 @@ RangeFn<Low> pick(bool level2, bool amsgrad) {
                  : update_range<Low, READ_LOW, READ_ACC, WRITE_ACC, STREAM, false, false>;
 }
 
-// What the gradient is: landed in the bf16 span (added to the accumulator when micro-batches
+// What the gradient is: landed in the bf16 or fp16 span (added to the accumulator when micro-batches
 // accumulate; streamed out when `stream`), or already in the accumulator (written back only when
 // clipping changed it).
 template <typename Low>

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from protrain_core.runtime.elementwise import Elementwise, ElementwiseSteps, describe, is_adam
-from protrain_ops import AdamHyperParams, adam_step, clip_gradients, copy_to_low_precision, fold_landing, onepass
+from protrain_ops import AdamHyperParams, adam_step, clip_gradients, copy_to_low_precision, onepass
 
 if TYPE_CHECKING:
     from protrain_core.runtime.chunk import Chunk
@@ -94,6 +94,18 @@ def _uncovered(flats: tuple[Tensor, ...], covered: list[Tensor]) -> tuple[list[T
     return out
 
 
+def _land_rest(kernel, chunk: Chunk, covered: list[Tensor], accumulate: bool | None) -> None:
+    """The pieces of a chunk's span that no view in ``covered`` (views of the master) holds,
+    as the separate passes leave them: a landing there folded into the accumulator (added when
+    ``accumulate``; None: nothing landed) and the compute copy restored from the master."""
+    storage = chunk.storage
+    masters, lows, accs = _uncovered((storage.master, storage.compute_span(), storage.grad_acc), covered)
+    if accumulate is not None:
+        onepass.land(kernel, masters, lows, accs, accumulate=accumulate)
+    elif lows:
+        torch._foreach_copy_(lows, masters)
+
+
 class ChunkOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
@@ -167,8 +179,7 @@ class ChunkOptimizer:
             onepass.land(kernel, views.master, views.lows, views.grads, accumulate=accumulate, inv_scale=inv_scale,
                          found=found)
             covered = views.master
-        masters, lows, accs = _uncovered((storage.master, storage.compute_span(), storage.grad_acc), covered)
-        onepass.land(kernel, masters, lows, accs, accumulate=accumulate)
+        _land_rest(kernel, chunk, covered, accumulate)
         return found
 
     def update(self, chunk: Chunk, hps: tuple[AdamHyperParams, ...], selected: dict[int, list[int]],
@@ -211,12 +222,7 @@ class ChunkOptimizer:
                            views.max_exp_avg_sqs, views.member_steps, hps[g], coef=clip.coef, clamp=clip.value,
                            landed=landed is not None, accumulate=landed == "add")
             covered += views.master
-        storage = chunk.storage
-        masters, lows, accs = _uncovered((storage.master, storage.compute_span(), storage.grad_acc), covered)
-        if landed is not None and lows:
-            fold_landing(accs, lows, accumulate=landed == "add")
-        if lows:
-            torch._foreach_copy_(lows, masters)
+        _land_rest(kernel, chunk, covered, None if landed is None else landed == "add")
 
     # ----- torch.optim state-dict format --------------------------------------------------
     def slot_names(self) -> tuple[str, ...]:

@@ -11,7 +11,8 @@ one process it is the chunk itself (``s_f * W = F``), so a member's place in it 
 in the layout, shifted by the trainable span's move for trainable members (``ChunkFormat``).
 
   fetch     upload the rank's compute shard into its place in the device copy, then
-            ``all_gather_into_tensor`` in place (one collective per non-empty span)
+            ``all_gather_into_tensor`` in place (one collective per non-empty span; gloo: one
+            broadcast per rank's piece, ``Sharding.gather_``)
   backward  gradients land in a device buffer of the whole (padded) trainable span; when the
             chunk is done they are ``reduce_scatter_tensor``ed to their mean as DDP takes it
             (each rank's gradient times ``1/W``, summed: NCCL's AVG; gloo: a scaling pass
