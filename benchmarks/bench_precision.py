@@ -61,8 +61,9 @@ def plain(model, data, autocast: bool, lr: float) -> list[float]:
 def protrain(model, data, precision: str, lr: float) -> list[float]:
     model = copy.deepcopy(model)
     # The plan is searched (numerics do not depend on it: [Note] parity in tests/test_parity.py).
-    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=lr), None, memory_budget="8GiB",
-                     precision=precision, device="cpu", profile_cache=False, report=lambda *a, **k: None)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=lr), None, precision=precision, device="cpu",
+                     report=lambda *a, **k: None,
+                     config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget="8GiB", profile_cache=False)))
     losses = []
     for x in data:
         loss = engine.module(input_ids=x, labels=x).loss

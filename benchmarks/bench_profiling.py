@@ -18,7 +18,6 @@ run's median step time. Prints a Markdown table; the raw step times follow it.
 from __future__ import annotations
 
 import copy
-import os
 import statistics
 import tempfile
 import time
@@ -49,12 +48,12 @@ def main(argv=None) -> None:
 
     def wrap(plan=None, profile_cache=True, report=None):
         model = copy.deepcopy(base)
-        kw = dict(plan=plan) if plan is not None else dict(memory_budget=budget, profile_cache=profile_cache,
-                                                           report=report or (lambda *a, **k: None))
-        return pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4), precision=args.precision, device=device,
-                       **kw)
+        # The preliminary run fills the cache directory; "cached" reads it.
+        planning = pt.PlanningConfig(plan=plan) if plan is not None else \
+            pt.PlanningConfig(memory_budget=budget, profile_cache=profile_cache, cache_dir=cache)
+        return pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config=pt.ProTrainConfig(planning=planning),
+                       precision=args.precision, device=device, report=report or (lambda *a, **k: None))
 
-    os.environ["PROTRAIN_CACHE_DIR"] = cache  # the preliminary run fills it; "cached" reads it
     preliminary = wrap()
     profiled = 0
     while preliminary.choice is None:

@@ -355,9 +355,9 @@ def run_protrain_core(spec, device, clock):
     opt = adamw(trainable(model), device)
     data = batches(spec, device)
     clip = spec.get("clip")
-    engine = pt.wrap(model, opt, plan=None, precision=spec["precision"], device=device,
-                     memory_budget=spec.get("memory_budget"), report=_report,
-                     gradient_clipping=None if clip is None else ("norm", clip))
+    config = pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget=spec.get("memory_budget")),
+                               clipping=None if clip is None else ("norm", clip))
+    engine = pt.wrap(model, opt, plan=None, config=config, precision=spec["precision"], device=device, report=_report)
     try:
         step = engine_step(engine)
         train_loop(step, data, spec, clock)
@@ -397,7 +397,7 @@ def run_protrain_lightning(spec, device, clock):
     import lightning_protrain
 
     if spec["dry_run"]:
-        lightning_protrain.ProTrainStrategy(memory_budget=spec.get("memory_budget"))
+        lightning_protrain.ProTrainStrategy(config={"planning": {"memory_budget": spec.get("memory_budget")}})
         return dry_protrain(spec)
     facts = {}
 
@@ -426,7 +426,7 @@ def run_protrain_lightning(spec, device, clock):
             facts.update(protrain_facts(trainer.strategy.engine, spec, device))
 
     data = batches(spec, "cpu")
-    strategy = lightning_protrain.ProTrainStrategy(memory_budget=spec.get("memory_budget"))
+    strategy = lightning_protrain.ProTrainStrategy(config={"planning": {"memory_budget": spec.get("memory_budget")}})
     trainer = pl.Trainer(strategy=strategy, accelerator="gpu" if device.type == "cuda" else "cpu", devices=world(),
                          precision=spec["precision"], max_steps=len(data), logger=False, enable_checkpointing=False,
                          gradient_clip_val=spec.get("clip"),
@@ -636,19 +636,16 @@ def timed_steps(engine, step, data, steps: int, device) -> tuple[list[float], in
 def step_timeline(engine, step, data, spec, device) -> dict:
     """One step's timeline ([Note: the step timeline] in protrain_core/runtime/timeline.py) on
     the engine's plan. On a CPU device the CPU Adam runs inline by default, so the timeline
-    comes from a second engine with the worker thread (PROTRAIN_CPU_ADAM_THREAD=1) and the same
-    plan: what the overlap looks like when the device is not the CPU."""
+    comes from a second engine with the worker thread (``RuntimeConfig.cpu_adam_thread``) and
+    the same plan: what the overlap looks like when the device is not the CPU."""
     import protrain_core as pt
 
     if device.type != "cuda":
-        old = os.environ.get("PROTRAIN_CPU_ADAM_THREAD")
-        os.environ["PROTRAIN_CPU_ADAM_THREAD"] = "1"
-        try:
-            model = build_model(spec["model"], "cpu")
-            engine = pt.wrap(model, adamw(trainable(model), device), plan=engine.plan, precision=spec["precision"],
-                             device=device, gradient_clipping=None if spec.get("clip") is None else ("norm", spec["clip"]))
-        finally:
-            os.environ.pop("PROTRAIN_CPU_ADAM_THREAD") if old is None else os.environ.update(PROTRAIN_CPU_ADAM_THREAD=old)
+        model = build_model(spec["model"], "cpu")
+        clipping = None if spec.get("clip") is None else ("norm", spec["clip"])
+        engine = pt.wrap(model, adamw(trainable(model), device), plan=engine.plan, precision=spec["precision"],
+                         device=device, config=pt.ProTrainConfig(clipping=clipping,
+                                                                 runtime=pt.RuntimeConfig(cpu_adam_thread=True)))
         step = engine_step(engine)
     try:
         for x in data[:2]:  # the first step holds its updates for a late clipping request

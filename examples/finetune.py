@@ -170,13 +170,15 @@ def main(argv=None) -> dict:
     args = parser().parse_args(argv)
 
     from lightning_protrain import ProTrainStrategy
+    from protrain_core import PlanningConfig, ProTrainConfig
 
     pl.seed_everything(args.seed)
     data = TextData(args.data, args.model, seq_len=args.seq_len, batch_size=args.batch_size)
     model = CausalLM(args.model, lr=args.lr)
     callbacks = [pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True)] if args.ckpt_dir else []
     trainer = pl.Trainer(
-        strategy=ProTrainStrategy(memory_budget=args.memory_budget), precision=args.precision,
+        strategy=ProTrainStrategy(ProTrainConfig(planning=PlanningConfig(memory_budget=args.memory_budget))),
+        precision=args.precision,
         gradient_clip_val=args.gradient_clip_val or None, max_steps=args.max_steps, val_check_interval=30, check_val_every_n_epoch=None, limit_val_batches=4,
         log_every_n_steps=10, logger=False, callbacks=callbacks, enable_checkpointing=bool(callbacks),
     )

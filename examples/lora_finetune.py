@@ -76,6 +76,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
 
     from lightning_protrain import ProTrainStrategy
+    from protrain_core import PlanningConfig, ProTrainConfig
 
     pl.seed_everything(args.seed)
     data = TextData(None if args.data is None else args.data, args.model, seq_len=args.seq_len,
@@ -84,7 +85,8 @@ def main(argv=None) -> dict:
     trainable = sum(p.numel() for p in lit.parameters() if p.requires_grad)
     total = sum(p.numel() for p in lit.parameters())
     print(f"LoRA: {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.2f} %)")
-    trainer = pl.Trainer(strategy=ProTrainStrategy(memory_budget=args.memory_budget), precision=args.precision,
+    trainer = pl.Trainer(strategy=ProTrainStrategy(ProTrainConfig(planning=PlanningConfig(memory_budget=args.memory_budget))),
+                         precision=args.precision,
                          max_steps=args.max_steps, limit_val_batches=0, log_every_n_steps=10, logger=False,
                          enable_checkpointing=False)
     start = time.perf_counter()

@@ -4,6 +4,7 @@ check, the engine's construction, routing ``optimizer.zero_grad``, and atomic ch
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import tempfile
 from pathlib import Path
@@ -14,6 +15,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
 
 import protrain_core as pt
+from protrain_core.config import with_legacy_keywords
 from protrain_core.precision import parse_precision
 from protrain_core.runtime.optim import check_optimizer
 from protrain_core.utils import temporary_prefix
@@ -239,25 +241,47 @@ def check_optimizers(optimizers) -> torch.optim.Optimizer:
     return opt
 
 
-def gradient_clipping(value, algorithm) -> tuple[str, float] | None:
+def gradient_clipping(value, algorithm) -> pt.ClippingConfig | None:
+    """Lightning's ``gradient_clip_val`` / ``gradient_clip_algorithm`` pair (0 or None: off)."""
     if value is None or float(value) <= 0:
         return None
     algorithm = str(getattr(algorithm, "value", algorithm) or "norm")
     if algorithm not in ("norm", "value"):
         raise ValueError(f"gradient_clip_algorithm={algorithm!r}: ProTrain supports 'norm' and 'value'.")
-    return algorithm, float(value)
+    return pt.ClippingConfig(algorithm=algorithm, value=float(value))
 
 
-def build_engine(module: nn.Module, optimizer, *, plan, memory_budget, blocks, chunk_size, precision: str,
-                 device: torch.device, example_inputs=None, loss_fn=None, clipping=None, reprofile: bool = False,
-                 max_tokens: int | None = None, scaler: dict | None = None, training: bool = True,
-                 report) -> pt.Engine:
-    engine = pt.wrap(
-        module, optimizer, plan=plan, memory_budget=memory_budget, precision=precision, device=device,
-        blocks=blocks, chunk_size=chunk_size, example_inputs=example_inputs, loss_fn=loss_fn,
-        gradient_clipping=clipping, reprofile=reprofile, optimizer_states=training, max_tokens=max_tokens,
-        report=report,
-    )
+# The keyword arguments of both strategies that ProTrainConfig's fields replaced.
+_STRATEGY_LEGACY = ("plan", "memory_budget", "blocks", "chunk_size", "reprofile", "max_tokens", "state_dict_type")
+
+
+def strategy_config(config, deprecated: dict, *, caller: str) -> pt.ProTrainConfig:
+    """A strategy's ``config`` argument (a ``ProTrainConfig``, a dict of its fields, a
+    ``Plan`` or a dict of a plan's fields: short for the configuration with that plan, or None)
+    with its deprecated keyword arguments folded in (``protrain_core.config``); what the
+    Lightning loop decides itself is refused here, before anything is built."""
+    if isinstance(config, dict) and config and set(config) <= {f.name for f in dataclasses.fields(pt.Plan)}:
+        config = pt.Plan.from_dict(config)  # (no Plan field is a configuration field)
+    if isinstance(config, pt.Plan):
+        config = pt.ProTrainConfig(planning=pt.PlanningConfig(plan=config))
+    elif isinstance(config, dict):
+        config = pt.ProTrainConfig(**config)
+    elif config is not None and not isinstance(config, pt.ProTrainConfig):
+        raise ValueError(f"{caller}(config=...) takes a protrain_core.ProTrainConfig, a dict of its fields, or a Plan; "
+                         f"got {type(config).__name__}.")
+    config = with_legacy_keywords(config, deprecated, caller=caller, accepted=_STRATEGY_LEGACY, stacklevel=4)
+    if not config.optimizer_states:
+        raise ValueError(
+            f"{caller}(config=ProTrainConfig(optimizer_states=False)): the strategy decides that itself (fit "
+            "trains; validate, test and predict build an engine without optimizer states). Remove the setting."
+        )
+    return config
+
+
+def build_engine(module: nn.Module, optimizer, config: pt.ProTrainConfig, *, precision: str, device: torch.device,
+                 example_inputs=None, loss_fn=None, scaler: dict | None = None, report) -> pt.Engine:
+    engine = pt.wrap(module, optimizer, config=config, precision=precision, device=device,
+                     example_inputs=example_inputs, loss_fn=loss_fn, report=report)
     if scaler and engine.scaler is not None:
         engine.load_scaler_state_dict(scaler)  # the user's GradScaler settings
     route_zero_grad(optimizer, engine)
@@ -328,13 +352,3 @@ def atomic_save(obj, path) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-
-
-def check_state_dict_type(state_dict_type: str) -> str:
-    if state_dict_type not in ("full", "sharded"):
-        raise ValueError(
-            f"state_dict_type={state_dict_type!r}: use 'full' (one checkpoint file, gathered to rank 0) or "
-            "'sharded' (a torch.distributed.checkpoint directory written by every rank)."
-        )
-    return state_dict_type
-

@@ -2,8 +2,8 @@
 
 After ``fabric.launch()`` (Fabric asks for it with any strategy that controls backward sync),
 ``model, optimizer = fabric.setup(model, optimizer)`` hands both to the ProTrain engine.
-Without ``plan=`` the engine starts on a safe plan, profiles the first training steps (they
-train as usual) and then switches to the fastest plan that fits ``memory_budget``, re-planning
+Without a plan the engine starts on a safe plan, profiles the first training steps (they
+train as usual) and then switches to the fastest plan that fits ``planning.memory_budget``, re-planning
 for batches of other lengths; ``example_inputs=`` (with ``loss_fn``, default ``output.loss``)
 profiles ahead at setup instead. The plan and, after a few more steps, the measured step time
 against the prediction are printed. Then ``fabric.backward(loss)``, ``optimizer.step()``,
@@ -18,6 +18,7 @@ exactly as with the default strategies and returns the total norm (``Engine.clip
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import torch
@@ -28,12 +29,12 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 import protrain_core as pt
-from protrain_core.plan import plan_arguments
+
 from lightning_protrain._common import (
     OneDevicePlumbing,
     ProcessesPlumbing,
     build_engine,
-    check_state_dict_type,
+    strategy_config,
     check_optimizers,
     convert_input,
     gradient_clipping,
@@ -98,18 +99,27 @@ class _EngineSyncControl:
 
 
 class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
-    """Fabric strategy running the ProTrain engine (see ``ProTrainStrategy`` for the arguments).
+    """Fabric strategy running the ProTrain engine.
 
-    Extra arguments:
+    Args:
+        config: every ProTrain setting (``protrain_core.ProTrainConfig``, or a dict of its
+            fields, or a ``Plan`` alone; ``ProTrainStrategy``), gradient clipping included:
+            ``config.clipping`` is
+            applied by the engine before every update, exactly as ``clip_grad_norm_`` ("norm")
+            or ``clip_grad_value_`` ("value") (``fabric.clip_gradients`` with the same setting
+            then only returns the norm).
         example_inputs: one batch to profile ahead, at ``fabric.setup`` (default: profile the
             first training steps).
         loss_fn: ``loss_fn(output) -> loss`` for profiling ahead (default ``output.loss``).
-        gradient_clip_val, gradient_clip_algorithm: clipping applied by the engine before every
-            update, exactly as ``clip_grad_norm_`` ("norm") or ``clip_grad_value_`` ("value")
-            (``fabric.clip_gradients`` with the same setting then only returns the norm).
-        state_dict_type: "full" or "sharded" checkpoints (``ProTrainStrategy``).
+        device, accelerator, checkpoint_io, precision, parallel_devices, cluster_environment:
+            Fabric's (set by ``Fabric(...)``).
         process_group_backend, timeout, start_method: as for Fabric's ``DDPStrategy`` (several
             processes: ``Fabric(devices=N, num_nodes=M)``, torchrun, SLURM).
+
+    The keyword arguments ``plan``, ``memory_budget``, ``blocks``, ``chunk_size``,
+    ``reprofile``, ``max_tokens``, ``state_dict_type``, ``gradient_clip_val`` and
+    ``gradient_clip_algorithm`` still work for one release, with a ``FutureWarning``: they are
+    fields of ``config`` now.
     """
 
     _cuda_accelerator = CUDAAccelerator
@@ -117,17 +127,10 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
 
     def __init__(
         self,
-        plan: pt.Plan | dict | None = None,
-        memory_budget: int | str | None = None,
-        blocks=None,
-        chunk_size: int | None = None,
+        config: pt.ProTrainConfig | None = None,
+        *,
         example_inputs=None,
         loss_fn=None,
-        gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str = "norm",
-        reprofile: bool = False,
-        max_tokens: int | None = None,
-        state_dict_type: str = "full",
         device=None,
         accelerator=None,
         checkpoint_io=None,
@@ -137,19 +140,30 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
         process_group_backend: str | None = None,
         timeout=None,
         start_method: str = "popen",
+        **deprecated,
     ) -> None:
-        plan, _ = plan_arguments(plan, memory_budget, max_tokens)
-        self.clipping = gradient_clipping(gradient_clip_val, gradient_clip_algorithm)
-        self.state_dict_type = check_state_dict_type(state_dict_type)
+        clip_val, clip_algorithm = deprecated.pop("gradient_clip_val", None), deprecated.pop("gradient_clip_algorithm", None)
+        config = strategy_config(config, deprecated, caller="ProTrainFabricStrategy")
+        if clip_val is not None or clip_algorithm is not None:
+            warnings.warn("ProTrainFabricStrategy(gradient_clip_val=..., gradient_clip_algorithm=...) is deprecated and "
+                          "will be removed in the next release: pass config=ProTrainConfig(clipping={'algorithm': ..., "
+                          "'value': ...}) instead.", FutureWarning, stacklevel=2)
+            if config.clipping is not None:
+                raise ValueError("ProTrainFabricStrategy() was given gradient_clip_val= and a config that sets clipping "
+                                 "too: give it once, in the config.")
+            config = config.replace(clipping=gradient_clipping(clip_val, clip_algorithm or "norm"))
+        self.config = config
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision)
         self._init_processes(process_group_backend, timeout, start_method)
         self._root_device = torch.device(device) if device is not None else None
-        self.plan, self.memory_budget, self.blocks, self.chunk_size = plan, memory_budget, blocks, chunk_size
-        self.example_inputs, self.loss_fn, self.reprofile = example_inputs, loss_fn, reprofile
-        self.max_tokens = max_tokens
+        self.example_inputs, self.loss_fn = example_inputs, loss_fn
         self.engine: pt.Engine | None = None
         self._backward_sync_control = _EngineSyncControl(self)
+
+    @property
+    def state_dict_type(self) -> str:
+        return self.config.checkpoint.state_dict_type
 
     # ----- Fabric plumbing ---------------------------------------------------------------------
     @property
@@ -199,12 +213,11 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
                 "settings) and call fabric.setup once; or give the other model its own Fabric."
             )
         optimizer = check_optimizers(optimizers)
-        searched = self.plan is None
+        searched = self.config.planning.plan is None
         self.engine = build_engine(
-            module, optimizer, plan=self.plan, memory_budget=self.memory_budget, blocks=self.blocks,
-            chunk_size=self.chunk_size, precision=self.precision.precision, device=self.root_device,
-            example_inputs=self.example_inputs if searched else None, loss_fn=self.loss_fn, clipping=self.clipping,
-            reprofile=self.reprofile, max_tokens=self.max_tokens, scaler=self.precision.scaler, report=_report,
+            module, optimizer, self.config, precision=self.precision.precision, device=self.root_device,
+            example_inputs=self.example_inputs if searched else None, loss_fn=self.loss_fn,
+            scaler=self.precision.scaler, report=_report,
         )
         if not searched:
             rank_zero_info(f"ProTrain: {self.engine.plan} (given), overlap: {self.engine.overlap}")

@@ -5,8 +5,8 @@ The strategy is a thin adapter over ``protrain_core``:
               go into the engine, which owns the parameters from then on (``model_to_device``
               does nothing). Unless a plan is given, it starts on a safe plan and profiles the
               first training steps (they train as usual: ``training_step`` runs once per batch),
-              then switches to the fastest plan that fits ``memory_budget`` and re-plans for
-              batches of other lengths (``max_tokens``: plan once); the explanation is printed
+              then switches to the fastest plan that fits ``planning.memory_budget`` and re-plans
+              for batches of other lengths (``planning.max_tokens``: plan once); the explanation is printed
               once, and the measured step time against the prediction after a few more steps
               (also logged as ``protrain/predicted_step_s`` and ``protrain/measured_step_s``).
   backward    ``engine.backward`` (streamed chunks are updated while it runs); a backward that
@@ -31,8 +31,8 @@ The strategy is a thin adapter over ``protrain_core``:
               process-group set-up start the processes, and the engine shards every chunk over
               them (ZeRO-3 over chunks: [Note: sharded chunks] in protrain_core/runtime/sharding.py);
               rank 0's plan is followed. Checkpoints are consolidated files (gathered chunk by
-              chunk to rank 0) or, with ``state_dict_type="sharded"``, ``torch.distributed.checkpoint``
-              directories; both load at any number of processes.
+              chunk to rank 0) or, with ``checkpoint.state_dict_type="sharded"``,
+              ``torch.distributed.checkpoint`` directories; both load at any number of processes.
 """
 
 from __future__ import annotations
@@ -52,14 +52,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import protrain_core as pt
 from protrain_core.phase import TrainingPhase
-from protrain_core.plan import plan_arguments
 from protrain_core.precision import parse_precision
 from lightning_protrain._common import (
-    check_state_dict_type,
     one_optimizer_message,
     OneDevicePlumbing,
     ProcessesPlumbing,
     build_engine,
+    strategy_config,
     check_optimizers,
     convert_input,
     gradient_clipping,
@@ -150,11 +149,10 @@ class ProTrainPrecision(Precision):
         requested = gradient_clipping(clip_val, gradient_clip_algorithm)
         if requested is None or not self.engine.step_gradients_ready:
             return  # nothing to clip (training_step returned None: no backward ran)
-        algorithm, value = requested
-        if algorithm == "value":
-            self.engine.clip_grad_value_(value)
+        if requested.algorithm == "value":
+            self.engine.clip_grad_value_(requested.value)
             return
-        norm = self.engine.clip_grad_norm_(value)
+        norm = self.engine.clip_grad_norm_(requested.value)
         module = self.engine.module
         if self.log_grad_norm and getattr(module, "_trainer", None) is not None:
             module.log("grad_norm", norm, on_step=True, on_epoch=False)
@@ -197,18 +195,22 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
     backward, and per-block activation checkpointing/swapping, chosen automatically.
 
     Args:
-        plan: a ``protrain_core.Plan`` (or a dict of its fields) to skip profiling and search.
-        memory_budget: device memory the searched plan may use: bytes or a string such as
-            "20GiB". Default: the device's free memory minus a margin.
-        blocks: the transformer blocks (dotted name or ``nn.ModuleList``) when discovery fails.
-        chunk_size: chunk size in elements (default: the waste-minimising search).
-        reprofile: profile again even when a cached profile of this set-up exists.
-        max_tokens: plan once for training batches of up to this many tokens (batch size x
-            sequence length); default: the plan follows the batches' lengths.
-        state_dict_type: "full" (default): checkpoints are one file, gathered chunk by chunk to
-            rank 0; "sharded": a ``torch.distributed.checkpoint`` directory each rank writes its
-            shards into (for models whose full state does not fit one host's memory).
+        config: every ProTrain setting (``protrain_core.ProTrainConfig``, or a dict of its
+            fields, or a ``Plan`` alone for the configuration with that plan; in a LightningCLI
+            file, ``init_args: {config: {planning: {memory_budget: 20GiB}}}``): the plan or
+            what to search one for, the runtime's switches, and
+            ``checkpoint.state_dict_type``: "full" (default: one file, gathered chunk by chunk
+            to rank 0) or "sharded" (a ``torch.distributed.checkpoint`` directory each rank
+            writes its shards into, for models whose full state does not fit one host's
+            memory). Gradient clipping is the Trainer's (``gradient_clip_val``), and precision
+            too.
+        device, accelerator, checkpoint_io, precision_plugin, parallel_devices,
+        cluster_environment: Lightning's (set by the Trainer).
         process_group_backend, timeout, start_method: as for ``DDPStrategy`` (several processes).
+
+    The keyword arguments ``plan``, ``memory_budget``, ``blocks``, ``chunk_size``,
+    ``reprofile``, ``max_tokens`` and ``state_dict_type`` still work for one release, with a
+    ``FutureWarning``: they are fields of ``config`` now.
     """
 
     strategy_name = "protrain"
@@ -217,13 +219,8 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
 
     def __init__(
         self,
-        plan: pt.Plan | dict | None = None,
-        memory_budget: int | str | None = None,
-        blocks=None,
-        chunk_size: int | None = None,
-        reprofile: bool = False,
-        max_tokens: int | None = None,
-        state_dict_type: str = "full",
+        config: pt.ProTrainConfig | None = None,
+        *,
         device=None,
         accelerator=None,
         checkpoint_io=None,
@@ -233,21 +230,22 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         process_group_backend: str | None = None,
         timeout=None,
         start_method: str = "popen",
+        **deprecated,
     ) -> None:
-        plan, _ = plan_arguments(plan, memory_budget, max_tokens)
-        self.state_dict_type = check_state_dict_type(state_dict_type)
+        config = strategy_config(config, deprecated, caller="ProTrainStrategy")
+        if config.clipping is not None:
+            raise ValueError(
+                "ProTrainStrategy takes gradient clipping from the Trainer, as every strategy does: remove "
+                f"config.clipping and pass Trainer(gradient_clip_val={config.clipping.value}, "
+                f"gradient_clip_algorithm={config.clipping.algorithm!r})."
+            )
+        self.config = config
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self._init_processes(process_group_backend, timeout, start_method)
         # None: the accelerator's first device (Lightning creates registered strategies without one).
         self._root_device = torch.device(device) if device is not None else None
-        self.plan = plan
-        self.memory_budget = memory_budget
-        self.blocks = blocks
-        self.chunk_size = chunk_size
-        self.reprofile = reprofile
-        self.max_tokens = max_tokens
         self.engine: pt.Engine | None = None
         self._last_plan: pt.Plan | None = None
         self._final_optimizer_state: dict | None = None
@@ -255,6 +253,10 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         self._sharded_weights: bool | None = None  # its weights wait for the engine (the strict flag)
         self._failed = False  # an exception ends the run: teardown runs no collective
         self._wrapped_optimizers: list = []  # Lightning's wrappers of the optimizer, zero_grad routed
+
+    @property
+    def state_dict_type(self) -> str:
+        return self.config.checkpoint.state_dict_type
 
     # ----- Lightning plumbing ----------------------------------------------------------------
     @property
@@ -317,7 +319,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
             # opt.step() updates; self.clip_gradients between them clips exactly.
             clipping = None if late or manual else gradient_clipping(trainer.gradient_clip_val,
                                                                      trainer.gradient_clip_algorithm)
-            plan = self.plan
+            config = self.config.replace(clipping=clipping)
         elif next(module.parameters(), None) is None:
             self._evaluate_without_engine(module)
             return
@@ -325,15 +327,12 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
             # Evaluation only: an optimizer nobody steps (the engine allocates no states for it);
             # without a known plan everything streams.
             optimizer = torch.optim.AdamW(module.parameters())
-            clipping, late = None, False
-            plan = self.plan or self._last_plan or pt.Plan(n_persist=0, n_buffer=2)
-        searched = fitting and plan is None
-        self.engine = build_engine(
-            module, optimizer, plan=plan, memory_budget=self.memory_budget if searched else None, blocks=self.blocks,
-            chunk_size=self.chunk_size, precision=precision.precision, device=self.root_device, clipping=clipping,
-            reprofile=self.reprofile, max_tokens=self.max_tokens if searched else None, scaler=precision.scaler,
-            training=fitting, report=self._report,
-        )
+            late = False
+            plan = self.config.planning.plan or self._last_plan or pt.Plan(n_persist=0, n_buffer=2)
+            config = self.config.replace(planning={"plan": plan, "memory_budget": None, "max_tokens": None},
+                                         optimizer_states=False)
+        self.engine = build_engine(module, optimizer, config, precision=precision.precision, device=self.root_device,
+                                   scaler=precision.scaler, report=self._report)
         if fitting:
             # Lightning clips only through configure_gradient_clipping: the engine is told whether
             # that may come between backward and step (an override) or never (gradient_clip_val,
@@ -351,7 +350,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         self.setup_precision_plugin()  # re-creates Lightning's wrappers of the optimizer
         if fitting:
             self._route_wrapped_zero_grad()
-        if fitting and not searched:
+        if fitting and self.config.planning.plan is not None:
             rank_zero_info(f"ProTrain: {self.engine.plan} (given), overlap: {self.engine.steady_overlap()}")
 
     def _evaluate_without_engine(self, module) -> None:

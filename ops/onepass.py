@@ -89,8 +89,6 @@ def turned_off():
 
 
 def _load():
-    if os.environ.get("PROTRAIN_ONEPASS", "1") == "0":
-        return None, "PROTRAIN_ONEPASS=0"
     if sys.platform != "linux":
         return None, f"the kernel is built on Linux only, not {sys.platform}"
     try:

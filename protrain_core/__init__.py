@@ -1,7 +1,7 @@
 """ProTrain engine: chunked model states, device/host placement and overlapped per-chunk Adam.
 
     import protrain_core as pt
-    engine = pt.wrap(model, optimizer, plan=pt.Plan(n_persist=1, n_buffer=2, n_swap=1, n_checkpoint=2))
+    engine = pt.wrap(model, optimizer, pt.Plan(n_persist=1, n_buffer=2, n_swap=1, n_checkpoint=2))
     out = engine.module(input_ids=x, labels=x)
     engine.backward(out.loss)
     engine.step()
@@ -11,12 +11,14 @@ The folders are the architecture (docs/architecture.md): ``structure`` (blocks, 
 execution order, chunk layout), ``runtime`` (chunk storage and lifecycle, hooks, optimizer,
 activations, the engine), ``profiler`` and ``planner`` (profile, cost models, search),
 ``autoplan`` (the plan of a running engine: after its first steps, for each batch shape); ``api``
-joins them, and ``engine`` adds the checkpoint and export verbs to the engine it returns. This package never imports Lightning.
+joins them, and ``engine`` adds the checkpoint and export verbs to the engine it returns.
+``config`` holds every setting of a run (``ProTrainConfig``). This package never imports Lightning.
 """
 
 from protrain_core import utils
 from protrain_core.api import default_memory_budget, profile, wrap
 from protrain_core.autoplan import BatchTooLarge
+from protrain_core.config import CheckpointConfig, ClippingConfig, PlanningConfig, ProTrainConfig, RuntimeConfig
 from protrain_core.engine import Engine
 from protrain_core.plan import BlockMode, Plan, PlanLimits, interleaved_modes
 from protrain_core.planner.cost import CostModel, MemoryEstimate, RuntimeEstimate, estimate_memory, estimate_runtime
@@ -30,6 +32,11 @@ from protrain_core.structure.layout import ChunkLayout, build_layout
 
 __all__ = [
     "BatchTooLarge",
+    "CheckpointConfig",
+    "ClippingConfig",
+    "PlanningConfig",
+    "ProTrainConfig",
+    "RuntimeConfig",
     "BlockActivations",
     "CostModel",
     "Hardware",

@@ -8,90 +8,97 @@ builds the engine. Every argument is checked before any of that starts.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from protrain_core.autoplan import AutoPlanner, check_budget_holds_states, follow, plan_on_first_steps, print_report
-from protrain_core.plan import Plan, check_plan, plan_arguments
+from protrain_core.config import PlanningConfig, ProTrainConfig, with_legacy_keywords
+from protrain_core.plan import Plan, check_plan
 from protrain_core.planner.profiles import Profile
 from protrain_core.precision import Precision, parse_precision
-from protrain_core.profiler.profiler import profile_model, reprofile_requested, safe_plan
+from protrain_core.profiler.profiler import profile_model, safe_plan
 from protrain_core.runtime.device import DeviceContext, as_context
 from protrain_core.engine import Engine
-from protrain_core.runtime.engine import EngineOptions
+from protrain_core.runtime.options import EngineOptions
 from protrain_core.runtime.optim import check_optimizer
 from protrain_core.runtime.sharding import Sharding, agree, agree_budgets, check_same_configuration
 from protrain_core.runtime.storage import chunk_formats
 from protrain_core.structure.blocks import find_blocks
 from protrain_core.structure.layout import ChunkLayout, build_layout
-from protrain_core.update import overlap_mode, parse_gradient_clipping
+from protrain_core.update import overlap_mode
 from protrain_core.utils import available_host_bytes, batch_tokens
+
+
+_WRAP_LEGACY = ("memory_budget", "max_tokens", "blocks", "chunk_size", "profile_cache", "reprofile", "check_invariants",
+                "optimizer_states", "gradient_clipping")
 
 
 def wrap(
     model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan | dict | None = None, *,
-    memory_budget: int | float | str | None = None, precision: str = "32-true",
-    device: torch.device | str | None = None, blocks: nn.ModuleList | str | None = None,
-    chunk_size: int | None = None, example_inputs=None, loss_fn=None, step_fn=None,
-    gradient_clipping: tuple[str, float] | None = None, profile_cache: bool = True, reprofile: bool = False,
-    optimizer_states: bool = True, check_invariants: bool = False, max_tokens: int | None = None,
-    report=print_report, process_group=None,
+    config: ProTrainConfig | None = None, precision: str = "32-true", device: torch.device | str | None = None,
+    example_inputs=None, loss_fn=None, step_fn=None, report=print_report, process_group=None, **deprecated,
 ) -> Engine:
     """Put ``model``'s parameters and ``optimizer``'s states into ProTrain chunks.
 
     Args:
         model, optimizer: the module to train (its parameters on the CPU or on ``device``), and a
-            ``torch.optim.AdamW`` or ``Adam`` over (some of) its parameters.
+            ``torch.optim.AdamW`` or ``Adam`` (or another elementwise optimizer) over (some of)
+            its parameters.
         plan: a :class:`Plan` (or dict of its fields): chunks kept on the device, chunk buffers,
-            and how many transformer blocks swap or checkpoint their activations. None (default):
-            the engine starts on a safe plan, measures the first training steps (they train as
-            usual: [Note: live profiling] in profiler/live.py), then switches to the fastest plan
-            that fits ``memory_budget`` (``engine.explain()``); ``example_inputs``: profile ahead.
-        memory_budget: device memory the plan may use (plan=None only): bytes, or "20GiB", "500MB"...
+            and how many transformer blocks swap or checkpoint their activations; the same as
+            ``config.planning.plan``. None (default): the engine starts on a safe plan, measures
+            the first training steps (they train as usual: [Note: live profiling] in
+            profiler/live.py), then switches to the fastest plan that fits
+            ``config.planning.memory_budget`` (``engine.explain()``); ``example_inputs``:
+            profile ahead.
+        config: every other setting (:class:`ProTrainConfig`: planning, gradient clipping,
+            runtime switches); default: the defaults.
         precision, device: "32-true", "bf16-mixed", "16-mixed" or "bf16-true"; None: CUDA if any.
-        blocks, chunk_size: the transformer blocks (ModuleList or dotted name) when discovery
-            fails; chunk size in elements (None: the waste-minimising search).
         example_inputs: one batch (keyword arguments, tuple or tensor) to trace the execution
             order on the meta device (Hugging Face models need none) and, with plan=None, to profile
             ahead of training (your module or ``step_fn`` then runs a few more times).
         loss_fn, step_fn: profiling ahead: ``loss_fn(output) -> scalar`` (default ``output.loss``),
             or ``step_fn(module, example_inputs) -> loss`` (or ``(loss, kept_alive)``) instead.
-        gradient_clipping: ``("norm", max_norm)`` or ``("value", clip_value)``: exactly
-            ``clip_grad_norm_`` / ``clip_grad_value_`` before every update (``Engine.set_gradient_clipping``).
-        profile_cache, reprofile: reuse a profile cached on disk for the same model, batch shape,
-            precision and hardware (``planner.profiles.cache_dir()``); profile again anyway.
-        optimizer_states, check_invariants: False: an engine for evaluation only (give its plan)
-            holds no optimizer states; True: check the runtime's invariants at every hook (tests).
-        max_tokens: plan once for batches of up to this many tokens (batch x sequence); else
-            the plan follows the batch shapes ([Note: batch shapes] in autoplan.py).
         report: ``report(text, **metrics)``: the plan chosen, switches for batch shapes, the step
             time measured against the prediction (default: print).
         process_group: the processes to shard the chunks over ([Note: sharded chunks]); default:
             the initialised default group, if any. Every rank calls ``wrap`` alike; rank 0's
             weights are broadcast and rank 0's plan is followed.
+
+    The keyword arguments ``memory_budget``, ``max_tokens``, ``blocks``, ``chunk_size``,
+    ``profile_cache``, ``reprofile``, ``check_invariants``, ``optimizer_states`` and
+    ``gradient_clipping`` still work for one release, with a ``FutureWarning``: they are
+    fields of ``config`` now.
     """
     # Everything that can be wrong with the arguments is checked before memory is touched.
-    prec, dev = _checked(model, precision, device, gradient_clipping)
-    plan, budget = plan_arguments(plan, memory_budget, max_tokens)
-    if plan is None and not optimizer_states:
-        raise ValueError("wrap(optimizer_states=False) builds an engine for evaluation only: pass its plan=.")
+    config = with_legacy_keywords(config, deprecated, caller="wrap", accepted=_WRAP_LEGACY)
+    if plan is not None:
+        if config.planning.plan is not None:
+            raise ValueError("wrap() was given a plan and a config whose planning.plan is set: give it once.")
+        config = config.replace(planning={"plan": plan})
+    planning = config.planning
+    if planning.plan is None and not config.optimizer_states:
+        raise ValueError("optimizer_states=False builds an engine for evaluation only: pass its plan= (or "
+                         "config.planning.plan).")
+    prec, dev = _checked(model, precision, device)
     sharding = Sharding.resolve(process_group)
     if sharding is not None:
         sharding.check_device(dev.device)
-    budget = default_memory_budget(dev) if budget is None and plan is None else budget
-    layout = _prepare(model, optimizer, blocks, chunk_size, example_inputs, dev)
-    check_same_configuration(sharding, _configuration(model, optimizer, layout, prec, plan, gradient_clipping,
-                                                      optimizer_states, max_tokens))
-    options = EngineOptions(optimizer_states=optimizer_states, check_invariants=check_invariants)
-    if plan is not None:
-        return _engine(model, optimizer, layout, agree(sharding, plan), prec, dev, gradient_clipping, options, sharding)
-    return _searched(model, optimizer, layout, prec, dev, gradient_clipping, options, sharding, budget, max_tokens, report,
-                     example_inputs=example_inputs, loss_fn=loss_fn, step_fn=step_fn, cache=profile_cache,
-                     reprofile=reprofile or reprofile_requested())
+    budget = planning.budget_bytes
+    budget = default_memory_budget(dev) if budget is None and planning.plan is None else budget
+    layout = _prepare(model, optimizer, planning.blocks, planning.chunk_size, example_inputs, dev)
+    check_same_configuration(sharding, _configuration(model, optimizer, layout, prec, config))
+    options = EngineOptions(optimizer_states=config.optimizer_states, runtime=config.runtime)
+    build = _Build(model, optimizer, layout, prec, dev, config, options, sharding)
+    if planning.plan is not None:
+        return build.engine(agree(sharding, planning.plan))
+    return _searched(build, budget, report, example_inputs=example_inputs, loss_fn=loss_fn, step_fn=step_fn)
 
 
-def _configuration(model: nn.Module, optimizer, layout: ChunkLayout, prec: Precision, plan, gradient_clipping,
-                   optimizer_states: bool, max_tokens) -> dict[str, object]:
+def _configuration(model: nn.Module, optimizer, layout: ChunkLayout, prec: Precision,
+                   config: ProTrainConfig) -> dict[str, object]:
     """What every rank's ``wrap`` must agree on (``check_same_configuration``)."""
     hyper = sorted({k for g in optimizer.param_groups for k in g if k != "params"})
     return {
@@ -102,57 +109,76 @@ def _configuration(model: nn.Module, optimizer, layout: ChunkLayout, prec: Preci
                        for name, p in model.named_parameters()],
         "optimizer": [(type(optimizer).__name__, len(g["params"]), *(repr(g.get(k)) for k in hyper))
                       for g in optimizer.param_groups],
-        "plan": "searched" if plan is None else repr(plan),
-        "gradient clipping": repr(gradient_clipping),
-        "optimizer states": optimizer_states,
-        "max tokens": max_tokens,
+        "plan": "searched" if config.planning.plan is None else repr(config.planning.plan),
+        "gradient clipping": repr(config.clipping),
+        "optimizer states": config.optimizer_states,
+        "max tokens": config.planning.max_tokens,
     }
 
 
-def _searched(model, optimizer, layout: ChunkLayout, prec: Precision, dev: DeviceContext, gradient_clipping,
-              options: EngineOptions, sharding: Sharding | None, budget: int, max_tokens: int | None, report, *,
-              example_inputs, loss_fn, step_fn, cache: bool, reprofile: bool) -> Engine:
+@dataclass(frozen=True)
+class _Build:
+    """What every engine ``wrap`` builds is built from (the safe plan's, the searched one's)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    layout: ChunkLayout
+    precision: Precision
+    device: DeviceContext
+    config: ProTrainConfig
+    options: EngineOptions
+    sharding: Sharding | None
+
+    @property
+    def world(self) -> int:
+        return 1 if self.sharding is None else self.sharding.world
+
+    def engine(self, plan: Plan) -> Engine:
+        check_plan(plan, self.layout.limits())
+        engine = Engine(self.model, self.optimizer, self.layout, plan, self.precision, self.device, self.options,
+                        sharding=self.sharding)
+        clipping = self.config.clipping
+        if clipping is not None:
+            engine.set_gradient_clipping(clipping.algorithm, clipping.value, clipping.norm_type)
+        return engine
+
+    def safe_plan(self, budget: int) -> Plan:
+        return safe_plan(self.model, self.optimizer, self.layout, self.precision, self.device, optimizer_states=True,
+                         budget=budget, world_size=self.world)
+
+
+def _searched(build: _Build, budget: int, report, *, example_inputs, loss_fn, step_fn) -> Engine:
     """``wrap`` with plan=None: the engine on a safe plan that switches after profiling its first
     steps, or (``example_inputs``) profiled and searched first."""
-    budget, host_budget = agree_budgets(sharding, budget, default_host_budget(dev))  # one plan for every rank
-    world = 1 if sharding is None else sharding.world
-    if layout.n_blocks == 0:  # no activations to plan: the placement alone, without profiling
-        plan = safe_plan(model, optimizer, layout, prec, dev, optimizer_states=True, budget=budget, world_size=world)
-        engine = _engine(model, optimizer, layout, agree(sharding, plan), prec, dev, gradient_clipping, options,
-                         sharding)
+    planning, sharding = build.config.planning, build.sharding
+    budget, host_budget = agree_budgets(sharding, budget, default_host_budget(build.device))  # one plan for every rank
+    cache = dict(cache=planning.profile_cache, reprofile=planning.reprofile, cache_dir=planning.cache_dir)
+    if build.layout.n_blocks == 0:  # no activations to plan: the placement alone, without profiling
+        plan = build.safe_plan(budget)
+        engine = build.engine(agree(sharding, plan))
         report(f"ProTrain: {plan} -- the model has no repeated blocks, so there is no activation plan to search: "
                "its chunks persist when its model states take at most half the memory budget, else they stream.")
         return engine
     if example_inputs is None:
-        check_budget_holds_states(chunk_formats(model, optimizer, layout, prec, optimizer_states=True, world_size=world),
-                                  layout.limits(), budget)
-        start = safe_plan(model, optimizer, layout, prec, dev, optimizer_states=True, budget=budget, world_size=world)
-        engine = _engine(model, optimizer, layout, agree(sharding, start), prec, dev, gradient_clipping, options,
-                         sharding)
-        plan_on_first_steps(engine, budget=budget, host_budget=host_budget, report=report, max_tokens=max_tokens,
-                            cache=cache, reprofile=reprofile)
+        check_budget_holds_states(chunk_formats(build.model, build.optimizer, build.layout, build.precision,
+                                                optimizer_states=True, world_size=build.world),
+                                  build.layout.limits(), budget)
+        engine = build.engine(agree(sharding, build.safe_plan(budget)))
+        plan_on_first_steps(engine, budget=budget, host_budget=host_budget, report=report,
+                            max_tokens=planning.max_tokens, **cache)
         return engine
-    profile = profile_model(model, optimizer, layout, example_inputs=example_inputs, loss_fn=loss_fn,
-                            step_fn=step_fn, precision=prec, device=dev, cache=cache, reprofile=reprofile,
-                            sharding=sharding)
+    profile = profile_model(build.model, build.optimizer, build.layout, example_inputs=example_inputs,
+                            loss_fn=loss_fn, step_fn=step_fn, precision=build.precision, device=build.device,
+                            sharding=sharding, switches=build.config.runtime, **cache)
     n = batch_tokens(example_inputs)
-    overlap = overlap_mode(prec, None if gradient_clipping is None else parse_gradient_clipping(*gradient_clipping))
-    planner = AutoPlanner(None, profile, budget=budget, host_budget=host_budget, report=report, max_tokens=max_tokens,
-                          overlap=overlap,
-                          tokens_per_batch_token=profile.tokens / n if n and profile.tokens else None)
+    clipping = None if build.config.clipping is None else build.config.clipping.parsed()
+    planner = AutoPlanner(None, profile, budget=budget, host_budget=host_budget, report=report,
+                          max_tokens=planning.max_tokens, overlap=overlap_mode(build.precision, clipping),
+                          tokens_per_batch_token=profile.tokens / n if n and profile.tokens else None,
+                          cache_dir=planning.cache_dir)
     choice = planner.first_choice()
-    planner.engine = engine = _engine(model, optimizer, layout, choice.plan, prec, dev, gradient_clipping, options,
-                                      sharding)
+    planner.engine = engine = build.engine(choice.plan)
     follow(engine, planner, choice, report=report)
-    return engine
-
-
-def _engine(model, optimizer, layout: ChunkLayout, plan: Plan, precision: Precision, device: DeviceContext,
-            gradient_clipping, options: EngineOptions, sharding: Sharding | None = None) -> Engine:
-    check_plan(plan, layout.limits())
-    engine = Engine(model, optimizer, layout, plan, precision, device, options, sharding=sharding)
-    if gradient_clipping is not None:
-        engine.set_gradient_clipping(*gradient_clipping)
     return engine
 
 
@@ -191,14 +217,12 @@ def _prepare(model: nn.Module, optimizer, blocks, chunk_size, example_inputs, ct
     return build_layout(model, block_path, len(block_list), example_inputs=example_inputs, chunk_size=chunk_size)
 
 
-def _checked(model: nn.Module, precision: str, device, gradient_clipping) -> tuple[Precision, DeviceContext]:
+def _checked(model: nn.Module, precision: str, device) -> tuple[Precision, DeviceContext]:
     """The precision and device of ``wrap`` (a torch device, or a DeviceContext: a simulated
     device), after the checks of its arguments that need no model structure (nothing is
     allocated yet)."""
     prec, dev = parse_precision(precision), as_context(device)
     check_parameter_dtypes(model, prec)
-    if gradient_clipping is not None:
-        parse_gradient_clipping(*gradient_clipping)
     return prec, dev
 
 
@@ -252,16 +276,19 @@ def profile(
     step_fn=None,
     iterations: int = 3,
     cache: bool = True,
-    reprofile: bool = False,
+    reprofile: bool | None = None,
 ) -> Profile:
     """Profile ``model`` on one real batch without wrapping it for training (the parameters,
-    the optimizer and the random state are left as they were). See ``protrain_core.profiler``."""
+    the optimizer and the random state are left as they were). See ``protrain_core.profiler``.
+    ``reprofile``: profile again even when a cached profile matches (None: as
+    ``PlanningConfig.reprofile``'s default, ``PROTRAIN_REPROFILE``)."""
     prec: Precision = parse_precision(precision)
     dev = as_context(device)
     layout = _prepare(model, optimizer, blocks, chunk_size, example_inputs, dev)
     return profile_model(
         model, optimizer, layout, example_inputs=example_inputs, loss_fn=loss_fn, step_fn=step_fn, precision=prec,
-        device=dev, iterations=iterations, cache=cache, reprofile=reprofile,
+        device=dev, iterations=iterations, cache=cache,
+        reprofile=PlanningConfig().reprofile if reprofile is None else reprofile,
     )
 
 
@@ -285,7 +312,7 @@ def default_memory_budget(device: torch.device | DeviceContext) -> int:
         return max(0, free - max(int(total * CUDA_MARGIN_FRACTION), CUDA_MARGIN_MIN_BYTES))
     available = available_host_bytes()
     if available is None:
-        raise ValueError("Cannot read the available memory of this machine; pass memory_budget= explicitly.")
+        raise ValueError("Cannot read the available memory of this machine; set config.planning.memory_budget explicitly.")
     return int(available * (1 - CPU_MARGIN_FRACTION))
 
 

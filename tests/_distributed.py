@@ -92,8 +92,8 @@ def protrain_run(model, data, plan, *, lr=1e-2, accumulate=1, clip=None, weight_
                  device="cpu", optimizer=None):
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer(trainable) if optimizer is not None else torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
-    engine = pt.wrap(model, opt, plan, precision=precision, device=device, check_invariants=True,
-                     gradient_clipping=None if clip is None else ("norm", clip))
+    engine = pt.wrap(model, opt, plan, precision=precision, device=device,
+                     config=pt.ProTrainConfig(clipping=None if clip is None else ("norm", clip), runtime=pt.RuntimeConfig(check_invariants=True)))
     losses = []
     for i in range(0, len(data), accumulate):
         micro = data[i:i + accumulate]

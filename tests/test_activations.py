@@ -101,7 +101,8 @@ def test_fp32_identity_across_layouts(arch, layout, chunk_plan):
     ref_losses, ref = reference(arch, data)
     model = MODELS[arch]()
     plan = chunk_plans(model, *LAYOUTS[layout])[chunk_plan]
-    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), plan, device="cpu", check_invariants=True)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), plan, device="cpu",
+                     config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
     losses = train_engine(engine, data)
     assert losses == ref_losses
     assert_same_weights(engine.state_dict(), ref)
@@ -140,8 +141,9 @@ def test_frozen_parameters_with_swap_and_checkpoint():
             if "wte" in name or ".h.0." in name or ".h.2.attn" in name:
                 p.requires_grad_(False)
     trainable = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731
-    engine = pt.wrap(model, torch.optim.AdamW(trainable(model), lr=3e-3), pt.Plan(n_persist=1, n_buffer=2, n_swap=2, n_checkpoint=1),
-                     device="cpu", check_invariants=True)
+    engine = pt.wrap(model, torch.optim.AdamW(trainable(model), lr=3e-3),
+                     pt.Plan(n_persist=1, n_buffer=2, n_swap=2, n_checkpoint=1), device="cpu",
+                     config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
     losses = train_engine(engine, data)
     assert losses == train_reference(ref, torch.optim.AdamW(trainable(ref), lr=3e-3, fused=True), data)
     assert_same_weights(engine.state_dict(), ref)
@@ -410,7 +412,8 @@ def test_swap_copies_each_storage_once_and_keeps_parameter_views(n_persist):
     x = torch.randint(0, 50, (2, 16))
     chunks = pt.build_layout(model, "blocks", n, example_inputs=(x,)).n_chunks
     plan = pt.Plan(n_persist=min(n_persist, chunks), n_buffer=2, n_swap=n)
-    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), plan, device="cpu", example_inputs=(x,), check_invariants=True)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), plan, device="cpu", example_inputs=(x,),
+                     config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     for _ in range(3):
         loss = engine.module(x)
@@ -519,7 +522,8 @@ def test_cuda_identity_across_layouts(layout):
     for name in ("keep", layout):
         model = MODELS["gpt2"]()
         plan = chunk_plans(model, *LAYOUTS[name])["mixed-buf2"]
-        engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), plan, device="cuda", check_invariants=True)
+        engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), plan, device="cuda",
+                         config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             results[name] = (train_engine(engine, data), engine.state_dict())

@@ -154,6 +154,25 @@ def test_no_module_reads_another_objects_private_attributes():
     assert offences == []
 
 
+# Where an environment variable may set a default: the configuration's parts, and the profile
+# cache's directory where the cache is read.
+ENVIRONMENT_READERS = {"protrain_core/runtime/options.py", "protrain_core/config.py", "protrain_core/planner/profiles.py"}
+
+
+def test_settings_come_from_the_configuration_not_the_environment():
+    """A PROTRAIN_* variable only sets a default of ProTrainConfig, where the configuration is
+    created: no other library module names one."""
+    offences = []
+    for package in LIBRARY:
+        for path in (ROOT / package).rglob("*.py"):
+            where = str(path.relative_to(ROOT))
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                        node.value.startswith("PROTRAIN_") and where not in ENVIRONMENT_READERS:
+                    offences.append(f"{where}:{node.lineno} {node.value}")
+    assert offences == []
+
+
 def test_importing_every_protrain_core_module_loads_no_lightning():
     code = (
         "import importlib, sys\n"
@@ -208,7 +227,7 @@ def test_autocast_is_entered_once_per_forward(monkeypatch):
         entered.append(self.fast_dtype)
         return original(self)
 
-    fabric = Fabric(strategy=ProTrainFabricStrategy(plan=pt.Plan(n_persist=1, n_buffer=2)), accelerator="cpu",
+    fabric = Fabric(strategy=ProTrainFabricStrategy(pt.Plan(n_persist=1, n_buffer=2)), accelerator="cpu",
                     devices=1, precision="bf16-mixed")
     fabric.launch()
     model = tiny_gpt2()

@@ -28,8 +28,9 @@ def reference(model, data, **kw):
     return ref, opt, train_reference(ref, opt, data, **kw)
 
 
-def wrap_bf16(model, plan, **kw):
-    return pt.wrap(model, adamw(model.parameters(), fused=True), plan, precision="bf16-true", device="cpu", check_invariants=True, **kw)
+def wrap_bf16(model, plan, clipping=None):
+    return pt.wrap(model, adamw(model.parameters(), fused=True), plan, precision="bf16-true", device="cpu",
+                   config=pt.ProTrainConfig(clipping=clipping, runtime=pt.RuntimeConfig(check_invariants=True)))
 
 
 def assert_same_state(engine_sd, ref_sd):
@@ -137,7 +138,7 @@ def test_clipping_in_bf16(plan_name, algorithm):
     clipper = Clipper(algorithm)
     ref, _, ref_losses = reference(model, data, clip=clipper)
     clipper.assert_triggered()
-    engine = wrap_bf16(model, standard_plans(model)[plan_name], gradient_clipping=(algorithm, clipper.value))
+    engine = wrap_bf16(model, standard_plans(model)[plan_name], clipping=(algorithm, clipper.value))
     losses, norms = train_recording_norms(engine, data)
     assert losses == ref_losses
     clipper.assert_same_norms(norms)
@@ -165,7 +166,7 @@ def test_cuda_bf16_true(persist):
     ref = copy.deepcopy(model).cuda().to(BF16)
     ref_losses = train_reference(ref, adamw(ref.parameters(), fused=True), data)
     engine = pt.wrap(model, adamw(model.parameters()), pt.Plan(n_persist=persist, n_buffer=2), precision="bf16-true",
-                     device="cuda", check_invariants=True)
+                     device="cuda", config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
     losses = train_engine(engine, data)
     assert engine.host_pinned and all(p.dtype == BF16 for p in engine.module.parameters())
     # CPU Adam (streamed chunks) and CUDA Adam may round a bf16 result differently: close, not bitwise.

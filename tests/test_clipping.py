@@ -63,9 +63,10 @@ def train_recording_norms(engine, data):
     return losses, norms
 
 
-def wrap_clipped(model, plan, algorithm, value, **kw):
+def wrap_clipped(model, plan, algorithm, value):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    return pt.wrap(model, opt, plan, device="cpu", check_invariants=True, gradient_clipping=(algorithm, value), **kw)
+    return pt.wrap(model, opt, plan, device="cpu",
+                   config=pt.ProTrainConfig(clipping=(algorithm, value), runtime=pt.RuntimeConfig(check_invariants=True)))
 
 
 @pytest.mark.filterwarnings(CACHE_WARNING)
@@ -120,8 +121,8 @@ def test_mixed_precision_clipping_parity(arch, precision, dtype, plan_name, algo
     ref_losses, ref_master, _ = reference_mixed(model, dtype, data, lr=3e-3, scaler=scaler, clip=clipper)
     clipper.assert_triggered()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    engine = pt.wrap(model, opt, standard_plans(model)[plan_name], precision=precision, device="cpu", check_invariants=True,
-                     gradient_clipping=(algorithm, clipper.value))
+    engine = pt.wrap(model, opt, standard_plans(model)[plan_name], precision=precision, device="cpu",
+                     config=pt.ProTrainConfig(clipping=(algorithm, clipper.value), runtime=pt.RuntimeConfig(check_invariants=True)))
     losses, norms = train_recording_norms(engine, data)
     assert losses == ref_losses
     clipper.assert_same_norms(norms)
@@ -139,8 +140,8 @@ def test_threaded_cpu_adam_clipping_parity(precision, algorithm, monkeypatch):
         monkeypatch.setenv("PROTRAIN_CPU_ADAM_THREAD", threaded)
         model = tiny_gpt2()
         engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), pt.Plan(n_persist=1, n_buffer=2),
-                         precision=precision, device="cpu", check_invariants=True,
-                         gradient_clipping=(algorithm, MAX_NORM if algorithm == "norm" else CLIP_VALUE))
+                         precision=precision, device="cpu",
+                         config=pt.ProTrainConfig(clipping=(algorithm, MAX_NORM if algorithm == "norm" else CLIP_VALUE), runtime=pt.RuntimeConfig(check_invariants=True)))
         assert engine.runtime.threaded == (threaded == "1")
         results.append((train_recording_norms(engine, batches(5)), engine.state_dict()))
     (losses, norms), sd = results[0]
@@ -180,7 +181,7 @@ def test_norm_clipping_with_fp16_overflow_skips(plan):
     assert not clipper.norms[0].isfinite()  # the first step overflowed
     clipper.assert_triggered()
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), plan, precision="16-mixed", device="cpu",
-                     gradient_clipping=("norm", MAX_NORM))
+                     config=pt.ProTrainConfig(clipping=("norm", MAX_NORM)))
     engine.scaler.init_scale = 2.0**22
     engine.scaler.growth_interval = 3
     engine.scaler.__post_init__()
@@ -195,7 +196,7 @@ def test_norm_clipping_with_fp16_overflow_skips(plan):
 def test_norm_clipping_updates_after_backward_and_disabling_restores_the_overlap():
     model = tiny_llama(n_layer=6)
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), pt.Plan(n_persist=0, n_buffer=2),
-                     device="cpu", gradient_clipping=("norm", 1.0))
+                     device="cpu", config=pt.ProTrainConfig(clipping=("norm", 1.0)))
     assert engine.gradient_clipping.value == 1.0
     assert engine.overlap == "cpu-adam-during-next-forward (gradient norm clipping)"
     x = batches(1)[0]
@@ -241,7 +242,7 @@ def test_bad_arguments(args, match):
 def test_changing_clipping_within_a_step():
     model = tiny_gpt2()
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=0, n_buffer=1), device="cpu",
-                     gradient_clipping=("value", 0.1))
+                     config=pt.ProTrainConfig(clipping=("value", 0.1)))
     x = batches(1)[0]
     loss = engine.module(input_ids=x, labels=x).loss
     loss.register_hook(lambda g: engine.set_gradient_clipping("value", 0.2))
@@ -272,9 +273,10 @@ def test_explain_says_when_a_searched_plan_assumed_the_overlap():
     model = tiny_gpt2()
     x = batches(1)[0]
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), None, example_inputs={"input_ids": x, "labels": x},
-                     memory_budget="1GiB", device="cpu", profile_cache=False)
+                     device="cpu",
+                     config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget="1GiB", profile_cache=False)))
     engine.set_gradient_clipping("norm", 1.0)
-    assert ("searched for cpu-adam-during-backward: wrap(..., gradient_clipping=('norm', max_norm)) searches for "
+    assert ("searched for cpu-adam-during-backward: ProTrainConfig(clipping={'algorithm': 'norm', ...}) searches for "
             "cpu-adam-during-next-forward") in engine.explain()
 
 
@@ -288,7 +290,8 @@ def test_cuda_clipping(algorithm, persist):
     clipper = Clipper(algorithm)
     ref_losses = train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True), data, clip=clipper)
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), pt.Plan(n_persist=persist, n_buffer=2),
-                     device="cuda", check_invariants=True, gradient_clipping=(algorithm, clipper.value))
+                     device="cuda",
+                     config=pt.ProTrainConfig(clipping=(algorithm, clipper.value), runtime=pt.RuntimeConfig(check_invariants=True)))
     losses, norms = train_recording_norms(engine, data)
     # Host gradients' norms and CPU Adam round differently from CUDA's kernels: close, not bitwise.
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)

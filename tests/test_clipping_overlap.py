@@ -4,7 +4,7 @@ Under norm clipping and fp16 the streamed chunks' gradients are finished (unscal
 taken) as they land, and their Adam runs after backward, overlapping the next forward. The
 results are those of plain PyTorch's clip_grad_norm_ / clip_grad_value_ and GradScaler: bitwise
 in fp32, and with the tolerances of test_clipping in mixed precision -- whether the clipping is
-configured ahead (``wrap(gradient_clipping=...)``) or requested between backward and step
+configured ahead (``ProTrainConfig(clipping=...)``) or requested between backward and step
 (``engine.clip_grad_norm_``, as ``fabric.clip_gradients`` does), active or not, with or
 without gradient accumulation.
 """
@@ -77,9 +77,10 @@ def assert_same_state(engine, precision, ref_state):
         assert engine.scaler.state_dict()["scale"] == scaler.get_scale()
 
 
-def wrap(model, plan, precision, **kw):
+def wrap(model, plan, precision, clipping=None):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    return pt.wrap(model, opt, plan, precision=precision, device="cpu", check_invariants=True, **kw)
+    return pt.wrap(model, opt, plan, precision=precision, device="cpu",
+                   config=pt.ProTrainConfig(clipping=clipping, runtime=pt.RuntimeConfig(check_invariants=True)))
 
 
 @pytest.mark.filterwarnings(CACHE_WARNING)
@@ -100,7 +101,8 @@ def test_norm_clipping_grid(plan_name, precision, active, accumulate, how):
     finite = [n for n in clipper.norms if n.isfinite()]
     assert finite and (all(n > clipper.value for n in finite) if active else all(n < clipper.value for n in finite))
     setting = ("norm", clipper.value)
-    engine = wrap(model, standard_plans(model)[plan_name], precision, gradient_clipping=setting if how == "ahead" else None)
+    engine = wrap(model, standard_plans(model)[plan_name], precision,
+                  clipping=setting if how == "ahead" else None)
     losses, norms = run_engine(engine, data, accumulate=accumulate, late=setting if how == "late" else None)
     assert losses == ref_losses
     clipper.assert_same_norms(norms)
@@ -177,7 +179,8 @@ def test_late_request_and_configured_clipping():
     data = batches(4)
     clipper = Clipper("norm")
     ref_losses, ref = reference(model, "32-true", data, clip=clipper)
-    engine = wrap(model, pt.Plan(n_persist=1, n_buffer=1), "32-true", gradient_clipping=("norm", MAX_NORM))
+    engine = wrap(model, pt.Plan(n_persist=1, n_buffer=1), "32-true",
+                  clipping=("norm", MAX_NORM))
     losses, norms = run_engine(engine, data, late=("norm", MAX_NORM))  # the same setting: not clipped twice
     assert losses == ref_losses
     clipper.assert_same_norms(norms)
@@ -268,7 +271,7 @@ def test_injected_inf_skips_the_step_like_grad_scaler(plan):
     ref_losses, ref_state = reference(model, "16-mixed", data, clip=clipper, prepare=inject)
     assert [bool(n.isfinite()) for n in clipper.norms] == [True, True, False, True, True]
     inject(model)
-    engine = wrap(model, plan, "16-mixed", gradient_clipping=("norm", MAX_NORM))
+    engine = wrap(model, plan, "16-mixed", clipping=("norm", MAX_NORM))
     losses, norms = run_engine(engine, data)
     assert losses == ref_losses
     clipper.assert_same_norms(norms)
@@ -299,7 +302,7 @@ def test_cpu_adam_overlaps_the_next_forward(precision, clipping, device, monkeyp
     model = tiny_llama(n_layer=6)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     engine = pt.wrap(model, opt, pt.Plan(n_persist=0, n_buffer=2), precision=precision, device=device,
-                     check_invariants=True, gradient_clipping=clipping)
+                     config=pt.ProTrainConfig(clipping=clipping, runtime=pt.RuntimeConfig(check_invariants=True)))
     if engine.scaler is not None:  # no overflow: a skipped step updates nothing
         engine.scaler.init_scale = 1.0
         engine.scaler.__post_init__()
@@ -336,7 +339,8 @@ def test_cpu_adam_overlaps_the_next_forward(precision, clipping, device, monkeyp
 
 def test_grad_norm_is_refused_after_value_clipping_updated_chunks():
     model = tiny_gpt2()
-    engine = wrap(model, pt.Plan(n_persist=1, n_buffer=1), "32-true", gradient_clipping=("value", CLIP_VALUE))
+    engine = wrap(model, pt.Plan(n_persist=1, n_buffer=1), "32-true",
+                  clipping=("value", CLIP_VALUE))
     x = batches(1)[0]
     engine.backward(engine.module(input_ids=x, labels=x).loss)  # value clipping: updated during backward
     with pytest.raises(RuntimeError, match="clamped when they were updated during backward"):
@@ -378,7 +382,7 @@ def test_model_state_dict_right_after_step_waits_for_the_updates(monkeypatch):
     monkeypatch.setenv("PROTRAIN_CPU_ADAM_THREAD", "1")
     slow_cpu_adam(monkeypatch, 0.02)
     model = tiny_gpt2()
-    engine = wrap(model, pt.Plan(n_persist=0, n_buffer=1), "32-true", gradient_clipping=("norm", 1.0))
+    engine = wrap(model, pt.Plan(n_persist=0, n_buffer=1), "32-true", clipping=("norm", 1.0))
     x = batches(1)[0]
     engine.backward(engine.module(input_ids=x, labels=x).loss)
     engine.step()
@@ -422,8 +426,9 @@ def test_live_profiling_does_not_time_the_updates_as_forward(clipping, monkeypat
     monkeypatch.setattr(protrain_core.api, "safe_plan",
                         lambda model, opt, layout, *a, **k: pt.Plan(n_persist=0, n_buffer=2, n_checkpoint=layout.n_blocks))
     model = tiny_llama(n_layer=6)
-    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), None, memory_budget="1GiB", device="cpu",
-                     gradient_clipping=clipping, profile_cache=False, report=lambda *a, **k: None)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), None, device="cpu",
+                     report=lambda *a, **k: None,
+                     config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget="1GiB", profile_cache=False), clipping=clipping))
     assert engine.plan.n_persist == 0  # profiling on the streamed safe plan
     run_engine(engine, batches(8))
     assert engine.profile is not None and len(starts) >= 3, starts  # profiled forwards after updates

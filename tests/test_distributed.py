@@ -171,7 +171,7 @@ def _resume(rank, world, out, plan_name, source):
     model = _model(frozen=True, seed=7)
     trainable = [p for p in model.parameters() if p.requires_grad]
     engine = pt.wrap(model, torch.optim.AdamW(trainable, lr=1e-2), standard_plans(model)[plan_name], device="cpu",
-                     check_invariants=True, gradient_clipping=("norm", 0.5))
+                     config=pt.ProTrainConfig(clipping=("norm", 0.5), runtime=pt.RuntimeConfig(check_invariants=True)))
     if source == "sharded":
         engine.load_sharded(os.path.join(out, "sharded"))
     else:
@@ -373,7 +373,8 @@ class _TwoExperts(torch.nn.Module):
 def _rank_ordered_blocks(rank, world):
     model = _TwoExperts(swapped=rank == world - 1)
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), pt.Plan(n_persist=2, n_buffer=0),
-                     blocks=model.blocks, chunk_size=16 * 17, device="cpu")
+                     device="cpu",
+                     config=pt.ProTrainConfig(planning=pt.PlanningConfig(blocks=model.blocks, chunk_size=16 * 17)))
     assert engine.layout.n_chunks == 2
     torch.manual_seed(rank)
     try:
@@ -465,7 +466,7 @@ def test_an_unknown_checkpoint_type_is_refused():
 
     for cls in (ProTrainStrategy, ProTrainFabricStrategy):
         with pytest.raises(ValueError, match="'full'.*'sharded'"):
-            cls(state_dict_type="dcp")
+            cls({"checkpoint": {"state_dict_type": "dcp"}})
 
 
 def _host_max(rank, world):
@@ -823,7 +824,8 @@ def _configured_differently(rank, world, what):
     model = tiny_llama(n_layer=kw["n_layer"])
     try:
         pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), pt.Plan(n_persist=1, n_buffer=1),
-                precision=kw["precision"], chunk_size=kw["chunk_size"], device="cpu")
+                precision=kw["precision"], device="cpu",
+                config=pt.ProTrainConfig(planning=pt.PlanningConfig(chunk_size=kw["chunk_size"])))
     except ValueError as e:
         return str(e)
     return None

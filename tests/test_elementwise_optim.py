@@ -48,7 +48,8 @@ def test_an_elementwise_optimizer_trains_bitwise_like_pytorch(name, plan):
     data = batches(5)
     ref_opt = make(ref.parameters())
     ref_losses = train_reference(ref, ref_opt, data)
-    engine = pt.wrap(model, make(model.parameters()), plan, device="cpu", check_invariants=True)
+    engine = pt.wrap(model, make(model.parameters()), plan, device="cpu",
+                     config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
     assert train_engine(engine, data) == ref_losses
     assert_same_weights(engine.state_dict(), ref)
     assert_same_state(engine.optimizer_state_dict(), ref_opt.state_dict())
@@ -183,7 +184,8 @@ def test_an_elementwise_optimizer_in_mixed_precision_matches_the_master_weight_r
     scaler = torch.amp.GradScaler("cpu") if precision == "16-mixed" else None
     ref_losses, ref_master, _ = reference_mixed(model, dtype, data, lr=None, scaler=scaler, optimizer=OPTIMIZERS[name])
     engine = pt.wrap(model, OPTIMIZERS[name](model.parameters()), pt.Plan(n_persist=1, n_buffer=2),
-                     precision=precision, device="cpu", check_invariants=True)
+                     precision=precision, device="cpu",
+                     config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
     assert train_engine(engine, data) == ref_losses
     sd = engine.state_dict()
     for key, m in ref_master.items():

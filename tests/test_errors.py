@@ -13,6 +13,8 @@ def _wrap(**kw):
     model = kw.pop("model", None) or tiny_gpt2()
     opt = kw.pop("optimizer", None) or torch.optim.AdamW(model.parameters())
     plan = kw.pop("plan", pt.Plan(n_persist=1, n_buffer=1))
+    if isinstance(kw.get("config"), dict):  # built inside the caller's pytest.raises
+        kw["config"] = pt.ProTrainConfig(**kw["config"])
     kw.setdefault("device", "cpu")
     return pt.wrap(model, opt, plan, **kw)
 
@@ -31,10 +33,10 @@ def test_plan_validation():
 @pytest.mark.parametrize(
     "kw,match",
     [
-        (dict(plan=None, max_tokens=0), "max_tokens=0: give the most tokens"),
-        (dict(plan=None, max_tokens=64.0), "max_tokens=64.0"),
-        (dict(max_tokens=64), "max_tokens is used to search a plan"),
-        (dict(plan=None, optimizer_states=False), "pass its plan="),
+        (dict(plan=None, config={"planning": {"max_tokens": 0}}), "max_tokens=0: give the most tokens"),
+        (dict(plan=None, config={"planning": {"max_tokens": 64.0}}), "max_tokens=64.0"),
+        (dict(config={"planning": {"max_tokens": 64}}), "max_tokens is used to search a plan"),
+        (dict(plan=None, config={"optimizer_states": False}), "pass its plan="),
         (dict(plan=pt.Plan(n_persist=99, n_buffer=1)), "has only"),
         (dict(plan=pt.Plan(n_persist=0, n_buffer=0)), "Use n_buffer >= 1"),
         (dict(plan=pt.Plan(n_persist=0, n_buffer=1, n_swap=3, n_checkpoint=2)), "n_swap \\+ n_checkpoint <= 4"),

@@ -62,7 +62,7 @@ def fabric_loop(strategy, data, accumulate, clip=None):
 @pytest.mark.parametrize("strategy", ["protrain", "plan"])
 def test_fabric_loop_equals_plain_pytorch(strategy):
     if strategy == "plan":
-        strategy = ProTrainFabricStrategy(plan=pt.Plan(n_persist=1, n_buffer=2, n_swap=1, n_checkpoint=1))
+        strategy = ProTrainFabricStrategy(pt.Plan(n_persist=1, n_buffer=2, n_swap=1, n_checkpoint=1))
     data = batches(8, batch=4)
     ref_model, _, ref_losses = plain(data, accumulate=2)
     fabric, model, opt, losses = fabric_loop(strategy, data, accumulate=2)
@@ -79,7 +79,7 @@ def test_fabric_clip_gradients_equals_plain_pytorch(strategy, clip, monkeypatch)
     weights read right after each optimizer.step() are that step's (worker thread, as on a GPU)."""
     monkeypatch.setenv("PROTRAIN_CPU_ADAM_THREAD", "1")
     if strategy == "streamed":
-        strategy = ProTrainFabricStrategy(plan=pt.Plan(n_persist=0, n_buffer=1))
+        strategy = ProTrainFabricStrategy(pt.Plan(n_persist=0, n_buffer=1))
     data = batches(8, batch=4)
     ref_model, _, ref_losses = plain(data, accumulate=2, clip=clip)
     unclipped = plain(data, accumulate=2)[2]
@@ -95,7 +95,7 @@ def test_fabric_clip_gradients_equals_plain_pytorch(strategy, clip, monkeypatch)
 def test_fabric_save_and_load(tmp_path):
     data = batches(6, batch=4)
     plan = pt.Plan(n_persist=1, n_buffer=2)
-    fabric, model, opt, _ = fabric_loop(ProTrainFabricStrategy(plan=plan), data[:4], accumulate=1)
+    fabric, model, opt, _ = fabric_loop(ProTrainFabricStrategy(plan), data[:4], accumulate=1)
     path = tmp_path / "state.ckpt"
     fabric.save(path, {"model": model, "optimizer": opt, "step": 4})
     raw = torch.load(path, weights_only=True)
@@ -111,7 +111,7 @@ def test_fabric_save_and_load(tmp_path):
         plain_opt.step()
         plain_opt.zero_grad()
         expected.append(loss.item())
-    fabric2 = Fabric(strategy=ProTrainFabricStrategy(plan=pt.Plan(n_persist=0, n_buffer=1)), accelerator="cpu", devices=1)
+    fabric2 = Fabric(strategy=ProTrainFabricStrategy(pt.Plan(n_persist=0, n_buffer=1)), accelerator="cpu", devices=1)
     fabric2.launch()
     model2 = MODELS["gpt2"](seed=5)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=3e-3, fused=True)
@@ -130,7 +130,7 @@ def test_fabric_save_and_load(tmp_path):
 
 
 def test_fabric_refuses_what_it_cannot_do():
-    fabric = Fabric(strategy=ProTrainFabricStrategy(plan=pt.Plan(n_persist=1, n_buffer=1)), accelerator="cpu", devices=1)
+    fabric = Fabric(strategy=ProTrainFabricStrategy(pt.Plan(n_persist=1, n_buffer=1)), accelerator="cpu", devices=1)
     fabric.launch()
     model = MODELS["gpt2"]()
     with pytest.raises(ValueError, match="AdamW"):
@@ -149,7 +149,7 @@ def test_a_second_model_in_one_fabric_is_refused_before_anything_is_built(monkey
     fix, before the second model is profiled or wrapped, and the first keeps training."""
     import lightning_protrain.fabric as F
 
-    fabric = Fabric(strategy=ProTrainFabricStrategy(plan=pt.Plan(n_persist=1, n_buffer=1)), accelerator="cpu", devices=1)
+    fabric = Fabric(strategy=ProTrainFabricStrategy(pt.Plan(n_persist=1, n_buffer=1)), accelerator="cpu", devices=1)
     fabric.launch()
     model = MODELS["gpt2"]()
     model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters()))
@@ -171,7 +171,7 @@ def test_fabric_saves_and_loads_a_scheduler_beside_the_optimizer(tmp_path, state
     data = batches(4, batch=4)
 
     def setup(seed):
-        strategy = ProTrainFabricStrategy(plan=pt.Plan(n_persist=1, n_buffer=2), state_dict_type=state_dict_type)
+        strategy = ProTrainFabricStrategy(config=pt.ProTrainConfig(planning=pt.PlanningConfig(plan=pt.Plan(n_persist=1, n_buffer=2)), checkpoint=pt.CheckpointConfig(state_dict_type=state_dict_type)))
         fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1)
         fabric.launch()
         model = MODELS["gpt2"](seed=seed)

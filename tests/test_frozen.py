@@ -104,7 +104,8 @@ def test_frozen_parameters_train_like_the_recipe(arch, pattern, plan_name, preci
     data = batches(4)
     ref_losses, ref_values = reference(model, data, precision)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-    engine = pt.wrap(model, opt, plans(model)[plan_name], precision=precision, device="cpu", check_invariants=True)
+    engine = pt.wrap(model, opt, plans(model)[plan_name], precision=precision, device="cpu",
+                     config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
     assert train_engine(engine, data) == ref_losses
     sd = engine.state_dict()
     assert set(sd) == set(ref_values)

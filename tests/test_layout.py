@@ -62,13 +62,14 @@ def test_no_blocks_found_lists_candidates_and_blocks_override_works():
     model = Plain()
     with pytest.raises(ValueError) as err:
         pt.find_blocks(model)
-    assert "'stack_a': 4 x Linear" in str(err.value) and "'stack_b': 2 x Linear" in str(err.value) and "blocks=" in str(err.value)
+    assert "'stack_a': 4 x Linear" in str(err.value) and "'stack_b': 2 x Linear" in str(err.value) and "planning={'blocks'" in str(err.value)
     assert pt.find_blocks(model, "stack_a")[0] == "stack_a"
     assert pt.find_blocks(model, model.stack_a)[0] == "stack_a"
     with pytest.raises(ValueError, match="does not name"):
         pt.find_blocks(model, "head")
-    engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=0, n_buffer=1), blocks="stack_a",
-                     device="cpu", example_inputs=torch.zeros(2, 3, dtype=torch.long))
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=0, n_buffer=1), device="cpu",
+                     example_inputs=torch.zeros(2, 3, dtype=torch.long),
+                     config=pt.ProTrainConfig(planning=pt.PlanningConfig(blocks="stack_a")))
     assert engine.layout.order_source == "traced"
 
 
@@ -188,7 +189,8 @@ def test_encoder_decoder_models_have_both_stacks_as_blocks(family):
     expected = train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True), data)
     for plan in (pt.Plan(n_persist=1, n_buffer=2), pt.Plan(n_persist=1, n_buffer=2, n_swap=2, n_checkpoint=2)):
         m = copy.deepcopy(model)
-        engine = pt.wrap(m, torch.optim.AdamW(m.parameters(), lr=1e-2), plan, device="cpu", check_invariants=True)
+        engine = pt.wrap(m, torch.optim.AdamW(m.parameters(), lr=1e-2), plan, device="cpu",
+                         config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
         assert engine.layout.n_blocks == 5 and len(engine.block_modes) == 5
         losses = train_engine(engine, data)
         report = engine.activation_report()

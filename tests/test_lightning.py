@@ -142,16 +142,16 @@ def test_fit_by_name_equals_default_strategy(arch):
 def test_fit_by_instance_with_a_streaming_plan_equals_default():
     plan = pt.Plan(n_persist=1, n_buffer=2, n_swap=1, n_checkpoint=2)
     ref = fit("auto")
-    got = fit(ProTrainStrategy(plan=plan))
+    got = fit(ProTrainStrategy(plan))
     assert_same(got, ref)
-    got2 = fit(ProTrainStrategy(plan={"n_persist": 0, "n_buffer": 1}))
+    got2 = fit(ProTrainStrategy({"n_persist": 0, "n_buffer": 1}))
     assert_same(got2, ref)
 
 
 def test_accumulation_scheduler_and_param_groups_equal_default():
     kw = {"schedule": True, "groups": True}
     ref = fit("auto", kw, accumulate_grad_batches=2)
-    got = fit(ProTrainStrategy(plan=pt.Plan(n_persist=1, n_buffer=2, n_checkpoint=2)), kw, accumulate_grad_batches=2)
+    got = fit(ProTrainStrategy(pt.Plan(n_persist=1, n_buffer=2, n_checkpoint=2)), kw, accumulate_grad_batches=2)
     assert_same(got, ref)
 
 
@@ -159,7 +159,7 @@ def test_accumulation_scheduler_and_param_groups_equal_default():
 def test_gradient_clipping_equals_default(algorithm, value):
     plan = pt.Plan(n_persist=1, n_buffer=2, n_swap=1)
     ref = fit("auto", gradient_clip_val=value, gradient_clip_algorithm=algorithm)
-    got = fit(ProTrainStrategy(plan=plan), gradient_clip_val=value, gradient_clip_algorithm=algorithm)
+    got = fit(ProTrainStrategy(plan), gradient_clip_val=value, gradient_clip_algorithm=algorithm)
     assert_same(got, ref)
     unclipped = fit("auto")
     assert unclipped[0].losses != ref[0].losses  # the clipping really acted
@@ -190,7 +190,7 @@ def test_gradient_clip_val_logs_the_total_norm():
     plan = pt.Plan(n_persist=0, n_buffer=1)
     ref_norms, got_norms = NormRecorder(), NormRecorder()
     ref = fit("auto", gradient_clip_val=0.05, callbacks=[ref_norms])
-    got = fit(ProTrainStrategy(plan=plan), gradient_clip_val=0.05, callbacks=[got_norms])
+    got = fit(ProTrainStrategy(plan), gradient_clip_val=0.05, callbacks=[got_norms])
     assert_same(got, ref)
     assert not got_norms.computed  # ProTrain keeps gradients in its chunks, not in .grad
     assert len(got_norms.logged) == STEPS and torch.equal(torch.stack(got_norms.logged), torch.stack(ref_norms.computed))
@@ -213,7 +213,7 @@ def test_overridden_configure_gradient_clipping_equals_default(plan):
         return fit(strategy, module=ClipOddSteps, callbacks=[recorder])
 
     ref = run("auto")
-    got = run(ProTrainStrategy(plan=pt.Plan(**plan)))
+    got = run(ProTrainStrategy(pt.Plan(**plan)))
     assert_same(got, ref)
     assert recorder.overlap == "cpu-adam-during-next-forward (gradient clipping requested after backward)"
     unclipped = fit("auto")
@@ -253,7 +253,7 @@ def test_parameter_writes_between_steps_survive_like_under_the_default_strategy(
     def run(strategy):
         return fit(strategy, callbacks=[ResetWeights()])
 
-    assert_same(run(ProTrainStrategy(plan=_plan(plan, n_chunks(LitLM())))), run("auto"))
+    assert_same(run(ProTrainStrategy(_plan(plan, n_chunks(LitLM())))), run("auto"))
 
 
 @pytest.mark.parametrize("clip", [None, 0.05])
@@ -264,7 +264,7 @@ def test_callbacks_read_the_updated_weights(clip, monkeypatch):
     monkeypatch.setenv("PROTRAIN_CPU_ADAM_THREAD", "1")
     ref_sums, got_sums = WeightSums(), WeightSums()
     ref = fit("auto", gradient_clip_val=clip, callbacks=[ref_sums])
-    got = fit(ProTrainStrategy(plan=pt.Plan(n_persist=0, n_buffer=1)), gradient_clip_val=clip, callbacks=[got_sums])
+    got = fit(ProTrainStrategy(pt.Plan(n_persist=0, n_buffer=1)), gradient_clip_val=clip, callbacks=[got_sums])
     assert_same(got, ref)
     assert got_sums.sums == ref_sums.sums
 
@@ -282,7 +282,7 @@ def test_training_step_returning_none_with_clipping_equals_default():
     def run(strategy):
         return fit(strategy, module=SkipOddBatches, gradient_clip_val=0.05)
 
-    assert_same(run(ProTrainStrategy(plan=pt.Plan(n_persist=0, n_buffer=1))), run("auto"))
+    assert_same(run(ProTrainStrategy(pt.Plan(n_persist=0, n_buffer=1))), run("auto"))
 
 
 class Manual(LitLM):
@@ -317,7 +317,7 @@ def test_manual_optimization_trains_as_under_the_default_strategy(plan):
     def run(strategy):
         return fit(strategy, module=Manual, max_steps=4)
 
-    ours, default = run(ProTrainStrategy(plan=_plan(plan, n_chunks(LitLM())))), run("auto")
+    ours, default = run(ProTrainStrategy(_plan(plan, n_chunks(LitLM())))), run("auto")
     assert len(ours[0].losses) == len(default[0].losses) == 8
     assert_same(ours, default)
 
@@ -362,7 +362,7 @@ def test_manual_backwards_inside_a_step_closure_train_as_under_the_default_strat
     def run(strategy):
         return fit(strategy, module=ManualClosure, max_steps=4)
 
-    ours, default = run(ProTrainStrategy(plan=_plan(plan, n_chunks(LitLM())))), run("auto")
+    ours, default = run(ProTrainStrategy(_plan(plan, n_chunks(LitLM())))), run("auto")
     assert len(ours[0].losses) == len(default[0].losses) == 4
     assert ours[0].optimizers_calls == default[0].optimizers_calls == 4
     assert_same(ours, default)
@@ -386,7 +386,7 @@ def test_lightning_module_backward_replaced_on_the_instance_runs_every_backward(
         trainer(strategy, accumulate_grad_batches=2).fit(lit, loader())
         return lit, calls
 
-    (ours, ours_calls), (default, default_calls) = run(ProTrainStrategy(plan=_plan("streamed"))), run("auto")
+    (ours, ours_calls), (default, default_calls) = run(ProTrainStrategy(_plan("streamed"))), run("auto")
     assert len(ours_calls) == len(default_calls) == 2 * STEPS
     assert_same((ours, None), (default, None))
 
@@ -413,7 +413,7 @@ def test_a_step_driven_through_the_strategy_after_fit_runs_as_under_the_default_
         t.strategy.optimizer_step(optimizer, closure)
         return lit, None
 
-    assert_same(run(ProTrainStrategy(plan=_plan("streamed"))), run("auto"))
+    assert_same(run(ProTrainStrategy(_plan("streamed"))), run("auto"))
 
 
 class DoubledBackward(LitLM):
@@ -434,7 +434,7 @@ def test_an_overridden_backward_runs_every_step_as_under_the_default_strategy():
     def run(strategy):
         return fit(strategy, module=DoubledBackward, accumulate_grad_batches=2)
 
-    ours, default = run(ProTrainStrategy(plan=_plan("streamed"))), run("auto")
+    ours, default = run(ProTrainStrategy(_plan("streamed"))), run("auto")
     assert ours[0].backward_calls == default[0].backward_calls == 2 * STEPS
     assert_same(ours, default)
 
@@ -492,7 +492,7 @@ def test_an_empty_train_dataloader_finishes_like_the_default_strategy(strategy, 
     """No training batch: Lightning warns and ``fit`` returns, as with the default strategy;
     the weights are the initial ones (issue 18, case 1)."""
     if strategy == "planned":
-        strategy = ProTrainStrategy(plan=pt.Plan(n_persist=0, n_buffer=2))
+        strategy = ProTrainStrategy(pt.Plan(n_persist=0, n_buffer=2))
     torch.manual_seed(1234)
     lit = LitLM()
     before = weights(lit)
@@ -514,7 +514,7 @@ def test_precision_flags_close_to_default(precision):
     torch.manual_seed(1234)
     initial = weights(LitLM())  # what fit() starts from
     ref = fit("auto", precision=precision)
-    got = fit(ProTrainStrategy(plan=plan), precision=precision)
+    got = fit(ProTrainStrategy(plan), precision=precision)
     assert got[0].losses == pytest.approx(ref[0].losses, rel=2e-2)
     wa, wb = weights(got[0]), weights(ref[0])
     if precision == "bf16-true":  # the same arithmetic as plain bf16 PyTorch
@@ -539,11 +539,11 @@ def fp16_plugin(**scaler_kw):
 def test_fp16_mixed_close_to_default_and_uses_the_users_scaler_settings(tmp_path):
     plan = pt.Plan(n_persist=1, n_buffer=2, n_checkpoint=1)
     ref = fit("auto", plugins=[fp16_plugin()])
-    got = fit(ProTrainStrategy(plan=plan), plugins=[fp16_plugin()])
+    got = fit(ProTrainStrategy(plan), plugins=[fp16_plugin()])
     assert got[1].strategy.precision_plugin.precision == "16-mixed"
     assert got[0].losses == pytest.approx(ref[0].losses, rel=2e-2)
     # GradScaler(init_scale=2**8, growth_interval=2): six clean steps double the scale 3 times.
-    lit, t = fit(ProTrainStrategy(plan=plan), plugins=[fp16_plugin(init_scale=2.0**8, growth_interval=2)])
+    lit, t = fit(ProTrainStrategy(plan), plugins=[fp16_plugin(init_scale=2.0**8, growth_interval=2)])
     t.save_checkpoint(tmp_path / "after_fit.ckpt")  # after teardown: the state kept from the engine
     (state,) = [v for k, v in torch.load(tmp_path / "after_fit.ckpt", weights_only=True).items() if k.endswith("Precision")]
     assert state["scaler"] == {"scale": 2.0**11, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2,
@@ -559,7 +559,7 @@ def test_unsupported_precision_is_refused(precision):
 @pytest.mark.parametrize("plan", [None, "streamed"])
 def test_sgd_trains_like_the_default_strategy(plan):
     """Lightning's test models use SGD: it runs per chunk by torch's own class, bitwise."""
-    strategy = "protrain" if plan is None else ProTrainStrategy(plan=_plan(plan))
+    strategy = "protrain" if plan is None else ProTrainStrategy(_plan(plan))
     assert_same(fit(strategy, {"optimizer": "sgd"}), fit("auto", {"optimizer": "sgd"}))
 
 
@@ -622,8 +622,8 @@ def test_a_model_without_blocks_trains_like_the_default_strategy(plan):
         trainer(strategy, max_steps=8).fit(lit, data)
         return {k: v.detach().clone() for k, v in lit.state_dict().items()}
 
-    with pytest.warns(UserWarning, match=r"no repeated blocks in Plain.*ProTrainStrategy\(blocks=\.\.\.\)"):
-        ours = run(ProTrainStrategy(plan=plan))
+    with pytest.warns(UserWarning, match=r"no repeated blocks in Plain.*ProTrainConfig\(planning=\{'blocks'"):
+        ours = run(ProTrainStrategy(plan))
     reference = run("auto")
     assert all(torch.equal(ours[k], reference[k]) for k in reference)
 
@@ -655,7 +655,7 @@ def test_named_blocks_taking_the_batch_directly_plan_automatically_like_the_defa
         trainer(strategy, max_steps=8).fit(lit, DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=4))
         return {k: v.detach().clone() for k, v in lit.state_dict().items()}
 
-    ours = run(ProTrainStrategy(blocks="layers"))
+    ours = run(ProTrainStrategy(config=pt.ProTrainConfig(planning=pt.PlanningConfig(blocks="layers"))))
     assert sum("ProTrain plan: Plan(" in line for line in info_lines) == 1  # planned from the profiled steps
     reference = run("auto")
     assert all(torch.equal(ours[k], reference[k]) for k in reference)
@@ -704,16 +704,16 @@ def test_blocks_naming_an_empty_list_is_refused_before_training():
     model.extra = torch.nn.ModuleList()
     with pytest.raises(ValueError, match="blocks='extra' is an empty nn.ModuleList"):
         pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=1, n_buffer=1), device="cpu",
-                blocks="extra")
+                config=pt.ProTrainConfig(planning=pt.PlanningConfig(blocks="extra")))
 
 
 def test_bad_strategy_arguments_fail_fast():
     with pytest.raises(ValueError, match="either plan"):
-        ProTrainStrategy(plan=pt.Plan(n_persist=1, n_buffer=1), memory_budget="1GiB")
+        ProTrainStrategy({"planning": {"plan": pt.Plan(n_persist=1, n_buffer=1), "memory_budget": "1GiB"}})
     with pytest.raises(ValueError):
-        ProTrainStrategy(memory_budget="lots")
-    with pytest.raises(ValueError, match="plan must be"):
-        ProTrainStrategy(plan=3)
+        ProTrainStrategy({"planning": {"memory_budget": "lots"}})
+    with pytest.raises(ValueError, match="takes a protrain_core.ProTrainConfig, a dict of its fields, or a Plan"):
+        ProTrainStrategy(3)
 
 
 def test_registration_is_idempotent():
@@ -755,7 +755,7 @@ def test_evaluation_only_engine_holds_no_optimizer_states():
     torch.manual_seed(0)
     lit = LitLM()
     n_params = sum(p.numel() for p in lit.parameters())
-    strategy = ProTrainStrategy(plan=pt.Plan(n_persist=0, n_buffer=2))
+    strategy = ProTrainStrategy(pt.Plan(n_persist=0, n_buffer=2))
     t = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, callbacks=[Probe()],
                    enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2)
     t.validate(lit, loader(shuffle=False))
@@ -767,8 +767,8 @@ def test_evaluation_only_engine_holds_no_optimizer_states():
         assert engine.host_bytes() - eval_host >= 8 * n_params
         with pytest.raises(RuntimeError, match="evaluation-only"):
             other = LitLM()
-            pt.wrap(other, torch.optim.AdamW(other.parameters()), plan=pt.Plan(n_persist=0, n_buffer=2),
-                    device="cpu", optimizer_states=False).step()
+            pt.wrap(other, torch.optim.AdamW(other.parameters()), plan=pt.Plan(n_persist=0, n_buffer=2), device="cpu",
+                    config=pt.ProTrainConfig(optimizer_states=False)).step()
     finally:
         engine.close()
 
@@ -810,10 +810,10 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path, fp16):
     torch.manual_seed(0)
     full = LitLM(**kw)
     cb = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True)
-    run(ProTrainStrategy(plan=pt.Plan(n_persist=1, n_buffer=2, n_swap=1)), full, callbacks=[cb])
+    run(ProTrainStrategy(pt.Plan(n_persist=1, n_buffer=2, n_swap=1)), full, callbacks=[cb])
     resumed = LitLM(**kw)
     torch.manual_seed(1)
-    run(ProTrainStrategy(plan=pt.Plan(n_persist=0, n_buffer=1, n_checkpoint=2)), resumed,
+    run(ProTrainStrategy(pt.Plan(n_persist=0, n_buffer=1, n_checkpoint=2)), resumed,
         ckpt_path=tmp_path / "epoch=0.ckpt")
     assert len(full.losses) == 12 and resumed.losses == full.losses[6:]
     saved = torch.load(tmp_path / "epoch=0.ckpt", weights_only=True)
@@ -828,7 +828,7 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path, fp16):
 
 
 def test_checkpoint_is_plain_pytorch(tmp_path):
-    lit, t = fit(ProTrainStrategy(plan=pt.Plan(n_persist=1, n_buffer=2)))
+    lit, t = fit(ProTrainStrategy(pt.Plan(n_persist=1, n_buffer=2)))
     path = tmp_path / "model.ckpt"
     t.save_checkpoint(path)
     ckpt = torch.load(path, weights_only=True)
@@ -867,7 +867,7 @@ def test_checkpoint_files_are_like_lightnings(tmp_path):
     for f in (stale, running):
         f.write_bytes(b"x" * 1000)
     files = {}
-    for name, strategy in (("auto", "auto"), ("pt", ProTrainStrategy(plan=pt.Plan(n_persist=1, n_buffer=2)))):
+    for name, strategy in (("auto", "auto"), ("pt", ProTrainStrategy(pt.Plan(n_persist=1, n_buffer=2)))):
         torch.manual_seed(0)
         cb = ModelCheckpoint(dirpath=tmp_path / name, filename="last", every_n_train_steps=2)
         t = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, logger=False, callbacks=[cb],
@@ -894,7 +894,7 @@ def test_model_checkpoint_callback_and_crash_mid_save(tmp_path, monkeypatch):
 
     torch.manual_seed(0)
     cb = ModelCheckpoint(dirpath=tmp_path, filename="last", every_n_train_steps=2, save_top_k=-1)
-    t = pl.Trainer(strategy=ProTrainStrategy(plan=pt.Plan(n_persist=1, n_buffer=2)), accelerator="cpu", devices=1,
+    t = pl.Trainer(strategy=ProTrainStrategy(pt.Plan(n_persist=1, n_buffer=2)), accelerator="cpu", devices=1,
                    max_steps=4, logger=False, callbacks=[cb], enable_progress_bar=False, limit_val_batches=0)
     lit = LitLM()
     t.fit(lit, loader())
@@ -930,7 +930,7 @@ def test_lightning_cli_class_path(tmp_path):
           strategy:
             class_path: lightning_protrain.ProTrainStrategy
             init_args:
-              plan: {n_persist: 1, n_buffer: 2}
+              config: {planning: {plan: {n_persist: 1, n_buffer: 2}}}
         model:
           arch: gpt2
           n_layer: 2
@@ -1031,4 +1031,4 @@ def test_the_example_config_trains_as_the_example_script():
     assert config["seed_everything"] == defaults.seed
     assert model["model"] == data["model"] == defaults.model and model["lr"] == defaults.lr
     assert (data["data"], data["seq_len"], data["batch_size"]) == (defaults.data, defaults.seq_len, defaults.batch_size)
-    assert trainer["strategy"]["init_args"]["memory_budget"] == defaults.memory_budget
+    assert trainer["strategy"]["init_args"]["config"]["planning"]["memory_budget"] == defaults.memory_budget

@@ -66,8 +66,8 @@ def test_planning_on_the_first_steps_equals_plain_pytorch(arch, accumulate):
     ref_losses = train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True), data,
                                  accumulate=accumulate)
     reports = Reports()
-    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), memory_budget=budget, device="cpu",
-                     report=reports, check_invariants=True)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), device="cpu", report=reports,
+                     config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget=budget), runtime=pt.RuntimeConfig(check_invariants=True)))
     calls = count_calls(model)  # after wrap: its meta-device trace is not a training call
     safe = engine.plan
     assert safe.n_checkpoint == 4 and engine.choice is None
@@ -90,9 +90,9 @@ def test_mixed_precision_planning_changes_no_bit():
     for given in (None, "final"):
         model = MODELS["llama"]()
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        kw = dict(plan=runs[0][2]) if given else dict(memory_budget=budget_forcing_streaming(model, data[0]),
-                                                       report=Reports())
-        engine = pt.wrap(model, opt, precision="bf16-mixed", device="cpu", **kw)
+        planning = dict(plan=runs[0][2]) if given else dict(memory_budget=budget_forcing_streaming(model, data[0]))
+        engine = pt.wrap(model, opt, config=pt.ProTrainConfig(planning=planning), precision="bf16-mixed",
+                         device="cpu", report=Reports())
         losses = train_engine(engine, data)
         runs.append((losses, engine.state_dict(), engine.plan))
     assert runs[0][2] == runs[1][2] and runs[0][0] == runs[1][0]
@@ -126,8 +126,8 @@ def test_dropout_random_state_and_buffers_advance_as_without_protrain():
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=not wrapped)
         torch.manual_seed(7)
         if wrapped:
-            engine = pt.wrap(model, opt, memory_budget="1GiB", device="cpu", blocks="lm.transformer.h",
-                             report=Reports())
+            engine = pt.wrap(model, opt, device="cpu", report=Reports(),
+                             config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget="1GiB", blocks="lm.transformer.h")))
             losses = train_engine(engine, data)
             assert engine.choice is not None
             state = engine.state_dict()
@@ -149,8 +149,8 @@ def test_a_cached_profile_ends_profiling_after_one_step():
         ref = copy.deepcopy(model)
         ref_losses = train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True), data)
         reports = Reports()
-        engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), memory_budget="1GiB", device="cpu",
-                         report=reports)
+        engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), device="cpu", report=reports,
+                         config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget="1GiB")))
         steps = []
         engine.observe(type("Steps", (), {"step_ends": lambda self: steps.append(engine.choice is not None)})())
         assert train_engine(engine, data) == ref_losses
@@ -164,7 +164,8 @@ def test_a_cached_profile_ends_profiling_after_one_step():
 def test_a_short_run_says_it_ended_while_profiling():
     reports = Reports()
     model = MODELS["gpt2"]()
-    engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), memory_budget="1GiB", device="cpu", report=reports)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", report=reports,
+                     config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget="1GiB")))
     train_engine(engine, batches(3))
     engine.close()
     assert reports.texts() == [f"ProTrain: the run ended after 3 steps, before profiling was over; it ran the safe "
@@ -209,8 +210,8 @@ def test_batches_of_16_to_64_tokens_equal_plain_pytorch_and_longer_ones_checkpoi
     ref = copy.deepcopy(model)
     ref_losses = train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True), data)
     reports = Reports()
-    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), memory_budget=budget, device="cpu",
-                     report=reports, check_invariants=True)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), device="cpu", report=reports,
+                     config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget=budget), runtime=pt.RuntimeConfig(check_invariants=True)))
     plans = []
     engine.observe(type("Plans", (), {"backward_begins": lambda self: plans.append(engine.plan)})())
     assert train_engine(engine, data) == ref_losses
@@ -240,8 +241,8 @@ def test_batches_of_16_to_64_tokens_equal_plain_pytorch_and_longer_ones_checkpoi
 def test_a_batch_no_plan_fits_is_refused_before_its_forward():
     budget = tight_budget()
     model = MODELS["llama"]()
-    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), memory_budget=budget, device="cpu",
-                     report=Reports())
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), device="cpu", report=Reports(),
+                     config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget=budget)))
     train_engine(engine, varying([16] * PROFILED_STEPS))
     calls = count_calls(model.model.layers[0])
     before = {k: v.clone() for k, v in engine.state_dict().items()}
@@ -268,8 +269,8 @@ def test_max_tokens_plans_once_for_the_longest_batch():
     ref = copy.deepcopy(model)
     ref_losses = train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True), data)
     reports = Reports()
-    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), memory_budget=budget, device="cpu",
-                     report=reports, max_tokens=128)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), device="cpu", report=reports,
+                     config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget=budget, max_tokens=128)))
     assert train_engine(engine, data) == ref_losses
     assert reports.texts("ProTrain: batches of") == []  # no switch: one plan for every length
     assert engine.plan == engine.choice.plan and engine.choice.profile.tokens == 128  # planned for 2 x 64
@@ -277,8 +278,8 @@ def test_max_tokens_plans_once_for_the_longest_batch():
     assert engine.choice.memory.peak_bytes <= budget
     # A max_tokens no plan fits is refused once the profile exists (at the end of the profiled steps).
     model = MODELS["llama"]()
-    engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), memory_budget=budget, device="cpu",
-                     max_tokens=512, report=Reports())
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", report=Reports(),
+                     config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget=budget, max_tokens=512)))
     with pytest.raises(pt.BatchTooLarge, match="a max_tokens of 512 tokens .* The largest batch that fits has"):
         train_engine(engine, data[:PROFILED_STEPS])
 
@@ -288,8 +289,8 @@ def test_max_tokens_plans_once_for_the_longest_batch():
 def test_a_semantically_wrong_cached_profile_is_discarded_and_measured_again(tmp_path, damage):
     data = batches(8)
     model = MODELS["gpt2"]()
-    engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), memory_budget="1GiB", device="cpu",
-                     report=Reports())
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", report=Reports(),
+                     config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget="1GiB")))
     train_engine(engine, data)
     (path,) = (tmp_path / "cache" / "profiles").glob("*.json")
     good = json.loads(path.read_text())
@@ -308,8 +309,8 @@ def test_a_semantically_wrong_cached_profile_is_discarded_and_measured_again(tmp
     reports = Reports()
     model = MODELS["gpt2"]()
     ref = copy.deepcopy(model)
-    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), memory_budget="1GiB", device="cpu",
-                     report=reports)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), device="cpu", report=reports,
+                     config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget="1GiB")))
     with pytest.warns(UserWarning, match="is unusable .* it is discarded and the model is profiled again"):
         losses = train_engine(engine, data)
     assert losses == train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True), data)
@@ -328,8 +329,8 @@ def test_an_unwritable_cache_directory_warns_once(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="cannot write its profile cache") as record:
         for _ in range(2):
             model = MODELS["gpt2"]()
-            engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), memory_budget="1GiB", device="cpu",
-                             report=Reports())
+            engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", report=Reports(),
+                             config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget="1GiB")))
             train_engine(engine, batches(PROFILED_STEPS))
             assert engine.choice is not None
     assert sum("cannot write its profile cache" in str(w.message) for w in record) == 1
@@ -445,7 +446,7 @@ def test_fabric_plans_on_its_first_steps_and_prints_the_prediction(collect_info)
     model = MODELS["gpt2"]()
     ref = copy.deepcopy(model)
     ref_losses = train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True), data)
-    fabric = Fabric(strategy=ProTrainFabricStrategy(memory_budget="1GiB"), accelerator="cpu", devices=1)
+    fabric = Fabric(strategy=ProTrainFabricStrategy(config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget="1GiB"))), accelerator="cpu", devices=1)
     fabric.launch()
     # rank_zero_info goes to the logger of whichever Lightning package set it up last.
     lines = collect_info("lightning.fabric", "lightning.pytorch")
@@ -469,6 +470,6 @@ def test_fabric_plans_on_its_first_steps_and_prints_the_prediction(collect_info)
 def test_strategies_refuse_max_tokens_with_a_plan():
     for cls in (ProTrainStrategy, ProTrainFabricStrategy):
         with pytest.raises(ValueError, match="max_tokens is used to search a plan"):
-            cls(plan=pt.Plan(n_persist=1, n_buffer=1), max_tokens=128)
+            cls({"planning": {"plan": pt.Plan(n_persist=1, n_buffer=1), "max_tokens": 128}})
         with pytest.raises(ValueError, match="max_tokens=-1"):
-            cls(max_tokens=-1)
+            cls({"planning": {"max_tokens": -1}})

@@ -104,7 +104,7 @@ def train(kind, clipping, accumulate, precision="bf16-mixed", *, steps=3, scale=
     (fp16; ``scale``: the first one)."""
     model = odd_llama()
     engine = pt.wrap(model, optimizer(model, kind), pt.Plan(n_persist=0, n_buffer=2), precision=precision,
-                     device="cpu", gradient_clipping=clipping, report=None)
+                     device="cpu", report=None, config=pt.ProTrainConfig(clipping=clipping))
     if scale is not None:
         engine.scaler.scale.fill_(scale)
     data = batches(steps * accumulate, seed=3, distinct=3)

@@ -30,7 +30,8 @@ def test_param_groups(arch, plan):
     ref = copy.deepcopy(model)
     data = batches(6)
     ref_losses = train_reference(ref, grouped(ref, fused=True), data)
-    engine = pt.wrap(model, grouped(model), plan, device="cpu", check_invariants=True)
+    engine = pt.wrap(model, grouped(model), plan, device="cpu",
+                     config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
     assert train_engine(engine, data) == ref_losses
     assert_same_weights(engine.state_dict(), ref)
 
@@ -62,7 +63,8 @@ def test_frozen_parameters(plan):
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=3e-3, fused=True)
     ref_losses = train_reference(ref, ref_opt, data)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
-    engine = pt.wrap(model, opt, plan, device="cpu", check_invariants=True)
+    engine = pt.wrap(model, opt, plan, device="cpu",
+                     config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
     assert train_engine(engine, data) == ref_losses
     sd = engine.state_dict()
     assert_same_weights(sd, ref)
@@ -90,7 +92,8 @@ def test_gradient_accumulation(plan, precision):
         ref_engine = pt.wrap(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3), pt.Plan(n_persist=n_chunks(ref), n_buffer=0),
                              precision=precision, device="cpu")
         ref_losses = train_engine(ref_engine, data, accumulate=3)
-    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), plan, precision=precision, device="cpu", check_invariants=True)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), plan, precision=precision, device="cpu",
+                     config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
     losses = train_engine(engine, data, accumulate=3)
     assert len(losses) == 4
     if precision == "32-true":
@@ -206,7 +209,8 @@ def test_fp16_overflow_skips_exactly_like_grad_scaler(plan):
 def test_no_grad_evaluation_and_generation(plan):
     model = tiny_gpt2()
     ref = copy.deepcopy(model).eval()
-    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), plan, device="cpu", check_invariants=True)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), plan, device="cpu",
+                     config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
     engine.module.eval()
     x = batches(1)[0]
     with torch.no_grad():
@@ -243,7 +247,8 @@ def test_unused_parameters_are_skipped_like_torch():
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), pt.Plan(n_persist=0, n_buffer=1),
-                     device="cpu", example_inputs=(batches(1)[0],), check_invariants=True)
+                     device="cpu", example_inputs=(batches(1)[0],),
+                     config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
     for x in batches(4):
         loss = engine.module(x)
         engine.backward(loss)

@@ -59,7 +59,8 @@ def test_threaded_cpu_adam_parity(precision, monkeypatch):
         torch.manual_seed(0)
         model = tiny_gpt2()
         engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), pt.Plan(n_persist=1, n_buffer=2),
-                         precision=precision, device="cpu", check_invariants=True)
+                         precision=precision, device="cpu",
+                         config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
         results.append((train_engine(engine, batches(4)), engine.state_dict()))
     assert results[0][0] == results[1][0]
     for k, v in results[0][1].items():
@@ -76,7 +77,8 @@ def test_cuda_parity(precision, persist):
         ref = copy.deepcopy(model).cuda()
         ref_losses = train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True), data)
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), pt.Plan(n_persist=persist, n_buffer=2),
-                     precision=precision, device="cuda", check_invariants=True)
+                     precision=precision, device="cuda",
+                     config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
     losses = train_engine(engine, data)
     assert engine.host_pinned
     if precision == "32-true":

@@ -37,7 +37,8 @@ def test_fp32_parity(arch, plan_name):
     data = batches(10)
     ref_losses = train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1, fused=True), data)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    engine = pt.wrap(model, opt, plan, device="cpu", check_invariants=True)
+    engine = pt.wrap(model, opt, plan, device="cpu",
+                     config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
     losses = train_engine(engine, data)
     assert losses == ref_losses
     assert_same_weights(engine.state_dict(), ref)
@@ -128,7 +129,8 @@ def test_mixed_precision_parity(arch, precision, dtype, plan_kind):
     data = batches(10)
     scaler = torch.amp.GradScaler("cpu") if precision == "16-mixed" else None
     ref_losses, ref_master, _ = reference_mixed(model, dtype, data, lr=3e-3, scaler=scaler)
-    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), plan, precision=precision, device="cpu", check_invariants=True)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), plan, precision=precision, device="cpu",
+                     config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
     losses = train_engine(engine, data)
     assert losses == ref_losses
     sd = engine.state_dict()
@@ -153,7 +155,8 @@ def test_a_deep_copy_of_the_wrapped_model_is_a_plain_model_with_the_weights_of_t
     plan = pt.Plan(**{**plan.__dict__, "n_persist": min(plan.n_persist, n_chunks(model))})
     data = batches(6)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True)
-    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), plan, device="cpu", check_invariants=True)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), plan, device="cpu",
+                     config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
     for step, x in enumerate(data):
         if step == 3:
             snapshot = copy.deepcopy(model)

@@ -52,7 +52,7 @@ def test_lora_core_api(arch, plan_name, precision):
     data = batches(4)
     ref_losses, ref_values = reference(model, data, precision)
     engine = pt.wrap(model, torch.optim.AdamW(trainable(model), lr=LR), plans(model)[plan_name], precision=precision,
-                     device="cpu", check_invariants=True)
+                     device="cpu", config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
     assert train_engine(engine, data) == ref_losses
     sd = engine.state_dict()
     assert list(sd) == list(model.state_dict())  # PEFT's own names
@@ -136,7 +136,7 @@ def fit(strategy, arch="llama", **kw):
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
 def test_lora_trainer_checkpoint_and_merge(tmp_path, arch, plan_name):
     ref_lit, _ = fit("auto", arch)
-    lit, t = fit(ProTrainStrategy(plan=plans(lora(arch))[plan_name]), arch)
+    lit, t = fit(ProTrainStrategy(plans(lora(arch))[plan_name]), arch)
     assert lit.losses == ref_lit.losses
     path = tmp_path / "lora.ckpt"
     t.save_checkpoint(path)
@@ -166,7 +166,8 @@ def test_cuda_lora(precision):
     data = batches(6, device="cuda")
     ref_losses, _ = reference(copy.deepcopy(model).cuda(), data, precision)
     engine = pt.wrap(model, torch.optim.AdamW(trainable(model), lr=LR), pt.Plan(n_persist=0, n_buffer=1),
-                     precision=precision, device="cuda", check_invariants=True)
+                     precision=precision, device="cuda",
+                     config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
     losses = train_engine(engine, data)
     assert engine.host_pinned
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5 if precision == "32-true" else 2e-2, atol=0)

@@ -95,12 +95,13 @@ MODELS = {
 }
 
 
-def _wrap(name, plan, **kw):
+def _wrap(name, plan):
     make, layout_kw = MODELS[name]
     model = make()
     example = _inputs(name) if name != "t5" else None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return model, pt.wrap(model, opt, plan, device="cpu", example_inputs=example, check_invariants=True, **layout_kw, **kw)
+    config = pt.ProTrainConfig(planning=pt.PlanningConfig(**layout_kw), runtime=pt.RuntimeConfig(check_invariants=True))
+    return model, pt.wrap(model, opt, plan, device="cpu", example_inputs=example, config=config)
 
 
 def _limits(name):
@@ -226,7 +227,8 @@ def test_an_input_changed_in_place_and_returned_is_an_output():
     ref = copy.deepcopy(model)
     x = torch.randn(4, 64)
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), pt.Plan(n_persist=0, n_buffer=1),
-                     device="cpu", example_inputs=(x,), chunk_size=64 * 64 + 64, check_invariants=True)
+                     device="cpu", example_inputs=(x,),
+                     config=pt.ProTrainConfig(planning=pt.PlanningConfig(chunk_size=64 * 64 + 64), runtime=pt.RuntimeConfig(check_invariants=True)))
     chunk = next(c for c in engine.chunks if any(m.name == "scale.gamma" for m in c.members))
     seen = []
     model.scale.probe = lambda: seen.append(

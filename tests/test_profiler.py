@@ -144,8 +144,9 @@ def test_wrap_without_plan_matches_plain_adamw(name):
     prof = pt.profile(probe_model, torch.optim.AdamW(probe_model.parameters(), lr=3e-3), {"input_ids": x, "labels": x})
     cm = pt.CostModel(prof)
     budget = int(0.5 * cm.memory(pt.Plan(n_persist=prof.n_chunks, n_buffer=0)).peak_bytes)
-    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), memory_budget=budget,
-                     example_inputs={"input_ids": x, "labels": x}, check_invariants=True)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
+                     example_inputs={"input_ids": x, "labels": x},
+                     config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget=budget), runtime=pt.RuntimeConfig(check_invariants=True)))
     assert engine.choice is not None and engine.plan == engine.choice.plan
     assert engine.plan.n_persist < prof.n_chunks  # the budget forced streaming
     assert engine.choice.memory.peak_bytes <= budget
@@ -160,19 +161,23 @@ def test_memory_budget_strings_and_errors():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = batches(1)[0]
     inputs = {"input_ids": x, "labels": x}
-    engine = pt.wrap(model, opt, memory_budget="64MiB", example_inputs=inputs)
+    engine = pt.wrap(model, opt, example_inputs=inputs,
+                     config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget="64MiB")))
     assert engine.choice.budget_bytes == 64 * 2**20
     engine.close()
     assert pt.utils.parse_bytes("1.5GB") == 1_500_000_000 and pt.utils.parse_bytes(" 20 GiB ") == 20 * 2**30
     for bad in ("20 parsecs", "-1GiB", "", True, "nan GiB"):
         with pytest.raises(ValueError, match="memory_budget"):
-            pt.wrap(model, opt, memory_budget=bad, example_inputs=inputs)
+            pt.wrap(model, opt, example_inputs=inputs,
+                    config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget=bad)))
     with pytest.raises(pt.InfeasibleBudget, match="buffers alone"):  # planning on the first steps: refused now
-        pt.wrap(model, opt, memory_budget="10KiB")
+        pt.wrap(model, opt, config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget="10KiB")))
     with pytest.raises(ValueError, match="plan=None"):
-        pt.wrap(model, opt, pt.Plan(n_persist=1, n_buffer=1), memory_budget="1GiB")
+        pt.wrap(model, opt, pt.Plan(n_persist=1, n_buffer=1),
+                config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget="1GiB")))
     with pytest.raises(pt.InfeasibleBudget, match="missing"):
-        pt.wrap(model, opt, memory_budget="10KiB", example_inputs=inputs)
+        pt.wrap(model, opt, example_inputs=inputs,
+                config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget="10KiB")))
     assert getattr(model, "_protrain_engine", None) is None  # nothing left half-wrapped
 
 
@@ -190,7 +195,7 @@ def test_default_budget_is_free_memory_minus_margin(monkeypatch):
     assert pt.default_memory_budget(torch.device("cpu")) == 90 * gib
     assert api.default_host_budget(torch.device("cpu")) is None
     monkeypatch.setattr(api, "available_host_bytes", lambda: None)
-    with pytest.raises(ValueError, match="pass memory_budget="):
+    with pytest.raises(ValueError, match="set config.planning.memory_budget"):
         pt.default_memory_budget(torch.device("cpu"))
 
 

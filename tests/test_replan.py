@@ -29,7 +29,7 @@ def test_a_new_plan_at_every_step_equals_plain_pytorch(arch):
     ref_losses = train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1, fused=True), data)
     cycle = plan_cycle(model)
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), cycle[-1], device="cpu",
-                     check_invariants=True)
+                     config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
     losses = []
     for step, x in enumerate(data):
         engine.replan(cycle[step % len(cycle)])
@@ -83,7 +83,8 @@ def test_a_replan_between_micro_batches_keeps_the_accumulated_gradients():
     data = batches(8)
     ref_losses = train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True), data, accumulate=2)
     cycle = plan_cycle(model)
-    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), cycle[0], device="cpu", check_invariants=True)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), cycle[0], device="cpu",
+                     config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
     losses, k = [], 0
     for i in range(0, len(data), 2):
         total = 0.0

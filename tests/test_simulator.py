@@ -101,8 +101,8 @@ def test_simulated_path_trains_bitwise_like_pytorch(name):
     ref_losses = train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True), data)
     sim = SimulatedDevice("h100", tensors="cpu")
     with sim:
-        engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), standard_plans(model)[name], device=sim,
-                         check_invariants=True)
+        engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), standard_plans(model)[name],
+                         device=sim, config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
         assert engine.runtime.threaded  # the GPU's path: the worker on its own (simulated) thread
         losses = train_engine(engine, data)
     assert losses == ref_losses

@@ -304,8 +304,8 @@ def test_updates_after_step_are_waited_for_by_their_own_fetch():
     the chunks UPDATING; zero_grad does not wait for them; the next forward's fetch of a chunk
     waits for that chunk's update only; state_dict waits for all of them."""
     model = tiny_gpt2()
-    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), pt.Plan(n_persist=0, n_buffer=1), device="cpu",
-                     gradient_clipping=("norm", 1.0))
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), pt.Plan(n_persist=0, n_buffer=1),
+                     device="cpu", config=pt.ProTrainConfig(clipping=("norm", 1.0)))
     x = batches(1)[0]
     engine.backward(engine.module(input_ids=x, labels=x).loss)
     assert not any(c.applied for c in engine.chunks)  # landed and finished, not updated

@@ -14,6 +14,7 @@ import torch
 from protrain_core.planner.profiles import Hardware
 from protrain_core.precision import Precision
 from protrain_core.runtime.device import DeviceContext, as_context
+from protrain_core.runtime.options import RuntimeConfig
 from protrain_ops import AdamHyperParams, adam_step, copy_to_low_precision, onepass
 
 
@@ -37,7 +38,7 @@ def _median_time(ctx: DeviceContext, fn, sync, *, budget_s: float = 0.15, max_re
 
 
 def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, precision: Precision, *,
-                   sharding=None) -> Hardware:
+                   sharding=None, switches: RuntimeConfig | None = None) -> Hardware:
     """Chunk-size copies each way and Adam on one chunk, as the runtime performs them (and with
     ``sharding``, a chunk's all-gather and reduce-scatter: every rank must call it).
 
@@ -46,12 +47,13 @@ def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, preci
     gradients into the fp32 accumulator and the compute-dtype copy back in mixed precision;
     device Adam on device tensors. CPU device: the "copies" are what the runtime does there too,
     memory copies between two host tensors, and the persistent chunks' Adam is the same CPU
-    kernel."""
+    kernel. ``switches``: the engine's (pinned host memory, the one-pass kernel)."""
+    switches = switches or RuntimeConfig()
     ctx = as_context(device)
     n = max(1024, min(chunk_elems, 64 * 2**20))
     cdt = precision.compute_dtype
     sync = ctx.synchronize_device
-    host = torch.empty(n, dtype=cdt, device=ctx.host, pin_memory=ctx.is_cuda)
+    host = torch.empty(n, dtype=cdt, device=ctx.host, pin_memory=ctx.pin_memory and switches.pin_memory)
     dev = torch.empty(n, dtype=cdt, device=ctx.device)
     host.fill_(1)
     nbytes = n * cdt.itemsize
@@ -70,7 +72,8 @@ def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, preci
     worker = ctx.worker(ctx.asynchronous)
     try:
         cpu_rate, land_rate, pass_rate = _adam_rate(ctx, n, ctx.host, cdt if mixed else None,
-                                                    lambda fn: worker.submit(fn).result(), parts=True)
+                                                    lambda fn: worker.submit(fn).result(), parts=True,
+                                                    kernel=switches.one_pass_kernel)
     finally:
         worker.shutdown()
     dev_rate = _adam_rate(ctx, n, ctx.device, cdt if mixed else None, lambda fn: fn())[0] if ctx.asynchronous else cpu_rate
@@ -91,7 +94,7 @@ def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, preci
 
 
 def _adam_rate(ctx: DeviceContext, n: int, on: torch.device, low: torch.dtype | None, run, *,
-               parts: bool = False) -> tuple[float, float, float]:
+               parts: bool = False, kernel: bool = True) -> tuple[float, float, float]:
     """Parameters per second of one chunk's update on ``on`` as the runtime runs it (``run(fn)``:
     where): Adam, and with a low-precision compute dtype ``low`` the landing of the gradients
     into the accumulator before and the compute copy written from the master after (the host
@@ -109,7 +112,7 @@ def _adam_rate(ctx: DeviceContext, n: int, on: torch.device, low: torch.dtype | 
     g.fill_(1e-3)
     hp = AdamHyperParams(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
     landing = copy is not None and on == ctx.host
-    kernel = onepass.kernel() if landing and on.type == "cpu" else None
+    kernel = onepass.kernel() if kernel and landing and on.type == "cpu" else None
 
     def land():
         if kernel is not None:

@@ -190,7 +190,7 @@ class LiveProfiler:
         if profile is None:
             profile = build_profile(self.key, self.shapes, self.measured, engine.module, engine.optimizer,
                                     engine.layout, engine.precision, engine.ctx, self.started,
-                                    sharding=engine.sharding)
+                                    sharding=engine.sharding, switches=engine.options.runtime)
             if self.cache and engine.rank == 0:
                 store(profile, self.cache_dir)
         # Sharded: rank 0's profile and batch, so that every rank searches the same plan.

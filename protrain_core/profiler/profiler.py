@@ -51,7 +51,8 @@ from protrain_core.precision import Precision
 from protrain_core.profiler.boundaries import Boundaries, CudaMeter, MemoryPass
 from protrain_core.profiler.hardware import device_name, probe_hardware
 from protrain_core.runtime.device import DeviceContext, as_context
-from protrain_core.runtime.engine import Engine, EngineOptions
+from protrain_core.runtime.engine import Engine
+from protrain_core.runtime.options import EngineOptions, RuntimeConfig
 from protrain_core.runtime.elementwise import state_slots
 from protrain_core.runtime.sharding import agree
 from protrain_core.runtime.storage import ChunkFormat, chunk_formats
@@ -189,12 +190,14 @@ def profile_model(
     cache_dir=None,
     reprofile: bool = False,
     sharding=None,
+    switches: RuntimeConfig | None = None,
 ) -> Profile:
     """Profile ``model`` on ``example_inputs`` (one real batch) ahead of training -- or, after
     one pass that shows the batch as the first block sees it, return the cached profile with the
-    same key (``reprofile=True`` or ``PROTRAIN_REPROFILE=1`` forces a new one). ``sharding``:
-    the processes the engine will be sharded over: each rank profiles its own (unsharded)
-    engine, the collectives are probed, and every rank gets rank 0's profile."""
+    same key (``reprofile=True`` forces a new one). ``sharding``: the processes the engine will
+    be sharded over: each rank profiles its own (unsharded) engine, the collectives are probed,
+    and every rank gets rank 0's profile. ``switches``: the runtime switches of the engine to
+    be profiled (``ProTrainConfig.runtime``)."""
     loss_fn = loss_fn or default_loss
     ctx = as_context(device)
     device = ctx.device
@@ -204,11 +207,10 @@ def profile_model(
             out = call(module, batch)
             return loss_fn(out), out  # the output stays alive through backward, as in training
 
-    reprofile = reprofile or reprofile_requested()
     start = ctx.clock()
     plan = _profiling_plan(model, optimizer, layout, precision, ctx)
     engine = Engine(model, optimizer, layout, plan, precision, ctx,
-                    EngineOptions(optimizer_states=False, warn_on_cache=False))
+                    EngineOptions(optimizer_states=False, warn_on_cache=False, runtime=switches or RuntimeConfig()))
     bounds = Boundaries(engine, block_modules(model, layout.block_path))
     try:
         with torch.random.fork_rng(devices=[device] if ctx.is_cuda else []), _buffers_kept(model):
@@ -225,7 +227,7 @@ def profile_model(
         engine.close()
     check_blocks_called(bounds, layout.n_blocks)
     profile = agree(sharding, build_profile(key, shapes, measured, model, optimizer, layout, precision, ctx, start,
-                                            sharding=sharding))
+                                            sharding=sharding, switches=switches))
     if cache and (sharding is None or sharding.rank == 0):
         store(profile, cache_dir)
     return profile
@@ -247,10 +249,11 @@ def _buffers_kept(model: nn.Module):
 
 
 def build_profile(key: str, shapes, measured: Measured, model, optimizer, layout: ChunkLayout, precision: Precision,
-                  ctx: DeviceContext, start: float, sharding=None) -> Profile:
+                  ctx: DeviceContext, start: float, sharding=None, switches: RuntimeConfig | None = None) -> Profile:
     """The Profile of what the passes measured, the static facts and the hardware probes (with
-    ``sharding``: the collectives' bandwidths too, a collective call)."""
-    hardware = probe_hardware(ctx, layout.chunk_size, precision, sharding=sharding)
+    ``sharding``: the collectives' bandwidths too, a collective call; ``switches``: the
+    engine's runtime switches, which the probes follow)."""
+    hardware = probe_hardware(ctx, layout.chunk_size, precision, sharding=sharding, switches=switches)
     if hardware.async_copies:
         measured.swap_timings = []
     n_params = sum(p.numel() for p in model.parameters())
@@ -283,10 +286,6 @@ def for_world_size(profile: Profile, model: nn.Module, optimizer, precision: Pre
                              reduce_bytes_per_s=collective_bytes_per_s)
     return dataclasses.replace(profile, hardware=hw,
                                **static_facts(layout, model, optimizer, precision, world_size=world_size))
-
-
-def reprofile_requested() -> bool:
-    return os.environ.get("PROTRAIN_REPROFILE", "") not in ("", "0")
 
 
 def safe_plan(model: nn.Module, optimizer, layout: ChunkLayout, precision: Precision,

@@ -173,8 +173,9 @@ class DeviceContext:
 
     @property
     def pin_memory(self) -> bool:
-        """Host buffers of streamed chunks are page-locked (CUDA, unless PROTRAIN_NO_PIN=1)."""
-        return self.is_cuda and os.environ.get("PROTRAIN_NO_PIN", "0") != "1"
+        """Host buffers of streamed chunks can be page-locked (CUDA; the engine asks
+        ``RuntimeConfig.pin_memory`` too)."""
+        return self.is_cuda
 
     # ----- work on the side streams -------------------------------------------------------------
     def copy_async(self, dst: Tensor, src: Tensor, *, stream, span: tuple[str, str], after=None):

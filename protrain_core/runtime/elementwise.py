@@ -70,7 +70,7 @@ def describe(optimizer: torch.optim.Optimizer) -> Elementwise:
                     "ProTrain steps each chunk's flat views (and with several processes, pieces of them) with the "
                     "optimizer's step, so a step that edits gradients by their shape, or needs a closure, would "
                     f"be wrong. Use {base.__name__} itself (a subclass that keeps its step() is fine); for gradient "
-                    "clipping use wrap(gradient_clipping=...) or Lightning's gradient_clip_val."
+                    "clipping use ProTrainConfig(clipping=...) or Lightning's gradient_clip_val."
                 )
             break
     slots: list[str] = []

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -26,6 +25,7 @@ from protrain_core.runtime.device import DeviceContext, as_context
 from protrain_core.runtime.gradients import StepGradients
 from protrain_core.runtime.hooks import RuntimeHooks
 from protrain_core.runtime.optim import ChunkOptimizer
+from protrain_core.runtime.options import EngineOptions
 from protrain_core.runtime.scheduler import Runtime
 from protrain_core.runtime.sharding import Sharding, broadcast_module
 from protrain_core.runtime.storage import ChunkFormat, ChunkStorage, chunk_formats
@@ -36,33 +36,17 @@ from protrain_core.update import ClipAlgorithm, GradientClipping, Overlap, overl
 from protrain_ops import onepass
 
 
-@dataclass(frozen=True, kw_only=True)
-class EngineOptions:
-    """How an engine is built (beyond its model, optimizer, layout, plan and precision).
-
-    Attributes:
-        optimizer_states: False builds an engine that never steps (evaluation, profiling): no
-            optimizer states are allocated; ``backward`` outside ``no_sync`` and ``step`` raise.
-        check_invariants: check residency and device-byte invariants at every hook (tests).
-        warn_on_cache: warn once when checkpointed or swapped blocks run without their key/value
-            cache (the profiler's all-checkpointed layout is not the user's choice: no warning).
-    """
-
-    optimizer_states: bool = True
-    check_invariants: bool = False
-    warn_on_cache: bool = True
-
-
 class Engine:
     """Runs a wrapped model: forward through ``engine.module``, then backward, step, zero_grad."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, layout: ChunkLayout, plan: Plan,
-                 precision: Precision, device: torch.device | DeviceContext, options: EngineOptions = EngineOptions(),
+                 precision: Precision, device: torch.device | DeviceContext, options: EngineOptions | None = None,
                  sharding: Sharding | None = None) -> None:
         """``device``: a torch device, or a DeviceContext (a simulated device: protrain_core/simulator).
         ``sharding``: the processes the chunks are sharded over (``Sharding.resolve``; None:
         one process). Every rank builds its engine alike, with the same plan."""
         check_plan(plan, layout.limits())
+        options = options or EngineOptions()
         self.ctx = as_context(device)
         device = self.ctx.device
         if sharding is not None:
@@ -73,8 +57,9 @@ class Engine:
         self.optimizer_states = options.optimizer_states
         self.phase = PhaseTracker()
         self.scaler = LossScaler() if precision is Precision.FP16_MIXED else None
-        self._optim = ChunkOptimizer(optimizer)
-        if precision in (Precision.BF16_MIXED, Precision.FP16_MIXED) and self._optim.kind is None:
+        self._optim = ChunkOptimizer(optimizer, one_pass_kernel=options.runtime.one_pass_kernel)
+        if self._optim.one_pass_kernel and precision in (Precision.BF16_MIXED, Precision.FP16_MIXED) \
+                and self._optim.kind is None:
             onepass.kernel()  # built (once per machine) and checked now, not in the first backward
         self._no_sync = False
         self._manual = False  # Lightning manual optimization (set_manual_optimization)
@@ -86,7 +71,7 @@ class Engine:
         self._slot_of: dict[int, tuple[Chunk, int]] = {id(p): (c, i) for c in self.chunks for i, p in enumerate(c.params)}
         n_buffer = min(plan.n_buffer, len(self.chunks) - plan.n_persist)
         self.runtime = Runtime(self.chunks, self.ctx, self._optim, self.phase, n_buffer=n_buffer,
-                               check_invariants=options.check_invariants)
+                               switches=options.runtime)
         self.grads = StepGradients(self._optim, self.scaler, self.chunks, self.ctx)
         self.runtime.finisher = self.grads.finisher
         self._set_update_mode()
@@ -131,7 +116,7 @@ class Engine:
         chunks = []
         for spec, fmt in zip(self.layout.chunks, formats):
             members = [params[m.name] for m in spec.members]
-            storage = ChunkStorage(fmt, persistent=spec.index < n_persist, device=dev, pin=self.ctx.pin_memory,
+            storage = ChunkStorage(fmt, persistent=spec.index < n_persist, device=dev, pin=self.ctx.pin_memory and self.options.runtime.pin_memory,
                                    n_members=len(members), sharding=self.sharding, host=self.ctx.host)
             opt_members = self._optim.members_by_group(members) if self.optimizer_states else {}
             chunk = Chunk(spec, params=members, storage=storage, opt_members=opt_members)
@@ -674,8 +659,8 @@ class Engine:
         """Why this plan: predicted step time by phase, memory breakdown, bottleneck
         (for a searched plan; an explicit plan is reported as given)."""
         if self.choice is None:
-            text = (f"ProTrain plan: {self.plan} (given explicitly; wrap(plan=None, memory_budget=...) "
-                    "profiles the model and searches the fastest plan that fits)")
+            text = (f"ProTrain plan: {self.plan} (given explicitly; without a plan, wrap "
+                    "profiles the model and searches the fastest plan that fits config.planning.memory_budget)")
         else:
             text = self.choice.explain()
         return text if self.grads.configured is None else f"{text}\n{self._clipping_line()}"
@@ -692,8 +677,8 @@ class Engine:
                 "the next forward")
         steady = self.steady_overlap().schedule
         if self.choice is not None and self.choice.schedule is not steady:
-            line += (f"; this plan was searched for {self.choice.schedule.value}: wrap(..., gradient_clipping=('norm', "
-                     f"max_norm)) searches for {steady.value}")
+            line += (f"; this plan was searched for {self.choice.schedule.value}: ProTrainConfig(clipping={{'algorithm': "
+                     f"'norm', ...}}) searches for {steady.value}")
         return line
 
     def summary(self) -> str:
@@ -717,7 +702,8 @@ class Engine:
         line = worker.threads_why if worker.threads is None else \
             f"{worker.threads} thread{'s' if worker.threads > 1 else ''} ({worker.threads_why})"
         if self.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED) and self._optim.kind is None:
-            line += f"; updates of streamed chunks: {onepass.status()}"
+            status = onepass.status() if self._optim.one_pass_kernel else "separate passes (one_pass_kernel=False)"
+            line += f"; updates of streamed chunks: {status}"
         return line
 
     # ----- life ---------------------------------------------------------------------------

@@ -214,7 +214,7 @@ class StepGradients:
                 raise ValueError(
                     f"Gradient clipping {_describe(clipping)} was requested after backward, but this engine "
                     f"already clips with {_describe(self.configured)} at every step "
-                    "(wrap(gradient_clipping=...) / set_gradient_clipping / the strategy's gradient_clip_val). "
+                    "(ProTrainConfig(clipping=...) / set_gradient_clipping / the Trainer's gradient_clip_val). "
                     "Configure one of the two: remove the configured setting, or the late call."
                 )
             return
@@ -223,8 +223,8 @@ class StepGradients:
                 f"Gradient clipping {_describe(clipping)} was requested between backward and step, but no "
                 "earlier step clipped, so ProTrain already updated the offloaded chunks during this backward "
                 "with unclipped gradients. Clip from the first step on, or say so before training: "
-                "wrap(..., gradient_clipping=(algorithm, value)), engine.expect_late_clipping(), or the "
-                "strategy's gradient_clip_val."
+                "ProTrainConfig(clipping=...), engine.expect_late_clipping(), or the Trainer's "
+                "gradient_clip_val."
             )
         if self._late is not None:
             raise RuntimeError("Gradient clipping was already requested for this step; request it once per step.")

@@ -45,7 +45,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> Elementwise | None:
             "runs Adam/AdamW's update itself, chunk by chunk on the device and the CPU, so an overridden step "
             "(a closure it needs, gradients it edits before super().step()) would never run. Use "
             "torch.optim.AdamW or torch.optim.Adam itself (a subclass that keeps their step() is fine); "
-            "for gradient clipping use wrap(gradient_clipping=...) or Lightning's gradient_clip_val."
+            "for gradient clipping use ProTrainConfig(clipping=...) or Lightning's gradient_clip_val."
         )
     return None
 
@@ -107,8 +107,11 @@ def _land_rest(kernel, chunk: Chunk, covered: list[Tensor], accumulate: bool | N
 
 
 class ChunkOptimizer:
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, one_pass_kernel: bool = True) -> None:
+        """``one_pass_kernel``: False runs the separate passes where the kernel would apply
+        (``RuntimeConfig.one_pass_kernel``)."""
         self.optimizer = optimizer
+        self.one_pass_kernel = one_pass_kernel
         self.kind = check_optimizer(optimizer)
         self.decoupled = bool(isinstance(optimizer, torch.optim.AdamW)
                               or optimizer.defaults.get("decoupled_weight_decay", False))
@@ -161,7 +164,7 @@ class ChunkOptimizer:
         kernel built and matched torch's arithmetic."""
         storage = chunk.storage
         if (self.elementwise is not None or not storage.fmt.separate_master or storage.master.device.type != "cpu"
-                or storage.fmt.compute_dtype not in (torch.bfloat16, torch.float16)):
+                or storage.fmt.compute_dtype not in (torch.bfloat16, torch.float16) or not self.one_pass_kernel):
             return None
         return onepass.kernel()
 

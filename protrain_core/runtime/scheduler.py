@@ -46,6 +46,7 @@ from protrain_core.phase import PhaseTracker, TrainingPhase
 from protrain_core.runtime.chunk import Chunk, ChunkState
 from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.optim import ChunkOptimizer, UpdateClip
+from protrain_core.runtime.options import RuntimeConfig
 from protrain_core.runtime.worker import CpuWorker
 from protrain_core.utils import traced
 
@@ -55,7 +56,7 @@ _COUNTED = {"fetch": "fetches", "offload": "offloads", "evict": "evictions", "cp
 
 class Runtime:
     def __init__(self, chunks: list[Chunk], ctx: DeviceContext, optim: ChunkOptimizer, phase: PhaseTracker, *,
-                 n_buffer: int, check_invariants: bool) -> None:
+                 n_buffer: int, switches: RuntimeConfig) -> None:
         self.chunks = chunks
         self.streamed = [c for c in chunks if not c.persistent]
         self.ctx = ctx
@@ -68,7 +69,7 @@ class Runtime:
         self.finisher = None  # chunk -> the worker's job finishing its gradients at a boundary (or None)
         self._after_step: set[int] = set()  # chunks whose update step() handed out and did not wait for
         self._stepped_backward = False  # a backward outside no_sync ran since the last step / zero_grad
-        self.check_invariants = check_invariants
+        self.check_invariants = switches.check_invariants
         self.boundary = True  # this backward is followed by step() (not inside no_sync)
         self.hps = None  # hyper-parameters snapshot of the current step
         self.current: set[int] = set()  # the chunks of the active chain
@@ -82,7 +83,8 @@ class Runtime:
         self.timeline = None  # a Timeline while Engine.record_timeline() records
         staging = max((c.storage.fmt.state_numel for c in self.streamed), default=0)
         self.worker = CpuWorker(ctx, optim, n_staging=n_buffer, staging_numel=staging, record=self.record,
-                                world=1 if self.sharding is None else self.sharding.world)
+                                world=1 if self.sharding is None else self.sharding.world,
+                                threaded=ctx.asynchronous or switches.cpu_adam_thread)
 
     @property
     def stepped_backward(self) -> bool:

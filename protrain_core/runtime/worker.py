@@ -3,10 +3,10 @@
 [Note: CPU Adam on a CPU device]
 With CUDA the worker thread overlaps Adam with the device's backward. When the device *is* the
 CPU there is nothing to overlap with: two OpenMP thread teams (backward's and the worker's) on
-the same cores slow each other down far more than Adam costs (measured 2-core VM: 4.5 ms instead
-of 0.3 ms per chunk, and +30 % backward). So Adam runs inline, at the same points;
-PROTRAIN_CPU_ADAM_THREAD=1 keeps the worker thread (the tests use it to exercise the threaded
-path on the CPU).
+the same cores slow each other down far more than Adam costs (each chunk's Adam many times
+slower, and backward slower too). So Adam runs inline, at the same points;
+``RuntimeConfig.cpu_adam_thread`` (or PROTRAIN_CPU_ADAM_THREAD=1) keeps the worker thread (the
+tests use it to exercise the threaded path on the CPU).
 
 [Note: CPU Adam threads]
 On CUDA the worker thread's operators (landing, Adam, copies back) run with as many intra-op
@@ -39,14 +39,16 @@ from protrain_ops import fold_landing
 
 class CpuWorker:
     def __init__(self, ctx: DeviceContext, optim: ChunkOptimizer, *, n_staging: int, staging_numel: int, record,
-                 world: int = 1) -> None:
-        """``world``: the processes the chunks are sharded over (for the worker's thread count)."""
+                 world: int = 1, threaded: bool) -> None:
+        """``world``: the processes the chunks are sharded over (for the worker's thread count);
+        ``threaded``: run the jobs on a worker thread (always on a GPU; on a CPU device, with
+        ``RuntimeConfig.cpu_adam_thread``), else inline."""
         self.ctx = ctx
         self.optim = optim
         self.n_staging = n_staging
         self.staging_numel = staging_numel  # the largest trainable shard of a streamed chunk
         self.record = record  # record(what, chunk index): the runtime's timeline and counters
-        self.threaded = ctx.asynchronous or os.environ.get("PROTRAIN_CPU_ADAM_THREAD", "") == "1"
+        self.threaded = threaded
         self.threads, self.threads_why = None, "inline on the thread that runs the step (a CPU device)"
         if self.threaded:
             self.threads_why = "the process's intra-op threads (a CPU device: they would compete with the compute)"

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from protrain_core.api import default_memory_budget, wrap
+from protrain_core.config import ProTrainConfig
 from protrain_core.plan import Plan, as_plan
 from protrain_core.planner.cost import MemoryEstimate, RuntimeEstimate, estimate_memory, estimate_runtime
 from protrain_core.planner.profiles import Profile
@@ -123,8 +124,8 @@ def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
                             schedule=mode.schedule, gradient_passes=mode.gradient_passes)
             plan = choice.plan
         plan = as_plan(plan)
-        engine = wrap(model, optimizer, plan, device=sim, precision=precision, gradient_clipping=gradient_clipping,
-                      process_group=group)
+        engine = wrap(model, optimizer, plan, device=sim, precision=precision, process_group=group,
+                      config=ProTrainConfig(clipping=gradient_clipping))
         try:
             report, timeline, overlap = _run(engine, sim, batch, steps, late=gradient_clipping is None)
         finally:

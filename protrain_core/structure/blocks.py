@@ -140,8 +140,9 @@ def _discover(model: nn.Module, blocks) -> nn.ModuleList:
     homogeneous = [ml for _, ml in candidates if len(ml) >= 2 and len({type(b) for b in ml}) == 1]
     if len(homogeneous) == 1:
         return homogeneous[0]
-    name_them = ("blocks=<dotted name or nn.ModuleList> to protrain_core.wrap, ProTrainStrategy(blocks=...) for the "
-                 "Trainer, ProTrainFabricStrategy(blocks=...) for Fabric. Candidate ModuleLists:\n" + _describe(model))
+    name_them = ("config=ProTrainConfig(planning={'blocks': '<dotted name>'}) to protrain_core.wrap, "
+                 "ProTrainStrategy or ProTrainFabricStrategy (from Python, the nn.ModuleList itself). "
+                 "Candidate ModuleLists:\n" + _describe(model))
     if candidates:  # lists of modules that may be the blocks: the user chooses
         raise ValueError(f"Could not tell which nn.ModuleList holds the repeated blocks of {type(model).__name__}. "
                          f"Name it: {name_them}")

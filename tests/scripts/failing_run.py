@@ -76,8 +76,7 @@ def main(case: str, out: str) -> None:
         dirpath = os.path.join(out, "in-the-way", "checkpoints")
     pl.seed_everything(0)
     data = DataLoader(TensorDataset(torch.randint(0, VOCAB, (10_000 if case == "interrupt" else 24, 16))), batch_size=4)
-    strategy = ProTrainStrategy(plan=pt.Plan(n_persist=1, n_buffer=2),
-                                state_dict_type="sharded" if case == "full-disk" else "full")
+    strategy = ProTrainStrategy(config=pt.ProTrainConfig(planning=pt.PlanningConfig(plan=pt.Plan(n_persist=1, n_buffer=2)), checkpoint=pt.CheckpointConfig(state_dict_type="sharded" if case == "full-disk" else "full")))
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=dirpath, filename="ckpt", every_n_train_steps=2)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, logger=False,
                          callbacks=[checkpoint, Stamps()], enable_progress_bar=False, enable_model_summary=False)

@@ -42,7 +42,7 @@ def trainer_run(args) -> None:
     data = DataLoader(TensorDataset(torch.randint(0, VOCAB, (24, 16), generator=g)), batch_size=4, shuffle=True)
     strategy = args.strategy
     if strategy == "protrain":
-        strategy = ProTrainStrategy(plan=PLAN, state_dict_type="sharded" if args.sharded else "full")
+        strategy = ProTrainStrategy(config=pt.ProTrainConfig(planning=pt.PlanningConfig(plan=PLAN), checkpoint=pt.CheckpointConfig(state_dict_type="sharded" if args.sharded else "full")))
     lit = Lit()
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=args.out, filename="ckpt")  # ckpt.ckpt, while training
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=args.epochs,
@@ -58,7 +58,7 @@ def fabric_run(args) -> None:
 
     strategy = args.strategy
     if strategy == "protrain":
-        strategy = ProTrainFabricStrategy(plan=PLAN, state_dict_type="sharded" if args.sharded else "full")
+        strategy = ProTrainFabricStrategy(config=pt.ProTrainConfig(planning=pt.PlanningConfig(plan=PLAN), checkpoint=pt.CheckpointConfig(state_dict_type="sharded" if args.sharded else "full")))
     fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=strategy)
     fabric.launch()
     fabric.seed_everything(0)

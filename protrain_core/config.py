@@ -1,0 +1,249 @@
+"""One configuration for ProTrain: ``ProTrainConfig``, taken by ``wrap`` and by both Lightning
+strategies (``ProTrainStrategy(config=...)``, ``ProTrainFabricStrategy(config=...)``), and set
+from a LightningCLI config file like any other argument.
+
+It is frozen and nested by concern: what to plan (``planning``), how to clip gradients
+(``clipping``), the runtime's switches (``runtime``) and the checkpoint format
+(``checkpoint``). Each part checks its fields when it is created, with the errors ``wrap``
+raised before, so a wrong setting fails where it is written. Nested parts may be given as
+dicts (``ProTrainConfig(planning={"memory_budget": "20GiB"})``), which is also what a YAML
+file gives.
+
+What is not a setting stays an argument: the model, the optimizer, the device and precision
+(under Lightning: the Trainer's and Fabric's own), a batch to profile ahead, the report
+callback and the process group.
+
+Environment variables may set some defaults (read when the part is created):
+``PROTRAIN_REPROFILE``, ``PROTRAIN_CACHE_DIR`` (planning), ``PROTRAIN_NO_PIN``,
+``PROTRAIN_CPU_ADAM_THREAD``, ``PROTRAIN_ONEPASS`` (runtime). A field given explicitly wins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from protrain_core.plan import Plan, plan_arguments
+from protrain_core.runtime.options import RuntimeConfig, env_flag
+from protrain_core.update import GradientClipping, parse_gradient_clipping
+
+__all__ = ["CheckpointConfig", "ClippingConfig", "PlanningConfig", "ProTrainConfig", "RuntimeConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanningConfig:
+    """What the engine runs: a given plan, or what to search one for."""
+
+    plan: Plan | None = None
+    """The plan to run (a ``Plan``, or a dict of its fields). None: search the fastest plan that
+    fits ``memory_budget`` on the first training steps (or ahead, given a batch to profile)."""
+
+    memory_budget: int | str | None = None
+    """Device memory the searched plan may use: bytes, or "20GiB", "500MB"... None: the device's
+    free memory less a margin. Only without ``plan``."""
+
+    max_tokens: int | None = None
+    """Plan once for batches of up to this many tokens (batch x sequence). None: the plan
+    follows the batch shapes. Only without ``plan``."""
+
+    blocks: str | Sequence[str] | None = None
+    """The transformer blocks, when discovery fails: the dotted name of their ``nn.ModuleList``
+    (or a list of names: an encoder-decoder's stacks; from Python, the ModuleList itself)."""
+
+    chunk_size: int | None = None
+    """Elements per chunk. None: the size that wastes the least."""
+
+    profile_cache: bool = True
+    """Reuse a profile cached on disk for the same model, batch shape, precision and hardware."""
+
+    cache_dir: str | None = None
+    """Where profiles are cached. None: ``$PROTRAIN_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/protrain``, else ``~/.cache/protrain``."""
+
+    reprofile: bool = field(default_factory=lambda: env_flag("PROTRAIN_REPROFILE", False))
+    """Profile again even when a cached profile matches. Default: False, unless
+    ``PROTRAIN_REPROFILE=1``."""
+
+    def __post_init__(self) -> None:
+        plan, _ = plan_arguments(self.plan, self.memory_budget, self.max_tokens)
+        object.__setattr__(self, "plan", plan)
+        blocks = self.blocks
+        if isinstance(blocks, list):
+            object.__setattr__(self, "blocks", blocks := tuple(blocks))
+        if isinstance(blocks, tuple) and not blocks:
+            raise ValueError("blocks=[] names no block list: give one or more dotted names, or None to discover them.")
+        if self.chunk_size is not None and (isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int)
+                                            or self.chunk_size < 1):
+            raise ValueError(f"chunk_size={self.chunk_size!r}: give the elements per chunk, a positive integer, or "
+                             "None for the automatic search.")
+        for name in ("profile_cache", "reprofile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"PlanningConfig.{name} must be True or False, got {getattr(self, name)!r}.")
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """``memory_budget`` in bytes (None: the default)."""
+        return plan_arguments(None, self.memory_budget)[1] if self.plan is None else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClippingConfig:
+    """Gradient clipping before every update, exactly as ``torch.nn.utils.clip_grad_norm_``
+    ("norm") or ``clip_grad_value_`` ("value") on the same gradients."""
+
+    algorithm: Literal["norm", "value"] = "norm"
+    """"norm": scale every gradient by one global factor; "value": clamp every element."""
+
+    value: float
+    """max_norm ("norm") or clip_value ("value"): a finite number > 0."""
+
+    norm_type: float = 2.0
+    """p of the p-norm ("norm" only); ``inf`` for the largest magnitude."""
+
+    def __post_init__(self) -> None:
+        parse_gradient_clipping(self.algorithm, self.value, self.norm_type)  # raises with the fix
+
+    def parsed(self) -> GradientClipping:
+        return parse_gradient_clipping(self.algorithm, self.value, self.norm_type)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """How the Lightning strategies write checkpoints (``wrap``'s engine saves with its own
+    ``save_sharded`` / ``state_dict``)."""
+
+    state_dict_type: Literal["full", "sharded"] = "full"
+    """"full": one checkpoint file, gathered to rank 0 (opens anywhere); "sharded": a
+    ``torch.distributed.checkpoint`` directory written by every rank (no gather)."""
+
+    def __post_init__(self) -> None:
+        if self.state_dict_type not in ("full", "sharded"):
+            raise ValueError(
+                f"state_dict_type={self.state_dict_type!r}: use 'full' (one checkpoint file, gathered to rank 0) or "
+                "'sharded' (a torch.distributed.checkpoint directory written by every rank)."
+            )
+
+
+_PARTS = {"planning": PlanningConfig, "runtime": RuntimeConfig, "checkpoint": CheckpointConfig}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProTrainConfig:
+    """Every setting of a ProTrain run (see the module's docstring)."""
+
+    planning: PlanningConfig = field(default_factory=PlanningConfig)
+    """The plan, or what to search one for."""
+
+    clipping: ClippingConfig | None = None
+    """Gradient clipping before every update (None: none). Under the Trainer, set
+    ``Trainer(gradient_clip_val=..., gradient_clip_algorithm=...)`` instead, as for any
+    strategy."""
+
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    """The runtime's switches."""
+
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """The checkpoint format of the Lightning strategies."""
+
+    optimizer_states: bool = True
+    """False (``wrap`` only): an engine for evaluation only, which never steps and holds no
+    optimizer states; it needs a plan. (The strategies build one for validate, test and
+    predict themselves.)"""
+
+    def __post_init__(self) -> None:
+        for name, cls in _PARTS.items():
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                object.__setattr__(self, name, _part(cls, value, name))
+            elif not isinstance(value, cls):
+                raise ValueError(f"ProTrainConfig.{name} must be a {cls.__name__} (or a dict of its fields), "
+                                 f"got {type(value).__name__}.")
+        clipping = self.clipping
+        if isinstance(clipping, dict):
+            object.__setattr__(self, "clipping", _part(ClippingConfig, clipping, "clipping"))
+        elif isinstance(clipping, (tuple, list)):  # ("norm", 1.0): wrap's gradient_clipping form
+            object.__setattr__(self, "clipping", ClippingConfig(algorithm=clipping[0], value=clipping[1],
+                                                                **({"norm_type": clipping[2]} if len(clipping) > 2 else {})))
+        elif clipping is not None and not isinstance(clipping, ClippingConfig):
+            raise ValueError(f"ProTrainConfig.clipping must be a ClippingConfig, a dict of its fields, "
+                             f"(algorithm, value) or None, got {type(clipping).__name__}.")
+        if not isinstance(self.optimizer_states, bool):
+            raise ValueError(f"ProTrainConfig.optimizer_states must be True or False, got {self.optimizer_states!r}.")
+
+    def replace(self, **parts) -> ProTrainConfig:
+        """A copy with some fields replaced; nested parts by dict: ``replace(planning={"plan": p})``
+        keeps the other planning fields."""
+        changes = {}
+        for name, value in parts.items():
+            current = getattr(self, name)
+            if isinstance(value, dict) and dataclasses.is_dataclass(current):
+                value = dataclasses.replace(current, **value)
+            changes[name] = value
+        return dataclasses.replace(self, **changes)
+
+
+def _part(cls, values: dict, name: str):
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"ProTrainConfig.{name} has no field {unknown[0]!r}; its fields are {', '.join(sorted(known))}.")
+    return cls(**values)
+
+
+# ----- the keyword arguments this configuration replaces ----------------------------------------
+# Old keyword -> (part, field). They keep working for one release, with a warning.
+LEGACY_KEYWORDS: dict[str, tuple[str | None, str]] = {
+    "plan": ("planning", "plan"),
+    "memory_budget": ("planning", "memory_budget"),
+    "max_tokens": ("planning", "max_tokens"),
+    "blocks": ("planning", "blocks"),
+    "chunk_size": ("planning", "chunk_size"),
+    "profile_cache": ("planning", "profile_cache"),
+    "reprofile": ("planning", "reprofile"),
+    "check_invariants": ("runtime", "check_invariants"),
+    "state_dict_type": ("checkpoint", "state_dict_type"),
+    "optimizer_states": (None, "optimizer_states"),
+    "gradient_clipping": (None, "clipping"),
+}
+
+
+def with_legacy_keywords(config: ProTrainConfig | None, keywords: dict, *, caller: str,
+                         accepted: Sequence[str], stacklevel: int = 3) -> ProTrainConfig:
+    """``config`` (default: the defaults) with the deprecated keyword arguments ``keywords`` of
+    ``caller`` folded in, each with a ``FutureWarning`` naming its place in the configuration.
+    An unknown keyword is a ``TypeError`` as Python gives it; a keyword given beside a
+    ``config`` that sets the same field is refused."""
+    if config is None:
+        config = ProTrainConfig()
+    elif not isinstance(config, ProTrainConfig):
+        raise TypeError(f"{caller}(config=...) takes a protrain_core.ProTrainConfig, got {type(config).__name__}.")
+    changes: dict[str, dict] = {}
+    top: dict[str, object] = {}
+    defaults = ProTrainConfig()
+    for name, value in keywords.items():
+        if name not in accepted:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
+        part, key = LEGACY_KEYWORDS[name]
+        where = f"ProTrainConfig({key}=...)" if part is None else f"ProTrainConfig({part}={{{key!r}: ...}})"
+        warnings.warn(f"{caller}({name}=...) is deprecated and will be removed in the next release: pass "
+                      f"config={where} instead.", FutureWarning, stacklevel=stacklevel)
+        holder, default = (config, defaults) if part is None else (getattr(config, part), getattr(defaults, part))
+        if getattr(holder, key) != getattr(default, key):
+            raise ValueError(f"{caller}() was given {name}= and a config that sets {key} too: give it once, in the "
+                             "config.")
+        if part is None:
+            top[key] = value
+        else:
+            changes.setdefault(part, {})[key] = value
+    if not changes and not top:
+        return config
+    planning = changes.pop("planning", None)
+    if planning is not None:  # plan, memory_budget and max_tokens are checked together
+        fields = {f.name: getattr(config.planning, f.name) for f in dataclasses.fields(PlanningConfig)}
+        top["planning"] = PlanningConfig(**{**fields, **planning})
+    for part, values in changes.items():
+        top[part] = dataclasses.replace(getattr(config, part), **values)
+    return dataclasses.replace(config, **top)

@@ -1,0 +1,65 @@
+"""How an engine is built beyond its model, optimizer, layout, plan and precision: the
+runtime's switches (``RuntimeConfig``, the ``runtime`` part of ``ProTrainConfig``) and the
+options the layers above set (``EngineOptions``). Both are frozen: the engine reads them once
+and passes each decision to the part that acts on it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """An environment switch: "1" (or any value but "0" and "") turns it on, "0" off; unset:
+    ``default``."""
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value != "0"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeConfig:
+    """Switches of the runtime. Each one's default may come from an environment variable (read
+    when the configuration is created), so that a run can be changed without editing code."""
+
+    check_invariants: bool = False
+    """Check the residency and device-byte invariants at every hook (slow; for tests)."""
+
+    pin_memory: bool = field(default_factory=lambda: not env_flag("PROTRAIN_NO_PIN", False))
+    """Page-lock the host copies of streamed chunks on CUDA (full-speed, asynchronous copies).
+    False: pageable host memory, for machines whose page-locked memory is limited (containers
+    with a small ``ulimit -l``); the copies are then slower and synchronous. Default: True,
+    unless ``PROTRAIN_NO_PIN=1``."""
+
+    cpu_adam_thread: bool = field(default_factory=lambda: env_flag("PROTRAIN_CPU_ADAM_THREAD", False))
+    """On a CPU device, run the streamed chunks' updates on the worker thread as on a GPU (the
+    order of events a GPU run has; its threads compete with the compute, so it is slower). A
+    GPU always uses the worker. Default: False, unless ``PROTRAIN_CPU_ADAM_THREAD=1``."""
+
+    one_pass_kernel: bool = field(default_factory=lambda: env_flag("PROTRAIN_ONEPASS", True))
+    """Land and update mixed-precision chunks on the host in one pass (the ``protrain_ops``
+    kernel, built on first use, bit for bit the separate passes). False: the separate passes,
+    and no kernel is built. Default: True, unless ``PROTRAIN_ONEPASS=0``."""
+
+    def __post_init__(self) -> None:
+        for name in ("check_invariants", "pin_memory", "cpu_adam_thread", "one_pass_kernel"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"RuntimeConfig.{name} must be True or False, got {getattr(self, name)!r}.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineOptions:
+    """How an engine is built, beyond its model, optimizer, layout, plan and precision.
+
+    Attributes:
+        optimizer_states: False builds an engine that never steps (evaluation, profiling): no
+            optimizer states are allocated; ``backward`` outside ``no_sync`` and ``step`` raise.
+        warn_on_cache: warn once when checkpointed or swapped blocks run without their key/value
+            cache (the profiler's all-checkpointed layout is not the user's choice: no warning).
+        runtime: the user's switches (``ProTrainConfig.runtime``).
+    """
+
+    optimizer_states: bool = True
+    warn_on_cache: bool = True
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
