@@ -154,7 +154,7 @@ def _land_and_update(engine, chunk, clip: bool, iters: int) -> float:
     from protrain_core.runtime.gradients import Finishing
     from protrain_core.runtime.optim import ChunkOptimizer, UpdateClip
 
-    storage, worker = chunk.storage, engine.runtime.worker
+    storage, worker = chunk.storage, engine.scheduler.worker
     update = (ChunkOptimizer(engine.optimizer).snapshot(), {g: list(m) for g, m in chunk.opt_members.items()},
               UpdateClip(coef=torch.tensor(0.5)) if clip else UpdateClip())
     members = [i for group in chunk.opt_members.values() for i in group]

@@ -499,7 +499,7 @@ def protrain_facts(engine, spec, device) -> dict:
     """The plan, the model states' bytes, the prediction (fidelity), and the inputs of the lower
     bound on step time."""
     # Device: the persistent chunks and the chunk buffers of the plan.
-    facts = {"plan": str(engine.plan), "states": {"host": engine.host_bytes(), "device": engine.runtime.device_bytes_bound()},
+    facts = {"plan": str(engine.plan), "states": {"host": engine.host_bytes(), "device": engine.scheduler.device_bytes_bound()},
              "searched": engine.choice is not None, **_PROFILING}
     choice = engine.choice
     if choice is None:
@@ -653,7 +653,7 @@ def step_timeline(engine, step, data, spec, device) -> dict:
         with engine.record_timeline() as timeline:
             step(data[2 % len(data)])
         return dict(timeline.to_json(), plan=str(engine.plan), overlap=engine.overlap,
-                    threaded=engine.runtime.threaded)
+                    threaded=engine.scheduler.threaded)
     finally:
         if device.type != "cuda":
             engine.close()

@@ -92,7 +92,7 @@ def save_sharded(engine, path, meta: dict | None = None) -> None:
     """Write ``engine``'s weights and optimizer state as a sharded checkpoint directory at
     ``path`` (every rank calls it; see [Note: sharded checkpoints]); ``meta``: anything else
     to keep with them (rank 0's is written, ``torch.save``d as ``meta.pt``)."""
-    engine.runtime.wait_all()
+    engine.scheduler.wait_all()
     path = Path(path)
     rank, names = engine.rank, _param_names(engine)
     state: dict[str, object] = {}
@@ -280,8 +280,8 @@ def load_sharded(engine, path, *, model: bool = True, optimizer: bool = True, st
     _barrier(engine)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a sharded ProTrain checkpoint (a torch.distributed.checkpoint directory).")
-    engine.runtime.wait_all()
-    engine.runtime.release_all()
+    engine.scheduler.wait_all()
+    engine.scheduler.release_all()
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     pieces: dict[str, list[tuple[int, str, int]]] = {}  # prefix -> (offset, key, elements)
     for key, md in saved.items():

@@ -10,7 +10,7 @@ are offloaded and overlaps the rest of backward (DURING_BACKWARD): T = T_f + max
 T_cpu_adam chain). Norm clipping and fp16's overflow check need every gradient of the step first.
 Two exact ways keep an overlap; the cost model predicts both (planner/cost.py) and
 ``python -m benchmarks.bench_clipping`` prints them for LLaMA 1.1B / 7B / 13B on hand-built H100
-figures (500 TFLOP/s, PCIe 50 GB/s, CPU Adam 3e9 params/s; docs/benchmarks.md):
+figures (the predictions are in docs/benchmarks.md):
 - SPECULATIVE: update during backward into a second copy of the host states and keep it unless
   the step clips or overflows, else redo after backward. Kept steps cost what DURING_BACKWARD
   costs, redone ones what NEXT_FORWARD costs. But the second copy is 14 B per streamed
@@ -21,11 +21,10 @@ figures (500 TFLOP/s, PCIe 50 GB/s, CPU Adam 3e9 params/s; docs/benchmarks.md):
 - NEXT_FORWARD (chosen): finish the gradients as they land ([Note: finishing gradients early] in
   runtime/gradients.py), then run the streamed chunks' Adam in forward order after backward,
   overlapping the next forward; each chunk's fetch waits for its own update. No extra memory,
-  the same prediction whether the step clips or not: 7B 1.333 s against 1.182 s without clipping
-  (and 1.509 s with every update deferred to step(), as before); 1.1B 440 against 376 ms; 13B
-  2.571 against 2.330 s. SPECULATIVE would beat it only by (1 - p) x that gap, with p the
-  fraction of steps that clip, which is not known ahead and is high early in fine-tuning
-  (clip 1.0 acts at every step of this repository's tests).
+  the same prediction whether the step clips or not, a little above the step without clipping
+  and well below deferring every update to step(). SPECULATIVE would beat it only by (1 - p) x
+  that gap, with p the fraction of steps that clip, which is not known ahead and is high early
+  in fine-tuning (clip 1.0 acts at every step of this repository's tests).
 So NEXT_FORWARD runs whenever norm clipping or fp16 is on; speculation for fp16 alone (overflow
 about once per growth interval) is the combination left for when host memory allows it.
 """

@@ -99,13 +99,13 @@ def test_layers_depend_downwards():
 
 def test_the_lightning_adapters_use_the_engines_public_face_only():
     """lightning_protrain drives the engine through its own methods, never through the runtime
-    behind it (``engine.runtime``) or the runtime's modules, but for the optimizer check it
+    behind it (``engine.scheduler``) or the runtime's modules, but for the optimizer check it
     shares with ``wrap``."""
     offences = []
     for path in (ROOT / "lightning_protrain").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and node.attr == "runtime":
-                offences.append(f"{path.name}:{node.lineno} .runtime")
+            if isinstance(node, ast.Attribute) and node.attr == "scheduler":
+                offences.append(f"{path.name}:{node.lineno} .scheduler")
     graph = _graph("lightning_protrain")
     for m, path in _modules("lightning_protrain").items():
         for imported in _imports(path, set(_modules("protrain_core"))):

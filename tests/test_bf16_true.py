@@ -68,7 +68,7 @@ def test_bf16_true_parity(arch, plan_name):
     entry = next(iter(osd["state"].values()))
     assert entry["exp_avg"].dtype == entry["exp_avg_sq"].dtype == BF16 and entry["step"].dtype == torch.float32
     if plan_name != "all-persistent":
-        assert engine.runtime.stats["cpu_updates"] > 0
+        assert engine.scheduler.stats["cpu_updates"] > 0
 
 
 def test_model_already_in_bf16():
@@ -97,7 +97,7 @@ def test_threaded_cpu_adam(monkeypatch):
     data = batches(5)
     ref, _, ref_losses = reference(model, data)
     engine = wrap_bf16(model, pt.Plan(n_persist=0, n_buffer=2))
-    assert engine.runtime.threaded
+    assert engine.scheduler.threaded
     assert train_engine(engine, data) == ref_losses
     assert_same_state(engine.state_dict(), ref.state_dict())
 

@@ -313,7 +313,7 @@ def test_cpu_adam_overlaps_the_next_forward(precision, clipping, device, monkeyp
     x = batches(1, device=device)[0]
     run_engine(engine, [x])  # warm-up
     engine.wait_for_updates()
-    rt = engine.runtime
+    rt = engine.scheduler
     rt.events.clear()
     rt.record_events = True
     engine.backward(engine.module(input_ids=x, labels=x).loss)

@@ -132,7 +132,7 @@ def test_wrap_with_the_old_keywords_trains_exactly_as_with_the_config():
         else:
             engine = pt.wrap(model, opt, PLAN, device="cpu", config=pt.ProTrainConfig(
                 planning={"chunk_size": 2**16}, clipping=("norm", 0.05), runtime={"check_invariants": True}))
-        assert engine.runtime.check_invariants and engine.layout.chunk_size == 2**16
+        assert engine.scheduler.check_invariants and engine.layout.chunk_size == 2**16
         runs.append((train_engine(engine, data), engine.gradient_clipping))
         engine.close()
     assert runs[0] == runs[1]
@@ -174,8 +174,8 @@ def _engine(precision="32-true", plan=pt.Plan(n_persist=0, n_buffer=1), **runtim
 
 
 def test_cpu_adam_thread_puts_the_updates_on_the_worker_thread():
-    assert not _engine().runtime.threaded
-    assert _engine(cpu_adam_thread=True).runtime.threaded
+    assert not _engine().scheduler.threaded
+    assert _engine(cpu_adam_thread=True).scheduler.threaded
 
 
 def test_one_pass_kernel_off_runs_the_separate_passes_with_the_same_results(monkeypatch):

@@ -516,10 +516,10 @@ def _collective_schedule(rank, world):
     chunk collectives the sharding issues (and whether they block), and the waits for them."""
     from protrain_core.runtime import device as D
     from protrain_core.runtime import sharding as S
-    from protrain_core.runtime.scheduler import Runtime
+    from protrain_core.runtime.scheduler import Scheduler
 
     events = []
-    all_reduce, broadcast, wait, on_grad = S.dist.all_reduce, S.dist.broadcast, D.HostEvent.wait, Runtime.on_grad
+    all_reduce, broadcast, wait, on_grad = S.dist.all_reduce, S.dist.broadcast, D.HostEvent.wait, Scheduler.on_grad
 
     def recording_all_reduce(t, *args, async_op=False, **kw):
         events.append(("issue", async_op))
@@ -538,7 +538,7 @@ def _collective_schedule(rank, world):
         return on_grad(self, *args)
 
     S.dist.all_reduce, S.dist.broadcast = recording_all_reduce, recording_broadcast
-    D.HostEvent.wait, Runtime.on_grad = recording_wait, recording_on_grad
+    D.HostEvent.wait, Scheduler.on_grad = recording_wait, recording_on_grad
     try:
         model = tiny_llama(seed=0)
         engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), standard_plans(model)["all-persistent"],
@@ -553,7 +553,7 @@ def _collective_schedule(rank, world):
         chunks = len(engine.chunks)
         engine.close()
     finally:
-        S.dist.all_reduce, S.dist.broadcast, D.HostEvent.wait, Runtime.on_grad = all_reduce, broadcast, wait, on_grad
+        S.dist.all_reduce, S.dist.broadcast, D.HostEvent.wait, Scheduler.on_grad = all_reduce, broadcast, wait, on_grad
     return events, chunks
 
 

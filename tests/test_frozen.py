@@ -113,7 +113,7 @@ def test_frozen_parameters_train_like_the_recipe(arch, pattern, plan_name, preci
     for k, v in ref_values.items():
         torch.testing.assert_close(sd[k], v, rtol=ulp, atol=0, msg=k)
     if plan_name != "all-persistent":
-        assert engine.runtime.stats["offloads"] > 0 and engine.runtime.stats["cpu_updates"] > 0
+        assert engine.scheduler.stats["offloads"] > 0 and engine.scheduler.stats["cpu_updates"] > 0
 
 
 def test_a_frozen_chunk_is_uploaded_and_never_offloaded():
@@ -122,9 +122,9 @@ def test_a_frozen_chunk_is_uploaded_and_never_offloaded():
                      pt.Plan(n_persist=0, n_buffer=1), device="cpu")
     frozen = {c.index for c in engine.chunks if not c.storage.fmt.trains}
     assert frozen
-    engine.runtime.record_events = True
+    engine.scheduler.record_events = True
     train_engine(engine, batches(2))
-    events = engine.runtime.events
+    events = engine.scheduler.events
     assert {i for what, i, _ in events if what == "fetch"} >= frozen
     assert not {i for what, i, _ in events if what == "offload"} & frozen
 

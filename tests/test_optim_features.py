@@ -104,7 +104,7 @@ def test_gradient_accumulation(plan, precision):
         ref_sd = ref_engine.state_dict()
         assert all(torch.equal(v, ref_sd[k]) for k, v in engine.state_dict().items())
     streamed = engine.layout.n_chunks - plan.n_persist
-    assert engine.runtime.stats["cpu_updates"] == 4 * streamed
+    assert engine.scheduler.stats["cpu_updates"] == 4 * streamed
 
 
 def test_accumulation_without_no_sync_is_refused():

@@ -19,7 +19,7 @@ def first_step(engine, x):
 
 
 def _timeline(engine, x):
-    rt = engine.runtime
+    rt = engine.scheduler
     rt.events.clear()
     rt.record_events = True
     loss = engine.module(input_ids=x, labels=x).loss
@@ -47,7 +47,7 @@ def test_cpu_adam_starts_before_backward_ends_on_cpu(threaded, monkeypatch):
     begin_last = next(t for what, c, t in events if what == "cpu_adam_begin" and c == last)
     offload_first = next(t for what, c, t in events if what == "offload" and c == 0)
     assert begin_last < offload_first < backward_end
-    assert engine.runtime.threaded == (threaded == "1")
+    assert engine.scheduler.threaded == (threaded == "1")
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
@@ -147,7 +147,7 @@ def test_cuda_worker_uses_the_cores_the_process_owns(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     model = tiny_gpt2()
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), pt.Plan(n_persist=0, n_buffer=2), device="cuda")
-    n = engine.runtime.worker.threads
+    n = engine.scheduler.worker.threads
     assert n == worker_threads(1)[0] and f"CPU worker: {n} thread" in engine.summary()
-    assert engine.runtime.worker.submit(torch.get_num_threads).result() == n
+    assert engine.scheduler.worker.submit(torch.get_num_threads).result() == n
     engine.close()

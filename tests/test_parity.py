@@ -44,7 +44,7 @@ def test_fp32_parity(arch, plan_name):
     assert_same_weights(engine.state_dict(), ref)
     assert ref_losses[-1] < ref_losses[0]  # it trains
     if plan.n_persist < engine.layout.n_chunks:
-        stats = engine.runtime.stats
+        stats = engine.scheduler.stats
         assert stats["offloads"] > 0 and stats["cpu_updates"] > 0 and stats["fetches"] > 0
 
 

@@ -120,7 +120,7 @@ def test_device_memory_during_a_switch_stays_within_the_larger_plan(monkeypatch)
 
         def moved(self, original=original):
             original(self)
-            seen.append(engine.runtime.device_bytes())
+            seen.append(engine.scheduler.device_bytes())
 
         monkeypatch.setattr(Chunk, verb, moved)
 

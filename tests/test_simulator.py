@@ -103,7 +103,7 @@ def test_simulated_path_trains_bitwise_like_pytorch(name):
     with sim:
         engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), standard_plans(model)[name],
                          device=sim, config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
-        assert engine.runtime.threaded  # the GPU's path: the worker on its own (simulated) thread
+        assert engine.scheduler.threaded  # the GPU's path: the worker on its own (simulated) thread
         losses = train_engine(engine, data)
     assert losses == ref_losses
     state = engine.state_dict()

@@ -226,7 +226,7 @@ def test_device_bytes_invariant_at_every_hook(make, plan, precision):
     persistent bytes + n_buffer x (chunk params + chunk grads)."""
     model = make()
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), plan, precision=precision, device="cpu")
-    rt = engine.runtime
+    rt = engine.scheduler
     calls = {"n": 0, "max_resident": 0, "max_bytes": 0}
     original = rt.assert_invariants
 

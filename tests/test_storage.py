@@ -33,7 +33,7 @@ def test_profile_facts_match_the_allocation(precision, amsgrad):
         for c in engine.chunks:
             if c.persistent:
                 assert c.device_bytes() == facts["persist_bytes"][c.index]
-        assert engine.runtime.device_bytes_bound() == (
+        assert engine.scheduler.device_bytes_bound() == (
             sum(facts["persist_bytes"][:n_persist]) + min(2, n - n_persist) * facts["buffer_bytes"])
         engine.close()
     S = engine.layout.chunk_size

@@ -33,7 +33,7 @@ def test_timeline_of_a_step_with_the_worker_thread(monkeypatch):
     data = batches(3)
     for x in data[:2]:  # the first step holds its updates for a late clipping request
         step(engine, x)
-    fetches = engine.runtime.stats["fetches"]
+    fetches = engine.scheduler.stats["fetches"]
     with engine.record_timeline() as timeline:
         step(engine, data[2])
     assert timeline.spans and all(0 <= s.start <= s.end for s in timeline.spans)
@@ -42,7 +42,7 @@ def test_timeline_of_a_step_with_the_worker_thread(monkeypatch):
     assert all(a.end <= b.start for a, b in zip(phases, phases[1:]))
     streamed = [c.index for c in engine.chunks if not c.persistent]
     uploads = [s for s in timeline.lane("host->device") if s.label.startswith("chunk")]
-    assert len(uploads) == engine.runtime.stats["fetches"] - fetches
+    assert len(uploads) == engine.scheduler.stats["fetches"] - fetches
     assert {s.label for s in uploads} == {f"chunk {i}" for i in streamed}
     offloads = [s.label for s in timeline.lane("device->host") if s.label.startswith("chunk")]
     assert sorted(offloads) == sorted(f"chunk {i}" for i in streamed)  # once each, in backward
@@ -96,7 +96,7 @@ def test_recording_changes_nothing_and_only_while_entered(monkeypatch):
     a, b = e0.state_dict(), e1.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # Detached on exit: the step after the context records nothing.
-    assert e1.ctx.timeline is None and e1.runtime.timeline is None
+    assert e1.ctx.timeline is None and e1.scheduler.timeline is None
     calls = []
     timeline.add = timeline.begin = lambda *a, **k: calls.append(a)
     step(e1, data[0])
@@ -118,7 +118,7 @@ def test_an_error_inside_the_recording_detaches_it():
         with engine.record_timeline() as timeline:
             step(engine, data[0])
             raise ValueError("user code")
-    assert engine.ctx.timeline is None and engine.runtime.timeline is None and not timeline.spans
+    assert engine.ctx.timeline is None and engine.scheduler.timeline is None and not timeline.spans
     assert torch.isfinite(step(engine, data[1]))
     with engine.record_timeline() as again:  # and a new recording works
         step(engine, data[0])

@@ -37,8 +37,8 @@ the schedule, and the model charges each part where it runs (profiled separately
   unscale joins; the norms are not charged, they read what the landing wrote and hide in
   backward), and after backward, in forward order,
   clipping's passes, Adam and the copy back (U_c - L_c), which the next forward waits for.
-Charging U_c whole after backward put the fp16 rows of ``benchmarks/bench_simulator.py`` 5 %
-above their simulated step.
+Charging U_c whole after backward over-predicted the fp16 rows of
+``benchmarks/bench_simulator.py`` (docs/benchmarks.md).
 """
 
 from __future__ import annotations

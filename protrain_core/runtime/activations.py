@@ -18,10 +18,14 @@ enters the block's ``saved_tensors_hooks`` (counting or swapping what autograd s
 a swapped block, drops the key/value cache arguments; the forward hook (``always_call``) leaves
 it and registers the prefetch hooks on the outputs. A checkpointed block needs its forward to
 run *inside* ``torch.utils.checkpoint.checkpoint``, and no public hook can do that (the
-composable ``checkpoint`` API lives in a private module; a wrapper module, as
-``checkpoint_wrapper`` makes, would rename the block's parameters in every state dict). So the
-manager gives a checkpointed block an *instance* ``forward`` attribute that calls the original
-inside ``checkpoint`` (the class is not touched; ``remove()`` restores it). Module hooks stay
+composable ``checkpoint`` API lives in a private module). A wrapper module, as
+``checkpoint_wrapper`` makes, keeps state-dict keys (its hooks strip the wrapper's prefix), but
+it changes what else names the block: ``named_parameters()`` and ``named_modules()`` of the
+root gain the wrapper's prefix (names the chunk layout, the optimizer's parameter names, PEFT
+and the user's code read), and every re-plan that checkpoints another block would swap modules
+in their parents under code that holds references to them. So the manager gives a checkpointed
+block an *instance* ``forward`` attribute that calls the original inside ``checkpoint`` (the
+class, the module tree and every name stay as they are; ``remove()`` restores it). Module hooks stay
 outside: the chunk runtime's forward pre-hook makes the block's chunks resident before the
 wrapper runs, and checkpoint recomputation calls the original ``forward`` directly, so the
 hooks do not run again during backward. What makes the chunks resident for the recomputation

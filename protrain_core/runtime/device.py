@@ -50,7 +50,7 @@ Waits on the CPU worker (no device involved):
 - ``wait_all``: ``wait_for_updates``, ``zero_grad`` (for jobs it must not race), state dicts;
 - the worker itself waits for each gradient offload it lands (its own thread).
 Host collectives between ranks (sharded; gloo, no device): one before each backward, on which
-parameters the losses reach (``Runtime.check_usage``: [Note: sharded chunks]); the longest
+parameters the losses reach (``Scheduler.check_usage``: [Note: sharded chunks]); the longest
 batch of the ranks before each micro-batch when plans follow batch lengths
 (``Sharding.max_on_host``); the budgets at ``wrap``. Not the runtime's: the model's own reads
 (Hugging Face's attention-mask code reads a device value in every forward) and the user's

@@ -8,6 +8,7 @@ the same public methods: ``set_block_modes``, ``on_recompute``, ``autocast``, ``
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,7 +27,7 @@ from protrain_core.runtime.gradients import StepGradients
 from protrain_core.runtime.hooks import RuntimeHooks
 from protrain_core.runtime.optim import ChunkOptimizer
 from protrain_core.runtime.options import EngineOptions
-from protrain_core.runtime.scheduler import Runtime
+from protrain_core.runtime.scheduler import Scheduler, UpdatePolicy
 from protrain_core.runtime.sharding import Sharding, broadcast_module
 from protrain_core.runtime.storage import ChunkFormat, ChunkStorage, chunk_formats
 from protrain_core.runtime.timeline import Timeline
@@ -70,10 +71,9 @@ class Engine:
                                                    world_size=self.world_size))
         self._slot_of: dict[int, tuple[Chunk, int]] = {id(p): (c, i) for c in self.chunks for i, p in enumerate(c.params)}
         n_buffer = min(plan.n_buffer, len(self.chunks) - plan.n_persist)
-        self.runtime = Runtime(self.chunks, self.ctx, self._optim, self.phase, n_buffer=n_buffer,
-                               switches=options.runtime)
         self.grads = StepGradients(self._optim, self.scaler, self.chunks, self.ctx)
-        self.runtime.finisher = self.grads.finisher
+        self.scheduler = Scheduler(self.chunks, self.ctx, self._optim, self.phase, n_buffer=n_buffer,
+                                   switches=options.runtime, finisher=self.grads.finisher)
         self._set_update_mode()
         self.hooks = self._runtime_hooks()
         self.activations: ActivationManager | None = None
@@ -131,7 +131,7 @@ class Engine:
     def _runtime_hooks(self) -> RuntimeHooks:
         """The runtime's hooks on every unit (they act for units with a streamed chunk: which
         those are changes with ``replan``), and on every trainable parameter."""
-        return RuntimeHooks(self.runtime, unit_chunks(self.module, self.layout), self.chunks)
+        return RuntimeHooks(self.scheduler, unit_chunks(self.module, self.layout), self.chunks)
 
     def replan(self, plan: Plan | dict) -> None:
         """Run with ``plan`` from the next step on, keeping every state (weights, gradients not yet
@@ -144,8 +144,8 @@ class Engine:
         self._check_open()
         if self.phase.phase is not TrainingPhase.IDLE or any(c.applied or c.receiving for c in self.chunks):
             raise RuntimeError("engine.replan() was called within a step; call it after engine.step().")
-        self.runtime.wait_all()
-        self.runtime.release_all()
+        self.scheduler.wait_all()
+        self.scheduler.release_all()
         old, new = self.plan.n_persist, plan.n_persist
         leaving = self.chunks[new:old]
         self.ctx.check_host_memory(sum(c.storage.fmt.streamed_host_bytes for c in leaving), "offloaded model states")
@@ -154,7 +154,7 @@ class Engine:
         for c in self.chunks[old:new]:
             c.persist()
         self.plan = plan
-        self.runtime.reconfigure(min(plan.n_buffer, len(self.chunks) - new))
+        self.scheduler.reconfigure(min(plan.n_buffer, len(self.chunks) - new))
         self.set_block_modes(plan.block_modes(self.layout.n_blocks))
 
     def set_block_modes(self, modes: tuple[BlockMode, ...]) -> None:
@@ -225,7 +225,7 @@ class Engine:
         rebound = [(c, members) for c in self.chunks if (members := c.rebound())]
         if not rebound:
             return
-        self.runtime.wait_all()
+        self.scheduler.wait_all()
         for c, members in rebound:
             c.adopt(members)
 
@@ -275,10 +275,10 @@ class Engine:
         if not self._no_sync:
             self._check_trains("backward() outside no_sync()")
         self._set_update_mode()
-        self.runtime.check_usage(loss)  # W processes: the ranks' losses reach the same parameters
+        self.scheduler.check_usage(loss)  # W processes: the ranks' losses reach the same parameters
         self._notify("backward_begins")
         try:
-            with self.runtime.backward_pass(boundary=not self._no_sync), self.activations.backward_pass():
+            with self.scheduler.backward_pass(boundary=not self._no_sync), self.activations.backward_pass():
                 if self.scaler is not None:
                     loss = loss * self.scaler.scale.to(loss.device)
                 loss.backward() if run is None else run(loss)
@@ -304,20 +304,20 @@ class Engine:
         with self.phase.entered(TrainingPhase.STEP, leaving=TrainingPhase.IDLE,
                                 error="engine.step() was called during backward."):
             hps = self._optim.snapshot()
-            if any(c.applied for c in self.chunks) and hps != self.runtime.hps:
+            if any(c.applied for c in self.chunks) and hps != self.scheduler.hps:
                 raise RuntimeError(
                     "The optimizer's hyper-parameters changed between engine.backward() and "
                     "engine.step(), but ProTrain already applied the backward-time values to the "
                     "offloaded chunks. Change lr (e.g. scheduler.step()) after engine.step()."
                 )
             if self.grads.needs_finishing():
-                self.runtime.wait_all()  # every gradient is in its accumulator, none was used yet
+                self.scheduler.wait_all()  # every gradient is in its accumulator, none was used yet
                 self.grads.finish_all()
             clip, runs = self.grads.step_clip()
             if runs:
-                self.runtime.step(hps, clip, wait=self.runtime.update_during_backward)
+                self.scheduler.step(hps, clip, wait=self.scheduler.policy.during_backward)
             else:
-                self.runtime.finish_step()  # fp16 overflow: the step is skipped
+                self.scheduler.finish_step()  # fp16 overflow: the step is skipped
             self.grads.end_step()
         # Runs the optimizer's step hooks and LR-scheduler bookkeeping. No parameter holds a
         # .grad (the engine keeps gradients in chunks), so torch's update loop skips them all.
@@ -339,25 +339,25 @@ class Engine:
         if self.ctx.timeline is not None:
             raise RuntimeError("engine.record_timeline() is already recording; record one timeline at a time.")
         timeline = Timeline(self.ctx)
-        self.ctx.timeline = self.runtime.timeline = timeline
+        self.scheduler.set_timeline(timeline)
         handle = self.observe(timeline)
         try:
             yield timeline
-            self.runtime.wait_all()
+            self.scheduler.wait_all()
         finally:
             handle.remove()
-            self.ctx.timeline = self.runtime.timeline = None
+            self.scheduler.set_timeline(None)
         timeline.finish()  # only after a recording that ended well: an error propagates as it was
 
     def wait_for_updates(self) -> None:
         """Return when every chunk's update is over (see ``step``): before reading parameters
         directly between ``step()`` and the next forward."""
         self._check_open()
-        self.runtime.wait_all()
+        self.scheduler.wait_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._check_open()
-        self.runtime.zero_grad()
+        self.scheduler.zero_grad()
         self.grads.discard()
 
     # ----- update configuration -------------------------------------------------------------
@@ -387,9 +387,8 @@ class Engine:
                 "already updated offloaded chunks during backward with the previous setting. Change "
                 "it after engine.step(), before the next backward."
             )
-        self.runtime.wait_all()  # no update in flight reads the setting
-        self.grads.configured = clipping
-        self.grads.last_norm = None
+        self.scheduler.wait_all()  # no update in flight reads the setting
+        self.grads.set_policy(dataclasses.replace(self.grads.policy, configured=clipping))
         self._set_update_mode()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
@@ -420,7 +419,7 @@ class Engine:
         clipping = parse_gradient_clipping(algorithm, value, norm_type)
         self._check_step_gradients(f"engine.clip_grad_{algorithm}_()")
         self.grads.check_request(clipping, updated_in_backward=any(c.applied for c in self.chunks))
-        self.runtime.wait_all()  # every gradient in its accumulator
+        self.scheduler.wait_all()  # every gradient in its accumulator
         self.grads.finish_all()
         return clipping
 
@@ -438,7 +437,7 @@ class Engine:
                 "the offloaded chunks' gradients were clamped when they were updated during backward. Request "
                 "the clipping between backward and step instead (engine.clip_grad_value_) to measure it first."
             )
-        self.runtime.wait_all()
+        self.scheduler.wait_all()
         self.grads.finish_all()
         return self.grads.total_norm(norm_type)
 
@@ -457,7 +456,7 @@ class Engine:
             return False
         accumulated = (self._manual and any(c.has_gradients for c in self.chunks)
                        and not any(c.applied for c in self.chunks))
-        return self.runtime.stepped_backward or accumulated
+        return self.scheduler.stepped_backward or accumulated
 
     def _check_step_gradients(self, what: str) -> None:
         self._check_open()
@@ -474,8 +473,8 @@ class Engine:
         step is held for it (a late request is then refused). Not called: the first step is held,
         and every step after one that clipped late."""
         parse_gradient_clipping("norm", 1.0, norm_type)
-        self.grads.expect_late = norm_type if expected else None
-        self.grads.hold_first = expected
+        self.grads.set_policy(dataclasses.replace(self.grads.policy, expect_late=norm_type if expected else None,
+                                                  hold_first=expected))
         self._set_update_mode()
 
     @property
@@ -493,8 +492,8 @@ class Engine:
         return overlap_mode(self.precision, self.grads.configured, late_clipping=self.grads.late_reason(steady=steady))
 
     def _set_update_mode(self) -> None:
-        self.runtime.update_during_backward = self._overlap().during_backward
-        self.runtime.landing_clip = self.grads.landing_clip()
+        self.scheduler.set_policy(UpdatePolicy(during_backward=self._overlap().during_backward,
+                                               landing_clip=self.grads.landing_clip()))
 
     def steady_overlap(self) -> Overlap:
         """The schedule after the first step (what plans are searched for)."""
@@ -524,7 +523,7 @@ class Engine:
             )
         if not self._reading_states:
             self._adopt_rebound()
-        self.runtime.wait_all()
+        self.scheduler.wait_all()
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         """``optimizer.step()`` by the user instead of ``engine.step()``: refused with the fix."""
@@ -553,7 +552,7 @@ class Engine:
         own states, one gathered chunk and (rank 0) the result. A tensor under several names (tied
         weights) is one tensor under each, as in ``module.state_dict()``: saved once."""
         self._adopt_rebound()
-        self.runtime.wait_all()
+        self.scheduler.wait_all()
         keep = not rank0_only or self.rank == 0
         out, seen = {}, {}
         gathered: tuple[Chunk | None, list] = (None, [])  # the last chunk's whole values
@@ -594,7 +593,7 @@ class Engine:
         for key, value in state_dict.items():
             if key in expected and tuple(value.shape) != tuple(expected[key].shape):
                 raise ValueError(f"load_state_dict: {key} has shape {tuple(value.shape)}, expected {tuple(expected[key].shape)}")
-        self.runtime.release_all()
+        self.scheduler.release_all()
         with torch.no_grad():
             for key, value in state_dict.items():
                 t = expected.get(key)
@@ -609,7 +608,7 @@ class Engine:
     def optimizer_state_dict(self, *, rank0_only: bool = True) -> dict:
         """The optimizer state in ``torch.optim.AdamW.state_dict()`` format, on the CPU (sharded:
         gathered chunk by chunk, kept by rank 0 only unless ``rank0_only`` is False)."""
-        self.runtime.wait_all()
+        self.scheduler.wait_all()
         return self._optim.state_dict(self._slot_of, keep=not rank0_only or self.rank == 0)
 
     @property
@@ -619,7 +618,7 @@ class Engine:
 
     def load_optimizer_state_dict(self, state_dict: dict) -> None:
         self._check_open()
-        self.runtime.wait_all()
+        self.scheduler.wait_all()
         self._optim.load_state_dict(state_dict, self._slot_of)
 
     def scaler_state_dict(self) -> dict | None:
@@ -643,7 +642,7 @@ class Engine:
 
     def device_bytes(self) -> int:
         """Device memory held by model states right now (persistent chunks + chunk buffers)."""
-        return self.runtime.device_bytes()
+        return self.scheduler.device_bytes()
 
     def host_bytes(self) -> int:
         """Host memory of the streamed chunks' model states (their exact-size buffers)."""
@@ -691,14 +690,14 @@ class Engine:
                 self._clipping_line(),
                 f"activations per block: {describe_modes(self.block_modes)}",
                 f"device model-state bytes now {self.device_bytes() / mib:.2f} MiB "
-                f"(bound {self.runtime.device_bytes_bound() / mib:.2f} MiB); "
+                f"(bound {self.scheduler.device_bytes_bound() / mib:.2f} MiB); "
                 f"host {self.host_bytes() / mib:.2f} MiB ({'pinned' if self.host_pinned else 'pageable'})",
                 self.layout.summary(self.precision.compute_dtype.itemsize, self.plan.n_persist),
             ]
         )
 
     def _worker_line(self) -> str:
-        worker = self.runtime.worker
+        worker = self.scheduler.worker
         line = worker.threads_why if worker.threads is None else \
             f"{worker.threads} thread{'s' if worker.threads > 1 else ''} ({worker.threads_why})"
         if self.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED) and self._optim.kind is None:
@@ -722,8 +721,8 @@ class Engine:
         if not after_failure:
             self._notify("engine_closes")
             self._adopt_rebound()
-            self.runtime.wait_all()
-            self.runtime.release_all()
+            self.scheduler.wait_all()
+            self.scheduler.release_all()
             for c in self.chunks:
                 c.detach_params()  # sharded: gathered, a collective per chunk
         self.hooks.remove()
@@ -734,7 +733,7 @@ class Engine:
         for h in self._state_dict_hooks:
             h.remove()
         self._step_hook.remove()
-        self.runtime.shutdown(wait=not after_failure)
+        self.scheduler.shutdown(wait=not after_failure)
         self.module._protrain_engine = None
         self._closed = True
 

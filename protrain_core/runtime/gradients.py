@@ -80,15 +80,22 @@ class Finishing:
         self.finished[self.chunk.index] = _Finished(found, norms, self.members)
 
 
+@dataclass(frozen=True)
+class ClippingPolicy:
+    """What the engine was told about clipping."""
+
+    configured: GradientClipping | None = None  # applied at every step (wrap / set_gradient_clipping)
+    expect_late: float | None = None  # clipping comes late at any step: the norm type to finish early
+    hold_first: bool = True  # hold the first step for a late request (False: no late request will come)
+
+
 class StepGradients:
     """What the engine knows about clipping, and the finished gradients of the current step."""
 
     def __init__(self, optim: ChunkOptimizer, scaler: LossScaler | None, chunks: list[Chunk], ctx: DeviceContext) -> None:
         self.optim, self.scaler, self.chunks, self.ctx, self.device = optim, scaler, chunks, ctx, ctx.device
         self.sharding = chunks[0].storage.sharding if chunks else None  # norms and overflow all-reduced
-        self.configured: GradientClipping | None = None  # applied at every step (wrap / set_gradient_clipping)
-        self.expect_late: float | None = None  # clipping comes late at any step: the norm type to finish early
-        self.hold_first = True  # hold the first step for a late request (False: no late request will come)
+        self.policy = ClippingPolicy()  # set_policy
         self.late_seen = False  # some step clipped late
         self.steps = 0
         self.last_norm: Tensor | None = None  # total norm before clipping, of the last norm clipping
@@ -97,14 +104,24 @@ class StepGradients:
         self._finished: dict[int, _Finished] = {}  # chunk index -> (streamed chunks: written by the worker)
 
     # ----- the schedule ---------------------------------------------------------------------
+    def set_policy(self, policy: ClippingPolicy) -> None:
+        """Between steps. Another configured clipping forgets the last norm."""
+        if policy.configured != self.policy.configured:
+            self.last_norm = None
+        self.policy = policy
+
+    @property
+    def configured(self) -> GradientClipping | None:
+        return self.policy.configured
+
     def late_reason(self, *, steady: bool = False) -> str | None:
         """Why the next backward must hold the CPU updates for a late clipping request (None: it
         need not); ``steady``: after the first step."""
         if self.configured is not None:
             return None  # a late request must then match it: nothing to hold for
-        if self.expect_late is not None:
+        if self.policy.expect_late is not None:
             return "gradient clipping requested after backward"
-        if not self.hold_first:
+        if not self.policy.hold_first:
             return None
         if self.late_seen:
             return "gradient clipping requested after backward in an earlier step"
@@ -115,7 +132,7 @@ class StepGradients:
     def _norm_type(self) -> float | None:
         if clips_norm(self.configured):
             return self.configured.norm_type
-        return self.expect_late
+        return self.policy.expect_late
 
     # ----- finishing ------------------------------------------------------------------------
     def finisher(self, chunk: Chunk) -> Finishing | None:

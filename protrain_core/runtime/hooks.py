@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from protrain_core.runtime.chunk import Chunk
-from protrain_core.runtime.scheduler import Runtime
+from protrain_core.runtime.scheduler import Scheduler
 from protrain_core.utils import iter_tensors
 
 
@@ -50,11 +50,11 @@ class UnitCall:
 
 
 class RuntimeHooks:
-    def __init__(self, runtime: Runtime, units: dict[nn.Module, tuple[int, ...]], chunks: list[Chunk]) -> None:
+    def __init__(self, scheduler: Scheduler, units: dict[nn.Module, tuple[int, ...]], chunks: list[Chunk]) -> None:
         """``units``: hooked modules -> the chunks their forward needs. A unit's hooks act while
         one of those chunks is streamed (a re-plan between steps changes which are), so the
         hooks of a call are the same from its forward to the end of its backward."""
-        self.runtime = runtime
+        self.scheduler = scheduler
         self.chunks = chunks
         self.handles = []
         self._running: list[UnitCall] = []  # the unit calls whose forward is running, outermost first
@@ -86,7 +86,7 @@ class RuntimeHooks:
             if torch.is_grad_enabled():  # (inference tensors have no version counter)
                 call.inputs = {id(t): t._version for t in iter_tensors((args, kwargs)) if not t.is_inference()}
             self._running.append(call)  # before anything that can raise: the post-hook pops it
-            self.runtime.pre_forward(idxs)
+            self.scheduler.pre_forward(idxs)
 
         return hook
 
@@ -95,7 +95,7 @@ class RuntimeHooks:
             if id(module) not in self._units or not self._streams(idxs):
                 return
             call = self._running.pop()
-            self.runtime.post_forward(idxs)
+            self.scheduler.post_forward(idxs)
             if not torch.is_grad_enabled():
                 return
             for t in iter_tensors(output):
@@ -107,12 +107,12 @@ class RuntimeHooks:
 
     def _pre_backward(self, call: UnitCall):
         def hook(_grad):
-            self.runtime.begin_unit_backward(call)
+            self.scheduler.begin_unit_backward(call)
 
         return hook
 
     def _post_accumulate_grad(self, chunk: Chunk, i: int):
         def hook(p: Tensor) -> None:
-            self.runtime.on_grad(chunk, i, p)
+            self.scheduler.on_grad(chunk, i, p)
 
         return hook

@@ -38,6 +38,7 @@ overlap the next forward, the chunk's next fetch, ``wait_all`` and everything th
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -50,13 +51,23 @@ from protrain_core.runtime.options import RuntimeConfig
 from protrain_core.runtime.worker import CpuWorker
 from protrain_core.utils import traced
 
-# Events of the timeline that are also counted in ``Runtime.stats``.
+# Events of the timeline that are also counted in ``Scheduler.stats``.
 _COUNTED = {"fetch": "fetches", "offload": "offloads", "evict": "evictions", "cpu_adam_end": "cpu_updates"}
 
 
-class Runtime:
+@dataclass(frozen=True)
+class UpdatePolicy:
+    """When streamed chunks are updated (the engine's decision from ``update.overlap_mode``)."""
+
+    during_backward: bool = True  # as soon as a chunk's gradients are offloaded (else after backward)
+    landing_clip: UpdateClip = UpdateClip()  # the clipping of updates during backward (elementwise only)
+
+
+class Scheduler:
     def __init__(self, chunks: list[Chunk], ctx: DeviceContext, optim: ChunkOptimizer, phase: PhaseTracker, *,
-                 n_buffer: int, switches: RuntimeConfig) -> None:
+                 n_buffer: int, switches: RuntimeConfig, finisher=None) -> None:
+        """``finisher(chunk)``: the worker's job finishing a streamed chunk's gradients at a
+        boundary, or None (``StepGradients.finisher``)."""
         self.chunks = chunks
         self.streamed = [c for c in chunks if not c.persistent]
         self.ctx = ctx
@@ -64,9 +75,8 @@ class Runtime:
         self.optim = optim
         self.phase = phase
         self.n_buffer = n_buffer
-        self.update_during_backward = True  # set by the engine from update.overlap_mode
-        self.landing_clip = UpdateClip()  # the clipping of updates during backward (elementwise only)
-        self.finisher = None  # chunk -> the worker's job finishing its gradients at a boundary (or None)
+        self.policy = UpdatePolicy()  # set_policy
+        self.finisher = finisher
         self._after_step: set[int] = set()  # chunks whose update step() handed out and did not wait for
         self._stepped_backward = False  # a backward outside no_sync ran since the last step / zero_grad
         self.check_invariants = switches.check_invariants
@@ -90,6 +100,14 @@ class Runtime:
     def stepped_backward(self) -> bool:
         """A backward outside ``no_sync`` ran since the last step (its gradients are the step's)."""
         return self._stepped_backward
+
+    def set_policy(self, policy: UpdatePolicy) -> None:
+        """Between steps (no update in flight reads it)."""
+        self.policy = policy
+
+    def set_timeline(self, timeline) -> None:
+        """Record into ``timeline`` (None: stop), on the device context too."""
+        self.timeline = self.ctx.timeline = timeline
 
     @property
     def threaded(self) -> bool:
@@ -258,8 +276,8 @@ class Runtime:
         at_boundary = final and self.boundary
         finish = self.finisher(c) if at_boundary and self.finisher is not None else None
         update = None
-        if at_boundary and self.update_during_backward:
-            update = (self.hps, self.optim.selected(c), self.landing_clip)
+        if at_boundary and self.policy.during_backward:
+            update = (self.hps, self.optim.selected(c), self.policy.landing_clip)
         worker = self.worker
 
         def submit(event, landing, replace):

@@ -34,7 +34,7 @@ only on the state machines of the chunks, never on timing (a prefetch waits for 
 update instead of skipping a chunk still updating), and the planner's decisions are rank 0's,
 broadcast (``agree``). What the runtime cannot decide alone is which parameters get gradients:
 that is the user's graph. So before each backward the ranks compare, in one host all-reduce
-(``Runtime.check_usage``), which parameters their losses reach (the autograd graph's leaves,
+(``Scheduler.check_usage``), which parameters their losses reach (the autograd graph's leaves,
 as DDP's ``find_unused_parameters`` finds them), and stop together with the fix where they
 differ -- before any reduce-scatter could pair one rank's chunk with another's. The same
 collective compares a hash of the order in which the previous backward reduced its chunks,
@@ -104,11 +104,10 @@ class Sharding:
     # ----- collectives ---------------------------------------------------------------------------
     @property
     def _on_gloo(self) -> bool:
-        """gloo's own all-gather and reduce-scatter are its slowest ways to move a chunk (two
-        processes on the CPU, 168 MB, one thread each: all-gather 0.17-0.18 s and
-        reduce-scatter 0.16-0.20 s, against 0.09-0.10 s for an all-reduce and 0.034 s for one
-        broadcast per piece; docs/benchmarks.md, issue 26). So on gloo a gather is a broadcast
-        from each rank of its piece, and a reduction an all-reduce."""
+        """gloo's own all-gather and reduce-scatter are its slowest ways to move a chunk: slower
+        than an all-reduce, and than one broadcast per piece (measured in docs/benchmarks.md,
+        "gloo's gather by broadcasts"). So on gloo a gather is a broadcast from each rank of its
+        piece, and a reduction an all-reduce."""
         return "gloo" in self.backend
 
     def gather_(self, full: Tensor) -> None:
@@ -152,7 +151,7 @@ class Sharding:
         return t.tolist()
 
     def differences(self, used: list[bool], order: int) -> tuple[list[int], bool]:
-        """One host all-reduce, at the start of a backward (``Runtime.check_usage``): the
+        """One host all-reduce, at the start of a backward (``Scheduler.check_usage``): the
         positions of ``used`` (which parameters this rank's loss reaches) where the ranks
         differ, and whether ``order`` (a hash of the chunks the previous backward reduced, in
         order) differs. The ranks' collectives must come in the same order ([Note: sharded

@@ -82,7 +82,7 @@ class Timeline:
 
     # ----- the engine's events -------------------------------------------------------------------
     def event(self, what: str, index: int) -> None:
-        """The runtime's point events (``Runtime.record``): the CPU Adam of a chunk begins or ends."""
+        """The runtime's point events (``Scheduler.record``): the CPU Adam of a chunk begins or ends."""
         if what == "cpu_adam_begin":
             self.begin("CPU Adam", index, host=True)
         elif what == "cpu_adam_end":
