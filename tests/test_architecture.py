@@ -154,6 +154,24 @@ def test_no_module_reads_another_objects_private_attributes():
     assert offences == []
 
 
+def test_the_engine_sets_its_parts_through_their_methods():
+    """The engine hands the scheduler and the gradients their settings as immutable policies
+    (``set_policy``), never by assigning their fields."""
+    parts = {"scheduler", "grads", "ctx", "hooks", "activations", "phase"}
+    offences = []
+    path = ROOT / "protrain_core" / "runtime" / "engine.py"
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                owner = t.value if isinstance(t, ast.Attribute) else None
+                if isinstance(owner, ast.Attribute) and isinstance(owner.value, ast.Name) and \
+                        owner.value.id == "self" and owner.attr in parts:
+                    offences.append(f"engine.py:{node.lineno} {ast.unparse(t)}")
+    assert offences == []
+
+
 # Where an environment variable may set a default: the configuration's parts, and the profile
 # cache's directory where the cache is read.
 ENVIRONMENT_READERS = {"protrain_core/runtime/options.py", "protrain_core/config.py", "protrain_core/planner/profiles.py"}
