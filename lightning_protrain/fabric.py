@@ -3,8 +3,8 @@
 After ``fabric.launch()`` (Fabric asks for it with any strategy that controls backward sync),
 ``model, optimizer = fabric.setup(model, optimizer)`` hands both to the ProTrain engine.
 Without a plan the engine starts on a safe plan, profiles the first training steps (they
-train as usual) and then switches to the fastest plan that fits ``planning.memory_budget``, re-planning
-for batches of other lengths; ``example_inputs=`` (with ``loss_fn``, default ``output.loss``)
+train as usual) and then switches to the fastest plan that fits ``planning.memory_budget``,
+re-planning for batches of other lengths; ``example_inputs=`` (with ``loss_fn``, default ``output.loss``)
 profiles ahead at setup instead. The plan and, after a few more steps, the measured step time
 against the prediction are printed. Then ``fabric.backward(loss)``, ``optimizer.step()``,
 ``optimizer.zero_grad()`` (a step also clears the gradients it used: gradients are not carried
@@ -29,7 +29,6 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 import protrain_core as pt
-
 from lightning_protrain._common import (
     OneDevicePlumbing,
     ProcessesPlumbing,
@@ -104,10 +103,9 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
     Args:
         config: every ProTrain setting (``protrain_core.ProTrainConfig``, or a dict of its
             fields, or a ``Plan`` alone; ``ProTrainStrategy``), gradient clipping included:
-            ``config.clipping`` is
-            applied by the engine before every update, exactly as ``clip_grad_norm_`` ("norm")
-            or ``clip_grad_value_`` ("value") (``fabric.clip_gradients`` with the same setting
-            then only returns the norm).
+            ``config.clipping`` is applied by the engine before every update, exactly as
+            ``clip_grad_norm_`` ("norm") or ``clip_grad_value_`` ("value")
+            (``fabric.clip_gradients`` with the same setting then only returns the norm).
         example_inputs: one batch to profile ahead, at ``fabric.setup`` (default: profile the
             first training steps).
         loss_fn: ``loss_fn(output) -> loss`` for profiling ahead (default ``output.loss``).

@@ -6,8 +6,8 @@ The strategy is a thin adapter over ``protrain_core``:
               does nothing). Unless a plan is given, it starts on a safe plan and profiles the
               first training steps (they train as usual: ``training_step`` runs once per batch),
               then switches to the fastest plan that fits ``planning.memory_budget`` and re-plans
-              for batches of other lengths (``planning.max_tokens``: plan once); the explanation is printed
-              once, and the measured step time against the prediction after a few more steps
+              for batches of other lengths (``planning.max_tokens``: plan once); the explanation
+              is printed once, and the measured step time against the prediction after a few more steps
               (also logged as ``protrain/predicted_step_s`` and ``protrain/measured_step_s``).
   backward    ``engine.backward`` (streamed chunks are updated while it runs); a backward that
               Lightning runs outside ``optimizer_step`` is a non-final micro-batch of

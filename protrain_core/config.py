@@ -164,9 +164,9 @@ class ProTrainConfig:
         clipping = self.clipping
         if isinstance(clipping, dict):
             object.__setattr__(self, "clipping", _part(ClippingConfig, clipping, "clipping"))
-        elif isinstance(clipping, (tuple, list)):  # ("norm", 1.0): wrap's gradient_clipping form
-            object.__setattr__(self, "clipping", ClippingConfig(algorithm=clipping[0], value=clipping[1],
-                                                                **({"norm_type": clipping[2]} if len(clipping) > 2 else {})))
+        elif isinstance(clipping, (tuple, list)):  # ("norm", 1.0[, norm_type]): wrap's gradient_clipping form
+            fields = dict(zip(("algorithm", "value", "norm_type"), clipping))
+            object.__setattr__(self, "clipping", ClippingConfig(**fields))
         elif clipping is not None and not isinstance(clipping, ClippingConfig):
             raise ValueError(f"ProTrainConfig.clipping must be a ClippingConfig, a dict of its fields, "
                              f"(algorithm, value) or None, got {type(clipping).__name__}.")
@@ -238,12 +238,4 @@ def with_legacy_keywords(config: ProTrainConfig | None, keywords: dict, *, calle
             top[key] = value
         else:
             changes.setdefault(part, {})[key] = value
-    if not changes and not top:
-        return config
-    planning = changes.pop("planning", None)
-    if planning is not None:  # plan, memory_budget and max_tokens are checked together
-        fields = {f.name: getattr(config.planning, f.name) for f in dataclasses.fields(PlanningConfig)}
-        top["planning"] = PlanningConfig(**{**fields, **planning})
-    for part, values in changes.items():
-        top[part] = dataclasses.replace(getattr(config, part), **values)
-    return dataclasses.replace(config, **top)
+    return config.replace(**changes, **top) if changes or top else config

@@ -53,7 +53,7 @@ def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, preci
     n = max(1024, min(chunk_elems, 64 * 2**20))
     cdt = precision.compute_dtype
     sync = ctx.synchronize_device
-    host = torch.empty(n, dtype=cdt, device=ctx.host, pin_memory=ctx.pin_memory and switches.pin_memory)
+    host = torch.empty(n, dtype=cdt, device=ctx.host, pin_memory=switches.pins(ctx))
     dev = torch.empty(n, dtype=cdt, device=ctx.device)
     host.fill_(1)
     nbytes = n * cdt.itemsize

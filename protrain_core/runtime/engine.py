@@ -113,10 +113,10 @@ class Engine:
         params = dict(self.module.named_parameters())
         if self.sharding is not None:  # every rank starts from rank 0's values, as DDP does
             broadcast_module(self.module, self.sharding, dev)
-        chunks = []
+        chunks, pin = [], self.options.runtime.pins(self.ctx)
         for spec, fmt in zip(self.layout.chunks, formats):
             members = [params[m.name] for m in spec.members]
-            storage = ChunkStorage(fmt, persistent=spec.index < n_persist, device=dev, pin=self.ctx.pin_memory and self.options.runtime.pin_memory,
+            storage = ChunkStorage(fmt, persistent=spec.index < n_persist, device=dev, pin=pin,
                                    n_members=len(members), sharding=self.sharding, host=self.ctx.host)
             opt_members = self._optim.members_by_group(members) if self.optimizer_states else {}
             chunk = Chunk(spec, params=members, storage=storage, opt_members=opt_members)

@@ -42,6 +42,10 @@ class RuntimeConfig:
     kernel, built on first use, bit for bit the separate passes). False: the separate passes,
     and no kernel is built. Default: True, unless ``PROTRAIN_ONEPASS=0``."""
 
+    def pins(self, ctx) -> bool:
+        """Whether streamed chunks' host copies are page-locked on ``ctx`` (a DeviceContext)."""
+        return ctx.pin_memory and self.pin_memory
+
     def __post_init__(self) -> None:
         for name in ("check_invariants", "pin_memory", "cpu_adam_thread", "one_pass_kernel"):
             if not isinstance(getattr(self, name), bool):
