@@ -37,7 +37,7 @@ def measure_peak(engine, x, device) -> int:
 
     def on_op(_f, _before, after, _s):
         nonlocal peak
-        peak = max(peak, after + engine.device_bytes() + base)
+        peak = max(peak, after + engine.memory.device_bytes() + base)
 
     with LiveStorageTracker(device, on_op=on_op):
         step(engine, x)

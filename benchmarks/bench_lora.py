@@ -62,8 +62,8 @@ def main(argv=None) -> None:
                          device="cpu")
         seconds = time.perf_counter() - start
         persistent = sum(c.device_bytes() for c in engine.chunks if c.persistent)
-        states = engine.host_bytes() + persistent
-        buffers = engine.scheduler.device_bytes_bound() - persistent
+        states = engine.memory.host_bytes() + persistent
+        buffers = engine.memory.device_bound() - persistent
         ideal = 2 * frozen + 16 * trainable
         print(f"| {name} | {trainable:,} | {frozen:,} | {states / mib:,.1f} MiB | {buffers / mib:,.1f} MiB | "
               f"{ideal / mib:,.1f} MiB | {states / ideal:.3f} | {seconds:.1f} s |")

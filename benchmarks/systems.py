@@ -499,7 +499,7 @@ def protrain_facts(engine, spec, device) -> dict:
     """The plan, the model states' bytes, the prediction (fidelity), and the inputs of the lower
     bound on step time."""
     # Device: the persistent chunks and the chunk buffers of the plan.
-    facts = {"plan": str(engine.plan), "states": {"host": engine.host_bytes(), "device": engine.scheduler.device_bytes_bound()},
+    facts = {"plan": str(engine.plan), "states": {"host": engine.memory.host_bytes(), "device": engine.memory.device_bound()},
              "searched": engine.choice is not None, **_PROFILING}
     choice = engine.choice
     if choice is None:
@@ -545,14 +545,14 @@ def memory_categories(engine, measured_peak: int | None) -> dict | None:
     persistent = sum(c.storage.fmt.persistent_device_bytes for c in engine.chunks if c.persistent)
     streamed = [c.storage.fmt.buffer_device_bytes for c in engine.chunks if not c.persistent]
     buffers = min(engine.plan.n_buffer, len(streamed)) * max(streamed, default=0)
-    swapped = sum(b.host_bytes for b in engine.activation_report())
+    swapped = sum(b.host_bytes for b in engine.activations.report())
     return {
         "predicted": {"persistent chunks": m.persistent_bytes, "chunk buffers": m.buffer_bytes,
                       "activations and the rest": m.base_bytes + m.activation_bytes,
                       "host: model states": host_states, "host: swapped activations": m.host_bytes - host_states},
         "measured": {"persistent chunks": persistent, "chunk buffers": buffers,
                      "activations and the rest": max(measured_peak - persistent - buffers, 0),
-                     "host: model states": engine.host_bytes(), "host: swapped activations": swapped},
+                     "host: model states": engine.memory.host_bytes(), "host: swapped activations": swapped},
     }
 
 
@@ -652,8 +652,7 @@ def step_timeline(engine, step, data, spec, device) -> dict:
             step(x)
         with engine.record_timeline() as timeline:
             step(data[2 % len(data)])
-        return dict(timeline.to_json(), plan=str(engine.plan), overlap=engine.overlap,
-                    threaded=engine.scheduler.threaded)
+        return dict(timeline.to_json(), plan=str(engine.plan), overlap=engine.overlap)
     finally:
         if device.type != "cuda":
             engine.close()

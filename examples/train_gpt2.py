@@ -97,7 +97,7 @@ def main(argv=None) -> float:
     with torch.no_grad():
         val_loss = sum(engine.module(input_ids=(x := batch(val)), labels=x).loss.item() for _ in range(4)) / 4
     print(f"validation loss {val_loss:.4f} (perplexity {math.exp(val_loss):.2f}); "
-          f"{time.perf_counter() - start:.1f} s total; engine stats {engine.scheduler.stats}")
+          f"{time.perf_counter() - start:.1f} s total; engine stats {engine.stats}")
     return val_loss
 
 

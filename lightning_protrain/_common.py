@@ -283,7 +283,7 @@ def build_engine(module: nn.Module, optimizer, config: pt.ProTrainConfig, *, pre
     engine = pt.wrap(module, optimizer, config=config, precision=precision, device=device,
                      example_inputs=example_inputs, loss_fn=loss_fn, report=report)
     if scaler and engine.scaler is not None:
-        engine.load_scaler_state_dict(scaler)  # the user's GradScaler settings
+        engine.states.load_scaler(scaler)  # the user's GradScaler settings
     route_zero_grad(optimizer, engine)
     return engine
 
@@ -316,13 +316,13 @@ def unroute_zero_grad(optimizer: torch.optim.Optimizer) -> None:
 def scaler_state(engine: pt.Engine | None, kept: dict | None = None) -> dict:
     """The precision plugin's checkpoint entry: the fp16 loss scaler's state (empty otherwise);
     ``kept``: the state kept when the last engine closed (or the user's GradScaler settings)."""
-    scaler = engine.scaler_state_dict() if engine is not None and not engine.closed else kept
+    scaler = engine.states.scaler() if engine is not None and not engine.closed else kept
     return {"scaler": scaler} if scaler else {}
 
 
 def load_scaler_state(engine: pt.Engine | None, state: dict) -> None:
     if state.get("scaler") and engine is not None and engine.scaler is not None:
-        engine.load_scaler_state_dict(state["scaler"])
+        engine.states.load_scaler(state["scaler"])
 
 
 def atomic_save(obj, path) -> None:

@@ -11,7 +11,7 @@ against the prediction are printed. Then ``fabric.backward(loss)``, ``optimizer.
 across steps), ``fabric.no_backward_sync(model)`` for accumulation, and
 ``fabric.save`` / ``fabric.load`` (portable state dicts, written atomically) work as usual.
 ``fabric.clip_gradients(model, optimizer, max_norm=...)`` between backward and step clips
-exactly as with the default strategies and returns the total norm (``Engine.clip_grad_norm_``);
+exactly as with the default strategies and returns the total norm (``engine.clipping.clip_grad_norm_``);
 ``gradient_clip_val=`` on the strategy clips at every step without the call.
 """
 
@@ -229,10 +229,10 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
         return self.engine
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
-        return self.require_engine().clip_grad_norm_(max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
+        return self.require_engine().clipping.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
 
     def clip_gradients_value(self, module, optimizer, clip_val):
-        self.require_engine().clip_grad_value_(clip_val)
+        self.require_engine().clipping.clip_grad_value_(clip_val)
 
     # ----- state -------------------------------------------------------------------------------
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
@@ -243,7 +243,7 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
     def get_optimizer_state(self, optimizer) -> dict:
         optimizer = getattr(optimizer, "optimizer", optimizer)
         if self.engine is not None and optimizer is self.engine.optimizer:
-            return self.engine.optimizer_state_dict()
+            return self.engine.states.optimizer()
         return super().get_optimizer_state(optimizer)
 
     def load_module_state_dict(self, module, state_dict, strict: bool = True) -> None:
@@ -294,7 +294,7 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
             if isinstance(obj, nn.Module):
                 self.load_module_state_dict(obj, value, strict=strict)
             elif self._is_engine_object(obj) == "optimizer":  # not an LR scheduler (it has .optimizer too)
-                self.engine.load_optimizer_state_dict(value)
+                self.engine.states.load_optimizer(value)
             elif hasattr(obj, "load_state_dict"):
                 obj.load_state_dict(value)
             else:
@@ -325,7 +325,7 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
 
     def teardown(self) -> None:
         if self.engine is not None and not self.engine.closed:
-            self.precision.scaler = self.engine.scaler_state_dict()  # for fabric.save after teardown
+            self.precision.scaler = self.engine.states.scaler()  # for fabric.save after teardown
             unroute_zero_grad(self.engine.optimizer)
             self.engine.close()
         super().teardown()

@@ -51,7 +51,6 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import protrain_core as pt
-from protrain_core.phase import TrainingPhase
 from protrain_core.precision import parse_precision
 from lightning_protrain._common import (
     one_optimizer_message,
@@ -85,8 +84,6 @@ class ProTrainPrecision(Precision):
         self.plain_after_fit = False  # the optimizer holds its state again (one process)
         self.wait_after_step = False  # user hooks between step and the next forward may read weights
         self.log_grad_norm = True  # Lightning's own configure_gradient_clipping: log the norm it returns
-        # STEP inside optimizer_step: the closure's backward is a step's last micro-batch.
-        self.phase = TrainingPhase.IDLE
 
     def forward_context(self):
         if self.engine is not None:
@@ -106,7 +103,7 @@ class ProTrainPrecision(Precision):
         # Lightning runs the closure of a non-final micro-batch directly, the last one's inside
         # optimizer_step: only that backward may update chunks. Under manual optimization every
         # backward accumulates (also those of a closure given to opt.step): the step updates.
-        final = self.phase is TrainingPhase.STEP and model.automatic_optimization
+        final = self.engine.step_state.step_closure and model.automatic_optimization
         # LightningModule.backward (``loss.backward()`` unless overridden) starts autograd inside
         # the engine's backward: the default strategy calls it every backward.
         def run(loss):
@@ -119,11 +116,8 @@ class ProTrainPrecision(Precision):
         if self.engine is None:
             self._check_plain()
             return super().optimizer_step(optimizer, model, closure, **kwargs)
-        self.phase = TrainingPhase.STEP
-        try:
+        with self.engine.step_state.in_step_closure():  # the closure's backward is a step's last micro-batch
             closure_result = closure()
-        finally:
-            self.phase = TrainingPhase.IDLE
         self._after_closure(model, optimizer)
         if closure_result is None and model.automatic_optimization:
             return None  # training_step returned None: no backward, no step (as Lightning)
@@ -147,12 +141,12 @@ class ProTrainPrecision(Precision):
         """Lightning's clipping call (from ``configure_gradient_clipping``): the engine clips at
         step() exactly as torch would now; the total norm is logged as ``grad_norm``."""
         requested = gradient_clipping(clip_val, gradient_clip_algorithm)
-        if requested is None or not self.engine.step_gradients_ready:
+        if requested is None or not self.engine.clipping.gradients_ready:
             return  # nothing to clip (training_step returned None: no backward ran)
         if requested.algorithm == "value":
-            self.engine.clip_grad_value_(requested.value)
+            self.engine.clipping.clip_grad_value_(requested.value)
             return
-        norm = self.engine.clip_grad_norm_(requested.value)
+        norm = self.engine.clipping.clip_grad_norm_(requested.value)
         module = self.engine.module
         if self.log_grad_norm and getattr(module, "_trainer", None) is not None:
             module.log("grad_norm", norm, on_step=True, on_epoch=False)
@@ -338,8 +332,8 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
             # that may come between backward and step (an override) or never (gradient_clip_val,
             # configured ahead); and step() waits for the offloaded chunks' updates when hooks
             # that run before the next forward may read the weights.
-            self.engine.expect_late_clipping(late)
-            self.engine.set_manual_optimization(manual)
+            self.engine.clipping.expect_late(late)
+            self.engine.step_state.set_manual(manual)
             precision.log_grad_norm = not (late or manual)
             precision.wait_after_step = reads_weights_between_steps(module, trainer.callbacks)
         precision.engine = self.engine
@@ -351,7 +345,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         if fitting:
             self._route_wrapped_zero_grad()
         if fitting and self.config.planning.plan is not None:
-            rank_zero_info(f"ProTrain: {self.engine.plan} (given), overlap: {self.engine.steady_overlap()}")
+            rank_zero_info(f"ProTrain: {self.engine.plan} (given), overlap: {self.engine.clipping.overlap(steady=True)}")
 
     def _evaluate_without_engine(self, module) -> None:
         """``validate``/``test``/``predict`` of a module without parameters: nothing to place
@@ -426,7 +420,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         if self._sharded() is not None:
             return {}
         if engine is not None and engine.optimizer_states:
-            return engine.optimizer_state_dict()
+            return engine.states.optimizer()
         if self._final_optimizer_state is not None:
             return self._final_optimizer_state
         return super().optimizer_state(optimizer)
@@ -455,7 +449,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         states = checkpoint["optimizer_states"]
         if len(states) != 1:
             raise ValueError(f"The checkpoint holds {len(states)} optimizer states; ProTrain trains with one.")
-        engine.load_optimizer_state_dict(states[0])
+        engine.states.load_optimizer(states[0])
 
     def teardown(self) -> None:
         for wrapper in self._wrapped_optimizers:
@@ -468,8 +462,8 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         elif engine is not None:
             if self.optimizers and engine.optimizer_states:  # not after evaluation only
                 # Kept for trainer.save_checkpoint() after fit; the engine and its chunks go away.
-                self._final_optimizer_state = engine.optimizer_state_dict()
-                self.precision_plugin.scaler = engine.scaler_state_dict()  # and the loss scaler's
+                self._final_optimizer_state = engine.states.optimizer()
+                self.precision_plugin.scaler = engine.states.scaler()  # and the loss scaler's
             self._last_plan = engine.plan  # the plan evaluation after fit runs with
             unroute_zero_grad(engine.optimizer)
             engine.close()

@@ -20,6 +20,7 @@ from protrain_core.api import default_memory_budget, profile, wrap
 from protrain_core.autoplan import BatchTooLarge
 from protrain_core.config import CheckpointConfig, ClippingConfig, PlanningConfig, ProTrainConfig, RuntimeConfig
 from protrain_core.engine import Engine
+from protrain_core.phase import StepObserver, StepState, TrainingPhase
 from protrain_core.plan import BlockMode, Plan, PlanLimits, interleaved_modes
 from protrain_core.planner.cost import CostModel, MemoryEstimate, RuntimeEstimate, estimate_memory, estimate_runtime
 from protrain_core.planner.profiles import Hardware, Profile, Segment
@@ -47,6 +48,9 @@ __all__ = [
     "Profile",
     "RuntimeEstimate",
     "Segment",
+    "StepObserver",
+    "StepState",
+    "TrainingPhase",
     "default_memory_budget",
     "estimate_memory",
     "estimate_runtime",

@@ -139,7 +139,7 @@ class _Build:
                         sharding=self.sharding)
         clipping = self.config.clipping
         if clipping is not None:
-            engine.set_gradient_clipping(clipping.algorithm, clipping.value, clipping.norm_type)
+            engine.clipping.configure(clipping.algorithm, clipping.value, clipping.norm_type)
         return engine
 
     def safe_plan(self, budget: int) -> Plan:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import statistics
 
+from protrain_core.phase import StepObserver
 from protrain_core.plan import Plan, PlanLimits
 from protrain_core.planner.cost import CostModel
 from protrain_core.planner.profiles import Profile, discard
@@ -56,7 +57,7 @@ class BatchTooLarge(ValueError):
         self.largest = largest
 
 
-class AutoPlanner:
+class AutoPlanner(StepObserver):
     """The plan of one engine once its profile exists (see [Note: batch shapes])."""
 
     def __init__(self, engine: Engine | None, profile: Profile, *, budget: int, host_budget: int | None,
@@ -64,7 +65,7 @@ class AutoPlanner:
                  tokens_per_batch_token: float | None = None, cache_dir=None) -> None:
         """``engine``: may be set later (a plan searched before the engine is built);
         ``overlap``: when the CPU Adam runs and the passes clipping adds (``update.overlap_mode``)
-            until the engine is set; then the engine's steady overlap (``Engine.steady_overlap``);
+            until the engine is set; then the engine's steady overlap (``engine.clipping.overlap(steady=True)``);
         ``tokens_per_batch_token``: the first block's tokens per ``batch_tokens`` of the batch
         (None: batches do not show their tokens, and the plan stays the first choice)."""
         self.engine, self.profile, self.budget, self.host_budget = engine, profile, budget, host_budget
@@ -80,7 +81,7 @@ class AutoPlanner:
     # ----- the plans ------------------------------------------------------------------------
     @property
     def overlap(self) -> Overlap:
-        return self._overlap if self.engine is None else self.engine.steady_overlap()
+        return self._overlap if self.engine is None else self.engine.clipping.overlap(steady=True)
 
     def cost_model(self, tokens: int) -> CostModel:
         key = (tokens, self.overlap)
@@ -185,7 +186,7 @@ class AutoPlanner:
         return self.cost_model(self.planned_tokens if tokens is None else tokens).runtime(self.engine.plan).total_s
 
 
-class PredictionCheck:
+class PredictionCheck(StepObserver):
     """After a plan was searched: the measured step time of a few steps (``WARMUP_STEPS`` after
     the switch, then the median of ``CHECKED_STEPS``) against the prediction for the same
     micro-batches, reported once with both as metrics (``predicted_step_s``,
@@ -264,7 +265,7 @@ def plan_on_first_steps(engine: Engine, *, budget: int, host_budget: int | None,
         ratio = result.tokens / result.batch_tokens if result.tokens and result.batch_tokens else None
         profile = result.profile.at_tokens(result.tokens) if result.tokens else result.profile
         planner = AutoPlanner(engine, profile, budget=budget, host_budget=host_budget,
-                              overlap=engine.steady_overlap(), report=report,
+                              overlap=engine.clipping.overlap(steady=True), report=report,
                               max_tokens=max_tokens, tokens_per_batch_token=ratio, cache_dir=cache_dir)
         choice = planner.first_choice()
         engine.replan(choice.plan)

@@ -92,7 +92,7 @@ def save_sharded(engine, path, meta: dict | None = None) -> None:
     """Write ``engine``'s weights and optimizer state as a sharded checkpoint directory at
     ``path`` (every rank calls it; see [Note: sharded checkpoints]); ``meta``: anything else
     to keep with them (rank 0's is written, ``torch.save``d as ``meta.pt``)."""
-    engine.scheduler.wait_all()
+    engine.wait_for_updates()
     path = Path(path)
     rank, names = engine.rank, _param_names(engine)
     state: dict[str, object] = {}
@@ -101,10 +101,10 @@ def save_sharded(engine, path, meta: dict | None = None) -> None:
             got = _pieces(chunk, i, None)
             if got is not None and got[1].numel():
                 state[f"model/{names[id(p)]}/{got[0]}"] = got[1].detach().to("cpu", engine.precision.master_dtype)
-    optim = engine.chunk_optimizer
+    optim = engine.states.chunk_optimizer
     scalars = {}  # other optimizers than Adam: each parameter's non-slot state, as one object
     for index, p in _indexed(engine):
-        chunk, i = engine.slot_of(p)
+        chunk, i = engine.states.slot_of(p)
         held = optim.scalar_state(chunk, i)
         if held is None:
             continue
@@ -280,8 +280,7 @@ def load_sharded(engine, path, *, model: bool = True, optimizer: bool = True, st
     _barrier(engine)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a sharded ProTrain checkpoint (a torch.distributed.checkpoint directory).")
-    engine.scheduler.wait_all()
-    engine.scheduler.release_all()
+    engine.states.release_device_copies()
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     pieces: dict[str, list[tuple[int, str, int]]] = {}  # prefix -> (offset, key, elements)
     for key, md in saved.items():
@@ -299,7 +298,7 @@ def load_sharded(engine, path, *, model: bool = True, optimizer: bool = True, st
         if optimizer:
             for p in chunk.params:
                 if id(p) in index_of:
-                    for key in engine.chunk_optimizer.slot_names():
+                    for key in engine.states.chunk_optimizer.slot_names():
                         prefix = f"optim/{index_of[id(p)]}/{key}"
                         if prefix in pieces:
                             wanted[prefix] = p
@@ -312,7 +311,7 @@ def load_sharded(engine, path, *, model: bool = True, optimizer: bool = True, st
         if optimizer and chunk.opt_members:
             _load_states(engine, chunk, whole, index_of, path, saved, scalars)
     if optimizer:
-        engine.chunk_optimizer.loaded()
+        engine.states.chunk_optimizer.loaded()
         groups = _read_object(engine, path, "optim/param_groups")
         for group, s in zip(engine.optimizer.param_groups, groups):
             group.update({k: v for k, v in s.items() if k != "params"})
@@ -322,7 +321,7 @@ def load_sharded(engine, path, *, model: bool = True, optimizer: bool = True, st
 
 def _saved_scalars(engine, path: Path, saved) -> dict | None:
     """Another optimizer than Adam: each parameter's non-slot state (None for Adam)."""
-    kind = engine.chunk_optimizer.kind
+    kind = engine.states.chunk_optimizer.kind
     if kind is None:
         if "optim/scalars" in saved:
             raise ValueError(f"The sharded checkpoint {path} holds another optimizer's state than Adam's: load it "
@@ -337,7 +336,7 @@ def _saved_scalars(engine, path: Path, saved) -> dict | None:
 def _load_states(engine, chunk, whole: dict, index_of: dict, path: Path, saved, scalars: dict | None) -> None:
     """The optimizer states of ``chunk``'s members: slots from ``whole``, Adam's steps from the
     checkpoint, another optimizer's other states from ``scalars``."""
-    optim, steps = engine.chunk_optimizer, {}
+    optim, steps = engine.states.chunk_optimizer, {}
     for i, p in enumerate(chunk.params):
         index = index_of.get(id(p))
         if index is None or not chunk.members[i].trainable:
@@ -377,7 +376,7 @@ def _read_whole(engine, path: Path, pieces: dict, wanted: dict) -> dict[str, Ten
 
 
 def _state_dtype(engine, p) -> torch.dtype:
-    chunk, _ = engine.slot_of(p)
+    chunk, _ = engine.states.slot_of(p)
     return chunk.storage.exp_avg.dtype
 
 

@@ -24,19 +24,19 @@ class Engine(RuntimeEngine):
         loads exactly the trained model in every precision (protrain_core/export.py). Use it
         instead of the model's own ``save_pretrained`` while the engine is open, which writes the
         compute copies (bf16 / fp16 in the mixed modes)."""
-        self._check_open()
+        self.step_state.check_open()
         save_pretrained(self, save_directory, **kwargs)
 
     def save_sharded(self, path, meta: dict | None = None) -> None:
         """Write the weights and optimizer state as a sharded ``torch.distributed.checkpoint``
         directory: every rank writes its own shards, nothing is gathered ([Note: sharded
         checkpoints] in checkpoint.py). Every rank calls it."""
-        self._check_open()
-        self._adopt_rebound()
+        self.step_state.check_open()
+        self.states.adopt_rebound()
         save_sharded(self, path, meta)
 
     def load_sharded(self, path, *, model: bool = True, optimizer: bool = True, strict: bool = True) -> None:
         """Load a directory of ``save_sharded`` written by any number of processes: the weights
         (``model``), Adam's state and hyper-parameters (``optimizer``)."""
-        self._check_open()
+        self.step_state.check_open()
         load_sharded(self, path, model=model, optimizer=optimizer, strict=strict)

@@ -1,17 +1,26 @@
-"""The training phase: one enum for the runtime, the activation manager, the profiler and the
-Lightning adapters.
+"""Where training stands: one record per engine, for the runtime, the activation manager, the
+profiler and the Lightning adapters.
 
-An engine owns one ``PhaseTracker``; the runtime enters ``BACKWARD`` in ``engine.backward`` and
-``STEP`` in ``engine.step``, the activation manager enters ``RECOMPUTE`` while a checkpointed
-block's forward runs again inside backward, and the profiler marks ``FORWARD`` / ``BACKWARD`` /
-``RECOMPUTE`` segments of its timeline with the same values. Transitions assert the phase they
-leave, so an illegal one (a second backward inside a backward) raises instead of being ignored.
+An engine owns one ``StepState``. Its hooks and verbs enter it: ``engine.backward`` enters
+``BACKWARD`` (the scheduler's backward pass), ``engine.step`` enters ``STEP``, the activation
+manager enters ``RECOMPUTE`` while a checkpointed block's forward runs again inside backward;
+``engine.no_sync`` marks the micro-batches that only accumulate, the module's forward pre-hook
+marks a micro-batch as begun. Everything else reads it. The profiler marks ``FORWARD`` /
+``BACKWARD`` / ``RECOMPUTE`` segments of its timeline with the same phase values. Transitions
+assert the phase they leave, so an illegal one (a second backward inside a backward) raises
+instead of being ignored.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+from collections import OrderedDict
+from collections.abc import Callable
 from contextlib import contextmanager
+from typing import Protocol, runtime_checkable
+
+from torch.utils.hooks import RemovableHandle
 
 
 class TrainingPhase(enum.Enum):
@@ -22,11 +31,26 @@ class TrainingPhase(enum.Enum):
     STEP = "step"  # inside engine.step() (adapters: the optimizer step and the closure it runs)
 
 
-class PhaseTracker:
-    """The current phase of one engine (not global: every engine has its own)."""
+@dataclasses.dataclass
+class StepState:
+    """The training state of one engine (not global: every engine has its own)."""
 
-    def __init__(self) -> None:
-        self.phase = TrainingPhase.IDLE
+    phase: TrainingPhase = TrainingPhase.IDLE
+    final_micro_batch: bool = True
+    """The next (or running) backward is a step's last micro-batch: False inside ``no_sync``."""
+    manual: bool = False
+    """Lightning's manual optimization: the user's ``opt.step()`` ends a step."""
+    batch_begun: bool = False
+    """``begin_batch`` ran for the training micro-batch now running (reset by its backward)."""
+    optimizer_step: bool = False
+    """``engine.step()`` is running the optimizer's own ``step`` (its hooks, LR schedulers)."""
+    step_closure: bool = False
+    """An adapter runs the closure of an optimizer step (Lightning: the step's last micro-batch)."""
+    closed: bool = False
+
+    @property
+    def idle(self) -> bool:
+        return self.phase is TrainingPhase.IDLE
 
     @contextmanager
     def entered(self, phase: TrainingPhase, *, leaving: TrainingPhase, error: str):
@@ -39,3 +63,110 @@ class PhaseTracker:
             yield
         finally:
             self.phase = leaving
+
+    @contextmanager
+    def accumulating(self):
+        """The backward passes inside only accumulate gradients (``engine.no_sync``)."""
+        previous, self.final_micro_batch = self.final_micro_batch, False
+        try:
+            yield
+        finally:
+            self.final_micro_batch = previous
+
+    @contextmanager
+    def in_optimizer_step(self):
+        self.optimizer_step = True
+        try:
+            yield
+        finally:
+            self.optimizer_step = False
+
+    @contextmanager
+    def in_step_closure(self):
+        self.step_closure = True
+        try:
+            yield
+        finally:
+            self.step_closure = False
+
+    @property
+    def awaiting_batch(self) -> bool:
+        """Between steps with no training micro-batch begun yet (``engine.begin_batch`` notifies)."""
+        return not (self.batch_begun or self.closed) and self.idle
+
+    def batch_began(self) -> None:
+        self.batch_begun = True
+
+    def micro_batch_ended(self) -> None:
+        """A backward or a step ended the micro-batch: the next forward with gradients begins one."""
+        self.batch_begun = False
+
+    def set_manual(self, enabled: bool = True) -> None:
+        """Lightning's manual optimization: every backward runs inside no_sync and the user's
+        ``opt.step()`` ends the step, so the step's gradients are complete after any backward
+        (clipping and norms are allowed then); otherwise only after a backward outside no_sync."""
+        self.manual = enabled
+
+    def close(self) -> None:
+        self.closed = True
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("This ProTrain engine was closed.")
+
+
+@runtime_checkable
+class StepObserver(Protocol):
+    """Hears of an engine's training steps (``engine.observe``). Subclass it to inherit a no-op
+    for each event not overridden. All but ``engine_closes`` come when no forward or backward
+    is running, so an observer may ``replan``."""
+
+    def batch_begins(self, batch) -> None:
+        """Before a training micro-batch's forward (``engine.begin_batch``): its inputs."""
+
+    def backward_begins(self) -> None:
+        """Before every ``engine.backward``."""
+
+    def backward_ends(self) -> None:
+        """After every ``engine.backward``, also one that raised."""
+
+    def step_ends(self) -> None:
+        """After every ``engine.step``."""
+
+    def engine_closes(self) -> None:
+        """``engine.close()`` begins (not after a failure)."""
+
+
+@runtime_checkable
+class RecomputeObserver(Protocol):
+    """Called when a checkpointed block's recomputation begins and ends (``engine.on_recompute``)."""
+
+    def __call__(self, block_index: int, begin: bool) -> None: ...
+
+
+class Observers:
+    """Observers of one kind, in the order they were added; a handle's ``remove()`` drops one."""
+
+    def __init__(self, kind: type) -> None:
+        self._kind = kind
+        self._by_handle: OrderedDict[int, object] = OrderedDict()  # RemovableHandle needs a weakref-able dict
+
+    def add(self, observer) -> RemovableHandle:
+        if not isinstance(observer, self._kind):
+            raise TypeError(
+                f"{type(observer).__name__} is not a {self._kind.__name__}: it needs the methods "
+                f"{', '.join(sorted(_protocol_methods(self._kind)))}"
+                + (" (subclass protrain_core.StepObserver for no-op defaults)." if self._kind is StepObserver else ".")
+            )
+        handle = RemovableHandle(self._by_handle)
+        self._by_handle[handle.id] = observer
+        return handle
+
+    def notify(self, event: Callable[..., None]) -> None:
+        """``event(observer)`` for each observer; those added or removed meanwhile count from the next event."""
+        for observer in list(self._by_handle.values()):
+            event(observer)
+
+
+def _protocol_methods(kind: type) -> set[str]:
+    return {name for name in vars(kind) if not name.startswith("_") and callable(getattr(kind, name))} or {"__call__"}

@@ -63,7 +63,7 @@ def test_engine_exposes_layout():
     assert engine.block_modes == (S, S, C, K, C, K)
     assert "S S C K C K (2 swap, 2 checkpoint, 2 keep)" in engine.summary()
     assert describe_modes(engine.block_modes) in engine.summary()
-    assert [r.mode for r in engine.activation_report()] == list(engine.block_modes)
+    assert [r.mode for r in engine.activations.report()] == list(engine.block_modes)
 
 
 # ----- identity ----------------------------------------------------------------------------
@@ -234,7 +234,7 @@ def test_swap_and_checkpoint_free_device_activations(arch, chunk_plan):
         model = MODELS[arch]()
         engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), chunk_plans(model, swap, ckpt)[chunk_plan], device="cpu")
         live[swap, ckpt] = _live_activation_bytes_in_backward(engine, x)
-        reports[swap, ckpt] = engine.activation_report()
+        reports[swap, ckpt] = engine.activations.report()
         assert engine.activations.stats["swap_in_bytes"] == engine.activations.stats["swap_out_bytes"]
     kept = reports[0, 0]
     assert all(r.saved_bytes > 0 and r.device_bytes == r.saved_bytes and r.host_bytes == 0 for r in kept)
@@ -268,7 +268,7 @@ def test_inputs_shared_by_all_blocks_are_not_swapped():
         model = llama()
         engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=1, n_buffer=2, n_swap=swap), device="cpu")
         live[swap] = _live_activation_bytes_in_backward(engine, x)
-        reports[swap] = engine.activation_report()
+        reports[swap] = engine.activations.report()
     head_dim_table = 16 * 32 * 4  # (1, seq, head_dim) fp32: big enough to be swapped if it were
     assert head_dim_table >= MIN_SWAP_BYTES
     assert live[0] - live[2] == sum(r.host_bytes for r in reports[2][:2])
@@ -284,7 +284,7 @@ def test_forward_without_backward_frees_everything():
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=1, n_buffer=2, n_swap=2, n_checkpoint=1), device="cpu")
     x = batches(1)[0]
     for _ in range(3):
-        engine.measure_activations()
+        engine.activations.measure_next_forward()
         with LiveStorageTracker() as tracker:
             out = engine.module(input_ids=x, labels=x, use_cache=False)
         assert tracker.live_bytes(exclude=engine.activations.host.storages()) > 0
@@ -431,7 +431,7 @@ def test_swap_copies_each_storage_once_and_keeps_parameter_views(n_persist):
     tokens = x.numel()
     per_block = 4 * tokens * (d + 3 * d + d + d + d)
     assert engine.activations.stats["swap_out_bytes"] == 3 * n * per_block
-    assert all(r.host_bytes == per_block for r in engine.activation_report())
+    assert all(r.host_bytes == per_block for r in engine.activations.report())
 
 
 def test_in_place_change_of_a_saved_tensor_is_reported():
@@ -463,7 +463,7 @@ def test_in_place_change_of_a_saved_tensor_is_reported():
     for swap in (0, 2):
         model = M()
         engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=1, n_buffer=1, n_swap=swap), device="cpu", example_inputs=(x,))
-        engine.measure_activations()  # kept blocks run under the counting hooks too
+        engine.activations.measure_next_forward()  # kept blocks run under the counting hooks too
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             engine.backward(engine.module(x))
 
@@ -474,18 +474,18 @@ def test_activation_report():
     model = MODELS["llama"]()
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=1, n_buffer=2, n_swap=1, n_checkpoint=1), device="cpu")
     assert engine.block_modes == (S, C, K, K)
-    assert all(r.saved_bytes is None and r.device_bytes == 0 for r in engine.activation_report())  # nothing ran yet
+    assert all(r.saved_bytes is None and r.device_bytes == 0 for r in engine.activations.report())  # nothing ran yet
     train_engine(engine, batches(2))
-    swap, ckpt, keep, _ = engine.activation_report()
+    swap, ckpt, keep, _ = engine.activations.report()
     assert swap.host_bytes > 0 and swap.saved_bytes == keep.saved_bytes > 0
     assert ckpt.saved_bytes is None and ckpt.device_bytes == ckpt.input_bytes > 0 and ckpt.host_bytes == 0
     assert keep.device_bytes == keep.saved_bytes > ckpt.input_bytes
     # Kept blocks are measured once; later forwards run without hooks until asked again.
     assert engine.activations._measure is False
-    engine.measure_activations()
+    engine.activations.measure_next_forward()
     x = batches(1, batch=4)[0]  # twice the batch: twice the activations (the rotary cos/sin
     engine.module(input_ids=x, labels=x)  # tables, shared by all blocks, are not counted per block)
-    assert engine.activation_report()[2].saved_bytes == 2 * keep.saved_bytes
+    assert engine.activations.report()[2].saved_bytes == 2 * keep.saved_bytes
 
 
 def test_close_restores_forwards_and_removes_hooks():

@@ -97,12 +97,18 @@ def test_layers_depend_downwards():
                 assert bad == [], f"{m} imports {bad}"
 
 
+# The worker's own micro-benchmark times the runtime's parts directly, by design.
+RUNTIME_BENCHMARKS = {"bench_adam.py"}
+
+
 def test_the_lightning_adapters_use_the_engines_public_face_only():
-    """lightning_protrain drives the engine through its own methods, never through the runtime
-    behind it (``engine.scheduler``) or the runtime's modules, but for the optimizer check it
-    shares with ``wrap``."""
+    """lightning_protrain, the examples and the benchmarks drive the engine through its own
+    methods and parts, never through the runtime behind it (``engine.scheduler``); the adapters
+    import none of the runtime's modules, but for the optimizer check they share with ``wrap``."""
     offences = []
-    for path in (ROOT / "lightning_protrain").rglob("*.py"):
+    paths = [*(ROOT / "lightning_protrain").rglob("*.py"), *(ROOT / "examples").rglob("*.py"),
+             *(p for p in (ROOT / "benchmarks").rglob("*.py") if p.name not in RUNTIME_BENCHMARKS)]
+    for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr == "scheduler":
                 offences.append(f"{path.name}:{node.lineno} .scheduler")
@@ -157,7 +163,7 @@ def test_no_module_reads_another_objects_private_attributes():
 def test_the_engine_sets_its_parts_through_their_methods():
     """The engine hands the scheduler and the gradients their settings as immutable policies
     (``set_policy``), never by assigning their fields."""
-    parts = {"scheduler", "grads", "ctx", "hooks", "activations", "phase"}
+    parts = {"scheduler", "grads", "ctx", "hooks", "activations", "step_state", "clipping", "states", "memory"}
     offences = []
     path = ROOT / "protrain_core" / "runtime" / "engine.py"
     for node in ast.walk(ast.parse(path.read_text())):
@@ -170,6 +176,23 @@ def test_the_engine_sets_its_parts_through_their_methods():
                         owner.value.id == "self" and owner.attr in parts:
                     offences.append(f"engine.py:{node.lineno} {ast.unparse(t)}")
     assert offences == []
+
+
+def _methods(cls: ast.ClassDef) -> list[str]:
+    return [n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def _class(path, name: str) -> ast.ClassDef:
+    return next(n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def test_the_engine_is_thin():
+    """The engine that ``wrap`` returns has at most 30 methods (properties included), its
+    runtime base and the checkpoint verbs together: clipping, state access, memory and the
+    step state are parts with faces of their own."""
+    runtime = _methods(_class(ROOT / "protrain_core" / "runtime" / "engine.py", "Engine"))
+    verbs = _methods(_class(ROOT / "protrain_core" / "engine.py", "Engine"))
+    assert len(runtime) + len(verbs) <= 30, sorted(runtime + verbs)
 
 
 # Where an environment variable may set a default: the configuration's parts, and the profile

@@ -63,7 +63,7 @@ def test_bf16_true_parity(arch, plan_name):
     assert losses == ref_losses
     assert ref_losses[-1] < ref_losses[0]  # it trains
     assert_same_state(engine.state_dict(), ref.state_dict())
-    osd = engine.optimizer_state_dict()
+    osd = engine.states.optimizer()
     assert_same_optimizer_state(osd, ref_opt.state_dict())
     entry = next(iter(osd["state"].values()))
     assert entry["exp_avg"].dtype == entry["exp_avg_sq"].dtype == BF16 and entry["step"].dtype == torch.float32
@@ -109,7 +109,7 @@ def test_state_round_trip_with_plain_pytorch(plan):
     data = batches(8)
     engine = pt.wrap(model, adamw(model.parameters(), fused=True), plan, precision="bf16-true", device="cpu")
     train_engine(engine, data[:4])
-    sd, osd = engine.state_dict(), engine.optimizer_state_dict()
+    sd, osd = engine.state_dict(), engine.states.optimizer()
     plain = MODELS["gpt2"](seed=5).to(BF16)
     plain.load_state_dict(sd)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1.0, fused=True)  # lr comes from the state dict
@@ -117,16 +117,16 @@ def test_state_round_trip_with_plain_pytorch(plan):
     fresh = MODELS["gpt2"](seed=6)
     engine2 = pt.wrap(fresh, torch.optim.AdamW(fresh.parameters(), lr=1.0), plan, precision="bf16-true", device="cpu")
     engine2.load_state_dict(plain.state_dict())
-    engine2.load_optimizer_state_dict(plain_opt.state_dict())
+    engine2.states.load_optimizer(plain_opt.state_dict())
     assert_same_state(engine2.state_dict(), sd)
-    assert_same_optimizer_state(engine2.optimizer_state_dict(), osd)
+    assert_same_optimizer_state(engine2.states.optimizer(), osd)
 
     ref_losses = train_reference(plain, plain_opt, data[4:])
     assert train_engine(engine, data[4:]) == ref_losses
     assert train_engine(engine2, data[4:]) == ref_losses
     for e in (engine, engine2):
         assert_same_state(e.state_dict(), plain.state_dict())
-        assert_same_optimizer_state(e.optimizer_state_dict(), plain_opt.state_dict())
+        assert_same_optimizer_state(e.states.optimizer(), plain_opt.state_dict())
 
 
 @pytest.mark.parametrize("algorithm", ["norm", "value"])
@@ -168,7 +168,7 @@ def test_cuda_bf16_true(persist):
     engine = pt.wrap(model, adamw(model.parameters()), pt.Plan(n_persist=persist, n_buffer=2), precision="bf16-true",
                      device="cuda", config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
     losses = train_engine(engine, data)
-    assert engine.host_pinned and all(p.dtype == BF16 for p in engine.module.parameters())
+    assert engine.memory.host_pinned and all(p.dtype == BF16 for p in engine.module.parameters())
     # CPU Adam (streamed chunks) and CUDA Adam may round a bf16 result differently: close, not bitwise.
     torch.testing.assert_close(losses, ref_losses, rtol=1e-2, atol=0)
     assert losses[-1] < losses[0]

@@ -59,7 +59,7 @@ def train_recording_norms(engine, data):
         engine.step()
         engine.zero_grad()
         losses.append(loss.item())
-        norms.append(engine.last_grad_norm)
+        norms.append(engine.clipping.last_norm)
     return losses, norms
 
 
@@ -99,7 +99,7 @@ def test_other_norm_types(norm_type, max_norm):
     ref_losses = train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True), data, clip=clipper)
     clipper.assert_triggered()
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), pt.Plan(n_persist=1, n_buffer=2), device="cpu")
-    engine.set_gradient_clipping("norm", max_norm, norm_type)
+    engine.clipping.configure("norm", max_norm, norm_type)
     losses, norms = train_recording_norms(engine, data)
     assert losses == ref_losses
     clipper.assert_same_norms(norms)
@@ -167,7 +167,7 @@ def test_clipping_after_gradient_accumulation(algorithm):
     torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=0)  # sum order of the printed loss only
     assert_same_weights(engine.state_dict(), ref)
     if algorithm == "norm":
-        assert torch.equal(engine.last_grad_norm, clipper.norms[-1])
+        assert torch.equal(engine.clipping.last_norm, clipper.norms[-1])
 
 
 @pytest.mark.parametrize("plan", [pt.Plan(n_persist=0, n_buffer=1), pt.Plan(n_persist=2, n_buffer=2)], ids=str)
@@ -197,7 +197,7 @@ def test_norm_clipping_updates_after_backward_and_disabling_restores_the_overlap
     model = tiny_llama(n_layer=6)
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), pt.Plan(n_persist=0, n_buffer=2),
                      device="cpu", config=pt.ProTrainConfig(clipping=("norm", 1.0)))
-    assert engine.gradient_clipping.value == 1.0
+    assert engine.clipping.configured.value == 1.0
     assert engine.overlap == "cpu-adam-during-next-forward (gradient norm clipping)"
     x = batches(1)[0]
     events, backward_end = _timeline(engine, x)
@@ -205,15 +205,15 @@ def test_norm_clipping_updates_after_backward_and_disabling_restores_the_overlap
     begins = [t for what, _, t in events if what == "cpu_adam_begin"]
     assert begins and min(begins) > backward_end  # every update waited for the global norm
 
-    engine.set_gradient_clipping("value", 0.5)  # elementwise: keeps the overlap with backward
-    assert engine.overlap == "cpu-adam-during-backward" and engine.last_grad_norm is None
+    engine.clipping.configure("value", 0.5)  # elementwise: keeps the overlap with backward
+    assert engine.overlap == "cpu-adam-during-backward" and engine.clipping.last_norm is None
     events, backward_end = _timeline(engine, x)
     engine.zero_grad()
     assert min(t for what, _, t in events if what == "cpu_adam_begin") < backward_end
 
-    engine.set_gradient_clipping("norm", 1.0)
-    engine.set_gradient_clipping(None)
-    assert engine.gradient_clipping is None and engine.overlap == "cpu-adam-during-backward"
+    engine.clipping.configure("norm", 1.0)
+    engine.clipping.configure(None)
+    assert engine.clipping.configured is None and engine.overlap == "cpu-adam-during-backward"
     events, backward_end = _timeline(engine, x)
     assert min(t for what, _, t in events if what == "cpu_adam_begin") < backward_end
 
@@ -235,8 +235,8 @@ def test_bad_arguments(args, match):
     model = tiny_gpt2()
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=1, n_buffer=1), device="cpu")
     with pytest.raises(ValueError, match=match):
-        engine.set_gradient_clipping(*args)
-    assert engine.gradient_clipping is None and engine.overlap.startswith("cpu-adam-during-next-forward (first step")
+        engine.clipping.configure(*args)
+    assert engine.clipping.configured is None and engine.overlap.startswith("cpu-adam-during-next-forward (first step")
 
 
 def test_changing_clipping_within_a_step():
@@ -245,16 +245,16 @@ def test_changing_clipping_within_a_step():
                      config=pt.ProTrainConfig(clipping=("value", 0.1)))
     x = batches(1)[0]
     loss = engine.module(input_ids=x, labels=x).loss
-    loss.register_hook(lambda g: engine.set_gradient_clipping("value", 0.2))
+    loss.register_hook(lambda g: engine.clipping.configure("value", 0.2))
     with pytest.raises(RuntimeError, match="during backward"):
         engine.backward(loss)
     engine.zero_grad()
     engine.backward(engine.module(input_ids=x, labels=x).loss)  # offloaded chunks are updated now
-    engine.set_gradient_clipping("value", 0.1)  # the same setting again (as a trainer may do each step)
+    engine.clipping.configure("value", 0.1)  # the same setting again (as a trainer may do each step)
     with pytest.raises(RuntimeError, match="after engine.step"):
-        engine.set_gradient_clipping("norm", 1.0)
+        engine.clipping.configure("norm", 1.0)
     engine.step()
-    engine.set_gradient_clipping("norm", 1.0)
+    engine.clipping.configure("norm", 1.0)
 
 
 def test_explain_and_summary_mention_clipping():
@@ -262,10 +262,10 @@ def test_explain_and_summary_mention_clipping():
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=1, n_buffer=1), device="cpu")
     assert "clipping" not in engine.explain()
     assert "gradient clipping: off" in engine.summary()
-    engine.set_gradient_clipping("norm", 1.0)
+    engine.clipping.configure("norm", 1.0)
     for text in (engine.explain(), engine.summary()):
         assert "clipping by norm" in text and "overlapping the next forward" in text
-    engine.set_gradient_clipping("value", 1.0)
+    engine.clipping.configure("value", 1.0)
     assert "still overlaps backward" in engine.explain()
 
 
@@ -275,7 +275,7 @@ def test_explain_says_when_a_searched_plan_assumed_the_overlap():
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), None, example_inputs={"input_ids": x, "labels": x},
                      device="cpu",
                      config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget="1GiB", profile_cache=False)))
-    engine.set_gradient_clipping("norm", 1.0)
+    engine.clipping.configure("norm", 1.0)
     assert ("searched for cpu-adam-during-backward: ProTrainConfig(clipping={'algorithm': 'norm', ...}) searches for "
             "cpu-adam-during-next-forward") in engine.explain()
 

@@ -5,7 +5,7 @@ taken) as they land, and their Adam runs after backward, overlapping the next fo
 results are those of plain PyTorch's clip_grad_norm_ / clip_grad_value_ and GradScaler: bitwise
 in fp32, and with the tolerances of test_clipping in mixed precision -- whether the clipping is
 configured ahead (``ProTrainConfig(clipping=...)``) or requested between backward and step
-(``engine.clip_grad_norm_``, as ``fabric.clip_gradients`` does), active or not, with or
+(``engine.clipping.clip_grad_norm_``, as ``fabric.clip_gradients`` does), active or not, with or
 without gradient accumulation.
 """
 
@@ -19,6 +19,7 @@ import torch
 
 import protrain_core as pt
 from conftest import assert_same_weights, batches, standard_plans, tiny_gpt2, tiny_llama, train_reference
+from protrain_core.profiler.boundaries import Boundary as B
 from protrain_core.runtime.optim import ChunkOptimizer
 from test_clipping import CACHE_WARNING, CLIP_VALUE, MAX_NORM, Clipper
 from test_parity import reference_mixed
@@ -40,12 +41,12 @@ def run_engine(engine, data, *, accumulate=1, late=None, clip_at=None):
             total += loss.item()
         if late is not None and (clip_at is None or clip_at(step)):
             if late[0] == "norm":
-                norms.append(engine.clip_grad_norm_(late[1]))
+                norms.append(engine.clipping.clip_grad_norm_(late[1]))
             else:
-                engine.clip_grad_value_(late[1])
+                engine.clipping.clip_grad_value_(late[1])
         engine.step()
-        if late is None and engine.gradient_clipping is not None and engine.gradient_clipping.algorithm.value == "norm":
-            norms.append(engine.last_grad_norm)
+        if late is None and engine.clipping.configured is not None and engine.clipping.configured.algorithm.value == "norm":
+            norms.append(engine.clipping.last_norm)
         engine.zero_grad()
         losses.append(total)
     return losses, norms
@@ -138,7 +139,7 @@ def test_conditional_late_clipping_when_expected():
 
     ref_losses, ref = reference(model, "32-true", data, clip=clip_odd_steps)
     engine = wrap(model, pt.Plan(n_persist=0, n_buffer=1), "32-true")
-    engine.expect_late_clipping()
+    engine.clipping.expect_late()
     assert engine.overlap == "cpu-adam-during-next-forward (gradient clipping requested after backward)"
     losses, norms = run_engine(engine, data, late=("norm", MAX_NORM), clip_at=lambda step: step % 2 == 1)
     assert losses == ref_losses
@@ -154,7 +155,7 @@ def test_late_clipping_after_an_unclipped_step_is_refused():
     assert engine.overlap == "cpu-adam-during-backward"
     engine.backward(engine.module(input_ids=x, labels=x).loss)
     with pytest.raises(RuntimeError, match="Clip from the first step on, or say so before training"):
-        engine.clip_grad_norm_(1.0)
+        engine.clipping.clip_grad_norm_(1.0)
     engine.step()
 
 
@@ -188,9 +189,9 @@ def test_late_request_and_configured_clipping():
     x = data[0]
     engine.backward(engine.module(input_ids=x, labels=x).loss)
     with pytest.raises(ValueError, match=r"already clips with by norm \(max_norm 0.5"):
-        engine.clip_grad_norm_(1.0)
+        engine.clipping.clip_grad_norm_(1.0)
     with pytest.raises(ValueError, match="Configure one of the two"):
-        engine.clip_grad_value_(0.1)
+        engine.clipping.clip_grad_value_(0.1)
     engine.step()
 
 
@@ -199,17 +200,17 @@ def test_late_calls_outside_a_step_are_refused():
     engine = wrap(model, pt.Plan(n_persist=0, n_buffer=1), "32-true")
     x = batches(1)[0]
     with pytest.raises(RuntimeError, match="after engine.backward"):
-        engine.clip_grad_norm_(1.0)
+        engine.clipping.clip_grad_norm_(1.0)
     with engine.no_sync():
         engine.backward(engine.module(input_ids=x, labels=x).loss)
     with pytest.raises(RuntimeError, match="outside no_sync"):
-        engine.grad_norm()
+        engine.clipping.grad_norm()
     engine.backward(engine.module(input_ids=x, labels=x).loss)
-    engine.clip_grad_norm_(1.0)
+    engine.clipping.clip_grad_norm_(1.0)
     with pytest.raises(RuntimeError, match="once per step"):
-        engine.clip_grad_norm_(1.0)
+        engine.clipping.clip_grad_norm_(1.0)
     with pytest.raises(ValueError, match="finite max_norm"):
-        engine.clip_grad_norm_(-1.0)
+        engine.clipping.clip_grad_norm_(-1.0)
     engine.step()
 
 
@@ -224,9 +225,9 @@ def test_nonfinite_norm(error_if_nonfinite):
     engine.backward(engine.module(input_ids=x, labels=x).loss)
     if error_if_nonfinite:
         with pytest.raises(RuntimeError, match="non-finite"):
-            engine.clip_grad_norm_(1.0, error_if_nonfinite=True)
+            engine.clipping.clip_grad_norm_(1.0, error_if_nonfinite=True)
     # Nothing was recorded by the refused call: the step may still clip.
-    assert not engine.clip_grad_norm_(1.0).isfinite()
+    assert not engine.clipping.clip_grad_norm_(1.0).isfinite()
     before = engine.state_dict()
     engine.step()  # skipped
     for k, v in engine.state_dict().items():
@@ -235,7 +236,7 @@ def test_nonfinite_norm(error_if_nonfinite):
 
 
 def test_grad_norm_without_clipping_in_every_schedule():
-    """engine.grad_norm() equals torch's total norm whether the chunks were updated during
+    """engine.clipping.grad_norm() equals torch's total norm whether the chunks were updated during
     backward (after the first step) or not; it clips nothing."""
     model = tiny_llama()
     data = batches(3)
@@ -247,7 +248,7 @@ def test_grad_norm_without_clipping_in_every_schedule():
     got = []
     for x in data:
         engine.backward(engine.module(input_ids=x, labels=x).loss)
-        got.append(engine.grad_norm())
+        got.append(engine.clipping.grad_norm())
         engine.step()
         engine.zero_grad()
     assert engine.overlap == "cpu-adam-during-backward"
@@ -344,7 +345,7 @@ def test_grad_norm_is_refused_after_value_clipping_updated_chunks():
     x = batches(1)[0]
     engine.backward(engine.module(input_ids=x, labels=x).loss)  # value clipping: updated during backward
     with pytest.raises(RuntimeError, match="clamped when they were updated during backward"):
-        engine.grad_norm()
+        engine.clipping.grad_norm()
     engine.step()
 
 
@@ -415,7 +416,7 @@ def test_live_profiling_does_not_time_the_updates_as_forward(clipping, monkeypat
                 running[0] -= 1
 
     def recorded_boundary(self, kind, seg):
-        if kind == "fwd" and seg == 0:
+        if kind == B.FORWARD and seg == 0:
             with lock:
                 starts.append(running[0])
         return boundary(self, kind, seg)

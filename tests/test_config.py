@@ -133,7 +133,7 @@ def test_wrap_with_the_old_keywords_trains_exactly_as_with_the_config():
             engine = pt.wrap(model, opt, PLAN, device="cpu", config=pt.ProTrainConfig(
                 planning={"chunk_size": 2**16}, clipping=("norm", 0.05), runtime={"check_invariants": True}))
         assert engine.scheduler.check_invariants and engine.layout.chunk_size == 2**16
-        runs.append((train_engine(engine, data), engine.gradient_clipping))
+        runs.append((train_engine(engine, data), engine.clipping.configured))
         engine.close()
     assert runs[0] == runs[1]
 
@@ -217,7 +217,7 @@ def test_pin_memory_off_keeps_the_host_copies_pageable():
         model = MODELS["llama"]()
         engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=0, n_buffer=1),
                          device="cuda", config=pt.ProTrainConfig(runtime={"pin_memory": pin}))
-        assert engine.host_pinned is pin
+        assert engine.memory.host_pinned is pin
         engine.close()
 
 

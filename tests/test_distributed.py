@@ -144,7 +144,7 @@ def _train_and_save(rank, world, out, plan_name, steps):
     and a sharded directory (every rank)."""
     model = _model(frozen=True)
     losses, engine = protrain_run(model, batches(steps, seed=20 + rank), standard_plans(model)[plan_name], clip=0.5)
-    state = {"model": engine.state_dict(), "optimizer": engine.optimizer_state_dict()}
+    state = {"model": engine.state_dict(), "optimizer": engine.states.optimizer()}
     if rank == 0:
         torch.save(state, os.path.join(out, "full.pt"))
     engine.save_sharded(os.path.join(out, "sharded"))
@@ -176,7 +176,7 @@ def _resume(rank, world, out, plan_name, source):
         engine.load_sharded(os.path.join(out, "sharded"))
     else:
         engine.load_state_dict(full["model"])
-        engine.load_optimizer_state_dict(full["optimizer"])
+        engine.states.load_optimizer(full["optimizer"])
     loaded = engine.state_dict(rank0_only=False)
     assert all(torch.equal(loaded[k], full["model"][k]) for k in full["model"]), "the weights did not load exactly"
     losses = train_engine(engine, data)
@@ -403,7 +403,7 @@ def _tied_states(rank, world):
     model = tiny_gpt2()  # the head's weight is the embedding's: one tensor under two names
     losses, engine = protrain_run(model, batches(2, seed=10 + rank), pt.Plan(n_persist=1, n_buffer=2))
     weights = engine.state_dict()  # rank 0 keeps it; every rank must gather the same chunks
-    states = engine.optimizer_state_dict(rank0_only=False)
+    states = engine.states.optimizer(rank0_only=False)
     engine.close()
     return weights, states
 

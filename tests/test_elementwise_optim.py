@@ -52,7 +52,7 @@ def test_an_elementwise_optimizer_trains_bitwise_like_pytorch(name, plan):
                      config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
     assert train_engine(engine, data) == ref_losses
     assert_same_weights(engine.state_dict(), ref)
-    assert_same_state(engine.optimizer_state_dict(), ref_opt.state_dict())
+    assert_same_state(engine.states.optimizer(), ref_opt.state_dict())
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=str)
@@ -73,7 +73,7 @@ def test_an_elementwise_optimizers_state_loads_back_and_training_goes_on_exactly
     losses = []
     for x in data[:3]:
         losses.append(_step(engine, x, sched))
-    weights, osd = engine.state_dict(), engine.optimizer_state_dict()
+    weights, osd = engine.state_dict(), engine.states.optimizer()
     engine.close()
 
     model2 = tiny_gpt2(seed=5)
@@ -81,13 +81,13 @@ def test_an_elementwise_optimizers_state_loads_back_and_training_goes_on_exactly
     opt2 = make(model2.parameters())
     sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.5)
     engine2 = pt.wrap(model2, opt2, pt.Plan(n_persist=1, n_buffer=2), device="cpu")
-    engine2.load_optimizer_state_dict(osd)
+    engine2.states.load_optimizer(osd)
     sched2.load_state_dict(sched.state_dict())
     for x in data[3:]:
         losses.append(_step(engine2, x, sched2))
     assert losses == ref_losses
     assert_same_weights(engine2.state_dict(), ref)
-    assert_same_state(engine2.optimizer_state_dict(), ref_opt.state_dict())
+    assert_same_state(engine2.states.optimizer(), ref_opt.state_dict())
 
 
 def _step(engine, x, scheduler) -> float:
@@ -148,14 +148,14 @@ def _sharded(rank, world, out):
                                                     optimizer_state=ref_state)
             losses, engine = protrain_run(tiny_llama(), data, standard_plans(tiny_llama())[plan],
                                           optimizer=OPTIMIZERS[name])
-            weights, state = engine.state_dict(), engine.optimizer_state_dict()
+            weights, state = engine.state_dict(), engine.states.optimizer()
             path = os.path.join(out, f"{name}-{plan}")
             engine.save_sharded(path)
             engine.close()
             model = tiny_llama(seed=3)
             again = pt.wrap(model, OPTIMIZERS[name](model.parameters()), pt.Plan(n_persist=1, n_buffer=1), device="cpu")
             again.load_sharded(path)
-            loaded = again.optimizer_state_dict()
+            loaded = again.states.optimizer()
             again.close()
             if rank == 0:
                 assert_same_state(state, ref_state)

@@ -191,5 +191,5 @@ def test_fabric_saves_and_loads_a_scheduler_beside_the_optimizer(tmp_path, state
     fabric2.load(tmp_path / "ckpt", {"model": model2, "optimizer": opt2, "scheduler": sched2})
     assert sched2.state_dict() == sched.state_dict() and sched2.get_last_lr() == [3e-3 / 4]
     assert opt2.param_groups[0]["lr"] == 3e-3 / 4
-    saved, loaded = fabric.strategy.engine.optimizer_state_dict(), fabric2.strategy.engine.optimizer_state_dict()
+    saved, loaded = fabric.strategy.engine.states.optimizer(), fabric2.strategy.engine.states.optimizer()
     assert all(torch.equal(saved["state"][k]["exp_avg"], loaded["state"][k]["exp_avg"]) for k in saved["state"])

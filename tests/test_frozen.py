@@ -138,7 +138,7 @@ def test_an_optimizer_over_every_parameter_keeps_no_state_for_frozen_ones():
     ref_losses = train_reference(ref, ref_opt, data)
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=LR), pt.Plan(n_persist=0, n_buffer=1), device="cpu")
     assert train_engine(engine, data) == ref_losses
-    osd, ref_osd = engine.optimizer_state_dict(), ref_opt.state_dict()
+    osd, ref_osd = engine.states.optimizer(), ref_opt.state_dict()
     assert osd["state"].keys() == ref_osd["state"].keys()
     for i, entry in ref_osd["state"].items():
         assert all(torch.equal(osd["state"][i][k], v) for k, v in entry.items())
@@ -160,7 +160,7 @@ def test_model_states_are_proportional_to_what_trains(precision):
         m = frozen_model("llama", "before")
         engine = pt.wrap(m, torch.optim.AdamW([p for p in m.parameters() if p.requires_grad]), plan,
                          precision=precision, device="cpu")
-        held = engine.host_bytes() + sum(c.device_bytes() for c in engine.chunks if c.persistent)
+        held = engine.memory.host_bytes() + sum(c.device_bytes() for c in engine.chunks if c.persistent)
         padding = engine.layout.waste * cb  # chunk rounding: capacity no parameter uses
         assert held <= 1.1 * ideal + padding, (held, ideal, padding)
         engine.close()

@@ -193,7 +193,7 @@ def test_encoder_decoder_models_have_both_stacks_as_blocks(family):
                          config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
         assert engine.layout.n_blocks == 5 and len(engine.block_modes) == 5
         losses = train_engine(engine, data)
-        report = engine.activation_report()
+        report = engine.activations.report()
         engine.close()
         assert len(report) == 5  # the decoder's blocks too
         if family == "bart" or plan.n_swap == plan.n_checkpoint == 0:

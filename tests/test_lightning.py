@@ -648,7 +648,7 @@ class Stemless(pl.LightningModule):
 def test_named_blocks_taking_the_batch_directly_plan_automatically_like_the_default_strategy(info_lines):
     """The first block takes the batch (no stem before it): the live profiler started its forward
     at the first module with parameters, inside block 0, after block 0's own boundary, and the
-    profile failed with KeyError ('fwd', 1) at the end of the profiled steps."""
+    profile failed with KeyError (Boundary.FORWARD, 1) at the end of the profiled steps."""
     def run(strategy):
         torch.manual_seed(0)
         lit = Stemless()
@@ -750,7 +750,7 @@ def test_evaluation_only_engine_holds_no_optimizer_states():
 
     class Probe(pl.Callback):
         def on_validation_start(self, trainer, module):
-            seen["engine"] = (trainer.strategy.engine.optimizer_states, trainer.strategy.engine.host_bytes())
+            seen["engine"] = (trainer.strategy.engine.optimizer_states, trainer.strategy.engine.memory.host_bytes())
 
     torch.manual_seed(0)
     lit = LitLM()
@@ -764,7 +764,7 @@ def test_evaluation_only_engine_holds_no_optimizer_states():
     optimizer = torch.optim.AdamW(lit.parameters())
     engine = pt.wrap(lit, optimizer, plan=pt.Plan(n_persist=0, n_buffer=2), device="cpu")
     try:
-        assert engine.host_bytes() - eval_host >= 8 * n_params
+        assert engine.memory.host_bytes() - eval_host >= 8 * n_params
         with pytest.raises(RuntimeError, match="evaluation-only"):
             other = LitLM()
             pt.wrap(other, torch.optim.AdamW(other.parameters()), plan=pt.Plan(n_persist=0, n_buffer=2), device="cpu",

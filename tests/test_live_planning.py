@@ -152,7 +152,7 @@ def test_a_cached_profile_ends_profiling_after_one_step():
         engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), device="cpu", report=reports,
                          config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget="1GiB")))
         steps = []
-        engine.observe(type("Steps", (), {"step_ends": lambda self: steps.append(engine.choice is not None)})())
+        engine.observe(type("Steps", (pt.StepObserver,), {"step_ends": lambda self: steps.append(engine.choice is not None)})())
         assert train_engine(engine, data) == ref_losses
         (profiled,) = reports.texts("ProTrain profiling:")
         if run == 0:
@@ -213,7 +213,7 @@ def test_batches_of_16_to_64_tokens_equal_plain_pytorch_and_longer_ones_checkpoi
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), device="cpu", report=reports,
                      config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget=budget), runtime=pt.RuntimeConfig(check_invariants=True)))
     plans = []
-    engine.observe(type("Plans", (), {"backward_begins": lambda self: plans.append(engine.plan)})())
+    engine.observe(type("Plans", (pt.StepObserver,), {"backward_begins": lambda self: plans.append(engine.plan)})())
     assert train_engine(engine, data) == ref_losses
     assert_same_weights(engine.state_dict(), ref)
     searched = list(zip(lengths, plans))[PROFILED_STEPS:]

@@ -120,7 +120,7 @@ def train(kind, clipping, accumulate, precision="bf16-mixed", *, steps=3, scale=
         grads.append([c.storage.grad_acc.clone() for c in engine.chunks if c.storage.grad_acc is not None])
         scales.append(None if engine.scaler is None else engine.scaler.scale.item())
         engine.zero_grad()
-    state, optim = engine.state_dict(), engine.optimizer_state_dict()
+    state, optim = engine.state_dict(), engine.states.optimizer()
     engine.close()
     return losses, grads, state, optim, scales
 

@@ -46,7 +46,7 @@ def test_adam_l2_and_amsgrad_and_maximize(plan):
     engine = pt.wrap(model, torch.optim.Adam(model.parameters(), **kw), plan, device="cpu")
     assert train_engine(engine, data) == ref_losses
     assert_same_weights(engine.state_dict(), ref)
-    osd = engine.optimizer_state_dict()
+    osd = engine.states.optimizer()
     assert set(next(iter(osd["state"].values()))) == {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
 
 
@@ -70,7 +70,7 @@ def test_frozen_parameters(plan):
     assert_same_weights(sd, ref)
     for n, v in frozen.items():
         assert torch.equal(sd[n], v)
-    assert len(engine.optimizer_state_dict()["state"]) == len(ref_opt.state_dict()["state"])
+    assert len(engine.states.optimizer()["state"]) == len(ref_opt.state_dict()["state"])
     for c in engine.chunks:  # frozen-only chunks hold no gradient buffer and no Adam state
         if not c.grad_members:
             assert c.storage.grad_acc is None and c.storage.exp_avg is None
@@ -197,8 +197,8 @@ def test_fp16_overflow_skips_exactly_like_grad_scaler(plan):
     assert losses == ref_losses
     assert scales[0] < 2.0**22  # the first step overflowed and was skipped
     assert any(b > a for a, b in zip(scales, scales[1:]))  # later clean steps grew it again
-    assert engine.scaler_state_dict()["scale"] == scaler.get_scale()
-    assert engine.scaler_state_dict()["_growth_tracker"] == scaler.state_dict()["_growth_tracker"]
+    assert engine.states.scaler()["scale"] == scaler.get_scale()
+    assert engine.states.scaler()["_growth_tracker"] == scaler.state_dict()["_growth_tracker"]
     sd = engine.state_dict()
     for name, m in ref_master.items():
         torch.testing.assert_close(sd[name], m.detach(), rtol=0, atol=0, msg=name)
@@ -258,4 +258,4 @@ def test_unused_parameters_are_skipped_like_torch():
         ref_opt.step()
         ref_opt.zero_grad()
     assert_same_weights(engine.state_dict(), ref)
-    assert len(engine.optimizer_state_dict()["state"]) == len(ref_opt.state_dict()["state"])
+    assert len(engine.states.optimizer()["state"]) == len(ref_opt.state_dict()["state"])

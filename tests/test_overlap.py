@@ -80,7 +80,7 @@ def test_cuda_parity(precision, persist):
                      precision=precision, device="cuda",
                      config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
     losses = train_engine(engine, data)
-    assert engine.host_pinned
+    assert engine.memory.host_pinned
     if precision == "32-true":
         # CPU fused Adam vs CUDA fused Adam may round differently: compare closely, not bitwise.
         torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)

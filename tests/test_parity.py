@@ -138,7 +138,7 @@ def test_mixed_precision_parity(arch, precision, dtype, plan_kind):
         torch.testing.assert_close(sd[name], m.detach(), rtol=1.2e-7, atol=0, msg=name)
         assert sd[name].dtype == torch.float32
     if scaler is not None:
-        assert engine.scaler_state_dict()["scale"] == scaler.get_scale()
+        assert engine.states.scaler()["scale"] == scaler.get_scale()
 
 
 @pytest.mark.parametrize("plan", [pt.Plan(n_persist=1, n_buffer=2, n_swap=1, n_checkpoint=2),

@@ -72,14 +72,14 @@ def test_lora_model_states_bytes():
     for plan_name, plan in plans(lora("llama")).items():
         m = lora("llama")
         engine = pt.wrap(m, torch.optim.AdamW(trainable(m)), plan, precision="bf16-mixed", device="cpu")
-        held[plan_name] = engine.host_bytes() + sum(c.device_bytes() for c in engine.chunks if c.persistent)
+        held[plan_name] = engine.memory.host_bytes() + sum(c.device_bytes() for c in engine.chunks if c.persistent)
         padding = engine.layout.waste * 2
         assert held[plan_name] <= 1.1 * (2 * frozen + 16 * n_train) + padding, (plan_name, held[plan_name])
         engine.close()
     full = MODELS["llama"]()
     engine = pt.wrap(full, torch.optim.AdamW(full.parameters()), pt.Plan(n_persist=0, n_buffer=1), precision="bf16-mixed",
                      device="cpu")
-    assert held["all-streamed"] < 0.2 * engine.host_bytes()
+    assert held["all-streamed"] < 0.2 * engine.memory.host_bytes()
 
 
 def test_lora_plans_stream_the_frozen_base_when_it_does_not_fit():
@@ -169,5 +169,5 @@ def test_cuda_lora(precision):
                      precision=precision, device="cuda",
                      config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
     losses = train_engine(engine, data)
-    assert engine.host_pinned
+    assert engine.memory.host_pinned
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5 if precision == "32-true" else 2e-2, atol=0)

@@ -41,7 +41,7 @@ def test_a_new_plan_at_every_step_equals_plain_pytorch(arch):
         losses.append(loss.item())
     assert losses == ref_losses
     assert_same_weights(engine.state_dict(), ref)
-    assert engine.optimizer_state_dict()["state"].keys() == ref_optimizer_keys(ref)
+    assert engine.states.optimizer()["state"].keys() == ref_optimizer_keys(ref)
 
 
 def ref_optimizer_keys(model):
@@ -69,7 +69,7 @@ def test_replanning_does_not_change_a_bit_in_mixed_precision(precision):
             engine.step()
             engine.zero_grad()
             losses.append(loss.item())
-        runs.append((losses, engine.state_dict(), engine.optimizer_state_dict(), engine.scaler_state_dict()))
+        runs.append((losses, engine.state_dict(), engine.states.optimizer(), engine.states.scaler()))
     (l0, sd0, osd0, sc0), (l1, sd1, osd1, sc1) = runs
     assert l0 == l1 and sc0 == sc1
     assert all(torch.equal(sd0[k], sd1[k]) for k in sd0)

@@ -201,7 +201,7 @@ def test_recorded_timeline_is_in_simulated_seconds():
     with sim:
         engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), pt.Plan(n_persist=0, n_buffer=2),
                          device=sim)
-        engine.expect_late_clipping(False)
+        engine.clipping.expect_late(False)
         x = batches(1)[0]
         with engine.record_timeline() as timeline:
             engine.backward(engine.module(input_ids=x, labels=x).loss)

@@ -66,7 +66,7 @@ def test_engine_state_continues_in_plain_adamw(plan):
     plain = MODELS["gpt2"](seed=123)
     plain.load_state_dict(engine.state_dict())
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1.0, fused=True)  # lr comes from the state dict
-    plain_opt.load_state_dict(engine.optimizer_state_dict())
+    plain_opt.load_state_dict(engine.states.optimizer())
     assert plain_opt.param_groups[0]["lr"] == 3e-3
     assert train_engine(engine, data[5:]) == train_reference(plain, plain_opt, data[5:])
     assert_same_weights(engine.state_dict(), plain)
@@ -88,7 +88,7 @@ def test_plain_adamw_state_continues_in_engine_with_any_plan(arch):
         m2 = MODELS[arch](seed=7)
         engine = pt.wrap(m2, torch.optim.AdamW(m2.parameters(), lr=0.5), plan, device="cpu")
         engine.load_state_dict(saved_sd)
-        engine.load_optimizer_state_dict(saved_osd)
+        engine.states.load_optimizer(saved_osd)
         assert train_engine(engine, data[5:]) == ref_losses
         assert_same_weights(engine.state_dict(), ref)
 
@@ -100,7 +100,7 @@ def test_optimizer_state_dict_is_independent_of_the_plan():
         model = MODELS["llama"]()
         engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), plan, device="cpu")
         train_engine(engine, data)
-        dicts.append(engine.optimizer_state_dict())
+        dicts.append(engine.states.optimizer())
     a, b = dicts
     assert a["param_groups"] == b["param_groups"]
     assert a["state"].keys() == b["state"].keys()

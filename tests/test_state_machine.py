@@ -254,7 +254,7 @@ def test_device_bytes_invariant_at_every_hook(make, plan, precision):
     assert size < per_buffer <= 2 * size
     assert rt.device_bytes_bound() == persistent + plan.n_buffer * per_buffer
     # At rest (after step) only persistent chunks and idle buffers are on the device.
-    assert engine.device_bytes() <= persistent + plan.n_buffer * size
+    assert engine.memory.device_bytes() <= persistent + plan.n_buffer * size
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])

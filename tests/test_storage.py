@@ -29,7 +29,7 @@ def test_profile_facts_match_the_allocation(precision, amsgrad):
         streamed = [c.index for c in engine.chunks if not c.persistent]
         # The host pool aligns each tensor to 64 bytes: at most 6 tensors per chunk.
         host = facts["host_bytes"]
-        assert 0 <= engine.host_bytes() - sum(host[i] for i in streamed) < 64 * 6 * max(1, len(streamed))
+        assert 0 <= engine.memory.host_bytes() - sum(host[i] for i in streamed) < 64 * 6 * max(1, len(streamed))
         for c in engine.chunks:
             if c.persistent:
                 assert c.device_bytes() == facts["persist_bytes"][c.index]

@@ -45,7 +45,7 @@ SCRIPT = textwrap.dedent("""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     engine = pt.wrap(model, opt, pt.Plan(n_persist=0, n_buffer=1), precision=precision, device="cpu")
     peak = status("VmHWM")
-    states = engine.host_bytes() + sum(c.device_bytes() for c in engine.chunks if c.persistent)
+    states = engine.memory.host_bytes() + sum(c.device_bytes() for c in engine.chunks if c.persistent)
     print(json.dumps(dict(model=model_bytes, states=states, chunk=engine.layout.chunk_size * 2, before=before,
                           peak=peak)))
 """)

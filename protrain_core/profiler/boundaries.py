@@ -8,6 +8,7 @@ phase between them is a ``TrainingPhase``.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import defaultdict
 
@@ -20,9 +21,26 @@ from protrain_core.planner.profiles import OpRecord
 from protrain_core.utils import iter_tensors
 
 P = TrainingPhase
-# Boundary kinds and the phase that starts at each.
-_STARTS = {"fwd": P.FORWARD, "bwd": P.BACKWARD, "rec_begin": P.RECOMPUTE, "rec_end": P.BACKWARD,
-           "fwd_end": P.IDLE, "bwd_end": P.IDLE}
+
+
+class Boundary(enum.Enum):
+    """Where one profiled interval ends and the next begins; ``starts``: the phase of the next."""
+
+    FORWARD = "forward"  # a segment's forward begins
+    FORWARD_END = "forward end"
+    BACKWARD = "backward"  # a segment's backward begins
+    BACKWARD_END = "backward end"
+    RECOMPUTE = "recompute"  # a checkpointed block's recomputation begins (inside backward)
+    RECOMPUTE_END = "recompute end"
+
+    @property
+    def starts(self) -> TrainingPhase:
+        return _STARTS[self]
+
+
+B = Boundary
+_STARTS = {B.FORWARD: P.FORWARD, B.BACKWARD: P.BACKWARD, B.RECOMPUTE: P.RECOMPUTE, B.RECOMPUTE_END: P.BACKWARD,
+           B.FORWARD_END: P.IDLE, B.BACKWARD_END: P.IDLE}
 
 
 class Boundaries:
@@ -40,7 +58,7 @@ class Boundaries:
         self.L = len(blocks)
         self.live = live
         self.ctx = engine.ctx
-        self.times: dict[tuple[str, int], float] = {}
+        self.times: dict[tuple[Boundary, int], float] = {}
         self._start = None  # the compute stream's stamp where the current interval began
         self._spans: list[tuple[P, int, object, object]] = []  # (phase, segment, begin stamp, end stamp)
         self.phase, self.seg = P.IDLE, 0
@@ -48,7 +66,7 @@ class Boundaries:
         self.chunks: dict[int, set[int]] = defaultdict(set)
         self.first_inputs: list | None = None
         self.block_inputs: list | None = None
-        handles = [] if live else [engine.module.register_forward_pre_hook(lambda _m, _a: self.mark("fwd", 0))]
+        handles = [] if live else [engine.module.register_forward_pre_hook(lambda _m, _a: self.mark(B.FORWARD, 0))]
         for j, block in enumerate(blocks):
             handles.append(block.register_forward_pre_hook(self._block_pre(j), with_kwargs=True))
             handles.append(block.register_forward_hook(self._block_post(j)))
@@ -63,9 +81,9 @@ class Boundaries:
 
     def _uses(self, idxs):
         def hook(_m, args):
-            if self.live and ("fwd", 0) not in self.times and torch.is_grad_enabled():
+            if self.live and (B.FORWARD, 0) not in self.times and torch.is_grad_enabled():
                 self.first_inputs = list(iter_tensors(args))
-                self.mark("fwd", 0)
+                self.mark(B.FORWARD, 0)
             if self.phase is P.FORWARD:
                 self.chunks[self.seg] |= idxs
 
@@ -77,14 +95,14 @@ class Boundaries:
                 return
             if j == 0 and self.block_inputs is None:
                 self.block_inputs = list(iter_tensors((args, kwargs)))
-            if self.live and ("fwd", 0) not in self.times:  # no stem: the first block takes the batch
+            if self.live and (B.FORWARD, 0) not in self.times:  # no stem: the first block takes the batch
                 self.first_inputs = list(iter_tensors((args, kwargs)))
-                self.mark("fwd", 0)
-            self.mark("fwd", j + 1)
+                self.mark(B.FORWARD, 0)
+            self.mark(B.FORWARD, j + 1)
             if torch.is_grad_enabled():
                 for t in iter_tensors((args, kwargs)):
                     if t.requires_grad:
-                        t.register_hook(lambda _g: self.mark("bwd", j))
+                        t.register_hook(lambda _g: self.mark(B.BACKWARD, j))
 
         return hook
 
@@ -93,18 +111,18 @@ class Boundaries:
             if self.live and not torch.is_grad_enabled():
                 return
             if j == self.L - 1:
-                self.mark("fwd", self.L + 1)
+                self.mark(B.FORWARD, self.L + 1)
             if torch.is_grad_enabled():
                 for t in iter_tensors(out):
                     if t.requires_grad:
-                        t.register_hook(lambda _g: self.mark("bwd", j + 1))
+                        t.register_hook(lambda _g: self.mark(B.BACKWARD, j + 1))
 
         return hook
 
     def _recompute(self, block: int, begin: bool) -> None:
-        self.mark("rec_begin" if begin else "rec_end", block + 1)
+        self.mark(B.RECOMPUTE if begin else B.RECOMPUTE_END, block + 1)
 
-    def mark(self, kind: str, seg: int = -1) -> None:
+    def mark(self, kind: Boundary, seg: int = -1) -> None:
         """A boundary: the interval since the previous one ends where the compute stream has
         got to (its kernels, not the copies or collectives issued beside them), then the device
         is synchronised and the next interval begins -- so a segment's time is its compute
@@ -118,7 +136,7 @@ class Boundaries:
         self.ctx.synchronize_device()
         self.times[key] = self.ctx.clock()
         self._start = self.ctx.stamp()
-        self.phase = _STARTS[kind]
+        self.phase = kind.starts
         if seg >= 0:
             self.seg = seg
         if self.listener is not None:
@@ -184,18 +202,18 @@ class MemoryPass:
         self.pending: int | None = None  # a block whose recomputation just ended
         self.names = ["pre"] + [f"block.{j}" for j in range(bounds.L)] + ["post"]
 
-    def boundary(self, kind: str, seg: int) -> None:
+    def boundary(self, kind: Boundary, seg: int) -> None:
         live = self.live()
         self._settle(live)
         self.at[(kind, seg)] = live
-        if kind == "rec_begin":
+        if kind == B.RECOMPUTE:
             self.rec_begin[seg] = live
-        elif kind == "rec_end":
+        elif kind == B.RECOMPUTE_END:
             # The recomputation may have stopped early by an exception whose traceback still
             # holds the forward's temporaries: what it saved is read at the next operator.
             self.pending = seg
-        if kind in ("fwd", "bwd"):
-            key = (_STARTS[kind], seg)
+        if kind in (B.FORWARD, B.BACKWARD):
+            key = (kind.starts, seg)
             self.peaks[key] = max(self.peaks[key], live)
 
     def _settle(self, live: int) -> None:

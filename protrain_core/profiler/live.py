@@ -28,9 +28,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from protrain_core.phase import StepObserver
 from protrain_core.plan import BlockMode
 from protrain_core.planner.profiles import Profile, load_cached, store
-from protrain_core.profiler.boundaries import Boundaries, MemoryPass
+from protrain_core.profiler.boundaries import Boundaries, Boundary as B, MemoryPass
 from protrain_core.profiler.profiler import (
     Measured, base_bytes, build_profile, check_blocks_called, fragmentation_factor, memory_meter, profile_key,
     tensor_shapes,
@@ -55,7 +56,7 @@ class LiveProfile:
     batch_tokens: int  # ``utils.batch_tokens`` of the same batch as the engine saw it (0: unknown)
 
 
-class LiveProfiler:
+class LiveProfiler(StepObserver):
     """Profiles an engine's first training steps (see the Note), then calls ``on_profile``
     with a ``LiveProfile``."""
 
@@ -88,24 +89,24 @@ class LiveProfiler:
         self.batch = batch_tokens(batch)
 
     def _boundary(self, kind: str, seg: int) -> None:
-        if kind == "fwd" and seg == 0:
+        if kind == B.FORWARD and seg == 0:
             if self.started is None:
                 self.started = self.engine.ctx.clock()
             if self.schedule[self.step] == "memory" and self.measured.mem is None and self.cached is None:
                 self._enter_memory_pass()
-        if kind == "fwd" and seg == 1 and self.key is None:
+        if kind == B.FORWARD and seg == 1 and self.key is None:
             self._look_up_cache()
         if self.mem is not None:
             self.mem.boundary(kind, seg)
 
     def backward_begins(self) -> None:
-        self.bounds.mark("fwd_end")
-        self.bounds.mark("bwd", self.L + 1)
+        self.bounds.mark(B.FORWARD_END)
+        self.bounds.mark(B.BACKWARD, self.L + 1)
 
     def backward_ends(self) -> None:
-        self.bounds.mark("bwd_end")
+        self.bounds.mark(B.BACKWARD_END)
         self._leave_memory_pass()
-        if ("fwd", 0) in self.bounds.times and not (self.schedule[self.step] == "memory" and self.recorded):
+        if (B.FORWARD, 0) in self.bounds.times and not (self.schedule[self.step] == "memory" and self.recorded):
             self._record()
         self.bounds.reset()
 

@@ -48,7 +48,7 @@ from protrain_core.phase import TrainingPhase
 from protrain_core.plan import BlockMode, Plan
 from protrain_core.planner.profiles import PROFILE_VERSION, Profile, Segment, load_cached, store
 from protrain_core.precision import Precision
-from protrain_core.profiler.boundaries import Boundaries, CudaMeter, MemoryPass
+from protrain_core.profiler.boundaries import Boundaries, Boundary as B, CudaMeter, MemoryPass
 from protrain_core.profiler.hardware import device_name, probe_hardware
 from protrain_core.runtime.device import DeviceContext, as_context
 from protrain_core.runtime.engine import Engine
@@ -346,8 +346,8 @@ def _segments(m: Measured, L: int) -> tuple[Segment, ...]:
 
     segments = []
     for s in range(K):
-        L_s = mem.at[("fwd", s)]
-        L_next = mem.at[("fwd", s + 1)] if s + 1 < K else mem.at[("fwd_end", -1)]
+        L_s = mem.at[(B.FORWARD, s)]
+        L_next = mem.at[(B.FORWARD, s + 1)] if s + 1 < K else mem.at[(B.FORWARD_END, -1)]
         recompute = (TrainingPhase.RECOMPUTE, s)
         segments.append(Segment(
             name=mem.names[s],
@@ -369,17 +369,17 @@ def _segments(m: Measured, L: int) -> tuple[Segment, ...]:
 
 def _one_pass(engine: Engine, bounds: Boundaries, inputs, step_fn) -> None:
     bounds.reset()
-    bounds.mark("fwd", 0)  # also when step_fn calls a submodule, not the wrapped module itself
+    bounds.mark(B.FORWARD, 0)  # also when step_fn calls a submodule, not the wrapped module itself
     with engine.autocast():
         loss = step_fn(engine.module, inputs)
     kept = None
     if isinstance(loss, tuple):  # (loss, what the caller keeps alive until after backward)
         loss, kept = loss
-    bounds.mark("fwd_end")
-    bounds.mark("bwd", bounds.L + 1)
+    bounds.mark(B.FORWARD_END)
+    bounds.mark(B.BACKWARD, bounds.L + 1)
     with engine.no_sync():
         engine.backward(loss)
-    bounds.mark("bwd_end")
+    bounds.mark(B.BACKWARD_END)
     del loss, kept
     engine.zero_grad()
 
@@ -392,7 +392,7 @@ def memory_meter(engine: Engine, bounds: Boundaries):
     if engine.ctx.is_cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        static = engine.device_bytes
+        static = engine.memory.device_bytes
         mem = MemoryPass(bounds, lambda: torch.cuda.memory_allocated(device) - static())
         mode = CudaMeter(device, static, mem.op)
     else:
@@ -418,7 +418,7 @@ def base_bytes(engine, inputs) -> int:
     """Device bytes alive through the iteration that are neither chunks nor activations."""
     if engine.ctx.is_cuda:
         torch.cuda.synchronize(engine.device)
-        return max(0, torch.cuda.memory_allocated(engine.device) - engine.device_bytes())
+        return max(0, torch.cuda.memory_allocated(engine.device) - engine.memory.device_bytes())
     seen, total = set(), 0
     for t in list(iter_tensors(inputs)) + list(engine.module.buffers()):
         key = StorageWeakRef(t.untyped_storage())  # meta storages have no address
@@ -429,7 +429,7 @@ def base_bytes(engine, inputs) -> int:
 
 
 def check_blocks_called(bounds: Boundaries, L: int) -> None:
-    missing = [j for j in range(L) if ("fwd", j + 1) not in bounds.times]
+    missing = [j for j in range(L) if (B.FORWARD, j + 1) not in bounds.times]
     if missing:
         raise ValueError(
             f"The profiled forward pass did not call blocks {missing[:8]} of the block list; "

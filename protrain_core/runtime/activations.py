@@ -102,7 +102,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
-from protrain_core.phase import PhaseTracker, TrainingPhase
+from protrain_core.phase import Observers, RecomputeObserver, StepState, TrainingPhase
 from protrain_core.plan import BlockMode
 from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.swap import Counted, HostBuffers, Packed, SwapRecord, check_version
@@ -166,9 +166,9 @@ class ActivationManager:
         blocks: list[nn.Module],
         modes: tuple[BlockMode, ...],
         ctx: DeviceContext,
-        phase: PhaseTracker,
+        phase: StepState,
         *,
-        observers: dict | None = None,
+        observers: Observers | None = None,
         warn_on_cache: bool = True,
         min_swap_bytes: int = MIN_SWAP_BYTES,
     ) -> None:
@@ -189,7 +189,7 @@ class ActivationManager:
         self._handles: list = []
         self._originals: dict[int, tuple[bool, object]] = {}  # checkpointed blocks' own forward attribute
         # observer(block_index, begin) around every recomputation (the owner's registry).
-        self._recompute_observers = {} if observers is None else observers
+        self._recompute_observers = Observers(RecomputeObserver) if observers is None else observers
         self.stats = {"swap_out_bytes": 0, "swap_in_bytes": 0, "recomputed_blocks": 0}
 
     @property
@@ -308,8 +308,7 @@ class ActivationManager:
         return run
 
     def _notify(self, i: int, *, begin: bool) -> None:
-        for observer in list(self._recompute_observers.values()):
-            observer(i, begin)
+        self._recompute_observers.notify(lambda observer: observer(i, begin))
 
     # ----- every managed call -------------------------------------------------------------------
     def _new_call(self, args, kwargs) -> _BlockCall:

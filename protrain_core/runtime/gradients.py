@@ -18,7 +18,7 @@ worker in forward order (the coefficient is the first thing each job applies) an
 next forward's use of a chunk waits for that chunk's update only (scheduler.py). The CPU Adam
 thus overlaps the next forward instead of backward (``UpdateSchedule.NEXT_FORWARD``).
 
-Clipping requested late (``engine.clip_grad_norm_`` between backward and step, as
+Clipping requested late (``engine.clipping.clip_grad_norm_`` between backward and step, as
 ``fabric.clip_gradients`` and Lightning's ``configure_gradient_clipping`` do) is exact only when
 no chunk was updated during that backward. The engine therefore holds the updates of its first
 step until ``step()`` (``late_reason``), and of every step after one that clipped late, or of
@@ -84,7 +84,7 @@ class Finishing:
 class ClippingPolicy:
     """What the engine was told about clipping."""
 
-    configured: GradientClipping | None = None  # applied at every step (wrap / set_gradient_clipping)
+    configured: GradientClipping | None = None  # applied at every step (wrap / engine.clipping.configure)
     expect_late: float | None = None  # clipping comes late at any step: the norm type to finish early
     hold_first: bool = True  # hold the first step for a late request (False: no late request will come)
 
@@ -231,7 +231,7 @@ class StepGradients:
                 raise ValueError(
                     f"Gradient clipping {_describe(clipping)} was requested after backward, but this engine "
                     f"already clips with {_describe(self.configured)} at every step "
-                    "(ProTrainConfig(clipping=...) / set_gradient_clipping / the Trainer's gradient_clip_val). "
+                    "(ProTrainConfig(clipping=...) / engine.clipping.configure / the Trainer's gradient_clip_val). "
                     "Configure one of the two: remove the configured setting, or the late call."
                 )
             return
@@ -240,7 +240,7 @@ class StepGradients:
                 f"Gradient clipping {_describe(clipping)} was requested between backward and step, but no "
                 "earlier step clipped, so ProTrain already updated the offloaded chunks during this backward "
                 "with unclipped gradients. Clip from the first step on, or say so before training: "
-                "ProTrainConfig(clipping=...), engine.expect_late_clipping(), or the Trainer's "
+                "ProTrainConfig(clipping=...), engine.clipping.expect_late(), or the Trainer's "
                 "gradient_clip_val."
             )
         if self._late is not None:

@@ -4,7 +4,7 @@ in elementwise.py).
 
 The user's optimizer object stays the one the user (or Lightning) holds: its ``param_groups``
 are read at every step, so schedulers that change ``lr`` keep working, and its
-``state_dict()`` format is what ``Engine.optimizer_state_dict`` produces. Its own ``state``
+``state_dict()`` format is what ``engine.states.optimizer()`` produces. Its own ``state``
 stays empty: moments live in the chunks, next to the master weights.
 """
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from protrain_core.phase import PhaseTracker, TrainingPhase
+from protrain_core.phase import StepState, TrainingPhase
 from protrain_core.runtime.chunk import Chunk, ChunkState
 from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.optim import ChunkOptimizer, UpdateClip
@@ -64,7 +64,7 @@ class UpdatePolicy:
 
 
 class Scheduler:
-    def __init__(self, chunks: list[Chunk], ctx: DeviceContext, optim: ChunkOptimizer, phase: PhaseTracker, *,
+    def __init__(self, chunks: list[Chunk], ctx: DeviceContext, optim: ChunkOptimizer, phase: StepState, *,
                  n_buffer: int, switches: RuntimeConfig, finisher=None) -> None:
         """``finisher(chunk)``: the worker's job finishing a streamed chunk's gradients at a
         boundary, or None (``StepGradients.finisher``)."""

@@ -25,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 
+from protrain_core.phase import StepObserver
+
 LANES = ("compute", "host->device", "device->host", "collectives", "CPU Adam")
 
 
@@ -41,13 +43,15 @@ class Span:
         return self.end - self.start
 
 
-class Timeline:
+class Timeline(StepObserver):
     """Spans of work, filled by the engine while ``Engine.record_timeline()`` is entered and
     complete when it exits. ``spans``: every span, by start; ``lane(name)``: one lane's."""
 
-    def __init__(self, ctx) -> None:
-        """``ctx``: the engine's DeviceContext (its clock and stamps)."""
+    def __init__(self, ctx, *, threaded: bool = False) -> None:
+        """``ctx``: the engine's DeviceContext (its clock and stamps); ``threaded``: the CPU Adam
+        runs on the worker's thread (else inline, on the thread of the step)."""
         self.ctx = ctx
+        self.threaded = threaded
         self.device = ctx.device
         self.is_cuda = ctx.is_cuda
         self.spans: list[Span] = []
@@ -124,5 +128,5 @@ class Timeline:
         return [s for s in self.spans if s.lane == name]
 
     def to_json(self) -> dict:
-        return {"device": str(self.device), "lanes": [lane for lane in LANES if self.lane(lane)],
+        return {"device": str(self.device), "threaded": self.threaded, "lanes": [lane for lane in LANES if self.lane(lane)],
                 "spans": [dataclasses.asdict(s) for s in self.spans]}

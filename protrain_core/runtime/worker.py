@@ -60,6 +60,12 @@ class CpuWorker:
         self._staging: queue.Queue | None = None  # landing buffers to add into grad_acc (its dtype)
         self._lent: dict[int, Tensor] = {}  # id of a landing slice -> its staging buffer
 
+    def describe(self) -> str:
+        """Where the CPU Adam runs, for ``engine.summary()``."""
+        if self.threads is None:
+            return self.threads_why
+        return f"{self.threads} thread{'s' if self.threads > 1 else ''} ({self.threads_why})"
+
     def resize_staging(self, *, n_staging: int, staging_numel: int) -> None:
         """After a re-plan (no landing in flight): other buffers, other largest span."""
         assert not self._lent

@@ -127,7 +127,7 @@ class SimulatedDevice(DeviceContext):
 
     def watch(self, engine) -> None:
         """Record host waits with the engine's training phase."""
-        self.phase_of = lambda: engine.phase.phase.value
+        self.phase_of = lambda: engine.step_state.phase.value
 
     # ----- where work goes -------------------------------------------------------------------------
     def _where(self):

@@ -19,6 +19,7 @@ from torch import nn
 
 from protrain_core.api import default_memory_budget, wrap
 from protrain_core.config import ProTrainConfig
+from protrain_core.phase import StepObserver
 from protrain_core.plan import Plan, as_plan
 from protrain_core.planner.cost import MemoryEstimate, RuntimeEstimate, estimate_memory, estimate_runtime
 from protrain_core.planner.profiles import Profile
@@ -79,7 +80,7 @@ class Simulation:
         return "\n".join(head + [self.report.text(self.predicted.total_s)])
 
 
-class _Marks:
+class _Marks(StepObserver):
     """Compute-stream positions of each step's phases (an engine observer)."""
 
     def __init__(self, sim: SimulatedDevice) -> None:
@@ -142,7 +143,7 @@ def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
 def _run(engine, sim: SimulatedDevice, batch: dict, steps: int, *, late: bool):
     """Train ``steps`` steps on ``batch``; (the first step's report, the timeline, the schedule)."""
     if late:
-        engine.expect_late_clipping(False)  # no step is held for a clipping request: the steady schedule
+        engine.clipping.expect_late(False)  # no step is held for a clipping request: the steady schedule
     sim.watch(engine)
     marks = _Marks(sim)
     handle = engine.observe(marks)

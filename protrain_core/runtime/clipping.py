@@ -1,0 +1,188 @@
+"""``engine.clipping``: gradient clipping and gradient norms of one engine, and the update
+schedule they imply.
+
+Clipping decides when the CPU Adam of streamed chunks may run: by value it runs during backward
+(each chunk is clamped right before its own update); by norm, or when a clipping may still be
+requested between backward and step, it waits for the global norm and overlaps the next forward
+(update.py). This face keeps the scheduler's ``UpdatePolicy`` in step with the setting; the
+gradients themselves, their norms and the late requests live in ``StepGradients``
+(gradients.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from protrain_core.phase import StepState
+from protrain_core.precision import Precision
+from protrain_core.runtime.chunk import Chunk
+from protrain_core.runtime.gradients import StepGradients
+from protrain_core.runtime.scheduler import Scheduler, UpdatePolicy
+from protrain_core.update import ClipAlgorithm, GradientClipping, Overlap, overlap_mode, parse_gradient_clipping
+
+
+class Clipping:
+    """Gradient clipping as plain PyTorch does it, over the optimizer's parameters, on the
+    gradients Adam reads (fp32 in mixed precision, after fp16 unscaling): configured ahead
+    (``configure``) or requested between backward and step (``clip_grad_norm_``)."""
+
+    def __init__(self, grads: StepGradients, scheduler: Scheduler, chunks: list[Chunk], precision: Precision,
+                 state: StepState) -> None:
+        self._grads, self._scheduler, self._chunks = grads, scheduler, chunks
+        self._precision, self._state = precision, state
+        self.schedule_updates()
+
+    def configure(self, algorithm: str | None, value: float | None = None, norm_type: float = 2.0) -> None:
+        """Clip the gradients before every update exactly as ``torch.nn.utils.clip_grad_norm_(params,
+        value, norm_type)`` ("norm") or ``clip_grad_value_(params, value)`` ("value") would; None
+        turns it off.
+
+        "value" is elementwise: each chunk is clamped right before its own Adam, so streamed
+        chunks are still updated during backward. "norm" needs the global norm before any
+        update: the gradients' norms are taken as they land and the streamed chunks' Adam runs
+        after backward, overlapping the next forward (``engine.overlap`` says so); ``last_norm``
+        holds the total norm before clipping. Call it between steps; setting the current value
+        again is a no-op at any time. To clip between backward and step instead, see
+        ``clip_grad_norm_``.
+        """
+        self._state.check_open()
+        clipping = parse_gradient_clipping(algorithm, value, norm_type)
+        if clipping == self._grads.configured:
+            return
+        if not self._state.idle:
+            raise RuntimeError("engine.clipping.configure() was called during backward; call it between steps.")
+        if self._updated_in_backward():
+            raise RuntimeError(
+                "Gradient clipping changed between engine.backward() and engine.step(), but ProTrain "
+                "already updated offloaded chunks during backward with the previous setting. Change "
+                "it after engine.step(), before the next backward."
+            )
+        self._scheduler.wait_all()  # no update in flight reads the setting
+        self._grads.set_policy(dataclasses.replace(self._grads.policy, configured=clipping))
+        self.schedule_updates()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, called between
+        ``backward`` and ``step`` (what ``fabric.clip_gradients`` and Lightning's
+        ``configure_gradient_clipping`` do): returns the total norm before clipping; ``step()``
+        applies the clipping. Exact when no chunk was updated during this backward: the engine
+        holds the updates of its first step, and of every step after one that clipped late
+        ([Note: finishing gradients early] in gradients.py). With clipping configured ahead
+        (``configure``), the same setting only returns the norm."""
+        clipping = self._late_request("norm", max_norm, norm_type)
+        total = self._grads.late_norm(clipping)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(
+                f"The total {norm_type:g}-norm of the gradients is non-finite ({total.item()}), so it cannot be "
+                "clipped (clip_grad_norm_ with error_if_nonfinite=True). Pass error_if_nonfinite=False to scale "
+                "the gradients by it anyway (under fp16 the step is then skipped by the loss scaler)."
+            )
+        self._grads.accept(clipping)
+        return total
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """``torch.nn.utils.clip_grad_value_`` over the optimizer's parameters, between
+        ``backward`` and ``step`` (see ``clip_grad_norm_``)."""
+        self._grads.accept(self._late_request("value", clip_value))
+
+    def grad_norm(self, norm_type: float = 2.0) -> Tensor:
+        """The total norm of the gradients over the optimizer's parameters, between ``backward``
+        and ``step`` (as ``torch.nn.utils.get_total_norm`` of their ``.grad``; after fp16
+        unscaling), without clipping anything. When streamed chunks are updated during backward
+        it waits for those updates (the gradients stay in the chunks until ``zero_grad``)."""
+        parse_gradient_clipping("norm", 1.0, norm_type)
+        self._check_gradients("engine.clipping.grad_norm()")
+        clip = self._grads.configured
+        if clip is not None and clip.algorithm is ClipAlgorithm.VALUE and self._updated_in_backward():
+            raise RuntimeError(
+                "engine.clipping.grad_norm() is the norm before clipping, but with clipping by value configured "
+                "ahead the offloaded chunks' gradients were clamped when they were updated during backward. Request "
+                "the clipping between backward and step instead (engine.clipping.clip_grad_value_) to measure it "
+                "first."
+            )
+        self._scheduler.wait_all()
+        self._grads.finish_all()
+        return self._grads.total_norm(norm_type)
+
+    def expect_late(self, expected: bool = True, norm_type: float = 2.0) -> None:
+        """Say whether gradient clipping will be requested between backward and step
+        (``clip_grad_norm_``). True: possibly at any step, not every one: every step's updates
+        wait for step() (the ``norm_type`` norms are taken as gradients land). False: never: no
+        step is held for it (a late request is then refused). Not called: the first step is held,
+        and every step after one that clipped late."""
+        parse_gradient_clipping("norm", 1.0, norm_type)
+        self._grads.set_policy(dataclasses.replace(self._grads.policy, expect_late=norm_type if expected else None,
+                                                   hold_first=expected))
+        self.schedule_updates()
+
+    @property
+    def configured(self) -> GradientClipping | None:
+        """The clipping configured ahead (``configure``)."""
+        return self._grads.configured
+
+    @property
+    def last_norm(self) -> Tensor | None:
+        """The total norm before clipping of the last step clipped by norm (or of the last
+        ``clip_grad_norm_`` call)."""
+        return self._grads.last_norm
+
+    @property
+    def gradients_ready(self) -> bool:
+        """The step's gradients are complete and not used yet: after a backward outside
+        no_sync, or under manual optimization after backwards inside it (nothing was updated
+        during them), before ``step()``."""
+        if not self._state.idle:
+            return False
+        accumulated = (self._state.manual and any(c.has_gradients for c in self._chunks)
+                       and not self._updated_in_backward())
+        return self._scheduler.stepped_backward or accumulated
+
+    def overlap(self, *, steady: bool = False) -> Overlap:
+        """When the CPU Adam runs now; ``steady``: after the first step (what plans are searched for)."""
+        return overlap_mode(self._precision, self._grads.configured,
+                            late_clipping=self._grads.late_reason(steady=steady))
+
+    def schedule_updates(self) -> None:
+        """Give the scheduler the update policy of the current setting (the engine calls it
+        before every backward: whether a step is held can change after the first)."""
+        self._scheduler.set_policy(UpdatePolicy(during_backward=self.overlap().during_backward,
+                                                landing_clip=self._grads.landing_clip()))
+
+    def describe(self, choice=None) -> str:
+        """One line for ``engine.summary()``/``explain()``; ``choice``: the search's PlanChoice."""
+        clip = self._grads.configured
+        if clip is None:
+            return "gradient clipping: off" + (" (requested after backward)" if self._grads.late_seen else "")
+        if clip.algorithm is ClipAlgorithm.VALUE:
+            return (f"gradient clipping by value ({clip.value:g}): elementwise, per chunk before its Adam; "
+                    "the CPU Adam still overlaps backward")
+        line = (f"gradient clipping by norm (max_norm {clip.value:g}, {clip.norm_type:g}-norm): the norms are "
+                "taken as gradients land, and the CPU Adam of offloaded chunks runs after backward, overlapping "
+                "the next forward")
+        steady = self.overlap(steady=True).schedule
+        if choice is not None and choice.schedule is not steady:
+            line += (f"; this plan was searched for {choice.schedule.value}: ProTrainConfig(clipping={{'algorithm': "
+                     f"'norm', ...}}) searches for {steady.value}")
+        return line
+
+    def _late_request(self, algorithm: str, value, norm_type: float = 2.0) -> GradientClipping:
+        clipping = parse_gradient_clipping(algorithm, value, norm_type)
+        self._check_gradients(f"engine.clipping.clip_grad_{algorithm}_()")
+        self._grads.check_request(clipping, updated_in_backward=self._updated_in_backward())
+        self._scheduler.wait_all()  # every gradient in its accumulator
+        self._grads.finish_all()
+        return clipping
+
+    def _check_gradients(self, what: str) -> None:
+        self._state.check_open()
+        if not self.gradients_ready:
+            raise RuntimeError(
+                f"{what} reads the step's gradients: call it after engine.backward() of the step's last "
+                "micro-batch (outside no_sync) and before engine.step()."
+            )
+
+    def _updated_in_backward(self) -> bool:
+        return any(c.applied for c in self._chunks)

@@ -1,0 +1,207 @@
+"""``engine.states``: reading and writing one engine's model, optimizer and loss-scaler states.
+
+The parameters live in chunks (sharded over the ranks, offloaded to host memory), the Adam
+states in the chunk optimizer, so every read waits for the updates in flight first, and a
+sharded read gathers chunk by chunk. This face is also where the module's own
+``state_dict()`` is watched: its pre-hook waits for the updates (and refuses, with the fix, a
+sharded module whose offloaded parameters are whole on no rank), and where parameters the user
+rebound (``p.data = t``) are written back into their chunks. Checkpoints (checkpoint.py) and the
+Hugging Face export (export.py) are built on it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from protrain_core.phase import StepState
+from protrain_core.precision import LossScaler, Precision
+from protrain_core.runtime.chunk import Chunk
+from protrain_core.runtime.optim import ChunkOptimizer
+from protrain_core.runtime.scheduler import Scheduler
+
+
+class StateAccess:
+    """The states of one engine's model, optimizer and loss scaler, in torch's formats."""
+
+    def __init__(self, module: nn.Module, chunks: list[Chunk], optim: ChunkOptimizer, scaler: LossScaler | None,
+                 scheduler: Scheduler, state: StepState, *, precision: Precision, rank: int, world_size: int) -> None:
+        self._module, self._chunks, self._optim, self._scaler = module, chunks, optim, scaler
+        self._scheduler, self._state, self._precision = scheduler, state, precision
+        self._rank, self._world_size = rank, world_size
+        self._slot_of: dict[int, tuple[Chunk, int]] = {id(p): (c, i) for c in chunks for i, p in enumerate(c.params)}
+        self._reading = False  # model() is reading the module's own entries
+        self._managed = {id(m) for m in module.modules()}
+        # model.state_dict() (save_pretrained, torch.save) reads the parameters: wait for their updates.
+        # Every module's: a LightningModule's self.model.state_dict() does not run the root's hooks.
+        self._hooks = [m.register_state_dict_pre_hook(self._before_module_state_dict) for m in module.modules()]
+
+    # ----- the model ------------------------------------------------------------------------
+    def model(self, *, rank0_only: bool = True) -> dict[str, Tensor]:
+        """Master weights (fp32; bf16 in bf16-true) and buffers under the model's own names, on
+        the CPU. Frozen parameters are kept in the compute dtype (rounded once, at wrap, in the
+        mixed modes) and returned in the master dtype. Sharded over ``W`` processes, every rank
+        calls it: the chunks are gathered one at a time, and (``rank0_only``) only rank 0 keeps
+        the result -- the other ranks get an empty dict, and no rank ever holds more than its
+        own states, one gathered chunk and (rank 0) the result. A tensor under several names (tied
+        weights) is one tensor under each, as in ``module.state_dict()``: saved once."""
+        self.adopt_rebound()
+        self._scheduler.wait_all()
+        keep = not rank0_only or self._rank == 0
+        out, seen = {}, {}
+        gathered: tuple[Chunk | None, list] = (None, [])  # the last chunk's whole values
+        for key, t in self.module_tensors().items():
+            if id(t) in seen:
+                if keep:
+                    out[key] = seen[id(t)]
+                continue
+            slot = self._slot_of.get(id(t))
+            if slot is None:
+                value = t.detach().to("cpu", copy=True) if keep else None
+            else:
+                chunk, i = slot
+                if gathered[0] is not chunk:
+                    gathered = chunk, chunk.gathered_values()
+                # a frozen member's compute copy is returned in the master dtype too
+                value = gathered[1][i].detach().to("cpu", dtype=self._precision.master_dtype, copy=True) if keep else None
+            seen[id(t)] = value  # on every rank: the gathers must be the same everywhere
+            if keep:
+                out[key] = value
+        return out
+
+    def load_model(self, state_dict: dict[str, Tensor], strict: bool = True) -> None:
+        """Write ``state_dict`` (the model's own names) into the chunks and buffers."""
+        self._state.check_open()
+        expected = self.module_tensors()
+        missing = [k for k in expected if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected]
+        if strict and (missing or unexpected):
+            raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        for key, value in state_dict.items():
+            if key in expected and tuple(value.shape) != tuple(expected[key].shape):
+                raise ValueError(f"load_state_dict: {key} has shape {tuple(value.shape)}, expected {tuple(expected[key].shape)}")
+        self.release_device_copies()
+        with torch.no_grad():
+            for key, value in state_dict.items():
+                t = expected.get(key)
+                if t is None:
+                    continue
+                slot = self._slot_of.get(id(t))
+                if slot is None:
+                    t.copy_(value)
+                else:
+                    slot[0].set_member(slot[1], value)
+
+    def release_device_copies(self) -> None:
+        """Wait for the updates in flight and free the streamed chunks' device buffers: their
+        host copies are then the only ones, to be written (a checkpoint's load)."""
+        self._scheduler.release_all()
+
+    def module_tensors(self) -> dict[str, Tensor]:
+        """The module's own state-dict entries (parameters and buffers as they are: keep_vars)."""
+        self._reading = True
+        try:
+            return self._module.state_dict(keep_vars=True)
+        finally:
+            self._reading = False
+
+    def slot_of(self, p: nn.Parameter) -> tuple[Chunk, int]:
+        """The chunk holding parameter ``p``, and its member index there."""
+        return self._slot_of[id(p)]
+
+    def adopt_rebound(self) -> None:
+        """Parameters whose ``.data`` the user rebound between steps (``p.data = tensor``, as
+        Lightning's ModelPruning resets weights) keep the new values: before the next forward
+        and before every state dict, they are written into their chunks (after the updates in
+        flight) and pointed back at them. In-place writes land in the chunks by themselves."""
+        if self._state.closed or not self._state.idle:
+            return
+        rebound = [(c, members) for c in self._chunks if (members := c.rebound())]
+        if not rebound:
+            return
+        self._scheduler.wait_all()
+        for c, members in rebound:
+            c.adopt(members)
+
+    # ----- the optimizer and the loss scaler -------------------------------------------------
+    def optimizer(self, *, rank0_only: bool = True) -> dict:
+        """The optimizer state in ``torch.optim.AdamW.state_dict()`` format, on the CPU (sharded:
+        gathered chunk by chunk, kept by rank 0 only unless ``rank0_only`` is False)."""
+        self._scheduler.wait_all()
+        return self._optim.state_dict(self._slot_of, keep=not rank0_only or self._rank == 0)
+
+    def load_optimizer(self, state_dict: dict) -> None:
+        """Load an ``AdamW.state_dict()`` (of the unwrapped optimizer, or of ``optimizer()``)."""
+        self._state.check_open()
+        self._scheduler.wait_all()
+        self._optim.load_state_dict(state_dict, self._slot_of)
+
+    @property
+    def chunk_optimizer(self) -> ChunkOptimizer:
+        """Where the chunks' optimizer states are named and kept (the sharded checkpoint's view)."""
+        return self._optim
+
+    def scaler(self) -> dict | None:
+        """The fp16 loss scaler's state (None: this precision scales no loss)."""
+        return None if self._scaler is None else self._scaler.state_dict()
+
+    def load_scaler(self, state_dict: dict) -> None:
+        if self._scaler is None:
+            raise ValueError("This engine does not use loss scaling (precision is not '16-mixed').")
+        self._scaler.load_state_dict(state_dict)
+
+    # ----- life --------------------------------------------------------------------------------
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    def _before_module_state_dict(self, module: nn.Module, *_) -> None:
+        """``state_dict()`` of the model or of any module in it (torch.save, save_pretrained,
+        an EMA callback's ``self.model.state_dict()``) reads the parameters: wait for their
+        updates. Sharded over several processes an offloaded chunk's parameters are not whole on
+        any rank: refused, with the fix, for every module holding one."""
+        if id(module) not in self._managed:  # a deep copy's module: its own tensors
+            return
+        if self._world_size > 1 and not self._reading and any(
+                not self._slot_of[id(p)][0].persistent for p in module.parameters() if id(p) in self._slot_of):
+            name = "model" if module is self._module else f"{type(module).__name__} (a module of the wrapped model)"
+            raise RuntimeError(
+                f"state_dict() of the {name}, sharded over {self._world_size} processes: the parameters of "
+                "offloaded chunks are not whole on any rank, so its values would be wrong. Call "
+                "engine.state_dict() (gathered chunk by chunk to rank 0; under Lightning "
+                "trainer.strategy.engine.state_dict()) or engine.save_pretrained(directory) on every rank instead."
+            )
+        if not self._reading:
+            self.adopt_rebound()
+        self._scheduler.wait_all()
+
+
+class StateMemory:
+    """``engine.memory``: where one engine's model states are now, in bytes."""
+
+    def __init__(self, chunks: list[Chunk], scheduler: Scheduler) -> None:
+        self._chunks, self._scheduler = chunks, scheduler
+
+    def device_bytes(self) -> int:
+        """Device memory held by model states right now (persistent chunks + chunk buffers)."""
+        return self._scheduler.device_bytes()
+
+    def device_bound(self) -> int:
+        """What the plan lets them hold at most: the persistent chunks and ``n_buffer`` buffers."""
+        return self._scheduler.device_bytes_bound()
+
+    def host_bytes(self) -> int:
+        """Host memory of the streamed chunks' model states (their exact-size buffers)."""
+        return sum(c.storage.host_bytes for c in self._chunks)
+
+    @property
+    def host_pinned(self) -> bool:
+        """The streamed chunks' host buffers are page-locked (CUDA), so copies run asynchronously."""
+        streamed = [c for c in self._chunks if not c.persistent]
+        return bool(streamed) and all(c.storage.host_pinned for c in streamed)
+
+    def describe(self) -> str:
+        mib = 2**20
+        return (f"device model-state bytes now {self.device_bytes() / mib:.2f} MiB "
+                f"(bound {self.device_bound() / mib:.2f} MiB); "
+                f"host {self.host_bytes() / mib:.2f} MiB ({'pinned' if self.host_pinned else 'pageable'})")
