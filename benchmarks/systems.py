@@ -515,7 +515,7 @@ def protrain_facts(engine, spec, device) -> dict:
     trained = sum(prof.chunk_trainable[i] for i in streamed)
     swapped = sum(s.saved_bytes for s in prof.blocks[: plan.n_swap]) if plan.n_swap else 0
     hw = prof.hardware
-    up = len(streamed) * prof.chunk_bytes + swapped
+    up = sum(prof.upload_bytes[i] for i in streamed) + swapped
     down = sum(prof.offload_bytes[i] for i in streamed) + swapped
     adam_bytes = trained * (4 * 7 + (prof.compute_bytes if prof.compute_bytes != 4 else 0))
     flops = flops_per_step(spec)

@@ -39,10 +39,11 @@ def random_profile(rng: random.Random, n_chunks: int, n_blocks: int, async_copie
     persist_bytes = tuple(rng.randrange(1000, 2000) for _ in range(n_chunks))
     host_bytes = tuple(rng.randrange(1000, 2000) for _ in range(n_chunks))
     schedule = rng.choice([UpdateSchedule.DURING_BACKWARD] * 3 + [UpdateSchedule.NEXT_FORWARD])
+    uploads = tuple(rng.choice((S * 4, S * 2, S)) for _ in range(n_chunks))  # chunks differ: each its own upload
     prof = Profile(key="r", description="random", precision="32-true", n_chunks=n_chunks, chunk_elems=S,
                    compute_bytes=4, chunk_trainable=trainable, chunk_has_grad=tuple(t > 0 for t in trainable),
                    chunk_frozen=tuple(S - t for t in trainable), persist_bytes=persist_bytes, host_bytes=host_bytes,
-                   offload_bytes=tuple(S * 4 * (t > 0) for t in trainable), buffer_bytes=2 * S * 4, chunk_bytes=S * 4,
+                   offload_bytes=tuple(S * 4 * (t > 0) for t in trainable), buffer_bytes=2 * S * 4, upload_bytes=uploads,
                    resident_sets=tuple((c,) for c in range(n_chunks)), segments=tuple(segs),
                    base_bytes=rng.randrange(100), fragmentation=rng.uniform(1.0, 1.2), hardware=hw)
     return prof, schedule

@@ -43,7 +43,7 @@ def test_profile_facts_match_the_allocation(precision, amsgrad):
     for c in engine.chunks:  # the compute copy of the whole chunk, the states of its trainable span
         assert host[c.index] == S * cb + per_trainable * c.spec.trainable_numel
     assert facts["buffer_bytes"] == max((S + c.spec.trainable_numel) * cb for c in engine.chunks)
-    assert facts["chunk_bytes"] == S * cb
+    assert facts["upload_bytes"] == (S * cb,) * len(engine.chunks)
     frozen = [c for c in engine.chunks if not c.storage.fmt.trains]  # block 1's chunk: its compute copy only
     assert frozen and all(host[c.index] == S * cb and facts["offload_bytes"][c.index] == 0 for c in frozen)
 

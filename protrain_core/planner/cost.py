@@ -8,8 +8,9 @@ that the search can evaluate thousands of plans cheaply.
 Notation (all per iteration, one optimizer step):
   N        chunks, in execution order; p = n_persist; B = min(n_buffer, N - p) buffers in use
   S        chunk size in elements; cb bytes per element of the compute dtype
-  X, Y_c   time to upload one chunk (S*cb / host->device bandwidth) and to offload the gradients
-           of chunk c (its trainable span T_c*cb / device->host bandwidth; 0 for a frozen chunk)
+  X_c, Y_c time to upload chunk c (its bytes, S*cb in one process / host->device bandwidth) and
+           to offload its gradients (its trainable span T_c*cb / device->host bandwidth; 0 for a
+           frozen chunk): each chunk is charged its own bytes
   segment  the modules before the first block ("pre"), each block, the modules after ("post");
            a segment's *home* chunk is the last chunk it uses (a block uses exactly one); its
            other chunks (tied embeddings used by the head) are *extra* fetches when streamed
@@ -20,7 +21,7 @@ Notation (all per iteration, one optimizer step):
   U_c, V_c Adam time of chunk c on the CPU worker / on the device (trainable elements / rate;
            U_c: the worker's whole update, landing and clipping passes included)
   L_c      the part of U_c that lands chunk c's gradients (mixed precision; 0 otherwise)
-  W        processes the chunks are sharded over: X adds a chunk's all-gather, Y_c its
+  W        processes the chunks are sharded over: X_c adds the chunk's all-gather, Y_c its
            gradients' reduce-scatter, U_c and V_c update 1/W of the elements, and the persistent
            chunks' reduce-scatters and gathers are charged where they outlast backward and the
            updates (``CostModel._device_updates``), all at the measured collective rates
@@ -154,10 +155,11 @@ class CostModel:
         # and the all-gather after its update run on the communication stream beside backward
         # and beside the next chunks' updates: only what sticks out is charged (``V_prefix``).
         w = profile.world_size
-        gather = profile.gather_bytes / hw.gather_bytes_per_s if w > 1 and hw.gather_bytes_per_s else 0.0
+        gather = ([b / hw.gather_bytes_per_s for b in profile.gather_bytes] if w > 1 and hw.gather_bytes_per_s
+                  else [0.0] * profile.n_chunks)
         reduce = ([b / hw.reduce_bytes_per_s for b in profile.reduce_bytes] if w > 1 and hw.reduce_bytes_per_s
                   else [0.0] * profile.n_chunks)
-        self.X = profile.chunk_bytes / hw.h2d_bytes_per_s + gather
+        self.X = [b / hw.h2d_bytes_per_s + g for b, g in zip(profile.upload_bytes, gather)]
         self.Y = [b / hw.d2h_bytes_per_s + r for b, r in zip(profile.offload_bytes, reduce)]  # 0 for a frozen chunk
         # A streamed chunk's CPU work, per part ([Note: the CPU worker's work, by schedule]).
         n_upd = [n / w for n in profile.chunk_trainable]
@@ -166,7 +168,7 @@ class CostModel:
         self.U = [n / hw.cpu_adam_params_per_s + k for n, k in zip(n_upd, passes)]
         self.has_grad = profile.chunk_has_grad
         self.V_prefix = self._device_updates([n / w / hw.device_adam_params_per_s for n in profile.chunk_trainable],
-                                             reduce, gather if w > 1 else 0.0)
+                                             reduce, gather)
         self.async_copies = hw.async_copies
         # Prefix sums of the chunk sizes when persistent (eq. 8 is linear in n_persist).
         self.persist_prefix = [0]
@@ -181,21 +183,21 @@ class CostModel:
         self.base = _Base(self)
         self._grid: _Grid | None = None
 
-    def _device_updates(self, adam: list[float], reduce: list[float], gather: float) -> list[float]:
+    def _device_updates(self, adam: list[float], reduce: list[float], gather: list[float]) -> list[float]:
         """V_prefix[p]: what the persistent chunks' updates add after backward with p of them:
         their device Adam, one after the other, and what their collectives add (W processes):
         the reduce-scatter of the last one to finish backward (the lowest with gradients: the
         others run beside backward), and the all-gathers after the updates beyond the last
         update (each gather follows its chunk's update and the gather before it):
-          a_c = a_{c-1} + V_c,  g_c = max(g_{c-1}, a_c) + gather,  V_prefix[p] = g_p + r_first
+          a_c = a_{c-1} + V_c,  g_c = max(g_{c-1}, a_c) + gather_c,  V_prefix[p] = g_p + r_first
         (one process: V_prefix[p] = a_p, the sum of the Adam times)."""
         out, a, g, first = [0.0], 0.0, 0.0, None
         for c in range(self.N):
             if self.has_grad[c]:
                 a += adam[c]
-                g = max(g, a) + gather
+                g = max(g, a) + gather[c]
                 first = c if first is None else first
-            out.append((g if gather else a) + (reduce[first] if first is not None else 0.0))
+            out.append((g if any(gather) else a) + (reduce[first] if first is not None else 0.0))
         return out
 
     # ----- helpers -------------------------------------------------------------------------
@@ -224,8 +226,7 @@ class CostModel:
 
     def _t_fwd(self, lay: _Layout, c: int, p: int, B: int) -> tuple[float, float]:
         """(forward time of chunk c, its uploads) -- eq. 4."""
-        extra = sum(1 for e in lay.extra[c] if e >= p)
-        up = self.X * (extra + (1 if c >= p else 0))
+        up = sum(self.X[e] for e in lay.extra[c] if e >= p) + (self.X[c] if c >= p else 0.0)
         hidden = bool(up) and B >= 2 and c > 0
         return eq4_forward(lay.F[c], lay.SO[c], up, hidden=hidden, async_copies=self.async_copies), up
 
@@ -233,8 +234,7 @@ class CostModel:
         """(backward time of chunk c, its uploads, its offload) -- eq. 5-6. The last B streamed
         chunks are still resident when backward starts: no upload again."""
         streamed = c >= p
-        fetches = sum(1 for e in lay.extra[c] if e >= p) + (1 if streamed and c < self.N - B else 0)
-        up = self.X * fetches
+        up = sum(self.X[e] for e in lay.extra[c] if e >= p) + (self.X[c] if streamed and c < self.N - B else 0.0)
         off = self.Y[c] if streamed else 0.0
         t = eq5_backward(lay.G[c], lay.SI[c], up, off, persistent=not streamed, two_buffers=B >= 2,
                          async_copies=self.async_copies)
@@ -545,7 +545,7 @@ class _Grid:
         n = len(self.pairs)
         F = torch.tensor(m.base.F, dtype=f64)[None, :].expand(n, m.N)
         G, SO, SI = self.G, self.SO, self.SI
-        X, zero = F.new_tensor(m.X), F.new_tensor(0.0)
+        X, zero = F.new_tensor(m.X)[None, :], F.new_tensor(0.0)
         off = torch.tensor(m.Y, dtype=f64)
         kw = dict(async_copies=m.async_copies, ops=TENSOR)
         yes, no = torch.tensor(True), torch.tensor(False)
@@ -589,14 +589,15 @@ class _Grid:
         """Eq. 4 + eq. 5 of chunk ``c`` for every (row, n_persist), as ``_t_fwd`` / ``_t_bwd``."""
         m = self.model
         f64 = torch.float64
-        N, X = m.N, m.X
+        N, X = m.N, m.X[c]
         streamed = p <= c
-        extra = torch.tensor([sum(1 for e in m.base.extra[c] if e >= q) for q in range(N + 1)], dtype=f64)[None, :]
+        # the uploads of the extra chunks this chunk's segments fetch, per n_persist q: those >= q
+        extra = torch.tensor([sum(m.X[e] for e in m.base.extra[c] if e >= q) for q in range(N + 1)], dtype=f64)[None, :]
         kw = dict(async_copies=m.async_copies, ops=TENSOR)
-        up = X * (extra + streamed)
+        up = extra + X * streamed.to(f64)
         hidden = ((up > 0) & two) if c > 0 else torch.zeros_like(two)
         fwd = eq4_forward(torch.tensor(m.base.F[c], dtype=f64), self.SO[:, c:c + 1], up, hidden=hidden, **kw)
-        up = X * (extra + (streamed & (c < N - B)))
+        up = extra + X * (streamed & (c < N - B)).to(f64)
         off = streamed.to(f64) * m.Y[c]
         bwd = eq5_backward(self.G[:, c:c + 1], self.SI[:, c:c + 1], up, off, persistent=~streamed, two_buffers=two, **kw)
         return fwd + bwd

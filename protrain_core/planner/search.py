@@ -84,8 +84,8 @@ class PlanChoice:
             f"ProTrain plan: {self.plan}",
             f"  model: {p.description}; precision {p.precision}",
             _states_line(p),
-            f"  chunks: {p.n_chunks} x {format_bytes(p.chunk_bytes)} ({p.chunk_elems:,} elements); "
-            f"{self.plan.n_persist} persistent, {streamed} streamed through {min(self.plan.n_buffer, streamed)} buffers",
+            _chunks_line(p) + f"; {self.plan.n_persist} persistent, {streamed} streamed through "
+            f"{min(self.plan.n_buffer, streamed)} buffers",
             f"  activations per block: {describe_modes(modes)}",
             f"  predicted step {format_seconds(r.total_s)} = forward {format_seconds(r.forward_s)} + "
             f"backward {format_seconds(r.backward_s)} + optimizer {format_seconds(r.optimizer_s)}"
@@ -101,6 +101,15 @@ class PlanChoice:
             f"profile: {p.hardware.device}, {p.iterations} timed iterations",
         ]
         return "\n".join(lines)
+
+
+def _chunks_line(p: Profile) -> str:
+    """The chunks' size, and what one upload of each moves (a rank's shard differs by chunk)."""
+    lo, hi = min(p.upload_bytes), max(p.upload_bytes)
+    moves = format_bytes(lo) if lo == hi else f"{format_bytes(lo)} to {format_bytes(hi)} by chunk"
+    whose = f" (this rank's shard of {p.world_size})" if p.world_size > 1 else ""
+    return (f"  chunks: {p.n_chunks} x {p.chunk_elems:,} elements ({format_bytes(p.chunk_elems * p.compute_bytes)}); "
+            f"an upload moves {moves}{whose}")
 
 
 def _states_line(p: Profile) -> str:

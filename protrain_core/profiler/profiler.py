@@ -118,10 +118,10 @@ def static_facts(layout: ChunkLayout, model: nn.Module, optimizer: torch.optim.O
         host_bytes=tuple(fmt.streamed_host_bytes for fmt in formats),
         offload_bytes=tuple(fmt.offload_bytes for fmt in formats),
         buffer_bytes=max(fmt.buffer_device_bytes for fmt in formats),
-        chunk_bytes=formats[0].upload_bytes,
+        upload_bytes=tuple(fmt.upload_bytes for fmt in formats),
         resident_sets=layout.resident_sets,
         world_size=world_size,
-        gather_bytes=formats[0].gather_bytes,
+        gather_bytes=tuple(fmt.gather_bytes for fmt in formats),
         reduce_bytes=tuple(fmt.reduce_bytes for fmt in formats),
     )
 
