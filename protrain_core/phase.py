@@ -64,30 +64,25 @@ class StepState:
         finally:
             self.phase = leaving
 
-    @contextmanager
     def accumulating(self):
         """The backward passes inside only accumulate gradients (``engine.no_sync``)."""
-        previous, self.final_micro_batch = self.final_micro_batch, False
-        try:
-            yield
-        finally:
-            self.final_micro_batch = previous
+        return self._while("final_micro_batch", False)
 
-    @contextmanager
     def in_optimizer_step(self):
-        self.optimizer_step = True
-        try:
-            yield
-        finally:
-            self.optimizer_step = False
+        return self._while("optimizer_step", True)
+
+    def in_step_closure(self):
+        return self._while("step_closure", True)
 
     @contextmanager
-    def in_step_closure(self):
-        self.step_closure = True
+    def _while(self, flag: str, value: bool):
+        """``flag`` is ``value`` inside, and what it was before afterwards, also on an exception."""
+        previous = getattr(self, flag)
+        setattr(self, flag, value)
         try:
             yield
         finally:
-            self.step_closure = False
+            setattr(self, flag, previous)
 
     @property
     def awaiting_batch(self) -> bool:
@@ -169,4 +164,6 @@ class Observers:
 
 
 def _protocol_methods(kind: type) -> set[str]:
-    return {name for name in vars(kind) if not name.startswith("_") and callable(getattr(kind, name))} or {"__call__"}
+    """The methods a Protocol asks for: its public ones, and ``__call__`` where it declares one."""
+    return {name for name, value in vars(kind).items()
+            if callable(value) and (not name.startswith("_") or name == "__call__")}

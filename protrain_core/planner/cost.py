@@ -155,10 +155,8 @@ class CostModel:
         # and the all-gather after its update run on the communication stream beside backward
         # and beside the next chunks' updates: only what sticks out is charged (``V_prefix``).
         w = profile.world_size
-        gather = ([b / hw.gather_bytes_per_s for b in profile.gather_bytes] if w > 1 and hw.gather_bytes_per_s
-                  else [0.0] * profile.n_chunks)
-        reduce = ([b / hw.reduce_bytes_per_s for b in profile.reduce_bytes] if w > 1 and hw.reduce_bytes_per_s
-                  else [0.0] * profile.n_chunks)
+        gather = _collective_seconds(profile.gather_bytes, hw.gather_bytes_per_s, self.N, sharded=w > 1)
+        reduce = _collective_seconds(profile.reduce_bytes, hw.reduce_bytes_per_s, self.N, sharded=w > 1)
         self.X = [b / hw.h2d_bytes_per_s + g for b, g in zip(profile.upload_bytes, gather)]
         self.Y = [b / hw.d2h_bytes_per_s + r for b, r in zip(profile.offload_bytes, reduce)]  # 0 for a frozen chunk
         # A streamed chunk's CPU work, per part ([Note: the CPU worker's work, by schedule]).
@@ -201,6 +199,10 @@ class CostModel:
         return out
 
     # ----- helpers -------------------------------------------------------------------------
+    def extra_uploads(self, extra: list[int], p: int) -> float:
+        """Upload time of the extra chunks a segment fetches that are streamed with ``p`` persistent."""
+        return sum(self.X[e] for e in extra if e >= p)
+
     def modes(self, plan: Plan) -> tuple[BlockMode, ...]:
         return interleaved_modes(self.L, plan.n_swap, plan.n_checkpoint)
 
@@ -226,7 +228,7 @@ class CostModel:
 
     def _t_fwd(self, lay: _Layout, c: int, p: int, B: int) -> tuple[float, float]:
         """(forward time of chunk c, its uploads) -- eq. 4."""
-        up = sum(self.X[e] for e in lay.extra[c] if e >= p) + (self.X[c] if c >= p else 0.0)
+        up = self.extra_uploads(lay.extra[c], p) + (self.X[c] if c >= p else 0.0)
         hidden = bool(up) and B >= 2 and c > 0
         return eq4_forward(lay.F[c], lay.SO[c], up, hidden=hidden, async_copies=self.async_copies), up
 
@@ -234,7 +236,7 @@ class CostModel:
         """(backward time of chunk c, its uploads, its offload) -- eq. 5-6. The last B streamed
         chunks are still resident when backward starts: no upload again."""
         streamed = c >= p
-        up = sum(self.X[e] for e in lay.extra[c] if e >= p) + (self.X[c] if streamed and c < self.N - B else 0.0)
+        up = self.extra_uploads(lay.extra[c], p) + (self.X[c] if streamed and c < self.N - B else 0.0)
         off = self.Y[c] if streamed else 0.0
         t = eq5_backward(lay.G[c], lay.SI[c], up, off, persistent=not streamed, two_buffers=B >= 2,
                          async_copies=self.async_copies)
@@ -591,8 +593,7 @@ class _Grid:
         f64 = torch.float64
         N, X = m.N, m.X[c]
         streamed = p <= c
-        # the uploads of the extra chunks this chunk's segments fetch, per n_persist q: those >= q
-        extra = torch.tensor([sum(m.X[e] for e in m.base.extra[c] if e >= q) for q in range(N + 1)], dtype=f64)[None, :]
+        extra = torch.tensor([m.extra_uploads(m.base.extra[c], q) for q in range(N + 1)], dtype=f64)[None, :]
         kw = dict(async_copies=m.async_copies, ops=TENSOR)
         up = extra + X * streamed.to(f64)
         hidden = ((up > 0) & two) if c > 0 else torch.zeros_like(two)
@@ -601,6 +602,12 @@ class _Grid:
         off = streamed.to(f64) * m.Y[c]
         bwd = eq5_backward(self.G[:, c:c + 1], self.SI[:, c:c + 1], up, off, persistent=~streamed, two_buffers=two, **kw)
         return fwd + bwd
+
+
+def _collective_seconds(sizes: tuple[int, ...], rate: float, n: int, *, sharded: bool) -> list[float]:
+    """Seconds of one collective of each chunk: zeros in one process, or where the rate or the
+    sizes were not measured (a profile may leave a collective's sizes empty)."""
+    return [b / rate for b in sizes] if sharded and rate and sizes else [0.0] * n
 
 
 def _grid_modes(L: int, pairs: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
