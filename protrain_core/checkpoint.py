@@ -56,7 +56,6 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
 from protrain_core.runtime.optim import SLOT_ATTRS, indexed_params
-from protrain_core.runtime.sharding import piece
 from protrain_core.utils import alive, remove_stale_temporaries, temporary_prefix
 
 
@@ -73,10 +72,7 @@ def _pieces(chunk, i: int, flat: Tensor | None) -> tuple[int, Tensor] | None:
         return None
     # A frozen member: the piece of the frozen span this rank owns (of the whole device copy of
     # a persistent chunk, where it is replicated, or of the host shard of a streamed one).
-    fmt, rank = storage.fmt, storage.rank
-    if storage.sharding is None:
-        return 0, chunk.view(storage.compute_home, i).reshape(-1)
-    part = piece(m.offset, m.numel, fmt.frozen_shard, rank)
+    part = storage.shards.host_piece(m)
     if part is None:
         return None
     off, at, n = part

@@ -4,6 +4,7 @@ owner of autocast and one table of precision names."""
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -193,6 +194,28 @@ def test_the_engine_is_thin():
     runtime = _methods(_class(ROOT / "protrain_core" / "runtime" / "engine.py", "Engine"))
     verbs = _methods(_class(ROOT / "protrain_core" / "engine.py", "Engine"))
     assert len(runtime) + len(verbs) <= 30, sorted(runtime + verbs)
+
+
+# The functions of a chunk's storage and lifecycle that may ask whether chunks are sharded: each
+# runs or sizes a collective (the all-gather of a fetch, the reduce-scatter of gradients and its
+# buffer, the gather of values), or validates the format; ShardLayout.whole is the layout's own
+# answer. Everything else addresses members through the ShardLayout, for which one process is
+# rank 0 of W = 1.
+COLLECTIVE_SITES = {
+    "chunk.py": {"begin_fetch", "end_offload", "receive", "land", "_reduced_gradients", "gathered_values"},
+    "storage.py": {"__post_init__", "__init__", "_restore", "persistent_device_bytes", "gather_bytes", "reduce_bytes", "whole"},
+}
+_WORLD_TEST = re.compile(r"sharding is (not )?None|world_size ?(==|>|<|!=)|\bworld ?(==|>|<|!=)")
+
+
+def test_one_process_is_the_w1_case_of_sharding():
+    """No world-size branch in a chunk's addressing: only around collectives (COLLECTIVE_SITES)."""
+    for name, allowed in COLLECTIVE_SITES.items():
+        tree = ast.parse((ROOT / "protrain_core" / "runtime" / name).read_text())
+        branching = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+                     and any(_WORLD_TEST.search(ast.unparse(n)) for n in ast.walk(f) if isinstance(n, (ast.If, ast.IfExp,
+                                                                                                        ast.Assert, ast.Compare)))}
+        assert branching <= allowed, f"{name}: world-size branches outside collectives in {sorted(branching - allowed)}"
 
 
 # Where an environment variable may set a default: the configuration's parts, and the profile

@@ -15,7 +15,7 @@ from protrain_core.runtime.chunk import (
 )
 from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.storage import ChunkFormat, ChunkStorage
-from protrain_core.structure.layout import ChunkSpec, ParamSlot
+from protrain_core.structure.layout import ChunkSpec, ParamSlot, align
 
 H, F, R, O, U, P = (ChunkState.HOST, ChunkState.FETCHING, ChunkState.RESIDENT, ChunkState.OFFLOADING,
                     ChunkState.UPDATING, ChunkState.PERSISTENT)
@@ -249,8 +249,10 @@ def test_device_bytes_invariant_at_every_hook(make, plan, precision):
     cb = engine.precision.compute_dtype.itemsize
     size = engine.layout.chunk_size * cb
     persistent = sum(c.device_bytes() for c in engine.chunks if c.persistent)
-    # A buffer: a chunk's compute copy, and the gradients of its trainable span (all but the padding).
-    per_buffer = max(size + c.spec.trainable_numel * cb for c in engine.chunks if not c.persistent)
+    # A buffer: a chunk's compute copy and the gradients of its trainable span (each span rounded
+    # up to the alignment; the chunk's waste after its last member is not stored).
+    spans = [(align(c.spec.trainable_start), align(c.spec.trainable_numel)) for c in engine.chunks if not c.persistent]
+    per_buffer = max((f + 2 * t) * cb for f, t in spans)
     assert size < per_buffer <= 2 * size
     assert rt.device_bytes_bound() == persistent + plan.n_buffer * per_buffer
     # At rest (after step) only persistent chunks and idle buffers are on the device.

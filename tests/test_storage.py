@@ -11,6 +11,7 @@ from protrain_core.profiler.profiler import static_facts
 from protrain_core.runtime.host_pool import HostPool
 from protrain_core.runtime.sharding import Sharding, piece
 from protrain_core.runtime.storage import ChunkFormat, ChunkStorage
+from protrain_core.structure.layout import align
 
 
 @pytest.mark.parametrize("amsgrad", [False, True])
@@ -40,12 +41,18 @@ def test_profile_facts_match_the_allocation(precision, amsgrad):
     cb = engine.precision.compute_dtype.itemsize
     per_param = {"32-true": 16, "bf16-true": 8, "bf16-mixed": 18, "16-mixed": 18}[precision]
     per_trainable = per_param - cb + (engine.precision.master_dtype.itemsize if amsgrad else 0)
-    for c in engine.chunks:  # the compute copy of the whole chunk, the states of its trainable span
-        assert host[c.index] == S * cb + per_trainable * c.spec.trainable_numel
-    assert facts["buffer_bytes"] == max((S + c.spec.trainable_numel) * cb for c in engine.chunks)
-    assert facts["upload_bytes"] == (S * cb,) * len(engine.chunks)
+    # A chunk keeps its frozen span and its trainable span, each rounded up to the alignment: not
+    # the chunk's waste after its last trainable member (a frozen chunk is its frozen span).
+    spans = {c.index: (align(c.spec.trainable_start if c.spec.trainable_numel else S), align(c.spec.trainable_numel))
+             for c in engine.chunks}
+    for c in engine.chunks:  # the compute copy of both spans, the states of its trainable span
+        f, t = spans[c.index]
+        assert host[c.index] == (f + t) * cb + per_trainable * t
+    assert facts["buffer_bytes"] == max((f + 2 * t) * cb for f, t in spans.values())
+    assert facts["upload_bytes"] == tuple((f + t) * cb for f, t in spans.values())
+    assert any(f + t < S for f, t in spans.values())  # the last chunk's waste is not stored
     frozen = [c for c in engine.chunks if not c.storage.fmt.trains]  # block 1's chunk: its compute copy only
-    assert frozen and all(host[c.index] == S * cb and facts["offload_bytes"][c.index] == 0 for c in frozen)
+    assert frozen and all(host[c.index] == align(S) * cb and facts["offload_bytes"][c.index] == 0 for c in frozen)
 
 
 def _storage(fmt, *, persistent):
@@ -57,7 +64,7 @@ def _storage(fmt, *, persistent):
                                     (torch.bfloat16, torch.bfloat16)], ids=["fp32", "mixed", "bf16-true"])
 def test_a_trainable_chunk(dtypes):
     cdt, mdt = dtypes
-    S, cb, mb = 1000, cdt.itemsize, mdt.itemsize
+    S, cb, mb = 1024, cdt.itemsize, mdt.itemsize
     fmt = ChunkFormat(numel=S, compute_dtype=cdt, master_dtype=mdt, adam_states=3)
     separate = cdt != mdt
     assert fmt.persistent_device_bytes == S * cb + (int(separate) + 1 + 3) * S * mb
@@ -78,7 +85,7 @@ def test_a_trainable_chunk(dtypes):
 @pytest.mark.parametrize("mixed", [False, True])
 def test_a_chunk_with_no_trainable_member_holds_its_compute_copy_only(mixed):
     cdt = torch.bfloat16 if mixed else torch.float32
-    S = 1000
+    S = 1024
     fmt = ChunkFormat(numel=S, compute_dtype=cdt, master_dtype=torch.float32, trainable_numel=0, adam_states=0)
     assert fmt.persistent_device_bytes == fmt.streamed_host_bytes == fmt.buffer_device_bytes == S * cdt.itemsize
     assert fmt.host_tensors() == [(S, cdt)] and fmt.offload_bytes == 0
@@ -93,19 +100,42 @@ def test_a_chunk_with_no_trainable_member_holds_its_compute_copy_only(mixed):
 @pytest.mark.parametrize("mixed", [False, True])
 def test_a_partly_frozen_chunk_trains_its_span_only(mixed):
     """Frozen members first, a trainable span of T elements after them: only the span has a
-    master, gradients and Adam states; the compute copy holds the whole chunk."""
+    master, gradients and Adam states; the compute copy holds both spans, not the chunk's waste
+    after its last member."""
     cdt = torch.bfloat16 if mixed else torch.float32
-    S, start, T = 1000, 800, 160
+    S, start, T = 1000, 800, 160  # 40 elements of waste at the end
     fmt = ChunkFormat(numel=S, compute_dtype=cdt, master_dtype=torch.float32, trainable_start=start,
                       trainable_numel=T, adam_states=2)
     states = (int(mixed) + 1 + 2) * T * 4
-    assert fmt.persistent_device_bytes == fmt.streamed_host_bytes == S * cdt.itemsize + states
-    assert fmt.buffer_device_bytes == (S + T) * cdt.itemsize and fmt.offload_bytes == T * cdt.itemsize
+    assert fmt.persistent_device_bytes == fmt.streamed_host_bytes == (start + T) * cdt.itemsize + states
+    assert fmt.buffer_device_bytes == (start + 2 * T) * cdt.itemsize and fmt.offload_bytes == T * cdt.itemsize
     for persistent in (True, False):
         storage, _ = _storage(fmt, persistent=persistent)
         assert storage.grad_acc.numel() == storage.exp_avg.numel() == storage.master.numel() == T
+        assert storage.compute_home.numel() == start + T
         if not mixed:  # the master is the span of the compute copy
             assert storage.master.data_ptr() == storage.compute_home[start:].data_ptr()
+
+
+def test_one_process_is_rank_0_of_one():
+    """The shard layout of one process: whole members at their layout offsets, in the host and
+    the device copy alike, uploaded in one copy; the trainable span, padded to the alignment,
+    follows the frozen one."""
+    from protrain_core.runtime.storage import ShardLayout
+    from protrain_core.structure.layout import ParamSlot
+    fmt = ChunkFormat(numel=1000, compute_dtype=torch.bfloat16, master_dtype=torch.float32, trainable_start=800,
+                      trainable_numel=150)
+    layout = ShardLayout(fmt)
+    frozen, trainable = ParamSlot("a", 16, 100, (10, 10), trainable=False), ParamSlot("b", 816, 120, (120,))
+    assert layout.whole and (fmt.frozen_shard, fmt.state_numel, fmt.padded_numel) == (800, 160, 960)
+    assert layout.device_offset(frozen) == 16 and layout.device_offset(trainable) == 816
+    assert layout.host_piece(frozen) == (0, 16, 100) and layout.host_piece(trainable) == (0, 816, 120)
+    assert layout.state_piece(trainable) == (0, 16, 120) and layout.span_offset(trainable) == 16
+    assert layout.compute_span(persistent=False) == layout.compute_span(persistent=True) == (800, 160)
+    assert layout.upload_places() == [(0, 0, 960)]
+    rank1 = ShardLayout(fmt.sharded(2), rank=1)  # the same questions, answered for rank 1 of 2
+    assert not rank1.whole and rank1.upload_places() == [(0, 400, 400), (400, 800 + 80, 80)]
+    assert rank1.host_piece(frozen) is None and rank1.state_piece(trainable) == (64, 0, 56)
 
 
 @pytest.mark.parametrize("mixed", [False, True])
@@ -120,8 +150,9 @@ def test_a_shard_of_a_chunk(mixed):
     # T = 900: ceil(900 / 2) = 450 -> 464 (aligned to 16); F = 100: 50 -> 64.
     assert (fmt.frozen_shard, fmt.state_numel, fmt.shard_numel, fmt.padded_numel) == (64, 464, 528, 1056)
     assert fmt.trainable_device_start == 128 and fmt.grad_buffer_numel == 928
-    assert fmt.separate_master  # its own tensor: a rank's states are not a slice of one gathered buffer
-    states = (1 + 1 + 2) * 464 * 4
+    # As in one process, an fp32 master is this rank's piece of the compute copy where it rests.
+    assert fmt.separate_master is mixed
+    states = (int(mixed) + 1 + 2) * 464 * 4
     assert fmt.persistent_device_bytes == (1056 + 928) * cdt.itemsize + states  # with its gradient buffer
     assert fmt.streamed_host_bytes == 528 * cdt.itemsize + states
     assert fmt.upload_bytes == 528 * cdt.itemsize and fmt.offload_bytes == 464 * cdt.itemsize
@@ -133,6 +164,7 @@ def test_a_shard_of_a_chunk(mixed):
     assert storage.master.numel() == 464
     span = storage.compute_span()  # rank 1's piece of the trainable span, in the gathered copy
     assert span.storage_offset() == 128 + 464 and span.numel() == 464
+    assert (storage.master.data_ptr() == span.data_ptr()) is not mixed
     streamed = ChunkStorage(fmt, persistent=False, **kw)
     assert streamed.host_copy.numel() == 528 and streamed.device_copy.numel() == 1056
     streamed.allocate_device_copy()

@@ -85,7 +85,6 @@ import torch
 from torch import Tensor
 
 from protrain_core.runtime.device import DeviceContext
-from protrain_core.runtime.sharding import piece
 from protrain_core.runtime.storage import ChunkStorage
 from protrain_core.structure.layout import ChunkSpec, ParamSlot
 
@@ -453,31 +452,23 @@ class Chunk:
         """Member ``i`` in a tensor of the whole chunk: a compute copy (with ``W`` processes
         only the gathered device copy holds whole members)."""
         m = self.spec.members[i]
-        fmt = self.storage.fmt
-        offset = m.offset if not m.trainable else fmt.trainable_device_start + m.offset - fmt.trainable_start
+        offset = self.storage.shards.device_offset(m)
         return flat[offset : offset + m.numel].view(m.shape)
 
     def span_view(self, flat: Tensor, i: int) -> Tensor:
         """Member ``i`` (a trainable one) in a tensor of the whole trainable span (the gradient
-        buffer; in one process also the master, the accumulator and the Adam states)."""
+        buffer; in one process also the master, the accumulator and the optimizer states)."""
         m = self.spec.members[i]
         assert m.trainable, (self, m.name)
-        start = m.offset - self.storage.fmt.trainable_start
+        start = self.storage.shards.span_offset(m)
         return flat[start : start + m.numel].view(m.shape)
 
     def state_view(self, flat: Tensor, i: int) -> Tensor:
         """Member ``i`` (a trainable one) in a tensor of this rank's shard of the trainable span:
-        the master, the accumulator, an Adam state ([Note: chunk storage]). In one process the
-        shard is the span; with ``W`` processes the view is the flat piece of the member this
-        rank owns (empty when it owns none)."""
-        if self.storage.sharding is None:
-            return self.span_view(flat, i)
-        part = self.member_piece(i)
-        if part is None:
-            return flat[:0]
-        m = self.spec.members[i]
-        at = m.offset - self.storage.fmt.trainable_start + part[0] - self.storage.rank * self.storage.fmt.state_numel
-        return flat[at:at + part[1]]
+        the master, the accumulator, an optimizer state ([Note: chunk storage]). The piece this
+        rank owns (``ShardLayout.state_piece``), shaped like the member where it is the whole
+        member (always in one process), else flat (empty when the rank owns none of it)."""
+        return _shaped(flat, self.storage.shards.state_piece(self.spec.members[i]), self.spec.members[i])
 
     def update_views(self, members: tuple[int, ...]) -> UpdateViews:
         """The views of ``members`` an Adam step reads and writes, built once per set of members
@@ -499,11 +490,7 @@ class Chunk:
     def member_piece(self, i: int) -> tuple[int, int] | None:
         """(offset, length) in member ``i``'s flattened elements of the piece ``state_view`` gives
         (the whole member in one process); None when this rank owns none of it."""
-        storage = self.storage
-        m = self.spec.members[i]
-        if storage.sharding is None:
-            return 0, m.numel
-        part = piece(m.offset - storage.fmt.trainable_start, m.numel, storage.fmt.state_numel, storage.rank)
+        part = self.storage.shards.state_piece(self.spec.members[i])
         return None if part is None else (part[0], part[2])
 
     def point_at_rest(self) -> None:
@@ -513,7 +500,7 @@ class Chunk:
         gives NaN, never freed memory), and ``model.state_dict()`` is refused with the fix
         (``Engine.state_dict`` gathers them: [Note: sharded chunks] in sharding.py)."""
         storage = self.storage
-        if storage.sharding is None:
+        if storage.shards.whole:
             self.point_params_at(storage.host_copy)
             return
         nan = torch.full((), float("nan"), dtype=storage.fmt.compute_dtype, device=storage.host)
@@ -558,50 +545,37 @@ class Chunk:
         self.point_params_at(self.storage.device_copy) if self.persistent else self.point_at_rest()
 
     def own_piece(self, i: int, value: Tensor) -> Tensor:
-        """This rank's piece of member ``i``'s ``value`` (a whole tensor): what ``state_view``
-        holds of it ([Note: sharded chunks] in sharding.py); ``value`` itself in one process."""
-        if self.storage.sharding is None:
-            return value
-        part = self.member_piece(i)
-        return value.reshape(-1)[:0] if part is None else value.reshape(-1)[part[0]:part[0] + part[1]]
+        """This rank's piece of member ``i``'s ``value`` (a whole tensor), shaped as ``state_view``
+        is: ``value`` itself in one process ([Note: sharded chunks] in sharding.py)."""
+        m = self.spec.members[i]
+        part = self.storage.shards.state_piece(m)
+        return _shaped(value.reshape(-1), None if part is None else (0, part[0], part[2]), m)
 
     def set_member(self, i: int, value: Tensor) -> None:
         """Write member ``i``'s value: its master (trainable), and the compute copy where it rests
-        (with ``W`` processes: this rank's pieces, or the whole device copy of a persistent chunk)."""
-        storage = self.storage
-        with torch.no_grad():
-            if storage.sharding is not None:
-                self._set_sharded(i, value)
-            elif self.spec.members[i].trainable and storage.master is not None:
-                master = self.state_view(storage.master, i)
-                master.copy_(value)
-                if storage.fmt.separate_master:
-                    self.view(storage.compute_home, i).copy_(master)
-            else:
-                self.view(storage.compute_home, i).copy_(value)
-
-    def _set_sharded(self, i: int, value: Tensor) -> None:
-        storage, fmt, m = self.storage, self.storage.fmt, self.spec.members[i]
+        -- the whole device copy of a persistent chunk, this rank's pieces of a streamed one's
+        host copy (rounded from the master for a trainable member)."""
+        storage, m = self.storage, self.spec.members[i]
         trainable = m.trainable and storage.master is not None
-        if trainable:
-            master = self.state_view(storage.master, i)
-            master.copy_(self.own_piece(i, value))
-        if self.persistent:
-            self.view(storage.device_copy, i).copy_(value)
-        elif trainable:
-            at = self.state_view(storage.master, i).storage_offset() - storage.master.storage_offset()
-            storage.compute_span()[at:at + master.numel()].copy_(master)
-        else:  # this rank's piece of the frozen span
-            part = piece(m.offset, m.numel, fmt.frozen_shard, storage.rank)
-            if part is not None:
-                off, at, n = part
-                storage.host_copy[at:at + n].copy_(value.reshape(-1)[off:off + n])
+        with torch.no_grad():
+            if trainable:
+                master = self.state_view(storage.master, i)
+                master.copy_(self.own_piece(i, value))
+            if self.persistent:
+                self.view(storage.device_copy, i).copy_(value)
+                return
+            part = storage.shards.host_piece(m)
+            if part is None or (trainable and not storage.fmt.separate_master):  # the master is the host copy
+                return
+            off, at, n = part
+            source = master.reshape(-1) if trainable else value.reshape(-1)[off:off + n]
+            storage.host_copy[at:at + n].copy_(source)
 
     def member_value(self, i: int) -> Tensor:
         """Member ``i``'s authoritative value: its master weights, or the compute copy of a
         frozen member (one process: ``gathered_values`` with ``W``)."""
         storage = self.storage
-        assert storage.sharding is None, "a sharded chunk holds pieces only: gathered_values()"
+        assert storage.shards.whole, "a sharded chunk holds pieces only: gathered_values()"
         if self.spec.members[i].trainable and storage.master is not None:
             return self.state_view(storage.master, i)
         return self.view(storage.compute_home, i)
@@ -639,10 +613,19 @@ class Chunk:
         ``W`` processes every rank then holds the whole values, gathered chunk by chunk)."""
         values = self.gathered_values()
         for p, value in zip(self.params, values):
-            p.data = value if self.storage.sharding is None or self.persistent else value.to(self.storage.host)
+            p.data = value if self.persistent else value.to(self.storage.host)
 
     def device_bytes(self) -> int:
         return self.storage.device_bytes()
+
+
+def _shaped(flat: Tensor, part: tuple[int, int, int] | None, m: ParamSlot) -> Tensor:
+    """The ``(member offset, offset, length)`` piece of ``flat``, shaped like member ``m`` when it
+    is the whole member; an empty tensor for no piece."""
+    if part is None:
+        return flat[:0]
+    _, at, n = part
+    return flat[at:at + n].view(m.shape) if n == m.numel else flat[at:at + n]
 
 
 def _gather_shard(storage: ChunkStorage, shard: Tensor) -> Tensor:

@@ -7,8 +7,10 @@ With ``W`` processes every chunk is split in two spans, each sharded in ``W`` eq
 ``s_t``). Rank ``r`` owns piece ``r`` of both: of the compute copy (a streamed chunk keeps it in
 pinned host memory), and of the master, the gradient accumulator and the Adam states. The
 gathered compute copy on the device is laid out ``[frozen: s_f * W | trainable: s_t * W]``; in
-one process it is the chunk itself (``s_f * W = F``), so a member's place in it is its offset
-in the layout, shifted by the trainable span's move for trainable members (``ChunkFormat``).
+one process (rank 0 of ``W = 1``) it is the chunk's two spans where the layout puts them
+(``s_f = F``: member offsets are aligned). A member's place in it is its offset in the layout,
+shifted by the trainable span's move for trainable members; ``ShardLayout`` in storage.py
+answers where a member is in every tensor of a chunk on this rank.
 
   fetch     upload the rank's compute shard into its place in the device copy, then
             ``all_gather_into_tensor`` in place (one collective per non-empty span; gloo: one

@@ -30,6 +30,9 @@ class StateAccess:
         self._scheduler, self._state, self._precision = scheduler, state, precision
         self._rank, self._world_size = rank, world_size
         self._slot_of: dict[int, tuple[Chunk, int]] = {id(p): (c, i) for c in chunks for i, p in enumerate(c.params)}
+        # Whether every rank's shards hold whole members (one process): else streamed chunks'
+        # parameters point at NaN at rest (``Chunk.point_at_rest``).
+        self._whole = all(c.storage.shards.whole for c in chunks)
         self._reading = False  # model() is reading the module's own entries
         self._managed = {id(m) for m in module.modules()}
         # model.state_dict() (save_pretrained, torch.save) reads the parameters: wait for their updates.
@@ -162,7 +165,7 @@ class StateAccess:
         any rank: refused, with the fix, for every module holding one."""
         if id(module) not in self._managed:  # a deep copy's module: its own tensors
             return
-        if self._world_size > 1 and not self._reading and any(
+        if not self._whole and not self._reading and any(
                 not self._slot_of[id(p)][0].persistent for p in module.parameters() if id(p) in self._slot_of):
             name = "model" if module is self._module else f"{type(module).__name__} (a module of the wrapped model)"
             raise RuntimeError(

@@ -2,29 +2,31 @@
 
 [Note: chunk storage]
 A chunk of ``S`` elements (the layout's chunk size; ``c`` = compute dtype, ``m`` = master dtype:
-fp32, or bf16 in bf16-true) has its frozen parameters first and its trainable ones after them
-(structure/layout.py), so the trainable ones form one span of ``T`` elements. Only that span
-trains:
+fp32, or bf16 in bf16-true) has its frozen parameters first (the frozen span, ``F`` elements)
+and its trainable ones after them (structure/layout.py), so the trainable ones form one span of
+``T`` elements, ending at the last trainable member. Only that span trains. With ``W``
+processes (``W = 1`` in one process) both spans are sharded separately: rank ``r`` keeps piece
+``r`` of each, ``s_f = ceil(F / W)`` and ``s_t = ceil(T / W)`` elements rounded up to the
+layout's alignment, ``s_c = s_f + s_t`` ([Note: sharded chunks] in sharding.py):
 
-  tensor          elements  dtype  persistent chunk        streamed chunk
-  compute copy    S         c      device, always          device buffer while resident
-  host copy       s_c       c      --                      host (its own pinned buffer)
-  master          s_t       m      device                  host
-  grad. accum.    s_t       m      device                  host
-  grad. buffer    T         c      -- (lands in accum.)    device, during backward
-  Adam states     k * s_t   m      device                  host          (k = 2, 3 with amsgrad)
+  tensor          elements   dtype  persistent chunk        streamed chunk
+  compute copy    s_c * W    c      device, always          device buffer while resident
+  host copy       s_c        c      --                      host (its own pinned buffer)
+  master          s_t        m      device                  host
+  grad. accum.    s_t        m      device                  host
+  grad. buffer    s_t * W    c      W > 1: before the       device, during backward
+                                    reduce-scatter
+  Adam states     k * s_t    m      device                  host          (k = 2, 3 with amsgrad)
 
 A frozen parameter therefore costs its compute-dtype copy and nothing else (2 bytes in the
-bf16 modes); a chunk with no trainable member (``T = 0``) holds the compute copy only, is
-uploaded and never offloaded. ``s_c`` and ``s_t`` are this rank's shards: ``S`` and ``T`` in
-one process; with ``W`` processes the frozen span (``F`` elements) and the trainable span are
-sharded separately, ``s_f = ceil(F / W)`` and ``s_t = ceil(T / W)`` rounded up to the layout's
-alignment, ``s_c = s_f + s_t``, and the gathered compute copy holds ``(s_f + s_t) * W`` elements
-([Note: sharded chunks] in sharding.py; a persistent chunk's gradients then also pass through a
-device buffer of the padded trainable span). In one process the master is a tensor of its own
-only when its dtype differs from the compute dtype (the mixed modes); otherwise it *is* the
-trainable span of the compute copy (the host copy of a streamed chunk, the device copy of a
-persistent one).
+bf16 modes); a chunk with no trainable member (``T = 0``; its frozen span is the whole chunk)
+holds the compute copy only, is uploaded and never offloaded. The chunk's waste after its last
+trainable member is not stored. The master is a tensor of its own only when its dtype differs
+from the compute dtype (the mixed modes); otherwise it *is* this rank's piece of the trainable
+span of the compute copy where it rests (the host copy of a streamed chunk, the device copy of
+a persistent one). ``ShardLayout`` answers where a member is in each of these tensors on this
+rank; one process is rank 0 of ``W = 1``, whose pieces are whole members at their layout
+offsets.
 
 Everything that needs a chunk's size asks ``ChunkFormat``: the engine's allocation (here), the
 size of a streamed chunk's exact host buffer, the runtime's device-memory bound, and the profiler's static facts, which
@@ -42,8 +44,8 @@ from protrain_core.memtrack import untracked
 from protrain_core.precision import Precision
 from protrain_core.runtime.elementwise import state_slots
 from protrain_core.runtime.host_pool import HostPool
-from protrain_core.runtime.sharding import Sharding
-from protrain_core.structure.layout import ChunkLayout, align
+from protrain_core.runtime.sharding import Sharding, piece
+from protrain_core.structure.layout import ChunkLayout, ParamSlot, align
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,7 +74,7 @@ class ChunkFormat:
         return self.trainable_numel > 0
 
     def _shard(self, n: int) -> int:
-        return n if self.world_size == 1 else align(-(-n // self.world_size))
+        return align(-(-n // self.world_size))
 
     @property
     def frozen_numel(self) -> int:
@@ -81,23 +83,9 @@ class ChunkFormat:
 
     @property
     def frozen_shard(self) -> int:
-        """s_f: elements of this rank's piece of the frozen span (sharded processes only)."""
+        """s_f: elements of this rank's piece of the frozen span (``F`` rounded up to the
+        alignment in one process)."""
         return self._shard(self.frozen_numel)
-
-    @property
-    def shard_numel(self) -> int:
-        """s_c: elements of this rank's shard of the compute copy."""
-        return self.numel if self.world_size == 1 else self.frozen_shard + self.state_numel
-
-    @property
-    def padded_numel(self) -> int:
-        """Elements of the gathered compute copy (``numel`` in one process)."""
-        return self.numel if self.world_size == 1 else self.shard_numel * self.world_size
-
-    @property
-    def trainable_device_start(self) -> int:
-        """Where the trainable span begins in the gathered compute copy."""
-        return self.trainable_start if self.world_size == 1 else self.frozen_shard * self.world_size
 
     @property
     def state_numel(self) -> int:
@@ -105,13 +93,28 @@ class ChunkFormat:
         return self._shard(self.trainable_numel)
 
     @property
+    def shard_numel(self) -> int:
+        """s_c: elements of this rank's shard of the compute copy."""
+        return self.frozen_shard + self.state_numel
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements of the gathered compute copy (``s_c * W``)."""
+        return self.shard_numel * self.world_size
+
+    @property
+    def trainable_device_start(self) -> int:
+        """Where the trainable span begins in the gathered compute copy."""
+        return self.frozen_shard * self.world_size
+
+    @property
     def grad_buffer_numel(self) -> int:
         """Elements of the device gradient buffer: the trainable span, padded to ``s_t * W``."""
-        return self.trainable_numel if self.world_size == 1 else self.state_numel * self.world_size
+        return self.state_numel * self.world_size
 
     @property
     def separate_master(self) -> bool:
-        return self.trains and (self.compute_dtype != self.master_dtype or self.world_size > 1)
+        return self.trains and self.compute_dtype != self.master_dtype
 
     def _state_bytes(self) -> int:
         """Master (when separate), accumulator and Adam states of this rank's shard."""
@@ -168,6 +171,68 @@ class ChunkFormat:
         return out
 
 
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where this rank's pieces of a chunk are: the one answer to "where is member ``m`` in
+    tensor ``t`` on this rank" ([Note: sharded chunks] in sharding.py). One process is rank 0 of
+    ``W = 1``: its pieces are whole members, at the same offsets in the host and device copies.
+
+    A *piece* is ``(offset in the member's flattened elements, offset in the tensor, length)``,
+    or None where this rank holds none of the member."""
+
+    fmt: ChunkFormat
+    rank: int = 0
+
+    @property
+    def whole(self) -> bool:
+        """This rank's shards hold whole members (one process): the parameters can point at a
+        streamed chunk's host copy at rest."""
+        return self.fmt.world_size == 1
+
+    def device_offset(self, m: ParamSlot) -> int:
+        """Member ``m``'s offset in the gathered compute copy (the trainable span moved to
+        ``trainable_device_start``)."""
+        fmt = self.fmt
+        return fmt.trainable_device_start + m.offset - fmt.trainable_start if m.trainable else m.offset
+
+    def span_offset(self, m: ParamSlot) -> int:
+        """Member ``m``'s offset in the whole trainable span (the gradient buffer)."""
+        return m.offset - self.fmt.trainable_start
+
+    def state_piece(self, m: ParamSlot) -> tuple[int, int, int] | None:
+        """Member ``m``'s piece in this rank's shard of the trainable span (the master, the
+        accumulator, the optimizer states)."""
+        return piece(self.span_offset(m), m.numel, self.fmt.state_numel, self.rank)
+
+    def host_piece(self, m: ParamSlot) -> tuple[int, int, int] | None:
+        """Member ``m``'s piece in this rank's shard of the compute copy (a streamed chunk's host
+        copy: ``[frozen piece | trainable piece]``)."""
+        fmt = self.fmt
+        if not m.trainable:
+            return piece(m.offset, m.numel, fmt.frozen_shard, self.rank)
+        part = self.state_piece(m)
+        return None if part is None else (part[0], fmt.frozen_shard + part[1], part[2])
+
+    def compute_span(self, persistent: bool) -> tuple[int, int]:
+        """(start, length) of this rank's piece of the trainable span in the compute copy where
+        it rests: the host shard of a streamed chunk, the gathered device copy of a persistent
+        one. The master is this piece when it has the compute dtype ([Note: chunk storage])."""
+        fmt = self.fmt
+        start = fmt.frozen_shard if not persistent else fmt.trainable_device_start + self.rank * fmt.state_numel
+        return start, fmt.state_numel
+
+    def upload_places(self) -> list[tuple[int, int, int]]:
+        """(start in the host shard, start in the device copy, length) of each span a fetch
+        uploads: this rank's non-empty frozen and trainable pieces, as one copy where they are
+        adjacent in both (one process)."""
+        fmt, r = self.fmt, self.rank
+        sf, st = fmt.frozen_shard, fmt.state_numel
+        places = [p for p in ((0, r * sf, sf), (sf, fmt.trainable_device_start + r * st, st)) if p[2]]
+        if len(places) == 2 and places[0][2] == places[1][0] and places[0][1] + places[0][2] == places[1][1]:
+            places = [(0, places[0][1], sf + st)]
+        return places
+
+
 class ChunkStorage:
     """The tensors of one chunk, allocated by ``ChunkFormat`` (see [Note: chunk storage]).
 
@@ -188,6 +253,7 @@ class ChunkStorage:
         self.fmt = fmt
         self.sharding = sharding
         self.rank = sharding.rank if sharding is not None else 0
+        self.shards = ShardLayout(fmt, self.rank)
         self.device = device
         self.host = host  # where host tensors live (the meta device in a size-only simulation)
         self.pin = pin
@@ -260,12 +326,11 @@ class ChunkStorage:
         return tensors
 
     def _restore(self, old: dict) -> None:
-        if self.sharding is None:
-            self.compute_home.copy_(old["compute"])
-        elif self.persistent:  # from the host shards: uploaded, then gathered
+        if self.persistent:  # from the host shard: uploaded, then gathered (W processes)
             for host, device in self.shard_places(old["compute"]):
                 device.copy_(host)
-            self.gather_spans()
+            if self.sharding is not None:
+                self.gather_spans()
         else:  # the rank's pieces of the gathered copy
             for host, device in self.shard_places(device_copy=old["compute"]):
                 host.copy_(device)
@@ -285,27 +350,18 @@ class ChunkStorage:
         return self.device_copy if self.persistent else self.host_copy
 
     def compute_span(self) -> Tensor:
-        """The trainable span of the compute copy where it rests (a view); with ``W`` processes
-        this rank's piece of it (the one its master shard updates)."""
-        fmt = self.fmt
-        if self.sharding is None:
-            return self.compute_home[fmt.trainable_start:fmt.trainable_start + fmt.trainable_numel]
-        if not self.persistent:
-            return self.host_copy[fmt.frozen_shard:]
-        start = fmt.trainable_device_start + self.rank * fmt.state_numel
-        return self.device_copy[start:start + fmt.state_numel]
+        """This rank's piece of the trainable span of the compute copy where it rests (a view;
+        the whole span in one process): the piece its master shard updates."""
+        start, n = self.shards.compute_span(self.persistent)
+        return self.compute_home[start:start + n]
 
     # ----- shards (W processes: [Note: sharded chunks] in sharding.py) --------------------------
     def shard_places(self, host_copy: Tensor | None = None, device_copy: Tensor | None = None):
-        """(host shard span, its place in the gathered device copy) for the frozen and the
-        trainable span; one process: the whole copies."""
+        """(span of the host shard, its place in the gathered device copy) for each span a fetch
+        uploads (``ShardLayout.upload_places``)."""
         host = self.host_copy if host_copy is None else host_copy
         device = self.device_copy if device_copy is None else device_copy
-        if self.sharding is None:
-            return [(host, device)]
-        fmt, r = self.fmt, self.rank
-        sf, st, tds = fmt.frozen_shard, fmt.state_numel, fmt.trainable_device_start
-        return [(host[:sf], device[r * sf:(r + 1) * sf]), (host[sf:], device[tds + r * st:tds + (r + 1) * st])]
+        return [(host[h:h + n], device[d:d + n]) for h, d, n in self.shards.upload_places()]
 
     def gather_spans(self) -> None:
         """All-gather the device copy's frozen and trainable spans in place (each rank's pieces
