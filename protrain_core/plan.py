@@ -32,19 +32,25 @@ class Plan:
     """Where model states and activations live.
 
     Attributes:
-        n_persist: the first ``n_persist`` chunks (in execution order) keep their parameters,
-            gradients, fp32 master weights and Adam states on the device for the whole run.
+        n_persist: how many chunks keep their parameters, gradients, master weights and Adam
+            states on the device for the whole run: the first ``n_persist`` in execution order
+            unless ``persistent_chunks`` names them.
         n_buffer: number of reusable device chunk buffers through which the remaining
             (non-persistent) chunks are streamed; at least what the model needs at once
             (``PlanLimits.buffers_needed``, 1 for most models) when any chunk is streamed.
         n_swap: transformer blocks whose activations are swapped to host memory.
         n_checkpoint: transformer blocks whose activations are recomputed in backward.
+        persistent_chunks: which chunks persist (``n_persist`` chunk indices), when not the first
+            ``n_persist``: a chunk whose upload no computation hides (an embedding) may be worth
+            more on the device than one of the first blocks. None (the default, and what a plan
+            naming the first ``n_persist`` becomes): the first ``n_persist``.
     """
 
     n_persist: int
     n_buffer: int
     n_swap: int = 0
     n_checkpoint: int = 0
+    persistent_chunks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in FIELDS:
@@ -53,12 +59,30 @@ class Plan:
                 raise ValueError(f"Plan.{name} must be an int, got {value!r}")
             if value < 0:
                 raise ValueError(f"Plan.{name} must be >= 0, got {value}")
+        named = self.persistent_chunks
+        if named is None:
+            return
+        if isinstance(named, (str, bytes)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                       for i in named):
+            raise ValueError(f"Plan.persistent_chunks must be chunk indices (ints >= 0), got {named!r}")
+        named = tuple(sorted(set(named)))
+        if len(named) != self.n_persist:
+            raise ValueError(f"Plan.persistent_chunks names {len(named)} distinct chunks {list(named)} but "
+                             f"n_persist={self.n_persist}: give n_persist={len(named)}.")
+        object.__setattr__(self, "persistent_chunks", None if named == tuple(range(self.n_persist)) else named)
+
+    def persistent(self) -> frozenset[int]:
+        """The indices of the chunks that persist."""
+        if self.persistent_chunks is None:
+            return frozenset(range(self.n_persist))
+        return frozenset(self.persistent_chunks)
 
     @classmethod
     def from_dict(cls, d: dict) -> Plan:
-        unknown = set(d) - set(FIELDS)
+        unknown = set(d) - {*FIELDS, "persistent_chunks"}
         if unknown:
-            raise ValueError(f"Unknown Plan field(s) {sorted(unknown)}; valid fields are {', '.join(FIELDS)}")
+            raise ValueError(f"Unknown Plan field(s) {sorted(unknown)}; valid fields are {', '.join(FIELDS)}, "
+                             "persistent_chunks")
         return cls(**d)
 
     def block_modes(self, n_blocks: int) -> tuple[BlockMode, ...]:
@@ -150,10 +174,12 @@ class PlanLimits:
     n_blocks: int
     resident_sets: tuple[tuple[int, ...], ...]
 
-    def buffers_needed(self, n_persist: int) -> int:
-        """The fewest chunk buffers a plan with ``n_persist`` persistent chunks can run with."""
-        streamed = [sum(c >= n_persist for c in s) for s in self.resident_sets]
-        return max(streamed, default=0)
+    def buffers_needed(self, persistent: int | frozenset[int]) -> int:
+        """The fewest chunk buffers a plan can run with whose persistent chunks are
+        ``persistent`` (indices; an int ``n``: the first ``n``)."""
+        if isinstance(persistent, int):
+            persistent = frozenset(range(persistent))
+        return max((sum(c not in persistent for c in s) for s in self.resident_sets), default=0)
 
 
 def check_plan(plan: Plan, limits: PlanLimits) -> None:
@@ -165,7 +191,11 @@ def check_plan(plan: Plan, limits: PlanLimits) -> None:
             f"Plan.n_persist={plan.n_persist} but the model has only {n} chunks; "
             f"use n_persist <= {n} (n_persist={n} keeps everything on the device)."
         )
-    needed = limits.buffers_needed(plan.n_persist)
+    outside = [i for i in plan.persistent_chunks or () if i >= n]
+    if outside:
+        raise ValueError(f"Plan.persistent_chunks names chunks {outside}, but the model has only {n} chunks "
+                         f"(0 to {n - 1}).")
+    needed = limits.buffers_needed(plan.persistent())
     if plan.n_buffer < needed:
         what = (f"{needed} streamed chunks must be on the device at once (a module runs inside another, or "
                 "shares parameters with a module in another chunk)" if needed > 1 else "chunks are streamed")

@@ -58,6 +58,24 @@ def test_each_chunk_is_charged_its_own_upload():
     assert float(grid[row, 0]) == pytest.approx(r.forward_s + r.backward_s + r.device_adam_s)
 
 
+def test_a_named_persistent_set_is_charged_chunk_by_chunk():
+    """Plan.persistent_chunks=(2,), B=1: chunk 2 persists, chunks 0 and 1 stream.
+    Forward: c0 1 + X 1 = 2; c1 2 + 1 = 3; c2 (persistent) 3 + its extra fetch of chunk 0, 1 -> 4: 9.
+    Backward: the last streamed chunk (1) is still resident: c2 max(5, 1) = 5; c1 4 + off 0.5 = 4.5;
+    c0 1 + X 1 + 0.5 = 2.5 -> 12. CPU chain: c1 max(0, 9.5 + 0.5) + 1 = 11; c0 max(11, 12 + 0.5) + 1
+    = 13.5; device Adam of chunk 2 alone 0.1: T = 9 + max(12.1, 13.5) = 22.5. Memory: chunk 2's
+    device bytes, chunks 0 and 1's host bytes."""
+    plan = pt.Plan(n_persist=1, n_buffer=1, persistent_chunks=(2,))
+    r = pt.estimate_runtime(hand_profile(), plan)
+    assert (r.forward_s, r.backward_s, r.total_s) == pytest.approx((9.0, 12.0, 22.5))
+    assert (r.h2d_s, r.d2h_s, r.device_adam_s) == pytest.approx((5.0, 1.0, 0.1))
+    m = pt.estimate_memory(hand_profile(), plan)
+    assert (m.persistent_bytes, m.buffer_bytes, m.host_bytes) == (2000, 800, 2 * 1600)
+    # The first chunk instead (the default plan with n_persist=1): forward 1 + 3 + 4, backward
+    # 5.5 + 5.5 + 1, T = 8 + max(12.1, 12.5).
+    assert rt(hand_profile(), n_persist=1, n_buffer=1).total_s == pytest.approx(20.5)
+
+
 def test_all_persistent():
     # F per chunk: c0 = pre 1, c1 = 2, c2 = block 2 + post 1 = 3 -> forward 6; G: 1, 4, 4 + 1 -> backward 10;
     # device Adam 3 x 0.1; no CPU Adam: T = 6 + max(10 + 0.3, 0) = 16.3.

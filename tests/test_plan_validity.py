@@ -179,6 +179,28 @@ def test_plan_limits():
             check_plan(plan, limits)
 
 
+def test_a_plan_may_name_its_persistent_chunks():
+    """``persistent_chunks``: which chunks persist; the buffers a plan needs follow the set (here
+    chunk 3 persisting frees a buffer that chunk 0 persisting does not)."""
+    limits = pt.PlanLimits(n_chunks=4, n_blocks=2, resident_sets=((0,), (1, 3), (2,), (0, 2, 3)))
+    assert limits.buffers_needed(frozenset({3})) == 2 and limits.buffers_needed(frozenset({0})) == 2
+    assert limits.buffers_needed(frozenset({2, 3})) == 1 and limits.buffers_needed(frozenset({0, 1})) == 2
+    plan = pt.Plan(n_persist=2, n_buffer=1, persistent_chunks=[3, 2])  # a list, as from a YAML config
+    assert plan.persistent_chunks == (2, 3) and plan.persistent() == {2, 3}
+    check_plan(plan, limits)
+    # Naming the first n is the default plan itself.
+    assert pt.Plan(n_persist=2, n_buffer=2, persistent_chunks=(1, 0)) == pt.Plan(n_persist=2, n_buffer=2)
+    assert pt.Plan.from_dict({"n_persist": 1, "n_buffer": 2, "persistent_chunks": [3]}).persistent() == {3}
+    with pytest.raises(ValueError, match="Use n_buffer >= 2"):
+        check_plan(pt.Plan(n_persist=2, n_buffer=1, persistent_chunks=(0, 1)), limits)
+    with pytest.raises(ValueError, match="only 4 chunks \\(0 to 3\\)"):
+        check_plan(pt.Plan(n_persist=1, n_buffer=2, persistent_chunks=(4,)), limits)
+    with pytest.raises(ValueError, match="give n_persist=1"):
+        pt.Plan(n_persist=2, n_buffer=2, persistent_chunks=(3, 3))
+    with pytest.raises(ValueError, match="chunk indices"):
+        pt.Plan(n_persist=1, n_buffer=2, persistent_chunks=(-1,))
+
+
 class _Resident(torch.autograd.Function):
     """Identity on a parameter; its backward records whether the parameter then reads its
     chunk's device copy (what a backward on a GPU needs)."""

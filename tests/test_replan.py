@@ -17,7 +17,10 @@ def plan_cycle(model):
     n = n_chunks(model)
     return [pt.Plan(n_persist=0, n_buffer=1), pt.Plan(n_persist=n, n_buffer=0, n_checkpoint=2),
             pt.Plan(n_persist=2, n_buffer=2, n_swap=2, n_checkpoint=1), pt.Plan(n_persist=n - 1, n_buffer=1, n_swap=4),
-            pt.Plan(n_persist=1, n_buffer=3, n_checkpoint=4)]
+            pt.Plan(n_persist=1, n_buffer=3, n_checkpoint=4),
+            # Named persistent chunks: the last one alone, then a middle and the first one.
+            pt.Plan(n_persist=1, n_buffer=1, persistent_chunks=(n - 1,)),
+            pt.Plan(n_persist=2, n_buffer=2, n_checkpoint=1, persistent_chunks=(n // 2, 0))]
 
 
 @pytest.mark.filterwarnings(CACHE_WARNING)
@@ -25,7 +28,7 @@ def plan_cycle(model):
 def test_a_new_plan_at_every_step_equals_plain_pytorch(arch):
     model = MODELS[arch]()
     ref = copy.deepcopy(model)
-    data = batches(10)
+    data = batches(14)
     ref_losses = train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1, fused=True), data)
     cycle = plan_cycle(model)
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), cycle[-1], device="cpu",
@@ -34,6 +37,7 @@ def test_a_new_plan_at_every_step_equals_plain_pytorch(arch):
     for step, x in enumerate(data):
         engine.replan(cycle[step % len(cycle)])
         assert engine.plan == cycle[step % len(cycle)]
+        assert {c.index for c in engine.chunks if c.persistent} == engine.plan.persistent()
         loss = engine.module(input_ids=x, labels=x).loss
         engine.backward(loss)
         engine.step()
@@ -53,7 +57,7 @@ def ref_optimizer_keys(model):
 def test_replanning_does_not_change_a_bit_in_mixed_precision(precision):
     """Against the same engine on one plan: the masters, the moments and the loss scaler move
     with the chunks unchanged."""
-    data = batches(6)
+    data = batches(7)
     runs = []
     for replan in (False, True):
         model = MODELS["llama"]()

@@ -6,7 +6,8 @@ Both are pure functions of a ``Profile`` and a ``Plan`` (and of when Adam runs: 
 that the search can evaluate thousands of plans cheaply.
 
 Notation (all per iteration, one optimizer step):
-  N        chunks, in execution order; p = n_persist; B = min(n_buffer, N - p) buffers in use
+  N        chunks, in execution order; P the persistent ones (the first p = n_persist unless the
+           plan names them: ``Plan.persistent_chunks``); B = min(n_buffer, N - p) buffers in use
   S        chunk size in elements; cb bytes per element of the compute dtype
   X_c, Y_c time to upload chunk c (its bytes, S*cb in one process / host->device bandwidth) and
            to offload its gradients (its trainable span T_c*cb / device->host bandwidth; 0 for a
@@ -24,7 +25,7 @@ Notation (all per iteration, one optimizer step):
   W        processes the chunks are sharded over: X_c adds the chunk's all-gather, Y_c its
            gradients' reduce-scatter, U_c and V_c update 1/W of the elements, and the persistent
            chunks' reduce-scatters and gathers are charged where they outlast backward and the
-           updates (``CostModel._device_updates``), all at the measured collective rates
+           updates (``CostModel.device_updates``), all at the measured collective rates
   e_c      extra streamed chunks fetched by the segments homed at c
 
 [Note: the CPU worker's work, by schedule]
@@ -165,8 +166,9 @@ class CostModel:
         passes = [gradient_passes * n / hw.cpu_pass_params_per_s if hw.cpu_pass_params_per_s else 0.0 for n in n_upd]
         self.U = [n / hw.cpu_adam_params_per_s + k for n, k in zip(n_upd, passes)]
         self.has_grad = profile.chunk_has_grad
-        self.V_prefix = self._device_updates([n / w / hw.device_adam_params_per_s for n in profile.chunk_trainable],
-                                             reduce, gather)
+        self._adam_reduce_gather = ([n / w / hw.device_adam_params_per_s for n in profile.chunk_trainable],
+                                    reduce, gather)
+        self.V_prefix = [self.device_updates(range(p)) for p in range(self.N + 1)]  # the first p persistent
         self.async_copies = hw.async_copies
         # Prefix sums of the chunk sizes when persistent (eq. 8 is linear in n_persist).
         self.persist_prefix = [0]
@@ -181,27 +183,28 @@ class CostModel:
         self.base = _Base(self)
         self._grid: _Grid | None = None
 
-    def _device_updates(self, adam: list[float], reduce: list[float], gather: list[float]) -> list[float]:
-        """V_prefix[p]: what the persistent chunks' updates add after backward with p of them:
-        their device Adam, one after the other, and what their collectives add (W processes):
-        the reduce-scatter of the last one to finish backward (the lowest with gradients: the
-        others run beside backward), and the all-gathers after the updates beyond the last
-        update (each gather follows its chunk's update and the gather before it):
-          a_c = a_{c-1} + V_c,  g_c = max(g_{c-1}, a_c) + gather_c,  V_prefix[p] = g_p + r_first
-        (one process: V_prefix[p] = a_p, the sum of the Adam times)."""
-        out, a, g, first = [0.0], 0.0, 0.0, None
-        for c in range(self.N):
+    def device_updates(self, persistent) -> float:
+        """What the updates of the ``persistent`` chunks (indices) add after backward: their
+        device Adam, one after the other in execution order, and what their collectives add (W
+        processes): the reduce-scatter of the last one to finish backward (the lowest with
+        gradients: the others run beside backward), and the all-gathers after the updates
+        beyond the last update (each gather follows its chunk's update and the gather before it):
+          a_c = a_{c'} + V_c,  g_c = max(g_{c'}, a_c) + gather_c  (c' the persistent chunk before c),
+          the result g_last + r_first (one process: the sum of the Adam times)."""
+        adam, reduce, gather = self._adam_reduce_gather
+        a = g = 0.0
+        first = None
+        for c in sorted(persistent):
             if self.has_grad[c]:
                 a += adam[c]
                 g = max(g, a) + gather[c]
                 first = c if first is None else first
-            out.append((g if any(gather) else a) + (reduce[first] if first is not None else 0.0))
-        return out
+        return (g if any(gather) else a) + (reduce[first] if first is not None else 0.0)
 
     # ----- helpers -------------------------------------------------------------------------
-    def extra_uploads(self, extra: list[int], p: int) -> float:
-        """Upload time of the extra chunks a segment fetches that are streamed with ``p`` persistent."""
-        return sum(self.X[e] for e in extra if e >= p)
+    def extra_uploads(self, extra: list[int], persistent: frozenset[int]) -> float:
+        """Upload time of the extra chunks a segment fetches that are streamed."""
+        return sum(self.X[e] for e in extra if e not in persistent)
 
     def modes(self, plan: Plan) -> tuple[BlockMode, ...]:
         return interleaved_modes(self.L, plan.n_swap, plan.n_checkpoint)
@@ -215,35 +218,46 @@ class CostModel:
             lay = self._layouts[modes] = _Layout(self, modes)
         return lay
 
-    def states_bytes(self, n_persist: int, n_buffer: int) -> int:
-        """Eq. 8: model-state bytes on the device, M_states = sum_{c<p} persist_c + B * buffer."""
-        return self.persist_prefix[n_persist] + n_buffer * self.profile.buffer_bytes
+    def states_bytes(self, persistent: int | frozenset[int], n_buffer: int) -> int:
+        """Eq. 8: model-state bytes on the device, M_states = sum_{c in P} persist_c + B * buffer
+        (``persistent``: the indices, or the first n)."""
+        if isinstance(persistent, int):
+            return self.persist_prefix[persistent] + n_buffer * self.profile.buffer_bytes
+        return sum(self.profile.persist_bytes[c] for c in persistent) + n_buffer * self.profile.buffer_bytes
 
-    def host_bytes(self, n_persist: int, modes: tuple[BlockMode, ...]) -> int:
-        return self.host_suffix[n_persist] + self.layout(modes).swap_host_bytes
+    def host_bytes(self, persistent: int | frozenset[int], modes: tuple[BlockMode, ...]) -> int:
+        if isinstance(persistent, int):
+            streamed = self.host_suffix[persistent]
+        else:
+            streamed = sum(b for c, b in enumerate(self.profile.host_bytes) if c not in persistent)
+        return streamed + self.layout(modes).swap_host_bytes
 
     # ----- runtime: eq. 3-7 ------------------------------------------------------------------
     def runtime(self, plan: Plan) -> RuntimeEstimate:
-        return self.runtime_of(self.layout(self.modes(plan)), plan.n_persist, self.buffers(plan))
+        return self.runtime_of(self.layout(self.modes(plan)), plan.persistent(), self.buffers(plan))
 
-    def _t_fwd(self, lay: _Layout, c: int, p: int, B: int) -> tuple[float, float]:
-        """(forward time of chunk c, its uploads) -- eq. 4."""
-        up = self.extra_uploads(lay.extra[c], p) + (self.X[c] if c >= p else 0.0)
+    def _t_fwd(self, lay: _Layout, c: int, p: frozenset[int], B: int) -> tuple[float, float]:
+        """(forward time of chunk c, its uploads) -- eq. 4 (``p``: the persistent chunks)."""
+        up = self.extra_uploads(lay.extra[c], p) + (self.X[c] if c not in p else 0.0)
         hidden = bool(up) and B >= 2 and c > 0
         return eq4_forward(lay.F[c], lay.SO[c], up, hidden=hidden, async_copies=self.async_copies), up
 
-    def _t_bwd(self, lay: _Layout, c: int, p: int, B: int) -> tuple[float, float, float]:
-        """(backward time of chunk c, its uploads, its offload) -- eq. 5-6. The last B streamed
-        chunks are still resident when backward starts: no upload again."""
-        streamed = c >= p
-        up = self.extra_uploads(lay.extra[c], p) + (self.X[c] if streamed and c < self.N - B else 0.0)
+    def _t_bwd(self, lay: _Layout, c: int, p: frozenset[int], resident: frozenset[int]) -> tuple[float, float, float]:
+        """(backward time of chunk c, its uploads, its offload) -- eq. 5-6. The ``resident``
+        chunks, the last B streamed ones, are still on the device when backward starts: no
+        upload again."""
+        streamed = c not in p
+        B = len(resident)
+        up = self.extra_uploads(lay.extra[c], p) + (self.X[c] if streamed and c not in resident else 0.0)
         off = self.Y[c] if streamed else 0.0
         t = eq5_backward(lay.G[c], lay.SI[c], up, off, persistent=not streamed, two_buffers=B >= 2,
                          async_copies=self.async_copies)
         return t, up, off
 
-    def runtime_of(self, lay: _Layout, p: int, B: int) -> RuntimeEstimate:
-        """Eq. 3-7 for one activation layout, ``p`` persistent chunks and ``B`` buffers."""
+    def runtime_of(self, lay: _Layout, p: int | frozenset[int], B: int) -> RuntimeEstimate:
+        """Eq. 3-7 for one activation layout, the persistent chunks ``p`` (indices, or the first
+        ``p``) and ``B`` buffers."""
+        p = frozenset(range(p)) if isinstance(p, int) else p
         t_fwd, h2d_fwd, d2h_fwd = self._forward(lay, p, B)
         t_bwd, h2d_bwd, d2h_bwd, cpu_end, cpu_total, dev_total, landed = self._backward(lay, p, B)
         # Eq. 3, the iteration. The device Adam of persistent chunks runs at step(), after backward.
@@ -277,7 +291,7 @@ class CostModel:
             device_adam_s=dev_total, bottleneck=max(resources, key=resources.get),
         )
 
-    def _forward(self, lay: _Layout, p: int, B: int) -> tuple[float, float, float]:
+    def _forward(self, lay: _Layout, p: frozenset[int], B: int) -> tuple[float, float, float]:
         """(T_f, its host->device bytes' time, its device->host time): eq. 4 summed over chunks."""
         t, h2d, d2h = lay.F_free, 0.0, 0.0
         for c in range(self.N):
@@ -287,7 +301,7 @@ class CostModel:
             d2h += lay.SO[c]
         return t, h2d, d2h
 
-    def _forward_after_updates(self, lay: _Layout, p: int, B: int, start: float, dev_total: float) -> float:
+    def _forward_after_updates(self, lay: _Layout, p: frozenset[int], B: int, start: float, dev_total: float) -> float:
         """The next forward under NEXT_FORWARD, from the end of backward: the device first runs
         the persistent chunks' Adam; the CPU worker updates the streamed chunks one after the
         other in forward order from ``start``; a streamed chunk's forward (its upload included)
@@ -295,13 +309,13 @@ class CostModel:
         t, done = dev_total + lay.F_free, start
         for c in range(self.N):
             t_c, _ = self._t_fwd(lay, c, p, B)
-            if c >= p and self.has_grad[c]:
+            if c not in p and self.has_grad[c]:
                 done += self.U[c] - self.U_land[c]
                 t = max(t, done)
             t += t_c
         return t
 
-    def _backward(self, lay: _Layout, p: int, B: int):
+    def _backward(self, lay: _Layout, p: frozenset[int], B: int):
         """T_b (eq. 5-6, chunks in reverse) with its traffic, and the Adam times: the CPU worker's
         Adam (eq. 7) starts on a chunk when its gradients are offloaded,
         a_c = max(a_{c+1}, tau_c + Y) + U_c, tau_c the time chunk c's backward ends; ``landed``,
@@ -311,17 +325,18 @@ class CostModel:
         t = tau = lay.G_free  # the segments without chunks ("post" of a parameter-free head) come first
         h2d = d2h = cpu_end = cpu_total = dev_total = landed = 0.0
         deferred = self.schedule is not UpdateSchedule.DURING_BACKWARD
+        resident = frozenset([c for c in range(self.N) if c not in p][self.N - len(p) - B:])
         for c in range(self.N - 1, -1, -1):
-            t_c, up, off = self._t_bwd(lay, c, p, B)
+            t_c, up, off = self._t_bwd(lay, c, p, resident)
             h2d += up + lay.SI[c]
             d2h += off
             t += t_c
             tau += t_c
-            if c >= p:
+            if c not in p:
                 cpu_total += self.U[c] + (self.U_land[c] if deferred else 0.0)
                 cpu_end = max(cpu_end, tau + off) + self.U[c]
                 landed = max(landed, tau + off) + (2 * self.U_land[c] if deferred else 0.0)
-        dev_total = self.V_prefix[p]
+        dev_total = self.device_updates(p)
         return t, h2d, d2h, cpu_end, cpu_total, dev_total, landed
 
     def grid(self) -> _Grid:
@@ -335,7 +350,7 @@ class CostModel:
         modes = self.modes(plan)
         lay = self.layout(modes)
         B = self.buffers(plan)
-        persistent = self.persist_prefix[plan.n_persist]
+        persistent = self.states_bytes(plan.persistent(), 0)
         buffers = B * self.profile.buffer_bytes
         act = lay.activation_peak
         return MemoryEstimate(
@@ -345,7 +360,7 @@ class CostModel:
             activation_bytes=act,
             peak_bytes=persistent + buffers + self.profile.base_bytes + act,
             peak_at=lay.peak_at,
-            host_bytes=self.host_bytes(plan.n_persist, modes),
+            host_bytes=self.host_bytes(plan.persistent(), modes),
         )
 
 
@@ -593,7 +608,8 @@ class _Grid:
         f64 = torch.float64
         N, X = m.N, m.X[c]
         streamed = p <= c
-        extra = torch.tensor([m.extra_uploads(m.base.extra[c], q) for q in range(N + 1)], dtype=f64)[None, :]
+        extra = torch.tensor([m.extra_uploads(m.base.extra[c], frozenset(range(q))) for q in range(N + 1)],
+                             dtype=f64)[None, :]
         kw = dict(async_copies=m.async_copies, ops=TENSOR)
         up = extra + X * streamed.to(f64)
         hidden = ((up > 0) & two) if c > 0 else torch.zeros_like(two)

@@ -84,7 +84,7 @@ class PlanChoice:
             f"ProTrain plan: {self.plan}",
             f"  model: {p.description}; precision {p.precision}",
             _states_line(p),
-            _chunks_line(p) + f"; {self.plan.n_persist} persistent, {streamed} streamed through "
+            _chunks_line(p) + f"; {self.plan.n_persist} persistent{_named(self.plan)}, {streamed} streamed through "
             f"{min(self.plan.n_buffer, streamed)} buffers",
             f"  activations per block: {describe_modes(modes)}",
             f"  predicted step {format_seconds(r.total_s)} = forward {format_seconds(r.forward_s)} + "
@@ -101,6 +101,11 @@ class PlanChoice:
             f"profile: {p.hardware.device}, {p.iterations} timed iterations",
         ]
         return "\n".join(lines)
+
+
+def _named(plan: Plan) -> str:
+    """Which chunks persist, where the plan names them (not the first n_persist)."""
+    return "" if plan.persistent_chunks is None else f" (chunks {', '.join(map(str, plan.persistent_chunks))})"
 
 
 def _chunks_line(p: Profile) -> str:

@@ -118,15 +118,16 @@ class Engine:
             raise RuntimeError("engine.replan() was called within a step; call it after engine.step().")
         self.scheduler.wait_all()
         self.scheduler.release_all()
-        old, new = self.plan.n_persist, plan.n_persist
-        leaving = self.chunks[new:old]
+        new = plan.persistent()
+        leaving = [c for c in self.chunks if c.persistent and c.index not in new]
         self.ctx.check_host_memory(sum(c.storage.fmt.streamed_host_bytes for c in leaving), "offloaded model states")
         for c in leaving:
             c.unpersist()
-        for c in self.chunks[old:new]:
-            c.persist()
+        for c in self.chunks:
+            if not c.persistent and c.index in new:
+                c.persist()
         self.plan = plan
-        self.scheduler.reconfigure(min(plan.n_buffer, len(self.chunks) - new))
+        self.scheduler.reconfigure(min(plan.n_buffer, len(self.chunks) - plan.n_persist))
         self.set_block_modes(plan.block_modes(self.layout.n_blocks))
 
     def set_block_modes(self, modes: tuple[BlockMode, ...]) -> None:
@@ -303,7 +304,7 @@ class Engine:
                 self.clipping.describe(self.choice),
                 f"activations per block: {describe_modes(self.block_modes)}",
                 self.memory.describe(),
-                self.layout.summary(self.precision.compute_dtype.itemsize, self.plan.n_persist),
+                self.layout.summary(self.precision.compute_dtype.itemsize, self.plan.persistent()),
             ]
         )
 
@@ -404,11 +405,10 @@ _MOVED: dict[str, tuple[str, Callable[[Engine], object]]] = {
 def _allocate(engine: Engine, optim: ChunkOptimizer, formats: list[ChunkFormat]) -> list[Chunk]:
     """Chunk storages (a streamed one in an exact-size host buffer of its own) holding the
     parameters' values; the parameters then point into them."""
-    n_persist, dev, ctx = engine.plan.n_persist, engine.device, engine.ctx
-    streamed = [fmt for i, fmt in enumerate(formats) if i >= n_persist]
-    host_bytes = sum(fmt.streamed_host_bytes for fmt in streamed)
+    persistent, dev, ctx = engine.plan.persistent(), engine.device, engine.ctx
+    host_bytes = sum(fmt.streamed_host_bytes for i, fmt in enumerate(formats) if i not in persistent)
     # A CPU "device" is host memory too.
-    device_bytes = 0 if dev.type != "cpu" else sum(fmt.persistent_device_bytes for fmt in formats[:n_persist])
+    device_bytes = 0 if dev.type != "cpu" else sum(formats[i].persistent_device_bytes for i in persistent)
     ctx.check_host_memory(host_bytes + device_bytes, "offloaded model states")
     params = dict(engine.module.named_parameters())
     if engine.sharding is not None:  # every rank starts from rank 0's values, as DDP does
@@ -416,7 +416,7 @@ def _allocate(engine: Engine, optim: ChunkOptimizer, formats: list[ChunkFormat])
     chunks, pin = [], engine.options.runtime.pins(ctx)
     for spec, fmt in zip(engine.layout.chunks, formats):
         members = [params[m.name] for m in spec.members]
-        storage = ChunkStorage(fmt, persistent=spec.index < n_persist, device=dev, pin=pin,
+        storage = ChunkStorage(fmt, persistent=spec.index in persistent, device=dev, pin=pin,
                                n_members=len(members), sharding=engine.sharding, host=ctx.host)
         opt_members = optim.members_by_group(members) if engine.optimizer_states else {}
         chunk = Chunk(spec, params=members, storage=storage, opt_members=opt_members)

@@ -109,20 +109,22 @@ class ChunkLayout:
         chunk_of = {m.name: spec.index for spec in self.chunks for m in spec.members}
         return {id(p): chunk_of[n] for n, p in model.named_parameters() if n in chunk_of}
 
-    def summary(self, element_size: int = 4, n_persist: int | None = None) -> str:
+    def summary(self, element_size: int = 4, persistent: frozenset[int] | None = None) -> str:
+        """The chunks, their sizes and units (and, given the indices of the persistent ones,
+        where each lives)."""
         mib = element_size / 2**20
         total = sum(c.numel for c in self.chunks)
-        persistent = "" if n_persist is None else f", {n_persist} persistent"
+        where_line = "" if persistent is None else f", {len(persistent)} persistent"
         lines = [
             f"ProTrain chunk layout: {self.n_chunks} chunks x {self.chunk_size:,} elements "
             f"({self.chunk_size * mib:.2f} MiB at {element_size} B/element), "
             f"{total:,} parameters, waste {self.waste:,} elements "
-            f"({100.0 * self.waste / max(1, self.n_chunks * self.chunk_size):.1f}%){persistent}; "
+            f"({100.0 * self.waste / max(1, self.n_chunks * self.chunk_size):.1f}%){where_line}; "
             f"order {self.order_source}",
             f"{'chunk':>5}  {'where':<10} {'params':>7} {'elements':>12} {'waste':>10}  units",
         ]
         for c in self.chunks:
-            where = "" if n_persist is None else "persistent" if c.index < n_persist else "streamed"
+            where = "" if persistent is None else "persistent" if c.index in persistent else "streamed"
             units = c.units[0] if len(c.units) == 1 else f"{c.units[0]} .. {c.units[-1]} ({len(c.units)} units)"
             lines.append(f"{c.index:>5}  {where:<10} {len(c.members):>7} {c.numel:>12,} {c.waste:>10,}  {units}")
         return "\n".join(lines)
