@@ -173,6 +173,21 @@ def test_a_shard_of_a_chunk(mixed):
     assert places == [(0, 64, 64), (64, 128 + 464, 464)]
 
 
+def test_an_empty_member_is_whole_on_rank_0():
+    """A zero-size parameter has a (empty) piece on rank 0 only: whole there (so its views keep
+    its shape and a checkpoint saves it once), none elsewhere."""
+    from protrain_core.runtime.storage import ShardLayout
+    from protrain_core.structure.layout import ParamSlot
+    fmt = ChunkFormat(numel=64, compute_dtype=torch.float32, master_dtype=torch.float32, trainable_start=16,
+                      trainable_numel=32)
+    empty, frozen = ParamSlot("e", 32, 0, (0, 4)), ParamSlot("f", 16, 0, (0,), trainable=False)
+    one = ShardLayout(fmt)
+    assert one.state_piece(empty) == (0, 16, 0) and one.host_piece(empty) == (0, 32, 0)
+    assert one.host_piece(frozen) == (0, 16, 0)
+    rank1 = ShardLayout(fmt.sharded(2), rank=1)
+    assert rank1.state_piece(empty) is None and rank1.host_piece(frozen) is None
+
+
 def test_a_member_split_between_ranks():
     """piece(): the part of a member each rank owns."""
     assert piece(10, 20, 16, 0) == (0, 10, 6) and piece(10, 20, 16, 1) == (6, 0, 14) and piece(10, 20, 16, 2) is None

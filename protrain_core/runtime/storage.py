@@ -202,14 +202,21 @@ class ShardLayout:
     def state_piece(self, m: ParamSlot) -> tuple[int, int, int] | None:
         """Member ``m``'s piece in this rank's shard of the trainable span (the master, the
         accumulator, the optimizer states)."""
-        return piece(self.span_offset(m), m.numel, self.fmt.state_numel, self.rank)
+        return self._piece(self.span_offset(m), m.numel, self.fmt.state_numel)
+
+    def _piece(self, start: int, numel: int, shard: int) -> tuple[int, int, int] | None:
+        """``piece``, with an empty member given to rank 0 (it is then whole there, and saved
+        once)."""
+        if not numel:
+            return (0, min(start, shard), 0) if self.rank == 0 else None
+        return piece(start, numel, shard, self.rank)
 
     def host_piece(self, m: ParamSlot) -> tuple[int, int, int] | None:
         """Member ``m``'s piece in this rank's shard of the compute copy (a streamed chunk's host
         copy: ``[frozen piece | trainable piece]``)."""
         fmt = self.fmt
         if not m.trainable:
-            return piece(m.offset, m.numel, fmt.frozen_shard, self.rank)
+            return self._piece(m.offset, m.numel, fmt.frozen_shard)
         part = self.state_piece(m)
         return None if part is None else (part[0], fmt.frozen_shard + part[1], part[2])
 
