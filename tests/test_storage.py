@@ -132,9 +132,9 @@ def test_one_process_is_rank_0_of_one():
     assert layout.host_piece(frozen) == (0, 16, 100) and layout.host_piece(trainable) == (0, 816, 120)
     assert layout.state_piece(trainable) == (0, 16, 120) and layout.span_offset(trainable) == 16
     assert layout.compute_span(persistent=False) == layout.compute_span(persistent=True) == (800, 160)
-    assert layout.upload_places() == [(0, 0, 960)]
+    assert layout.upload_places == ((0, 0, 960),)
     rank1 = ShardLayout(fmt.sharded(2), rank=1)  # the same questions, answered for rank 1 of 2
-    assert not rank1.whole and rank1.upload_places() == [(0, 400, 400), (400, 800 + 80, 80)]
+    assert not rank1.whole and rank1.upload_places == ((0, 400, 400), (400, 800 + 80, 80))
     assert rank1.host_piece(frozen) is None and rank1.state_piece(trainable) == (64, 0, 56)
 
 

@@ -168,7 +168,7 @@ class CostModel:
         self.has_grad = profile.chunk_has_grad
         self._adam_reduce_gather = ([n / w / hw.device_adam_params_per_s for n in profile.chunk_trainable],
                                     reduce, gather)
-        self.V_prefix = [self.device_updates(range(p)) for p in range(self.N + 1)]  # the first p persistent
+        self.V_prefix = [0.0, *self._device_chain(range(self.N))]  # the first p persistent
         self.async_copies = hw.async_copies
         # Prefix sums of the chunk sizes when persistent (eq. 8 is linear in n_persist).
         self.persist_prefix = [0]
@@ -184,22 +184,32 @@ class CostModel:
         self._grid: _Grid | None = None
 
     def device_updates(self, persistent) -> float:
-        """What the updates of the ``persistent`` chunks (indices) add after backward: their
-        device Adam, one after the other in execution order, and what their collectives add (W
-        processes): the reduce-scatter of the last one to finish backward (the lowest with
-        gradients: the others run beside backward), and the all-gathers after the updates
-        beyond the last update (each gather follows its chunk's update and the gather before it):
+        """What the updates of the ``persistent`` chunks (indices) add after backward
+        (``_device_chain``)."""
+        value = 0.0
+        for value in self._device_chain(sorted(persistent)):
+            pass
+        return value
+
+    def _device_chain(self, chunks):
+        """What the updates of the first k of ``chunks`` (persistent, in execution order) add
+        after backward, for k = 1, 2, ...: their device Adam, one after the other, and what
+        their collectives add (W processes): the reduce-scatter of the last one to finish
+        backward (the lowest with gradients: the others run beside backward), and the
+        all-gathers after the updates beyond the last update (each gather follows its chunk's
+        update and the gather before it):
           a_c = a_{c'} + V_c,  g_c = max(g_{c'}, a_c) + gather_c  (c' the persistent chunk before c),
-          the result g_last + r_first (one process: the sum of the Adam times)."""
+          each value g_c + r_first (one process: the sum of the Adam times)."""
         adam, reduce, gather = self._adam_reduce_gather
+        sharded = any(gather)
         a = g = 0.0
         first = None
-        for c in sorted(persistent):
+        for c in chunks:
             if self.has_grad[c]:
                 a += adam[c]
                 g = max(g, a) + gather[c]
                 first = c if first is None else first
-        return (g if any(gather) else a) + (reduce[first] if first is not None else 0.0)
+            yield (g if sharded else a) + (reduce[first] if first is not None else 0.0)
 
     # ----- helpers -------------------------------------------------------------------------
     def extra_uploads(self, extra: list[int], persistent: frozenset[int]) -> float:

@@ -36,6 +36,7 @@ are all the cost model knows of chunks.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 from torch import Tensor, nn
@@ -228,16 +229,18 @@ class ShardLayout:
         start = fmt.frozen_shard if not persistent else fmt.trainable_device_start + self.rank * fmt.state_numel
         return start, fmt.state_numel
 
-    def upload_places(self) -> list[tuple[int, int, int]]:
+    @cached_property
+    def upload_places(self) -> tuple[tuple[int, int, int], ...]:
         """(start in the host shard, start in the device copy, length) of each span a fetch
         uploads: this rank's non-empty frozen and trainable pieces, as one copy where they are
-        adjacent in both (one process)."""
+        adjacent in the device copy too (one process; they always are in the host shard).
+        Computed once: a fetch reads it."""
         fmt, r = self.fmt, self.rank
         sf, st = fmt.frozen_shard, fmt.state_numel
-        places = [p for p in ((0, r * sf, sf), (sf, fmt.trainable_device_start + r * st, st)) if p[2]]
-        if len(places) == 2 and places[0][2] == places[1][0] and places[0][1] + places[0][2] == places[1][1]:
-            places = [(0, places[0][1], sf + st)]
-        return places
+        frozen, trainable = (0, r * sf, sf), (sf, fmt.trainable_device_start + r * st, st)
+        if sf and st and r * sf + sf == trainable[1]:
+            return ((0, r * sf, sf + st),)
+        return tuple(p for p in (frozen, trainable) if p[2])
 
 
 class ChunkStorage:
@@ -368,7 +371,7 @@ class ChunkStorage:
         uploads (``ShardLayout.upload_places``)."""
         host = self.host_copy if host_copy is None else host_copy
         device = self.device_copy if device_copy is None else device_copy
-        return [(host[h:h + n], device[d:d + n]) for h, d, n in self.shards.upload_places()]
+        return [(host[h:h + n], device[d:d + n]) for h, d, n in self.shards.upload_places]
 
     def gather_spans(self) -> None:
         """All-gather the device copy's frozen and trainable spans in place (each rank's pieces
