@@ -30,10 +30,11 @@ def setup(args, **config):
     device = resolve_device(args.device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=256, n_positions=args.seq, n_embd=args.hidden, n_layer=args.layers,
+    config = {"vocab_size": 256, **config}
+    cfg = GPT2Config(n_positions=args.seq, n_embd=args.hidden, n_layer=args.layers,
                      n_head=max(1, args.hidden // 64), bos_token_id=0, eos_token_id=0, **config)
     base = GPT2LMHeadModel(cfg)
-    x = torch.randint(0, 256, (args.batch, args.seq), device=device)
+    x = torch.randint(0, config["vocab_size"], (args.batch, args.seq), device=device)
     return device, sync, base, x
 
 

@@ -69,7 +69,7 @@ def llama_profile(*, name: str, hidden: int, layers: int, intermediate: int, voc
     return Profile(key=name, description=name, precision="bf16-mixed", n_chunks=n, chunk_elems=chunk, compute_bytes=2,
                    chunk_trainable=trainable, chunk_has_grad=(True,) * n, chunk_frozen=(0,) * n,
                    persist_bytes=tuple(18 * t for t in trainable), host_bytes=tuple(16 * t for t in trainable),
-                   offload_bytes=tuple(2 * t for t in trainable), buffer_bytes=4 * chunk, upload_bytes=(2 * chunk,) * n,
+                   offload_bytes=tuple(2 * t for t in trainable), buffer_bytes=(4 * chunk,) * n, upload_bytes=(2 * chunk,) * n,
                    resident_sets=tuple((c,) for c in range(n)), segments=segments, base_bytes=2 * GIB,
                    fragmentation=1.1, hardware=hw, tokens=tokens)
 

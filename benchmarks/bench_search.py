@@ -49,7 +49,7 @@ def synthetic_profile(n_blocks: int, seed: int = 0) -> Profile:
     return Profile(key="synthetic", description=f"synthetic {n_blocks}-block model", precision="bf16-mixed",
                    n_chunks=n_chunks, chunk_elems=S, compute_bytes=cb, chunk_trainable=(S,) * n_chunks,
                    chunk_has_grad=(True,) * n_chunks, persist_bytes=(S * 18,) * n_chunks, host_bytes=(S * 18,) * n_chunks,
-                   chunk_frozen=(0,) * n_chunks, offload_bytes=(S * cb,) * n_chunks, buffer_bytes=2 * S * cb,
+                   chunk_frozen=(0,) * n_chunks, offload_bytes=(S * cb,) * n_chunks, buffer_bytes=(2 * S * cb,) * n_chunks,
                    upload_bytes=(S * cb,) * n_chunks, resident_sets=tuple((c,) for c in range(n_chunks)),
                    segments=tuple(segs), base_bytes=2**20, fragmentation=1.05,
                    hardware=hw)

@@ -90,7 +90,7 @@ class AutoPlanner(StepObserver):
                                           gradient_passes=key[1].gradient_passes)
         return self._models[key]
 
-    def search(self, tokens: int, n_persist: int | None = None) -> PlanChoice:
+    def search(self, tokens: int, n_persist: int | frozenset[int] | None = None) -> PlanChoice:
         overlap = self.overlap
         return search(self.profile.at_tokens(tokens), self.budget, host_budget=self.host_budget,
                       schedule=overlap.schedule, gradient_passes=overlap.gradient_passes, n_persist=n_persist)
@@ -119,7 +119,8 @@ class AutoPlanner(StepObserver):
         memory = cm.memory(current)
         fits = memory.peak_bytes <= self.budget and (self.host_budget is None or memory.host_bytes <= self.host_budget)
         try:
-            best = self.search(tokens, n_persist=current.n_persist)
+            best = self.search(tokens, n_persist=current.n_persist if current.persistent_chunks is None
+                               else current.persistent())
         except InfeasibleBudget:
             try:
                 best = self.search(tokens)  # fewer chunks on the device

@@ -20,22 +20,7 @@ needs only the directory's metadata: a rank reads, one chunk at a time, every pi
 chunk's parameters, and keeps what its own shards hold (``Chunk.set_member``,
 ``Chunk.own_piece``) -- at most one chunk beyond its own states at a time.
 
-[Note: replacing a checkpoint directory]
-A directory cannot be swapped for another in one rename, so a save that replaces ``NAME``
-goes through names that say what each directory is (``PID`` is the saving process's):
-
-  1. every rank writes into ``.NAME.protrain-tmp-PID-*`` (incomplete: removed once PID is gone)
-  2. rank 0 renames it ``.NAME.new-PID-*``: complete, not yet in place
-  3. the old ``NAME``, if any, is renamed ``.NAME.old-PID-*``
-  4. ``.NAME.new-PID-*`` is renamed ``NAME``
-  5. ``.NAME.old-PID-*`` is removed
-
-A process killed anywhere leaves ``NAME`` holding the old checkpoint (before 3, or the new
-one after 4) or, between 3 and 4, nothing under ``NAME`` but the complete new copy beside it.
-The next save or load of ``NAME`` finishes what a dead save left (``recover``): a complete new
-copy is put in place (the old one removed), a lone old copy is put back, leftovers go. A
-failed write removes its temporary directory and names the cause (``ENOSPC``: the disk is
-full) in the first line of the error, on every rank.
+Writing and replacing the directory: [Note: replacing a checkpoint directory], above ``_write``.
 """
 
 from __future__ import annotations
@@ -135,6 +120,23 @@ def save_sharded(engine, path, meta: dict | None = None) -> None:
 
 _SAVING: set[Path] = set()  # the checkpoint paths this process is saving now
 
+
+# [Note: replacing a checkpoint directory]
+# A directory cannot be swapped for another in one rename, so a save that replaces ``NAME``
+# goes through names that say what each directory is (``PID`` is the saving process's):
+#
+#   1. every rank writes into ``.NAME.protrain-tmp-PID-*`` (incomplete: removed once PID is gone)
+#   2. rank 0 renames it ``.NAME.new-PID-*``: complete, not yet in place
+#   3. the old ``NAME``, if any, is renamed ``.NAME.old-PID-*``
+#   4. ``.NAME.new-PID-*`` is renamed ``NAME``
+#   5. ``.NAME.old-PID-*`` is removed
+#
+# A process killed anywhere leaves ``NAME`` holding the old checkpoint (before 3, or the new
+# one after 4) or, between 3 and 4, nothing under ``NAME`` but the complete new copy beside it.
+# The next save or load of ``NAME`` finishes what a dead save left (``recover``): a complete new
+# copy is put in place (the old one removed), a lone old copy is put back, leftovers go. A
+# failed write removes its temporary directory and names the cause (``ENOSPC``: the disk is
+# full) in the first line of the error, on every rank.
 
 def _write(engine, state: dict, tmp: Path, path: Path, meta: dict | None) -> None:
     """Steps 1-2 of [Note: replacing a checkpoint directory] up to the barrier after them; a

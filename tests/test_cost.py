@@ -33,7 +33,7 @@ def hand_profile(*, async_copies=True) -> Profile:
     return Profile(key="hand", description="hand-built", precision="32-true", n_chunks=3, chunk_elems=100,
                    compute_bytes=4, chunk_trainable=(100, 100, 100), chunk_has_grad=(True, True, True),
                    chunk_frozen=(0, 0, 0), persist_bytes=(2000, 2000, 2000), host_bytes=(1600, 1600, 1600),
-                   offload_bytes=(400, 400, 400), buffer_bytes=800, upload_bytes=(400, 400, 400),
+                   offload_bytes=(400, 400, 400), buffer_bytes=(800, 800, 800), upload_bytes=(400, 400, 400),
                    resident_sets=((0,), (1,), (2,)), segments=segments, base_bytes=5, fragmentation=1.0, hardware=hw)
 
 

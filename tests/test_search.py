@@ -1,5 +1,6 @@
 """Plan search: the optimum of the cost models (checked against brute force), within budget."""
 
+import dataclasses
 import random
 
 import pytest
@@ -40,17 +41,18 @@ def random_profile(rng: random.Random, n_chunks: int, n_blocks: int, async_copie
     host_bytes = tuple(rng.randrange(1000, 2000) for _ in range(n_chunks))
     schedule = rng.choice([UpdateSchedule.DURING_BACKWARD] * 3 + [UpdateSchedule.NEXT_FORWARD])
     uploads = tuple(rng.choice((S * 4, S * 2, S)) for _ in range(n_chunks))  # chunks differ: each its own upload
+    offloads = tuple(S * 4 * (t > 0) for t in trainable)
     prof = Profile(key="r", description="random", precision="32-true", n_chunks=n_chunks, chunk_elems=S,
                    compute_bytes=4, chunk_trainable=trainable, chunk_has_grad=tuple(t > 0 for t in trainable),
                    chunk_frozen=tuple(S - t for t in trainable), persist_bytes=persist_bytes, host_bytes=host_bytes,
-                   offload_bytes=tuple(S * 4 * (t > 0) for t in trainable), buffer_bytes=2 * S * 4, upload_bytes=uploads,
+                   offload_bytes=offloads, buffer_bytes=tuple(u + o for u, o in zip(uploads, offloads)), upload_bytes=uploads,
                    resident_sets=tuple((c,) for c in range(n_chunks)), segments=tuple(segs),
                    base_bytes=rng.randrange(100), fragmentation=rng.uniform(1.0, 1.2), hardware=hw)
     return prof, schedule
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_search_equals_brute_force(seed):
+def test_first_n_search_equals_brute_force(seed):
     rng = random.Random(seed)
     prof, schedule = random_profile(rng, n_chunks=rng.randint(1, 5), n_blocks=rng.randint(1, 4), async_copies=seed % 2 == 0)
     cm = pt.CostModel(prof, schedule=schedule)
@@ -62,9 +64,9 @@ def test_search_equals_brute_force(seed):
             expected = brute_force(prof, budget, host_budget=host, schedule=schedule)
         except pt.InfeasibleBudget:
             with pytest.raises(pt.InfeasibleBudget):
-                pt.search(prof, budget, host_budget=host, schedule=schedule)
+                pt.search(prof, budget, host_budget=host, schedule=schedule, sets=False)
             continue
-        got = pt.search(prof, budget, host_budget=host, schedule=schedule)
+        got = pt.search(prof, budget, host_budget=host, schedule=schedule, sets=False)
         assert got.runtime.total_s == pytest.approx(expected.runtime.total_s, rel=1e-9), (frac, got.plan, expected.plan)
         assert got.memory.peak_bytes <= budget
         assert got.runtime.total_s == pytest.approx(pt.estimate_runtime(prof, got.plan, schedule=schedule).total_s)
@@ -81,11 +83,14 @@ def test_more_budget_is_never_slower(seed):
     last = float("inf")
     for frac in [x / 20 for x in range(1, 31)]:
         try:
-            t = pt.search(prof, int(everything * frac), schedule=schedule).runtime.total_s
+            t = pt.search(prof, int(everything * frac), schedule=schedule, sets=False).runtime.total_s
         except pt.InfeasibleBudget:
             assert last == float("inf")  # infeasible only below every feasible budget
             continue
         assert t <= last * (1 + 1e-12)
+        # The set search is a local one: never slower than the first-n optimum of its budget,
+        # hence than that of any smaller budget (not always than its own plan at a smaller one).
+        assert pt.search(prof, int(everything * frac), schedule=schedule).runtime.total_s <= t * (1 + 1e-12)
         last = t
     assert last < float("inf")
 
@@ -170,3 +175,69 @@ def test_grid_matches_scalar_model(seed):
                     continue
                 r = cm.runtime_of(lay, p, B)
                 assert bound[row, p].item() == pytest.approx(r.forward_s + r.backward_s + r.device_adam_s, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_set_grid_matches_scalar_model(seed):
+    """The grid's bound for one persistent set equals T_f + T_b + device Adam of the scalar model
+    for every layout and buffer count, sets that are not the first n included."""
+    rng = random.Random(700 + seed)
+    prof, schedule = random_profile(rng, n_chunks=rng.randint(1, 6), n_blocks=rng.randint(1, 4), async_copies=seed % 2 == 0)
+    cm = pt.CostModel(prof, schedule=schedule)
+    grid = cm.grid()
+    N = prof.n_chunks
+    for _ in range(4):
+        persistent = frozenset(c for c in range(N) if rng.random() < 0.4)
+        for B in range(0, N - len(persistent) + 1):
+            if B == 0 and len(persistent) < N:
+                continue
+            bound = grid.phases_of_set(persistent, torch.full((len(grid.pairs),), B, dtype=torch.long))
+            for row, (s, c) in enumerate(grid.pairs):
+                r = cm.runtime_of(cm.layout(interleaved_modes(prof.n_blocks, s, c)), persistent, B)
+                assert bound[row].item() == pytest.approx(r.forward_s + r.backward_s + r.device_adam_s, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_set_search_is_never_slower_than_the_first_n(seed):
+    """With sets, the search starts from the best first-n plan and only moves to faster plans:
+    between that plan and the best over every persistent set (brute force), within budget, and
+    its prediction is the model's for the plan it returns."""
+    rng = random.Random(900 + seed)
+    prof, schedule = random_profile(rng, n_chunks=rng.randint(2, 5), n_blocks=rng.randint(1, 4), async_copies=seed % 2 == 0)
+    everything = pt.CostModel(prof, schedule=schedule).memory(pt.Plan(n_persist=prof.n_chunks, n_buffer=0)).peak_bytes
+    for frac in (0.4, 0.6, 0.8, 1.2):
+        budget = int(everything * frac)
+        try:
+            first_n = pt.search(prof, budget, schedule=schedule, sets=False)
+        except pt.InfeasibleBudget:
+            continue
+        every_set = brute_force(prof, budget, schedule=schedule, sets=True)
+        got = pt.search(prof, budget, schedule=schedule)
+        assert every_set.runtime.total_s * (1 - 1e-9) <= got.runtime.total_s <= first_n.runtime.total_s * (1 + 1e-12)
+        assert got.memory.peak_bytes <= budget
+        assert got.runtime.total_s == pytest.approx(pt.estimate_runtime(prof, got.plan, schedule=schedule).total_s)
+        assert got.memory == pt.estimate_memory(prof, got.plan)
+
+
+def test_the_search_keeps_a_trainable_chunk_before_a_frozen_one():
+    """Chunk 0 is frozen (an embedding: a 1 s upload, no offload, no CPU Adam); chunks 1 and 2
+    train, and their CPU Adam (10 s each at 10 parameters/s) is what a step waits for. The
+    first-n rule must keep chunk 0 to keep anything (3250 B: chunk 0 alone, 31.5 s; 4000 B:
+    chunks 0 and 1 with one buffer, 23.0 s); the search keeps chunk 1 alone instead
+    (26.0 s, 22.5 s: the best over every set, brute force), and each buffer is then the size
+    of the largest chunk still streamed."""
+    base = hand_profile()
+    prof = dataclasses.replace(
+        base, hardware=dataclasses.replace(base.hardware, cpu_adam_params_per_s=10.0),
+        chunk_trainable=(0, 100, 100), chunk_frozen=(100, 0, 0), chunk_has_grad=(False, True, True),
+        persist_bytes=(400, 2000, 2000), host_bytes=(400, 1600, 1600), offload_bytes=(0, 400, 400),
+        buffer_bytes=(400, 800, 800))
+    for budget in (3250, 4000):
+        first_n = pt.search(prof, budget, sets=False)
+        got = pt.search(prof, budget)
+        assert got.plan.persistent_chunks == (1,) and 0 in first_n.plan.persistent()
+        assert got.runtime.total_s < first_n.runtime.total_s
+        assert got.runtime.total_s == pytest.approx(brute_force(prof, budget, sets=True).runtime.total_s)
+        assert got.memory.buffer_bytes == got.plan.n_buffer * 800
+        assert "(chunks 1)" in got.explain()
+    assert pt.estimate_memory(prof, pt.Plan(n_persist=2, n_buffer=1, persistent_chunks=(1, 2))).buffer_bytes == 400

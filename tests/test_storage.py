@@ -35,7 +35,7 @@ def test_profile_facts_match_the_allocation(precision, amsgrad):
             if c.persistent:
                 assert c.device_bytes() == facts["persist_bytes"][c.index]
         assert engine.scheduler.device_bytes_bound() == (
-            sum(facts["persist_bytes"][:n_persist]) + min(2, n - n_persist) * facts["buffer_bytes"])
+            sum(facts["persist_bytes"][:n_persist]) + min(2, n - n_persist) * max(facts["buffer_bytes"][n_persist:], default=0))
         engine.close()
     S = engine.layout.chunk_size
     cb = engine.precision.compute_dtype.itemsize
@@ -48,8 +48,11 @@ def test_profile_facts_match_the_allocation(precision, amsgrad):
     for c in engine.chunks:  # the compute copy of both spans, the states of its trainable span
         f, t = spans[c.index]
         assert host[c.index] == (f + t) * cb + per_trainable * t
-    assert facts["buffer_bytes"] == max((f + 2 * t) * cb for f, t in spans.values())
+    assert facts["buffer_bytes"] == tuple((f + 2 * t) * cb for f, t in spans.values())
     assert facts["upload_bytes"] == tuple((f + t) * cb for f, t in spans.values())
+    dtypes = {"32-true": ("float32", "float32"), "bf16-true": ("bfloat16", "bfloat16"),
+              "bf16-mixed": ("bfloat16", "float32"), "16-mixed": ("float16", "float32")}[precision]
+    assert facts["chunk_dtypes"] == (dtypes,) * n
     assert any(f + t < S for f, t in spans.values())  # the last chunk's waste is not stored
     frozen = [c for c in engine.chunks if not c.storage.fmt.trains]  # block 1's chunk: its compute copy only
     assert frozen and all(host[c.index] == align(S) * cb and facts["offload_bytes"][c.index] == 0 for c in frozen)

@@ -7,7 +7,8 @@ that the search can evaluate thousands of plans cheaply.
 
 Notation (all per iteration, one optimizer step):
   N        chunks, in execution order; P the persistent ones (the first p = n_persist unless the
-           plan names them: ``Plan.persistent_chunks``); B = min(n_buffer, N - p) buffers in use
+           plan names them: ``Plan.persistent_chunks``); B = min(n_buffer, N - p) buffers in use,
+           each as large as the largest streamed chunk's compute copy and gradients
   S        chunk size in elements; cb bytes per element of the compute dtype
   X_c, Y_c time to upload chunk c (its bytes, S*cb in one process / host->device bandwidth) and
            to offload its gradients (its trainable span T_c*cb / device->host bandwidth; 0 for a
@@ -175,8 +176,10 @@ class CostModel:
         for b in profile.persist_bytes:
             self.persist_prefix.append(self.persist_prefix[-1] + b)
         self.host_suffix = [0] * (self.N + 1)
+        self.buffer_suffix = [0] * (self.N + 1)  # the largest buffer of chunks c.. (streamed when p = c)
         for c in range(self.N - 1, -1, -1):
             self.host_suffix[c] = self.host_suffix[c + 1] + profile.host_bytes[c]
+            self.buffer_suffix[c] = max(self.buffer_suffix[c + 1], profile.buffer_bytes[c])
         self.segments = profile.segments
         self.block_seg = [i for i, s in enumerate(profile.segments) if s.kind == "block"]
         self._layouts: dict[tuple[BlockMode, ...], _Layout] = {}
@@ -228,19 +231,30 @@ class CostModel:
             lay = self._layouts[modes] = _Layout(self, modes)
         return lay
 
+    def buffer_bytes(self, persistent: int | frozenset[int]) -> int:
+        """Device bytes of one chunk buffer: the largest streamed chunk's compute copy and
+        gradients (a buffer holds any streamed chunk in turn; ``persistent``: the indices, or
+        the first n)."""
+        if isinstance(persistent, int):
+            return self.buffer_suffix[persistent]
+        return max((b for c, b in enumerate(self.profile.buffer_bytes) if c not in persistent), default=0)
+
     def states_bytes(self, persistent: int | frozenset[int], n_buffer: int) -> int:
         """Eq. 8: model-state bytes on the device, M_states = sum_{c in P} persist_c + B * buffer
         (``persistent``: the indices, or the first n)."""
+        buffers = n_buffer * self.buffer_bytes(persistent)
         if isinstance(persistent, int):
-            return self.persist_prefix[persistent] + n_buffer * self.profile.buffer_bytes
-        return sum(self.profile.persist_bytes[c] for c in persistent) + n_buffer * self.profile.buffer_bytes
+            return self.persist_prefix[persistent] + buffers
+        return sum(self.profile.persist_bytes[c] for c in persistent) + buffers
+
+    def streamed_host_bytes(self, persistent: int | frozenset[int]) -> int:
+        """Host bytes of the streamed chunks' states (``persistent``: the indices, or the first n)."""
+        if isinstance(persistent, int):
+            return self.host_suffix[persistent]
+        return sum(b for c, b in enumerate(self.profile.host_bytes) if c not in persistent)
 
     def host_bytes(self, persistent: int | frozenset[int], modes: tuple[BlockMode, ...]) -> int:
-        if isinstance(persistent, int):
-            streamed = self.host_suffix[persistent]
-        else:
-            streamed = sum(b for c, b in enumerate(self.profile.host_bytes) if c not in persistent)
-        return streamed + self.layout(modes).swap_host_bytes
+        return self.streamed_host_bytes(persistent) + self.layout(modes).swap_host_bytes
 
     # ----- runtime: eq. 3-7 ------------------------------------------------------------------
     def runtime(self, plan: Plan) -> RuntimeEstimate:
@@ -361,7 +375,7 @@ class CostModel:
         lay = self.layout(modes)
         B = self.buffers(plan)
         persistent = self.states_bytes(plan.persistent(), 0)
-        buffers = B * self.profile.buffer_bytes
+        buffers = B * self.buffer_bytes(plan.persistent())
         act = lay.activation_peak
         return MemoryEstimate(
             persistent_bytes=persistent,
@@ -511,7 +525,9 @@ class _Grid:
         self.G, self.SO, self.SI = G, SO, SI
         self.free = free
         self.special = [c for c in range(model.N) if c == 0 or model.base.extra[c]]
-        (self.fP, self.fS2, self.fS1, self.bP, self.bSin2, self.bSout2, self.bSin1, self.bSout1) = self._case_prefixes()
+        self.cases = self._cases()
+        (self.fP, self.fS2, self.fS1, self.bP, self.bSin2, self.bSout2, self.bSin1, self.bSout1) = [
+            torch.cat([torch.zeros(len(self.pairs), 1, dtype=torch.float64), torch.cumsum(v, 1)], 1) for v in self.cases]
         self.V = torch.tensor(model.V_prefix, dtype=torch.float64)
 
     def _segment_modes(self) -> tuple[Tensor, Tensor, Tensor]:
@@ -565,8 +581,8 @@ class _Grid:
         free = base.F_free + base.G_free + ck @ r_free
         return G, sw @ WO, sw @ WI, free, (self.swap.to(torch.int64) * host).sum(1)
 
-    def _case_prefixes(self) -> list[Tensor]:
-        """Prefix sums over chunks of eq. 4's and eq. 5's cases (special chunks left out)."""
+    def _cases(self) -> list[Tensor]:
+        """Eq. 4's and eq. 5's cases, per row and chunk (special chunks zero)."""
         m = self.model
         f64 = torch.float64
         n = len(self.pairs)
@@ -586,12 +602,12 @@ class _Grid:
             eq5_backward(G, SI, zero, off, persistent=no, two_buffers=no, **kw),
             eq5_backward(G, SI, X, off, persistent=no, two_buffers=no, **kw),
         )
-        prefixes = []
+        out = []
         for v in cases:
             v = v.expand(n, m.N).clone()
             v[:, self.special] = 0.0
-            prefixes.append(torch.cat([torch.zeros(n, 1, dtype=f64), torch.cumsum(v, 1)], 1))
-        return prefixes
+            out.append(v)
+        return out
 
     def phases(self, B: Tensor) -> Tensor:
         """T_f + T_b + device Adam for row l and n_persist p with B[l, p] buffers in use
@@ -609,22 +625,44 @@ class _Grid:
         t = (self.free[:, None] + self.fP + span(self.fS2, self.fS1, p, end) + self.bP
              + span(self.bSout2, self.bSout1, p, cut) + span(self.bSin2, self.bSin1, cut, end) + self.V[None, :])
         for c in self.special:
-            t = t + self._special_chunk(c, p, B, two)
+            extra = torch.tensor([m.extra_uploads(m.base.extra[c], frozenset(range(q))) for q in range(N + 1)],
+                                 dtype=torch.float64)[None, :]
+            t = t + self._special_chunk(c, p <= c, (p <= c) & (c < N - B), extra, two)
         return t
 
-    def _special_chunk(self, c: int, p: Tensor, B: Tensor, two: Tensor) -> Tensor:
-        """Eq. 4 + eq. 5 of chunk ``c`` for every (row, n_persist), as ``_t_fwd`` / ``_t_bwd``."""
+    def phases_of_set(self, persistent: frozenset[int], B: Tensor) -> Tensor:
+        """``phases`` for one set of persistent chunks (indices) and every row, with ``B[l]``
+        buffers in use (int64 [layouts])."""
+        m = self.model
+        N = m.N
+        fP, fS2, fS1, bP, bSin2, bSout2, bSin1, bSout1 = self.cases
+        kept = torch.tensor([c in persistent for c in range(N)])[None, :]
+        streamed = [c for c in range(N) if c not in persistent]
+        after = torch.zeros(N, dtype=torch.int64)  # streamed chunks after each streamed chunk
+        after[streamed] = torch.arange(len(streamed) - 1, -1, -1)
+        two = (B >= 2)[:, None]
+        again = ~kept & (after[None, :] >= B[:, None])  # not in the window of the last B streamed chunks
+        fwd = torch.where(kept, fP, torch.where(two, fS2, fS1))
+        bwd = torch.where(kept, bP, torch.where(again, torch.where(two, bSout2, bSout1), torch.where(two, bSin2, bSin1)))
+        t = self.free + (fwd + bwd).sum(1) + m.device_updates(persistent)
+        for c in self.special:
+            extra = torch.tensor(m.extra_uploads(m.base.extra[c], persistent), dtype=torch.float64)
+            t = t + self._special_chunk(c, ~kept[:, c:c + 1], again[:, c:c + 1], extra, two)[:, 0]
+        return t
+
+    def _special_chunk(self, c: int, streamed: Tensor, again: Tensor, extra: Tensor, two: Tensor) -> Tensor:
+        """Eq. 4 + eq. 5 of chunk ``c`` for every row and column of the masks, as ``_t_fwd`` /
+        ``_t_bwd``: ``streamed``, whether it is streamed; ``again``, whether backward uploads it
+        again (streamed, out of the resident window); ``extra``, the upload time of the
+        streamed chunks its segments fetch besides it."""
         m = self.model
         f64 = torch.float64
-        N, X = m.N, m.X[c]
-        streamed = p <= c
-        extra = torch.tensor([m.extra_uploads(m.base.extra[c], frozenset(range(q))) for q in range(N + 1)],
-                             dtype=f64)[None, :]
+        X = m.X[c]
         kw = dict(async_copies=m.async_copies, ops=TENSOR)
         up = extra + X * streamed.to(f64)
         hidden = ((up > 0) & two) if c > 0 else torch.zeros_like(two)
         fwd = eq4_forward(torch.tensor(m.base.F[c], dtype=f64), self.SO[:, c:c + 1], up, hidden=hidden, **kw)
-        up = extra + X * (streamed & (c < N - B)).to(f64)
+        up = extra + X * again.to(f64)
         off = streamed.to(f64) * m.Y[c]
         bwd = eq5_backward(self.G[:, c:c + 1], self.SI[:, c:c + 1], up, off, persistent=~streamed, two_buffers=two, **kw)
         return fwd + bwd

@@ -3,10 +3,10 @@
 A profile holds three kinds of facts (paper §3.3):
   static    known before anything runs, per chunk (chunks differ: an embedding chunk's trainable
             span, a LoRA chunk's frozen base, a rank's shard): its trainable and frozen
-            elements, the device/host bytes it needs when persistent or streamed, the bytes one
-            upload, offload, all-gather and reduce-scatter of it moves; and the bytes of a chunk
-            buffer (all from the chunks' storage formula, [Note: chunk
-            storage] in runtime/storage.py), and which chunks must be on the device at once;
+            elements and dtypes, the device/host bytes it needs when persistent or streamed
+            (resident in a buffer), the bytes one upload, offload, all-gather and reduce-scatter
+            of it moves (all from the chunks' storage formula, [Note: chunk storage] in
+            runtime/storage.py), and which chunks must be on the device at once;
   measured  from real iterations of the model on its real batch shape, per *segment* (the
             modules before the first block, each transformer block, the modules after the
             last block): forward, backward and recomputation time, and activation bytes;
@@ -44,7 +44,7 @@ from pathlib import Path
 
 from protrain_core.plan import PlanLimits
 
-PROFILE_VERSION = 8
+PROFILE_VERSION = 9
 
 
 class ProfileVersionError(ValueError):
@@ -117,7 +117,7 @@ class Profile:
     persist_bytes: tuple[int, ...]  # device bytes of each chunk when persistent
     host_bytes: tuple[int, ...]  # host bytes of each chunk when streamed
     offload_bytes: tuple[int, ...]  # bytes of one gradient offload of each chunk (0: frozen)
-    buffer_bytes: int  # device bytes of one chunk buffer (a streamed chunk's compute copy and gradients)
+    buffer_bytes: tuple[int, ...]  # device bytes of each chunk while streamed and resident (compute copy, gradients)
     upload_bytes: tuple[int, ...]  # bytes one upload of each chunk copies host -> device (a rank's shard)
     resident_sets: tuple[tuple[int, ...], ...]  # chunks needed on the device at once (PlanLimits)
     segments: tuple[Segment, ...]
@@ -131,6 +131,9 @@ class Profile:
     world_size: int = 1  # processes the chunks are sharded over (the bytes above are one rank's)
     gather_bytes: tuple[int, ...] = ()  # bytes one all-gather of each chunk's compute copy assembles (): one process
     reduce_bytes: tuple[int, ...] = ()  # bytes one reduce-scatter of each chunk's gradients reads
+    # (compute-copy dtype, master and state dtype) of each chunk, e.g. ("bfloat16", "float32");
+    # (): not known (a hand-built profile), the compute dtype of ``compute_bytes`` everywhere
+    chunk_dtypes: tuple[tuple[str, str], ...] = ()
 
     @property
     def blocks(self) -> tuple[Segment, ...]:
@@ -176,11 +179,11 @@ class Profile:
         bad = []
         n = self.n_chunks
         per_chunk = ("chunk_trainable", "chunk_frozen", "chunk_has_grad", "persist_bytes", "host_bytes", "offload_bytes",
-                     "upload_bytes")
+                     "upload_bytes", "buffer_bytes")
         bad += [f"{name} has {len(getattr(self, name))} entries for {n} chunks"
                 for name in per_chunk if len(getattr(self, name)) != n]
         bad += [f"{name} has {len(getattr(self, name))} entries for {n} chunks"
-                for name in ("gather_bytes", "reduce_bytes") if len(getattr(self, name)) not in (0, n)]
+                for name in ("gather_bytes", "reduce_bytes", "chunk_dtypes") if len(getattr(self, name)) not in (0, n)]
         if n < 1 or self.chunk_elems < 1 or self.compute_bytes < 1 or min(self.upload_bytes, default=0) < 1:
             bad.append("chunk count, size or element size is not positive")
         kinds = [s.kind for s in self.segments]
@@ -201,7 +204,7 @@ class Profile:
         numbers = [getattr(s, f.name) for s in self.segments for f in dataclasses.fields(Segment)
                    if f.name not in ("name", "kind", "chunks")]
         numbers += [*self.persist_bytes, *self.host_bytes, *self.offload_bytes, *self.upload_bytes, *self.gather_bytes,
-                    *self.reduce_bytes, self.buffer_bytes, self.base_bytes, self.tokens]
+                    *self.reduce_bytes, *self.buffer_bytes, self.base_bytes, self.tokens]
         if not all(x is None or (isinstance(x, (int, float)) and math.isfinite(x) and x >= 0) for x in numbers):
             bad.append("a measured time or size is negative or not a number")
         if not (isinstance(self.fragmentation, (int, float)) and 1.0 <= self.fragmentation < 10):
@@ -223,8 +226,9 @@ class Profile:
         d["segments"] = tuple(Segment(**{**s, "chunks": tuple(s["chunks"])}) for s in d["segments"])
         d["ops"] = tuple(OpRecord(**o) for o in d["ops"])
         for name in ("chunk_trainable", "chunk_frozen", "chunk_has_grad", "persist_bytes", "host_bytes", "offload_bytes",
-                     "upload_bytes", "gather_bytes", "reduce_bytes"):
+                     "upload_bytes", "gather_bytes", "reduce_bytes", "buffer_bytes"):
             d[name] = tuple(d[name])
+        d["chunk_dtypes"] = tuple(tuple(x) for x in d["chunk_dtypes"])
         d["resident_sets"] = tuple(tuple(s) for s in d["resident_sets"])
         return cls(**d)
 

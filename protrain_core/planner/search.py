@@ -5,8 +5,9 @@ The four knobs span (N+1) * (N+1) * (L+1)(L+2)/2 plans (about 3.2 million for 50
 of the cost models:
 
 1. Memory is separable (eq. 8-10): peak = states(n_persist, n_buffer) + activations(n_swap,
-   n_checkpoint), the first linear in n_persist and n_buffer. So for an activation layout and
-   an n_persist the largest n_buffer that fits is one division.
+   n_checkpoint), the first a sum over the persistent chunks plus n_buffer buffers (each the
+   size of the largest streamed chunk). So for an activation layout and an n_persist the
+   largest n_buffer that fits is one division.
 2. For fixed n_persist and activation layout the predicted time never grows with n_buffer
    (more buffers only keep more chunks resident from forward into backward, and lift the
    one-buffer serialisation), so only that largest n_buffer is evaluated: one candidate per
@@ -18,14 +19,22 @@ of the cost models:
    plan). Candidates are visited in increasing order of the bound, and the search stops at the
    first whose bound is not below the best time found by the full model.
 
-This is exact with respect to the models (``brute_force`` enumerates every plan; the tests
-compare both). Non-monotone effects are not assumed away: more persistent chunks are usually,
-but not always, faster (a compute-bound streamed chunk costs nothing, while a persistent one
-adds device Adam time), so every n_persist that fits is a candidate.
+This is exact with respect to the models over the plans whose persistent chunks are the first
+n (``brute_force`` enumerates every such plan; the tests compare both). Non-monotone effects
+are not assumed away: more persistent chunks are usually, but not always, faster (a
+compute-bound streamed chunk costs nothing, while a persistent one adds device Adam time), so
+every n_persist that fits is a candidate.
+
+Chunks differ (an embedding chunk, a short last chunk, frozen bases beside trainable spans), so
+the first n are not always the best n chunks to keep. From the best first-n plan the search
+then moves chunks in and out of the persistent set while that is predicted faster
+(``_refine``): a local optimum over sets, checked against ``brute_force(sets=True)``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -109,17 +118,26 @@ def _named(plan: Plan) -> str:
 
 
 def _chunks_line(p: Profile) -> str:
-    """The chunks' size, and what one upload of each moves (a rank's shard differs by chunk)."""
+    """The chunks' size and dtypes, and what one upload of each moves (chunks differ)."""
     lo, hi = min(p.upload_bytes), max(p.upload_bytes)
     moves = format_bytes(lo) if lo == hi else f"{format_bytes(lo)} to {format_bytes(hi)} by chunk"
     whose = f" (this rank's shard of {p.world_size})" if p.world_size > 1 else ""
-    return (f"  chunks: {p.n_chunks} x {p.chunk_elems:,} elements ({format_bytes(p.chunk_elems * p.compute_bytes)}); "
-            f"an upload moves {moves}{whose}")
+    kinds = sorted(set(p.chunk_dtypes))
+    dtypes = "" if not kinds else " ".join(
+        [" stored"] + [f"{compute} (states {state}) x {p.chunk_dtypes.count((compute, state))}" if len(kinds) > 1
+                       else f"{compute}, states {state}" for compute, state in kinds]) + ";"
+    return (f"  chunks: {p.n_chunks} x {p.chunk_elems:,} elements ({format_bytes(p.chunk_elems * p.compute_bytes)});"
+            f"{dtypes} an upload moves {moves}{whose}")
+
+
+def _frozen_itemsize(p: Profile, c: int) -> int:
+    """Bytes per frozen element of chunk ``c`` (its compute copy's dtype)."""
+    return getattr(torch, p.chunk_dtypes[c][0]).itemsize if p.chunk_dtypes else p.compute_bytes
 
 
 def _states_line(p: Profile) -> str:
     """Trainable and frozen parameters and what their model states take (wherever they live)."""
-    frozen = sum(p.chunk_frozen) * p.compute_bytes
+    frozen = sum(n * _frozen_itemsize(p, c) for c, n in enumerate(p.chunk_frozen))
     total = sum(p.persist_bytes)
     return (f"  model states {format_bytes(total)}: {sum(p.chunk_trainable):,} trainable parameters "
             f"{format_bytes(total - frozen)} (compute copy, master, gradients, Adam states; chunk padding included), "
@@ -159,24 +177,42 @@ def _better(t: float, mem: int, plan: Plan, best) -> bool:
 
 def search(profile: Profile, budget: int, *, host_budget: int | None = None,
            schedule: UpdateSchedule = UpdateSchedule.DURING_BACKWARD, gradient_passes: int = 0,
-           n_persist: int | None = None) -> PlanChoice:
+           n_persist: int | frozenset[int] | None = None, sets: bool = True) -> PlanChoice:
     """The plan with the least predicted step time whose predicted peak is <= ``budget``
     bytes (and whose host memory is <= ``host_budget`` when given); ``schedule``,
-    ``gradient_passes``: see ``CostModel``; ``n_persist``: only plans that keep this many chunks on the device (the
-    activation part and the buffers are re-solved: a new batch shape between steps)."""
+    ``gradient_passes``: see ``CostModel``; ``n_persist``: only plans that keep these chunks on
+    the device (the first ``n_persist``, or the indices of a set; the activation part and the
+    buffers are re-solved: a new batch shape between steps); ``sets``: from the best plan whose
+    persistent chunks are the first n, move chunks in and out of the persistent set while that
+    is predicted faster (``_refine``; False: first-n plans only, what ``brute_force`` enumerates)."""
     start = time.perf_counter()
     cm = CostModel(profile, schedule=schedule, gradient_passes=gradient_passes)
-    N, L = cm.N, cm.L
+    if isinstance(n_persist, (set, frozenset)):
+        best, evaluated = _best_layout(cm, frozenset(n_persist), budget, host_budget)
+    else:
+        best, evaluated = _best_first_n(cm, budget, host_budget, n_persist)
+    if best is None:
+        raise _infeasible(cm, budget, host_budget)
+    if sets and n_persist is None:
+        best, more = _refine(cm, best, budget, host_budget)
+        evaluated += more
+    plan, more = _fewest_buffers(cm, best[2], best[0])
+    return _choice(cm, plan, budget, host_budget, evaluated + more, time.perf_counter() - start)
+
+
+def _best_first_n(cm: CostModel, budget: int, host_budget: int | None, n_persist: int | None):
+    """The best plan whose persistent chunks are the first n, as (time, memory, plan), or None
+    when none fits; and the number of plans evaluated. Exact (the module docstring)."""
+    profile, N = cm.profile, cm.N
     grid = cm.grid()  # every layout's activation peak, swapped bytes and phase prefix sums
-    buf = profile.buffer_bytes
-    limits = profile.limits
-    need = torch.tensor([limits.buffers_needed(q) for q in range(N + 1)])  # [Note: plan validity]
+    buf = torch.tensor(cm.buffer_suffix)  # one buffer's bytes when the first p chunks persist
+    need = torch.tensor([profile.limits.buffers_needed(q) for q in range(N + 1)])  # [Note: plan validity]
     # Memory (eq. 8-10) is separable: room for model states = budget - base - activations; for
     # each (layout, n_persist) the largest n_buffer that fits is one division.
     p = torch.arange(N + 1)
     persist = torch.tensor(cm.persist_prefix)
     avail = (budget - profile.base_bytes - grid.activation_peak)[:, None] - persist[None, :]
-    B = torch.where(p == N, 0, torch.minimum(N - p, avail.div(max(buf, 1), rounding_mode="floor")))
+    B = torch.where(p == N, 0, torch.minimum(N - p, avail.div(buf.clamp(min=1)[None, :], rounding_mode="floor")))
     ok = (avail >= 0) & ((p == N) | (B >= need))
     if n_persist is not None:
         ok &= (p == n_persist)[None, :]
@@ -184,32 +220,118 @@ def search(profile: Profile, budget: int, *, host_budget: int | None = None,
         suffix = torch.tensor(cm.host_suffix)
         ok &= suffix[None, :] + grid.swap_host_bytes[:, None] <= host_budget
     B = torch.where(ok, B, 0)
-    # Visit the candidates in increasing order of T_f + T_b + device Adam, a lower bound of the
-    # step time; the full model (the O(N) CPU-Adam chain of eq. 7) runs until the bound reaches
-    # the best time found. The bound comes from float64 tensors in a different summation order
-    # than the scalar model: a relative slack keeps rounding from cutting off a tie.
-    bound = grid.phases(B)
     rows, cols = ok.nonzero(as_tuple=True)
-    bounds, order = torch.sort(bound[rows, cols])
-    rows, cols, bounds = rows[order].tolist(), cols[order].tolist(), bounds.tolist()
+    bound = grid.phases(B)[rows, cols]
+    return _visit(cm, bound, rows, cols.tolist(), B[rows, cols])
+
+
+def _best_layout(cm: CostModel, persistent: frozenset[int], budget: int, host_budget: int | None):
+    """The best plan whose persistent chunks are ``persistent``, over every activation layout
+    with the most buffers that fit (``_best_first_n`` for one set, with the bound of
+    ``_Grid.phases_of_set``): (time, memory, plan) or None; and the plans evaluated."""
+    profile, N = cm.profile, cm.N
+    grid = cm.grid()
+    n = len(persistent)
+    avail = budget - profile.base_bytes - grid.activation_peak - cm.states_bytes(persistent, 0)
+    B = avail.div(max(cm.buffer_bytes(persistent), 1), rounding_mode="floor").clamp(max=N - n)
+    ok = (avail >= 0) & (B >= profile.limits.buffers_needed(persistent))
+    if host_budget is not None:
+        ok &= cm.streamed_host_bytes(persistent) + grid.swap_host_bytes <= host_budget
+    B = torch.where(ok, B, 0)
+    rows = ok.nonzero(as_tuple=True)[0]
+    return _visit(cm, grid.phases_of_set(persistent, B)[rows], rows, [persistent] * len(rows), B[rows])
+
+
+def _visit(cm: CostModel, bounds, rows, persistents: list, buffers):
+    """Run the full model on candidate plans (a layout row, persistent chunks, buffers) in
+    increasing order of ``bounds``, a lower bound of each one's step time (T_f + T_b + device
+    Adam), until the bound reaches the best time found: the best (time, memory, plan) or None,
+    and the plans evaluated. The bound comes from float64 tensors summed in another order than
+    the scalar model: a relative slack keeps rounding from cutting off a tie."""
+    bounds, order = torch.sort(bounds)
+    order = order.tolist()
+    rows, buffers = rows.tolist(), buffers.tolist()
     best = None  # (time, memory, plan)
     evaluated = 0
-    for lb, row, pp in zip(bounds, rows, cols):
+    for lb, i in zip(bounds.tolist(), order):
         if best is not None and lb >= best[0] * (1 + 1e-9):
             break
-        s, c = grid.pairs[row]
-        lay = cm.layout(interleaved_modes(L, s, c))
-        b = 0 if pp == N else min(N - pp, (budget - profile.base_bytes - lay.activation_peak - cm.persist_prefix[pp]) // buf)
+        s, c = cm.grid().pairs[rows[i]]
+        persistent, b = persistents[i], buffers[i]
+        lay = cm.layout(interleaved_modes(cm.L, s, c))
         evaluated += 1
-        t = cm.runtime_of(lay, pp, b).total_s
-        mem = cm.persist_prefix[pp] + b * buf + lay.activation_peak
-        plan = Plan(n_persist=pp, n_buffer=b, n_swap=s, n_checkpoint=c)
+        t = cm.runtime_of(lay, persistent, b).total_s
+        mem = cm.states_bytes(persistent, b) + lay.activation_peak
+        plan = _plan(persistent, b, s, c)
         if _better(t, mem, plan, best):
             best = (t, mem, plan)
-    if best is None:
-        raise _infeasible(cm, budget, host_budget)
-    plan, more = _fewest_buffers(cm, best[2], best[0])
-    return _choice(cm, plan, budget, host_budget, evaluated + more, time.perf_counter() - start)
+    return best, evaluated
+
+
+def _plan(persistent: int | frozenset[int], n_buffer: int, n_swap: int, n_checkpoint: int) -> Plan:
+    if isinstance(persistent, int):
+        return Plan(n_persist=persistent, n_buffer=n_buffer, n_swap=n_swap, n_checkpoint=n_checkpoint)
+    return Plan(n_persist=len(persistent), n_buffer=n_buffer, n_swap=n_swap, n_checkpoint=n_checkpoint,
+                persistent_chunks=tuple(sorted(persistent)))
+
+
+def _refine(cm: CostModel, best, budget: int, host_budget: int | None):
+    """Improve ``best`` = (time, memory, plan), the best first-n plan, by moving chunks in and
+    out of its persistent set, each set with its best activation layout and the most buffers
+    that fit (``_best_layout``); steepest descent until no move is predicted faster. Returns
+    the best (time, memory, plan) and the plans evaluated.
+
+    Where chunks differ (an embedding chunk, a LoRA chunk's frozen base beside a fully trainable
+    one, a short last chunk) the first n are not always the best n: a chunk whose persistence
+    saves the most time per device byte may come later. Chunks alike in format (``_groups``)
+    persist earliest first, as the first-n rule has them; so a move adds a group's next chunk,
+    drops its last persistent one, or does both for two groups: a handful of sets per round
+    whatever the chunk count. A local optimum over sets (``brute_force(sets=True)`` is the
+    global one, for small models), never slower than the plan it starts from."""
+    groups = _groups(cm)
+    evaluated = 0
+    for _ in range(2 * cm.N + 2):  # a bound, should near-ties ever cycle
+        current = best[2]
+        for persistent in _moves(groups, current.persistent()):
+            found, more = _best_layout(cm, persistent, budget, host_budget)
+            evaluated += more
+            if found is not None and _better(*found, best):
+                best = found
+        if best[2] is current:
+            break
+    return best, evaluated
+
+
+def _groups(cm: CostModel) -> list[list[int]]:
+    """Chunks grouped by what the cost model charges them apart from their place in the
+    schedule: trainable and frozen elements, the bytes of each copy and of each home, and
+    whether another chunk's segments fetch them; each fact in 1/32 steps of its largest value
+    (the moves are coarse, their evaluation is exact)."""
+    p = cm.profile
+    fetched = {e for extra in cm.base.extra for e in extra}
+    facts = [p.chunk_trainable, p.chunk_frozen, p.persist_bytes, p.host_bytes, p.upload_bytes, p.offload_bytes,
+             p.buffer_bytes]
+    scale = [max(max(f), 1) for f in facts]
+    groups: dict[tuple, list[int]] = {}
+    for c in range(cm.N):
+        key = (*(round(32 * f[c] / m) for f, m in zip(facts, scale)), c in fetched)
+        groups.setdefault(key, []).append(c)
+    return list(groups.values())
+
+
+def _moves(groups: list[list[int]], persistent: frozenset[int]):
+    """The persistent sets one move away (``_refine``)."""
+    adds = {i: next(c for c in g if c not in persistent) for i, g in enumerate(groups)
+            if any(c not in persistent for c in g)}
+    drops = {i: max(c for c in g if c in persistent) for i, g in enumerate(groups) if any(c in persistent for c in g)}
+    for a in adds.values():
+        yield persistent | {a}
+    for d in drops.values():
+        yield persistent - {d}
+    for i, d in drops.items():
+        for j, a in adds.items():
+            if i != j:
+                yield (persistent - {d}) | {a}
 
 
 def _fewest_buffers(cm: CostModel, plan: Plan, t: float) -> tuple[Plan, int]:
@@ -218,34 +340,38 @@ def _fewest_buffers(cm: CostModel, plan: Plan, t: float) -> tuple[Plan, int]:
     and the number of plans evaluated."""
     if plan.n_buffer <= 1:
         return plan, 0
-    lay = cm.layout(interleaved_modes(cm.L, plan.n_swap, plan.n_checkpoint))
-    lo, hi = cm.profile.limits.buffers_needed(plan.n_persist), plan.n_buffer
+    lay = cm.layout(cm.modes(plan))
+    persistent = plan.persistent()
+    lo, hi = cm.profile.limits.buffers_needed(persistent), plan.n_buffer
     evaluated = 0
     while lo < hi:
         mid = (lo + hi) // 2
         evaluated += 1
-        if cm.runtime_of(lay, plan.n_persist, mid).total_s <= t * (1 + 1e-12):
+        if cm.runtime_of(lay, persistent, mid).total_s <= t * (1 + 1e-12):
             hi = mid
         else:
             lo = mid + 1
-    return Plan(n_persist=plan.n_persist, n_buffer=hi, n_swap=plan.n_swap, n_checkpoint=plan.n_checkpoint), evaluated
+    return dataclasses.replace(plan, n_buffer=hi), evaluated
 
 
 def brute_force(profile: Profile, budget: int, *, host_budget: int | None = None,
                 schedule: UpdateSchedule = UpdateSchedule.DURING_BACKWARD, gradient_passes: int = 0,
-                n_persist: int | None = None) -> PlanChoice:
-    """Every plan, no shortcuts (for checking ``search`` on small models)."""
+                n_persist: int | None = None, sets: bool = False) -> PlanChoice:
+    """Every plan, no shortcuts (for checking ``search`` on small models): every persistent set
+    with ``sets`` (2^N of them), else the first n chunks for each n."""
     start = time.perf_counter()
     cm = CostModel(profile, schedule=schedule, gradient_passes=gradient_passes)
     N, L = cm.N, cm.L
     limits = profile.limits
     best = None
     evaluated = 0
-    for s in range(L + 1):
-        for c in range(L + 1 - s):
-            for p in range(N + 1) if n_persist is None else (n_persist,):
-                for b in range(limits.buffers_needed(p), N - p + 1):
-                    plan = Plan(n_persist=p, n_buffer=b, n_swap=s, n_checkpoint=c)
+    for persistent in _persistent_sets(N, n_persist, sets):
+        n = len(persistent)
+        for s in range(L + 1):
+            for c in range(L + 1 - s):
+                for b in range(limits.buffers_needed(persistent), N - n + 1):
+                    plan = Plan(n_persist=n, n_buffer=b, n_swap=s, n_checkpoint=c,
+                                persistent_chunks=tuple(sorted(persistent)))
                     mem = cm.memory(plan)
                     if mem.peak_bytes > budget:
                         continue
@@ -259,6 +385,14 @@ def brute_force(profile: Profile, budget: int, *, host_budget: int | None = None
     if best is None:
         raise _infeasible(cm, budget, host_budget)
     return _choice(cm, best[2], budget, host_budget, evaluated, time.perf_counter() - start)
+
+
+def _persistent_sets(N: int, n_persist: int | None, sets: bool):
+    if not sets:
+        yield from (frozenset(range(p)) for p in (range(N + 1) if n_persist is None else (n_persist,)))
+        return
+    for n in range(N + 1) if n_persist is None else (n_persist,):
+        yield from (frozenset(q) for q in itertools.combinations(range(N), n))
 
 
 def _infeasible(cm: CostModel, budget: int, host_budget: int | None) -> InfeasibleBudget:

@@ -117,13 +117,18 @@ def static_facts(layout: ChunkLayout, model: nn.Module, optimizer: torch.optim.O
         persist_bytes=tuple(fmt.persistent_device_bytes for fmt in formats),
         host_bytes=tuple(fmt.streamed_host_bytes for fmt in formats),
         offload_bytes=tuple(fmt.offload_bytes for fmt in formats),
-        buffer_bytes=max(fmt.buffer_device_bytes for fmt in formats),
+        buffer_bytes=tuple(fmt.buffer_device_bytes for fmt in formats),
         upload_bytes=tuple(fmt.upload_bytes for fmt in formats),
         resident_sets=layout.resident_sets,
         world_size=world_size,
         gather_bytes=tuple(fmt.gather_bytes for fmt in formats),
         reduce_bytes=tuple(fmt.reduce_bytes for fmt in formats),
+        chunk_dtypes=tuple((_dtype_name(fmt.compute_dtype), _dtype_name(fmt.master_dtype)) for fmt in formats),
     )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def tensor_shapes(tensors) -> list[tuple[tuple[int, ...], str]]:

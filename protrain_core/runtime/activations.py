@@ -12,78 +12,8 @@ backward comes last, so their copies back have the most time to hide), the ``n_c
 checkpointed blocks are spread evenly over the remaining positions, and the last block keeps
 its activations (its backward comes first, right after the forward). See ``plan.interleaved_modes``.
 
-[Note: block forwards]
-Kept and swapped blocks are managed with public hooks: a forward pre-hook (``with_kwargs``)
-enters the block's ``saved_tensors_hooks`` (counting or swapping what autograd saves) and, for
-a swapped block, drops the key/value cache arguments; the forward hook (``always_call``) leaves
-it and registers the prefetch hooks on the outputs. A checkpointed block needs its forward to
-run *inside* ``torch.utils.checkpoint.checkpoint``, and no public hook can do that (the
-composable ``checkpoint`` API lives in a private module). A wrapper module, as
-``checkpoint_wrapper`` makes, keeps state-dict keys (its hooks strip the wrapper's prefix), but
-it changes what else names the block: ``named_parameters()`` and ``named_modules()`` of the
-root gain the wrapper's prefix (names the chunk layout, the optimizer's parameter names, PEFT
-and the user's code read), and every re-plan that checkpoints another block would swap modules
-in their parents under code that holds references to them. So the manager gives a checkpointed
-block an *instance* ``forward`` attribute that calls the original inside ``checkpoint`` (the
-class, the module tree and every name stay as they are; ``remove()`` restores it). Module hooks stay
-outside: the chunk runtime's forward pre-hook makes the block's chunks resident before the
-wrapper runs, and checkpoint recomputation calls the original ``forward`` directly, so the
-hooks do not run again during backward. What makes the chunks resident for the recomputation
-is the runtime's pre-backward hook on the block's outputs: it fires when the gradient of an
-output is complete, before any backward node of the block -- and so before the recomputation,
-which the first of those nodes triggers (see [Note: parameter access] in chunk.py); the
-manager marks the recomputation as ``TrainingPhase.RECOMPUTE``.
-Buffers a checkpointed block updates in forward (BatchNorm's running statistics and
-``num_batches_tracked``) would be updated again by the recomputation. The first run keeps a copy
-of the block's buffers from before its forward when the forward changed any of them (their
-version counters moved; the copy is dropped otherwise); the recomputation runs on fresh copies
-of those values (it reads what the forward read), put in the buffers' places for its duration,
-and the buffers themselves are put back untouched afterwards (``_BufferState``): the buffers end
-as one forward left them, as without checkpointing, and recomputed activations equal the
-forward's.
-Checkpointed calls get a zero-size device tensor as their first positional argument: non-
-reentrant checkpoint saves and restores the device RNG state (dropout) only for devices it sees
-among positional arguments, and a block may be called with keyword arguments only.
-Caches: a block that writes a key/value cache (Hugging Face ``past_key_values``) would write
-it twice under recomputation, and a swapped block's cache would pin its activations on the
-device. With gradients enabled, checkpointed and swapped blocks therefore run with the cache
-arguments set to None and ``use_cache=False`` -- what Hugging Face does with its own gradient
-checkpointing -- and a warning says so once. Without gradients (evaluation, generation) every
-block runs its plain forward, cache included.
-
-[Note: swapping]
-Saved tensors are swapped per *storage*: the pack hook copies the whole storage of a saved
-tensor to a host buffer once and returns a small record; views of that storage saved later
-(``q``, ``k``, ``v`` split from one projection, a transpose, a tensor saved by two blocks) reuse
-the record and are rebuilt as views of the same restored storage, so nothing is copied twice.
-Tensors that alias parameters or buffers (``weight.t()`` in ``linear``), tensors of other
-devices and storages below ``MIN_SWAP_BYTES`` are returned unchanged: they stay attached to the
-parameter (or buffer) whose storage they view. So are the block's inputs that do not require
-gradients (attention masks, LLaMA's rotary cos/sin): they are made once per forward pass and
-passed to every block, so copying them would free nothing; they are not counted in any
-block's activation bytes either.
-On CUDA the copies run on the device context's swap stream, which first waits for the compute
-stream (the tensor was just produced there). The compute stream does not wait for them, except
-that a block's forward begins only after the copies out of the block before the previous one
-are done (``_throttle``): where the link is slower than compute, swapped activations would
-otherwise pile up on the device beyond what the memory model counts (eq. 9: the previous
-block's copy may still run). The device storage is marked with
-``record_stream(swap_stream)``: when autograd drops it, the caching allocator hands its memory
-to another tensor only after the copy has completed -- no host thread waits for it. Copies
-back are allocated on the compute stream, run on the swap stream and are waited for by the
-compute stream (an event) at unpack; they are marked the same way, for a prefetched tensor that
-is freed without being read. A host buffer returns to the manager's pool when its record dies;
-its next use is a copy issued on the same swap stream, so it cannot overtake the copy back
-that reads it. Prefetch: when the backward of block ``i`` begins (a hook on the outputs of that
-forward call), the copies back of that call and of the previous block's call in the same
-forward pass are issued, one block ahead, so one swapped block's activations are on the
-device beside those of the block running backward. Records belong to the call that made them,
-so with several forward passes before a backward each backward brings back only its own.
-On the CPU the copies are synchronous and the "device" and "host" buffers are separate
-tensors in the same memory.
-Autograd does not check the version counter of saved tensors that go through hooks; the
-records keep a weak reference to the original tensor and raise autograd's error at unpack if it
-was modified in place (when it is still alive to tell).
+The notes on how blocks are run are next to the code they explain: [Note: block forwards]
+(above the manager's block hooks) and [Note: swapping] (above its saved-tensor hooks).
 """
 
 from __future__ import annotations
@@ -227,6 +157,45 @@ class ActivationManager:
         self.ctx.synchronize_device()  # no copy may still read a host buffer
         self.host.close()
 
+    # [Note: block forwards]
+    # Kept and swapped blocks are managed with public hooks: a forward pre-hook (``with_kwargs``)
+    # enters the block's ``saved_tensors_hooks`` (counting or swapping what autograd saves) and, for
+    # a swapped block, drops the key/value cache arguments; the forward hook (``always_call``) leaves
+    # it and registers the prefetch hooks on the outputs. A checkpointed block needs its forward to
+    # run *inside* ``torch.utils.checkpoint.checkpoint``, and no public hook can do that (the
+    # composable ``checkpoint`` API lives in a private module). A wrapper module, as
+    # ``checkpoint_wrapper`` makes, keeps state-dict keys (its hooks strip the wrapper's prefix), but
+    # it changes what else names the block: ``named_parameters()`` and ``named_modules()`` of the
+    # root gain the wrapper's prefix (names the chunk layout, the optimizer's parameter names, PEFT
+    # and the user's code read), and every re-plan that checkpoints another block would swap modules
+    # in their parents under code that holds references to them. So the manager gives a checkpointed
+    # block an *instance* ``forward`` attribute that calls the original inside ``checkpoint`` (the
+    # class, the module tree and every name stay as they are; ``remove()`` restores it). Module hooks stay
+    # outside: the chunk runtime's forward pre-hook makes the block's chunks resident before the
+    # wrapper runs, and checkpoint recomputation calls the original ``forward`` directly, so the
+    # hooks do not run again during backward. What makes the chunks resident for the recomputation
+    # is the runtime's pre-backward hook on the block's outputs: it fires when the gradient of an
+    # output is complete, before any backward node of the block -- and so before the recomputation,
+    # which the first of those nodes triggers (see [Note: parameter access] in chunk.py); the
+    # manager marks the recomputation as ``TrainingPhase.RECOMPUTE``.
+    # Buffers a checkpointed block updates in forward (BatchNorm's running statistics and
+    # ``num_batches_tracked``) would be updated again by the recomputation. The first run keeps a copy
+    # of the block's buffers from before its forward when the forward changed any of them (their
+    # version counters moved; the copy is dropped otherwise); the recomputation runs on fresh copies
+    # of those values (it reads what the forward read), put in the buffers' places for its duration,
+    # and the buffers themselves are put back untouched afterwards (``_BufferState``): the buffers end
+    # as one forward left them, as without checkpointing, and recomputed activations equal the
+    # forward's.
+    # Checkpointed calls get a zero-size device tensor as their first positional argument: non-
+    # reentrant checkpoint saves and restores the device RNG state (dropout) only for devices it sees
+    # among positional arguments, and a block may be called with keyword arguments only.
+    # Caches: a block that writes a key/value cache (Hugging Face ``past_key_values``) would write
+    # it twice under recomputation, and a swapped block's cache would pin its activations on the
+    # device. With gradients enabled, checkpointed and swapped blocks therefore run with the cache
+    # arguments set to None and ``use_cache=False`` -- what Hugging Face does with its own gradient
+    # checkpointing -- and a warning says so once. Without gradients (evaluation, generation) every
+    # block runs its plain forward, cache included.
+
     # ----- kept and swapped blocks: hooks ----------------------------------------------------
     def _pre_forward(self, i: int, signature: inspect.Signature):
         mode = self.modes[i]
@@ -367,6 +336,40 @@ class ActivationManager:
                 stacklevel=4,
             )
         return bound.args, bound.kwargs
+
+    # [Note: swapping]
+    # Saved tensors are swapped per *storage*: the pack hook copies the whole storage of a saved
+    # tensor to a host buffer once and returns a small record; views of that storage saved later
+    # (``q``, ``k``, ``v`` split from one projection, a transpose, a tensor saved by two blocks) reuse
+    # the record and are rebuilt as views of the same restored storage, so nothing is copied twice.
+    # Tensors that alias parameters or buffers (``weight.t()`` in ``linear``), tensors of other
+    # devices and storages below ``MIN_SWAP_BYTES`` are returned unchanged: they stay attached to the
+    # parameter (or buffer) whose storage they view. So are the block's inputs that do not require
+    # gradients (attention masks, LLaMA's rotary cos/sin): they are made once per forward pass and
+    # passed to every block, so copying them would free nothing; they are not counted in any
+    # block's activation bytes either.
+    # On CUDA the copies run on the device context's swap stream, which first waits for the compute
+    # stream (the tensor was just produced there). The compute stream does not wait for them, except
+    # that a block's forward begins only after the copies out of the block before the previous one
+    # are done (``_throttle``): where the link is slower than compute, swapped activations would
+    # otherwise pile up on the device beyond what the memory model counts (eq. 9: the previous
+    # block's copy may still run). The device storage is marked with
+    # ``record_stream(swap_stream)``: when autograd drops it, the caching allocator hands its memory
+    # to another tensor only after the copy has completed -- no host thread waits for it. Copies
+    # back are allocated on the compute stream, run on the swap stream and are waited for by the
+    # compute stream (an event) at unpack; they are marked the same way, for a prefetched tensor that
+    # is freed without being read. A host buffer returns to the manager's pool when its record dies;
+    # its next use is a copy issued on the same swap stream, so it cannot overtake the copy back
+    # that reads it. Prefetch: when the backward of block ``i`` begins (a hook on the outputs of that
+    # forward call), the copies back of that call and of the previous block's call in the same
+    # forward pass are issued, one block ahead, so one swapped block's activations are on the
+    # device beside those of the block running backward. Records belong to the call that made them,
+    # so with several forward passes before a backward each backward brings back only its own.
+    # On the CPU the copies are synchronous and the "device" and "host" buffers are separate
+    # tensors in the same memory.
+    # Autograd does not check the version counter of saved tensors that go through hooks; the
+    # records keep a weak reference to the original tensor and raise autograd's error at unpack if it
+    # was modified in place (when it is still alive to tell).
 
     # ----- saved-tensor hooks -------------------------------------------------------------
     def _storage_key(self, t: Tensor) -> StorageWeakRef | None:

@@ -70,8 +70,10 @@ triggered. The runtime guarantees the fetch: a pre-backward hook on each unit's 
 the unit's chunks resident before any of its backward nodes runs (runtime/hooks.py). That
 includes the recomputation of a checkpointed block, which its first backward node triggers;
 it calls the block's original ``forward`` and does not re-run the forward hooks (see [Note:
-block forwards] in activations.py). The chunks are equal-size, so the device caching allocator
-recycles the same ``n_buffer`` blocks: those are the chunk buffers.
+block forwards] in activations.py). At most ``n_buffer`` streamed chunks hold a device copy at
+a time, and the caching allocator recycles the memory of the released ones: those are the chunk
+buffers, charged each at the largest streamed chunk's size (chunks differ: a chunk stores only
+its members' spans; ``CostModel.buffer_bytes`` in planner/cost.py).
 """
 
 from __future__ import annotations
