@@ -18,9 +18,13 @@ The mixed modes are bitwise with 2 processes too; with 3 see LOW_WEIGHT_ATOL.
 from __future__ import annotations
 
 import copy
+import signal
+import socket
+import time
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -520,6 +524,11 @@ def _collective_schedule(rank, world):
 
     events = []
     all_reduce, broadcast, wait, on_grad = S.dist.all_reduce, S.dist.broadcast, D.HostEvent.wait, Scheduler.on_grad
+    wait_work = S.wait_work
+
+    def recording_wait_work(work):  # a host collective waited for as soon as it is issued
+        events.append(("block", None))
+        return wait_work(work)
 
     def recording_all_reduce(t, *args, async_op=False, **kw):
         events.append(("issue", async_op))
@@ -537,7 +546,7 @@ def _collective_schedule(rank, world):
         events.append(("hook", None))
         return on_grad(self, *args)
 
-    S.dist.all_reduce, S.dist.broadcast = recording_all_reduce, recording_broadcast
+    S.dist.all_reduce, S.dist.broadcast, S.wait_work = recording_all_reduce, recording_broadcast, recording_wait_work
     D.HostEvent.wait, Scheduler.on_grad = recording_wait, recording_on_grad
     try:
         model = tiny_llama(seed=0)
@@ -554,6 +563,7 @@ def _collective_schedule(rank, world):
         engine.close()
     finally:
         S.dist.all_reduce, S.dist.broadcast, D.HostEvent.wait, Scheduler.on_grad = all_reduce, broadcast, wait, on_grad
+        S.wait_work = wait_work
     return events, chunks
 
 
@@ -568,7 +578,9 @@ def test_cpu_collectives_run_beside_backward_and_are_waited_where_their_results_
         step = events[events.index(("step", None)) + 1:events.index(("done", None))]
         hooks = [k for k, e in enumerate(backward) if e[0] == "hook"]
         issues = [k for k, e in enumerate(backward) if e[0] == "issue"]
-        assert backward[issues[0]] == ("issue", False) and issues[0] < hooks[0], backward  # the usage check
+        # The usage check: one host collective, waited for at once (by polling: ctrl-C still ends it)
+        assert backward[issues[0]:issues[0] + 2] == [("issue", True), ("block", None)] and issues[0] < hooks[0], backward
+        assert sum(e[0] == "block" for e in backward) == 1, backward  # no other blocking collective in backward
         issues = issues[1:]
         assert all(backward[k][1] for k in issues) and len(issues) == chunks, backward  # one per chunk, none blocking
         assert min(issues) < hooks[-1], backward  # the first ones while gradients still come
@@ -589,12 +601,13 @@ def test_a_host_event_finishes_its_collectives_then_its_continuations_once_in_or
 
     log = []
 
-    class Work:
+    class Work:  # a collective that runs in the background: done from the second look on
         def __init__(self, name):
             self.name, self.completed = name, False
 
         def is_completed(self):
-            return self.completed
+            done, self.completed = self.completed, True
+            return done
 
         def wait(self):
             log.append(f"wait {self.name}")
@@ -872,3 +885,33 @@ def test_a_failure_on_one_rank_ends_every_process_with_the_users_error(case, pri
     for text in printed:
         assert text in output, (text, output[-4000:])
     assert "collective mismatch" not in output, output[-4000:]
+
+
+@pytest.mark.parametrize("kind", ["event", "check"])
+def test_ctrl_c_ends_a_rank_waiting_on_a_collective_that_cannot_end(kind, tmp_path):
+    """Rank 0 waits on a collective rank 1 never issues (what ctrl-C can leave behind: the signal
+    lands while the ranks wait on collectives that will not complete). SIGINT must reach Python
+    and end rank 0 with KeyboardInterrupt. Before, ``work.wait()`` and the blocking host
+    collectives held the thread in C: the interrupt never ran and the run hung until gloo's
+    30-minute timeout (seen in tests/scripts/failing_run.py's ``interrupt`` case)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    script = Path(__file__).parent / "scripts" / "pending_collective.py"
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, str(tmp_path), kind]) for r in (0, 1)]
+    try:
+        deadline = time.time() + 60
+        while not (tmp_path / "waiting").exists() and time.time() < deadline and procs[0].poll() is None:
+            time.sleep(0.05)
+        assert (tmp_path / "waiting").exists(), "rank 0 never reached the collective"
+        time.sleep(0.5)  # rank 0 is now inside the wait
+        procs[0].send_signal(signal.SIGINT)
+        try:
+            code = procs[0].wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            code = None
+        assert code == 3 and (tmp_path / "interrupted").exists(), f"rank 0 did not end on SIGINT (exit {code})"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -52,7 +52,9 @@ Waits on the CPU worker (no device involved):
 Host collectives between ranks (sharded; gloo, no device): one before each backward, on which
 parameters the losses reach (``Scheduler.check_usage``: [Note: sharded chunks]); the longest
 batch of the ranks before each micro-batch when plans follow batch lengths
-(``Sharding.max_on_host``); the budgets at ``wrap``. Not the runtime's: the model's own reads
+(``Sharding.max_on_host``); the budgets at ``wrap``. A wait for a collective on CPU tensors
+polls it (``wait_work``) instead of blocking in C, so that ctrl-C still ends every rank. Not the
+runtime's: the model's own reads
 (Hugging Face's attention-mask code reads a device value in every forward) and the user's
 (``loss.item()``). The norms taken on the host move to the device from pinned memory, without
 a wait. During backward the thread that drives the device waits only where
@@ -120,13 +122,28 @@ class HostEvent:
             if self.after is not None:
                 self.after.wait()
             for work in self.works:
-                work.wait()
+                wait_work(work)
             for then in self.continuations:
                 then()
             self._done = True
             if self.span is not None:
                 timeline, lane, label, begin = self.span
                 timeline.add(lane, label, begin, timeline.stamp())
+
+
+def wait_work(work) -> None:
+    """Wait for a collective issued with ``async_op=True`` on CPU tensors (gloo) so that a signal
+    still reaches Python. ``work.wait()`` holds the calling thread in C until the collective
+    ends; when ctrl-C (SIGINT to every process) lands while the ranks wait on collectives that
+    cannot end (the signal broke one off, or a rank stopped before issuing its part), no rank
+    would ever run its KeyboardInterrupt and the run hangs until gloo's timeout (30 minutes).
+    Polling ``is_completed`` with sleeps (10 us, doubling to 0.5 ms) lets the interrupt end every
+    process within seconds; the final ``wait()`` raises the collective's own error, if any."""
+    delay = 1e-5
+    while not work.is_completed():
+        time.sleep(delay)
+        delay = min(2 * delay, 5e-4)
+    work.wait()
 
 
 _deferring = threading.local()

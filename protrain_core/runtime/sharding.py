@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from protrain_core.runtime.device import deferring
+from protrain_core.runtime.device import deferring, wait_work
 
 # torch >= 2.12 renamed the tensor collectives; the older names still work (with a warning).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -143,13 +143,13 @@ class Sharding:
         _issue(_reduce_scatter, out, full, op=dist.ReduceOp.SUM, group=self.group)
 
     def all_reduce_(self, t: Tensor, op=dist.ReduceOp.SUM) -> Tensor:
-        dist.all_reduce(t, op=op, group=self.group)
+        _blocking(dist.all_reduce, t, op=op, group=self.group)
         return t
 
     def max_on_host(self, values: list[float]) -> list[float]:
         """The largest of each value over the ranks (host numbers: the slowest rank's timings)."""
         t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.checks or self.group)
+        _blocking(dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.checks or self.group)
         return t.tolist()
 
     def differences(self, used: list[bool], order: int) -> tuple[list[int], bool]:
@@ -159,7 +159,7 @@ class Sharding:
         order) differs. The ranks' collectives must come in the same order ([Note: sharded
         chunks]); a parameter that gets a gradient on some ranks and not others breaks that."""
         t = torch.tensor([order, -order, *used, *(-int(u) for u in used)], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.checks or self.group)
+        _blocking(dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.checks or self.group)
         n = len(used)
         differ = (t[2:2 + n] != -t[2 + n:]).nonzero().flatten().tolist()
         return differ, int(t[0]) != -int(t[1])
@@ -172,7 +172,7 @@ class Sharding:
 
     def broadcast_(self, t: Tensor, src: int = 0) -> None:
         """Rank ``src``'s ``t`` on every rank, in place."""
-        dist.broadcast(t, src=dist.get_global_rank(self.group, src), group=self.group)
+        _blocking(dist.broadcast, t, src=dist.get_global_rank(self.group, src), group=self.group)
 
     def broadcast_object(self, obj, src: int = 0):
         """Rank ``src``'s ``obj`` on every rank."""
@@ -181,7 +181,20 @@ class Sharding:
         return box[0]
 
     def barrier(self) -> None:
+        if "gloo" in self.backend:
+            wait_work(dist.barrier(group=self.group, async_op=True))
+            return
         dist.barrier(group=self.group)
+
+
+def _blocking(collective, t: Tensor, **kwargs) -> None:
+    """``collective`` on ``t`` run to its end: on CPU tensors (gloo) waited for with
+    ``wait_work``, so that ctrl-C still ends the process; on a device, as torch issues it
+    (NCCL orders it on the stream, and the host waits only where it reads the result)."""
+    if t.device.type != "cpu":
+        collective(t, **kwargs)
+        return
+    wait_work(collective(t, async_op=True, **kwargs))
 
 
 def _issue(collective, *args, then=None, **kwargs) -> None:
@@ -219,7 +232,7 @@ def agree_budgets(sharding: Sharding | None, device_budget: int, host_budget: in
     per_node = hosts.count(hosts[sharding.rank])
     # Every rank has the same kind of device, so the host budget is None on all of them or none.
     t = torch.tensor([device_budget, 0 if host_budget is None else host_budget // per_node], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=sharding.checks or sharding.group)
+    _blocking(dist.all_reduce, t, op=dist.ReduceOp.MIN, group=sharding.checks or sharding.group)
     return int(t[0]), None if host_budget is None else int(t[1])
 
 

@@ -1,0 +1,40 @@
+"""Rank 0 waits on a collective that rank 1 never issues; for tests/test_distributed.py: ``RANK PORT OUT KIND``.
+
+KIND: ``event`` (a chunk's collectives, waited for through ``HostEvent``) or ``check`` (a
+blocking host collective of ``Sharding``). Rank 0 writes OUT/waiting, then waits; the test sends
+it SIGINT and expects it to end with KeyboardInterrupt. Rank 1 stays alive (sleeping) until
+killed, so that the collective can never complete.
+"""
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from protrain_core.runtime.device import HostEvent
+from protrain_core.runtime.sharding import Sharding
+
+
+def main(rank: int, port: str, out: str, kind: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    if rank == 1:
+        time.sleep(600)
+        return
+    sharding = Sharding.resolve()
+    open(os.path.join(out, "waiting"), "w").close()
+    try:
+        if kind == "event":
+            event = HostEvent()
+            event.add(dist.all_reduce(torch.ones(4), async_op=True))
+            event.wait()
+        else:
+            sharding.max_on_host([1.0])
+    except KeyboardInterrupt:
+        open(os.path.join(out, "interrupted"), "w").close()
+        os._exit(3)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])
