@@ -496,10 +496,22 @@ def test_each_backend_reduces_and_gathers_with_its_fastest_collective(monkeypatc
     from protrain_core.runtime import sharding as S
 
     calls = []
-    monkeypatch.setattr(S, "_reduce_scatter", lambda out, full, op, group: calls.append(("reduce_scatter", op, full.clone())))
-    monkeypatch.setattr(S, "_all_gather", lambda full, piece, group: calls.append(("all_gather", None, full.clone())))
-    monkeypatch.setattr(S.dist, "all_reduce", lambda t, op, group: calls.append(("all_reduce", op, t.clone())))
-    monkeypatch.setattr(S.dist, "broadcast", lambda t, src, group: calls.append(("broadcast", src, t.clone())))
+
+    class Done:  # a collective's Work, already complete
+        def is_completed(self):
+            return True
+
+        def wait(self):
+            pass
+
+    def record(*entry):
+        calls.append(entry)
+        return Done()
+
+    monkeypatch.setattr(S, "_reduce_scatter", lambda out, full, op, group, async_op=False: record("reduce_scatter", op, full.clone()))
+    monkeypatch.setattr(S, "_all_gather", lambda full, piece, group, async_op=False: record("all_gather", None, full.clone()))
+    monkeypatch.setattr(S.dist, "all_reduce", lambda t, op, group, async_op=False: record("all_reduce", op, t.clone()))
+    monkeypatch.setattr(S.dist, "broadcast", lambda t, src, group, async_op=False: record("broadcast", src, t.clone()))
     monkeypatch.setattr(S.dist, "get_global_rank", lambda group, rank: rank + 10)
     monkeypatch.setattr(S.dist, "get_backend", lambda group: backend)
     sharding = S.Sharding(group=None, rank=1, world=2)
@@ -887,7 +899,7 @@ def test_a_failure_on_one_rank_ends_every_process_with_the_users_error(case, pri
     assert "collective mismatch" not in output, output[-4000:]
 
 
-@pytest.mark.parametrize("kind", ["event", "check"])
+@pytest.mark.parametrize("kind", ["event", "issue", "check"])
 def test_ctrl_c_ends_a_rank_waiting_on_a_collective_that_cannot_end(kind, tmp_path):
     """Rank 0 waits on a collective rank 1 never issues (what ctrl-C can leave behind: the signal
     lands while the ranks wait on collectives that will not complete). SIGINT must reach Python

@@ -370,8 +370,7 @@ def brute_force(profile: Profile, budget: int, *, host_budget: int | None = None
         for s in range(L + 1):
             for c in range(L + 1 - s):
                 for b in range(limits.buffers_needed(persistent), N - n + 1):
-                    plan = Plan(n_persist=n, n_buffer=b, n_swap=s, n_checkpoint=c,
-                                persistent_chunks=tuple(sorted(persistent)))
+                    plan = _plan(persistent, b, s, c)
                     mem = cm.memory(plan)
                     if mem.peak_bytes > budget:
                         continue
@@ -388,11 +387,8 @@ def brute_force(profile: Profile, budget: int, *, host_budget: int | None = None
 
 
 def _persistent_sets(N: int, n_persist: int | None, sets: bool):
-    if not sets:
-        yield from (frozenset(range(p)) for p in (range(N + 1) if n_persist is None else (n_persist,)))
-        return
     for n in range(N + 1) if n_persist is None else (n_persist,):
-        yield from (frozenset(q) for q in itertools.combinations(range(N), n))
+        yield from (frozenset(q) for q in itertools.combinations(range(N), n)) if sets else (frozenset(range(n)),)
 
 
 def _infeasible(cm: CostModel, budget: int, host_budget: int | None) -> InfeasibleBudget:

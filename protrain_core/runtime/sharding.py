@@ -187,14 +187,14 @@ class Sharding:
         dist.barrier(group=self.group)
 
 
-def _blocking(collective, t: Tensor, **kwargs) -> None:
-    """``collective`` on ``t`` run to its end: on CPU tensors (gloo) waited for with
-    ``wait_work``, so that ctrl-C still ends the process; on a device, as torch issues it
+def _blocking(collective, t: Tensor, *args, **kwargs) -> None:
+    """``collective`` on ``t`` (and ``args``) run to its end: on CPU tensors (gloo) waited for
+    with ``wait_work``, so that ctrl-C still ends the process; on a device, as torch issues it
     (NCCL orders it on the stream, and the host waits only where it reads the result)."""
     if t.device.type != "cpu":
-        collective(t, **kwargs)
+        collective(t, *args, **kwargs)
         return
-    wait_work(collective(t, async_op=True, **kwargs))
+    wait_work(collective(t, *args, async_op=True, **kwargs))
 
 
 def _issue(collective, *args, then=None, **kwargs) -> None:
@@ -204,7 +204,7 @@ def _issue(collective, *args, then=None, **kwargs) -> None:
     order: from the thread that drives the step)."""
     event = deferring()
     if event is None:
-        collective(*args, **kwargs)
+        _blocking(collective, *args, **kwargs)
         if then is not None:
             then()
         return

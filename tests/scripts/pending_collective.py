@@ -1,7 +1,8 @@
 """Rank 0 waits on a collective that rank 1 never issues; for tests/test_distributed.py: ``RANK PORT OUT KIND``.
 
-KIND: ``event`` (a chunk's collectives, waited for through ``HostEvent``) or ``check`` (a
-blocking host collective of ``Sharding``). Rank 0 writes OUT/waiting, then waits; the test sends
+KIND: ``event`` (a chunk's collectives, waited for through ``HostEvent``), ``issue`` (a chunk
+collective run at once, outside a step: state dicts, checkpoints) or ``check`` (a blocking host
+collective of ``Sharding``). Rank 0 writes OUT/waiting, then waits; the test sends
 it SIGINT and expects it to end with KeyboardInterrupt. Rank 1 stays alive (sleeping) until
 killed, so that the collective can never complete.
 """
@@ -29,6 +30,8 @@ def main(rank: int, port: str, out: str, kind: str) -> None:
             event = HostEvent()
             event.add(dist.all_reduce(torch.ones(4), async_op=True))
             event.wait()
+        elif kind == "issue":
+            sharding.reduce_scatter_mean(torch.empty(2), torch.ones(4))  # a chunk collective outside a step
         else:
             sharding.max_on_host([1.0])
     except KeyboardInterrupt:
