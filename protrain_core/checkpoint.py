@@ -17,8 +17,8 @@ what they are and where they start:
 
 The pieces tile every parameter whatever the number of processes that wrote them, so loading
 needs only the directory's metadata: a rank reads, one chunk at a time, every piece of that
-chunk's parameters, and keeps what its own shards hold (``Chunk.set_member``,
-``Chunk.own_piece``) -- at most one chunk beyond its own states at a time.
+chunk's parameters, and keeps what its own shards hold (``ChunkValues.set_member``,
+``ChunkValues.own_piece``) -- at most one chunk beyond its own states at a time.
 
 Writing and replacing the directory: [Note: replacing a checkpoint directory], above ``_write``.
 """
@@ -44,28 +44,6 @@ from protrain_core.runtime.optim import SLOT_ATTRS, indexed_params
 from protrain_core.utils import alive, remove_stale_temporaries, temporary_prefix
 
 
-def _pieces(chunk, i: int, flat: Tensor | None) -> tuple[int, Tensor] | None:
-    """(offset, this rank's piece) of member ``i`` of ``chunk`` in ``flat`` (a shard tensor of the
-    trainable span), or of its values when ``flat`` is None."""
-    storage, m = chunk.storage, chunk.members[i]
-    if m.trainable and (flat is not None or storage.master is not None):
-        part = chunk.member_piece(i)
-        if part is None:
-            return None
-        return part[0], chunk.state_view(storage.master if flat is None else flat, i).reshape(-1)
-    if flat is not None:
-        return None
-    # A frozen member: the piece of the frozen span this rank owns (of the whole device copy of
-    # a persistent chunk, where it is replicated, or of the host shard of a streamed one).
-    part = storage.shards.host_piece(m)
-    if part is None:
-        return None
-    off, at, n = part
-    if chunk.persistent:
-        return off, chunk.view(storage.device_copy, i).reshape(-1)[off:off + n]
-    return off, storage.host_copy[at:at + n]
-
-
 META = "meta.pt"
 
 
@@ -79,7 +57,7 @@ def save_sharded(engine, path, meta: dict | None = None) -> None:
     state: dict[str, object] = {}
     for chunk in engine.chunks:
         for i, p in enumerate(chunk.params):
-            got = _pieces(chunk, i, None)
+            got = chunk.values.piece(i)
             if got is not None and got[1].numel():
                 state[f"model/{names[id(p)]}/{got[0]}"] = got[1].detach().to("cpu", engine.precision.master_dtype)
     optim = engine.states.chunk_optimizer
@@ -90,7 +68,7 @@ def save_sharded(engine, path, meta: dict | None = None) -> None:
         if held is None:
             continue
         for key, attr in zip(optim.slot_names(), SLOT_ATTRS):
-            got = _pieces(chunk, i, getattr(chunk.storage, attr))
+            got = chunk.values.piece(i, getattr(chunk.storage, attr))
             if got is not None and got[1].numel():
                 state[f"optim/{index}/{key}/{got[0]}"] = got[1].detach().to("cpu", copy=True)
         if rank == 0 and optim.kind is None:
@@ -305,7 +283,7 @@ def load_sharded(engine, path, *, model: bool = True, optimizer: bool = True, st
             for i, p in enumerate(chunk.params):
                 value = whole.get(f"model/{names[id(p)]}")
                 if value is not None:
-                    chunk.set_member(i, value.view(p.shape))
+                    chunk.values.set_member(i, value.view(p.shape))
         if optimizer and chunk.opt_members:
             _load_states(engine, chunk, whole, index_of, path, saved, scalars)
     if optimizer:
@@ -337,7 +315,7 @@ def _load_states(engine, chunk, whole: dict, index_of: dict, path: Path, saved, 
     optim, steps = engine.states.chunk_optimizer, {}
     for i, p in enumerate(chunk.params):
         index = index_of.get(id(p))
-        if index is None or not chunk.members[i].trainable:
+        if index is None or not chunk.spec.members[i].trainable:
             continue
         if scalars is not None:
             present = index in scalars
@@ -350,8 +328,8 @@ def _load_states(engine, chunk, whole: dict, index_of: dict, path: Path, saved, 
         for name, attr in zip(optim.slot_names(), SLOT_ATTRS):
             flat = getattr(chunk.storage, attr)
             value = whole.get(f"optim/{index}/{name}")
-            dst = chunk.state_view(flat, i)
-            dst.copy_(chunk.own_piece(i, value.view(p.shape)).view(dst.shape)) if value is not None else dst.zero_()
+            dst = chunk.values.state_view(flat, i)
+            dst.copy_(chunk.values.own_piece(i, value.view(p.shape)).view(dst.shape)) if value is not None else dst.zero_()
         chunk.set_adam_state(i, present)
     if steps:
         read = {key: torch.zeros(()) for key in steps.values()}

@@ -202,7 +202,8 @@ def test_the_engine_is_thin():
 # answer. Everything else addresses members through the ShardLayout, for which one process is
 # rank 0 of W = 1.
 COLLECTIVE_SITES = {
-    "chunk.py": {"begin_fetch", "end_offload", "receive", "land", "_reduced_gradients", "gathered_values"},
+    "chunk.py": {"begin_fetch", "end_offload", "receive", "land", "_reduced_gradients"},
+    "values.py": {"gathered_values"},
     "storage.py": {"__post_init__", "__init__", "_restore", "persistent_device_bytes", "gather_bytes", "reduce_bytes", "whole"},
 }
 _WORLD_TEST = re.compile(r"sharding is (not )?None|world_size ?(==|>|<|!=)|\bworld ?(==|>|<|!=)")
@@ -216,6 +217,20 @@ def test_one_process_is_the_w1_case_of_sharding():
                      and any(_WORLD_TEST.search(ast.unparse(n)) for n in ast.walk(f) if isinstance(n, (ast.If, ast.IfExp,
                                                                                                         ast.Assert, ast.Compare)))}
         assert branching <= allowed, f"{name}: world-size branches outside collectives in {sorted(branching - allowed)}"
+
+
+ADDRESSING = re.compile(r"shards\.(device_offset|span_offset|state_piece|host_piece)\(")
+
+
+def test_a_chunk_addresses_its_members_through_its_values():
+    """Chunk keeps the lifecycle verbs; where a member is in a tensor on this rank is asked of
+    ``ChunkValues`` (values.py), the one user outside storage.py of the shard layout's
+    per-member answers."""
+    owners = {"protrain_core/runtime/storage.py", "protrain_core/runtime/values.py"}
+    offences = [f"{path.relative_to(ROOT)}: {m.group()}" for package in LIBRARY for path in (ROOT / package).rglob("*.py")
+                if str(path.relative_to(ROOT)) not in owners for m in [ADDRESSING.search(path.read_text())] if m]
+    assert offences == []
+    assert ADDRESSING.search((ROOT / "protrain_core" / "runtime" / "values.py").read_text())
 
 
 # Where an environment variable may set a default: the configuration's parts, and the profile

@@ -251,7 +251,7 @@ def test_an_input_changed_in_place_and_returned_is_an_output():
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), pt.Plan(n_persist=0, n_buffer=1),
                      device="cpu", example_inputs=(x,),
                      config=pt.ProTrainConfig(planning=pt.PlanningConfig(chunk_size=64 * 64 + 64), runtime=pt.RuntimeConfig(check_invariants=True)))
-    chunk = next(c for c in engine.chunks if any(m.name == "scale.gamma" for m in c.members))
+    chunk = next(c for c in engine.chunks if any(m.name == "scale.gamma" for m in c.spec.members))
     seen = []
     model.scale.probe = lambda: seen.append(
         model.scale.gamma.untyped_storage().data_ptr() == chunk.storage.device_copy.untyped_storage().data_ptr())

@@ -158,12 +158,12 @@ def test_gradient_lifecycle_of_a_persistent_chunk():
     acc = c.storage.grad_acc
     assert c.grad_state is G.EMPTY and not c.has_gradients
     assert c.receive(0, torch.ones(4))  # its one member has its gradient: complete
-    assert c.grad_state is G.FIRST and c.has_grad(0) and torch.equal(c.view(acc, 0), torch.ones(4))
+    assert c.grad_state is G.FIRST and c.has_grad(0) and torch.equal(c.values.view(acc, 0), torch.ones(4))
     c.end_pass()
     c.land()
     assert c.grad_state is G.READY
     c.receive(0, torch.full((4,), 2.0))  # a second micro-batch adds
-    assert c.grad_state is G.MORE and torch.equal(c.view(acc, 0), torch.full((4,), 3.0))
+    assert c.grad_state is G.MORE and torch.equal(c.values.view(acc, 0), torch.full((4,), 3.0))
     c.end_pass()
     c.land()
     c.apply()
@@ -177,7 +177,7 @@ def test_gradient_lifecycle_of_a_persistent_chunk():
     c.zero()
     assert c.grad_state is G.EMPTY and not c.has_gradients
     c.receive(0, torch.full((4,), 5.0))  # after zero_grad the accumulator is overwritten, not added to
-    assert torch.equal(c.view(acc, 0), torch.full((4,), 5.0))
+    assert torch.equal(c.values.view(acc, 0), torch.full((4,), 5.0))
     with pytest.raises(IllegalTransition, match="cannot zero in state FIRST"):
         c.zero()
 

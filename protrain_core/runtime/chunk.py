@@ -81,14 +81,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.storage import ChunkStorage
-from protrain_core.structure.layout import ChunkSpec, ParamSlot
+from protrain_core.runtime.values import ChunkValues
+from protrain_core.structure.layout import ChunkSpec
 
 
 class ChunkState(enum.Enum):
@@ -155,26 +155,6 @@ def _next(table: dict, verb: str, state, index: int):
     return target
 
 
-@dataclass(frozen=True)
-class UpdateViews:
-    """Per-member views of a chunk's states for one optimizer step (``Chunk.update_views``)."""
-
-    flats: tuple  # the storage's tensors they view (a change rebuilds them)
-    steps: list  # the storage's step counters they were taken from
-    master: list[Tensor]
-    grads: list[Tensor]
-    exp_avgs: list[Tensor]
-    exp_avg_sqs: list[Tensor]
-    max_exp_avg_sqs: list[Tensor]
-    member_steps: list[Tensor]
-    lows: list[Tensor]  # in the compute copy's trainable span (mixed precision only, else [])
-
-    @property
-    def states(self) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
-        """The state slots' views (Adam's moments, or another optimizer's states)."""
-        return self.exp_avgs, self.exp_avg_sqs, self.max_exp_avg_sqs
-
-
 class Chunk:
     """Flat storage of one chunk and the verbs of its lifecycle (see [Note: chunk lifecycle])."""
 
@@ -184,6 +164,7 @@ class Chunk:
         self.index = spec.index
         self.params = params  # aligned with spec.members
         self.storage = storage
+        self.values = ChunkValues(spec, storage)  # where each member is, and its values
         self.opt_members = opt_members  # param group -> members the optimizer updates
         self.grad_members = tuple(i for i, p in enumerate(params) if p.requires_grad)
         self.state = ChunkState.PERSISTENT if storage.persistent else ChunkState.HOST
@@ -196,7 +177,6 @@ class Chunk:
         self._event = None  # the fetch or offload copy in flight
         self._future: Future | None = None  # the CPU worker's job on this chunk
         self._reduced: Tensor | None = None  # W processes: this rank's piece of the reduced gradients
-        self._views: dict[tuple[int, ...], UpdateViews] = {}  # members -> their views for an update
         self._pointed: list[int] | None = None  # data_ptr() of each parameter where the chunk pointed it
 
     def __repr__(self) -> str:
@@ -213,7 +193,7 @@ class Chunk:
     def persist(self) -> None:
         """A re-plan keeps this streamed chunk on the device from now on (all its states move)."""
         target = self._moved("persist")
-        self._views.clear()
+        self.values.forget_views()
         self.storage.make_persistent()
         self.point_params_at(self.storage.device_copy)
         self.state = target
@@ -221,7 +201,7 @@ class Chunk:
     def unpersist(self) -> None:
         """A re-plan streams this persistent chunk from now on (all its states move to the host)."""
         target = self._moved("unpersist")
-        self._views.clear()
+        self.values.forget_views()
         self.storage.make_streamed()
         self.point_at_rest()
         self.state = target
@@ -337,14 +317,14 @@ class Chunk:
         gradients has its gradient of this pass."""
         target = self._grad_moved("receive")
         if self.persistent and self.storage.sharding is None:
-            dst = self.state_view(self.storage.grad_acc, i)
+            dst = self.values.state_view(self.storage.grad_acc, i)
             dst.add_(grad) if self._received[i] else dst.copy_(grad)
         else:  # a streamed chunk (resident), or any chunk sharded over W processes
             assert self.state in (ChunkState.RESIDENT, ChunkState.PERSISTENT), self
             buffer = self.storage.grad_buffer
             if buffer is None:
                 buffer = self.storage.allocate_grad_buffer()
-            self.span_view(buffer, i).copy_(grad)
+            self.values.span_view(buffer, i).copy_(grad)
         self._received[i] = True
         self._arrived += 1
         self.grad_state = target
@@ -445,56 +425,6 @@ class Chunk:
     def set_adam_state(self, i: int, present: bool = True) -> None:
         self._adam_state[i] = present
 
-    # ----- values -------------------------------------------------------------------------------
-    @property
-    def members(self) -> tuple[ParamSlot, ...]:
-        return self.spec.members
-
-    def view(self, flat: Tensor, i: int) -> Tensor:
-        """Member ``i`` in a tensor of the whole chunk: a compute copy (with ``W`` processes
-        only the gathered device copy holds whole members)."""
-        m = self.spec.members[i]
-        offset = self.storage.shards.device_offset(m)
-        return flat[offset : offset + m.numel].view(m.shape)
-
-    def span_view(self, flat: Tensor, i: int) -> Tensor:
-        """Member ``i`` (a trainable one) in a tensor of the whole trainable span (the gradient
-        buffer; in one process also the master, the accumulator and the optimizer states)."""
-        m = self.spec.members[i]
-        assert m.trainable, (self, m.name)
-        start = self.storage.shards.span_offset(m)
-        return flat[start : start + m.numel].view(m.shape)
-
-    def state_view(self, flat: Tensor, i: int) -> Tensor:
-        """Member ``i`` (a trainable one) in a tensor of this rank's shard of the trainable span:
-        the master, the accumulator, an optimizer state ([Note: chunk storage]). The piece this
-        rank owns (``ShardLayout.state_piece``), shaped like the member where it is the whole
-        member (always in one process), else flat (empty when the rank owns none of it)."""
-        return _shaped(flat, self.storage.shards.state_piece(self.spec.members[i]), self.spec.members[i])
-
-    def update_views(self, members: tuple[int, ...]) -> UpdateViews:
-        """The views of ``members`` an Adam step reads and writes, built once per set of members
-        (a chunk is updated every step with the same members: rebuilding the lists cost more
-        than the step itself on small chunks) and again when the storage's tensors change."""
-        storage = self.storage
-        states = (storage.master, storage.grad_acc, storage.exp_avg, storage.exp_avg_sq, storage.max_exp_avg_sq)
-        flats = states + (storage.compute_home,)
-        views = self._views.get(members)
-        if views is None or views.steps is not storage.steps or any(a is not b for a, b in zip(views.flats, flats)):
-            def of(flat):
-                return [] if flat is None else [self.state_view(flat, i) for i in members]
-
-            lows = of(storage.compute_span()) if storage.fmt.separate_master else []
-            views = UpdateViews(flats, storage.steps, *(of(f) for f in states), [storage.steps[i] for i in members], lows)
-            self._views[members] = views
-        return views
-
-    def member_piece(self, i: int) -> tuple[int, int] | None:
-        """(offset, length) in member ``i``'s flattened elements of the piece ``state_view`` gives
-        (the whole member in one process); None when this rank owns none of it."""
-        part = self.storage.shards.state_piece(self.spec.members[i])
-        return None if part is None else (part[0], part[2])
-
     def point_at_rest(self) -> None:
         """Point the parameters of a streamed chunk that is not resident at its host copy. With
         ``W`` processes the host copy holds only this rank's shard: the parameters then point at
@@ -513,7 +443,7 @@ class Chunk:
     def point_params_at(self, flat: Tensor) -> None:
         """Re-point every parameter's ``.data`` at its slot in ``flat`` (see [Note: parameter access])."""
         for i, p in enumerate(self.params):
-            p.data = self.view(flat, i)
+            p.data = self.values.view(flat, i)
         self._pointed = [p.data_ptr() for p in self.params]
 
     def rebound(self) -> list[int]:
@@ -529,9 +459,9 @@ class Chunk:
         with torch.no_grad():
             for i in members:
                 value = self.params[i].detach()
-                self.set_member(i, value)
+                self.values.set_member(i, value)
                 if not self.persistent and self.device_resident:
-                    self.view(self.storage.device_copy, i).copy_(value)
+                    self.values.view(self.storage.device_copy, i).copy_(value)
         if self.persistent or self.device_resident:
             self.point_params_at(self.storage.device_copy)
         else:
@@ -543,98 +473,16 @@ class Chunk:
         frozen parameter to the compute dtype in the mixed modes."""
         with torch.no_grad():
             for i, p in enumerate(self.params):
-                self.set_member(i, p.detach())
+                self.values.set_member(i, p.detach())
         self.point_params_at(self.storage.device_copy) if self.persistent else self.point_at_rest()
-
-    def own_piece(self, i: int, value: Tensor) -> Tensor:
-        """This rank's piece of member ``i``'s ``value`` (a whole tensor), shaped as ``state_view``
-        is: ``value`` itself in one process ([Note: sharded chunks] in sharding.py)."""
-        m = self.spec.members[i]
-        part = self.storage.shards.state_piece(m)
-        return _shaped(value.reshape(-1), None if part is None else (0, part[0], part[2]), m)
-
-    def set_member(self, i: int, value: Tensor) -> None:
-        """Write member ``i``'s value: its master (trainable), and the compute copy where it rests
-        -- the whole device copy of a persistent chunk, this rank's pieces of a streamed one's
-        host copy (rounded from the master for a trainable member)."""
-        storage, m = self.storage, self.spec.members[i]
-        trainable = m.trainable and storage.master is not None
-        with torch.no_grad():
-            if trainable:
-                master = self.state_view(storage.master, i)
-                master.copy_(self.own_piece(i, value))
-            if self.persistent:
-                self.view(storage.device_copy, i).copy_(value)
-                return
-            part = storage.shards.host_piece(m)
-            if part is None or (trainable and not storage.fmt.separate_master):  # the master is the host copy
-                return
-            off, at, n = part
-            source = master.reshape(-1) if trainable else value.reshape(-1)[off:off + n]
-            storage.host_copy[at:at + n].copy_(source)
-
-    def member_value(self, i: int) -> Tensor:
-        """Member ``i``'s authoritative value: its master weights, or the compute copy of a
-        frozen member (one process: ``gathered_values`` with ``W``)."""
-        storage = self.storage
-        assert storage.shards.whole, "a sharded chunk holds pieces only: gathered_values()"
-        if self.spec.members[i].trainable and storage.master is not None:
-            return self.state_view(storage.master, i)
-        return self.view(storage.compute_home, i)
-
-    def gathered_values(self, tensor_of=None) -> list[Tensor]:
-        """Every member's whole authoritative value (``member_value``), assembled from the ranks'
-        pieces with all-gathers when sharded -- a collective: every rank calls it, for the same
-        chunks in the same order. ``tensor_of(storage)``: gather that shard tensor of the
-        trainable span instead of the master (an Adam state; frozen members then give None)."""
-        storage, fmt = self.storage, self.storage.fmt
-        if storage.sharding is None:
-            if tensor_of is None:
-                return [self.member_value(i) for i in range(len(self.params))]
-            flat = tensor_of(storage)
-            return [self.state_view(flat, i) if m.trainable and flat is not None else None
-                    for i, m in enumerate(self.members)]
-        shard = storage.master if tensor_of is None else tensor_of(storage)
-        trainable = None if shard is None else _gather_shard(storage, shard)
-        frozen = None
-        if tensor_of is None and fmt.frozen_numel and any(not m.trainable for m in self.members):
-            frozen = storage.device_copy[:fmt.trainable_device_start] if self.persistent else \
-                _gather_shard(storage, storage.host_copy[:fmt.frozen_shard])
-        out = []
-        for i, m in enumerate(self.members):
-            if m.trainable and trainable is not None:
-                out.append(self.span_view(trainable, i))
-            elif tensor_of is None:
-                out.append(self.view(frozen, i) if not m.trainable else self.view(storage.device_copy, i))
-            else:
-                out.append(None)
-        return out
 
     def detach_params(self) -> None:
         """Point the parameters at their authoritative values for good (the engine closes; with
         ``W`` processes every rank then holds the whole values, gathered chunk by chunk)."""
-        values = self.gathered_values()
+        values = self.values.gathered_values()
         for p, value in zip(self.params, values):
             p.data = value if self.persistent else value.to(self.storage.host)
 
     def device_bytes(self) -> int:
         return self.storage.device_bytes()
 
-
-def _shaped(flat: Tensor, part: tuple[int, int, int] | None, m: ParamSlot) -> Tensor:
-    """The ``(member offset, offset, length)`` piece of ``flat``, shaped like member ``m`` when it
-    is the whole member; an empty tensor for no piece."""
-    if part is None:
-        return flat[:0]
-    _, at, n = part
-    return flat[at:at + n].view(m.shape) if n == m.numel else flat[at:at + n]
-
-
-def _gather_shard(storage: ChunkStorage, shard: Tensor) -> Tensor:
-    """The whole of a span sharded like ``shard`` (this rank's piece): all-gathered through the
-    device (NCCL gathers device tensors only); one chunk's span at a time."""
-    n, sharding = shard.numel(), storage.sharding
-    full = torch.empty(n * sharding.world, dtype=shard.dtype, device=storage.device)
-    full[storage.rank * n:(storage.rank + 1) * n].copy_(shard)
-    sharding.gather_(full)
-    return full

@@ -149,7 +149,7 @@ class ElementwiseSteps:
 
     def step(self, chunk, group: int, members: tuple[int, ...], views, settings: dict) -> None:
         """One step of ``members`` of ``chunk`` (param group ``group``) on their ``views``
-        (``Chunk.update_views``) with ``settings`` (``snapshot()[group]``)."""
+        (``ChunkValues.update_views``) with ``settings`` (``snapshot()[group]``)."""
         key = (chunk.index, group, members)
         held = self._instances.get(key)
         if held is None or held[0] is not views:

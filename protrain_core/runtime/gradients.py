@@ -63,7 +63,7 @@ class Finishing:
         self.chunk, self.members, self.inv_scale, self.norm_type, self.finished = chunk, members, inv_scale, norm_type, finished
 
     def _grads(self) -> list[Tensor]:
-        return [self.chunk.state_view(self.chunk.storage.grad_acc, i) for i in self.members]
+        return [self.chunk.values.state_view(self.chunk.storage.grad_acc, i) for i in self.members]
 
     def __call__(self) -> None:
         grads, found = self._grads(), None
@@ -162,7 +162,7 @@ class StepGradients:
         for index, f in self._finished.items():
             if norm_type not in f.norms:
                 c = self.chunks[index]
-                grads = [c.state_view(c.storage.grad_acc, i) for i in f.members]
+                grads = [c.values.state_view(c.storage.grad_acc, i) for i in f.members]
                 f.norms[norm_type] = list(torch._foreach_norm(grads, norm_type)) if grads else []
             params = self.chunks[index].params
             out.update((id(params[i]), n) for i, n in zip(f.members, f.norms[norm_type]))

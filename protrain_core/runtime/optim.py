@@ -177,7 +177,7 @@ class ChunkOptimizer:
         (1.0: found) as ``torch._amp_foreach_non_finite_check_and_unscale_`` leaves it."""
         storage, found, covered = chunk.storage, None, []
         if inv_scale is not None and members:
-            views = chunk.update_views(tuple(members))
+            views = chunk.values.update_views(tuple(members))
             found = torch.zeros(1, dtype=torch.float32, device=storage.master.device)
             onepass.land(kernel, views.master, views.lows, views.grads, accumulate=accumulate, inv_scale=inv_scale,
                          found=found)
@@ -202,7 +202,7 @@ class ChunkOptimizer:
         assert landed is None, "a landed gradient needs the one-pass kernel"
         storage = chunk.storage
         for g, members in selected.items():
-            views = chunk.update_views(tuple(members))
+            views = chunk.values.update_views(tuple(members))
             clip_gradients(views.grads, clip.coef, clip.value)
             if self.elementwise is not None:
                 self.elementwise.step(chunk, g, tuple(members), views, hps[g])
@@ -220,7 +220,7 @@ class ChunkOptimizer:
         accumulator, the compute copy from the master (the landing overwrote it)."""
         covered = []
         for g, members in selected.items():
-            views = chunk.update_views(tuple(members))
+            views = chunk.values.update_views(tuple(members))
             onepass.update(kernel, views.master, views.lows, views.grads, views.exp_avgs, views.exp_avg_sqs,
                            views.max_exp_avg_sqs, views.member_steps, hps[g], coef=clip.coef, clamp=clip.value,
                            landed=landed is not None, accumulate=landed == "add")
@@ -257,7 +257,7 @@ class ChunkOptimizer:
             if scalars is None:
                 continue
             if names and gathered[0] is not chunk:
-                gathered = chunk, [chunk.gathered_values(lambda st, a=a: getattr(st, a)) for a in SLOT_ATTRS[:len(names)]]
+                gathered = chunk, [chunk.values.gathered_values(lambda st, a=a: getattr(st, a)) for a in SLOT_ATTRS[:len(names)]]
             if not keep:
                 continue
             entry = {}
@@ -310,9 +310,9 @@ class ChunkOptimizer:
             entry = states.get(index)
             with torch.no_grad():
                 for name, attr in zip(names, SLOT_ATTRS):
-                    dst = chunk.state_view(getattr(chunk.storage, attr), i)
+                    dst = chunk.values.state_view(getattr(chunk.storage, attr), i)
                     if entry is not None and name in entry:
-                        dst.copy_(chunk.own_piece(i, entry[name]))
+                        dst.copy_(chunk.values.own_piece(i, entry[name]))
                     else:
                         dst.zero_()
                 self.load_scalars(chunk, i, entry)

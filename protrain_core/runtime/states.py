@@ -64,7 +64,7 @@ class StateAccess:
             else:
                 chunk, i = slot
                 if gathered[0] is not chunk:
-                    gathered = chunk, chunk.gathered_values()
+                    gathered = chunk, chunk.values.gathered_values()
                 # a frozen member's compute copy is returned in the master dtype too
                 value = gathered[1][i].detach().to("cpu", dtype=self._precision.master_dtype, copy=True) if keep else None
             seen[id(t)] = value  # on every rank: the gathers must be the same everywhere
@@ -93,7 +93,7 @@ class StateAccess:
                 if slot is None:
                     t.copy_(value)
                 else:
-                    slot[0].set_member(slot[1], value)
+                    slot[0].values.set_member(slot[1], value)
 
     def release_device_copies(self) -> None:
         """Wait for the updates in flight and free the streamed chunks' device buffers: their

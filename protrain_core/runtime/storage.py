@@ -250,7 +250,7 @@ class ChunkStorage:
     ``untyped_storage().resize_(0)`` and re-allocates it in place (FSDP2's technique), so
     views taken of it stay valid ([Note: parameter access] in chunk.py). The master, the
     accumulator, the gradient buffer and the Adam states cover the trainable span only
-    (``Chunk.state_view`` finds a member in them). A streamed chunk's host tensors live in one
+    (``ChunkValues.state_view`` finds a member in them). A streamed chunk's host tensors live in one
     exact-size host buffer of its own (pinned on CUDA), so that a re-plan can move one chunk to
     the device or back (``make_persistent`` / ``make_streamed``).
     """

@@ -1,0 +1,202 @@
+"""Where each member of one chunk is in the chunk's tensors on this rank, and its values: the
+addressing a chunk's verbs, the optimizer, the gradients and the checkpoints read and write
+through (``Chunk.values``). The storage's ``ShardLayout`` answers where a member's piece is;
+this face turns that into views and values. Its only collective is ``gathered_values``.
+
+One process is the case ``W = 1``: every piece is the whole member at its layout offset
+([Note: chunk storage] in storage.py, [Note: sharded chunks] in sharding.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from protrain_core.runtime.storage import ChunkStorage
+from protrain_core.structure.layout import ChunkSpec, ParamSlot
+
+
+@dataclass(frozen=True)
+class UpdateViews:
+    """Per-member views of a chunk's states for one optimizer step (``ChunkValues.update_views``)."""
+
+    flats: tuple  # the storage's tensors they view (a change rebuilds them)
+    steps: list  # the storage's step counters they were taken from
+    master: list[Tensor]
+    grads: list[Tensor]
+    exp_avgs: list[Tensor]
+    exp_avg_sqs: list[Tensor]
+    max_exp_avg_sqs: list[Tensor]
+    member_steps: list[Tensor]
+    lows: list[Tensor]  # in the compute copy's trainable span (mixed precision only, else [])
+
+    @property
+    def states(self) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+        """The state slots' views (Adam's moments, or another optimizer's states)."""
+        return self.exp_avgs, self.exp_avg_sqs, self.max_exp_avg_sqs
+
+
+class ChunkValues:
+    """The members of one chunk in its storage's tensors: views, this rank's pieces, values."""
+
+    def __init__(self, spec: ChunkSpec, storage: ChunkStorage) -> None:
+        self.spec = spec
+        self.storage = storage
+        self._views: dict[tuple[int, ...], UpdateViews] = {}  # members -> their views for an update
+
+    def __repr__(self) -> str:
+        return f"ChunkValues({self.spec.index})"
+
+    def forget_views(self) -> None:
+        """The storage's tensors moved (a re-plan): drop the update views that keep the old ones."""
+        self._views.clear()
+
+    @property
+    def members(self) -> tuple[ParamSlot, ...]:
+        return self.spec.members
+
+    def view(self, flat: Tensor, i: int) -> Tensor:
+        """Member ``i`` in a tensor of the whole chunk: a compute copy (with ``W`` processes
+        only the gathered device copy holds whole members)."""
+        m = self.spec.members[i]
+        offset = self.storage.shards.device_offset(m)
+        return flat[offset : offset + m.numel].view(m.shape)
+
+    def span_view(self, flat: Tensor, i: int) -> Tensor:
+        """Member ``i`` (a trainable one) in a tensor of the whole trainable span (the gradient
+        buffer; in one process also the master, the accumulator and the optimizer states)."""
+        m = self.spec.members[i]
+        assert m.trainable, (self, m.name)
+        start = self.storage.shards.span_offset(m)
+        return flat[start : start + m.numel].view(m.shape)
+
+    def state_view(self, flat: Tensor, i: int) -> Tensor:
+        """Member ``i`` (a trainable one) in a tensor of this rank's shard of the trainable span:
+        the master, the accumulator, an optimizer state ([Note: chunk storage]). The piece this
+        rank owns (``ShardLayout.state_piece``), shaped like the member where it is the whole
+        member (always in one process), else flat (empty when the rank owns none of it)."""
+        return _shaped(flat, self.storage.shards.state_piece(self.spec.members[i]), self.spec.members[i])
+
+    def update_views(self, members: tuple[int, ...]) -> UpdateViews:
+        """The views of ``members`` an Adam step reads and writes, built once per set of members
+        (a chunk is updated every step with the same members: rebuilding the lists cost more
+        than the step itself on small chunks) and again when the storage's tensors change."""
+        storage = self.storage
+        states = (storage.master, storage.grad_acc, storage.exp_avg, storage.exp_avg_sq, storage.max_exp_avg_sq)
+        flats = states + (storage.compute_home,)
+        views = self._views.get(members)
+        if views is None or views.steps is not storage.steps or any(a is not b for a, b in zip(views.flats, flats)):
+            def of(flat):
+                return [] if flat is None else [self.state_view(flat, i) for i in members]
+
+            lows = of(storage.compute_span()) if storage.fmt.separate_master else []
+            views = UpdateViews(flats, storage.steps, *(of(f) for f in states), [storage.steps[i] for i in members], lows)
+            self._views[members] = views
+        return views
+
+    def piece(self, i: int, flat: Tensor | None = None) -> tuple[int, Tensor] | None:
+        """(offset in member ``i``'s flattened elements, this rank's piece of it) in ``flat`` (a
+        shard tensor of the trainable span), or of the member's value when ``flat`` is None; None
+        when this rank holds none of it. The pieces of all ranks tile the member (checkpoint.py)."""
+        storage, m = self.storage, self.spec.members[i]
+        if m.trainable and (flat is not None or storage.master is not None):
+            part = storage.shards.state_piece(m)
+            if part is None:
+                return None
+            return part[0], self.state_view(storage.master if flat is None else flat, i).reshape(-1)
+        if flat is not None:
+            return None
+        # A frozen member: the piece of the frozen span this rank owns (of the whole device copy
+        # of a persistent chunk, where it is replicated, or of the host shard of a streamed one).
+        part = storage.shards.host_piece(m)
+        if part is None:
+            return None
+        off, at, n = part
+        if storage.persistent:
+            return off, self.view(storage.device_copy, i).reshape(-1)[off:off + n]
+        return off, storage.host_copy[at:at + n]
+
+    def own_piece(self, i: int, value: Tensor) -> Tensor:
+        """This rank's piece of member ``i``'s ``value`` (a whole tensor), shaped as ``state_view``
+        is: ``value`` itself in one process ([Note: sharded chunks] in sharding.py)."""
+        m = self.spec.members[i]
+        part = self.storage.shards.state_piece(m)
+        return _shaped(value.reshape(-1), None if part is None else (0, part[0], part[2]), m)
+
+    def set_member(self, i: int, value: Tensor) -> None:
+        """Write member ``i``'s value: its master (trainable), and the compute copy where it rests
+        -- the whole device copy of a persistent chunk, this rank's pieces of a streamed one's
+        host copy (rounded from the master for a trainable member)."""
+        storage, m = self.storage, self.spec.members[i]
+        trainable = m.trainable and storage.master is not None
+        with torch.no_grad():
+            if trainable:
+                master = self.state_view(storage.master, i)
+                master.copy_(self.own_piece(i, value))
+            if storage.persistent:
+                self.view(storage.device_copy, i).copy_(value)
+                return
+            part = storage.shards.host_piece(m)
+            if part is None or (trainable and not storage.fmt.separate_master):  # the master is the host copy
+                return
+            off, at, n = part
+            source = master.reshape(-1) if trainable else value.reshape(-1)[off:off + n]
+            storage.host_copy[at:at + n].copy_(source)
+
+    def member_value(self, i: int) -> Tensor:
+        """Member ``i``'s authoritative value: its master weights, or the compute copy of a
+        frozen member (one process: ``gathered_values`` with ``W``)."""
+        storage = self.storage
+        assert storage.shards.whole, "a sharded chunk holds pieces only: gathered_values()"
+        if self.spec.members[i].trainable and storage.master is not None:
+            return self.state_view(storage.master, i)
+        return self.view(storage.compute_home, i)
+
+    def gathered_values(self, tensor_of=None) -> list[Tensor]:
+        """Every member's whole authoritative value (``member_value``), assembled from the ranks'
+        pieces with all-gathers when sharded -- a collective: every rank calls it, for the same
+        chunks in the same order. ``tensor_of(storage)``: gather that shard tensor of the
+        trainable span instead of the master (an Adam state; frozen members then give None)."""
+        storage, fmt = self.storage, self.storage.fmt
+        if storage.sharding is None:
+            if tensor_of is None:
+                return [self.member_value(i) for i in range(len(self.spec.members))]
+            flat = tensor_of(storage)
+            return [self.state_view(flat, i) if m.trainable and flat is not None else None
+                    for i, m in enumerate(self.members)]
+        shard = storage.master if tensor_of is None else tensor_of(storage)
+        trainable = None if shard is None else _gather_shard(storage, shard)
+        frozen = None
+        if tensor_of is None and fmt.frozen_numel and any(not m.trainable for m in self.members):
+            frozen = storage.device_copy[:fmt.trainable_device_start] if storage.persistent else \
+                _gather_shard(storage, storage.host_copy[:fmt.frozen_shard])
+        out = []
+        for i, m in enumerate(self.members):
+            if m.trainable and trainable is not None:
+                out.append(self.span_view(trainable, i))
+            elif tensor_of is None:
+                out.append(self.view(frozen, i) if not m.trainable else self.view(storage.device_copy, i))
+            else:
+                out.append(None)
+        return out
+
+
+def _shaped(flat: Tensor, part: tuple[int, int, int] | None, m: ParamSlot) -> Tensor:
+    """The ``(member offset, offset, length)`` piece of ``flat``, shaped like member ``m`` when it
+    is the whole member; an empty tensor for no piece."""
+    if part is None:
+        return flat[:0]
+    _, at, n = part
+    return flat[at:at + n].view(m.shape) if n == m.numel else flat[at:at + n]
+
+
+def _gather_shard(storage: ChunkStorage, shard: Tensor) -> Tensor:
+    """The whole of a span sharded like ``shard`` (this rank's piece): all-gathered through the
+    device (NCCL gathers device tensors only); one chunk's span at a time."""
+    n, sharding = shard.numel(), storage.sharding
+    full = torch.empty(n * sharding.world, dtype=shard.dtype, device=storage.device)
+    full[storage.rank * n:(storage.rank + 1) * n].copy_(shard)
+    sharding.gather_(full)
+    return full
