@@ -10,6 +10,8 @@ The pieces, in order:
   cuda-tests        python -m pytest -m cuda (passed, failed and skipped, from its JUnit XML)
   transfer          host<->device bandwidth with the pinned host pool (benchmarks/bench_transfer.py)
   cpu-adam          CPU Adam throughput on the host's cores (benchmarks/bench_adam.py)
+  offload-states    a whole training state to the host and back (benchmarks/bench_offload.py),
+                    against the copy bandwidth the profiler measures (goal: at least 80 %)
   timeline          the suite's study run: one ProTrain step's overlap timeline and the cost
                     models across plans (benchmarks/run.py), each plan also simulated on this
                     GPU's preset with the measured copy and CPU Adam figures (simulated against
@@ -95,6 +97,9 @@ def plan_pieces(suite_name: str, dry: bool) -> list[Piece]:
                                              "--json", "{out}/transfer.json"), "json"),
         Piece("cpu-adam", 5 if dry else 60, (py, "-m", "benchmarks.bench_adam", "--numel", str(2**20 if dry else 2**24),
                                              "--json", "{out}/cpu-adam.json"), "json"),
+        Piece("offload-states", 10 if dry else 90,
+              (py, "-m", "benchmarks.bench_offload", "--layers", "2" if dry else "24", "--hidden", "256" if dry else "2048",
+               "--json", "{out}/offload-states.json") + (() if dry else ("--device", "cuda")), "json"),
     ]
     if dry:  # the timeline of the CPU suite's study run; the GPU suite built on the meta device
         study = R.study_workload(R.SUITES["cpu-smoke"])
@@ -274,12 +279,16 @@ def markdown(state: dict, out: Path) -> str:
     if "tests" in tests:
         lines += ["", f"CUDA tests: {tests['passed']} passed, {tests['failed']} failed, {tests['errors']} errors, "
                   f"{tests['skipped']} skipped" + "".join(f"\n- failing: `{t}`" for t in tests["failing"])]
-    from benchmarks import bench_adam, bench_transfer
+    from benchmarks import bench_adam, bench_offload, bench_transfer
 
     transfer = state["pieces"].get("transfer", {}).get("data")
     if transfer:
         lines += ["", "Host<->device copies (`benchmarks/bench_transfer.py`):", "",
                   bench_transfer.markdown(transfer["rows"], transfer["device"], transfer["mib"])]
+    offload = state["pieces"].get("offload-states", {}).get("data")
+    if offload:
+        lines += ["", "Offloading the training state and back (`benchmarks/bench_offload.py`):", "",
+                  offload["setting"], "", bench_offload.markdown(offload["rows"])]
     adam = state["pieces"].get("cpu-adam", {}).get("data")
     if adam:
         lines += ["", "CPU Adam (`benchmarks/bench_adam.py`):", "", bench_adam.markdown(adam["rows"], iters=20)]

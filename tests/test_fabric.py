@@ -193,3 +193,28 @@ def test_fabric_saves_and_loads_a_scheduler_beside_the_optimizer(tmp_path, state
     assert opt2.param_groups[0]["lr"] == 3e-3 / 4
     saved, loaded = fabric.strategy.engine.states.optimizer(), fabric2.strategy.engine.states.optimizer()
     assert all(torch.equal(saved["state"][k]["exp_avg"], loaded["state"][k]["exp_avg"]) for k in saved["state"])
+
+
+def test_fabric_offloads_the_states_between_steps_and_trains_on_exactly():
+    """``fabric.strategy.offload_states()`` after every step and ``onload_states()`` before the
+    next: the loop equals plain PyTorch; nothing of the engine is on the device in between."""
+    data = batches(6, batch=4)
+    ref_model, _, ref_losses = plain(data, accumulate=1)
+    strategy = ProTrainFabricStrategy(pt.Plan(n_persist=2, n_buffer=1, n_checkpoint=1))
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1)
+    fabric.launch()
+    model = MODELS["gpt2"]()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True))
+    losses = []
+    for x in data:
+        fabric.strategy.onload_states()
+        loss = model(input_ids=x, labels=x).loss
+        fabric.backward(loss)
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+        assert fabric.strategy.offload_states() is not None
+        assert strategy.engine.memory.device_bytes() == 0
+    assert losses == ref_losses
+    for k, v in ref_model.state_dict().items():  # read while offloaded
+        torch.testing.assert_close(strategy.engine.state_dict()[k], v, rtol=0, atol=0, msg=k)

@@ -43,6 +43,8 @@ def test_dry_session_plans_resumes_and_runs_what_a_cpu_can(tmp_path):
     assert all(r["gb_per_s"] > 0 for r in transfer)
     adam = state["pieces"]["cpu-adam"]["data"]["rows"]
     assert adam[0]["kernel"].startswith("protrain_ops.adam_step") and adam[0]["params_per_s"] > 0
+    offload = state["pieces"]["offload-states"]["data"]["rows"]
+    assert len(offload) == 3 and all(r["bytes"] > 0 and r["offload_s"] > 0 and r["onload_s"] > 0 for r in offload)
     study = json.loads((out / "suite" / "results.json").read_text())["study"][0]
     assert study["status"] == "ok" and study["timeline"]["spans"] and (out / "suite" / "timeline.png").exists()
     dry = json.loads((out / "suite-dry" / "results.json").read_text())
@@ -50,6 +52,7 @@ def test_dry_session_plans_resumes_and_runs_what_a_cpu_can(tmp_path):
     assert {r["system"] for r in dry["runs"]} >= {"protrain-core", "pytorch", "fsdp2-offload"}
     md = (out / "session.md").read_text()
     assert "| cuda-tests | done |" in md and "Host<->device copies" in md and "CPU Adam" in md
+    assert "Offloading the training state and back" in md
     assert "Study run (tiny-4L study" in md and "Dry run: every configuration constructed" in md
     # Nothing is left: a third call runs nothing.
     stdout, again = session(out)
@@ -67,11 +70,11 @@ def test_the_gpu_session_plan():
     suite = SUITES["gpu-80g"]
     runs = [f"run: {w.label}, {s}" for w in suite.workloads + multi_workloads(suite) for s in G.SESSION_SYSTEMS
             if w.systems is None or s in w.systems]
-    assert [p.name for p in pieces] == (["cuda-tests", "transfer", "cpu-adam", "timeline"] + runs
+    assert [p.name for p in pieces] == (["cuda-tests", "transfer", "cpu-adam", "offload-states", "timeline"] + runs
                                         + [f"probes: {s}" for s in G.SESSION_SYSTEMS])
     assert "run: llama-6.7B, deepspeed-zero3-offload" in runs and "run: llama-1.1B, pytorch" in runs
     assert not any("lora, fsdp2" in r or "protrain-lightning" in r for r in runs)
-    for p in pieces[3:]:
+    for p in pieces[4:]:
         assert p.kind == "suite" and "--resume" in p.command and "{out}/suite" in p.command
         assert p.command[p.command.index("--systems") + 1] in G.SESSION_SYSTEMS
     assert all(p.estimate_s < 530 for p in pieces)  # each fits one call's budget by its estimate

@@ -256,6 +256,32 @@ def test_parameter_writes_between_steps_survive_like_under_the_default_strategy(
     assert_same(run(ProTrainStrategy(_plan(plan, n_chunks(LitLM())))), run("auto"))
 
 
+class OffloadBetweenSteps(pl.Callback):
+    """Lends the device away between steps, as an RL trainer's generation phase would."""
+
+    def __init__(self):
+        self.offloaded = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        trainer.strategy.onload_states()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        handle = trainer.strategy.offload_states()
+        self.offloaded.append(handle is not None and trainer.strategy.engine.memory.device_bytes() == 0)
+
+
+@pytest.mark.parametrize("plan", ["persistent", "streamed"])
+def test_states_offloaded_by_a_callback_between_steps_train_on_like_the_default_strategy(plan):
+    """``trainer.strategy.offload_states()`` / ``onload_states()`` from a callback, with
+    gradient accumulation (an offload between micro-batches keeps the gradients): the losses and
+    weights of Lightning's default strategy; the last offload is still in place at teardown."""
+    cb = OffloadBetweenSteps()
+    got = fit(ProTrainStrategy(_plan(plan, n_chunks(LitLM()))), callbacks=[cb], accumulate_grad_batches=2)
+    assert cb.offloaded and all(cb.offloaded)
+    assert_same(got, fit("auto", accumulate_grad_batches=2))
+    assert got[1].strategy.offload_states() is None  # after fit: nothing to move
+
+
 @pytest.mark.parametrize("clip", [None, 0.05])
 def test_callbacks_read_the_updated_weights(clip, monkeypatch):
     """A callback reading the weights between a step and the next forward sees this step's

@@ -10,8 +10,10 @@ the new state last. Nothing outside ``Chunk`` assigns its fields; the scheduler
 Residency (``ChunkState``): where the chunk's compute copy is.
 
   verb          from        to          storage work
-  persist       HOST        PERSISTENT  (a re-plan) every tensor moved to the device; host buffer freed
-  unpersist     PERSISTENT  HOST        (a re-plan) every tensor moved to a new host buffer
+  persist       HOST        PERSISTENT  (a re-plan, onloading) every tensor moved to the device; host
+                                        buffer freed (kept after parking)
+  unpersist     PERSISTENT  HOST        (a re-plan, offloading) every tensor moved to a new (or the
+                                        kept) host buffer
   begin_fetch   HOST        FETCHING    allocate the device copy; copy host -> device (copy stream)
   end_fetch     FETCHING    RESIDENT    compute stream waits for the copy; parameters -> device copy
   release       RESIDENT    HOST        parameters -> host copy; free the device copy
@@ -190,19 +192,21 @@ class Chunk:
     def _moved(self, verb: str) -> ChunkState:
         return _next(TRANSITIONS, verb, self.state, self.index)
 
-    def persist(self) -> None:
-        """A re-plan keeps this streamed chunk on the device from now on (all its states move)."""
+    def persist(self, *, keep_host: bool = False, copy=None) -> None:
+        """A re-plan keeps this streamed chunk on the device from now on (all its states move;
+        ``keep_host``, ``copy``: ``ChunkStorage.make_persistent``, as when onloading)."""
         target = self._moved("persist")
         self.values.forget_views()
-        self.storage.make_persistent()
+        self.storage.make_persistent(keep_host=keep_host, copy=copy)
         self.point_params_at(self.storage.device_copy)
         self.state = target
 
-    def unpersist(self) -> None:
-        """A re-plan streams this persistent chunk from now on (all its states move to the host)."""
+    def unpersist(self, copy=None) -> None:
+        """A re-plan streams this persistent chunk from now on (all its states move to the host;
+        ``copy(dst, src)``: how, ``ChunkStorage.make_streamed``)."""
         target = self._moved("unpersist")
         self.values.forget_views()
-        self.storage.make_streamed()
+        self.storage.make_streamed(copy)
         self.point_at_rest()
         self.state = target
 

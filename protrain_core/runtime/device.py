@@ -325,6 +325,12 @@ class DeviceContext:
         """Seconds between two ``stamp()`` results (CUDA events: both complete)."""
         return begin.elapsed_time(end) / 1e3 if self.is_cuda else end - begin
 
+    def empty_cache(self) -> None:
+        """Give the allocator's cached free blocks back to the device (CUDA), so that another
+        process or library can use them; nothing on the CPU."""
+        if self.is_cuda:
+            torch.cuda.empty_cache()
+
     def check_host_memory(self, nbytes: int, what: str) -> None:
         """Refuse, with the numbers, ``nbytes`` of host memory the machine does not have."""
         check_host_memory(nbytes, what)

@@ -29,6 +29,7 @@ from protrain_core.runtime.gradients import StepGradients
 from protrain_core.runtime.hooks import RuntimeHooks
 from protrain_core.runtime.optim import ChunkOptimizer
 from protrain_core.runtime.options import EngineOptions
+from protrain_core.runtime.parking import OffloadedStates, check_between_steps, check_onloaded, offload, onload
 from protrain_core.runtime.scheduler import Scheduler
 from protrain_core.runtime.sharding import Sharding, broadcast_module
 from protrain_core.runtime.states import StateAccess, StateMemory
@@ -102,6 +103,7 @@ class Engine:
             optimizer.state.clear()
             self.states.load_optimizer(osd)
         module._protrain_engine = self
+        self.offloaded: OffloadedStates | None = None  # offload_states() moved the states to the host
         self.profile = None  # the Profile a searched plan came from (set by wrap)
         self.choice = None  # the search's PlanChoice (set by wrap)
 
@@ -113,9 +115,8 @@ class Engine:
         larger of the two plans does, and no chunk is ever in two places for longer than its move."""
         plan = as_plan(plan)
         check_plan(plan, self.layout.limits())
-        self.step_state.check_open()
-        if not self.step_state.idle or any(c.applied or c.receiving for c in self.chunks):
-            raise RuntimeError("engine.replan() was called within a step; call it after engine.step().")
+        check_between_steps(self, "engine.replan()")
+        check_onloaded(self, "engine.replan()")
         self.scheduler.wait_all()
         self.scheduler.release_all()
         new = plan.persistent()
@@ -214,6 +215,7 @@ class Engine:
         next use in forward, ``wait_for_updates`` and every state dict wait for their update."""
         self.step_state.check_open()
         self._check_trains("step()")
+        check_onloaded(self, "engine.step()")
         with self.step_state.entered(TrainingPhase.STEP, leaving=TrainingPhase.IDLE,
                                      error="engine.step() was called during backward."):
             hps = self._optim.snapshot()
@@ -265,6 +267,32 @@ class Engine:
         self.step_state.check_open()
         self.scheduler.wait_all()
 
+    def offload_states(self, *, non_blocking: bool = False) -> OffloadedStates:
+        """Move every byte of the training state this engine holds on the device to the host --
+        persistent chunks with their masters, gradients and optimizer states, the streamed
+        chunks' buffers, the model's buffers -- and give the freed memory back to the device
+        ([Note: parking] in runtime/parking.py). Between steps only; the model cannot run until
+        ``onload_states()``, but the state dicts can be read. ``non_blocking``: return while the
+        copies run; the returned handle's ``wait()`` ends them (and every state read waits).
+        Offloading offloaded states returns the same handle."""
+        if self.offloaded is None:
+            check_between_steps(self, "engine.offload_states()")
+            self.offloaded = offload(self, non_blocking=non_blocking)
+        if not non_blocking:
+            self.offloaded.wait()
+        return self.offloaded
+
+    def onload_states(self) -> None:
+        """Back to the device what ``offload_states`` moved; training continues exactly as if it
+        had stayed there. With several processes every rank calls it (a collective). Nothing
+        to do for states on the device."""
+        self.step_state.check_open()
+        if self.offloaded is None:
+            return
+        onload(self, self.offloaded)
+        self.offloaded = None
+        self.set_block_modes(self.block_modes)  # the buffers' and chunks' device tensors are new
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.step_state.check_open()
         self.scheduler.zero_grad()
@@ -315,7 +343,8 @@ class Engine:
 
     def close(self, *, after_failure: bool = False) -> None:
         """Remove the hooks and stop the worker. The parameters keep their current values, as
-        views of the master weights (on the device for persistent chunks, else host).
+        views of the master weights (on the device for persistent chunks, else host; all on the
+        host, with the model's buffers, when the states are offloaded).
         ``after_failure``: the run ends with an exception (a Lightning strategy's teardown after
         ``on_exception``); nothing is waited for -- an update or collective in flight may wait
         for a rank that will not come -- and no observer runs: the values are what they are."""
@@ -358,6 +387,7 @@ class Engine:
     def _on_module_call(self, module, args, kwargs) -> None:
         if module is not self.module:  # a deep copy of the model
             return
+        check_onloaded(self, "The model's forward")
         if torch.is_grad_enabled():
             self.begin_batch((args, kwargs))
         else:

@@ -39,6 +39,11 @@ class HostPool:
         self._offset = end
         return self.buffer[start:end].view(dtype)
 
+    def rewind(self) -> None:
+        """Carve the same tensors again, from the start (a pool kept for reuse: their old
+        values stay until overwritten)."""
+        self._offset = 0
+
     def close(self) -> None:
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())

@@ -91,6 +91,7 @@ class Scheduler:
         self.events: list[tuple[str, int, float]] = []  # (what, chunk, time) when recording
         self.record_events = False
         self.timeline = None  # a Timeline while Engine.record_timeline() records
+        self._host_copies = None  # the event of copies to host tensors still in flight (parking)
         staging = max((c.storage.fmt.state_numel for c in self.streamed), default=0)
         self.worker = CpuWorker(ctx, optim, n_staging=n_buffer, staging_numel=staging, record=self.record,
                                 world=1 if self.sharding is None else self.sharding.world,
@@ -357,7 +358,15 @@ class Scheduler:
                 if c.persistent:
                     c.await_reduction(self.ctx)  # the reduce-scatters ran beside backward
 
+    def copies_pending(self, event) -> None:
+        """Copies into host tensors are in flight until ``event`` (a non-blocking offload of the
+        states): ``wait_all``, which every read of the states calls first, waits for them."""
+        self._host_copies = event
+
     def wait_all(self) -> None:
+        if self._host_copies is not None:
+            event, self._host_copies = self._host_copies, None
+            self.ctx.synchronize(event)
         for c in self.streamed:
             if c.state is ChunkState.OFFLOADING:
                 c.end_offload(self.ctx)

@@ -268,6 +268,7 @@ class ChunkStorage:
         self.host = host  # where host tensors live (the meta device in a size-only simulation)
         self.pin = pin
         self.pool: HostPool | None = None
+        self.spare_pool: HostPool | None = None  # a persistent chunk's host buffer kept for the next offload
         self.grad_buffer: Tensor | None = None  # streamed: this backward's gradients, on the device
         self.persistent = persistent
         with torch.no_grad():
@@ -288,7 +289,12 @@ class ChunkStorage:
 
     def _allocate_streamed(self) -> None:
         fmt = self.fmt
-        self.pool = pool = HostPool(fmt.host_tensors(), pin=self.pin, device=self.host)
+        pool, self.spare_pool = self.spare_pool, None
+        if pool is None:
+            pool = HostPool(fmt.host_tensors(), pin=self.pin, device=self.host)
+        else:
+            pool.rewind()
+        self.pool = pool
         take = lambda: pool.take(fmt.state_numel, fmt.master_dtype)  # noqa: E731
         master = take() if fmt.separate_master else None
         self.host_copy = pool.take(fmt.shard_numel, fmt.compute_dtype)
@@ -306,27 +312,36 @@ class ChunkStorage:
         self.max_exp_avg_sq = make() if fmt.adam_states == 3 else None
 
     # ----- moving between the device and the host (a re-plan) ----------------------------------
-    def make_persistent(self) -> None:
+    def make_persistent(self, *, keep_host: bool = False, copy=None) -> None:
         """Streamed -> persistent: every tensor allocated on the device and copied there, then
-        the host buffer given up. The caller re-points the parameters (Chunk.persist)."""
+        the host buffer given up -- or kept for the next ``make_streamed`` (``keep_host``: an
+        offloaded chunk coming back; pinning a new buffer every time would cost more than the
+        copy, and the copies may then still read it: ``copy(dst, src)`` on a copy stream, which
+        the compute stream waits for). The caller re-points the parameters (Chunk.persist)."""
         assert not self.persistent and self.grad_buffer is None
+        assert copy is None or keep_host, "a copy in flight reads the host buffer: keep it"
         old = self._snapshot()
         with torch.no_grad():
             self.persistent = True
             self._allocate_persistent()
-            self._restore(old)
-        self.pool.close()
+            self._restore(old, copy)
+        if keep_host:
+            self.spare_pool = self.pool
+        else:
+            self.pool.close()
         self.pool = None
 
-    def make_streamed(self) -> None:
-        """Persistent -> streamed: a host buffer allocated and every tensor copied there. The
-        device tensors go when nothing refers to them: the parameters are re-pointed next."""
+    def make_streamed(self, copy=None) -> None:
+        """Persistent -> streamed: a host buffer allocated (or the one kept) and every tensor
+        copied there, by ``copy(dst, src)`` when given (a copy stream; the caller waits for it
+        before the host tensors are read), else at once. The device tensors go when nothing
+        refers to them: the parameters are re-pointed next."""
         assert self.persistent
         old = self._snapshot()
         with torch.no_grad():
             self.persistent = False
             self._allocate_streamed()
-            self._restore(old)
+            self._restore(old, copy)
 
     def _snapshot(self) -> dict:
         tensors = {name: getattr(self, name) for name in self._STATES}
@@ -335,22 +350,25 @@ class ChunkStorage:
         tensors["steps"] = self.steps
         return tensors
 
-    def _restore(self, old: dict) -> None:
+    def _restore(self, old: dict, copy=None) -> None:
+        copy = copy or (lambda dst, src: dst.copy_(src))
         if self.persistent:  # from the host shard: uploaded, then gathered (W processes)
             for host, device in self.shard_places(old["compute"]):
-                device.copy_(host)
+                copy(device, host)
             if self.sharding is not None:
                 self.gather_spans()
         else:  # the rank's pieces of the gathered copy
             for host, device in self.shard_places(device_copy=old["compute"]):
-                host.copy_(device)
+                copy(host, device)
         if old["master"] is not None:
-            self.master.copy_(old["master"])
+            copy(self.master, old["master"])
         for name in self._STATES:
             if old[name] is not None:
-                getattr(self, name).copy_(old[name])
+                copy(getattr(self, name), old[name])
         home = self.master if self.master is not None else self.compute_home
-        self.steps = [t.to(home.device) for t in old["steps"]]
+        self.steps = [torch.empty_like(t, device=home.device) for t in old["steps"]]
+        for new, t in zip(self.steps, old["steps"]):
+            copy(new, t)
 
     # ----- where the compute copy is --------------------------------------------------------
     @property
@@ -416,7 +434,7 @@ class ChunkStorage:
 
     @property
     def host_bytes(self) -> int:
-        return 0 if self.pool is None else self.pool.nbytes
+        return sum(p.nbytes for p in (self.pool, self.spare_pool) if p is not None)
 
     @property
     def host_pinned(self) -> bool:

@@ -1,0 +1,265 @@
+"""engine.offload_states() / onload_states() ([Note: parking] in runtime/parking.py): every device
+byte of the training state goes to the host and comes back, between steps and between the
+micro-batches of one step. Training with a round trip at every step equals plain PyTorch bit for
+bit in fp32 and equals the same engine without round trips in the mixed modes."""
+
+import copy
+
+import pytest
+import torch
+
+import protrain_core as pt
+from conftest import MODELS, assert_same_weights, batches, n_chunks, standard_plans, train_reference
+
+CACHE_WARNING = "ignore:ProTrain. a key/value cache"
+
+
+def _assert_offloaded(engine):
+    """Nothing of the engine on the device: every chunk streamed and without a device copy or
+    gradient buffer, the memory accounting at zero."""
+    assert engine.memory.device_bytes() == 0
+    for c in engine.chunks:
+        assert not c.persistent and not c.storage.device_copy_allocated and c.storage.grad_buffer is None, c
+
+
+def _train(engine, data, *, round_trip, accumulate=1, non_blocking=False):
+    losses = []
+    for i in range(0, len(data), accumulate):
+        micro, total = data[i:i + accumulate], 0.0
+        for j, x in enumerate(micro):
+            if round_trip:
+                engine.offload_states(non_blocking=non_blocking)
+                _assert_offloaded(engine)
+                engine.onload_states()
+            loss = engine.module(input_ids=x, labels=x).loss / len(micro)
+            if j < len(micro) - 1:
+                with engine.no_sync():
+                    engine.backward(loss)
+            else:
+                engine.backward(loss)
+            total += loss.item()
+        engine.step()
+        if round_trip:  # also after the step, before zero_grad: the gradients travel too
+            engine.offload_states()
+            engine.onload_states()
+        engine.zero_grad()
+        losses.append(total)
+    return losses
+
+
+@pytest.mark.filterwarnings(CACHE_WARNING)
+@pytest.mark.parametrize("plan_name", ["all-persistent", "streamed-buf1", "mixed-buf2", "swap-checkpoint"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_round_trip_at_every_step_equals_plain_pytorch(arch, plan_name):
+    model = MODELS[arch]()
+    ref = copy.deepcopy(model)
+    data = batches(6)
+    ref_losses = train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1, fused=True), data)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1),
+                     standard_plans(model)[plan_name], device="cpu",
+                     config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
+    persistent = {c.index for c in engine.chunks if c.persistent}
+    assert _train(engine, data, round_trip=True, non_blocking=plan_name == "mixed-buf2") == ref_losses
+    assert {c.index for c in engine.chunks if c.persistent} == persistent == engine.plan.persistent()
+    assert_same_weights(engine.state_dict(), ref)
+    assert engine.states.optimizer()["state"].keys() == set(range(len(list(ref.parameters()))))
+
+
+def test_a_round_trip_between_micro_batches_keeps_the_accumulated_gradients():
+    model = MODELS["gpt2"]()
+    ref = copy.deepcopy(model)
+    data = batches(8)
+    ref_losses = train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True), data, accumulate=2)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), pt.Plan(n_persist=2, n_buffer=1),
+                     device="cpu")
+    losses = _train(engine, data, round_trip=True, accumulate=2)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=0)  # the printed sum's order only
+    assert_same_weights(engine.state_dict(), ref)
+
+
+@pytest.mark.filterwarnings(CACHE_WARNING)
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "bf16-true"])
+def test_a_round_trip_does_not_change_a_bit_in_low_precision(precision):
+    """Against the same engine without round trips: masters, moments, step counters and the
+    loss scaler come back unchanged, with a frozen embedding in a persistent chunk."""
+    data = batches(5)
+    runs = []
+    for round_trip in (False, True):
+        model = MODELS["llama"]()
+        model.get_input_embeddings().weight.requires_grad_(False)
+        if precision == "bf16-true":
+            model = model.to(torch.bfloat16)
+        n = n_chunks(model)
+        engine = pt.wrap(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3),
+                         pt.Plan(n_persist=n - 1, n_buffer=1, n_checkpoint=1), precision=precision, device="cpu")
+        losses = _train(engine, data, round_trip=round_trip)
+        runs.append((losses, engine.state_dict(), engine.states.optimizer(), engine.states.scaler()))
+    (l0, sd0, osd0, sc0), (l1, sd1, osd1, sc1) = runs
+    assert l0 == l1 and sc0 == sc1
+    assert all(torch.equal(sd0[k], sd1[k]) for k in sd0)
+    for i, entry in osd0["state"].items():
+        assert all(torch.equal(v, osd1["state"][i][k]) for k, v in entry.items())
+
+
+def test_states_can_be_read_and_written_while_offloaded():
+    """The state dicts read the host copies; a loaded state dict goes to the device with them."""
+    model = MODELS["gpt2"]()
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), pt.Plan(n_persist=2, n_buffer=1),
+                     device="cpu")
+    x = batches(1)[0]
+    engine.backward(engine.module(input_ids=x, labels=x).loss)
+    engine.step()
+    before, osd = engine.state_dict(), engine.states.optimizer()
+    engine.offload_states()
+    after = engine.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert engine.states.optimizer()["state"][0]["exp_avg"].equal(osd["state"][0]["exp_avg"])
+    changed = {k: torch.full_like(v, 0.5) if v.is_floating_point() else v for k, v in before.items()}
+    engine.load_state_dict(changed)
+    engine.onload_states()
+    assert all(torch.equal(v, changed[k]) for k, v in engine.state_dict().items())
+    assert all(torch.equal(p, torch.full_like(p, 0.5)) for p in model.parameters())
+
+
+def test_the_model_cannot_run_while_offloaded_and_a_step_cannot_be_offloaded():
+    model = MODELS["gpt2"]()
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), pt.Plan(n_persist=1, n_buffer=1),
+                     device="cpu")
+    x = batches(1)[0]
+    for _ in range(2):  # the second step updates the streamed chunks during backward
+        loss = engine.module(input_ids=x, labels=x).loss
+        with pytest.raises(RuntimeError, match="within a step; call it after engine.step"):
+            engine.offload_states()  # between a forward and its backward: autograd holds the device copies
+        engine.backward(loss)
+        if any(c.applied for c in engine.chunks):
+            with pytest.raises(RuntimeError, match="within a step"):
+                engine.offload_states()  # streamed chunks were updated, the persistent ones wait for step()
+        engine.step()
+        engine.zero_grad()
+    assert "during-backward" in engine.overlap
+    handle = engine.offload_states()
+    assert engine.offload_states() is handle  # offloading twice is once
+    calls = []
+    model.transformer.h[0].register_forward_pre_hook(lambda *a: calls.append(1))
+    for run in (lambda: engine.module(input_ids=x, labels=x), engine.step,
+                lambda: engine.replan(pt.Plan(n_persist=0, n_buffer=1))):
+        with pytest.raises(RuntimeError, match=r"engine.onload_states\(\) first"):
+            run()
+    assert calls == []  # refused before any of the model ran
+    engine.onload_states()
+    engine.onload_states()  # nothing to do
+    engine.module(input_ids=x, labels=x)
+    assert calls == [1]
+
+
+def test_a_second_round_trip_allocates_no_host_memory():
+    """The persistent chunks keep the host buffers they were offloaded to."""
+    model = MODELS["gpt2"]()
+    n = n_chunks(model)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), pt.Plan(n_persist=n, n_buffer=0),
+                     device="cpu")
+    assert engine.memory.host_bytes() == 0
+    engine.offload_states()
+    parked = engine.memory.host_bytes()
+    pools = [c.storage.pool for c in engine.chunks]
+    assert parked == sum(c.storage.fmt.streamed_host_bytes for c in engine.chunks) > 0
+    engine.onload_states()
+    assert engine.memory.host_bytes() == parked  # kept, and counted
+    engine.offload_states()
+    assert [c.storage.pool for c in engine.chunks] == pools  # the same buffers, nothing new
+    engine.onload_states()
+
+
+def test_a_non_blocking_offload_copies_on_the_device_to_host_stream():
+    """On the simulated GPU every byte goes over the device-to-host link, after the host has
+    returned; ``wait()`` blocks the host until the last copy ends; state reads wait too."""
+    from protrain_core.simulator import SimulatedDevice
+
+    model = MODELS["gpt2"]()
+    n = n_chunks(model)
+    with SimulatedDevice("h100", tensors="cpu") as sim:
+        engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), pt.Plan(n_persist=n, n_buffer=0),
+                         device=sim)
+        x = batches(1)[0]
+        engine.backward(engine.module(input_ids=x, labels=x).loss)
+        engine.step()
+        sim.synchronize_device()
+        sim.records.reset()
+        handle = engine.offload_states(non_blocking=True)
+        issued = sim.main.t
+        copies = [w for w in sim.records.work if w.kind == "copy"]
+        assert {w.label for w in copies} == {"device->host"} and {w.lane for w in copies} == {sim.d2h_stream.name}
+        assert sum(w.nbytes for w in copies) == handle.copied_bytes > sum(
+            c.storage.fmt.persistent_device_bytes for c in engine.chunks) // 2
+        assert not handle.done() and max(w.end for w in copies) > issued
+        engine.state_dict()  # waits for the copies before reading the host tensors
+        assert sim.main.t >= max(w.end for w in copies) and handle.done()
+        handle.wait()
+        engine.onload_states()
+        engine.close()
+
+
+def _two_process_round_trips(rank, world):
+    """Per plan and precision: (losses, state dict) with and without a round trip at every step
+    (and between micro-batches), sharded over ``world`` gloo processes."""
+    out = []
+    for plan_name, precision in (("all-persistent", "32-true"), ("mixed-buf2", "32-true"), ("mixed-buf2", "bf16-mixed")):
+        runs = []
+        for round_trip in (False, True):
+            model = MODELS["gpt2"]()
+            model.get_input_embeddings().weight.requires_grad_(False)
+            engine = pt.wrap(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3),
+                             standard_plans(model)[plan_name], precision=precision, device="cpu")
+            assert engine.world_size == world
+            losses = _train(engine, batches(6, seed=30 + rank), round_trip=round_trip, accumulate=2)
+            runs.append((losses, engine.state_dict(), engine.states.optimizer()))
+        out.append(runs)
+    return out
+
+
+def test_round_trips_on_two_processes_change_nothing(tmp_path):
+    from _distributed import spawn
+
+    for rank, cases in enumerate(spawn(_two_process_round_trips, 2, tmp_path)):
+        for (l0, sd0, osd0), (l1, sd1, osd1) in cases:
+            assert l0 == l1, rank
+            if rank == 0:  # rank0_only state dicts
+                assert sd0.keys() == sd1.keys() and all(torch.equal(sd0[k], sd1[k]) for k in sd0)
+                for i, entry in osd0["state"].items():
+                    assert all(torch.equal(v, osd1["state"][i][k]) for k, v in entry.items())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("non_blocking", [False, True])
+def test_on_cuda_an_offloaded_engine_holds_no_device_memory_and_trains_on_exactly(non_blocking):
+    """The allocator's own count: after the offload (and ``wait()``) the device holds what it
+    held before the engine existed, within 1 MiB (the batches, small scalars); the reserved
+    memory is given back but for a few small-block segments; training continues bitwise."""
+    torch.cuda.empty_cache()
+    base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    runs = []
+    for round_trip in (False, True):
+        model = MODELS["gpt2"]()
+        engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), pt.Plan(n_persist=2, n_buffer=1,
+                                                                                         n_swap=1),
+                         precision="bf16-mixed", device="cuda")
+        data = batches(4, device="cuda")
+        losses = []
+        for x in data:
+            loss = engine.module(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+            losses.append(loss.item())
+            if round_trip:
+                held = torch.cuda.memory_allocated() - base
+                handle = engine.offload_states(non_blocking=non_blocking)
+                handle.wait()
+                assert torch.cuda.memory_allocated() - base < 2**20 < held
+                assert torch.cuda.memory_reserved() - base_reserved <= 4 * 2**21
+                engine.onload_states()
+        runs.append((losses, engine.state_dict()))
+        engine.close()
+        del engine, model
+    (l0, sd0), (l1, sd1) = runs
+    assert l0 == l1 and all(torch.equal(sd0[k], sd1[k]) for k in sd0)
