@@ -535,8 +535,9 @@ def markdown(report: dict) -> str:
     if pro:
         lines += ["", "ProTrain: plan, fidelity of the cost models, and the lower bound on step time", "",
                   "| model | system | plan | step: predicted / measured (error) | step: simulated (error) | "
-                  "peak: predicted / measured | lower bound = max(compute, transfer, CPU Adam) | measured / bound |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "peak: predicted / measured | lower bound = max(compute, transfer, CPU Adam) | measured / bound | "
+                  "host RSS growth / planned host bytes |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in pro:
             measured_peak = r.get("peak_device_bytes") or r.get("peak_device_bytes_tracked")
             pred = r.get("predicted_step_s")
@@ -550,7 +551,9 @@ def markdown(report: dict) -> str:
             sim = _simulated(dict(r, measured_step_s=r["step_median_s"]) if "step_median_s" in r else r)
             lines.append(f"| {r['label']} | {r['system']} | {plan} | {ms(pred)} / {ms(r.get('step_median_s'))}{err}"
                          f" | {sim} | {gib(r.get('predicted_peak_bytes'))} / {gib(measured_peak)}{perr} | {bound} | "
-                         + (f"{r['vs_lower_bound']:.2f}x |" if "vs_lower_bound" in r else "— |"))
+                         + (f"{r['vs_lower_bound']:.2f}x |" if "vs_lower_bound" in r else "— |")
+                         + (f" {gib(r['peak_host_rss_bytes'] - r['rss_baseline_bytes'])} / {gib(r['planned_host_bytes'])}"
+                            f" = {r['rss_over_plan']:.2f}x |" if r.get("rss_over_plan") else " — |"))
     lines += study_markdown(report.get("study", []))
     if report["probes"]:
         lines += ["", "Probes (ascending; the first failure ends a probe)", "", "| probe | system | largest that trained | "

@@ -201,6 +201,27 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
+def current_rss() -> int:
+    """Resident bytes of this process now (Linux), else its peak so far."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return peak_rss()
+
+
+def host_memory_facts(engine, device: torch.device, baseline: int, peak: int | None) -> dict:
+    """Peak host RSS against the plan: what the plan allocates on the host (the explanation's
+    host line; on a CPU device also its predicted device peak, the same RAM) over what the
+    process grew by from before ``wrap`` (issue 30: at most 1.10x)."""
+    if engine.choice is None or peak is None:
+        return {}
+    m = engine.choice.memory
+    planned = m.planned_host_bytes + (m.peak_bytes if device.type != "cuda" else 0)
+    return {"rss_baseline_bytes": baseline, "planned_host_bytes": planned,
+            "rss_over_plan": (peak - baseline) / planned if planned else None}
+
+
 def train_loop(step, data, spec, clock: Clock) -> None:
     """``step(x) -> loss``: ``warmup`` untimed steps, then the timed ones."""
     for x in data[: spec["warmup"]]:
@@ -357,6 +378,7 @@ def run_protrain_core(spec, device, clock):
     clip = spec.get("clip")
     config = pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget=spec.get("memory_budget")),
                                clipping=None if clip is None else ("norm", clip))
+    baseline = current_rss()  # the process before ProTrain: Python, torch, the model built on the CPU, the data
     engine = pt.wrap(model, opt, plan=None, config=config, precision=spec["precision"], device=device, report=_report)
     try:
         step = engine_step(engine)
@@ -367,6 +389,7 @@ def run_protrain_core(spec, device, clock):
 
             extra["peak_device_bytes_tracked"] = measure_peak(engine, data[-1], device)
         extra["memory"] = memory_categories(engine, extra.get("peak_device_bytes_tracked") or clock.peak)
+        extra.update(host_memory_facts(engine, device, baseline, clock.rss))
         if engine.choice is not None and world() == 1:
             try:  # the same run on the simulated device (protrain_core/simulator), given this machine's figures
                 extra["simulated_step_s"] = simulated_step(spec, engine.plan, engine.choice.profile, device)

@@ -28,7 +28,7 @@ from protrain_core.runtime.storage import chunk_formats
 from protrain_core.structure.blocks import find_blocks
 from protrain_core.structure.layout import ChunkLayout, build_layout
 from protrain_core.update import overlap_mode
-from protrain_core.utils import available_host_bytes, batch_tokens
+from protrain_core.utils import available_host_bytes, batch_tokens, format_bytes
 
 
 _WRAP_LEGACY = ("memory_budget", "max_tokens", "blocks", "chunk_size", "profile_cache", "reprofile", "check_invariants",
@@ -135,12 +135,35 @@ class _Build:
 
     def engine(self, plan: Plan) -> Engine:
         check_plan(plan, self.layout.limits())
+        self.check_host_budget(plan)
         engine = Engine(self.model, self.optimizer, self.layout, plan, self.precision, self.device, self.options,
                         sharding=self.sharding)
         clipping = self.config.clipping
         if clipping is not None:
             engine.clipping.configure(clipping.algorithm, clipping.value, clipping.norm_type)
         return engine
+
+    def check_host_budget(self, plan: Plan) -> None:
+        """Refuse, before anything is allocated, a plan whose streamed chunks' states exceed this
+        rank's host budget (available RAM minus a margin, divided among the ranks of a node; a
+        collective with several processes). A searched plan fits by construction; this catches
+        a given one and the safe plan. A CPU device has no host budget of its own: its memory
+        budget covers the same RAM."""
+        host_budget = default_host_budget(self.device)
+        if host_budget is None:
+            return
+        host_budget = agree_budgets(self.sharding, 0, host_budget)[1]
+        formats = chunk_formats(self.model, self.optimizer, self.layout, self.precision,
+                                optimizer_states=self.options.optimizer_states, world_size=self.world)
+        persistent = plan.persistent()
+        need = sum(f.streamed_host_bytes for i, f in enumerate(formats) if i not in persistent)
+        if need > host_budget:
+            raise MemoryError(
+                f"The plan {plan} keeps {format_bytes(need)} of model states in host memory on this rank (the "
+                f"streamed chunks' weights, gradients and optimizer states), over its host budget of "
+                f"{format_bytes(host_budget)} (available RAM minus {CPU_MARGIN_FRACTION:.0%}, divided among the "
+                "ranks of this node). Keep more chunks on the device (a larger n_persist), use precision="
+                "'bf16-true', or free host memory; nothing was allocated.")
 
     def safe_plan(self, budget: int) -> Plan:
         return safe_plan(self.model, self.optimizer, self.layout, self.precision, self.device, optimizer_states=True,

@@ -263,3 +263,93 @@ def test_on_cuda_an_offloaded_engine_holds_no_device_memory_and_trains_on_exactl
         del engine, model
     (l0, sd0), (l1, sd1) = runs
     assert l0 == l1 and all(torch.equal(sd0[k], sd1[k]) for k in sd0)
+
+
+def test_the_colocation_example_learns_with_the_engine_offloaded_while_generating():
+    """examples/rl_colocation.py on the CPU: generation from an exported copy while the engine
+    holds nothing on the device (the example asserts it), REINFORCE steps after onloading; the
+    reward rises."""
+    from examples.rl_colocation import main
+
+    rounds = main(["--rounds", "12"])
+    rewards = [r["reward"] for r in rounds]
+    assert len(rounds) == 12 and all(r["generation_device_bytes"] < r["training_device_bytes"] for r in rounds)
+    assert sum(rewards[-3:]) > 2 * sum(rewards[:3])
+
+
+# ----- host memory that matches the plan ---------------------------------------------------------
+def test_a_plan_over_the_host_budget_is_refused_before_anything_is_allocated(monkeypatch):
+    """On a (simulated) GPU whose host has less RAM than the streamed chunks' states: the given
+    plan is refused with the numbers, before a chunk or host buffer exists; a plan that keeps
+    enough chunks on the device is built."""
+    import dataclasses
+
+    from protrain_core.runtime import host_pool
+    from protrain_core.simulator import H100, SimulatedDevice
+
+    pools = []
+    monkeypatch.setattr(host_pool.HostPool, "__init__", lambda self, *a, _init=host_pool.HostPool.__init__, **k:
+                        (pools.append(1), _init(self, *a, **k))[1])
+    model = MODELS["gpt2"]()
+    n = n_chunks(model)
+    states = sum(p.numel() for p in model.parameters()) * 16  # fp32 weights, gradients, two moments
+    with SimulatedDevice(dataclasses.replace(H100, host_memory_bytes=states // 2), tensors="cpu") as sim:
+        with pytest.raises(MemoryError, match=r"keeps .* of model states in host memory .* over its host budget of "
+                                              r"[0-9.]+ KiB .*larger n_persist.*nothing was allocated"):
+            pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), pt.Plan(n_persist=0, n_buffer=1), device=sim)
+        assert pools == [] and getattr(model, "_protrain_engine", None) is None
+        engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), pt.Plan(n_persist=n - 1, n_buffer=1),
+                         device=sim)
+        assert 0 < engine.memory.host_bytes() <= states // 2 * 0.9
+        engine.close()
+
+
+def test_the_explanation_lists_every_host_byte_the_plan_allocates():
+    """Chunk states, swap buffers (with their size-class rounding) and the fp32 staging, summed."""
+    from protrain_core.planner.cost import CostModel
+
+    model = MODELS["gpt2"]()
+    x = batches(1)[0]
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), device="cpu",
+                     example_inputs={"input_ids": x, "labels": x}, report=lambda *a, **k: None,
+                     config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget="3MiB", profile_cache=False)))
+    plan = pt.Plan(n_persist=1, n_buffer=2, n_swap=2)
+    m = CostModel(engine.choice.profile).memory(plan)
+    streamed = sum(c.storage.fmt.streamed_host_bytes for c in engine.chunks if c.index not in plan.persistent())
+    largest = max(c.storage.fmt.state_numel for c in engine.chunks if c.index not in plan.persistent())
+    assert m.host_bytes - m.swap_host_bytes == streamed and m.swap_host_bytes > 0
+    assert m.staging_host_bytes == 2 * largest * 4  # fp32: the worker's two staging buffers
+    assert m.planned_host_bytes == m.host_bytes + m.swap_host_bytes // 8 + m.staging_host_bytes
+    assert "host memory" in engine.explain() and "chunk states" in engine.explain()
+
+
+def _rss_runs(cases: str, world: int = 1) -> list[dict]:
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, str(root / "tests" / "scripts" / "host_rss.py"), cases, str(world)],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/clear_refs"), reason="reads Linux's /proc")
+@pytest.mark.parametrize("cases,world", [("streamed,lora", 1), ("two-processes", 2)])
+def test_peak_resident_memory_stays_within_the_plan(cases, world):
+    """Issue 30: the peak resident size over steady steps is at most 1.10x the plan's bytes plus
+    the process before ``wrap`` (on a CPU device the plan's bytes are its host bytes and its
+    predicted device peak: the same RAM), for a plan that streams chunks and swaps
+    activations, a LoRA model and each of 2 processes; the chunk states' host memory is the
+    plan's to the byte."""
+    runs = _rss_runs(cases, world)
+    assert len(runs) == len(cases.split(",")) * world
+    for r in runs:
+        planned = r["planned_host"] + r["planned_device"]
+        assert r["peak"] <= 1.10 * (planned + r["baseline"]), r
+        assert r["host_allocated"] == r["planned_states"], r
+    assert any(r["planned_states"] > 0 for r in runs)  # some chunks stream

@@ -82,6 +82,14 @@ class MemoryEstimate:
     peak_bytes: int
     peak_at: str  # where the peak happens, e.g. "backward of block.3"
     host_bytes: int  # host memory: streamed chunks' states and swapped activations
+    swap_host_bytes: int = 0  # of which swapped activations (their buffers: up to 1/8 more, runtime/swap.py)
+    staging_host_bytes: int = 0  # beside them, the CPU worker's staging for accumulated fp32 gradients
+
+    @property
+    def planned_host_bytes(self) -> int:
+        """Every host byte the plan allocates: chunk states, swap buffers (rounded up to their
+        size classes, at most 1/8 more) and the worker's staging."""
+        return self.host_bytes + self.swap_host_bytes // 8 + self.staging_host_bytes
 
 
 # ----- eq. 4 and 5, once: for Python floats (one plan) and for tensors (every plan at once) ----
@@ -253,6 +261,23 @@ class CostModel:
             return self.host_suffix[persistent]
         return sum(b for c, b in enumerate(self.profile.host_bytes) if c not in persistent)
 
+    def staging_bytes(self, persistent: int | frozenset[int], n_buffer: int) -> int:
+        """The CPU worker's staging buffers (runtime/worker.py): where a chunk's gradients of a
+        later micro-batch land before they are added to the accumulator -- ``n_buffer`` of the
+        largest streamed trainable shard, in the state dtype, only where the state dtype is the
+        compute dtype (the mixed modes land in the host compute copy instead)."""
+        p = self.profile
+        persistent = frozenset(range(persistent)) if isinstance(persistent, int) else persistent
+        largest, itemsize = 0, 0
+        for c in range(p.n_chunks):
+            compute, state = p.chunk_dtypes[c] if p.chunk_dtypes else (None, None)
+            if c in persistent or compute != state or not p.chunk_trainable[c]:
+                continue
+            shard = -(-p.chunk_trainable[c] // p.world_size)
+            if shard > largest:  # no dtypes (a hand-built profile): the compute dtype everywhere
+                largest, itemsize = shard, p.compute_bytes if state is None else getattr(torch, state).itemsize
+        return n_buffer * largest * itemsize
+
     def host_bytes(self, persistent: int | frozenset[int], modes: tuple[BlockMode, ...]) -> int:
         return self.streamed_host_bytes(persistent) + self.layout(modes).swap_host_bytes
 
@@ -385,6 +410,8 @@ class CostModel:
             peak_bytes=persistent + buffers + self.profile.base_bytes + act,
             peak_at=lay.peak_at,
             host_bytes=self.host_bytes(plan.persistent(), modes),
+            swap_host_bytes=lay.swap_host_bytes,
+            staging_host_bytes=self.staging_bytes(plan.persistent(), B),
         )
 
 

@@ -104,12 +104,23 @@ class PlanChoice:
             f"persistent chunks {format_bytes(m.persistent_bytes)}, chunk buffers {format_bytes(m.buffer_bytes)}, "
             f"batch and other {format_bytes(m.base_bytes)}, activations {format_bytes(m.activation_bytes)} "
             f"(peak in the {m.peak_at}; fragmentation factor {p.fragmentation:.2f})",
-            f"  host memory {format_bytes(m.host_bytes)} (streamed chunks' states and swapped activations)"
-            + (f" of {format_bytes(self.host_budget_bytes)} available" if self.host_budget_bytes else ""),
+            _host_line(m, self.host_budget_bytes),
             f"  search: {self.evaluated:,} plans evaluated in {format_seconds(self.seconds)}; "
             f"profile: {p.hardware.device}, {p.iterations} timed iterations",
         ]
         return "\n".join(lines)
+
+
+def _host_line(m, budget: int | None) -> str:
+    """The host bytes the plan allocates, by what holds them (before the first step)."""
+    parts = [f"chunk states {format_bytes(m.host_bytes - m.swap_host_bytes)}"]
+    if m.swap_host_bytes:
+        parts.append(f"swapped activations {format_bytes(m.swap_host_bytes)} (buffers up to "
+                     f"{format_bytes(m.swap_host_bytes + m.swap_host_bytes // 8)})")
+    if m.staging_host_bytes:
+        parts.append(f"gradient staging up to {format_bytes(m.staging_host_bytes)} (accumulation)")
+    return (f"  host memory {format_bytes(m.planned_host_bytes)} allocated: {', '.join(parts)}"
+            + (f"; budget {format_bytes(budget)}" if budget else ""))
 
 
 def _named(plan: Plan) -> str:

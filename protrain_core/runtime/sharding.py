@@ -231,9 +231,9 @@ def agree_budgets(sharding: Sharding | None, device_budget: int, host_budget: in
     hosts = sharding.gather_objects(socket.gethostname())
     per_node = hosts.count(hosts[sharding.rank])
     # Every rank has the same kind of device, so the host budget is None on all of them or none.
-    t = torch.tensor([device_budget, 0 if host_budget is None else host_budget // per_node], dtype=torch.int64)
-    _blocking(dist.all_reduce, t, op=dist.ReduceOp.MIN, group=sharding.checks or sharding.group)
-    return int(t[0]), None if host_budget is None else int(t[1])
+    # The smallest of each: the largest of the negated (exact in float64 below 2**53 bytes).
+    low = sharding.max_on_host([-float(device_budget), -float(0 if host_budget is None else host_budget // per_node)])
+    return int(-low[0]), None if host_budget is None else int(-low[1])
 
 
 def check_same_configuration(sharding: Sharding | None, fields: dict[str, object]) -> None:
