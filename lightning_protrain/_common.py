@@ -172,11 +172,32 @@ class ProcessesPlumbing:
 
 class OneDevicePlumbing:
     """What the Trainer and the Fabric strategy do alike, placed before their Lightning base
-    class: checkpoints written by ``AtomicCheckpointIO`` unless another IO is set, and the root
+    class: checkpoints written by ``AtomicCheckpointIO`` unless another IO is set, the root
     device, when none was given, the accelerator's current device (Lightning creates registered
-    strategies without one). ``_cuda_accelerator``: that Lightning flavour's CUDA accelerator."""
+    strategies without one), and offloading the open engine's states. ``_cuda_accelerator``:
+    that Lightning flavour's CUDA accelerator."""
 
     _cuda_accelerator: type
+    engine: pt.Engine | None
+
+    def _open_engine(self) -> pt.Engine | None:
+        return self.engine if self.engine is not None and not self.engine.closed else None
+
+    # ----- the device lent between phases ([Note: parking] in protrain_core/runtime/parking.py) --
+    def offload_states(self, *, non_blocking: bool = False):
+        """Move the training state off the device (``Engine.offload_states``) between steps: from
+        a Trainer callback (``on_train_batch_end``, ...) or a Fabric loop; the model cannot run
+        until ``onload_states()``. Without an open engine there is nothing to move (between
+        Trainer ``fit`` calls the engine is closed and Lightning moved the model to the CPU).
+        The engine's handle, or None."""
+        engine = self._open_engine()
+        return None if engine is None else engine.offload_states(non_blocking=non_blocking)
+
+    def onload_states(self) -> None:
+        """Back to the device what ``offload_states`` moved (every rank calls it)."""
+        engine = self._open_engine()
+        if engine is not None:
+            engine.onload_states()
 
     @property
     def checkpoint_io(self):

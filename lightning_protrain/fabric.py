@@ -202,7 +202,7 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
         )
 
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
-        if self.engine is not None and not self.engine.closed:
+        if self._open_engine() is not None:
             raise RuntimeError(
                 "This ProTrain strategy already trains a model: fabric.setup(model, optimizer) was called "
                 f"before (for {type(self.engine.module).__name__}), and one ProTrain strategy runs one model. "
@@ -227,18 +227,6 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
         if self.engine is None:
             raise RuntimeError("The ProTrain engine is built by fabric.setup(model, optimizer); it was not called yet.")
         return self.engine
-
-    def offload_states(self, *, non_blocking: bool = False):
-        """Move the training state off the device between steps (``Engine.offload_states``): the
-        model cannot run until ``onload_states()``. The engine's handle, or None without an
-        open engine (nothing of ProTrain's on the device)."""
-        engine = self.engine if self.engine is not None and not self.engine.closed else None
-        return None if engine is None else engine.offload_states(non_blocking=non_blocking)
-
-    def onload_states(self) -> None:
-        """Back to the device what ``offload_states`` moved (every rank calls it)."""
-        if self.engine is not None and not self.engine.closed:
-            self.engine.onload_states()
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
         return self.require_engine().clipping.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
@@ -336,10 +324,11 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
         return meta
 
     def teardown(self) -> None:
-        if self.engine is not None and not self.engine.closed:
-            self.precision.scaler = self.engine.states.scaler()  # for fabric.save after teardown
-            unroute_zero_grad(self.engine.optimizer)
-            self.engine.close()
+        engine = self._open_engine()
+        if engine is not None:
+            self.precision.scaler = engine.states.scaler()  # for fabric.save after teardown
+            unroute_zero_grad(engine.optimizer)
+            engine.close()
         super().teardown()
 
     @classmethod

@@ -378,25 +378,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
             for logger in trainer.loggers:
                 logger.log_metrics({f"protrain/{k}": v for k, v in metrics.items()}, step=trainer.global_step)
 
-    # ----- the device lent between phases ([Note: parking] in protrain_core/runtime/parking.py) --
-    def offload_states(self, *, non_blocking: bool = False):
-        """Move the training state off the device (``Engine.offload_states``): from a callback
-        between steps (``on_train_batch_end``, ``on_train_epoch_end``, ...); the model cannot
-        run until ``onload_states()``. Between ``fit`` calls there is nothing to move: the
-        engine closed and Lightning moved the model to the CPU. The engine's handle, or None."""
-        engine = self._open_engine()
-        return None if engine is None else engine.offload_states(non_blocking=non_blocking)
-
-    def onload_states(self) -> None:
-        """Back to the device what ``offload_states`` moved (every rank calls it)."""
-        engine = self._open_engine()
-        if engine is not None:
-            engine.onload_states()
-
     # ----- state -------------------------------------------------------------------------------
-    def _open_engine(self) -> pt.Engine | None:
-        return self.engine if self.engine is not None and not self.engine.closed else None
-
     def _sharded(self) -> pt.Engine | None:
         """The open engine when checkpoints are sharded directories."""
         engine = self._open_engine()

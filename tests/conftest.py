@@ -118,6 +118,17 @@ def assert_same_weights(engine_sd, ref_model, rtol=0.0, atol=0.0):
         torch.testing.assert_close(engine_sd[k], v.detach().float().cpu() if v.is_floating_point() else v, rtol=rtol, atol=atol, msg=k)
 
 
+def assert_same_runs(a, b):
+    """Two runs' ``(losses, model state dict, optimizer state dict, *more)`` -- ``more``: e.g. the
+    loss scaler's state -- are equal bit for bit."""
+    (l0, sd0, osd0, *more0), (l1, sd1, osd1, *more1) = a, b
+    assert l0 == l1 and more0 == more1
+    assert sd0.keys() == sd1.keys() and all(torch.equal(sd0[k], sd1[k]) for k in sd0)
+    assert osd0["state"].keys() == osd1["state"].keys()
+    for i, entry in osd0["state"].items():
+        assert all(torch.equal(v, osd1["state"][i][k]) for k, v in entry.items())
+
+
 @pytest.fixture
 def deepcopy():
     return copy.deepcopy

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import protrain_core as pt
-from conftest import MODELS, assert_same_weights, batches, n_chunks, train_engine, train_reference
+from conftest import MODELS, assert_same_runs, assert_same_weights, batches, n_chunks, train_engine, train_reference
 
 CACHE_WARNING = "ignore:ProTrain. a key/value cache"
 
@@ -74,11 +74,7 @@ def test_replanning_does_not_change_a_bit_in_mixed_precision(precision):
             engine.zero_grad()
             losses.append(loss.item())
         runs.append((losses, engine.state_dict(), engine.states.optimizer(), engine.states.scaler()))
-    (l0, sd0, osd0, sc0), (l1, sd1, osd1, sc1) = runs
-    assert l0 == l1 and sc0 == sc1
-    assert all(torch.equal(sd0[k], sd1[k]) for k in sd0)
-    for i, entry in osd0["state"].items():
-        assert all(torch.equal(v, osd1["state"][i][k]) for k, v in entry.items())
+    assert_same_runs(*runs)
 
 
 def test_a_replan_between_micro_batches_keeps_the_accumulated_gradients():

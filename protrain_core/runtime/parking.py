@@ -39,11 +39,10 @@ class OffloadedStates:
     """What ``Engine.offload_states`` moved to the host; ``wait()`` for a non-blocking one."""
 
     def __init__(self, ctx: DeviceContext, scheduler: Scheduler, event, *, chunks: tuple[int, ...],
-                 buffers: list[tuple[Tensor, torch.device]], device_bytes: int, copied_bytes: int) -> None:
+                 buffers: list[tuple[Tensor, torch.device]], copied_bytes: int) -> None:
         self._ctx, self._scheduler, self._event = ctx, scheduler, event
         self.chunks = chunks  # the chunks that were persistent, made persistent again by onloading
         self.buffers = buffers  # (the model's buffer, its device) for each buffer moved to the host
-        self.device_bytes = device_bytes  # device bytes the engine held before (model states)
         self.copied_bytes = copied_bytes  # bytes copied to the host (persistent chunks, buffers)
 
     def __repr__(self) -> str:
@@ -64,8 +63,8 @@ class OffloadedStates:
 def check_between_steps(engine, what: str) -> None:
     """Refuse ``what`` inside a step: from a training forward to the end of its backward, and
     from a backward that updated chunks (the CPU Adam during backward) to ``engine.step()``."""
-    engine.step_state.check_open()
     state = engine.step_state
+    state.check_open()
     if not state.idle or state.batch_begun or any(c.applied or c.receiving for c in engine.chunks):
         raise RuntimeError(f"{what} was called within a step; call it after engine.step() (or before the "
                            "next forward).")
@@ -88,7 +87,6 @@ def offload(engine, *, non_blocking: bool) -> OffloadedStates:
     held = [c for c in engine.chunks if c.persistent]
     ctx.check_host_memory(sum(c.storage.fmt.streamed_host_bytes for c in held if c.storage.spare_pool is None),
                           "offloaded model states")
-    device_bytes = scheduler.device_bytes()
     last, copied = None, 0
 
     def copy(dst: Tensor, src: Tensor) -> None:
@@ -103,7 +101,7 @@ def offload(engine, *, non_blocking: bool) -> OffloadedStates:
             c.unpersist(copy)
     scheduler.copies_pending(last)
     return OffloadedStates(ctx, scheduler, last, chunks=tuple(c.index for c in held), buffers=buffers,
-                           device_bytes=device_bytes, copied_bytes=copied)
+                           copied_bytes=copied)
 
 
 def onload(engine, offloaded: OffloadedStates) -> None:
