@@ -28,10 +28,12 @@ from protrain_core.planner.search import InfeasibleBudget, PlanChoice, search
 from protrain_core.precision import Precision
 from protrain_core.runtime.activations import BlockActivations
 from protrain_core.runtime.chunk import ChunkState, GradState, IllegalTransition
+from protrain_core.runtime.state_formats import AdamWBf16Moments, to_fp32_adam_state
 from protrain_core.structure.blocks import find_blocks
 from protrain_core.structure.layout import ChunkLayout, build_layout
 
 __all__ = [
+    "AdamWBf16Moments",
     "BatchTooLarge",
     "CheckpointConfig",
     "ClippingConfig",
@@ -56,6 +58,7 @@ __all__ = [
     "estimate_runtime",
     "profile",
     "search",
+    "to_fp32_adam_state",
     "BlockMode",
     "ChunkLayout",
     "ChunkState",

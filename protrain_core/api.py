@@ -24,7 +24,8 @@ from protrain_core.engine import Engine
 from protrain_core.runtime.options import EngineOptions
 from protrain_core.runtime.optim import check_optimizer
 from protrain_core.runtime.sharding import Sharding, agree, agree_budgets, check_same_configuration
-from protrain_core.runtime.storage import chunk_formats
+from protrain_core.runtime.state_formats import check_optimizer_for
+from protrain_core.runtime.storage import ChunkFormat, chunk_formats
 from protrain_core.structure.blocks import find_blocks
 from protrain_core.structure.layout import ChunkLayout, build_layout
 from protrain_core.update import overlap_mode
@@ -88,10 +89,10 @@ def wrap(
         sharding.check_device(dev.device)
     budget = planning.budget_bytes
     budget = default_memory_budget(dev) if budget is None and planning.plan is None else budget
-    layout = _prepare(model, optimizer, planning.blocks, planning.chunk_size, example_inputs, dev)
+    layout = _prepare(model, optimizer, planning.blocks, planning.chunk_size, example_inputs, dev,
+                      state_format=(config.optimizer_state_format, 1 if sharding is None else sharding.world))
     check_same_configuration(sharding, _configuration(model, optimizer, layout, prec, config))
-    options = EngineOptions(optimizer_states=config.optimizer_states, runtime=config.runtime)
-    build = _Build(model, optimizer, layout, prec, dev, config, options, sharding)
+    build = _Build(model, optimizer, layout, prec, dev, config, config.engine_options(), sharding)
     if planning.plan is not None:
         return build.engine(agree(sharding, planning.plan))
     return _searched(build, budget, report, example_inputs=example_inputs, loss_fn=loss_fn, step_fn=step_fn)
@@ -112,6 +113,7 @@ def _configuration(model: nn.Module, optimizer, layout: ChunkLayout, prec: Preci
         "plan": "searched" if config.planning.plan is None else repr(config.planning.plan),
         "gradient clipping": repr(config.clipping),
         "optimizer states": config.optimizer_states,
+        "optimizer state format": config.optimizer_state_format,
         "max tokens": config.planning.max_tokens,
     }
 
@@ -153,8 +155,7 @@ class _Build:
         if host_budget is None:
             return
         host_budget = agree_budgets(self.sharding, 0, host_budget)[1]
-        formats = chunk_formats(self.model, self.optimizer, self.layout, self.precision,
-                                optimizer_states=self.options.optimizer_states, world_size=self.world)
+        formats = self.formats(optimizer_states=self.options.optimizer_states)
         persistent = plan.persistent()
         need = sum(f.streamed_host_bytes for i, f in enumerate(formats) if i not in persistent)
         if need > host_budget:
@@ -165,9 +166,14 @@ class _Build:
                 "ranks of this node). Keep more chunks on the device (a larger n_persist), use precision="
                 "'bf16-true', or free host memory; nothing was allocated.")
 
+    def formats(self, *, optimizer_states: bool = True) -> list[ChunkFormat]:
+        """Every chunk's format, as the engine will allocate it."""
+        return chunk_formats(self.model, self.optimizer, self.layout, self.precision, optimizer_states=optimizer_states,
+                             world_size=self.world, state_format=self.options.state_format)
+
     def safe_plan(self, budget: int) -> Plan:
         return safe_plan(self.model, self.optimizer, self.layout, self.precision, self.device, optimizer_states=True,
-                         budget=budget, world_size=self.world)
+                         budget=budget, world_size=self.world, state_format=self.options.state_format)
 
 
 def _searched(build: _Build, budget: int, report, *, example_inputs, loss_fn, step_fn) -> Engine:
@@ -183,16 +189,15 @@ def _searched(build: _Build, budget: int, report, *, example_inputs, loss_fn, st
                "its chunks persist when its model states take at most half the memory budget, else they stream.")
         return engine
     if example_inputs is None:
-        check_budget_holds_states(chunk_formats(build.model, build.optimizer, build.layout, build.precision,
-                                                optimizer_states=True, world_size=build.world),
-                                  build.layout.limits(), budget)
+        check_budget_holds_states(build.formats(), build.layout.limits(), budget)
         engine = build.engine(agree(sharding, build.safe_plan(budget)))
         plan_on_first_steps(engine, budget=budget, host_budget=host_budget, report=report,
                             max_tokens=planning.max_tokens, **cache)
         return engine
     profile = profile_model(build.model, build.optimizer, build.layout, example_inputs=example_inputs,
                             loss_fn=loss_fn, step_fn=step_fn, precision=build.precision, device=build.device,
-                            sharding=sharding, switches=build.config.runtime, **cache)
+                            sharding=sharding, switches=build.config.runtime,
+                            state_format=build.options.state_format, **cache)
     n = batch_tokens(example_inputs)
     clipping = None if build.config.clipping is None else build.config.clipping.parsed()
     planner = AutoPlanner(None, profile, budget=budget, host_budget=host_budget, report=report,
@@ -205,9 +210,11 @@ def _searched(build: _Build, budget: int, report, *, example_inputs, loss_fn, st
     return engine
 
 
-def _prepare(model: nn.Module, optimizer, blocks, chunk_size, example_inputs, ctx: DeviceContext) -> ChunkLayout:
-    """Checks shared by ``wrap`` and ``profile``; returns the chunk layout."""
-    check_optimizer(optimizer)
+def _prepare(model: nn.Module, optimizer, blocks, chunk_size, example_inputs, ctx: DeviceContext, *,
+             state_format: tuple[str, int] = ("fp32", 1)) -> ChunkLayout:
+    """Checks shared by ``wrap`` and ``profile``; returns the chunk layout. ``state_format``: the
+    moments' format and the processes, which the optimizer must suit."""
+    check_optimizer_for(state_format[0], optimizer, adam=check_optimizer(optimizer) is None, world_size=state_format[1])
     if ctx.device.type != "meta" and any(p.device.type == "meta" for p in model.parameters()):
         raise ValueError("The model has parameters on the meta device; materialise them before wrap().")
     model_params = {id(p) for p in model.parameters()}

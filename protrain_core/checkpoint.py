@@ -51,6 +51,7 @@ def save_sharded(engine, path, meta: dict | None = None) -> None:
     """Write ``engine``'s weights and optimizer state as a sharded checkpoint directory at
     ``path`` (every rank calls it; see [Note: sharded checkpoints]); ``meta``: anything else
     to keep with them (rank 0's is written, ``torch.save``d as ``meta.pt``)."""
+    _check_format(engine)
     engine.wait_for_updates()
     path = Path(path)
     rank, names = engine.rank, _param_names(engine)
@@ -250,6 +251,7 @@ def load_sharded(engine, path, *, model: bool = True, optimizer: bool = True, st
     """Load a sharded checkpoint directory (written at any number of processes) into
     ``engine``'s chunks, one chunk at a time: the weights (``model``) and Adam's state and
     hyper-parameters (``optimizer``). Every rank calls it."""
+    _check_format(engine)
     path = Path(path)
     if engine.rank == 0:
         recover(path)
@@ -395,6 +397,15 @@ def _quiet():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def _check_format(engine) -> None:
+    """8-bit moments have block scales a piece of a member does not carry: refused, with the fix."""
+    if any(c.storage.fmt.eight_bit for c in engine.chunks):
+        raise ValueError("A sharded checkpoint holds pieces of each parameter's states, and 8-bit moments "
+                         "(optimizer_state_format='8bit') are quantised per parameter: save a full checkpoint "
+                         "(engine.state_dict() / engine.states.optimizer(), or CheckpointConfig(state_dict_type="
+                         "'full')), which keeps bitsandbytes' format.")
 
 
 def _param_names(engine) -> dict[int, str]:

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from protrain_core.plan import Plan, plan_arguments
-from protrain_core.runtime.options import RuntimeConfig, env_flag
+from protrain_core.runtime.options import EngineOptions, RuntimeConfig, env_flag
+from protrain_core.runtime.state_formats import check_format
 from protrain_core.update import GradientClipping, parse_gradient_clipping
 
 __all__ = ["CheckpointConfig", "ClippingConfig", "PlanningConfig", "ProTrainConfig", "RuntimeConfig"]
@@ -153,6 +154,14 @@ class ProTrainConfig:
     optimizer states; it needs a plan. (The strategies build one for validate, test and
     predict themselves.)"""
 
+    optimizer_state_format: Literal["fp32", "bf16", "8bit"] = "fp32"
+    """How Adam's moments are kept, in every chunk ([Note: optimizer-state formats]):
+    "fp32" as torch keeps them (8 bytes per trainable parameter; bitwise torch AdamW),
+    "bf16" in bfloat16 (4 bytes; bitwise ``protrain_core.AdamWBf16Moments``), "8bit" in
+    bitsandbytes' block-wise 8-bit format (2.03 bytes; bitwise ``bitsandbytes.optim.AdamW8bit``;
+    needs ``pip install 'lightning-protrain[8bit]'`` and one process). The master weights and
+    the gradient accumulator stay fp32."""
+
     def __post_init__(self) -> None:
         for name, cls in _PARTS.items():
             value = getattr(self, name)
@@ -172,6 +181,15 @@ class ProTrainConfig:
                              f"(algorithm, value) or None, got {type(clipping).__name__}.")
         if not isinstance(self.optimizer_states, bool):
             raise ValueError(f"ProTrainConfig.optimizer_states must be True or False, got {self.optimizer_states!r}.")
+        check_format(self.optimizer_state_format)
+        if self.optimizer_state_format == "8bit" and self.checkpoint.state_dict_type == "sharded":
+            raise ValueError("optimizer_state_format='8bit' is saved in full checkpoints only (bitsandbytes' format, per "
+                             "parameter): use CheckpointConfig(state_dict_type='full'), or 'bf16' moments.")
+
+    def engine_options(self) -> EngineOptions:
+        """What an engine built from this configuration is told."""
+        return EngineOptions(optimizer_states=self.optimizer_states, runtime=self.runtime,
+                             state_format=self.optimizer_state_format)
 
     def replace(self, **parts) -> ProTrainConfig:
         """A copy with some fields replaced; nested parts by dict: ``replace(planning={"plan": p})``

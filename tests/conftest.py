@@ -126,7 +126,8 @@ def assert_same_runs(a, b):
     assert sd0.keys() == sd1.keys() and all(torch.equal(sd0[k], sd1[k]) for k in sd0)
     assert osd0["state"].keys() == osd1["state"].keys()
     for i, entry in osd0["state"].items():
-        assert all(torch.equal(v, osd1["state"][i][k]) for k, v in entry.items())
+        assert entry.keys() == osd1["state"][i].keys()
+        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(osd1["state"][i][k])) for k, v in entry.items())
 
 
 @pytest.fixture

@@ -235,9 +235,10 @@ def test_a_lightning_cli_file_sets_every_field(tmp_path):
         planning=pt.PlanningConfig(memory_budget="3GiB", max_tokens=4096, blocks="layers", chunk_size=65536,
                                    profile_cache=False, cache_dir=str(tmp_path), reprofile=True),
         runtime=pt.RuntimeConfig(check_invariants=True, pin_memory=False, cpu_adam_thread=True, one_pass_kernel=False),
-        checkpoint=pt.CheckpointConfig(state_dict_type="sharded"),
+        checkpoint=pt.CheckpointConfig(state_dict_type="sharded"), optimizer_state_format="bf16",
     )
-    unset = {f.name for f in dataclasses.fields(pt.ProTrainConfig)} - {"planning", "runtime", "checkpoint"}
+    unset = {f.name for f in dataclasses.fields(pt.ProTrainConfig)} - {"planning", "runtime", "checkpoint",
+                                                                       "optimizer_state_format"}
     assert unset == {"clipping", "optimizer_states"}  # the Trainer's gradient_clip_val; the strategy's own
     file = tmp_path / "config.yaml"
     file.write_text(textwrap.dedent(f"""
@@ -252,6 +253,7 @@ def test_a_lightning_cli_file_sets_every_field(tmp_path):
                             profile_cache: false, cache_dir: {str(tmp_path)!r}, reprofile: true}}
                 runtime: {{check_invariants: true, pin_memory: false, cpu_adam_thread: true, one_pass_kernel: false}}
                 checkpoint: {{state_dict_type: sharded}}
+                optimizer_state_format: bf16
     """))
     cli = LightningCLI(_Tiny, run=False, args=["--config", str(file)])
     assert cli.trainer.strategy.config == expected

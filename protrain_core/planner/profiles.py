@@ -134,6 +134,7 @@ class Profile:
     # (compute-copy dtype, master and state dtype) of each chunk, e.g. ("bfloat16", "float32");
     # (): not known (a hand-built profile), the compute dtype of ``compute_bytes`` everywhere
     chunk_dtypes: tuple[tuple[str, str], ...] = ()
+    state_format: str = "fp32"  # the moments' format the bytes above count ([Note: optimizer-state formats])
 
     @property
     def blocks(self) -> tuple[Segment, ...]:

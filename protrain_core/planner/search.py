@@ -137,8 +137,13 @@ def _chunks_line(p: Profile) -> str:
     dtypes = "" if not kinds else " ".join(
         [" stored"] + [f"{compute} (states {state}) x {p.chunk_dtypes.count((compute, state))}" if len(kinds) > 1
                        else f"{compute}, states {state}" for compute, state in kinds]) + ";"
+    trainable = sum(n for n, grad in zip(p.chunk_trainable, p.chunk_has_grad) if grad)
+    per_param = "" if not trainable else (
+        f"; streamed, a trainable parameter holds "
+        f"{sum(b for b, grad in zip(p.host_bytes, p.chunk_has_grad) if grad) / trainable * p.world_size:.2f} B "
+        f"of host memory (Adam moments {p.state_format})")
     return (f"  chunks: {p.n_chunks} x {p.chunk_elems:,} elements ({format_bytes(p.chunk_elems * p.compute_bytes)});"
-            f"{dtypes} an upload moves {moves}{whose}")
+            f"{dtypes} an upload moves {moves}{whose}{per_param}")
 
 
 def _frozen_itemsize(p: Profile, c: int) -> int:

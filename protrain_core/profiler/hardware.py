@@ -15,6 +15,7 @@ from protrain_core.planner.profiles import Hardware
 from protrain_core.precision import Precision
 from protrain_core.runtime.device import DeviceContext, as_context
 from protrain_core.runtime.options import RuntimeConfig
+from protrain_core.runtime.state_formats import moment_step
 from protrain_ops import AdamHyperParams, adam_step, copy_to_low_precision, onepass
 
 
@@ -38,7 +39,7 @@ def _median_time(ctx: DeviceContext, fn, sync, *, budget_s: float = 0.15, max_re
 
 
 def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, precision: Precision, *,
-                   sharding=None, switches: RuntimeConfig | None = None) -> Hardware:
+                   sharding=None, switches: RuntimeConfig | None = None, state_format: str = "fp32") -> Hardware:
     """Chunk-size copies each way and Adam on one chunk, as the runtime performs them (and with
     ``sharding``, a chunk's all-gather and reduce-scatter: every rank must call it).
 
@@ -47,7 +48,8 @@ def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, preci
     gradients into the fp32 accumulator and the compute-dtype copy back in mixed precision;
     device Adam on device tensors. CPU device: the "copies" are what the runtime does there too,
     memory copies between two host tensors, and the persistent chunks' Adam is the same CPU
-    kernel. ``switches``: the engine's (pinned host memory, the one-pass kernel)."""
+    kernel. ``switches``: the engine's (pinned host memory, the one-pass kernel). ``state_format``:
+    the Adam moments' format, which the updates are timed in ([Note: optimizer-state formats])."""
     switches = switches or RuntimeConfig()
     ctx = as_context(device)
     n = max(1024, min(chunk_elems, 64 * 2**20))
@@ -73,10 +75,11 @@ def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, preci
     try:
         cpu_rate, land_rate, pass_rate = _adam_rate(ctx, n, ctx.host, cdt if mixed else None,
                                                     lambda fn: worker.submit(fn).result(), parts=True,
-                                                    kernel=switches.one_pass_kernel)
+                                                    kernel=switches.one_pass_kernel, state_format=state_format)
     finally:
         worker.shutdown()
-    dev_rate = _adam_rate(ctx, n, ctx.device, cdt if mixed else None, lambda fn: fn())[0] if ctx.asynchronous else cpu_rate
+    dev_rate = _adam_rate(ctx, n, ctx.device, cdt if mixed else None, lambda fn: fn(),
+                          state_format=state_format)[0] if ctx.asynchronous else cpu_rate
     gather, reduce = (0.0, 0.0) if sharding is None else collective_rates(sharding, ctx, n, cdt)
     return Hardware(
         gather_bytes_per_s=gather,
@@ -94,7 +97,7 @@ def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, preci
 
 
 def _adam_rate(ctx: DeviceContext, n: int, on: torch.device, low: torch.dtype | None, run, *,
-               parts: bool = False, kernel: bool = True) -> tuple[float, float, float]:
+               parts: bool = False, kernel: bool = True, state_format: str = "fp32") -> tuple[float, float, float]:
     """Parameters per second of one chunk's update on ``on`` as the runtime runs it (``run(fn)``:
     where): Adam, and with a low-precision compute dtype ``low`` the landing of the gradients
     into the accumulator before and the compute copy written from the master after (the host
@@ -105,14 +108,16 @@ def _adam_rate(ctx: DeviceContext, n: int, on: torch.device, low: torch.dtype | 
 
     Where the host's mixed-precision update runs in one pass (protrain_ops/onepass.py), that
     pass is timed, and the landing's part is half of the one-pass landing (fold and copy
-    restored), which the cost model charges twice where the update waits."""
+    restored), which the cost model charges twice where the update waits. Moments in another
+    format than fp32 are updated as the runtime does it (``moment_step``), without the kernel."""
     p, g, m, v = (torch.zeros(n, device=on) for _ in range(4))
+    moments = moment_step(state_format, n, on)
     steps = [torch.zeros((), device=on)]
     copy = torch.zeros(n, dtype=low, device=on) if low is not None else None
     g.fill_(1e-3)
     hp = AdamHyperParams(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
     landing = copy is not None and on == ctx.host
-    kernel = onepass.kernel() if kernel and landing and on.type == "cpu" else None
+    kernel = onepass.kernel() if kernel and landing and on.type == "cpu" and moments is None else None
 
     def land():
         if kernel is not None:
@@ -127,7 +132,10 @@ def _adam_rate(ctx: DeviceContext, n: int, on: torch.device, low: torch.dtype | 
             return
         if landing:
             land()
-        adam_step([p], [g], [m], [v], [], steps, hp)
+        if moments is not None:
+            moments(p, g, hp)
+        else:
+            adam_step([p], [g], [m], [v], [], steps, hp)
         if copy is not None:
             copy_to_low_precision(copy, p)
 

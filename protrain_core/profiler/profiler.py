@@ -99,12 +99,12 @@ def default_loss(output) -> Tensor:
 
 # ----- static facts -----------------------------------------------------------------------------
 def static_facts(layout: ChunkLayout, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, *,
-                 world_size: int = 1) -> dict:
+                 world_size: int = 1, state_format: str = "fp32") -> dict:
     """The Profile fields known before anything runs, from the chunks' storage formula (what
     the engine allocates, per rank when sharded over ``world_size`` processes) and the layout's trace."""
     params = dict(model.named_parameters())
     optimized = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    formats = chunk_formats(model, optimizer, layout, precision, world_size=world_size)
+    formats = chunk_formats(model, optimizer, layout, precision, world_size=world_size, state_format=state_format)
     trainable = tuple(sum(m.numel for m in spec.members if m.trainable and id(params[m.name]) in optimized)
                       for spec in layout.chunks)
     return dict(
@@ -124,6 +124,7 @@ def static_facts(layout: ChunkLayout, model: nn.Module, optimizer: torch.optim.O
         gather_bytes=tuple(fmt.gather_bytes for fmt in formats),
         reduce_bytes=tuple(fmt.reduce_bytes for fmt in formats),
         chunk_dtypes=tuple((_dtype_name(fmt.compute_dtype), _dtype_name(fmt.master_dtype)) for fmt in formats),
+        state_format=state_format,
     )
 
 
@@ -141,7 +142,8 @@ def world_of(sharding) -> int:
 
 
 def profile_key(model, optimizer, batch: list[tuple[tuple[int, ...], str]], precision: Precision,
-                device: torch.device | DeviceContext, layout: ChunkLayout, *, world_size: int = 1) -> str:
+                device: torch.device | DeviceContext, layout: ChunkLayout, *, world_size: int = 1,
+                state_format: str = "fp32") -> str:
     """A hash of everything a profile depends on: model structure (parameter names, shapes,
     dtypes, trainability; the Hugging Face config), optimizer coverage, the batch as the first
     block sees it (``tensor_shapes`` of its inputs), precision, chunk layout, device and software."""
@@ -164,6 +166,8 @@ def profile_key(model, optimizer, batch: list[tuple[tuple[int, ...], str]], prec
     add(device_name(device), torch.__version__, torch.version.cuda, torch.get_num_threads(), os.cpu_count())
     if world_size > 1:
         add("world", world_size)
+    if state_format != "fp32":
+        add("moments", state_format)
     return h.hexdigest()[:24]
 
 
@@ -196,13 +200,14 @@ def profile_model(
     reprofile: bool = False,
     sharding=None,
     switches: RuntimeConfig | None = None,
+    state_format: str = "fp32",
 ) -> Profile:
     """Profile ``model`` on ``example_inputs`` (one real batch) ahead of training -- or, after
     one pass that shows the batch as the first block sees it, return the cached profile with the
     same key (``reprofile=True`` forces a new one). ``sharding``: the processes the engine will
     be sharded over: each rank profiles its own (unsharded) engine, the collectives are probed,
     and every rank gets rank 0's profile. ``switches``: the runtime switches of the engine to
-    be profiled (``ProTrainConfig.runtime``)."""
+    be profiled (``ProTrainConfig.runtime``); ``state_format``: its moments' format."""
     loss_fn = loss_fn or default_loss
     ctx = as_context(device)
     device = ctx.device
@@ -221,7 +226,8 @@ def profile_model(
         with torch.random.fork_rng(devices=[device] if ctx.is_cuda else []), _buffers_kept(model):
             _one_pass(engine, bounds, inputs, step_fn)  # warm-up, and the batch as the first block sees it
             shapes = tensor_shapes(bounds.block_inputs or [])
-            key = profile_key(model, optimizer, shapes, precision, ctx, layout, world_size=world_of(sharding))
+            key = profile_key(model, optimizer, shapes, precision, ctx, layout, world_size=world_of(sharding),
+                              state_format=state_format)
             cached = agree(sharding, load_cached(key, cache_dir, n_chunks=layout.n_chunks, n_blocks=layout.n_blocks)
                            if cache and not reprofile else None)
             if cached is not None:
@@ -232,7 +238,7 @@ def profile_model(
         engine.close()
     check_blocks_called(bounds, layout.n_blocks)
     profile = agree(sharding, build_profile(key, shapes, measured, model, optimizer, layout, precision, ctx, start,
-                                            sharding=sharding, switches=switches))
+                                            sharding=sharding, switches=switches, state_format=state_format))
     if cache and (sharding is None or sharding.rank == 0):
         store(profile, cache_dir)
     return profile
@@ -254,11 +260,13 @@ def _buffers_kept(model: nn.Module):
 
 
 def build_profile(key: str, shapes, measured: Measured, model, optimizer, layout: ChunkLayout, precision: Precision,
-                  ctx: DeviceContext, start: float, sharding=None, switches: RuntimeConfig | None = None) -> Profile:
+                  ctx: DeviceContext, start: float, sharding=None, switches: RuntimeConfig | None = None,
+                  state_format: str = "fp32") -> Profile:
     """The Profile of what the passes measured, the static facts and the hardware probes (with
     ``sharding``: the collectives' bandwidths too, a collective call; ``switches``: the
     engine's runtime switches, which the probes follow)."""
-    hardware = probe_hardware(ctx, layout.chunk_size, precision, sharding=sharding, switches=switches)
+    hardware = probe_hardware(ctx, layout.chunk_size, precision, sharding=sharding, switches=switches,
+                              state_format=state_format)
     if hardware.async_copies:
         measured.swap_timings = []
     n_params = sum(p.numel() for p in model.parameters())
@@ -267,7 +275,7 @@ def build_profile(key: str, shapes, measured: Measured, model, optimizer, layout
         description=f"{type(model).__name__}, {n_params:,} parameters, {layout.n_blocks} blocks, first block's inputs "
                     + ", ".join(str(shape) for shape, _ in shapes),
         precision=precision.value,
-        **static_facts(layout, model, optimizer, precision, world_size=world_of(sharding)),
+        **static_facts(layout, model, optimizer, precision, world_size=world_of(sharding), state_format=state_format),
         segments=_segments(measured, layout.n_blocks),
         base_bytes=measured.base,
         fragmentation=measured.fragmentation,
@@ -290,12 +298,13 @@ def for_world_size(profile: Profile, model: nn.Module, optimizer, precision: Pre
     hw = dataclasses.replace(profile.hardware, gather_bytes_per_s=collective_bytes_per_s,
                              reduce_bytes_per_s=collective_bytes_per_s)
     return dataclasses.replace(profile, hardware=hw,
-                               **static_facts(layout, model, optimizer, precision, world_size=world_size))
+                               **static_facts(layout, model, optimizer, precision, world_size=world_size,
+                                              state_format=profile.state_format))
 
 
 def safe_plan(model: nn.Module, optimizer, layout: ChunkLayout, precision: Precision,
               device: torch.device | DeviceContext, *, optimizer_states: bool, budget: int | None = None,
-              world_size: int = 1) -> Plan:
+              world_size: int = 1, state_format: str = "fp32") -> Plan:
     """A plan any batch the profiler measures can run on: every block checkpointed; every chunk
     persistent on a CPU, or when the model states (``optimizer_states``: with Adam's) take at
     most half the device budget (default: the free memory), else every chunk streamed."""
@@ -303,7 +312,7 @@ def safe_plan(model: nn.Module, optimizer, layout: ChunkLayout, precision: Preci
     ctx = as_context(device)
     if ctx.asynchronous:
         formats: list[ChunkFormat] = chunk_formats(model, optimizer, layout, precision, optimizer_states=optimizer_states,
-                                                   world_size=world_size)
+                                                   world_size=world_size, state_format=state_format)
         room = budget if budget is not None else ctx.free_memory()[0]
         if sum(fmt.persistent_device_bytes for fmt in formats) > room // 2:
             return Plan(n_persist=0, n_buffer=max(2, layout.limits().buffers_needed(0)), n_checkpoint=L)

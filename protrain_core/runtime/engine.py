@@ -33,6 +33,7 @@ from protrain_core.runtime.parking import OffloadedStates, check_between_steps, 
 from protrain_core.runtime.scheduler import Scheduler
 from protrain_core.runtime.sharding import Sharding, broadcast_module
 from protrain_core.runtime.states import StateAccess, StateMemory
+from protrain_core.runtime.state_formats import check_optimizer_for
 from protrain_core.runtime.storage import ChunkFormat, ChunkStorage, chunk_formats
 from protrain_core.runtime.timeline import Timeline
 from protrain_core.structure.blocks import block_modules
@@ -74,9 +75,11 @@ class Engine:
         if self._optim.one_pass_kernel and precision in (Precision.BF16_MIXED, Precision.FP16_MIXED) \
                 and self._optim.kind is None:
             onepass.kernel()  # built (once per machine) and checked now, not in the first backward
+        check_optimizer_for(options.state_format, optimizer, adam=self._optim.kind is None, world_size=self.world_size)
         self.chunks = _allocate(self, self._optim, chunk_formats(module, optimizer, layout, precision,
                                                                  optimizer_states=options.optimizer_states,
-                                                                 world_size=self.world_size))
+                                                                 world_size=self.world_size,
+                                                                 state_format=options.state_format))
         n_buffer = min(plan.n_buffer, len(self.chunks) - plan.n_persist)
         self.grads = StepGradients(self._optim, self.scaler, self.chunks, self.ctx)
         self.scheduler = Scheduler(self.chunks, self.ctx, self._optim, self.step_state, n_buffer=n_buffer,

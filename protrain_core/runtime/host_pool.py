@@ -18,10 +18,7 @@ class HostPool:
     def __init__(self, sizes: list[tuple[int, torch.dtype]], *, pin: bool, device: torch.device = torch.device("cpu")) -> None:
         """Reserve room for tensors of ``(numel, dtype)``; carve them in order with ``take``.
         ``device``: the host (the meta device in a size-only simulation)."""
-        total = 0
-        for numel, dtype in sizes:
-            total = _round(total) + numel * dtype.itemsize
-        self.nbytes = _round(total)
+        self.nbytes = pool_bytes(sizes)
         self.buffer = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)  # Adam moments start at 0
         self.pinned = False
         if pin and self.nbytes > 0:
@@ -48,6 +45,14 @@ class HostPool:
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
             self.pinned = False
+
+
+def pool_bytes(sizes: list[tuple[int, torch.dtype]]) -> int:
+    """The bytes of a pool holding tensors of ``(numel, dtype)``, each at a 64-byte boundary."""
+    total = 0
+    for numel, dtype in sizes:
+        total = _round(total) + numel * dtype.itemsize
+    return _round(total)
 
 
 def _round(n: int) -> int:

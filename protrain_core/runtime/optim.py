@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from protrain_core.runtime import state_formats as formats
 from protrain_core.runtime.elementwise import Elementwise, ElementwiseSteps, describe, is_adam
 from protrain_ops import AdamHyperParams, adam_step, clip_gradients, copy_to_low_precision, onepass
 
@@ -116,6 +117,7 @@ class ChunkOptimizer:
         self.decoupled = bool(isinstance(optimizer, torch.optim.AdamW)
                               or optimizer.defaults.get("decoupled_weight_decay", False))
         self.elementwise = None if self.kind is None else ElementwiseSteps(optimizer, self.kind)
+        self._places: dict[int, formats.QuantPlaces] = {}  # chunk -> its 8-bit addressing
         self.group_of: dict[int, int] = {}
         for g, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
@@ -164,6 +166,7 @@ class ChunkOptimizer:
         kernel built and matched torch's arithmetic."""
         storage = chunk.storage
         if (self.elementwise is not None or not storage.fmt.separate_master or storage.master.device.type != "cpu"
+                or storage.fmt.state_format != "fp32"
                 or storage.fmt.compute_dtype not in (torch.bfloat16, torch.float16) or not self.one_pass_kernel):
             return None
         return onepass.kernel()
@@ -206,11 +209,43 @@ class ChunkOptimizer:
             clip_gradients(views.grads, clip.coef, clip.value)
             if self.elementwise is not None:
                 self.elementwise.step(chunk, g, tuple(members), views, hps[g])
-                continue
-            adam_step(views.master, views.grads, views.exp_avgs, views.exp_avg_sqs,
-                      views.max_exp_avg_sqs if hps[g].amsgrad else [], views.member_steps, hps[g])
+            elif storage.fmt.state_format == "8bit":
+                self._eight_bit(chunk, members, views, hps[g])
+            elif storage.fmt.state_format == "bf16":
+                formats.bf16_step(views.master, views.grads, views.exp_avgs, views.exp_avg_sqs, views.member_steps, hps[g])
+            else:
+                adam_step(views.master, views.grads, views.exp_avgs, views.exp_avg_sqs,
+                          views.max_exp_avg_sqs if hps[g].amsgrad else [], views.member_steps, hps[g])
         if storage.fmt.separate_master:
             copy_to_low_precision(storage.compute_span(), storage.master)
+
+    def _eight_bit(self, chunk: Chunk, members: list[int], views, hp: AdamHyperParams) -> None:
+        """bitsandbytes' AdamW8bit step of ``members``, one call per member as its optimizer makes
+        ([Note: optimizer-state formats] in state_formats.py); the step counters are on the CPU."""
+        places = self.quant_places(chunk)
+        for j, i in enumerate(members):
+            steps = chunk.storage.steps[i]
+            steps.add_(1)
+            moments = self.member_moments(chunk, i, places, views.exp_avgs[j], views.exp_avg_sqs[j])
+            formats.eight_bit_step(views.master[j], views.grads[j], moments, int(steps.item()), hp)
+
+    def quant_places(self, chunk: Chunk) -> formats.QuantPlaces:
+        """Where ``chunk``'s 8-bit members keep their block scales and small ones their moments."""
+        places = self._places.get(chunk.index)
+        if places is None:
+            places = self._places[chunk.index] = formats.quant_places(
+                [m.numel if m.trainable else None for m in chunk.spec.members])
+        return places
+
+    @staticmethod
+    def member_moments(chunk: Chunk, i: int, places, exp_avg: Tensor | None = None,
+                       exp_avg_sq: Tensor | None = None) -> formats.MemberMoments:
+        """Member ``i``'s 8-bit moments (its views of the uint8 states, when taken already)."""
+        storage = chunk.storage
+        if exp_avg is None:
+            exp_avg = chunk.values.state_view(storage.exp_avg, i)
+            exp_avg_sq = chunk.values.state_view(storage.exp_avg_sq, i)
+        return formats.member_moments(storage, places, i, exp_avg, exp_avg_sq, chunk.spec.members[i].shape)
 
     @staticmethod
     def _update_one_pass(kernel, chunk: Chunk, hps, selected: dict[int, list[int]], clip: UpdateClip,
@@ -256,6 +291,10 @@ class ChunkOptimizer:
             scalars = self.scalar_state(chunk, i)
             if scalars is None:
                 continue
+            if chunk.storage.fmt.eight_bit:  # one process ([Note: optimizer-state formats])
+                moments = self.member_moments(chunk, i, self.quant_places(chunk))
+                state[index] = formats.eight_bit_entry(moments, int(chunk.storage.steps[i].item()), p.shape)
+                continue
             if names and gathered[0] is not chunk:
                 gathered = chunk, [chunk.values.gathered_values(lambda st, a=a: getattr(st, a)) for a in SLOT_ATTRS[:len(names)]]
             if not keep:
@@ -283,12 +322,14 @@ class ChunkOptimizer:
                 f"{[len(g['params']) for g in groups]}; it was saved for a different model or grouping."
             )
         params = dict(indexed_params(self.optimizer))
-        required = ("exp_avg", "exp_avg_sq") if self.kind is None else ()
         for index, entry in osd["state"].items():
             p = params.get(int(index))
             if p is None:
                 raise ValueError(f"Optimizer state for parameter index {index}, which does not exist.")
-            for key in required + tuple(k for k in self.slot_names() if k in entry and k not in required):
+            entry = formats.unwrapped(entry)
+            names = self.slot_names() if self.kind is not None or "state1" not in entry else ("state1", "state2")
+            required = () if self.kind is not None else names[:2]
+            for key in required + tuple(k for k in names if k in entry and k not in required):
                 if key not in entry or tuple(entry[key].shape) != tuple(p.shape):
                     raise ValueError(
                         f"Optimizer state {index}.{key} is missing or has shape "
@@ -308,6 +349,14 @@ class ChunkOptimizer:
             if not chunk.opt_members or not chunk.spec.members[i].trainable:
                 continue  # frozen parameter: torch keeps no state for it either
             entry = states.get(index)
+            if chunk.storage.fmt.eight_bit:
+                with torch.no_grad():
+                    formats.load_eight_bit(self.member_moments(chunk, i, self.quant_places(chunk)), entry)
+                self.load_scalars(chunk, i, entry)
+                chunk.set_adam_state(i, entry is not None)
+                continue
+            if entry is not None and "state1" in formats.unwrapped(entry):
+                entry = formats.to_fp32_adam_entry(entry)  # an 8-bit state loaded with another format
             with torch.no_grad():
                 for name, attr in zip(names, SLOT_ATTRS):
                     dst = chunk.values.state_view(getattr(chunk.storage, attr), i)

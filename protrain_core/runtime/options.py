@@ -62,8 +62,10 @@ class EngineOptions:
         warn_on_cache: warn once when checkpointed or swapped blocks run without their key/value
             cache (the profiler's all-checkpointed layout is not the user's choice: no warning).
         runtime: the user's switches (``ProTrainConfig.runtime``).
+        state_format: the moments' format (``ProTrainConfig.optimizer_state_format``).
     """
 
     optimizer_states: bool = True
+    state_format: str = "fp32"
     warn_on_cache: bool = True
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)

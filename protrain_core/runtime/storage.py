@@ -18,6 +18,10 @@ layout's alignment, ``s_c = s_f + s_t`` ([Note: sharded chunks] in sharding.py):
                                     reduce-scatter
   Adam states     k * s_t    m      device                  host          (k = 2, 3 with amsgrad)
 
+The moments take another dtype in the formats of ``ChunkFormat.state_format`` (bf16; 8-bit,
+with fp32 block scales and fp32 moments for small members: [Note: optimizer-state formats] in
+state_formats.py); the master and the accumulator keep ``m``.
+
 A frozen parameter therefore costs its compute-dtype copy and nothing else (2 bytes in the
 bf16 modes); a chunk with no trainable member (``T = 0``; its frozen span is the whole chunk)
 holds the compute copy only, is uploaded and never offloaded. The chunk's waste after its last
@@ -46,6 +50,7 @@ from protrain_core.precision import Precision
 from protrain_core.runtime.elementwise import state_slots
 from protrain_core.runtime.host_pool import HostPool
 from protrain_core.runtime.sharding import Sharding, piece
+from protrain_core.runtime.state_formats import moment_dtype, quant_places
 from protrain_core.structure.layout import ChunkLayout, ParamSlot, align
 
 
@@ -62,6 +67,12 @@ class ChunkFormat:
     # elementwise optimizer's 0-3 ([Note: elementwise optimizers] in runtime/elementwise.py).
     adam_states: int = 2
     world_size: int = 1  # processes the chunk is sharded over
+    # The moments' format ([Note: optimizer-state formats] in state_formats.py); "8bit" also
+    # keeps fp32 block scales (``quant_blocks`` per moment) and the fp32 moments of its small
+    # members (``wide_numel`` elements per moment).
+    state_format: str = "fp32"
+    quant_blocks: int = 0
+    wide_numel: int = 0
 
     def __post_init__(self) -> None:
         if self.trainable_numel is None:
@@ -69,6 +80,7 @@ class ChunkFormat:
         assert 0 <= self.trainable_start and self.trainable_start + self.trainable_numel <= self.numel
         assert self.adam_states in (0, 1, 2, 3) and self.world_size >= 1
         assert self.trainable_numel or not self.adam_states, "a chunk with no trainable member has no Adam state"
+        assert self.state_format == "8bit" or not (self.quant_blocks or self.wide_numel)
 
     @property
     def trains(self) -> bool:
@@ -117,10 +129,26 @@ class ChunkFormat:
     def separate_master(self) -> bool:
         return self.trains and self.compute_dtype != self.master_dtype
 
+    @property
+    def moment_dtype(self) -> torch.dtype:
+        return moment_dtype(self.state_format, self.master_dtype)
+
+    @property
+    def eight_bit(self) -> bool:
+        return self.state_format == "8bit" and self.adam_states > 0
+
     def _state_bytes(self) -> int:
         """Master (when separate), accumulator and Adam states of this rank's shard."""
-        n = int(self.separate_master) + int(self.trains) + self.adam_states
-        return n * self.state_numel * self.master_dtype.itemsize
+        n = int(self.separate_master) + int(self.trains)
+        return sum(numel * dtype.itemsize for numel, dtype in [(self.state_numel, self.master_dtype)] * n
+                   + self._moment_tensors())
+
+    def _moment_tensors(self) -> list[tuple[int, torch.dtype]]:
+        """(elements, dtype) of the moment tensors, in allocation order."""
+        out = [(self.state_numel, self.moment_dtype)] * self.adam_states
+        if self.eight_bit:
+            out += [(2 * self.quant_blocks, torch.float32), (2 * self.wide_numel, torch.float32)]
+        return out
 
     @property
     def persistent_device_bytes(self) -> int:
@@ -168,8 +196,8 @@ class ChunkFormat:
         s, m = self.state_numel, self.master_dtype
         out = [(s, m)] if self.separate_master else []
         out.append((self.shard_numel, self.compute_dtype))
-        out += [(s, m)] * (int(self.trains) + self.adam_states)
-        return out
+        out += [(s, m)] * int(self.trains)
+        return out + self._moment_tensors()
 
 
 @dataclass(frozen=True)
@@ -255,7 +283,7 @@ class ChunkStorage:
     the device or back (``make_persistent`` / ``make_streamed``).
     """
 
-    _STATES = ("grad_acc", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    _STATES = ("grad_acc", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "absmax", "wide")
 
     def __init__(self, fmt: ChunkFormat, *, persistent: bool, device: torch.device, pin: bool,
                  n_members: int, sharding: Sharding | None = None, host: torch.device = torch.device("cpu")) -> None:
@@ -276,15 +304,23 @@ class ChunkStorage:
                 self._allocate_persistent()
             else:
                 self._allocate_streamed()
+        self.steps = [torch.zeros((), dtype=torch.float32, device=self._steps_device()) for _ in range(n_members)]
+
+    def _steps_device(self) -> torch.device:
+        """Where the step counters are: beside the master (torch's fused kernel reads them there),
+        on the CPU in format "8bit" (bitsandbytes takes the step as a number)."""
+        if self.fmt.eight_bit:
+            return torch.device("cpu") if self.host.type != "meta" else self.host
         home = self.master if self.master is not None else self.compute_home
-        self.steps = [torch.zeros((), dtype=torch.float32, device=home.device) for _ in range(n_members)]
+        return home.device
 
     def _allocate_persistent(self) -> None:
         fmt, dev = self.fmt, self.device
-        zeros = lambda: torch.zeros(fmt.state_numel, dtype=fmt.master_dtype, device=dev)  # noqa: E731
+        zeros = lambda n, dtype: torch.zeros(n, dtype=dtype, device=dev)  # noqa: E731
         self.device_copy = torch.zeros(fmt.padded_numel, dtype=fmt.compute_dtype, device=dev)
         self.host_copy = None
-        self.master = zeros() if fmt.separate_master else self.compute_span() if fmt.trains else None
+        self.master = zeros(fmt.state_numel, fmt.master_dtype) if fmt.separate_master else \
+            self.compute_span() if fmt.trains else None
         self._allocate_states(zeros)
 
     def _allocate_streamed(self) -> None:
@@ -295,21 +331,26 @@ class ChunkStorage:
         else:
             pool.rewind()
         self.pool = pool
-        take = lambda: pool.take(fmt.state_numel, fmt.master_dtype)  # noqa: E731
-        master = take() if fmt.separate_master else None
+        master = pool.take(fmt.state_numel, fmt.master_dtype) if fmt.separate_master else None
         self.host_copy = pool.take(fmt.shard_numel, fmt.compute_dtype)
         self.master = master if master is not None else self.compute_span() if fmt.trains else None
-        self._allocate_states(take)
+        self._allocate_states(pool.take)
         self.device_copy = torch.empty(fmt.padded_numel, dtype=fmt.compute_dtype, device=self.device)
         self.free_device_copy()
 
     def _allocate_states(self, make) -> None:
+        """The accumulator and the moment tensors, by ``make(elements, dtype)``, in the order of
+        ``ChunkFormat.host_tensors``."""
         fmt = self.fmt
-        self.grad_acc = make() if fmt.trains else None
+        s, k = fmt.state_numel, fmt.adam_states
+        self.grad_acc = make(s, fmt.master_dtype) if fmt.trains else None
         # Slots 1-3: Adam's moments, or another optimizer's states in its order.
-        self.exp_avg = make() if fmt.adam_states >= 1 else None
-        self.exp_avg_sq = make() if fmt.adam_states >= 2 else None
-        self.max_exp_avg_sq = make() if fmt.adam_states == 3 else None
+        self.exp_avg = make(s, fmt.moment_dtype) if k >= 1 else None
+        self.exp_avg_sq = make(s, fmt.moment_dtype) if k >= 2 else None
+        self.max_exp_avg_sq = make(s, fmt.moment_dtype) if k == 3 else None
+        # Format "8bit": each moment's block scales, and the fp32 moments of small members.
+        self.absmax = make(2 * fmt.quant_blocks, torch.float32) if fmt.eight_bit else None
+        self.wide = make(2 * fmt.wide_numel, torch.float32) if fmt.eight_bit else None
 
     # ----- moving between the device and the host (a re-plan) ----------------------------------
     def make_persistent(self, *, keep_host: bool = False, copy=None) -> None:
@@ -365,8 +406,7 @@ class ChunkStorage:
         for name in self._STATES:
             if old[name] is not None:
                 copy(getattr(self, name), old[name])
-        home = self.master if self.master is not None else self.compute_home
-        self.steps = [torch.empty_like(t, device=home.device) for t in old["steps"]]
+        self.steps = [torch.empty_like(t, device=self._steps_device()) for t in old["steps"]]
         for new, t in zip(self.steps, old["steps"]):
             copy(new, t)
 
@@ -427,7 +467,7 @@ class ChunkStorage:
         """Bytes of device memory this chunk holds right now, read from the storages."""
         tensors = [self.device_copy, self.grad_buffer]
         if self.persistent:
-            tensors += [self.grad_acc, self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq]
+            tensors += [getattr(self, name) for name in self._STATES]
             if self.fmt.separate_master:
                 tensors.append(self.master)
         return sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
@@ -446,19 +486,29 @@ class ChunkStorage:
 
 
 def chunk_formats(model: nn.Module, optimizer: torch.optim.Optimizer, layout: ChunkLayout, precision: Precision, *,
-                  optimizer_states: bool = True, world_size: int = 1) -> list[ChunkFormat]:
+                  optimizer_states: bool = True, world_size: int = 1, state_format: str = "fp32") -> list[ChunkFormat]:
     """The format of every chunk of ``layout``: what the engine allocates, and what the profiler
     reports to the cost model. Adam states go with chunks holding a trainable parameter the
-    optimizer updates (none for an engine that never steps)."""
+    optimizer updates (none for an engine that never steps), in ``state_format``."""
     params = dict(model.named_parameters())
     optimized = {id(p) for g in optimizer.param_groups for p in g["params"]}
     adam = state_slots(optimizer)
+    if moment_dtype(state_format, precision.master_dtype) == precision.master_dtype:
+        state_format = "fp32"  # bf16 moments in bf16-true: what torch keeps there anyway
     formats = []
     for spec in layout.chunks:
         trains = optimizer_states and any(m.trainable and id(params[m.name]) in optimized for m in spec.members)
+        places = quant_places(trainable_numels(spec)) if trains and state_format == "8bit" else None
         formats.append(ChunkFormat(
             numel=layout.chunk_size, compute_dtype=precision.compute_dtype, master_dtype=precision.master_dtype,
             trainable_start=spec.trainable_start if spec.trainable_numel else 0,
             trainable_numel=spec.trainable_numel, adam_states=adam if trains else 0, world_size=world_size,
+            state_format=state_format if trains else "fp32", quant_blocks=places.n_blocks if places else 0,
+            wide_numel=places.wide_numel if places else 0,
         ))
     return formats
+
+
+def trainable_numels(spec) -> list[int | None]:
+    """Each member's elements, None for a frozen one: what ``quant_places`` lays out."""
+    return [m.numel if m.trainable else None for m in spec.members]

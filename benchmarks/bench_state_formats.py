@@ -1,0 +1,140 @@
+"""Adam's moments in fp32, bf16 and bitsandbytes' 8 bits (``optimizer_state_format``, [Note:
+optimizer-state formats] in protrain_core/runtime/state_formats.py): host bytes per trainable
+parameter, the largest LLaMA-shaped full fine-tune a host budget holds, and on the CPU the step
+time and the loss against fp32 moments, all formats in one run.
+
+    python -m benchmarks.bench_state_formats [--steps 300 --host-gib 128 --json FILE]
+
+1. Host bytes per trainable parameter of a streamed chunk, from the chunk formats the engine
+   allocates (``ChunkFormat.streamed_host_bytes``, which tests check against the allocation), for
+   LLaMA-7B in bf16-mixed (built on the meta device).
+2. The probe ladder: LLaMA shapes from 1.1B to 70B (LLaMA-3-8B and a 48-layer 10.7B among them), every chunk streamed, the largest whose
+   model states fit ``--host-gib`` of host memory in each format (the bytes the host-budget check
+   of ``wrap`` compares).
+3. The same training run three times on the CPU (a LLaMA of 4 layers, hidden 256, bf16-mixed,
+   every chunk streamed, AdamW lr 1e-3, one fixed stream of batches): median step time and the
+   loss of each format against fp32's over ``--steps`` steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import protrain_core as pt
+from protrain_core.runtime.storage import chunk_formats
+
+FORMATS = ("fp32", "bf16", "8bit")
+# (name, hidden, intermediate, layers, heads, kv heads, vocabulary), smallest first
+LADDER = [("llama-1.1b", 2048, 5632, 22, 32, 4, 32000), ("llama-3b", 3200, 8640, 26, 32, 32, 32000),
+          ("llama-7b", 4096, 11008, 32, 32, 32, 32000), ("llama-3-8b", 4096, 14336, 32, 32, 8, 128256),
+          ("llama-10.7b", 4096, 14336, 48, 32, 8, 32000), ("llama-13b", 5120, 13824, 40, 40, 40, 32000),
+          ("llama-34b", 8192, 22016, 48, 64, 8, 32000), ("llama-70b", 8192, 28672, 80, 64, 8, 32000)]
+
+
+def _llama(hidden, inter, layers, heads, kv, vocab, device="meta"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=256, bos_token_id=0,
+                      eos_token_id=0, pad_token_id=0)
+    with torch.device(device):
+        return LlamaForCausalLM(cfg)
+
+
+def host_bytes(model, fmt: str) -> tuple[int, int]:
+    """(host bytes of every chunk streamed, trainable parameters) in bf16-mixed."""
+    opt = torch.optim.AdamW(model.parameters())
+    layout = pt.build_layout(model, *(lambda path, blocks: (path, len(blocks)))(*pt.find_blocks(model)))
+    formats = chunk_formats(model, opt, layout, pt.Precision.BF16_MIXED, state_format=fmt)
+    return sum(f.streamed_host_bytes for f in formats), sum(p.numel() for p in model.parameters())
+
+
+def bytes_rows() -> list[dict]:
+    model = _llama(*LADDER[2][1:])
+    rows = []
+    for fmt in FORMATS:
+        total, n = host_bytes(model, fmt)
+        rows.append({"format": fmt, "model": "llama-7b", "params": n, "host_bytes": total, "bytes_per_param": total / n})
+    return rows
+
+
+def ladder_rows(host_gib: float) -> list[dict]:
+    budget = host_gib * 2**30
+    rows = []
+    for name, *shape in LADDER:
+        model = _llama(*shape)
+        for fmt in FORMATS:
+            total, n = host_bytes(model, fmt)
+            rows.append({"model": name, "params": n, "format": fmt, "host_bytes": total, "fits": total <= budget})
+    return rows
+
+
+def training_rows(steps: int) -> list[dict]:
+    torch.manual_seed(0)
+    base = _llama(256, 704, 4, 4, 4, 512, device="cpu")
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, 512, (4, 64), generator=g) for _ in range(8)]
+    runs = {}
+    for fmt in FORMATS:
+        model = _llama(256, 704, 4, 4, 4, 512, device="cpu")
+        model.load_state_dict(base.state_dict())
+        engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), pt.Plan(n_persist=0, n_buffer=2),
+                         precision="bf16-mixed", device="cpu", config=pt.ProTrainConfig(optimizer_state_format=fmt))
+        losses, times = [], []
+        for i in range(steps):
+            x = data[i % len(data)]
+            t0 = time.perf_counter()
+            loss = engine.module(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+            losses.append(loss.item())
+            times.append(time.perf_counter() - t0)
+        runs[fmt] = (losses, statistics.median(times[1:]), engine.memory.host_bytes())
+        engine.close()
+    fp32 = runs["fp32"][0]
+    return [{"format": fmt, "steps": steps, "step_s": t, "vs_fp32_step": t / runs["fp32"][1], "host_bytes": hb,
+             "final_loss": statistics.fmean(losses[-10:]), "max_abs_loss_diff": max(abs(a - b) for a, b in zip(losses, fp32)),
+             "mean_abs_loss_diff_last_50": statistics.fmean(abs(a - b) for a, b in zip(losses[-50:], fp32[-50:]))}
+            for fmt, (losses, t, hb) in runs.items()]
+
+
+def markdown(result: dict) -> str:
+    lines = ["| format | LLaMA-7B host bytes (all streamed) | bytes per trainable parameter |", "|---|---|---|"]
+    lines += [f"| {r['format']} | {r['host_bytes'] / 2**30:.1f} GiB | {r['bytes_per_param']:.2f} |" for r in result["bytes"]]
+    lines += ["", f"Largest full fine-tune in {result['host_gib']:g} GiB of host memory (every chunk streamed):", "",
+              "| format | largest that fits | its host bytes |", "|---|---|---|"]
+    for fmt in FORMATS:
+        fits = [r for r in result["ladder"] if r["format"] == fmt and r["fits"]]
+        best = fits[-1] if fits else None
+        lines.append(f"| {fmt} | {best['model'] if best else 'none'} | "
+                     f"{best['host_bytes'] / 2**30:.1f} GiB |" if best else f"| {fmt} | none | |")
+    lines += ["", "| format | median step (CPU) | vs fp32 | host bytes | loss, last 10 | max abs loss diff vs fp32 | "
+              "mean abs diff, last 50 |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['format']} | {r['step_s'] * 1e3:.1f} ms | {r['vs_fp32_step']:.2f}x | {r['host_bytes'] / 2**20:.1f} MiB | "
+              f"{r['final_loss']:.4f} | {r['max_abs_loss_diff']:.4f} | {r['mean_abs_loss_diff_last_50']:.4f} |"
+              for r in result["training"]]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--host-gib", type=float, default=128.0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    result = {"bytes": bytes_rows(), "host_gib": args.host_gib, "ladder": ladder_rows(args.host_gib),
+              "training": training_rows(args.steps)}
+    print(markdown(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,323 @@
+"""The formats a chunk's Adam moments are kept in (``ProTrainConfig.optimizer_state_format``).
+
+[Note: optimizer-state formats]
+What decides the largest model one box can fully fine-tune is host bytes per streamed trainable
+parameter. Its fp32 master and fp32 gradient accumulator stay (4 + 4 bytes, in the master
+dtype); the moments take one of three formats:
+
+  format  moments (bytes per parameter)            update                    parity reference
+  fp32    the master dtype, as torch keeps them    torch._fused_adamw_       torch AdamW(fused=True)
+          (8; bf16-true: 4)
+  bf16    bfloat16, round to nearest (4)           the fused kernel on fp32  protrain_core.AdamWBf16Moments
+                                                   copies, rounded back
+  8bit    bitsandbytes' block-wise 8 bits: the     bitsandbytes' kernel,     bitsandbytes.optim.AdamW8bit
+          dynamic maps, fp32 absmax per block of   member by member
+          256 (2.03); fp32 below 4096 elements
+
+Each is bitwise its reference on the unwrapped model: the update is elementwise (bf16) or
+block-wise from each parameter's first element (8bit), and a chunk's member is a contiguous view
+shaped like its parameter, so a chunk step makes the same calls on the same values. A member of
+fewer than 4096 elements keeps fp32 moments in "8bit", as bitsandbytes does (its
+``min_8bit_size``): they live in one fp32 tensor of the chunk's (``wide``), the 8-bit members'
+block scales in another (``absmax``), both addressed by ``QuantPlaces``.
+
+Every chunk keeps the one format, persistent or streamed, so that a plan or a re-plan never
+changes the arithmetic. "bf16" and "8bit" need Adam or AdamW (another optimizer's states have
+no such format), and "8bit" follows bitsandbytes' AdamW8bit: decoupled weight decay, no amsgrad,
+no maximize, one process (a member split between ranks would change its blocks).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+from torch import Tensor
+from torch.optim.adamw import adamw
+
+from protrain_ops import AdamHyperParams, adam_step
+
+FORMATS = ("fp32", "bf16", "8bit")
+BLOCK = 256  # bitsandbytes' block-wise block
+MIN_8BIT = 4096  # bitsandbytes' min_8bit_size: smaller parameters keep fp32 moments
+_INSTALL = "pip install 'lightning-protrain[8bit]' (bitsandbytes)"
+
+
+def check_format(name: object) -> str:
+    """``name`` if it is a known format, else a ValueError with the choices."""
+    if name not in FORMATS:
+        raise ValueError(
+            f"optimizer_state_format={name!r}: use 'fp32' (the default: Adam's moments as torch keeps them), "
+            "'bf16' (bfloat16 moments) or '8bit' (bitsandbytes' block-wise 8-bit moments). (The boolean "
+            "optimizer_states=False is another setting: an engine that never steps.)"
+        )
+    return name
+
+
+def moment_dtype(name: str, master_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a chunk's moment tensors in format ``name``."""
+    return {"fp32": master_dtype, "bf16": torch.bfloat16, "8bit": torch.uint8}[name]
+
+
+@cache
+def bitsandbytes():
+    """bitsandbytes' functional module, imported once (its import logs about optional kernels it
+    does not need here: kept quiet), or an ImportError saying how to install it."""
+    log = logging.getLogger("bitsandbytes")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes.functional as functional
+    except ImportError as e:
+        raise ImportError(f"optimizer_state_format='8bit' needs bitsandbytes: {_INSTALL}.") from e
+    finally:
+        log.setLevel(level)
+    return functional
+
+
+def check_optimizer_for(name: str, optimizer: torch.optim.Optimizer, *, adam: bool, world_size: int) -> None:
+    """Refuse, with the fix, an optimizer (or a world size) format ``name`` cannot run with."""
+    if name == "fp32":
+        return
+    if not adam:
+        raise ValueError(
+            f"optimizer_state_format={name!r} keeps Adam's moments in {name}: {type(optimizer).__name__} is not "
+            "Adam/AdamW. Use torch.optim.AdamW, or optimizer_state_format='fp32'."
+        )
+    if name != "8bit":
+        return
+    bitsandbytes()  # installed, before anything is allocated
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or optimizer.defaults.get("decoupled_weight_decay", False)
+    for g, group in enumerate(optimizer.param_groups):
+        why = ("amsgrad=True" if group.get("amsgrad") else "maximize=True" if group.get("maximize")
+               else "Adam's L2 weight decay" if group.get("weight_decay") and not decoupled else None)
+        if why:
+            raise ValueError(
+                f"optimizer_state_format='8bit' runs bitsandbytes' AdamW8bit, which has no {why} (param group {g}). "
+                "Use torch.optim.AdamW without amsgrad/maximize, or another optimizer_state_format."
+            )
+    if world_size > 1:
+        raise ValueError(
+            f"optimizer_state_format='8bit' runs in one process: sharded over {world_size} processes a parameter "
+            "split between ranks would be quantised in other blocks than bitsandbytes' own. Use 'bf16' (half the "
+            "moment bytes, shards like 'fp32') or one process."
+        )
+
+
+# ----- 8-bit addressing ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class QuantPlaces:
+    """Where each trainable member's 8-bit block scales or fp32 moments are, in chunk order:
+    ``blocks[j]`` (offset, count) in each half of ``absmax`` or None; ``wide[j]`` the offset in
+    each half of ``wide`` or None."""
+
+    blocks: tuple[tuple[int, int] | None, ...]
+    wide: tuple[int | None, ...]
+    n_blocks: int
+    wide_numel: int
+
+
+def quant_places(numels: list[int | None]) -> QuantPlaces:
+    """The places of members with ``numels`` (None: a frozen member, which has no moments)."""
+    blocks, wide, nb, nw = [], [], 0, 0
+    for n in numels:
+        if n is None or n < MIN_8BIT:
+            blocks.append(None)
+            wide.append(None if n is None else nw)
+            nw += n or 0
+        else:
+            count = math.ceil(n / BLOCK)
+            blocks.append((nb, count))
+            wide.append(None)
+            nb += count
+    return QuantPlaces(tuple(blocks), tuple(wide), nb, nw)
+
+
+def qmaps(device: torch.device) -> tuple[Tensor, Tensor]:
+    """bitsandbytes' signed and unsigned dynamic maps (the first and second moments'), on ``device``."""
+    return _qmaps(str(device))
+
+
+@cache
+def _qmaps(device: str) -> tuple[Tensor, Tensor]:
+    F = bitsandbytes()
+    return F.create_dynamic_map(signed=True).to(device), F.create_dynamic_map(signed=False).to(device)
+
+
+@dataclass(frozen=True)
+class MemberMoments:
+    """One member's moments in format "8bit": uint8 states with their block scales, or fp32."""
+
+    state1: Tensor
+    state2: Tensor
+    absmax1: Tensor | None  # None: fp32 moments (a member under MIN_8BIT)
+    absmax2: Tensor | None
+
+
+def member_moments(storage, places: QuantPlaces, j: int, views_m: Tensor, views_v: Tensor, shape) -> MemberMoments:
+    """Member ``j``'s moments: its views of the uint8 states (``views_m``, ``views_v``) with its
+    block scales, or its fp32 moments in ``storage.wide``."""
+    blk = places.blocks[j]
+    if blk is not None:
+        at, n = blk
+        half = places.n_blocks
+        return MemberMoments(views_m, views_v, storage.absmax[at:at + n], storage.absmax[half + at:half + at + n])
+    at, n, half = places.wide[j], views_m.numel(), places.wide_numel
+    return MemberMoments(storage.wide[at:at + n].view(shape), storage.wide[half + at:half + at + n].view(shape),
+                         None, None)
+
+
+# ----- the updates ------------------------------------------------------------------------------
+def bf16_step(master: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+              steps: list[Tensor], hp: AdamHyperParams) -> None:
+    """Adam/AdamW on bf16 moments: torch's fused kernel on fp32 copies of them, rounded back to
+    nearest (``AdamWBf16Moments`` does the same per parameter)."""
+    wide_m = [m.float() for m in exp_avgs]
+    wide_v = [v.float() for v in exp_avg_sqs]
+    adam_step(master, grads, wide_m, wide_v, [], steps, hp)
+    torch._foreach_copy_(exp_avgs, wide_m)
+    torch._foreach_copy_(exp_avg_sqs, wide_v)
+
+
+def eight_bit_step(p: Tensor, g: Tensor, moments: MemberMoments, step: int, hp: AdamHyperParams) -> None:
+    """One bitsandbytes AdamW8bit step of one parameter (``step``: its count after this one), with
+    the calls ``bitsandbytes.optim.AdamW8bit.step`` makes."""
+    F = bitsandbytes()
+    if moments.absmax1 is None:
+        F.optimizer_update_32bit("adam", g, p, moments.state1, hp.beta1, hp.eps, step, hp.lr, moments.state2, hp.beta2,
+                                 0.0, 0.0, hp.weight_decay, 1.0, None, max_unorm=0.0, skip_zeros=False)
+        return
+    q1, q2 = qmaps(p.device)
+    F.optimizer_update_8bit_blockwise("adam", g, p, moments.state1, moments.state2, hp.beta1, hp.beta2, 0.0, 0.0,
+                                      hp.eps, step, hp.lr, q1, q2, moments.absmax1, moments.absmax2, hp.weight_decay,
+                                      gnorm_scale=1.0, skip_zeros=False)
+
+
+def moment_step(name: str, n: int, device: torch.device):
+    """For the hardware probe: ``step(p, g, hp)`` updating one ``n``-element parameter with moments in
+    format ``name`` as the runtime does, or None for "fp32" (torch's fused kernel)."""
+    if name == "fp32":
+        return None
+    steps = [torch.zeros((), device=device)]
+    if name == "bf16":
+        m, v = (torch.zeros(n, dtype=torch.bfloat16, device=device) for _ in range(2))
+        return lambda p, g, hp: bf16_step([p], [g], [m], [v], steps, hp)
+    blocks = math.ceil(n / BLOCK)
+    state = torch.zeros(2, n, dtype=torch.uint8, device=device)
+    absmax = torch.zeros(2, blocks, device=device)
+    moments = MemberMoments(state[0], state[1], absmax[0], absmax[1]) if n >= MIN_8BIT else \
+        MemberMoments(*torch.zeros(2, n, device=device), None, None)
+    return lambda p, g, hp: eight_bit_step(p, g, moments, 1, hp)
+
+
+# ----- state dicts -------------------------------------------------------------------------------
+def eight_bit_entry(moments: MemberMoments, step: int, shape) -> dict:
+    """Member's state in ``bitsandbytes.optim.AdamW8bit``'s format (unwrapped: its
+    ``load_state_dict`` takes it), on the CPU."""
+    cpu = lambda t: t.detach().to("cpu", copy=True)  # noqa: E731
+    entry = {"step": step, "state1": cpu(moments.state1).reshape(shape), "state2": cpu(moments.state2).reshape(shape)}
+    if moments.absmax1 is not None:
+        q1, q2 = qmaps(torch.device("cpu"))
+        entry.update(qmap1=q1.clone(), qmap2=q2.clone(), absmax1=cpu(moments.absmax1), absmax2=cpu(moments.absmax2))
+    return entry
+
+
+def load_eight_bit(moments: MemberMoments, entry: dict | None) -> None:
+    """Write a saved entry into a member's moments: bitsandbytes' format as it is (bit for bit),
+    or torch Adam's ``exp_avg``/``exp_avg_sq`` quantised (a run with fp32 states resumed with 8-bit
+    ones); zeros without an entry."""
+    entry = unwrapped(entry)
+    if entry is None:
+        for t in (moments.state1, moments.state2, moments.absmax1, moments.absmax2):
+            if t is not None:
+                t.zero_()
+        return
+    if "state1" in entry:
+        quantised = entry["state1"].dtype == torch.uint8
+        if quantised != (moments.absmax1 is not None):
+            raise ValueError("An 8-bit optimizer state does not match this parameter: bitsandbytes keeps fp32 moments "
+                             f"below {MIN_8BIT} elements and 8-bit ones from there; was it saved for another model?")
+        moments.state1.copy_(entry["state1"].reshape(moments.state1.shape))
+        moments.state2.copy_(entry["state2"].reshape(moments.state2.shape))
+        if quantised:
+            moments.absmax1.copy_(entry["absmax1"])
+            moments.absmax2.copy_(entry["absmax2"])
+        return
+    m, v = entry["exp_avg"].float(), entry["exp_avg_sq"].float()
+    if moments.absmax1 is None:
+        moments.state1.copy_(m.reshape(moments.state1.shape))
+        moments.state2.copy_(v.reshape(moments.state2.shape))
+        return
+    F = bitsandbytes()
+    for value, state, absmax, code in ((m, moments.state1, moments.absmax1, qmaps(m.device)[0]),
+                                       (v, moments.state2, moments.absmax2, qmaps(m.device)[1])):
+        q, qs = F.quantize_blockwise(value.reshape(-1), code=code, blocksize=BLOCK)
+        state.copy_(q.reshape(state.shape))
+        absmax.copy_(qs.absmax)
+
+
+def unwrapped(entry: dict | None) -> dict | None:
+    """An entry of bitsandbytes' own ``state_dict()``, whose 8-bit states it nests under one key."""
+    if entry is None:
+        return None
+    nested = entry.get("__bnb_optimizer_quant_state__")
+    return entry if nested is None else {**{k: v for k, v in entry.items() if k != "__bnb_optimizer_quant_state__"},
+                                         **nested}
+
+
+def to_fp32_adam_state(osd: dict) -> dict:
+    """An optimizer state dict of any format (``engine.states.optimizer()`` / a checkpoint's) in
+    ``torch.optim.AdamW``'s own: fp32 ``exp_avg``/``exp_avg_sq`` (8-bit moments dequantised, bf16
+    ones widened) and a tensor ``step``, for a run with plain torch AdamW or fp32 states."""
+    return {"state": {index: to_fp32_adam_entry(entry) for index, entry in osd["state"].items()},
+            "param_groups": osd["param_groups"]}
+
+
+def to_fp32_adam_entry(entry: dict) -> dict:
+    """One parameter's state of ``to_fp32_adam_state``."""
+    entry = unwrapped(entry)
+    if "state1" not in entry:
+        return {k: (v.float() if isinstance(v, Tensor) and k != "step" and v.is_floating_point() else v)
+                for k, v in entry.items()}
+    m, v = entry["state1"], entry["state2"]
+    if m.dtype == torch.uint8:
+        F = bitsandbytes()
+        m = F.dequantize_blockwise(m, absmax=entry["absmax1"], code=entry["qmap1"], blocksize=BLOCK)
+        v = F.dequantize_blockwise(v, absmax=entry["absmax2"], code=entry["qmap2"], blocksize=BLOCK)
+    return {"step": torch.tensor(float(entry["step"])), "exp_avg": m.float(), "exp_avg_sq": v.float()}
+
+
+class AdamWBf16Moments(torch.optim.AdamW):
+    """``torch.optim.AdamW`` keeping its moments in bfloat16 (round to nearest after every step):
+    what ``optimizer_state_format='bf16'`` runs, as a plain optimizer -- the reference for the
+    engine's results, and a way to continue such a run without ProTrain. Each step runs torch's
+    functional fused AdamW on fp32 copies of a parameter's moments (written independently of the
+    engine's ``bf16_step``, so that a test comparing the two can fail)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
+                m, v = state["exp_avg"].float(), state["exp_avg_sq"].float()  # (load_state_dict widens them)
+                adamw([p], [p.grad], [m], [v], [], [state["step"]], fused=True, amsgrad=False,
+                                        beta1=group["betas"][0], beta2=group["betas"][1], lr=group["lr"],
+                                        weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+                state["exp_avg"], state["exp_avg_sq"] = m.to(torch.bfloat16), v.to(torch.bfloat16)
+        return loss

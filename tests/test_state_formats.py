@@ -1,0 +1,309 @@
+"""Issue 31, item 1: Adam's moments in bf16 or bitsandbytes' 8-bit format
+(``ProTrainConfig.optimizer_state_format``): bitwise the reference optimizer on the unwrapped model
+in fp32 on every plan, independent of the plan in mixed precision, state dicts that load back
+exactly and open as torch AdamW's, the bytes the planner counts, and the refusals."""
+
+import copy
+import sys
+
+import pytest
+import torch
+
+import protrain_core as pt
+from conftest import assert_same_runs, batches, standard_plans, tiny_gpt2, train_engine, train_reference
+from protrain_core.runtime import state_formats
+from protrain_core.runtime.host_pool import pool_bytes
+from protrain_core.runtime.storage import chunk_formats
+from protrain_core.structure.layout import ChunkLayout  # noqa: F401  (the layout the formats are of)
+
+bnb = pytest.importorskip("bitsandbytes")
+
+LR, WD = 1e-2, 0.1
+
+
+def reference_optimizer(fmt, params):
+    if fmt == "8bit":
+        return bnb.optim.AdamW8bit(params, lr=LR, weight_decay=WD)
+    if fmt == "bf16":
+        return pt.AdamWBf16Moments(params, lr=LR, weight_decay=WD)
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WD, fused=True)
+
+
+def engine_for(model, fmt, plan, precision="32-true", **config):
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    return pt.wrap(model, opt, plan=plan, precision=precision, device="cpu",
+                   config=pt.ProTrainConfig(optimizer_state_format=fmt, **config))
+
+
+def run(engine, data, **kw):
+    losses = train_engine(engine, data, **kw)
+    return losses, engine.state_dict(), engine.states.optimizer()
+
+
+def test_the_tiny_model_has_8bit_and_fp32_members():
+    """bitsandbytes keeps fp32 moments below 4096 elements: the model the tests train has both."""
+    sizes = {p.numel() for p in tiny_gpt2().parameters()}
+    assert any(n >= state_formats.MIN_8BIT for n in sizes) and any(n < state_formats.MIN_8BIT for n in sizes)
+
+
+@pytest.mark.parametrize("plan_name", ["all-persistent", "streamed-buf1", "mixed-buf2", "swap-checkpoint"])
+@pytest.mark.parametrize("fmt", ["bf16", "8bit"])
+def test_each_format_trains_bitwise_like_its_reference_optimizer(fmt, plan_name):
+    base, data = tiny_gpt2(), batches(6)
+    ref = copy.deepcopy(base)
+    ref_opt = reference_optimizer(fmt, ref.parameters())
+    ref_losses = train_reference(ref, ref_opt, data)
+    engine = engine_for(copy.deepcopy(base), fmt, standard_plans(base)[plan_name], runtime={"check_invariants": True})
+    losses, sd, osd = run(engine, data)
+    assert losses == ref_losses
+    assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
+    # The optimizer state is the reference's own, entry for entry (bitsandbytes' unwrapped).
+    ref_state = ref_opt.state_dict()["state"]
+    assert osd["state"].keys() == ref_state.keys()
+    for i, entry in osd["state"].items():
+        expected = state_formats.unwrapped(ref_state[i])
+        assert entry.keys() == expected.keys()
+        for k, v in entry.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(expected[k])), (i, k)
+    if fmt == "8bit":
+        assert any(e["state1"].dtype == torch.uint8 for e in osd["state"].values())
+        assert any(e["state1"].dtype == torch.float32 for e in osd["state"].values())
+    else:
+        assert all(e["exp_avg"].dtype == torch.bfloat16 for e in osd["state"].values())
+    # The format acts: fp32 moments give other weights.
+    fp32 = run(engine_for(copy.deepcopy(base), "fp32", standard_plans(base)[plan_name]), data)
+    assert any(not torch.equal(sd[k], fp32[1][k]) for k in sd)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+@pytest.mark.parametrize("fmt", ["bf16", "8bit"])
+def test_in_mixed_precision_plans_offloads_and_replans_do_not_change_the_run(fmt, precision):
+    """Clipping and accumulation included: a streamed plan gives the persistent plan's run bit for
+    bit, and so does a persistent engine whose states make a round trip off the device and are
+    then re-planned to stream (every chunk's moments and block scales move both ways)."""
+    base, data = tiny_gpt2(), batches(8)
+    plans = standard_plans(base)
+    config = dict(clipping=("norm", 0.5))
+    persistent = engine_for(copy.deepcopy(base), fmt, plans["all-persistent"], precision, **config)
+    a = run(persistent, data[:4], accumulate=2)
+    a2 = run(persistent, data[4:], accumulate=2)
+    streamed = engine_for(copy.deepcopy(base), fmt, plans["streamed-buf1"], precision, **config)
+    assert_same_runs(a, run(streamed, data[:4], accumulate=2))
+    moved = engine_for(copy.deepcopy(base), fmt, plans["all-persistent"], precision, **config)
+    assert_same_runs(a, run(moved, data[:4], accumulate=2))
+    moved.offload_states()
+    moved.onload_states()
+    moved.replan(plans["streamed-buf1"])
+    assert_same_runs(a2, run(moved, data[4:], accumulate=2))
+
+
+def test_8bit_states_load_back_exactly_into_the_engine_and_into_bitsandbytes():
+    base, data = tiny_gpt2(), batches(6)
+    plan = standard_plans(base)["mixed-buf2"]
+    whole = run(engine_for(copy.deepcopy(base), "8bit", plan), data)
+    first = engine_for(copy.deepcopy(base), "8bit", plan)
+    train_engine(first, data[:3])
+    sd, osd = first.state_dict(), first.states.optimizer()
+    # A new engine from the saved states continues exactly.
+    resumed_model = copy.deepcopy(base)
+    resumed = engine_for(resumed_model, "8bit", standard_plans(base)["streamed-buf1"])
+    resumed.load_state_dict(sd)
+    resumed.states.load_optimizer(osd)
+    tail = run(resumed, data[3:])
+    assert tail[0] == whole[0][3:]
+    assert_same_runs((tail[0],) + whole[1:], tail)
+    # bitsandbytes' own optimizer takes the state on the unwrapped model and continues exactly.
+    plain = copy.deepcopy(base)
+    plain.load_state_dict(sd)
+    ref_opt = reference_optimizer("8bit", plain.parameters())
+    ref_opt.load_state_dict(osd)
+    assert train_reference(plain, ref_opt, data[3:]) == whole[0][3:]
+    assert all(torch.equal(whole[1][k], v) for k, v in plain.state_dict().items())
+
+
+def test_the_states_open_as_torch_adamw_and_an_fp32_state_loads_into_8bit():
+    base, data = tiny_gpt2(), batches(4)
+    plan = standard_plans(base)["streamed-buf1"]
+    engine = engine_for(copy.deepcopy(base), "8bit", plan)
+    train_engine(engine, data)
+    osd = engine.states.optimizer()
+    portable = pt.to_fp32_adam_state(osd)
+    F = state_formats.bitsandbytes()
+    for i, entry in portable["state"].items():
+        saved = osd["state"][i]
+        assert entry["exp_avg"].dtype == torch.float32 and entry["step"].item() == saved["step"] == len(data)
+        if saved["state1"].dtype == torch.uint8:
+            expected = F.dequantize_blockwise(saved["state1"], absmax=saved["absmax1"], code=saved["qmap1"], blocksize=256)
+            assert torch.equal(entry["exp_avg"], expected)
+        else:
+            assert torch.equal(entry["exp_avg"], saved["state1"])
+    # Plain torch AdamW takes it.
+    plain = copy.deepcopy(base)
+    adamw = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=WD)
+    adamw.load_state_dict(portable)
+    assert torch.equal(adamw.state[next(plain.parameters())]["exp_avg"], portable["state"][0]["exp_avg"])
+    # An fp32 AdamW state (a run resumed with 8-bit states) is quantised on load: its moments come
+    # back within one 8-bit step of each block's scale, the small members' exactly.
+    fp32 = engine_for(copy.deepcopy(base), "fp32", plan)
+    train_engine(fp32, data)
+    fp32_osd = fp32.states.optimizer()
+    eight = engine_for(copy.deepcopy(base), "8bit", plan)
+    eight.states.load_optimizer(fp32_osd)
+    back = pt.to_fp32_adam_state(eight.states.optimizer())
+    for i, entry in fp32_osd["state"].items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            got, want = back["state"][i][name], entry[name]
+            if want.numel() < state_formats.MIN_8BIT:
+                assert torch.equal(got, want)
+            else:
+                assert (got - want).abs().max() <= 0.1 * want.abs().max(), (i, name)
+    # A state of another format loaded into an fp32 engine arrives as its fp32 values.
+    fp32.states.load_optimizer(osd)
+    assert torch.equal(fp32.states.optimizer()["state"][3]["exp_avg"], portable["state"][3]["exp_avg"])
+
+
+def test_bf16_states_are_torch_adamw_states_with_bf16_moments():
+    base, data = tiny_gpt2(), batches(4)
+    engine = engine_for(copy.deepcopy(base), "bf16", standard_plans(base)["streamed-buf1"])
+    train_engine(engine, data)
+    osd = engine.states.optimizer()
+    plain = copy.deepcopy(base)
+    plain.load_state_dict(engine.state_dict())
+    ref_opt = reference_optimizer("bf16", plain.parameters())
+    ref_opt.load_state_dict(osd)  # torch casts the moments to the parameters' dtype; the optimizer rounds them back
+    more = batches(3, seed=5)
+    assert train_reference(plain, ref_opt, more) == train_engine(engine, more)
+    assert all(torch.equal(engine.state_dict()[k], v) for k, v in plain.state_dict().items())
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "8bit"])
+def test_the_planned_bytes_are_the_allocated_ones_and_the_explanation_names_the_format(fmt):
+    base = tiny_gpt2()
+    engine = engine_for(copy.deepcopy(base), fmt, standard_plans(base)["streamed-buf1"])
+    formats = chunk_formats(engine.module, engine.optimizer, engine.layout, engine.precision, state_format=fmt)
+    # The formula's bytes, and the pool's: each tensor at a 64-byte boundary.
+    assert engine.memory.host_bytes() == sum(pool_bytes(f.host_tensors()) for f in formats)
+    assert all(0 <= pool_bytes(f.host_tensors()) - f.streamed_host_bytes < 64 * 8 for f in formats)
+    assert {f.state_format for f in formats if f.adam_states} == {fmt}
+    storage = engine.chunks[1].storage
+    assert storage.exp_avg.dtype == {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}[fmt]
+    if fmt == "8bit":
+        assert storage.absmax.numel() and storage.wide.numel() and storage.steps[0].device.type == "cpu"
+
+
+def test_host_bytes_per_trainable_parameter_by_format():
+    """A model whose members are all large: fp32 master, fp32 accumulator and bf16 copy (10 B)
+    plus the moments: 8, 4 and 2 + 8/256."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=2, vocab_size=128, n_positions=64))
+    model.requires_grad_(False)
+    for block in model.transformer.h:
+        block.mlp.requires_grad_(True)  # 128 x 512 weights and 512 / 128 biases
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    layout = pt.build_layout(model, *(lambda bp, b: (bp, len(b)))(*pt.find_blocks(model)))
+    per_param = {}
+    for fmt in ("fp32", "bf16", "8bit"):
+        formats = chunk_formats(model, opt, layout, pt.Precision.BF16_MIXED, state_format=fmt)
+        trainable = [f for f in formats if f.adam_states]
+        per_param[fmt] = sum(f.streamed_host_bytes - f.frozen_shard * 2 for f in trainable) / sum(
+            f.trainable_numel for f in trainable)
+    assert per_param["fp32"] == pytest.approx(18, abs=0.1)
+    assert per_param["bf16"] == pytest.approx(14, abs=0.1)
+    assert per_param["8bit"] == pytest.approx(12.03, abs=0.1)
+
+
+def _refusal(optimizer, fmt, world_size=1):
+    adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+    state_formats.check_optimizer_for(fmt, optimizer, adam=adam, world_size=world_size)
+
+
+@pytest.mark.parametrize("make, fmt, match", [
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "bf16", "is not Adam/AdamW"),
+    (lambda p: torch.optim.AdamW(p, amsgrad=True), "8bit", "no amsgrad=True"),
+    (lambda p: torch.optim.AdamW(p, maximize=True), "8bit", "no maximize=True"),
+    (lambda p: torch.optim.Adam(p, weight_decay=0.1), "8bit", "L2 weight decay"),
+])
+def test_what_a_format_cannot_run_is_refused_at_wrap_before_anything_is_allocated(make, fmt, match):
+    model = tiny_gpt2(n_layer=2)
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=match):
+        pt.wrap(model, make(model.parameters()), device="cpu", plan=pt.Plan(n_persist=0, n_buffer=1),
+                config=pt.ProTrainConfig(optimizer_state_format=fmt))
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == before  # nothing moved into chunks
+    # Adam without weight decay is AdamW8bit's arithmetic: accepted.
+    _refusal(torch.optim.Adam(model.parameters()), "8bit")
+
+
+def test_8bit_with_several_processes_an_unknown_format_and_a_missing_bitsandbytes_are_refused(monkeypatch):
+    params = tiny_gpt2(n_layer=1).parameters()
+    with pytest.raises(ValueError, match="runs in one process.*'bf16'"):
+        _refusal(torch.optim.AdamW(params), "8bit", world_size=2)
+    _refusal(torch.optim.AdamW(tiny_gpt2(n_layer=1).parameters()), "bf16", world_size=2)
+    with pytest.raises(ValueError, match="'fp32'.*'bf16'.*'8bit'"):
+        pt.ProTrainConfig(optimizer_state_format="int8")
+    state_formats.bitsandbytes.cache_clear()
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    monkeypatch.setitem(sys.modules, "bitsandbytes.functional", None)
+    try:
+        with pytest.raises(ImportError, match=r"lightning-protrain\[8bit\]"):
+            _refusal(torch.optim.AdamW(tiny_gpt2(n_layer=1).parameters()), "8bit")
+    finally:
+        state_formats.bitsandbytes.cache_clear()
+
+
+def test_the_hardware_probe_times_the_update_in_the_format(monkeypatch):
+    calls = []
+    monkeypatch.setattr(state_formats, "eight_bit_step", lambda *a: calls.append(a))
+    from protrain_core.profiler.hardware import probe_hardware
+
+    probe_hardware(torch.device("cpu"), 8192, pt.Precision.BF16_MIXED, state_format="8bit")
+    assert calls
+
+
+def test_a_trainer_with_8bit_states_trains_like_bitsandbytes_under_the_default_strategy(tmp_path, monkeypatch):
+    from lightning_protrain import ProTrainStrategy
+    from test_lightning import LitLM, assert_same, fit
+
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+
+    class Lit8bit(LitLM):
+        def configure_optimizers(self):  # what the default strategy runs: bitsandbytes' own optimizer
+            return bnb.optim.AdamW8bit(self.parameters(), lr=self.lr)
+
+    config = pt.ProTrainConfig(optimizer_state_format="8bit", planning={"plan": pt.Plan(n_persist=1, n_buffer=2)})
+    ours = fit(ProTrainStrategy(config=config))
+    assert_same(ours, fit(module=Lit8bit))
+    assert ours[0].losses != fit()[0].losses  # fp32 moments (plain AdamW) train otherwise
+
+
+def test_sharded_checkpoints_keep_bf16_moments_and_refuse_8bit_ones(tmp_path):
+    base, data = tiny_gpt2(), batches(6)
+    plan = standard_plans(base)["mixed-buf2"]
+    whole = run(engine_for(copy.deepcopy(base), "bf16", plan), data)
+    first = engine_for(copy.deepcopy(base), "bf16", plan)
+    train_engine(first, data[:3])
+    first.save_sharded(tmp_path / "ckpt")
+    resumed = engine_for(copy.deepcopy(base), "bf16", standard_plans(base)["streamed-buf1"])
+    resumed.load_sharded(tmp_path / "ckpt")
+    tail = run(resumed, data[3:])
+    assert_same_runs((whole[0][3:],) + whole[1:], tail)
+    eight = engine_for(copy.deepcopy(base), "8bit", plan)
+    with pytest.raises(ValueError, match="full checkpoint"):
+        eight.save_sharded(tmp_path / "eight")
+    with pytest.raises(ValueError, match="state_dict_type='full'"):
+        pt.ProTrainConfig(optimizer_state_format="8bit", checkpoint={"state_dict_type": "sharded"})
+
+
+def test_the_state_format_benchmark_reports_bytes_per_parameter_and_trains_each_format():
+    pytest.importorskip("transformers")
+    from benchmarks import bench_state_formats as B
+
+    rows = {r["format"]: r["bytes_per_param"] for r in B.bytes_rows()}  # LLaMA-7B, every chunk streamed
+    assert rows["fp32"] == pytest.approx(18.0, abs=0.01) and rows["bf16"] == pytest.approx(14.0, abs=0.01)
+    assert rows["8bit"] == pytest.approx(12.03, abs=0.01)
+    training = B.training_rows(2)
+    assert [r["format"] for r in training] == list(B.FORMATS)
+    assert training[0]["host_bytes"] > training[1]["host_bytes"] > training[2]["host_bytes"]
+    assert "| 8bit |" in B.markdown({"bytes": [], "host_gib": 128, "ladder": [], "training": training})
