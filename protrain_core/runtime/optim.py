@@ -19,6 +19,7 @@ from torch import Tensor
 
 from protrain_core.runtime import state_formats as formats
 from protrain_core.runtime.elementwise import Elementwise, ElementwiseSteps, describe, is_adam
+from protrain_core.runtime.storage import trainable_numels
 from protrain_ops import AdamHyperParams, adam_step, clip_gradients, copy_to_low_precision, onepass
 
 if TYPE_CHECKING:
@@ -233,8 +234,7 @@ class ChunkOptimizer:
         """Where ``chunk``'s 8-bit members keep their block scales and small ones their moments."""
         places = self._places.get(chunk.index)
         if places is None:
-            places = self._places[chunk.index] = formats.quant_places(
-                [m.numel if m.trainable else None for m in chunk.spec.members])
+            places = self._places[chunk.index] = formats.quant_places(trainable_numels(chunk.spec))
         return places
 
     @staticmethod
