@@ -66,6 +66,9 @@ class Workload:
     systems: tuple[str, ...] | None = None  # None: every system
     clip: float | None = None  # clip_grad_norm_(max_norm=clip) before every update (each system's own way)
     devices: int = 1  # processes (data parallel, one device each; started by torchrun); 0: every GPU there is
+    # Adam's moments: "fp32", or ProTrain's optimizer_state_format "8bit" against plain PyTorch with
+    # bitsandbytes' AdamW8bit (the same arithmetic; the offload systems have no such format)
+    states: str = "fp32"
 
 
 def lora(m: dict, r: int = 16) -> dict:
@@ -82,6 +85,14 @@ CLIP_SYSTEMS = ("protrain-lightning", "protrain-core", "pytorch")
 
 def clipped(w: Workload, systems: tuple[str, ...] = CLIP_SYSTEMS) -> Workload:
     return dataclasses.replace(w, label=f"{w.label} clip1", clip=1.0, systems=systems)
+
+
+# 8-bit moments: ProTrain against plain PyTorch with bitsandbytes' AdamW8bit on the device.
+STATES_SYSTEMS = ("protrain-core", "pytorch")
+
+
+def eight_bit(w: Workload) -> Workload:
+    return dataclasses.replace(w, label=f"{w.label} adam8bit", states="8bit", systems=STATES_SYSTEMS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +156,8 @@ SUITES = {
         "small LLaMA (8 x 256) on the CPU: steps long enough that per-step overheads do not dominate (minutes)",
         device="cpu", precision="32-true", warmup=7, steps=8,
         workloads=(Workload("small-8L", SMALL, 8, 256), clipped(Workload("small-8L", SMALL, 8, 256)),
-                   Workload("small-8L lora", lora(SMALL, r=8), 8, 256, systems=LORA_SYSTEMS)),
+                   Workload("small-8L lora", lora(SMALL, r=8), 8, 256, systems=LORA_SYSTEMS),
+                   eight_bit(Workload("small-8L", SMALL, 8, 256))),
         # A budget under the all-persistent plan's peak: the study streams chunks (CPU Adam).
         study=Workload("small-8L", SMALL, 8, 256), study_budget="200MiB",
         model_ladder=tuple(Workload(f"small-{n}L", dict(SMALL, layers=n), 8, 256) for n in (8, 16, 32, 64)),
@@ -164,6 +176,7 @@ SUITES = {
                    Workload(f"llama-{billions(deeper(40))}", deeper(40), 4, 1024),
                    clipped(Workload(f"llama-{billions(L1B)}", L1B, 8, 1024)),
                    clipped(Workload(f"llama-{billions(L7B)}", L7B, 4, 1024), ("protrain-core", "fsdp2-offload")),
+                   eight_bit(Workload(f"llama-{billions(L7B)}", L7B, 4, 1024)),
                    Workload(f"llama-{billions(L7B)} lora", lora(L7B), 4, 1024, systems=LORA_SYSTEMS),
                    Workload(f"llama-{billions(L13B)} lora", lora(L13B), 4, 1024, systems=LORA_SYSTEMS)),
         model_ladder=tuple(Workload(f"llama-{billions(deeper(n))}", deeper(n), 2, 1024) for n in (24, 32, 40, 48)),
@@ -180,6 +193,7 @@ SUITES = {
                    Workload(f"llama-{billions(deeper(48))}", deeper(48), 4, 1024),
                    clipped(Workload(f"llama-{billions(L1B)}", L1B, 8, 1024)),
                    clipped(Workload(f"llama-{billions(L7B)}", L7B, 8, 1024), ("protrain-core", "fsdp2-offload")),
+                   eight_bit(Workload(f"llama-{billions(L7B)}", L7B, 8, 1024)),
                    Workload(f"llama-{billions(L7B)} lora", lora(L7B), 8, 1024, systems=LORA_SYSTEMS),
                    Workload(f"llama-{billions(L13B)} lora", lora(L13B), 4, 1024, systems=LORA_SYSTEMS)),
         model_ladder=tuple(Workload(f"llama-{billions(deeper(n))}", deeper(n), 2, 1024) for n in (32, 40, 48, 56, 64)),
@@ -197,7 +211,7 @@ def spec_of(suite: Suite, system: str, w: Workload, *, dry_run: bool, steps=None
     m = dict(w.model, seq=w.seq)
     return {"system": system, "label": w.label, "model": m, "batch": w.batch, "seq": w.seq,
             "device": suite.device, "precision": suite.precision, "dry_run": dry_run, "memory_budget": memory_budget,
-            "clip": w.clip, "devices": w.devices, "study": study,
+            "clip": w.clip, "devices": w.devices, "study": study, "states": w.states,
             "warmup": suite.warmup if warmup is None else warmup, "steps": suite.steps if steps is None else steps}
 
 

@@ -260,6 +260,19 @@ def adamw(params, device, **kw) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY, **kw)
 
 
+def reference_optimizer(spec, params, device) -> torch.optim.Optimizer:
+    """Plain PyTorch's optimizer for the row's moments: fused AdamW, or bitsandbytes' AdamW8bit
+    (what ProTrain's optimizer_state_format="8bit" equals on the unwrapped model)."""
+    if spec.get("states", "fp32") == "fp32":
+        return adamw(params, device, fused=True)
+    from protrain_core.runtime.state_formats import bitsandbytes
+
+    bitsandbytes()  # imported quietly, or the error naming the extra to install
+    import bitsandbytes as bnb
+
+    return bnb.optim.AdamW8bit(params, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
+
+
 # ----- the systems ---------------------------------------------------------------------------------
 def states_note(spec) -> str:
     """What plain PyTorch needs for the model states alone (fp32 weights, gradients, 2 moments;
@@ -284,7 +297,7 @@ def run_pytorch(spec, device, clock):
         for p in model.parameters():  # plain PEFT's usual recipe: the frozen base in bf16
             if not p.requires_grad:
                 p.data = p.data.to(torch.bfloat16)
-    opt = adamw(trainable(model), device, fused=True)
+    opt = reference_optimizer(spec, trainable(model), device)
     train_loop(torch_step(model, opt, autocast(spec, device), spec.get("clip")), batches(spec, device), spec, clock)
     return {"states": state_bytes(model, opt, device)}
 
@@ -377,7 +390,8 @@ def run_protrain_core(spec, device, clock):
     data = batches(spec, device)
     clip = spec.get("clip")
     config = pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget=spec.get("memory_budget")),
-                               clipping=None if clip is None else ("norm", clip))
+                               clipping=None if clip is None else ("norm", clip),
+                               optimizer_state_format=spec.get("states", "fp32"))
     baseline = current_rss()  # the process before ProTrain: Python, torch, the model built on the CPU, the data
     engine = pt.wrap(model, opt, plan=None, config=config, precision=spec["precision"], device=device, report=_report)
     try:

@@ -31,7 +31,7 @@ import torch
 
 import protrain_core as pt
 from _distributed import ddp_reduce, ddp_reference, protrain_run, spawn
-from conftest import batches, standard_plans, tiny_llama, train_engine
+from conftest import SEQ, VOCAB, batches, standard_plans, tiny_llama, train_engine
 from test_parity import reference_mixed
 
 WEIGHT_ATOL, LOSS_ATOL = 1e-4, 1e-5
@@ -929,3 +929,41 @@ def test_ctrl_c_ends_a_rank_waiting_on_a_collective_that_cannot_end(kind, tmp_pa
         for p in procs:
             p.kill()
             p.wait()
+
+
+def _collectives_after_a_failing_backward(rank, world):
+    import protrain_core.runtime.sharding as S
+
+    model = tiny_llama(n_layer=2)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), pt.Plan(n_persist=2, n_buffer=0),
+                     device="cpu")
+    failed, issued = [False], []
+    for name in ("_issue", "_blocking"):
+        def counted(*args, _name=name, _real=getattr(S, name), **kwargs):
+            if failed[0]:
+                issued.append(_name)
+            return _real(*args, **kwargs)
+        setattr(S, name, counted)
+
+    def fail(*_):
+        failed[0] = True
+        raise ValueError(f"the user's error in backward on rank {rank}")
+
+    model.model.layers[0].register_full_backward_hook(fail)  # a chunk has some of its gradients then
+    x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(rank))
+    try:
+        engine.backward(model(input_ids=x, labels=x).loss)
+    except ValueError as e:
+        return str(e), issued
+    return None, issued
+
+
+def test_a_backward_that_raises_runs_no_collective_on_its_way_out(tmp_path):
+    """An error in backward (a hook's, or ctrl-C) leaves without the reductions that end a
+    backward: with several processes they are collectives, and on a failure path they meet a
+    rank that has left (gloo's "remote worker crashed" then replaced ctrl-C's KeyboardInterrupt
+    in the 2-process Lightning run of test_a_failure_on_one_rank_ends_every_process...). Before:
+    the reduce-scatters of the chunks still receiving ran in backward's ``finally``."""
+    for rank, (message, issued) in enumerate(spawn(_collectives_after_a_failing_backward, 2, tmp_path)):
+        assert message == f"the user's error in backward on rank {rank}"
+        assert issued == [], issued

@@ -191,6 +191,17 @@ def test_the_planned_bytes_are_the_allocated_ones_and_the_explanation_names_the_
         assert storage.absmax.numel() and storage.wide.numel() and storage.steps[0].device.type == "cpu"
 
 
+def test_the_explanation_and_the_summary_name_the_format(tmp_path, monkeypatch):
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
+    model, x = tiny_gpt2(), batches(1)[0]
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), precision="bf16-mixed", device="cpu",
+                     example_inputs={"input_ids": x, "labels": x}, report=lambda *a, **k: None,
+                     config=pt.ProTrainConfig(optimizer_state_format="8bit"))
+    assert "B of host memory (Adam moments 8bit)" in engine.explain()
+    assert "moments 8bit" in engine.summary()
+    assert engine.profile.state_format == "8bit"
+
+
 def test_host_bytes_per_trainable_parameter_by_format():
     """A model whose members are all large: fp32 master, fp32 accumulator and bf16 copy (10 B)
     plus the moments: 8, 4 and 2 + 8/256."""

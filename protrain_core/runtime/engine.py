@@ -330,7 +330,8 @@ class Engine:
         return "\n".join(
             [
                 f"ProTrain engine: {self.plan}, precision={self.precision.value}, device={self.device}",
-                f"optimizer: {type(self.optimizer).__name__} per chunk; overlap: {self.overlap}",
+                f"optimizer: {type(self.optimizer).__name__} per chunk, moments {self.options.state_format}; "
+                f"overlap: {self.overlap}",
                 f"CPU worker: {self.scheduler.worker.describe()}{_update_kernel(self)}",
                 self.clipping.describe(self.choice),
                 f"activations per block: {describe_modes(self.block_modes)}",

@@ -333,12 +333,18 @@ class Scheduler:
             self.hps = self.optim.snapshot()
             self._chain, self.current, self._deferred = [], set(), set()
             self._after_step.clear()  # from here on, zero_grad waits for every job in flight
+            ended = False
             try:
                 yield
+                ended = True
                 self._stepped_backward = boundary
             finally:
                 try:
-                    self._finish_backward()
+                    # A backward that raised (ctrl-C included) ends without the reductions: with
+                    # several processes they are collectives, and a collective on a failure path
+                    # meets a rank that has left -- its error would replace the user's.
+                    if ended or self.sharding is None:
+                        self._finish_backward()
                 finally:
                     for c in self.chunks:
                         c.end_pass()
