@@ -122,7 +122,8 @@ def _mixed_scenarios(rank, world):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# (CI time: 3 processes with the slow tests; uneven shards are also in the world-size checkpoint test.)
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_sharded_engines_train_like_ddp(world, tmp_path):
     results = spawn(_scenarios, world, tmp_path)
     cases = SCENARIOS + [(plan_name, {"precision": precision}, False) for plan_name, precision in MIXED]
@@ -874,12 +875,14 @@ def test_ranks_configured_differently_are_refused_at_wrap_naming_the_difference(
 
 @pytest.mark.parametrize("case,printed", [
     ("raise-rank0", ["[rank0]: ValueError: the user's own error on rank 0"]),
-    # (CI time: two cases run with the slow ones; rank 1's error and an unwritable directory take
-    # the paths of rank 0's error and the full disk.)
+    # (CI time: three cases run with the slow ones; rank 1's error and an unwritable directory take
+    # the path of rank 0's error, and test_a_full_disk_fails_the_save_on_every_rank_and_names_enospc
+    # checks the full disk on 2 processes.)
     pytest.param("raise-rank1", ["[rank1]: ValueError: the user's own error on rank 1"], marks=pytest.mark.slow),
     pytest.param("unwritable", ["[rank0]: NotADirectoryError"], marks=pytest.mark.slow),
-    ("full-disk", ["[rank0]: OSError: [Errno 28] Could not write the sharded checkpoint",
-                   "[rank1]: OSError: [Errno 28] Could not write the sharded checkpoint", "ENOSPC"]),
+    pytest.param("full-disk", ["[rank0]: OSError: [Errno 28] Could not write the sharded checkpoint",
+                               "[rank1]: OSError: [Errno 28] Could not write the sharded checkpoint", "ENOSPC"],
+                 marks=pytest.mark.slow),
     ("interrupt", ["Detected KeyboardInterrupt"]),
 ])
 def test_a_failure_on_one_rank_ends_every_process_with_the_users_error(case, printed, tmp_path):
