@@ -318,3 +318,18 @@ def test_the_state_format_benchmark_reports_bytes_per_parameter_and_trains_each_
     assert [r["format"] for r in training] == list(B.FORMATS)
     assert training[0]["host_bytes"] > training[1]["host_bytes"] > training[2]["host_bytes"]
     assert "| 8bit |" in B.markdown({"bytes": [], "host_gib": 128, "ladder": [], "training": training})
+
+
+def test_a_fabric_loop_with_bf16_moments_trains_like_the_plain_optimizer(tmp_path, monkeypatch):
+    from lightning_protrain import ProTrainFabricStrategy
+    from test_fabric import fabric_loop
+
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    data = batches(4)
+    torch.manual_seed(0)
+    config = pt.ProTrainConfig(optimizer_state_format="bf16", planning={"plan": pt.Plan(n_persist=1, n_buffer=2)})
+    fabric, model, opt, losses = fabric_loop(ProTrainFabricStrategy(config=config), data, accumulate=1)
+    plain = tiny_gpt2()  # fabric_loop's model (seed 0), with the same optimizer settings and bf16 moments
+    ref_opt = pt.AdamWBf16Moments(plain.parameters(), lr=3e-3, weight_decay=1e-2)
+    assert losses == train_reference(plain, ref_opt, data)
+    assert opt.state_dict()["state"][0]["exp_avg"].dtype == torch.bfloat16
