@@ -65,18 +65,24 @@ def standard_plans(model):
     }
 
 
-def train_engine(engine, data, *, accumulate=1):
+def train_engine(engine, data, *, accumulate=1, before_micro_batch=None, after_step=None):
+    """The steps' losses; ``before_micro_batch(engine)`` runs before every micro-batch's forward,
+    ``after_step(engine)`` between ``step`` and ``zero_grad`` (a re-plan, a round trip of the states)."""
     losses = []
     for i in range(0, len(data), accumulate):
         micro = data[i : i + accumulate]
         total = 0.0
         for j, x in enumerate(micro):
+            if before_micro_batch is not None:
+                before_micro_batch(engine)
             ctx = engine.no_sync() if j < len(micro) - 1 else _null()
             with ctx:
                 loss = engine.module(input_ids=x, labels=x).loss / len(micro)
                 engine.backward(loss)
             total += loss.item()
         engine.step()
+        if after_step is not None:
+            after_step(engine)
         engine.zero_grad()
         losses.append(total)
     return losses

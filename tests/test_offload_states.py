@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import protrain_core as pt
-from conftest import MODELS, assert_same_runs, assert_same_weights, batches, n_chunks, standard_plans, train_reference
+from conftest import (MODELS, assert_same_runs, assert_same_weights, batches, n_chunks, standard_plans, train_engine,
+                      train_reference)
 
 CACHE_WARNING = "ignore:ProTrain. a key/value cache"
 
@@ -25,28 +26,20 @@ def _assert_offloaded(engine):
 def _train(engine, data, *, round_trip, accumulate=1, non_blocking=False, offloaded=None):
     """Train on ``data``; with ``round_trip``, offload and onload before every micro-batch
     (``offloaded(engine, handle)`` checks what is left in between) and after every step."""
+    if not round_trip:
+        return train_engine(engine, data, accumulate=accumulate)
     offloaded = offloaded or (lambda engine, handle: _assert_offloaded(engine))
-    losses = []
-    for i in range(0, len(data), accumulate):
-        micro, total = data[i:i + accumulate], 0.0
-        for j, x in enumerate(micro):
-            if round_trip:
-                offloaded(engine, engine.offload_states(non_blocking=non_blocking))
-                engine.onload_states()
-            loss = engine.module(input_ids=x, labels=x).loss / len(micro)
-            if j < len(micro) - 1:
-                with engine.no_sync():
-                    engine.backward(loss)
-            else:
-                engine.backward(loss)
-            total += loss.item()
-        engine.step()
-        if round_trip:  # also after the step, before zero_grad: the gradients travel too
-            engine.offload_states()
-            engine.onload_states()
-        engine.zero_grad()
-        losses.append(total)
-    return losses
+
+    def before_micro_batch(engine):
+        offloaded(engine, engine.offload_states(non_blocking=non_blocking))
+        engine.onload_states()
+
+    def after_step(engine):  # after the step, before zero_grad: the gradients travel too
+        engine.offload_states()
+        engine.onload_states()
+
+    return train_engine(engine, data, accumulate=accumulate, before_micro_batch=before_micro_batch,
+                        after_step=after_step)
 
 
 @pytest.mark.filterwarnings(CACHE_WARNING)

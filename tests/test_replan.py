@@ -3,6 +3,7 @@ plan at every step -- and between the micro-batches of one step -- equals plain 
 bit in fp32; the device never holds more model states than the larger of the two plans."""
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -85,22 +86,8 @@ def test_a_replan_between_micro_batches_keeps_the_accumulated_gradients():
     cycle = plan_cycle(model)
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), cycle[0], device="cpu",
                      config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
-    losses, k = [], 0
-    for i in range(0, len(data), 2):
-        total = 0.0
-        for j, x in enumerate(data[i:i + 2]):
-            engine.replan(cycle[k % len(cycle)])
-            k += 1
-            loss = engine.module(input_ids=x, labels=x).loss / 2
-            if j == 0:
-                with engine.no_sync():
-                    engine.backward(loss)
-            else:
-                engine.backward(loss)
-            total += loss.item()
-        engine.step()
-        engine.zero_grad()
-        losses.append(total)
+    plans = itertools.cycle(cycle)
+    losses = train_engine(engine, data, accumulate=2, before_micro_batch=lambda e: e.replan(next(plans)))
     torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=0)  # the printed sum's order only
     assert_same_weights(engine.state_dict(), ref)
 
