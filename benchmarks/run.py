@@ -69,6 +69,9 @@ class Workload:
     # Adam's moments: "fp32", or ProTrain's optimizer_state_format "8bit" against plain PyTorch with
     # bitsandbytes' AdamW8bit (the same arithmetic; the offload systems have no such format)
     states: str = "fp32"
+    # LoRA's frozen base: None in the compute dtype, or ProTrain's frozen_dtype "int8"/"fp8" against
+    # plain PEFT on the dequantised base (pt.dequantised: the same arithmetic, held in bf16 on the device)
+    frozen: str | None = None
 
 
 def lora(m: dict, r: int = 16) -> dict:
@@ -93,6 +96,11 @@ STATES_SYSTEMS = ("protrain-core", "pytorch")
 
 def eight_bit(w: Workload) -> Workload:
     return dataclasses.replace(w, label=f"{w.label} adam8bit", states="8bit", systems=STATES_SYSTEMS)
+
+
+def quantised_base(w: Workload, fmt: str = "int8") -> Workload:
+    """A LoRA row with the frozen base kept and uploaded in 8 bits by ProTrain."""
+    return dataclasses.replace(w, label=f"{w.label} {fmt}", frozen=fmt, systems=STATES_SYSTEMS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +165,7 @@ SUITES = {
         device="cpu", precision="32-true", warmup=7, steps=8,
         workloads=(Workload("small-8L", SMALL, 8, 256), clipped(Workload("small-8L", SMALL, 8, 256)),
                    Workload("small-8L lora", lora(SMALL, r=8), 8, 256, systems=LORA_SYSTEMS),
+                   quantised_base(Workload("small-8L lora", lora(SMALL, r=8), 8, 256)),
                    eight_bit(Workload("small-8L", SMALL, 8, 256))),
         # A budget under the all-persistent plan's peak: the study streams chunks (CPU Adam).
         study=Workload("small-8L", SMALL, 8, 256), study_budget="200MiB",
@@ -178,7 +187,8 @@ SUITES = {
                    clipped(Workload(f"llama-{billions(L7B)}", L7B, 4, 1024), ("protrain-core", "fsdp2-offload")),
                    eight_bit(Workload(f"llama-{billions(L7B)}", L7B, 4, 1024)),
                    Workload(f"llama-{billions(L7B)} lora", lora(L7B), 4, 1024, systems=LORA_SYSTEMS),
-                   Workload(f"llama-{billions(L13B)} lora", lora(L13B), 4, 1024, systems=LORA_SYSTEMS)),
+                   Workload(f"llama-{billions(L13B)} lora", lora(L13B), 4, 1024, systems=LORA_SYSTEMS),
+                   quantised_base(Workload(f"llama-{billions(L13B)} lora", lora(L13B), 4, 1024))),
         model_ladder=tuple(Workload(f"llama-{billions(deeper(n))}", deeper(n), 2, 1024) for n in (24, 32, 40, 48)),
         batch_ladder=tuple(Workload(f"llama-{billions(L7B)} b{b}", L7B, b, 1024) for b in (2, 4, 8, 16, 32)),
         multi=(Workload(f"llama-{billions(L7B)} all GPUs", L7B, 4, 1024, systems=MULTI_SYSTEMS, devices=0),
@@ -195,7 +205,8 @@ SUITES = {
                    clipped(Workload(f"llama-{billions(L7B)}", L7B, 8, 1024), ("protrain-core", "fsdp2-offload")),
                    eight_bit(Workload(f"llama-{billions(L7B)}", L7B, 8, 1024)),
                    Workload(f"llama-{billions(L7B)} lora", lora(L7B), 8, 1024, systems=LORA_SYSTEMS),
-                   Workload(f"llama-{billions(L13B)} lora", lora(L13B), 4, 1024, systems=LORA_SYSTEMS)),
+                   Workload(f"llama-{billions(L13B)} lora", lora(L13B), 4, 1024, systems=LORA_SYSTEMS),
+                   quantised_base(Workload(f"llama-{billions(L13B)} lora", lora(L13B), 4, 1024))),
         model_ladder=tuple(Workload(f"llama-{billions(deeper(n))}", deeper(n), 2, 1024) for n in (32, 40, 48, 56, 64)),
         batch_ladder=tuple(Workload(f"llama-{billions(L7B)} b{b}", L7B, b, 1024) for b in (4, 8, 16, 32, 64)),
         multi=(Workload(f"llama-{billions(L7B)} all GPUs", L7B, 8, 1024, systems=MULTI_SYSTEMS, devices=0),
@@ -211,7 +222,7 @@ def spec_of(suite: Suite, system: str, w: Workload, *, dry_run: bool, steps=None
     m = dict(w.model, seq=w.seq)
     return {"system": system, "label": w.label, "model": m, "batch": w.batch, "seq": w.seq,
             "device": suite.device, "precision": suite.precision, "dry_run": dry_run, "memory_budget": memory_budget,
-            "clip": w.clip, "devices": w.devices, "study": study, "states": w.states,
+            "clip": w.clip, "devices": w.devices, "study": study, "states": w.states, "frozen": w.frozen,
             "warmup": suite.warmup if warmup is None else warmup, "steps": suite.steps if steps is None else steps}
 
 

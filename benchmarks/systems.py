@@ -297,6 +297,8 @@ def run_pytorch(spec, device, clock):
         for p in model.parameters():  # plain PEFT's usual recipe: the frozen base in bf16
             if not p.requires_grad:
                 p.data = p.data.to(torch.bfloat16)
+    if spec.get("frozen"):  # ProTrain's frozen_dtype computes with these values
+        pt.dequantised(model, spec["frozen"], torch.bfloat16 if spec["precision"] == "bf16-mixed" else None)
     opt = reference_optimizer(spec, trainable(model), device)
     train_loop(torch_step(model, opt, autocast(spec, device), spec.get("clip")), batches(spec, device), spec, clock)
     return {"states": state_bytes(model, opt, device)}
@@ -391,7 +393,7 @@ def run_protrain_core(spec, device, clock):
     clip = spec.get("clip")
     config = pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget=spec.get("memory_budget")),
                                clipping=None if clip is None else ("norm", clip),
-                               optimizer_state_format=spec.get("states", "fp32"))
+                               optimizer_state_format=spec.get("states", "fp32"), frozen_dtype=spec.get("frozen"))
     baseline = current_rss()  # the process before ProTrain: Python, torch, the model built on the CPU, the data
     engine = pt.wrap(model, opt, plan=None, config=config, precision=spec["precision"], device=device, report=_report)
     try:

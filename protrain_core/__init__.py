@@ -28,6 +28,7 @@ from protrain_core.planner.search import InfeasibleBudget, PlanChoice, search
 from protrain_core.precision import Precision
 from protrain_core.runtime.activations import BlockActivations
 from protrain_core.runtime.chunk import ChunkState, GradState, IllegalTransition
+from protrain_core.runtime.frozen_formats import dequantised
 from protrain_core.runtime.state_formats import AdamWBf16Moments, to_fp32_adam_state
 from protrain_core.structure.blocks import find_blocks
 from protrain_core.structure.layout import ChunkLayout, build_layout
@@ -54,6 +55,7 @@ __all__ = [
     "StepState",
     "TrainingPhase",
     "default_memory_budget",
+    "dequantised",
     "estimate_memory",
     "estimate_runtime",
     "profile",

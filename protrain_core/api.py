@@ -90,7 +90,7 @@ def wrap(
     budget = planning.budget_bytes
     budget = default_memory_budget(dev) if budget is None and planning.plan is None else budget
     layout = _prepare(model, optimizer, planning.blocks, planning.chunk_size, example_inputs, dev,
-                      state_format=(config.optimizer_state_format, 1 if sharding is None else sharding.world))
+                      formats=(config.optimizer_state_format, config.frozen_dtype, 1 if sharding is None else sharding.world))
     check_same_configuration(sharding, _configuration(model, optimizer, layout, prec, config))
     build = _Build(model, optimizer, layout, prec, dev, config, config.engine_options(), sharding)
     if planning.plan is not None:
@@ -114,6 +114,7 @@ def _configuration(model: nn.Module, optimizer, layout: ChunkLayout, prec: Preci
         "gradient clipping": repr(config.clipping),
         "optimizer states": config.optimizer_states,
         "optimizer state format": config.optimizer_state_format,
+        "frozen dtype": config.frozen_dtype,
         "max tokens": config.planning.max_tokens,
     }
 
@@ -169,7 +170,8 @@ class _Build:
     def formats(self, *, optimizer_states: bool = True) -> list[ChunkFormat]:
         """Every chunk's format, as the engine will allocate it."""
         return chunk_formats(self.model, self.optimizer, self.layout, self.precision, optimizer_states=optimizer_states,
-                             world_size=self.world, state_format=self.options.state_format)
+                             world_size=self.world, state_format=self.options.state_format,
+                             frozen_format=self.options.frozen_format)
 
     def safe_plan(self, budget: int) -> Plan:
         return safe_plan(self.model, self.optimizer, self.layout, self.precision, self.device, optimizer_states=True,
@@ -197,7 +199,8 @@ def _searched(build: _Build, budget: int, report, *, example_inputs, loss_fn, st
     profile = profile_model(build.model, build.optimizer, build.layout, example_inputs=example_inputs,
                             loss_fn=loss_fn, step_fn=step_fn, precision=build.precision, device=build.device,
                             sharding=sharding, switches=build.config.runtime,
-                            state_format=build.options.state_format, **cache)
+                            state_format=build.options.state_format, frozen_format=build.options.frozen_format,
+                            **cache)
     n = batch_tokens(example_inputs)
     clipping = None if build.config.clipping is None else build.config.clipping.parsed()
     planner = AutoPlanner(None, profile, budget=budget, host_budget=host_budget, report=report,
@@ -211,10 +214,14 @@ def _searched(build: _Build, budget: int, report, *, example_inputs, loss_fn, st
 
 
 def _prepare(model: nn.Module, optimizer, blocks, chunk_size, example_inputs, ctx: DeviceContext, *,
-             state_format: tuple[str, int] = ("fp32", 1)) -> ChunkLayout:
-    """Checks shared by ``wrap`` and ``profile``; returns the chunk layout. ``state_format``: the
-    moments' format and the processes, which the optimizer must suit."""
-    check_optimizer_for(state_format[0], optimizer, adam=check_optimizer(optimizer) is None, world_size=state_format[1])
+             formats: tuple[str, str | None, int] = ("fp32", None, 1)) -> ChunkLayout:
+    """Checks shared by ``wrap`` and ``profile``; returns the chunk layout. ``formats``: the
+    moments' format, the frozen weights' and the processes, which the optimizer must suit."""
+    moments, frozen, world = formats
+    check_optimizer_for(moments, optimizer, adam=check_optimizer(optimizer) is None, world_size=world)
+    if frozen is not None and world > 1:
+        raise ValueError(f"frozen_dtype={frozen!r} runs in one process (a rank's piece of a frozen span would cut its "
+                         f"rows and scales); this run has {world}. Use frozen_dtype=None, or one process.")
     if ctx.device.type != "meta" and any(p.device.type == "meta" for p in model.parameters()):
         raise ValueError("The model has parameters on the meta device; materialise them before wrap().")
     model_params = {id(p) for p in model.parameters()}

@@ -28,6 +28,7 @@ from typing import Literal
 
 from protrain_core.plan import Plan, plan_arguments
 from protrain_core.runtime.options import EngineOptions, RuntimeConfig, env_flag
+from protrain_core.runtime.frozen_formats import check_frozen_format
 from protrain_core.runtime.state_formats import check_format
 from protrain_core.update import GradientClipping, parse_gradient_clipping
 
@@ -162,6 +163,14 @@ class ProTrainConfig:
     needs ``pip install 'lightning-protrain[8bit]'`` and one process). The master weights and
     the gradient accumulator stay fp32."""
 
+    frozen_dtype: Literal["int8", "fp8"] | None = None
+    """How frozen weight matrices (LoRA's base) are kept on the host and uploaded ([Note:
+    quantised frozen chunks]): None in the compute dtype (2 bytes in the bf16 modes), "int8"
+    (8-bit integers) or "fp8" (float8 e4m3), each with a power-of-two fp32 scale per output
+    channel (about 1 byte), dequantised on the device after the upload. The model computes with
+    the dequantised weights (``protrain_core.dequantised`` gives the plain-PyTorch reference);
+    norms and biases keep the compute dtype. One process."""
+
     def __post_init__(self) -> None:
         for name, cls in _PARTS.items():
             value = getattr(self, name)
@@ -182,6 +191,7 @@ class ProTrainConfig:
         if not isinstance(self.optimizer_states, bool):
             raise ValueError(f"ProTrainConfig.optimizer_states must be True or False, got {self.optimizer_states!r}.")
         check_format(self.optimizer_state_format)
+        check_frozen_format(self.frozen_dtype)
         if self.optimizer_state_format == "8bit" and self.checkpoint.state_dict_type == "sharded":
             raise ValueError("optimizer_state_format='8bit' is saved in full checkpoints only (bitsandbytes' format, per "
                              "parameter): use CheckpointConfig(state_dict_type='full'), or 'bf16' moments.")
@@ -189,7 +199,7 @@ class ProTrainConfig:
     def engine_options(self) -> EngineOptions:
         """What an engine built from this configuration is told."""
         return EngineOptions(optimizer_states=self.optimizer_states, runtime=self.runtime,
-                             state_format=self.optimizer_state_format)
+                             state_format=self.optimizer_state_format, frozen_format=self.frozen_dtype)
 
     def replace(self, **parts) -> ProTrainConfig:
         """A copy with some fields replaced; nested parts by dict: ``replace(planning={"plan": p})``

@@ -135,6 +135,10 @@ class Profile:
     # (): not known (a hand-built profile), the compute dtype of ``compute_bytes`` everywhere
     chunk_dtypes: tuple[tuple[str, str], ...] = ()
     state_format: str = "fp32"  # the moments' format the bytes above count ([Note: optimizer-state formats])
+    # bytes of each chunk's upload that are its frozen span's, and their format ([Note: quantised
+    # frozen chunks]; None: the compute dtype); (): not known (a hand-built profile)
+    frozen_upload_bytes: tuple[int, ...] = ()
+    frozen_format: str | None = None
 
     @property
     def blocks(self) -> tuple[Segment, ...]:
@@ -184,7 +188,7 @@ class Profile:
         bad += [f"{name} has {len(getattr(self, name))} entries for {n} chunks"
                 for name in per_chunk if len(getattr(self, name)) != n]
         bad += [f"{name} has {len(getattr(self, name))} entries for {n} chunks"
-                for name in ("gather_bytes", "reduce_bytes", "chunk_dtypes") if len(getattr(self, name)) not in (0, n)]
+                for name in ("gather_bytes", "reduce_bytes", "chunk_dtypes", "frozen_upload_bytes") if len(getattr(self, name)) not in (0, n)]
         if n < 1 or self.chunk_elems < 1 or self.compute_bytes < 1 or min(self.upload_bytes, default=0) < 1:
             bad.append("chunk count, size or element size is not positive")
         kinds = [s.kind for s in self.segments]
@@ -227,8 +231,8 @@ class Profile:
         d["segments"] = tuple(Segment(**{**s, "chunks": tuple(s["chunks"])}) for s in d["segments"])
         d["ops"] = tuple(OpRecord(**o) for o in d["ops"])
         for name in ("chunk_trainable", "chunk_frozen", "chunk_has_grad", "persist_bytes", "host_bytes", "offload_bytes",
-                     "upload_bytes", "gather_bytes", "reduce_bytes", "buffer_bytes"):
-            d[name] = tuple(d[name])
+                     "upload_bytes", "gather_bytes", "reduce_bytes", "buffer_bytes", "frozen_upload_bytes"):
+            d[name] = tuple(d.get(name, ()))
         d["chunk_dtypes"] = tuple(tuple(x) for x in d["chunk_dtypes"])
         d["resident_sets"] = tuple(tuple(s) for s in d["resident_sets"])
         return cls(**d)

@@ -142,8 +142,12 @@ def _chunks_line(p: Profile) -> str:
         f"; streamed, a trainable parameter holds "
         f"{sum(b for b, grad in zip(p.host_bytes, p.chunk_has_grad) if grad) / trainable * p.world_size:.2f} B "
         f"of host memory (Adam moments {p.state_format})")
+    frozen = sum(p.chunk_frozen)
+    per_frozen = "" if not frozen or not p.frozen_upload_bytes else (
+        f"; a frozen parameter uploads {sum(p.frozen_upload_bytes) / frozen:.2f} B "
+        f"({p.frozen_format or 'compute dtype'}{', scales and norms included' if p.frozen_format else ''})")
     return (f"  chunks: {p.n_chunks} x {p.chunk_elems:,} elements ({format_bytes(p.chunk_elems * p.compute_bytes)});"
-            f"{dtypes} an upload moves {moves}{whose}{per_param}")
+            f"{dtypes} an upload moves {moves}{whose}{per_param}{per_frozen}")
 
 
 def _frozen_itemsize(p: Profile, c: int) -> int:

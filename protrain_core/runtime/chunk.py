@@ -218,6 +218,8 @@ class Chunk:
         storage.allocate_device_copy()
         for host, device in storage.shard_places():
             self._event = ctx.copy_async(device, host, stream=ctx.h2d_stream, span=("host->device", f"chunk {self.index}"))
+        if storage.frozen_store is not None:  # the same stream: this event comes after the copies above
+            self._event = storage.upload_frozen(ctx, span=("host->device", f"chunk {self.index} (8-bit frozen)"))
         if storage.sharding is not None:
             self._event = ctx.collective(storage.gather_spans, after=self._event,
                                          span=("collectives", f"all-gather chunk {self.index}"))
@@ -436,13 +438,25 @@ class Chunk:
         gives NaN, never freed memory), and ``model.state_dict()`` is refused with the fix
         (``Engine.state_dict`` gathers them: [Note: sharded chunks] in sharding.py)."""
         storage = self.storage
-        if storage.shards.whole:
+        if storage.shards.whole and storage.frozen is None:
             self.point_params_at(storage.host_copy)
             return
         nan = torch.full((), float("nan"), dtype=storage.fmt.compute_dtype, device=storage.host)
-        for p in self.params:
-            p.data = nan.expand(p.shape)
+        for i, p in enumerate(self.params):
+            # one process, quantised: the trainable and kept members have their values at rest
+            at_rest = self.values.at_rest(i) if storage.shards.whole else None
+            p.data = nan.expand(p.shape) if at_rest is None else at_rest
         self._pointed = [p.data_ptr() for p in self.params]
+
+    def materialise(self) -> None:
+        """Point the quantised frozen members of a streamed chunk at rest at their values (new
+        tensors) until the chunk next moves: ``module.state_dict()`` reads them ([Note: quantised
+        frozen chunks] in frozen_formats.py)."""
+        if self.storage.frozen is None or self.device_resident or self.persistent:
+            return
+        for i, *_ in self.storage.frozen.quantised:
+            self.params[i].data = self.values.member_value(i)
+            self._pointed[i] = self.params[i].data_ptr()
 
     def point_params_at(self, flat: Tensor) -> None:
         """Re-point every parameter's ``.data`` at its slot in ``flat`` (see [Note: parameter access])."""
@@ -464,8 +478,8 @@ class Chunk:
             for i in members:
                 value = self.params[i].detach()
                 self.values.set_member(i, value)
-                if not self.persistent and self.device_resident:
-                    self.values.view(self.storage.device_copy, i).copy_(value)
+                if not self.persistent and self.device_resident:  # as stored (a quantised member's round trip)
+                    self.values.view(self.storage.device_copy, i).copy_(self.values.member_value(i))
         if self.persistent or self.device_resident:
             self.point_params_at(self.storage.device_copy)
         else:

@@ -195,12 +195,18 @@ class DeviceContext:
         return self.is_cuda
 
     # ----- work on the side streams -------------------------------------------------------------
-    def copy_async(self, dst: Tensor, src: Tensor, *, stream, span: tuple[str, str], after=None):
+    def copy_async(self, dst: Tensor, src: Tensor, *, stream, span: tuple[str, str], after=None, then=None):
         """Copy ``src`` into ``dst`` on ``stream`` after the work queued so far on the compute
-        stream (and ``after``, an event); return the event to wait on (None on the CPU).
+        stream (and ``after``, an event), then run ``then()`` there (a quantised upload's
+        dequantisation); return the event to wait on (None on the CPU).
         ``span``: (lane, label) of the copy in a recorded timeline; the lane, "host->device" or
         "device->host", is the copy's direction."""
-        return self._on_stream(stream, lambda: dst.copy_(src, non_blocking=self.is_cuda), after, span)
+        def run() -> None:
+            dst.copy_(src, non_blocking=self.is_cuda)
+            if then is not None:
+                then()
+
+        return self._on_stream(stream, run, after, span)
 
     def collective(self, fn, after=None, *, then=None, span: tuple[str, str] = ("collectives", "")):
         """Run ``fn`` (collectives) and then ``then`` on the communication stream after the

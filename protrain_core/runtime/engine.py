@@ -34,7 +34,7 @@ from protrain_core.runtime.scheduler import Scheduler
 from protrain_core.runtime.sharding import Sharding, broadcast_module
 from protrain_core.runtime.states import StateAccess, StateMemory
 from protrain_core.runtime.state_formats import check_optimizer_for
-from protrain_core.runtime.storage import ChunkFormat, ChunkStorage, chunk_formats
+from protrain_core.runtime.storage import ChunkFormat, ChunkStorage, chunk_formats, frozen_places_of
 from protrain_core.runtime.timeline import Timeline
 from protrain_core.structure.blocks import block_modules
 from protrain_core.structure.layout import ChunkLayout, unit_chunks
@@ -79,7 +79,8 @@ class Engine:
         self.chunks = _allocate(self, self._optim, chunk_formats(module, optimizer, layout, precision,
                                                                  optimizer_states=options.optimizer_states,
                                                                  world_size=self.world_size,
-                                                                 state_format=options.state_format))
+                                                                 state_format=options.state_format,
+                                                                 frozen_format=options.frozen_format))
         n_buffer = min(plan.n_buffer, len(self.chunks) - plan.n_persist)
         self.grads = StepGradients(self._optim, self.scaler, self.chunks, self.ctx)
         self.scheduler = Scheduler(self.chunks, self.ctx, self._optim, self.step_state, n_buffer=n_buffer,
@@ -330,7 +331,8 @@ class Engine:
         return "\n".join(
             [
                 f"ProTrain engine: {self.plan}, precision={self.precision.value}, device={self.device}",
-                f"optimizer: {type(self.optimizer).__name__} per chunk, moments {self.options.state_format}; "
+                f"optimizer: {type(self.optimizer).__name__} per chunk, moments {self.options.state_format}"
+                f"{'' if self.options.frozen_format is None else ', frozen weights ' + self.options.frozen_format}; "
                 f"overlap: {self.overlap}",
                 f"CPU worker: {self.scheduler.worker.describe()}{_update_kernel(self)}",
                 self.clipping.describe(self.choice),
@@ -451,7 +453,8 @@ def _allocate(engine: Engine, optim: ChunkOptimizer, formats: list[ChunkFormat])
     for spec, fmt in zip(engine.layout.chunks, formats):
         members = [params[m.name] for m in spec.members]
         storage = ChunkStorage(fmt, persistent=spec.index in persistent, device=dev, pin=pin,
-                               n_members=len(members), sharding=engine.sharding, host=ctx.host)
+                               n_members=len(members), sharding=engine.sharding, host=ctx.host,
+                               frozen=frozen_places_of(spec, fmt.frozen_format) if fmt.quantised else None)
         opt_members = optim.members_by_group(members) if engine.optimizer_states else {}
         chunk = Chunk(spec, params=members, storage=storage, opt_members=opt_members)
         chunk.load_params()

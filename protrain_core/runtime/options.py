@@ -63,9 +63,11 @@ class EngineOptions:
             cache (the profiler's all-checkpointed layout is not the user's choice: no warning).
         runtime: the user's switches (``ProTrainConfig.runtime``).
         state_format: the moments' format (``ProTrainConfig.optimizer_state_format``).
+        frozen_format: the frozen weight matrices' format (``ProTrainConfig.frozen_dtype``).
     """
 
     optimizer_states: bool = True
     state_format: str = "fp32"
+    frozen_format: str | None = None
     warn_on_cache: bool = True
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)

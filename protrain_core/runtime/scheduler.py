@@ -463,7 +463,7 @@ class Scheduler:
             else:
                 assert not storage.device_copy_allocated and storage.grad_buffer is None, f"{c} holds device memory"
             home = storage.device_copy if c.state is ChunkState.RESIDENT else None
-            if not c.device_resident and storage.shards.whole:  # else the parameters point at NaN
+            if not c.device_resident and storage.shards.whole and storage.frozen is None:  # else some point at NaN
                 home = storage.host_copy
             if home is not None:
                 for p in c.params:

@@ -38,6 +38,15 @@ class StateAccess:
         # model.state_dict() (save_pretrained, torch.save) reads the parameters: wait for their updates.
         # Every module's: a LightningModule's self.model.state_dict() does not run the root's hooks.
         self._hooks = [m.register_state_dict_pre_hook(self._before_module_state_dict) for m in module.modules()]
+        # Quantised frozen members of streamed chunks have no value at rest: a module's
+        # state_dict() gets their round trips, for the call ([Note: quantised frozen chunks]).
+        self._quantised = [c for c in chunks if c.storage.frozen is not None]
+        self._depth = 0  # state_dict() calls of managed modules in progress (they nest)
+        if self._quantised:
+            def after(*args) -> None:  # (torch marks the hook it is given: not a bound method)
+                self._after_module_state_dict(*args)
+
+            self._hooks += [m.register_state_dict_post_hook(after) for m in module.modules()]
 
     # ----- the model ------------------------------------------------------------------------
     def model(self, *, rank0_only: bool = True) -> dict[str, Tensor]:
@@ -177,6 +186,24 @@ class StateAccess:
         if not self._reading:
             self.adopt_rebound()
         self._scheduler.wait_all()
+        if self._quantised and not self._reading:
+            if self._depth == 0:  # the chunks of this module's parameters
+                mine = {id(self._slot_of[id(p)][0]) for p in module.parameters() if id(p) in self._slot_of}
+                for c in self._quantised:
+                    if id(c) in mine:
+                        c.materialise()
+            self._depth += 1
+
+    def _after_module_state_dict(self, module: nn.Module, *_) -> None:
+        """The outermost ``state_dict()`` is over: the quantised members go back to rest (the
+        state dict keeps the values it took)."""
+        if id(module) not in self._managed or self._reading or self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth == 0:
+            for c in self._quantised:
+                if not c.persistent and not c.device_resident:
+                    c.point_at_rest()
 
 
 class StateMemory:

@@ -23,7 +23,10 @@ with fp32 block scales and fp32 moments for small members: [Note: optimizer-stat
 state_formats.py); the master and the accumulator keep ``m``.
 
 A frozen parameter therefore costs its compute-dtype copy and nothing else (2 bytes in the
-bf16 modes); a chunk with no trainable member (``T = 0``; its frozen span is the whole chunk)
+bf16 modes) -- or, with ``frozen_dtype``, a frozen weight matrix of a streamed chunk about one
+byte in the chunk's host store, which then holds the frozen span instead of the host copy (the
+host copy is the trainable shard alone; [Note: quantised frozen chunks] in frozen_formats.py;
+the device copy is unchanged); a chunk with no trainable member (``T = 0``; its frozen span is the whole chunk)
 holds the compute copy only, is uploaded and never offloaded. The chunk's waste after its last
 trainable member is not stored. The master is a tensor of its own only when its dtype differs
 from the compute dtype (the mixed modes); otherwise it *is* this rank's piece of the trainable
@@ -48,6 +51,7 @@ from torch import Tensor, nn
 from protrain_core.memtrack import untracked
 from protrain_core.precision import Precision
 from protrain_core.runtime.elementwise import state_slots
+from protrain_core.runtime.frozen_formats import FrozenPlaces, frozen_places
 from protrain_core.runtime.host_pool import HostPool
 from protrain_core.runtime.sharding import Sharding, piece
 from protrain_core.runtime.state_formats import moment_dtype, quant_places
@@ -73,6 +77,11 @@ class ChunkFormat:
     state_format: str = "fp32"
     quant_blocks: int = 0
     wide_numel: int = 0
+    # Frozen weight matrices in 8 bits on the host ([Note: quantised frozen chunks] in
+    # frozen_formats.py): "int8" or "fp8" (None: the compute dtype); ``store_bytes`` of the host
+    # store that holds the frozen span then (its 8-bit values, scales and kept members).
+    frozen_format: str | None = None
+    store_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.trainable_numel is None:
@@ -81,6 +90,7 @@ class ChunkFormat:
         assert self.adam_states in (0, 1, 2, 3) and self.world_size >= 1
         assert self.trainable_numel or not self.adam_states, "a chunk with no trainable member has no Adam state"
         assert self.state_format == "8bit" or not (self.quant_blocks or self.wide_numel)
+        assert (self.frozen_format is None) == (self.store_bytes == 0) and (self.world_size == 1 or not self.store_bytes)
 
     @property
     def trains(self) -> bool:
@@ -99,6 +109,17 @@ class ChunkFormat:
         """s_f: elements of this rank's piece of the frozen span (``F`` rounded up to the
         alignment in one process)."""
         return self._shard(self.frozen_numel)
+
+    @property
+    def quantised(self) -> bool:
+        """The frozen span lives in the host store, in 8 bits (not in the host copy)."""
+        return self.store_bytes > 0
+
+    @property
+    def host_copy_numel(self) -> int:
+        """Elements of a streamed chunk's host copy: the frozen and trainable shards, or the
+        trainable one alone when the frozen span is quantised."""
+        return (0 if self.quantised else self.frozen_shard) + self.state_numel
 
     @property
     def state_numel(self) -> int:
@@ -160,18 +181,24 @@ class ChunkFormat:
     @property
     def streamed_host_bytes(self) -> int:
         """Host bytes of the chunk when it is streamed (before the pool's 64-byte alignment)."""
-        return self.shard_numel * self.compute_dtype.itemsize + self._state_bytes()
+        return self.host_copy_numel * self.compute_dtype.itemsize + self._state_bytes() + self.store_bytes
 
     @property
     def buffer_device_bytes(self) -> int:
         """Device bytes of a streamed chunk while resident: its compute copy, plus the gradient
-        buffer of its trainable span during backward."""
-        return (self.padded_numel + self.grad_buffer_numel) * self.compute_dtype.itemsize
+        buffer of its trainable span during backward (and, quantised, the staging of its host
+        store while it uploads)."""
+        return (self.padded_numel + self.grad_buffer_numel) * self.compute_dtype.itemsize + self.store_bytes
 
     @property
     def upload_bytes(self) -> int:
         """Bytes one fetch copies host -> device (this rank's shard; the gather does the rest)."""
-        return self.shard_numel * self.compute_dtype.itemsize
+        return self.host_copy_numel * self.compute_dtype.itemsize + self.store_bytes
+
+    @property
+    def frozen_upload_bytes(self) -> int:
+        """Of ``upload_bytes``, those of the frozen span (the host store when quantised)."""
+        return self.store_bytes or (self.host_copy_numel - self.state_numel) * self.compute_dtype.itemsize
 
     @property
     def offload_bytes(self) -> int:
@@ -195,9 +222,9 @@ class ChunkFormat:
         """(elements, dtype) of a streamed chunk's host tensors, in allocation order."""
         s, m = self.state_numel, self.master_dtype
         out = [(s, m)] if self.separate_master else []
-        out.append((self.shard_numel, self.compute_dtype))
+        out.append((self.host_copy_numel, self.compute_dtype))
         out += [(s, m)] * int(self.trains)
-        return out + self._moment_tensors()
+        return out + self._moment_tensors() + ([(self.store_bytes, torch.uint8)] if self.quantised else [])
 
 
 @dataclass(frozen=True)
@@ -245,16 +272,17 @@ class ShardLayout:
         copy: ``[frozen piece | trainable piece]``)."""
         fmt = self.fmt
         if not m.trainable:
-            return self._piece(m.offset, m.numel, fmt.frozen_shard)
+            return None if fmt.quantised else self._piece(m.offset, m.numel, fmt.frozen_shard)
         part = self.state_piece(m)
-        return None if part is None else (part[0], fmt.frozen_shard + part[1], part[2])
+        return None if part is None else (part[0], fmt.host_copy_numel - fmt.state_numel + part[1], part[2])
 
     def compute_span(self, persistent: bool) -> tuple[int, int]:
         """(start, length) of this rank's piece of the trainable span in the compute copy where
         it rests: the host shard of a streamed chunk, the gathered device copy of a persistent
         one. The master is this piece when it has the compute dtype ([Note: chunk storage])."""
         fmt = self.fmt
-        start = fmt.frozen_shard if not persistent else fmt.trainable_device_start + self.rank * fmt.state_numel
+        start = fmt.host_copy_numel - fmt.state_numel if not persistent else \
+            fmt.trainable_device_start + self.rank * fmt.state_numel
         return start, fmt.state_numel
 
     @cached_property
@@ -265,8 +293,9 @@ class ShardLayout:
         Computed once: a fetch reads it."""
         fmt, r = self.fmt, self.rank
         sf, st = fmt.frozen_shard, fmt.state_numel
-        frozen, trainable = (0, r * sf, sf), (sf, fmt.trainable_device_start + r * st, st)
-        if sf and st and r * sf + sf == trainable[1]:
+        hf = fmt.host_copy_numel - st  # the frozen shard in the host copy (none when quantised)
+        frozen, trainable = (0, r * sf, hf), (hf, fmt.trainable_device_start + r * st, st)
+        if hf and st and r * sf + sf == trainable[1]:
             return ((0, r * sf, sf + st),)
         return tuple(p for p in (frozen, trainable) if p[2])
 
@@ -286,9 +315,13 @@ class ChunkStorage:
     _STATES = ("grad_acc", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "absmax", "wide")
 
     def __init__(self, fmt: ChunkFormat, *, persistent: bool, device: torch.device, pin: bool,
-                 n_members: int, sharding: Sharding | None = None, host: torch.device = torch.device("cpu")) -> None:
+                 n_members: int, sharding: Sharding | None = None, host: torch.device = torch.device("cpu"),
+                 frozen: FrozenPlaces | None = None) -> None:
         assert (sharding.world if sharding is not None else 1) == fmt.world_size
+        assert (frozen is None) == (not fmt.quantised)
         self.fmt = fmt
+        self.frozen = frozen  # where the frozen members are in the host store (quantised), else None
+        self.frozen_store: Tensor | None = None  # a streamed quantised chunk's host store (bytes)
         self.sharding = sharding
         self.rank = sharding.rank if sharding is not None else 0
         self.shards = ShardLayout(fmt, self.rank)
@@ -332,9 +365,10 @@ class ChunkStorage:
             pool.rewind()
         self.pool = pool
         master = pool.take(fmt.state_numel, fmt.master_dtype) if fmt.separate_master else None
-        self.host_copy = pool.take(fmt.shard_numel, fmt.compute_dtype)
+        self.host_copy = pool.take(fmt.host_copy_numel, fmt.compute_dtype)
         self.master = master if master is not None else self.compute_span() if fmt.trains else None
         self._allocate_states(pool.take)
+        self.frozen_store = pool.take(fmt.store_bytes, torch.uint8) if fmt.quantised else None
         self.device_copy = torch.empty(fmt.padded_numel, dtype=fmt.compute_dtype, device=self.device)
         self.free_device_copy()
 
@@ -366,6 +400,11 @@ class ChunkStorage:
             self.persistent = True
             self._allocate_persistent()
             self._restore(old, copy)
+            if old["store"] is not None:  # uploaded, then dequantised on the compute stream (which waits for it)
+                staging = torch.empty_like(old["store"], device=self.device)
+                (copy or (lambda dst, src: dst.copy_(src)))(staging, old["store"])
+                self.frozen.unpack(staging, self.device_copy)
+            self.frozen_store = None
         if keep_host:
             self.spare_pool = self.pool
         else:
@@ -383,12 +422,17 @@ class ChunkStorage:
             self.persistent = False
             self._allocate_streamed()
             self._restore(old, copy)
+            if self.frozen_store is not None:  # quantised on the device (exactly: a projection), then copied
+                staging = torch.empty_like(self.frozen_store, device=self.device)
+                self.frozen.pack(old["compute"], staging)
+                (copy or (lambda dst, src: dst.copy_(src)))(self.frozen_store, staging)
 
     def _snapshot(self) -> dict:
         tensors = {name: getattr(self, name) for name in self._STATES}
         tensors["compute"] = self.compute_home
         tensors["master"] = self.master if self.fmt.separate_master else None
         tensors["steps"] = self.steps
+        tensors["store"] = self.frozen_store
         return tensors
 
     def _restore(self, old: dict, copy=None) -> None:
@@ -431,6 +475,15 @@ class ChunkStorage:
         device = self.device_copy if device_copy is None else device_copy
         return [(host[h:h + n], device[d:d + n]) for h, d, n in self.shards.upload_places]
 
+    def upload_frozen(self, ctx, span: tuple[str, str]):
+        """A quantised chunk's fetch: its host store copied to a staging buffer and dequantised
+        into the device copy, both on the upload stream; the event to wait on."""
+        staging = torch.empty(self.fmt.store_bytes, dtype=torch.uint8, device=self.device)
+        event = ctx.copy_async(staging, self.frozen_store, stream=ctx.h2d_stream, span=span,
+                               then=lambda: self.frozen.unpack(staging, self.device_copy))
+        ctx.record_stream(staging, ctx.h2d_stream)  # freed in stream order, after the dequantisation
+        return event
+
     def gather_spans(self) -> None:
         """All-gather the device copy's frozen and trainable spans in place (each rank's pieces
         are in place already)."""
@@ -465,7 +518,7 @@ class ChunkStorage:
     # ----- accounting -------------------------------------------------------------------------
     def device_bytes(self) -> int:
         """Bytes of device memory this chunk holds right now, read from the storages."""
-        tensors = [self.device_copy, self.grad_buffer]
+        tensors = [self.device_copy, self.grad_buffer]  # (a quantised upload's staging is transient)
         if self.persistent:
             tensors += [getattr(self, name) for name in self._STATES]
             if self.fmt.separate_master:
@@ -486,10 +539,12 @@ class ChunkStorage:
 
 
 def chunk_formats(model: nn.Module, optimizer: torch.optim.Optimizer, layout: ChunkLayout, precision: Precision, *,
-                  optimizer_states: bool = True, world_size: int = 1, state_format: str = "fp32") -> list[ChunkFormat]:
+                  optimizer_states: bool = True, world_size: int = 1, state_format: str = "fp32",
+                  frozen_format: str | None = None) -> list[ChunkFormat]:
     """The format of every chunk of ``layout``: what the engine allocates, and what the profiler
     reports to the cost model. Adam states go with chunks holding a trainable parameter the
-    optimizer updates (none for an engine that never steps), in ``state_format``."""
+    optimizer updates (none for an engine that never steps), in ``state_format``; frozen weight
+    matrices in ``frozen_format`` (``frozen_places_of``)."""
     params = dict(model.named_parameters())
     optimized = {id(p) for g in optimizer.param_groups for p in g["params"]}
     adam = state_slots(optimizer)
@@ -499,14 +554,23 @@ def chunk_formats(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Ch
     for spec in layout.chunks:
         trains = optimizer_states and any(m.trainable and id(params[m.name]) in optimized for m in spec.members)
         places = quant_places(trainable_numels(spec)) if trains and state_format == "8bit" else None
+        frozen = frozen_places_of(spec, frozen_format)
         formats.append(ChunkFormat(
             numel=layout.chunk_size, compute_dtype=precision.compute_dtype, master_dtype=precision.master_dtype,
             trainable_start=spec.trainable_start if spec.trainable_numel else 0,
             trainable_numel=spec.trainable_numel, adam_states=adam if trains else 0, world_size=world_size,
             state_format=state_format if trains else "fp32", quant_blocks=places.n_blocks if places else 0,
             wide_numel=places.wide_numel if places else 0,
+            frozen_format=frozen and frozen.fmt, store_bytes=frozen.store_bytes(precision.compute_dtype) if frozen else 0,
         ))
     return formats
+
+
+def frozen_places_of(spec, frozen_format: str | None) -> FrozenPlaces | None:
+    """Where ``spec``'s frozen members are in its host store in ``frozen_format`` (None: not
+    quantised)."""
+    frozen_numel = spec.trainable_start if spec.trainable_numel else spec.capacity
+    return frozen_places(spec.members, align(frozen_numel), frozen_format)
 
 
 def trainable_numels(spec) -> list[int | None]:

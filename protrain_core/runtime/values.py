@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from protrain_core.runtime.frozen_formats import round_trip
 from protrain_core.runtime.storage import ChunkStorage
 from protrain_core.structure.layout import ChunkSpec, ParamSlot
 
@@ -64,6 +65,21 @@ class ChunkValues:
         offset = self.storage.shards.device_offset(m)
         return flat[offset : offset + m.numel].view(m.shape)
 
+    def at_rest(self, i: int) -> Tensor | None:
+        """Member ``i``'s value where a streamed chunk rests (one process): its view of the host
+        copy, or of the host store's kept values; None for a quantised member, which has no
+        value in memory there ([Note: quantised frozen chunks] in frozen_formats.py)."""
+        storage, m = self.storage, self.spec.members[i]
+        if storage.frozen is not None and not m.trainable:
+            quantised, _ = storage.frozen.entry(i)
+            return None if quantised else storage.frozen.read(i, storage.frozen_store, storage.fmt.compute_dtype)
+        _, at, n = storage.shards.host_piece(m)
+        return storage.host_copy[at:at + n].view(m.shape)
+
+    def _quantised_at_rest(self, i: int) -> bool:
+        storage = self.storage
+        return storage.frozen is not None and not storage.persistent and not self.spec.members[i].trainable
+
     def span_view(self, flat: Tensor, i: int) -> Tensor:
         """Member ``i`` (a trainable one) in a tensor of the whole trainable span (the gradient
         buffer; in one process also the master, the accumulator and the optimizer states)."""
@@ -108,6 +124,8 @@ class ChunkValues:
             return part[0], self.state_view(storage.master if flat is None else flat, i).reshape(-1)
         if flat is not None:
             return None
+        if self._quantised_at_rest(i):  # one process: the whole member, from the host store
+            return 0, self.member_value(i).reshape(-1)
         # A frozen member: the piece of the frozen span this rank owns (of the whole device copy
         # of a persistent chunk, where it is replicated, or of the host shard of a streamed one).
         part = storage.shards.host_piece(m)
@@ -131,12 +149,18 @@ class ChunkValues:
         host copy (rounded from the master for a trainable member)."""
         storage, m = self.storage, self.spec.members[i]
         trainable = m.trainable and storage.master is not None
+        frozen, c = storage.frozen, storage.fmt.compute_dtype
         with torch.no_grad():
             if trainable:
                 master = self.state_view(storage.master, i)
                 master.copy_(self.own_piece(i, value))
             if storage.persistent:
+                if frozen is not None and not m.trainable and frozen.entry(i)[0]:  # what a streamed chunk keeps
+                    value = round_trip(value.detach().to(device=storage.device, dtype=c), frozen.fmt)
                 self.view(storage.device_copy, i).copy_(value)
+                return
+            if self._quantised_at_rest(i):
+                frozen.write(i, value, storage.frozen_store, c)
                 return
             part = storage.shards.host_piece(m)
             if part is None or (trainable and not storage.fmt.separate_master):  # the master is the host copy
@@ -152,6 +176,9 @@ class ChunkValues:
         assert storage.shards.whole, "a sharded chunk holds pieces only: gathered_values()"
         if self.spec.members[i].trainable and storage.master is not None:
             return self.state_view(storage.master, i)
+        if storage.frozen is not None and not storage.persistent:  # the host copy and the host store
+            at_rest = self.at_rest(i)
+            return storage.frozen.read(i, storage.frozen_store, storage.fmt.compute_dtype) if at_rest is None else at_rest
         return self.view(storage.compute_home, i)
 
     def gathered_values(self, tensor_of=None) -> list[Tensor]:

@@ -1,0 +1,232 @@
+"""Frozen weights kept in 8 bits on the host and over PCIe (``ProTrainConfig.frozen_dtype``).
+
+[Note: quantised frozen chunks]
+LoRA over a streamed base moves every frozen weight host -> device twice per step; its speed is
+PCIe bytes per frozen parameter. With ``frozen_dtype`` "int8" or "fp8" a frozen weight matrix
+(a frozen member of two or more dimensions: linear, embedding and convolution weights) is stored
+in 8 bits with one fp32 scale per output channel (its first dimension, a row):
+
+  format  element                               scale of a row            round trip
+  int8    round(w / s), clamped to [-127, 127]  2^ceil(log2(absmax/127))  q * s
+  fp8     e4m3 of w / s (round to nearest)      2^ceil(log2(absmax/448))  q * s
+
+A frozen member of one dimension (norm weights, biases) keeps the compute dtype: it is a tiny
+part of the bytes and the one most hurt by 8 bits. A chunk's host store holds, in one byte
+buffer (one upload): the 8-bit values at the members' offsets in the frozen span (a kept
+member's slots unused), the scales, and the kept members packed (``FrozenPlaces``). A fetch
+uploads it to a staging buffer and dequantises on the upload stream into the device copy,
+which is in the compute dtype as before: everything downstream (the parameters, autograd, the
+cost of a block) is unchanged, and the upload is about 1 byte per frozen parameter against 2.
+
+The scales are powers of two, so ``q * s`` is exact in the compute dtype (q has at most 8
+significant bits) and the round trip is a projection: quantising a dequantised weight gives
+the same values back (int8: the largest ``|q|`` is at least 64, so the scale comes out the same;
+fp8: at worst the scale halves and every ``q`` doubles, exactly). Every path that goes through
+values therefore keeps the bytes: a re-plan, parking, a checkpoint's load, the profiler's
+engine, an export wrapped again -- and a persistent chunk, which keeps the dequantised values
+on the device (its device bytes are unchanged), is the same computation as a streamed one. A
+power-of-two scale costs int8 up to one bit of its range against ``absmax / 127``; fp8 loses
+nothing (only its exponent moves; MX formats scale by powers of two too). fp16 compute: a row
+whose dequantised values fall below fp16's normal range (2^-14) is rounded there.
+
+The parity reference is the plain model with each such weight replaced by its round trip
+(``dequantised``): bitwise in fp32 compute. At rest (outside forward and backward) a quantised
+member of a streamed chunk has no value in memory: its parameter points at a NaN expanded to
+its shape (as a sharded chunk's do), ``module.state_dict()`` dequantises it for the call
+(runtime/states.py), and the engine's state dicts and ``close`` read the round trip. One
+process only: a rank's piece of a frozen span would cut rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from protrain_core.runtime.host_pool import pool_bytes
+
+FROZEN_FORMATS = ("int8", "fp8")
+_QDTYPE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+_QMAX = {"int8": 127.0, "fp8": 448.0}
+
+
+def check_frozen_format(name: object) -> str | None:
+    """``name`` if it is None or a known format, else a ValueError with the choices."""
+    if name is not None and name not in FROZEN_FORMATS:
+        raise ValueError(
+            f"frozen_dtype={name!r}: use None (the default: frozen weights in the compute dtype), 'int8' (8-bit "
+            "integers with a scale per output channel) or 'fp8' (float8 e4m3 with a scale per output channel)."
+        )
+    return name
+
+
+def quantises(shape: tuple[int, ...]) -> bool:
+    """A frozen member of this shape is kept in 8 bits (weight matrices; not norms or biases)."""
+    return len(shape) >= 2 and shape[0] > 0
+
+
+def _rows(t: Tensor, rows: int) -> Tensor:
+    return t.reshape(rows, -1)
+
+
+def quantise_into(value: Tensor, fmt: str, q: Tensor, scales: Tensor) -> None:
+    """``value`` (rows: its first dimension) into ``q`` (its elements, flat) and ``scales`` (one
+    fp32 power of two per row), computed in fp32 wherever ``value`` is."""
+    rows = value.shape[0]
+    w = _rows(value, rows).float()
+    top = w.abs().amax(dim=1) / _QMAX[fmt]
+    mantissa, exponent = torch.frexp(top)  # top = mantissa * 2^exponent, mantissa in [0.5, 1)
+    s = torch.ldexp(torch.ones_like(top), exponent - (mantissa == 0.5).to(exponent.dtype))  # 1 for a zero row
+    scaled = w / s[:, None]  # exact: a power of two
+    limit = _QMAX[fmt]
+    scaled = scaled.round_().clamp_(-limit, limit) if fmt == "int8" else scaled.clamp_(-limit, limit)
+    _rows(q, rows).copy_(scaled)
+    scales.copy_(s)
+
+
+def dequantise_into(dst: Tensor, q: Tensor, scales: Tensor) -> None:
+    """``dst`` (a member's value in the compute dtype; rows: its first dimension) = ``q * scales``
+    per row: exact in the compute dtype (see the Note), in two kernels and no temporary."""
+    rows = dst.shape[0]
+    d = _rows(dst, rows)
+    d.copy_(_rows(q, rows))
+    d.mul_(scales[:, None])
+
+
+def round_trip(value: Tensor, fmt: str) -> Tensor:
+    """``value`` quantised and dequantised, in ``value``'s dtype: what ProTrain computes with."""
+    q = torch.empty(value.numel(), dtype=_QDTYPE[fmt], device=value.device)
+    scales = torch.empty(value.shape[0], dtype=torch.float32, device=value.device)
+    quantise_into(value, fmt, q, scales)
+    out = torch.empty_like(value)
+    dequantise_into(out, q, scales)
+    return out
+
+
+@torch.no_grad()
+def dequantised(model: nn.Module, frozen_dtype: str, dtype: torch.dtype | None = None) -> nn.Module:
+    """The parity reference of ``frozen_dtype``: every frozen weight matrix of ``model`` replaced, in
+    place, by its round trip (after rounding to ``dtype``, the compute dtype: bf16 in the bf16
+    modes; default its own), kept in its own dtype. Plain PyTorch training of the result equals
+    ProTrain's with ``frozen_dtype`` ([Note: quantised frozen chunks])."""
+    check_frozen_format(frozen_dtype)
+    for p in model.parameters():
+        if not p.requires_grad and quantises(tuple(p.shape)):
+            p.copy_(round_trip(p.detach().to(dtype or p.dtype), frozen_dtype))
+    return model
+
+
+@dataclass(frozen=True)
+class FrozenPlaces:
+    """Where a chunk's frozen members are in its host store (one process; offsets in elements):
+    ``quantised``: (member, offset in the frozen span and in the 8-bit values, rows, offset of
+    its first scale); ``kept``: (member, offset in the frozen span, elements, offset in the kept
+    values)."""
+
+    fmt: str
+    frozen_numel: int  # the 8-bit values: one per element of the frozen span
+    quantised: tuple[tuple[int, int, int, int], ...]
+    kept: tuple[tuple[int, int, int, int], ...]
+    shapes: tuple[tuple[int, ...], ...]  # every member's shape
+
+    @property
+    def n_scales(self) -> int:
+        return sum(rows for _, _, rows, _ in self.quantised)
+
+    @property
+    def kept_numel(self) -> int:
+        return sum(n for _, _, n, _ in self.kept)
+
+    def _sizes(self, compute_dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
+        return [(self.frozen_numel, torch.uint8), (self.n_scales, torch.float32), (self.kept_numel, compute_dtype)]
+
+    def store_bytes(self, compute_dtype: torch.dtype) -> int:
+        return pool_bytes(self._sizes(compute_dtype))
+
+    def views(self, store: Tensor, compute_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+        """(8-bit values, scales, kept values) in ``store`` (a byte tensor of ``store_bytes``)."""
+        sizes = self._sizes(compute_dtype)
+        out = []
+        for k, (numel, dtype) in enumerate(sizes):
+            start = pool_bytes(sizes[:k])
+            view = store[start:start + numel * dtype.itemsize].view(dtype)
+            out.append(view.view(_QDTYPE[self.fmt]) if k == 0 else view)
+        return tuple(out)
+
+    def entry(self, i: int) -> tuple[bool, tuple[int, int, int, int]] | None:
+        """(quantised?, its place) of member ``i``; None for a trainable member."""
+        for e in self.quantised:
+            if e[0] == i:
+                return True, e
+        for e in self.kept:
+            if e[0] == i:
+                return False, e
+        return None
+
+    def write(self, i: int, value: Tensor, store: Tensor, compute_dtype: torch.dtype) -> None:
+        """Member ``i``'s ``value`` into the store (quantised from the compute dtype)."""
+        q, scales, kept = self.views(store, compute_dtype)
+        is_q, (_, off, n, at) = self.entry(i)
+        value = value.detach().to(device=store.device, dtype=compute_dtype)
+        if is_q:
+            numel = _numel(self.shapes[i])
+            quantise_into(value, self.fmt, q[off:off + numel], scales[at:at + n])
+        else:
+            kept[at:at + n].copy_(value.reshape(-1))
+
+    def read(self, i: int, store: Tensor, compute_dtype: torch.dtype) -> Tensor:
+        """Member ``i``'s value (the round trip of a quantised one, a new tensor), shaped."""
+        q, scales, kept = self.views(store, compute_dtype)
+        is_q, (_, off, n, at) = self.entry(i)
+        if not is_q:
+            return kept[at:at + n].view(self.shapes[i])
+        out = torch.empty(self.shapes[i], dtype=compute_dtype, device=store.device)
+        dequantise_into(out, q[off:off + out.numel()], scales[at:at + n])
+        return out
+
+    def unpack(self, store: Tensor, device_copy: Tensor) -> None:
+        """Every frozen member from ``store`` into its place in ``device_copy`` (the layout's
+        offsets: the frozen span comes first)."""
+        q, scales, kept = self.views(store, device_copy.dtype)
+        for i, off, rows, at in self.quantised:
+            numel = _numel(self.shapes[i])
+            dequantise_into(device_copy[off:off + numel].view(rows, -1), q[off:off + numel], scales[at:at + rows])
+        for _, off, n, at in self.kept:
+            device_copy[off:off + n].copy_(kept[at:at + n])
+
+    def pack(self, device_copy: Tensor, store: Tensor) -> None:
+        """The inverse of ``unpack``: ``device_copy``'s frozen members (round trips already, so
+        the bytes come back: see the Note) into ``store``."""
+        q, scales, kept = self.views(store, device_copy.dtype)
+        for i, off, rows, at in self.quantised:
+            numel = _numel(self.shapes[i])
+            quantise_into(device_copy[off:off + numel].view(rows, -1), self.fmt, q[off:off + numel],
+                          scales[at:at + rows])
+        for _, off, n, at in self.kept:
+            kept[at:at + n].copy_(device_copy[off:off + n])
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def frozen_places(members, frozen_numel: int, fmt: str | None) -> FrozenPlaces | None:
+    """The places of a chunk's frozen members (``members``: its ``ParamSlot``s) in format ``fmt``;
+    None where nothing is quantised (no format, or no frozen weight matrix in the chunk)."""
+    if fmt is None or not any(not m.trainable and quantises(m.shape) for m in members):
+        return None
+    quantised, kept, scales, rest = [], [], 0, 0
+    for i, m in enumerate(members):
+        if m.trainable:
+            continue
+        if quantises(m.shape):
+            quantised.append((i, m.offset, m.shape[0], scales))
+            scales += m.shape[0]
+        else:
+            kept.append((i, m.offset, m.numel, rest))
+            rest += m.numel
+    return FrozenPlaces(fmt, frozen_numel, tuple(quantised), tuple(kept), tuple(tuple(m.shape) for m in members))
