@@ -8,7 +8,10 @@ and the loss against the bf16 base, every format in one run.
    with LoRA (r 16 on q, k, v, o), bf16-mixed, from the chunk formats the engine allocates
    (``ChunkFormat.frozen_upload_bytes``: the frozen spans' share of an upload; chunk padding,
    scales and the norms included), built on the meta device.
-2. The same LoRA run once per format on the CPU (a LLaMA of 4 layers, hidden 256, r 8 on q, k,
+2. LoRA-7B (r 16 on q, k, v, o) on a simulated H100 (benchmarks/bench_simulator.py's table),
+   bf16-mixed, every chunk streamed through 2 buffers, sequences of 2048 in batches of 2 (the
+   host link is the bottleneck) and 8: the bf16 base against int8.
+3. The same LoRA run once per format on the CPU (a LLaMA of 4 layers, hidden 256, r 8 on q, k,
    v, o, bf16-mixed, every chunk streamed, AdamW lr 1e-3, one fixed stream of batches): median
    step time and each format's loss against the bf16 base's over ``--steps`` steps.
 """
@@ -55,6 +58,24 @@ def bytes_rows() -> list[dict]:
     return rows
 
 
+def simulated_rows() -> list[dict]:
+    from benchmarks.bench_simulator import row
+    from protrain_core import models
+    from protrain_core.simulator.device import SimulatedDevice
+    from protrain_core.simulator.run import simulate
+
+    config = models.load_config("llama-7b")
+    rows = []
+    for batch in (2, 8):
+        for fmt in (None, "int8"):
+            model = _lora(models.build(config, "meta")[0], r=16)
+            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+            result = simulate(model, opt, models.token_batch(config, batch, 2048, "meta"), device=SimulatedDevice("h100"),
+                              plan=pt.Plan(n_persist=0, n_buffer=2), frozen_dtype=fmt)
+            rows.append(row("streamed-buf2", f"lora-7b {fmt or 'bf16'}", 1, result, batch))
+    return rows
+
+
 def training_rows(steps: int) -> list[dict]:
     torch.manual_seed(0)
     base = _llama(256, 704, 4, 4, 4, 512, device="cpu")
@@ -94,6 +115,9 @@ def markdown(result: dict) -> str:
              "uploads per step (forward + backward) | host bytes |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['model']} | {r['format']} | {r['frozen_params'] / 1e9:.2f} B | {r['upload_bytes_per_frozen']:.3f} | "
               f"{r['upload_bytes_per_step'] / 2**30:.1f} GiB | {r['host_bytes'] / 2**30:.1f} GiB |" for r in result["bytes"]]
+    from benchmarks.bench_simulator import markdown as simulated
+
+    lines += ["", simulated(result["simulated"])]
     lines += ["", "| frozen base | median step (CPU) | vs bf16 | host bytes | loss, last 10 | max abs loss diff vs bf16 | "
               "mean abs diff, last 20 |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['format']} | {r['step_s'] * 1e3:.1f} ms | {r['vs_bf16_step']:.2f}x | {r['host_bytes'] / 2**20:.2f} MiB | "
@@ -107,7 +131,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    result = {"bytes": bytes_rows(), "training": training_rows(args.steps)}
+    result = {"bytes": bytes_rows(), "simulated": simulated_rows(), "training": training_rows(args.steps)}
     print(markdown(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

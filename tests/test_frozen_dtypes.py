@@ -50,6 +50,13 @@ def test_the_round_trip_is_a_projection_with_power_of_two_scales(fmt, dtype):
     bound = scales[:, None] / 2 if fmt == "int8" else w.float().abs() / 16 + scales[:, None] * 2.0**-10
     assert torch.all(err <= bound + w.float().abs() * 2.0**-8)  # (the input's own rounding in bf16)
     assert not torch.equal(once, w)
+    import protrain_core.runtime.frozen_formats as ff
+
+    slab, ff._SLAB = ff._SLAB, 3 * 40 + 1  # three rows at a time: the same bytes
+    try:
+        assert torch.equal(round_trip(w, fmt), once)
+    finally:
+        ff._SLAB = slab
 
 
 def _model(seed=0):
@@ -261,3 +268,43 @@ def test_cuda_streamed_quantised_base(fmt):
     assert torch.equal(model.state_dict()["base_model.model.model.layers.1.mlp.down_proj.weight"].cpu().float(),
                        expected["base_model.model.model.layers.1.mlp.down_proj.weight"].float())
     assert torch.isnan(weight).all()
+
+
+@pytest.mark.filterwarnings("ignore:ProTrain. a key/value cache")
+def test_on_a_simulated_gpu_the_upload_carries_the_8_bit_bytes_and_the_dequantisation_runs_beside_compute():
+    """The CUDA path (streams, events, the worker's thread) on a simulated H100 with real tensors:
+    the reference's losses bit for bit, fewer bytes over the host link, and the dequantisation
+    as kernels on the upload stream (not link copies, not on the compute stream)."""
+    from protrain_core.simulator.device import SimulatedDevice
+
+    base, data = _model(), batches(4)
+    ref_losses, _ = reference(pt.dequantised(copy.deepcopy(base), "int8"), data, "32-true")
+    link = {}
+    for fmt in [None, "int8"]:
+        model = copy.deepcopy(base)
+        sim = SimulatedDevice("h100", tensors="cpu")
+        with sim:
+            engine = pt.wrap(model, torch.optim.AdamW(trainable(model), lr=LR), pt.Plan(n_persist=0, n_buffer=1),
+                             device=sim, config=config(fmt))
+            losses = train_engine(engine, data)
+        link[fmt] = sum(w.nbytes for w in sim.records.work if w.lane == "h2d" and w.kind == "copy")
+        kernels = [w for w in sim.records.work if w.lane == "h2d" and w.kind == "compute"]
+        if fmt is None:
+            assert not kernels
+        else:
+            assert losses == ref_losses
+            assert {"copy_", "mul_"} <= {w.label for w in kernels}
+            assert not any(w.label == "mul_" for w in sim.records.work if w.lane == "compute")
+    assert link["int8"] < 0.7 * link[None]
+
+
+def test_quantising_reads_its_input_and_never_writes_it():
+    """A state dict loaded into an engine keeps its values (fp32: the slab is a copy, not a view)."""
+    model = _model()
+    engine = pt.wrap(model, torch.optim.AdamW(trainable(model), lr=LR), plans(model)["all-streamed"], device="cpu",
+                     config=config("int8"))
+    sd = {k: v.clone() for k, v in _model(seed=3).state_dict().items()}
+    kept = {k: v.clone() for k, v in sd.items()}
+    engine.load_state_dict(sd)
+    assert all(torch.equal(sd[k], kept[k]) for k in sd)
+    assert all(torch.equal(v, pt.dequantised(_model(seed=3), "int8").state_dict()[k]) for k, v in engine.state_dict().items())

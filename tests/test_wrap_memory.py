@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent("""
     else:
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     precision = "bf16-true"
-    if how == "lora":
+    if how.startswith("lora"):
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
         precision = "bf16-mixed"
@@ -43,7 +43,8 @@ SCRIPT = textwrap.dedent("""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak (VmHWM) starts again from the current RSS
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
-    engine = pt.wrap(model, opt, pt.Plan(n_persist=0, n_buffer=1), precision=precision, device="cpu")
+    config = pt.ProTrainConfig(frozen_dtype="int8" if how == "lora-int8" else None)  # the base quantised chunk by chunk
+    engine = pt.wrap(model, opt, pt.Plan(n_persist=0, n_buffer=1), precision=precision, device="cpu", config=config)
     peak = status("VmHWM")
     states = engine.memory.host_bytes() + sum(c.device_bytes() for c in engine.chunks if c.persistent)
     print(json.dumps(dict(model=model_bytes, states=states, chunk=engine.layout.chunk_size * 2, before=before,
@@ -61,7 +62,7 @@ def _measure(how, tmp_path):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
-@pytest.mark.parametrize("how", ["lora", pytest.param("cast", marks=pytest.mark.slow),
+@pytest.mark.parametrize("how", ["lora", "lora-int8", pytest.param("cast", marks=pytest.mark.slow),
                                  pytest.param("from_pretrained", marks=pytest.mark.slow)])
 def test_peak_host_memory_of_wrap(how, tmp_path):
     m = _measure(how, tmp_path)

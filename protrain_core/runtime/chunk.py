@@ -219,7 +219,7 @@ class Chunk:
         for host, device in storage.shard_places():
             self._event = ctx.copy_async(device, host, stream=ctx.h2d_stream, span=("host->device", f"chunk {self.index}"))
         if storage.frozen_store is not None:  # the same stream: this event comes after the copies above
-            self._event = storage.upload_frozen(ctx, span=("host->device", f"chunk {self.index} (8-bit frozen)"))
+            self._event = storage.upload_frozen(ctx, f"chunk {self.index} (8-bit frozen)")
         if storage.sharding is not None:
             self._event = ctx.collective(storage.gather_spans, after=self._event,
                                          span=("collectives", f"all-gather chunk {self.index}"))

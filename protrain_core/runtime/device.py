@@ -208,6 +208,12 @@ class DeviceContext:
 
         return self._on_stream(stream, run, after, span)
 
+    def run_on(self, stream, fn, *, span: tuple[str, str]):
+        """Run ``fn`` (kernels: a quantised upload's dequantisation) on ``stream`` after the work
+        queued so far there and on the compute stream; return the event to wait on (None on the
+        CPU). ``span``: (lane, label) in a recorded timeline."""
+        return self._on_stream(stream, fn, None, span)
+
     def collective(self, fn, after=None, *, then=None, span: tuple[str, str] = ("collectives", "")):
         """Run ``fn`` (collectives) and then ``then`` on the communication stream after the
         compute stream's work so far (and ``after``); return the event to wait on. On a CPU

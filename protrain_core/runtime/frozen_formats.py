@@ -70,19 +70,25 @@ def _rows(t: Tensor, rows: int) -> Tensor:
     return t.reshape(rows, -1)
 
 
+_SLAB = 1 << 22  # elements quantised at a time: bounds the fp32 temporaries (an embedding is large)
+
+
 def quantise_into(value: Tensor, fmt: str, q: Tensor, scales: Tensor) -> None:
     """``value`` (rows: its first dimension) into ``q`` (its elements, flat) and ``scales`` (one
-    fp32 power of two per row), computed in fp32 wherever ``value`` is."""
+    fp32 power of two per row), computed in fp32 wherever ``value`` is, a slab of rows at a time."""
     rows = value.shape[0]
-    w = _rows(value, rows).float()
-    top = w.abs().amax(dim=1) / _QMAX[fmt]
-    mantissa, exponent = torch.frexp(top)  # top = mantissa * 2^exponent, mantissa in [0.5, 1)
-    s = torch.ldexp(torch.ones_like(top), exponent - (mantissa == 0.5).to(exponent.dtype))  # 1 for a zero row
-    scaled = w / s[:, None]  # exact: a power of two
+    v, out = _rows(value, rows), _rows(q, rows)
+    step = max(1, _SLAB // max(1, v.shape[1]))
     limit = _QMAX[fmt]
-    scaled = scaled.round_().clamp_(-limit, limit) if fmt == "int8" else scaled.clamp_(-limit, limit)
-    _rows(q, rows).copy_(scaled)
-    scales.copy_(s)
+    for r in range(0, rows, step):
+        w = v[r:r + step].to(torch.float32, copy=True)  # (divided in place below)
+        top = w.abs().amax(dim=1) / limit
+        mantissa, exponent = torch.frexp(top)  # top = mantissa * 2^exponent, mantissa in [0.5, 1)
+        s = torch.ldexp(torch.ones_like(top), exponent - (mantissa == 0.5).to(exponent.dtype))  # 1 for a zero row
+        w.div_(s[:, None])  # exact: a power of two
+        w = w.round_().clamp_(-limit, limit) if fmt == "int8" else w.clamp_(-limit, limit)
+        out[r:r + step].copy_(w)
+        scales[r:r + step].copy_(s)
 
 
 def dequantise_into(dst: Tensor, q: Tensor, scales: Tensor) -> None:

@@ -475,12 +475,13 @@ class ChunkStorage:
         device = self.device_copy if device_copy is None else device_copy
         return [(host[h:h + n], device[d:d + n]) for h, d, n in self.shards.upload_places]
 
-    def upload_frozen(self, ctx, span: tuple[str, str]):
-        """A quantised chunk's fetch: its host store copied to a staging buffer and dequantised
-        into the device copy, both on the upload stream; the event to wait on."""
+    def upload_frozen(self, ctx, label: str):
+        """A quantised chunk's fetch: its host store copied to a staging buffer, then dequantised
+        into the device copy by kernels on the same (upload) stream; the event to wait on."""
         staging = torch.empty(self.fmt.store_bytes, dtype=torch.uint8, device=self.device)
-        event = ctx.copy_async(staging, self.frozen_store, stream=ctx.h2d_stream, span=span,
-                               then=lambda: self.frozen.unpack(staging, self.device_copy))
+        ctx.copy_async(staging, self.frozen_store, stream=ctx.h2d_stream, span=("host->device", label))
+        event = ctx.run_on(ctx.h2d_stream, lambda: self.frozen.unpack(staging, self.device_copy),
+                           span=("compute", f"{label}: dequantise (upload stream)"))
         ctx.record_stream(staging, ctx.h2d_stream)  # freed in stream order, after the dequantisation
         return event
 
