@@ -298,7 +298,9 @@ def run_pytorch(spec, device, clock):
             if not p.requires_grad:
                 p.data = p.data.to(torch.bfloat16)
     if spec.get("frozen"):  # ProTrain's frozen_dtype computes with these values
-        pt.dequantised(model, spec["frozen"], torch.bfloat16 if spec["precision"] == "bf16-mixed" else None)
+        from protrain_core import dequantised
+
+        dequantised(model, spec["frozen"], torch.bfloat16 if spec["precision"] == "bf16-mixed" else None)
     opt = reference_optimizer(spec, trainable(model), device)
     train_loop(torch_step(model, opt, autocast(spec, device), spec.get("clip")), batches(spec, device), spec, clock)
     return {"states": state_bytes(model, opt, device)}
