@@ -308,3 +308,23 @@ def test_quantising_reads_its_input_and_never_writes_it():
     engine.load_state_dict(sd)
     assert all(torch.equal(sd[k], kept[k]) for k in sd)
     assert all(torch.equal(v, pt.dequantised(_model(seed=3), "int8").state_dict()[k]) for k, v in engine.state_dict().items())
+
+
+@pytest.mark.filterwarnings("ignore:ProTrain. a key/value cache")
+def test_a_sharded_checkpoint_resumes_on_the_same_values(tmp_path):
+    """torch.distributed.checkpoint in one process: the round trips are saved, and a resumed run
+    (a fresh engine on the same base) continues with the uninterrupted run's losses."""
+    data = batches(6)
+    model = _model()
+    whole = train_engine(pt.wrap(model, torch.optim.AdamW(trainable(model), lr=LR), plans(model)["all-streamed"],
+                                 device="cpu", config=config("int8")), data)
+    model = _model()
+    engine = pt.wrap(model, torch.optim.AdamW(trainable(model), lr=LR), plans(model)["all-streamed"], device="cpu",
+                     config=config("int8"))
+    first = train_engine(engine, data[:3])
+    engine.save_sharded(tmp_path / "ckpt")
+    again = _model(seed=5)  # other values: the checkpoint's must come back
+    resumed = pt.wrap(again, torch.optim.AdamW(trainable(again), lr=LR), plans(again)["mixed-swap-checkpoint"],
+                      device="cpu", config=config("int8"))
+    resumed.load_sharded(tmp_path / "ckpt")
+    assert first + train_engine(resumed, data[3:]) == whole
