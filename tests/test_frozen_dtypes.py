@@ -210,6 +210,10 @@ def test_bad_settings_are_refused_before_anything_is_allocated():
 
     with pytest.raises(ValueError, match="frozen_dtype='int4'.*'int8'.*'fp8'"):
         pt.ProTrainConfig(frozen_dtype="int4")
+    plain = _model()
+    before_values = {k: v.clone() for k, v in plain.state_dict().items()}
+    assert pt.dequantised(plain, None) is plain  # None: the compute dtype, nothing changes
+    assert all(torch.equal(v, before_values[k]) for k, v in plain.state_dict().items())
     model = _model()
     before = [p.data_ptr() for p in model.parameters()]
     with pytest.raises(ValueError, match="one process.*this run has 2"):

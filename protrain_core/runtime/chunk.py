@@ -436,7 +436,10 @@ class Chunk:
         ``W`` processes the host copy holds only this rank's shard: the parameters then point at
         a NaN of the compute dtype expanded to their shapes (no memory; reading them directly
         gives NaN, never freed memory), and ``model.state_dict()`` is refused with the fix
-        (``Engine.state_dict`` gathers them: [Note: sharded chunks] in sharding.py)."""
+        (``Engine.state_dict`` gathers them: [Note: sharded chunks] in sharding.py). In one
+        process with the frozen span in 8 bits, only the quantised members point at NaN (the
+        others at the host copy and the host store's kept values): [Note: quantised frozen
+        chunks] in frozen_formats.py."""
         storage = self.storage
         if storage.shards.whole and storage.frozen is None:
             self.point_params_at(storage.host_copy)

@@ -195,18 +195,12 @@ class DeviceContext:
         return self.is_cuda
 
     # ----- work on the side streams -------------------------------------------------------------
-    def copy_async(self, dst: Tensor, src: Tensor, *, stream, span: tuple[str, str], after=None, then=None):
+    def copy_async(self, dst: Tensor, src: Tensor, *, stream, span: tuple[str, str], after=None):
         """Copy ``src`` into ``dst`` on ``stream`` after the work queued so far on the compute
-        stream (and ``after``, an event), then run ``then()`` there (a quantised upload's
-        dequantisation); return the event to wait on (None on the CPU).
+        stream (and ``after``, an event); return the event to wait on (None on the CPU).
         ``span``: (lane, label) of the copy in a recorded timeline; the lane, "host->device" or
         "device->host", is the copy's direction."""
-        def run() -> None:
-            dst.copy_(src, non_blocking=self.is_cuda)
-            if then is not None:
-                then()
-
-        return self._on_stream(stream, run, after, span)
+        return self._on_stream(stream, lambda: dst.copy_(src, non_blocking=self.is_cuda), after, span)
 
     def run_on(self, stream, fn, *, span: tuple[str, str]):
         """Run ``fn`` (kernels: a quantised upload's dequantisation) on ``stream`` after the work

@@ -116,7 +116,8 @@ def dequantised(model: nn.Module, frozen_dtype: str, dtype: torch.dtype | None =
     place, by its round trip (after rounding to ``dtype``, the compute dtype: bf16 in the bf16
     modes; default its own), kept in its own dtype. Plain PyTorch training of the result equals
     ProTrain's with ``frozen_dtype`` ([Note: quantised frozen chunks])."""
-    check_frozen_format(frozen_dtype)
+    if check_frozen_format(frozen_dtype) is None:
+        return model
     for p in model.parameters():
         if not p.requires_grad and quantises(tuple(p.shape)):
             p.copy_(round_trip(p.detach().to(dtype or p.dtype), frozen_dtype))

@@ -76,7 +76,8 @@ class ChunkValues:
         _, at, n = storage.shards.host_piece(m)
         return storage.host_copy[at:at + n].view(m.shape)
 
-    def _quantised_at_rest(self, i: int) -> bool:
+    def _in_store(self, i: int) -> bool:
+        """Member ``i`` is a frozen one of a streamed chunk whose frozen span is in the host store."""
         storage = self.storage
         return storage.frozen is not None and not storage.persistent and not self.spec.members[i].trainable
 
@@ -124,7 +125,7 @@ class ChunkValues:
             return part[0], self.state_view(storage.master if flat is None else flat, i).reshape(-1)
         if flat is not None:
             return None
-        if self._quantised_at_rest(i):  # one process: the whole member, from the host store
+        if self._in_store(i):  # one process: the whole member, from the host store
             return 0, self.member_value(i).reshape(-1)
         # A frozen member: the piece of the frozen span this rank owns (of the whole device copy
         # of a persistent chunk, where it is replicated, or of the host shard of a streamed one).
@@ -159,7 +160,7 @@ class ChunkValues:
                     value = round_trip(value.detach().to(device=storage.device, dtype=c), frozen.fmt)
                 self.view(storage.device_copy, i).copy_(value)
                 return
-            if self._quantised_at_rest(i):
+            if self._in_store(i):
                 frozen.write(i, value, storage.frozen_store, c)
                 return
             part = storage.shards.host_piece(m)
