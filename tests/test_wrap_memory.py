@@ -62,7 +62,9 @@ def _measure(how, tmp_path):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
-@pytest.mark.parametrize("how", ["lora", "lora-int8", pytest.param("cast", marks=pytest.mark.slow),
+# lora-int8 with -m "slow or not slow" (CI: test_frozen_dtypes' chunk-by-chunk test)
+@pytest.mark.parametrize("how", ["lora", pytest.param("lora-int8", marks=pytest.mark.slow),
+                                 pytest.param("cast", marks=pytest.mark.slow),
                                  pytest.param("from_pretrained", marks=pytest.mark.slow)])
 def test_peak_host_memory_of_wrap(how, tmp_path):
     m = _measure(how, tmp_path)
