@@ -21,13 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 import protrain_core as pt
-from benchmarks.bench_state_formats import _llama
+from benchmarks.bench_state_formats import _llama, cpu_model_and_data, timed_steps
 from protrain_core.runtime.storage import chunk_formats
 
 FORMATS = (None, "int8", "fp8")
@@ -77,31 +76,16 @@ def simulated_rows() -> list[dict]:
 
 
 def training_rows(steps: int) -> list[dict]:
-    torch.manual_seed(0)
-    base = _llama(256, 704, 4, 4, 4, 512, device="cpu")
-    g = torch.Generator().manual_seed(1)
-    data = [torch.randint(0, 512, (4, 64), generator=g) for _ in range(8)]
+    make, data = cpu_model_and_data()
     runs = {}
     for fmt in FORMATS:
-        model = _llama(256, 704, 4, 4, 4, 512, device="cpu")
-        model.load_state_dict(base.state_dict())
+        model = make()
         torch.manual_seed(2)
         model = _lora(model, r=8)
         engine = pt.wrap(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3),
                          pt.Plan(n_persist=0, n_buffer=2), precision="bf16-mixed", device="cpu",
                          config=pt.ProTrainConfig(frozen_dtype=fmt))
-        losses, times = [], []
-        for i in range(steps):
-            x = data[i % len(data)]
-            t0 = time.perf_counter()
-            loss = engine.module(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            engine.step()
-            engine.zero_grad()
-            losses.append(loss.item())
-            times.append(time.perf_counter() - t0)
-        runs[fmt] = (losses, statistics.median(times[1:]), engine.memory.host_bytes())
-        engine.close()
+        runs[fmt] = timed_steps(engine, data, steps)
     plain = runs[None][0]
     return [{"format": fmt or "bf16", "steps": steps, "step_s": t, "vs_bf16_step": t / runs[None][1], "host_bytes": hb,
              "final_loss": statistics.fmean(losses[-10:]),

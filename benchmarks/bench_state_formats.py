@@ -75,29 +75,48 @@ def ladder_rows(host_gib: float) -> list[dict]:
     return rows
 
 
-def training_rows(steps: int) -> list[dict]:
+def cpu_model_and_data():
+    """The CPU training runs' model (a LLaMA of 4 layers, hidden 256; a fresh copy of the same
+    weights at every call) and their fixed stream of batches."""
     torch.manual_seed(0)
     base = _llama(256, 704, 4, 4, 4, 512, device="cpu")
     g = torch.Generator().manual_seed(1)
     data = [torch.randint(0, 512, (4, 64), generator=g) for _ in range(8)]
+
+    def model():
+        m = _llama(256, 704, 4, 4, 4, 512, device="cpu")
+        m.load_state_dict(base.state_dict())
+        return m
+
+    return model, data
+
+
+def timed_steps(engine, data, steps: int) -> tuple[list[float], float, int]:
+    """(losses, median step time without the first step, host bytes) of ``steps`` steps on
+    ``data`` (cycled); the engine is closed after."""
+    losses, times = [], []
+    for i in range(steps):
+        x = data[i % len(data)]
+        t0 = time.perf_counter()
+        loss = engine.module(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+        times.append(time.perf_counter() - t0)
+    out = losses, statistics.median(times[1:]), engine.memory.host_bytes()
+    engine.close()
+    return out
+
+
+def training_rows(steps: int) -> list[dict]:
+    make, data = cpu_model_and_data()
     runs = {}
     for fmt in FORMATS:
-        model = _llama(256, 704, 4, 4, 4, 512, device="cpu")
-        model.load_state_dict(base.state_dict())
+        model = make()
         engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), pt.Plan(n_persist=0, n_buffer=2),
                          precision="bf16-mixed", device="cpu", config=pt.ProTrainConfig(optimizer_state_format=fmt))
-        losses, times = [], []
-        for i in range(steps):
-            x = data[i % len(data)]
-            t0 = time.perf_counter()
-            loss = engine.module(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            engine.step()
-            engine.zero_grad()
-            losses.append(loss.item())
-            times.append(time.perf_counter() - t0)
-        runs[fmt] = (losses, statistics.median(times[1:]), engine.memory.host_bytes())
-        engine.close()
+        runs[fmt] = timed_steps(engine, data, steps)
     fp32 = runs["fp32"][0]
     return [{"format": fmt, "steps": steps, "step_s": t, "vs_fp32_step": t / runs["fp32"][1], "host_bytes": hb,
              "final_loss": statistics.fmean(losses[-10:]), "max_abs_loss_diff": max(abs(a - b) for a, b in zip(losses, fp32)),
