@@ -39,7 +39,9 @@ process only: a rank's piece of a frozen span would cut rows.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor, nn
@@ -161,15 +163,14 @@ class FrozenPlaces:
             out.append(view.view(_QDTYPE[self.fmt]) if k == 0 else view)
         return tuple(out)
 
+    @cached_property
+    def _entries(self) -> dict[int, tuple[bool, tuple[int, int, int, int]]]:
+        return {**{e[0]: (False, e) for e in self.kept}, **{e[0]: (True, e) for e in self.quantised}}
+
     def entry(self, i: int) -> tuple[bool, tuple[int, int, int, int]] | None:
-        """(quantised?, its place) of member ``i``; None for a trainable member."""
-        for e in self.quantised:
-            if e[0] == i:
-                return True, e
-        for e in self.kept:
-            if e[0] == i:
-                return False, e
-        return None
+        """(quantised?, its place) of member ``i``; None for a trainable member (a lookup: a
+        streamed chunk asks it for every member each time it comes to rest)."""
+        return self._entries.get(i)
 
     def write(self, i: int, value: Tensor, store: Tensor, compute_dtype: torch.dtype) -> None:
         """Member ``i``'s ``value`` into the store (quantised from the compute dtype)."""
@@ -177,7 +178,7 @@ class FrozenPlaces:
         is_q, (_, off, n, at) = self.entry(i)
         value = value.detach().to(device=store.device, dtype=compute_dtype)
         if is_q:
-            numel = _numel(self.shapes[i])
+            numel = math.prod(self.shapes[i])
             quantise_into(value, self.fmt, q[off:off + numel], scales[at:at + n])
         else:
             kept[at:at + n].copy_(value.reshape(-1))
@@ -197,7 +198,7 @@ class FrozenPlaces:
         offsets: the frozen span comes first)."""
         q, scales, kept = self.views(store, device_copy.dtype)
         for i, off, rows, at in self.quantised:
-            numel = _numel(self.shapes[i])
+            numel = math.prod(self.shapes[i])
             dequantise_into(device_copy[off:off + numel].view(rows, -1), q[off:off + numel], scales[at:at + rows])
         for _, off, n, at in self.kept:
             device_copy[off:off + n].copy_(kept[at:at + n])
@@ -207,18 +208,11 @@ class FrozenPlaces:
         the bytes come back: see the Note) into ``store``."""
         q, scales, kept = self.views(store, device_copy.dtype)
         for i, off, rows, at in self.quantised:
-            numel = _numel(self.shapes[i])
+            numel = math.prod(self.shapes[i])
             quantise_into(device_copy[off:off + numel].view(rows, -1), self.fmt, q[off:off + numel],
                           scales[at:at + rows])
         for _, off, n, at in self.kept:
             kept[at:at + n].copy_(device_copy[off:off + n])
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def frozen_places(members, frozen_numel: int, fmt: str | None) -> FrozenPlaces | None:
