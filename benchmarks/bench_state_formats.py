@@ -1,17 +1,22 @@
 """Adam's moments in fp32, bf16 and bitsandbytes' 8 bits (``optimizer_state_format``, [Note:
-optimizer-state formats] in protrain_core/runtime/state_formats.py): host bytes per trainable
-parameter, the largest LLaMA-shaped full fine-tune a host budget holds, and on the CPU the step
-time and the loss against fp32 moments, all formats in one run.
+optimizer-state formats] in protrain_core/runtime/state_formats.py), each with and without the
+streamed chunks' fp32 gradient accumulator (``grad_accumulator=False``, [Note: gradients consumed
+where they land] in protrain_core/runtime/worker.py): host bytes per trainable parameter, the
+largest LLaMA-shaped full fine-tune a host budget holds, and on the CPU the step time and the
+loss against fp32 moments, all variants in one run.
 
-    python -m benchmarks.bench_state_formats [--steps 300 --host-gib 128 --json FILE]
+    python -m benchmarks.bench_state_formats [--steps 300 --host-gib 128 --no-simulated --json FILE]
 
 1. Host bytes per trainable parameter of a streamed chunk, from the chunk formats the engine
    allocates (``ChunkFormat.streamed_host_bytes``, which tests check against the allocation), for
    LLaMA-7B in bf16-mixed (built on the meta device).
-2. The probe ladder: LLaMA shapes from 1.1B to 70B (LLaMA-3-8B and a 48-layer 10.7B among them), every chunk streamed, the largest whose
+2. The probe ladder: LLaMA shapes from 1.1B to 70B (LLaMA-3-8B and 48-layer 10.7B and 15.7B among them), every chunk streamed, the largest whose
    model states fit ``--host-gib`` of host memory in each format (the bytes the host-budget check
    of ``wrap`` compares).
-3. The same training run three times on the CPU (a LLaMA of 4 layers, hidden 256, bf16-mixed,
+3. LLaMA-7B full fine-tune (fp32 moments, batch 32 x 2048, 2 buffers, every chunk streamed) on a
+   simulated H100, with and without the accumulator (benchmarks/bench_simulator.py's table, and
+   the host bytes the cost model plans): the same schedule, 4 bytes per parameter less.
+4. The same training run on the CPU (a LLaMA of 4 layers, hidden 256, bf16-mixed,
    every chunk streamed, AdamW lr 1e-3, one fixed stream of batches): median step time and the
    loss of each format against fp32's over ``--steps`` steps.
 """
@@ -30,10 +35,17 @@ import protrain_core as pt
 from protrain_core.runtime.storage import chunk_formats
 
 FORMATS = ("fp32", "bf16", "8bit")
+# (moments, streamed chunks keep an fp32 gradient accumulator)
+VARIANTS = [(fmt, True) for fmt in FORMATS] + [(fmt, False) for fmt in FORMATS]
+
+
+def label(fmt: str, accumulator: bool) -> str:
+    return fmt if accumulator else f"{fmt}, no accumulator"
 # (name, hidden, intermediate, layers, heads, kv heads, vocabulary), smallest first
 LADDER = [("llama-1.1b", 2048, 5632, 22, 32, 4, 32000), ("llama-3b", 3200, 8640, 26, 32, 32, 32000),
           ("llama-7b", 4096, 11008, 32, 32, 32, 32000), ("llama-3-8b", 4096, 14336, 32, 32, 8, 128256),
           ("llama-10.7b", 4096, 14336, 48, 32, 8, 32000), ("llama-13b", 5120, 13824, 40, 40, 40, 32000),
+          ("llama-15.7b", 5120, 13824, 48, 40, 40, 32000),
           ("llama-34b", 8192, 22016, 48, 64, 8, 32000), ("llama-70b", 8192, 28672, 80, 64, 8, 32000)]
 
 
@@ -47,20 +59,21 @@ def _llama(hidden, inter, layers, heads, kv, vocab, device="meta"):
         return LlamaForCausalLM(cfg)
 
 
-def host_bytes(model, fmt: str) -> tuple[int, int]:
+def host_bytes(model, fmt: str, accumulator: bool = True) -> tuple[int, int]:
     """(host bytes of every chunk streamed, trainable parameters) in bf16-mixed."""
     opt = torch.optim.AdamW(model.parameters())
     layout = pt.build_layout(model, *(lambda path, blocks: (path, len(blocks)))(*pt.find_blocks(model)))
-    formats = chunk_formats(model, opt, layout, pt.Precision.BF16_MIXED, state_format=fmt)
+    formats = chunk_formats(model, opt, layout, pt.Precision.BF16_MIXED, state_format=fmt, accumulator=accumulator)
     return sum(f.streamed_host_bytes for f in formats), sum(p.numel() for p in model.parameters())
 
 
 def bytes_rows() -> list[dict]:
     model = _llama(*LADDER[2][1:])
     rows = []
-    for fmt in FORMATS:
-        total, n = host_bytes(model, fmt)
-        rows.append({"format": fmt, "model": "llama-7b", "params": n, "host_bytes": total, "bytes_per_param": total / n})
+    for fmt, acc in VARIANTS:
+        total, n = host_bytes(model, fmt, acc)
+        rows.append({"format": label(fmt, acc), "model": "llama-7b", "params": n, "host_bytes": total,
+                     "bytes_per_param": total / n})
     return rows
 
 
@@ -69,9 +82,28 @@ def ladder_rows(host_gib: float) -> list[dict]:
     rows = []
     for name, *shape in LADDER:
         model = _llama(*shape)
-        for fmt in FORMATS:
-            total, n = host_bytes(model, fmt)
-            rows.append({"model": name, "params": n, "format": fmt, "host_bytes": total, "fits": total <= budget})
+        for fmt, acc in VARIANTS:
+            total, n = host_bytes(model, fmt, acc)
+            rows.append({"model": name, "params": n, "format": label(fmt, acc), "host_bytes": total,
+                         "fits": total <= budget})
+    return rows
+
+
+def simulated_rows() -> list[dict]:
+    from benchmarks.bench_simulator import row
+    from protrain_core import models
+    from protrain_core.simulator.device import SimulatedDevice
+    from protrain_core.simulator.run import simulate
+
+    config = models.load_config("llama-7b")
+    rows = []
+    for accumulator in (True, False):
+        model = models.build(config, "meta")[0]
+        result = simulate(model, torch.optim.AdamW(model.parameters()), models.token_batch(config, 32, 2048, "meta"),
+                          device=SimulatedDevice("h100"), plan=pt.Plan(n_persist=0, n_buffer=2),
+                          grad_accumulator=accumulator)
+        r = row("streamed-buf2", label("fp32", accumulator), 1, result, 32)
+        rows.append(dict(r, host_bytes=result.memory.host_bytes, planned_host_bytes=result.memory.planned_host_bytes))
     return rows
 
 
@@ -112,11 +144,13 @@ def timed_steps(engine, data, steps: int) -> tuple[list[float], float, int]:
 def training_rows(steps: int) -> list[dict]:
     make, data = cpu_model_and_data()
     runs = {}
-    for fmt in FORMATS:
+    for fmt, acc in VARIANTS:
         model = make()
+        config = pt.ProTrainConfig(optimizer_state_format=fmt, grad_accumulator=acc)
         engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), pt.Plan(n_persist=0, n_buffer=2),
-                         precision="bf16-mixed", device="cpu", config=pt.ProTrainConfig(optimizer_state_format=fmt))
-        runs[fmt] = timed_steps(engine, data, steps)
+                         precision="bf16-mixed", device="cpu", config=config)
+        engine.clipping.expect_late(False)  # no step held (as without an accumulator): the same schedule
+        runs[label(fmt, acc)] = timed_steps(engine, data, steps)
     fp32 = runs["fp32"][0]
     return [{"format": fmt, "steps": steps, "step_s": t, "vs_fp32_step": t / runs["fp32"][1], "host_bytes": hb,
              "final_loss": statistics.fmean(losses[-10:]), "max_abs_loss_diff": max(abs(a - b) for a, b in zip(losses, fp32)),
@@ -129,11 +163,17 @@ def markdown(result: dict) -> str:
     lines += [f"| {r['format']} | {r['host_bytes'] / 2**30:.1f} GiB | {r['bytes_per_param']:.2f} |" for r in result["bytes"]]
     lines += ["", f"Largest full fine-tune in {result['host_gib']:g} GiB of host memory (every chunk streamed):", "",
               "| format | largest that fits | its host bytes |", "|---|---|---|"]
-    for fmt in FORMATS:
+    for fmt in [label(*v) for v in VARIANTS]:
         fits = [r for r in result["ladder"] if r["format"] == fmt and r["fits"]]
         best = fits[-1] if fits else None
         lines.append(f"| {fmt} | {best['model'] if best else 'none'} | "
                      f"{best['host_bytes'] / 2**30:.1f} GiB |" if best else f"| {fmt} | none | |")
+    if result.get("simulated"):
+        from benchmarks.bench_simulator import markdown as simulated
+
+        lines += ["", simulated(result["simulated"]), "", "| variant | planned host bytes (chunk states + staging) |",
+                  "|---|---|"]
+        lines += [f"| {r['variant']} | {r['planned_host_bytes'] / 2**30:.1f} GiB |" for r in result["simulated"]]
     lines += ["", "| format | median step (CPU) | vs fp32 | host bytes | loss, last 10 | max abs loss diff vs fp32 | "
               "mean abs diff, last 50 |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['format']} | {r['step_s'] * 1e3:.1f} ms | {r['vs_fp32_step']:.2f}x | {r['host_bytes'] / 2**20:.1f} MiB | "
@@ -146,10 +186,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--host-gib", type=float, default=128.0)
+    ap.add_argument("--no-simulated", action="store_true", help="leave out the simulated LLaMA-7B rows")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     result = {"bytes": bytes_rows(), "host_gib": args.host_gib, "ladder": ladder_rows(args.host_gib),
-              "training": training_rows(args.steps)}
+              "simulated": [] if args.no_simulated else simulated_rows(), "training": training_rows(args.steps)}
     print(markdown(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -72,6 +72,9 @@ class Workload:
     # LoRA's frozen base: None in the compute dtype, or ProTrain's frozen_dtype "int8"/"fp8" against
     # plain PEFT on the dequantised base (pt.dequantised: the same arithmetic, held in bf16 on the device)
     frozen: str | None = None
+    # ProTrain's grad_accumulator (None: the configuration's default); False with "8bit" is the
+    # 8.03 bytes per streamed trainable parameter of issue 31
+    accumulator: bool | None = None
 
 
 def lora(m: dict, r: int = 16) -> dict:
@@ -94,8 +97,11 @@ def clipped(w: Workload, systems: tuple[str, ...] = CLIP_SYSTEMS) -> Workload:
 STATES_SYSTEMS = ("protrain-core", "pytorch")
 
 
-def eight_bit(w: Workload) -> Workload:
-    return dataclasses.replace(w, label=f"{w.label} adam8bit", states="8bit", systems=STATES_SYSTEMS)
+def eight_bit(w: Workload, *, accumulator: bool | None = None) -> Workload:
+    """``w`` with 8-bit moments; ``accumulator`` False: ProTrain's streamed chunks also keep no
+    fp32 gradient accumulator (bf16-mixed only)."""
+    label = f"{w.label} adam8bit" + (" no-accumulator" if accumulator is False else "")
+    return dataclasses.replace(w, label=label, states="8bit", accumulator=accumulator, systems=STATES_SYSTEMS)
 
 
 def quantised_base(w: Workload, fmt: str = "int8") -> Workload:
@@ -185,7 +191,7 @@ SUITES = {
                    Workload(f"llama-{billions(deeper(40))}", deeper(40), 4, 1024),
                    clipped(Workload(f"llama-{billions(L1B)}", L1B, 8, 1024)),
                    clipped(Workload(f"llama-{billions(L7B)}", L7B, 4, 1024), ("protrain-core", "fsdp2-offload")),
-                   eight_bit(Workload(f"llama-{billions(L7B)}", L7B, 4, 1024)),
+                   eight_bit(Workload(f"llama-{billions(L7B)}", L7B, 4, 1024), accumulator=False),
                    Workload(f"llama-{billions(L7B)} lora", lora(L7B), 4, 1024, systems=LORA_SYSTEMS),
                    Workload(f"llama-{billions(L13B)} lora", lora(L13B), 4, 1024, systems=LORA_SYSTEMS),
                    quantised_base(Workload(f"llama-{billions(L13B)} lora", lora(L13B), 4, 1024))),
@@ -203,7 +209,7 @@ SUITES = {
                    Workload(f"llama-{billions(deeper(48))}", deeper(48), 4, 1024),
                    clipped(Workload(f"llama-{billions(L1B)}", L1B, 8, 1024)),
                    clipped(Workload(f"llama-{billions(L7B)}", L7B, 8, 1024), ("protrain-core", "fsdp2-offload")),
-                   eight_bit(Workload(f"llama-{billions(L7B)}", L7B, 8, 1024)),
+                   eight_bit(Workload(f"llama-{billions(L7B)}", L7B, 8, 1024), accumulator=False),
                    Workload(f"llama-{billions(L7B)} lora", lora(L7B), 8, 1024, systems=LORA_SYSTEMS),
                    Workload(f"llama-{billions(L13B)} lora", lora(L13B), 4, 1024, systems=LORA_SYSTEMS),
                    quantised_base(Workload(f"llama-{billions(L13B)} lora", lora(L13B), 4, 1024))),
@@ -223,6 +229,7 @@ def spec_of(suite: Suite, system: str, w: Workload, *, dry_run: bool, steps=None
     return {"system": system, "label": w.label, "model": m, "batch": w.batch, "seq": w.seq,
             "device": suite.device, "precision": suite.precision, "dry_run": dry_run, "memory_budget": memory_budget,
             "clip": w.clip, "devices": w.devices, "study": study, "states": w.states, "frozen": w.frozen,
+            "accumulator": w.accumulator,
             "warmup": suite.warmup if warmup is None else warmup, "steps": suite.steps if steps is None else steps}
 
 

@@ -395,7 +395,8 @@ def run_protrain_core(spec, device, clock):
     clip = spec.get("clip")
     config = pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget=spec.get("memory_budget")),
                                clipping=None if clip is None else ("norm", clip),
-                               optimizer_state_format=spec.get("states", "fp32"), frozen_dtype=spec.get("frozen"))
+                               optimizer_state_format=spec.get("states", "fp32"), frozen_dtype=spec.get("frozen"),
+                               grad_accumulator=spec.get("accumulator"))
     baseline = current_rss()  # the process before ProTrain: Python, torch, the model built on the CPU, the data
     engine = pt.wrap(model, opt, plan=None, config=config, precision=spec["precision"], device=device, report=_report)
     try:

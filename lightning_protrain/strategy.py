@@ -44,7 +44,15 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.accelerators import CUDAAccelerator
-from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint, ModelSummary, ProgressBar, Timer
+from lightning.pytorch.callbacks import (
+    EarlyStopping,
+    GradientAccumulationScheduler,
+    LearningRateMonitor,
+    ModelCheckpoint,
+    ModelSummary,
+    ProgressBar,
+    Timer,
+)
 from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -162,6 +170,30 @@ class ProTrainPrecision(Precision):
 # saves through the strategy, whose state dicts wait for the updates).
 _SAFE_CALLBACKS = (ProgressBar, ModelCheckpoint, ModelSummary, LearningRateMonitor, Timer, EarlyStopping)
 _BETWEEN_STEPS = ("on_before_zero_grad", "optimizer_zero_grad", "on_train_batch_end")
+
+
+def grad_accumulator(config: pt.ProTrainConfig, trainer, precision: str, *, manual: bool, late: bool) -> bool:
+    """``ProTrainConfig.grad_accumulator`` for a fit: None is False where every step has one
+    backward whose offloaded chunks can be updated as their gradients land (bf16-mixed,
+    automatic optimization without gradient accumulation, no clipping by norm or late), else
+    True; False where that cannot be is refused, with the reason, before anything is built."""
+    clip = config.clipping
+    why = ("manual optimization accumulates every manual_backward until opt.step()" if manual
+           else f"accumulate_grad_batches={trainer.accumulate_grad_batches}" if trainer.accumulate_grad_batches != 1
+           else "a GradientAccumulationScheduler callback" if any(isinstance(cb, GradientAccumulationScheduler)
+                                                                   for cb in trainer.callbacks)
+           else "an overridden configure_gradient_clipping may clip between backward and step" if late
+           else "gradient_clip_algorithm='norm' needs every gradient before any update" if clip is not None
+           and clip.algorithm == "norm"
+           else f"precision={precision!r} (it needs 'bf16-mixed')" if precision != "bf16-mixed" else None)
+    if config.grad_accumulator is None:
+        return why is not None  # kept where a reason needs it
+    if config.grad_accumulator is False and why is not None:
+        raise ValueError(
+            f"ProTrainConfig(grad_accumulator=False) updates each offloaded chunk as its gradients land, during "
+            f"backward, which this fit cannot do: {why}. Leave grad_accumulator=None: the strategy then keeps the "
+            "accumulators where a fit needs them.")
+    return config.grad_accumulator
 
 
 def reads_weights_between_steps(module, callbacks) -> bool:
@@ -314,6 +346,8 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
             clipping = None if late or manual else gradient_clipping(trainer.gradient_clip_val,
                                                                      trainer.gradient_clip_algorithm)
             config = self.config.replace(clipping=clipping)
+            config = config.replace(grad_accumulator=grad_accumulator(config, trainer, precision.precision,
+                                                                      manual=manual, late=late))
         elif next(module.parameters(), None) is None:
             self._evaluate_without_engine(module)
             return

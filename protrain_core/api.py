@@ -83,7 +83,7 @@ def wrap(
     if planning.plan is None and not config.optimizer_states:
         raise ValueError("optimizer_states=False builds an engine for evaluation only: pass its plan= (or "
                          "config.planning.plan).")
-    prec, dev = _checked(model, precision, device)
+    prec, dev = _checked(model, precision, device, config)
     sharding = Sharding.resolve(process_group)
     if sharding is not None:
         sharding.check_device(dev.device)
@@ -96,6 +96,24 @@ def wrap(
     if planning.plan is not None:
         return build.engine(agree(sharding, planning.plan))
     return _searched(build, budget, report, example_inputs=example_inputs, loss_fn=loss_fn, step_fn=step_fn)
+
+
+def _check_grad_accumulator(config: ProTrainConfig, prec: Precision) -> None:
+    """Refuse ``grad_accumulator=False`` where an offloaded chunk's gradient cannot be consumed
+    where it lands ([Note: gradients consumed where they land] in runtime/worker.py)."""
+    if config.grad_accumulator is not False or not config.optimizer_states:
+        return
+    if prec is not Precision.BF16_MIXED:
+        raise ValueError(
+            f"grad_accumulator=False lets the CPU Adam read each offloaded gradient where it lands, in the bf16 host "
+            f"copy, which precision 'bf16-mixed' has; this run's is {prec.value!r} (fp16's overflow check needs every "
+            "gradient before any update; the true modes land in the accumulator itself). Use precision='bf16-mixed', "
+            "or grad_accumulator=None.")
+    if config.clipping is not None and config.clipping.algorithm == "norm":
+        raise ValueError(
+            "grad_accumulator=False updates each offloaded chunk as its gradients land, during backward, but clipping "
+            "by norm needs every gradient of the step first, kept in the accumulators. Clip by value, or keep the "
+            "accumulators (grad_accumulator=None).")
 
 
 def _configuration(model: nn.Module, optimizer, layout: ChunkLayout, prec: Precision,
@@ -115,6 +133,7 @@ def _configuration(model: nn.Module, optimizer, layout: ChunkLayout, prec: Preci
         "optimizer states": config.optimizer_states,
         "optimizer state format": config.optimizer_state_format,
         "frozen dtype": config.frozen_dtype,
+        "gradient accumulator": config.grad_accumulator,
         "max tokens": config.planning.max_tokens,
     }
 
@@ -170,8 +189,7 @@ class _Build:
     def formats(self, *, optimizer_states: bool = True) -> list[ChunkFormat]:
         """Every chunk's format, as the engine will allocate it."""
         return chunk_formats(self.model, self.optimizer, self.layout, self.precision, optimizer_states=optimizer_states,
-                             world_size=self.world, state_format=self.options.state_format,
-                             frozen_format=self.options.frozen_format)
+                             world_size=self.world, **self.options.formats())
 
     def safe_plan(self, budget: int) -> Plan:
         return safe_plan(self.model, self.optimizer, self.layout, self.precision, self.device, optimizer_states=True,
@@ -198,9 +216,7 @@ def _searched(build: _Build, budget: int, report, *, example_inputs, loss_fn, st
         return engine
     profile = profile_model(build.model, build.optimizer, build.layout, example_inputs=example_inputs,
                             loss_fn=loss_fn, step_fn=step_fn, precision=build.precision, device=build.device,
-                            sharding=sharding, switches=build.config.runtime,
-                            state_format=build.options.state_format, frozen_format=build.options.frozen_format,
-                            **cache)
+                            sharding=sharding, switches=build.config.runtime, **build.options.formats(), **cache)
     n = batch_tokens(example_inputs)
     clipping = None if build.config.clipping is None else build.config.clipping.parsed()
     planner = AutoPlanner(None, profile, budget=budget, host_budget=host_budget, report=report,
@@ -254,12 +270,13 @@ def _prepare(model: nn.Module, optimizer, blocks, chunk_size, example_inputs, ct
     return build_layout(model, block_path, len(block_list), example_inputs=example_inputs, chunk_size=chunk_size)
 
 
-def _checked(model: nn.Module, precision: str, device) -> tuple[Precision, DeviceContext]:
+def _checked(model: nn.Module, precision: str, device, config: ProTrainConfig) -> tuple[Precision, DeviceContext]:
     """The precision and device of ``wrap`` (a torch device, or a DeviceContext: a simulated
     device), after the checks of its arguments that need no model structure (nothing is
     allocated yet)."""
     prec, dev = parse_precision(precision), as_context(device)
     check_parameter_dtypes(model, prec)
+    _check_grad_accumulator(config, prec)
     return prec, dev
 
 

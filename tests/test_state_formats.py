@@ -314,10 +314,19 @@ def test_the_state_format_benchmark_reports_bytes_per_parameter_and_trains_each_
     rows = {r["format"]: r["bytes_per_param"] for r in B.bytes_rows()}  # LLaMA-7B, every chunk streamed
     assert rows["fp32"] == pytest.approx(18.0, abs=0.01) and rows["bf16"] == pytest.approx(14.0, abs=0.01)
     assert rows["8bit"] == pytest.approx(12.03, abs=0.01)
-    training = B.training_rows(2)
-    assert [r["format"] for r in training] == list(B.FORMATS)
-    assert training[0]["host_bytes"] > training[1]["host_bytes"] > training[2]["host_bytes"]
-    assert "| 8bit |" in B.markdown({"bytes": [], "host_gib": 128, "ladder": [], "training": training})
+    # Without the fp32 gradient accumulator (issue 31's goal: at most 10 B with 8-bit moments).
+    assert rows["8bit, no accumulator"] == pytest.approx(8.03, abs=0.01) and rows["8bit, no accumulator"] <= 10
+    assert rows["bf16, no accumulator"] == pytest.approx(10.0, abs=0.01)
+    training = {r["format"]: r for r in B.training_rows(2)}
+    assert list(training) == [B.label(*v) for v in B.VARIANTS]
+    hb = {name: r["host_bytes"] for name, r in training.items()}
+    assert hb["fp32"] > hb["bf16"] > hb["8bit"]
+    for fmt in B.FORMATS:  # no accumulator: fewer bytes, the same run
+        assert hb[B.label(fmt, False)] < hb[fmt]
+        assert training[B.label(fmt, False)]["final_loss"] == training[fmt]["final_loss"]
+    assert training["fp32, no accumulator"]["max_abs_loss_diff"] == 0.0
+    table = B.markdown({"bytes": [], "host_gib": 128, "ladder": [], "training": list(training.values())})
+    assert "| 8bit |" in table and "| 8bit, no accumulator |" in table
 
 
 def test_a_fabric_loop_with_bf16_moments_trains_like_the_plain_optimizer(tmp_path, monkeypatch):

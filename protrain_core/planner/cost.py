@@ -265,18 +265,23 @@ class CostModel:
         """The CPU worker's staging buffers (runtime/worker.py): where a chunk's gradients of a
         later micro-batch land before they are added to the accumulator -- ``n_buffer`` of the
         largest streamed trainable shard, in the state dtype, only where the state dtype is the
-        compute dtype (the mixed modes land in the host compute copy instead)."""
+        compute dtype (the mixed modes land in the host compute copy instead); and, where
+        streamed chunks keep no accumulator, the one it lends them (the same shard, once)."""
         p = self.profile
         persistent = frozenset(range(persistent)) if isinstance(persistent, int) else persistent
-        largest, itemsize = 0, 0
+        largest, itemsize, copies = 0, 0, 0
         for c in range(p.n_chunks):
             compute, state = p.chunk_dtypes[c] if p.chunk_dtypes else (None, None)
-            if c in persistent or compute != state or not p.chunk_trainable[c]:
+            if c in persistent or not p.chunk_trainable[c]:
                 continue
+            mixed = compute != state
+            if mixed and p.grad_accumulator:
+                continue
+            copies = 1 if mixed else n_buffer
             shard = -(-p.chunk_trainable[c] // p.world_size)
             if shard > largest:  # no dtypes (a hand-built profile): the compute dtype everywhere
                 largest, itemsize = shard, p.compute_bytes if state is None else getattr(torch, state).itemsize
-        return n_buffer * largest * itemsize
+        return copies * largest * itemsize
 
     def host_bytes(self, persistent: int | frozenset[int], modes: tuple[BlockMode, ...]) -> int:
         return self.streamed_host_bytes(persistent) + self.layout(modes).swap_host_bytes

@@ -139,6 +139,10 @@ class Profile:
     # frozen chunks]; None: the compute dtype); (): not known (a hand-built profile)
     frozen_upload_bytes: tuple[int, ...] = ()
     frozen_format: str | None = None
+    # False: streamed chunks keep no gradient accumulator (the bytes above count none); the CPU
+    # worker lends one, a scratch of the largest trainable shard ([Note: gradients consumed
+    # where they land] in runtime/worker.py)
+    grad_accumulator: bool = True
 
     @property
     def blocks(self) -> tuple[Segment, ...]:

@@ -118,7 +118,7 @@ def _host_line(m, budget: int | None) -> str:
         parts.append(f"swapped activations {format_bytes(m.swap_host_bytes)} (buffers up to "
                      f"{format_bytes(m.swap_host_bytes + m.swap_host_bytes // 8)})")
     if m.staging_host_bytes:
-        parts.append(f"gradient staging up to {format_bytes(m.staging_host_bytes)} (accumulation)")
+        parts.append(f"gradient staging up to {format_bytes(m.staging_host_bytes)}")
     return (f"  host memory {format_bytes(m.planned_host_bytes)} allocated: {', '.join(parts)}"
             + (f"; budget {format_bytes(budget)}" if budget else ""))
 
@@ -141,7 +141,7 @@ def _chunks_line(p: Profile) -> str:
     per_param = "" if not trainable else (
         f"; streamed, a trainable parameter holds "
         f"{sum(b for b, grad in zip(p.host_bytes, p.chunk_has_grad) if grad) / trainable * p.world_size:.2f} B "
-        f"of host memory (Adam moments {p.state_format})")
+        f"of host memory (Adam moments {p.state_format}{'' if p.grad_accumulator else ', no gradient accumulator'})")
     frozen = sum(p.chunk_frozen)
     per_frozen = "" if not frozen or not p.frozen_upload_bytes else (
         f"; a frozen parameter uploads {sum(p.frozen_upload_bytes) / frozen:.2f} B "

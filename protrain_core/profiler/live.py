@@ -167,8 +167,7 @@ class LiveProfiler(StepObserver):
         engine = self.engine
         self.shapes = tensor_shapes(self.bounds.block_inputs or [])
         self.key = profile_key(engine.module, engine.optimizer, self.shapes, engine.precision, engine.ctx,
-                               engine.layout, world_size=engine.world_size, state_format=engine.options.state_format,
-                               frozen_format=engine.options.frozen_format)
+                               engine.layout, world_size=engine.world_size, **engine.options.formats())
         if self.cache and not self.reprofile:
             self.cached = load_cached(self.key, self.cache_dir, n_chunks=engine.layout.n_chunks,
                                       n_blocks=engine.layout.n_blocks)
@@ -193,8 +192,7 @@ class LiveProfiler(StepObserver):
             profile = build_profile(self.key, self.shapes, self.measured, engine.module, engine.optimizer,
                                     engine.layout, engine.precision, engine.ctx, self.started,
                                     sharding=engine.sharding, switches=engine.options.runtime,
-                                    state_format=engine.options.state_format,
-                                    frozen_format=engine.options.frozen_format)
+                                    **engine.options.formats())
             if self.cache and engine.rank == 0:
                 store(profile, self.cache_dir)
         # Sharded: rank 0's profile and batch, so that every rank searches the same plan.

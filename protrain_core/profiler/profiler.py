@@ -99,13 +99,15 @@ def default_loss(output) -> Tensor:
 
 # ----- static facts -----------------------------------------------------------------------------
 def static_facts(layout: ChunkLayout, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, *,
-                 world_size: int = 1, state_format: str = "fp32", frozen_format: str | None = None) -> dict:
+                 world_size: int = 1, state_format: str = "fp32", frozen_format: str | None = None,
+                 accumulator: bool = True) -> dict:
     """The Profile fields known before anything runs, from the chunks' storage formula (what
-    the engine allocates, per rank when sharded over ``world_size`` processes) and the layout's trace."""
+    the engine allocates, per rank when sharded over ``world_size`` processes, in the formats
+    given) and the layout's trace."""
     params = dict(model.named_parameters())
     optimized = {id(p) for g in optimizer.param_groups for p in g["params"]}
     formats = chunk_formats(model, optimizer, layout, precision, world_size=world_size, state_format=state_format,
-                            frozen_format=frozen_format)
+                            frozen_format=frozen_format, accumulator=accumulator)
     trainable = tuple(sum(m.numel for m in spec.members if m.trainable and id(params[m.name]) in optimized)
                       for spec in layout.chunks)
     return dict(
@@ -128,6 +130,7 @@ def static_facts(layout: ChunkLayout, model: nn.Module, optimizer: torch.optim.O
         state_format=state_format,
         frozen_upload_bytes=tuple(fmt.frozen_upload_bytes for fmt in formats),
         frozen_format=frozen_format,
+        grad_accumulator=accumulator,
     )
 
 
@@ -146,7 +149,7 @@ def world_of(sharding) -> int:
 
 def profile_key(model, optimizer, batch: list[tuple[tuple[int, ...], str]], precision: Precision,
                 device: torch.device | DeviceContext, layout: ChunkLayout, *, world_size: int = 1,
-                state_format: str = "fp32", frozen_format: str | None = None) -> str:
+                state_format: str = "fp32", frozen_format: str | None = None, accumulator: bool = True) -> str:
     """A hash of everything a profile depends on: model structure (parameter names, shapes,
     dtypes, trainability; the Hugging Face config), optimizer coverage, the batch as the first
     block sees it (``tensor_shapes`` of its inputs), precision, chunk layout, device and software."""
@@ -173,6 +176,8 @@ def profile_key(model, optimizer, batch: list[tuple[tuple[int, ...], str]], prec
         add("moments", state_format)
     if frozen_format is not None:
         add("frozen", frozen_format)
+    if not accumulator:
+        add("no accumulator")
     return h.hexdigest()[:24]
 
 
@@ -205,15 +210,15 @@ def profile_model(
     reprofile: bool = False,
     sharding=None,
     switches: RuntimeConfig | None = None,
-    state_format: str = "fp32", frozen_format: str | None = None,
+    state_format: str = "fp32", frozen_format: str | None = None, accumulator: bool = True,
 ) -> Profile:
     """Profile ``model`` on ``example_inputs`` (one real batch) ahead of training -- or, after
     one pass that shows the batch as the first block sees it, return the cached profile with the
     same key (``reprofile=True`` forces a new one). ``sharding``: the processes the engine will
     be sharded over: each rank profiles its own (unsharded) engine, the collectives are probed,
     and every rank gets rank 0's profile. ``switches``: the runtime switches of the engine to
-    be profiled (``ProTrainConfig.runtime``); ``state_format``, ``frozen_format``: the formats
-    whose bytes the profile counts (the profiled engine computes alike in any)."""
+    be profiled (``ProTrainConfig.runtime``); ``state_format``, ``frozen_format``, ``accumulator``:
+    the formats whose bytes the profile counts (the profiled engine computes alike in any)."""
     loss_fn = loss_fn or default_loss
     ctx = as_context(device)
     device = ctx.device
@@ -233,7 +238,7 @@ def profile_model(
             _one_pass(engine, bounds, inputs, step_fn)  # warm-up, and the batch as the first block sees it
             shapes = tensor_shapes(bounds.block_inputs or [])
             key = profile_key(model, optimizer, shapes, precision, ctx, layout, world_size=world_of(sharding),
-                              state_format=state_format, frozen_format=frozen_format)
+                              state_format=state_format, frozen_format=frozen_format, accumulator=accumulator)
             cached = agree(sharding, load_cached(key, cache_dir, n_chunks=layout.n_chunks, n_blocks=layout.n_blocks)
                            if cache and not reprofile else None)
             if cached is not None:
@@ -245,7 +250,7 @@ def profile_model(
     check_blocks_called(bounds, layout.n_blocks)
     profile = agree(sharding, build_profile(key, shapes, measured, model, optimizer, layout, precision, ctx, start,
                                             sharding=sharding, switches=switches, state_format=state_format,
-                                            frozen_format=frozen_format))
+                                            frozen_format=frozen_format, accumulator=accumulator))
     if cache and (sharding is None or sharding.rank == 0):
         store(profile, cache_dir)
     return profile
@@ -268,7 +273,7 @@ def _buffers_kept(model: nn.Module):
 
 def build_profile(key: str, shapes, measured: Measured, model, optimizer, layout: ChunkLayout, precision: Precision,
                   ctx: DeviceContext, start: float, sharding=None, switches: RuntimeConfig | None = None,
-                  state_format: str = "fp32", frozen_format: str | None = None) -> Profile:
+                  state_format: str = "fp32", frozen_format: str | None = None, accumulator: bool = True) -> Profile:
     """The Profile of what the passes measured, the static facts and the hardware probes (with
     ``sharding``: the collectives' bandwidths too, a collective call; ``switches``: the
     engine's runtime switches, which the probes follow)."""
@@ -283,7 +288,7 @@ def build_profile(key: str, shapes, measured: Measured, model, optimizer, layout
                     + ", ".join(str(shape) for shape, _ in shapes),
         precision=precision.value,
         **static_facts(layout, model, optimizer, precision, world_size=world_of(sharding), state_format=state_format,
-                       frozen_format=frozen_format),
+                       frozen_format=frozen_format, accumulator=accumulator),
         segments=_segments(measured, layout.n_blocks),
         base_bytes=measured.base,
         fragmentation=measured.fragmentation,

@@ -21,7 +21,13 @@ from protrain_core.precision import Precision
 from protrain_core.runtime.chunk import Chunk
 from protrain_core.runtime.gradients import StepGradients
 from protrain_core.runtime.scheduler import Scheduler, UpdatePolicy
-from protrain_core.update import ClipAlgorithm, GradientClipping, Overlap, overlap_mode, parse_gradient_clipping
+from protrain_core.update import ClipAlgorithm, GradientClipping, Overlap, clips_norm, overlap_mode, parse_gradient_clipping
+
+_NEEDS_ACCUMULATORS = (
+    "{what}, but this engine keeps no gradient accumulators for its offloaded chunks "
+    "(ProTrainConfig(grad_accumulator=False)): each is updated as its gradients land, during backward. "
+    "Keep the accumulators (grad_accumulator=None), or clip by value, configured ahead."
+)
 
 
 class Clipping:
@@ -54,6 +60,9 @@ class Clipping:
             return
         if not self._state.idle:
             raise RuntimeError("engine.clipping.configure() was called during backward; call it between steps.")
+        if clips_norm(clipping) and self._grads.consumed:
+            raise ValueError(_NEEDS_ACCUMULATORS.format(what="Clipping by norm needs every gradient of the step "
+                                                             "before any update"))
         if self._updated_in_backward():
             raise RuntimeError(
                 "Gradient clipping changed between engine.backward() and engine.step(), but ProTrain "
@@ -95,6 +104,10 @@ class Clipping:
         it waits for those updates (the gradients stay in the chunks until ``zero_grad``)."""
         parse_gradient_clipping("norm", 1.0, norm_type)
         self._check_gradients("engine.clipping.grad_norm()")
+        if self._grads.consumed and self._updated_in_backward():
+            raise RuntimeError(_NEEDS_ACCUMULATORS.format(
+                what="engine.clipping.grad_norm() reads the step's gradients, but the offloaded chunks consumed theirs "
+                     "when they were updated during backward"))
         clip = self._grads.configured
         if clip is not None and clip.algorithm is ClipAlgorithm.VALUE and self._updated_in_backward():
             raise RuntimeError(
@@ -114,6 +127,9 @@ class Clipping:
         step is held for it (a late request is then refused). Not called: the first step is held,
         and every step after one that clipped late."""
         parse_gradient_clipping("norm", 1.0, norm_type)
+        if expected and self._grads.consumed:
+            raise ValueError(_NEEDS_ACCUMULATORS.format(what="Clipping requested between backward and step needs "
+                                                             "every gradient of the step before any update"))
         self._grads.set_policy(dataclasses.replace(self._grads.policy, expect_late=norm_type if expected else None,
                                                    hold_first=expected))
         self.schedule_updates()

@@ -78,9 +78,7 @@ class Engine:
         check_optimizer_for(options.state_format, optimizer, adam=self._optim.kind is None, world_size=self.world_size)
         self.chunks = _allocate(self, self._optim, chunk_formats(module, optimizer, layout, precision,
                                                                  optimizer_states=options.optimizer_states,
-                                                                 world_size=self.world_size,
-                                                                 state_format=options.state_format,
-                                                                 frozen_format=options.frozen_format))
+                                                                 world_size=self.world_size, **options.formats()))
         n_buffer = min(plan.n_buffer, len(self.chunks) - plan.n_persist)
         self.grads = StepGradients(self._optim, self.scaler, self.chunks, self.ctx)
         self.scheduler = Scheduler(self.chunks, self.ctx, self._optim, self.step_state, n_buffer=n_buffer,
@@ -197,6 +195,12 @@ class Engine:
         state.check_open()
         if state.final_micro_batch:
             self._check_trains("backward() outside no_sync()")
+        elif self.grads.consumed:
+            raise RuntimeError(
+                "engine.backward() inside no_sync() adds this micro-batch's gradients to the next one's, but this "
+                "engine keeps no gradient accumulators for its offloaded chunks (ProTrainConfig(grad_accumulator="
+                "False)): each is updated as its gradients land. Keep the accumulators (grad_accumulator=None) "
+                "to accumulate, or take one backward per step.")
         self.clipping.schedule_updates()
         self.scheduler.check_usage(loss)  # W processes: the ranks' losses reach the same parameters
         self._step_observers.notify(lambda o: o.backward_begins())
@@ -332,7 +336,8 @@ class Engine:
             [
                 f"ProTrain engine: {self.plan}, precision={self.precision.value}, device={self.device}",
                 f"optimizer: {type(self.optimizer).__name__} per chunk, moments {self.options.state_format}"
-                f"{'' if self.options.frozen_format is None else ', frozen weights ' + self.options.frozen_format}; "
+                f"{'' if self.options.frozen_format is None else ', frozen weights ' + self.options.frozen_format}"
+                f"{'' if self.options.grad_accumulator else ', no gradient accumulators on the host'}; "
                 f"overlap: {self.overlap}",
                 f"CPU worker: {self.scheduler.worker.describe()}{_update_kernel(self)}",
                 self.clipping.describe(self.choice),

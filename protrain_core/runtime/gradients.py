@@ -95,7 +95,10 @@ class StepGradients:
     def __init__(self, optim: ChunkOptimizer, scaler: LossScaler | None, chunks: list[Chunk], ctx: DeviceContext) -> None:
         self.optim, self.scaler, self.chunks, self.ctx, self.device = optim, scaler, chunks, ctx, ctx.device
         self.sharding = chunks[0].storage.sharding if chunks else None  # norms and overflow all-reduced
-        self.policy = ClippingPolicy()  # set_policy
+        # Streamed chunks keep no accumulator ([Note: gradients consumed where they land] in
+        # worker.py): their gradients are gone once updated, so no step is held for a late request.
+        self.consumed = any(c.storage.fmt.trains and not c.storage.fmt.accumulator for c in chunks)
+        self.policy = ClippingPolicy(hold_first=not self.consumed)  # set_policy
         self.late_seen = False  # some step clipped late
         self.steps = 0
         self.last_norm: Tensor | None = None  # total norm before clipping, of the last norm clipping
@@ -153,7 +156,8 @@ class StepGradients:
         be in flight."""
         inv_scale = None if self.scaler is None else self.scaler.inv_scale()
         for c in self.chunks:
-            if c.index not in self._finished and c.opt_members and c.has_gradients:
+            # (A chunk without an accumulator had its gradients consumed by its update: none to finish.)
+            if c.index not in self._finished and c.opt_members and c.has_gradients and c.storage.grad_acc is not None:
                 Finishing(c, self._members(c), inv_scale, None, self._finished)()
 
     def _norms(self, norm_type: float) -> dict[int, Tensor]:
@@ -235,6 +239,14 @@ class StepGradients:
                     "Configure one of the two: remove the configured setting, or the late call."
                 )
             return
+        if updated_in_backward and self.consumed:
+            raise RuntimeError(
+                f"Gradient clipping {_describe(clipping)} was requested between backward and step, but this engine "
+                "keeps no gradient accumulators (ProTrainConfig(grad_accumulator=False)): the offloaded chunks were "
+                "updated with their gradients during backward. Configure clipping by value ahead "
+                "(ProTrainConfig(clipping=...), the Trainer's gradient_clip_val), or keep the accumulators "
+                "(grad_accumulator=None)."
+            )
         if updated_in_backward:
             raise RuntimeError(
                 f"Gradient clipping {_describe(clipping)} was requested between backward and step, but no "

@@ -64,10 +64,17 @@ class EngineOptions:
         runtime: the user's switches (``ProTrainConfig.runtime``).
         state_format: the moments' format (``ProTrainConfig.optimizer_state_format``).
         frozen_format: the frozen weight matrices' format (``ProTrainConfig.frozen_dtype``).
+        grad_accumulator: False: streamed chunks keep no gradient accumulator
+            (``ProTrainConfig.grad_accumulator``; [Note: gradients consumed where they land]).
     """
 
     optimizer_states: bool = True
     state_format: str = "fp32"
     frozen_format: str | None = None
+    grad_accumulator: bool = True
     warn_on_cache: bool = True
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def formats(self) -> dict:
+        """The storage formats, as ``chunk_formats`` and the profiler take them."""
+        return dict(state_format=self.state_format, frozen_format=self.frozen_format, accumulator=self.grad_accumulator)

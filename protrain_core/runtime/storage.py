@@ -18,6 +18,10 @@ layout's alignment, ``s_c = s_f + s_t`` ([Note: sharded chunks] in sharding.py):
                                     reduce-scatter
   Adam states     k * s_t    m      device                  host          (k = 2, 3 with amsgrad)
 
+A streamed chunk keeps no accumulator of its own where the format says so
+(``ChunkFormat.accumulator`` False, ``ProTrainConfig.grad_accumulator``; [Note: gradients
+consumed where they land] in worker.py): 4 bytes per trainable parameter less on the host.
+
 The moments take another dtype in the formats of ``ChunkFormat.state_format`` (bf16; 8-bit,
 with fp32 block scales and fp32 moments for small members: [Note: optimizer-state formats] in
 state_formats.py); the master and the accumulator keep ``m``.
@@ -82,6 +86,10 @@ class ChunkFormat:
     # store that holds the frozen span then (its 8-bit values, scales and kept members).
     frozen_format: str | None = None
     store_bytes: int = 0
+    # Streamed, the chunk keeps its gradient accumulator in host memory (False: the CPU worker
+    # lends one per update: [Note: gradients consumed where they land] in worker.py). A
+    # persistent chunk always keeps it, on the device.
+    accumulator: bool = True
 
     def __post_init__(self) -> None:
         if self.trainable_numel is None:
@@ -158,9 +166,14 @@ class ChunkFormat:
     def eight_bit(self) -> bool:
         return self.state_format == "8bit" and self.adam_states > 0
 
-    def _state_bytes(self) -> int:
-        """Master (when separate), accumulator and Adam states of this rank's shard."""
-        n = int(self.separate_master) + int(self.trains)
+    @property
+    def host_accumulator(self) -> bool:
+        """Streamed, the chunk keeps an accumulator in host memory."""
+        return self.trains and self.accumulator
+
+    def _state_bytes(self, *, accumulator: bool = True) -> int:
+        """Master (when separate), accumulator (when kept) and Adam states of this rank's shard."""
+        n = int(self.separate_master) + int(self.trains and accumulator)
         return sum(numel * dtype.itemsize for numel, dtype in [(self.state_numel, self.master_dtype)] * n
                    + self._moment_tensors())
 
@@ -181,7 +194,8 @@ class ChunkFormat:
     @property
     def streamed_host_bytes(self) -> int:
         """Host bytes of the chunk when it is streamed (before the pool's 64-byte alignment)."""
-        return self.host_copy_numel * self.compute_dtype.itemsize + self._state_bytes() + self.store_bytes
+        return (self.host_copy_numel * self.compute_dtype.itemsize + self._state_bytes(accumulator=self.accumulator)
+                + self.store_bytes)
 
     @property
     def buffer_device_bytes(self) -> int:
@@ -223,7 +237,7 @@ class ChunkFormat:
         s, m = self.state_numel, self.master_dtype
         out = [(s, m)] if self.separate_master else []
         out.append((self.host_copy_numel, self.compute_dtype))
-        out += [(s, m)] * int(self.trains)
+        out += [(s, m)] * int(self.host_accumulator)
         return out + self._moment_tensors() + ([(self.store_bytes, torch.uint8)] if self.quantised else [])
 
 
@@ -377,7 +391,9 @@ class ChunkStorage:
         ``ChunkFormat.host_tensors``."""
         fmt = self.fmt
         s, k = fmt.state_numel, fmt.adam_states
-        self.grad_acc = make(s, fmt.master_dtype) if fmt.trains else None
+        own = fmt.trains and (self.persistent or fmt.accumulator)
+        self.grad_acc = make(s, fmt.master_dtype) if own else None  # else lent per update (``borrow_accumulator``)
+        self._scratch_view: tuple[Tensor, Tensor] | None = None  # (the worker's scratch, this chunk's view of it)
         # Slots 1-3: Adam's moments, or another optimizer's states in its order.
         self.exp_avg = make(s, fmt.moment_dtype) if k >= 1 else None
         self.exp_avg_sq = make(s, fmt.moment_dtype) if k >= 2 else None
@@ -448,11 +464,41 @@ class ChunkStorage:
         if old["master"] is not None:
             copy(self.master, old["master"])
         for name in self._STATES:
-            if old[name] is not None:
+            if old[name] is not None and getattr(self, name) is not None:  # (a streamed chunk may keep no accumulator)
                 copy(getattr(self, name), old[name])
         self.steps = [torch.empty_like(t, device=self._steps_device()) for t in old["steps"]]
         for new, t in zip(self.steps, old["steps"]):
             copy(new, t)
+
+    # ----- an accumulator lent per update ([Note: gradients consumed where they land]) ---------
+    @property
+    def borrows_accumulator(self) -> bool:
+        """A streamed chunk that keeps no accumulator of its own."""
+        return not self.persistent and self.fmt.trains and not self.fmt.accumulator
+
+    def borrow_accumulator(self, scratch: Tensor | None) -> None:
+        """Give this chunk (``borrows_accumulator``) an accumulator for a job of the CPU worker,
+        unless it holds one already: a view of the worker's ``scratch`` for a job that lands and
+        updates (the same view every time, so the update's cached views stay valid), or (None) a
+        tensor of its own that keeps a partial landing until the update adds the rest."""
+        if self.grad_acc is not None:
+            return
+        n = self.fmt.state_numel
+        if scratch is None:
+            self.grad_acc = torch.empty(n, dtype=self.fmt.master_dtype, device=self.host)
+            return
+        if self._scratch_view is None or self._scratch_view[0] is not scratch:
+            self._scratch_view = (scratch, scratch[:n])
+        self.grad_acc = self._scratch_view[1]
+
+    def return_accumulator(self) -> bool:
+        """After the update (or zero_grad): a lent accumulator given back; True when it was a
+        tensor of its own (the views the update cached of it must go, to free it)."""
+        if not self.borrows_accumulator or self.grad_acc is None:
+            return False
+        own = self._scratch_view is None or self.grad_acc is not self._scratch_view[1]
+        self.grad_acc = None
+        return own
 
     # ----- where the compute copy is --------------------------------------------------------
     @property
@@ -541,11 +587,12 @@ class ChunkStorage:
 
 def chunk_formats(model: nn.Module, optimizer: torch.optim.Optimizer, layout: ChunkLayout, precision: Precision, *,
                   optimizer_states: bool = True, world_size: int = 1, state_format: str = "fp32",
-                  frozen_format: str | None = None) -> list[ChunkFormat]:
+                  frozen_format: str | None = None, accumulator: bool = True) -> list[ChunkFormat]:
     """The format of every chunk of ``layout``: what the engine allocates, and what the profiler
     reports to the cost model. Adam states go with chunks holding a trainable parameter the
     optimizer updates (none for an engine that never steps), in ``state_format``; frozen weight
-    matrices in ``frozen_format`` (``frozen_places_of``)."""
+    matrices in ``frozen_format`` (``frozen_places_of``); ``accumulator`` False: streamed chunks
+    keep no gradient accumulator."""
     params = dict(model.named_parameters())
     optimized = {id(p) for g in optimizer.param_groups for p in g["params"]}
     adam = state_slots(optimizer)
@@ -563,6 +610,7 @@ def chunk_formats(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Ch
             state_format=state_format if trains else "fp32", quant_blocks=places.n_blocks if places else 0,
             wide_numel=places.wide_numel if places else 0,
             frozen_format=frozen and frozen.fmt, store_bytes=frozen.store_bytes(precision.compute_dtype) if frozen else 0,
+            accumulator=accumulator,
         ))
     return formats
 

@@ -19,6 +19,24 @@ OMP_NUM_THREADS=1 for every process: a default that would leave the CPU Adam on 
 CPU device the worker's threads would compete with the compute's, so they are not changed.
 ``engine.summary()`` says what was chosen. (``torch.set_num_threads`` also sets the count that
 threads started later in the process begin with; the calling threads keep theirs.)
+
+[Note: gradients consumed where they land]
+In the mixed modes a streamed chunk's gradient lands in the trainable span of its host compute
+copy (compute dtype), and the worker folds it into the chunk's fp32 accumulator before Adam
+reads it. When a step has one backward and the chunk's Adam runs in the job that lands it
+(``UpdateSchedule.DURING_BACKWARD``), that accumulator holds nothing but the landed gradient
+widened to fp32, and only for that job: so a chunk may keep none (``ChunkFormat.accumulator``
+False, ``ProTrainConfig.grad_accumulator=False``; 4 bytes per trainable parameter less on the
+host: 8.03 instead of 12.03 with 8-bit moments). The job then borrows the worker's *scratch*,
+one fp32 tensor of the largest trainable shard: the jobs run one at a time on the one worker
+thread, and the landing is widened into the scratch exactly as into an accumulator, so Adam
+reads the same values bit for bit. A job that lands without updating (a chunk spilled before
+all its gradients came, ``Scheduler._victim``) gives the chunk a tensor of its own instead,
+kept until its update (at its last landing, or at ``step()``) adds the rest and consumes it;
+``return_accumulator`` frees it after the update, or at ``zero_grad``. The engine refuses the
+settings that would land without updating at every step (accumulation in ``no_sync``, norm
+clipping, clipping requested between backward and step, fp16's overflow check: they need every
+gradient before any update) and does not hold its first step for a late clipping request.
 """
 
 from __future__ import annotations
@@ -58,6 +76,7 @@ class CpuWorker:
                 self.threads, self.threads_why = worker_threads(local)
         self._pool = ctx.worker(self.threaded, self.threads)
         self._staging: queue.Queue | None = None  # landing buffers to add into grad_acc (its dtype)
+        self._scratch: Tensor | None = None  # the accumulator lent to chunks that keep none
         self._lent: dict[int, Tensor] = {}  # id of a landing slice -> its staging buffer
 
     def describe(self) -> str:
@@ -69,7 +88,7 @@ class CpuWorker:
     def resize_staging(self, *, n_staging: int, staging_numel: int) -> None:
         """After a re-plan (no landing in flight): other buffers, other largest span."""
         assert not self._lent
-        self.n_staging, self.staging_numel, self._staging = n_staging, staging_numel, None
+        self.n_staging, self.staging_numel, self._staging, self._scratch = n_staging, staging_numel, None, None
 
     def submit(self, fn, *args) -> Future:
         """Run ``fn(*args)`` on the worker (inline on a CPU device); a failure is re-raised by
@@ -103,6 +122,9 @@ class CpuWorker:
         when given."""
         self.ctx.synchronize(event)
         storage = chunk.storage
+        if storage.borrows_accumulator:
+            assert replace or storage.grad_acc is not None, "a landing to add to was not kept"
+            storage.borrow_accumulator(self.scratch(storage) if update is not None else None)
         kernel = self.optim.one_pass(chunk)
         if kernel is not None and update is not None and finish is None:
             self.update(chunk, *update, landed="copy" if replace else "add")  # landing, Adam, copy back: one pass
@@ -129,10 +151,19 @@ class CpuWorker:
             elif storage.fmt.separate_master:
                 storage.compute_span().copy_(storage.master)
 
+    def scratch(self, storage) -> Tensor:
+        """The fp32 scratch lent as the accumulator of a chunk that keeps none, allocated on first
+        use ([Note: gradients consumed where they land])."""
+        if self._scratch is None:
+            self._scratch = torch.empty(self.staging_numel, dtype=storage.fmt.master_dtype, device=self.ctx.host)
+        return self._scratch
+
     def update(self, chunk: Chunk, hps, selected, clip, *, landed: str | None = None) -> None:
         self.record("cpu_adam_begin", chunk.index)
         with torch.no_grad():
             self.optim.update(chunk, hps, selected, clip, landed=landed)
+        if chunk.storage.return_accumulator():
+            chunk.values.forget_views()  # they hold the chunk's own accumulator: let it go
         self.record("cpu_adam_end", chunk.index)
 
     def shutdown(self, *, wait: bool = True) -> None:
