@@ -174,18 +174,9 @@ _BETWEEN_STEPS = ("on_before_zero_grad", "optimizer_zero_grad", "on_train_batch_
 
 def grad_accumulator(config: pt.ProTrainConfig, trainer, precision: str, *, manual: bool, late: bool) -> bool:
     """``ProTrainConfig.grad_accumulator`` for a fit: None is False where every step has one
-    backward whose offloaded chunks can be updated as their gradients land (bf16-mixed,
-    automatic optimization without gradient accumulation, no clipping by norm or late), else
-    True; False where that cannot be is refused, with the reason, before anything is built."""
-    clip = config.clipping
-    why = ("manual optimization accumulates every manual_backward until opt.step()" if manual
-           else f"accumulate_grad_batches={trainer.accumulate_grad_batches}" if trainer.accumulate_grad_batches != 1
-           else "a GradientAccumulationScheduler callback" if any(isinstance(cb, GradientAccumulationScheduler)
-                                                                   for cb in trainer.callbacks)
-           else "an overridden configure_gradient_clipping may clip between backward and step" if late
-           else "gradient_clip_algorithm='norm' needs every gradient before any update" if clip is not None
-           and clip.algorithm == "norm"
-           else f"precision={precision!r} (it needs 'bf16-mixed')" if precision != "bf16-mixed" else None)
+    backward whose offloaded chunks can be updated as their gradients land, else True; False
+    where that cannot be is refused, with the reason, before anything is built."""
+    why = _needs_accumulators(config, trainer, precision, manual=manual, late=late)
     if config.grad_accumulator is None:
         return why is not None  # kept where a reason needs it
     if config.grad_accumulator is False and why is not None:
@@ -194,6 +185,23 @@ def grad_accumulator(config: pt.ProTrainConfig, trainer, precision: str, *, manu
             f"backward, which this fit cannot do: {why}. Leave grad_accumulator=None: the strategy then keeps the "
             "accumulators where a fit needs them.")
     return config.grad_accumulator
+
+
+def _needs_accumulators(config: pt.ProTrainConfig, trainer, precision: str, *, manual: bool, late: bool) -> str | None:
+    """Why this fit needs the offloaded chunks' gradient accumulators (None: it does not)."""
+    clip = config.clipping
+    reasons = [
+        (manual, "manual optimization accumulates every manual_backward until opt.step()"),
+        (trainer.accumulate_grad_batches != 1, f"accumulate_grad_batches={trainer.accumulate_grad_batches}"),
+        (any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks),
+         "a GradientAccumulationScheduler callback"),
+        (late, "an overridden configure_gradient_clipping may clip between backward and step"),
+        (is_overridden("optimizer_zero_grad", trainer.lightning_module, pl.LightningModule),
+         "an overridden optimizer_zero_grad may keep gradients across steps"),
+        (clip is not None and clip.algorithm == "norm", "gradient_clip_algorithm='norm' needs every gradient first"),
+        (precision != "bf16-mixed", f"precision={precision!r} (it needs 'bf16-mixed')"),
+    ]
+    return next((why for needed, why in reasons if needed), None)
 
 
 def reads_weights_between_steps(module, callbacks) -> bool:

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import protrain_core as pt
 from conftest import SEQ, VOCAB, batches, train_engine
+from protrain_core.profiler.hardware import probe_hardware
 from protrain_core.runtime.chunk import Chunk
 from protrain_core.runtime.frozen_formats import quantise_into, round_trip
 from test_frozen import LR, plans, reference
@@ -203,6 +204,28 @@ def test_the_explanation_and_the_profile_count_the_smaller_uploads():
     per = float(text.split("a frozen parameter uploads ")[1].split(" B")[0])
     assert 1.0 <= per < 1.2
     assert "frozen weights int8" in engine.summary()
+    assert engine.choice.profile.hardware.dequant_params_per_s > 0  # the dequantisation was timed
+
+
+def test_the_cost_model_charges_the_dequantisation_to_the_upload():
+    """The kernels run on the upload stream after the copy: each streamed chunk's upload takes
+    its frozen elements at the probed rate longer; without a quantised base, nothing."""
+    import dataclasses
+
+    from protrain_core.planner.cost import CostModel
+    from test_cost import hand_profile
+
+    p = hand_profile()
+    hw = dataclasses.replace(p.hardware, dequant_params_per_s=50.0)
+    quantised = dataclasses.replace(p, hardware=hw, frozen_format="int8", chunk_frozen=(100, 0, 50))
+    plain = CostModel(dataclasses.replace(quantised, frozen_format=None))
+    assert [a - b for a, b in zip(CostModel(quantised).X, plain.X)] == [2.0, 0.0, 1.0]
+    assert plain.X == CostModel(p).X
+    assert pt.estimate_runtime(quantised, pt.Plan(n_persist=0, n_buffer=2)).total_s > \
+        pt.estimate_runtime(p, pt.Plan(n_persist=0, n_buffer=2)).total_s
+    probed = {fmt: probe_hardware("cpu", 8192, pt.Precision.BF16_MIXED, frozen_format=fmt).dequant_params_per_s
+              for fmt in (None, "int8", "fp8")}
+    assert probed[None] == 0 and probed["int8"] > 0 and probed["fp8"] > 0
 
 
 def test_bad_settings_are_refused_before_anything_is_allocated():

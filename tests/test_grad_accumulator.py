@@ -72,7 +72,9 @@ def test_without_accumulators_the_run_is_the_same_bit_for_bit(fmt, plan_name, th
 
 class GatedBlock(nn.Module):
     """A block whose gate is used in some steps only: without it the block's chunk holds a
-    partial set of gradients until the end of backward, and is spilled when a buffer is needed."""
+    partial set of gradients until the end of backward, and is spilled when another chunk needs
+    the one buffer; a chunk of the input layer and a block is spilled with the block's gradients
+    and landed again, added to them, when the input layer's come."""
 
     def __init__(self):
         super().__init__()
@@ -97,11 +99,11 @@ class GatedNet(nn.Module):
         return self.out(x)
 
 
-def gated_run(accumulator, thread):
+def gated_run(accumulator, thread, after_step=lambda engine: None):
     torch.manual_seed(0)
     model = GatedNet()
     engine = engine_for(model, accumulator, pt.Plan(n_persist=0, n_buffer=1), thread=thread,
-                        planning={"blocks": "blocks", "chunk_size": 2112})
+                        planning={"blocks": "blocks", "chunk_size": 3168})
     g, losses = torch.Generator().manual_seed(1), []
     for step in range(6):
         for block in model.blocks:
@@ -110,6 +112,7 @@ def gated_run(accumulator, thread):
             loss = model(torch.randn(4, 8, generator=g)).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
+        after_step(engine)
         engine.zero_grad()
         losses.append(loss.item())
     return losses, engine.state_dict(), engine.states.optimizer()
@@ -117,18 +120,29 @@ def gated_run(accumulator, thread):
 
 @pytest.mark.parametrize("thread", [False, True])
 def test_a_chunk_spilled_before_all_its_gradients_came_keeps_them_in_an_accumulator_of_its_own(thread, monkeypatch):
-    own = []
-    borrow = ChunkStorage.borrow_accumulator
+    from protrain_core.runtime.worker import CpuWorker
 
-    def counted(self, scratch):
+    own, added = [], []
+    borrow, land = ChunkStorage.borrow_accumulator, CpuWorker.land_and_update
+
+    def counted_borrow(self, scratch):
         if scratch is None and self.grad_acc is None:
             own.append(self)
         borrow(self, scratch)
 
-    monkeypatch.setattr(ChunkStorage, "borrow_accumulator", counted)
-    lean = gated_run(False, thread)
-    assert len(own) >= 4  # the steps without the gate spilled the blocks' chunks
-    assert all(s.grad_acc is None for s in own)  # freed by their update
+    def counted_land(self, chunk, event, landing, replace, finish, update):
+        if not replace and update is not None:
+            added.append(chunk.index)  # the last landing, added to the spilled gradients, then the update
+        land(self, chunk, event, landing, replace, finish, update)
+
+    def freed_by_their_updates(engine):
+        engine.wait_for_updates()
+        assert all(s.grad_acc is None for s in own)  # before zero_grad
+
+    monkeypatch.setattr(ChunkStorage, "borrow_accumulator", counted_borrow)
+    monkeypatch.setattr(CpuWorker, "land_and_update", counted_land)
+    lean = gated_run(False, thread, freed_by_their_updates)
+    assert len(own) >= 6 and added  # spills every step; some landed again and added to
     assert_same_runs(gated_run(True, thread), lean)
 
 
@@ -155,11 +169,51 @@ def test_without_accumulators_the_first_step_is_not_held_and_what_needs_them_is_
     with pytest.raises(RuntimeError, match="consumed"):
         engine.clipping.grad_norm()
     engine.step()
+    # Without zero_grad the gradients torch would keep are gone: a second step or backward is refused.
+    with pytest.raises(RuntimeError, match="zero_grad"):
+        engine.step()
+    with engine.autocast():
+        loss = engine.module(input_ids=x, labels=x).loss
+    with pytest.raises(RuntimeError, match="zero_grad"):
+        engine.backward(loss)
     engine.zero_grad()
     # The refusals changed nothing: the run goes on as one without them.
     reference = engine_for(copy.deepcopy(base), False, standard_plans(base)["streamed-buf1"])
     train_engine(reference, data[:1])
     assert_same_runs(run(reference, data[1:]), run(engine, data[1:]))
+
+
+def test_all_persistent_a_late_request_is_refused_too_and_gradients_kept_across_steps_survive_parking():
+    """Persistent chunks keep their accumulators on the device; a late clipping request is still
+    refused (a re-plan would stream chunks that keep none). Without zero_grad, gradients add up
+    across steps as in torch, also through offload_states/onload_states, which keeps them in a
+    tensor of their own on the host."""
+    base, data = tiny_gpt2(), batches(4)
+    plan = standard_plans(base)["all-persistent"]
+
+    def run_without_zero_grad(engine):
+        losses = []
+        for k, x in enumerate(data):
+            with engine.autocast():
+                loss = engine.module(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            if k == 1:
+                engine.offload_states()
+                assert any(c.storage.grad_acc is not None for c in engine.chunks)  # kept on the host
+                engine.onload_states()
+            losses.append(loss.item())
+        return losses, engine.state_dict(), engine.states.optimizer()
+
+    lean = engine_for(copy.deepcopy(base), False, plan)
+    kept = engine_for(copy.deepcopy(base), True, plan)
+    assert_same_runs(run_without_zero_grad(kept), run_without_zero_grad(lean))
+    x = data[0]
+    with lean.autocast():
+        loss = lean.module(input_ids=x, labels=x).loss
+    lean.backward(loss)
+    with pytest.raises(RuntimeError, match="grad_accumulator=False"):
+        lean.clipping.clip_grad_norm_(1.0)
 
 
 @pytest.mark.parametrize("precision, clipping, match", [
@@ -220,13 +274,22 @@ def test_the_profile_key_tells_the_formats_apart():
     (dict(clipping=("value", 1.0)), False),
     (dict(precision="16-mixed"), True),
     (dict(precision="32-true"), True),
+    (dict(zero_grad_overridden=True), True),
 ])
 def test_the_trainer_strategy_leaves_the_accumulators_out_where_its_settings_allow(settings, expected):
+    import lightning.pytorch as pl
+
+    class ZeroGradKept(pl.LightningModule):
+        def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+            pass  # gradients kept across steps
+
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
     from lightning_protrain.strategy import grad_accumulator
 
     callbacks = [GradientAccumulationScheduler({0: 1, 2: 4})] if settings.get("callbacks") else []
-    trainer = SimpleNamespace(accumulate_grad_batches=settings.get("accumulate_grad_batches", 1), callbacks=callbacks)
+    module = ZeroGradKept() if settings.get("zero_grad_overridden") else pl.LightningModule()
+    trainer = SimpleNamespace(accumulate_grad_batches=settings.get("accumulate_grad_batches", 1), callbacks=callbacks,
+                              lightning_module=module)
     config = pt.ProTrainConfig(clipping=settings.get("clipping"))
     kw = dict(manual=settings.get("manual", False), late=settings.get("late", False))
     precision = settings.get("precision", "bf16-mixed")

@@ -167,7 +167,11 @@ class CostModel:
         w = profile.world_size
         gather = _collective_seconds(profile.gather_bytes, hw.gather_bytes_per_s, self.N, sharded=w > 1)
         reduce = _collective_seconds(profile.reduce_bytes, hw.reduce_bytes_per_s, self.N, sharded=w > 1)
-        self.X = [b / hw.h2d_bytes_per_s + g for b, g in zip(profile.upload_bytes, gather)]
+        # A quantised frozen span is dequantised on the upload stream after its copy ([Note:
+        # quantised frozen chunks]): part of the upload's time.
+        dequant = [f / hw.dequant_params_per_s if profile.frozen_format and hw.dequant_params_per_s else 0.0
+                   for f in profile.chunk_frozen]
+        self.X = [b / hw.h2d_bytes_per_s + g + d for b, g, d in zip(profile.upload_bytes, gather, dequant)]
         self.Y = [b / hw.d2h_bytes_per_s + r for b, r in zip(profile.offload_bytes, reduce)]  # 0 for a frozen chunk
         # A streamed chunk's CPU work, per part ([Note: the CPU worker's work, by schedule]).
         n_upd = [n / w for n in profile.chunk_trainable]

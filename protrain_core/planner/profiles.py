@@ -44,7 +44,7 @@ from pathlib import Path
 
 from protrain_core.plan import PlanLimits
 
-PROFILE_VERSION = 9
+PROFILE_VERSION = 10
 
 
 class ProfileVersionError(ValueError):
@@ -70,6 +70,9 @@ class Hardware:
     # (what clipping adds before Adam: clip_grad_norm_'s multiply, clip_grad_value_'s clamps).
     cpu_land_params_per_s: float = 0.0
     cpu_pass_params_per_s: float = 0.0
+    # Frozen weights dequantised on the device after an upload, per element (``frozen_dtype``:
+    # the kernels run on the upload stream, after the copy); 0: none, or not measured.
+    dequant_params_per_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import torch
 from protrain_core.planner.profiles import Hardware
 from protrain_core.precision import Precision
 from protrain_core.runtime.device import DeviceContext, as_context
+from protrain_core.runtime.frozen_formats import dequantise_into, quantised_dtype
 from protrain_core.runtime.options import RuntimeConfig
 from protrain_core.runtime.state_formats import moment_step
 from protrain_ops import AdamHyperParams, adam_step, copy_to_low_precision, onepass
@@ -39,7 +40,8 @@ def _median_time(ctx: DeviceContext, fn, sync, *, budget_s: float = 0.15, max_re
 
 
 def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, precision: Precision, *,
-                   sharding=None, switches: RuntimeConfig | None = None, state_format: str = "fp32") -> Hardware:
+                   sharding=None, switches: RuntimeConfig | None = None, state_format: str = "fp32",
+                   frozen_format: str | None = None) -> Hardware:
     """Chunk-size copies each way and Adam on one chunk, as the runtime performs them (and with
     ``sharding``, a chunk's all-gather and reduce-scatter: every rank must call it).
 
@@ -49,7 +51,9 @@ def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, preci
     device Adam on device tensors. CPU device: the "copies" are what the runtime does there too,
     memory copies between two host tensors, and the persistent chunks' Adam is the same CPU
     kernel. ``switches``: the engine's (pinned host memory, the one-pass kernel). ``state_format``:
-    the Adam moments' format, which the updates are timed in ([Note: optimizer-state formats])."""
+    the Adam moments' format, which the updates are timed in ([Note: optimizer-state formats]);
+    ``frozen_format``: frozen weights kept in 8 bits, whose dequantisation after an upload is timed
+    on the device ([Note: quantised frozen chunks])."""
     switches = switches or RuntimeConfig()
     ctx = as_context(device)
     n = max(1024, min(chunk_elems, 64 * 2**20))
@@ -93,7 +97,19 @@ def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, preci
         cpu_pass_params_per_s=pass_rate,
         device_adam_params_per_s=dev_rate,
         device_memory_bytes=int(ctx.free_memory()[1]),
+        dequant_params_per_s=0.0 if frozen_format is None else _dequant_rate(ctx, n, cdt, frozen_format, sync),
     )
+
+
+def _dequant_rate(ctx: DeviceContext, n: int, cdt: torch.dtype, fmt: str, sync) -> float:
+    """Elements per second of ``dequantise_into`` on the device (the runtime's kernels after a
+    quantised upload), on ``n`` elements in rows of 4096."""
+    cols = min(n, 4096)
+    rows = max(1, n // cols)
+    q = torch.zeros(rows * cols, dtype=quantised_dtype(fmt), device=ctx.device)
+    scales = torch.ones(rows, dtype=torch.float32, device=ctx.device)
+    out = torch.empty(rows, cols, dtype=cdt, device=ctx.device)
+    return rows * cols / _median_time(ctx, lambda: dequantise_into(out, q, scales), sync)
 
 
 def _adam_rate(ctx: DeviceContext, n: int, on: torch.device, low: torch.dtype | None, run, *,

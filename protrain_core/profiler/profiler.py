@@ -278,7 +278,7 @@ def build_profile(key: str, shapes, measured: Measured, model, optimizer, layout
     ``sharding``: the collectives' bandwidths too, a collective call; ``switches``: the
     engine's runtime switches, which the probes follow)."""
     hardware = probe_hardware(ctx, layout.chunk_size, precision, sharding=sharding, switches=switches,
-                              state_format=state_format)
+                              state_format=state_format, frozen_format=frozen_format)
     if hardware.async_copies:
         measured.swap_timings = []
     n_params = sum(p.numel() for p in model.parameters())

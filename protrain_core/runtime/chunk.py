@@ -206,7 +206,7 @@ class Chunk:
         ``copy(dst, src)``: how, ``ChunkStorage.make_streamed``)."""
         target = self._moved("unpersist")
         self.values.forget_views()
-        self.storage.make_streamed(copy)
+        self.storage.make_streamed(copy, gradients=self.has_gradients)
         self.point_at_rest()
         self.state = target
 

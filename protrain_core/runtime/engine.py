@@ -195,12 +195,7 @@ class Engine:
         state.check_open()
         if state.final_micro_batch:
             self._check_trains("backward() outside no_sync()")
-        elif self.grads.consumed:
-            raise RuntimeError(
-                "engine.backward() inside no_sync() adds this micro-batch's gradients to the next one's, but this "
-                "engine keeps no gradient accumulators for its offloaded chunks (ProTrainConfig(grad_accumulator="
-                "False)): each is updated as its gradients land. Keep the accumulators (grad_accumulator=None) "
-                "to accumulate, or take one backward per step.")
+        self.grads.check_consumed(backward=True, final=state.final_micro_batch)
         self.clipping.schedule_updates()
         self.scheduler.check_usage(loss)  # W processes: the ranks' losses reach the same parameters
         self._step_observers.notify(lambda o: o.backward_begins())
@@ -224,6 +219,9 @@ class Engine:
         self.step_state.check_open()
         self._check_trains("step()")
         check_onloaded(self, "engine.step()")
+        if self.grads.consumed:
+            self.scheduler.wait_all()  # every landing done: a chunk's own accumulator is where it is kept
+            self.grads.check_consumed(backward=False)
         with self.step_state.entered(TrainingPhase.STEP, leaving=TrainingPhase.IDLE,
                                      error="engine.step() was called during backward."):
             hps = self._optim.snapshot()

@@ -93,6 +93,11 @@ def quantise_into(value: Tensor, fmt: str, q: Tensor, scales: Tensor) -> None:
         scales[r:r + step].copy_(s)
 
 
+def quantised_dtype(fmt: str) -> torch.dtype:
+    """The dtype of format ``fmt``'s 8-bit values."""
+    return _QDTYPE[fmt]
+
+
 def dequantise_into(dst: Tensor, q: Tensor, scales: Tensor) -> None:
     """``dst`` (a member's value in the compute dtype; rows: its first dimension) = ``q * scales``
     per row: exact in the compute dtype (see the Note), in two kernels and no temporary."""

@@ -97,7 +97,7 @@ class StepGradients:
         self.sharding = chunks[0].storage.sharding if chunks else None  # norms and overflow all-reduced
         # Streamed chunks keep no accumulator ([Note: gradients consumed where they land] in
         # worker.py): their gradients are gone once updated, so no step is held for a late request.
-        self.consumed = any(c.storage.fmt.trains and not c.storage.fmt.accumulator for c in chunks)
+        self.consumed = any(not c.storage.fmt.accumulator for c in chunks)
         self.policy = ClippingPolicy(hold_first=not self.consumed)  # set_policy
         self.late_seen = False  # some step clipped late
         self.steps = 0
@@ -227,6 +227,29 @@ class StepGradients:
             self.sharding.all_reduce_(found, dist.ReduceOp.MAX)
         return (self.ctx.to_host(found) > 0).float()
 
+    def check_consumed(self, *, backward: bool, final: bool = True) -> None:
+        """Without accumulators ([Note: gradients consumed where they land] in worker.py): refuse
+        a backward inside ``no_sync`` (``final`` False), and a backward or step (``backward``
+        False; no landing in flight) that would need gradients an earlier step's update consumed,
+        where torch would add to them or step with them again (no ``zero_grad`` in between)."""
+        if not self.consumed:
+            return
+        if not final:
+            raise RuntimeError(
+                "engine.backward() inside no_sync() adds this micro-batch's gradients to the next one's, but this "
+                "engine keeps no gradient accumulators for its offloaded chunks (ProTrainConfig(grad_accumulator="
+                "False)): each is updated as its gradients land. Keep the accumulators (grad_accumulator=None) "
+                "to accumulate, or take one backward per step.")
+        stale = [c.index for c in self.chunks if c.storage.borrows_accumulator and c.has_gradients
+                 and (backward or (c.storage.grad_acc is None and not c.applied))]
+        if stale:
+            raise RuntimeError(
+                f"engine.{'backward' if backward else 'step'}() after a step without zero_grad: the gradients of "
+                f"that step are gone from offloaded chunks {stale[:8]} (this engine keeps no gradient accumulators, "
+                "ProTrainConfig(grad_accumulator=False): each chunk's update consumed them), where torch would "
+                f"{'add to them' if backward else 'step with them again'}. Call engine.zero_grad() after each step, "
+                "or keep the accumulators (grad_accumulator=None).")
+
     # ----- late requests --------------------------------------------------------------------
     def check_request(self, clipping: GradientClipping, *, updated_in_backward: bool) -> None:
         """Refuse a clipping request between backward and step that cannot be exact."""
@@ -239,10 +262,10 @@ class StepGradients:
                     "Configure one of the two: remove the configured setting, or the late call."
                 )
             return
-        if updated_in_backward and self.consumed:
+        if self.consumed:
             raise RuntimeError(
                 f"Gradient clipping {_describe(clipping)} was requested between backward and step, but this engine "
-                "keeps no gradient accumulators (ProTrainConfig(grad_accumulator=False)): the offloaded chunks were "
+                "keeps no gradient accumulators (ProTrainConfig(grad_accumulator=False)): the offloaded chunks are "
                 "updated with their gradients during backward. Configure clipping by value ahead "
                 "(ProTrainConfig(clipping=...), the Trainer's gradient_clip_val), or keep the accumulators "
                 "(grad_accumulator=None)."

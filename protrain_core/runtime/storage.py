@@ -427,16 +427,20 @@ class ChunkStorage:
             self.pool.close()
         self.pool = None
 
-    def make_streamed(self, copy=None) -> None:
+    def make_streamed(self, copy=None, *, gradients: bool = False) -> None:
         """Persistent -> streamed: a host buffer allocated (or the one kept) and every tensor
         copied there, by ``copy(dst, src)`` when given (a copy stream; the caller waits for it
         before the host tensors are read), else at once. The device tensors go when nothing
-        refers to them: the parameters are re-pointed next."""
+        refers to them: the parameters are re-pointed next. ``gradients``: the accumulator holds
+        gradients not cleared yet, which a chunk keeping none holds in a tensor of its own until
+        its update or zero_grad (``borrow_accumulator``)."""
         assert self.persistent
         old = self._snapshot()
         with torch.no_grad():
             self.persistent = False
             self._allocate_streamed()
+            if gradients and self.borrows_accumulator:
+                self.borrow_accumulator(None)
             self._restore(old, copy)
             if self.frozen_store is not None:  # quantised on the device (exactly: a projection), then copied
                 staging = torch.empty_like(self.frozen_store, device=self.device)
@@ -485,7 +489,8 @@ class ChunkStorage:
             return
         n = self.fmt.state_numel
         if scratch is None:
-            self.grad_acc = torch.empty(n, dtype=self.fmt.master_dtype, device=self.host)
+            with untracked():  # chunk memory, not activations (a CPU device's tracker)
+                self.grad_acc = torch.empty(n, dtype=self.fmt.master_dtype, device=self.host)
             return
         if self._scratch_view is None or self._scratch_view[0] is not scratch:
             self._scratch_view = (scratch, scratch[:n])
@@ -610,7 +615,7 @@ def chunk_formats(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Ch
             state_format=state_format if trains else "fp32", quant_blocks=places.n_blocks if places else 0,
             wide_numel=places.wide_numel if places else 0,
             frozen_format=frozen and frozen.fmt, store_bytes=frozen.store_bytes(precision.compute_dtype) if frozen else 0,
-            accumulator=accumulator,
+            accumulator=accumulator or not trains,  # (a chunk the optimizer never steps accumulates only)
         ))
     return formats
 

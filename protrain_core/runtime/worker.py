@@ -33,7 +33,12 @@ thread, and the landing is widened into the scratch exactly as into an accumulat
 reads the same values bit for bit. A job that lands without updating (a chunk spilled before
 all its gradients came, ``Scheduler._victim``) gives the chunk a tensor of its own instead,
 kept until its update (at its last landing, or at ``step()``) adds the rest and consumes it;
-``return_accumulator`` frees it after the update, or at ``zero_grad``. The engine refuses the
+``return_accumulator`` frees it after the update, or at ``zero_grad``. (Those tensors are host
+memory the plan does not count: a chunk spills only when a parameter of it got no gradient yet
+and every buffer is taken, rare in a transformer, where a chunk's gradients come together. A
+persistent chunk streamed by a re-plan or by ``offload_states`` with gradients not cleared keeps
+them in one too.) Gradients an update consumed are gone: a backward or a step that torch would
+let use them again (no ``zero_grad`` in between) is refused. The engine refuses the
 settings that would land without updating at every step (accumulation in ``no_sync``, norm
 clipping, clipping requested between backward and step, fp16's overflow check: they need every
 gradient before any update) and does not hold its first step for a late clipping request.
@@ -155,7 +160,8 @@ class CpuWorker:
         """The fp32 scratch lent as the accumulator of a chunk that keeps none, allocated on first
         use ([Note: gradients consumed where they land])."""
         if self._scratch is None:
-            self._scratch = torch.empty(self.staging_numel, dtype=storage.fmt.master_dtype, device=self.ctx.host)
+            with untracked():
+                self._scratch = torch.empty(self.staging_numel, dtype=storage.fmt.master_dtype, device=self.ctx.host)
         return self._scratch
 
     def update(self, chunk: Chunk, hps, selected, clip, *, landed: str | None = None) -> None:
