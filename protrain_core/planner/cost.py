@@ -276,13 +276,13 @@ class CostModel:
         largest, itemsize, copies = 0, 0, 0
         for c in range(p.n_chunks):
             compute, state = p.chunk_dtypes[c] if p.chunk_dtypes else (None, None)
-            if c in persistent or not p.chunk_trainable[c]:
+            shard = p.offload_bytes[c] // p.compute_bytes  # this rank's trainable shard, as the runtime sizes it
+            if c in persistent or not shard:
                 continue
             mixed = compute != state
             if mixed and p.grad_accumulator:
                 continue
             copies = 1 if mixed else n_buffer
-            shard = -(-p.chunk_trainable[c] // p.world_size)
             if shard > largest:  # no dtypes (a hand-built profile): the compute dtype everywhere
                 largest, itemsize = shard, p.compute_bytes if state is None else getattr(torch, state).itemsize
         return copies * largest * itemsize
