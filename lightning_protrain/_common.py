@@ -79,7 +79,9 @@ class ProcessesPlumbing:
     run). Several (``devices`` x ``num_nodes`` > 1, or an external launcher: torchrun, SLURM):
     Lightning's own DDP strategy of that flavour (``_ddp_class``) launches the processes and
     sets up the process group, and ProTrain shards its chunks over it; nothing is launched by
-    ProTrain itself. Its collectives (barrier, broadcast, reduce) are the DDP strategy's."""
+    ProTrain itself. Its collectives are the DDP strategy's (reduce, and all on NCCL), but for a
+    barrier and a broadcast on gloo: ProTrain's, which ctrl-C can interrupt (a rank waiting in
+    one after the other rank has left would otherwise print gloo's error, not the interrupt)."""
 
     _ddp_class: type
 
@@ -160,14 +162,27 @@ class ProcessesPlumbing:
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     def barrier(self, *args, **kwargs) -> None:
-        if self.is_distributed:
-            self.ddp().barrier(*args, **kwargs)
+        if not self.is_distributed:
+            return
+        if _on_gloo():  # waited for so that ctrl-C still ends this rank while another has left
+            pt.barrier()
+            return
+        self.ddp().barrier(*args, **kwargs)
 
     def broadcast(self, obj, src: int = 0):
-        return self.ddp().broadcast(obj, src) if self.is_distributed else obj
+        if not self.is_distributed:
+            return obj
+        return pt.broadcast_object(obj, src) if _on_gloo() else self.ddp().broadcast(obj, src)
 
     def reduce(self, tensor, *args, **kwargs):
         return self.ddp().reduce(tensor, *args, **kwargs) if self.is_distributed else tensor
+
+
+def _on_gloo() -> bool:
+    """The process group is up and gloo's (CPU processes): its barrier and broadcast then run as
+    ProTrain's, which a signal can interrupt (``protrain_core.barrier``)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
+        "gloo" in str(torch.distributed.get_backend())
 
 
 class OneDevicePlumbing:

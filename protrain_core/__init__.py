@@ -29,6 +29,7 @@ from protrain_core.precision import Precision
 from protrain_core.runtime.activations import BlockActivations
 from protrain_core.runtime.chunk import ChunkState, GradState, IllegalTransition
 from protrain_core.runtime.frozen_formats import dequantised
+from protrain_core.runtime.sharding import barrier, broadcast_object
 from protrain_core.runtime.state_formats import AdamWBf16Moments, to_fp32_adam_state
 from protrain_core.structure.blocks import find_blocks
 from protrain_core.structure.layout import ChunkLayout, build_layout
@@ -60,6 +61,8 @@ __all__ = [
     "estimate_runtime",
     "profile",
     "search",
+    "barrier",
+    "broadcast_object",
     "to_fp32_adam_state",
     "BlockMode",
     "ChunkLayout",

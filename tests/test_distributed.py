@@ -904,7 +904,7 @@ def test_a_failure_on_one_rank_ends_every_process_with_the_users_error(case, pri
     assert "collective mismatch" not in output, output[-4000:]
 
 
-@pytest.mark.parametrize("kind", ["event", "issue", "check"])
+@pytest.mark.parametrize("kind", ["event", "issue", "check", "barrier", "broadcast"])
 def test_ctrl_c_ends_a_rank_waiting_on_a_collective_that_cannot_end(kind, tmp_path):
     """Rank 0 waits on a collective rank 1 never issues (what ctrl-C can leave behind: the signal
     lands while the ranks wait on collectives that will not complete). SIGINT must reach Python

@@ -45,6 +45,7 @@ which the graph decides too (a model that runs its modules in a data-dependent o
 
 from __future__ import annotations
 
+import pickle
 import socket
 from dataclasses import dataclass
 
@@ -176,15 +177,37 @@ class Sharding:
 
     def broadcast_object(self, obj, src: int = 0):
         """Rank ``src``'s ``obj`` on every rank."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src), group=self.group)
-        return box[0]
+        return broadcast_object(obj, dist.get_global_rank(self.group, src), self.group)
 
     def barrier(self) -> None:
-        if "gloo" in self.backend:
-            wait_work(dist.barrier(group=self.group, async_op=True))
-            return
-        dist.barrier(group=self.group)
+        barrier(self.group)
+
+
+def barrier(group=None) -> None:
+    """Every rank of ``group`` (None: the default group) here; on gloo waited for with
+    ``wait_work``, so that ctrl-C still ends the process."""
+    if "gloo" in str(dist.get_backend(group)):
+        wait_work(dist.barrier(group=group, async_op=True))
+        return
+    dist.barrier(group=group)
+
+
+def broadcast_object(obj, src: int = 0, group=None):
+    """Global rank ``src``'s picklable ``obj`` on every rank of ``group`` (None: the default
+    group), as ``dist.broadcast_object_list``; on gloo its pickle's size and bytes are waited for
+    with ``wait_work`` (ctrl-C)."""
+    if "gloo" not in str(dist.get_backend(group)):
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=group)
+        return box[0]
+    mine = dist.get_rank() == src
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if mine else None
+    size = torch.tensor([data.numel() if mine else 0], dtype=torch.int64)
+    wait_work(dist.broadcast(size, src=src, group=group, async_op=True))
+    if not mine:
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+    wait_work(dist.broadcast(data, src=src, group=group, async_op=True))
+    return obj if mine else pickle.loads(data.numpy().tobytes())
 
 
 def _blocking(collective, t: Tensor, *args, **kwargs) -> None:

@@ -1,8 +1,9 @@
 """Rank 0 waits on a collective that rank 1 never issues; for tests/test_distributed.py: ``RANK PORT OUT KIND``.
 
 KIND: ``event`` (a chunk's collectives, waited for through ``HostEvent``), ``issue`` (a chunk
-collective run at once, outside a step: state dicts, checkpoints) or ``check`` (a blocking host
-collective of ``Sharding``). Rank 0 writes OUT/waiting, then waits; the test sends
+collective run at once, outside a step: state dicts, checkpoints), ``check`` (a blocking host
+collective of ``Sharding``), ``barrier`` or ``broadcast`` (``protrain_core.barrier`` and
+``broadcast_object``: the strategies' on gloo). Rank 0 writes OUT/waiting, then waits; the test sends
 it SIGINT and expects it to end with KeyboardInterrupt. Rank 1 stays alive (sleeping) until
 killed, so that the collective can never complete.
 """
@@ -14,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import protrain_core as pt
 from protrain_core.runtime.device import HostEvent
 from protrain_core.runtime.sharding import Sharding
 
@@ -32,6 +34,10 @@ def main(rank: int, port: str, out: str, kind: str) -> None:
             event.wait()
         elif kind == "issue":
             sharding.reduce_scatter_mean(torch.empty(2), torch.ones(4))  # a chunk collective outside a step
+        elif kind == "barrier":
+            pt.barrier()
+        elif kind == "broadcast":
+            pt.broadcast_object("a checkpoint path", src=1)
         else:
             sharding.max_on_host([1.0])
     except KeyboardInterrupt:
