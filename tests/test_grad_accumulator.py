@@ -345,3 +345,42 @@ def test_sharded_over_two_processes_the_run_is_the_same(tmp_path):
         assert kept[0] == lean[0]
         assert kept[1].keys() == lean[1].keys() and all(torch.equal(kept[1][k], lean[1][k]) for k in kept[1])
         assert lean[2] < kept[2]
+
+
+def _step(engine, x, *, zero=True):
+    with engine.autocast():
+        loss = engine.module(input_ids=x, labels=x).loss
+    engine.backward(loss)
+    engine.step()
+    if zero:
+        engine.zero_grad()
+    return loss.item()
+
+
+def test_re_plans_neither_bring_consumed_gradients_back_as_zeros_nor_lose_kept_ones():
+    base, data = tiny_gpt2(), batches(4)
+    plans = standard_plans(base)
+    # Streamed chunks consumed their gradients; a re-plan that keeps them on the device still
+    # refuses to step or add to them (before: zero accumulators, a silent step on zeros).
+    lean = engine_for(copy.deepcopy(base), False, plans["streamed-buf1"])
+    _step(lean, data[0], zero=False)
+    lean.replan(plans["all-persistent"])
+    with pytest.raises(RuntimeError, match="zero_grad"):
+        lean.step()
+    with lean.autocast():
+        loss = lean.module(input_ids=data[1], labels=data[1]).loss
+    with pytest.raises(RuntimeError, match="zero_grad"):
+        lean.backward(loss)
+    lean.zero_grad()
+    _step(lean, data[1])  # cleared: training goes on
+
+    # Persistent chunks' gradients kept across a step (no zero_grad), then streamed by a re-plan:
+    # the next backward adds to them as torch (and the engine with accumulators) does.
+    def run(engine):
+        losses = [_step(engine, data[0], zero=False)]
+        engine.replan(plans["streamed-buf1"])
+        losses += [_step(engine, x) for x in data[1:]]
+        return losses, engine.state_dict(), engine.states.optimizer()
+
+    kept_run = run(engine_for(copy.deepcopy(base), True, plans["all-persistent"]))
+    assert_same_runs(kept_run, run(engine_for(copy.deepcopy(base), False, plans["all-persistent"])))

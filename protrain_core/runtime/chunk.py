@@ -410,7 +410,7 @@ class Chunk:
     def zero(self) -> None:
         target = self._grad_moved("zero")
         self._received = [False] * len(self.params)
-        if self.state is not ChunkState.UPDATING and self.storage.return_accumulator():
+        if self.state is not ChunkState.UPDATING and self.storage.return_accumulator(consumed=False):
             self.values.forget_views()  # a partial landing's own accumulator, no longer needed
         self.grad_state = target
 

@@ -240,8 +240,8 @@ class StepGradients:
                 "engine keeps no gradient accumulators for its offloaded chunks (ProTrainConfig(grad_accumulator="
                 "False)): each is updated as its gradients land. Keep the accumulators (grad_accumulator=None) "
                 "to accumulate, or take one backward per step.")
-        stale = [c.index for c in self.chunks if c.storage.borrows_accumulator and c.has_gradients
-                 and (backward or (c.storage.grad_acc is None and not c.applied))]
+        stale = [c.index for c in self.chunks if c.storage.gradients_consumed and c.has_gradients
+                 and (backward or not c.applied)]
         if stale:
             raise RuntimeError(
                 f"engine.{'backward' if backward else 'step'}() after a step without zero_grad: the gradients of "

@@ -185,7 +185,9 @@ class Sharding:
 
 def barrier(group=None) -> None:
     """Every rank of ``group`` (None: the default group) here; on gloo waited for with
-    ``wait_work``, so that ctrl-C still ends the process."""
+    ``wait_work``, so that ctrl-C still ends the process. A rank outside ``group`` returns at once."""
+    if group is not None and dist.get_rank(group) < 0:
+        return
     if "gloo" in str(dist.get_backend(group)):
         wait_work(dist.barrier(group=group, async_op=True))
         return
@@ -195,7 +197,9 @@ def barrier(group=None) -> None:
 def broadcast_object(obj, src: int = 0, group=None):
     """Global rank ``src``'s picklable ``obj`` on every rank of ``group`` (None: the default
     group), as ``dist.broadcast_object_list``; on gloo its pickle's size and bytes are waited for
-    with ``wait_work`` (ctrl-C)."""
+    with ``wait_work`` (ctrl-C). A rank outside ``group`` gets ``obj`` back."""
+    if group is not None and dist.get_rank(group) < 0:
+        return obj
     if "gloo" not in str(dist.get_backend(group)):
         box = [obj]
         dist.broadcast_object_list(box, src=src, group=group)

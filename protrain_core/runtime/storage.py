@@ -345,6 +345,9 @@ class ChunkStorage:
         self.pool: HostPool | None = None
         self.spare_pool: HostPool | None = None  # a persistent chunk's host buffer kept for the next offload
         self.grad_buffer: Tensor | None = None  # streamed: this backward's gradients, on the device
+        # An update consumed gradients lent an accumulator, and zero_grad has not come since (the
+        # gradients torch would still hold are gone: [Note: gradients consumed where they land]).
+        self.gradients_consumed = False
         self.persistent = persistent
         with torch.no_grad():
             if persistent:
@@ -496,9 +499,11 @@ class ChunkStorage:
             self._scratch_view = (scratch, scratch[:n])
         self.grad_acc = self._scratch_view[1]
 
-    def return_accumulator(self) -> bool:
-        """After the update (or zero_grad): a lent accumulator given back; True when it was a
-        tensor of its own (the views the update cached of it must go, to free it)."""
+    def return_accumulator(self, *, consumed: bool) -> bool:
+        """After the update (``consumed``: its gradients are gone until zero_grad) or at zero_grad:
+        a lent accumulator given back; True when it was a tensor of its own (the views the update
+        cached of it must go, to free it)."""
+        self.gradients_consumed = consumed and self.borrows_accumulator
         if not self.borrows_accumulator or self.grad_acc is None:
             return False
         own = self._scratch_view is None or self.grad_acc is not self._scratch_view[1]

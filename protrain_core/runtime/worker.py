@@ -37,8 +37,10 @@ kept until its update (at its last landing, or at ``step()``) adds the rest and 
 memory the plan does not count: a chunk spills only when a parameter of it got no gradient yet
 and every buffer is taken, rare in a transformer, where a chunk's gradients come together. A
 persistent chunk streamed by a re-plan or by ``offload_states`` with gradients not cleared keeps
-them in one too.) Gradients an update consumed are gone: a backward or a step that torch would
-let use them again (no ``zero_grad`` in between) is refused. The engine refuses the
+them in one too, until ``zero_grad``: the planner's re-plans under Lightning come before the
+step's ``zero_grad``, so briefly.) Gradients an update consumed are gone
+(``ChunkStorage.gradients_consumed``, until ``zero_grad``): a backward or a step that torch would
+let use them again is refused, also after a re-plan moved the chunk to the device. The engine refuses the
 settings that would land without updating at every step (accumulation in ``no_sync``, norm
 clipping, clipping requested between backward and step, fp16's overflow check: they need every
 gradient before any update) and does not hold its first step for a late clipping request.
@@ -168,7 +170,7 @@ class CpuWorker:
         self.record("cpu_adam_begin", chunk.index)
         with torch.no_grad():
             self.optim.update(chunk, hps, selected, clip, landed=landed)
-        if chunk.storage.return_accumulator():
+        if chunk.storage.return_accumulator(consumed=True):
             chunk.values.forget_views()  # they hold the chunk's own accumulator: let it go
         self.record("cpu_adam_end", chunk.index)
 
