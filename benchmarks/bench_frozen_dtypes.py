@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
 
 import protrain_core as pt
-from benchmarks.bench_state_formats import _llama, cpu_model_and_data, timed_steps
+from benchmarks.bench_state_formats import _llama, compared_rows, compared_table, cpu_model_and_data, timed_steps
 from protrain_core.runtime.storage import chunk_formats
 
 FORMATS = (None, "int8", "fp8")
@@ -85,13 +84,8 @@ def training_rows(steps: int) -> list[dict]:
         engine = pt.wrap(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3),
                          pt.Plan(n_persist=0, n_buffer=2), precision="bf16-mixed", device="cpu",
                          config=pt.ProTrainConfig(frozen_dtype=fmt))
-        runs[fmt] = timed_steps(engine, data, steps)
-    plain = runs[None][0]
-    return [{"format": fmt or "bf16", "steps": steps, "step_s": t, "vs_bf16_step": t / runs[None][1], "host_bytes": hb,
-             "final_loss": statistics.fmean(losses[-10:]),
-             "max_abs_loss_diff": max(abs(a - b) for a, b in zip(losses, plain)),
-             "mean_abs_loss_diff_last_20": statistics.fmean(abs(a - b) for a, b in zip(losses[-20:], plain[-20:]))}
-            for fmt, (losses, t, hb) in runs.items()]
+        runs[fmt or "bf16"] = timed_steps(engine, data, steps)
+    return compared_rows(runs, "bf16", steps, window=20)
 
 
 def markdown(result: dict) -> str:
@@ -102,11 +96,7 @@ def markdown(result: dict) -> str:
     from benchmarks.bench_simulator import markdown as simulated
 
     lines += ["", simulated(result["simulated"])]
-    lines += ["", "| frozen base | median step (CPU) | vs bf16 | host bytes | loss, last 10 | max abs loss diff vs bf16 | "
-              "mean abs diff, last 20 |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['format']} | {r['step_s'] * 1e3:.1f} ms | {r['vs_bf16_step']:.2f}x | {r['host_bytes'] / 2**20:.2f} MiB | "
-              f"{r['final_loss']:.4f} | {r['max_abs_loss_diff']:.4f} | {r['mean_abs_loss_diff_last_20']:.4f} |"
-              for r in result["training"]]
+    lines += ["", *compared_table(result["training"], "bf16", window=20, what="frozen base", mib_decimals=2)]
     return "\n".join(lines)
 
 

@@ -151,11 +151,29 @@ def training_rows(steps: int) -> list[dict]:
                          precision="bf16-mixed", device="cpu", config=config)
         engine.clipping.expect_late(False)  # no step held (as without an accumulator): the same schedule
         runs[label(fmt, acc)] = timed_steps(engine, data, steps)
-    fp32 = runs["fp32"][0]
-    return [{"format": fmt, "steps": steps, "step_s": t, "vs_fp32_step": t / runs["fp32"][1], "host_bytes": hb,
-             "final_loss": statistics.fmean(losses[-10:]), "max_abs_loss_diff": max(abs(a - b) for a, b in zip(losses, fp32)),
-             "mean_abs_loss_diff_last_50": statistics.fmean(abs(a - b) for a, b in zip(losses[-50:], fp32[-50:]))}
-            for fmt, (losses, t, hb) in runs.items()]
+    return compared_rows(runs, "fp32", steps, window=50)
+
+
+def compared_rows(runs: dict, baseline: str, steps: int, *, window: int) -> list[dict]:
+    """One row per run of ``timed_steps`` (``runs``: name -> its result), against the run named
+    ``baseline``: step time, host bytes, the mean loss of the last 10 steps, the largest loss
+    difference and the mean one over the last ``window`` steps."""
+    base_losses, base_step = runs[baseline][:2]
+    return [{"format": name, "steps": steps, "step_s": t, f"vs_{baseline}_step": t / base_step, "host_bytes": hb,
+             "final_loss": statistics.fmean(losses[-10:]),
+             "max_abs_loss_diff": max(abs(a - b) for a, b in zip(losses, base_losses)),
+             f"mean_abs_loss_diff_last_{window}": statistics.fmean(
+                 abs(a - b) for a, b in zip(losses[-window:], base_losses[-window:]))}
+            for name, (losses, t, hb) in runs.items()]
+
+
+def compared_table(rows: list[dict], baseline: str, *, window: int, what: str, mib_decimals: int) -> list[str]:
+    """The markdown lines of ``compared_rows``' rows (``what``: the first column's title)."""
+    lines = [f"| {what} | median step (CPU) | vs {baseline} | host bytes | loss, last 10 | max abs loss diff vs "
+             f"{baseline} | mean abs diff, last {window} |", "|---|---|---|---|---|---|---|"]
+    return lines + [f"| {r['format']} | {r['step_s'] * 1e3:.1f} ms | {r[f'vs_{baseline}_step']:.2f}x | "
+                    f"{r['host_bytes'] / 2**20:.{mib_decimals}f} MiB | {r['final_loss']:.4f} | "
+                    f"{r['max_abs_loss_diff']:.4f} | {r[f'mean_abs_loss_diff_last_{window}']:.4f} |" for r in rows]
 
 
 def markdown(result: dict) -> str:
@@ -174,11 +192,7 @@ def markdown(result: dict) -> str:
         lines += ["", simulated(result["simulated"]), "", "| variant | planned host bytes (chunk states + staging) |",
                   "|---|---|"]
         lines += [f"| {r['variant']} | {r['planned_host_bytes'] / 2**30:.1f} GiB |" for r in result["simulated"]]
-    lines += ["", "| format | median step (CPU) | vs fp32 | host bytes | loss, last 10 | max abs loss diff vs fp32 | "
-              "mean abs diff, last 50 |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['format']} | {r['step_s'] * 1e3:.1f} ms | {r['vs_fp32_step']:.2f}x | {r['host_bytes'] / 2**20:.1f} MiB | "
-              f"{r['final_loss']:.4f} | {r['max_abs_loss_diff']:.4f} | {r['mean_abs_loss_diff_last_50']:.4f} |"
-              for r in result["training"]]
+    lines += ["", *compared_table(result["training"], "fp32", window=50, what="format", mib_decimals=1)]
     return "\n".join(lines)
 
 

@@ -421,7 +421,7 @@ class ChunkStorage:
             self._restore(old, copy)
             if old["store"] is not None:  # uploaded, then dequantised on the compute stream (which waits for it)
                 staging = torch.empty_like(old["store"], device=self.device)
-                (copy or (lambda dst, src: dst.copy_(src)))(staging, old["store"])
+                (copy or _copy_now)(staging, old["store"])
                 self.frozen.unpack(staging, self.device_copy)
             self.frozen_store = None
         if keep_host:
@@ -448,7 +448,7 @@ class ChunkStorage:
             if self.frozen_store is not None:  # quantised on the device (exactly: a projection), then copied
                 staging = torch.empty_like(self.frozen_store, device=self.device)
                 self.frozen.pack(old["compute"], staging)
-                (copy or (lambda dst, src: dst.copy_(src)))(self.frozen_store, staging)
+                (copy or _copy_now)(self.frozen_store, staging)
 
     def _snapshot(self) -> dict:
         tensors = {name: getattr(self, name) for name in self._STATES}
@@ -459,7 +459,7 @@ class ChunkStorage:
         return tensors
 
     def _restore(self, old: dict, copy=None) -> None:
-        copy = copy or (lambda dst, src: dst.copy_(src))
+        copy = copy or _copy_now
         if self.persistent:  # from the host shard: uploaded, then gathered (W processes)
             for host, device in self.shard_places(old["compute"]):
                 copy(device, host)
@@ -593,6 +593,11 @@ class ChunkStorage:
     def static_tensors(self) -> list[Tensor]:
         """Tensors whose storages hold model states (never activations)."""
         return [t for t in (self.device_copy, self.host_copy, self.master) if t is not None]
+
+
+def _copy_now(dst: Tensor, src: Tensor) -> None:
+    """The default ``copy(dst, src)`` of a move between the device and the host: at once."""
+    dst.copy_(src)
 
 
 def chunk_formats(model: nn.Module, optimizer: torch.optim.Optimizer, layout: ChunkLayout, precision: Precision, *,
