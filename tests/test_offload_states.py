@@ -4,6 +4,7 @@ micro-batches of one step. Training with a round trip at every step equals plain
 bit in fp32 and equals the same engine without round trips in the mixed modes."""
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -226,17 +227,18 @@ def test_on_cuda_an_offloaded_engine_holds_no_device_memory_and_trains_on_exactl
     held before the engine existed, within 64 KiB (the batches, small scalars; the plan keeps
     about 360 KiB of model states on the device); the reserved memory is given back but for a
     few small-block segments; training continues bitwise."""
-    torch.cuda.empty_cache()
-    base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     runs = []
     for round_trip in (False, True):
+        gc.collect()  # the previous round's engine and model (reference cycles hold their device tensors)
+        torch.cuda.empty_cache()
+        base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         model = MODELS["gpt2"]()
         engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), pt.Plan(n_persist=2, n_buffer=1,
                                                                                          n_swap=1),
                          precision="bf16-mixed", device="cuda")
         assert engine.memory.device_bound() > 4 * 2**16  # what the plan keeps on the device: something to offload
 
-        def offloaded(engine, handle):
+        def offloaded(engine, handle, base=base, base_reserved=base_reserved):
             handle.wait()
             assert torch.cuda.memory_allocated() - base < 2**16
             assert torch.cuda.memory_reserved() - base_reserved <= 4 * 2**21

@@ -287,3 +287,38 @@ def test_plan_command_shows_progress_and_checks_its_prediction(capsys, tmp_path,
     out = capsys.readouterr().out
     assert "does not describe this machine" in out and "removed from the profile cache" in out
     assert not path.exists()
+
+
+def test_the_safe_plan_keeps_the_leading_chunks_that_fit_half_the_device_budget():
+    """On a GPU the safe plan keeps the model states in half the device budget: all of them when
+    they fit, else the leading chunks that fit beside the chunk buffers, the rest streamed (the
+    fewest host bytes: every chunk streamed asked the host for a 6.7 B model's 113 GiB, over the
+    128 GiB machine's host budget, on the first GPU session's H200). Every block checkpointed."""
+    from protrain_core.precision import Precision
+    from protrain_core.profiler.profiler import safe_plan
+    from protrain_core.runtime.storage import chunk_formats
+    from protrain_core.simulator import SimulatedDevice
+
+    model = MODELS["llama"]()
+    opt = torch.optim.AdamW(model.parameters())
+    block_path, blocks = pt.find_blocks(model)
+    layout = pt.build_layout(model, block_path, len(blocks))
+    formats = chunk_formats(model, opt, layout, Precision.BF16_MIXED)
+    states = [f.persistent_device_bytes for f in formats]
+    buffers = max(f.buffer_device_bytes for f in formats)
+    n, L = layout.n_chunks, layout.n_blocks
+    sim = SimulatedDevice("h100")
+
+    def plan(budget):
+        return safe_plan(model, opt, layout, Precision.BF16_MIXED, sim, optimizer_states=True, budget=budget)
+
+    assert plan(2 * sum(states)) == pt.Plan(n_persist=n, n_buffer=0, n_checkpoint=L)
+    for k in range(n):  # half the budget holds exactly the chunk buffers and the first k chunks
+        budget = 2 * (max(2, layout.limits().buffers_needed(0)) * buffers + sum(states[:k]))
+        got = plan(budget)
+        assert (got.n_persist, got.n_checkpoint) == (k, L), (k, got)
+        assert got.n_buffer >= max(2, layout.limits().buffers_needed(k))
+        assert plan(budget - 2).n_persist == max(k - 1, 0)
+    # On a CPU device every chunk persists whatever the budget (its memory is the host's).
+    cpu = safe_plan(model, opt, layout, Precision.BF16_MIXED, torch.device("cpu"), optimizer_states=True, budget=1)
+    assert cpu.n_persist == n

@@ -76,6 +76,23 @@ block forwards] in activations.py). At most ``n_buffer`` streamed chunks hold a 
 a time, and the caching allocator recycles the memory of the released ones: those are the chunk
 buffers, charged each at the largest streamed chunk's size (chunks differ: a chunk stores only
 its members' spans; ``CostModel.buffer_bytes`` in planner/cost.py).
+
+[Note: a pass's placeholders]
+Autograd keeps one gradient accumulator per parameter for a graph, found again at each use in
+forward -- unless ``.data`` was re-pointed at a tensor of another device or dtype since the
+last use: ``set_data`` then drops the parameter's accumulator, and the next use makes a second
+one. Both run in backward, each with the parameter's post-accumulate-grad hook, so a parameter
+used twice in one forward (a tied embedding and LM head, a layer shared across blocks) would
+deliver its gradient in two parts, the chunk would count it twice and be updated before its
+last gradient came (``receive`` in APPLIED: the first GPU session's failure on GPT-2 with every
+chunk streamed), and the two parts would be summed by the runtime instead of autograd. On a CUDA
+device the host copy is on another device, so a chunk released inside a pass -- from a
+training forward's first hooked unit (gradients enabled) to the end of its backward -- points
+its parameters at a NaN of their device and dtype expanded to their shapes
+(``point_at_placeholders``: one element, no chunk memory; never at the freed device copy, whose
+reads would touch freed memory), and at rest only when the pass is over (``Scheduler.settle``,
+at the end of backward and before any state read). Reading such a parameter between a forward
+and its backward gives NaN, as reading a sharded chunk's parameters at rest does.
 """
 
 from __future__ import annotations
@@ -87,6 +104,7 @@ from concurrent.futures import Future
 import torch
 from torch import Tensor
 
+from protrain_core.memtrack import untracked
 from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.storage import ChunkStorage
 from protrain_core.runtime.values import ChunkValues
@@ -180,6 +198,8 @@ class Chunk:
         self._future: Future | None = None  # the CPU worker's job on this chunk
         self._reduced: Tensor | None = None  # W processes: this rank's piece of the reduced gradients
         self._pointed: list[int] | None = None  # data_ptr() of each parameter where the chunk pointed it
+        self.at_placeholders = False  # released inside a pass: parameters at device NaN ([Note: a pass's placeholders])
+        self._nan: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
     def __repr__(self) -> str:
         return f"Chunk({self.index}, {self.state.value}, grads {self.grad_state.value})"
@@ -233,9 +253,11 @@ class Chunk:
         self.point_params_at(self.storage.device_copy)
         self.state = target
 
-    def release(self) -> None:
+    def release(self, *, in_pass: bool = False) -> None:
+        """Free the device copy; ``in_pass``: a forward's graph may still use the parameters, which
+        then point at device placeholders until ``settle`` ([Note: a pass's placeholders])."""
         target = self._moved("release")
-        self.point_at_rest()
+        self.point_at_placeholders() if in_pass else self.point_at_rest()
         self.storage.free_device_copy()
         self.state = target
 
@@ -261,10 +283,11 @@ class Chunk:
         self.grad_state = grad_target
         self.state = target
 
-    def end_offload(self, ctx: DeviceContext) -> None:
+    def end_offload(self, ctx: DeviceContext, *, in_pass: bool = False) -> None:
         """Free the device memory without waiting for the copy: the gradient buffer (and the
         reduce-scattered piece) in stream order, reused only once the copies reading them are
-        done ([Note: streams] in device.py); the CPU worker alone waits for the copy it lands."""
+        done ([Note: streams] in device.py); the CPU worker alone waits for the copy it lands.
+        ``in_pass``: as in ``release``."""
         target = self._moved("end_offload")
         storage = self.storage
         for t in (storage.grad_buffer, self._reduced):
@@ -273,7 +296,7 @@ class Chunk:
                 if storage.sharding is not None:
                     ctx.record_stream(t, ctx.comm_stream)
         self._event = None
-        self.point_at_rest()
+        self.point_at_placeholders() if in_pass else self.point_at_rest()
         self._reduced = None
         storage.free_grad_buffer()
         storage.free_device_copy()
@@ -452,6 +475,26 @@ class Chunk:
             at_rest = self.values.at_rest(i) if storage.shards.whole else None
             p.data = nan.expand(p.shape) if at_rest is None else at_rest
         self._pointed = [p.data_ptr() for p in self.params]
+        self.at_placeholders = False
+
+    def point_at_placeholders(self) -> None:
+        """Point the parameters at a NaN of their own device and dtype expanded to their shapes
+        (one element per device and dtype, no chunk memory): a release inside a pass ([Note: a
+        pass's placeholders]). ``settle`` points them at rest when the pass is over."""
+        for p in self.params:
+            key = (p.device, p.dtype)
+            nan = self._nan.get(key)
+            if nan is None:
+                with untracked():  # chunk memory (one element), not an activation
+                    nan = self._nan[key] = torch.full((), float("nan"), dtype=p.dtype, device=p.device)
+            p.data = nan.expand(p.shape)
+        self._pointed = [p.data_ptr() for p in self.params]
+        self.at_placeholders = True
+
+    def settle(self) -> None:
+        """After a pass: parameters left at the placeholders point at rest."""
+        if self.at_placeholders:
+            self.point_at_rest()
 
     def materialise(self) -> None:
         """Point the quantised frozen members of a streamed chunk at rest at their values (new
@@ -468,6 +511,7 @@ class Chunk:
         for i, p in enumerate(self.params):
             p.data = self.values.view(flat, i)
         self._pointed = [p.data_ptr() for p in self.params]
+        self.at_placeholders = False
 
     def rebound(self) -> list[int]:
         """The members whose ``.data`` was rebound since the chunk last pointed them (``p.data =
@@ -505,6 +549,7 @@ class Chunk:
         values = self.values.gathered_values()
         for p, value in zip(self.params, values):
             p.data = value if self.persistent else value.to(self.storage.host)
+        self.at_placeholders = False
 
     def device_bytes(self) -> int:
         return self.storage.device_bytes()

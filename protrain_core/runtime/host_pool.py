@@ -1,33 +1,110 @@
-"""One exact-size host memory pool for all streamed chunks (paper appendix B.2).
+"""Host memory page-locked in place, and one exact-size pool of it for all streamed chunks (paper
+appendix B.2).
 
 PyTorch's pinned-memory allocator rounds every request up to a power of two, which can waste
 almost half of the host RAM that holds offloaded model states. The pool instead allocates one
 ordinary host buffer of exactly the bytes needed and, on CUDA, page-locks it in place with
 ``cudaHostRegister``; chunk tensors are carved out of it as typed views.
+
+[Note: page-locking in place]
+``cudaHostRegister`` works on whole pages, and it fails for a page that is already registered.
+Two rules follow, both of which the first GPU session found broken (``cudaHostRegister ...
+failed with error 712``, "part or all of the requested memory range is already mapped"):
+- A registered buffer owns its pages. A buffer from ``malloc`` can share its first or last page
+  with a neighbour that is registered too, so ``PageLocked`` allocates a page more than it
+  needs and registers the page-aligned whole pages inside the allocation.
+- Memory is never freed while it is registered: freed, its pages stay registered (and locked)
+  and a later allocation at the same addresses cannot be registered. The buffer is a NumPy array
+  that the tensors viewing it keep alive; a ``weakref.finalize`` on it unregisters the pages
+  when the last view is gone, before NumPy frees the memory (an array clears its weak
+  references first when it is deallocated). ``close()`` unregisters earlier, once.
+A failed cudart call through ``torch.cuda.cudart()`` also leaves its error as CUDA's "last
+error", which the next kernel launch of PyTorch on that thread would raise as its own, from an
+unrelated operation; ``_consume_cuda_error`` takes it first.
 """
 
 from __future__ import annotations
+
+import contextlib
+import mmap
+import sys
+import weakref
 
 import torch
 from torch import Tensor
 
 _ALIGN_BYTES = 64
+_PAGE = mmap.PAGESIZE
+
+
+class PageLocked:
+    """``nbytes`` of zeroed host memory page-locked in place on CUDA device ``device`` (see [Note:
+    page-locking in place]): ``tensor`` (uint8) views it; ``close()`` unregisters it now (it
+    stays valid host memory), else that happens when the last view of it is freed."""
+
+    def __init__(self, nbytes: int, *, device: torch.device, what: str) -> None:
+        import numpy
+
+        span = -(-nbytes // _PAGE) * _PAGE
+        if span == 0:  # nothing to lock
+            self.tensor, self._finalizer = torch.zeros(0, dtype=torch.uint8), None
+            return
+        owner = numpy.zeros(span + _PAGE, dtype=numpy.uint8)  # calloc: zeroed pages, touched when registered
+        start = -owner.ctypes.data % _PAGE
+        ptr = owner.ctypes.data + start
+        err = torch.cuda.cudart().cudaHostRegister(ptr, span, 0)
+        if int(err) != 0:
+            _consume_cuda_error(device)
+            raise RuntimeError(f"cudaHostRegister of {span} bytes for {what} failed with CUDA error {int(err)} "
+                               f"({_error_string(err)}).")
+        self.tensor = torch.from_numpy(owner[start : start + nbytes])  # keeps ``owner`` alive
+        self._finalizer = weakref.finalize(owner, _unregister, ptr, device)
+        self._finalizer.atexit = False  # at exit the process's registrations end with it
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # once: a second call, or the array's end later, does nothing
+
+
+def _unregister(ptr: int, device: torch.device) -> None:
+    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    if err != 0 and not sys.is_finalizing():
+        _consume_cuda_error(device)
+
+
+def _error_string(err) -> str:
+    try:
+        return torch.cuda.cudart().cudaGetErrorString(err)
+    except Exception:  # noqa: BLE001 - an error code the binding cannot name: the number says it
+        return "see cudaError_t"
+
+
+def _consume_cuda_error(device: torch.device) -> None:
+    """Take CUDA's last error on this thread (see the Note): a kernel launch's check reads and
+    clears it, and raises it, here."""
+    with contextlib.suppress(RuntimeError), torch.cuda.device(device):
+        torch.ones(1, device=device).add_(1)
 
 
 class HostPool:
-    def __init__(self, sizes: list[tuple[int, torch.dtype]], *, pin: bool, device: torch.device = torch.device("cpu")) -> None:
+    def __init__(self, sizes: list[tuple[int, torch.dtype]], *, pin: bool, device: torch.device = torch.device("cpu"),
+                 cuda: torch.device | None = None) -> None:
         """Reserve room for tensors of ``(numel, dtype)``; carve them in order with ``take``.
-        ``device``: the host (the meta device in a size-only simulation)."""
+        ``device``: the host (the meta device in a size-only simulation); ``pin``: page-locked
+        for CUDA device ``cuda`` (the current one if None)."""
         self.nbytes = pool_bytes(sizes)
-        self.buffer = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)  # Adam moments start at 0
-        self.pinned = False
+        self._locked = None
         if pin and self.nbytes > 0:
-            cudart = torch.cuda.cudart()
-            err = cudart.cudaHostRegister(self.buffer.data_ptr(), self.nbytes, 0)
-            if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of {self.nbytes} bytes failed with error {int(err)}")
-            self.pinned = True
+            self._locked = PageLocked(self.nbytes, device=cuda or torch.device("cuda", torch.cuda.current_device()),
+                                      what="the streamed chunks' host memory")
+            self.buffer = self._locked.tensor
+        else:
+            self.buffer = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)  # Adam moments start at 0
         self._offset = 0
+
+    @property
+    def pinned(self) -> bool:
+        return self._locked is not None
 
     def take(self, numel: int, dtype: torch.dtype) -> Tensor:
         start = _round(self._offset)
@@ -42,9 +119,10 @@ class HostPool:
         self._offset = 0
 
     def close(self) -> None:
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
-            self.pinned = False
+        """Unpin now (the memory stays until its last view is gone)."""
+        if self._locked is not None:
+            self._locked.close()
+            self._locked = None
 
 
 def pool_bytes(sizes: list[tuple[int, torch.dtype]]) -> int:
@@ -57,4 +135,3 @@ def pool_bytes(sizes: list[tuple[int, torch.dtype]]) -> int:
 
 def _round(n: int) -> int:
     return (n + _ALIGN_BYTES - 1) // _ALIGN_BYTES * _ALIGN_BYTES
-

@@ -85,6 +85,7 @@ class Scheduler:
         self.current: set[int] = set()  # the chunks of the active chain
         self._chain: list = []  # the active chain: the hooks.UnitCall whose backward began last, and its ancestors
         self._deferred: set[int] = set()  # chunks with all their gradients and frozen members still in use
+        self._in_pass = False  # a forward's graph may use the parameters ([Note: a pass's placeholders])
         self._tick = 0
         self._order = 0  # W processes: a hash of the chunks this backward reduced, in order
         self.stats = dict.fromkeys(_COUNTED.values(), 0)
@@ -116,6 +117,8 @@ class Scheduler:
 
     # ----- called by the hooks (runtime/hooks.py) -------------------------------------------
     def pre_forward(self, idxs: tuple[int, ...]) -> None:
+        if torch.is_grad_enabled():
+            self._in_pass = True
         with traced("ProTrain::pre_forward"):
             self.acquire(idxs, pin=True)
             self.prefetch(max(idxs) + 1)
@@ -184,7 +187,7 @@ class Scheduler:
 
     def _make_resident(self, c: Chunk, protect: set[int]) -> None:
         if c.state is ChunkState.OFFLOADING:
-            c.end_offload(self.ctx)
+            c.end_offload(self.ctx, in_pass=self._in_pass)
         if c.state is ChunkState.UPDATING:
             c.end_update()  # the next use of a chunk waits for its own update only
         if c.state is ChunkState.HOST:
@@ -245,7 +248,7 @@ class Scheduler:
             if victim.state is ChunkState.RESIDENT and victim.holds_gradient_buffer:
                 self._offload(victim, final=False)  # finishes at once on the CPU
             if victim.state is ChunkState.OFFLOADING:
-                victim.end_offload(self.ctx)
+                victim.end_offload(self.ctx, in_pass=self._in_pass)
             elif victim.state is ChunkState.RESIDENT:
                 self._evict(victim)
 
@@ -254,7 +257,7 @@ class Scheduler:
         self.record("fetch", c.index)
 
     def _evict(self, c: Chunk) -> None:
-        c.release()
+        c.release(in_pass=self._in_pass)
         self.record("evict", c.index)
 
     def release_all(self) -> None:
@@ -288,7 +291,7 @@ class Scheduler:
                         submit=submit)
         self.record("offload", c.index)
         if not self.ctx.asynchronous:
-            c.end_offload(self.ctx)
+            c.end_offload(self.ctx, in_pass=self._in_pass)
 
     def _reduce(self, c: Chunk) -> None:
         """A persistent chunk's gradients of this pass into its accumulator (W processes:
@@ -331,6 +334,7 @@ class Scheduler:
                                 error="engine.backward() was called while another backward is running."):
             self.boundary = boundary
             self.hps = self.optim.snapshot()
+            self._in_pass = True
             self._chain, self.current, self._deferred = [], set(), set()
             self._after_step.clear()  # from here on, zero_grad waits for every job in flight
             ended = False
@@ -349,6 +353,7 @@ class Scheduler:
                     for c in self.chunks:
                         c.end_pass()
                     self._chain, self.current, self._deferred = [], set(), set()
+                    self.settle()
         self.check()
 
     def _finish_backward(self) -> None:
@@ -369,13 +374,23 @@ class Scheduler:
         states): ``wait_all``, which every read of the states calls first, waits for them."""
         self._host_copies = event
 
+    def settle(self) -> None:
+        """The pass is over: parameters at placeholders point at rest ([Note: a pass's placeholders])."""
+        self._in_pass = False
+        for c in self.streamed:
+            c.settle()
+
     def wait_all(self) -> None:
+        """Wait for the copies and updates in flight; the states are then readable (the
+        parameters at rest too: ``settle``)."""
+        if self.phase.phase not in (TrainingPhase.BACKWARD, TrainingPhase.RECOMPUTE):
+            self.settle()
         if self._host_copies is not None:
             event, self._host_copies = self._host_copies, None
             self.ctx.synchronize(event)
         for c in self.streamed:
             if c.state is ChunkState.OFFLOADING:
-                c.end_offload(self.ctx)
+                c.end_offload(self.ctx, in_pass=self._in_pass)
             if c.state is ChunkState.UPDATING:
                 c.end_update()
 
@@ -425,7 +440,7 @@ class Scheduler:
         list of members, and the accumulators are written again only after the next fetch)."""
         for c in self.streamed:
             if c.state is ChunkState.OFFLOADING:
-                c.end_offload(self.ctx)
+                c.end_offload(self.ctx, in_pass=self._in_pass)
             if c.state is ChunkState.UPDATING and c.index not in self._after_step:
                 c.end_update()
         self._stepped_backward = False
@@ -463,7 +478,10 @@ class Scheduler:
             else:
                 assert not storage.device_copy_allocated and storage.grad_buffer is None, f"{c} holds device memory"
             home = storage.device_copy if c.state is ChunkState.RESIDENT else None
-            if not c.device_resident and storage.shards.whole and storage.frozen is None:  # else some point at NaN
+            if c.at_placeholders:  # released inside a pass: NaN of the device copy's device and dtype
+                assert c.state is not ChunkState.RESIDENT and all(p.device == storage.device_copy.device and p.stride() == (0,) * p.dim()
+                                                     for p in c.params), f"{c}: placeholders"
+            elif not c.device_resident and storage.shards.whole and storage.frozen is None:  # else some point at NaN
                 home = storage.host_copy
             if home is not None:
                 for p in c.params:

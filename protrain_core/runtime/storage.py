@@ -377,7 +377,7 @@ class ChunkStorage:
         fmt = self.fmt
         pool, self.spare_pool = self.spare_pool, None
         if pool is None:
-            pool = HostPool(fmt.host_tensors(), pin=self.pin, device=self.host)
+            pool = HostPool(fmt.host_tensors(), pin=self.pin, device=self.host, cuda=self.device)
         else:
             pool.rewind()
         self.pool = pool

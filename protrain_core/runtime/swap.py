@@ -15,6 +15,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from protrain_core.memtrack import untracked
 from protrain_core.runtime.device import DeviceContext
+from protrain_core.runtime.host_pool import PageLocked
 
 
 def size_class(nbytes: int) -> int:
@@ -38,6 +39,7 @@ class HostBuffers:
         self.pin = ctx.is_cuda
         self._free: dict[int, list[Tensor]] = {}
         self._all: dict[int, Tensor] = {}  # id -> buffer
+        self._locked: dict[int, PageLocked] = {}  # id -> its page-locking (CUDA)
         self._used: set[int] = set()  # ids handed out since the last trim
         self.nbytes = 0
 
@@ -48,12 +50,13 @@ class HostBuffers:
             buf = free.pop()
         else:
             self.ctx.check_host_memory(size, "swapped activations")
-            with untracked():  # host memory, even when the "device" is the CPU
-                buf = torch.empty(size, dtype=torch.uint8, device=self.ctx.host)
-            if self.pin:
-                err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), size, 0)
-                if int(err) != 0:
-                    raise RuntimeError(f"cudaHostRegister of {size} bytes for swapped activations failed ({int(err)})")
+            if self.pin:  # its own pages, unpinned before they are freed ([Note: page-locking in place])
+                locked = PageLocked(size, device=self.ctx.device, what="swapped activations")
+                buf = locked.tensor
+                self._locked[id(buf)] = locked
+            else:
+                with untracked():  # host memory, even when the "device" is the CPU
+                    buf = torch.empty(size, dtype=torch.uint8, device=self.ctx.host)
             self._all[id(buf)] = buf
             self.nbytes += size
         self._used.add(id(buf))
@@ -76,16 +79,17 @@ class HostBuffers:
         bufs.pop(next(k for k, b in enumerate(bufs) if b is buf))
         del self._all[id(buf)]
         self.nbytes -= buf.numel()
-        if self.pin:
-            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+        locked = self._locked.pop(id(buf), None)
+        if locked is not None:
+            locked.close()
 
     def storages(self) -> list[StorageWeakRef]:
         return [StorageWeakRef(b.untyped_storage()) for b in self._all.values()]
 
     def close(self) -> None:
-        if self.pin:
-            for buf in self._all.values():
-                torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+        for locked in self._locked.values():
+            locked.close()
+        self._locked.clear()
         self._all.clear()
         self._free.clear()
         self._used.clear()
