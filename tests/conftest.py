@@ -122,10 +122,10 @@ class _null:
 # within rtol 1e-5, atol 1e-6: Adam divides a gradient by sqrt(v) + eps, so a gradient that is
 # itself rounding noise (GPT-2's key bias gets zero in exact arithmetic; a LLaMA has such entries
 # too) moves its weight by up to lr * noise / eps per step, and a last-bit difference anywhere
-# changes that noise entirely. Measured on the CPU (plain fused AdamW, 10 steps, every initial
-# weight moved by one ulp against the unmoved run): the worst weight difference is 19x (GPT-2) and
-# 31x (LLaMA) the tolerance with eps=1e-8, 0.11x and 0.17x with eps=1e-4, where the update is
-# Lipschitz in the gradient with constant lr / eps.
+# changes that noise entirely. Measured on the CPU (``python -m benchmarks.bench_tolerance``: plain
+# fused AdamW, 10 steps, every initial weight moved by one ulp against the unmoved run): the worst
+# weight difference is 19x (GPT-2) and 31x (LLaMA) the tolerance with eps=1e-8, 0.11x and 0.17x
+# with eps=1e-4, where the update is Lipschitz in the gradient with constant lr / eps.
 COMPARED_ACROSS_KERNELS_EPS = 1e-4
 
 
