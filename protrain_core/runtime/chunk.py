@@ -469,7 +469,7 @@ class Chunk:
         if storage.shards.whole and storage.frozen is None:
             self.point_params_at(storage.host_copy)
             return
-        nan = torch.full((), float("nan"), dtype=storage.fmt.compute_dtype, device=storage.host)
+        nan = self._nan_of(storage.host, storage.fmt.compute_dtype)
         for i, p in enumerate(self.params):
             # one process, quantised: the trainable and kept members have their values at rest
             at_rest = self.values.at_rest(i) if storage.shards.whole else None
@@ -482,14 +482,18 @@ class Chunk:
         (one element per device and dtype, no chunk memory): a release inside a pass ([Note: a
         pass's placeholders]). ``settle`` points them at rest when the pass is over."""
         for p in self.params:
-            key = (p.device, p.dtype)
-            nan = self._nan.get(key)
-            if nan is None:
-                with untracked():  # chunk memory (one element), not an activation
-                    nan = self._nan[key] = torch.full((), float("nan"), dtype=p.dtype, device=p.device)
-            p.data = nan.expand(p.shape)
+            p.data = self._nan_of(p.device, p.dtype).expand(p.shape)
         self._pointed = [p.data_ptr() for p in self.params]
         self.at_placeholders = True
+
+    def _nan_of(self, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """One NaN element of ``device`` and ``dtype``, made once per chunk: what parameters
+        without values of their own point at, expanded to their shapes."""
+        nan = self._nan.get((device, dtype))
+        if nan is None:
+            with untracked():  # chunk memory (one element), not an activation
+                nan = self._nan[(device, dtype)] = torch.full((), float("nan"), dtype=dtype, device=device)
+        return nan
 
     def settle(self) -> None:
         """After a pass: parameters left at the placeholders point at rest."""

@@ -479,8 +479,9 @@ class Scheduler:
                 assert not storage.device_copy_allocated and storage.grad_buffer is None, f"{c} holds device memory"
             home = storage.device_copy if c.state is ChunkState.RESIDENT else None
             if c.at_placeholders:  # released inside a pass: NaN of the device copy's device and dtype
-                assert c.state is not ChunkState.RESIDENT and all(p.device == storage.device_copy.device and p.stride() == (0,) * p.dim()
-                                                     for p in c.params), f"{c}: placeholders"
+                assert c.state is not ChunkState.RESIDENT, c
+                assert all(p.device == storage.device_copy.device and p.stride() == (0,) * p.dim()
+                           for p in c.params), f"{c}: placeholders"
             elif not c.device_resident and storage.shards.whole and storage.frozen is None:  # else some point at NaN
                 home = storage.host_copy
             if home is not None:
