@@ -12,7 +12,8 @@ batches (``benchmarks/systems.py``), each run in its own process, for ``warmup``
 ``steps`` timed steps. The ProTrain systems plan on their first training steps (3 on CUDA, 6 on
 a CPU device): the warm-up covers them and a step on the searched plan, for every system alike. Per run: tokens/s, achieved TFLOPS (model FLOPs: 6 N per token plus
 attention), step time median and spread, peak device memory (CUDA allocator), peak host RSS,
-final loss; out-of-memory (device, host, or no ProTrain plan fitting) is a result. For each
+final loss (on a CPU device every system runs with ``MALLOC_MMAP_THRESHOLD_=131072``,
+``CPU_MMAP_THRESHOLD``, unless the environment sets it); out-of-memory (device, host, or no ProTrain plan fitting) is a result. For each
 ProTrain run also: the plan, predicted vs measured step time and peak memory (the cost models'
 fidelity), and the lower bound on step time -- max(compute at the measured matmul rate,
 host<->device bytes / measured copy bandwidth, CPU-Adam bytes / measured host memory
@@ -173,6 +174,7 @@ SUITES = {
                    Workload("small-8L lora", lora(SMALL, r=8), 8, 256, systems=LORA_SYSTEMS),
                    quantised_base(Workload("small-8L lora", lora(SMALL, r=8), 8, 256)),
                    eight_bit(Workload("small-8L", SMALL, 8, 256))),
+        multi=(Workload("small-8L x2", SMALL, 8, 256, systems=("protrain-core", "pytorch"), devices=2),),
         # A budget under the all-persistent plan's peak: the study streams chunks (CPU Adam).
         study=Workload("small-8L", SMALL, 8, 256), study_budget="200MiB",
         model_ladder=tuple(Workload(f"small-{n}L", dict(SMALL, layers=n), 8, 256) for n in (8, 16, 32, 64)),
@@ -267,6 +269,15 @@ class _Stopping:
 _stopping = _Stopping()
 
 
+# On a CPU device the activations are host memory too. With glibc's default (dynamic) mmap
+# threshold, freed activation blocks stay resident for reuse, and peak RSS measures the
+# allocator's cache rather than what a plan holds (docs/benchmarks.md, "Peak resident memory
+# against the plan"). Every system of a CPU suite therefore runs with large blocks returned at
+# once, as a CUDA suite's device memory is read from the allocator's own counters; an
+# environment that sets MALLOC_MMAP_THRESHOLD_ itself keeps its value. Recorded per run.
+CPU_MMAP_THRESHOLD = "131072"
+
+
 def launch(specs: list[dict], timeout: int, log_dir: Path) -> list[dict]:
     """Run ``specs`` in one process (several only in a dry run) and return their results; a
     process that dies or times out yields results that say so. The process gets its own
@@ -286,6 +297,8 @@ def launch(specs: list[dict], timeout: int, log_dir: Path) -> list[dict]:
     # Each ProTrain run profiles afresh: a cached profile may come from another load on this machine.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                PROTRAIN_REPROFILE="1")
+    if specs[0]["device"] == "cpu":
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", CPU_MMAP_THRESHOLD)
     with open(log, "w") as f:
         with _stopping.held():
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
@@ -489,6 +502,8 @@ def machine(device_type: str) -> dict:
             info[mod] = __import__(mod).__version__
         except ImportError:
             pass
+    if device_type == "cpu":
+        info["MALLOC_MMAP_THRESHOLD_"] = os.environ.get("MALLOC_MMAP_THRESHOLD_", CPU_MMAP_THRESHOLD)
     if device_type == "cuda" and torch.cuda.is_available():
         name, total = gpu_properties()
         info["gpu"] = f"{name}, {total / 2**30:.0f} GiB"
@@ -568,7 +583,7 @@ def markdown(report: dict) -> str:
         lines += ["", "ProTrain: plan, fidelity of the cost models, and the lower bound on step time", "",
                   "| model | system | plan | step: predicted / measured (error) | step: simulated (error) | "
                   "peak: predicted / measured | lower bound = max(compute, transfer, CPU Adam) | measured / bound | "
-                  "host RSS growth / planned host bytes |",
+                  "host RSS peak in timed steps / planned host bytes + baseline |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in pro:
             measured_peak = r.get("peak_device_bytes") or r.get("peak_device_bytes_tracked")
@@ -584,8 +599,9 @@ def markdown(report: dict) -> str:
             lines.append(f"| {r['label']} | {r['system']} | {plan} | {ms(pred)} / {ms(r.get('step_median_s'))}{err}"
                          f" | {sim} | {gib(r.get('predicted_peak_bytes'))} / {gib(measured_peak)}{perr} | {bound} | "
                          + (f"{r['vs_lower_bound']:.2f}x |" if "vs_lower_bound" in r else "— |")
-                         + (f" {gib(r['peak_host_rss_bytes'] - r['rss_baseline_bytes'])} / {gib(r['planned_host_bytes'])}"
-                            f" = {r['rss_over_plan']:.2f}x |" if r.get("rss_over_plan") else " — |"))
+                         + (f" {gib(r['steady_host_rss_bytes'])} / {gib(r['planned_host_bytes'])} + "
+                            f"{gib(r['rss_baseline_bytes'])} = {r['rss_over_plan']:.3f}x (whole run "
+                            f"{r['rss_over_plan_run']:.3f}x) |" if r.get("steady_host_rss_bytes") else " — |"))
     lines += study_markdown(report.get("study", []))
     if report["probes"]:
         lines += ["", "Probes (ascending; the first failure ends a probe)", "", "| probe | system | largest that trained | "

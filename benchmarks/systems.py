@@ -173,6 +173,9 @@ class Clock:
         self.losses: list[float] = []
         self.peak: int | None = None  # peak device bytes over the timed steps (CUDA)
         self.rss: int | None = None  # peak host RSS of the process until the last timed step
+        self.steady_rss: int | None = None  # peak host RSS over the timed steps (Linux), as self.peak
+        self.steady = False  # the kernel's high-water mark was reset at the first timed step
+        self.finished = False
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -181,6 +184,8 @@ class Clock:
     def start(self) -> None:
         self.sync()
         self.ends = [time.perf_counter()]
+        self.rss = peak_rss()  # the run's peak so far (profiling included): the timed steps' is apart
+        self.steady = reset_high_water_mark()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -191,14 +196,38 @@ class Clock:
 
     def finish(self) -> None:
         """After the last timed step: the peaks, before the lower bound's probes allocate."""
-        if self.rss is None:
-            self.rss = peak_rss()
+        if self.finished:
+            return
+        self.finished = True
+        self.rss = max(self.rss or 0, peak_rss())
+        self.steady_rss = high_water_mark() if self.steady else None
         if self.peak is None and self.device.type == "cuda":
             self.peak = torch.cuda.max_memory_allocated(self.device)
 
 
 def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def high_water_mark() -> int | None:
+    """The kernel's peak resident size of this process since its last reset (``VmHWM``, Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["VmHWM"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def reset_high_water_mark() -> bool:
+    """Start ``VmHWM`` again from the resident size now (``/proc/self/clear_refs``); False where
+    the kernel does not offer it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def current_rss() -> int:
@@ -210,16 +239,23 @@ def current_rss() -> int:
         return peak_rss()
 
 
-def host_memory_facts(engine, device: torch.device, baseline: int, peak: int | None) -> dict:
-    """Peak host RSS against the plan: what the plan allocates on the host (the explanation's
-    host line; on a CPU device also its predicted device peak, the same RAM) over what the
-    process grew by from before ``wrap`` (issue 30: at most 1.10x)."""
-    if engine.choice is None or peak is None:
+def host_memory_facts(engine, device: torch.device, baseline: int, clock: Clock) -> dict:
+    """Peak host RSS against the plan (issue 30: at most 1.10x the planned bytes plus the
+    baseline). Planned: what the plan allocates on the host (the explanation's host line; on a
+    CPU device also its predicted device peak, the same RAM); baseline: the process before
+    ``wrap``. ``rss_over_plan``: the peak over the timed steps, which run the plan (as the peak
+    device memory); ``rss_over_plan_run``: the whole run's, the profiling steps on the safe plan
+    included; ``rss_growth_over_plan``: the timed steps' growth from the baseline over the plan."""
+    if engine.choice is None or clock.rss is None:
         return {}
     m = engine.choice.memory
     planned = m.planned_host_bytes + (m.peak_bytes if device.type != "cuda" else 0)
-    return {"rss_baseline_bytes": baseline, "planned_host_bytes": planned,
-            "rss_over_plan": (peak - baseline) / planned if planned else None}
+    if not planned:
+        return {}
+    steady = clock.steady_rss if clock.steady_rss is not None else clock.rss
+    return {"rss_baseline_bytes": baseline, "planned_host_bytes": planned, "steady_host_rss_bytes": steady,
+            "rss_over_plan": steady / (planned + baseline), "rss_over_plan_run": clock.rss / (planned + baseline),
+            "rss_growth_over_plan": (steady - baseline) / planned}
 
 
 def train_loop(step, data, spec, clock: Clock) -> None:
@@ -408,7 +444,7 @@ def run_protrain_core(spec, device, clock):
 
             extra["peak_device_bytes_tracked"] = measure_peak(engine, data[-1], device)
         extra["memory"] = memory_categories(engine, extra.get("peak_device_bytes_tracked") or clock.peak)
-        extra.update(host_memory_facts(engine, device, baseline, clock.rss))
+        extra.update(host_memory_facts(engine, device, baseline, clock))
         if engine.choice is not None and world() == 1:
             try:  # the same run on the simulated device (protrain_core/simulator), given this machine's figures
                 extra["simulated_step_s"] = simulated_step(spec, engine.plan, engine.choice.profile, device)
@@ -772,6 +808,7 @@ def run(spec: dict) -> dict:
     result["losses"] = clock.losses
     result["peak_device_bytes"] = clock.peak
     result["peak_host_rss_bytes"] = clock.rss or peak_rss()
+    result["malloc_mmap_threshold"] = os.environ.get("MALLOC_MMAP_THRESHOLD_")  # what the RSS figure ran under
     return result
 
 

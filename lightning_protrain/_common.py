@@ -91,6 +91,7 @@ class ProcessesPlumbing:
         if timeout is not None:
             self._pg_args["timeout"] = timeout
         self._ddp = None
+        self._processes_ready = False
 
     @property
     def num_nodes(self) -> int:
@@ -153,17 +154,31 @@ class ProcessesPlumbing:
         """After the launch, in every process: the process group (and the world ranks)."""
         if self.is_distributed:
             self.ddp().setup_environment()
+        self._processes_ready = True
+
+    def require_processes(self, call: str) -> None:
+        """Several processes: refuse ``call`` before their launch set up the process group
+        (Fabric without ``fabric.launch()``: see [Note: Fabric without launch])."""
+        if self.is_distributed and not self._processes_ready:
+            raise RuntimeError(
+                f"ProTrain runs {self.num_processes} process(es) x {self.num_nodes} node(s) here, and {call} needs "
+                "them started: call fabric.launch() first (it starts the other processes, or joins them under "
+                "torchrun/SLURM, and sets up their process group), or run the script with `fabric run`. "
+                "On one device, fabric.launch() is not needed."
+            )
 
     @property
     def distributed_sampler_kwargs(self) -> dict | None:
         """None in one process (Fabric then keeps the loaders' samplers)."""
         if not self.is_distributed:
             return None
+        self.require_processes("a distributed sampler")
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     def barrier(self, *args, **kwargs) -> None:
         if not self.is_distributed:
             return
+        self.require_processes("a barrier")
         if _on_gloo():  # waited for so that ctrl-C still ends this rank while another has left
             pt.barrier()
             return
@@ -172,6 +187,7 @@ class ProcessesPlumbing:
     def broadcast(self, obj, src: int = 0):
         if not self.is_distributed:
             return obj
+        self.require_processes("a broadcast")
         return pt.broadcast_object(obj, src) if _on_gloo() else self.ddp().broadcast(obj, src)
 
     def reduce(self, tensor, *args, **kwargs):

@@ -1,7 +1,8 @@
 """``Fabric(strategy="protrain")``: the Fabric twin of ``ProTrainStrategy``.
 
-After ``fabric.launch()`` (Fabric asks for it with any strategy that controls backward sync),
-``model, optimizer = fabric.setup(model, optimizer)`` hands both to the ProTrain engine.
+``model, optimizer = fabric.setup(model, optimizer)`` hands both to the ProTrain engine (after
+``fabric.launch()`` with several processes; on one device it is not needed: [Note: Fabric
+without launch]).
 Without a plan the engine starts on a safe plan, profiles the first training steps (they
 train as usual) and then switches to the fastest plan that fits ``planning.memory_budget``,
 re-planning for batches of other lengths; ``example_inputs=`` (with ``loss_fn``, default ``output.loss``)
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.accelerators import CUDAAccelerator
-from lightning.fabric.strategies import DDPStrategy, ParallelStrategy
+from lightning.fabric.strategies import DataParallelStrategy, DDPStrategy, ParallelStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
@@ -181,16 +182,31 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
 
     # A parallel strategy (also in one process: Fabric ignores no_backward_sync for a
     # SingleDeviceStrategy, and ProTrain needs it for accumulation); collectives are Lightning
-    # DDP's with several processes, identities in one.
+    # DDP's with several processes, identities in one. See [Note: Fabric without launch].
     def setup_environment(self) -> None:
         super().setup_environment()
         self.setup_processes()
+
+    def _environment_for(self, call: str) -> None:
+        """What ``fabric.launch()`` would have done, where it was not called: in one process,
+        set up the device here; with several, refuse with the fix."""
+        if not self._processes_ready:
+            self.require_processes(call)
+            self.setup_environment()
 
     def _set_world_ranks(self) -> None:  # the name Fabric's connector calls
         self.assign_world_ranks()
 
     def all_reduce(self, tensor, *args, **kwargs):
-        return self.ddp().all_reduce(tensor, *args, **kwargs) if self.is_distributed else tensor
+        if not self.is_distributed:
+            return tensor
+        self.require_processes("an all-reduce")
+        return self.ddp().all_reduce(tensor, *args, **kwargs)
+
+    def all_gather(self, tensor, group=None, sync_grads: bool = False):
+        if self.is_distributed:  # torch's all-gather returns the tensor alone without a process group
+            self.require_processes("an all-gather")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     def module_to_device(self, module: nn.Module) -> None:
         pass  # the engine places every parameter itself
@@ -211,6 +227,7 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
                 "settings) and call fabric.setup once; or give the other model its own Fabric."
             )
         optimizer = check_optimizers(optimizers)
+        self._environment_for("fabric.setup(model, optimizer)")
         searched = self.config.planning.plan is None
         self.engine = build_engine(
             module, optimizer, self.config, precision=self.precision.precision, device=self.root_device,
@@ -334,3 +351,20 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
         register_as_protrain(strategy_registry, cls)
+
+
+# [Note: Fabric without launch]
+# Fabric asks for fabric.launch() before setup, collectives and checkpoints with every strategy
+# that is not one of its single-device or DataParallel strategies, with a message about "more
+# than one device". ProTrain's cannot be a SingleDeviceStrategy: Fabric turns no_backward_sync
+# (which ProTrain needs to accumulate) into a no-op for those. So the class is a *virtual*
+# subclass of DataParallelStrategy (ABCMeta.register: isinstance only, no method is inherited),
+# which exempts it from that check, as Fabric() on one device is exempt; Lightning 2.6's Fabric
+# tests that class nowhere else. The launch is then checked here, where it matters:
+# - one process: fabric.setup(model, optimizer) sets up the device itself (what launch() does:
+#   setup_environment) when launch() was not called; the data order, seeds and samplers are a
+#   single-device run's either way;
+# - several (devices x nodes > 1, torchrun, SLURM): fabric.setup, a distributed sampler and every
+#   collective before launch() are refused, saying to call fabric.launch()
+#   (ProcessesPlumbing.require_processes).
+DataParallelStrategy.register(ProTrainFabricStrategy)

@@ -64,6 +64,13 @@ def test_cpu_smoke_protrain_equals_pytorch_and_writes_the_report(smoke_subset):
         for r in runs.values():  # every process trains its own batch
             assert r["devices"] == devices
             assert r["tokens_per_s"] == pytest.approx(devices * r["batch"] * r["seq"] / r["step_median_s"])
+    # Every CPU run (both systems alike) returns freed large blocks at once: RSS measures what is held.
+    assert report["machine"]["MALLOC_MMAP_THRESHOLD_"] == "131072"
+    assert {r["malloc_mmap_threshold"] for r in report["runs"]} == {"131072"}
+    for core in (r for r in report["runs"] if r["system"] == "protrain-core"):  # RSS against the plan (issue 30)
+        planned, base, steady = core["planned_host_bytes"], core["rss_baseline_bytes"], core["steady_host_rss_bytes"]
+        assert base < steady <= core["peak_host_rss_bytes"]  # the timed steps' peak, within the run's
+        assert core["rss_over_plan"] == steady / (planned + base) <= core["rss_over_plan_run"]
     single = [r["losses"] for r in report["runs"] if r["system"] == "pytorch"]
     assert single[0] != single[1]  # the two-process run is not the one-process run again
     md = (out / "results.md").read_text()

@@ -1,5 +1,7 @@
 """Fabric(strategy="protrain"): a training loop equals plain PyTorch; save/load; errors."""
 
+import re
+
 import pytest
 import torch
 from lightning.fabric import Fabric
@@ -35,9 +37,10 @@ def plain(data, accumulate, clip=None):
     return model, opt, losses
 
 
-def fabric_loop(strategy, data, accumulate, clip=None):
+def fabric_loop(strategy, data, accumulate, clip=None, launch=True):
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1)
-    fabric.launch()
+    if launch:
+        fabric.launch()
     model = MODELS["gpt2"]()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
     model, opt = fabric.setup(model, opt)
@@ -69,6 +72,40 @@ def test_fabric_loop_equals_plain_pytorch(strategy):
     assert losses == ref_losses
     for k, v in ref_model.state_dict().items():
         torch.testing.assert_close(fabric.strategy.engine.state_dict()[k], v, rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("strategy", ["protrain", "streamed"])
+def test_one_device_fabric_needs_no_launch_like_the_default_strategy(strategy):
+    """Fabric() on one device trains without fabric.launch(); so does Fabric(strategy="protrain"),
+    accumulation through no_backward_sync included, bitwise like the default strategy's loop."""
+    if strategy == "streamed":
+        strategy = ProTrainFabricStrategy(pt.Plan(n_persist=0, n_buffer=1))
+    data = batches(6, batch=4)
+    ref_fabric, ref_model, _, ref_losses = fabric_loop("auto", data, accumulate=2, launch=False)
+    fabric, model, opt, losses = fabric_loop(strategy, data, accumulate=2, launch=False)
+    assert losses == ref_losses
+    assert fabric.sums == ref_fabric.sums
+    assert fabric.strategy._processes_ready  # the set-up launch() would have done, done by setup
+
+
+def test_several_devices_without_launch_are_refused_naming_fabric_launch():
+    """With two devices and no fabric.launch(), what needs the other process says to call it
+    (before: Lightning's message, or a collective on a process group that does not exist)."""
+    fabric = Fabric(strategy="protrain", accelerator="cpu", devices=2)
+    model = MODELS["gpt2"]()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    calls = {
+        "fabric.setup(model, optimizer)": lambda: fabric.setup(model, opt),
+        "a distributed sampler": lambda: fabric.setup_dataloaders(torch.utils.data.DataLoader(range(8))),
+        "a barrier": fabric.barrier,
+        "a broadcast": lambda: fabric.broadcast(1),
+        "an all-reduce": lambda: fabric.all_reduce(torch.ones(2)),
+        "an all-gather": lambda: fabric.all_gather(torch.ones(2)),
+    }
+    for call, run in calls.items():
+        with pytest.raises(RuntimeError, match=rf"{re.escape(call)} needs them started: call fabric.launch\(\) first"):
+            run()
+    assert fabric.strategy.engine is None and not torch.distributed.is_initialized()
 
 
 @pytest.mark.parametrize("clip", [("norm", 0.5), ("value", 0.01)], ids=["norm", "value"])
