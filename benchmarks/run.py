@@ -297,7 +297,7 @@ def launch(specs: list[dict], timeout: int, log_dir: Path) -> list[dict]:
     # Each ProTrain run profiles afresh: a cached profile may come from another load on this machine.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                PROTRAIN_REPROFILE="1")
-    if specs[0]["device"] == "cpu":
+    if specs[0].get("device") == "cpu":
         env.setdefault("MALLOC_MMAP_THRESHOLD_", CPU_MMAP_THRESHOLD)
     with open(log, "w") as f:
         with _stopping.held():

@@ -172,7 +172,6 @@ class ProcessesPlumbing:
         """None in one process (Fabric then keeps the loaders' samplers)."""
         if not self.is_distributed:
             return None
-        self.require_processes("a distributed sampler")
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     def barrier(self, *args, **kwargs) -> None:

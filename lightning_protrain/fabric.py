@@ -364,7 +364,7 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
 # - one process: fabric.setup(model, optimizer) sets up the device itself (what launch() does:
 #   setup_environment) when launch() was not called; the data order, seeds and samplers are a
 #   single-device run's either way;
-# - several (devices x nodes > 1, torchrun, SLURM): fabric.setup, a distributed sampler and every
-#   collective before launch() are refused, saying to call fabric.launch()
-#   (ProcessesPlumbing.require_processes).
+# - several (devices x nodes > 1, torchrun, SLURM): fabric.setup and every collective before
+#   launch() are refused, saying to call fabric.launch() (ProcessesPlumbing.require_processes); a
+#   distributed sampler's arguments need no process group (as DDP's strategy gives them).
 DataParallelStrategy.register(ProTrainFabricStrategy)

@@ -90,13 +90,13 @@ def test_one_device_fabric_needs_no_launch_like_the_default_strategy(strategy):
 
 def test_several_devices_without_launch_are_refused_naming_fabric_launch():
     """With two devices and no fabric.launch(), what needs the other process says to call it
-    (before: Lightning's message, or a collective on a process group that does not exist)."""
+    (before: Lightning's message, or a collective on a process group that does not exist). A
+    distributed sampler's arguments are known without the processes, as under DDP."""
     fabric = Fabric(strategy="protrain", accelerator="cpu", devices=2)
     model = MODELS["gpt2"]()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
     calls = {
         "fabric.setup(model, optimizer)": lambda: fabric.setup(model, opt),
-        "a distributed sampler": lambda: fabric.setup_dataloaders(torch.utils.data.DataLoader(range(8))),
         "a barrier": fabric.barrier,
         "a broadcast": lambda: fabric.broadcast(1),
         "an all-reduce": lambda: fabric.all_reduce(torch.ones(2)),
@@ -106,6 +106,7 @@ def test_several_devices_without_launch_are_refused_naming_fabric_launch():
         with pytest.raises(RuntimeError, match=rf"{re.escape(call)} needs them started: call fabric.launch\(\) first"):
             run()
     assert fabric.strategy.engine is None and not torch.distributed.is_initialized()
+    assert fabric.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
 
 
 @pytest.mark.parametrize("clip", [("norm", 0.5), ("value", 0.01)], ids=["norm", "value"])
