@@ -204,8 +204,7 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
         return self.ddp().all_reduce(tensor, *args, **kwargs)
 
     def all_gather(self, tensor, group=None, sync_grads: bool = False):
-        if self.is_distributed:  # torch's all-gather returns the tensor alone without a process group
-            self.require_processes("an all-gather")
+        self.require_processes("an all-gather")  # without a process group torch's returns the tensor alone
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     def module_to_device(self, module: nn.Module) -> None:
