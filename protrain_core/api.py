@@ -24,7 +24,7 @@ from protrain_core.engine import Engine
 from protrain_core.runtime.options import EngineOptions
 from protrain_core.runtime.optim import check_optimizer
 from protrain_core.runtime.sharding import Sharding, agree, agree_budgets, check_same_configuration
-from protrain_core.runtime.state_formats import check_optimizer_for
+from protrain_core.runtime.state_formats import block_aligned, check_optimizer_for
 from protrain_core.runtime.storage import ChunkFormat, chunk_formats
 from protrain_core.structure.blocks import find_blocks
 from protrain_core.structure.layout import ChunkLayout, build_layout
@@ -234,7 +234,7 @@ def _prepare(model: nn.Module, optimizer, blocks, chunk_size, example_inputs, ct
     """Checks shared by ``wrap`` and ``profile``; returns the chunk layout. ``formats``: the
     moments' format, the frozen weights' and the processes, which the optimizer must suit."""
     moments, frozen, world = formats
-    check_optimizer_for(moments, optimizer, adam=check_optimizer(optimizer) is None, world_size=world)
+    check_optimizer_for(moments, optimizer, adam=check_optimizer(optimizer) is None)
     if frozen is not None and world > 1:
         raise ValueError(f"frozen_dtype={frozen!r} runs in one process (a rank's piece of a frozen span would cut its "
                          f"rows and scales); this run has {world}. Use frozen_dtype=None, or one process.")
@@ -267,7 +267,8 @@ def _prepare(model: nn.Module, optimizer, blocks, chunk_size, example_inputs, ct
             "configure_model, instead of gradient_checkpointing_enable())."
         )
     block_path, block_list = find_blocks(model, blocks)
-    return build_layout(model, block_path, len(block_list), example_inputs=example_inputs, chunk_size=chunk_size)
+    return build_layout(model, block_path, len(block_list), example_inputs=example_inputs, chunk_size=chunk_size,
+                        block_aligned=block_aligned(moments))
 
 
 def _checked(model: nn.Module, precision: str, device, config: ProTrainConfig) -> tuple[Precision, DeviceContext]:

@@ -160,8 +160,8 @@ class ProTrainConfig:
     "fp32" as torch keeps them (8 bytes per trainable parameter; bitwise torch AdamW),
     "bf16" in bfloat16 (4 bytes; bitwise ``protrain_core.AdamWBf16Moments``), "8bit" in
     bitsandbytes' block-wise 8-bit format (2.03 bytes; bitwise ``bitsandbytes.optim.AdamW8bit``;
-    needs ``pip install 'lightning-protrain[8bit]'`` and one process). The master weights and
-    the gradient accumulator stay fp32."""
+    needs ``pip install 'lightning-protrain[8bit]'``; sharded over processes at block boundaries,
+    with full checkpoints). The master weights and the gradient accumulator stay fp32."""
 
     frozen_dtype: Literal["int8", "fp8"] | None = None
     """How frozen weight matrices (LoRA's base) are kept on the host and uploaded ([Note:

@@ -89,11 +89,13 @@ def ddp_reference(model, data, *, lr=1e-2, accumulate=1, clip=None, weight_decay
 
 
 def protrain_run(model, data, plan, *, lr=1e-2, accumulate=1, clip=None, weight_decay=0.0, precision="32-true",
-                 device="cpu", optimizer=None):
+                 device="cpu", optimizer=None, **config):
+    """``ddp_reference``'s loop with ProTrain (``config``: more ``ProTrainConfig`` fields)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer(trainable) if optimizer is not None else torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
     engine = pt.wrap(model, opt, plan, precision=precision, device=device,
-                     config=pt.ProTrainConfig(clipping=None if clip is None else ("norm", clip), runtime=pt.RuntimeConfig(check_invariants=True)))
+                     config=pt.ProTrainConfig(clipping=None if clip is None else ("norm", clip),
+                                              runtime=pt.RuntimeConfig(check_invariants=True), **config))
     losses = []
     for i in range(0, len(data), accumulate):
         micro = data[i:i + accumulate]

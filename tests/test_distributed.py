@@ -270,12 +270,27 @@ def test_trainer_with_two_cpu_devices_trains_like_ddp_and_resumes_on_one(tmp_pat
     one = {}
     for name, strategy, ckpt in (("pt1", "protrain", "ckpt.ckpt"), ("auto1", "auto", "final.ckpt")):
         args = lightning_run.argparse.Namespace(strategy=strategy, devices=1, out=str(tmp_path / name), sharded=False,
-                                                resume=str(tmp_path / "pt" / ckpt), epochs=2)
+                                                resume=str(tmp_path / "pt" / ckpt), epochs=2, state_format="fp32")
         os.makedirs(args.out)
         lightning_run.trainer_run(args)
         one[name] = torch.load(tmp_path / name / "rank0.pt", weights_only=False)
     assert one["pt1"]["losses"] == one["auto1"]["losses"]  # 2 -> 1: one process is bitwise
     assert all(torch.equal(one["pt1"]["weights"][k], v) for k, v in one["auto1"]["weights"].items())
+
+
+@pytest.mark.slow  # (the engine-level 8-bit parity over two processes is in test_state_formats.py)
+def test_trainer_with_two_cpu_devices_and_8bit_moments_trains_like_ddp_with_adamw8bit(tmp_path):
+    """``optimizer_state_format="8bit"`` through the Trainer on two processes, with accumulation
+    and clipping (their tolerances: the module's docstring) and a full checkpoint: per-rank losses
+    and the final weights are DDP's with bitsandbytes' AdamW8bit."""
+    pytest.importorskip("bitsandbytes")
+    ddp = _launch("trainer", "ddp", "2", "--state-format", "8bit", out=tmp_path / "ddp")
+    protrain = _launch("trainer", "protrain", "2", "--state-format", "8bit", out=tmp_path / "pt")
+    assert [r["world"] for r in protrain] == [2, 2]
+    for a, b in zip(ddp, protrain):
+        assert b["losses"] == pytest.approx(a["losses"], abs=LOSS_ATOL)
+        assert max((a["weights"][k] - b["weights"][k]).abs().max().item() for k in a["weights"]) < WEIGHT_ATOL
+    assert (tmp_path / "pt" / "final.ckpt").is_file()
 
 
 def test_fabric_with_two_cpu_devices_trains_like_ddp(tmp_path):

@@ -55,6 +55,7 @@ from protrain_core.runtime.engine import Engine
 from protrain_core.runtime.options import EngineOptions, RuntimeConfig
 from protrain_core.runtime.elementwise import state_slots
 from protrain_core.runtime.sharding import agree
+from protrain_core.runtime.state_formats import block_aligned
 from protrain_core.runtime.storage import ChunkFormat, chunk_formats
 from protrain_core.structure.blocks import block_modules, find_blocks
 from protrain_core.structure.layout import ChunkLayout, build_layout
@@ -307,7 +308,8 @@ def for_world_size(profile: Profile, model: nn.Module, optimizer, precision: Pre
     ``collective_bytes_per_s`` (assumed: one process cannot measure them). The batch is each
     rank's. ``protrain plan --world-size`` prints this what-if."""
     block_path, blocks = find_blocks(model, None)
-    layout = build_layout(model, block_path, len(blocks), chunk_size=profile.chunk_elems)
+    layout = build_layout(model, block_path, len(blocks), chunk_size=profile.chunk_elems,
+                          block_aligned=block_aligned(profile.state_format))
     hw = dataclasses.replace(profile.hardware, gather_bytes_per_s=collective_bytes_per_s,
                              reduce_bytes_per_s=collective_bytes_per_s)
     return dataclasses.replace(profile, hardware=hw,

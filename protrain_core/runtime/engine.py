@@ -33,7 +33,7 @@ from protrain_core.runtime.parking import OffloadedStates, check_between_steps, 
 from protrain_core.runtime.scheduler import Scheduler
 from protrain_core.runtime.sharding import Sharding, broadcast_module
 from protrain_core.runtime.states import StateAccess, StateMemory
-from protrain_core.runtime.state_formats import check_optimizer_for
+from protrain_core.runtime.state_formats import check_layout_for, check_optimizer_for
 from protrain_core.runtime.storage import ChunkFormat, ChunkStorage, chunk_formats, frozen_places_of
 from protrain_core.runtime.timeline import Timeline
 from protrain_core.structure.blocks import block_modules
@@ -75,7 +75,9 @@ class Engine:
         if self._optim.one_pass_kernel and precision in (Precision.BF16_MIXED, Precision.FP16_MIXED) \
                 and self._optim.kind is None:
             onepass.kernel()  # built (once per machine) and checked now, not in the first backward
-        check_optimizer_for(options.state_format, optimizer, adam=self._optim.kind is None, world_size=self.world_size)
+        check_optimizer_for(options.state_format, optimizer, adam=self._optim.kind is None)
+        if options.optimizer_states:
+            check_layout_for(options.state_format, layout)
         self.chunks = _allocate(self, self._optim, chunk_formats(module, optimizer, layout, precision,
                                                                  optimizer_states=options.optimizer_states,
                                                                  world_size=self.world_size, **options.formats()))

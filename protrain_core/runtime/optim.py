@@ -19,7 +19,8 @@ from torch import Tensor
 
 from protrain_core.runtime import state_formats as formats
 from protrain_core.runtime.elementwise import Elementwise, ElementwiseSteps, describe, is_adam
-from protrain_core.runtime.storage import trainable_numels
+from protrain_core.runtime.storage import ShardLayout, rank_quant_places
+from protrain_core.runtime.values import gather_shard
 from protrain_ops import AdamHyperParams, adam_step, clip_gradients, copy_to_low_precision, onepass
 
 if TYPE_CHECKING:
@@ -226,26 +227,65 @@ class ChunkOptimizer:
         places = self.quant_places(chunk)
         for j, i in enumerate(members):
             steps = chunk.storage.steps[i]
-            steps.add_(1)
+            steps.add_(1)  # (on every rank, as torch counts a step of a parameter with no piece here)
             moments = self.member_moments(chunk, i, places, views.exp_avgs[j], views.exp_avg_sqs[j])
-            formats.eight_bit_step(views.master[j], views.grads[j], moments, int(steps.item()), hp)
+            if moments is not None:
+                formats.eight_bit_step(views.master[j], views.grads[j], moments, int(steps.item()), hp)
 
     def quant_places(self, chunk: Chunk) -> formats.QuantPlaces:
-        """Where ``chunk``'s 8-bit members keep their block scales and small ones their moments."""
+        """Where ``chunk``'s 8-bit members keep their block scales and small ones their moments
+        on this rank."""
         places = self._places.get(chunk.index)
         if places is None:
-            places = self._places[chunk.index] = formats.quant_places(trainable_numels(chunk.spec))
+            places = self._places[chunk.index] = rank_quant_places(chunk.spec, chunk.storage.shards)
         return places
 
     @staticmethod
     def member_moments(chunk: Chunk, i: int, places, exp_avg: Tensor | None = None,
-                       exp_avg_sq: Tensor | None = None) -> formats.MemberMoments:
-        """Member ``i``'s 8-bit moments (its views of the uint8 states, when taken already)."""
+                       exp_avg_sq: Tensor | None = None) -> formats.MemberMoments | None:
+        """Member ``i``'s 8-bit moments on this rank (its views of the uint8 states, when taken
+        already); None where the rank holds none of it."""
         storage = chunk.storage
         if exp_avg is None:
             exp_avg = chunk.values.state_view(storage.exp_avg, i)
             exp_avg_sq = chunk.values.state_view(storage.exp_avg_sq, i)
-        return formats.member_moments(storage, places, i, exp_avg, exp_avg_sq, chunk.spec.members[i].shape)
+        return formats.member_moments(storage, places, i, exp_avg, exp_avg_sq)
+
+    def _gathered_eight_bit(self, chunk: Chunk) -> list[formats.MemberMoments | None]:
+        """Every member's whole 8-bit moments, assembled from the ranks' pieces (a collective,
+        as ``ChunkValues.gathered_values``; the states themselves in one process): the uint8
+        states and the block scales gathered side by side (both by position), the small
+        members' fp32 moments from each rank's packed pieces."""
+        storage, values = chunk.storage, chunk.values
+        if storage.sharding is None:
+            places = self.quant_places(chunk)
+            return [self.member_moments(chunk, i, places) if m.trainable else None
+                    for i, m in enumerate(chunk.spec.members)]
+        gathered = [values.gathered_values(lambda st, a=a: getattr(st, a)) for a in ("exp_avg", "exp_avg_sq")]
+        half, wide = storage.absmax.numel() // 2, storage.wide.numel() // 2
+        absmax = [gather_shard(storage, storage.absmax[k * half:(k + 1) * half]) for k in range(2)]
+        wides = [gather_shard(storage, storage.wide[k * wide:(k + 1) * wide]) if wide else None for k in range(2)]
+        ranks = [rank_quant_places(chunk.spec, ShardLayout(storage.fmt, r)) for r in range(storage.sharding.world)]
+        out = []
+        for i, m in enumerate(chunk.spec.members):
+            if not m.trainable:
+                out.append(None)
+                continue
+            m1, m2 = gathered[0][i], gathered[1][i]
+            if m.numel >= formats.MIN_8BIT:
+                first, n = storage.shards.span_offset(m) // formats.BLOCK, -(-m.numel // formats.BLOCK)
+                out.append(formats.MemberMoments(m1, m2, absmax[0][first:first + n], absmax[1][first:first + n]))
+                continue
+            small = [torch.empty(m.numel, dtype=torch.float32, device=storage.device) for _ in range(2)]
+            for r, places in enumerate(ranks):
+                part = ShardLayout(storage.fmt, r).state_piece(m)
+                if places.wide[i] is not None:
+                    off, _, n = part
+                    for k in range(2):
+                        at = r * wide + places.wide[i]
+                        small[k][off:off + n].copy_(wides[k][at:at + n])
+            out.append(formats.MemberMoments(small[0].view(m.shape), small[1].view(m.shape), None, None))
+        return out
 
     @staticmethod
     def _update_one_pass(kernel, chunk: Chunk, hps, selected: dict[int, list[int]], clip: UpdateClip,
@@ -291,9 +331,11 @@ class ChunkOptimizer:
             scalars = self.scalar_state(chunk, i)
             if scalars is None:
                 continue
-            if chunk.storage.fmt.eight_bit:  # one process ([Note: optimizer-state formats])
-                moments = self.member_moments(chunk, i, self.quant_places(chunk))
-                state[index] = formats.eight_bit_entry(moments, int(chunk.storage.steps[i].item()), p.shape)
+            if chunk.storage.fmt.eight_bit:  # bitsandbytes' entry ([Note: optimizer-state formats])
+                if gathered[0] is not chunk:
+                    gathered = chunk, self._gathered_eight_bit(chunk)
+                if keep:
+                    state[index] = formats.eight_bit_entry(gathered[1][i], int(chunk.storage.steps[i].item()), p.shape)
                 continue
             if names and gathered[0] is not chunk:
                 gathered = chunk, [chunk.values.gathered_values(lambda st, a=a: getattr(st, a)) for a in SLOT_ATTRS[:len(names)]]
@@ -350,8 +392,11 @@ class ChunkOptimizer:
                 continue  # frozen parameter: torch keeps no state for it either
             entry = states.get(index)
             if chunk.storage.fmt.eight_bit:
+                part = chunk.storage.shards.state_piece(chunk.spec.members[i])
+                moments = self.member_moments(chunk, i, self.quant_places(chunk))
                 with torch.no_grad():
-                    formats.load_eight_bit(self.member_moments(chunk, i, self.quant_places(chunk)), entry)
+                    if moments is not None:  # this rank's piece of the entry (a block boundary)
+                        formats.load_eight_bit(moments, formats.entry_piece(entry, part[0], part[2]))
                 self.load_scalars(chunk, i, entry)
                 chunk.set_adam_state(i, entry is not None)
                 continue

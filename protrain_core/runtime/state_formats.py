@@ -18,13 +18,25 @@ Each is bitwise its reference on the unwrapped model: the update is elementwise 
 block-wise from each parameter's first element (8bit), and a chunk's member is a contiguous view
 shaped like its parameter, so a chunk step makes the same calls on the same values. A member of
 fewer than 4096 elements keeps fp32 moments in "8bit", as bitsandbytes does (its
-``min_8bit_size``): they live in one fp32 tensor of the chunk's (``wide``), the 8-bit members'
-block scales in another (``absmax``), both addressed by ``QuantPlaces``.
+``min_8bit_size``): they live in one fp32 tensor of the chunk's (``wide``, packed in member
+order), the 8-bit members' block scales in another (``absmax``), both addressed by
+``QuantPlaces``.
+
+With ``W`` processes a rank updates its pieces of the members ([Note: sharded chunks] in
+sharding.py). Blocks are independent (each has its own scale, and nothing else in bitsandbytes'
+step is shared between elements), so a piece that starts at a block boundary of its member
+updates exactly as those blocks of the whole member would. The layout makes every boundary one:
+an 8-bit member, and the first trainable member of a chunk, start at a multiple of the block in
+the chunk (``block_aligned``), and the trainable shard ``s_t`` is a multiple of it. The block
+scales are then kept by position: block ``b`` of ``absmax`` scales elements ``[256 b, 256 b +
+256)`` of the rank's shard, so the ranks' ``absmax`` gathered side by side are the scales of the
+whole span, as the ranks' states gathered are the whole states. In one process this is the same
+rule with ``W = 1``.
 
 Every chunk keeps the one format, persistent or streamed, so that a plan or a re-plan never
 changes the arithmetic. "bf16" and "8bit" need Adam or AdamW (another optimizer's states have
 no such format), and "8bit" follows bitsandbytes' AdamW8bit: decoupled weight decay, no amsgrad,
-no maximize, one process (a member split between ranks would change its blocks).
+no maximize.
 """
 
 from __future__ import annotations
@@ -78,8 +90,8 @@ def bitsandbytes():
     return functional
 
 
-def check_optimizer_for(name: str, optimizer: torch.optim.Optimizer, *, adam: bool, world_size: int) -> None:
-    """Refuse, with the fix, an optimizer (or a world size) format ``name`` cannot run with."""
+def check_optimizer_for(name: str, optimizer: torch.optim.Optimizer, *, adam: bool) -> None:
+    """Refuse, with the fix, an optimizer format ``name`` cannot run with."""
     if name == "fp32":
         return
     if not adam:
@@ -99,20 +111,35 @@ def check_optimizer_for(name: str, optimizer: torch.optim.Optimizer, *, adam: bo
                 f"optimizer_state_format='8bit' runs bitsandbytes' AdamW8bit, which has no {why} (param group {g}). "
                 "Use torch.optim.AdamW without amsgrad/maximize, or another optimizer_state_format."
             )
-    if world_size > 1:
-        raise ValueError(
-            f"optimizer_state_format='8bit' runs in one process: sharded over {world_size} processes a parameter "
-            "split between ranks would be quantised in other blocks than bitsandbytes' own. Use 'bf16' (half the "
-            "moment bytes, shards like 'fp32') or one process."
-        )
+
+
+def block_aligned(name: str) -> tuple[int, int] | None:
+    """The layout's member alignment for format ``name`` (``build_layout``'s ``block_aligned``):
+    block-wise 8-bit members start at a block boundary, so a rank's piece of one does too."""
+    return (BLOCK, MIN_8BIT) if name == "8bit" else None
+
+
+def check_layout_for(name: str, layout) -> None:
+    """Refuse a chunk layout whose 8-bit members do not start at a block boundary of their
+    chunk's trainable span (a layout built without ``block_aligned``)."""
+    if name != "8bit":
+        return
+    for spec in layout.chunks:
+        for m in spec.members:
+            if m.trainable and m.numel >= MIN_8BIT and (m.offset - spec.trainable_start) % BLOCK:
+                raise ValueError(
+                    f"optimizer_state_format='8bit' needs each 8-bit parameter at a block boundary of its chunk, and "
+                    f"{m.name!r} is not: build the layout with build_layout(..., block_aligned="
+                    "protrain_core.runtime.state_formats.block_aligned('8bit')) (wrap() does).")
 
 
 # ----- 8-bit addressing ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class QuantPlaces:
-    """Where each trainable member's 8-bit block scales or fp32 moments are, in chunk order:
-    ``blocks[j]`` (offset, count) in each half of ``absmax`` or None; ``wide[j]`` the offset in
-    each half of ``wide`` or None."""
+    """Where each trainable member's piece on this rank keeps its 8-bit block scales or fp32
+    moments, in chunk order: ``blocks[j]`` (first block, count) in each half of ``absmax`` (by
+    position: the piece's offset in the shard over the block), or None; ``wide[j]`` the offset in
+    each half of ``wide`` (packed), or None. None for both: a frozen member, or none of it here."""
 
     blocks: tuple[tuple[int, int] | None, ...]
     wide: tuple[int | None, ...]
@@ -120,20 +147,31 @@ class QuantPlaces:
     wide_numel: int
 
 
-def quant_places(numels: list[int | None]) -> QuantPlaces:
-    """The places of members with ``numels`` (None: a frozen member, which has no moments)."""
-    blocks, wide, nb, nw = [], [], 0, 0
-    for n in numels:
-        if n is None or n < MIN_8BIT:
+def quant_places(members: list[tuple[int, tuple[int, int, int] | None] | None], state_numel: int) -> QuantPlaces:
+    """The places of a chunk's members on one rank: ``members[j]`` is None for a frozen member,
+    else (its elements, its piece on the rank: ``ShardLayout.state_piece``); ``state_numel`` the
+    rank's shard of the trainable span."""
+    blocks, wide, nw = [], [], 0
+    for member in members:
+        numel, part = member if member is not None else (0, None)
+        if part is None or not part[2]:
             blocks.append(None)
-            wide.append(None if n is None else nw)
-            nw += n or 0
-        else:
-            count = math.ceil(n / BLOCK)
-            blocks.append((nb, count))
             wide.append(None)
-            nb += count
-    return QuantPlaces(tuple(blocks), tuple(wide), nb, nw)
+        elif numel < MIN_8BIT:
+            blocks.append(None)
+            wide.append(nw)
+            nw += part[2]
+        else:
+            assert part[1] % BLOCK == 0, "an 8-bit member's piece starts at a block boundary (block_aligned)"
+            blocks.append((part[1] // BLOCK, math.ceil(part[2] / BLOCK)))
+            wide.append(None)
+    return QuantPlaces(tuple(blocks), tuple(wide), math.ceil(state_numel / BLOCK), nw)
+
+
+def small_numel(numels: list[int | None]) -> int:
+    """Elements of a chunk's trainable members that keep fp32 moments (under ``MIN_8BIT``): each
+    rank's ``wide`` is this long (its pieces of them take at most that)."""
+    return sum(n for n in numels if n is not None and n < MIN_8BIT)
 
 
 def qmaps(device: torch.device) -> tuple[Tensor, Tensor]:
@@ -157,15 +195,19 @@ class MemberMoments:
     absmax2: Tensor | None
 
 
-def member_moments(storage, places: QuantPlaces, j: int, views_m: Tensor, views_v: Tensor, shape) -> MemberMoments:
-    """Member ``j``'s moments: its views of the uint8 states (``views_m``, ``views_v``) with its
-    block scales, or its fp32 moments in ``storage.wide``."""
+def member_moments(storage, places: QuantPlaces, j: int, views_m: Tensor, views_v: Tensor) -> MemberMoments | None:
+    """Member ``j``'s moments on this rank: its views of the uint8 states (``views_m``,
+    ``views_v``: its piece) with their block scales, or its fp32 moments in ``storage.wide``,
+    shaped like the views; None where the rank holds none of it."""
     blk = places.blocks[j]
     if blk is not None:
         at, n = blk
-        half = places.n_blocks
+        half = storage.absmax.numel() // 2
         return MemberMoments(views_m, views_v, storage.absmax[at:at + n], storage.absmax[half + at:half + at + n])
-    at, n, half = places.wide[j], views_m.numel(), places.wide_numel
+    at = places.wide[j]
+    if at is None:
+        return None
+    n, half, shape = views_m.numel(), storage.wide.numel() // 2, views_m.shape
     return MemberMoments(storage.wide[at:at + n].view(shape), storage.wide[half + at:half + at + n].view(shape),
                          None, None)
 
@@ -257,6 +299,27 @@ def load_eight_bit(moments: MemberMoments, entry: dict | None) -> None:
         q, qs = F.quantize_blockwise(value.reshape(-1), code=code, blocksize=BLOCK)
         state.copy_(q.reshape(state.shape))
         absmax.copy_(qs.absmax)
+
+
+def entry_piece(entry: dict | None, offset: int, n: int) -> dict | None:
+    """The ``n`` elements from ``offset`` (a block boundary) of a parameter's saved state, in
+    the entry's own format (its moments flattened; an 8-bit one's block scales of those blocks):
+    what a rank holding that piece loads. The entry itself for the whole parameter."""
+    entry = unwrapped(entry)
+    if entry is None:
+        return None
+    moments = ("state1", "state2") if "state1" in entry else ("exp_avg", "exp_avg_sq")
+    if offset == 0 and n == entry[moments[0]].numel():
+        return entry
+    out = dict(entry)
+    for key in moments:
+        out[key] = entry[key].reshape(-1)[offset:offset + n]
+    if moments[0] == "state1" and entry["state1"].dtype == torch.uint8:
+        assert offset % BLOCK == 0
+        first, count = offset // BLOCK, math.ceil(n / BLOCK)
+        for key in ("absmax1", "absmax2"):
+            out[key] = entry[key].reshape(-1)[first:first + count]
+    return out
 
 
 def unwrapped(entry: dict | None) -> dict | None:

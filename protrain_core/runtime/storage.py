@@ -7,7 +7,8 @@ and its trainable ones after them (structure/layout.py), so the trainable ones f
 ``T`` elements, ending at the last trainable member. Only that span trains. With ``W``
 processes (``W = 1`` in one process) both spans are sharded separately: rank ``r`` keeps piece
 ``r`` of each, ``s_f = ceil(F / W)`` and ``s_t = ceil(T / W)`` elements rounded up to the
-layout's alignment, ``s_c = s_f + s_t`` ([Note: sharded chunks] in sharding.py):
+layout's alignment (``s_t`` to the 8-bit block with 8-bit moments), ``s_c = s_f + s_t``
+([Note: sharded chunks] in sharding.py):
 
   tensor          elements   dtype  persistent chunk        streamed chunk
   compute copy    s_c * W    c      device, always          device buffer while resident
@@ -58,7 +59,7 @@ from protrain_core.runtime.elementwise import state_slots
 from protrain_core.runtime.frozen_formats import FrozenPlaces, frozen_places
 from protrain_core.runtime.host_pool import HostPool
 from protrain_core.runtime.sharding import Sharding, piece
-from protrain_core.runtime.state_formats import moment_dtype, quant_places
+from protrain_core.runtime.state_formats import BLOCK, moment_dtype, quant_places, small_numel
 from protrain_core.structure.layout import ChunkLayout, ParamSlot, align
 
 
@@ -77,9 +78,8 @@ class ChunkFormat:
     world_size: int = 1  # processes the chunk is sharded over
     # The moments' format ([Note: optimizer-state formats] in state_formats.py); "8bit" also
     # keeps fp32 block scales (``quant_blocks`` per moment) and the fp32 moments of its small
-    # members (``wide_numel`` elements per moment).
+    # members (``wide_numel`` elements per moment: all of them, a bound of any rank's pieces).
     state_format: str = "fp32"
-    quant_blocks: int = 0
     wide_numel: int = 0
     # Frozen weight matrices in 8 bits on the host ([Note: quantised frozen chunks] in
     # frozen_formats.py): "int8" or "fp8" (None: the compute dtype); ``store_bytes`` of the host
@@ -97,7 +97,7 @@ class ChunkFormat:
         assert 0 <= self.trainable_start and self.trainable_start + self.trainable_numel <= self.numel
         assert self.adam_states in (0, 1, 2, 3) and self.world_size >= 1
         assert self.trainable_numel or not self.adam_states, "a chunk with no trainable member has no Adam state"
-        assert self.state_format == "8bit" or not (self.quant_blocks or self.wide_numel)
+        assert self.state_format == "8bit" or not self.wide_numel
         assert (self.frozen_format is None) == (self.store_bytes == 0) and (self.world_size == 1 or not self.store_bytes)
 
     @property
@@ -106,6 +106,11 @@ class ChunkFormat:
 
     def _shard(self, n: int) -> int:
         return align(-(-n // self.world_size))
+
+    @property
+    def quant_blocks(self) -> int:
+        """Block scales per moment in format "8bit": one per block of the trainable shard."""
+        return -(-self.state_numel // BLOCK) if self.eight_bit else 0
 
     @property
     def frozen_numel(self) -> int:
@@ -131,7 +136,11 @@ class ChunkFormat:
 
     @property
     def state_numel(self) -> int:
-        """s_t: elements of this rank's shard of the master, accumulator and Adam states."""
+        """s_t: elements of this rank's shard of the master, accumulator and Adam states (with
+        ``W`` processes and 8-bit moments a multiple of their block, so that every rank's piece
+        of a member starts at a block boundary: [Note: optimizer-state formats])."""
+        if self.eight_bit and self.world_size > 1:
+            return -(-self.trainable_numel // (self.world_size * BLOCK)) * BLOCK
         return self._shard(self.trainable_numel)
 
     @property
@@ -616,14 +625,13 @@ def chunk_formats(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Ch
     formats = []
     for spec in layout.chunks:
         trains = optimizer_states and any(m.trainable and id(params[m.name]) in optimized for m in spec.members)
-        places = quant_places(trainable_numels(spec)) if trains and state_format == "8bit" else None
         frozen = frozen_places_of(spec, frozen_format)
         formats.append(ChunkFormat(
             numel=layout.chunk_size, compute_dtype=precision.compute_dtype, master_dtype=precision.master_dtype,
             trainable_start=spec.trainable_start if spec.trainable_numel else 0,
             trainable_numel=spec.trainable_numel, adam_states=adam if trains else 0, world_size=world_size,
-            state_format=state_format if trains else "fp32", quant_blocks=places.n_blocks if places else 0,
-            wide_numel=places.wide_numel if places else 0,
+            state_format=state_format if trains else "fp32",
+            wide_numel=small_numel(trainable_numels(spec)) if trains and state_format == "8bit" else 0,
             frozen_format=frozen and frozen.fmt, store_bytes=frozen.store_bytes(precision.compute_dtype) if frozen else 0,
             accumulator=accumulator or not trains,  # (a chunk the optimizer never steps accumulates only)
         ))
@@ -638,5 +646,12 @@ def frozen_places_of(spec, frozen_format: str | None) -> FrozenPlaces | None:
 
 
 def trainable_numels(spec) -> list[int | None]:
-    """Each member's elements, None for a frozen one: what ``quant_places`` lays out."""
+    """Each member's elements, None for a frozen one."""
     return [m.numel if m.trainable else None for m in spec.members]
+
+
+def rank_quant_places(spec, shards: ShardLayout):
+    """Where ``spec``'s members keep their 8-bit block scales and small fp32 moments on the
+    rank of ``shards`` (``state_formats.quant_places``)."""
+    return quant_places([(m.numel, shards.state_piece(m)) if m.trainable else None for m in spec.members],
+                        shards.fmt.state_numel)

@@ -1,7 +1,8 @@
 """Where each member of one chunk is in the chunk's tensors on this rank, and its values: the
 addressing a chunk's verbs, the optimizer, the gradients and the checkpoints read and write
 through (``Chunk.values``). The storage's ``ShardLayout`` answers where a member's piece is;
-this face turns that into views and values. Its only collective is ``gathered_values``.
+this face turns that into views and values. Its only collectives are ``gathered_values`` and
+``gather_shard``.
 
 One process is the case ``W = 1``: every piece is the whole member at its layout offset
 ([Note: chunk storage] in storage.py, [Note: sharded chunks] in sharding.py).
@@ -195,11 +196,11 @@ class ChunkValues:
             return [self.state_view(flat, i) if m.trainable and flat is not None else None
                     for i, m in enumerate(self.members)]
         shard = storage.master if tensor_of is None else tensor_of(storage)
-        trainable = None if shard is None else _gather_shard(storage, shard)
+        trainable = None if shard is None else gather_shard(storage, shard)
         frozen = None
         if tensor_of is None and fmt.frozen_numel and any(not m.trainable for m in self.members):
             frozen = storage.device_copy[:fmt.trainable_device_start] if storage.persistent else \
-                _gather_shard(storage, storage.host_copy[:fmt.frozen_shard])
+                gather_shard(storage, storage.host_copy[:fmt.frozen_shard])
         out = []
         for i, m in enumerate(self.members):
             if m.trainable and trainable is not None:
@@ -220,7 +221,7 @@ def _shaped(flat: Tensor, part: tuple[int, int, int] | None, m: ParamSlot) -> Te
     return flat[at:at + n].view(m.shape) if n == m.numel else flat[at:at + n]
 
 
-def _gather_shard(storage: ChunkStorage, shard: Tensor) -> Tensor:
+def gather_shard(storage: ChunkStorage, shard: Tensor) -> Tensor:
     """The whole of a span sharded like ``shard`` (this rank's piece): all-gathered through the
     device (NCCL gathers device tensors only); one chunk's span at a time."""
     n, sharding = shard.numel(), storage.sharding

@@ -10,6 +10,11 @@ Inside a chunk the frozen parameters (``requires_grad=False`` when the layout is
 base model, frozen embeddings) come first and the trainable ones after them, each group in
 execution order, so that the trainable ones form one span: the only part of the chunk with a
 master copy, gradients and Adam states ([Note: chunk storage] in runtime/storage.py).
+
+With block-wise 8-bit moments (``block_aligned``) the first trainable member, and every trainable
+member of at least the format's minimum size, start at a multiple of its block: a piece of such a
+member on any rank then begins at a block boundary ([Note: optimizer-state formats] in
+runtime/state_formats.py).
 """
 
 from __future__ import annotations
@@ -31,6 +36,20 @@ _GRID_STEPS = 128
 
 def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _aligned_to(offset: int, block: int) -> int:
+    return (offset + block - 1) // block * block
+
+
+def _alignment_bound(params, block_aligned: tuple[int, int] | None) -> int:
+    """The most elements ``block_aligned`` can add to a unit: each aligned member moves on by
+    less than a block, and so may the first trainable member of the chunk the unit goes to."""
+    if block_aligned is None:
+        return 0
+    block, smallest = block_aligned
+    trainable = [p.numel() for _, p in params if p.requires_grad]
+    return (block - ALIGN) * (sum(n >= smallest for n in trainable) + bool(trainable))
 
 
 @dataclass(frozen=True)
@@ -190,10 +209,16 @@ def build_layout(
     *,
     example_inputs=None,
     chunk_size: int | None = None,
+    block_aligned: tuple[int, int] | None = None,
 ) -> ChunkLayout:
+    """The layout of ``model``'s parameters in chunks (``chunk_size``: None searches it).
+    ``block_aligned`` ``(block, min_numel)``: the first trainable member of a chunk and every
+    trainable member of at least ``min_numel`` elements start at a multiple of ``block`` (8-bit
+    moments: see the module's docstring)."""
     traced = trace(model, block_path, example_inputs)
     units = _units(model, block_path, n_blocks, traced.order)
-    unit_sizes = [sum(align(p.numel()) for _, p in params) for _, params in units]
+    unit_sizes = [sum(align(p.numel()) for _, p in params) + _alignment_bound(params, block_aligned)
+                  for _, params in units]
     if not units:
         raise ValueError(f"{type(model).__name__} has no parameters to manage.")
     if chunk_size is None:
@@ -210,6 +235,9 @@ def build_layout(
         params = [(name, p) for u in unit_ids for name, p in units[u][1]]
         members, offset = [], 0
         for name, p in sorted(params, key=lambda np: np[1].requires_grad):  # stable: frozen first, then trainable
+            if block_aligned is not None and p.requires_grad and (
+                    p.numel() >= block_aligned[1] or not any(m.trainable for m in members)):
+                offset = _aligned_to(offset, block_aligned[0])
             members.append(ParamSlot(name=name, offset=offset, numel=p.numel(), shape=tuple(p.shape),
                                      trainable=p.requires_grad))
             offset += align(p.numel())

@@ -35,6 +35,10 @@ def trainer_run(args) -> None:
             return loss
 
         def configure_optimizers(self):
+            if args.state_format == "8bit" and args.strategy != "protrain":  # what ProTrain's "8bit" equals
+                import bitsandbytes as bnb
+
+                return bnb.optim.AdamW8bit(self.parameters(), lr=1e-2)
             return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)  # fused: what ProTrain equals bitwise
 
     pl.seed_everything(0)
@@ -42,7 +46,8 @@ def trainer_run(args) -> None:
     data = DataLoader(TensorDataset(torch.randint(0, VOCAB, (24, 16), generator=g)), batch_size=4, shuffle=True)
     strategy = args.strategy
     if strategy == "protrain":
-        strategy = ProTrainStrategy(config=pt.ProTrainConfig(planning=pt.PlanningConfig(plan=PLAN), checkpoint=pt.CheckpointConfig(state_dict_type="sharded" if args.sharded else "full")))
+        strategy = ProTrainStrategy(config=pt.ProTrainConfig(planning=pt.PlanningConfig(plan=PLAN), checkpoint=pt.CheckpointConfig(state_dict_type="sharded" if args.sharded else "full"),
+                                                             optimizer_state_format=args.state_format))
     lit = Lit()
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=args.out, filename="ckpt")  # ckpt.ckpt, while training
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=args.epochs,
@@ -98,5 +103,6 @@ if __name__ == "__main__":
     parser.add_argument("--sharded", action="store_true")
     parser.add_argument("--resume")
     parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--state-format", default="fp32")  # ProTrain's optimizer_state_format ("8bit": DDP runs AdamW8bit)
     a = parser.parse_args()
     trainer_run(a) if a.api == "trainer" else fabric_run(a)
