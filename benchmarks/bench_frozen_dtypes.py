@@ -64,13 +64,13 @@ def simulated_rows() -> list[dict]:
 
     config = models.load_config("llama-7b")
     rows = []
-    for batch in (2, 8):
+    for batch, world in ((2, 1), (8, 1), (2, 2)):  # 2 ranks: each keeps and uploads its piece of the base
         for fmt in (None, "int8"):
             model = _lora(models.build(config, "meta")[0], r=16)
             opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
             result = simulate(model, opt, models.token_batch(config, batch, 2048, "meta"), device=SimulatedDevice("h100"),
-                              plan=pt.Plan(n_persist=0, n_buffer=2), frozen_dtype=fmt)
-            rows.append(row("streamed-buf2", f"lora-7b {fmt or 'bf16'}", 1, result, batch))
+                              plan=pt.Plan(n_persist=0, n_buffer=2), frozen_dtype=fmt, world_size=world)
+            rows.append(row("streamed-buf2", f"lora-7b {fmt or 'bf16'}", world, result, batch))
     return rows
 
 

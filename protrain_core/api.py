@@ -90,7 +90,7 @@ def wrap(
     budget = planning.budget_bytes
     budget = default_memory_budget(dev) if budget is None and planning.plan is None else budget
     layout = _prepare(model, optimizer, planning.blocks, planning.chunk_size, example_inputs, dev,
-                      formats=(config.optimizer_state_format, config.frozen_dtype, 1 if sharding is None else sharding.world))
+                      moments=config.optimizer_state_format)
     check_same_configuration(sharding, _configuration(model, optimizer, layout, prec, config))
     build = _Build(model, optimizer, layout, prec, dev, config, config.engine_options(), sharding)
     if planning.plan is not None:
@@ -230,14 +230,10 @@ def _searched(build: _Build, budget: int, report, *, example_inputs, loss_fn, st
 
 
 def _prepare(model: nn.Module, optimizer, blocks, chunk_size, example_inputs, ctx: DeviceContext, *,
-             formats: tuple[str, str | None, int] = ("fp32", None, 1)) -> ChunkLayout:
-    """Checks shared by ``wrap`` and ``profile``; returns the chunk layout. ``formats``: the
-    moments' format, the frozen weights' and the processes, which the optimizer must suit."""
-    moments, frozen, world = formats
+             moments: str = "fp32") -> ChunkLayout:
+    """Checks shared by ``wrap`` and ``profile``; returns the chunk layout. ``moments``: the
+    moments' format, which the optimizer must suit and the layout follows."""
     check_optimizer_for(moments, optimizer, adam=check_optimizer(optimizer) is None)
-    if frozen is not None and world > 1:
-        raise ValueError(f"frozen_dtype={frozen!r} runs in one process (a rank's piece of a frozen span would cut its "
-                         f"rows and scales); this run has {world}. Use frozen_dtype=None, or one process.")
     if ctx.device.type != "meta" and any(p.device.type == "meta" for p in model.parameters()):
         raise ValueError("The model has parameters on the meta device; materialise them before wrap().")
     model_params = {id(p) for p in model.parameters()}

@@ -12,13 +12,20 @@ what they are and where they start:
   optim/<index>/<state>/<offset>     the same piece of Adam's <state> of parameter <index>
                                      (torch's numbering: param groups in order)
   optim/<index>/step                 Adam's step of parameter <index> (rank 0)
+  optim/<index>/state1/<offset>      8-bit moments (``optimizer_state_format="8bit"``):
+  optim/<index>/absmax1/<block>      bitsandbytes' states of the piece (uint8, or fp32 below its
+                                     minimum size) and the piece's block scales from block
+                                     <block> (its offset over 256: pieces start at a block
+                                     boundary); the same with 2
   buffer/<name>                      a buffer, whole (rank 0)
   optim/param_groups                 the optimizer's hyper-parameters (rank 0)
 
 The pieces tile every parameter whatever the number of processes that wrote them, so loading
 needs only the directory's metadata: a rank reads, one chunk at a time, every piece of that
 chunk's parameters, and keeps what its own shards hold (``ChunkValues.set_member``,
-``ChunkValues.own_piece``) -- at most one chunk beyond its own states at a time.
+``ChunkValues.own_piece``) -- at most one chunk beyond its own states at a time. Moments saved
+in one format load into another as a full state dict's do (8-bit quantised or dequantised:
+``state_formats.load_eight_bit``, ``to_fp32_adam_entry``).
 
 Writing and replacing the directory: [Note: replacing a checkpoint directory], above ``_write``.
 """
@@ -40,6 +47,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
+from protrain_core.runtime import state_formats as formats
 from protrain_core.runtime.optim import SLOT_ATTRS, indexed_params
 from protrain_core.utils import alive, remove_stale_temporaries, temporary_prefix
 
@@ -51,7 +59,6 @@ def save_sharded(engine, path, meta: dict | None = None) -> None:
     """Write ``engine``'s weights and optimizer state as a sharded checkpoint directory at
     ``path`` (every rank calls it; see [Note: sharded checkpoints]); ``meta``: anything else
     to keep with them (rank 0's is written, ``torch.save``d as ``meta.pt``)."""
-    _check_format(engine)
     engine.wait_for_updates()
     path = Path(path)
     rank, names = engine.rank, _param_names(engine)
@@ -68,7 +75,9 @@ def save_sharded(engine, path, meta: dict | None = None) -> None:
         held = optim.scalar_state(chunk, i)
         if held is None:
             continue
-        for key, attr in zip(optim.slot_names(), SLOT_ATTRS):
+        if chunk.storage.fmt.eight_bit:
+            _save_eight_bit(state, optim, chunk, i, index)
+        for key, attr in zip(optim.slot_names() if not chunk.storage.fmt.eight_bit else (), SLOT_ATTRS):
             got = chunk.values.piece(i, getattr(chunk.storage, attr))
             if got is not None and got[1].numel():
                 state[f"optim/{index}/{key}/{got[0]}"] = got[1].detach().to("cpu", copy=True)
@@ -98,6 +107,22 @@ def save_sharded(engine, path, meta: dict | None = None) -> None:
 
 
 _SAVING: set[Path] = set()  # the checkpoint paths this process is saving now
+EIGHT_BIT_KEYS = ("state1", "state2", "absmax1", "absmax2")
+
+
+def _save_eight_bit(state: dict, optim, chunk, i: int, index: int) -> None:
+    """Member ``i``'s piece of its 8-bit moments (bitsandbytes' states and block scales) into
+    ``state``, under the keys of [Note: sharded checkpoints]."""
+    moments = optim.member_moments(chunk, i, optim.quant_places(chunk))
+    if moments is None:
+        return
+    off = chunk.values.state_part(i)[0]
+    cpu = lambda t: t.detach().reshape(-1).to("cpu", copy=True)  # noqa: E731
+    state[f"optim/{index}/state1/{off}"], state[f"optim/{index}/state2/{off}"] = cpu(moments.state1), cpu(moments.state2)
+    if moments.absmax1 is not None:
+        block = off // formats.BLOCK
+        state[f"optim/{index}/absmax1/{block}"], state[f"optim/{index}/absmax2/{block}"] = \
+            cpu(moments.absmax1), cpu(moments.absmax2)
 
 
 # [Note: replacing a checkpoint directory]
@@ -251,7 +276,6 @@ def load_sharded(engine, path, *, model: bool = True, optimizer: bool = True, st
     """Load a sharded checkpoint directory (written at any number of processes) into
     ``engine``'s chunks, one chunk at a time: the weights (``model``) and Adam's state and
     hyper-parameters (``optimizer``). Every rank calls it."""
-    _check_format(engine)
     path = Path(path)
     if engine.rank == 0:
         recover(path)
@@ -260,11 +284,11 @@ def load_sharded(engine, path, *, model: bool = True, optimizer: bool = True, st
         raise FileNotFoundError(f"{path} is not a sharded ProTrain checkpoint (a torch.distributed.checkpoint directory).")
     engine.states.release_device_copies()
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    pieces: dict[str, list[tuple[int, str, int]]] = {}  # prefix -> (offset, key, elements)
+    pieces: dict[str, list[tuple[int, str, int, torch.dtype]]] = {}  # prefix -> (offset, key, elements, dtype)
     for key, md in saved.items():
         head, sep, off = key.rpartition("/")
         if sep and off.isdigit() and hasattr(md, "size"):
-            pieces.setdefault(head, []).append((int(off), key, md.size.numel()))
+            pieces.setdefault(head, []).append((int(off), key, md.size.numel(), md.properties.dtype))
     names = _param_names(engine)
     missing = sorted(n for n in names.values() if f"model/{n}" not in pieces)
     if model and strict and missing:
@@ -276,7 +300,7 @@ def load_sharded(engine, path, *, model: bool = True, optimizer: bool = True, st
         if optimizer:
             for p in chunk.params:
                 if id(p) in index_of:
-                    for key in engine.states.chunk_optimizer.slot_names():
+                    for key in engine.states.chunk_optimizer.slot_names() + EIGHT_BIT_KEYS:
                         prefix = f"optim/{index_of[id(p)]}/{key}"
                         if prefix in pieces:
                             wanted[prefix] = p
@@ -319,17 +343,28 @@ def _load_states(engine, chunk, whole: dict, index_of: dict, path: Path, saved, 
         index = index_of.get(id(p))
         if index is None or not chunk.spec.members[i].trainable:
             continue
+        entry = _saved_moments(whole, index, p.shape, optim.slot_names())
         if scalars is not None:
             present = index in scalars
             optim.load_scalars(chunk, i, scalars.get(index))
         else:
             key = f"optim/{index}/step"
-            present = key in saved and f"optim/{index}/exp_avg" in whole
+            present = key in saved and entry is not None and ("exp_avg" in entry or "state1" in entry)
             if present:
                 steps[i] = key
+        if chunk.storage.fmt.eight_bit:
+            moments = optim.member_moments(chunk, i, optim.quant_places(chunk))
+            if moments is not None:  # this rank's piece (a block boundary)
+                part = chunk.values.state_part(i)
+                formats.load_eight_bit(moments, formats.entry_piece(entry if present else None, part[0], part[2]))
+            chunk.set_adam_state(i, present)
+            continue
+        if entry is not None and "state1" in entry:  # 8-bit moments into another format: their fp32 values
+            entry = formats.to_fp32_adam_entry({**entry, "step": 0, **dict(zip(("qmap1", "qmap2"), formats.qmaps(
+                torch.device("cpu"))))})
         for name, attr in zip(optim.slot_names(), SLOT_ATTRS):
             flat = getattr(chunk.storage, attr)
-            value = whole.get(f"optim/{index}/{name}")
+            value = None if entry is None else entry.get(name)
             dst = chunk.values.state_view(flat, i)
             dst.copy_(chunk.values.own_piece(i, value.view(p.shape)).view(dst.shape)) if value is not None else dst.zero_()
         chunk.set_adam_state(i, present)
@@ -340,22 +375,31 @@ def _load_states(engine, chunk, whole: dict, index_of: dict, path: Path, saved, 
             chunk.storage.steps[i].fill_(float(read[key]))
 
 
+def _saved_moments(whole: dict, index: int, shape, names: tuple[str, ...]) -> dict | None:
+    """Parameter ``index``'s saved states as a state-dict entry, whole: the optimizer's slots
+    (``names``: torch's ``exp_avg``...) or bitsandbytes' ``state1``...; None where the checkpoint
+    has none."""
+    entry = {}
+    for key in dict.fromkeys(names + EIGHT_BIT_KEYS):
+        value = whole.get(f"optim/{index}/{key}")
+        if value is not None:
+            entry[key] = value if key.startswith("absmax") else value.view(shape)
+    return entry or None
+
+
 def _read_whole(engine, path: Path, pieces: dict, wanted: dict) -> dict[str, Tensor]:
-    """Every piece under the ``wanted`` prefixes, assembled into whole flat tensors."""
+    """Every piece under the ``wanted`` prefixes, assembled into whole flat tensors (weights in
+    the master dtype, optimizer states in the dtype they were saved in)."""
     read, whole = {}, {}
     for prefix, p in wanted.items():
-        dtype = engine.precision.master_dtype if prefix.startswith("model/") else _state_dtype(engine, p)
-        whole[prefix] = out = torch.empty(p.numel(), dtype=dtype)
-        for off, key, n in pieces[prefix]:
+        numel = max(off + n for off, _, n, _ in pieces[prefix])  # (a parameter's, or its block scales')
+        dtype = engine.precision.master_dtype if prefix.startswith("model/") else pieces[prefix][0][3]
+        whole[prefix] = out = torch.empty(numel, dtype=dtype)
+        for off, key, n, _ in pieces[prefix]:
             read[key] = out[off:off + n]
     if read:  # every rank reads what it needs on its own: no collective
         _load(read, path)
     return whole
-
-
-def _state_dtype(engine, p) -> torch.dtype:
-    chunk, _ = engine.states.slot_of(p)
-    return chunk.storage.exp_avg.dtype
 
 
 def _read_object(engine, path: Path, key: str):
@@ -397,15 +441,6 @@ def _quiet():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _check_format(engine) -> None:
-    """8-bit moments have block scales a piece of a member does not carry: refused, with the fix."""
-    if any(c.storage.fmt.eight_bit for c in engine.chunks):
-        raise ValueError("A sharded checkpoint holds pieces of each parameter's states, and 8-bit moments "
-                         "(optimizer_state_format='8bit') are quantised per parameter: save a full checkpoint "
-                         "(engine.state_dict() / engine.states.optimizer(), or CheckpointConfig(state_dict_type="
-                         "'full')), which keeps bitsandbytes' format.")
 
 
 def _param_names(engine) -> dict[int, str]:

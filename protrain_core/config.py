@@ -160,8 +160,8 @@ class ProTrainConfig:
     "fp32" as torch keeps them (8 bytes per trainable parameter; bitwise torch AdamW),
     "bf16" in bfloat16 (4 bytes; bitwise ``protrain_core.AdamWBf16Moments``), "8bit" in
     bitsandbytes' block-wise 8-bit format (2.03 bytes; bitwise ``bitsandbytes.optim.AdamW8bit``;
-    needs ``pip install 'lightning-protrain[8bit]'``; sharded over processes at block boundaries,
-    with full checkpoints). The master weights and the gradient accumulator stay fp32."""
+    needs ``pip install 'lightning-protrain[8bit]'``; sharded over processes at block boundaries).
+    The master weights and the gradient accumulator stay fp32."""
 
     frozen_dtype: Literal["int8", "fp8"] | None = None
     """How frozen weight matrices (LoRA's base) are kept on the host and uploaded ([Note:
@@ -169,7 +169,7 @@ class ProTrainConfig:
     (8-bit integers) or "fp8" (float8 e4m3), each with a power-of-two fp32 scale per output
     channel (about 1 byte), dequantised on the device after the upload. The model computes with
     the dequantised weights (``protrain_core.dequantised`` gives the plain-PyTorch reference);
-    norms and biases keep the compute dtype. One process."""
+    norms and biases keep the compute dtype. Sharded over processes as the unquantised span is."""
 
     grad_accumulator: bool | None = None
     """Whether each offloaded (streamed) chunk keeps an fp32 gradient accumulator in host
@@ -205,9 +205,6 @@ class ProTrainConfig:
             raise ValueError(f"ProTrainConfig.optimizer_states must be True or False, got {self.optimizer_states!r}.")
         check_format(self.optimizer_state_format)
         check_frozen_format(self.frozen_dtype)
-        if self.optimizer_state_format == "8bit" and self.checkpoint.state_dict_type == "sharded":
-            raise ValueError("optimizer_state_format='8bit' is saved in full checkpoints only (bitsandbytes' format, per "
-                             "parameter): use CheckpointConfig(state_dict_type='full'), or 'bf16' moments.")
 
     def engine_options(self) -> EngineOptions:
         """What an engine built from this configuration is told."""

@@ -122,7 +122,7 @@ def test_8bit_states_load_back_exactly_into_the_engine_and_into_bitsandbytes():
     assert all(torch.equal(whole[1][k], v) for k, v in plain.state_dict().items())
 
 
-def _eight_bit_ranks(rank, world):
+def _eight_bit_ranks(rank, world, directory):
     """Each plan: DDP with bitsandbytes' AdamW8bit against ProTrain's 8-bit moments sharded over
     the ranks (LoRA-like frozen members in one), their state dicts, and the states loaded back at
     this world size: bitsandbytes' own, and torch AdamW's fp32 state quantised piece by piece."""
@@ -141,6 +141,7 @@ def _eight_bit_ranks(rank, world):
         losses, engine = protrain_run(copy.deepcopy(base), data, plan, optimizer=optimizer,
                                       optimizer_state_format="8bit")
         weights, osd = engine.state_dict(rank0_only=False), engine.states.optimizer(rank0_only=False)
+        engine.save_sharded(f"{directory}/{plan_name}")
         # Pieces of 8-bit and of fp32-moment members on both sides of a rank boundary.
         pieces = [(m, c.storage.shards.state_piece(m)) for c in engine.chunks for m in c.spec.members if m.trainable]
         split = {m.numel >= state_formats.MIN_8BIT for m, part in pieces if part is not None and part[2] != m.numel}
@@ -175,7 +176,7 @@ def test_8bit_moments_sharded_over_two_processes_train_like_ddp_with_adamw8bit(t
     state is quantised as a whole parameter would be."""
     from _distributed import spawn
 
-    results = spawn(_eight_bit_ranks, 2, tmp_path)
+    results = spawn(_eight_bit_ranks, 2, tmp_path, str(tmp_path))
     F = state_formats.bitsandbytes()
     for rank, cases in enumerate(results):
         for case in cases:
@@ -191,6 +192,18 @@ def test_8bit_moments_sharded_over_two_processes_train_like_ddp_with_adamw8bit(t
                 whole = F.quantize_blockwise(entry["exp_avg"].reshape(-1), code=got["qmap1"], blocksize=256)
                 assert torch.equal(got["state1"].reshape(-1), whole[0]) and torch.equal(got["absmax1"], whole[1].absmax)
     assert [case["split"] for case in results[0]] == [{True, False}] * 3
+    # Each plan's sharded checkpoint, written by the two ranks, opens in one process.
+    for (plan_name, frozen), case in zip((("all-persistent", False), ("streamed-buf1", False), ("mixed-buf2", True)),
+                                         results[0]):
+        model = tiny_gpt2()
+        for name, p in model.named_parameters():
+            p.requires_grad_(not (frozen and ("attn.c_attn" in name or "wte" in name)))
+        one = pt.wrap(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
+                                               weight_decay=WD), standard_plans(model)["streamed-buf1"], device="cpu",
+                      config=pt.ProTrainConfig(optimizer_state_format="8bit"))
+        one.load_sharded(tmp_path / plan_name)
+        assert _same_entries(one.states.optimizer(), case["ref_state"]), plan_name
+        assert all(torch.equal(one.state_dict()[k], v) for k, v in case["ref_weights"].items())
 
 
 def test_the_states_open_as_torch_adamw_and_an_fp32_state_loads_into_8bit():
@@ -363,22 +376,34 @@ def test_a_trainer_with_8bit_states_trains_like_bitsandbytes_under_the_default_s
     assert ours[0].losses != fit()[0].losses  # fp32 moments (plain AdamW) train otherwise
 
 
-def test_sharded_checkpoints_keep_bf16_moments_and_refuse_8bit_ones(tmp_path):
+@pytest.mark.parametrize("fmt", ["bf16", "8bit"])
+def test_sharded_checkpoints_keep_the_moments_and_load_across_formats(fmt, tmp_path):
+    """A sharded checkpoint resumes exactly in the same format on another plan; its moments load
+    into fp32 states as a full state dict's do (8-bit: dequantised), and fp32 moments load into
+    this format as a full state dict's do (8-bit: quantised)."""
     base, data = tiny_gpt2(), batches(6)
     plan = standard_plans(base)["mixed-buf2"]
-    whole = run(engine_for(copy.deepcopy(base), "bf16", plan), data)
-    first = engine_for(copy.deepcopy(base), "bf16", plan)
+    whole = run(engine_for(copy.deepcopy(base), fmt, plan), data)
+    first = engine_for(copy.deepcopy(base), fmt, plan)
     train_engine(first, data[:3])
     first.save_sharded(tmp_path / "ckpt")
-    resumed = engine_for(copy.deepcopy(base), "bf16", standard_plans(base)["streamed-buf1"])
+    resumed = engine_for(copy.deepcopy(base), fmt, standard_plans(base)["streamed-buf1"])
     resumed.load_sharded(tmp_path / "ckpt")
+    assert _same_entries(resumed.states.optimizer(), first.states.optimizer())
     tail = run(resumed, data[3:])
     assert_same_runs((whole[0][3:],) + whole[1:], tail)
-    eight = engine_for(copy.deepcopy(base), "8bit", plan)
-    with pytest.raises(ValueError, match="full checkpoint"):
-        eight.save_sharded(tmp_path / "eight")
-    with pytest.raises(ValueError, match="state_dict_type='full'"):
-        pt.ProTrainConfig(optimizer_state_format="8bit", checkpoint={"state_dict_type": "sharded"})
+    as_fp32 = engine_for(copy.deepcopy(base), "fp32", plan)
+    as_fp32.load_sharded(tmp_path / "ckpt")
+    expected = pt.to_fp32_adam_state(first.states.optimizer())
+    for i, entry in as_fp32.states.optimizer()["state"].items():
+        assert all(torch.equal(entry[k], expected["state"][i][k].float()) for k in ("exp_avg", "exp_avg_sq")), i
+    fp32 = engine_for(copy.deepcopy(base), "fp32", plan)
+    train_engine(fp32, data[:3])
+    fp32.save_sharded(tmp_path / "fp32")
+    from_sharded, from_full = (engine_for(copy.deepcopy(base), fmt, plan) for _ in range(2))
+    from_sharded.load_sharded(tmp_path / "fp32")
+    from_full.states.load_optimizer(fp32.states.optimizer())
+    assert _same_entries(from_sharded.states.optimizer(), from_full.states.optimizer())
 
 
 def test_the_state_format_benchmark_reports_bytes_per_parameter_and_trains_each_format():

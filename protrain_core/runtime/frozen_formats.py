@@ -33,8 +33,17 @@ The parity reference is the plain model with each such weight replaced by its ro
 (``dequantised``): bitwise in fp32 compute. At rest (outside forward and backward) a quantised
 member of a streamed chunk has no value in memory: its parameter points at a NaN expanded to
 its shape (as a sharded chunk's do), ``module.state_dict()`` dequantises it for the call
-(runtime/states.py), and the engine's state dicts and ``close`` read the round trip. One
-process only: a rank's piece of a frozen span would cut rows.
+(runtime/states.py), and the engine's state dicts and ``close`` read the round trip.
+
+With ``W`` processes a streamed chunk's frozen span is sharded as it is unquantised ([Note:
+sharded chunks] in sharding.py): rank ``r``'s store holds the 8-bit values of its piece of the
+span (``s_f`` elements from ``r * s_f``), and every row scale and kept member of the chunk
+(replicated: they are a small part of the bytes, and a piece may cut a row). A fetch uploads
+the store and dequantises the rank's piece into its place in the device copy, row by row where
+the piece cuts a member's row; the all-gather of the device copy's frozen span then assembles
+the whole, as it does unquantised. The scales are those of whole rows (quantised where the whole
+member is: at wrap, on a load, from a persistent chunk), so every rank dequantises the values
+one process would, and the run is the plain model with the round trips, across processes too.
 """
 
 from __future__ import annotations
@@ -133,16 +142,18 @@ def dequantised(model: nn.Module, frozen_dtype: str, dtype: torch.dtype | None =
 
 @dataclass(frozen=True)
 class FrozenPlaces:
-    """Where a chunk's frozen members are in its host store (one process; offsets in elements):
-    ``quantised``: (member, offset in the frozen span and in the 8-bit values, rows, offset of
-    its first scale); ``kept``: (member, offset in the frozen span, elements, offset in the kept
-    values)."""
+    """Where a chunk's frozen members are in this rank's host store (offsets in elements):
+    ``quantised``: (member, offset in the frozen span, rows, offset of its first scale);
+    ``kept``: (member, offset in the frozen span, elements, offset in the kept values). The
+    store's 8-bit values are those of the rank's piece of the frozen span, ``piece_numel``
+    elements from ``piece_start`` (the whole span in one process)."""
 
     fmt: str
-    frozen_numel: int  # the 8-bit values: one per element of the frozen span
+    piece_numel: int  # the 8-bit values: one per element of the rank's piece of the frozen span
     quantised: tuple[tuple[int, int, int, int], ...]
     kept: tuple[tuple[int, int, int, int], ...]
     shapes: tuple[tuple[int, ...], ...]  # every member's shape
+    piece_start: int = 0
 
     @property
     def n_scales(self) -> int:
@@ -152,8 +163,14 @@ class FrozenPlaces:
     def kept_numel(self) -> int:
         return sum(n for _, _, n, _ in self.kept)
 
+    @property
+    def whole(self) -> bool:
+        """The store holds every frozen member whole (one process)."""
+        return self.piece_start == 0 and all(off + math.prod(self.shapes[i]) <= self.piece_numel
+                                             for i, off, _, _ in self.quantised)
+
     def _sizes(self, compute_dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
-        return [(self.frozen_numel, torch.uint8), (self.n_scales, torch.float32), (self.kept_numel, compute_dtype)]
+        return [(self.piece_numel, torch.uint8), (self.n_scales, torch.float32), (self.kept_numel, compute_dtype)]
 
     def store_bytes(self, compute_dtype: torch.dtype) -> int:
         return pool_bytes(self._sizes(compute_dtype))
@@ -177,19 +194,35 @@ class FrozenPlaces:
         streamed chunk asks it for every member each time it comes to rest)."""
         return self._entries.get(i)
 
+    def _in_piece(self, off: int, numel: int) -> tuple[int, int] | None:
+        """The elements ``[a, b)`` of a member at ``off`` (of ``numel``) in the rank's piece, in the
+        member's own numbering; None where the piece holds none of it."""
+        a, b = max(off, self.piece_start) - off, min(off + numel, self.piece_start + self.piece_numel) - off
+        return (a, b) if a < b else None
+
     def write(self, i: int, value: Tensor, store: Tensor, compute_dtype: torch.dtype) -> None:
-        """Member ``i``'s ``value`` into the store (quantised from the compute dtype)."""
+        """Member ``i``'s whole ``value`` into the store (quantised from the compute dtype): its
+        scales, its values in the rank's piece, a kept member whole."""
         q, scales, kept = self.views(store, compute_dtype)
         is_q, (_, off, n, at) = self.entry(i)
         value = value.detach().to(device=store.device, dtype=compute_dtype)
-        if is_q:
-            numel = math.prod(self.shapes[i])
-            quantise_into(value, self.fmt, q[off:off + numel], scales[at:at + n])
-        else:
+        if not is_q:
             kept[at:at + n].copy_(value.reshape(-1))
+            return
+        numel, span = math.prod(self.shapes[i]), self._in_piece(off, value.numel())
+        base = off - self.piece_start
+        if span == (0, numel):  # whole in the piece: quantised in place
+            quantise_into(value, self.fmt, q[base:base + numel], scales[at:at + n])
+            return
+        whole = torch.empty(numel, dtype=q.dtype, device=store.device)
+        quantise_into(value, self.fmt, whole, scales[at:at + n])
+        if span is not None:
+            q[base + span[0]:base + span[1]].copy_(whole[span[0]:span[1]])
 
     def read(self, i: int, store: Tensor, compute_dtype: torch.dtype) -> Tensor:
-        """Member ``i``'s value (the round trip of a quantised one, a new tensor), shaped."""
+        """Member ``i``'s value (the round trip of a quantised one, a new tensor), shaped (one
+        process: the store holds it whole)."""
+        assert self.whole, "a rank's store holds a piece of the frozen span: piece_values()"
         q, scales, kept = self.views(store, compute_dtype)
         is_q, (_, off, n, at) = self.entry(i)
         if not is_q:
@@ -198,31 +231,62 @@ class FrozenPlaces:
         dequantise_into(out, q[off:off + out.numel()], scales[at:at + n])
         return out
 
-    def unpack(self, store: Tensor, device_copy: Tensor) -> None:
-        """Every frozen member from ``store`` into its place in ``device_copy`` (the layout's
-        offsets: the frozen span comes first)."""
-        q, scales, kept = self.views(store, device_copy.dtype)
+    def unpack(self, store: Tensor, piece: Tensor) -> None:
+        """The rank's piece of every frozen member from ``store`` into ``piece`` (the frozen
+        span's elements ``[piece_start, piece_start + piece_numel)``: a device copy's place for
+        them, or a tensor of its own)."""
+        q, scales, kept = self.views(store, piece.dtype)
         for i, off, rows, at in self.quantised:
             numel = math.prod(self.shapes[i])
-            dequantise_into(device_copy[off:off + numel].view(rows, -1), q[off:off + numel], scales[at:at + rows])
-        for _, off, n, at in self.kept:
-            device_copy[off:off + n].copy_(kept[at:at + n])
+            span = self._in_piece(off, numel)
+            if span is None:
+                continue
+            base = off - self.piece_start
+            a, b = span
+            _dequantise_rows(piece[base + a:base + b], q[base + a:base + b], scales[at:at + rows], a, numel // rows)
+        for i, off, n, at in self.kept:
+            span = self._in_piece(off, n)
+            if span is not None:
+                base, (a, b) = off - self.piece_start, span
+                piece[base + a:base + b].copy_(kept[at + a:at + b])
 
     def pack(self, device_copy: Tensor, store: Tensor) -> None:
-        """The inverse of ``unpack``: ``device_copy``'s frozen members (round trips already, so
-        the bytes come back: see the Note) into ``store``."""
-        q, scales, kept = self.views(store, device_copy.dtype)
-        for i, off, rows, at in self.quantised:
-            numel = math.prod(self.shapes[i])
-            quantise_into(device_copy[off:off + numel].view(rows, -1), self.fmt, q[off:off + numel],
-                          scales[at:at + rows])
-        for _, off, n, at in self.kept:
-            kept[at:at + n].copy_(device_copy[off:off + n])
+        """The inverse of ``unpack`` from a whole frozen span (``device_copy``: a persistent
+        chunk's; round trips already, so the bytes come back: see the Note) into ``store``."""
+        for i, off, _, _ in self.quantised + self.kept:
+            self.write(i, device_copy[off:off + math.prod(self.shapes[i])].view(self.shapes[i]), store,
+                       device_copy.dtype)
 
 
-def frozen_places(members, frozen_numel: int, fmt: str | None) -> FrozenPlaces | None:
+def _dequantise_rows(dst: Tensor, q: Tensor, scales: Tensor, first: int, row: int) -> None:
+    """``dst`` = ``q`` times each element's row scale, for the elements ``[first, first + len)`` of
+    a member whose rows have ``row`` elements (``scales``: all of its rows): whole rows in one
+    pass, a cut row at either end on its own (the same products as ``dequantise_into``)."""
+    n = dst.numel()
+    head = min(n, (-first) % row)  # the end of a row cut at the start
+    r = -(-first // row)  # the first whole row
+    if head:
+        _dequantise_cut(dst[:head], q[:head], scales[r - 1:r])
+    whole = (n - head) // row
+    if whole:
+        dequantise_into(dst[head:head + whole * row].view(whole, row), q[head:head + whole * row],
+                        scales[r:r + whole])
+    tail = head + whole * row
+    if tail < n:
+        _dequantise_cut(dst[tail:], q[tail:], scales[r + whole:r + whole + 1])
+
+
+def _dequantise_cut(dst: Tensor, q: Tensor, scale: Tensor) -> None:
+    dst.copy_(q)
+    dst.mul_(scale)
+
+
+def frozen_places(members, frozen_numel: int, fmt: str | None, *, piece: tuple[int, int] | None = None
+                  ) -> FrozenPlaces | None:
     """The places of a chunk's frozen members (``members``: its ``ParamSlot``s) in format ``fmt``;
-    None where nothing is quantised (no format, or no frozen weight matrix in the chunk)."""
+    None where nothing is quantised (no format, or no frozen weight matrix in the chunk).
+    ``piece`` (start, elements): this rank's piece of the frozen span (default: all
+    ``frozen_numel`` elements)."""
     if fmt is None or not any(not m.trainable and quantises(m.shape) for m in members):
         return None
     quantised, kept, scales, rest = [], [], 0, 0
@@ -235,4 +299,5 @@ def frozen_places(members, frozen_numel: int, fmt: str | None) -> FrozenPlaces |
         else:
             kept.append((i, m.offset, m.numel, rest))
             rest += m.numel
-    return FrozenPlaces(fmt, frozen_numel, tuple(quantised), tuple(kept), tuple(tuple(m.shape) for m in members))
+    start, numel = piece or (0, frozen_numel)
+    return FrozenPlaces(fmt, numel, tuple(quantised), tuple(kept), tuple(tuple(m.shape) for m in members), start)

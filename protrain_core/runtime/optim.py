@@ -273,14 +273,13 @@ class ChunkOptimizer:
                 continue
             m1, m2 = gathered[0][i], gathered[1][i]
             if m.numel >= formats.MIN_8BIT:
-                first, n = storage.shards.span_offset(m) // formats.BLOCK, -(-m.numel // formats.BLOCK)
+                first, n = values.span_offset(i) // formats.BLOCK, -(-m.numel // formats.BLOCK)
                 out.append(formats.MemberMoments(m1, m2, absmax[0][first:first + n], absmax[1][first:first + n]))
                 continue
             small = [torch.empty(m.numel, dtype=torch.float32, device=storage.device) for _ in range(2)]
             for r, places in enumerate(ranks):
-                part = ShardLayout(storage.fmt, r).state_piece(m)
                 if places.wide[i] is not None:
-                    off, _, n = part
+                    off, _, n = values.state_part(i, r)
                     for k in range(2):
                         at = r * wide + places.wide[i]
                         small[k][off:off + n].copy_(wides[k][at:at + n])
@@ -392,7 +391,7 @@ class ChunkOptimizer:
                 continue  # frozen parameter: torch keeps no state for it either
             entry = states.get(index)
             if chunk.storage.fmt.eight_bit:
-                part = chunk.storage.shards.state_piece(chunk.spec.members[i])
+                part = chunk.values.state_part(i)
                 moments = self.member_moments(chunk, i, self.quant_places(chunk))
                 with torch.no_grad():
                     if moments is not None:  # this rank's piece of the entry (a block boundary)

@@ -60,7 +60,7 @@ from protrain_core.runtime.frozen_formats import FrozenPlaces, frozen_places
 from protrain_core.runtime.host_pool import HostPool
 from protrain_core.runtime.sharding import Sharding, piece
 from protrain_core.runtime.state_formats import BLOCK, moment_dtype, quant_places, small_numel
-from protrain_core.structure.layout import ChunkLayout, ParamSlot, align
+from protrain_core.structure.layout import ALIGN, ChunkLayout, ParamSlot, align
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +83,8 @@ class ChunkFormat:
     wide_numel: int = 0
     # Frozen weight matrices in 8 bits on the host ([Note: quantised frozen chunks] in
     # frozen_formats.py): "int8" or "fp8" (None: the compute dtype); ``store_bytes`` of the host
-    # store that holds the frozen span then (its 8-bit values, scales and kept members).
+    # store that holds the frozen span then (the 8-bit values of this rank's piece of it, every
+    # scale and kept member).
     frozen_format: str | None = None
     store_bytes: int = 0
     # Streamed, the chunk keeps its gradient accumulator in host memory (False: the CPU worker
@@ -98,7 +99,7 @@ class ChunkFormat:
         assert self.adam_states in (0, 1, 2, 3) and self.world_size >= 1
         assert self.trainable_numel or not self.adam_states, "a chunk with no trainable member has no Adam state"
         assert self.state_format == "8bit" or not self.wide_numel
-        assert (self.frozen_format is None) == (self.store_bytes == 0) and (self.world_size == 1 or not self.store_bytes)
+        assert (self.frozen_format is None) == (self.store_bytes == 0)
 
     @property
     def trains(self) -> bool:
@@ -137,11 +138,10 @@ class ChunkFormat:
     @property
     def state_numel(self) -> int:
         """s_t: elements of this rank's shard of the master, accumulator and Adam states (with
-        ``W`` processes and 8-bit moments a multiple of their block, so that every rank's piece
-        of a member starts at a block boundary: [Note: optimizer-state formats])."""
-        if self.eight_bit and self.world_size > 1:
-            return -(-self.trainable_numel // (self.world_size * BLOCK)) * BLOCK
-        return self._shard(self.trainable_numel)
+        8-bit moments a multiple of their block, so that every rank's piece of a member starts
+        at a block boundary: [Note: optimizer-state formats])."""
+        unit = BLOCK if self.eight_bit else ALIGN
+        return -(-self.trainable_numel // (self.world_size * unit)) * unit
 
     @property
     def shard_numel(self) -> int:
@@ -290,12 +290,17 @@ class ShardLayout:
             return (0, min(start, shard), 0) if self.rank == 0 else None
         return piece(start, numel, shard, self.rank)
 
+    def frozen_piece(self, m: ParamSlot) -> tuple[int, int, int] | None:
+        """Frozen member ``m``'s piece in this rank's piece of the frozen span (a quantised
+        chunk's too, whose host copy does not hold it)."""
+        return self._piece(m.offset, m.numel, self.fmt.frozen_shard)
+
     def host_piece(self, m: ParamSlot) -> tuple[int, int, int] | None:
         """Member ``m``'s piece in this rank's shard of the compute copy (a streamed chunk's host
         copy: ``[frozen piece | trainable piece]``)."""
         fmt = self.fmt
         if not m.trainable:
-            return None if fmt.quantised else self._piece(m.offset, m.numel, fmt.frozen_shard)
+            return None if fmt.quantised else self.frozen_piece(m)
         part = self.state_piece(m)
         return None if part is None else (part[0], fmt.host_copy_numel - fmt.state_numel + part[1], part[2])
 
@@ -428,10 +433,6 @@ class ChunkStorage:
             self.persistent = True
             self._allocate_persistent()
             self._restore(old, copy)
-            if old["store"] is not None:  # uploaded, then dequantised on the compute stream (which waits for it)
-                staging = torch.empty_like(old["store"], device=self.device)
-                (copy or _copy_now)(staging, old["store"])
-                self.frozen.unpack(staging, self.device_copy)
             self.frozen_store = None
         if keep_host:
             self.spare_pool = self.pool
@@ -472,6 +473,10 @@ class ChunkStorage:
         if self.persistent:  # from the host shard: uploaded, then gathered (W processes)
             for host, device in self.shard_places(old["compute"]):
                 copy(device, host)
+            if old["store"] is not None:  # uploaded, then dequantised on the compute stream (which waits for it)
+                staging = torch.empty_like(old["store"], device=self.device)
+                copy(staging, old["store"])
+                self.frozen.unpack(staging, self.frozen_piece(self.device_copy))
             if self.sharding is not None:
                 self.gather_spans()
         else:  # the rank's pieces of the gathered copy
@@ -545,10 +550,23 @@ class ChunkStorage:
         into the device copy by kernels on the same (upload) stream; the event to wait on."""
         staging = torch.empty(self.fmt.store_bytes, dtype=torch.uint8, device=self.device)
         ctx.copy_async(staging, self.frozen_store, stream=ctx.h2d_stream, span=("host->device", label))
-        event = ctx.run_on(ctx.h2d_stream, lambda: self.frozen.unpack(staging, self.device_copy),
+        event = ctx.run_on(ctx.h2d_stream, lambda: self.frozen.unpack(staging, self.frozen_piece(self.device_copy)),
                            span=("compute", f"{label}: dequantise (upload stream)"))
         ctx.record_stream(staging, ctx.h2d_stream)  # freed in stream order, after the dequantisation
         return event
+
+    def frozen_piece(self, device_copy: Tensor) -> Tensor:
+        """This rank's piece of the frozen span in a gathered ``device_copy`` (a quantised chunk's
+        store dequantises into it; all of the span in one process)."""
+        start = self.frozen.piece_start
+        return device_copy[start:start + self.frozen.piece_numel]
+
+    def piece_values(self) -> Tensor:
+        """This rank's piece of a streamed quantised chunk's frozen span, dequantised from its
+        host store (a new tensor, in the compute dtype, on the host)."""
+        out = torch.zeros(self.frozen.piece_numel, dtype=self.fmt.compute_dtype, device=self.frozen_store.device)
+        self.frozen.unpack(self.frozen_store, out)
+        return out
 
     def gather_spans(self) -> None:
         """All-gather the device copy's frozen and trainable spans in place (each rank's pieces
@@ -625,7 +643,7 @@ def chunk_formats(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Ch
     formats = []
     for spec in layout.chunks:
         trains = optimizer_states and any(m.trainable and id(params[m.name]) in optimized for m in spec.members)
-        frozen = frozen_places_of(spec, frozen_format)
+        frozen = frozen_places_of(spec, frozen_format, world_size)
         formats.append(ChunkFormat(
             numel=layout.chunk_size, compute_dtype=precision.compute_dtype, master_dtype=precision.master_dtype,
             trainable_start=spec.trainable_start if spec.trainable_numel else 0,
@@ -638,11 +656,13 @@ def chunk_formats(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Ch
     return formats
 
 
-def frozen_places_of(spec, frozen_format: str | None) -> FrozenPlaces | None:
-    """Where ``spec``'s frozen members are in its host store in ``frozen_format`` (None: not
-    quantised)."""
+def frozen_places_of(spec, frozen_format: str | None, world_size: int = 1, rank: int = 0) -> FrozenPlaces | None:
+    """Where ``spec``'s frozen members are in rank ``rank``'s host store in ``frozen_format``
+    (None: not quantised): the 8-bit values of its piece of the frozen span (``s_f`` elements
+    from ``rank * s_f``: [Note: quantised frozen chunks] in frozen_formats.py)."""
     frozen_numel = spec.trainable_start if spec.trainable_numel else spec.capacity
-    return frozen_places(spec.members, align(frozen_numel), frozen_format)
+    shard = align(-(-frozen_numel // world_size))
+    return frozen_places(spec.members, frozen_numel, frozen_format, piece=(rank * shard, shard))
 
 
 def trainable_numels(spec) -> list[int | None]:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from protrain_core.runtime.frozen_formats import round_trip
-from protrain_core.runtime.storage import ChunkStorage
+from protrain_core.runtime.storage import ChunkStorage, ShardLayout
 from protrain_core.structure.layout import ChunkSpec, ParamSlot
 
 
@@ -90,6 +90,16 @@ class ChunkValues:
         start = self.storage.shards.span_offset(m)
         return flat[start : start + m.numel].view(m.shape)
 
+    def state_part(self, i: int, rank: int | None = None) -> tuple[int, int, int] | None:
+        """Member ``i``'s piece of a shard of the trainable span (``ShardLayout.state_piece``):
+        this rank's, or ``rank``'s."""
+        shards = self.storage.shards if rank is None else ShardLayout(self.storage.fmt, rank)
+        return shards.state_piece(self.spec.members[i])
+
+    def span_offset(self, i: int) -> int:
+        """Member ``i``'s offset in the whole trainable span."""
+        return self.storage.shards.span_offset(self.spec.members[i])
+
     def state_view(self, flat: Tensor, i: int) -> Tensor:
         """Member ``i`` (a trainable one) in a tensor of this rank's shard of the trainable span:
         the master, the accumulator, an optimizer state ([Note: chunk storage]). The piece this
@@ -126,8 +136,14 @@ class ChunkValues:
             return part[0], self.state_view(storage.master if flat is None else flat, i).reshape(-1)
         if flat is not None:
             return None
-        if self._in_store(i):  # one process: the whole member, from the host store
-            return 0, self.member_value(i).reshape(-1)
+        if self._in_store(i):  # from the host store: the whole member (one process), or its piece
+            if storage.shards.whole:
+                return 0, self.member_value(i).reshape(-1)
+            part = storage.shards.frozen_piece(m)
+            if part is None:
+                return None
+            off, at, n = part
+            return off, storage.piece_values()[at:at + n]
         # A frozen member: the piece of the frozen span this rank owns (of the whole device copy
         # of a persistent chunk, where it is replicated, or of the host shard of a streamed one).
         part = storage.shards.host_piece(m)
@@ -200,7 +216,8 @@ class ChunkValues:
         frozen = None
         if tensor_of is None and fmt.frozen_numel and any(not m.trainable for m in self.members):
             frozen = storage.device_copy[:fmt.trainable_device_start] if storage.persistent else \
-                gather_shard(storage, storage.host_copy[:fmt.frozen_shard])
+                gather_shard(storage, storage.piece_values() if storage.frozen is not None else
+                             storage.host_copy[:fmt.frozen_shard])
         out = []
         for i, m in enumerate(self.members):
             if m.trainable and trainable is not None:
