@@ -47,12 +47,14 @@ def bytes_rows() -> list[dict]:
         layout = pt.build_layout(model, path, len(blocks))
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
         frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-        for fmt in FORMATS:
-            formats = chunk_formats(model, opt, layout, pt.Precision.BF16_MIXED, frozen_format=fmt)
-            upload = sum(f.frozen_upload_bytes for f in formats)
-            rows.append({"model": name, "format": fmt or "bf16", "frozen_params": frozen,
-                         "upload_bytes_per_frozen": upload / frozen, "upload_bytes_per_step": 2 * upload,
-                         "host_bytes": sum(f.streamed_host_bytes for f in formats)})
+        for world in (1, 2):  # per rank: each keeps and uploads its piece of every frozen span
+            for fmt in FORMATS:
+                formats = chunk_formats(model, opt, layout, pt.Precision.BF16_MIXED, frozen_format=fmt,
+                                        world_size=world)
+                upload = sum(f.frozen_upload_bytes for f in formats)
+                rows.append({"model": name, "format": fmt or "bf16", "ranks": world, "frozen_params": frozen,
+                             "upload_bytes_per_frozen": upload / frozen, "upload_bytes_per_step": 2 * upload,
+                             "host_bytes": sum(f.streamed_host_bytes for f in formats)})
     return rows
 
 
@@ -89,9 +91,11 @@ def training_rows(steps: int) -> list[dict]:
 
 
 def markdown(result: dict) -> str:
-    lines = ["| model (LoRA r 16, all streamed) | frozen base | frozen parameters | upload B per frozen parameter | "
-             "uploads per step (forward + backward) | host bytes |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['format']} | {r['frozen_params'] / 1e9:.2f} B | {r['upload_bytes_per_frozen']:.3f} | "
+    lines = ["| model (LoRA r 16, all streamed) | frozen base | ranks | frozen parameters | upload B per frozen "
+             "parameter (per rank) | uploads per step per rank (forward + backward) | host bytes per rank |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['format']} | {r.get('ranks', 1)} | {r['frozen_params'] / 1e9:.2f} B | "
+              f"{r['upload_bytes_per_frozen']:.3f} | "
               f"{r['upload_bytes_per_step'] / 2**30:.1f} GiB | {r['host_bytes'] / 2**30:.1f} GiB |" for r in result["bytes"]]
     from benchmarks.bench_simulator import markdown as simulated
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 import protrain_core as pt
+from protrain_core.runtime.state_formats import block_aligned
 from protrain_core.runtime.storage import chunk_formats
 
 FORMATS = ("fp32", "bf16", "8bit")
@@ -59,11 +60,14 @@ def _llama(hidden, inter, layers, heads, kv, vocab, device="meta"):
         return LlamaForCausalLM(cfg)
 
 
-def host_bytes(model, fmt: str, accumulator: bool = True) -> tuple[int, int]:
-    """(host bytes of every chunk streamed, trainable parameters) in bf16-mixed."""
+def host_bytes(model, fmt: str, accumulator: bool = True, world_size: int = 1) -> tuple[int, int]:
+    """(host bytes of every chunk streamed, on one rank of ``world_size``; trainable parameters)
+    in bf16-mixed, with the layout ``wrap`` builds for ``fmt``."""
     opt = torch.optim.AdamW(model.parameters())
-    layout = pt.build_layout(model, *(lambda path, blocks: (path, len(blocks)))(*pt.find_blocks(model)))
-    formats = chunk_formats(model, opt, layout, pt.Precision.BF16_MIXED, state_format=fmt, accumulator=accumulator)
+    layout = pt.build_layout(model, *(lambda path, blocks: (path, len(blocks)))(*pt.find_blocks(model)),
+                             block_aligned=block_aligned(fmt))
+    formats = chunk_formats(model, opt, layout, pt.Precision.BF16_MIXED, state_format=fmt, accumulator=accumulator,
+                            world_size=world_size)
     return sum(f.streamed_host_bytes for f in formats), sum(p.numel() for p in model.parameters())
 
 
