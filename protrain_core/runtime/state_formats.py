@@ -154,7 +154,7 @@ def quant_places(members: list[tuple[int, tuple[int, int, int] | None] | None], 
     blocks, wide, nw = [], [], 0
     for member in members:
         numel, part = member if member is not None else (0, None)
-        if part is None or not part[2]:
+        if part is None:
             blocks.append(None)
             wide.append(None)
         elif numel < MIN_8BIT:
