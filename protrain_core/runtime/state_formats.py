@@ -143,14 +143,11 @@ class QuantPlaces:
 
     blocks: tuple[tuple[int, int] | None, ...]
     wide: tuple[int | None, ...]
-    n_blocks: int
-    wide_numel: int
 
 
-def quant_places(members: list[tuple[int, tuple[int, int, int] | None] | None], state_numel: int) -> QuantPlaces:
+def quant_places(members: list[tuple[int, tuple[int, int, int] | None] | None]) -> QuantPlaces:
     """The places of a chunk's members on one rank: ``members[j]`` is None for a frozen member,
-    else (its elements, its piece on the rank: ``ShardLayout.state_piece``); ``state_numel`` the
-    rank's shard of the trainable span."""
+    else (its elements, its piece on the rank: ``ShardLayout.state_piece``)."""
     blocks, wide, nw = [], [], 0
     for member in members:
         numel, part = member if member is not None else (0, None)
@@ -165,7 +162,7 @@ def quant_places(members: list[tuple[int, tuple[int, int, int] | None] | None], 
             assert part[1] % BLOCK == 0, "an 8-bit member's piece starts at a block boundary (block_aligned)"
             blocks.append((part[1] // BLOCK, math.ceil(part[2] / BLOCK)))
             wide.append(None)
-    return QuantPlaces(tuple(blocks), tuple(wide), math.ceil(state_numel / BLOCK), nw)
+    return QuantPlaces(tuple(blocks), tuple(wide))
 
 
 def small_numel(numels: list[int | None]) -> int:

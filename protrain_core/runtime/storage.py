@@ -105,8 +105,8 @@ class ChunkFormat:
     def trains(self) -> bool:
         return self.trainable_numel > 0
 
-    def _shard(self, n: int) -> int:
-        return align(-(-n // self.world_size))
+    def _shard(self, n: int, unit: int = ALIGN) -> int:
+        return align(-(-n // self.world_size), unit)
 
     @property
     def quant_blocks(self) -> int:
@@ -140,8 +140,7 @@ class ChunkFormat:
         """s_t: elements of this rank's shard of the master, accumulator and Adam states (with
         8-bit moments a multiple of their block, so that every rank's piece of a member starts
         at a block boundary: [Note: optimizer-state formats])."""
-        unit = BLOCK if self.eight_bit else ALIGN
-        return -(-self.trainable_numel // (self.world_size * unit)) * unit
+        return self._shard(self.trainable_numel, BLOCK if self.eight_bit else ALIGN)
 
     @property
     def shard_numel(self) -> int:
@@ -673,5 +672,4 @@ def trainable_numels(spec) -> list[int | None]:
 def rank_quant_places(spec, shards: ShardLayout):
     """Where ``spec``'s members keep their 8-bit block scales and small fp32 moments on the
     rank of ``shards`` (``state_formats.quant_places``)."""
-    return quant_places([(m.numel, shards.state_piece(m)) if m.trainable else None for m in spec.members],
-                        shards.fmt.state_numel)
+    return quant_places([(m.numel, shards.state_piece(m)) if m.trainable else None for m in spec.members])

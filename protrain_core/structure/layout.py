@@ -34,12 +34,8 @@ ALIGN = 16
 _GRID_STEPS = 128
 
 
-def align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def _aligned_to(offset: int, block: int) -> int:
-    return (offset + block - 1) // block * block
+def align(n: int, unit: int = ALIGN) -> int:
+    return (n + unit - 1) // unit * unit
 
 
 def _alignment_bound(params, block_aligned: tuple[int, int] | None) -> int:
@@ -237,7 +233,7 @@ def build_layout(
         for name, p in sorted(params, key=lambda np: np[1].requires_grad):  # stable: frozen first, then trainable
             if block_aligned is not None and p.requires_grad and (
                     p.numel() >= block_aligned[1] or not any(m.trainable for m in members)):
-                offset = _aligned_to(offset, block_aligned[0])
+                offset = align(offset, block_aligned[0])
             members.append(ParamSlot(name=name, offset=offset, numel=p.numel(), shape=tuple(p.shape),
                                      trainable=p.requires_grad))
             offset += align(p.numel())
