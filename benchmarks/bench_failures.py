@@ -28,6 +28,7 @@ def run(case: str, limit: float = 300.0, env: dict | None = None) -> dict:
     processes are killed after ``limit`` seconds (``timed_out``)."""
     out = Path(tempfile.mkdtemp(prefix=f"protrain-{case}-"))
     start = time.time()
+    env = {**(os.environ if env is None else env), "PYTHONFAULTHANDLER": "1"}  # SIGABRT prints every thread's stack
     proc = subprocess.Popen([sys.executable, str(SCRIPT), case, str(out)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
     sigint, timed_out = None, False
@@ -39,9 +40,14 @@ def run(case: str, limit: float = 300.0, env: dict | None = None) -> dict:
             os.killpg(proc.pid, signal.SIGINT)
     try:
         output, _ = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, timed_out = proc.communicate()[0] + f"\n(killed after {limit:.0f} s)", True
+    except subprocess.TimeoutExpired:  # where each process hangs (faulthandler), then the end
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            output = proc.communicate(timeout=10)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output = proc.communicate()[0]
+        output, timed_out = output + f"\n(killed after {limit:.0f} s)", True
     stamps = {f.name: float(f.read_text()) for f in out.iterdir() if f.name.startswith(("failed", "ended")) and not f.name.endswith(".tmp")}
     shutil.rmtree(out, ignore_errors=True)
     failed = [v for k, v in stamps.items() if k.startswith("failed")]

@@ -912,7 +912,7 @@ def test_a_failure_on_one_rank_ends_every_process_with_the_users_error(case, pri
 
     result = run(case, limit=120, env={**os.environ, "PROTRAIN_CACHE_DIR": str(tmp_path / "cache")})
     output = result["output"]
-    assert not result["timed_out"], f"{case}: the processes did not end within the time limit:\n{output[-4000:]}"
+    assert not result["timed_out"], f"{case}: the processes did not end within the time limit:\n{output[-12000:]}"
     assert result["returncode"] != 0
     for text in printed:
         assert text in output, (text, output[-4000:])

@@ -8,6 +8,7 @@ Every process must end within seconds of the failure and the user's error must b
 
 import errno
 import os
+import signal
 import sys
 import time
 
@@ -27,6 +28,11 @@ def main(case: str, out: str) -> None:
     import lightning.pytorch as pl
 
     rank = os.environ.get("LOCAL_RANK", "0")
+    # ctrl-C in a terminal reaches Python's own handler (Lightning runs this script again for rank
+    # 1). A test run started in the background by a shell without job control (``cmd &`` in a
+    # script, CI) passes SIGINT on ignored, and Python then leaves it ignored: the interrupt case
+    # would train on, uninterrupted, until the harness kills it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def stamp(what: str) -> None:  # when this process met the failure, and when it ended
         # Written aside and renamed: a process killed mid-write (Lightning's launcher ends the

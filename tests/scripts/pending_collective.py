@@ -9,6 +9,7 @@ killed, so that the collective can never complete.
 """
 
 import os
+import signal
 import sys
 import time
 
@@ -21,6 +22,10 @@ from protrain_core.runtime.sharding import Sharding
 
 
 def main(rank: int, port: str, out: str, kind: str) -> None:
+    # ctrl-C in a terminal reaches Python's own handler. A test run started in the background by a
+    # shell without job control (``cmd &`` in a script, CI) passes SIGINT on ignored, and Python
+    # then leaves it ignored: the signal would never arrive.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     if rank == 1:
         time.sleep(600)
