@@ -130,6 +130,63 @@ def test_cpu_worker_threads_follow_the_cores_the_process_owns(monkeypatch):
         torch.set_num_threads(main)  # ... but the count new threads start with is torch's global: restore it
 
 
+def _probe_workers(monkeypatch, ctx) -> list:
+    """(threads asked for, intra-op threads its jobs run with) of each CPU worker the hardware
+    probe of ``ctx`` makes."""
+    made, real = [], ctx.worker
+
+    def worker(threaded, threads=None):
+        pool = real(threaded, threads)
+        made.append((threads, pool.submit(torch.get_num_threads).result()))
+        return pool
+
+    monkeypatch.setattr(ctx, "worker", worker)
+    return made
+
+
+def test_the_cpu_adam_probe_asks_for_the_engines_worker_threads(monkeypatch):
+    """[Note: CPU Adam threads]: the profiler times CPU Adam on a worker with the engine's thread
+    count for the same number of processes (``cpu_worker_threads``), not on the process's own
+    count (torchrun's 1). On a CPU device the count is None for both; here the decision is
+    replaced to see that the probe asks it, with the world size it plans for."""
+    from protrain_core.profiler import hardware
+    from protrain_core.runtime import worker as worker_module
+    from protrain_core.runtime.device import DeviceContext
+
+    asked = []
+
+    def decided(ctx, world=1):
+        asked.append(world)
+        return 1, "one thread (the test's)"
+
+    monkeypatch.setattr(hardware, "cpu_worker_threads", decided)
+    monkeypatch.setattr(worker_module, "cpu_worker_threads", decided)
+    ctx = DeviceContext(torch.device("cpu"))
+    made = _probe_workers(monkeypatch, ctx)
+    hardware.probe_hardware(ctx, 4096, pt.Precision.FP32)
+    assert asked == [1] and [threads for threads, _ in made] == [1]
+    monkeypatch.setenv("PROTRAIN_CPU_ADAM_THREAD", "1")  # the engine's threaded worker asks the same
+    model = tiny_gpt2()
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), pt.Plan(n_persist=0, n_buffer=2),
+                     device="cpu")
+    try:
+        assert asked == [1, 1] and "CPU worker: 1 thread (one thread (the test's))" in engine.summary()
+    finally:
+        engine.close()
+
+
+@pytest.mark.cuda
+def test_the_cpu_adam_probe_runs_on_the_engines_worker_threads(monkeypatch):
+    from protrain_core.profiler import hardware
+    from protrain_core.runtime.device import DeviceContext, worker_threads
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    ctx = DeviceContext(torch.device("cuda"))
+    made = _probe_workers(monkeypatch, ctx)
+    hardware.probe_hardware(ctx, 2**16, pt.Precision.BF16_MIXED)
+    assert made == [(worker_threads(1)[0], worker_threads(1)[0])]
+
+
 def test_summary_says_where_the_cpu_adam_runs(monkeypatch):
     model = tiny_gpt2()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from protrain_core.plan import PlanLimits
 
-PROFILE_VERSION = 10
+PROFILE_VERSION = 11  # 11: the CPU Adam probe runs on the worker's threads (CUDA)
 
 
 class ProfileVersionError(ValueError):

@@ -13,7 +13,7 @@ import torch
 
 from protrain_core.planner.profiles import Hardware
 from protrain_core.precision import Precision
-from protrain_core.runtime.device import DeviceContext, as_context
+from protrain_core.runtime.device import DeviceContext, as_context, cpu_worker_threads
 from protrain_core.runtime.frozen_formats import dequantise_into, quantised_dtype
 from protrain_core.runtime.options import RuntimeConfig
 from protrain_core.runtime.state_formats import moment_step
@@ -46,11 +46,11 @@ def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, preci
     ``sharding``, a chunk's all-gather and reduce-scatter: every rank must call it).
 
     Asynchronous devices: host buffer (pinned on CUDA) <-> device buffer on the copy streams;
-    CPU Adam on host tensors on the CPU worker, with the runtime's landing of low-precision
-    gradients into the fp32 accumulator and the compute-dtype copy back in mixed precision;
-    device Adam on device tensors. CPU device: the "copies" are what the runtime does there too,
-    memory copies between two host tensors, and the persistent chunks' Adam is the same CPU
-    kernel. ``switches``: the engine's (pinned host memory, the one-pass kernel). ``state_format``:
+    CPU Adam on host tensors on a CPU worker with the engine's thread count, with the runtime's
+    landing of low-precision gradients into the fp32 accumulator and the compute-dtype copy back
+    in mixed precision; device Adam on device tensors. CPU device: the "copies" are what the
+    runtime does there too, memory copies between two host tensors, and the persistent chunks'
+    Adam is the same CPU kernel. ``switches``: the engine's (pinned host memory, the one-pass kernel). ``state_format``:
     the Adam moments' format, which the updates are timed in ([Note: optimizer-state formats]);
     ``frozen_format``: frozen weights kept in 8 bits, whose dequantisation after an upload is timed
     on the device ([Note: quantised frozen chunks])."""
@@ -75,7 +75,7 @@ def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, preci
         d2h = nbytes / _median_time(ctx, lambda: host.copy_(torch.zeros(n, dtype=cdt)), sync)
     del host, dev
     mixed = precision.is_mixed
-    worker = ctx.worker(ctx.asynchronous)
+    worker = ctx.worker(ctx.asynchronous, cpu_worker_threads(ctx, sharding.world if sharding else 1)[0])
     try:
         cpu_rate, land_rate, pass_rate = _adam_rate(ctx, n, ctx.host, cdt if mixed else None,
                                                     lambda fn: worker.submit(fn).result(), parts=True,

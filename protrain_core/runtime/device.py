@@ -401,3 +401,16 @@ def worker_threads(local_processes: int) -> tuple[int, str]:
         share = max(1, total // max(1, local_processes))
         how = f"{total} cores / {local_processes} process{'es' if local_processes > 1 else ''} on this node"
     return max(1, share - 1), f"{how}, one left for the thread that drives the device"
+
+
+def cpu_worker_threads(ctx: DeviceContext, world: int = 1) -> tuple[int | None, str]:
+    """(intra-op threads of a threaded CPU worker, why) for an engine sharded over ``world``
+    processes: on CUDA ``worker_threads`` of the node's processes (``LOCAL_WORLD_SIZE`` as torchrun
+    sets it; else as many as the node has GPUs, at most ``world``); elsewhere None, the process's
+    own count. The engine's worker and the profiler's CPU Adam probe both ask here, so the probe
+    times the updates with the threads that will run them ([Note: CPU Adam threads] in worker.py)."""
+    if not ctx.is_cuda:
+        return None, "the process's intra-op threads (a CPU device: they would compete with the compute)"
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    local = int(local) if local else min(world, max(1, torch.cuda.device_count()))
+    return worker_threads(local)

@@ -17,8 +17,10 @@ has GPUs, at most the processes in all), minus one for the thread that
 drives the device. That thread's own count is left as it was (1 under torchrun, which sets
 OMP_NUM_THREADS=1 for every process: a default that would leave the CPU Adam on one core). On a
 CPU device the worker's threads would compete with the compute's, so they are not changed.
-``engine.summary()`` says what was chosen. (``torch.set_num_threads`` also sets the count that
-threads started later in the process begin with; the calling threads keep theirs.)
+``engine.summary()`` says what was chosen. The profiler's CPU Adam probe runs with the same count
+(``device.cpu_worker_threads``): on the process's own count (torch's default, or torchrun's 1) it
+timed the updates with other threads than the worker's. (``torch.set_num_threads`` also sets the
+count that threads started later in the process begin with; the calling threads keep theirs.)
 
 [Note: gradients consumed where they land]
 In the mixed modes a streamed chunk's gradient lands in the trainable span of its host compute
@@ -48,7 +50,6 @@ gradient before any update) and does not hold its first step for a late clipping
 
 from __future__ import annotations
 
-import os
 import queue
 from concurrent.futures import Future
 
@@ -57,7 +58,7 @@ from torch import Tensor
 
 from protrain_core.memtrack import untracked
 from protrain_core.runtime.chunk import Chunk
-from protrain_core.runtime.device import DeviceContext, worker_threads
+from protrain_core.runtime.device import DeviceContext, cpu_worker_threads
 from protrain_core.runtime.optim import ChunkOptimizer
 from protrain_ops import fold_landing
 
@@ -76,11 +77,7 @@ class CpuWorker:
         self.threaded = threaded
         self.threads, self.threads_why = None, "inline on the thread that runs the step (a CPU device)"
         if self.threaded:
-            self.threads_why = "the process's intra-op threads (a CPU device: they would compete with the compute)"
-            if ctx.is_cuda:
-                local = os.environ.get("LOCAL_WORLD_SIZE")
-                local = int(local) if local else min(world, max(1, torch.cuda.device_count()))
-                self.threads, self.threads_why = worker_threads(local)
+            self.threads, self.threads_why = cpu_worker_threads(ctx, world)
         self._pool = ctx.worker(self.threaded, self.threads)
         self._staging: queue.Queue | None = None  # landing buffers to add into grad_acc (its dtype)
         self._scratch: Tensor | None = None  # the accumulator lent to chunks that keep none
