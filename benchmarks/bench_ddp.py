@@ -7,7 +7,12 @@ the median step time of rank 0 after the warm-up, and the ratio is DDP's over Pr
 (above 1: ProTrain is faster). The losses of the last step are printed beside, so that a run
 that trained differently shows.
 
-    python -m benchmarks.bench_ddp [--sizes 8M,31M,80M] [--steps 6] [--warmup 2] [--json out.json]
+    python -m benchmarks.bench_ddp [--sizes 8M,31M,80M] [--steps 6] [--warmup 2] [--json out.json] [--profile 3]
+
+``--profile N``: after the timed steps, N more steps of each system under ``torch.profiler`` on
+rank 0, and the operators with the most CPU time of their own (summed over the N steps) in a
+table per system: where one system's step spends what the other's does not. (The profiled steps
+are not timed.)
 """
 
 from __future__ import annotations
@@ -58,28 +63,46 @@ def trainer(system: str, model):
     return engine_step(engine), engine.close
 
 
-def _rank(rank: int, world: int, port: int, sizes: list[str], warmup: int, steps: int, out: str) -> None:
+PROFILED_OPS = 12  # operators listed per system with --profile
+
+
+def _profiled(step, data) -> list[dict]:
+    """The operators with the most self CPU time over ``step`` on each of ``data`` (every rank runs
+    the steps; rank 0's table is kept)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for x in data:
+            dist.barrier()
+            step(x).item()
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:PROFILED_OPS]
+    return [{"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3} for e in ops]
+
+
+def _rank(rank: int, world: int, port: int, sizes: list[str], warmup: int, steps: int, out: str,
+          profiled: int = 0) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or world) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     rows = []
     try:
         for size in sizes:
             g = torch.Generator().manual_seed(100 + rank)
-            data = [torch.randint(VOCAB, (BATCH, SEQ), generator=g) for _ in range(warmup + steps)]
+            data = [torch.randint(VOCAB, (BATCH, SEQ), generator=g) for _ in range(warmup + steps + profiled)]
             params = sum(p.numel() for p in build(size).parameters())
             for system in SYSTEMS:
                 step, close = trainer(system, build(size))
                 times, losses = [], []
-                for i, x in enumerate(data):
+                for i, x in enumerate(data[:warmup + steps]):
                     dist.barrier()
                     t = time.perf_counter()
                     losses.append(step(x).item())
                     if i >= warmup:
                         times.append(time.perf_counter() - t)
+                ops = _profiled(step, data[warmup + steps:]) if profiled else []
                 if close is not None:
                     close()
                 rows.append({"size": size, "params": params, "system": system, "median_s": statistics.median(times),
-                             "times_s": times, "last_loss": losses[-1]})
+                             "times_s": times, "last_loss": losses[-1], "profile": ops})
         if rank == 0:
             Path(out).write_text(json.dumps(rows))
         dist.barrier()  # no rank tears gloo down while the other still uses it
@@ -96,6 +119,11 @@ def markdown(rows: list[dict]) -> str:
         lines.append(f"| {r['size']} ({r['params'] / 1e6:.1f}M) | {r['system']} | {r['median_s'] * 1e3:.1f} ms | "
                      f"{', '.join(f'{t:.3f}' for t in r['times_s'])} | {ddp[r['size']] / r['median_s']:.2f}x | "
                      f"{r['last_loss']:.4f} |")
+    for r in rows:
+        if r.get("profile"):
+            lines += ["", f"{r['size']}, {r['system']}: operators by self CPU time, rank 0, the profiled steps",
+                      "", "| operator | calls | self CPU |", "|---|---|---|"]
+            lines += [f"| {o['op']} | {o['calls']} | {o['self_ms']:.1f} ms |" for o in r["profile"]]
     return "\n".join(lines)
 
 
@@ -105,6 +133,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="N profiled steps per system after the timed ones")
     args = ap.parse_args(argv)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = set(sizes) - set(SIZES)
@@ -114,7 +143,7 @@ def main(argv=None):
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        mp.start_processes(_rank, args=(2, get_free_port(), sizes, args.warmup, args.steps, out), nprocs=2,
+        mp.start_processes(_rank, args=(2, get_free_port(), sizes, args.warmup, args.steps, out, args.profile), nprocs=2,
                            start_method="spawn")
         rows = json.loads(Path(out).read_text())
     print(markdown(rows))

@@ -355,3 +355,18 @@ def test_resume_refuses_another_machines_report(tmp_path, monkeypatch):
     (tmp_path / "results.json").write_text(json.dumps(saved))
     with pytest.raises(SystemExit, match="would mix them"):
         run.run_suite("cpu-smoke", run.SUITES["cpu-smoke"], resume=True, **kw)
+
+
+def test_the_ddp_benchmark_lists_each_profiled_systems_operators():
+    """``bench_ddp --profile N``: a table of rank 0's operators by self CPU time under each
+    system that was profiled, after the timing table (whose rows stay as they were)."""
+    from benchmarks.bench_ddp import markdown
+
+    row = {"size": "8M", "params": 7.9e6, "times_s": [0.5], "last_loss": 1.0}
+    md = markdown([{**row, "system": "ddp", "median_s": 0.5, "profile": [
+                       {"op": "aten::mm", "calls": 435, "self_ms": 1756.44}, {"op": "aten::fill_", "calls": 335, "self_ms": 18.3}]},
+                   {**row, "system": "protrain all-persistent", "median_s": 0.625, "profile": []}])
+    assert "| 8M (7.9M) | protrain all-persistent | 625.0 ms | 0.500 | 0.80x | 1.0000 |" in md
+    table = md.split("8M, ddp: operators by self CPU time, rank 0, the profiled steps")[1]
+    assert "| aten::mm | 435 | 1756.4 ms |\n| aten::fill_ | 335 | 18.3 ms |" in table
+    assert "all-persistent: operators" not in md  # not profiled: no table
