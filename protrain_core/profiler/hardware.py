@@ -50,10 +50,10 @@ def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, preci
     landing of low-precision gradients into the fp32 accumulator and the compute-dtype copy back
     in mixed precision; device Adam on device tensors. CPU device: the "copies" are what the
     runtime does there too, memory copies between two host tensors, and the persistent chunks'
-    Adam is the same CPU kernel. ``switches``: the engine's (pinned host memory, the one-pass kernel). ``state_format``:
-    the Adam moments' format, which the updates are timed in ([Note: optimizer-state formats]);
-    ``frozen_format``: frozen weights kept in 8 bits, whose dequantisation after an upload is timed
-    on the device ([Note: quantised frozen chunks])."""
+    Adam is the same CPU kernel. ``switches``: the engine's (pinned host memory, the one-pass
+    kernel). ``state_format``: the Adam moments' format, which the updates are timed in
+    ([Note: optimizer-state formats]); ``frozen_format``: frozen weights kept in 8 bits, whose
+    dequantisation after an upload is timed on the device ([Note: quantised frozen chunks])."""
     switches = switches or RuntimeConfig()
     ctx = as_context(device)
     n = max(1024, min(chunk_elems, 64 * 2**20))
