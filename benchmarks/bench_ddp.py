@@ -133,7 +133,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--profile", type=int, default=0, metavar="N", help="N profiled steps per system after the timed ones")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="N profiled steps per system after the timed ones")
     args = ap.parse_args(argv)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = set(sizes) - set(SIZES)
@@ -143,8 +144,8 @@ def main(argv=None):
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        mp.start_processes(_rank, args=(2, get_free_port(), sizes, args.warmup, args.steps, out, args.profile), nprocs=2,
-                           start_method="spawn")
+        mp.start_processes(_rank, args=(2, get_free_port(), sizes, args.warmup, args.steps, out, args.profile),
+                           nprocs=2, start_method="spawn")
         rows = json.loads(Path(out).read_text())
     print(markdown(rows))
     if args.json:

@@ -363,8 +363,8 @@ def test_the_ddp_benchmark_lists_each_profiled_systems_operators():
     from benchmarks.bench_ddp import markdown
 
     row = {"size": "8M", "params": 7.9e6, "times_s": [0.5], "last_loss": 1.0}
-    md = markdown([{**row, "system": "ddp", "median_s": 0.5, "profile": [
-                       {"op": "aten::mm", "calls": 435, "self_ms": 1756.44}, {"op": "aten::fill_", "calls": 335, "self_ms": 18.3}]},
+    ops = [{"op": "aten::mm", "calls": 435, "self_ms": 1756.44}, {"op": "aten::fill_", "calls": 335, "self_ms": 18.3}]
+    md = markdown([{**row, "system": "ddp", "median_s": 0.5, "profile": ops},
                    {**row, "system": "protrain all-persistent", "median_s": 0.625, "profile": []}])
     assert "| 8M (7.9M) | protrain all-persistent | 625.0 ms | 0.500 | 0.80x | 1.0000 |" in md
     table = md.split("8M, ddp: operators by self CPU time, rank 0, the profiled steps")[1]
