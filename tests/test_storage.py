@@ -2,6 +2,8 @@
 what the profiler hands the planner, for trainable, frozen (compute copy only), partly frozen
 (a trainable span) and sharded chunks."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -81,7 +83,7 @@ def test_a_trainable_chunk(dtypes):
     assert sum(n * d.itemsize for n, d in fmt.host_tensors()) == fmt.streamed_host_bytes <= pool.nbytes
     assert (streamed.master.data_ptr() == streamed.host_copy.data_ptr()) is not separate
     streamed.allocate_device_copy()
-    streamed.allocate_grad_buffer()
+    streamed.allocate_grad_buffer(zero=())
     assert streamed.device_bytes() == fmt.buffer_device_bytes
 
 
@@ -201,3 +203,44 @@ def test_host_pool_is_exact_and_aligned():
     assert pool.nbytes == 64 + 64
     a, b = pool.take(10, torch.float32), pool.take(3, torch.bfloat16)
     assert a.data_ptr() % 64 == 0 and b.data_ptr() - a.data_ptr() == 64
+
+
+def _chunks_of(world: int):
+    """A tiny GPT-2 with some frozen matrices, every chunk streamed: its engine's chunks, in one
+    process, or sharded over ``world`` simulated ranks (size-only, on the meta device)."""
+    from protrain_core.simulator.device import SimulatedDevice, SimulatedGroup
+
+    sim = SimulatedDevice("h100") if world > 1 else None
+    with torch.device("meta") if sim else contextlib.nullcontext():
+        model = tiny_gpt2()
+    for name, p in model.named_parameters():
+        if "attn.c_proj" in name or ".h.1." in name:
+            p.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    with sim or contextlib.nullcontext():
+        return pt.wrap(model, opt, pt.Plan(n_persist=0, n_buffer=2), device=sim or "cpu",
+                       process_group=SimulatedGroup(sim, world) if sim else None)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_gradient_buffer_is_zeroed_exactly_where_no_gradient_is_written(world):
+    """Issue 26: a chunk's gradient buffer is allocated uninitialised and zeroed only in the
+    ranges no member's gradient is written to (``ChunkValues.span_gaps``): with the members'
+    places they cover the buffer once -- in one process the members alone (no gap), sharded
+    the padding to ``W`` equal pieces too."""
+    engine = _chunks_of(world)
+    padded = 0
+    for c in engine.chunks:
+        numel = c.storage.fmt.grad_buffer_numel
+        covered = torch.zeros(numel, dtype=torch.int32)
+        gaps = c.values.span_gaps(c.grad_members)
+        for start, end in gaps:
+            assert 0 <= start < end <= numel
+            covered[start:end] += 1
+        for i in c.grad_members:
+            covered[c.values.span_view(torch.arange(numel), i).flatten()] += 1
+        assert bool((covered == 1).all()), c
+        assert world > 1 or gaps == (), (c, gaps)
+        padded += bool(gaps)
+    assert padded if world > 1 else not padded
+    engine.close()

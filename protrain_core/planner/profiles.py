@@ -44,7 +44,7 @@ from pathlib import Path
 
 from protrain_core.plan import PlanLimits
 
-PROFILE_VERSION = 11  # 11: the CPU Adam probe runs on the worker's threads (CUDA)
+PROFILE_VERSION = 12  # 12: the reduce-scatter probe leaves the mean's scaling to the landing copy
 
 
 class ProfileVersionError(ValueError):

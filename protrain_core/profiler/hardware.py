@@ -170,9 +170,9 @@ COLLECTIVE_REPS = 5
 
 def collective_rates(sharding, ctx: DeviceContext, n: int, dtype: torch.dtype) -> tuple[float, float]:
     """(all-gather, reduce-scatter) bytes per second on a chunk of ``n`` elements, as the runtime
-    runs them (in place / into a shard). A fixed number of repetitions (every rank must issue the
-    same collectives), the median, and the slowest rank's figure (all-reduced), so every rank
-    plans with the same numbers."""
+    runs them (in place / into a shard, the gradients scaled for the mean as they landed). A
+    fixed number of repetitions (every rank must issue the same collectives), the median, and
+    the slowest rank's figure (all-reduced), so every rank plans with the same numbers."""
     world, device = sharding.world, ctx.device
     n = max(world, n // world * world)
     full = torch.ones(n, dtype=dtype, device=device)
@@ -190,6 +190,7 @@ def collective_rates(sharding, ctx: DeviceContext, n: int, dtype: torch.dtype) -
         return statistics.median(times[1:])
 
     seconds = sharding.max_on_host([timed(lambda: ctx.synchronize(ctx.collective(lambda: sharding.gather_(full)))),
-                                    timed(lambda: ctx.synchronize(ctx.collective(lambda: sharding.reduce_scatter_mean(out, full))))])
+                                    timed(lambda: ctx.synchronize(ctx.collective(
+                                        lambda: sharding.reduce_scatter_mean(out, full, scaled=True))))])
     nbytes = n * dtype.itemsize
     return nbytes / max(float(seconds[0]), 1e-9), nbytes / max(float(seconds[1]), 1e-9)

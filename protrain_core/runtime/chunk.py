@@ -192,6 +192,10 @@ class Chunk:
         self._received = [False] * len(params)  # got a gradient since zero_grad
         self._adam_state = [False] * len(params)  # has Adam state (like torch's optimizer.state)
         self._arrived = 0  # members whose gradient arrived in the current backward pass
+        self._written: list[bool] = []  # the members whose gradient is in the gradient buffer
+        self._n_written = 0
+        self._grad_gaps = self.values.span_gaps(self.grad_members)  # zeroed in each new gradient buffer
+        self._grad_scale = None if storage.sharding is None else storage.sharding.pre_scale  # as gradients land
         self.pins = 0  # forward uses in flight
         self.last_use = 0  # for least-recently-used eviction
         self._event = None  # the fetch or offload copy in flight
@@ -275,6 +279,7 @@ class Chunk:
         target = self._moved("begin_offload")
         grad_target = self._grad_moved("land_applied" if applied else "land")
         replace = self.grad_state is GradState.FIRST
+        self._zero_missing()
         landing = landing_for(replace)
         source, after = self._reduced_gradients(ctx)
         self._event = ctx.copy_async(landing, source, stream=ctx.d2h_stream, after=after,
@@ -352,8 +357,17 @@ class Chunk:
             assert self.state in (ChunkState.RESIDENT, ChunkState.PERSISTENT), self
             buffer = self.storage.grad_buffer
             if buffer is None:
-                buffer = self.storage.allocate_grad_buffer()
-            self.values.span_view(buffer, i).copy_(grad)
+                buffer = self.storage.allocate_grad_buffer(zero=self._grad_gaps)
+                self._written, self._n_written = [False] * len(self.params), 0
+            dst, scale = self.values.span_view(buffer, i), self._grad_scale
+            if scale is None:
+                dst.copy_(grad)
+            elif grad.dtype == dst.dtype:
+                torch.mul(grad, scale, out=dst)  # the copy and the mean's scaling in one pass
+            else:
+                dst.copy_(grad).mul_(scale)
+            self._n_written += not self._written[i]
+            self._written[i] = True
         self._received[i] = True
         self._arrived += 1
         self.grad_state = target
@@ -376,6 +390,7 @@ class Chunk:
         target = self._grad_moved("land")
         storage = self.storage
         if storage.sharding is not None and storage.grad_buffer is not None:
+            self._zero_missing()
             buffer, first = storage.grad_buffer, self.grad_state is GradState.FIRST
             direct = first and storage.grad_acc.dtype == buffer.dtype  # reduced into the accumulator itself
             reduced = []
@@ -384,7 +399,7 @@ class Chunk:
                 out = storage.grad_acc if direct else torch.empty(storage.fmt.state_numel, dtype=buffer.dtype,
                                                                   device=buffer.device)
                 reduced.append(out)
-                storage.sharding.reduce_scatter_mean(out, buffer)
+                storage.sharding.reduce_scatter_mean(out, buffer, scaled=True)
 
             def accumulate() -> None:
                 storage.grad_acc.copy_(reduced[0]) if first else storage.grad_acc.add_(reduced[0])
@@ -417,7 +432,7 @@ class Chunk:
             return storage.grad_buffer, None
         buffer = storage.grad_buffer
         self._reduced = out = torch.empty(storage.fmt.state_numel, dtype=buffer.dtype, device=buffer.device)
-        event = ctx.collective(lambda: storage.sharding.reduce_scatter_mean(out, buffer),
+        event = ctx.collective(lambda: storage.sharding.reduce_scatter_mean(out, buffer, scaled=True),
                                span=("collectives", f"reduce-scatter chunk {self.index}"))
         return out, event
 
@@ -429,6 +444,17 @@ class Chunk:
 
     def end_pass(self) -> None:
         self._arrived = 0
+
+    def _zero_missing(self) -> None:
+        """Before the gradient buffer is read: zero the places of the members whose gradient
+        is not in it (``allocate_grad_buffer`` leaves them as they were): those that got none
+        in this pass, and those whose gradient went out with an earlier buffer of the pass (a
+        chunk evicted before all its gradients came)."""
+        if self._n_written == len(self.grad_members):
+            return
+        for i in self.grad_members:
+            if not self._written[i]:
+                self.values.span_view(self.storage.grad_buffer, i).zero_()
 
     def zero(self) -> None:
         target = self._grad_moved("zero")

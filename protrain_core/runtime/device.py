@@ -49,8 +49,9 @@ Waits on the CPU worker (no device involved):
   a gradient-holding chunk evicted and fetched again within a backward);
 - ``wait_all``: ``wait_for_updates``, ``zero_grad`` (for jobs it must not race), state dicts;
 - the worker itself waits for each gradient offload it lands (its own thread).
-Host collectives between ranks (sharded; gloo, no device): one before each backward, on which
-parameters the losses reach (``Scheduler.check_usage``: [Note: sharded chunks]); the longest
+Host collectives between ranks (sharded; gloo, no device): one per backward, on which
+parameters the losses reach (``Scheduler.check_usage``: [Note: sharded chunks]), issued before
+it and read before its first chunk collective (``Scheduler._usage_verdict``); the longest
 batch of the ranks before each micro-batch when plans follow batch lengths
 (``Sharding.max_on_host``); the budgets at ``wrap``. A wait for a collective on CPU tensors
 polls it (``wait_work``) instead of blocking in C, so that ctrl-C still ends every rank. Not the
@@ -82,6 +83,9 @@ from protrain_core.utils import available_host_bytes, check_host_memory, total_h
 BACKWARD_HOST_WAITS = (
     "swap.py:HostBuffers.trim",  # the end of backward: swap buffers this backward did not use
     "chunk.py:Chunk.end_update",  # a chunk needed again while its CPU job runs
+    # W processes: the usage check's all-reduce, issued before backward, read before its first
+    # chunk collective (over by then unless the ranks' forwards took different times)
+    "scheduler.py:Scheduler._usage_verdict",
 )
 
 

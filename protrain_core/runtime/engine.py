@@ -199,10 +199,10 @@ class Engine:
             self._check_trains("backward() outside no_sync()")
         self.grads.check_consumed(backward=True, final=state.final_micro_batch)
         self.clipping.schedule_updates()
-        self.scheduler.check_usage(loss)  # W processes: the ranks' losses reach the same parameters
         self._step_observers.notify(lambda o: o.backward_begins())
         try:
-            with self.scheduler.backward_pass(boundary=state.final_micro_batch), self.activations.backward_pass():
+            with self.scheduler.backward_pass(boundary=state.final_micro_batch, loss=loss), \
+                    self.activations.backward_pass():
                 if self.scaler is not None:
                     loss = loss * self.scaler.scale.to(loss.device)
                 loss.backward() if run is None else run(loss)

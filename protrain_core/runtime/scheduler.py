@@ -306,23 +306,31 @@ class Scheduler:
 
     def check_usage(self, loss: Tensor | None) -> None:
         """W processes, before a backward: one host all-reduce compares which parameters the
-        ranks' losses reach, and the order of the previous backward's reductions; a difference
-        stops every rank here, with the fix, before a collective could pair different chunks
-        ([Note: sharded chunks])."""
+        ranks' losses reach, and the order of the previous backward's reductions. It is issued
+        here and read before the backward's first chunk collective (``hold_collectives``), so
+        the backward of the last blocks runs while it travels; a difference stops every rank
+        there, with the fix, before a collective could pair different chunks ([Note: sharded
+        chunks])."""
         if self.sharding is None:
             return
         members = [(c, i) for c in self.chunks for i in c.grad_members]
         reached = reached_leaves(loss)
-        differ, order_differs = self.sharding.differences([id(c.params[i]) in reached for c, i in members], self._order)
+        result = self.sharding.differences([id(c.params[i]) in reached for c, i in members], self._order)
         self._order = 0
-        if differ or order_differs:
-            names = [members[k][0].spec.members[members[k][1]].name for k in differ]
-            raise RuntimeError(_usage_mismatch(self.sharding, names))
+        self.sharding.hold_collectives(lambda: self._usage_verdict(result, members))
+
+    def _usage_verdict(self, result, members) -> str | None:
+        """The usage check's outcome, read before the backward's first chunk collective (a host
+        wait for its all-reduce only where it is still travelling): the error, or None."""
+        differ, order_differs = result()
+        if not (differ or order_differs):
+            return None
+        return _usage_mismatch(self.sharding, [members[k][0].spec.members[members[k][1]].name for k in differ])
 
     # ----- passes -------------------------------------------------------------------------
     @contextmanager
-    def backward_pass(self, *, boundary: bool):
-        """One ``engine.backward``; ``boundary``: a step follows (not inside ``no_sync``)."""
+    def backward_pass(self, *, boundary: bool, loss: Tensor | None = None):
+        """One ``engine.backward`` of ``loss``; ``boundary``: a step follows (not inside ``no_sync``)."""
         if self._stepped_backward:
             raise RuntimeError(
                 "engine.backward() was called twice without engine.step(), but the first backward "
@@ -339,6 +347,7 @@ class Scheduler:
             self._after_step.clear()  # from here on, zero_grad waits for every job in flight
             ended = False
             try:
+                self.check_usage(loss)  # W processes: the ranks' losses reach the same parameters
                 yield
                 ended = True
                 self._stepped_backward = boundary
@@ -349,6 +358,8 @@ class Scheduler:
                     # meets a rank that has left -- its error would replace the user's.
                     if ended or self.sharding is None:
                         self._finish_backward()
+                    else:
+                        self.sharding.hold_collectives(None)  # its verdict is not waited for
                 finally:
                     for c in self.chunks:
                         c.end_pass()
@@ -357,6 +368,8 @@ class Scheduler:
         self.check()
 
     def _finish_backward(self) -> None:
+        if self.sharding is not None:
+            self.sharding.check_held()  # (a backward that reached no chunk collective)
         for c in self.chunks:
             if not c.receiving:
                 continue

@@ -17,9 +17,9 @@ answers where a member is in every tensor of a chunk on this rank.
             broadcast per rank's piece, ``Sharding.gather_``)
   backward  gradients land in a device buffer of the whole (padded) trainable span; when the
             chunk is done they are ``reduce_scatter_tensor``ed to their mean as DDP takes it
-            (each rank's gradient times ``1/W``, summed: NCCL's AVG; gloo: a scaling pass
-            first), and the rank's piece goes to the accumulator (offloaded to the host for a
-            streamed chunk)
+            (each rank's gradient times ``1/W``, summed: NCCL's AVG; gloo: times ``1/W``
+            as each gradient is copied into the buffer), and the rank's piece goes to the
+            accumulator (offloaded to the host for a streamed chunk)
   update    Adam on the rank's pieces (it is elementwise, so a piece of a parameter updates
             exactly as the whole would); a persistent chunk then gathers its trainable span
             again; a streamed one is gathered at its next fetch
@@ -35,19 +35,23 @@ Every rank must issue the same collectives in the same order: the runtime's deci
 only on the state machines of the chunks, never on timing (a prefetch waits for the chunk's
 update instead of skipping a chunk still updating), and the planner's decisions are rank 0's,
 broadcast (``agree``). What the runtime cannot decide alone is which parameters get gradients:
-that is the user's graph. So before each backward the ranks compare, in one host all-reduce
+that is the user's graph. So at each backward the ranks compare, in one host all-reduce
 (``Scheduler.check_usage``), which parameters their losses reach (the autograd graph's leaves,
 as DDP's ``find_unused_parameters`` finds them), and stop together with the fix where they
-differ -- before any reduce-scatter could pair one rank's chunk with another's. The same
-collective compares a hash of the order in which the previous backward reduced its chunks,
-which the graph decides too (a model that runs its modules in a data-dependent order).
+differ -- before any chunk collective could pair one rank's chunk with another's: the
+all-reduce is issued as backward begins, and its result read before the backward's first
+chunk collective (``Sharding.hold_collectives``), so it travels while the last blocks'
+gradients are computed. The same collective compares a hash of the order in which the
+previous backward reduced its chunks, which the graph decides too (a model that runs its
+modules in a data-dependent order).
 """
 
 from __future__ import annotations
 
 import pickle
 import socket
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -68,6 +72,7 @@ class Sharding:
     rank: int
     world: int
     checks: object = None  # a gloo group over the same ranks for host-side agreement (None: ``group``)
+    _verdict: Callable[[], str | None] | None = field(default=None, init=False, repr=False, compare=False)
 
     @staticmethod
     def resolve(process_group=None) -> Sharding | None:
@@ -117,6 +122,7 @@ class Sharding:
         """All-gather in place: piece ``rank`` of ``full`` (W equal pieces) is this rank's. On
         gloo, each rank broadcasts its piece into the others' ``full`` (the same values, bit
         for bit: a copy)."""
+        self.check_held()
         n = full.numel() // self.world
         if not n:
             return
@@ -126,17 +132,28 @@ class Sharding:
             return
         _issue(_all_gather, full, full[self.rank * n:(self.rank + 1) * n], group=self.group)
 
-    def reduce_scatter_mean(self, out: Tensor, full: Tensor) -> None:
+    @property
+    def pre_scale(self) -> float | None:
+        """What each rank's gradients are multiplied by before ``reduce_scatter_mean`` sums
+        them (``scaled``): ``1/W`` where the backend has no average (gloo); None with NCCL,
+        whose average scales inside the collective. A chunk applies it as a gradient is copied
+        into its buffer (``Chunk.receive``), so no pass over the buffer is added for it."""
+        return None if "nccl" in self.backend else 1.0 / self.world
+
+    def reduce_scatter_mean(self, out: Tensor, full: Tensor, *, scaled: bool = False) -> None:
         """``out`` = piece ``rank`` of the mean of ``full`` over the ranks, as DDP averages:
         every rank's values times ``1/W``, then summed. NCCL's average does exactly that inside
         the collective (a pre-multiplied sum); gloo has no average, so ``full`` is scaled in
-        place first (and all-reduced: ``_on_gloo``)."""
+        place first -- unless ``scaled``: it holds ``pre_scale`` times the values already --
+        and all-reduced (``_on_gloo``)."""
+        self.check_held()
         if not out.numel():
             return
         if "nccl" in self.backend:
             _issue(_reduce_scatter, out, full, op=dist.ReduceOp.AVG, group=self.group)
             return
-        full.mul_(1.0 / self.world)
+        if not scaled:
+            full.mul_(1.0 / self.world)
         if self._on_gloo:  # the whole sum, of which this rank keeps its piece
             mine = full[self.rank * out.numel():(self.rank + 1) * out.numel()]
             _issue(dist.all_reduce, full, op=dist.ReduceOp.SUM, group=self.group, then=lambda: out.copy_(mine))
@@ -153,17 +170,36 @@ class Sharding:
         _blocking(dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.checks or self.group)
         return t.tolist()
 
-    def differences(self, used: list[bool], order: int) -> tuple[list[int], bool]:
-        """One host all-reduce, at the start of a backward (``Scheduler.check_usage``): the
-        positions of ``used`` (which parameters this rank's loss reaches) where the ranks
-        differ, and whether ``order`` (a hash of the chunks the previous backward reduced, in
-        order) differs. The ranks' collectives must come in the same order ([Note: sharded
-        chunks]); a parameter that gets a gradient on some ranks and not others breaks that."""
+    def differences(self, used: list[bool], order: int) -> Callable[[], tuple[list[int], bool]]:
+        """One host all-reduce, issued at the start of a backward (``Scheduler.check_usage``)
+        without waiting: the returned function waits for it and gives the positions of ``used``
+        (which parameters this rank's loss reaches) where the ranks differ, and whether
+        ``order`` (a hash of the chunks the previous backward reduced, in order) differs. The
+        ranks' collectives must come in the same order ([Note: sharded chunks]); a parameter
+        that gets a gradient on some ranks and not others breaks that."""
         t = torch.tensor([order, -order, *used, *(-int(u) for u in used)], dtype=torch.int64)
-        _blocking(dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.checks or self.group)
-        n = len(used)
-        differ = (t[2:2 + n] != -t[2 + n:]).nonzero().flatten().tolist()
-        return differ, int(t[0]) != -int(t[1])
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.checks or self.group, async_op=True)
+
+        def result() -> tuple[list[int], bool]:
+            wait_work(work)
+            n = len(used)
+            return (t[2:2 + n] != -t[2 + n:]).nonzero().flatten().tolist(), int(t[0]) != -int(t[1])
+
+        return result
+
+    def hold_collectives(self, verdict: Callable[[], str | None] | None) -> None:
+        """The chunk collectives issued from now on (``gather_``, ``reduce_scatter_mean``) first
+        call ``verdict`` (once): where it gives a message, they raise it instead, on every rank
+        alike (the verdict is the outcome of a collective). None: forget a verdict not called
+        (a backward that failed before its first chunk collective; nothing is waited for)."""
+        self._verdict = verdict
+
+    def check_held(self) -> None:
+        """Call the verdict ``hold_collectives`` left, if any, and raise its message."""
+        verdict, self._verdict = self._verdict, None
+        message = None if verdict is None else verdict()
+        if message is not None:
+            raise RuntimeError(message)
 
     def gather_objects(self, obj) -> list:
         """Every rank's ``obj``, by rank (a host collective)."""

@@ -590,9 +590,14 @@ class ChunkStorage:
     def device_copy_allocated(self) -> bool:
         return self.device_copy.untyped_storage().nbytes() > 0
 
-    def allocate_grad_buffer(self) -> Tensor:
+    def allocate_grad_buffer(self, zero: tuple[tuple[int, int], ...]) -> Tensor:
+        """The gradient buffer of a backward pass, zero in the ranges ``zero`` (start, end) and
+        uninitialised elsewhere: each member's gradient is written there whole (one pass over
+        the buffer instead of two, with a fill first)."""
         with untracked():  # chunk memory: counted by device_bytes(), not as activations
-            self.grad_buffer = torch.zeros(self.fmt.grad_buffer_numel, dtype=self.fmt.compute_dtype, device=self.device)
+            self.grad_buffer = torch.empty(self.fmt.grad_buffer_numel, dtype=self.fmt.compute_dtype, device=self.device)
+        for start, end in zero:
+            self.grad_buffer[start:end].zero_()
         return self.grad_buffer
 
     def free_grad_buffer(self) -> None:

@@ -90,6 +90,20 @@ class ChunkValues:
         start = self.storage.shards.span_offset(m)
         return flat[start : start + m.numel].view(m.shape)
 
+    def span_gaps(self, members) -> tuple[tuple[int, int], ...]:
+        """The (start, end) ranges of a tensor of the whole trainable span that no member in
+        ``members`` covers: the padding, and the places of the other members."""
+        spans = sorted((self.storage.shards.span_offset(self.spec.members[i]), self.spec.members[i].numel)
+                       for i in members)
+        gaps, at = [], 0
+        for start, numel in spans:
+            if start > at:
+                gaps.append((at, start))
+            at = max(at, start + numel)
+        if self.storage.fmt.grad_buffer_numel > at:
+            gaps.append((at, self.storage.fmt.grad_buffer_numel))
+        return tuple(gaps)
+
     def state_part(self, i: int, rank: int | None = None) -> tuple[int, int, int] | None:
         """Member ``i``'s piece of a shard of the trainable span (``ShardLayout.state_piece``):
         this rank's, or ``rank``'s."""

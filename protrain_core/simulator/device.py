@@ -574,10 +574,16 @@ class SimulatedGroup(Sharding):
         pass
 
     def gather_(self, full: Tensor) -> None:
+        self.check_held()
         w = self.world
         self.sim.charge_collective("all-gather", _nbytes(full), (w - 1) / w)
 
-    def reduce_scatter_mean(self, out: Tensor, full: Tensor) -> None:
+    @property
+    def pre_scale(self) -> None:
+        return None  # NCCL's average, inside the collective
+
+    def reduce_scatter_mean(self, out: Tensor, full: Tensor, *, scaled: bool = False) -> None:
+        self.check_held()
         if not out.numel():
             return
         w = self.world  # NCCL's average: the scaling happens inside the collective
@@ -595,9 +601,15 @@ class SimulatedGroup(Sharding):
         self.sim.host_collective("max over ranks")
         return list(values)
 
-    def differences(self, used: list[bool], order: int) -> tuple[list[int], bool]:
-        self.sim.host_collective("parameters used")
-        return [], False
+    def differences(self, used: list[bool], order: int):
+        lane = self.sim.host_lane()  # issued now; whoever reads the result waits for what is left
+        ready = lane.t + self.sim.spec.host_collective_s
+
+        def result() -> tuple[list[int], bool]:
+            self.sim.block(self.sim.host_lane(), ready, "host collective: parameters used")
+            return [], False
+
+        return result
 
     def gather_objects(self, obj) -> list:
         self.sim.host_collective("configurations")
