@@ -7,7 +7,14 @@ the median step time of rank 0 after the warm-up, and the ratio is DDP's over Pr
 (above 1: ProTrain is faster). The losses of the last step are printed beside, so that a run
 that trained differently shows.
 
-    python -m benchmarks.bench_ddp [--sizes 8M,31M,80M] [--steps 6] [--warmup 2] [--json out.json] [--profile 3]
+    python -m benchmarks.bench_ddp [--sizes 8M,31M,80M] [--steps 6] [--warmup 2] [--rounds 1] [--json out.json]
+                                   [--profile 3]
+
+Each step is also timed by phase (forward, backward, update: the optimizer step and zero_grad),
+and the medians of each are tabled after the steps. ``--rounds R``: every system is built at
+once and runs ``--steps`` steps in each of R rounds, the systems in turn, each on the same
+batches, instead of all its steps in one stretch; on a machine whose speed drifts by more than
+the differences measured (a shared VM), the drift then falls on every system alike.
 
 ``--profile N``: after the timed steps, N more steps of each system under ``torch.profiler`` on
 rank 0, and the operators with the most CPU time of their own (summed over the N steps) in a
@@ -18,7 +25,6 @@ are not timed.)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -48,19 +54,51 @@ def build(size: str):
 
 
 def trainer(system: str, model):
-    """(step function -> loss tensor, close): one training step of ``system`` on ``model`` for a
-    batch (the suite's own step functions, ``benchmarks.systems``)."""
+    """(step, close): ``step(x)`` trains ``system`` on ``model`` for one step on batch ``x`` and
+    returns the loss and the seconds of its forward, backward and update (optimizer step and
+    zero_grad), as the suite's step functions (``benchmarks.systems``) run them."""
     import protrain_core as pt
-    from benchmarks.systems import engine_step, torch_step
 
     if system == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model)
-        return torch_step(ddp, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), contextlib.nullcontext()), None
-    block_path, blocks = pt.find_blocks(model)
-    n = pt.build_layout(model, block_path, len(blocks)).n_chunks
-    plan = pt.Plan(n_persist=n, n_buffer=0) if system.endswith("all-persistent") else pt.Plan(n_persist=0, n_buffer=2)
-    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4), plan, device="cpu", report=None)
-    return engine_step(engine), engine.close
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+        def forward(x):
+            return ddp(input_ids=x, labels=x).loss
+
+        def backward(loss):
+            loss.backward()
+
+        def update():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        close = None
+    else:
+        block_path, blocks = pt.find_blocks(model)
+        n = pt.build_layout(model, block_path, len(blocks)).n_chunks
+        plan = pt.Plan(n_persist=n, n_buffer=0) if system.endswith("all-persistent") else pt.Plan(n_persist=0, n_buffer=2)
+        engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4), plan, device="cpu", report=None)
+
+        def forward(x):
+            return engine.module(input_ids=x, labels=x).loss
+
+        def update():
+            engine.step()
+            engine.zero_grad()
+
+        backward, close = engine.backward, engine.close
+
+    def step(x):
+        t0 = time.perf_counter()
+        loss = forward(x)
+        t1 = time.perf_counter()
+        backward(loss)
+        t2 = time.perf_counter()
+        update()
+        return loss.detach(), (t1 - t0, t2 - t1, time.perf_counter() - t2)
+
+    return step, close
 
 
 PROFILED_OPS = 12  # operators listed per system with --profile
@@ -74,35 +112,49 @@ def _profiled(step, data) -> list[dict]:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for x in data:
             dist.barrier()
-            step(x).item()
+            step(x)[0].item()
     ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:PROFILED_OPS]
     return [{"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3} for e in ops]
 
 
 def _rank(rank: int, world: int, port: int, sizes: list[str], warmup: int, steps: int, out: str,
-          profiled: int = 0) -> None:
+          profiled: int = 0, rounds: int = 1) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or world) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     rows = []
     try:
         for size in sizes:
             g = torch.Generator().manual_seed(100 + rank)
-            data = [torch.randint(VOCAB, (BATCH, SEQ), generator=g) for _ in range(warmup + steps + profiled)]
+            data = [torch.randint(VOCAB, (BATCH, SEQ), generator=g) for _ in range(warmup + rounds * steps + profiled)]
             params = sum(p.numel() for p in build(size).parameters())
-            for system in SYSTEMS:
-                step, close = trainer(system, build(size))
-                times, losses = [], []
-                for i, x in enumerate(data[:warmup + steps]):
-                    dist.barrier()
-                    t = time.perf_counter()
-                    losses.append(step(x).item())
-                    if i >= warmup:
-                        times.append(time.perf_counter() - t)
-                ops = _profiled(step, data[warmup + steps:]) if profiled else []
-                if close is not None:
-                    close()
-                rows.append({"size": size, "params": params, "system": system, "median_s": statistics.median(times),
-                             "times_s": times, "last_loss": losses[-1], "profile": ops})
+            # One round: each system alone, one after the other. Several: all of them built, and
+            # in each round every system's next ``steps`` steps in turn (the same batches).
+            for group in ([[s] for s in SYSTEMS] if rounds == 1 else [list(SYSTEMS)]):
+                trainers = {s: trainer(s, build(size)) for s in group}
+                timed = {s: ([], [], []) for s in group}  # steps, phases, losses
+                for s in group:
+                    for x in data[:warmup]:
+                        dist.barrier()
+                        timed[s][2].append(trainers[s][0](x)[0].item())
+                for r in range(rounds):
+                    for s in group:
+                        for x in data[warmup + r * steps:warmup + (r + 1) * steps]:
+                            dist.barrier()
+                            t = time.perf_counter()
+                            loss, phases = trainers[s][0](x)
+                            timed[s][2].append(loss.item())
+                            timed[s][0].append(time.perf_counter() - t)
+                            timed[s][1].append(phases)
+                for s in group:
+                    step, close = trainers[s]
+                    ops = _profiled(step, data[warmup + rounds * steps:]) if profiled else []
+                    if close is not None:
+                        close()
+                    times, phases, losses = timed[s]
+                    rows.append({"size": size, "params": params, "system": s, "median_s": statistics.median(times),
+                                 "times_s": times, "phases_s": [statistics.median(p) for p in zip(*phases)],
+                                 "rounds": rounds, "last_loss": losses[-1], "profile": ops})
+        rows.sort(key=lambda r: (sizes.index(r["size"]), SYSTEMS.index(r["system"])))
         if rank == 0:
             Path(out).write_text(json.dumps(rows))
         dist.barrier()  # no rank tears gloo down while the other still uses it
@@ -119,6 +171,12 @@ def markdown(rows: list[dict]) -> str:
         lines.append(f"| {r['size']} ({r['params'] / 1e6:.1f}M) | {r['system']} | {r['median_s'] * 1e3:.1f} ms | "
                      f"{', '.join(f'{t:.3f}' for t in r['times_s'])} | {ddp[r['size']] / r['median_s']:.2f}x | "
                      f"{r['last_loss']:.4f} |")
+    if any(r.get("phases_s") for r in rows):
+        rounds = rows[0].get("rounds", 1)
+        lines += ["", "Medians of each phase, rank 0" + (f" ({rounds} rounds, the systems in turn)" if rounds > 1 else ""),
+                  "", "| model | system | forward | backward | update |", "|---|---|---|---|---|"]
+        lines += [f"| {r['size']} | {r['system']} | " + " | ".join(f"{t * 1e3:.1f} ms" for t in r["phases_s"]) + " |"
+                  for r in rows if r.get("phases_s")]
     for r in rows:
         if r.get("profile"):
             lines += ["", f"{r['size']}, {r['system']}: operators by self CPU time, rank 0, the profiled steps",
@@ -135,7 +193,12 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="N profiled steps per system after the timed ones")
+    ap.add_argument("--rounds", type=int, default=1, metavar="R",
+                    help="R rounds of --steps steps per system, the systems in turn (a drifting machine "
+                         "slows all of them alike); 1: each system's steps at once")
     args = ap.parse_args(argv)
+    if args.rounds < 1 or args.steps < 1:
+        ap.error("--rounds and --steps must be at least 1")
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = set(sizes) - set(SIZES)
     if unknown:
@@ -144,7 +207,7 @@ def main(argv=None):
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        mp.start_processes(_rank, args=(2, get_free_port(), sizes, args.warmup, args.steps, out, args.profile),
+        mp.start_processes(_rank, args=(2, get_free_port(), sizes, args.warmup, args.steps, out, args.profile, args.rounds),
                            nprocs=2, start_method="spawn")
         rows = json.loads(Path(out).read_text())
     print(markdown(rows))
