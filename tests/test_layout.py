@@ -73,6 +73,33 @@ def test_no_blocks_found_lists_candidates_and_blocks_override_works():
     assert engine.layout.order_source == "traced"
 
 
+class Uncalled(nn.Module):
+    """Blocks that are containers: the model calls the layers inside each, never the block."""
+
+    def __init__(self, d=16, n=3):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleDict({"lin": nn.Linear(d, d), "out": nn.Linear(d, d)}) for _ in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b["out"](torch.relu(b["lin"](x)))
+        return x
+
+
+def test_blocks_the_model_never_calls_are_refused_with_the_fix():
+    """A block list whose blocks have no forward (nn.ModuleDict) is refused where the blocks are
+    found, named or discovered: ProTrain would never see a block run (with several processes
+    and streamed chunks the forward read placeholders: a NaN loss, found in session 28)."""
+    model = Uncalled()
+    for blocks in ("blocks", model.blocks, None):
+        with pytest.raises(ValueError, match="ModuleDict without a forward of their own") as err:
+            pt.find_blocks(model, blocks)
+        assert "'blocks': 3 x ModuleDict" in str(err.value) and "planning={'blocks'" in str(err.value)
+    with pytest.raises(ValueError, match="without a forward of their own"):
+        pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=0, n_buffer=1), device="cpu",
+                config=pt.ProTrainConfig(planning=pt.PlanningConfig(blocks="blocks")))
+
+
 @pytest.mark.parametrize("use_cache", [True, False])
 @pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "qwen2", "opt"])
 def test_layout_properties(name, use_cache):

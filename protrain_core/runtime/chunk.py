@@ -195,7 +195,6 @@ class Chunk:
         self._written: list[bool] = []  # the members whose gradient is in the gradient buffer
         self._n_written = 0
         self._grad_gaps = self.values.span_gaps(self.grad_members)  # zeroed in each new gradient buffer
-        self._grad_scale = None if storage.sharding is None else storage.sharding.pre_scale  # as gradients land
         self.pins = 0  # forward uses in flight
         self.last_use = 0  # for least-recently-used eviction
         self._event = None  # the fetch or offload copy in flight
@@ -359,7 +358,8 @@ class Chunk:
             if buffer is None:
                 buffer = self.storage.allocate_grad_buffer(zero=self._grad_gaps)
                 self._written, self._n_written = [False] * len(self.params), 0
-            dst, scale = self.values.span_view(buffer, i), self._grad_scale
+            dst, sharding = self.values.span_view(buffer, i), self.storage.sharding
+            scale = None if sharding is None else sharding.pre_scale
             if scale is None:
                 dst.copy_(grad)
             elif grad.dtype == dst.dtype:

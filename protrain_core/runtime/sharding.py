@@ -48,6 +48,7 @@ modules in a data-dependent order).
 
 from __future__ import annotations
 
+import functools
 import pickle
 import socket
 from collections.abc import Callable
@@ -132,12 +133,13 @@ class Sharding:
             return
         _issue(_all_gather, full, full[self.rank * n:(self.rank + 1) * n], group=self.group)
 
-    @property
+    @functools.cached_property
     def pre_scale(self) -> float | None:
         """What each rank's gradients are multiplied by before ``reduce_scatter_mean`` sums
         them (``scaled``): ``1/W`` where the backend has no average (gloo); None with NCCL,
         whose average scales inside the collective. A chunk applies it as a gradient is copied
-        into its buffer (``Chunk.receive``), so no pass over the buffer is added for it."""
+        into its buffer (``Chunk.receive``), so no pass over the buffer is added for it. (Read
+        once per gradient: kept after the first look at the backend.)"""
         return None if "nccl" in self.backend else 1.0 / self.world
 
     def reduce_scatter_mean(self, out: Tensor, full: Tensor, *, scaled: bool = False) -> None:

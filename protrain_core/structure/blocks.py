@@ -90,6 +90,14 @@ def find_blocks(model: nn.Module, blocks=None) -> tuple[str, list[nn.Module]]:
         if name is None:
             raise ValueError("blocks= is an nn.ModuleList that is not a submodule of the model.")
         names.append(name)
+    uncalled = sorted({type(b).__name__ for lst in found for b in lst if type(b).forward is nn.Module.forward})
+    if uncalled:  # (an nn.ModuleDict of layers that the model calls one by one)
+        raise ValueError(
+            f"The blocks in {SEP.join(names)!r} are {', '.join(uncalled)} without a forward of their own: the model "
+            "calls the modules inside them, never a block, so ProTrain would not see a block run (it fetches a "
+            "block's chunks and keeps, checkpoints or swaps its activations around the block's forward). Give the "
+            "block class a forward that the model calls, or name a list of modules that the model calls: "
+            "ProTrainConfig(planning={'blocks': ...}). Candidates:\n" + _describe(model))
     return SEP.join(names), [b for lst in found for b in lst]
 
 
