@@ -56,7 +56,8 @@ def build(size: str):
 def trainer(system: str, model):
     """(step, close): ``step(x)`` trains ``system`` on ``model`` for one step on batch ``x`` and
     returns the loss and the seconds of its forward, backward and update (optimizer step and
-    zero_grad), as the suite's step functions (``benchmarks.systems``) run them."""
+    zero_grad): the calls of the suite's ``torch_step`` and ``engine_step``
+    (``benchmarks.systems``), split where the phases meet."""
     import protrain_core as pt
 
     if system == "ddp":

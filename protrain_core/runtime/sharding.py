@@ -139,7 +139,7 @@ class Sharding:
         them (``scaled``): ``1/W`` where the backend has no average (gloo); None with NCCL,
         whose average scales inside the collective. A chunk applies it as a gradient is copied
         into its buffer (``Chunk.receive``), so no pass over the buffer is added for it. (Read
-        once per gradient: kept after the first look at the backend.)"""
+        for every gradient: cached after the first look at the backend.)"""
         return None if "nccl" in self.backend else 1.0 / self.world
 
     def reduce_scatter_mean(self, out: Tensor, full: Tensor, *, scaled: bool = False) -> None:
@@ -155,7 +155,7 @@ class Sharding:
             _issue(_reduce_scatter, out, full, op=dist.ReduceOp.AVG, group=self.group)
             return
         if not scaled:
-            full.mul_(1.0 / self.world)
+            full.mul_(self.pre_scale)
         if self._on_gloo:  # the whole sum, of which this rank keeps its piece
             mine = full[self.rank * out.numel():(self.rank + 1) * out.numel()]
             _issue(dist.all_reduce, full, op=dist.ReduceOp.SUM, group=self.group, then=lambda: out.copy_(mine))
