@@ -384,3 +384,18 @@ def test_the_ddp_benchmark_tables_each_systems_phases_and_its_rounds():
     assert "| 8M | ddp | 200.0 ms | 380.0 ms | 20.0 ms |\n| 8M | protrain all-persistent | 200.0 ms | 400.0 ms | 25.0 ms |" in md
     one = markdown([{**row, "rounds": 1, "system": "ddp", "median_s": 0.6, "phases_s": [0.2, 0.38, 0.02]}])
     assert "Medians of each phase, rank 0\n" in one and "rounds" not in one
+
+
+def test_the_collectives_benchmark_runs_every_way_and_checks_each_result():
+    """``bench_collectives`` (2 gloo processes): every way to reduce and to gather a chunk,
+    ProTrain's included, on the same buffers, each result compared with the first way's bit for
+    bit (two ranks: each way adds the same two numbers)."""
+    from benchmarks.bench_collectives import markdown, measure
+
+    rows = measure([0.004], reps=1, rounds=1)
+    assert [(r["kind"], r["way"]) for r in rows] == [
+        ("reduction", "all-reduce"), ("reduction", "reduce-scatter"), ("reduction", "all-to-all"),
+        ("reduction", "messages"), ("gather", "all-gather"), ("gather", "broadcasts")]
+    assert all(r["same"] for r in rows), rows
+    md = markdown(rows)
+    assert md.count("| 0.0 MB | reduction |") == 4 and "| 1.00x | yes |" in md

@@ -591,8 +591,10 @@ def test_host_numbers_agree_without_the_device(tmp_path):
 def test_each_backend_reduces_and_gathers_with_its_fastest_collective(monkeypatch, backend):
     """NCCL averages inside the reduce-scatter (a pre-multiplied sum, what DDP computes): no
     scaling pass over the gradient buffer first, and gathers with all-gather. gloo has no
-    average, so the buffer is scaled first; its all-reduce is faster than its reduce-scatter,
-    and one broadcast per rank's piece than its all-gather or an all-reduce."""
+    average, so the buffer is scaled first; it reduces by messages (each rank's piece sent to
+    its owner, the received piece added to the rank's own: faster than its all-reduce or its
+    reduce-scatter), and gathers with one broadcast per rank's piece (faster than its all-gather
+    or an all-reduce)."""
     import torch.distributed as dist
 
     from protrain_core.runtime import sharding as S
@@ -610,23 +612,64 @@ def test_each_backend_reduces_and_gathers_with_its_fastest_collective(monkeypatc
         calls.append(entry)
         return Done()
 
+    def receive(t, src, group, tag):  # the other rank's piece, scaled by it
+        t.copy_(torch.tensor([0.25, 0.5]))
+        return record("irecv", src, tag)
+
     monkeypatch.setattr(S, "_reduce_scatter", lambda out, full, op, group, async_op=False: record("reduce_scatter", op, full.clone()))
     monkeypatch.setattr(S, "_all_gather", lambda full, piece, group, async_op=False: record("all_gather", None, full.clone()))
     monkeypatch.setattr(S.dist, "all_reduce", lambda t, op, group, async_op=False: record("all_reduce", op, t.clone()))
     monkeypatch.setattr(S.dist, "broadcast", lambda t, src, group, async_op=False: record("broadcast", src, t.clone()))
+    monkeypatch.setattr(S.dist, "isend", lambda t, dst, group, tag: record("isend", dst, tag, t.clone()))
+    monkeypatch.setattr(S.dist, "irecv", receive)
     monkeypatch.setattr(S.dist, "get_global_rank", lambda group, rank: rank + 10)
     monkeypatch.setattr(S.dist, "get_backend", lambda group: backend)
     sharding = S.Sharding(group=None, rank=1, world=2)
-    sharding.reduce_scatter_mean(torch.empty(2), torch.full((4,), 3.0))
+    out = torch.empty(2)
+    sharding.reduce_scatter_mean(out, torch.tensor([3.0, 3.0, 4.0, 6.0]))
     sharding.gather_(torch.arange(1.0, 5.0))
     if backend == "nccl":
         assert [c[:2] for c in calls] == [("reduce_scatter", dist.ReduceOp.AVG), ("all_gather", None)]
-        assert torch.equal(calls[0][2], torch.full((4,), 3.0))
+        assert torch.equal(calls[0][2], torch.tensor([3.0, 3.0, 4.0, 6.0]))
     else:
-        assert [c[:2] for c in calls] == [("all_reduce", dist.ReduceOp.SUM), ("broadcast", 10), ("broadcast", 11)]
-        assert torch.equal(calls[0][2], torch.full((4,), 1.5))
-        assert torch.equal(calls[1][2], torch.tensor([1.0, 2.0]))  # each piece from its rank (global numbers)
-        assert torch.equal(calls[2][2], torch.tensor([3.0, 4.0]))
+        tag = S._EXCHANGE_TAG
+        assert [c[:2] for c in calls] == [("isend", 10), ("irecv", 10), ("broadcast", 10), ("broadcast", 11)]
+        assert calls[0][2] == calls[1][2] == tag  # apart from the user's own messages
+        assert torch.equal(calls[0][3], torch.tensor([1.5, 1.5]))  # piece 0, scaled by 1/2, to rank 0
+        assert torch.equal(out, torch.tensor([2.25, 3.5]))  # the received piece plus this rank's, scaled
+        assert torch.equal(calls[2][2], torch.tensor([1.0, 2.0]))  # each piece from its rank (global numbers)
+        assert torch.equal(calls[3][2], torch.tensor([3.0, 4.0]))
+
+
+def test_gloo_sums_the_pieces_it_receives_in_rank_order(monkeypatch):
+    """With three ranks and more the order of a sum shows in its last bits: every rank sums its
+    piece over the ranks in rank order (0 + 1, then + 2), whichever it receives first. Here
+    rank 2 gets 2**24 from rank 0 and 1 from rank 1, and holds -2**24 itself: in fp32,
+    (2**24 + 1) rounds back to 2**24 and the sum is 0; any other order gives 1."""
+    from protrain_core.runtime import sharding as S
+
+    class Done:
+        def is_completed(self):
+            return True
+
+        def wait(self):
+            pass
+
+    pieces = {0: 2.0 ** 24, 1: 1.0}  # what ranks 0 and 1 send rank 2 (scaled already)
+    sent = []
+
+    def receive(t, src, group, tag):
+        t.fill_(pieces[src])
+        return Done()
+
+    monkeypatch.setattr(S.dist, "isend", lambda t, dst, group, tag: sent.append(dst) or Done())
+    monkeypatch.setattr(S.dist, "irecv", receive)
+    monkeypatch.setattr(S.dist, "get_global_rank", lambda group, rank: rank)
+    monkeypatch.setattr(S.dist, "get_backend", lambda group: "gloo")
+    out = torch.empty(2)
+    S.Sharding(group=None, rank=2, world=3).reduce_scatter_mean(out, torch.full((6,), -2.0 ** 24), scaled=True)
+    assert sent == [0, 1]
+    assert out.tolist() == [0.0, 0.0]
 
 
 def _collective_schedule(rank, world):
@@ -638,6 +681,7 @@ def _collective_schedule(rank, world):
 
     events = []
     all_reduce, broadcast, wait, on_grad = S.dist.all_reduce, S.dist.broadcast, D.HostEvent.wait, Scheduler.on_grad
+    isend = S.dist.isend
     wait_work = S.wait_work
 
     def recording_wait_work(work):  # a host collective waited for as soon as it is issued
@@ -647,6 +691,10 @@ def _collective_schedule(rank, world):
     def recording_all_reduce(t, *args, async_op=False, **kw):
         events.append(("issue", async_op))
         return all_reduce(t, *args, async_op=async_op, **kw)
+
+    def recording_isend(t, *args, **kw):  # a chunk's reduction: its pieces sent to the other rank
+        events.append(("issue", True))  # (a posted message: it never blocks)
+        return isend(t, *args, **kw)
 
     def recording_broadcast(t, *args, async_op=False, **kw):
         events.append(("broadcast", async_op))
@@ -661,6 +709,7 @@ def _collective_schedule(rank, world):
         return on_grad(self, *args)
 
     S.dist.all_reduce, S.dist.broadcast, S.wait_work = recording_all_reduce, recording_broadcast, recording_wait_work
+    S.dist.isend = recording_isend
     D.HostEvent.wait, Scheduler.on_grad = recording_wait, recording_on_grad
     try:
         model = tiny_llama(seed=0)
@@ -677,14 +726,14 @@ def _collective_schedule(rank, world):
         engine.close()
     finally:
         S.dist.all_reduce, S.dist.broadcast, D.HostEvent.wait, Scheduler.on_grad = all_reduce, broadcast, wait, on_grad
-        S.wait_work = wait_work
+        S.wait_work, S.dist.isend = wait_work, isend
     return events, chunks
 
 
 def test_cpu_collectives_run_beside_backward_and_are_waited_where_their_results_are_needed(tmp_path):
-    """On a CPU device the chunks' reduce-scatters (gloo: all-reduces) are issued without
-    blocking as each chunk's gradients complete, while backward goes on (gloo runs them on its
-    own threads, as DDP's are), and waited once each, after the last gradient hook; the
+    """On a CPU device the chunks' reduce-scatters (gloo: messages to the other rank) are issued
+    without blocking as each chunk's gradients complete, while backward goes on (gloo sends
+    and receives them on its own threads), and waited once each, after the last gradient hook; the
     all-gathers after the updates (gloo: a broadcast per rank's piece) likewise, waited at the
     end of the step. The usage check's host all-reduce is issued before the first gradient
     hook and waited for just before the first chunk collective (issue 26): the backward of the
@@ -1010,7 +1059,7 @@ def test_a_failure_on_one_rank_ends_every_process_with_the_users_error(case, pri
     assert "collective mismatch" not in output, output[-4000:]
 
 
-@pytest.mark.parametrize("kind", ["event", "issue", "check", "barrier", "broadcast"])
+@pytest.mark.parametrize("kind", ["event", "messages", "issue", "check", "barrier", "broadcast"])
 def test_ctrl_c_ends_a_rank_waiting_on_a_collective_that_cannot_end(kind, tmp_path):
     """Rank 0 waits on a collective rank 1 never issues (what ctrl-C can leave behind: the signal
     lands while the ranks wait on collectives that will not complete). SIGINT must reach Python
@@ -1047,7 +1096,7 @@ def _collectives_after_a_failing_backward(rank, world):
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), pt.Plan(n_persist=2, n_buffer=0),
                      device="cpu")
     failed, issued = [False], []
-    for name in ("_issue", "_blocking"):
+    for name in ("_issue", "_issue_all", "_blocking"):
         def counted(*args, _name=name, _real=getattr(S, name), **kwargs):
             if failed[0]:
                 issued.append(_name)

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from protrain_core.plan import PlanLimits
 
-PROFILE_VERSION = 12  # 12: the reduce-scatter probe leaves the mean's scaling to the landing copy
+PROFILE_VERSION = 13  # 13: gloo reduces by point-to-point messages (the probe times them)
 
 
 class ProfileVersionError(ValueError):

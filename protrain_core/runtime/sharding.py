@@ -18,8 +18,9 @@ answers where a member is in every tensor of a chunk on this rank.
   backward  gradients land in a device buffer of the whole (padded) trainable span; when the
             chunk is done they are ``reduce_scatter_tensor``ed to their mean as DDP takes it
             (each rank's gradient times ``1/W``, summed: NCCL's AVG; gloo: times ``1/W``
-            as each gradient is copied into the buffer), and the rank's piece goes to the
-            accumulator (offloaded to the host for a streamed chunk)
+            as each gradient is copied into the buffer, and on CPU tensors each rank sends
+            the others their pieces and sums what it receives, ``_exchange_and_sum``), and
+            the rank's piece goes to the accumulator (offloaded to the host for a streamed chunk)
   update    Adam on the rank's pieces (it is elementwise, so a piece of a parameter updates
             exactly as the whole would); a persistent chunk then gathers its trainable span
             again; a streamed one is gathered at its next fetch
@@ -49,8 +50,11 @@ modules in a data-dependent order).
 from __future__ import annotations
 
 import functools
+import os
 import pickle
+import queue
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -63,6 +67,9 @@ from protrain_core.runtime.device import deferring, wait_work
 # torch >= 2.12 renamed the tensor collectives; the older names still work (with a warning).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# The tag of the point-to-point messages of gloo's reductions (``Sharding._exchange_and_sum``),
+# apart from a user's own messages (tag 0 unless they choose).
+_EXCHANGE_TAG = 0x5054
 
 
 @dataclass
@@ -115,8 +122,9 @@ class Sharding:
     def _on_gloo(self) -> bool:
         """gloo's own all-gather and reduce-scatter are its slowest ways to move a chunk: slower
         than an all-reduce, and than one broadcast per piece (measured in docs/benchmarks.md,
-        "gloo's gather by broadcasts"). So on gloo a gather is a broadcast from each rank of its
-        piece, and a reduction an all-reduce."""
+        "gloo's gather by broadcasts", "gloo's reduction by messages"). So on gloo a gather is
+        a broadcast from each rank of its piece, and a reduction point-to-point messages (an
+        all-reduce on GPU tensors, which gloo's messages do not take)."""
         return "gloo" in self.backend
 
     def gather_(self, full: Tensor) -> None:
@@ -147,7 +155,7 @@ class Sharding:
         every rank's values times ``1/W``, then summed. NCCL's average does exactly that inside
         the collective (a pre-multiplied sum); gloo has no average, so ``full`` is scaled in
         place first -- unless ``scaled``: it holds ``pre_scale`` times the values already --
-        and all-reduced (``_on_gloo``)."""
+        and reduced by messages (``_on_gloo``)."""
         self.check_held()
         if not out.numel():
             return
@@ -156,11 +164,39 @@ class Sharding:
             return
         if not scaled:
             full.mul_(self.pre_scale)
-        if self._on_gloo:  # the whole sum, of which this rank keeps its piece
+        if self._on_gloo and full.device.type == "cpu":
+            self._exchange_and_sum(out, full)
+            return
+        if self._on_gloo:  # gloo on a GPU tensor: the whole sum, of which this rank keeps its piece
             mine = full[self.rank * out.numel():(self.rank + 1) * out.numel()]
             _issue(dist.all_reduce, full, op=dist.ReduceOp.SUM, group=self.group, then=lambda: out.copy_(mine))
             return
         _issue(_reduce_scatter, out, full, op=dist.ReduceOp.SUM, group=self.group)
+
+    def _exchange_and_sum(self, out: Tensor, full: Tensor) -> None:
+        """gloo's reduce-scatter of CPU tensors by point-to-point messages: each rank sends piece
+        ``r`` of its ``full`` to rank ``r`` and receives every other rank's piece ``rank``, then
+        sums them in rank order into ``out`` (the first received piece lands in ``out`` itself).
+        Each rank sends and receives ``(W-1)/W`` of the buffer, as a ring reduce-scatter does,
+        against twice that for the all-reduce; gloo's own reduce-scatter and its all-reduce are
+        several times slower (docs/benchmarks.md, "gloo's reduction by messages"). With two
+        ranks the sum is the all-reduce's bit for bit (one addition, commutative); with more,
+        rank order fixes it (a ring sums each piece in another order: the last bits differ)."""
+        n, rank = out.numel(), self.rank
+        others = [r for r in range(self.world) if r != rank]
+        received = {r: out if k == 0 else torch.empty_like(out) for k, r in enumerate(others)}
+        works = [dist.isend(full[r * n:(r + 1) * n], dst=dist.get_global_rank(self.group, r), group=self.group,
+                            tag=_EXCHANGE_TAG) for r in others]
+        works += [dist.irecv(received[r], src=dist.get_global_rank(self.group, r), group=self.group,
+                             tag=_EXCHANGE_TAG) for r in others]
+
+        def total() -> None:
+            pieces = {**received, rank: full[rank * n:(rank + 1) * n]}
+            out.add_(pieces[1 if others[0] == 0 else 0])  # out holds piece 0 or 1: their sum, either order
+            for r in range(2, self.world):
+                out.add_(pieces[r])
+
+        _issue_all(works, then=total)
 
     def all_reduce_(self, t: Tensor, op=dist.ReduceOp.SUM) -> Tensor:
         _blocking(dist.all_reduce, t, op=op, group=self.group)
@@ -274,6 +310,74 @@ def _issue(collective, *args, then=None, **kwargs) -> None:
             then()
         return
     event.add(collective(*args, async_op=True, **kwargs), then)
+
+
+def _issue_all(works: list, then) -> None:
+    """Point-to-point messages already posted (their ``Work``s), then ``then``: waited for at
+    once, or -- inside a CPU device's ``DeviceContext.collective`` -- joined to its event, as
+    ``_issue`` does for a collective. gloo's message ``Work`` cannot be polled (its
+    ``is_completed`` stays False, and a second ``wait`` never returns), so ``_Waiter`` waits
+    for them and the caller polls that."""
+    posted = _Waiter.get().watch(works)
+    event = deferring()
+    if event is None:
+        wait_work(posted)
+        then()
+        return
+    event.add(posted, then)
+
+
+class _Posted:
+    """Messages a ``_Waiter`` waits for, as a ``Work`` that can be polled (``wait_work``)."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+    def wait(self) -> bool:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+class _Waiter:
+    """A daemon thread per process that waits, in order, for the messages of ``_issue_all``
+    (``Work.wait`` releases the GIL: the thread that drives the step runs on). The thread that
+    waits for a ``_Posted`` polls it, so that ctrl-C still ends the process (``wait_work``)."""
+
+    _instance: _Waiter | None = None
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.queue: queue.SimpleQueue[_Posted] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="protrain-messages", daemon=True).start()
+
+    @classmethod
+    def get(cls) -> _Waiter:
+        if cls._instance is None or cls._instance.pid != os.getpid():  # none yet, or a forked parent's
+            cls._instance = cls()
+        return cls._instance
+
+    def watch(self, works: list) -> _Posted:
+        posted = _Posted(works)
+        self.queue.put(posted)
+        return posted
+
+    def _run(self) -> None:
+        while True:
+            posted = self.queue.get()
+            try:
+                for work in posted.works:
+                    work.wait()
+            except BaseException as e:  # noqa: BLE001 - re-raised by the thread that waits for it
+                posted.error = e
+            posted.works = []
+            posted.done.set()
 
 
 def broadcast_module(module, sharding: Sharding, device: torch.device) -> None:

@@ -1,7 +1,8 @@
 """Rank 0 waits on a collective that rank 1 never issues; for tests/test_distributed.py: ``RANK PORT OUT KIND``.
 
-KIND: ``event`` (a chunk's collectives, waited for through ``HostEvent``), ``issue`` (a chunk
-collective run at once, outside a step: state dicts, checkpoints), ``check`` (a blocking host
+KIND: ``event`` (a chunk's collectives, waited for through ``HostEvent``), ``messages`` (a chunk's
+reduction in a step, gloo's point-to-point messages, waited for through ``HostEvent``), ``issue``
+(a chunk collective run at once, outside a step: state dicts, checkpoints), ``check`` (a blocking host
 collective of ``Sharding``), ``barrier`` or ``broadcast`` (``protrain_core.barrier`` and
 ``broadcast_object``: the strategies' on gloo). Rank 0 writes OUT/waiting, then waits; the test sends
 it SIGINT and expects it to end with KeyboardInterrupt. Rank 1 stays alive (sleeping) until
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import protrain_core as pt
-from protrain_core.runtime.device import HostEvent
+from protrain_core.runtime.device import DeviceContext, HostEvent
 from protrain_core.runtime.sharding import Sharding
 
 
@@ -37,6 +38,9 @@ def main(rank: int, port: str, out: str, kind: str) -> None:
             event = HostEvent()
             event.add(dist.all_reduce(torch.ones(4), async_op=True))
             event.wait()
+        elif kind == "messages":
+            ctx = DeviceContext(torch.device("cpu"))
+            ctx.collective(lambda: sharding.reduce_scatter_mean(torch.empty(2), torch.ones(4))).wait()
         elif kind == "issue":
             sharding.reduce_scatter_mean(torch.empty(2), torch.ones(4))  # a chunk collective outside a step
         elif kind == "barrier":
