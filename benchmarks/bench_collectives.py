@@ -121,13 +121,10 @@ def _run(rank: int, world: int, port: int, sizes: list[float], reps: int, rounds
 
 
 def measure(sizes: list[float], *, reps: int = 5, rounds: int = 2, world: int = 2) -> list[dict]:
-    import socket
+    from torch.distributed.elastic.utils.distributed import get_free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_run, args=(world, port, sizes, reps, rounds, out), nprocs=world, join=True,
+        mp.start_processes(_run, args=(world, get_free_port(), sizes, reps, rounds, out), nprocs=world, join=True,
                            start_method="spawn")
         return torch.load(os.path.join(out, "rows.pt"), weights_only=False)
 
