@@ -11,7 +11,9 @@ that trained differently shows.
                                    [--profile 3]
 
 Each step is also timed by phase (forward, backward, update: the optimizer step and zero_grad),
-and the medians of each are tabled after the steps. ``--rounds R``: every system is built at
+and the medians of each are tabled after the steps, with the minor page faults of rank 0's
+process in each phase (``getrusage``; memory the kernel maps and zeroes on first touch: a
+buffer of 32 MB or more is mapped anew at each allocation by torch's CPU allocator). ``--rounds R``: every system is built at
 once and runs ``--steps`` steps in each of R rounds, the systems in turn, each on the same
 batches, instead of all its steps in one stretch; on a machine whose speed drifts by more than
 the differences measured (a shared VM), the drift then falls on every system alike.
@@ -28,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import tempfile
 import time
@@ -91,18 +94,24 @@ def trainer(system: str, model):
         backward, close = engine.backward, engine.close
 
     def step(x):
-        t0 = time.perf_counter()
+        f0, t0 = _faults(), time.perf_counter()
         loss = forward(x)
-        t1 = time.perf_counter()
+        f1, t1 = _faults(), time.perf_counter()
         backward(loss)
-        t2 = time.perf_counter()
+        f2, t2 = _faults(), time.perf_counter()
         update()
-        return loss.detach(), (t1 - t0, t2 - t1, time.perf_counter() - t2)
+        t3, f3 = time.perf_counter(), _faults()
+        return loss.detach(), (t1 - t0, t2 - t1, t3 - t2), (f1 - f0, f2 - f1, f3 - f2)
 
     return step, close
 
 
 PROFILED_OPS = 12  # operators listed per system with --profile
+
+
+def _faults() -> int:
+    """Minor page faults of this process so far (all its threads)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _profiled(step, data) -> list[dict]:
@@ -132,7 +141,7 @@ def _rank(rank: int, world: int, port: int, sizes: list[str], warmup: int, steps
             # in each round every system's next ``steps`` steps in turn (the same batches).
             for group in ([[s] for s in SYSTEMS] if rounds == 1 else [list(SYSTEMS)]):
                 trainers = {s: trainer(s, build(size)) for s in group}
-                timed = {s: ([], [], []) for s in group}  # steps, phases, losses
+                timed = {s: ([], [], [], []) for s in group}  # steps, phases, losses, page faults
                 for s in group:
                     for x in data[:warmup]:
                         dist.barrier()
@@ -142,18 +151,20 @@ def _rank(rank: int, world: int, port: int, sizes: list[str], warmup: int, steps
                         for x in data[warmup + r * steps:warmup + (r + 1) * steps]:
                             dist.barrier()
                             t = time.perf_counter()
-                            loss, phases = trainers[s][0](x)
+                            loss, phases, faults = trainers[s][0](x)
                             timed[s][2].append(loss.item())
                             timed[s][0].append(time.perf_counter() - t)
                             timed[s][1].append(phases)
+                            timed[s][3].append(faults)
                 for s in group:
                     step, close = trainers[s]
                     ops = _profiled(step, data[warmup + rounds * steps:]) if profiled else []
                     if close is not None:
                         close()
-                    times, phases, losses = timed[s]
+                    times, phases, losses, faults = timed[s]
                     rows.append({"size": size, "params": params, "system": s, "median_s": statistics.median(times),
                                  "times_s": times, "phases_s": [statistics.median(p) for p in zip(*phases)],
+                                 "faults": [statistics.median(f) for f in zip(*faults)],
                                  "rounds": rounds, "last_loss": losses[-1], "profile": ops})
         rows.sort(key=lambda r: (sizes.index(r["size"]), SYSTEMS.index(r["system"])))
         if rank == 0:
@@ -175,8 +186,10 @@ def markdown(rows: list[dict]) -> str:
     if any(r.get("phases_s") for r in rows):
         rounds = rows[0].get("rounds", 1)
         lines += ["", "Medians of each phase, rank 0" + (f" ({rounds} rounds, the systems in turn)" if rounds > 1 else ""),
-                  "", "| model | system | forward | backward | update |", "|---|---|---|---|---|"]
-        lines += [f"| {r['size']} | {r['system']} | " + " | ".join(f"{t * 1e3:.1f} ms" for t in r["phases_s"]) + " |"
+                  "", "| model | system | forward | backward | update | page faults (forward / backward / update) |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r['size']} | {r['system']} | " + " | ".join(f"{t * 1e3:.1f} ms" for t in r["phases_s"]) + " | "
+                  + (" / ".join(f"{f:.0f}" for f in r["faults"]) if r.get("faults") else "") + " |"
                   for r in rows if r.get("phases_s")]
     for r in rows:
         if r.get("profile"):

@@ -199,8 +199,10 @@ class Clock:
         if self.finished:
             return
         self.finished = True
-        self.rss = max(self.rss or 0, peak_rss())
         self.steady_rss = high_water_mark() if self.steady else None
+        # The run's peak holds the timed steps' (the two counters can differ by a few pages: the
+        # kernel batches each thread's count of resident pages).
+        self.rss = max(self.rss or 0, peak_rss(), self.steady_rss or 0)
         if self.peak is None and self.device.type == "cuda":
             self.peak = torch.cuda.max_memory_allocated(self.device)
 

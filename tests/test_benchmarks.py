@@ -373,15 +373,18 @@ def test_the_ddp_benchmark_lists_each_profiled_systems_operators():
 
 
 def test_the_ddp_benchmark_tables_each_systems_phases_and_its_rounds():
-    """``bench_ddp``: the medians of each step's forward, backward and update per system, after
-    the step table, saying when the systems ran in turn (``--rounds``)."""
+    """``bench_ddp``: the medians of each step's forward, backward and update per system, and of
+    the page faults in each, after the step table, saying when the systems ran in turn
+    (``--rounds``)."""
     from benchmarks.bench_ddp import markdown
 
     row = {"size": "8M", "params": 7.9e6, "times_s": [0.5, 0.7], "last_loss": 1.0, "rounds": 2}
-    md = markdown([{**row, "system": "ddp", "median_s": 0.6, "phases_s": [0.2, 0.38, 0.02]},
-                   {**row, "system": "protrain all-persistent", "median_s": 0.625, "phases_s": [0.2, 0.4, 0.025]}])
+    md = markdown([{**row, "system": "ddp", "median_s": 0.6, "phases_s": [0.2, 0.38, 0.02], "faults": [3.0, 2300.5, 0]},
+                   {**row, "system": "protrain all-persistent", "median_s": 0.625, "phases_s": [0.2, 0.4, 0.025],
+                    "faults": [1, 7800, 0]}])
     assert "Medians of each phase, rank 0 (2 rounds, the systems in turn)" in md
-    assert "| 8M | ddp | 200.0 ms | 380.0 ms | 20.0 ms |\n| 8M | protrain all-persistent | 200.0 ms | 400.0 ms | 25.0 ms |" in md
+    assert ("| 8M | ddp | 200.0 ms | 380.0 ms | 20.0 ms | 3 / 2300 / 0 |\n"
+            "| 8M | protrain all-persistent | 200.0 ms | 400.0 ms | 25.0 ms | 1 / 7800 / 0 |") in md
     one = markdown([{**row, "rounds": 1, "system": "ddp", "median_s": 0.6, "phases_s": [0.2, 0.38, 0.02]}])
     assert "Medians of each phase, rank 0\n" in one and "rounds" not in one
 

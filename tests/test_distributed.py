@@ -794,6 +794,104 @@ def test_a_host_event_finishes_its_collectives_then_its_continuations_once_in_or
     assert event.query()
 
 
+def test_later_runs_after_every_continuation_on_the_waiting_thread_even_when_added_during_the_wait():
+    """``HostEvent.later(fn)``: ``fn`` runs once the event's continuations ran -- appended while
+    another thread is inside the wait (that thread runs it, and ``later`` does not wait for
+    it), or at once when the event is over already."""
+    import threading
+
+    from protrain_core.runtime.device import HostEvent
+
+    log, inside, release = [], threading.Event(), threading.Event()
+
+    def reading():  # a continuation that reads a block (blocks the waiting thread until released)
+        inside.set()
+        release.wait(30)
+        log.append(("read", threading.current_thread().name))
+
+    event = HostEvent()
+    event.add(None, reading)
+    waiter = threading.Thread(target=event.wait, name="waiter")
+    waiter.start()
+    assert inside.wait(30)
+    event.later(lambda: log.append(("free", threading.current_thread().name)))
+    assert log == []  # neither ran on this thread, nor waited for the other
+    release.set()
+    waiter.join(30)
+    assert log == [("read", "waiter"), ("free", "waiter")]
+    event.later(lambda: log.append(("late", threading.current_thread().name)))
+    assert log[-1] == ("late", threading.current_thread().name)
+    event.wait()
+    assert len(log) == 3  # each ran once
+
+
+def test_a_cpu_devices_freed_block_is_handed_out_again_only_once_its_readers_are_done():
+    """``BlockCache`` ([Note: a CPU device's block cache]): a block freed after an event goes
+    back when the event is over (its collectives and the continuations that read the block),
+    not before; one freed with no event at once; only for the same size and dtype; never, if
+    its event is never waited (a failed backward); ``clear`` empties the cache."""
+    from protrain_core.runtime.device import BlockCache, DeviceContext, HostEvent
+
+    class Work:
+        def is_completed(self):
+            return True
+
+        def wait(self):
+            pass
+
+    blocks = BlockCache()
+    a = blocks.empty(8, torch.float32)
+    event, read = HostEvent(), []
+    event.add(Work(), lambda: read.append(a.clone()))
+    blocks.free(a, after=event)
+    b = blocks.empty(8, torch.float32)
+    assert b.data_ptr() != a.data_ptr() and blocks.allocated == 2 and blocks.reused == 0  # a is still read
+    event.wait()
+    assert read and blocks.empty(8, torch.float32) is a and blocks.reused == 1
+    blocks.free(b)
+    assert blocks.empty(8, torch.float64) is not b and blocks.empty(4, torch.float32) is not b  # other sizes
+    assert blocks.nbytes == 32 and blocks.empty(8, torch.float32) is b
+    lost = HostEvent()
+    lost.add(Work(), None)
+    blocks.free(a, after=lost)  # never waited
+    assert blocks.empty(8, torch.float32) is not a and blocks.nbytes == 0
+    blocks.free(b)
+    ctx = DeviceContext(torch.device("cpu"))
+    ctx.blocks = blocks
+    ctx.empty_cache()
+    assert blocks.nbytes == 0
+
+
+def _blocks_per_step(rank, world, plan_name):
+    """Blocks the CPU device's cache allocated and handed out again after each of 3 steps."""
+    model = tiny_llama(seed=0)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), standard_plans(model)[plan_name], device="cpu",
+                     config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
+    counts = []
+    for x in batches(3, seed=10 + rank):
+        engine.backward(engine.module(input_ids=x, labels=x).loss)
+        engine.step()
+        engine.zero_grad()
+        counts.append((engine.ctx.blocks.allocated, engine.ctx.blocks.reused))
+    chunks = len(engine.chunks)
+    engine.close()
+    return counts, chunks
+
+
+@pytest.mark.parametrize("plan_name", ["all-persistent", "streamed-buf1"])
+def test_a_cpu_device_allocates_its_gradient_buffers_in_the_first_backward_only(plan_name, tmp_path):
+    """On a CPU device the gradient buffers (and a streamed chunk's reduced piece) come from the
+    block cache: every one the first backward allocated is handed out again in the next
+    backwards, none allocated anew (torch's allocator would map each anew and fault its pages
+    in: [Note: a CPU device's block cache])."""
+    for counts, chunks in spawn(_blocks_per_step, 2, tmp_path, plan_name):
+        (first, reused_first), *later = counts
+        assert first >= 1 and all(allocated == first for allocated, _ in later), counts
+        assert [reused for _, reused in later] == [reused_first + k * (reused_first + first) for k in (1, 2)], counts
+        if plan_name == "all-persistent":  # one buffer per chunk, all reduced in flight together
+            assert first == chunks and reused_first == 0, counts
+
+
 class _Killed(BaseException):
     """A save stopped dead at a rename (as ``kill -9`` would stop it)."""
 

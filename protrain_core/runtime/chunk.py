@@ -299,10 +299,11 @@ class Chunk:
                 ctx.record_stream(t, ctx.d2h_stream)
                 if storage.sharding is not None:
                     ctx.record_stream(t, ctx.comm_stream)
-        self._event = None
+        copied, self._event = self._event, None
         self.point_at_placeholders() if in_pass else self.point_at_rest()
+        storage.free(self._reduced, after=copied)
         self._reduced = None
-        storage.free_grad_buffer()
+        storage.free_grad_buffer(after=copied)
         storage.free_device_copy()
         self.state = target
 
@@ -396,18 +397,18 @@ class Chunk:
             reduced = []
 
             def reduce() -> None:
-                out = storage.grad_acc if direct else torch.empty(storage.fmt.state_numel, dtype=buffer.dtype,
-                                                                  device=buffer.device)
+                out = storage.grad_acc if direct else storage.empty(storage.fmt.state_numel, buffer.dtype)
                 reduced.append(out)
                 storage.sharding.reduce_scatter_mean(out, buffer, scaled=True)
 
             def accumulate() -> None:
                 storage.grad_acc.copy_(reduced[0]) if first else storage.grad_acc.add_(reduced[0])
+                storage.free(reduced[0])
 
             self._event = ctx.collective(reduce, then=None if direct else accumulate,
                                          span=("collectives", f"reduce-scatter chunk {self.index}"))
             ctx.record_stream(buffer, ctx.comm_stream)
-            storage.free_grad_buffer()
+            storage.free_grad_buffer(after=self._event)
         self.grad_state = target
 
     def await_reduction(self, ctx: DeviceContext) -> None:
@@ -431,7 +432,7 @@ class Chunk:
         if storage.sharding is None:
             return storage.grad_buffer, None
         buffer = storage.grad_buffer
-        self._reduced = out = torch.empty(storage.fmt.state_numel, dtype=buffer.dtype, device=buffer.device)
+        self._reduced = out = storage.empty(storage.fmt.state_numel, buffer.dtype)
         event = ctx.collective(lambda: storage.sharding.reduce_scatter_mean(out, buffer, scaled=True),
                                span=("collectives", f"reduce-scatter chunk {self.index}"))
         return out, event

@@ -23,7 +23,9 @@ source of its uploads and, in mixed precision, the landing area of its gradient 
 which it reaches after an offload only through ``end_update`` -- the worker's job, which waits
 for the offload's event, landed the gradients and restored the copy from the master
 (scheduler.py ``_make_resident``). Activation swaps write and read host buffers of their own.
-On the CPU there are no streams: copies run synchronously and their events are ``None``.
+On the CPU there are no streams: copies run synchronously and their events are ``None``;
+what ``record_stream`` does for a freed gradient buffer, ``BlockCache.free(t, after)`` does for a
+CPU device's ([Note: a CPU device's block cache]).
 Collectives are issued with ``async_op=True`` (gloo runs them on its own threads, beside the
 compute, as DDP's are) and return a ``HostEvent``; what reads their results (the piece a
 reduce-scatter keeps, its sum into the accumulator, the copy of it to the host) runs when the
@@ -101,7 +103,8 @@ class HostEvent:
         self.after, self.span = after, span  # span: (timeline, lane, label, begin) or None
         self.works: list = []
         self.continuations: list = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held by the thread that waits
+        self._tail = threading.Lock()  # the continuations' list against ``later`` (never held long)
         self._done = False
 
     def add(self, work, then=None) -> None:
@@ -127,12 +130,84 @@ class HostEvent:
                 self.after.wait()
             for work in self.works:
                 wait_work(work)
-            for then in self.continuations:
+            k = 0
+            while True:  # (``later`` may append while they run)
+                with self._tail:
+                    if k == len(self.continuations):
+                        self._done = True
+                        break
+                    then = self.continuations[k]
                 then()
-            self._done = True
+                k += 1
             if self.span is not None:
                 timeline, lane, label, begin = self.span
                 timeline.add(lane, label, begin, timeline.stamp())
+
+    def later(self, fn) -> None:
+        """Run ``fn`` once the event's collectives and continuations are over: after them, on the
+        thread that waits, or now if the event is over already (from any thread, without waiting
+        for a wait in progress elsewhere)."""
+        with self._tail:
+            if not self._done:
+                self.continuations.append(fn)
+                return
+        fn()
+
+
+class BlockCache:
+    """A CPU device's freed blocks, handed out again for the next allocation of the same size
+    and dtype: what the CUDA caching allocator does for a GPU.
+
+    [Note: a CPU device's block cache]
+    torch's CPU allocator gives a block of 32 MB or more back to the kernel when it is freed
+    (glibc's largest mmap threshold), and the next one is mapped anew: every page faults in,
+    zeroed by the kernel, the first time it is written -- 39 ms to write a new 39 MB block
+    against 7 ms for one written before, on the 2-core VM of docs/benchmarks.md ("The gradient
+    buffers kept: 2 gloo processes against DDP", with the page faults per step). A chunk's
+    gradient buffer is such a block, allocated in every backward: at 80M parameters, 78,000
+    page faults per backward where DDP, whose buckets live as long as the model, takes 23,000.
+    So on a CPU device the gradient buffers come from here, and go back once nothing reads
+    them: ``free(t, after)`` returns ``t`` when the event ``after`` (the collectives and the copy
+    that read it) is over -- the CPU form of freeing in stream order (``record_stream``). A
+    block whose event is never waited (a backward that failed) is never handed out again; it
+    is freed with the last reference to it. The cache holds at most what the runtime held at
+    once before (every block in it was in use together), and ``DeviceContext.empty_cache``
+    empties it.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, torch.dtype], list[Tensor]] = {}
+        self._lock = threading.Lock()  # ``free`` may run on the CPU worker's thread (an event it waited for)
+        self.allocated = self.reused = 0  # blocks allocated, and handed out again
+
+    def empty(self, numel: int, dtype: torch.dtype) -> Tensor:
+        """An uninitialised CPU tensor of ``numel`` elements: a freed block, else a new one."""
+        with self._lock:
+            blocks = self._free.get((numel, dtype))
+            if blocks:
+                self.reused += 1
+                return blocks.pop()
+            self.allocated += 1
+        return torch.empty(numel, dtype=dtype)
+
+    def free(self, t: Tensor, after: HostEvent | None = None) -> None:
+        """``t`` (from ``empty``) is not read once ``after`` is over (None: now)."""
+        keep = lambda: self._keep(t)  # noqa: E731
+        keep() if after is None else after.later(keep)
+
+    def _keep(self, t: Tensor) -> None:
+        with self._lock:
+            self._free.setdefault((t.numel(), t.dtype), []).append(t)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the blocks held for reuse."""
+        with self._lock:
+            return sum(t.numel() * t.element_size() for blocks in self._free.values() for t in blocks)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
 
 
 def wait_work(work) -> None:
@@ -179,7 +254,9 @@ class DeviceContext:
     size-only simulation keeps both on the meta device). ``asynchronous``: copies, collectives
     and the CPU worker run beside the compute stream (CUDA, or a simulated GPU); False: every
     copy runs inline (a CPU device). ``is_cuda``: a real CUDA device (pinned memory, CUDA
-    events, ``record_stream``)."""
+    events, ``record_stream``). ``blocks``: a CPU device's ``BlockCache`` (None elsewhere)."""
+
+    blocks: BlockCache | None = None
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -191,6 +268,7 @@ class DeviceContext:
         # A CPU device issues collectives asynchronously and waits where their results are used
         # (gloo runs them on its own threads, as DDP's do); a CUDA device orders them on comm_stream.
         self.deferred_collectives = not self.is_cuda
+        self.blocks = BlockCache() if device.type == "cpu" else None
 
     @property
     def pin_memory(self) -> bool:
@@ -337,9 +415,11 @@ class DeviceContext:
 
     def empty_cache(self) -> None:
         """Give the allocator's cached free blocks back to the device (CUDA), so that another
-        process or library can use them; nothing on the CPU."""
+        process or library can use them; on a CPU device, the ``BlockCache``'s."""
         if self.is_cuda:
             torch.cuda.empty_cache()
+        if self.blocks is not None:
+            self.blocks.clear()
 
     def check_host_memory(self, nbytes: int, what: str) -> None:
         """Refuse, with the numbers, ``nbytes`` of host memory the machine does not have."""

@@ -460,7 +460,7 @@ def _allocate(engine: Engine, optim: ChunkOptimizer, formats: list[ChunkFormat])
         storage = ChunkStorage(fmt, persistent=spec.index in persistent, device=dev, pin=pin,
                                n_members=len(members), sharding=engine.sharding, host=ctx.host,
                                frozen=frozen_places_of(spec, fmt.frozen_format, fmt.world_size, engine.rank)
-                               if fmt.quantised else None)
+                               if fmt.quantised else None, blocks=ctx.blocks)
         opt_members = optim.members_by_group(members) if engine.optimizer_states else {}
         chunk = Chunk(spec, params=members, storage=storage, opt_members=opt_members)
         chunk.load_params()

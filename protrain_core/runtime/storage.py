@@ -55,6 +55,7 @@ from torch import Tensor, nn
 
 from protrain_core.memtrack import untracked
 from protrain_core.precision import Precision
+from protrain_core.runtime.device import BlockCache
 from protrain_core.runtime.elementwise import state_slots
 from protrain_core.runtime.frozen_formats import FrozenPlaces, frozen_places
 from protrain_core.runtime.host_pool import HostPool
@@ -343,7 +344,9 @@ class ChunkStorage:
 
     def __init__(self, fmt: ChunkFormat, *, persistent: bool, device: torch.device, pin: bool,
                  n_members: int, sharding: Sharding | None = None, host: torch.device = torch.device("cpu"),
-                 frozen: FrozenPlaces | None = None) -> None:
+                 frozen: FrozenPlaces | None = None, blocks: BlockCache | None = None) -> None:
+        """``blocks``: a CPU device's cache, where gradient buffers come from and go back to
+        ([Note: a CPU device's block cache] in device.py)."""
         assert (sharding.world if sharding is not None else 1) == fmt.world_size
         assert (frozen is None) == (not fmt.quantised)
         self.fmt = fmt
@@ -358,6 +361,7 @@ class ChunkStorage:
         self.pool: HostPool | None = None
         self.spare_pool: HostPool | None = None  # a persistent chunk's host buffer kept for the next offload
         self.grad_buffer: Tensor | None = None  # streamed: this backward's gradients, on the device
+        self.blocks = blocks
         # An update consumed gradients lent an accumulator, and zero_grad has not come since (the
         # gradients torch would still hold are gone: [Note: gradients consumed where they land]).
         self.gradients_consumed = False
@@ -595,13 +599,27 @@ class ChunkStorage:
         uninitialised elsewhere: each member's gradient is written there whole (one pass over
         the buffer instead of two, with a fill first)."""
         with untracked():  # chunk memory: counted by device_bytes(), not as activations
-            self.grad_buffer = torch.empty(self.fmt.grad_buffer_numel, dtype=self.fmt.compute_dtype, device=self.device)
+            self.grad_buffer = self.empty(self.fmt.grad_buffer_numel, self.fmt.compute_dtype)
         for start, end in zero:
             self.grad_buffer[start:end].zero_()
         return self.grad_buffer
 
-    def free_grad_buffer(self) -> None:
+    def free_grad_buffer(self, after=None) -> None:
+        """Drop the gradient buffer; it is read until ``after`` (an event; on CUDA the streams
+        that read it were recorded on it, ``DeviceContext.record_stream``)."""
+        self.free(self.grad_buffer, after)
         self.grad_buffer = None
+
+    def empty(self, numel: int, dtype: torch.dtype) -> Tensor:
+        """A transient device tensor (uninitialised): from a CPU device's block cache, if any."""
+        if self.blocks is None:
+            return torch.empty(numel, dtype=dtype, device=self.device)
+        return self.blocks.empty(numel, dtype)
+
+    def free(self, t: Tensor | None, after=None) -> None:
+        """``t`` (from ``empty``) is not read once ``after`` is over: back to the block cache."""
+        if t is not None and self.blocks is not None:
+            self.blocks.free(t, after)
 
     # ----- accounting -------------------------------------------------------------------------
     def device_bytes(self) -> int:
