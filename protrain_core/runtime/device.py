@@ -161,11 +161,11 @@ class BlockCache:
     [Note: a CPU device's block cache]
     torch's CPU allocator gives a block of 32 MB or more back to the kernel when it is freed
     (glibc's largest mmap threshold), and the next one is mapped anew: every page faults in,
-    zeroed by the kernel, the first time it is written -- 39 ms to write a new 39 MB block
-    against 7 ms for one written before, on the 2-core VM of docs/benchmarks.md ("The gradient
-    buffers kept: 2 gloo processes against DDP", with the page faults per step). A chunk's
-    gradient buffer is such a block, allocated in every backward: at 80M parameters, 78,000
-    page faults per backward where DDP, whose buckets live as long as the model, takes 23,000.
+    zeroed by the kernel, the first time it is written -- 31 ms to write a new 39 MB block
+    against 7 ms for one written before, on the 2-core VM of docs/benchmarks.md ("A CPU
+    device's gradient buffers kept"). A chunk's gradient buffer is such a block, allocated in
+    every backward: at 80M parameters (``bench_ddp``, all-persistent) 63,000-70,000 page faults
+    per backward, where DDP, whose buckets live as long as the model, takes 8,000-32,000.
     So on a CPU device the gradient buffers come from here, and go back once nothing reads
     them: ``free(t, after)`` returns ``t`` when the event ``after`` (the collectives and the copy
     that read it) is over -- the CPU form of freeing in stream order (``record_stream``). A
