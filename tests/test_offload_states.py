@@ -18,8 +18,9 @@ CACHE_WARNING = "ignore:ProTrain. a key/value cache"
 
 def _assert_offloaded(engine):
     """Nothing of the engine on the device: every chunk streamed and without a device copy or
-    gradient buffer, the memory accounting at zero."""
+    gradient buffer, the memory accounting at zero, no block kept in a CPU device's cache."""
     assert engine.memory.device_bytes() == 0
+    assert engine.ctx.blocks is None or engine.ctx.blocks.nbytes == 0
     for c in engine.chunks:
         assert not c.persistent and not c.storage.device_copy_allocated and c.storage.grad_buffer is None, c
 
