@@ -180,6 +180,13 @@ class BlockCache:
         self._lock = threading.Lock()  # ``free`` may run on the CPU worker's thread (an event it waited for)
         self.allocated = self.reused = 0  # blocks allocated, and handed out again
 
+    def __deepcopy__(self, memo) -> BlockCache:
+        """Not a value (the device memory of one engine, and a lock): a deep copy of the model
+        whose gradient hooks reach a chunk's storage shares it, as it shares the engine
+        (``Engine.__deepcopy__``)."""
+        memo[id(self)] = self
+        return self
+
     def empty(self, numel: int, dtype: torch.dtype) -> Tensor:
         """An uninitialised CPU tensor of ``numel`` elements: a freed block, else a new one."""
         with self._lock:
