@@ -13,10 +13,11 @@ that trained differently shows.
 Each step is also timed by phase (forward, backward, update: the optimizer step and zero_grad),
 and the medians of each are tabled after the steps, with the minor page faults of rank 0's
 process in each phase (``getrusage``; memory the kernel maps and zeroes on first touch: a
-buffer of 32 MB or more is mapped anew at each allocation by torch's CPU allocator). ``--rounds R``: every system is built at
-once and runs ``--steps`` steps in each of R rounds, the systems in turn, each on the same
-batches, instead of all its steps in one stretch; on a machine whose speed drifts by more than
-the differences measured (a shared VM), the drift then falls on every system alike.
+buffer of 32 MB or more is mapped anew at each allocation by torch's CPU allocator).
+``--rounds R``: every system is built at once and runs ``--steps`` steps in each of R rounds,
+the systems in turn, each on the same batches, instead of all its steps in one stretch; on a
+machine whose speed drifts by more than the differences measured (a shared VM), the drift then
+falls on every system alike.
 
 ``--profile N``: after the timed steps, N more steps of each system under ``torch.profiler`` on
 rank 0, and the operators with the most CPU time of their own (summed over the N steps) in a

@@ -825,6 +825,31 @@ def test_later_runs_after_every_continuation_on_the_waiting_thread_even_when_add
     assert len(log) == 3  # each ran once
 
 
+def test_a_continuation_that_raised_is_not_run_again_by_the_next_wait():
+    """A continuation that raised (ctrl-C or an error inside the sum of a reduction) ends the
+    wait with its error; the next wait of the event runs the continuations after it, never
+    those that ran:
+    an accumulation added twice, or a block returned to the cache twice and handed to two
+    chunks, would follow."""
+    from protrain_core.runtime.device import HostEvent
+
+    log = []
+
+    def interrupted():
+        log.append("interrupted")
+        raise RuntimeError("interrupted")
+
+    event = HostEvent()
+    event.add(None, lambda: log.append("accumulate"))
+    event.add(None, interrupted)
+    event.add(None, lambda: log.append("free"))
+    with pytest.raises(RuntimeError, match="interrupted"):
+        event.wait()
+    event.wait()
+    event.wait()
+    assert log == ["accumulate", "interrupted", "free"]
+
+
 def test_a_cpu_devices_freed_block_is_handed_out_again_only_once_its_readers_are_done():
     """``BlockCache`` ([Note: a CPU device's block cache]): a block freed after an event goes
     back when the event is over (its collectives and the continuations that read the block),
@@ -863,7 +888,8 @@ def test_a_cpu_devices_freed_block_is_handed_out_again_only_once_its_readers_are
 
 
 def _blocks_per_step(rank, world, plan_name):
-    """Blocks the CPU device's cache allocated and handed out again after each of 3 steps."""
+    """Blocks the CPU device's cache allocated and handed out again after each of 3 steps, and
+    the bytes it holds before and after ``close``."""
     model = tiny_llama(seed=0)
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), standard_plans(model)[plan_name], device="cpu",
                      config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
@@ -873,9 +899,9 @@ def _blocks_per_step(rank, world, plan_name):
         engine.step()
         engine.zero_grad()
         counts.append((engine.ctx.blocks.allocated, engine.ctx.blocks.reused))
-    chunks = len(engine.chunks)
+    chunks, kept = len(engine.chunks), engine.ctx.blocks.nbytes
     engine.close()
-    return counts, chunks
+    return counts, chunks, kept, engine.ctx.blocks.nbytes
 
 
 @pytest.mark.parametrize("plan_name", ["all-persistent", "streamed-buf1"])
@@ -883,8 +909,9 @@ def test_a_cpu_device_allocates_its_gradient_buffers_in_the_first_backward_only(
     """On a CPU device the gradient buffers (and a streamed chunk's reduced piece) come from the
     block cache: every one the first backward allocated is handed out again in the next
     backwards, none allocated anew (torch's allocator would map each anew and fault its pages
-    in: [Note: a CPU device's block cache])."""
-    for counts, chunks in spawn(_blocks_per_step, 2, tmp_path, plan_name):
+    in: [Note: a CPU device's block cache]); ``close`` empties the cache."""
+    for counts, chunks, kept, after_close in spawn(_blocks_per_step, 2, tmp_path, plan_name):
+        assert kept > 0 and after_close == 0, (kept, after_close)
         (first, reused_first), *later = counts
         assert first >= 1 and all(allocated == first for allocated, _ in later), counts
         assert [reused for _, reused in later] == [reused_first + k * (reused_first + first) for k in (1, 2)], counts

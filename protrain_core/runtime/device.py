@@ -105,6 +105,7 @@ class HostEvent:
         self.continuations: list = []
         self._lock = threading.Lock()  # held by the thread that waits
         self._tail = threading.Lock()  # the continuations' list against ``later`` (never held long)
+        self._ran = 0  # continuations started: none runs twice, even after one raised
         self._done = False
 
     def add(self, work, then=None) -> None:
@@ -130,15 +131,14 @@ class HostEvent:
                 self.after.wait()
             for work in self.works:
                 wait_work(work)
-            k = 0
             while True:  # (``later`` may append while they run)
                 with self._tail:
-                    if k == len(self.continuations):
+                    if self._ran == len(self.continuations):
                         self._done = True
                         break
-                    then = self.continuations[k]
+                    then = self.continuations[self._ran]
+                    self._ran += 1
                 then()
-                k += 1
             if self.span is not None:
                 timeline, lane, label, begin = self.span
                 timeline.add(lane, label, begin, timeline.stamp())
@@ -171,8 +171,8 @@ class BlockCache:
     that read it) is over -- the CPU form of freeing in stream order (``record_stream``). A
     block whose event is never waited (a backward that failed) is never handed out again; it
     is freed with the last reference to it. The cache holds at most what the runtime held at
-    once before (every block in it was in use together), and ``DeviceContext.empty_cache``
-    empties it.
+    once before (every block in it was in use together); ``DeviceContext.empty_cache``
+    (parking) and ``Engine.close`` empty it.
     """
 
     def __init__(self) -> None:
@@ -195,7 +195,7 @@ class BlockCache:
                 self.reused += 1
                 return blocks.pop()
             self.allocated += 1
-        return torch.empty(numel, dtype=dtype)
+        return torch.empty(numel, dtype=dtype, device="cpu")
 
     def free(self, t: Tensor, after: HostEvent | None = None) -> None:
         """``t`` (from ``empty``) is not read once ``after`` is over (None: now)."""

@@ -374,6 +374,8 @@ class Engine:
             h.remove()
         self.states.remove_hooks()
         self.scheduler.shutdown(wait=not after_failure)
+        if self.ctx.blocks is not None:  # (a block still read by a collective in flight keeps itself alive)
+            self.ctx.blocks.clear()
         self.module._protrain_engine = None
         self.step_state.close()
 
