@@ -143,6 +143,44 @@ def test_sharded_engines_train_like_ddp(world, tmp_path):
     assert all(r["inf_skipped"] for r in results)
 
 
+def _default_backend(rank, world):
+    """A process group made without a backend (``init_process_group()``, as a torchrun script
+    often does): torch gives it one per device type, and ``get_backend`` says "undefined". The
+    engine finds the CPU's (gloo) and trains like DDP; ProTrain's barrier and object broadcast
+    work over it too."""
+    assert torch.distributed.get_backend() == "undefined"  # what the engine must see through
+    out = []
+    for plan_name in ("all-persistent", "streamed-buf1"):
+        model = tiny_llama(seed=0)
+        data = batches(3, seed=10 + rank)
+        ref_losses, ref_weights = ddp_reference(model, data)
+        losses, engine = protrain_run(tiny_llama(seed=0), data, standard_plans(model)[plan_name])
+        weights = engine.state_dict()
+        engine.close()
+        diff = max((weights[k] - ref_weights[k]).abs().max().item() for k in weights) if rank == 0 else None
+        out.append((ref_losses, losses, diff))
+    pt.barrier()
+    return out, pt.broadcast_object({"from": rank}, src=1)
+
+
+def test_a_group_made_without_a_backend_trains_like_ddp(tmp_path):
+    for rank, (cases, received) in enumerate(spawn(_default_backend, 2, tmp_path, backend=None)):
+        for ref, got, diff in cases:
+            assert got == ref
+            assert diff in (None, 0.0)
+        assert received == {"from": 1}
+
+
+@pytest.mark.parametrize("config,device", [("cuda:nccl", "cpu"), ("cpu:gloo", "cuda"), ("cpu:mpi,cuda:mpi", "cpu")])
+def test_a_device_the_groups_backends_cannot_reach_is_refused_with_the_fix(monkeypatch, config, device):
+    from protrain_core.runtime import sharding as S
+
+    monkeypatch.setattr(S.dist, "get_backend_config", lambda group=None: config)
+    with pytest.raises(ValueError, match="'gloo' backend" if device == "cpu" else "use 'nccl'") as e:
+        S.Sharding(group=None, rank=0, world=2).check_device(torch.device(device))
+    assert config in str(e.value)
+
+
 # ----- checkpoints at other world sizes ---------------------------------------------------------
 def _train_and_save(rank, world, out, plan_name, steps):
     """Train ``steps`` steps, then save both checkpoint formats: a consolidated file (rank 0)
@@ -587,14 +625,21 @@ def test_host_numbers_agree_without_the_device(tmp_path):
     assert spawn(_host_max, 2, tmp_path) == [[10.0, 5.0], [10.0, 5.0]]
 
 
-@pytest.mark.parametrize("backend", ["nccl", "gloo"])
-def test_each_backend_reduces_and_gathers_with_its_fastest_collective(monkeypatch, backend):
+# (the group's backend config, the device the chunks live on, the backend that must run them):
+# a group with one backend per device type (torch's default) runs the chunks on the device's.
+BACKENDS = [("cuda:nccl", "cuda", "nccl"), ("cpu:gloo,cuda:gloo", "cpu", "gloo"),
+            ("cpu:gloo,cuda:nccl", "cpu", "gloo"), ("cpu:gloo,cuda:nccl", "cuda", "nccl")]
+
+
+@pytest.mark.parametrize("config,device,backend", BACKENDS)
+def test_each_backend_reduces_and_gathers_with_its_fastest_collective(monkeypatch, config, device, backend):
     """NCCL averages inside the reduce-scatter (a pre-multiplied sum, what DDP computes): no
     scaling pass over the gradient buffer first, and gathers with all-gather. gloo has no
     average, so the buffer is scaled first; it reduces by messages (each rank's piece sent to
     its owner, the received piece added to the rank's own: faster than its all-reduce or its
     reduce-scatter), and gathers with one broadcast per rank's piece (faster than its all-gather
-    or an all-reduce)."""
+    or an all-reduce). (The tensors are CPU tensors whatever the device: the collectives are
+    stand-ins.)"""
     import torch.distributed as dist
 
     from protrain_core.runtime import sharding as S
@@ -623,8 +668,10 @@ def test_each_backend_reduces_and_gathers_with_its_fastest_collective(monkeypatc
     monkeypatch.setattr(S.dist, "isend", lambda t, dst, group, tag: record("isend", dst, tag, t.clone()))
     monkeypatch.setattr(S.dist, "irecv", receive)
     monkeypatch.setattr(S.dist, "get_global_rank", lambda group, rank: rank + 10)
-    monkeypatch.setattr(S.dist, "get_backend", lambda group: backend)
+    monkeypatch.setattr(S.dist, "get_backend_config", lambda group=None: config)
     sharding = S.Sharding(group=None, rank=1, world=2)
+    sharding.check_device(torch.device(device))
+    assert sharding.pre_scale == (None if backend == "nccl" else 0.5)
     out = torch.empty(2)
     sharding.reduce_scatter_mean(out, torch.tensor([3.0, 3.0, 4.0, 6.0]))
     sharding.gather_(torch.arange(1.0, 5.0))
@@ -665,7 +712,7 @@ def test_gloo_sums_the_pieces_it_receives_in_rank_order(monkeypatch):
     monkeypatch.setattr(S.dist, "isend", lambda t, dst, group, tag: sent.append(dst) or Done())
     monkeypatch.setattr(S.dist, "irecv", receive)
     monkeypatch.setattr(S.dist, "get_global_rank", lambda group, rank: rank)
-    monkeypatch.setattr(S.dist, "get_backend", lambda group: "gloo")
+    monkeypatch.setattr(S.dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:gloo")
     out = torch.empty(2)
     S.Sharding(group=None, rank=2, world=3).reduce_scatter_mean(out, torch.full((6,), -2.0 ** 24), scaled=True)
     assert sent == [0, 1]

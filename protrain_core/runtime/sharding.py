@@ -81,6 +81,7 @@ class Sharding:
     world: int
     checks: object = None  # a gloo group over the same ranks for host-side agreement (None: ``group``)
     _verdict: Callable[[], str | None] | None = field(default=None, init=False, repr=False, compare=False)
+    _device_type: str = field(default="cpu", init=False, repr=False, compare=False)  # of the chunks' tensors
 
     @staticmethod
     def resolve(process_group=None) -> Sharding | None:
@@ -97,25 +98,35 @@ class Sharding:
         if world == 1:
             return None
         checks = None
-        if "gloo" not in str(dist.get_backend(process_group)):  # NCCL: host-side checks need their own group
+        if backend_of("cpu", process_group) != "gloo":  # NCCL alone: host-side checks need their own group
             ranks = [dist.get_global_rank(process_group, r) for r in range(world)]
             checks = dist.new_group(ranks=ranks, backend="gloo")
         return Sharding(process_group, dist.get_rank(process_group), world, checks)
 
-    @property
-    def backend(self) -> str:
-        return str(dist.get_backend(self.group))
+    @functools.cached_property
+    def backend(self) -> str | None:
+        """The backend of the chunk collectives: the group's for tensors of the engine's device
+        (``check_device`` tells it which; before that, the CPU's)."""
+        return backend_of(self._device_type, self.group)
 
     def check_device(self, device: torch.device) -> None:
-        """Refuse a device the group's backend cannot reach, before anything is allocated."""
-        backend = self.backend
-        if device.type == "cpu" and "gloo" not in backend:
+        """Refuse a device the group's backend cannot reach, before anything is allocated; the
+        chunk collectives then run on that device's backend (a group may have one per device
+        type: torch's default, ``init_process_group()`` without a backend, is gloo for CPU
+        tensors and NCCL for CUDA ones)."""
+        backend = backend_of(device.type, self.group)
+        config = str(dist.get_backend_config(self.group))
+        if device.type == "cpu" and backend != "gloo":
             raise ValueError(
-                f"The process group's backend is {backend!r}, which cannot run collectives on CPU tensors; "
+                f"The process group's backends are {config!r}: none runs collectives on CPU tensors with ProTrain; "
                 "train on CPU with the 'gloo' backend (Lightning picks it for accelerator='cpu')."
             )
-        if device.type == "cuda" and "nccl" not in backend and "gloo" not in backend:
-            raise ValueError(f"The process group's backend {backend!r} cannot run collectives on CUDA tensors: use 'nccl'.")
+        if device.type == "cuda" and backend not in ("nccl", "gloo"):
+            raise ValueError(f"The process group's backends are {config!r}: none runs collectives on CUDA tensors; "
+                             "use 'nccl'.")
+        self.__dict__.pop("backend", None)
+        self.__dict__.pop("pre_scale", None)
+        self._device_type = device.type
 
     # ----- collectives ---------------------------------------------------------------------------
     @property
@@ -125,7 +136,7 @@ class Sharding:
         "gloo's gather by broadcasts", "gloo's reduction by messages"). So on gloo a gather is
         a broadcast from each rank of its piece, and a reduction point-to-point messages (an
         all-reduce on GPU tensors, which gloo's messages do not take)."""
-        return "gloo" in self.backend
+        return self.backend == "gloo"
 
     def gather_(self, full: Tensor) -> None:
         """All-gather in place: piece ``rank`` of ``full`` (W equal pieces) is this rank's. On
@@ -148,7 +159,7 @@ class Sharding:
         whose average scales inside the collective. A chunk applies it as a gradient is copied
         into its buffer (``Chunk.receive``), so no pass over the buffer is added for it. (Read
         for every gradient: cached after the first look at the backend.)"""
-        return None if "nccl" in self.backend else 1.0 / self.world
+        return None if self.backend == "nccl" else 1.0 / self.world
 
     def reduce_scatter_mean(self, out: Tensor, full: Tensor, *, scaled: bool = False) -> None:
         """``out`` = piece ``rank`` of the mean of ``full`` over the ranks, as DDP averages:
@@ -159,7 +170,7 @@ class Sharding:
         self.check_held()
         if not out.numel():
             return
-        if "nccl" in self.backend:
+        if self.backend == "nccl":
             _issue(_reduce_scatter, out, full, op=dist.ReduceOp.AVG, group=self.group)
             return
         if not scaled:
@@ -257,12 +268,22 @@ class Sharding:
         barrier(self.group)
 
 
+def backend_of(device_type: str, group=None) -> str | None:
+    """The backend that runs ``group``'s collectives (None: the default group's) on tensors of
+    ``device_type``: "gloo", "nccl", ...; None where none does. Read from the group's backend
+    config ("cpu:gloo,cuda:nccl"), which names one per device type also where the group was
+    made with a single name, or with none (``get_backend`` then says "undefined")."""
+    config = str(dist.get_backend_config(group))
+    backends = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
+    return backends.get(device_type)
+
+
 def barrier(group=None) -> None:
     """Every rank of ``group`` (None: the default group) here; on gloo waited for with
     ``wait_work``, so that ctrl-C still ends the process. A rank outside ``group`` returns at once."""
     if group is not None and dist.get_rank(group) < 0:
         return
-    if "gloo" in str(dist.get_backend(group)):
+    if backend_of("cpu", group) == "gloo":
         wait_work(dist.barrier(group=group, async_op=True))
         return
     dist.barrier(group=group)
@@ -274,7 +295,7 @@ def broadcast_object(obj, src: int = 0, group=None):
     with ``wait_work`` (ctrl-C). A rank outside ``group`` gets ``obj`` back."""
     if group is not None and dist.get_rank(group) < 0:
         return obj
-    if "gloo" not in str(dist.get_backend(group)):
+    if backend_of("cpu", group) != "gloo":
         box = [obj]
         dist.broadcast_object_list(box, src=src, group=group)
         return box[0]
