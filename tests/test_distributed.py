@@ -947,8 +947,9 @@ def _blocks_per_step(rank, world, plan_name):
         engine.zero_grad()
         counts.append((engine.ctx.blocks.allocated, engine.ctx.blocks.reused))
     chunks, kept = len(engine.chunks), engine.ctx.blocks.nbytes
+    reported = (engine.memory.cached_bytes(), f"{kept / 2**20:.2f} MiB of freed gradient buffers" in engine.summary())
     engine.close()
-    return counts, chunks, kept, engine.ctx.blocks.nbytes
+    return counts, chunks, kept, engine.ctx.blocks.nbytes, reported
 
 
 @pytest.mark.parametrize("plan_name", ["all-persistent", "streamed-buf1"])
@@ -956,9 +957,11 @@ def test_a_cpu_device_allocates_its_gradient_buffers_in_the_first_backward_only(
     """On a CPU device the gradient buffers (and a streamed chunk's reduced piece) come from the
     block cache: every one the first backward allocated is handed out again in the next
     backwards, none allocated anew (torch's allocator would map each anew and fault its pages
-    in: [Note: a CPU device's block cache]); ``close`` empties the cache."""
-    for counts, chunks, kept, after_close in spawn(_blocks_per_step, 2, tmp_path, plan_name):
+    in: [Note: a CPU device's block cache]); ``engine.memory`` reports what it holds, and
+    ``close`` empties it."""
+    for counts, chunks, kept, after_close, reported in spawn(_blocks_per_step, 2, tmp_path, plan_name):
         assert kept > 0 and after_close == 0, (kept, after_close)
+        assert reported == (kept, True)  # engine.memory and the summary say what the cache holds
         (first, reused_first), *later = counts
         assert first >= 1 and all(allocated == first for allocated, _ in later), counts
         assert [reused for _, reused in later] == [reused_first + k * (reused_first + first) for k in (1, 2)], counts

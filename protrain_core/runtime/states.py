@@ -224,6 +224,13 @@ class StateMemory:
         """Host memory of the streamed chunks' model states (their exact-size buffers)."""
         return sum(c.storage.host_bytes for c in self._chunks)
 
+    def cached_bytes(self) -> int:
+        """Device memory kept for reuse, not in ``device_bytes``: a CPU device's freed gradient
+        buffers ([Note: a CPU device's block cache]); 0 on a GPU, whose caching allocator keeps
+        its own (``torch.cuda.memory_reserved``)."""
+        blocks = self._scheduler.ctx.blocks
+        return 0 if blocks is None else blocks.nbytes
+
     @property
     def host_pinned(self) -> bool:
         """The streamed chunks' host buffers are page-locked (CUDA), so copies run asynchronously."""
@@ -231,7 +238,8 @@ class StateMemory:
         return bool(streamed) and all(c.storage.host_pinned for c in streamed)
 
     def describe(self) -> str:
-        mib = 2**20
+        mib, cached = 2**20, self.cached_bytes()
         return (f"device model-state bytes now {self.device_bytes() / mib:.2f} MiB "
-                f"(bound {self.device_bound() / mib:.2f} MiB); "
+                f"(bound {self.device_bound() / mib:.2f} MiB"
+                f"{f'; {cached / mib:.2f} MiB of freed gradient buffers kept for reuse' if cached else ''}); "
                 f"host {self.host_bytes() / mib:.2f} MiB ({'pinned' if self.host_pinned else 'pageable'})")
