@@ -18,7 +18,6 @@ import protrain_core as pt
 from protrain_core.config import with_legacy_keywords
 from protrain_core.precision import parse_precision
 from protrain_core.runtime.optim import check_optimizer
-from protrain_core.runtime.sharding import backend_of
 from protrain_core.utils import temporary_prefix
 
 
@@ -197,7 +196,8 @@ class ProcessesPlumbing:
 def _on_gloo() -> bool:
     """The process group is up and gloo's (CPU processes): its barrier and broadcast then run as
     ProTrain's, which a signal can interrupt (``protrain_core.barrier``)."""
-    return torch.distributed.is_available() and torch.distributed.is_initialized() and backend_of("cpu") == "gloo"
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
+        "gloo" in str(torch.distributed.get_backend())
 
 
 class OneDevicePlumbing:
