@@ -56,7 +56,7 @@ def wrap(
             profile ahead.
         config: every other setting (:class:`ProTrainConfig`: planning, gradient clipping,
             runtime switches); default: the defaults.
-        precision, device: "32-true", "bf16-mixed", "16-mixed" or "bf16-true"; None: CUDA if any.
+        precision, device: "32-true", "bf16-mixed", "16-mixed" or "bf16-true"; None: CUDA (this process's GPU) if any.
         example_inputs: one batch (keyword arguments, tuple or tensor) to trace the execution
             order on the meta device (Hugging Face models need none) and, with plan=None, to profile
             ahead of training (your module or ``step_fn`` then runs a few more times).

@@ -144,6 +144,33 @@ def test_cuda_device_without_cuda():
         _wrap(device="cuda")
 
 
+# (LOCAL_RANK, LOCAL_WORLD_SIZE, GPUs this process sees, its current GPU, the GPU it trains on)
+LOCAL_GPUS = [
+    ("2", "4", 4, 0, 2),  # torchrun, nothing chose a GPU: the local rank's, not GPU 0 for every rank
+    ("2", "4", 4, 3, 3),  # the script called torch.cuda.set_device: its choice
+    ("1", "2", 1, 0, 0),  # each process sees one GPU (CUDA_VISIBLE_DEVICES per rank)
+    ("3", "8", 4, 0, 0),  # more processes than GPUs: the user's own arrangement
+    (None, None, 4, 0, 0),  # one process
+]
+
+
+@pytest.mark.parametrize("local_rank,local_world,gpus,current,expected", LOCAL_GPUS)
+def test_a_cuda_device_without_an_index_is_the_processes_own_gpu(monkeypatch, local_rank, local_world, gpus,
+                                                                   current, expected):
+    from protrain_core.runtime.device import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    for name, value in (("LOCAL_RANK", local_rank), ("LOCAL_WORLD_SIZE", local_world)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert resolve_device(None) == resolve_device("cuda") == torch.device("cuda", expected)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)  # named: as named
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_parameters_under_32_true_are_refused(dtype):
     """Issue 18, case 6: under "32-true" a bf16 or fp16 parameter would be trained in fp32 here,

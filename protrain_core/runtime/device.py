@@ -462,17 +462,33 @@ def as_context(device: torch.device | str | DeviceContext | None) -> DeviceConte
 
 
 def resolve_device(device) -> torch.device:
+    """``device`` as a torch device; None: CUDA if any, else the CPU. A CUDA device without an
+    index is this process's GPU (``local_gpu``)."""
     if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return torch.device("cuda", local_gpu()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("device='cuda' was requested but CUDA is not available; use device='cpu' or None.")
         if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+            device = torch.device("cuda", local_gpu())
     elif device.type != "cpu":
         raise ValueError(f"Unsupported device {device}; ProTrain runs on 'cuda' or 'cpu'.")
     return device
+
+
+def local_gpu() -> int:
+    """The GPU of this process when none is named: the current one -- unless torchrun started
+    it as one of several processes of the node (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), the
+    current GPU is still the first (nothing chose one), and the node's processes can each have
+    their own: then GPU ``LOCAL_RANK``, as Lightning's launchers do, where every rank would
+    otherwise take GPU 0. (A process that sees one GPU, each its own through
+    ``CUDA_VISIBLE_DEVICES``, keeps it.)"""
+    current = torch.cuda.current_device()
+    local, processes = os.environ.get("LOCAL_RANK"), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if current != 0 or local is None or processes < 2 or processes > torch.cuda.device_count():
+        return current
+    return int(local)
 
 
 def worker_threads(local_processes: int) -> tuple[int, str]:
