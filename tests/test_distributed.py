@@ -1141,14 +1141,15 @@ def _inner_state_dicts(rank, world, out):
         outcome = {}
         for what, call in (("model.state_dict", lambda: holder.model.state_dict()),
                            ("lm_head.state_dict", lambda: holder.model.lm_head.state_dict()),
-                           ("save_pretrained", lambda: holder.model.save_pretrained(os.path.join(out, f"hf{rank}")))):
+                           ("save_pretrained", lambda: holder.model.save_pretrained(os.path.join(out, f"hf{rank}"))),
+                           ("deepcopy", lambda: copy.deepcopy(holder.model).state_dict())):
             try:
                 got = call()
             except RuntimeError as e:
                 outcome[what] = str(e).splitlines()[0]
                 continue
             if isinstance(got, dict):
-                prefix = "model." if what == "model.state_dict" else "model.lm_head."
+                prefix = "model.lm_head." if what == "lm_head.state_dict" else "model."
                 outcome[what] = all(torch.equal(v.detach().cpu(), whole[prefix + k]) for k, v in got.items())
             else:
                 outcome[what] = "saved"
@@ -1162,14 +1163,20 @@ def test_a_module_inside_the_wrapped_model_gives_its_true_values_or_refuses_with
     callbacks) does not run the wrapped root's hooks; it returned the offloaded chunks'
     parameters as garbage (NaN), and save_pretrained failed with a misleading error. Now a
     module holding an offloaded chunk's parameter refuses with the fix, and one whose chunks are
-    whole on every rank (persistent) returns exactly the engine's gathered values."""
+    whole on every rank (persistent) returns exactly the engine's gathered values. The same for
+    ``copy.deepcopy`` of the model."""
     for result in spawn(_inner_state_dicts, 2, tmp_path / "spawn", str(tmp_path)):
+        copied = result["streamed-buf1"].pop("deepcopy")
         for what, outcome in result["streamed-buf1"].items():
             assert isinstance(outcome, str) and "offloaded chunks are not whole" in outcome \
                 and "engine.state_dict()" in outcome, (what, outcome)
+        # A deep copy (an EMA) too; before, it failed on the process group ("cannot pickle").
+        assert isinstance(copied, str) and copied.startswith("copy.deepcopy reached the wrapped model's 'model.") \
+            and "not whole on any rank" in copied and "engine.state_dict(rank0_only=False)" in copied, copied
         assert result["all-persistent"]["model.state_dict"] is True
         assert result["all-persistent"]["lm_head.state_dict"] is True
         assert result["all-persistent"]["save_pretrained"] == "saved"
+        assert result["all-persistent"]["deepcopy"] is True  # the copy has the gathered values
 
 
 def _configured_differently(rank, world, what):

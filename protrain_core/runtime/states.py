@@ -11,6 +11,8 @@ Hugging Face export (export.py) are built on it.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor, nn
 
@@ -37,7 +39,7 @@ class StateAccess:
         self._managed = {id(m) for m in module.modules()}
         # model.state_dict() (save_pretrained, torch.save) reads the parameters: wait for their updates.
         # Every module's: a LightningModule's self.model.state_dict() does not run the root's hooks.
-        self._hooks = [m.register_state_dict_pre_hook(self._before_module_state_dict) for m in module.modules()]
+        self._hooks = [m.register_state_dict_pre_hook(_ModuleHook(self, m)) for m in module.modules()]
         # Quantised frozen members of streamed chunks have no value at rest: a module's
         # state_dict() gets their round trips, for the call ([Note: quantised frozen chunks]).
         self._quantised = [c for c in chunks if c.storage.frozen is not None]
@@ -47,6 +49,11 @@ class StateAccess:
                 self._after_module_state_dict(*args)
 
             self._hooks += [m.register_state_dict_post_hook(after) for m in module.modules()]
+
+    def __deepcopy__(self, memo) -> StateAccess:
+        """Not a value: the engine's (``_ModuleHook``, ``Engine.__deepcopy__``)."""
+        memo[id(self)] = self
+        return self
 
     # ----- the model ------------------------------------------------------------------------
     def model(self, *, rank0_only: bool = True) -> dict[str, Tensor]:
@@ -194,6 +201,22 @@ class StateAccess:
                         c.materialise()
             self._depth += 1
 
+    def check_copy(self, module: nn.Module) -> None:
+        """``copy.deepcopy`` of a module holding the parameters of offloaded chunks sharded
+        over several processes would copy what they point at between steps (NaN: no rank holds
+        them whole): refused, with the fix, as its ``state_dict()`` is."""
+        if self._whole or id(module) not in self._managed:
+            return
+        if any(not self._slot_of[id(p)][0].persistent for p in module.parameters(recurse=False) if id(p) in self._slot_of):
+            name = next(n for n, m in self._module.named_modules() if m is module)
+            what = "the wrapped model" if module is self._module else f"the wrapped model's {name!r} ({type(module).__name__})"
+            raise RuntimeError(
+                f"copy.deepcopy reached {what}, which holds parameters of offloaded chunks sharded over "
+                f"{self._world_size} processes: they are not whole on any rank, so the copy's values would be wrong. "
+                "Keep engine.state_dict(rank0_only=False) instead (the weights, gathered chunk by chunk; under "
+                "Lightning trainer.strategy.engine), or train with a plan that keeps every chunk on the device."
+            )
+
     def _after_module_state_dict(self, module: nn.Module, *_) -> None:
         """The outermost ``state_dict()`` is over: the quantised members go back to rest (the
         state dict keeps the values it took)."""
@@ -204,6 +227,29 @@ class StateAccess:
             for c in self._quantised:
                 if not c.persistent and not c.device_resident:
                     c.point_at_rest()
+
+
+class _ModuleHook:
+    """The state-dict hook of one managed module (``StateAccess._before_module_state_dict``).
+    A deep copy of the model (an EMA, Lightning's weight averaging) copies every module's hooks:
+    this one stays itself -- a bound method would copy its ``StateAccess`` and with it every
+    chunk of the engine (masters, moments, host buffers) and, with several processes, the
+    process group, which cannot be copied -- and refuses the copy of a module whose values no
+    rank holds (``StateAccess.check_copy``). The copy's modules are not managed: the hook
+    leaves them alone."""
+
+    def __init__(self, access: StateAccess, module: nn.Module) -> None:
+        self._access, self._module = access, weakref.ref(module)
+
+    def __call__(self, module: nn.Module, *args) -> None:
+        self._access._before_module_state_dict(module, *args)
+
+    def __deepcopy__(self, memo) -> _ModuleHook:
+        module = self._module()
+        if module is not None:
+            self._access.check_copy(module)
+        memo[id(self)] = self
+        return self
 
 
 class StateMemory:
