@@ -402,3 +402,14 @@ def test_the_collectives_benchmark_runs_every_way_and_checks_each_result():
     assert all(r["same"] for r in rows), rows
     md = markdown(rows)
     assert md.count("| 0.0 MB | reduction |") == 4 and "| 1.00x | yes |" in md
+
+
+def test_the_deepcopy_benchmark_copies_the_wrapped_model_as_plain_pytorch_copies_its_own():
+    """``bench_deepcopy``: a deep copy of the wrapped model holds the same tensor bytes as a
+    deep copy of the model trained by plain PyTorch (32-true: the same fp32 parameters and
+    buffers); before, it took the engine's chunks along (masters, moments, host buffers)."""
+    from benchmarks.bench_deepcopy import main
+
+    rows = main(["--layers", "1", "--hidden", "64", "--precision", "32-true", "--reps", "1"])
+    assert [name for name, _, _ in rows] == ["pytorch", "protrain, every chunk streamed", "protrain, every chunk persistent"]
+    assert rows[0][2] > 0 and all(nbytes == rows[0][2] for _, _, nbytes in rows), rows

@@ -174,7 +174,7 @@ class StateAccess:
         for h in self._hooks:
             h.remove()
 
-    def _before_module_state_dict(self, module: nn.Module, *_) -> None:
+    def before_state_dict(self, module: nn.Module, *_) -> None:
         """``state_dict()`` of the model or of any module in it (torch.save, save_pretrained,
         an EMA callback's ``self.model.state_dict()``) reads the parameters: wait for their
         updates. Sharded over several processes an offloaded chunk's parameters are not whole on
@@ -230,7 +230,7 @@ class StateAccess:
 
 
 class _ModuleHook:
-    """The state-dict hook of one managed module (``StateAccess._before_module_state_dict``).
+    """The state-dict hook of one managed module (``StateAccess.before_state_dict``).
     A deep copy of the model (an EMA, Lightning's weight averaging) copies every module's hooks:
     this one stays itself -- a bound method would copy its ``StateAccess`` and with it every
     chunk of the engine (masters, moments, host buffers) and, with several processes, the
@@ -242,7 +242,7 @@ class _ModuleHook:
         self._access, self._module = access, weakref.ref(module)
 
     def __call__(self, module: nn.Module, *args) -> None:
-        self._access._before_module_state_dict(module, *args)
+        self._access.before_state_dict(module, *args)
 
     def __deepcopy__(self, memo) -> _ModuleHook:
         module = self._module()
