@@ -139,6 +139,20 @@ def test_fit_by_name_equals_default_strategy(arch):
     assert got[0].model.transformer.h[0].attn.c_attn.weight.device.type == "cpu" if arch == "gpt2" else True
 
 
+def test_weight_averaging_averages_the_same_weights_as_under_the_default_strategy():
+    """Lightning's EMA callback (its deep copy of the module is made at setup, before the engine
+    wraps it; a copy of the wrapped model: test_parity) averages the parameters after every step
+    and, when training ends, copies the averages into the module: under ProTrain (a streaming
+    plan) the module ends with the default strategy's averages bit for bit."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    runs = [fit(strategy, callbacks=[EMAWeightAveraging(decay=0.5)])
+            for strategy in ("auto", ProTrainStrategy(pt.Plan(n_persist=1, n_buffer=2)))]
+    assert_same(runs[1], runs[0])
+    trained = fit("auto")  # the averages are not the trained weights: the callback ran
+    assert not torch.equal(weights(trained[0])["lm_head.weight"], weights(runs[0][0])["lm_head.weight"])
+
+
 def test_fit_by_instance_with_a_streaming_plan_equals_default():
     plan = pt.Plan(n_persist=1, n_buffer=2, n_swap=1, n_checkpoint=2)
     ref = fit("auto")
