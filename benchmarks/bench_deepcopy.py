@@ -50,7 +50,7 @@ def main(argv=None) -> list[tuple[str, float, int]]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--precision", default="bf16-mixed")
+    ap.add_argument("--precision", default="bf16-mixed", choices=["32-true", "bf16-mixed"])  # (PyTorch's recipe for each)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
     x = torch.randint(0, 32000, (2, 64))

@@ -181,8 +181,7 @@ class StateAccess:
         any rank: refused, with the fix, for every module holding one."""
         if id(module) not in self._managed:  # a deep copy's module: its own tensors
             return
-        if not self._whole and not self._reading and any(
-                not self._slot_of[id(p)][0].persistent for p in module.parameters() if id(p) in self._slot_of):
+        if not self._reading and self._holds_unwhole(module, recurse=True):
             name = "model" if module is self._module else f"{type(module).__name__} (a module of the wrapped model)"
             raise RuntimeError(
                 f"state_dict() of the {name}, sharded over {self._world_size} processes: the parameters of "
@@ -205,9 +204,7 @@ class StateAccess:
         """``copy.deepcopy`` of a module holding the parameters of offloaded chunks sharded
         over several processes would copy what they point at between steps (NaN: no rank holds
         them whole): refused, with the fix, as its ``state_dict()`` is."""
-        if self._whole or id(module) not in self._managed:
-            return
-        if any(not self._slot_of[id(p)][0].persistent for p in module.parameters(recurse=False) if id(p) in self._slot_of):
+        if id(module) in self._managed and self._holds_unwhole(module, recurse=False):
             name = next(n for n, m in self._module.named_modules() if m is module)
             what = "the wrapped model" if module is self._module else f"the wrapped model's {name!r} ({type(module).__name__})"
             raise RuntimeError(
@@ -216,6 +213,12 @@ class StateAccess:
                 "Keep engine.state_dict(rank0_only=False) instead (the weights, gathered chunk by chunk; under "
                 "Lightning trainer.strategy.engine), or train with a plan that keeps every chunk on the device."
             )
+
+    def _holds_unwhole(self, module: nn.Module, *, recurse: bool) -> bool:
+        """Sharded over several processes, ``module`` (with its submodules: ``recurse``) holds a
+        parameter of an offloaded chunk, which points at NaN between steps on every rank."""
+        return not self._whole and any(not self._slot_of[id(p)][0].persistent
+                                       for p in module.parameters(recurse=recurse) if id(p) in self._slot_of)
 
     def _after_module_state_dict(self, module: nn.Module, *_) -> None:
         """The outermost ``state_dict()`` is over: the quantised members go back to rest (the
