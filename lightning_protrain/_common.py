@@ -1,5 +1,5 @@
 """What the Trainer strategy and the Fabric strategy share: precision plugins, the optimizer
-check, the engine's construction, routing ``optimizer.zero_grad``, and atomic checkpoint files."""
+check, the engine's construction, and atomic checkpoint files."""
 
 from __future__ import annotations
 
@@ -335,33 +335,7 @@ def build_engine(module: nn.Module, optimizer, config: pt.ProTrainConfig, *, pre
                      example_inputs=example_inputs, loss_fn=loss_fn, report=report)
     if scaler and engine.scaler is not None:
         engine.states.load_scaler(scaler)  # the user's GradScaler settings
-    route_zero_grad(optimizer, engine)
     return engine
-
-
-def route_zero_grad(optimizer: torch.optim.Optimizer, engine: pt.Engine) -> None:
-    """``optimizer.zero_grad()`` (what the Trainer loop and Fabric scripts call) also clears the
-    gradients that ProTrain keeps in its chunks.
-
-    [Note: routing zero_grad]
-    This sets an instance attribute on the user's optimizer (its class is untouched;
-    ``unroute_zero_grad`` removes it), because no public seam sees a ``zero_grad``: torch.optim
-    has step and state-dict hooks but none for ``zero_grad``, which only clears ``p.grad``
-    (always None here: gradients live in the chunks), and Lightning reaches it through
-    ``LightningModule.optimizer_zero_grad``, which users override. An instance attribute follows
-    every way the user's code calls it."""
-    original = type(optimizer).zero_grad
-
-    def zero_grad(set_to_none: bool = True) -> None:
-        original(optimizer, set_to_none=set_to_none)
-        if not engine.closed:
-            engine.zero_grad()
-
-    optimizer.zero_grad = zero_grad
-
-
-def unroute_zero_grad(optimizer: torch.optim.Optimizer) -> None:
-    optimizer.__dict__.pop("zero_grad", None)
 
 
 def scaler_state(engine: pt.Engine | None, kept: dict | None = None) -> dict:

@@ -43,7 +43,6 @@ from lightning_protrain._common import (
     register_as_protrain,
     scaler_settings,
     scaler_state,
-    unroute_zero_grad,
 )
 
 
@@ -343,7 +342,6 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
         engine = self._open_engine()
         if engine is not None:
             self.precision.scaler = engine.states.scaler()  # for fabric.save after teardown
-            unroute_zero_grad(engine.optimizer)
             engine.close()
         super().teardown()
 

@@ -72,10 +72,8 @@ from lightning_protrain._common import (
     load_scaler_state,
     precision_of_plugin,
     register_as_protrain,
-    route_zero_grad,
     scaler_settings,
     scaler_state,
-    unroute_zero_grad,
 )
 
 
@@ -195,13 +193,29 @@ def _needs_accumulators(config: pt.ProTrainConfig, trainer, precision: str, *, m
         (trainer.accumulate_grad_batches != 1, f"accumulate_grad_batches={trainer.accumulate_grad_batches}"),
         (any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks),
          "a GradientAccumulationScheduler callback"),
-        (late, "an overridden configure_gradient_clipping may clip between backward and step"),
+        (late, "an overridden configure_gradient_clipping, on_after_backward or on_before_optimizer_step may "
+               "change the gradients between backward and step"),
         (is_overridden("optimizer_zero_grad", trainer.lightning_module, pl.LightningModule),
          "an overridden optimizer_zero_grad may keep gradients across steps"),
         (clip is not None and clip.algorithm == "norm", "gradient_clip_algorithm='norm' needs every gradient first"),
         (precision != "bf16-mixed", f"precision={precision!r} (it needs 'bf16-mixed')"),
     ]
     return next((why for needed, why in reasons if needed), None)
+
+
+# Hooks that run between a step's backward and its update, where users read and change p.grad.
+_BEFORE_UPDATE = ("on_after_backward", "on_before_optimizer_step")
+
+
+def touches_gradients(module, callbacks) -> bool:
+    """May user code change gradients between backward and the update? Yes when the
+    LightningModule or a callback other than Lightning's bookkeeping ones overrides a hook
+    that runs there: every step's updates then wait for ``step()`` ([Note: gradients read
+    through p.grad] in protrain_core/runtime/gradients.py)."""
+    if any(is_overridden(hook, module, pl.LightningModule) for hook in _BEFORE_UPDATE):
+        return True
+    return any(not isinstance(cb, _SAFE_CALLBACKS) and any(is_overridden(h, cb, pl.Callback) for h in _BEFORE_UPDATE)
+               for cb in callbacks)
 
 
 def reads_weights_between_steps(module, callbacks) -> bool:
@@ -349,13 +363,14 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
             # An overridden configure_gradient_clipping may clip at any step, with any setting:
             # the engine hears of it between backward and step (expect_late_clipping below).
             late = is_overridden("configure_gradient_clipping", module, pl.LightningModule)
+            touched = touches_gradients(module, trainer.callbacks)
             # Manual optimization: every manual_backward accumulates (as inside no_sync) and
             # opt.step() updates; self.clip_gradients between them clips exactly.
             clipping = None if late or manual else gradient_clipping(trainer.gradient_clip_val,
                                                                      trainer.gradient_clip_algorithm)
             config = self.config.replace(clipping=clipping)
             config = config.replace(grad_accumulator=grad_accumulator(config, trainer, precision.precision,
-                                                                      manual=manual, late=late))
+                                                                      manual=manual, late=late or touched))
         elif next(module.parameters(), None) is None:
             self._evaluate_without_engine(module)
             return
@@ -363,7 +378,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
             # Evaluation only: an optimizer nobody steps (the engine allocates no states for it);
             # without a known plan everything streams.
             optimizer = torch.optim.AdamW(module.parameters())
-            late = False
+            late = touched = False
             plan = self.config.planning.plan or self._last_plan or pt.Plan(n_persist=0, n_buffer=2)
             config = self.config.replace(planning={"plan": plan, "memory_budget": None, "max_tokens": None},
                                          optimizer_states=False)
@@ -371,10 +386,11 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
                                    scaler=precision.scaler, report=self._report)
         if fitting:
             # Lightning clips only through configure_gradient_clipping: the engine is told whether
-            # that may come between backward and step (an override) or never (gradient_clip_val,
-            # configured ahead); and step() waits for the offloaded chunks' updates when hooks
-            # that run before the next forward may read the weights.
-            self.engine.clipping.expect_late(late)
+            # that, or a change of p.grad in on_after_backward / on_before_optimizer_step, may come
+            # between backward and step (an override) or never (gradient_clip_val, configured
+            # ahead); and step() waits for the offloaded chunks' updates when hooks that run
+            # before the next forward may read the weights.
+            self.engine.clipping.expect_late(late or touched)
             self.engine.step_state.set_manual(manual)
             precision.log_grad_norm = not (late or manual)
             precision.wait_after_step = reads_weights_between_steps(module, trainer.callbacks)
@@ -399,12 +415,13 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
 
     def _route_wrapped_zero_grad(self) -> None:
         """``self.optimizers().zero_grad()`` (manual optimization) reaches the optimizer class's
-        own method through Lightning's wrapper, not the user's optimizer: routed there too."""
+        own method through Lightning's wrapper, not the user's optimizer, which the engine routed
+        ([Note: routing zero_grad] in protrain_core/runtime/engine.py): the wrapper's goes there."""
         # (Lightning's wrappers as this strategy holds them: module.optimizers() is the user's to
         # override, and runs only when the user calls it.)
         self._wrapped_optimizers = list(self._lightning_optimizers)
         for wrapper in self._wrapped_optimizers:
-            route_zero_grad(wrapper, self.engine)
+            wrapper.zero_grad = self.engine.optimizer.zero_grad
 
     def training_step(self, *args, **kwargs):
         # The batch before anything of it runs: the engine may re-plan for its length.
@@ -492,11 +509,10 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
 
     def teardown(self) -> None:
         for wrapper in self._wrapped_optimizers:
-            unroute_zero_grad(wrapper)
+            wrapper.__dict__.pop("zero_grad", None)
         self._wrapped_optimizers = []
         engine = self._open_engine()
         if engine is not None and self._failed:
-            unroute_zero_grad(engine.optimizer)
             engine.close(after_failure=True)
         elif engine is not None:
             if self.optimizers and engine.optimizer_states:  # not after evaluation only
@@ -504,7 +520,6 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
                 self._final_optimizer_state = engine.states.optimizer()
                 self.precision_plugin.scaler = engine.states.scaler()  # and the loss scaler's
             self._last_plan = engine.plan  # the plan evaluation after fit runs with
-            unroute_zero_grad(engine.optimizer)
             engine.close()
             if self._final_optimizer_state is not None and self.world_size == 1:
                 # The optimizer is plain PyTorch again, with its state as under the default

@@ -29,6 +29,7 @@ from protrain_core.precision import Precision
 from protrain_core.runtime.activations import BlockActivations
 from protrain_core.runtime.chunk import ChunkState, GradState, IllegalTransition
 from protrain_core.runtime.frozen_formats import dequantised
+from protrain_core.runtime.hooks import ManagedParameter
 from protrain_core.runtime.sharding import barrier, broadcast_object
 from protrain_core.runtime.state_formats import AdamWBf16Moments, to_fp32_adam_state
 from protrain_core.structure.blocks import find_blocks
@@ -70,6 +71,7 @@ __all__ = [
     "Engine",
     "GradState",
     "IllegalTransition",
+    "ManagedParameter",
     "Plan",
     "Precision",
     "build_layout",

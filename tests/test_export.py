@@ -80,3 +80,55 @@ def test_save_pretrained_needs_a_model_that_has_it(tmp_path):
     with pytest.raises(ValueError, match="state_dict= itself"):
         trained(MODELS["gpt2"](), "32-true").save_pretrained(tmp_path, state_dict={})
     engine.close()
+
+
+def test_save_pretrained_exports_the_hugging_face_model_inside_a_lightning_module(tmp_path):
+    """The usual LightningModule holds the model in ``self.model`` (and may own parameters of its
+    own): ``trainer.strategy.engine.save_pretrained(dir)`` exports that model, under its own
+    names; it was refused ("not a Hugging Face model"). Two models inside: name the one."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from conftest import SEQ, VOCAB
+    from lightning_protrain import ProTrainStrategy
+
+    class Lit(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = MODELS["gpt2"]()
+            self.scale = torch.nn.Parameter(torch.tensor(1.0))
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch[0], labels=batch[0]).loss * self.scale
+
+        def on_train_end(self):
+            self.trainer.strategy.engine.save_pretrained(tmp_path / "hf", safe_serialization=True)
+            self.masters = self.trainer.strategy.engine.state_dict()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    lit = Lit()
+    data = DataLoader(TensorDataset(torch.randint(0, VOCAB, (4, SEQ))), batch_size=2)
+    pl.Trainer(strategy=ProTrainStrategy(pt.Plan(n_persist=1, n_buffer=1)), accelerator="cpu", max_steps=2,
+               precision="bf16-mixed", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False).fit(lit, data)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert loaded.dtype == torch.float32
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, lit.masters[f"model.{k}"]), k
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.student, self.teacher = MODELS["gpt2"](n_layer=2), MODELS["gpt2"](n_layer=2)
+
+    two = Two()
+    engine = pt.wrap(two, torch.optim.AdamW(two.student.parameters()), pt.Plan(n_persist=1, n_buffer=1),
+                     device="cpu", config=pt.ProTrainConfig(planning={"blocks": ["student.transformer.h"]}))
+    with pytest.raises(ValueError, match=r"several models with save_pretrained \(student, teacher\).*module='student'"):
+        engine.save_pretrained(tmp_path / "two")
+    engine.save_pretrained(tmp_path / "two", module="teacher")
+    teacher = AutoModelForCausalLM.from_pretrained(tmp_path / "two")
+    assert all(torch.equal(v, two.teacher.state_dict()[k]) for k, v in teacher.state_dict().items())
+    engine.close()

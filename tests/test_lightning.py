@@ -206,7 +206,7 @@ def test_gradient_clip_val_logs_the_total_norm():
     ref = fit("auto", gradient_clip_val=0.05, callbacks=[ref_norms])
     got = fit(ProTrainStrategy(plan), gradient_clip_val=0.05, callbacks=[got_norms])
     assert_same(got, ref)
-    assert not got_norms.computed  # ProTrain keeps gradients in its chunks, not in .grad
+    assert torch.equal(torch.stack(got_norms.computed), torch.stack(ref_norms.computed))  # p.grad as the default's
     assert len(got_norms.logged) == STEPS and torch.equal(torch.stack(got_norms.logged), torch.stack(ref_norms.computed))
     assert got_norms.overlap == "cpu-adam-during-next-forward (gradient norm clipping)"
 
@@ -229,7 +229,7 @@ def test_overridden_configure_gradient_clipping_equals_default(plan):
     ref = run("auto")
     got = run(ProTrainStrategy(pt.Plan(**plan)))
     assert_same(got, ref)
-    assert recorder.overlap == "cpu-adam-during-next-forward (gradient clipping requested after backward)"
+    assert recorder.overlap == "cpu-adam-during-next-forward (gradient clipping or gradient changes expected after backward)"
     unclipped = fit("auto")
     assert unclipped[0].losses != ref[0].losses  # the clipping acts
 
@@ -294,6 +294,43 @@ def test_states_offloaded_by_a_callback_between_steps_train_on_like_the_default_
     assert cb.offloaded and all(cb.offloaded)
     assert_same(got, fit("auto", accumulate_grad_batches=2))
     assert got[1].strategy.offload_states() is None  # after fit: nothing to move
+
+
+class OffloadOnly(pl.Callback):
+    """Offloads at the end of a batch and onloads only where ``onload_at`` says."""
+
+    def __init__(self, onload_at):
+        self.onload_at, self.ran = onload_at, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if "train" in self.onload_at:
+            trainer.strategy.onload_states()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        trainer.strategy.offload_states()
+
+    def on_validation_batch_start(self, *args):
+        self.ran.append("validation")
+
+    def on_before_backward(self, *args):
+        self.ran.append("backward")
+
+
+@pytest.mark.parametrize("onload_at,validate", [((), 0), (("train",), 1)])
+def test_a_forward_on_offloaded_states_is_refused_before_anything_of_it_runs(onload_at, validate):
+    """An onload forgotten before a training step (refused only at step() before, after its forward
+    and backward) or before validation (which ran on the offloaded states without a word, then
+    ``onload_states()`` failed with an internal IllegalTransition): refused at the model's first
+    module, with the fix."""
+    cb = OffloadOnly(onload_at)
+    t = pl.Trainer(strategy=ProTrainStrategy(_plan("streamed")), accelerator="cpu", devices=1, max_steps=3,
+                   logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   num_sanity_val_steps=0, val_check_interval=1, limit_val_batches=validate, callbacks=[cb])
+    with pytest.raises(RuntimeError, match=r"moved them to the host; call engine.onload_states\(\) first .*"
+                                           r"on_validation_start"):
+        t.fit(LitLM(), loader(), loader(n=4))
+    # The first step's backward only; refused at the next step's forward, or at validation's
+    assert cb.ran == ["backward", "validation"][:1 + validate]
 
 
 @pytest.mark.parametrize("clip", [None, 0.05])

@@ -544,6 +544,19 @@ class Chunk:
         self._pointed = [p.data_ptr() for p in self.params]
         self.at_placeholders = False
 
+    def holds_value(self, i: int) -> bool:
+        """Member ``i``'s parameter points at its value, not at a NaN placeholder (a pass's, or at
+        rest with ``W`` processes or a quantised member). Read it only with no copy or update of
+        the chunk in flight."""
+        if self.at_placeholders:
+            return False
+        ptr = self.params[i].untyped_storage().data_ptr()
+        return all(ptr != nan.untyped_storage().data_ptr() for nan in self._nan.values())
+
+    def points(self, i: int) -> bool:
+        """Member ``i``'s parameter points where the chunk pointed it (not rebound by the user)."""
+        return self._pointed is not None and self.params[i].data_ptr() == self._pointed[i]
+
     def rebound(self) -> list[int]:
         """The members whose ``.data`` was rebound since the chunk last pointed them (``p.data =
         tensor`` by the user: a callback's reset of the weights)."""

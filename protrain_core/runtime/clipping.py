@@ -121,11 +121,12 @@ class Clipping:
         return self._grads.total_norm(norm_type)
 
     def expect_late(self, expected: bool = True, norm_type: float = 2.0) -> None:
-        """Say whether gradient clipping will be requested between backward and step
-        (``clip_grad_norm_``). True: possibly at any step, not every one: every step's updates
-        wait for step() (the ``norm_type`` norms are taken as gradients land). False: never: no
-        step is held for it (a late request is then refused). Not called: the first step is held,
-        and every step after one that clipped late."""
+        """Say whether gradient clipping will be requested (``clip_grad_norm_``), or gradients
+        changed through ``p.grad``, between backward and step. True: possibly at any step, not
+        every one: every step's updates wait for step() (the ``norm_type`` norms are taken as
+        gradients land). False: never: no step is held for it (a late request is then refused).
+        Not called: the first step is held, and every step after one that clipped late or
+        changed gradients ([Note: gradients read through p.grad] in gradients.py)."""
         parse_gradient_clipping("norm", 1.0, norm_type)
         if expected and self._grads.consumed:
             raise ValueError(_NEEDS_ACCUMULATORS.format(what="Clipping requested between backward and step needs "
@@ -133,6 +134,28 @@ class Clipping:
         self._grads.set_policy(dataclasses.replace(self._grads.policy, expect_late=norm_type if expected else None,
                                                    hold_first=expected))
         self.schedule_updates()
+
+    def grad_of(self, chunk: Chunk, i: int) -> Tensor | None:
+        """What ``p.grad`` of member ``i`` of ``chunk`` reads ([Note: gradients read through p.grad]
+        in gradients.py): a view of its accumulated gradient from the end of a backward to the
+        next ``step()`` or ``zero_grad``; None elsewhere (the parameter's own, None)."""
+        state = self._state
+        if not (self._grads.readable and state.idle and not state.optimizer_step and chunk.has_grad(i)):
+            return None
+        if self._scheduler.sharding is not None:
+            raise RuntimeError(
+                f"p.grad of {chunk.spec.members[i].name} was read with ProTrain sharding the gradients over "
+                f"{self._scheduler.sharding.world} processes: no rank holds it whole. Use engine.clipping "
+                "(clip_grad_norm_, clip_grad_value_, grad_norm), or Lightning's gradient_clip_val / "
+                "self.clip_gradients, which work on the shards.")
+        if not chunk.storage.fmt.accumulator:
+            raise RuntimeError(_NEEDS_ACCUMULATORS.format(
+                what=f"p.grad of {chunk.spec.members[i].name} was read between backward and step"))
+        self._scheduler.wait_all()
+        if self.gradients_ready:
+            self._grads.finish_all()  # fp16: unscaled, as the update reads them
+        self._grads.handed_out(chunk)
+        return chunk.values.state_view(chunk.storage.grad_acc, i)
 
     @property
     def configured(self) -> GradientClipping | None:

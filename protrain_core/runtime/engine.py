@@ -63,8 +63,7 @@ class Engine:
         if sharding is not None:
             sharding.check_device(device)
         self.sharding = sharding
-        self.world_size = 1 if sharding is None else sharding.world  # processes the chunks are sharded over
-        self.rank = 0 if sharding is None else sharding.rank
+        self.world_size, self.rank = (1, 0) if sharding is None else (sharding.world, sharding.rank)
         self.module, self.optimizer, self.layout, self.plan = module, optimizer, layout, plan
         self.precision, self.device, self.options = precision, device, options
         self.optimizer_states = options.optimizer_states
@@ -90,17 +89,18 @@ class Engine:
         self.states = StateAccess(module, self.chunks, self._optim, self.scaler, self.scheduler, self.step_state,
                                   precision=precision, rank=self.rank, world_size=self.world_size)
         self.memory = StateMemory(self.chunks, self.scheduler)
-        # The runtime's hooks on every unit (they act for units with a streamed chunk: which
-        # those are changes with ``replan``), and on every trainable parameter.
-        self.hooks = RuntimeHooks(self.scheduler, unit_chunks(module, layout), self.chunks)
+        # The runtime's hooks on every unit (they act for units with a streamed chunk: which those
+        # are changes with ``replan``), every trainable parameter, and every parameter's use.
+        self.hooks = RuntimeHooks(self.scheduler, unit_chunks(module, layout), self.chunks,
+                                  onloaded=lambda: self.offloaded is None, grad_of=self.clipping.grad_of)
         self.activations: ActivationManager | None = None
         self._recompute_observers = Observers(RecomputeObserver)  # they stay across set_block_modes
         self._step_observers = Observers(StepObserver)
         self._handles = [module.register_forward_pre_hook(self._on_module_call, with_kwargs=True, prepend=True),
-                         optimizer.register_step_pre_hook(self._before_optimizer_step)]
+                         optimizer.register_step_pre_hook(self._before_optimizer_step),
+                         *([_ZeroGradRoute(self)] if options.optimizer_states else []),
+                         *(_autocast_hooks(self) if precision.is_mixed else [])]
         self.set_block_modes(plan.block_modes(layout.n_blocks))
-        if precision.is_mixed:
-            self._handles += _autocast_hooks(self)
         if optimizer.state and options.optimizer_states:
             # The optimizer already stepped: carry its state into the chunks.
             osd = optimizer.state_dict()
@@ -166,6 +166,7 @@ class Engine:
         module's own forward pre-hook calls this (when gradients are enabled); an adapter that
         runs a step without calling the module itself (the Trainer's ``training_step``) calls it
         first. Once per micro-batch: later calls before its backward are ignored."""
+        check_onloaded(self, "A training step")
         self.states.adopt_rebound()
         if self.step_state.awaiting_batch:
             self._step_observers.notify(lambda o: o.batch_begins(batch))
@@ -199,6 +200,7 @@ class Engine:
             self._check_trains("backward() outside no_sync()")
         self.grads.check_consumed(backward=True, final=state.final_micro_batch)
         self.clipping.schedule_updates()
+        self.grads.forget_reads()
         self._step_observers.notify(lambda o: o.backward_begins())
         try:
             with self.scheduler.backward_pass(boundary=state.final_micro_batch, loss=loss), \
@@ -206,6 +208,7 @@ class Engine:
                 if self.scaler is not None:
                     loss = loss * self.scaler.scale.to(loss.device)
                 loss.backward() if run is None else run(loss)
+            self.grads.backward_ended()  # p.grad reads the gradients until step() or zero_grad
         finally:
             state.micro_batch_ended()
             self._step_observers.notify(lambda o: o.backward_ends())
@@ -226,6 +229,7 @@ class Engine:
             self.grads.check_consumed(backward=False)
         with self.step_state.entered(TrainingPhase.STEP, leaving=TrainingPhase.IDLE,
                                      error="engine.step() was called during backward."):
+            self.grads.take_changes()  # gradients changed through p.grad
             hps = self._optim.snapshot()
             if any(c.applied for c in self.chunks) and hps != self.scheduler.hps:
                 raise RuntimeError(
@@ -443,6 +447,35 @@ _MOVED: dict[str, tuple[str, Callable[[Engine], object]]] = {
     "host_pinned": ("memory.host_pinned", lambda e: e.memory.host_pinned),
     "set_manual_optimization": ("step_state.set_manual", lambda e: e.step_state.set_manual),
 }
+
+
+class _ZeroGradRoute:
+    """``optimizer.zero_grad()`` of the engine's optimizer (what PyTorch loops, the Trainer and
+    Fabric scripts call) also clears the gradients the engine keeps in its chunks, until
+    ``remove()`` (the engine closes).
+
+    [Note: routing zero_grad]
+    This sets an instance attribute on the user's optimizer (its class is untouched; ``remove``
+    deletes it), because no public seam sees a ``zero_grad``: torch.optim has step and
+    state-dict hooks but none for ``zero_grad``, which only clears ``p.grad`` (always None here:
+    gradients live in the chunks), and Lightning reaches it through
+    ``LightningModule.optimizer_zero_grad``, which users override. An instance attribute follows
+    every way the user's code calls it; Lightning's optimizer wrapper is routed to it
+    (lightning_protrain/strategy.py)."""
+
+    def __init__(self, engine: Engine) -> None:
+        optimizer = self.optimizer = engine.optimizer
+        original = type(optimizer).zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            original(optimizer, set_to_none=set_to_none)
+            if not engine.closed:
+                engine.zero_grad(set_to_none)
+
+        optimizer.zero_grad = zero_grad
+
+    def remove(self) -> None:
+        self.optimizer.__dict__.pop("zero_grad", None)
 
 
 def _allocate(engine: Engine, optim: ChunkOptimizer, formats: list[ChunkFormat]) -> list[Chunk]:

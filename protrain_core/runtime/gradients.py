@@ -100,6 +100,9 @@ class StepGradients:
         self.consumed = any(not c.storage.fmt.accumulator for c in chunks)
         self.policy = ClippingPolicy(hold_first=not self.consumed)  # set_policy
         self.late_seen = False  # some step clipped late
+        self.changed_seen = False  # some step's gradients were changed through p.grad
+        self.readable = False  # a backward ended and no step or zero_grad came since: p.grad reads them
+        self._handed: dict[int, tuple[Chunk, int]] = {}  # chunk index -> (chunk, accumulator version when read)
         self.steps = 0
         self.last_norm: Tensor | None = None  # total norm before clipping, of the last norm clipping
         self._late: GradientClipping | None = None  # this step's late request
@@ -120,10 +123,12 @@ class StepGradients:
     def late_reason(self, *, steady: bool = False) -> str | None:
         """Why the next backward must hold the CPU updates for a late clipping request (None: it
         need not); ``steady``: after the first step."""
+        if self.policy.expect_late is not None:
+            return "gradient clipping or gradient changes expected after backward"
+        if self.changed_seen:
+            return "gradients changed through p.grad after backward in an earlier step"
         if self.configured is not None:
             return None  # a late request must then match it: nothing to hold for
-        if self.policy.expect_late is not None:
-            return "gradient clipping requested after backward"
         if not self.policy.hold_first:
             return None
         if self.late_seen:
@@ -291,6 +296,44 @@ class StepGradients:
         self.last_norm = self.total_norm(clipping.norm_type)
         return self.last_norm
 
+    # ----- p.grad ---------------------------------------------------------------------------
+    def handed_out(self, chunk: Chunk) -> None:
+        """``chunk``'s accumulator is readable through ``p.grad`` now ([Note: gradients read
+        through p.grad]): a change from here to ``step()`` is found by its version counter."""
+        self._handed.setdefault(chunk.index, (chunk, chunk.storage.grad_acc._version))
+
+    def take_changes(self) -> None:
+        """At ``step()``, before anything reads the gradients: a chunk whose gradients were
+        changed through ``p.grad`` has its norms taken again; one whose update ran during
+        backward cannot apply the change, which is refused with the fix."""
+        changed = [c for c, version in self._handed.values() if c.storage.grad_acc._version != version]
+        self._handed.clear()
+        if not changed:
+            return
+        self.changed_seen = True
+        applied = [c.index for c in changed if c.applied]
+        if applied:
+            raise RuntimeError(
+                f"Gradients of chunks {applied[:8]} were changed through p.grad between backward and step, but "
+                "ProTrain had already updated those (offloaded) chunks during backward with the gradients as they "
+                "were. From the next step on it holds the updates for such changes; to have every step exact, say "
+                "so before training: engine.clipping.expect_late() (Lightning: override on_before_optimizer_step "
+                "or configure_gradient_clipping in the LightningModule or a callback).")
+        for c in changed:
+            finished = self._finished.get(c.index)
+            if finished is not None:
+                finished.norms.clear()
+        self._totals.clear()
+
+    def backward_ended(self) -> None:
+        """A backward ended well: ``p.grad`` reads its gradients until ``step()`` or ``zero_grad``."""
+        self.readable = True
+
+    def forget_reads(self) -> None:
+        """A backward begins (it adds to the accumulators) or a step or zero_grad ended."""
+        self._handed.clear()
+        self.readable = False
+
     # ----- the update -----------------------------------------------------------------------
     def needs_finishing(self) -> bool:
         return self.scaler is not None or clips_norm(self.configured) or clips_norm(self._late)
@@ -325,6 +368,7 @@ class StepGradients:
         self._finished.clear()
         self._totals.clear()
         self._late = None
+        self.forget_reads()
 
 
 def _describe(clipping: GradientClipping) -> str:

@@ -19,14 +19,47 @@ run. No node is added to the autograd graph (an identity inserted between a unit
 inputs, as FSDP2 does, would regroup the sums of gradient contributions and change the
 results in the last bit). Calls that overlap in backward are the ones nested in forward,
 which is what ``PlanLimits`` counts.
+
+[Note: parameters used outside their units]
+User code reads and uses parameters where no unit's hooks run: a LightningModule's own
+parameter in ``training_step``, a penalty over ``model.parameters()`` added to the loss, a
+weight's norm logged after the forward. A streamed chunk's parameters then point at a
+placeholder (NaN: [Note: a pass's placeholders] in chunk.py) or at a host copy the CPU worker
+may be rewriting. While the engine is open every managed parameter's class is
+``ManagedParameter`` (``nn.Parameter`` again when it closes; identity, ``isinstance`` and
+``requires_grad`` unchanged; a subclass of ``nn.Parameter`` of the user's is left as it is),
+whose ``__torch_function__`` sees every torch function given one of them. Functions that read
+no values (shapes, dtypes, hooks, ``data_ptr``; ``.grad``: [Note: gradients read through
+p.grad] in gradients.py) and uses inside a running unit that pinned the chunk, or in a backward
+whose active chain holds it, go straight through. A read whose result cannot join an autograd
+graph (no gradients, ``detach``, ``.data``, ``item``) waits for the chunk's copy or update in
+flight and reads the values where they are -- at rest the host copy, as before -- unless the
+parameter points at a placeholder. Any other use of a streamed chunk's parameter is a unit
+call of its own (``RuntimeHooks.use_outside_units``): the chunks are made resident and pinned
+for the call, and with gradients enabled a tensor hook on each output that requires grad
+begins that call's backward as a unit's does, so the chunks are resident again when autograd
+reads the parameters there. Autograd sums a parameter's gradients from all its uses before its
+post-accumulate-grad hook runs, so the chunk receives the same gradient as plain PyTorch
+computes, bit for bit. A parameter the user rebound (``p.data = t``) is the user's tensor until
+it is adopted: its uses go through. With several processes the chunk's parameters are whole on
+no rank outside their units (a gather would be a collective that a rank-dependent read would
+leave unmatched): such a use is refused with the fix. A tensor a use returns that views the
+device copy (``p.t()`` kept by the user) is valid while the chunk stays resident, as inside a
+unit.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
+from torch._C import DisableTorchFunctionSubclass
 
-from protrain_core.runtime.chunk import Chunk
+from protrain_core.phase import TrainingPhase
+from protrain_core.runtime.chunk import Chunk, ChunkState
+from protrain_core.runtime.parking import offloaded_message
 from protrain_core.runtime.scheduler import Scheduler
 from protrain_core.utils import iter_tensors
 
@@ -50,12 +83,19 @@ class UnitCall:
 
 
 class RuntimeHooks:
-    def __init__(self, scheduler: Scheduler, units: dict[nn.Module, tuple[int, ...]], chunks: list[Chunk]) -> None:
+    def __init__(self, scheduler: Scheduler, units: dict[nn.Module, tuple[int, ...]], chunks: list[Chunk], *,
+                 onloaded: Callable[[], bool], grad_of: Callable[[Chunk, int], Tensor | None]) -> None:
         """``units``: hooked modules -> the chunks their forward needs. A unit's hooks act while
         one of those chunks is streamed (a re-plan between steps changes which are), so the
-        hooks of a call are the same from its forward to the end of its backward."""
+        hooks of a call are the same from its forward to the end of its backward.
+        ``onloaded()``: False while the states are offloaded (``Engine.offload_states``): no
+        unit may run, and parameters are used where they are. ``grad_of(chunk, i)``: what
+        ``p.grad`` reads, or None for the parameter's own ([Note: gradients read through p.grad]
+        in gradients.py)."""
         self.scheduler = scheduler
         self.chunks = chunks
+        self._onloaded = onloaded
+        self.grad_of = grad_of
         self.handles = []
         self._running: list[UnitCall] = []  # the unit calls whose forward is running, outermost first
         self._units = {id(m) for m in units}  # (a deep copy of the model shares the hooks: ignored)
@@ -69,18 +109,70 @@ class RuntimeHooks:
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
                     self.handles.append(p.register_post_accumulate_grad_hook(self._post_accumulate_grad(chunk, i)))
+        self._managed = []  # the parameters made ManagedParameter ([Note: parameters used outside their units])
+        for chunk in chunks:
+            for i, p in enumerate(chunk.params):
+                if type(p) is nn.Parameter:  # (a tied parameter is one member of one chunk)
+                    p.__class__ = ManagedParameter
+                    p.protrain_use = (self, chunk, i)
+                    self._managed.append(p)
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        for p in self._managed:
+            del p.protrain_use
+            p.__class__ = nn.Parameter
+        self._managed.clear()
+
+    def covers(self, chunk: Chunk) -> bool:
+        """A use of ``chunk``'s parameters now needs nothing of its own: the chunk is persistent,
+        pinned by a running unit's forward, or in the active chain of a backward."""
+        return chunk.persistent or chunk.pins > 0 or (chunk.index in self.scheduler.current
+                                                      and chunk.state in (ChunkState.RESIDENT, ChunkState.OFFLOADING))
+
+    def use_outside_units(self, uses: list[tuple[Chunk, int]], func, args, kwargs, *, graph: bool):
+        """``func(*args, **kwargs)`` uses members of chunks outside their units ([Note:
+        parameters used outside their units]); ``graph``: its result may be part of an autograd
+        graph (gradients enabled, not a ``detach``)."""
+        scheduler, chunks = self.scheduler, list({id(c): c for c, _ in uses}.values())
+        idxs = tuple(sorted(c.index for c in chunks))
+        with DisableTorchFunctionSubclass():
+            if not self._onloaded():
+                return func(*args, **kwargs)
+            if not graph:  # a read: where the values are, once no copy or update writes them
+                for c in chunks:
+                    scheduler.await_chunk(c)
+                if all(c.holds_value(i) for c, i in uses):
+                    return func(*args, **kwargs)
+            if scheduler.sharding is not None:
+                raise RuntimeError(_sharded_use_message(uses, scheduler.sharding.world))
+            if scheduler.phase.phase in (TrainingPhase.BACKWARD, TrainingPhase.RECOMPUTE):
+                scheduler.acquire(idxs, pin=False)  # e.g. a tensor hook reading a weight
+                return func(*args, **kwargs)
+            call = UnitCall(idxs, self._running[-1] if self._running else None)
+            scheduler.use_outside_units(idxs)
+            try:
+                out = func(*args, **kwargs)
+            finally:
+                scheduler.post_forward(idxs)
+        if graph:
+            for t in iter_tensors(out):
+                if t.requires_grad:
+                    t.register_hook(self._pre_backward(call))
+        return out
 
     def _streams(self, idxs: tuple[int, ...]) -> bool:
         return any(not self.chunks[i].persistent for i in idxs)
 
     def _pre_forward(self, idxs):
         def hook(module, args, kwargs):
-            if id(module) not in self._units or not self._streams(idxs):
+            if id(module) not in self._units:
+                return
+            if not self._onloaded():
+                raise RuntimeError(offloaded_message(f"{type(module).__name__}'s forward"))
+            if not self._streams(idxs):
                 return
             call = UnitCall(idxs, self._running[-1] if self._running else None)
             if torch.is_grad_enabled():  # (inference tensors have no version counter)
@@ -116,3 +208,92 @@ class RuntimeHooks:
             self.scheduler.on_grad(chunk, i, p)
 
         return hook
+
+
+# Tensor properties whose getter returns the tensor's values (every other property reads none).
+_VALUE_PROPERTIES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
+# Tensor methods that read no values (metadata, hooks, autograd flags).
+_NO_VALUES = frozenset({
+    "size", "dim", "numel", "nelement", "ndimension", "stride", "storage_offset", "data_ptr", "untyped_storage",
+    "element_size", "is_contiguous", "is_floating_point", "is_complex", "is_pinned", "get_device", "is_inference",
+    "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "retain_grad", "_is_view", "is_shared",
+    "has_names", "__len__", "__hash__", "__reduce_ex__", "__setstate__",
+})
+# Tensor methods whose result is never part of an autograd graph.
+_NO_GRAPH = frozenset({"detach", "item", "tolist", "numpy", "__repr__", "__format__", "__str__", "__bool__"})
+
+
+def _is_property(func, name: str, verb: str) -> bool:
+    return getattr(func, "__name__", None) == verb and getattr(getattr(func, "__self__", None), "__name__", None) == name
+
+
+def _reads_values(func) -> bool:
+    name = getattr(func, "__name__", None)
+    if name in ("__get__", "__set__", "__delete__"):
+        return name == "__get__" and getattr(func.__self__, "__name__", None) in _VALUE_PROPERTIES
+    return name not in _NO_VALUES
+
+
+class ManagedParameter(nn.Parameter):
+    """The class of a parameter held in a ProTrain chunk while its engine is open: a use outside
+    the units that fetch its chunk fetches it ([Note: parameters used outside their units])."""
+
+    protrain_use: tuple[RuntimeHooks, Chunk, int]
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_property(func, "grad", "__get__"):
+            use = getattr(args[0], "protrain_use", None)
+            grad = None if use is None else use[0].grad_of(use[1], use[2])
+            if grad is not None:
+                return grad
+        elif _reads_values(func):
+            hooks, uses = None, []
+            for t in _top_level(args, kwargs):
+                use = getattr(t, "protrain_use", None) if type(t) is ManagedParameter else None
+                if use is None:
+                    continue
+                owner, chunk, i = use
+                if not owner.covers(chunk) and chunk.points(i):
+                    hooks = owner
+                    uses.append((chunk, i))
+            if uses:
+                graph = torch.is_grad_enabled() and not _is_property(func, "data", "__get__") \
+                    and getattr(func, "__name__", None) not in _NO_GRAPH
+                return hooks.use_outside_units(uses, func, args, kwargs, graph=graph)
+        with DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        """A plain ``nn.Parameter`` with the value of the moment (an EMA's copy of the model).
+        Sharded, the value where it is: the module's state-dict hook refuses such a copy with
+        the fix (states.py)."""
+        if id(self) not in memo:
+            sharded = self.protrain_use[0].scheduler.sharding is not None
+            with DisableTorchFunctionSubclass() if sharded else contextlib.nullcontext():
+                value = self.data.clone(memory_format=torch.preserve_format)  # (data: a read)
+            memo[id(self)] = nn.Parameter(value, self.requires_grad)
+        return memo[id(self)]
+
+    def __repr__(self, **kwargs) -> str:
+        return repr(nn.Parameter(self.detach(), self.requires_grad))  # (not ManagedParameter(...))
+
+
+def _top_level(args, kwargs):
+    """The tensors among a torch function's arguments, and in its list or tuple arguments
+    (``torch.cat``, the ``_foreach`` functions)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (t for t in a if isinstance(t, Tensor))
+
+
+def _sharded_use_message(uses: list[tuple[Chunk, int]], world: int) -> str:
+    names = [c.spec.members[i].name for c, i in uses]
+    return (f"ProTrain with {world} processes: a parameter of an offloaded chunk ({names[0]}"
+            f"{' and others' if len(names) > 1 else ''}) was used outside the module it belongs to. Its "
+            "chunk is sharded over the ranks and whole on none between its module's uses. Use it inside a "
+            "module's forward (e.g. move a penalty or a logit scale into the model), keep its chunk on the "
+            "device (Plan.persistent_chunks), or read the weights with engine.state_dict().")

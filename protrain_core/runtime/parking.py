@@ -73,9 +73,13 @@ def check_between_steps(engine, what: str) -> None:
 def check_onloaded(engine, what: str) -> None:
     """Refuse ``what`` while the states are offloaded, with the fix."""
     if engine.offloaded is not None:
-        raise RuntimeError(f"{what} needs the model's states on the device, but engine.offload_states() moved them "
-                           "to the host; call engine.onload_states() first (the Lightning strategies: "
-                           "strategy.onload_states()).")
+        raise RuntimeError(offloaded_message(what))
+
+
+def offloaded_message(what: str) -> str:
+    return (f"{what} needs the model's states on the device, but engine.offload_states() moved them to the host; "
+            "call engine.onload_states() first (the Lightning strategies: trainer.strategy.onload_states() / "
+            "fabric.strategy.onload_states(), e.g. in on_train_batch_start and on_validation_start).")
 
 
 def offload(engine, *, non_blocking: bool) -> OffloadedStates:

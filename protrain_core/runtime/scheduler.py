@@ -124,6 +124,23 @@ class Scheduler:
             self.prefetch(max(idxs) + 1)
             self.check()
 
+    def use_outside_units(self, idxs: tuple[int, ...]) -> None:
+        """A use of these chunks' parameters outside their units ([Note: parameters used outside
+        their units] in hooks.py): resident and pinned until ``post_forward``."""
+        if torch.is_grad_enabled():
+            self._in_pass = True
+        with traced("ProTrain::use_outside_units"):
+            self.acquire(idxs, pin=True)
+            self.check()
+
+    def await_chunk(self, c: Chunk) -> None:
+        """No copy or update of ``c`` in flight: its parameters' values are where they point
+        (unless at a placeholder: ``Chunk.holds_value``)."""
+        if c.state is ChunkState.OFFLOADING:
+            c.end_offload(self.ctx, in_pass=self._in_pass)
+        if c.state is ChunkState.UPDATING:
+            c.end_update()
+
     def post_forward(self, idxs: tuple[int, ...]) -> None:
         for i in idxs:
             if not self.chunks[i].persistent:

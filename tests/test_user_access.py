@@ -1,0 +1,248 @@
+"""Parameters and gradients read and written where users read and write them, on every plan,
+against Lightning's default strategy and plain PyTorch: a LightningModule's own parameter, a
+penalty over the model's parameters, weights read in every hook, ``p.grad`` between backward and
+step (read, clipped in place, Lightning's ``grad_norm``), ``optimizer.zero_grad()`` of the core
+API ([Note: parameters used outside their units] in runtime/hooks.py, [Note: gradients read
+through p.grad] in runtime/gradients.py). In fp32 everything is bitwise the default's."""
+
+import copy
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.pytorch.utilities import grad_norm
+from torch.utils.data import DataLoader, TensorDataset
+
+import protrain_core as pt
+from conftest import MODELS, SEQ, VOCAB, batches, n_chunks
+from lightning_protrain import ProTrainFabricStrategy, ProTrainStrategy
+
+STEPS = 5
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def plans(n: int) -> dict[str, pt.Plan]:
+    """All chunks streamed through one buffer, some persistent with swapped and checkpointed
+    blocks, all persistent."""
+    return {"streamed": pt.Plan(n_persist=0, n_buffer=1),
+            "mixed": pt.Plan(n_persist=1, n_buffer=2, n_swap=1, n_checkpoint=2),
+            "persistent": pt.Plan(n_persist=n, n_buffer=0)}
+
+
+def _norm(t) -> float:
+    return float(t.detach().float().norm())
+
+
+class Reader(pl.LightningModule):
+    """Reads and writes parameters and gradients in the hooks where Lightning users do, and
+    records what it saw; the loss uses a learnable scale of its own (outside ``self.model``)
+    and an L2 penalty over ``self.model``'s parameters taken before the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = MODELS["gpt2"]()
+        self.logit_scale = torch.nn.Parameter(torch.tensor(0.25))
+        self.seen: list = []
+
+    def _block_weight(self):
+        return self.model.transformer.h[1].mlp.c_fc.weight
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.seen.append(("batch_start", _norm(self._block_weight())))
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        penalty = 1e-3 * sum(p.pow(2).sum() for p in self.model.parameters())
+        loss = self.model(input_ids=x, labels=x).loss * self.logit_scale.exp() + penalty
+        weight = self._block_weight().norm()
+        self.log("weight_norm", weight)
+        self.seen.append(("training_step", float(weight), float(self.logit_scale)))
+        return loss
+
+    def on_after_backward(self):
+        self.seen.append(("after_backward", _norm(self.model.lm_head.weight.grad), _norm(self.logit_scale.grad)))
+
+    def on_before_optimizer_step(self, optimizer):
+        norms = grad_norm(self.model, norm_type=2)
+        total = torch.nn.utils.clip_grad_norm_(self.parameters(), 0.05)
+        self.seen.append(("before_step", round(float(norms["grad_2.0_norm_total"]), 6), float(total)))
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.seen.append(("batch_end", float(outputs["loss"]), _norm(self._block_weight())))
+
+    def validation_step(self, batch, batch_idx):
+        (x,) = batch
+        self.seen.append(("validation", float(self.model(input_ids=x, labels=x).loss), _norm(self._block_weight())))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, fused=True)
+
+
+class WeightWatcher(pl.Callback):
+    """A callback reading weights and gradients (a monitoring callback's habit)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        self.seen.append(sum(_norm(p.grad) for p in module.parameters() if p.grad is not None))
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.seen.append(sum(_norm(p) for p in module.parameters()))
+
+
+def _loader(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return DataLoader(TensorDataset(torch.randint(0, VOCAB, (8, SEQ), generator=g)), batch_size=2)
+
+
+def _fit(strategy):
+    torch.manual_seed(1234)
+    module, watcher = Reader(), WeightWatcher()
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=STEPS, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, val_check_interval=2, limit_val_batches=1, callbacks=[watcher])
+    trainer.fit(module, _loader(1), _loader(2))
+    weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return module.seen, watcher.seen, weights
+
+
+@pytest.fixture(scope="module")
+def default_fit():
+    return _fit("auto")
+
+
+@pytest.mark.parametrize("plan", ["streamed", "mixed", "persistent"])
+def test_every_hook_reads_and_writes_parameters_and_gradients_as_under_the_default_strategy(plan, default_fit):
+    """Before: the scale and the penalty made every weight NaN after the first step, the weight
+    norm logged NaN, clip_grad_norm_ in on_before_optimizer_step clipped nothing and grad_norm
+    saw no gradient (streamed plans)."""
+    n = n_chunks(Reader())
+    seen, watched, weights = _fit(ProTrainStrategy(plans(n)[plan]))
+    ref_seen, ref_watched, ref_weights = default_fit
+    assert [s[0] for s in seen] == [s[0] for s in ref_seen]
+    assert seen == ref_seen
+    assert watched == ref_watched
+    assert weights.keys() == ref_weights.keys()
+    for k, v in ref_weights.items():
+        assert torch.equal(weights[k], v), k
+
+
+def _core_loop(model, opt, step, backward, zero_grad, *, read_grads=True):
+    """Plain PyTorch's habits on ``model``: a penalty and a weight read outside the forward,
+    gradients read and clipped in place between backward and step, ``optimizer.zero_grad()``."""
+    seen = []
+    for k, x in enumerate(batches(STEPS)):
+        penalty = 1e-3 * sum(p.pow(2).sum() for p in model.parameters())
+        loss = model(input_ids=x, labels=x).loss + penalty
+        seen.append(float(model.transformer.h[0].attn.c_attn.weight.norm()))
+        backward(loss)
+        if read_grads and k != 1:  # not every step: a step without it changes nothing
+            seen.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        step()
+        zero_grad()
+        seen.append(float(loss))
+    return seen
+
+
+def _wrapped(model, plan, precision):
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    engine = pt.wrap(model, opt, plans(n_chunks(model))[plan], device="cpu", precision=precision,
+                     config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
+    return engine, _core_loop(engine.module, opt, engine.step, engine.backward, opt.zero_grad)
+
+
+@pytest.mark.parametrize("plan,precision", [("streamed", "32-true"), ("mixed", "32-true"), ("persistent", "32-true"),
+                                            ("streamed", "bf16-mixed"), ("mixed", "bf16-mixed")])
+def test_the_core_api_reads_parameters_and_gradients_as_pytorch_does(plan, precision):
+    """``optimizer.zero_grad()`` instead of ``engine.zero_grad()`` (it did nothing: gradients
+    added up across steps), a penalty over the parameters (NaN), a weight read between forward
+    and backward, ``clip_grad_norm_`` on ``p.grad`` (clipped nothing). fp32: bitwise plain
+    PyTorch; bf16-mixed: bitwise the all-persistent plan, where every chunk stays on the device."""
+    model = MODELS["gpt2"]()
+    ref = copy.deepcopy(model)
+    engine, got = _wrapped(model, plan, precision)
+    if precision == "32-true":
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True)
+        expected = _core_loop(ref, ref_opt, ref_opt.step, lambda loss: loss.backward(), ref_opt.zero_grad)
+        ref_sd = ref.state_dict()
+    else:
+        ref_engine, expected = _wrapped(ref, "persistent", precision)
+        ref_sd = ref_engine.state_dict()
+    assert got == expected
+    sd = engine.state_dict()
+    assert all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
+
+
+def test_a_gradient_changed_after_an_update_during_backward_is_refused_with_the_fix():
+    """The first step is held for a change of p.grad; a later step whose chunks were updated
+    during backward (nothing changed p.grad before it) cannot apply a change: refused at step(),
+    naming the way to say so ahead. Said ahead (expect_late), every step is exact."""
+    model = MODELS["gpt2"]()
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), pt.Plan(n_persist=0, n_buffer=2),
+                     device="cpu")
+    for k, x in enumerate(batches(3)):
+        engine.backward(engine.module(input_ids=x, labels=x).loss)
+        if k == 2:
+            assert engine.overlap == "cpu-adam-during-backward"
+            assert model.transformer.h[0].attn.c_attn.weight.grad is not None  # reading is right
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            with pytest.raises(RuntimeError, match=r"changed through p.grad .* engine.clipping.expect_late\(\)"):
+                engine.step()
+            break
+        engine.step()
+        engine.zero_grad()
+
+
+def test_gradients_read_through_p_grad_only_between_a_backward_and_its_step():
+    """Before a backward and after ``step()`` or ``zero_grad`` parameters hold no gradient, as
+    torch's after ``zero_grad``; the optimizer's own step never sees one (it would update)."""
+    model = MODELS["gpt2"]()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    engine = pt.wrap(model, opt, pt.Plan(n_persist=1, n_buffer=2), device="cpu")
+    params = list(model.parameters())
+    assert all(p.grad is None for p in params)
+    seen_by_optimizer = []
+    opt.register_step_pre_hook(lambda o, a, k: seen_by_optimizer.append(any(p.grad is not None for p in params)))
+    x = batches(1)[0]
+    engine.backward(engine.module(input_ids=x, labels=x).loss)
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in params)
+    engine.step()
+    assert seen_by_optimizer == [False]
+    assert all(p.grad is None for p in params)
+
+
+def test_fabric_reads_and_clips_gradients_between_backward_and_step_as_pytorch():
+    def run(strategy):
+        torch.manual_seed(0)
+        fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+        model = MODELS["gpt2"]()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+        model, opt = fabric.setup(model, opt)
+        seen = _core_loop(model, opt, opt.step, fabric.backward, opt.zero_grad)
+        engine = getattr(fabric.strategy, "engine", None)
+        return seen, {k: v.detach().clone() for k, v in (engine or model).state_dict().items()}
+
+    expected, ref = run("auto")
+    for plan in plans(n_chunks(MODELS["gpt2"]())).values():
+        seen, sd = run(ProTrainFabricStrategy(plan))
+        assert seen == expected
+        assert all(torch.equal(sd[k.removeprefix("_forward_module.")], v) for k, v in ref.items())
+
+
+def test_a_managed_parameter_is_a_plain_parameter_again_after_close_and_in_a_deep_copy():
+    model = MODELS["gpt2"]()
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=0, n_buffer=1), device="cpu")
+    p = model.transformer.h[0].attn.c_attn.weight
+    assert isinstance(p, pt.ManagedParameter) and isinstance(p, torch.nn.Parameter)
+    assert repr(p).startswith("Parameter containing:\ntensor(")
+    copied = copy.deepcopy(model)
+    assert {type(q) for q in copied.parameters()} == {torch.nn.Parameter}
+    assert all(torch.equal(a, b) for a, b in zip(copied.parameters(), model.parameters()))
+    engine.close()
+    assert {type(q) for q in model.parameters()} == {torch.nn.Parameter}
