@@ -301,6 +301,8 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         self._sharded_weights: bool | None = None  # its weights wait for the engine (the strict flag)
         self._failed = False  # an exception ends the run: teardown runs no collective
         self._wrapped_optimizers: list = []  # Lightning's wrappers of the optimizer, zero_grad routed
+        # A fit's engine configuration, and whether the module clips late, changes gradients, optimizes manually
+        self._fit: tuple | None = None
 
     @property
     def state_dict_type(self) -> str:
@@ -382,19 +384,8 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
             plan = self.config.planning.plan or self._last_plan or pt.Plan(n_persist=0, n_buffer=2)
             config = self.config.replace(planning={"plan": plan, "memory_budget": None, "max_tokens": None},
                                          optimizer_states=False)
-        self.engine = build_engine(module, optimizer, config, precision=precision.precision, device=self.root_device,
-                                   scaler=precision.scaler, report=self._report)
-        if fitting:
-            # Lightning clips only through configure_gradient_clipping: the engine is told whether
-            # that, or a change of p.grad in on_after_backward / on_before_optimizer_step, may come
-            # between backward and step (an override) or never (gradient_clip_val, configured
-            # ahead); and step() waits for the offloaded chunks' updates when hooks that run
-            # before the next forward may read the weights.
-            self.engine.clipping.expect_late(late or touched)
-            self.engine.step_state.set_manual(manual)
-            precision.log_grad_norm = not (late or manual)
-            precision.wait_after_step = reads_weights_between_steps(module, trainer.callbacks)
-        precision.engine = self.engine
+        self._fit = (config, late, touched, manual) if fitting else None
+        self._build(module, optimizer, config)
         if self._sharded_weights is not None:  # ckpt_path is a sharded directory (load_model_state_dict)
             self.engine.load_sharded(self._sharded_from, optimizer=False, strict=self._sharded_weights)
             self._sharded_weights = None
@@ -404,6 +395,38 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
             self._route_wrapped_zero_grad()
         if fitting and self.config.planning.plan is not None:
             rank_zero_info(f"ProTrain: {self.engine.plan} (given), overlap: {self.engine.clipping.overlap(steady=True)}")
+
+    def _build(self, module, optimizer, config) -> None:
+        precision = self.precision_plugin
+        self.engine = build_engine(module, optimizer, config, precision=precision.precision, device=self.root_device,
+                                   scaler=precision.scaler, report=self._report)
+        if self._fit is not None:
+            # Lightning clips only through configure_gradient_clipping: the engine is told whether
+            # that, or a change of p.grad in on_after_backward / on_before_optimizer_step, may come
+            # between backward and step (an override) or never (gradient_clip_val, configured
+            # ahead); and step() waits for the offloaded chunks' updates when hooks that run
+            # before the next forward may read the weights.
+            _, late, touched, manual = self._fit
+            self.engine.clipping.expect_late(late or touched)
+            self.engine.step_state.set_manual(manual)
+            precision.log_grad_norm = not (late or manual)
+            precision.wait_after_step = reads_weights_between_steps(module, module.trainer.callbacks)
+        precision.engine = self.engine
+
+    def _wrap_anew(self) -> None:
+        """Which parameters train changed between steps (``BaseFinetuning`` unfroze blocks and
+        added their param group): the engine is built again for them, from the weights, the
+        optimizer state and the loss scaler's state it had, as the optimizer under the default
+        strategy goes on (a plan of the configuration is kept; a searched one is searched again)."""
+        engine = self.engine
+        rank_zero_info(f"ProTrain: {engine.states.trainables_changed()}; the engine is built again for the "
+                       "parameters that train now.")
+        optimizer_state = engine.states.optimizer(rank0_only=False)
+        self.precision_plugin.scaler = engine.states.scaler() or self.precision_plugin.scaler
+        engine.close()
+        engine.optimizer.load_state_dict(optimizer_state)
+        self._build(self.lightning_module, engine.optimizer, self._fit[0])
+        self._route_wrapped_zero_grad()
 
     def _evaluate_without_engine(self, module) -> None:
         """``validate``/``test``/``predict`` of a module without parameters: nothing to place
@@ -425,6 +448,8 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
 
     def training_step(self, *args, **kwargs):
         # The batch before anything of it runs: the engine may re-plan for its length.
+        if self.engine is not None and self.engine.states.trainables_changed() is not None:
+            self._wrap_anew()
         if self.engine is not None and args:
             self.engine.begin_batch(args[0])
         return super().training_step(*args, **kwargs)

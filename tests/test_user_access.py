@@ -246,3 +246,77 @@ def test_a_managed_parameter_is_a_plain_parameter_again_after_close_and_in_a_dee
     assert all(torch.equal(a, b) for a, b in zip(copied.parameters(), model.parameters()))
     engine.close()
     assert {type(q) for q in model.parameters()} == {torch.nn.Parameter}
+
+
+class UnfreezeBlocks(pl.callbacks.BaseFinetuning):
+    """Lightning's fine-tuning recipe: the transformer blocks frozen in epoch 0, unfrozen with a
+    param group of their own (lr / 10) at epoch 1."""
+
+    def freeze_before_training(self, pl_module):
+        self.freeze(pl_module.model.transformer.h)
+
+    def finetune_function(self, pl_module, current_epoch, optimizer):
+        if current_epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.model.transformer.h, optimizer, train_bn=True)
+
+
+class Finetuned(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = MODELS["gpt2"]()
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(input_ids=batch[0], labels=batch[0]).loss
+        self.losses.append(float(loss))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(filter(lambda p: p.requires_grad, self.parameters()), lr=3e-3, fused=True)
+
+
+@pytest.mark.parametrize("plan", ["streamed", "mixed", "persistent"])
+def test_blocks_unfrozen_by_base_finetuning_train_as_under_the_default_strategy(plan):
+    """Unfreezing between epochs with a new param group (it was 3e-2 off after epoch 1: the
+    chunks kept no states for the unfrozen weights): the strategy builds the engine again for
+    the parameters that train now, with the weights and the optimizer state it had."""
+
+    def run(strategy):
+        torch.manual_seed(1234)
+        module = Finetuned()
+        pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=2, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   callbacks=[UnfreezeBlocks()]).fit(module, _loader(1))
+        return module.losses, {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    losses, weights = run(ProTrainStrategy(plans(n_chunks(Finetuned()))[plan]))
+    ref_losses, ref_weights = run("auto")
+    assert len(losses) == 8 and losses == ref_losses
+    for k, v in ref_weights.items():
+        assert torch.equal(weights[k], v), k
+    block = "model.transformer.h.0.mlp.c_fc.weight"
+    assert not torch.equal(weights[block], Finetuned().state_dict()[block])  # the blocks trained in epoch 1
+
+
+def test_the_core_api_refuses_a_step_after_the_parameters_that_train_changed():
+    model = MODELS["gpt2"]()
+    opt = torch.optim.AdamW([p for n, p in model.named_parameters() if ".h." not in n], lr=3e-3)
+    for p in model.transformer.h.parameters():
+        p.requires_grad_(False)
+    engine = pt.wrap(model, opt, pt.Plan(n_persist=0, n_buffer=1), device="cpu")
+    x = batches(1)[0]
+    engine.backward(engine.module(input_ids=x, labels=x).loss)
+    engine.step()
+    engine.zero_grad()
+    for p in model.transformer.h.parameters():
+        p.requires_grad_(True)
+    opt.add_param_group({"params": list(model.transformer.h.parameters())})
+    with pytest.raises(RuntimeError, match=r"requires_grad of transformer.h.0.* changed.*engine.states.optimizer\(\)"):
+        engine.module(input_ids=x, labels=x)
+    osd = engine.states.optimizer()
+    engine.close()
+    opt.load_state_dict(osd)
+    engine = pt.wrap(model, opt, pt.Plan(n_persist=0, n_buffer=1), device="cpu")
+    engine.backward(engine.module(input_ids=x, labels=x).loss)
+    engine.step()
+    assert engine.states.optimizer()["state"].keys() == set(range(len(list(model.parameters()))))

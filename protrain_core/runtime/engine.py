@@ -167,6 +167,7 @@ class Engine:
         runs a step without calling the module itself (the Trainer's ``training_step``) calls it
         first. Once per micro-batch: later calls before its backward are ignored."""
         check_onloaded(self, "A training step")
+        _check_trainables(self)
         self.states.adopt_rebound()
         if self.step_state.awaiting_batch:
             self._step_observers.notify(lambda o: o.batch_begins(batch))
@@ -534,6 +535,19 @@ def _update_kernel(engine: Engine) -> str:
         return ""
     return "; updates of streamed chunks: " + (onepass.status() if optim.one_pass_kernel
                                                 else "separate passes (one_pass_kernel=False)")
+
+
+def _check_trainables(engine: Engine) -> None:
+    """Refuse a training step after which parameters train changed: the chunks hold states for
+    the parameters that trained when they were built (the Trainer strategy wraps anew)."""
+    changed = engine.states.trainables_changed()
+    if changed is not None:
+        raise RuntimeError(
+            f"Since this ProTrain engine was built, {changed}; its chunks keep fp32 masters, gradients and "
+            "optimizer states only for the parameters that trained then. Wrap anew between the steps, keeping the "
+            "optimizer state: osd = engine.states.optimizer(); engine.close(); optimizer.load_state_dict(osd); "
+            "engine = protrain_core.wrap(model, optimizer, ...). (Trainer(strategy='protrain') does this itself.)"
+        )
 
 
 def _refuse_optimizer_step(optimizer) -> None:

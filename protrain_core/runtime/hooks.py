@@ -219,8 +219,12 @@ _NO_VALUES = frozenset({
     "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "retain_grad", "_is_view", "is_shared",
     "has_names", "__len__", "__hash__", "__reduce_ex__", "__setstate__",
 })
-# Tensor methods whose result is never part of an autograd graph.
-_NO_GRAPH = frozenset({"detach", "item", "tolist", "numpy", "__repr__", "__format__", "__str__", "__bool__"})
+# Functions whose result is never part of an autograd graph (conversions, comparisons).
+_NO_GRAPH = frozenset({
+    "detach", "item", "tolist", "numpy", "__repr__", "__format__", "__str__", "__bool__", "equal", "allclose",
+    "isclose", "eq", "ne", "lt", "le", "gt", "ge", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
+    "isnan", "isinf", "isfinite", "argmax", "argmin", "count_nonzero",
+})
 
 
 def _is_property(func, name: str, verb: str) -> bool:

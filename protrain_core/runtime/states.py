@@ -44,6 +44,7 @@ class StateAccess:
         # state_dict() gets their round trips, for the call ([Note: quantised frozen chunks]).
         self._quantised = [c for c in chunks if c.storage.frozen is not None]
         self._depth = 0  # state_dict() calls of managed modules in progress (they nest)
+        self._formats = self._trainables()  # what the chunks' formats were built for
         if self._quantised:
             def after(*args) -> None:  # (torch marks the hook it is given: not a bound method)
                 self._after_module_state_dict(*args)
@@ -123,6 +124,26 @@ class StateAccess:
             return self._module.state_dict(keep_vars=True)
         finally:
             self._reading = False
+
+    def _trainables(self) -> tuple:
+        """Which parameters train (``requires_grad``) and which the optimizer updates, by group."""
+        params = [p for c in self._chunks for p in c.params]
+        groups = [[id(p) for p in g["params"]] for g in self._optim.optimizer.param_groups]
+        return tuple(p.requires_grad for p in params), groups
+
+    def trainables_changed(self) -> str | None:
+        """What changed since the chunks were built: a parameter's ``requires_grad`` (Lightning's
+        ``BaseFinetuning`` unfreezing blocks) or the optimizer's parameters (a param group
+        added); None: nothing. Their formats (fp32 masters, gradient accumulators, optimizer
+        states) are built for which parameters train."""
+        (trainable, groups), (now, now_groups) = self._formats, self._trainables()
+        if now != trainable:
+            names = [c.spec.members[i].name for c in self._chunks for i, p in enumerate(c.params)]
+            changed = [n for n, a, b in zip(names, trainable, now) if a != b]
+            return f"requires_grad of {changed[0]}{f' and {len(changed) - 1} more' if len(changed) > 1 else ''} changed"
+        if now_groups != groups:
+            return "the optimizer's param groups changed"
+        return None
 
     def slot_of(self, p: nn.Parameter) -> tuple[Chunk, int]:
         """The chunk holding parameter ``p``, and its member index there."""
