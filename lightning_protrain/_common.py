@@ -338,6 +338,26 @@ def build_engine(module: nn.Module, optimizer, config: pt.ProTrainConfig, *, pre
     return engine
 
 
+# The exact 8-bit optimizer state beside torch's format in a full checkpoint's optimizer entry.
+EXACT_STATE = "protrain_8bit_state"
+
+
+def checkpoint_optimizer_state(engine: pt.Engine) -> dict:
+    """A full checkpoint's optimizer entry: what ``engine.states.optimizer()`` gives, in the format
+    of the user's torch optimizer, which loads it under Lightning's default strategies. With
+    8-bit moments that is their fp32 values (``to_fp32_adam_state``), and the 8-bit state itself
+    is kept beside them (``EXACT_STATE``: torch's ``load_state_dict`` ignores the key), which
+    ProTrain resumes from bit for bit (``load_checkpoint_optimizer_state``)."""
+    osd = engine.states.optimizer()
+    if engine.options.state_format != "8bit" or not osd:
+        return osd
+    return {**pt.to_fp32_adam_state(osd), EXACT_STATE: osd}
+
+
+def load_checkpoint_optimizer_state(engine: pt.Engine, osd: dict) -> None:
+    engine.states.load_optimizer(osd.get(EXACT_STATE, osd))
+
+
 def scaler_state(engine: pt.Engine | None, kept: dict | None = None) -> dict:
     """The precision plugin's checkpoint entry: the fp16 loss scaler's state (empty otherwise);
     ``kept``: the state kept when the last engine closed (or the user's GradScaler settings)."""

@@ -34,6 +34,8 @@ from lightning_protrain._common import (
     OneDevicePlumbing,
     ProcessesPlumbing,
     build_engine,
+    checkpoint_optimizer_state,
+    load_checkpoint_optimizer_state,
     strategy_config,
     check_optimizers,
     convert_input,
@@ -258,7 +260,7 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
     def get_optimizer_state(self, optimizer) -> dict:
         optimizer = getattr(optimizer, "optimizer", optimizer)
         if self.engine is not None and optimizer is self.engine.optimizer:
-            return self.engine.states.optimizer()
+            return checkpoint_optimizer_state(self.engine)
         return super().get_optimizer_state(optimizer)
 
     def load_module_state_dict(self, module, state_dict, strict: bool = True) -> None:
@@ -309,7 +311,7 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
             if isinstance(obj, nn.Module):
                 self.load_module_state_dict(obj, value, strict=strict)
             elif self._is_engine_object(obj) == "optimizer":  # not an LR scheduler (it has .optimizer too)
-                self.engine.states.load_optimizer(value)
+                load_checkpoint_optimizer_state(self.engine, value)
             elif hasattr(obj, "load_state_dict"):
                 obj.load_state_dict(value)
             else:

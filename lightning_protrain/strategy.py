@@ -65,6 +65,8 @@ from lightning_protrain._common import (
     OneDevicePlumbing,
     ProcessesPlumbing,
     build_engine,
+    checkpoint_optimizer_state,
+    load_checkpoint_optimizer_state,
     strategy_config,
     check_optimizers,
     convert_input,
@@ -501,7 +503,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         if self._sharded() is not None:
             return {}
         if engine is not None and engine.optimizer_states:
-            return engine.states.optimizer()
+            return checkpoint_optimizer_state(engine)
         if self._final_optimizer_state is not None:
             return self._final_optimizer_state
         return super().optimizer_state(optimizer)
@@ -530,7 +532,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         states = checkpoint["optimizer_states"]
         if len(states) != 1:
             raise ValueError(f"The checkpoint holds {len(states)} optimizer states; ProTrain trains with one.")
-        engine.states.load_optimizer(states[0])
+        load_checkpoint_optimizer_state(engine, states[0])
 
     def teardown(self) -> None:
         for wrapper in self._wrapped_optimizers:
@@ -542,7 +544,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         elif engine is not None:
             if self.optimizers and engine.optimizer_states:  # not after evaluation only
                 # Kept for trainer.save_checkpoint() after fit; the engine and its chunks go away.
-                self._final_optimizer_state = engine.states.optimizer()
+                self._final_optimizer_state = checkpoint_optimizer_state(engine)
                 self.precision_plugin.scaler = engine.states.scaler()  # and the loss scaler's
             self._last_plan = engine.plan  # the plan evaluation after fit runs with
             engine.close()

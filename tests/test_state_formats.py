@@ -4,6 +4,7 @@ in fp32 on every plan, independent of the plan in mixed precision, state dicts t
 exactly and open as torch AdamW's, the bytes the planner counts, and the refusals."""
 
 import copy
+import math
 import sys
 
 import pytest
@@ -441,3 +442,42 @@ def test_a_fabric_loop_with_bf16_moments_trains_like_the_plain_optimizer(tmp_pat
     ref_opt = pt.AdamWBf16Moments(plain.parameters(), lr=3e-3, weight_decay=1e-2)
     assert losses == train_reference(plain, ref_opt, data)
     assert opt.state_dict()["state"][0]["exp_avg"].dtype == torch.bfloat16
+
+
+def test_a_full_8bit_checkpoint_resumes_under_the_default_strategy_and_exactly_under_protrain(tmp_path, monkeypatch):
+    """The optimizer entry of a full checkpoint is the user's torch AdamW's format (the 8-bit
+    moments' fp32 values), so Lightning's default strategy resumes from it (it failed at the
+    first step with KeyError 'exp_avg'); the 8-bit state kept beside it resumes ProTrain bit for
+    bit (quantising the fp32 values again would change the first moments' block scales)."""
+    from lightning_protrain import ProTrainStrategy
+    from test_lightning import LitLM, loader, trainer
+
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    config = pt.ProTrainConfig(optimizer_state_format="8bit", planning={"plan": pt.Plan(n_persist=1, n_buffer=2)})
+    path = tmp_path / "three.ckpt"
+
+    def run(strategy, steps, ckpt_path=None, save=False):
+        torch.manual_seed(1234)
+        lit, t = LitLM(n_layer=2), trainer(strategy, max_steps=steps)
+        t.fit(lit, loader(), ckpt_path=ckpt_path)
+        if save:
+            t.save_checkpoint(path)
+        return lit
+
+    run(ProTrainStrategy(config), 3, save=True)
+    checkpoint = torch.load(path, weights_only=False)
+    saved = checkpoint["optimizer_states"][0]
+    assert {"exp_avg", "exp_avg_sq"} <= set(saved["state"][0]) and "protrain_8bit_state" in saved
+
+    def resumed_from(optimizer_state, name):
+        torch.save({**checkpoint, "optimizer_states": [optimizer_state]}, tmp_path / name)
+        return run(ProTrainStrategy(config), 5, ckpt_path=tmp_path / name)
+
+    resumed = run(ProTrainStrategy(config), 5, ckpt_path=path)
+    exact = resumed_from(saved["protrain_8bit_state"], "exact.ckpt")  # bitsandbytes' format, as it was
+    requantised = resumed_from({k: v for k, v in saved.items() if k != "protrain_8bit_state"}, "fp32.ckpt")
+    assert len(resumed.losses) == 2 and resumed.losses == exact.losses
+    assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), exact.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(requantised.parameters(), exact.parameters()))
+    default = run("auto", 5, ckpt_path=path)  # torch AdamW, from the fp32 values of the moments
+    assert len(default.losses) == 2 and all(math.isfinite(x) for x in default.losses)
