@@ -97,14 +97,16 @@ def plan_command(args) -> int:
     from protrain_core.api import default_host_budget
     from protrain_core.runtime.device import resolve_device
 
-    device = resolve_device(args.device)
-    args.device = device
+    device = args.device
     budget = parse_bytes(args.budget, "--budget") if args.budget else pt.default_memory_budget(device)
     budgets, batch_sizes, config = args.budgets, args.batch_sizes, args.config
+    if device.type == "cpu":
+        _check_host_fits(args)
     prof = _sharded(args, config, _profile(args, config, args.batch_size))
     host_budget = default_host_budget(device)
     if host_budget is not None and args.world_size > 1:
         host_budget //= min(args.world_size, max(1, torch.cuda.device_count()))  # the node's ranks share its host
+    fits = True
     try:
         choice = pt.search(prof, budget, host_budget=host_budget)
         print(choice.explain(), flush=True)
@@ -112,6 +114,7 @@ def plan_command(args) -> int:
             check_prediction(args, config, prof, choice)
     except pt.InfeasibleBudget as e:
         print(f"protrain plan: {e}")
+        fits = False
     print()
     tokens = args.batch_size * args.seq_len * args.world_size  # tokens/s of all the processes
     header, rule = WHAT_IF_HEADER, WHAT_IF_RULE
@@ -130,7 +133,28 @@ def plan_command(args) -> int:
         print(rule)
         for b in budgets:
             print(_row(format_bytes(b), prof, b, tokens))
-    return 0
+    return 0 if fits else 1  # (no plan fits the budget: the table shows what would)
+
+
+def _check_host_fits(args) -> None:
+    """Profiling on the CPU builds the model and its training states in host memory: refuse,
+    before anything is built, a model whose states this machine cannot hold (a 7B config on a
+    laptop), and point to ``--simulate``, which sizes a GPU run with no memory."""
+    from protrain_core.precision import Precision, parse_precision
+    from protrain_core.utils import available_host_bytes
+
+    model, _ = models.build(args.config, "meta")
+    n = sum(p.numel() for p in model.parameters())
+    # the model as built (fp32), then its masters, gradients and two moments (bf16-true: in bf16)
+    needed = n * (4 + (8 if parse_precision(args.precision) is Precision.BF16_TRUE else 16))
+    available = available_host_bytes()
+    if available is not None and needed > available:
+        raise SystemExit(
+            f"protrain plan: profiling {args.model} ({n / 1e9:.2f}B parameters) on the CPU needs about "
+            f"{format_bytes(needed)} of host memory for the model and its training states; this machine has "
+            f"{format_bytes(available)} available. To size a run for a GPU, simulate one: add --simulate "
+            "(--hardware h100, h200 or a JSON file; the model on the meta device, no memory). Or run this on "
+            "the GPU machine.")
 
 
 def simulate_command(args) -> int:
@@ -203,7 +227,7 @@ def main(argv=None) -> int:
                    help=f"a local Hugging Face model directory or config.json, or a built-in config: {', '.join(BUILTIN)}")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--precision", default="32-true", help="32-true, bf16-mixed or 16-mixed")
+    p.add_argument("--precision", default="32-true", help="32-true, bf16-mixed, 16-mixed or bf16-true")
     p.add_argument("--budget", default=None, help="device memory budget, e.g. 20GiB (default: free memory minus a margin)")
     p.add_argument("--budgets", default=None, help="what-if budgets, comma-separated (default: 25%%..200%% of --budget)")
     p.add_argument("--batch-sizes", default=None, help="what-if batch sizes instead of budgets, e.g. 1,2,4,8")
@@ -235,6 +259,9 @@ def main(argv=None) -> int:
 
 def check_arguments(ap: argparse.ArgumentParser, args) -> None:
     """Every argument, before anything is built or profiled (``ap.error`` exits with usage)."""
+    from protrain_core.precision import parse_precision
+    from protrain_core.runtime.device import resolve_device
+
     for name in ("batch_size", "seq_len"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -253,6 +280,12 @@ def check_arguments(ap: argparse.ArgumentParser, args) -> None:
         if not all(b.isdigit() and int(b) >= 1 for b in items):
             ap.error(f"--batch-sizes {args.batch_sizes!r}: give positive integers separated by commas, e.g. 1,2,4,8")
         args.batch_sizes = [int(b) for b in items]
+    try:
+        parse_precision(args.precision)
+        if not args.simulate:
+            args.device = resolve_device(args.device)
+    except (ValueError, RuntimeError) as e:  # (torch.device of an unknown type raises RuntimeError)
+        ap.error(str(e).replace("precision=", "--precision ").replace("device=", "--device "))
     _check_simulation_arguments(ap, args)
     args.config = load_config(args.model)
     positions = next((getattr(args.config, a) for a in ("max_position_embeddings", "n_positions", "n_ctx")

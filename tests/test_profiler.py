@@ -250,6 +250,8 @@ def test_plan_command_shows_the_what_if_of_several_processes(capsys, tmp_path, m
     (["--budgets", "1MiB,zz"], "--budgets='zz' is not a size"),
     (["--check-steps", "-1"], "--check-steps must be >= 0"),
     (["--world-size", "0"], "--world-size must be >= 1"),
+    (["--precision", "fp8"], "does not support --precision 'fp8'"),
+    (["--device", "tpu"], "device type at start of device string: tpu"),
 ])
 def test_plan_command_checks_its_arguments_before_profiling(bad, message, capsys, monkeypatch):
     import protrain_core.cli as cli
@@ -258,6 +260,29 @@ def test_plan_command_checks_its_arguments_before_profiling(bad, message, capsys
     with pytest.raises(SystemExit):
         cli.main(["plan", "--model", "tiny-gpt2", "--device", "cpu", *bad])
     assert message in capsys.readouterr().err
+
+
+def test_plan_command_refuses_a_model_the_host_cannot_profile_and_fails_when_no_plan_fits(capsys, tmp_path,
+                                                                                          monkeypatch):
+    """A 7B config on a CPU machine profiled for 151 s and died at 13.5 GB with a traceback; now
+    it is refused before anything is built, naming --simulate. No plan within the budget: the
+    table says what would fit, and the command exits 1 (it exited 0)."""
+    import protrain_core.cli as cli
+    import protrain_core.utils
+
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
+    args = ["plan", "--model", "tiny-gpt2", "--batch-size", "2", "--seq-len", "32", "--device", "cpu",
+            "--check-steps", "0"]
+    monkeypatch.setattr(protrain_core.utils, "available_host_bytes", lambda: 2**20)
+    monkeypatch.setattr(cli, "_profile", lambda *a: pytest.fail("profiled a model the host cannot hold"))
+    with pytest.raises(SystemExit, match=r"needs about .* of host memory .* this machine has 1.00 MiB available.*"
+                                         r"--simulate"):
+        cli.main(args)
+    monkeypatch.undo()
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path))
+    assert cli.main(args + ["--budget", "1KiB", "--budgets", "1KiB,1GiB"]) == 1
+    out = capsys.readouterr().out
+    assert "| 1.00 KiB | does not fit (" in out and re.search(r"\| 1\.00 GiB \| \d+/", out)
 
 
 def test_plan_command_shows_progress_and_checks_its_prediction(capsys, tmp_path, monkeypatch):
