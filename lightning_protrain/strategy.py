@@ -457,9 +457,14 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         return super().training_step(*args, **kwargs)
 
     def _report(self, text: str, **metrics) -> None:
-        """What the engine's planner says: printed once (rank zero); its figures also logged."""
-        rank_zero_info(text)
+        """What the engine's planner says: printed once (rank zero), above the progress bar while
+        one is shown (not onto its line); its figures also logged."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        bar = None if trainer is None else trainer.progress_bar_callback
+        if bar is not None and bar.is_enabled and self.is_global_zero:
+            bar.print(text)
+        else:
+            rank_zero_info(text)
         if metrics and trainer is not None:
             for logger in trainer.loggers:
                 logger.log_metrics({f"protrain/{k}": v for k, v in metrics.items()}, step=trainer.global_step)

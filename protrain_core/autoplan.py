@@ -200,7 +200,8 @@ class PredictionCheck(StepObserver):
         self.checked_steps = checked_steps
         self.ends: list[float] = []
         self.predicted: list[float] = []  # per step: the sum over its micro-batches
-        self.pending = 0.0
+        self.micro_batches: list[int] = []  # per step
+        self.pending, self.pending_micro = 0.0, 0
         self.tokens: int | None = None  # the running micro-batch's
         self.handle = engine.observe(self)
 
@@ -209,12 +210,14 @@ class PredictionCheck(StepObserver):
 
     def backward_ends(self) -> None:
         self.pending += self.planner.predicted_step(self.tokens)
+        self.pending_micro += 1
         self.tokens = None
 
     def step_ends(self) -> None:
         self.ends.append(self.engine.ctx.clock())
         self.predicted.append(self.pending)
-        self.pending = 0.0
+        self.micro_batches.append(self.pending_micro)
+        self.pending, self.pending_micro = 0.0, 0
         if len(self.ends) < WARMUP_STEPS + self.checked_steps + 1:
             return
         self.handle.remove()
@@ -222,9 +225,12 @@ class PredictionCheck(StepObserver):
         predicted = statistics.median(self.predicted[WARMUP_STEPS + 1:])
         if predicted <= 0 or measured <= 0:
             return  # steps without a backward: nothing to compare
+        micro = statistics.median(self.micro_batches[WARMUP_STEPS + 1:])
+        # The plan's "predicted step" is one micro-batch's: an optimizer step runs several.
+        each = f"; {micro:g} micro-batches of {format_seconds(predicted / micro)}" if micro > 1 else ""
         message = (f"ProTrain: measured step {format_seconds(measured)} (median of {self.checked_steps} after {WARMUP_STEPS} "
                    f"warm-up steps, data loading and your code included), predicted {format_seconds(predicted)} "
-                   f"({(predicted - measured) / measured:+.1%}).")
+                   f"({(predicted - measured) / measured:+.1%}{each}).")
         if not 1 / STALE_FACTOR <= predicted / measured <= STALE_FACTOR:
             removed = discard(self.planner.profile.key, self.planner.cache_dir)
             message += (

@@ -150,7 +150,12 @@ def _write(engine, state: dict, tmp: Path, path: Path, meta: dict | None) -> Non
         with _quiet():
             dcp.save(state, checkpoint_id=str(tmp), process_group=_group(engine), no_dist=engine.sharding is None)
         if engine.rank == 0 and meta is not None:
-            torch.save(meta, tmp / META)
+            # Serialised in memory, then written by Python: a full disk raises OSError(ENOSPC),
+            # where torch.save to a path says "unexpected pos 704 vs 598".
+            buffer = io.BytesIO()
+            torch.save(meta, buffer)
+            with open(tmp / META, "wb") as f:
+                f.write(buffer.getbuffer())
     except (Exception, dcp.CheckpointException) as e:  # DCP's is a BaseException
         shutil.rmtree(tmp, ignore_errors=True)  # every rank: none waits for another on a failure
         raise _write_error(e, path) from e

@@ -1112,6 +1112,36 @@ def test_a_full_disk_fails_the_save_on_every_rank_and_names_enospc(tmp_path):
         assert left == [], left
 
 
+def test_a_full_disk_under_the_checkpoints_meta_file_names_enospc(tmp_path, monkeypatch):
+    """The disk fills up while the meta file (Lightning's part of a sharded checkpoint) is
+    written: torch.save to its path said only "unexpected pos 704 vs 598"; now the error names
+    ENOSPC and the checkpoint, and no temporary directory is left."""
+    import builtins
+    import errno
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    model = tiny_llama()
+    _, engine = protrain_run(model, batches(1), standard_plans(model)["mixed-buf2"])
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda file, *a, **k: Full(real_open(file, *a, **k))
+                        if str(file).endswith("meta.pt") else real_open(file, *a, **k))
+    with pytest.raises(OSError, match=r"Could not write the sharded checkpoint .*ckpt.*ENOSPC"):
+        engine.save_sharded(tmp_path / "ckpt", meta={"epoch": 1})
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_missing_shard_file_is_named_in_the_first_line(tmp_path):
     model = _model(frozen=False)
     _, engine = protrain_run(model, batches(1), standard_plans(model)["mixed-buf2"])

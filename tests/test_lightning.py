@@ -1109,3 +1109,22 @@ def test_the_example_config_trains_as_the_example_script():
     assert model["model"] == data["model"] == defaults.model and model["lr"] == defaults.lr
     assert (data["data"], data["seq_len"], data["batch_size"]) == (defaults.data, defaults.seq_len, defaults.batch_size)
     assert trainer["strategy"]["init_args"]["config"]["planning"]["memory_budget"] == defaults.memory_budget
+
+
+def test_the_planners_lines_go_above_the_progress_bar():
+    """With a progress bar shown, the planner's lines are printed through it (they landed on the
+    bar's line)."""
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    class Bar(TQDMProgressBar):
+        printed = []
+
+        def print(self, *args, **kwargs):
+            self.printed.append(" ".join(map(str, args)))
+
+    torch.manual_seed(1234)
+    t = pl.Trainer(strategy="protrain", accelerator="cpu", devices=1, max_steps=14, logger=False,
+                   enable_checkpointing=False, enable_model_summary=False, callbacks=[Bar()])
+    t.fit(LitLM(), loader(n=64))
+    assert any(line.startswith("ProTrain profiling:") for line in Bar.printed)
+    assert any(line.startswith("ProTrain: measured step") for line in Bar.printed)

@@ -422,20 +422,25 @@ def test_trainer_runs_training_step_once_per_batch_and_equals_default(accumulate
     assert engine_plan.n_checkpoint < 4  # the searched plan replaced the safe one (all checkpointed)
 
 
-def test_trainer_reports_profiling_and_prediction_once(tmp_path, collect_info):
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_trainer_reports_profiling_and_prediction_once(tmp_path, collect_info, accumulate):
+    """With gradient accumulation the prediction of a step is that of its micro-batches, and
+    the report says so (the plan's "predicted step" is one micro-batch's: the two differed
+    without a word)."""
     from lightning.pytorch.loggers import CSVLogger
 
     torch.manual_seed(1234)
     lit = Counted()
-    data = DataLoader(TensorDataset(torch.randint(0, VOCAB, (64, 16))), batch_size=4)
+    data = DataLoader(TensorDataset(torch.randint(0, VOCAB, (64 * accumulate, 16))), batch_size=4)
     lines = collect_info("lightning.pytorch")
     trainer = pl.Trainer(strategy="protrain", accelerator="cpu", devices=1, max_steps=16, logger=CSVLogger(tmp_path),
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         log_every_n_steps=1)
+                         log_every_n_steps=1, accumulate_grad_batches=accumulate)
     trainer.fit(lit, data)
     assert sum(line.startswith(f"ProTrain profiling: {PROFILED_STEPS} steps") for line in lines) == 1
     assert sum("ProTrain plan: Plan(" in line for line in lines) == 1
-    assert sum(line.startswith("ProTrain: measured step") for line in lines) == 1
+    (measured,) = [line for line in lines if line.startswith("ProTrain: measured step")]
+    assert ("; 2 micro-batches of " in measured) == (accumulate == 2), measured
     metrics = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
     for name in ("protrain/predicted_step_s", "protrain/measured_step_s", "protrain/profiling_s"):
         assert name in metrics
