@@ -1172,6 +1172,13 @@ def _inner_state_dicts(rank, world, out):
         holder = _Holder()
         _, engine = protrain_run(holder, batches(2), standard_plans(holder.model)[plan_name])
         whole = engine.state_dict(rank0_only=False)
+        # The export the refusals name: the Hugging Face model inside, every rank calls it, rank 0 writes
+        engine.save_pretrained(os.path.join(out, f"export-{plan_name}"))
+        if rank == 0:
+            from transformers import AutoModelForCausalLM
+
+            exported = AutoModelForCausalLM.from_pretrained(os.path.join(out, f"export-{plan_name}")).state_dict()
+            results[f"{plan_name} export"] = all(torch.equal(v, whole[f"model.{k}"]) for k, v in exported.items())
         outcome = {}
         for what, call in (("model.state_dict", lambda: holder.model.state_dict()),
                            ("lm_head.state_dict", lambda: holder.model.lm_head.state_dict()),
@@ -1199,7 +1206,10 @@ def test_a_module_inside_the_wrapped_model_gives_its_true_values_or_refuses_with
     module holding an offloaded chunk's parameter refuses with the fix, and one whose chunks are
     whole on every rank (persistent) returns exactly the engine's gathered values. The same for
     ``copy.deepcopy`` of the model."""
-    for result in spawn(_inner_state_dicts, 2, tmp_path / "spawn", str(tmp_path)):
+    for rank, result in enumerate(spawn(_inner_state_dicts, 2, tmp_path / "spawn", str(tmp_path))):
+        # engine.save_pretrained exports self.model on every plan (it was refused: "no save_pretrained")
+        assert [result.pop(f"{p} export", None) for p in ("streamed-buf1", "all-persistent")] == \
+            ([True, True] if rank == 0 else [None, None])
         copied = result["streamed-buf1"].pop("deepcopy")
         for what, outcome in result["streamed-buf1"].items():
             assert isinstance(outcome, str) and "offloaded chunks are not whole" in outcome \
