@@ -320,3 +320,27 @@ def test_the_core_api_refuses_a_step_after_the_parameters_that_train_changed():
     engine.backward(engine.module(input_ids=x, labels=x).loss)
     engine.step()
     assert engine.states.optimizer()["state"].keys() == set(range(len(list(model.parameters()))))
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_what_a_use_outside_the_modules_returns_is_safe_to_keep(precision):
+    """Through one buffer, in a pass: views of every parameter (``torch.cat`` of ``p.view(-1)``)
+    and detached parameters kept past their chunk's release hold their values (a view of a
+    device copy read freed memory: a crash); an in-place write under ``no_grad`` is kept by the
+    chunk (a release dropped it)."""
+    model = MODELS["gpt2"]()
+    ref = copy.deepcopy(model)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), pt.Plan(n_persist=0, n_buffer=1),
+                     device="cpu", precision=precision)
+    dtype = pt.Precision(precision).compute_dtype
+    x = batches(1)[0]
+    loss = engine.module(input_ids=x, labels=x).loss
+    assert torch.equal(torch.cat([p.view(-1) for p in model.parameters()]),
+                       torch.cat([p.view(-1) for p in ref.parameters()]).to(dtype))
+    kept = [p.detach() for p in model.parameters()]
+    assert all(torch.equal(a, b.to(dtype)) for a, b in zip(kept, ref.parameters()))
+    bias = model.transformer.h[0].mlp.c_fc.bias
+    with torch.no_grad():
+        bias.fill_(0.5)
+    engine.backward(loss)
+    assert bool((bias == 0.5).all()) and bool((engine.state_dict()["transformer.h.0.mlp.c_fc.bias"] == 0.5).all())

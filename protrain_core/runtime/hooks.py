@@ -43,9 +43,11 @@ post-accumulate-grad hook runs, so the chunk receives the same gradient as plain
 computes, bit for bit. A parameter the user rebound (``p.data = t``) is the user's tensor until
 it is adopted: its uses go through. With several processes the chunk's parameters are whole on
 no rank outside their units (a gather would be a collective that a rank-dependent read would
-leave unmatched): such a use is refused with the fix. A tensor a use returns that views the
-device copy (``p.t()`` kept by the user) is valid while the chunk stays resident, as inside a
-unit.
+leave unmatched): such a use is refused with the fix. What a use that fetched the chunk returns
+is safe to keep: a result viewing the device copy (``p.view(-1)``, ``p.detach()``) is a copy of
+its own (the device copy's memory goes with the next release), and an in-place write
+(``p.clamp_(...)`` under ``no_grad``) is taken into the chunk's master and copies. (A tensor
+taken through ``p.data`` and written in place afterwards is not seen: write the parameter.)
 """
 
 from __future__ import annotations
@@ -145,16 +147,16 @@ class RuntimeHooks:
                 for c in chunks:
                     scheduler.await_chunk(c)
                 if all(c.holds_value(i) for c, i in uses):
-                    return func(*args, **kwargs)
+                    return _kept(func(*args, **kwargs), func, uses, args)
             if scheduler.sharding is not None:
                 raise RuntimeError(_sharded_use_message(uses, scheduler.sharding.world))
             if scheduler.phase.phase in (TrainingPhase.BACKWARD, TrainingPhase.RECOMPUTE):
                 scheduler.acquire(idxs, pin=False)  # e.g. a tensor hook reading a weight
-                return func(*args, **kwargs)
+                return _kept(func(*args, **kwargs), func, uses, args)
             call = UnitCall(idxs, self._running[-1] if self._running else None)
             scheduler.use_outside_units(idxs)
             try:
-                out = func(*args, **kwargs)
+                out = _kept(func(*args, **kwargs), func, uses, args)
             finally:
                 scheduler.post_forward(idxs)
         if graph:
@@ -282,6 +284,26 @@ class ManagedParameter(nn.Parameter):
 
     def __repr__(self, **kwargs) -> str:
         return repr(nn.Parameter(self.detach(), self.requires_grad))  # (not ManagedParameter(...))
+
+
+def _kept(out, func, uses: list[tuple[Chunk, int]], args):
+    """What a use outside the units returns, made safe to keep: an in-place write (``p.clamp_``,
+    ``p += d``) goes into the chunk (master, host and device copies: ``Chunk.adopt``), which a
+    release or the next update would otherwise drop; a result that views a streamed chunk's
+    device copy (``p.view(-1)``, ``p.detach()``) is a copy of its own, since that memory goes
+    with the next release (a view of the host copy at rest stays one, as torch's would)."""
+    name = getattr(func, "__name__", "")
+    if name.endswith("_") and not name.startswith("__") or name.startswith("__i") and name.endswith("__"):
+        for c, i in uses:
+            c.adopt([i])
+        return out
+    homes = {c.storage.device_copy.untyped_storage().data_ptr() for c, _ in uses if c.device_resident} - {0}
+
+    def own(t):
+        fetched = isinstance(t, Tensor) and not any(t is a for a in args) and t.untyped_storage().data_ptr() in homes
+        return t.clone() if fetched else t
+
+    return type(out)(own(t) for t in out) if isinstance(out, (tuple, list)) else own(out)
 
 
 def _top_level(args, kwargs):
