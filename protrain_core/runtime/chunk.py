@@ -109,6 +109,7 @@ from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.storage import ChunkStorage
 from protrain_core.runtime.values import ChunkValues
 from protrain_core.structure.layout import ChunkSpec
+from protrain_core.utils import plain_parameters
 
 
 class ChunkState(enum.Enum):
@@ -483,6 +484,7 @@ class Chunk:
     def set_adam_state(self, i: int, present: bool = True) -> None:
         self._adam_state[i] = present
 
+    @plain_parameters
     def point_at_rest(self) -> None:
         """Point the parameters of a streamed chunk that is not resident at its host copy. With
         ``W`` processes the host copy holds only this rank's shard: the parameters then point at
@@ -504,6 +506,7 @@ class Chunk:
         self._pointed = [p.data_ptr() for p in self.params]
         self.at_placeholders = False
 
+    @plain_parameters
     def point_at_placeholders(self) -> None:
         """Point the parameters at a NaN of their own device and dtype expanded to their shapes
         (one element per device and dtype, no chunk memory): a release inside a pass ([Note: a
@@ -527,6 +530,7 @@ class Chunk:
         if self.at_placeholders:
             self.point_at_rest()
 
+    @plain_parameters
     def materialise(self) -> None:
         """Point the quantised frozen members of a streamed chunk at rest at their values (new
         tensors) until the chunk next moves: ``module.state_dict()`` reads them ([Note: quantised
@@ -537,6 +541,7 @@ class Chunk:
             self.params[i].data = self.values.member_value(i)
             self._pointed[i] = self.params[i].data_ptr()
 
+    @plain_parameters
     def point_params_at(self, flat: Tensor) -> None:
         """Re-point every parameter's ``.data`` at its slot in ``flat`` (see [Note: parameter access])."""
         for i, p in enumerate(self.params):
@@ -544,6 +549,7 @@ class Chunk:
         self._pointed = [p.data_ptr() for p in self.params]
         self.at_placeholders = False
 
+    @plain_parameters
     def holds_value(self, i: int) -> bool:
         """Member ``i``'s parameter points at its value, not at a NaN placeholder (a pass's, or at
         rest with ``W`` processes or a quantised member). Read it only with no copy or update of
@@ -553,10 +559,12 @@ class Chunk:
         ptr = self.params[i].untyped_storage().data_ptr()
         return all(ptr != nan.untyped_storage().data_ptr() for nan in self._nan.values())
 
+    @plain_parameters
     def points(self, i: int) -> bool:
         """Member ``i``'s parameter points where the chunk pointed it (not rebound by the user)."""
         return self._pointed is not None and self.params[i].data_ptr() == self._pointed[i]
 
+    @plain_parameters
     def rebound(self) -> list[int]:
         """The members whose ``.data`` was rebound since the chunk last pointed them (``p.data =
         tensor`` by the user: a callback's reset of the weights)."""
@@ -564,6 +572,7 @@ class Chunk:
             return []
         return [i for i, p in enumerate(self.params) if p.data_ptr() != self._pointed[i]]
 
+    @plain_parameters
     def adopt(self, members: list[int]) -> None:
         """Take the rebound members' values into the chunk (master and compute copy; the device
         copy too when it is there), and point the parameters back at the chunk."""
@@ -578,6 +587,7 @@ class Chunk:
         else:
             self.point_at_rest()
 
+    @plain_parameters
     def load_params(self) -> None:
         """Copy the parameters' current values in (the master, then its compute copy), and point
         the parameters at the compute copy. An fp32 model is rounded to bf16 in bf16-true, and a
@@ -587,6 +597,7 @@ class Chunk:
                 self.values.set_member(i, p.detach())
         self.point_params_at(self.storage.device_copy) if self.persistent else self.point_at_rest()
 
+    @plain_parameters
     def detach_params(self) -> None:
         """Point the parameters at their authoritative values for good (the engine closes; with
         ``W`` processes every rank then holds the whole values, gathered chunk by chunk)."""

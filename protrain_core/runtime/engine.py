@@ -249,7 +249,7 @@ class Engine:
             self.grads.end_step()
         # Runs the optimizer's step hooks and LR-scheduler bookkeeping. No parameter holds a
         # .grad (the engine keeps gradients in chunks), so torch's update loop skips them all.
-        with self.step_state.in_optimizer_step():
+        with self.step_state.in_optimizer_step(), torch._C.DisableTorchFunctionSubclass():
             self.optimizer.step()
         self.step_state.micro_batch_ended()
         self._step_observers.notify(lambda o: o.step_ends())

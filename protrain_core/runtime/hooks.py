@@ -53,6 +53,7 @@ taken through ``p.data`` and written in place afterwards is not seen: write the 
 from __future__ import annotations
 
 import contextlib
+import enum
 from collections.abc import Callable
 
 import torch
@@ -212,6 +213,15 @@ class RuntimeHooks:
         return hook
 
 
+class _Use(enum.Enum):
+    """What a torch function given a managed parameter does with it."""
+
+    NO_VALUES = "no values"  # metadata, hooks, autograd flags: goes straight through
+    GRAD = "grad"  # the ``.grad`` getter ([Note: gradients read through p.grad])
+    READ = "read"  # reads values; its result joins no autograd graph
+    USE = "use"  # reads values, and its result may join an autograd graph
+
+
 # Tensor properties whose getter returns the tensor's values (every other property reads none).
 _VALUE_PROPERTIES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
 # Tensor methods that read no values (metadata, hooks, autograd flags).
@@ -227,17 +237,34 @@ _NO_GRAPH = frozenset({
     "isclose", "eq", "ne", "lt", "le", "gt", "ge", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
     "isnan", "isinf", "isfinite", "argmax", "argmin", "count_nonzero",
 })
+_USES: dict = {}  # torch function -> its _Use, classified once (the set of functions a model calls is small)
 
 
-def _is_property(func, name: str, verb: str) -> bool:
-    return getattr(func, "__name__", None) == verb and getattr(getattr(func, "__self__", None), "__name__", None) == name
+def _use_of(func) -> _Use:
+    try:
+        return _USES[func]
+    except KeyError:
+        use = _USES[func] = _classify(func)
+        return use
+    except TypeError:  # (an unhashable callable)
+        return _classify(func)
 
 
-def _reads_values(func) -> bool:
+def _classify(func) -> _Use:
     name = getattr(func, "__name__", None)
     if name in ("__get__", "__set__", "__delete__"):
-        return name == "__get__" and getattr(func.__self__, "__name__", None) in _VALUE_PROPERTIES
-    return name not in _NO_VALUES
+        prop = getattr(getattr(func, "__self__", None), "__name__", None)
+        if name != "__get__" or prop not in _VALUE_PROPERTIES | {"grad"}:
+            return _Use.NO_VALUES
+        return _Use.GRAD if prop == "grad" else _Use.READ if prop == "data" else _Use.USE
+    if name in _NO_VALUES:
+        return _Use.NO_VALUES
+    return _Use.READ if name in _NO_GRAPH else _Use.USE
+
+
+# The plain parameter's __torch_function__: torch functions run with subclasses' disabled, so
+# their results are plain tensors.
+_plain = nn.Parameter.__torch_function__
 
 
 class ManagedParameter(nn.Parameter):
@@ -248,28 +275,23 @@ class ManagedParameter(nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if _is_property(func, "grad", "__get__"):
-            use = getattr(args[0], "protrain_use", None)
-            grad = None if use is None else use[0].grad_of(use[1], use[2])
+        use = _use_of(func)
+        if use is _Use.GRAD:
+            owner = getattr(args[0], "protrain_use", None)
+            grad = None if owner is None else owner[0].grad_of(owner[1], owner[2])
             if grad is not None:
                 return grad
-        elif _reads_values(func):
+        elif use is not _Use.NO_VALUES:
             hooks, uses = None, []
-            for t in _top_level(args, kwargs):
-                use = getattr(t, "protrain_use", None) if type(t) is ManagedParameter else None
-                if use is None:
-                    continue
-                owner, chunk, i = use
-                if not owner.covers(chunk) and chunk.points(i):
-                    hooks = owner
-                    uses.append((chunk, i))
+            for t in _top_level(args, kwargs or {}):
+                owner = getattr(t, "protrain_use", None) if type(t) is ManagedParameter else None
+                if owner is not None and not owner[0].covers(owner[1]) and owner[1].points(owner[2]):
+                    hooks = owner[0]
+                    uses.append(owner[1:])
             if uses:
-                graph = torch.is_grad_enabled() and not _is_property(func, "data", "__get__") \
-                    and getattr(func, "__name__", None) not in _NO_GRAPH
-                return hooks.use_outside_units(uses, func, args, kwargs, graph=graph)
-        with DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+                graph = use is _Use.USE and torch.is_grad_enabled()
+                return hooks.use_outside_units(uses, func, args, kwargs or {}, graph=graph)
+        return _plain(func, types, args, kwargs or {})
 
     def __deepcopy__(self, memo):
         """A plain ``nn.Parameter`` with the value of the moment (an EMA's copy of the model).

@@ -49,7 +49,7 @@ from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.optim import ChunkOptimizer, UpdateClip
 from protrain_core.runtime.options import RuntimeConfig
 from protrain_core.runtime.worker import CpuWorker
-from protrain_core.utils import traced
+from protrain_core.utils import plain_parameters, traced
 
 # Events of the timeline that are also counted in ``Scheduler.stats``.
 _COUNTED = {"fetch": "fetches", "offload": "offloads", "evict": "evictions", "cpu_adam_end": "cpu_updates"}
@@ -172,6 +172,7 @@ class Scheduler:
                 "self.manual_backward(loss); with Fabric fabric.backward(loss))."
             )
 
+    @plain_parameters
     def on_grad(self, c: Chunk, i: int, p: Tensor) -> None:
         self._check_in_backward()
         grad = p.grad

@@ -21,6 +21,7 @@ from protrain_core.precision import LossScaler, Precision
 from protrain_core.runtime.chunk import Chunk
 from protrain_core.runtime.optim import ChunkOptimizer
 from protrain_core.runtime.scheduler import Scheduler
+from protrain_core.utils import plain_parameters
 
 
 class StateAccess:
@@ -125,6 +126,7 @@ class StateAccess:
         finally:
             self._reading = False
 
+    @plain_parameters
     def _trainables(self) -> tuple:
         """Which parameters train (``requires_grad``) and which the optimizer updates, by group."""
         params = [p for c in self._chunks for p in c.params]
