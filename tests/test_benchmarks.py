@@ -413,3 +413,15 @@ def test_the_deepcopy_benchmark_copies_the_wrapped_model_as_plain_pytorch_copies
     rows = main(["--layers", "1", "--hidden", "64", "--precision", "32-true", "--reps", "1"])
     assert [name for name, _, _ in rows] == ["pytorch", "protrain, every chunk streamed", "protrain, every chunk persistent"]
     assert rows[0][2] > 0 and all(nbytes == rows[0][2] for _, _, nbytes in rows), rows
+
+
+def test_the_param_access_benchmark_counts_only_the_models_own_calls():
+    """``bench_param_access``: per step ManagedParameter sees the model's uses of its weights
+    only (each block's 7 projections and 2 norms, recomputed ones again, the head, the final
+    norm, the embedding), none of the runtime's own re-pointing and gradient moves."""
+    from benchmarks.bench_param_access import main
+
+    costs, counts = main(["--layers", "2", "--rounds", "1", "--calls", "10"])
+    assert [what for what, *_ in costs] == ["F.linear(x, w), x 8 x 64", "w.grad"]
+    assert counts["all-persistent"] == {"linear": 2 * 7 + 1, "mul": 2 * 2 + 1, "embedding": 1}
+    assert counts["streamed, every block checkpointed"] == {"linear": 2 * 2 * 7 + 1, "mul": 2 * 2 * 2 + 1, "embedding": 1}
