@@ -120,15 +120,26 @@ def available_host_bytes() -> int | None:
     return None
 
 
-def check_host_memory(needed: int, what: str) -> None:
-    """A clear error, before allocating, when host RAM cannot hold ``needed`` more bytes."""
+# What to do when host memory is short, where a device has memory of its own (a GPU) and where
+# the device is the host (a CPU device: every state is in host memory whatever the plan).
+HOST_MEMORY_FIXES = {
+    True: "Keep more chunks on the device (a larger Plan.n_persist), keep fewer bytes per offloaded parameter "
+          "(precision 'bf16-mixed' or 'bf16-true', ProTrainConfig(optimizer_state_format='8bit')), or free host memory.",
+    False: "On a CPU device every model state is in this machine's memory whatever the plan: keep fewer bytes per "
+           "parameter (precision 'bf16-true', ProTrainConfig(optimizer_state_format='8bit')), free host memory, or "
+           "size the run for a GPU with `protrain plan --simulate`.",
+}
+
+
+def check_host_memory(needed: int, what: str, *, device_memory: bool = True) -> None:
+    """A clear error, before allocating, when host RAM cannot hold ``needed`` more bytes;
+    ``device_memory``: the device has memory of its own (the fix differs)."""
     available = available_host_bytes()
     if available is not None and needed > available:
         gib = 2**30
         raise MemoryError(
             f"ProTrain needs {needed / gib:.2f} GiB of host memory for {what}, but only "
-            f"{available / gib:.2f} GiB is available. Keep more chunks on the device (a larger "
-            "Plan.n_persist), use precision='bf16-mixed', or free host memory."
+            f"{available / gib:.2f} GiB is available. {HOST_MEMORY_FIXES[device_memory]}"
         )
 
 

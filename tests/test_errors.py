@@ -210,3 +210,15 @@ def test_the_built_in_tiny_configs_have_special_tokens_inside_their_vocabulary(n
     for field in ("bos_token_id", "eos_token_id", "pad_token_id"):
         value = getattr(config, field, None)
         assert value is None or 0 <= value < config.vocab_size, (field, value)
+
+
+def test_too_little_host_memory_names_the_fix_for_the_device(monkeypatch):
+    """On a CPU device every state is in host memory whatever the plan: the refusal no longer
+    suggests keeping chunks on the device or bf16-mixed (the hints a GPU would get)."""
+    import protrain_core.utils
+
+    monkeypatch.setattr(protrain_core.utils, "available_host_bytes", lambda: 1024)
+    with pytest.raises(MemoryError, match=r"host memory for offloaded model states.*On a CPU device every model state "
+                                          r"is in this machine's memory.*protrain plan --simulate") as raised:
+        _wrap(plan=pt.Plan(n_persist=0, n_buffer=1), precision="bf16-mixed")
+    assert "n_persist" not in str(raised.value)

@@ -429,8 +429,9 @@ class DeviceContext:
             self.blocks.clear()
 
     def check_host_memory(self, nbytes: int, what: str) -> None:
-        """Refuse, with the numbers, ``nbytes`` of host memory the machine does not have."""
-        check_host_memory(nbytes, what)
+        """Refuse, with the numbers and the fix for this device, ``nbytes`` of host memory the
+        machine does not have."""
+        check_host_memory(nbytes, what, device_memory=self.asynchronous)
 
     @property
     def autocast_device_type(self) -> str | None:
