@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
-from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor, nn
 
 import protrain_core as pt
@@ -336,6 +336,21 @@ def build_engine(module: nn.Module, optimizer, config: pt.ProTrainConfig, *, pre
     if scaler and engine.scaler is not None:
         engine.states.load_scaler(scaler)  # the user's GradScaler settings
     return engine
+
+
+def close_for_a_new_engine(engine: pt.Engine) -> dict | None:
+    """Which parameters train changed between steps (``StateAccess.trainables_changed``: a
+    block unfrozen, a param group added): close ``engine`` so that a new one can be built for
+    them, with the weights (the module's parameters hold them after ``close``) and the
+    optimizer state (loaded into the optimizer, in its new groups' numbering, which the new
+    engine takes in). The loss scaler's state, for the new engine."""
+    rank_zero_info(f"ProTrain: {engine.states.trainables_changed()}; the engine is built again for the parameters "
+                   "that train now.")
+    optimizer_state = engine.states.optimizer(rank0_only=False)
+    scaler = engine.states.scaler()
+    engine.close()
+    engine.optimizer.load_state_dict(optimizer_state)
+    return scaler
 
 
 # The exact 8-bit optimizer state beside torch's format in a full checkpoint's optimizer entry.

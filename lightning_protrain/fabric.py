@@ -35,6 +35,7 @@ from lightning_protrain._common import (
     ProcessesPlumbing,
     build_engine,
     checkpoint_optimizer_state,
+    close_for_a_new_engine,
     load_checkpoint_optimizer_state,
     strategy_config,
     check_optimizers,
@@ -56,6 +57,8 @@ class ProTrainFabricPrecision(Precision):
 
     def forward_context(self):
         engine = self.strategy.engine
+        if engine is not None and torch.is_grad_enabled() and engine.states.trainables_changed() is not None:
+            engine = self.strategy.wrap_anew()  # before the training forward
         return engine.autocast() if engine is not None else contextlib.nullcontext()
 
     def convert_input(self, data):
@@ -239,6 +242,17 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
         elif self.example_inputs is not None:
             rank_zero_info(self.engine.explain())
         return module, [optimizer], scheduler
+
+    def wrap_anew(self) -> pt.Engine:
+        """Which parameters train changed between steps (a block unfrozen and its param group
+        added): the engine is built again for them, with the weights, the optimizer state and
+        the loss scaler's state it had (a plan of the configuration is kept; a searched one is
+        searched again on the next steps)."""
+        engine = self.engine
+        scaler = close_for_a_new_engine(engine)
+        self.engine = build_engine(engine.module, engine.optimizer, self.config, precision=self.precision.precision,
+                                   device=self.root_device, scaler=scaler or self.precision.scaler, report=_report)
+        return self.engine
 
     def require_engine(self) -> pt.Engine:
         if self.engine is None:

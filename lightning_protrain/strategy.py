@@ -66,6 +66,7 @@ from lightning_protrain._common import (
     ProcessesPlumbing,
     build_engine,
     checkpoint_optimizer_state,
+    close_for_a_new_engine,
     load_checkpoint_optimizer_state,
     strategy_config,
     check_optimizers,
@@ -420,14 +421,9 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         added their param group): the engine is built again for them, from the weights, the
         optimizer state and the loss scaler's state it had, as the optimizer under the default
         strategy goes on (a plan of the configuration is kept; a searched one is searched again)."""
-        engine = self.engine
-        rank_zero_info(f"ProTrain: {engine.states.trainables_changed()}; the engine is built again for the "
-                       "parameters that train now.")
-        optimizer_state = engine.states.optimizer(rank0_only=False)
-        self.precision_plugin.scaler = engine.states.scaler() or self.precision_plugin.scaler
-        engine.close()
-        engine.optimizer.load_state_dict(optimizer_state)
-        self._build(self.lightning_module, engine.optimizer, self._fit[0])
+        optimizer = self.engine.optimizer
+        self.precision_plugin.scaler = close_for_a_new_engine(self.engine) or self.precision_plugin.scaler
+        self._build(self.lightning_module, optimizer, self._fit[0])
         self._route_wrapped_zero_grad()
 
     def _evaluate_without_engine(self, module) -> None:

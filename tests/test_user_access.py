@@ -344,3 +344,36 @@ def test_what_a_use_outside_the_modules_returns_is_safe_to_keep(precision):
         bias.fill_(0.5)
     engine.backward(loss)
     assert bool((bias == 0.5).all()) and bool((engine.state_dict()["transformer.h.0.mlp.c_fc.bias"] == 0.5).all())
+
+
+def test_fabric_builds_the_engine_again_when_blocks_are_unfrozen():
+    """Blocks frozen for two steps, then unfrozen with a param group of their own: the Fabric
+    strategy builds the engine again before the next training forward; bitwise Fabric's default."""
+
+    def run(strategy):
+        torch.manual_seed(0)
+        fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+        model = MODELS["gpt2"]()
+        for p in model.transformer.h.parameters():
+            p.requires_grad_(False)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3, fused=True)
+        model, opt = fabric.setup(model, opt)
+        losses = []
+        for k, x in enumerate(batches(4)):
+            if k == 2:
+                for p in model.transformer.h.parameters():
+                    p.requires_grad_(True)
+                opt.add_param_group({"params": list(model.transformer.h.parameters()), "lr": 1e-3})
+            loss = model(input_ids=x, labels=x).loss
+            fabric.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+        engine = getattr(fabric.strategy, "engine", None)
+        return losses, {k: v.detach().clone() for k, v in (engine or model).state_dict().items()}
+
+    expected, ref = run("auto")
+    for plan in plans(n_chunks(MODELS["gpt2"]())).values():
+        losses, sd = run(ProTrainFabricStrategy(plan))
+        assert losses == expected
+        assert all(torch.equal(sd[k.removeprefix("_forward_module.")], v) for k, v in ref.items())

@@ -546,7 +546,7 @@ def _check_trainables(engine: Engine) -> None:
             f"Since this ProTrain engine was built, {changed}; its chunks keep fp32 masters, gradients and "
             "optimizer states only for the parameters that trained then. Wrap anew between the steps, keeping the "
             "optimizer state: osd = engine.states.optimizer(); engine.close(); optimizer.load_state_dict(osd); "
-            "engine = protrain_core.wrap(model, optimizer, ...). (Trainer(strategy='protrain') does this itself.)"
+            "engine = protrain_core.wrap(model, optimizer, ...). (The Trainer and Fabric strategies do this themselves.)"
         )
 
 
