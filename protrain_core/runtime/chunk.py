@@ -485,8 +485,9 @@ class Chunk:
         self._adam_state[i] = present
 
     @plain_parameters
-    def point_at_rest(self) -> None:
-        """Point the parameters of a streamed chunk that is not resident at its host copy. With
+    def point_at_rest(self, members=None) -> None:
+        """Point the parameters (of ``members``: default all) of a streamed chunk that is not
+        resident at its host copy. With
         ``W`` processes the host copy holds only this rank's shard: the parameters then point at
         a NaN of the compute dtype expanded to their shapes (no memory; reading them directly
         gives NaN, never freed memory), and ``model.state_dict()`` is refused with the fix
@@ -496,14 +497,15 @@ class Chunk:
         chunks] in frozen_formats.py."""
         storage = self.storage
         if storage.shards.whole and storage.frozen is None:
-            self.point_params_at(storage.host_copy)
+            self.point_params_at(storage.host_copy, members)
             return
         nan = self._nan_of(storage.host, storage.fmt.compute_dtype)
-        for i, p in enumerate(self.params):
+        for i in self._repointed(members):
             # one process, quantised: the trainable and kept members have their values at rest
             at_rest = self.values.at_rest(i) if storage.shards.whole else None
+            p = self.params[i]
             p.data = nan.expand(p.shape) if at_rest is None else at_rest
-        self._pointed = [p.data_ptr() for p in self.params]
+            self._pointed[i] = p.data_ptr()
         self.at_placeholders = False
 
     @plain_parameters
@@ -542,12 +544,21 @@ class Chunk:
             self._pointed[i] = self.params[i].data_ptr()
 
     @plain_parameters
-    def point_params_at(self, flat: Tensor) -> None:
-        """Re-point every parameter's ``.data`` at its slot in ``flat`` (see [Note: parameter access])."""
-        for i, p in enumerate(self.params):
+    def point_params_at(self, flat: Tensor, members=None) -> None:
+        """Re-point the ``.data`` of every parameter (of ``members``) at its slot in ``flat``
+        (see [Note: parameter access])."""
+        for i in self._repointed(members):
+            p = self.params[i]
             p.data = self.values.view(flat, i)
-        self._pointed = [p.data_ptr() for p in self.params]
+            self._pointed[i] = p.data_ptr()
         self.at_placeholders = False
+
+    def _repointed(self, members) -> range | list[int]:
+        """The members a re-pointing covers (None: all, which the first one must)."""
+        if self._pointed is None:
+            assert members is None, self
+            self._pointed = [0] * len(self.params)
+        return range(len(self.params)) if members is None else members
 
     @plain_parameters
     def holds_value(self, i: int) -> bool:
@@ -574,8 +585,9 @@ class Chunk:
 
     @plain_parameters
     def adopt(self, members: list[int]) -> None:
-        """Take the rebound members' values into the chunk (master and compute copy; the device
-        copy too when it is there), and point the parameters back at the chunk."""
+        """Take these members' values (rebound, or written in place) into the chunk (master and
+        compute copy; the device copy too when it is there), and point their parameters back at
+        the chunk (only theirs: another member the user rebound stays the user's until adopted)."""
         with torch.no_grad():
             for i in members:
                 value = self.params[i].detach()
@@ -583,9 +595,9 @@ class Chunk:
                 if not self.persistent and self.device_resident:  # as stored (a quantised member's round trip)
                     self.values.view(self.storage.device_copy, i).copy_(self.values.member_value(i))
         if self.persistent or self.device_resident:
-            self.point_params_at(self.storage.device_copy)
+            self.point_params_at(self.storage.device_copy, members)
         else:
-            self.point_at_rest()
+            self.point_at_rest(members)
 
     @plain_parameters
     def load_params(self) -> None:
