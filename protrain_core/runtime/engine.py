@@ -539,7 +539,8 @@ def _update_kernel(engine: Engine) -> str:
 
 def _check_trainables(engine: Engine) -> None:
     """Refuse a training step after which parameters train changed: the chunks hold states for
-    the parameters that trained when they were built (the Trainer strategy wraps anew)."""
+    the parameters that trained when they were built (the Trainer and Fabric strategies wrap
+    anew)."""
     changed = engine.states.trainables_changed()
     if changed is not None:
         raise RuntimeError(

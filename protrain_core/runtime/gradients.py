@@ -317,8 +317,9 @@ class StepGradients:
                 f"Gradients of chunks {applied[:8]} were changed through p.grad between backward and step, but "
                 "ProTrain had already updated those (offloaded) chunks during backward with the gradients as they "
                 "were. From the next step on it holds the updates for such changes; to have every step exact, say "
-                "so before training: engine.clipping.expect_late() (Lightning: override on_before_optimizer_step "
-                "or configure_gradient_clipping in the LightningModule or a callback).")
+                "so before training: engine.clipping.expect_late() (Fabric: fabric.strategy.engine.clipping."
+                "expect_late(); the Trainer does it when the LightningModule or a callback overrides "
+                "on_before_optimizer_step, on_after_backward or configure_gradient_clipping).")
         for c in changed:
             finished = self._finished.get(c.index)
             if finished is not None:
