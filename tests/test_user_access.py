@@ -377,3 +377,27 @@ def test_fabric_builds_the_engine_again_when_blocks_are_unfrozen():
         losses, sd = run(ProTrainFabricStrategy(plan))
         assert losses == expected
         assert all(torch.equal(sd[k.removeprefix("_forward_module.")], v) for k, v in ref.items())
+
+
+@pytest.mark.parametrize("plan", ["streamed", "mixed"])
+def test_the_core_api_habits_on_the_simulated_gpus_asynchronous_path(plan):
+    """The same loop as ``test_the_core_api_reads_parameters_and_gradients_as_pytorch_does`` on
+    the CUDA code path (streams, events, the CPU worker on its own thread: the simulated device
+    with small real tensors): a penalty and a read outside the modules, p.grad clipped in place,
+    optimizer.zero_grad -- bitwise plain PyTorch in fp32."""
+    from protrain_core.simulator.device import SimulatedDevice
+
+    model = MODELS["gpt2"]()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True)
+    expected = _core_loop(ref, ref_opt, ref_opt.step, lambda loss: loss.backward(), ref_opt.zero_grad)
+    sim = SimulatedDevice("h100", tensors="cpu")
+    with sim:
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        engine = pt.wrap(model, opt, plans(n_chunks(model))[plan], device=sim,
+                         config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
+        assert engine.scheduler.threaded
+        got = _core_loop(engine.module, opt, engine.step, engine.backward, opt.zero_grad)
+    assert got == expected
+    sd = engine.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())

@@ -126,7 +126,7 @@ class Clipping:
         every one: every step's updates wait for step() (the ``norm_type`` norms are taken as
         gradients land). False: never: no step is held for it (a late request is then refused).
         Not called: the first step is held, and every step after one that clipped late or
-        changed gradients ([Note: gradients read through p.grad] in gradients.py)."""
+        read gradients through ``p.grad`` ([Note: gradients read through p.grad] in gradients.py)."""
         parse_gradient_clipping("norm", 1.0, norm_type)
         if expected and self._grads.consumed:
             raise ValueError(_NEEDS_ACCUMULATORS.format(what="Clipping requested between backward and step needs "

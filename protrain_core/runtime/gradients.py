@@ -25,6 +25,23 @@ step until ``step()`` (``late_reason``), and of every step after one that clippe
 every step when told that clipping will come late (``expect_late``, which also names the norm
 to finish early); told that none will come (``hold_first`` False) it holds nothing. A late
 request after a backward that already updated chunks is refused with the fix.
+
+[Note: gradients read through p.grad]
+Parameters hold no ``.grad`` of their own: autograd's is moved into the chunk as it comes. From
+the end of a backward to the next ``step()`` or ``zero_grad``, reading ``p.grad`` of a managed
+parameter (``ManagedParameter`` in hooks.py) gives its gradient where the update will read it:
+a view of the chunk's accumulator (fp32 in the mixed modes, where the default strategy's
+gradients are fp32 too; on the host for a streamed chunk), after the updates in flight and, at
+a step's last backward, after fp16 unscaling -- what ``clip_grad_norm_``, Lightning's
+``grad_norm`` or a callback reads. Writing into it (clipping in place) changes what ``step()``
+applies: the norms taken early of a chunk whose gradients were read are taken again. A chunk
+updated during backward has applied its gradients already: the view still reads them, but a
+change is refused at ``step()`` with the fix (found by the accumulator's version counter,
+which a TorchDispatchMode running the write may leave unchanged). So the first step is held
+for it, as for a late clipping request, and every step after one that read gradients through
+``p.grad`` -- what is read is not known to be only read (Lightning's Trainer holds every step
+when a hook that runs between backward and step is overridden). Elsewhere ``p.grad`` is None,
+and the optimizer's own ``step()`` inside ``engine.step()`` never sees a gradient.
 """
 
 from __future__ import annotations
@@ -100,7 +117,7 @@ class StepGradients:
         self.consumed = any(not c.storage.fmt.accumulator for c in chunks)
         self.policy = ClippingPolicy(hold_first=not self.consumed)  # set_policy
         self.late_seen = False  # some step clipped late
-        self.changed_seen = False  # some step's gradients were changed through p.grad
+        self.read_seen = False  # some step's gradients were read through p.grad
         self.readable = False  # a backward ended and no step or zero_grad came since: p.grad reads them
         self._handed: dict[int, tuple[Chunk, int]] = {}  # chunk index -> (chunk, accumulator version when read)
         self.steps = 0
@@ -125,8 +142,8 @@ class StepGradients:
         need not); ``steady``: after the first step."""
         if self.policy.expect_late is not None:
             return "gradient clipping or gradient changes expected after backward"
-        if self.changed_seen:
-            return "gradients changed through p.grad after backward in an earlier step"
+        if self.read_seen:
+            return "gradients read through p.grad after backward in an earlier step"
         if self.configured is not None:
             return None  # a late request must then match it: nothing to hold for
         if not self.policy.hold_first:
@@ -299,19 +316,18 @@ class StepGradients:
     # ----- p.grad ---------------------------------------------------------------------------
     def handed_out(self, chunk: Chunk) -> None:
         """``chunk``'s accumulator is readable through ``p.grad`` now ([Note: gradients read
-        through p.grad]): a change from here to ``step()`` is found by its version counter."""
+        through p.grad]); its version counter says whether it changed by ``step()``."""
         self._handed.setdefault(chunk.index, (chunk, chunk.storage.grad_acc._version))
+        self.read_seen = True
 
     def take_changes(self) -> None:
         """At ``step()``, before anything reads the gradients: a chunk whose gradients were
-        changed through ``p.grad`` has its norms taken again; one whose update ran during
-        backward cannot apply the change, which is refused with the fix."""
-        changed = [c for c, version in self._handed.values() if c.storage.grad_acc._version != version]
+        read through ``p.grad`` has its norms taken again (they may have changed); one that was
+        changed after its update ran during backward cannot apply the change, which is refused
+        with the fix."""
+        handed = list(self._handed.values())
         self._handed.clear()
-        if not changed:
-            return
-        self.changed_seen = True
-        applied = [c.index for c in changed if c.applied]
+        applied = [c.index for c, version in handed if c.applied and c.storage.grad_acc._version != version]
         if applied:
             raise RuntimeError(
                 f"Gradients of chunks {applied[:8]} were changed through p.grad between backward and step, but "
@@ -320,11 +336,12 @@ class StepGradients:
                 "so before training: engine.clipping.expect_late() (Fabric: fabric.strategy.engine.clipping."
                 "expect_late(); the Trainer does it when the LightningModule or a callback overrides "
                 "on_before_optimizer_step, on_after_backward or configure_gradient_clipping).")
-        for c in changed:
+        for c, _ in handed:
             finished = self._finished.get(c.index)
             if finished is not None:
                 finished.norms.clear()
-        self._totals.clear()
+        if handed:
+            self._totals.clear()
 
     def backward_ended(self) -> None:
         """A backward ended well: ``p.grad`` reads its gradients until ``step()`` or ``zero_grad``."""
