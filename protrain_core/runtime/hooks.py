@@ -237,6 +237,11 @@ _NO_GRAPH = frozenset({
     "isclose", "eq", "ne", "lt", "le", "gt", "ge", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
     "isnan", "isinf", "isfinite", "argmax", "argmin", "count_nonzero",
 })
+# In-place operators besides the methods named with a trailing underscore (``p.clamp_``).
+_IN_PLACE_OPERATORS = frozenset({
+    "__setitem__", "__iadd__", "__isub__", "__imul__", "__imatmul__", "__itruediv__", "__ifloordiv__", "__imod__",
+    "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+})
 _USES: dict = {}  # torch function -> its _Use, classified once (the set of functions a model calls is small)
 
 
@@ -315,7 +320,7 @@ def _kept(out, func, uses: list[tuple[Chunk, int]], args):
     device copy (``p.view(-1)``, ``p.detach()``) is a copy of its own, since that memory goes
     with the next release (a view of the host copy at rest stays one, as torch's would)."""
     name = getattr(func, "__name__", "")
-    if name.endswith("_") and not name.startswith("__") or name.startswith("__i") and name.endswith("__"):
+    if name.endswith("_") and not name.startswith("__") or name in _IN_PLACE_OPERATORS:
         for c, i in uses:
             c.adopt([i])
         return out
