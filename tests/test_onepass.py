@@ -195,3 +195,56 @@ def test_fp16_training_with_the_kernel_equals_the_separate_passes_bit_for_bit(ke
     expected = {(False, True), (False, False)} if accumulate == 1 else {(False, False), (True, True), (True, False)}
     assert set(landings) == expected, landings
     assert_equal_runs(fused, separate)
+
+
+def _ticks_during(call) -> int:
+    """How often this thread's Python runs while ``call()`` runs on another thread: a tick per
+    pass of a loop sleeping 0.5 ms. A call that holds the GIL leaves it none."""
+    import threading
+    import time
+
+    started, done = threading.Event(), threading.Event()
+
+    def run():
+        started.set()
+        try:
+            call()
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    started.wait()
+    ticks = 0
+    while not done.is_set():
+        time.sleep(0.0005)
+        ticks += 1
+    worker.join()
+    return ticks
+
+
+@pytest.mark.parametrize("what", ["land", "adam_onepass"])
+def test_the_kernel_releases_the_gil_while_it_runs(kernel, what):
+    """The CPU worker's native calls let Python run beside them (on a GPU: the autograd thread's
+    hooks, a checkpointed block's recomputation). One thread, one call of tens of milliseconds:
+    the main thread ticks dozens of times while it runs (33-71 here); holding the GIL, at most
+    twice (issue 54 measured 1-2 ticks per 30-65 ms call). A count, not a time."""
+    n = 1 << 25  # one call of 40-80 ms here
+    masters, accs = torch.randn(n), torch.randn(n)
+    lows = masters.to(torch.bfloat16)
+    if what == "land":
+        def call():
+            kernel.land([masters], [lows], [accs], True, None)
+    else:
+        m, v = torch.zeros(n), torch.zeros(n)
+
+        def call():  # (the kernel itself: onepass.update's own torch calls release the GIL anyway)
+            kernel.adam_onepass([masters], [lows], [accs], [m], [v], [], [n], [1.0], 1e-3, 0.9, 0.999, 0.0, 1e-8,
+                                True, False, False, None, None, False, False, False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a core left for the ticking thread on a 2-core machine
+    try:
+        ticks = _ticks_during(call)
+    finally:
+        torch.set_num_threads(threads)
+    assert ticks >= 8, ticks

@@ -302,8 +302,12 @@ bool land(std::vector<at::Tensor> masters, std::vector<at::Tensor> lows, std::ve
 
 }  // namespace
 
+// The arguments are converted with the GIL held; the calls then release it (call_guard): the CPU
+// worker runs them beside Python threads (the autograd thread's hooks, a recomputation).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("adam_onepass", &adam_onepass, "One-pass Adam/AdamW of a chunk's members in mixed precision");
-  module.def("land", &land, "A landing folded into the accumulator (unscaled and checked), the copy restored");
+  module.def("adam_onepass", &adam_onepass, "One-pass Adam/AdamW of a chunk's members in mixed precision",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("land", &land, "A landing folded into the accumulator (unscaled and checked), the copy restored",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("lanes", [] { return kLanes; }, "Elements per iteration: lengths are multiples of it");
 }
