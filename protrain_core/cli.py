@@ -95,7 +95,6 @@ def _row(label: str, prof, budget: int, tokens: int) -> str:
 def plan_command(args) -> int:
     import protrain_core as pt
     from protrain_core.api import default_host_budget
-    from protrain_core.runtime.device import resolve_device
 
     device = args.device
     budget = parse_bytes(args.budget, "--budget") if args.budget else pt.default_memory_budget(device)

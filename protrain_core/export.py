@@ -26,13 +26,12 @@ def save_pretrained(engine, save_directory, *, module: str | None = None, **kwar
             raise ValueError(f"engine.save_pretrained sets {key}= itself (the master weights; rank 0 writes).")
     prefix = f"{name}." if name else ""
     state = {k.removeprefix(prefix): v for k, v in engine.state_dict().items() if k.startswith(prefix)}
-    module = model
     main = engine.rank == 0
-    config = getattr(module, "config", None)
+    config = getattr(model, "config", None)
     before = getattr(config, "dtype", None) if config is not None else None
     try:
         if main:  # the others took part in the gathering; the model's save_pretrained would read its parameters
-            module.save_pretrained(save_directory, state_dict=state, **kwargs)
+            model.save_pretrained(save_directory, state_dict=state, **kwargs)
         if main and config is not None and hasattr(config, "save_pretrained") and (Path(save_directory) / "config.json").exists():
             # The model's save_pretrained wrote the compute copies' dtype: say the masters'.
             config.dtype = str(engine.precision.master_dtype).removeprefix("torch.")

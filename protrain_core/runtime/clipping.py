@@ -151,9 +151,10 @@ class Clipping:
         if not chunk.storage.fmt.accumulator:
             raise RuntimeError(_NEEDS_ACCUMULATORS.format(
                 what=f"p.grad of {chunk.spec.members[i].name} was read between backward and step"))
-        self._scheduler.wait_all()
-        if self.gradients_ready:
-            self._grads.finish_all()  # fp16: unscaled, as the update reads them
+        if not self._grads.read_since_backward:  # the window's first read: every landing and update in flight over
+            self._scheduler.wait_all()
+            if self.gradients_ready:
+                self._grads.finish_all()  # fp16: unscaled, as the update reads them
         self._grads.handed_out(chunk)
         return chunk.values.state_view(chunk.storage.grad_acc, i)
 

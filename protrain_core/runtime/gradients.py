@@ -314,6 +314,11 @@ class StepGradients:
         return self.last_norm
 
     # ----- p.grad ---------------------------------------------------------------------------
+    @property
+    def read_since_backward(self) -> bool:
+        """``p.grad`` was read since the last backward (its gradients are settled and finished)."""
+        return bool(self._handed)
+
     def handed_out(self, chunk: Chunk) -> None:
         """``chunk``'s accumulator is readable through ``p.grad`` now ([Note: gradients read
         through p.grad]); its version counter says whether it changed by ``step()``."""

@@ -106,16 +106,12 @@ class RuntimeHooks:
             self.handles.append(module.register_forward_pre_hook(self._pre_forward(idxs), with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post_forward(idxs), with_kwargs=True,
                                                              always_call=True))
-        seen = set()
-        for chunk in chunks:
-            for i, p in enumerate(chunk.params):
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    self.handles.append(p.register_post_accumulate_grad_hook(self._post_accumulate_grad(chunk, i)))
         self._managed = []  # the parameters made ManagedParameter ([Note: parameters used outside their units])
-        for chunk in chunks:
+        for chunk in chunks:  # (a tied parameter is one member of one chunk)
             for i, p in enumerate(chunk.params):
-                if type(p) is nn.Parameter:  # (a tied parameter is one member of one chunk)
+                if p.requires_grad:
+                    self.handles.append(p.register_post_accumulate_grad_hook(self._post_accumulate_grad(chunk, i)))
+                if type(p) is nn.Parameter:
                     p.__class__ = ManagedParameter
                     p.protrain_use = (self, chunk, i)
                     self._managed.append(p)
