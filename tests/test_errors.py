@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import protrain_core as pt
-from conftest import batches, tiny_gpt2
+from conftest import batches, n_chunks, tiny_gpt2
 
 
 def _wrap(**kw):
@@ -198,6 +198,30 @@ def test_a_compiled_model_is_refused_with_a_message_about_torch_compile():
     with pytest.raises(ValueError, match="submodule 'transformer.h.1' is compiled"):
         pt.wrap(model, torch.optim.AdamW(model.parameters()), plan, device="cpu")
     assert getattr(model, "_protrain_engine", None) is None
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["streamed", "persistent"])
+def test_compiling_the_wrapped_model_is_refused_at_its_first_call(persistent):
+    """Issue 53, item 10: ``torch.compile(engine.module)`` failed deep in inductor after 22 s
+    (the compiled graph saw a streamed chunk's placeholders). Its first call, of the model, of
+    ``module.compile()`` or of one compiled block, now ends with the reason before any graph is
+    compiled; the model still trains uncompiled afterwards."""
+    model = tiny_gpt2()
+    plan = pt.Plan(n_persist=n_chunks(model) if persistent else 0, n_buffer=0 if persistent else 1)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), plan, device="cpu")
+    (x,) = batches(1)
+    block = engine.module.transformer.h[1]
+    for call in (lambda: torch.compile(engine.module)(input_ids=x),
+                 lambda: torch.compile(block)(torch.randn(2, x.shape[1], 32)),
+                 lambda: (engine.module.compile(), engine.module(input_ids=x))):
+        with pytest.raises(RuntimeError, match="torch.compile of a ProTrain-wrapped model.*not supported"):
+            call()
+        torch.compiler.reset()
+    del engine.module._compiled_call_impl  # what nn.Module.compile() set
+    engine.backward(engine.module(input_ids=x, labels=x).loss)
+    engine.step()
+    assert all(torch.isfinite(p).all() for p in engine.state_dict().values())
+    engine.close()
 
 
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])

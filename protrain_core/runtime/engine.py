@@ -26,7 +26,7 @@ from protrain_core.runtime.chunk import Chunk
 from protrain_core.runtime.clipping import Clipping
 from protrain_core.runtime.device import DeviceContext, as_context
 from protrain_core.runtime.gradients import StepGradients
-from protrain_core.runtime.hooks import RuntimeHooks
+from protrain_core.runtime.hooks import RuntimeHooks, refuse_compiled
 from protrain_core.runtime.optim import ChunkOptimizer
 from protrain_core.runtime.options import EngineOptions
 from protrain_core.runtime.parking import OffloadedStates, check_between_steps, check_onloaded, offload, onload
@@ -405,6 +405,7 @@ class Engine:
     def _on_module_call(self, module, args, kwargs) -> None:
         if module is not self.module:  # a deep copy of the model
             return
+        refuse_compiled()
         check_onloaded(self, "The model's forward")
         if torch.is_grad_enabled():
             self.begin_batch((args, kwargs))

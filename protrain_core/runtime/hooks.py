@@ -169,6 +169,7 @@ class RuntimeHooks:
         def hook(module, args, kwargs):
             if id(module) not in self._units:
                 return
+            refuse_compiled()
             if not self._onloaded():
                 raise RuntimeError(offloaded_message(f"{type(module).__name__}'s forward"))
             if not self._streams(idxs):
@@ -185,6 +186,8 @@ class RuntimeHooks:
         def hook(module, _args, _kwargs, output):
             if id(module) not in self._units or not self._streams(idxs):
                 return
+            if not self._running or self._running[-1].idxs is not idxs:
+                return  # the pre-hook refused the call before it began
             call = self._running.pop()
             self.scheduler.post_forward(idxs)
             if not torch.is_grad_enabled():
@@ -346,3 +349,23 @@ def _sharded_use_message(uses: list[tuple[Chunk, int]], world: int) -> str:
             "chunk is sharded over the ranks and whole on none between its module's uses. Use it inside a "
             "module's forward (e.g. move a penalty or a logit scale into the model), keep its chunk on the "
             "device (Plan.persistent_chunks), or read the weights with engine.state_dict().")
+
+
+def refuse_compiled() -> None:
+    """Refuses ``torch.compile`` of the wrapped model or of one of its modules, at its first call:
+    dynamo traces the module's hooks, and a compiled graph bakes in the placeholders and host
+    copies a streamed chunk's parameters point at between their fetches (it would fail deep in
+    the compiler or train on stale values). Under tracing ``is_compiling()`` is true and the call
+    of the disabled function below is a graph break that runs it eagerly, so the user gets this
+    error; in eager code the check is one function call."""
+    if torch.compiler.is_compiling():
+        _compiled_call()
+
+
+@torch.compiler.disable
+def _compiled_call() -> None:
+    raise RuntimeError(
+        "torch.compile of a ProTrain-wrapped model, or of one of its modules, is not supported: the engine "
+        "moves the parameters between the device and the host around every block, which a compiled graph "
+        "does not see. Run the wrapped model without torch.compile (compile nothing before wrap either)."
+    )
