@@ -27,7 +27,7 @@ from protrain_core.runtime.host_pool import HostPool
 def host_buffers(nbytes: int, cuda: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The host memory kinds, each two uint8 buffers of ``nbytes`` of that kind (the second for
     the opposite direction of "both at once")."""
-    pool = HostPool([(nbytes, torch.uint8), (nbytes, torch.uint8)], pin=cuda)
+    pool = HostPool([(nbytes, torch.uint8, True), (nbytes, torch.uint8, True)], pin=cuda)
     buffers = {"ProTrain host pool (registered)" if cuda else "host (pageable)":
                (pool.take(nbytes, torch.uint8), pool.take(nbytes, torch.uint8))}
     if cuda:

@@ -217,7 +217,7 @@ def test_pin_memory_off_keeps_the_host_copies_pageable():
         model = MODELS["llama"]()
         engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=0, n_buffer=1),
                          device="cuda", config=pt.ProTrainConfig(runtime={"pin_memory": pin}))
-        assert engine.memory.host_pinned is pin
+        assert (engine.memory.host_locked_bytes() > 0) is pin
         engine.close()
 
 

@@ -52,7 +52,6 @@ MOVED = {
     "measure_activations": "activations.measure_next_forward",
     "device_bytes": "memory.device_bytes",
     "host_bytes": "memory.host_bytes",
-    "host_pinned": "memory.host_pinned",
     "set_manual_optimization": "step_state.set_manual",
 }
 
@@ -163,7 +162,7 @@ def test_memory_reports_the_plans_bound_and_the_host_copies():
         streamed = engine.chunks[PLAN.n_persist:]
         assert engine.memory.host_bytes() == sum(c.storage.host_bytes for c in streamed) > 0
         assert 0 < engine.memory.device_bytes() <= engine.memory.device_bound()
-        assert not engine.memory.host_pinned  # a CPU device: nothing is page-locked
+        assert engine.memory.host_locked_bytes() == 0  # a CPU device: nothing is page-locked
         assert "device model-state bytes now" in engine.summary()
     finally:
         engine.close()

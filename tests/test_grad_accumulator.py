@@ -14,7 +14,7 @@ from torch import nn
 
 import protrain_core as pt
 from conftest import assert_same_runs, batches, standard_plans, tiny_gpt2, train_engine
-from protrain_core.runtime.host_pool import pool_bytes
+from protrain_core.runtime.host_pool import HostPool
 from protrain_core.runtime.storage import ChunkStorage
 
 LR, WD = 1e-2, 0.1
@@ -38,7 +38,7 @@ def run(engine, data):
 
 def streamed_host_bytes(engine):
     """What the streamed chunks' pools hold, from their formats."""
-    return sum(pool_bytes(c.storage.fmt.host_tensors()) for c in engine.chunks if not c.persistent)
+    return sum(HostPool.bytes_for(c.storage.fmt.host_tensors()) for c in engine.chunks if not c.persistent)
 
 
 @pytest.mark.parametrize("fmt, plan_name, thread, clipping, frozen", [

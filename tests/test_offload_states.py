@@ -4,6 +4,8 @@ micro-batches of one step. Training with a round trip at every step equals plain
 bit in fp32 and equals the same engine without round trips in the mixed modes."""
 
 import copy
+import dataclasses
+import re
 import gc
 
 import pytest
@@ -309,6 +311,17 @@ def test_the_explanation_lists_every_host_byte_the_plan_allocates():
     assert m.staging_host_bytes == 2 * largest * 4  # fp32: the worker's two staging buffers
     assert m.planned_host_bytes == m.host_bytes + m.swap_host_bytes // 8 + m.staging_host_bytes
     assert "host memory" in engine.explain() and "chunk states" in engine.explain()
+    # The page-locked part (issue 54, item 2): fp32 locks the host copy and the accumulator the
+    # gradients land in, 8 of 16 bytes per parameter; nothing is registered on a CPU (no rate),
+    # a measured rate predicts wrap's registration time.
+    pinned = sum(c.storage.fmt.streamed_pinned_bytes for c in engine.chunks if c.index not in plan.persistent())
+    assert m.pinned_host_bytes == pinned == streamed // 2 and m.register_s == 0.0
+    hw = dataclasses.replace(engine.choice.profile.hardware, register_bytes_per_s=8e9)
+    on_gpu = CostModel(dataclasses.replace(engine.choice.profile, hardware=hw)).memory(plan)
+    assert on_gpu.register_s == pytest.approx(pinned / 8e9)
+    from protrain_core.planner.search import _host_line
+    assert re.search(r"chunk states [0-9.]+ [KM]iB \([0-9.]+ KiB page-locked, registered at wrap in [0-9.]+ us "
+                     r"\(predicted\)\)", _host_line(on_gpu, None))
 
 
 def _rss_runs(cases: str, world: int = 1) -> list[dict]:

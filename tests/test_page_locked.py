@@ -62,20 +62,20 @@ def cudart(monkeypatch):
 def test_many_small_neighbours_register_whole_pages_of_their_own(cudart):
     """Pools far smaller than a page, allocated one after the other (neighbours in the heap), all
     register: each registers whole pages inside its own allocation, and no two share one."""
-    pools = [HostPool([(n, torch.float32), (3, torch.bfloat16)], pin=True, cuda=CUDA) for n in range(1, 400, 7)]
+    pools = [HostPool([(n, torch.float32, True), (3, torch.bfloat16, True)], pin=True, cuda=CUDA) for n in range(1, 400, 7)]
     assert all(p.pinned for p in pools) and len(cudart.ranges) == len(pools)
     for start, pages in cudart.ranges.items():
         assert start % PAGE == 0 and len(pages) >= 1
     for p in pools:  # the pool's bytes lie inside its registered pages
-        ptr = p.buffer.data_ptr()
+        ptr = p.take(1, torch.float32).data_ptr()
         pages = next(r for r in cudart.ranges.values() if r.start <= ptr // PAGE < r.stop)
         assert (ptr + p.nbytes - 1) // PAGE < pages.stop
-        assert p.buffer.numel() == p.nbytes and not p.buffer.any()  # exact size, zeroed (Adam's moments start at 0)
+        assert p.pinned_nbytes == p.nbytes and not p.take(3, torch.bfloat16).any()  # exact size, zeroed (Adam's moments start at 0)
     assert not cudart.consumed
 
 
 def test_memory_is_unregistered_when_its_last_view_goes_and_never_before(cudart):
-    pool = HostPool([(1000, torch.float32)], pin=True, cuda=CUDA)
+    pool = HostPool([(1000, torch.float32, True)], pin=True, cuda=CUDA)
     view = pool.take(1000, torch.float32)
     view.fill_(3.0)
     del pool
@@ -88,7 +88,7 @@ def test_memory_is_unregistered_when_its_last_view_goes_and_never_before(cudart)
 
 
 def test_close_unregisters_once_and_the_memory_stays_readable(cudart):
-    pool = HostPool([(10, torch.float32)], pin=True, cuda=CUDA)
+    pool = HostPool([(10, torch.float32, True)], pin=True, cuda=CUDA)
     view = pool.take(10, torch.float32)
     pool.close()
     assert not pool.pinned and not cudart.ranges
@@ -104,7 +104,7 @@ def test_memory_freed_and_allocated_again_registers_again(cudart):
     """The old failure: freed while registered, the next allocation at the same addresses could
     not be registered. Rounds of allocate / free never meet a registered page."""
     for _ in range(50):
-        pools = [HostPool([(n, torch.uint8)], pin=True, cuda=CUDA) for n in (100, 5000, 70_000, 300_000)]
+        pools = [HostPool([(n, torch.uint8, True)], pin=True, cuda=CUDA) for n in (100, 5000, 70_000, 300_000)]
         del pools
     gc.collect()
     assert not cudart.ranges and not cudart.consumed
@@ -152,3 +152,48 @@ def test_swap_buffers_are_page_locked_in_place_and_released(cudart):
     assert len(cudart.ranges) == 1
     buffers.close()
     assert not cudart.ranges and not cudart.consumed
+
+
+MIXED = dict(compute_dtype=torch.bfloat16, master_dtype=torch.float32)
+FORMATS = {  # name -> (format, page-locked bytes per element, all host bytes per element)
+    "fp32": (dict(compute_dtype=torch.float32, master_dtype=torch.float32), 8, 16),
+    "bf16-true": (dict(compute_dtype=torch.bfloat16, master_dtype=torch.bfloat16), 4, 8),
+    "bf16-mixed": (MIXED, 2, 18),
+    "bf16-mixed, bf16 moments": (dict(MIXED, state_format="bf16"), 2, 14),
+    "bf16-mixed, 8-bit moments": (dict(MIXED, state_format="8bit"), 2, 12),
+    "bf16-mixed, no accumulator": (dict(MIXED, accumulator=False), 2, 14),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_only_what_the_copies_touch_is_page_locked(cudart, name):
+    """Issue 54, item 2: a streamed chunk page-locks its host copy (the uploads' source, the
+    mixed modes' gradient landing) and, without a separate master, the accumulator its gradients
+    land in -- not the master and moments that only the CPU worker touches: 2 of 18 bytes per
+    parameter in bf16-mixed instead of all 18. What is registered is exactly those tensors."""
+    from protrain_core.runtime.state_formats import BLOCK
+    from protrain_core.runtime.storage import ChunkFormat, ChunkStorage
+
+    kw, locked_per, host_per = FORMATS[name]
+    S = 4096
+    fmt = ChunkFormat(numel=S, **kw)
+    scales = 2 * 4 * S // BLOCK if fmt.eight_bit else 0  # 8-bit moments' fp32 block scales
+    assert (fmt.streamed_pinned_bytes, fmt.streamed_host_bytes) == (locked_per * S, host_per * S + scales)
+    storage = ChunkStorage(fmt, persistent=False, device=torch.device("cpu"), pin=True, n_members=1)
+    (start, pages), = cudart.ranges.items()
+    registered = range(start, start + len(pages) * PAGE)
+    inside = lambda t: t.data_ptr() in registered and t.data_ptr() + t.nbytes - 1 in registered  # noqa: E731
+    assert len(pages) * PAGE == -(-fmt.streamed_pinned_bytes // PAGE) * PAGE == -(-storage.pool.pinned_nbytes // PAGE) * PAGE
+    assert inside(storage.host_copy)
+    lands_in_accumulator = not fmt.separate_master and storage.grad_acc is not None
+    assert lands_in_accumulator is (name in ("fp32", "bf16-true"))
+    if lands_in_accumulator:
+        assert inside(storage.grad_acc)
+    pageable = [storage.exp_avg, storage.exp_avg_sq, storage.absmax, storage.wide,
+                *([storage.master] + ([storage.grad_acc] if storage.grad_acc is not None else []) if fmt.separate_master
+                  else [])]
+    assert all(not (t.data_ptr() in registered or t.data_ptr() + t.nbytes - 1 in registered)
+               for t in pageable if t is not None and t.numel())
+    assert storage.host_locked_bytes == storage.pool.pinned_nbytes < storage.host_bytes
+    storage.pool.close()
+    assert storage.host_locked_bytes == 0 and not cudart.ranges

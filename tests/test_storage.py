@@ -80,7 +80,7 @@ def test_a_trainable_chunk(dtypes):
     assert (persistent.master.data_ptr() == persistent.device_copy.data_ptr()) is not separate
     streamed, pool = _storage(fmt, persistent=False)
     assert streamed.device_bytes() == 0 and streamed.host_copy.numel() == S
-    assert sum(n * d.itemsize for n, d in fmt.host_tensors()) == fmt.streamed_host_bytes <= pool.nbytes
+    assert sum(n * d.itemsize for n, d, _ in fmt.host_tensors()) == fmt.streamed_host_bytes <= pool.nbytes
     assert (streamed.master.data_ptr() == streamed.host_copy.data_ptr()) is not separate
     streamed.allocate_device_copy()
     streamed.allocate_grad_buffer(zero=())
@@ -93,7 +93,7 @@ def test_a_chunk_with_no_trainable_member_holds_its_compute_copy_only(mixed):
     S = 1024
     fmt = ChunkFormat(numel=S, compute_dtype=cdt, master_dtype=torch.float32, trainable_numel=0, adam_states=0)
     assert fmt.persistent_device_bytes == fmt.streamed_host_bytes == fmt.buffer_device_bytes == S * cdt.itemsize
-    assert fmt.host_tensors() == [(S, cdt)] and fmt.offload_bytes == 0
+    assert fmt.host_tensors() == [(S, cdt, True)] and fmt.offload_bytes == 0
     for persistent in (True, False):
         storage, _ = _storage(fmt, persistent=persistent)
         assert storage.master is storage.grad_acc is storage.exp_avg is storage.max_exp_avg_sq is None
@@ -199,7 +199,7 @@ def test_a_member_split_between_ranks():
 
 
 def test_host_pool_is_exact_and_aligned():
-    pool = HostPool([(10, torch.float32), (3, torch.bfloat16)], pin=False)
+    pool = HostPool([(10, torch.float32, False), (3, torch.bfloat16, False)], pin=False)
     assert pool.nbytes == 64 + 64
     a, b = pool.take(10, torch.float32), pool.take(3, torch.bfloat16)
     assert a.data_ptr() % 64 == 0 and b.data_ptr() - a.data_ptr() == 64

@@ -84,6 +84,8 @@ class MemoryEstimate:
     host_bytes: int  # host memory: streamed chunks' states and swapped activations
     swap_host_bytes: int = 0  # of which swapped activations (their buffers: up to 1/8 more, runtime/swap.py)
     staging_host_bytes: int = 0  # beside them, the CPU worker's staging for accumulated fp32 gradients
+    pinned_host_bytes: int = 0  # of the chunk states, those page-locked (None known: 0)
+    register_s: float = 0.0  # predicted time ``wrap`` spends page-locking them (0: nothing is locked)
 
     @property
     def planned_host_bytes(self) -> int:
@@ -265,6 +267,11 @@ class CostModel:
             return self.host_suffix[persistent]
         return sum(b for c, b in enumerate(self.profile.host_bytes) if c not in persistent)
 
+    def pinned_host_bytes(self, persistent: frozenset[int]) -> int:
+        """Of ``streamed_host_bytes``, those page-locked ([Note: what is page-locked] in
+        runtime/host_pool.py)."""
+        return sum(b for c, b in enumerate(self.profile.pinned_bytes) if c not in persistent)
+
     def staging_bytes(self, persistent: int | frozenset[int], n_buffer: int) -> int:
         """The CPU worker's staging buffers (runtime/worker.py): where a chunk's gradients of a
         later micro-batch land before they are added to the accumulator -- ``n_buffer`` of the
@@ -421,6 +428,8 @@ class CostModel:
             host_bytes=self.host_bytes(plan.persistent(), modes),
             swap_host_bytes=lay.swap_host_bytes,
             staging_host_bytes=self.staging_bytes(plan.persistent(), B),
+            pinned_host_bytes=(pinned := self.pinned_host_bytes(plan.persistent())),
+            register_s=pinned / rate if (rate := self.profile.hardware.register_bytes_per_s) else 0.0,
         )
 
 

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from protrain_core.plan import PlanLimits
 
-PROFILE_VERSION = 13  # 13: gloo reduces by point-to-point messages (the probe times them)
+PROFILE_VERSION = 14  # 14: the page-locked part of each chunk's host bytes, and the registration rate
 
 
 class ProfileVersionError(ValueError):
@@ -73,6 +73,9 @@ class Hardware:
     # Frozen weights dequantised on the device after an upload, per element (``frozen_dtype``:
     # the kernels run on the upload stream, after the copy); 0: none, or not measured.
     dequant_params_per_s: float = 0.0
+    # Host memory page-locked in place (cudaHostRegister) per second, what ``wrap`` spends on the
+    # streamed chunks' page-locked part; 0: nothing is page-locked on this device.
+    register_bytes_per_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,9 @@ class Profile:
     # worker lends one, a scratch of the largest trainable shard ([Note: gradients consumed
     # where they land] in runtime/worker.py)
     grad_accumulator: bool = True
+    # of ``host_bytes``, those page-locked on CUDA ([Note: what is page-locked] in
+    # runtime/host_pool.py); (): not known (a hand-built profile)
+    pinned_bytes: tuple[int, ...] = ()
 
     @property
     def blocks(self) -> tuple[Segment, ...]:
@@ -195,7 +201,7 @@ class Profile:
         bad += [f"{name} has {len(getattr(self, name))} entries for {n} chunks"
                 for name in per_chunk if len(getattr(self, name)) != n]
         bad += [f"{name} has {len(getattr(self, name))} entries for {n} chunks"
-                for name in ("gather_bytes", "reduce_bytes", "chunk_dtypes", "frozen_upload_bytes") if len(getattr(self, name)) not in (0, n)]
+                for name in ("gather_bytes", "reduce_bytes", "chunk_dtypes", "frozen_upload_bytes", "pinned_bytes") if len(getattr(self, name)) not in (0, n)]
         if n < 1 or self.chunk_elems < 1 or self.compute_bytes < 1 or min(self.upload_bytes, default=0) < 1:
             bad.append("chunk count, size or element size is not positive")
         kinds = [s.kind for s in self.segments]
@@ -208,15 +214,15 @@ class Profile:
         rates = (hw.h2d_bytes_per_s, hw.d2h_bytes_per_s, hw.cpu_adam_params_per_s, hw.device_adam_params_per_s)
         if not all(isinstance(r, (int, float)) and math.isfinite(r) and r > 0 for r in rates):
             bad.append("a hardware rate is not a positive number")
-        parts = (hw.cpu_land_params_per_s, hw.cpu_pass_params_per_s)
+        parts = (hw.cpu_land_params_per_s, hw.cpu_pass_params_per_s, hw.register_bytes_per_s)
         if not all(isinstance(r, (int, float)) and math.isfinite(r) and r >= 0 for r in parts):
-            bad.append("a part of the CPU update's rate is negative or not a number")
+            bad.append("a part of the CPU update's rate, or the registration rate, is negative or not a number")
         elif hw.cpu_land_params_per_s and hw.cpu_land_params_per_s < hw.cpu_adam_params_per_s:
             bad.append("the landing alone is slower than the whole CPU update it is part of")
         numbers = [getattr(s, f.name) for s in self.segments for f in dataclasses.fields(Segment)
                    if f.name not in ("name", "kind", "chunks")]
         numbers += [*self.persist_bytes, *self.host_bytes, *self.offload_bytes, *self.upload_bytes, *self.gather_bytes,
-                    *self.reduce_bytes, *self.buffer_bytes, self.base_bytes, self.tokens]
+                    *self.reduce_bytes, *self.buffer_bytes, *self.pinned_bytes, self.base_bytes, self.tokens]
         if not all(x is None or (isinstance(x, (int, float)) and math.isfinite(x) and x >= 0) for x in numbers):
             bad.append("a measured time or size is negative or not a number")
         if not (isinstance(self.fragmentation, (int, float)) and 1.0 <= self.fragmentation < 10):
@@ -238,7 +244,7 @@ class Profile:
         d["segments"] = tuple(Segment(**{**s, "chunks": tuple(s["chunks"])}) for s in d["segments"])
         d["ops"] = tuple(OpRecord(**o) for o in d["ops"])
         for name in ("chunk_trainable", "chunk_frozen", "chunk_has_grad", "persist_bytes", "host_bytes", "offload_bytes",
-                     "upload_bytes", "gather_bytes", "reduce_bytes", "buffer_bytes", "frozen_upload_bytes"):
+                     "upload_bytes", "gather_bytes", "reduce_bytes", "buffer_bytes", "frozen_upload_bytes", "pinned_bytes"):
             d[name] = tuple(d.get(name, ()))
         d["chunk_dtypes"] = tuple(tuple(x) for x in d["chunk_dtypes"])
         d["resident_sets"] = tuple(tuple(s) for s in d["resident_sets"])

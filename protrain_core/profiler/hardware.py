@@ -15,6 +15,7 @@ from protrain_core.planner.profiles import Hardware
 from protrain_core.precision import Precision
 from protrain_core.runtime.device import DeviceContext, as_context, cpu_worker_threads
 from protrain_core.runtime.frozen_formats import dequantise_into, quantised_dtype
+from protrain_core.runtime.host_pool import PageLocked
 from protrain_core.runtime.options import RuntimeConfig
 from protrain_core.runtime.state_formats import moment_step
 from protrain_ops import AdamHyperParams, adam_step, copy_to_low_precision, onepass
@@ -98,7 +99,17 @@ def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, preci
         device_adam_params_per_s=dev_rate,
         device_memory_bytes=int(ctx.free_memory()[1]),
         dequant_params_per_s=0.0 if frozen_format is None else _dequant_rate(ctx, n, cdt, frozen_format, sync),
+        register_bytes_per_s=_register_rate(ctx, nbytes) if switches.pins(ctx) else 0.0,
     )
+
+
+def _register_rate(ctx: DeviceContext, nbytes: int) -> float:
+    """Bytes per second of page-locking fresh host memory in place, as ``HostPool`` does for a
+    streamed chunk (the first touch of its pages included): the median of three."""
+    def lock():
+        PageLocked(nbytes, device=ctx.device, what="the registration probe").close()
+
+    return nbytes / _median_time(ctx, lock, lambda: None, budget_s=0.05, max_reps=3)
 
 
 def _dequant_rate(ctx: DeviceContext, n: int, cdt: torch.dtype, fmt: str, sync) -> float:

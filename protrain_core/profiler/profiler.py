@@ -120,6 +120,7 @@ def static_facts(layout: ChunkLayout, model: nn.Module, optimizer: torch.optim.O
         chunk_has_grad=tuple(fmt.trains for fmt in formats),
         persist_bytes=tuple(fmt.persistent_device_bytes for fmt in formats),
         host_bytes=tuple(fmt.streamed_host_bytes for fmt in formats),
+        pinned_bytes=tuple(fmt.streamed_pinned_bytes for fmt in formats),
         offload_bytes=tuple(fmt.offload_bytes for fmt in formats),
         buffer_bytes=tuple(fmt.buffer_device_bytes for fmt in formats),
         upload_bytes=tuple(fmt.upload_bytes for fmt in formats),

@@ -446,7 +446,6 @@ _MOVED: dict[str, tuple[str, Callable[[Engine], object]]] = {
     "measure_activations": ("activations.measure_next_forward", lambda e: e.activations.measure_next_forward),
     "device_bytes": ("memory.device_bytes", lambda e: e.memory.device_bytes),
     "host_bytes": ("memory.host_bytes", lambda e: e.memory.host_bytes),
-    "host_pinned": ("memory.host_pinned", lambda e: e.memory.host_pinned),
     "set_manual_optimization": ("step_state.set_manual", lambda e: e.step_state.set_manual),
 }
 

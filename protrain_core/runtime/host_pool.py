@@ -18,6 +18,18 @@ failed with error 712``, "part or all of the requested memory range is already m
   that the tensors viewing it keep alive; a ``weakref.finalize`` on it unregisters the pages
   when the last view is gone, before NumPy frees the memory (an array clears its weak
   references first when it is deallocated). ``close()`` unregisters earlier, once.
+[Note: what is page-locked]
+Only what a copy engine reads or writes is page-locked: a streamed chunk's host compute copy
+(the source of every upload and, in the mixed modes, where its gradients land), its accumulator
+where gradients land in it (no separate master: fp32 and bf16-true), a quantised chunk's host
+store, the worker's staging buffers and swapped activations. The master, a mixed-precision
+accumulator and the optimizer states only the CPU worker touches stay pageable: in the mixed
+modes with fp32 moments that is 2 of the 18 bytes per trainable parameter locked instead of
+all 18 (``ChunkFormat.host_tensors`` says which part is which; ``engine.memory`` and the
+summary count both). Locked memory cannot be swapped or compacted by the OS and its
+registration costs time at ``wrap`` (about 8 GB/s measured on the H200); a copy that touches
+pageable memory (a re-plan moving a chunk, ``offload_states``) is staged by the driver, slower
+but correct, and rare.
 A failed cudart call through ``torch.cuda.cudart()`` also leaves its error as CUDA's "last
 error", which the next kernel launch of PyTorch on that thread would raise as its own, from an
 unrelated operation; ``_consume_cuda_error`` takes it first.
@@ -87,42 +99,66 @@ def _consume_cuda_error(device: torch.device) -> None:
 
 
 class HostPool:
-    def __init__(self, sizes: list[tuple[int, torch.dtype]], *, pin: bool, device: torch.device = torch.device("cpu"),
-                 cuda: torch.device | None = None) -> None:
-        """Reserve room for tensors of ``(numel, dtype)``; carve them in order with ``take``.
-        ``device``: the host (the meta device in a size-only simulation); ``pin``: page-locked
-        for CUDA device ``cuda`` (the current one if None)."""
-        self.nbytes = pool_bytes(sizes)
+    def __init__(self, tensors: list[tuple[int, torch.dtype, bool]], *, pin: bool,
+                 device: torch.device = torch.device("cpu"), cuda: torch.device | None = None) -> None:
+        """Reserve room for tensors of ``(numel, dtype, moves)``; carve them in that order with
+        ``take``. Those that ``moves`` (a copy engine reads or writes them) are page-locked for
+        CUDA device ``cuda`` (the current one if None) when ``pin``; the others are ordinary host
+        memory, in a region of their own ([Note: what is page-locked]). ``device``: the host (the
+        meta device in a size-only simulation)."""
+        self._order = [moves for _, _, moves in tensors]
+        self.pinned_nbytes, self.pageable_nbytes = _region_bytes(tensors, True), _region_bytes(tensors, False)
+        self.nbytes = self.pinned_nbytes + self.pageable_nbytes
         self._locked = None
-        if pin and self.nbytes > 0:
-            self._locked = PageLocked(self.nbytes, device=cuda or torch.device("cuda", torch.cuda.current_device()),
+        if pin and self.pinned_nbytes > 0:
+            self._locked = PageLocked(self.pinned_nbytes, device=cuda or torch.device("cuda", torch.cuda.current_device()),
                                       what="the streamed chunks' host memory")
-            self.buffer = self._locked.tensor
+            moving = self._locked.tensor
         else:
-            self.buffer = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)  # Adam moments start at 0
-        self._offset = 0
+            moving = torch.zeros(self.pinned_nbytes, dtype=torch.uint8, device=device)  # Adam moments start at 0
+        self._regions = {True: moving, False: torch.zeros(self.pageable_nbytes, dtype=torch.uint8, device=device)}
+        self.rewind()
 
     @property
     def pinned(self) -> bool:
+        """The part that moves is page-locked."""
         return self._locked is not None
 
+    @property
+    def locked_bytes(self) -> int:
+        """Bytes page-locked now."""
+        return self.pinned_nbytes if self._locked is not None else 0
+
+    @staticmethod
+    def bytes_for(tensors: list[tuple[int, torch.dtype, bool]]) -> int:
+        """The bytes of a pool of these tensors, both regions."""
+        return _region_bytes(tensors, True) + _region_bytes(tensors, False)
+
     def take(self, numel: int, dtype: torch.dtype) -> Tensor:
-        start = _round(self._offset)
+        """The next tensor of the order given, from its region."""
+        moves = self._order[self._next]
+        self._next += 1
+        start = _round(self._offsets[moves])
         end = start + numel * dtype.itemsize
-        assert end <= self.nbytes, "host pool overflow"
-        self._offset = end
-        return self.buffer[start:end].view(dtype)
+        region = self._regions[moves]
+        assert end <= region.numel(), "host pool overflow"
+        self._offsets[moves] = end
+        return region[start:end].view(dtype)
 
     def rewind(self) -> None:
         """Carve the same tensors again, from the start (a pool kept for reuse: their old
         values stay until overwritten)."""
-        self._offset = 0
+        self._offsets, self._next = {True: 0, False: 0}, 0
 
     def close(self) -> None:
         """Unpin now (the memory stays until its last view is gone)."""
         if self._locked is not None:
             self._locked.close()
             self._locked = None
+
+
+def _region_bytes(tensors: list[tuple[int, torch.dtype, bool]], moves: bool) -> int:
+    return pool_bytes([(n, dtype) for n, dtype, m in tensors if m == moves])
 
 
 def pool_bytes(sizes: list[tuple[int, torch.dtype]]) -> int:

@@ -303,15 +303,14 @@ class StateMemory:
         blocks = self._scheduler.ctx.blocks
         return 0 if blocks is None else blocks.nbytes
 
-    @property
-    def host_pinned(self) -> bool:
-        """The streamed chunks' host buffers are page-locked (CUDA), so copies run asynchronously."""
-        streamed = [c for c in self._chunks if not c.persistent]
-        return bool(streamed) and all(c.storage.host_pinned for c in streamed)
+    def host_locked_bytes(self) -> int:
+        """Of ``host_bytes``, those page-locked (CUDA): only what the copies read and write
+        ([Note: what is page-locked] in host_pool.py)."""
+        return sum(c.storage.host_locked_bytes for c in self._chunks)
 
     def describe(self) -> str:
         mib, cached = 2**20, self.cached_bytes()
         return (f"device model-state bytes now {self.device_bytes() / mib:.2f} MiB "
                 f"(bound {self.device_bound() / mib:.2f} MiB"
                 f"{f'; {cached / mib:.2f} MiB of freed gradient buffers kept for reuse' if cached else ''}); "
-                f"host {self.host_bytes() / mib:.2f} MiB ({'pinned' if self.host_pinned else 'pageable'})")
+                f"host {self.host_bytes() / mib:.2f} MiB ({self.host_locked_bytes() / mib:.2f} MiB of it page-locked)")

@@ -12,12 +12,13 @@ layout's alignment (``s_t`` to the 8-bit block with 8-bit moments), ``s_c = s_f 
 
   tensor          elements   dtype  persistent chunk        streamed chunk
   compute copy    s_c * W    c      device, always          device buffer while resident
-  host copy       s_c        c      --                      host (its own pinned buffer)
-  master          s_t        m      device                  host
-  grad. accum.    s_t        m      device                  host
+  host copy       s_c        c      --                      host (page-locked)
+  master          s_t        m      device                  host (pageable)
+  grad. accum.    s_t        m      device                  host (page-locked where c = m:
+                                                            gradients land in it)
   grad. buffer    s_t * W    c      W > 1: before the       device, during backward
                                     reduce-scatter
-  Adam states     k * s_t    m      device                  host          (k = 2, 3 with amsgrad)
+  Adam states     k * s_t    m      device                  host (pageable) (k = 2, 3 with amsgrad)
 
 A streamed chunk keeps no accumulator of its own where the format says so
 (``ChunkFormat.accumulator`` False, ``ProTrainConfig.grad_accumulator``; [Note: gradients
@@ -241,13 +242,22 @@ class ChunkFormat:
     def sharded(self, world_size: int) -> ChunkFormat:
         return replace(self, world_size=world_size)
 
-    def host_tensors(self) -> list[tuple[int, torch.dtype]]:
-        """(elements, dtype) of a streamed chunk's host tensors, in allocation order."""
+    def host_tensors(self) -> list[tuple[int, torch.dtype, bool]]:
+        """(elements, dtype, moves) of a streamed chunk's host tensors, in allocation order;
+        ``moves``: a copy engine reads or writes it, so it is page-locked on CUDA ([Note: what
+        is page-locked] in host_pool.py): the host copy, the accumulator where gradients land in
+        it (no separate master), the quantised store."""
         s, m = self.state_numel, self.master_dtype
-        out = [(s, m)] if self.separate_master else []
-        out.append((self.host_copy_numel, self.compute_dtype))
-        out += [(s, m)] * int(self.host_accumulator)
-        return out + self._moment_tensors() + ([(self.store_bytes, torch.uint8)] if self.quantised else [])
+        out = [(s, m, False)] if self.separate_master else []
+        out.append((self.host_copy_numel, self.compute_dtype, True))
+        out += [(s, m, not self.separate_master)] * int(self.host_accumulator)
+        out += [(n, dtype, False) for n, dtype in self._moment_tensors()]
+        return out + ([(self.store_bytes, torch.uint8, True)] if self.quantised else [])
+
+    @property
+    def streamed_pinned_bytes(self) -> int:
+        """Of ``streamed_host_bytes``, those page-locked on CUDA (before alignment)."""
+        return sum(n * dtype.itemsize for n, dtype, moves in self.host_tensors() if moves)
 
 
 @dataclass(frozen=True)
@@ -636,8 +646,9 @@ class ChunkStorage:
         return sum(p.nbytes for p in (self.pool, self.spare_pool) if p is not None)
 
     @property
-    def host_pinned(self) -> bool:
-        return self.pool is not None and self.pool.pinned
+    def host_locked_bytes(self) -> int:
+        """Of ``host_bytes``, those page-locked now."""
+        return sum(p.locked_bytes for p in (self.pool, self.spare_pool) if p is not None)
 
     def static_tensors(self) -> list[Tensor]:
         """Tensors whose storages hold model states (never activations)."""
