@@ -780,11 +780,11 @@ def run(spec: dict) -> dict:
                                                                      "deepspeed-zero3-offload"):
         # Their CPU optimizer gets the cores ProTrain's CPU worker gets (torchrun set 1 thread):
         # [Note: CPU Adam threads] in protrain_core/runtime/worker.py.
-        from protrain_core.runtime.device import worker_threads
+        from protrain_core.runtime.topology import worker_placement
 
-        threads, why = worker_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        torch.set_num_threads(threads)
-        result["cpu_threads"] = f"{threads} ({why})"
+        placement = worker_placement(world())
+        torch.set_num_threads(placement.threads)  # (unbound: this thread also drives the device)
+        result["cpu_threads"] = placement.describe()
     # Several processes: one process group for the run (the Lightning Trainer sets up its own).
     group = world() > 1 and spec["system"] != "protrain-lightning" and not spec["dry_run"]
     if group:

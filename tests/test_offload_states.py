@@ -315,12 +315,12 @@ def test_the_explanation_lists_every_host_byte_the_plan_allocates():
     # gradients land in, 8 of 16 bytes per parameter; nothing is registered on a CPU (no rate),
     # a measured rate predicts wrap's registration time.
     pinned = sum(c.storage.fmt.streamed_pinned_bytes for c in engine.chunks if c.index not in plan.persistent())
-    assert m.pinned_host_bytes == pinned == streamed // 2 and m.register_s == 0.0
-    hw = dataclasses.replace(engine.choice.profile.hardware, register_bytes_per_s=8e9)
+    assert m.pinned_host_bytes == pinned == streamed // 2 and m.page_lock_s == 0.0
+    hw = dataclasses.replace(engine.choice.profile.hardware, page_lock_bytes_per_s=8e9)
     on_gpu = CostModel(dataclasses.replace(engine.choice.profile, hardware=hw)).memory(plan)
-    assert on_gpu.register_s == pytest.approx(pinned / 8e9)
+    assert on_gpu.page_lock_s == pytest.approx(pinned / 8e9)
     from protrain_core.planner.search import _host_line
-    assert re.search(r"chunk states [0-9.]+ [KM]iB \([0-9.]+ KiB page-locked, registered at wrap in [0-9.]+ us "
+    assert re.search(r"chunk states [0-9.]+ [KM]iB \([0-9.]+ KiB page-locked, locked at wrap in [0-9.]+ us "
                      r"\(predicted\)\)", _host_line(on_gpu, None))
 
 

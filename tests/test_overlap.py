@@ -1,6 +1,7 @@
 """CPU Adam of streamed chunks runs while backward is still going on (DESIGN §3)."""
 
 import copy
+import os
 import time
 
 import pytest
@@ -103,30 +104,23 @@ def test_cuda_cpu_adam_overlaps_backward():
     assert begins and min(begins) < backward_end
 
 
-def test_cpu_worker_threads_follow_the_cores_the_process_owns(monkeypatch):
-    """[Note: CPU Adam threads]: the worker's share is the process's CPU affinity when a launcher
-    bound it, else the machine's cores over the node's processes, minus one for the thread that
-    drives the device; its jobs run with that many intra-op threads while the calling thread
-    keeps its own count (torchrun's OMP_NUM_THREADS=1)."""
+def test_the_worker_thread_runs_on_its_placement_and_the_caller_keeps_its_threads():
+    """[Note: CPU Adam threads]: the worker thread and its intra-op threads are bound to the
+    placement's cores; the calling thread keeps its affinity and count (torchrun's
+    OMP_NUM_THREADS=1)."""
     import os
 
     from protrain_core.runtime import device as dev
+    from protrain_core.runtime.topology import Placement
 
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)), raising=False)
-    assert dev.worker_threads(1)[0] == 15 and dev.worker_threads(2)[0] == 7 and dev.worker_threads(32)[0] == 1
-    assert "16 cores / 2 processes" in dev.worker_threads(2)[1]
-    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3}, raising=False)
-    assert dev.worker_threads(2) == (3, "4 cores this process is bound to, one left for the thread that drives the device")
-    monkeypatch.undo()
     ctx = dev.DeviceContext(torch.device("cpu"))
-    main = torch.get_num_threads()
-    worker = ctx.worker(threaded=True, threads=1 if main > 1 else 2)
+    main, mine = torch.get_num_threads(), os.sched_getaffinity(0)
+    worker = ctx.worker(threaded=True, placement=Placement((0,), 0, "the test's"))
     try:
-        assert worker.submit(torch.get_num_threads).result() == (1 if main > 1 else 2)
+        assert worker.submit(lambda: (os.sched_getaffinity(0), torch.get_num_threads())).result() == ({0}, 1)
     finally:
         worker.shutdown()
-        assert torch.get_num_threads() == main  # this thread's count is its own ...
+        assert torch.get_num_threads() == main and os.sched_getaffinity(0) == mine  # this thread's are its own ...
         torch.set_num_threads(main)  # ... but the count new threads start with is torch's global: restore it
 
 
@@ -135,32 +129,39 @@ def _probe_workers(monkeypatch, ctx) -> list:
     probe of ``ctx`` makes."""
     made, real = [], ctx.worker
 
-    def worker(threaded, threads=None):
-        pool = real(threaded, threads)
-        made.append((threads, pool.submit(torch.get_num_threads).result()))
+    def worker(threaded, placement=None):
+        pool = real(threaded, placement)
+        made.append((placement and placement.threads, pool.submit(torch.get_num_threads).result()))
         return pool
 
     monkeypatch.setattr(ctx, "worker", worker)
     return made
 
 
-def test_the_cpu_adam_probe_asks_for_the_engines_worker_threads(monkeypatch):
-    """[Note: CPU Adam threads]: the profiler times CPU Adam on a worker with the engine's thread
-    count for the same number of processes (``cpu_worker_threads``), not on the process's own
-    count (torchrun's 1). On a CPU device the count is None for both; here the decision is
-    replaced to see that the probe asks it, with the world size it plans for."""
+def test_the_cpu_adam_probe_asks_for_the_engines_worker_placement(monkeypatch):
+    """[Note: CPU Adam threads]: the profiler times CPU Adam on a worker placed as the engine's
+    for the same number of processes (``cpu_worker_placement``), not on the process's own
+    threads (torchrun's 1). On a CPU device the placement is None for both; here the decision is
+    replaced to see that the probe asks it, with the world size it plans for; the engine's
+    worker runs there and its pageable host states are first-touched there."""
     from protrain_core.profiler import hardware
-    from protrain_core.runtime import worker as worker_module
+    from protrain_core.runtime import engine as engine_module
     from protrain_core.runtime.device import DeviceContext
+    from protrain_core.runtime.topology import Placement
 
-    asked = []
+    asked, touched = [], []
 
-    def decided(ctx, world=1):
+    class Touching(Placement):
+        def touch(self, t):
+            touched.append(t.numel())
+            super().touch(t)
+
+    def decided(ctx, world=1, cores=None):
         asked.append(world)
-        return 1, "one thread (the test's)"
+        return Touching((0,), 0, "the test's")
 
-    monkeypatch.setattr(hardware, "cpu_worker_threads", decided)
-    monkeypatch.setattr(worker_module, "cpu_worker_threads", decided)
+    monkeypatch.setattr(hardware, "cpu_worker_placement", decided)
+    monkeypatch.setattr(engine_module, "cpu_worker_placement", decided)
     ctx = DeviceContext(torch.device("cpu"))
     made = _probe_workers(monkeypatch, ctx)
     hardware.probe_hardware(ctx, 4096, pt.Precision.FP32)
@@ -170,7 +171,10 @@ def test_the_cpu_adam_probe_asks_for_the_engines_worker_threads(monkeypatch):
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), pt.Plan(n_persist=0, n_buffer=2),
                      device="cpu")
     try:
-        assert asked == [1, 1] and "CPU worker: 1 thread (one thread (the test's))" in engine.summary()
+        assert asked == [1, 1] and "CPU worker: 1 thread on cores 0 of NUMA node 0 (the test's)" in engine.summary()
+        assert engine.scheduler.worker.submit(lambda: os.sched_getaffinity(0)).result() == {0}
+        streamed = [c for c in engine.chunks if not c.persistent]
+        assert sorted(touched) == sorted(c.storage.pool.pageable_nbytes for c in streamed) and all(touched)
     finally:
         engine.close()
 
@@ -178,13 +182,15 @@ def test_the_cpu_adam_probe_asks_for_the_engines_worker_threads(monkeypatch):
 @pytest.mark.cuda
 def test_the_cpu_adam_probe_runs_on_the_engines_worker_threads(monkeypatch):
     from protrain_core.profiler import hardware
-    from protrain_core.runtime.device import DeviceContext, worker_threads
+    from protrain_core.runtime.device import DeviceContext
+    from protrain_core.runtime.topology import worker_placement
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     ctx = DeviceContext(torch.device("cuda"))
     made = _probe_workers(monkeypatch, ctx)
     hardware.probe_hardware(ctx, 2**16, pt.Precision.BF16_MIXED)
-    assert made == [(worker_threads(1)[0], worker_threads(1)[0])]
+    n = worker_placement(1).threads
+    assert made == [(n, n)]
 
 
 def test_summary_says_where_the_cpu_adam_runs(monkeypatch):
@@ -202,13 +208,13 @@ def test_summary_says_where_the_cpu_adam_runs(monkeypatch):
 
 @pytest.mark.cuda
 def test_cuda_worker_uses_the_cores_the_process_owns(monkeypatch):
-    from protrain_core.runtime.device import worker_threads
+    from protrain_core.runtime.topology import worker_placement
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     model = tiny_gpt2()
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), pt.Plan(n_persist=0, n_buffer=2), device="cuda")
-    n = engine.scheduler.worker.threads
-    assert n == worker_threads(1)[0] and f"CPU worker: {n} thread" in engine.summary()
+    n = engine.scheduler.worker.placement.threads
+    assert n == worker_placement(1).threads and f"CPU worker: {n} thread" in engine.summary()
     assert engine.scheduler.worker.submit(torch.get_num_threads).result() == n
     engine.close()
 

@@ -85,7 +85,7 @@ class MemoryEstimate:
     swap_host_bytes: int = 0  # of which swapped activations (their buffers: up to 1/8 more, runtime/swap.py)
     staging_host_bytes: int = 0  # beside them, the CPU worker's staging for accumulated fp32 gradients
     pinned_host_bytes: int = 0  # of the chunk states, those page-locked (None known: 0)
-    register_s: float = 0.0  # predicted time ``wrap`` spends page-locking them (0: nothing is locked)
+    page_lock_s: float = 0.0  # predicted time ``wrap`` spends page-locking them (0: nothing is locked)
 
     @property
     def planned_host_bytes(self) -> int:
@@ -429,7 +429,7 @@ class CostModel:
             swap_host_bytes=lay.swap_host_bytes,
             staging_host_bytes=self.staging_bytes(plan.persistent(), B),
             pinned_host_bytes=(pinned := self.pinned_host_bytes(plan.persistent())),
-            register_s=pinned / rate if (rate := self.profile.hardware.register_bytes_per_s) else 0.0,
+            page_lock_s=pinned / rate if (rate := self.profile.hardware.page_lock_bytes_per_s) else 0.0,
         )
 
 

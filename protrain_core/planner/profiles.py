@@ -75,7 +75,7 @@ class Hardware:
     dequant_params_per_s: float = 0.0
     # Host memory page-locked in place (cudaHostRegister) per second, what ``wrap`` spends on the
     # streamed chunks' page-locked part; 0: nothing is page-locked on this device.
-    register_bytes_per_s: float = 0.0
+    page_lock_bytes_per_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -214,7 +214,7 @@ class Profile:
         rates = (hw.h2d_bytes_per_s, hw.d2h_bytes_per_s, hw.cpu_adam_params_per_s, hw.device_adam_params_per_s)
         if not all(isinstance(r, (int, float)) and math.isfinite(r) and r > 0 for r in rates):
             bad.append("a hardware rate is not a positive number")
-        parts = (hw.cpu_land_params_per_s, hw.cpu_pass_params_per_s, hw.register_bytes_per_s)
+        parts = (hw.cpu_land_params_per_s, hw.cpu_pass_params_per_s, hw.page_lock_bytes_per_s)
         if not all(isinstance(r, (int, float)) and math.isfinite(r) and r >= 0 for r in parts):
             bad.append("a part of the CPU update's rate, or the registration rate, is negative or not a number")
         elif hw.cpu_land_params_per_s and hw.cpu_land_params_per_s < hw.cpu_adam_params_per_s:

@@ -114,8 +114,8 @@ class PlanChoice:
 def _host_line(m, budget: int | None) -> str:
     """The host bytes the plan allocates, by what holds them (before the first step)."""
     locked = f"{format_bytes(m.pinned_host_bytes)} page-locked" if m.pinned_host_bytes else ""
-    if locked and m.register_s:
-        locked += f", registered at wrap in {format_seconds(m.register_s)} (predicted)"
+    if locked and m.page_lock_s:
+        locked += f", locked at wrap in {format_seconds(m.page_lock_s)} (predicted)"
     parts = [f"chunk states {format_bytes(m.host_bytes - m.swap_host_bytes)}" + (f" ({locked})" if locked else "")]
     if m.swap_host_bytes:
         parts.append(f"swapped activations {format_bytes(m.swap_host_bytes)} (buffers up to "

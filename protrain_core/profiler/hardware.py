@@ -13,7 +13,7 @@ import torch
 
 from protrain_core.planner.profiles import Hardware
 from protrain_core.precision import Precision
-from protrain_core.runtime.device import DeviceContext, as_context, cpu_worker_threads
+from protrain_core.runtime.device import DeviceContext, as_context, cpu_worker_placement
 from protrain_core.runtime.frozen_formats import dequantise_into, quantised_dtype
 from protrain_core.runtime.host_pool import PageLocked
 from protrain_core.runtime.options import RuntimeConfig
@@ -76,7 +76,8 @@ def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, preci
         d2h = nbytes / _median_time(ctx, lambda: host.copy_(torch.zeros(n, dtype=cdt)), sync)
     del host, dev
     mixed = precision.is_mixed
-    worker = ctx.worker(ctx.asynchronous, cpu_worker_threads(ctx, sharding.world if sharding else 1)[0])
+    worker = ctx.worker(ctx.asynchronous, cpu_worker_placement(ctx, sharding.world if sharding else 1,
+                                                               switches.worker_cores))
     try:
         cpu_rate, land_rate, pass_rate = _adam_rate(ctx, n, ctx.host, cdt if mixed else None,
                                                     lambda fn: worker.submit(fn).result(), parts=True,
@@ -87,23 +88,20 @@ def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, preci
                           state_format=state_format)[0] if ctx.asynchronous else cpu_rate
     gather, reduce = (0.0, 0.0) if sharding is None else collective_rates(sharding, ctx, n, cdt)
     return Hardware(
-        gather_bytes_per_s=gather,
-        reduce_bytes_per_s=reduce,
-        device=ctx.name(),
-        async_copies=ctx.asynchronous,
-        h2d_bytes_per_s=h2d,
-        d2h_bytes_per_s=d2h,
+        gather_bytes_per_s=gather, reduce_bytes_per_s=reduce,
+        device=ctx.name(), async_copies=ctx.asynchronous,
+        h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
         cpu_adam_params_per_s=cpu_rate,
         cpu_land_params_per_s=land_rate,
         cpu_pass_params_per_s=pass_rate,
         device_adam_params_per_s=dev_rate,
         device_memory_bytes=int(ctx.free_memory()[1]),
         dequant_params_per_s=0.0 if frozen_format is None else _dequant_rate(ctx, n, cdt, frozen_format, sync),
-        register_bytes_per_s=_register_rate(ctx, nbytes) if switches.pins(ctx) else 0.0,
+        page_lock_bytes_per_s=_page_lock_rate(ctx, nbytes) if switches.pins(ctx) else 0.0,
     )
 
 
-def _register_rate(ctx: DeviceContext, nbytes: int) -> float:
+def _page_lock_rate(ctx: DeviceContext, nbytes: int) -> float:
     """Bytes per second of page-locking fresh host memory in place, as ``HostPool`` does for a
     streamed chunk (the first touch of its pages included): the median of three."""
     def lock():

@@ -78,6 +78,7 @@ import torch
 from torch import Tensor
 
 from protrain_core.utils import available_host_bytes, check_host_memory, total_host_bytes
+from protrain_core.runtime.topology import Placement, worker_placement
 
 
 # [Note: host waits]: where the thread that drives the device may block during backward (the
@@ -384,13 +385,12 @@ class DeviceContext:
         return t.to(self.host)
 
     # ----- the host side ------------------------------------------------------------------------
-    def worker(self, threaded: bool, threads: int | None = None) -> Executor:
-        """The CPU worker's executor: a thread (``threaded``), else jobs run inline. ``threads``:
-        the intra-op threads its operators use (``torch.set_num_threads`` in that thread; None:
-        the process's)."""
+    def worker(self, threaded: bool, placement: Placement | None = None) -> Executor:
+        """The CPU worker's executor: a thread (``threaded``), else jobs run inline. ``placement``:
+        the cores it and its intra-op threads run on (None: the process's threads)."""
         if not threaded:
             return InlineExecutor()
-        setup = {} if threads is None else {"initializer": torch.set_num_threads, "initargs": (threads,)}
+        setup = {} if placement is None else {"initializer": placement.bind}
         return ThreadPoolExecutor(max_workers=1, thread_name_prefix="protrain-cpu-adam", **setup)
 
     def clock(self) -> float:
@@ -492,33 +492,10 @@ def local_gpu() -> int:
     return int(local)
 
 
-def worker_threads(local_processes: int) -> tuple[int, str]:
-    """(threads for the CPU worker of one process, why): the cores this process may run on --
-    its CPU affinity when that is a part of the machine (a launcher or the scheduler bound it),
-    else the machine's cores shared among the node's ``local_processes`` -- minus one for the
-    thread that drives the device. torchrun's OMP_NUM_THREADS=1 is its default, not a choice the
-    user made ([Note: CPU Adam threads] in worker.py)."""
-    total = os.cpu_count() or 1
-    try:
-        mine = len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity on this platform
-        mine = total
-    if mine < total:
-        share, how = mine, f"{mine} cores this process is bound to"
-    else:
-        share = max(1, total // max(1, local_processes))
-        how = f"{total} cores / {local_processes} process{'es' if local_processes > 1 else ''} on this node"
-    return max(1, share - 1), f"{how}, one left for the thread that drives the device"
-
-
-def cpu_worker_threads(ctx: DeviceContext, world: int = 1) -> tuple[int | None, str]:
-    """(intra-op threads of a threaded CPU worker, why) for an engine sharded over ``world``
-    processes: on CUDA ``worker_threads`` of the node's processes (``LOCAL_WORLD_SIZE`` as torchrun
-    sets it; else as many as the node has GPUs, at most ``world``); elsewhere None, the process's
-    own count. The engine's worker and the profiler's CPU Adam probe both ask here, so the probe
-    times the updates with the threads that will run them ([Note: CPU Adam threads] in worker.py)."""
-    if not ctx.is_cuda:
-        return None, "the process's intra-op threads (a CPU device: they would compete with the compute)"
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    local = int(local) if local else min(world, max(1, torch.cuda.device_count()))
-    return worker_threads(local)
+def cpu_worker_placement(ctx: DeviceContext, world: int = 1, cores: tuple[int, ...] | None = None) -> Placement | None:
+    """Where a threaded CPU worker of an engine sharded over ``world`` processes runs ([Note: CPU
+    worker placement] in topology.py; ``cores``: ``RuntimeConfig.worker_cores``): on CUDA its
+    share of this host's cores; elsewhere None, the process's own threads (on a CPU device they
+    would compete with the compute). The engine's worker and the profiler's CPU Adam probe
+    both ask here, so the probe times the updates on the threads that will run them."""
+    return worker_placement(world, cores) if ctx.is_cuda else None

@@ -24,7 +24,7 @@ from protrain_core.precision import LossScaler, Precision
 from protrain_core.runtime.activations import ActivationManager
 from protrain_core.runtime.chunk import Chunk
 from protrain_core.runtime.clipping import Clipping
-from protrain_core.runtime.device import DeviceContext, as_context
+from protrain_core.runtime.device import DeviceContext, as_context, cpu_worker_placement
 from protrain_core.runtime.gradients import StepGradients
 from protrain_core.runtime.hooks import RuntimeHooks, refuse_compiled
 from protrain_core.runtime.optim import ChunkOptimizer
@@ -34,7 +34,7 @@ from protrain_core.runtime.scheduler import Scheduler
 from protrain_core.runtime.sharding import Sharding, broadcast_module
 from protrain_core.runtime.states import StateAccess, StateMemory
 from protrain_core.runtime.state_formats import check_layout_for, check_optimizer_for
-from protrain_core.runtime.storage import ChunkFormat, ChunkStorage, chunk_formats, frozen_places_of
+from protrain_core.runtime.storage import ChunkStorage, chunk_formats, frozen_places_of
 from protrain_core.runtime.timeline import Timeline
 from protrain_core.structure.blocks import block_modules
 from protrain_core.structure.layout import ChunkLayout, unit_chunks
@@ -77,13 +77,12 @@ class Engine:
         check_optimizer_for(options.state_format, optimizer, adam=self._optim.kind is None)
         if options.optimizer_states:
             check_layout_for(options.state_format, layout)
-        self.chunks = _allocate(self, self._optim, chunk_formats(module, optimizer, layout, precision,
-                                                                 optimizer_states=options.optimizer_states,
-                                                                 world_size=self.world_size, **options.formats()))
+        placement = cpu_worker_placement(self.ctx, self.world_size, options.runtime.worker_cores)
+        self.chunks = _allocate(self, self._optim, touch=None if placement is None else placement.touch)
         n_buffer = min(plan.n_buffer, len(self.chunks) - plan.n_persist)
         self.grads = StepGradients(self._optim, self.scaler, self.chunks, self.ctx)
         self.scheduler = Scheduler(self.chunks, self.ctx, self._optim, self.step_state, n_buffer=n_buffer,
-                                   switches=options.runtime, finisher=self.grads.finisher)
+                                   switches=options.runtime, finisher=self.grads.finisher, placement=placement)
         self.stats = self.scheduler.stats  # counts of the runtime's events: uploads, offloads, updates
         self.clipping = Clipping(self.grads, self.scheduler, self.chunks, precision, self.step_state)
         self.states = StateAccess(module, self.chunks, self._optim, self.scaler, self.scheduler, self.step_state,
@@ -479,10 +478,13 @@ class _ZeroGradRoute:
         self.optimizer.__dict__.pop("zero_grad", None)
 
 
-def _allocate(engine: Engine, optim: ChunkOptimizer, formats: list[ChunkFormat]) -> list[Chunk]:
+def _allocate(engine: Engine, optim: ChunkOptimizer, *, touch=None) -> list[Chunk]:
     """Chunk storages (a streamed one in an exact-size host buffer of its own) holding the
-    parameters' values; the parameters then point into them."""
-    persistent, dev, ctx = engine.plan.persistent(), engine.device, engine.ctx
+    parameters' values; the parameters then point into them. ``touch(t)``: zeroes a new pageable
+    host region where the CPU worker runs ([Note: CPU worker placement] in topology.py)."""
+    persistent, dev, ctx, options = engine.plan.persistent(), engine.device, engine.ctx, engine.options
+    formats = chunk_formats(engine.module, engine.optimizer, engine.layout, engine.precision,
+                            optimizer_states=options.optimizer_states, world_size=engine.world_size, **options.formats())
     host_bytes = sum(fmt.streamed_host_bytes for i, fmt in enumerate(formats) if i not in persistent)
     # A CPU "device" is host memory too.
     device_bytes = 0 if dev.type != "cpu" else sum(formats[i].persistent_device_bytes for i in persistent)
@@ -490,13 +492,13 @@ def _allocate(engine: Engine, optim: ChunkOptimizer, formats: list[ChunkFormat])
     params = dict(engine.module.named_parameters())
     if engine.sharding is not None:  # every rank starts from rank 0's values, as DDP does
         broadcast_module(engine.module, engine.sharding, dev)
-    chunks, pin = [], engine.options.runtime.pins(ctx)
+    chunks, pin = [], options.runtime.pins(ctx)
     for spec, fmt in zip(engine.layout.chunks, formats):
         members = [params[m.name] for m in spec.members]
         storage = ChunkStorage(fmt, persistent=spec.index in persistent, device=dev, pin=pin,
                                n_members=len(members), sharding=engine.sharding, host=ctx.host,
                                frozen=frozen_places_of(spec, fmt.frozen_format, fmt.world_size, engine.rank)
-                               if fmt.quantised else None, blocks=ctx.blocks)
+                               if fmt.quantised else None, blocks=ctx.blocks, touch=touch)
         opt_members = optim.members_by_group(members) if engine.optimizer_states else {}
         chunk = Chunk(spec, params=members, storage=storage, opt_members=opt_members)
         chunk.load_params()

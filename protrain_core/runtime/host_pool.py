@@ -100,12 +100,13 @@ def _consume_cuda_error(device: torch.device) -> None:
 
 class HostPool:
     def __init__(self, tensors: list[tuple[int, torch.dtype, bool]], *, pin: bool,
-                 device: torch.device = torch.device("cpu"), cuda: torch.device | None = None) -> None:
+                 device: torch.device = torch.device("cpu"), cuda: torch.device | None = None, touch=None) -> None:
         """Reserve room for tensors of ``(numel, dtype, moves)``; carve them in that order with
         ``take``. Those that ``moves`` (a copy engine reads or writes them) are page-locked for
         CUDA device ``cuda`` (the current one if None) when ``pin``; the others are ordinary host
         memory, in a region of their own ([Note: what is page-locked]). ``device``: the host (the
-        meta device in a size-only simulation)."""
+        meta device in a size-only simulation); ``touch(t)``: zeroes the pageable region, the
+        first touch of its pages (None: here)."""
         self._order = [moves for _, _, moves in tensors]
         self.pinned_nbytes, self.pageable_nbytes = _region_bytes(tensors, True), _region_bytes(tensors, False)
         self.nbytes = self.pinned_nbytes + self.pageable_nbytes
@@ -116,7 +117,12 @@ class HostPool:
             moving = self._locked.tensor
         else:
             moving = torch.zeros(self.pinned_nbytes, dtype=torch.uint8, device=device)  # Adam moments start at 0
-        self._regions = {True: moving, False: torch.zeros(self.pageable_nbytes, dtype=torch.uint8, device=device)}
+        if touch is None or device.type == "meta":
+            pageable = torch.zeros(self.pageable_nbytes, dtype=torch.uint8, device=device)
+        else:
+            pageable = torch.empty(self.pageable_nbytes, dtype=torch.uint8, device=device)
+            touch(pageable)
+        self._regions = {True: moving, False: pageable}
         self.rewind()
 
     @property

@@ -42,6 +42,12 @@ class RuntimeConfig:
     kernel, built on first use, bit for bit the separate passes). False: the separate passes,
     and no kernel is built. Default: True, unless ``PROTRAIN_ONEPASS=0``."""
 
+    worker_cores: tuple[int, ...] | None = None
+    """The cores the CPU worker's threads run on (with CUDA), e.g. ``(9, 10, 11, 12)``; the host
+    states it updates are first-touched there, so they live on those cores' NUMA node. None: a
+    share of the process's GPU's node, or the cores a launcher bound the process to ([Note: CPU
+    worker placement] in runtime/topology.py)."""
+
     def pins(self, ctx) -> bool:
         """Whether streamed chunks' host copies are page-locked on ``ctx`` (a DeviceContext)."""
         return ctx.pin_memory and self.pin_memory
@@ -50,6 +56,12 @@ class RuntimeConfig:
         for name in ("check_invariants", "pin_memory", "cpu_adam_thread", "one_pass_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RuntimeConfig.{name} must be True or False, got {getattr(self, name)!r}.")
+        cores = self.worker_cores
+        if cores is not None:
+            if isinstance(cores, str) or not all(isinstance(c, int) and c >= 0 for c in cores) or not cores:
+                raise ValueError(f"RuntimeConfig.worker_cores must be a non-empty list of core numbers (e.g. [8, 9, 10, 11]), "
+                                 f"got {cores!r}.")
+            object.__setattr__(self, "worker_cores", tuple(cores))
 
 
 @dataclass(frozen=True, kw_only=True)

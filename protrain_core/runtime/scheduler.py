@@ -65,9 +65,10 @@ class UpdatePolicy:
 
 class Scheduler:
     def __init__(self, chunks: list[Chunk], ctx: DeviceContext, optim: ChunkOptimizer, phase: StepState, *,
-                 n_buffer: int, switches: RuntimeConfig, finisher=None) -> None:
+                 n_buffer: int, switches: RuntimeConfig, finisher=None, placement=None) -> None:
         """``finisher(chunk)``: the worker's job finishing a streamed chunk's gradients at a
-        boundary, or None (``StepGradients.finisher``)."""
+        boundary, or None (``StepGradients.finisher``); ``placement``: the CPU worker's cores
+        (topology.py), or None."""
         self.chunks = chunks
         self.streamed = [c for c in chunks if not c.persistent]
         self.ctx = ctx
@@ -95,8 +96,7 @@ class Scheduler:
         self._host_copies = None  # the event of copies to host tensors still in flight (parking)
         staging = max((c.storage.fmt.state_numel for c in self.streamed), default=0)
         self.worker = CpuWorker(ctx, optim, n_staging=n_buffer, staging_numel=staging, record=self.record,
-                                world=1 if self.sharding is None else self.sharding.world,
-                                threaded=ctx.asynchronous or switches.cpu_adam_thread)
+                                threaded=ctx.asynchronous or switches.cpu_adam_thread, placement=placement)
 
     @property
     def stepped_backward(self) -> bool:

@@ -354,9 +354,10 @@ class ChunkStorage:
 
     def __init__(self, fmt: ChunkFormat, *, persistent: bool, device: torch.device, pin: bool,
                  n_members: int, sharding: Sharding | None = None, host: torch.device = torch.device("cpu"),
-                 frozen: FrozenPlaces | None = None, blocks: BlockCache | None = None) -> None:
+                 frozen: FrozenPlaces | None = None, blocks: BlockCache | None = None, touch=None) -> None:
         """``blocks``: a CPU device's cache, where gradient buffers come from and go back to
-        ([Note: a CPU device's block cache] in device.py)."""
+        ([Note: a CPU device's block cache] in device.py); ``touch(t)``: zeroes a streamed
+        chunk's new pageable host region where the CPU worker runs (None: here)."""
         assert (sharding.world if sharding is not None else 1) == fmt.world_size
         assert (frozen is None) == (not fmt.quantised)
         self.fmt = fmt
@@ -368,6 +369,7 @@ class ChunkStorage:
         self.device = device
         self.host = host  # where host tensors live (the meta device in a size-only simulation)
         self.pin = pin
+        self.touch = touch
         self.pool: HostPool | None = None
         self.spare_pool: HostPool | None = None  # a persistent chunk's host buffer kept for the next offload
         self.grad_buffer: Tensor | None = None  # streamed: this backward's gradients, on the device
@@ -404,7 +406,7 @@ class ChunkStorage:
         fmt = self.fmt
         pool, self.spare_pool = self.spare_pool, None
         if pool is None:
-            pool = HostPool(fmt.host_tensors(), pin=self.pin, device=self.host, cuda=self.device)
+            pool = HostPool(fmt.host_tensors(), pin=self.pin, device=self.host, cuda=self.device, touch=self.touch)
         else:
             pool.rewind()
         self.pool = pool

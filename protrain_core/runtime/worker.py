@@ -9,18 +9,16 @@ slower, and backward slower too). So Adam runs inline, at the same points;
 tests use it to exercise the threaded path on the CPU).
 
 [Note: CPU Adam threads]
-On CUDA the worker thread's operators (landing, Adam, copies back) run with as many intra-op
-threads as the process has cores to spare (``device.worker_threads``): its CPU affinity when a
-launcher bound it, else the machine's cores divided among the node's processes
-(``LOCAL_WORLD_SIZE`` as torchrun sets it; else, with several processes, as many as the node
-has GPUs, at most the processes in all), minus one for the thread that
-drives the device. That thread's own count is left as it was (1 under torchrun, which sets
+On CUDA the worker thread and its intra-op threads (landing, Adam, copies back) run bound to the
+cores of ``Placement`` ([Note: CPU worker placement] in topology.py): the process's share of its
+GPU's NUMA node, or the cores a launcher bound it to, or ``RuntimeConfig.worker_cores``; the
+thread that drives the device keeps its own count (1 under torchrun, which sets
 OMP_NUM_THREADS=1 for every process: a default that would leave the CPU Adam on one core). On a
 CPU device the worker's threads would compete with the compute's, so they are not changed.
-``engine.summary()`` says what was chosen. The profiler's CPU Adam probe runs with the same count
-(``device.cpu_worker_threads``): on the process's own count (torch's default, or torchrun's 1) it
-timed the updates with other threads than the worker's. (``torch.set_num_threads`` also sets the
-count that threads started later in the process begin with; the calling threads keep theirs.)
+``engine.summary()`` says what was chosen. The profiler's CPU Adam probe runs on the same
+placement (``device.cpu_worker_placement``): on the process's own threads it would time the
+updates with other threads than the worker's. (``torch.set_num_threads`` also sets the count
+that threads started later in the process begin with; the calling threads keep theirs.)
 
 [Note: gradients consumed where they land]
 In the mixed modes a streamed chunk's gradient lands in the trainable span of its host compute
@@ -58,36 +56,37 @@ from torch import Tensor
 
 from protrain_core.memtrack import untracked
 from protrain_core.runtime.chunk import Chunk
-from protrain_core.runtime.device import DeviceContext, cpu_worker_threads
+from protrain_core.runtime.device import DeviceContext
+from protrain_core.runtime.topology import Placement
 from protrain_core.runtime.optim import ChunkOptimizer
 from protrain_ops import fold_landing
 
 
 class CpuWorker:
     def __init__(self, ctx: DeviceContext, optim: ChunkOptimizer, *, n_staging: int, staging_numel: int, record,
-                 world: int = 1, threaded: bool) -> None:
-        """``world``: the processes the chunks are sharded over (for the worker's thread count);
-        ``threaded``: run the jobs on a worker thread (always on a GPU; on a CPU device, with
-        ``RuntimeConfig.cpu_adam_thread``), else inline."""
+                 threaded: bool, placement: Placement | None = None) -> None:
+        """``threaded``: run the jobs on a worker thread (always on a GPU; on a CPU device, with
+        ``RuntimeConfig.cpu_adam_thread``), else inline; ``placement``: the cores that thread
+        runs on (None: the process's threads)."""
         self.ctx = ctx
         self.optim = optim
         self.n_staging = n_staging
         self.staging_numel = staging_numel  # the largest trainable shard of a streamed chunk
         self.record = record  # record(what, chunk index): the runtime's timeline and counters
         self.threaded = threaded
-        self.threads, self.threads_why = None, "inline on the thread that runs the step (a CPU device)"
-        if self.threaded:
-            self.threads, self.threads_why = cpu_worker_threads(ctx, world)
-        self._pool = ctx.worker(self.threaded, self.threads)
+        self.placement = placement if threaded else None
+        self._pool = ctx.worker(self.threaded, self.placement)
         self._staging: queue.Queue | None = None  # landing buffers to add into grad_acc (its dtype)
         self._scratch: Tensor | None = None  # the accumulator lent to chunks that keep none
         self._lent: dict[int, Tensor] = {}  # id of a landing slice -> its staging buffer
 
     def describe(self) -> str:
         """Where the CPU Adam runs, for ``engine.summary()``."""
-        if self.threads is None:
-            return self.threads_why
-        return f"{self.threads} thread{'s' if self.threads > 1 else ''} ({self.threads_why})"
+        if self.placement is not None:
+            return self.placement.describe()
+        if self.threaded:
+            return "the process's intra-op threads (a CPU device: they would compete with the compute)"
+        return "inline on the thread that runs the step (a CPU device)"
 
     def resize_staging(self, *, n_staging: int, staging_numel: int) -> None:
         """After a re-plan (no landing in flight): other buffers, other largest span."""
@@ -175,3 +174,5 @@ class CpuWorker:
         """Stop the worker; ``wait`` False (after a failure): drop the jobs not started and
         return without waiting for the one running."""
         self._pool.shutdown(wait=wait, cancel_futures=not wait)
+        if self.placement is not None:
+            self.placement.close()
