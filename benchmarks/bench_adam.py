@@ -1,7 +1,9 @@
 """CPU Adam throughput (parameters/s): protrain_ops.adam_step on one chunk vs torch.optim.AdamW,
 and the CPU worker's whole update pipeline of a streamed chunk (landing, clipping, Adam, the
 copy back to the compute dtype) against torch.optim.AdamW(fused=True) alone on the same
-parameters: time and bytes per parameter.
+parameters: time and bytes per parameter; and that update with moments in each format
+(fp32, bf16, 8-bit) per thread count, alone and while a copy load of the chunk's PCIe bytes
+runs both ways: parameters/s, bytes and page-locked bytes per parameter.
 
     python -m benchmarks.bench_adam [--numel 16777216 --tensors 16 --iters 20] [--hidden 1024]
 """
@@ -88,8 +90,9 @@ def pipeline_bytes(precision: str, clip: bool, *, one_pass: bool = False) -> int
     return ADAM_BYTES + (FOLD_BYTES + COPY_BACK_BYTES if mixed else 0) + (CLIP_BYTES if clip else 0)
 
 
-def streamed_chunk(precision: str, hidden: int):
-    """A LLaMA-shaped two-block model wrapped all-streamed on the CPU; its largest streamed chunk."""
+def streamed_chunk(precision: str, hidden: int, state_format: str = "fp32"):
+    """A LLaMA-shaped two-block model wrapped all-streamed on the CPU (moments in
+    ``state_format``); its largest streamed chunk."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import protrain_core as pt
@@ -99,7 +102,8 @@ def streamed_chunk(precision: str, hidden: int):
                       num_key_value_heads=8, vocab_size=256, max_position_embeddings=64)
     model = LlamaForCausalLM(cfg)
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01), pt.Plan(n_persist=0, n_buffer=2),
-                     precision=precision, device="cpu", report=None)
+                     precision=precision, device="cpu", report=None,
+                     config=pt.ProTrainConfig(optimizer_state_format=state_format))
     chunk = max(engine.chunks, key=lambda c: c.storage.fmt.state_numel)
     return engine, chunk
 
@@ -175,6 +179,86 @@ def _land_and_update(engine, chunk, clip: bool, iters: int) -> float:
     return statistics.median(times[1:]), statistics.median(after[1:]) if after else None
 
 
+# Host bytes per parameter of a bf16-mixed streamed chunk's whole update by the moments' format:
+# the landed bf16 gradient in (2), the fp32 gradient out (4), the fp32 master read and written
+# (8), both moments read and written (fp32 16, bf16 8, 8-bit 4 plus their block scales), the bf16
+# copy out (2). What a step moves over PCIe per parameter: the copy up and the gradient down (2 + 2).
+FORMAT_BYTES = {"fp32": 32, "bf16": 24, "8bit": 20}
+PCIE_BYTES = 4
+
+
+class CopyLoad:
+    """A thread copying the chunk's PCIe bytes both ways, over and over, while it runs (on the
+    CPU a memcpy of the same bytes: the DRAM traffic the copy engines add on a GPU box), on
+    one intra-op thread; ``bytes_per_s`` once stopped."""
+
+    def __init__(self, numel: int) -> None:
+        import threading
+
+        self._up = (torch.empty(numel, dtype=torch.bfloat16), torch.empty(numel, dtype=torch.bfloat16))
+        self._down = (torch.empty(numel, dtype=torch.bfloat16), torch.empty(numel, dtype=torch.bfloat16))
+        self._stop, self.copied, self.seconds = threading.Event(), 0, 0.0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        torch.set_num_threads(1)
+        t = time.perf_counter()
+        while not self._stop.is_set():
+            self._up[1].copy_(self._up[0])
+            self._down[0].copy_(self._down[1])
+            self.copied += 2 * self._up[0].nbytes
+        self.seconds = time.perf_counter() - t
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.copied / max(self.seconds, 1e-9)
+
+
+def format_rows(hidden: int = 1024, iters: int = 10, threads: tuple[int, ...] | None = None) -> list[dict]:
+    """Rows of {format, threads, load, numel, seconds, params_per_s, bytes_per_param,
+    pinned_bytes_per_param, copy_bytes_per_s}: the worker's landing and update of one bf16-mixed
+    streamed chunk with moments in each format, on each thread count, alone and beside a
+    ``CopyLoad`` of the chunk's PCIe bytes -- all in one run."""
+    threads = threads or tuple(sorted({1, torch.get_num_threads()}))
+    own, rows = torch.get_num_threads(), []
+    for fmt in FORMAT_BYTES:
+        engine, chunk = streamed_chunk("bf16-mixed", hidden, fmt)
+        numel = chunk.storage.fmt.state_numel
+        for n in threads:
+            torch.set_num_threads(n)
+            for load in (False, True):
+                with CopyLoad(numel) if load else contextlib.nullcontext() as copies:
+                    seconds, _ = _land_and_update(engine, chunk, False, iters)
+                rows.append({"format": fmt, "threads": n, "load": load, "numel": numel, "seconds": seconds,
+                             "params_per_s": numel / seconds, "bytes_per_param": FORMAT_BYTES[fmt],
+                             "pinned_bytes_per_param": chunk.storage.fmt.streamed_pinned_bytes / numel,
+                             "copy_bytes_per_s": copies.bytes_per_s if load else 0.0})
+        torch.set_num_threads(own)
+        engine.close()
+    return rows
+
+
+def format_markdown(rows: list[dict], iters: int) -> str:
+    fp32 = {(r["threads"], r["load"]): r["params_per_s"] for r in rows if r["format"] == "fp32"}
+    lines = [f"one bf16-mixed streamed chunk of {rows[0]['numel']:,} trainable parameters, landed and updated by the "
+             f"CPU worker; median of {iters}; copy load: another thread copying the chunk's {PCIE_BYTES} PCIe bytes per "
+             "parameter both ways meanwhile (a memcpy on the CPU)", "",
+             "| moments | threads | copy load | M params/s | vs fp32 | host bytes/param moved | page-locked bytes/param "
+             "| copies GB/s |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['format']} | {r['threads']} | {'both ways' if r['load'] else 'none'} | {r['params_per_s'] / 1e6:.1f} "
+              f"| {r['params_per_s'] / fp32[r['threads'], r['load']]:.2f}x | {r['bytes_per_param']} "
+              f"| {r['pinned_bytes_per_param']:.2f} | {r['copy_bytes_per_s'] / 1e9:.2f} |" for r in rows]
+    return "\n".join(lines)
+
+
 def pipeline_markdown(rows: list[dict], iters: int) -> str:
     lines = [f"one streamed chunk of {rows[0]['numel']:,} parameters in {rows[0]['members']} tensors; median of {iters} "
              "updates; AdamW(fused=True) alone: on fp32 copies of the same parameters, 28 bytes per parameter; "
@@ -208,9 +292,11 @@ def main(argv=None):
     print("\n" + markdown(rows, args.iters))
     pipelines = pipeline(args.hidden, args.iters)
     print("\n" + pipeline_markdown(pipelines, args.iters))
+    formats = format_rows(args.hidden, args.iters)
+    print("\n" + format_markdown(formats, args.iters))
     if args.json:
-        Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows, "pipelines": pipelines},
-                                              indent=1))
+        Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows, "pipelines": pipelines,
+                                               "formats": formats}, indent=1))
 
 
 if __name__ == "__main__":

@@ -118,8 +118,9 @@ def _load():
 def update(module, masters: list[Tensor], lows: list[Tensor], accs: list[Tensor], exp_avgs: list[Tensor],
            exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], steps: list[Tensor], hp: AdamHyperParams, *,
            coef: Tensor | None, clamp: float | None, landed: bool, accumulate: bool) -> None:
-    """One Adam step of members given by per-member views (fp32 ``masters``, ``accs``, moments;
-    bf16 or fp16 ``lows`` of the compute copy; 0-D ``steps``), as the separate passes would run it:
+    """One Adam step of members given by per-member views (fp32 ``masters``, ``accs``; fp32
+    moments, or bf16 ones without amsgrad; bf16 or fp16 ``lows`` of the compute copy; 0-D
+    ``steps``), as the separate passes would run it:
 
     - ``landed``: the gradient is in ``lows``; it is copied into ``accs`` (added to it when
       ``accumulate``) first; otherwise it is in ``accs`` already.
@@ -182,7 +183,7 @@ def verify(module) -> str:
     """Run ``update`` and ``separate_passes`` on the same random members for every kind of
     step (AdamW's decay, Adam's L2 term or none; landed, landed and accumulated, or already
     folded; no clipping, by norm, by value -- each with amsgrad, maximize, beta1 below 0.5 and
-    an fp16 instead of a bf16 copy on and off in turn), and ``land`` and ``separate_landing``
+    an fp16 instead of a bf16 copy on and off in turn; fp32 and bf16 moments), and ``land`` and ``separate_landing``
     for every kind of landing (copied or added; unscaled or not; bf16 or fp16; an inf, a nan
     or neither); '' when every result is equal bit for bit, else the first difference."""
     gen = torch.Generator().manual_seed(0)
@@ -192,13 +193,15 @@ def verify(module) -> str:
              for decoupled, weight_decay in ((True, 0.1), (False, 0.1), (True, 0.0))
              for landed, accumulate in ((True, False), (True, True), (False, False))
              for coef, clamp in ((None, None), (0.37, None), (None, 3e-3))]
-    for i, (decoupled, weight_decay, *kind) in enumerate(kinds):
-        hp = AdamHyperParams(lr=1e-2, beta1=0.3 if i % 2 else 0.9, beta2=0.99, eps=1e-8, weight_decay=weight_decay,
-                             amsgrad=bool(i // 2 % 2), maximize=bool(i // 4 % 2), decoupled_weight_decay=decoupled)
-        low = torch.float16 if i // 8 % 2 else torch.bfloat16
-        difference = _compare(module, hp, kind, low, shapes, gen)
-        if difference:
-            return difference
+    for moments in (torch.float32, torch.bfloat16):
+        for i, (decoupled, weight_decay, *kind) in enumerate(kinds):
+            hp = AdamHyperParams(lr=1e-2, beta1=0.3 if i % 2 else 0.9, beta2=0.99, eps=1e-8, weight_decay=weight_decay,
+                                 amsgrad=bool(i // 2 % 2) and moments == torch.float32, maximize=bool(i // 4 % 2),
+                                 decoupled_weight_decay=decoupled)
+            low = torch.float16 if i // 8 % 2 else torch.bfloat16
+            difference = _compare(module, hp, kind, low, moments, shapes, gen)
+            if difference:
+                return difference
     for low in (torch.bfloat16, torch.float16):
         for accumulate in (False, True):
             for unscale, bad in ((False, None), (True, None), (True, float("inf")), (True, float("nan"))):
@@ -224,10 +227,10 @@ def _differs(ours: list[dict], theirs: list[dict], shapes) -> str:
     return ""
 
 
-def _compare(module, hp: AdamHyperParams, kind, low, shapes, gen) -> str:
+def _compare(module, hp: AdamHyperParams, kind, low, moments, shapes, gen) -> str:
     landed, accumulate, coef, clamp = kind
     ours = [{"master": _random(s, gen, 1.0), "low": _random(s, gen, 1e-2, low), "acc": _random(s, gen, 1e-2),
-             "m": _random(s, gen, 1e-3), "v": _random(s, gen, 1e-5, positive=True),
+             "m": _random(s, gen, 1e-3, moments), "v": _random(s, gen, 1e-5, moments, positive=True),
              "vmax": _random(s, gen, 2e-5, positive=True), "step": torch.tensor(4.0)} for s in shapes]
     theirs = [{k: v.clone() for k, v in m.items()} for m in ours]
     for states, run in ((ours, update), (theirs, separate_passes)):
@@ -238,7 +241,8 @@ def _compare(module, hp: AdamHyperParams, kind, low, shapes, gen) -> str:
         else:
             run(*lists, hp, **kw)
     difference = _differs(ours, theirs, shapes)
-    return difference and f"{difference}, {low}, {hp}, landed={landed} accumulate={accumulate} coef={coef} clamp={clamp}"
+    return difference and (f"{difference}, {low}, {moments} moments, {hp}, landed={landed} accumulate={accumulate} "
+                           f"coef={coef} clamp={clamp}")
 
 
 def _compare_landing(module, low, accumulate: bool, unscale: bool, bad: float | None, shapes, gen) -> str:

@@ -425,3 +425,17 @@ def test_the_param_access_benchmark_counts_only_the_models_own_calls():
     assert [what for what, *_ in costs] == ["F.linear(x, w), x 8 x 64", "w.grad"]
     assert counts["all-persistent"] == {"linear": 2 * 7 + 1, "mul": 2 * 2 + 1, "embedding": 1}
     assert counts["streamed, every block checkpointed"] == {"linear": 2 * 2 * 7 + 1, "mul": 2 * 2 * 2 + 1, "embedding": 1}
+
+
+def test_the_adam_benchmark_rates_every_moment_format_alone_and_beside_copies():
+    """bench_adam's format rows (issue 54, item 5): each format on each thread count, alone
+    and while a copy load runs both ways, with its bytes and page-locked bytes per parameter
+    (no speed is asserted: CI shares its cores)."""
+    from benchmarks import bench_adam
+
+    rows = bench_adam.format_rows(hidden=64, iters=1, threads=(1,))
+    assert [(r["format"], r["load"]) for r in rows] == [(f, load) for f in ("fp32", "bf16", "8bit") for load in (False, True)]
+    assert [r["bytes_per_param"] for r in rows[::2]] == [32, 24, 20]
+    assert all(r["pinned_bytes_per_param"] == 2.0 and r["params_per_s"] > 0 for r in rows)
+    assert all((r["copy_bytes_per_s"] > 0) is r["load"] for r in rows)
+    assert "| bf16 | 1 | both ways |" in bench_adam.format_markdown(rows, 1)

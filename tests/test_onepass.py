@@ -98,13 +98,14 @@ def optimizer(model, kind):
     return torch.optim.Adam(groups, lr=1e-2, amsgrad=True, maximize=True)  # L2 weight decay
 
 
-def train(kind, clipping, accumulate, precision="bf16-mixed", *, steps=3, scale=None):
+def train(kind, clipping, accumulate, precision="bf16-mixed", *, steps=3, scale=None, moments="fp32"):
     """Losses, then per step the chunks' gradients left after step() (as ``p.grad`` stays until
     zero_grad), then the final weights and optimizer state, and the loss scale after each step
     (fp16; ``scale``: the first one)."""
     model = odd_llama()
     engine = pt.wrap(model, optimizer(model, kind), pt.Plan(n_persist=0, n_buffer=2), precision=precision,
-                     device="cpu", report=None, config=pt.ProTrainConfig(clipping=clipping))
+                     device="cpu", report=None,
+                     config=pt.ProTrainConfig(clipping=clipping, optimizer_state_format=moments))
     if scale is not None:
         engine.scaler.scale.fill_(scale)
     data = batches(steps * accumulate, seed=3, distinct=3)
@@ -155,13 +156,16 @@ def record(monkeypatch, name, what):
     ("adamw", ("value", 0.01), 1),  # clamped in the pass, during backward
     ("adamw", ("norm", 0.5), 2),  # the update waits for the norm: the gradient is in the accumulator
     ("adam-amsgrad-maximize", None, 1),
+    ("adamw", None, "bf16"),  # bf16 moments (issue 54, item 4): widened in the pass, rounded back
+    ("adamw", ("norm", 0.5), "bf16"),
 ])
 def test_training_with_the_kernel_equals_the_separate_passes_bit_for_bit(kernel, monkeypatch, kind, clipping, accumulate):
+    moments, accumulate = ("bf16", 1) if accumulate == "bf16" else ("fp32", accumulate)
     calls = record(monkeypatch, "update", lambda kw: kw["landed"])
     with onepass.turned_off():
-        separate = train(kind, clipping, accumulate)
+        separate = train(kind, clipping, accumulate, moments=moments)
     assert calls == []
-    fused = train(kind, clipping, accumulate)
+    fused = train(kind, clipping, accumulate, moments=moments)
     # The first step is held for a clipping request that may come after backward (its update
     # finds the gradient in the accumulator); later ones update as the gradient lands, unless a
     # norm must be known first.

@@ -319,6 +319,7 @@ def _refusal(optimizer, fmt):
 @pytest.mark.parametrize("make, fmt, match", [
     (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "bf16", "is not Adam/AdamW"),
     (lambda p: torch.optim.AdamW(p, amsgrad=True), "8bit", "no amsgrad=True"),
+    (lambda p: torch.optim.AdamW(p, amsgrad=True), "bf16", "bf16 moments, and param group 0 asks for amsgrad"),
     (lambda p: torch.optim.AdamW(p, maximize=True), "8bit", "no maximize=True"),
     (lambda p: torch.optim.Adam(p, weight_decay=0.1), "8bit", "L2 weight decay"),
 ])

@@ -2,7 +2,8 @@
 // read where it landed (bf16 or fp16, added to the fp32 accumulator when micro-batches
 // accumulate), clipped, stored as the fp32 gradient the step leaves behind, and the updated fp32
 // master is rounded into the low-precision copy in the same pass. 32 bytes per parameter against
-// the 40-48 of landing + torch._fused_adamw_ + copy-back as separate passes.
+// the 40-48 of landing + torch._fused_adamw_ + copy-back as separate passes; with bf16 moments
+// (widened in registers, rounded to nearest when stored) 24 against the separate passes' 56.
 //
 // A landing that is not updated at once (fp16: the step waits for every chunk's overflow
 // check; a norm to clip by; gradient accumulation) is folded into the accumulator, unscaled and
@@ -74,15 +75,30 @@ using fVec = at::vec::Vectorized<float>;
 constexpr int64_t kLanes = at::vec::Vectorized<at::BFloat16>::size();
 static_assert(at::vec::Vectorized<at::Half>::size() == kLanes, "bf16 and fp16 vectors of one width");
 
-template <typename Low>
+// Mom: the moments' type, float or bf16 (optimizer_state_format="bf16": widened to fp32 for the
+// arithmetic, rounded to nearest when stored, as the separate passes' copies do).
+template <typename Low, typename Mom>
 struct Member {
   float* p;
   Low* low;           // the bf16/fp16 span: the gradient in (READ_LOW), the rounded master out
   float* acc;         // the fp32 gradient: added to (READ_ACC), the clipped one out (WRITE_ACC)
-  float* m;
-  float* v;
-  float* vmax;        // AMSGRAD only
+  Mom* m;
+  Mom* v;
+  float* vmax;        // AMSGRAD only (fp32 moments)
 };
+
+// kLanes moments at `p` as two fp32 vectors, and back.
+inline std::tuple<fVec, fVec> load_moments(const float* p) { return {fVec::loadu(p), fVec::loadu(p + fVec::size())}; }
+inline std::tuple<fVec, fVec> load_moments(const at::BFloat16* p) {
+  return at::vec::convert_to_float<at::BFloat16>(at::vec::Vectorized<at::BFloat16>::loadu(p));
+}
+inline void store_moments(float* p, const fVec& a, const fVec& b) {
+  a.store(p);
+  b.store(p + fVec::size());
+}
+inline void store_moments(at::BFloat16* p, const fVec& a, const fVec& b) {
+  at::vec::convert_from_float<at::BFloat16>(a, b).store(p);
+}
 
 // The gradient left in the accumulator is not read again in this step: with STREAM (the
 // member's accumulator aligned to whole vectors) it bypasses the cache, which saves reading the
@@ -97,9 +113,10 @@ inline void store_gradient(float* dst, const fVec& g) {
   g.store(dst);
 }
 
-// One vector of one member at `i`: `g` is its gradient; returns the updated master.
-template <bool WRITE_ACC, bool STREAM, bool LEVEL2, bool AMSGRAD, typename Low>
-inline fVec update_vector(const Hyper& h, const Member<Low>& t, int64_t i, fVec g) {
+// One vector of one member at `i`: `g` is its gradient, `m` and `v` its moments (updated in
+// place); returns the updated master.
+template <bool WRITE_ACC, bool STREAM, bool LEVEL2, bool AMSGRAD, typename Low, typename Mom>
+inline fVec update_vector(const Hyper& h, const Member<Low, Mom>& t, int64_t i, fVec g, fVec& m, fVec& v) {
   g = g * fVec(h.coef);                      // _foreach_mul_ by clip_grad_norm_'s coefficient
   g = at::vec::clamp_min(g, fVec(-h.clamp));  // clamp_min_ / clamp_max_: a NaN stays
   g = at::vec::clamp_max(g, fVec(h.clamp));
@@ -108,24 +125,24 @@ inline fVec update_vector(const Hyper& h, const Member<Low>& t, int64_t i, fVec 
   fVec param = fVec::loadu(t.p + i);
   if constexpr (LEVEL2) g = at::vec::fmadd(param, fVec(h.l2), g);
   else param = param * fVec(h.decay);
-  fVec m = fVec::loadu(t.m + i);
   m = at::vec::fmadd(fVec(h.lerp_coeff), g - m, h.small_lerp ? m : g);
-  fVec v = at::vec::fmadd(fVec(h.one_minus_beta2) * g, g, fVec::loadu(t.v + i) * fVec(h.beta2));
-  m.store(t.m + i);
-  v.store(t.v + i);
+  v = at::vec::fmadd(fVec(h.one_minus_beta2) * g, g, v * fVec(h.beta2));
+  fVec vmax = v;
   if constexpr (AMSGRAD) {
-    v = at::vec::maximum(fVec::loadu(t.vmax + i), v);
-    v.store(t.vmax + i);
+    vmax = at::vec::maximum(fVec::loadu(t.vmax + i), v);
+    vmax.store(t.vmax + i);
   }
-  fVec denom = v.sqrt() / fVec(h.bias2_sqrt) + fVec(h.eps);
+  // (bf16 moments: the fp32 values step the master, as the separate passes' fp32 copies do)
+  fVec denom = vmax.sqrt() / fVec(h.bias2_sqrt) + fVec(h.eps);
   param = param + fVec(h.neg_step_size) * m / denom;
   param.store(t.p + i);
   return param;
 }
 
 // Elements [begin, end) of one member, a multiple of kLanes.
-template <typename Low, bool READ_LOW, bool READ_ACC, bool WRITE_ACC, bool STREAM, bool LEVEL2, bool AMSGRAD>
-void update_range(const Hyper h, const Member<Low> t, int64_t begin, int64_t end) {
+template <typename Low, typename Mom, bool READ_LOW, bool READ_ACC, bool WRITE_ACC, bool STREAM, bool LEVEL2,
+          bool AMSGRAD>
+void update_range(const Hyper h, const Member<Low, Mom> t, int64_t begin, int64_t end) {
   constexpr int64_t half = fVec::size();
   for (int64_t i = begin; i < end; i += kLanes) {
     fVec g0, g1;
@@ -139,8 +156,12 @@ void update_range(const Hyper h, const Member<Low> t, int64_t begin, int64_t end
       g0 = fVec::loadu(t.acc + i);
       g1 = fVec::loadu(t.acc + i + half);
     }
-    fVec p0 = update_vector<WRITE_ACC, STREAM, LEVEL2, AMSGRAD>(h, t, i, g0);
-    fVec p1 = update_vector<WRITE_ACC, STREAM, LEVEL2, AMSGRAD>(h, t, i + half, g1);
+    auto [m0, m1] = load_moments(t.m + i);
+    auto [v0, v1] = load_moments(t.v + i);
+    fVec p0 = update_vector<WRITE_ACC, STREAM, LEVEL2, AMSGRAD>(h, t, i, g0, m0, v0);
+    fVec p1 = update_vector<WRITE_ACC, STREAM, LEVEL2, AMSGRAD>(h, t, i + half, g1, m1, v1);
+    store_moments(t.m + i, m0, m1);
+    store_moments(t.v + i, v0, v1);
     at::vec::convert_from_float<Low>(p0, p1).store(t.low + i);
   }
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -148,39 +169,39 @@ void update_range(const Hyper h, const Member<Low> t, int64_t begin, int64_t end
 #endif
 }
 
-template <typename Low>
-using RangeFn = void (*)(const Hyper, const Member<Low>, int64_t, int64_t);
+template <typename Low, typename Mom>
+using RangeFn = void (*)(const Hyper, const Member<Low, Mom>, int64_t, int64_t);
 
-template <typename Low, bool READ_LOW, bool READ_ACC, bool WRITE_ACC, bool STREAM>
-RangeFn<Low> pick(bool level2, bool amsgrad) {
-  if (level2) return amsgrad ? update_range<Low, READ_LOW, READ_ACC, WRITE_ACC, STREAM, true, true>
-                             : update_range<Low, READ_LOW, READ_ACC, WRITE_ACC, STREAM, true, false>;
-  return amsgrad ? update_range<Low, READ_LOW, READ_ACC, WRITE_ACC, STREAM, false, true>
-                 : update_range<Low, READ_LOW, READ_ACC, WRITE_ACC, STREAM, false, false>;
+template <typename Low, typename Mom, bool READ_LOW, bool READ_ACC, bool WRITE_ACC, bool STREAM>
+RangeFn<Low, Mom> pick(bool level2, bool amsgrad) {
+  if (level2) return amsgrad ? update_range<Low, Mom, READ_LOW, READ_ACC, WRITE_ACC, STREAM, true, true>
+                             : update_range<Low, Mom, READ_LOW, READ_ACC, WRITE_ACC, STREAM, true, false>;
+  return amsgrad ? update_range<Low, Mom, READ_LOW, READ_ACC, WRITE_ACC, STREAM, false, true>
+                 : update_range<Low, Mom, READ_LOW, READ_ACC, WRITE_ACC, STREAM, false, false>;
 }
 
 // What the gradient is: landed in the bf16 or fp16 span (added to the accumulator when micro-batches
 // accumulate; streamed out when `stream`), or already in the accumulator (written back only when
 // clipping changed it).
-template <typename Low>
-RangeFn<Low> pick(bool landed, bool accumulate, bool write_acc, bool stream, bool level2, bool amsgrad) {
+template <typename Low, typename Mom>
+RangeFn<Low, Mom> pick(bool landed, bool accumulate, bool write_acc, bool stream, bool level2, bool amsgrad) {
   if (landed && !accumulate) {
-    return stream ? pick<Low, true, false, true, true>(level2, amsgrad)
-                  : pick<Low, true, false, true, false>(level2, amsgrad);
+    return stream ? pick<Low, Mom, true, false, true, true>(level2, amsgrad)
+                  : pick<Low, Mom, true, false, true, false>(level2, amsgrad);
   }
-  if (landed) return pick<Low, true, true, true, false>(level2, amsgrad);
-  return write_acc ? pick<Low, false, true, true, false>(level2, amsgrad)
-                   : pick<Low, false, true, false, false>(level2, amsgrad);
+  if (landed) return pick<Low, Mom, true, true, true, false>(level2, amsgrad);
+  return write_acc ? pick<Low, Mom, false, true, true, false>(level2, amsgrad)
+                   : pick<Low, Mom, false, true, false, false>(level2, amsgrad);
 }
 
-template <typename Low>
+template <typename Low, typename Mom>
 void run_member(const Hyper& h, const at::Tensor& param, const at::Tensor& low, const at::Tensor& acc,
                 const at::Tensor& m, const at::Tensor& v, const at::Tensor* vmax, int64_t length, bool landed,
                 bool accumulate, bool write_acc, bool level2) {
   const bool aligned = reinterpret_cast<uintptr_t>(acc.data_ptr<float>()) % sizeof(fVec) == 0;
-  const RangeFn<Low> fn = pick<Low>(landed, accumulate, write_acc || landed, aligned, level2, vmax != nullptr);
-  const Member<Low> t{param.data_ptr<float>(), low.data_ptr<Low>(), acc.data_ptr<float>(), m.data_ptr<float>(),
-                      v.data_ptr<float>(), vmax != nullptr ? vmax->data_ptr<float>() : nullptr};
+  const RangeFn<Low, Mom> fn = pick<Low, Mom>(landed, accumulate, write_acc || landed, aligned, level2, vmax != nullptr);
+  const Member<Low, Mom> t{param.data_ptr<float>(), low.data_ptr<Low>(), acc.data_ptr<float>(), m.data_ptr<Mom>(),
+                           v.data_ptr<Mom>(), vmax != nullptr ? vmax->data_ptr<float>() : nullptr};
   at::parallel_for(0, length / kLanes, 16384 / kLanes, [&](int64_t begin, int64_t end) { fn(h, t, begin * kLanes, end * kLanes); });
 }
 
@@ -199,11 +220,20 @@ void adam_onepass(std::vector<at::Tensor> params, std::vector<at::Tensor> lows, 
               "adam_onepass: one tensor per member in every list");
   const bool level2 = !decoupled && weight_decay != 0.f;
   for (size_t k = 0; k < n; ++k) {
-    std::vector<const at::Tensor*> fp32 = {&params[k], &accs[k], &exp_avgs[k], &exp_avg_sqs[k]};
+    const bool bf16_moments = exp_avgs[k].scalar_type() == at::kBFloat16;
+    std::vector<const at::Tensor*> fp32 = {&params[k], &accs[k]};
+    if (!bf16_moments) fp32.insert(fp32.end(), {&exp_avgs[k], &exp_avg_sqs[k]});
     if (amsgrad) fp32.push_back(&max_exp_avg_sqs[k]);
     for (const at::Tensor* t : fp32) {
       TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu() &&
                       t->numel() >= lengths[k], "adam_onepass: fp32 contiguous CPU tensors");
+    }
+    if (bf16_moments) {
+      for (const at::Tensor* t : {&exp_avgs[k], &exp_avg_sqs[k]}) {
+        TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->numel() >= lengths[k],
+                    "adam_onepass: both moments bf16 and contiguous");
+      }
+      TORCH_CHECK(!amsgrad, "adam_onepass: bf16 moments without amsgrad");
     }
     const bool half = lows[k].scalar_type() == at::kHalf;
     TORCH_CHECK((half || lows[k].scalar_type() == at::kBFloat16) && lows[k].is_contiguous() &&
@@ -211,13 +241,12 @@ void adam_onepass(std::vector<at::Tensor> params, std::vector<at::Tensor> lows, 
     const Hyper h = make_hyper(lr, beta1, beta2, weight_decay, eps, steps[k], decoupled, maximize, coef, clamp);
     TORCH_CHECK(lengths[k] % kLanes == 0, "adam_onepass: lengths are multiples of lanes()");
     const at::Tensor* vmax = amsgrad ? &max_exp_avg_sqs[k] : nullptr;
-    if (half) {
-      run_member<at::Half>(h, params[k], lows[k], accs[k], exp_avgs[k], exp_avg_sqs[k], vmax, lengths[k], landed,
-                           accumulate, write_acc, level2);
-    } else {
-      run_member<at::BFloat16>(h, params[k], lows[k], accs[k], exp_avgs[k], exp_avg_sqs[k], vmax, lengths[k], landed,
-                               accumulate, write_acc, level2);
-    }
+    using Run = void (*)(const Hyper&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&, const at::Tensor*, int64_t, bool, bool, bool, bool);
+    const Run run = half ? (bf16_moments ? run_member<at::Half, at::BFloat16> : run_member<at::Half, float>)
+                         : (bf16_moments ? run_member<at::BFloat16, at::BFloat16> : run_member<at::BFloat16, float>);
+    run(h, params[k], lows[k], accs[k], exp_avgs[k], exp_avg_sqs[k], vmax, lengths[k], landed, accumulate, write_acc,
+        level2);
   }
 }
 

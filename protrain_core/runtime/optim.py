@@ -164,11 +164,11 @@ class ChunkOptimizer:
 
     def one_pass(self, chunk: Chunk):
         """The kernel that lands and updates ``chunk`` in one pass (protrain_ops/onepass.py), or
-        None: Adam on a bf16-mixed or 16-mixed chunk whose states are in host memory, where the
-        kernel built and matched torch's arithmetic."""
+        None: Adam on a bf16-mixed or 16-mixed chunk with fp32 or bf16 moments whose states are
+        in host memory, where the kernel built and matched torch's arithmetic."""
         storage = chunk.storage
         if (self.elementwise is not None or not storage.fmt.separate_master or storage.master.device.type != "cpu"
-                or storage.fmt.state_format != "fp32"
+                or storage.fmt.state_format == "8bit"
                 or storage.fmt.compute_dtype not in (torch.bfloat16, torch.float16) or not self.one_pass_kernel):
             return None
         return onepass.kernel()
@@ -213,9 +213,7 @@ class ChunkOptimizer:
                 self.elementwise.step(chunk, g, tuple(members), views, hps[g])
             elif storage.fmt.state_format == "8bit":
                 self._eight_bit(chunk, members, views, hps[g])
-            elif storage.fmt.state_format == "bf16":
-                formats.bf16_step(views.master, views.grads, views.exp_avgs, views.exp_avg_sqs, views.member_steps, hps[g])
-            else:
+            else:  # (bf16 moments: widened and rounded back, by protrain_ops)
                 adam_step(views.master, views.grads, views.exp_avgs, views.exp_avg_sqs,
                           views.max_exp_avg_sqs if hps[g].amsgrad else [], views.member_steps, hps[g])
         if storage.fmt.separate_master:

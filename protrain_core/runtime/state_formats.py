@@ -9,7 +9,8 @@ dtype); the moments take one of three formats:
   fp32    the master dtype, as torch keeps them    torch._fused_adamw_       torch AdamW(fused=True)
           (8; bf16-true: 4)
   bf16    bfloat16, round to nearest (4)           the fused kernel on fp32  protrain_core.AdamWBf16Moments
-                                                   copies, rounded back
+                                                   copies, rounded back (or
+                                                   the one-pass kernel)
   8bit    bitsandbytes' block-wise 8 bits: the     bitsandbytes' kernel,     bitsandbytes.optim.AdamW8bit
           dynamic maps, fp32 absmax per block of   member by member
           256 (2.03); fp32 below 4096 elements
@@ -35,7 +36,7 @@ rule with ``W = 1``.
 
 Every chunk keeps the one format, persistent or streamed, so that a plan or a re-plan never
 changes the arithmetic. "bf16" and "8bit" need Adam or AdamW (another optimizer's states have
-no such format), and "8bit" follows bitsandbytes' AdamW8bit: decoupled weight decay, no amsgrad,
+no such format) without amsgrad, and "8bit" follows bitsandbytes' AdamW8bit: decoupled weight decay, no amsgrad,
 no maximize.
 """
 
@@ -99,7 +100,12 @@ def check_optimizer_for(name: str, optimizer: torch.optim.Optimizer, *, adam: bo
             f"optimizer_state_format={name!r} keeps Adam's moments in {name}: {type(optimizer).__name__} is not "
             "Adam/AdamW. Use torch.optim.AdamW, or optimizer_state_format='fp32'."
         )
-    if name != "8bit":
+    if name == "bf16":
+        amsgrad = next((g for g, group in enumerate(optimizer.param_groups) if group.get("amsgrad")), None)
+        if amsgrad is not None:
+            raise ValueError(
+                f"optimizer_state_format='bf16' keeps two bf16 moments, and param group {amsgrad} asks for amsgrad's "
+                "third. Use amsgrad=False, or optimizer_state_format='fp32'.")
         return
     bitsandbytes()  # installed, before anything is allocated
     decoupled = isinstance(optimizer, torch.optim.AdamW) or optimizer.defaults.get("decoupled_weight_decay", False)
@@ -210,17 +216,6 @@ def member_moments(storage, places: QuantPlaces, j: int, views_m: Tensor, views_
 
 
 # ----- the updates ------------------------------------------------------------------------------
-def bf16_step(master: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-              steps: list[Tensor], hp: AdamHyperParams) -> None:
-    """Adam/AdamW on bf16 moments: torch's fused kernel on fp32 copies of them, rounded back to
-    nearest (``AdamWBf16Moments`` does the same per parameter)."""
-    wide_m = [m.float() for m in exp_avgs]
-    wide_v = [v.float() for v in exp_avg_sqs]
-    adam_step(master, grads, wide_m, wide_v, [], steps, hp)
-    torch._foreach_copy_(exp_avgs, wide_m)
-    torch._foreach_copy_(exp_avg_sqs, wide_v)
-
-
 def eight_bit_step(p: Tensor, g: Tensor, moments: MemberMoments, step: int, hp: AdamHyperParams) -> None:
     """One bitsandbytes AdamW8bit step of one parameter (``step``: its count after this one), with
     the calls ``bitsandbytes.optim.AdamW8bit.step`` makes."""
@@ -243,7 +238,7 @@ def moment_step(name: str, n: int, device: torch.device):
     steps = [torch.zeros((), device=device)]
     if name == "bf16":
         m, v = (torch.zeros(n, dtype=torch.bfloat16, device=device) for _ in range(2))
-        return lambda p, g, hp: bf16_step([p], [g], [m], [v], steps, hp)
+        return lambda p, g, hp: adam_step([p], [g], [m], [v], [], steps, hp)
     blocks = math.ceil(n / BLOCK)
     state = torch.zeros(2, n, dtype=torch.uint8, device=device)
     absmax = torch.zeros(2, blocks, device=device)
@@ -355,7 +350,7 @@ class AdamWBf16Moments(torch.optim.AdamW):
     what ``optimizer_state_format='bf16'`` runs, as a plain optimizer -- the reference for the
     engine's results, and a way to continue such a run without ProTrain. Each step runs torch's
     functional fused AdamW on fp32 copies of a parameter's moments (written independently of the
-    engine's ``bf16_step``, so that a test comparing the two can fail)."""
+    engine's path through protrain_ops, so that a test comparing the two can fail)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
