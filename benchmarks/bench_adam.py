@@ -188,15 +188,19 @@ PCIE_BYTES = 4
 
 
 class CopyLoad:
-    """A thread copying the chunk's PCIe bytes both ways, over and over, while it runs (on the
-    CPU a memcpy of the same bytes: the DRAM traffic the copy engines add on a GPU box), on
-    one intra-op thread; ``bytes_per_s`` once stopped."""
+    """A thread copying the chunk's PCIe bytes both ways, over and over, while it runs: on a GPU
+    real host->device and device->host copies from page-locked memory on two streams at once;
+    on the CPU a memcpy of the same bytes (the DRAM traffic the copy engines would add), on one
+    intra-op thread. ``bytes_per_s`` once stopped."""
 
-    def __init__(self, numel: int) -> None:
+    def __init__(self, numel: int, device: str = "cpu") -> None:
         import threading
 
-        self._up = (torch.empty(numel, dtype=torch.bfloat16), torch.empty(numel, dtype=torch.bfloat16))
-        self._down = (torch.empty(numel, dtype=torch.bfloat16), torch.empty(numel, dtype=torch.bfloat16))
+        cuda = device != "cpu"
+        host = lambda: torch.empty(numel, dtype=torch.bfloat16, pin_memory=cuda)  # noqa: E731
+        dev = lambda: torch.empty(numel, dtype=torch.bfloat16, device=device)  # noqa: E731
+        self._pairs = ((host(), dev()), (dev(), host()))  # (source, destination): up, then down
+        self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else (None, None)
         self._stop, self.copied, self.seconds = threading.Event(), 0, 0.0
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -204,9 +208,13 @@ class CopyLoad:
         torch.set_num_threads(1)
         t = time.perf_counter()
         while not self._stop.is_set():
-            self._up[1].copy_(self._up[0])
-            self._down[0].copy_(self._down[1])
-            self.copied += 2 * self._up[0].nbytes
+            for (src, dst), stream in zip(self._pairs, self._streams):
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    dst.copy_(src, non_blocking=stream is not None)
+            for stream in self._streams:
+                if stream is not None:
+                    stream.synchronize()
+            self.copied += 2 * self._pairs[0][0].nbytes
         self.seconds = time.perf_counter() - t
 
     def __enter__(self):
@@ -222,11 +230,13 @@ class CopyLoad:
         return self.copied / max(self.seconds, 1e-9)
 
 
-def format_rows(hidden: int = 1024, iters: int = 10, threads: tuple[int, ...] | None = None) -> list[dict]:
+def format_rows(hidden: int = 1024, iters: int = 10, threads: tuple[int, ...] | None = None,
+                copies: str = "cpu") -> list[dict]:
     """Rows of {format, threads, load, numel, seconds, params_per_s, bytes_per_param,
     pinned_bytes_per_param, copy_bytes_per_s}: the worker's landing and update of one bf16-mixed
     streamed chunk with moments in each format, on each thread count, alone and beside a
-    ``CopyLoad`` of the chunk's PCIe bytes -- all in one run."""
+    ``CopyLoad`` of the chunk's PCIe bytes (``copies``: "cpu", or a CUDA device for real
+    copies) -- all in one run."""
     threads = threads or tuple(sorted({1, torch.get_num_threads()}))
     own, rows = torch.get_num_threads(), []
     for fmt in FORMAT_BYTES:
@@ -235,12 +245,12 @@ def format_rows(hidden: int = 1024, iters: int = 10, threads: tuple[int, ...] | 
         for n in threads:
             torch.set_num_threads(n)
             for load in (False, True):
-                with CopyLoad(numel) if load else contextlib.nullcontext() as copies:
+                with CopyLoad(numel, copies) if load else contextlib.nullcontext() as running:
                     seconds, _ = _land_and_update(engine, chunk, False, iters)
                 rows.append({"format": fmt, "threads": n, "load": load, "numel": numel, "seconds": seconds,
                              "params_per_s": numel / seconds, "bytes_per_param": FORMAT_BYTES[fmt],
                              "pinned_bytes_per_param": chunk.storage.fmt.streamed_pinned_bytes / numel,
-                             "copy_bytes_per_s": copies.bytes_per_s if load else 0.0})
+                             "copies": copies, "copy_bytes_per_s": running.bytes_per_s if load else 0.0})
         torch.set_num_threads(own)
         engine.close()
     return rows
@@ -248,9 +258,10 @@ def format_rows(hidden: int = 1024, iters: int = 10, threads: tuple[int, ...] | 
 
 def format_markdown(rows: list[dict], iters: int) -> str:
     fp32 = {(r["threads"], r["load"]): r["params_per_s"] for r in rows if r["format"] == "fp32"}
+    how = "a memcpy on the CPU" if rows[0]["copies"] == "cpu" else f"host<->{rows[0]['copies']} copies, both at once"
     lines = [f"one bf16-mixed streamed chunk of {rows[0]['numel']:,} trainable parameters, landed and updated by the "
              f"CPU worker; median of {iters}; copy load: another thread copying the chunk's {PCIE_BYTES} PCIe bytes per "
-             "parameter both ways meanwhile (a memcpy on the CPU)", "",
+             f"parameter both ways meanwhile ({how})", "",
              "| moments | threads | copy load | M params/s | vs fp32 | host bytes/param moved | page-locked bytes/param "
              "| copies GB/s |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['format']} | {r['threads']} | {'both ways' if r['load'] else 'none'} | {r['params_per_s'] / 1e6:.1f} "
@@ -286,13 +297,14 @@ def main(argv=None):
     ap.add_argument("--tensors", type=int, default=16, help="parameters per chunk")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--hidden", type=int, default=1024, help="hidden size of the pipeline's LLaMA blocks")
+    ap.add_argument("--copies", default="cpu", help="where the copy load copies to: cpu (a memcpy) or cuda")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
     rows = measure(args.numel, args.tensors, args.iters)
     print("\n" + markdown(rows, args.iters))
     pipelines = pipeline(args.hidden, args.iters)
     print("\n" + pipeline_markdown(pipelines, args.iters))
-    formats = format_rows(args.hidden, args.iters)
+    formats = format_rows(args.hidden, args.iters, copies=args.copies)
     print("\n" + format_markdown(formats, args.iters))
     if args.json:
         Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows, "pipelines": pipelines,

@@ -9,7 +9,8 @@ tool's 10-minute commands, resumable across calls.
 The pieces, in order:
   cuda-tests        python -m pytest -m cuda (passed, failed and skipped, from its JUnit XML)
   transfer          host<->device bandwidth with the pinned host pool (benchmarks/bench_transfer.py)
-  cpu-adam          CPU Adam throughput on the host's cores (benchmarks/bench_adam.py)
+  cpu-adam          CPU Adam throughput on the host's cores, and the update of each moment format
+                    alone and while host<->GPU copies run both ways (benchmarks/bench_adam.py)
   offload-states    a whole training state to the host and back (benchmarks/bench_offload.py),
                     against the copy bandwidth the profiler measures (goal: at least 80 %)
   timeline          the suite's study run: one ProTrain step's overlap timeline and the cost
@@ -97,9 +98,9 @@ def plan_pieces(suite_name: str, dry: bool) -> list[Piece]:
               + (("tests/test_offload_states.py",) if dry else ()), "tests"),
         Piece("transfer", 5 if dry else 30, (py, "-m", "benchmarks.bench_transfer", "--mib", "16" if dry else "256",
                                              "--json", "{out}/transfer.json"), "json"),
-        Piece("cpu-adam", 5 if dry else 60, (py, "-m", "benchmarks.bench_adam", "--numel", str(2**20 if dry else 2**24),
+        Piece("cpu-adam", 5 if dry else 90, (py, "-m", "benchmarks.bench_adam", "--numel", str(2**20 if dry else 2**24),
                                              "--json", "{out}/cpu-adam.json")
-              + (("--iters", "2", "--hidden", "256") if dry else ()), "json"),
+              + (("--iters", "2", "--hidden", "256") if dry else ("--copies", "cuda")), "json"),
         Piece("offload-states", 10 if dry else 90,
               (py, "-m", "benchmarks.bench_offload", "--layers", "2" if dry else "24", "--hidden", "256" if dry else "2048",
                "--json", "{out}/offload-states.json") + (() if dry else ("--device", "cuda")), "json"),
@@ -295,6 +296,9 @@ def markdown(state: dict, out: Path) -> str:
     adam = state["pieces"].get("cpu-adam", {}).get("data")
     if adam:
         lines += ["", "CPU Adam (`benchmarks/bench_adam.py`):", "", bench_adam.markdown(adam["rows"], iters=20)]
+        if adam.get("formats"):
+            lines += ["", "The update per moment format, alone and beside copies both ways:", "",
+                      bench_adam.format_markdown(adam["formats"], iters=20)]
     for folder in ("suite", "suite-dry"):
         report = out / folder / "results.md"
         if report.exists():

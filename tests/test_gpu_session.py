@@ -43,6 +43,8 @@ def test_dry_session_plans_resumes_and_runs_what_a_cpu_can(tmp_path):
     assert all(r["gb_per_s"] > 0 for r in transfer)
     adam = state["pieces"]["cpu-adam"]["data"]["rows"]
     assert adam[0]["kernel"].startswith("protrain_ops.adam_step") and adam[0]["params_per_s"] > 0
+    formats = state["pieces"]["cpu-adam"]["data"]["formats"]
+    assert {r["format"] for r in formats} == {"fp32", "bf16", "8bit"} and {r["load"] for r in formats} == {False, True}
     offload = state["pieces"]["offload-states"]["data"]["rows"]
     assert len(offload) == 3 and all(r["bytes"] > 0 and r["offload_s"] > 0 and r["onload_s"] > 0 for r in offload)
     study = json.loads((out / "suite" / "results.json").read_text())["study"][0]
@@ -52,6 +54,7 @@ def test_dry_session_plans_resumes_and_runs_what_a_cpu_can(tmp_path):
     assert {r["system"] for r in dry["runs"]} >= {"protrain-core", "pytorch", "fsdp2-offload"}
     md = (out / "session.md").read_text()
     assert "| cuda-tests | done |" in md and "Host<->device copies" in md and "CPU Adam" in md
+    assert "The update per moment format, alone and beside copies both ways" in md
     assert "Offloading the training state and back" in md
     assert "Study run (tiny-4L study" in md and "Dry run: every configuration constructed" in md
     # Nothing is left: a third call runs nothing.
