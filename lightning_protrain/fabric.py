@@ -215,22 +215,58 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
         pass  # the engine places every parameter itself
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        raise ValueError(
-            "The ProTrain strategy sets up the model together with its optimizer: call "
-            "fabric.setup(model, optimizer) (ProTrain keeps the optimizer state in its chunks)."
-        )
+        """``fabric.setup(model)`` and ``fabric.setup_module(model)``: an engine for evaluation
+        (no optimizer states; the configuration's plan, else every chunk streamed), which
+        ``fabric.setup_optimizers(optimizer)`` replaces by a training engine -- the optimizer may be
+        built from the set-up module's parameters, as Lightning teaches for FSDP."""
+        self._refuse_a_second_model()
+        self._environment_for("fabric.setup_module(model)")
+        if next(module.parameters(), None) is None:
+            return module  # nothing to manage
+        plan = self.config.planning.plan or pt.Plan(n_persist=0, n_buffer=2)
+        config = self.config.replace(planning={"plan": plan, "memory_budget": None, "max_tokens": None},
+                                     optimizer_states=False)
+        # An optimizer nobody steps: the engine allocates no states for it.
+        self.engine = build_engine(module, torch.optim.AdamW(module.parameters()), config,
+                                   precision=self.precision.precision, device=self.root_device,
+                                   scaler=self.precision.scaler, report=_report)
+        return module
+
+    def setup_optimizer(self, optimizer):
+        """``fabric.setup_optimizers(optimizer)`` after ``fabric.setup_module(model)``: the
+        evaluation engine gives way to a training one with this optimizer."""
+        engine = self._open_engine()
+        if engine is None:
+            raise RuntimeError("The ProTrain strategy builds its engine from the model: call fabric.setup_module(model) "
+                               "before fabric.setup_optimizers(optimizer), or fabric.setup(model, optimizer).")
+        if engine.optimizer_states:
+            raise RuntimeError(
+                "The ProTrain strategy trains its model with one optimizer, and it has one already. Give the "
+                "parameters of both one optimizer (a param group each, with their own settings) and call "
+                "fabric.setup_optimizers(optimizer) once.")
+        module = engine.module
+        engine.close()
+        self._build_for_training(module, check_optimizers([optimizer]))
+        return optimizer
 
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
+        self._refuse_a_second_model()
+        optimizer = check_optimizers(optimizers)
+        self._environment_for("fabric.setup(model, optimizer)")
+        self._build_for_training(module, optimizer)
+        return module, [optimizer], scheduler
+
+    def _refuse_a_second_model(self) -> None:
         if self._open_engine() is not None:
             raise RuntimeError(
-                "This ProTrain strategy already trains a model: fabric.setup(model, optimizer) was called "
+                "This ProTrain strategy already runs a model: fabric.setup was called "
                 f"before (for {type(self.engine.module).__name__}), and one ProTrain strategy runs one model. "
                 "To train several models, put them in one nn.Module (e.g. nn.ModuleDict({'generator': g, "
                 "'discriminator': d})) with one optimizer (one param group each, if they need their own "
                 "settings) and call fabric.setup once; or give the other model its own Fabric."
             )
-        optimizer = check_optimizers(optimizers)
-        self._environment_for("fabric.setup(model, optimizer)")
+
+    def _build_for_training(self, module: nn.Module, optimizer) -> None:
         searched = self.config.planning.plan is None
         self.engine = build_engine(
             module, optimizer, self.config, precision=self.precision.precision, device=self.root_device,
@@ -241,7 +277,6 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
             rank_zero_info(f"ProTrain: {self.engine.plan} (given), overlap: {self.engine.overlap}")
         elif self.example_inputs is not None:
             rank_zero_info(self.engine.explain())
-        return module, [optimizer], scheduler
 
     def wrap_anew(self) -> pt.Engine:
         """Which parameters train changed between steps (a block unfrozen and its param group

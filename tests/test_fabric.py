@@ -202,6 +202,62 @@ def test_a_second_model_in_one_fabric_is_refused_before_anything_is_built(monkey
     opt.step()
 
 
+@pytest.mark.parametrize("strategy", ["protrain", "streamed"])
+def test_fabric_two_step_setup_trains_like_plain_pytorch(strategy):
+    """Issue 59, item 1: ``fabric.setup_module(model)``, the optimizer built from the set-up
+    module's parameters, then ``fabric.setup_optimizers(optimizer)`` (the order Lightning teaches
+    for FSDP): bitwise plain PyTorch's run, on the searched and an all-streamed plan; the module
+    runs (for evaluation) between the two steps."""
+    if strategy == "streamed":
+        strategy = ProTrainFabricStrategy(pt.Plan(n_persist=0, n_buffer=1))
+    data = batches(8, batch=4)
+    ref_model, _, ref_losses = plain(data, accumulate=2)
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1)
+    fabric.launch()
+    model = fabric.setup_module(MODELS["gpt2"]())
+    assert not fabric.strategy.engine.optimizer_states  # evaluation until the optimizer comes
+    with torch.no_grad():
+        before = model(input_ids=data[0], labels=data[0]).loss
+    assert before.item() == MODELS["gpt2"]()(input_ids=data[0], labels=data[0]).loss.item()
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True))
+    assert fabric.strategy.engine.optimizer_states
+    losses = []
+    for i in range(0, len(data), 2):
+        for j, x in enumerate(data[i:i + 2]):
+            with fabric.no_backward_sync(model, enabled=j == 0):
+                loss = model(input_ids=x, labels=x).loss / 2
+                fabric.backward(loss)
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    assert losses == ref_losses
+    for k, v in ref_model.state_dict().items():
+        torch.testing.assert_close(fabric.strategy.engine.state_dict()[k], v, rtol=0, atol=0, msg=k)
+
+
+def test_fabric_setup_without_an_optimizer_evaluates_like_the_default_strategy():
+    data = batches(3, batch=2)
+    ref = Fabric(accelerator="cpu", devices=1)
+    outputs = {}
+    for name, fabric in (("auto", ref), ("protrain", Fabric(strategy="protrain", accelerator="cpu", devices=1))):
+        model = fabric.setup(MODELS["gpt2"]())
+        with torch.no_grad():
+            outputs[name] = [model(input_ids=x, labels=x).logits for x in data]
+    assert all(torch.equal(a, b) for a, b in zip(outputs["auto"], outputs["protrain"]))
+
+
+def test_fabric_two_step_setup_refuses_what_it_cannot_do():
+    fabric = Fabric(strategy="protrain", accelerator="cpu", devices=1)
+    fabric.launch()
+    model = MODELS["gpt2"]()
+    with pytest.raises(RuntimeError, match=r"call fabric.setup_module\(model\) before fabric.setup_optimizers"):
+        fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
+    model = fabric.setup_module(model)
+    decay, rest = list(model.parameters())[:2], list(model.parameters())[2:]
+    with pytest.raises(RuntimeError, match="one optimizer, and it has one already.*a param group each"):
+        fabric.setup_optimizers(torch.optim.AdamW(decay), torch.optim.AdamW(rest))
+
+
 @pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
 def test_fabric_saves_and_loads_a_scheduler_beside_the_optimizer(tmp_path, state_dict_type):
     """An LR scheduler has an ``.optimizer`` too: it loads its own state, as with the default
