@@ -219,10 +219,10 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
         (no optimizer states; the configuration's plan, else every chunk streamed), which
         ``fabric.setup_optimizers(optimizer)`` replaces by a training engine -- the optimizer may be
         built from the set-up module's parameters, as Lightning teaches for FSDP."""
+        if next(module.parameters(), None) is None:
+            return module  # nothing to manage (Lightning's own tests set up an empty nn.Sequential beside a model)
         self._refuse_a_second_model()
         self._environment_for("fabric.setup_module(model)")
-        if next(module.parameters(), None) is None:
-            return module  # nothing to manage
         plan = self.config.planning.plan or pt.Plan(n_persist=0, n_buffer=2)
         config = self.config.replace(planning={"plan": plan, "memory_budget": None, "max_tokens": None},
                                      optimizer_states=False)
@@ -291,7 +291,8 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
 
     def require_engine(self) -> pt.Engine:
         if self.engine is None:
-            raise RuntimeError("The ProTrain engine is built by fabric.setup(model, optimizer); it was not called yet.")
+            raise RuntimeError("The ProTrain engine is built by fabric.setup(model, optimizer) or "
+                               "fabric.setup_module(model); neither was called yet.")
         return self.engine
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
