@@ -15,7 +15,6 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor, nn
 
 import protrain_core as pt
-from protrain_core.config import with_legacy_keywords
 from protrain_core.precision import parse_precision
 from protrain_core.runtime.optim import check_optimizer
 from protrain_core.utils import temporary_prefix
@@ -302,15 +301,11 @@ def gradient_clipping(value, algorithm) -> pt.ClippingConfig | None:
     return pt.ClippingConfig(algorithm=algorithm, value=float(value))
 
 
-# The keyword arguments of both strategies that ProTrainConfig's fields replaced.
-_STRATEGY_LEGACY = ("plan", "memory_budget", "blocks", "chunk_size", "reprofile", "max_tokens", "state_dict_type")
-
-
-def strategy_config(config, deprecated: dict, *, caller: str) -> pt.ProTrainConfig:
+def strategy_config(config, *, caller: str) -> pt.ProTrainConfig:
     """A strategy's ``config`` argument (a ``ProTrainConfig``, a dict of its fields, a
-    ``Plan`` or a dict of a plan's fields: short for the configuration with that plan, or None)
-    with its deprecated keyword arguments folded in (``protrain_core.config``); what the
-    Lightning loop decides itself is refused here, before anything is built."""
+    ``Plan`` or a dict of a plan's fields: short for the configuration with that plan, or None:
+    the defaults); what the Lightning loop decides itself is refused here, before anything is
+    built."""
     if isinstance(config, dict) and config and set(config) <= {f.name for f in dataclasses.fields(pt.Plan)}:
         config = pt.Plan.from_dict(config)  # (no Plan field is a configuration field)
     if isinstance(config, pt.Plan):
@@ -320,7 +315,7 @@ def strategy_config(config, deprecated: dict, *, caller: str) -> pt.ProTrainConf
     elif config is not None and not isinstance(config, pt.ProTrainConfig):
         raise ValueError(f"{caller}(config=...) takes a protrain_core.ProTrainConfig, a dict of its fields, or a Plan; "
                          f"got {type(config).__name__}.")
-    config = with_legacy_keywords(config, deprecated, caller=caller, accepted=_STRATEGY_LEGACY, stacklevel=4)
+    config = config or pt.ProTrainConfig()
     if not config.optimizer_states:
         raise ValueError(
             f"{caller}(config=ProTrainConfig(optimizer_states=False)): the strategy decides that itself (fit "

@@ -19,7 +19,6 @@ exactly as with the default strategies and returns the total norm (``engine.clip
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Any
 
 import torch
@@ -40,7 +39,6 @@ from lightning_protrain._common import (
     strategy_config,
     check_optimizers,
     convert_input,
-    gradient_clipping,
     load_scaler_state,
     precision_of_plugin,
     register_as_protrain,
@@ -118,11 +116,6 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
             Fabric's (set by ``Fabric(...)``).
         process_group_backend, timeout, start_method: as for Fabric's ``DDPStrategy`` (several
             processes: ``Fabric(devices=N, num_nodes=M)``, torchrun, SLURM).
-
-    The keyword arguments ``plan``, ``memory_budget``, ``blocks``, ``chunk_size``,
-    ``reprofile``, ``max_tokens``, ``state_dict_type``, ``gradient_clip_val`` and
-    ``gradient_clip_algorithm`` still work for one release, with a ``FutureWarning``: they are
-    fields of ``config`` now.
     """
 
     _cuda_accelerator = CUDAAccelerator
@@ -143,19 +136,8 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
         process_group_backend: str | None = None,
         timeout=None,
         start_method: str = "popen",
-        **deprecated,
     ) -> None:
-        clip_val, clip_algorithm = deprecated.pop("gradient_clip_val", None), deprecated.pop("gradient_clip_algorithm", None)
-        config = strategy_config(config, deprecated, caller="ProTrainFabricStrategy")
-        if clip_val is not None or clip_algorithm is not None:
-            warnings.warn("ProTrainFabricStrategy(gradient_clip_val=..., gradient_clip_algorithm=...) is deprecated and "
-                          "will be removed in the next release: pass config=ProTrainConfig(clipping={'algorithm': ..., "
-                          "'value': ...}) instead.", FutureWarning, stacklevel=2)
-            if config.clipping is not None:
-                raise ValueError("ProTrainFabricStrategy() was given gradient_clip_val= and a config that sets clipping "
-                                 "too: give it once, in the config.")
-            config = config.replace(clipping=gradient_clipping(clip_val, clip_algorithm or "norm"))
-        self.config = config
+        self.config = strategy_config(config, caller="ProTrainFabricStrategy")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision)
         self._init_processes(process_group_backend, timeout, start_method)

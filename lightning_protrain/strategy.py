@@ -258,10 +258,6 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         device, accelerator, checkpoint_io, precision_plugin, parallel_devices,
         cluster_environment: Lightning's (set by the Trainer).
         process_group_backend, timeout, start_method: as for ``DDPStrategy`` (several processes).
-
-    The keyword arguments ``plan``, ``memory_budget``, ``blocks``, ``chunk_size``,
-    ``reprofile``, ``max_tokens`` and ``state_dict_type`` still work for one release, with a
-    ``FutureWarning``: they are fields of ``config`` now.
     """
 
     strategy_name = "protrain"
@@ -281,9 +277,8 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         process_group_backend: str | None = None,
         timeout=None,
         start_method: str = "popen",
-        **deprecated,
     ) -> None:
-        config = strategy_config(config, deprecated, caller="ProTrainStrategy")
+        config = strategy_config(config, caller="ProTrainStrategy")
         if config.clipping is not None:
             raise ValueError(
                 "ProTrainStrategy takes gradient clipping from the Trainer, as every strategy does: remove "

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from protrain_core.autoplan import AutoPlanner, check_budget_holds_states, follow, plan_on_first_steps, print_report
-from protrain_core.config import PlanningConfig, ProTrainConfig, with_legacy_keywords
+from protrain_core.config import PlanningConfig, ProTrainConfig
 from protrain_core.plan import Plan, check_plan
 from protrain_core.planner.profiles import Profile
 from protrain_core.precision import Precision, parse_precision
@@ -32,14 +32,10 @@ from protrain_core.update import overlap_mode
 from protrain_core.utils import available_host_bytes, batch_tokens, format_bytes
 
 
-_WRAP_LEGACY = ("memory_budget", "max_tokens", "blocks", "chunk_size", "profile_cache", "reprofile", "check_invariants",
-                "optimizer_states", "gradient_clipping")
-
-
 def wrap(
     model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan | dict | None = None, *,
     config: ProTrainConfig | None = None, precision: str = "32-true", device: torch.device | str | None = None,
-    example_inputs=None, loss_fn=None, step_fn=None, report=print_report, process_group=None, **deprecated,
+    example_inputs=None, loss_fn=None, step_fn=None, report=print_report, process_group=None,
 ) -> Engine:
     """Put ``model``'s parameters and ``optimizer``'s states into ProTrain chunks.
 
@@ -67,14 +63,11 @@ def wrap(
         process_group: the processes to shard the chunks over ([Note: sharded chunks]); default:
             the initialised default group, if any. Every rank calls ``wrap`` alike; rank 0's
             weights are broadcast and rank 0's plan is followed.
-
-    The keyword arguments ``memory_budget``, ``max_tokens``, ``blocks``, ``chunk_size``,
-    ``profile_cache``, ``reprofile``, ``check_invariants``, ``optimizer_states`` and
-    ``gradient_clipping`` still work for one release, with a ``FutureWarning``: they are
-    fields of ``config`` now.
     """
     # Everything that can be wrong with the arguments is checked before memory is touched.
-    config = with_legacy_keywords(config, deprecated, caller="wrap", accepted=_WRAP_LEGACY)
+    config = ProTrainConfig() if config is None else config
+    if not isinstance(config, ProTrainConfig):
+        raise TypeError(f"wrap(config=...) takes a protrain_core.ProTrainConfig, got {type(config).__name__}.")
     if plan is not None:
         if config.planning.plan is not None:
             raise ValueError("wrap() was given a plan and a config whose planning.plan is set: give it once.")

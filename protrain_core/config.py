@@ -21,7 +21,6 @@ Environment variables may set some defaults (read when the part is created):
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -230,51 +229,3 @@ def _part(cls, values: dict, name: str):
     if unknown:
         raise ValueError(f"ProTrainConfig.{name} has no field {unknown[0]!r}; its fields are {', '.join(sorted(known))}.")
     return cls(**values)
-
-
-# ----- the keyword arguments this configuration replaces ----------------------------------------
-# Old keyword -> (part, field). They keep working for one release, with a warning.
-LEGACY_KEYWORDS: dict[str, tuple[str | None, str]] = {
-    "plan": ("planning", "plan"),
-    "memory_budget": ("planning", "memory_budget"),
-    "max_tokens": ("planning", "max_tokens"),
-    "blocks": ("planning", "blocks"),
-    "chunk_size": ("planning", "chunk_size"),
-    "profile_cache": ("planning", "profile_cache"),
-    "reprofile": ("planning", "reprofile"),
-    "check_invariants": ("runtime", "check_invariants"),
-    "state_dict_type": ("checkpoint", "state_dict_type"),
-    "optimizer_states": (None, "optimizer_states"),
-    "gradient_clipping": (None, "clipping"),
-}
-
-
-def with_legacy_keywords(config: ProTrainConfig | None, keywords: dict, *, caller: str,
-                         accepted: Sequence[str], stacklevel: int = 3) -> ProTrainConfig:
-    """``config`` (default: the defaults) with the deprecated keyword arguments ``keywords`` of
-    ``caller`` folded in, each with a ``FutureWarning`` naming its place in the configuration.
-    An unknown keyword is a ``TypeError`` as Python gives it; a keyword given beside a
-    ``config`` that sets the same field is refused."""
-    if config is None:
-        config = ProTrainConfig()
-    elif not isinstance(config, ProTrainConfig):
-        raise TypeError(f"{caller}(config=...) takes a protrain_core.ProTrainConfig, got {type(config).__name__}.")
-    changes: dict[str, dict] = {}
-    top: dict[str, object] = {}
-    defaults = ProTrainConfig()
-    for name, value in keywords.items():
-        if name not in accepted:
-            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
-        part, key = LEGACY_KEYWORDS[name]
-        where = f"ProTrainConfig({key}=...)" if part is None else f"ProTrainConfig({part}={{{key!r}: ...}})"
-        warnings.warn(f"{caller}({name}=...) is deprecated and will be removed in the next release: pass "
-                      f"config={where} instead.", FutureWarning, stacklevel=stacklevel)
-        holder, default = (config, defaults) if part is None else (getattr(config, part), getattr(defaults, part))
-        if getattr(holder, key) != getattr(default, key):
-            raise ValueError(f"{caller}() was given {name}= and a config that sets {key} too: give it once, in the "
-                             "config.")
-        if part is None:
-            top[key] = value
-        else:
-            changes.setdefault(part, {})[key] = value
-    return config.replace(**changes, **top) if changes or top else config

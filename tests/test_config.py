@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
-import warnings
 
 import pytest
 import torch
@@ -15,7 +14,6 @@ from torch import nn
 import protrain_core as pt
 from conftest import MODELS, batches, train_engine
 from lightning_protrain import ProTrainFabricStrategy, ProTrainStrategy
-from protrain_core.config import LEGACY_KEYWORDS, with_legacy_keywords
 
 PLAN = pt.Plan(n_persist=1, n_buffer=1)
 ENV = ("PROTRAIN_NO_PIN", "PROTRAIN_CPU_ADAM_THREAD", "PROTRAIN_ONEPASS", "PROTRAIN_REPROFILE", "PROTRAIN_CACHE_DIR")
@@ -78,81 +76,30 @@ def test_an_environment_variable_sets_a_default_and_a_given_field_wins(monkeypat
     assert getattr(getattr(given, part), name) is default
 
 
-# ----- the old keyword arguments ----------------------------------------------------------------
-OLD = {
-    "memory_budget": ("1GiB", {"planning": {"memory_budget": "1GiB"}}),
-    "max_tokens": (512, {"planning": {"max_tokens": 512}}),
-    "blocks": ("transformer.h", {"planning": {"blocks": "transformer.h"}}),
-    "chunk_size": (4096, {"planning": {"chunk_size": 4096}}),
-    "profile_cache": (False, {"planning": {"profile_cache": False}}),
-    "reprofile": (True, {"planning": {"reprofile": True}}),
-    "check_invariants": (True, {"runtime": {"check_invariants": True}}),
-    "state_dict_type": ("sharded", {"checkpoint": {"state_dict_type": "sharded"}}),
-    "optimizer_states": (False, {"optimizer_states": False}),
-    "gradient_clipping": (("norm", 1.0), {"clipping": ("norm", 1.0)}),
-    "plan": (PLAN, {"planning": {"plan": PLAN}}),
-}
-
-
-@pytest.mark.parametrize("name", sorted(LEGACY_KEYWORDS))
-def test_each_old_keyword_warns_and_sets_its_field(name):
-    value, new = OLD[name]
-    with pytest.warns(FutureWarning, match=rf"f\({name}=\.\.\.\) is deprecated.*pass config=ProTrainConfig"):
-        config = with_legacy_keywords(None, {name: value}, caller="f", accepted=LEGACY_KEYWORDS)
-    assert config == pt.ProTrainConfig(**new)
-
-
-def test_old_keywords_given_with_a_config_setting_the_same_field_or_unknown_ones_are_refused():
-    config = pt.ProTrainConfig(runtime={"check_invariants": True})
-    with pytest.raises(ValueError, match="sets check_invariants too: give it once"), \
-            pytest.warns(FutureWarning):
-        with_legacy_keywords(config, {"check_invariants": False}, caller="wrap", accepted=LEGACY_KEYWORDS)
+# ----- one way to say each setting ---------------------------------------------------------------
+def test_the_old_keyword_arguments_are_gone_and_a_config_or_a_plan_is_the_way():
+    """Issue 56, item 3: no compatibility layer for a project that has not released: the keyword
+    arguments ProTrainConfig's fields replaced are Python's own TypeError (the README's and the
+    examples' calls use the configuration); a strategy takes a config, a dict of its fields or a
+    Plan."""
     model = MODELS["gpt2"]()
-    with pytest.raises(TypeError, match="unexpected keyword argument 'memory_budgett'"):
-        pt.wrap(model, torch.optim.AdamW(model.parameters()), PLAN, device="cpu", memory_budgett="1GiB")
+    for old in ({"memory_budget": "1GiB"}, {"check_invariants": True}, {"gradient_clipping": ("norm", 1.0)}):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(old))}'"):
+            pt.wrap(model, torch.optim.AdamW(model.parameters()), PLAN, device="cpu", **old)
+    for make, old in ((ProTrainStrategy, {"plan": PLAN}), (ProTrainStrategy, {"state_dict_type": "sharded"}),
+                      (ProTrainFabricStrategy, {"gradient_clip_val": 0.5})):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(old))}'"):
+            make(**old)
     with pytest.raises(ValueError, match="a plan and a config whose planning.plan is set"):
         pt.wrap(model, torch.optim.AdamW(model.parameters()), PLAN, device="cpu",
                 config=pt.ProTrainConfig(planning={"plan": PLAN}))
-    with pytest.raises(TypeError, match="unexpected keyword argument 'gradient_clipping'"):
-        ProTrainStrategy(gradient_clipping=("norm", 1.0))  # the Trainer's own clipping argument is another
-
-
-def test_wrap_with_the_old_keywords_trains_exactly_as_with_the_config():
-    data = batches(4)
-    runs = []
-    for old in (True, False):
-        torch.manual_seed(0)
-        model = MODELS["llama"]()
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        if old:
-            with pytest.warns(FutureWarning) as caught:
-                engine = pt.wrap(model, opt, PLAN, device="cpu", check_invariants=True, gradient_clipping=("norm", 0.05),
-                                 chunk_size=2**16)
-            assert len(caught) == 3 and all(w.filename == __file__ for w in caught)  # the caller's line
-        else:
-            engine = pt.wrap(model, opt, PLAN, device="cpu", config=pt.ProTrainConfig(
-                planning={"chunk_size": 2**16}, clipping=("norm", 0.05), runtime={"check_invariants": True}))
-        assert engine.scheduler.check_invariants and engine.layout.chunk_size == 2**16
-        runs.append((train_engine(engine, data), engine.clipping.configured))
-        engine.close()
-    assert runs[0] == runs[1]
-
-
-def test_the_strategies_take_a_config_a_plan_or_the_old_keywords():
+    with pytest.raises(TypeError, match="wrap\\(config=...\\) takes a protrain_core.ProTrainConfig, got dict"):
+        pt.wrap(model, torch.optim.AdamW(model.parameters()), PLAN, device="cpu", config={"planning": {}})
     assert ProTrainStrategy(PLAN).config == pt.ProTrainConfig(planning={"plan": PLAN})
     assert ProTrainStrategy({"n_persist": 1, "n_buffer": 1}).config == ProTrainStrategy(PLAN).config
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a Plan or a config is no deprecated form
-        config = pt.ProTrainConfig(planning={"plan": PLAN}, checkpoint={"state_dict_type": "sharded"})
-        assert ProTrainStrategy(config=config).state_dict_type == "sharded"
-        ProTrainFabricStrategy(PLAN)
-    with pytest.warns(FutureWarning) as caught:
-        strategy = ProTrainStrategy(plan=PLAN, state_dict_type="sharded", chunk_size=4096)
-    assert sorted(str(w.message).split("(")[1].split("=")[0] for w in caught) == ["chunk_size", "plan", "state_dict_type"]
-    assert strategy.config == pt.ProTrainConfig(planning={"plan": PLAN, "chunk_size": 4096},
-                                                checkpoint={"state_dict_type": "sharded"})
-    with pytest.warns(FutureWarning, match=r"gradient_clip_val=\.\.\., gradient_clip_algorithm=\.\.\.\) is deprecated"):
-        fabric = ProTrainFabricStrategy(gradient_clip_val=0.5, gradient_clip_algorithm="value")
+    config = pt.ProTrainConfig(planning={"plan": PLAN}, checkpoint={"state_dict_type": "sharded"})
+    assert ProTrainStrategy(config=config).state_dict_type == "sharded"
+    fabric = ProTrainFabricStrategy(pt.ProTrainConfig(clipping={"algorithm": "value", "value": 0.5}))
     assert fabric.config.clipping == pt.ClippingConfig(algorithm="value", value=0.5)
 
 

@@ -1,6 +1,6 @@
 """The engine's parts and their faces: ``engine.clipping``, ``engine.states``, ``engine.memory``,
 ``engine.activations``, ``engine.step_state`` and the typed step observers (issue 29 items 3
-and 5). The names they replace keep working for one release, with a FutureWarning.
+and 5).
 """
 
 import warnings
@@ -25,80 +25,19 @@ def _backward(engine, x):
     engine.backward(engine.module(input_ids=x, labels=x).loss)
 
 
-def _resolve(engine, path: str):
-    value = engine
-    for part in path.split("."):
-        value = getattr(value, part)
-    return value
-
-
-# old name -> the new path, for the names that are the same attribute there
-MOVED = {
-    "set_gradient_clipping": "clipping.configure",
-    "clip_grad_norm_": "clipping.clip_grad_norm_",
-    "clip_grad_value_": "clipping.clip_grad_value_",
-    "grad_norm": "clipping.grad_norm",
-    "expect_late_clipping": "clipping.expect_late",
-    "gradient_clipping": "clipping.configured",
-    "last_grad_norm": "clipping.last_norm",
-    "step_gradients_ready": "clipping.gradients_ready",
-    "optimizer_state_dict": "states.optimizer",
-    "load_optimizer_state_dict": "states.load_optimizer",
-    "scaler_state_dict": "states.scaler",
-    "load_scaler_state_dict": "states.load_scaler",
-    "chunk_optimizer": "states.chunk_optimizer",
-    "slot_of": "states.slot_of",
-    "activation_report": "activations.report",
-    "measure_activations": "activations.measure_next_forward",
-    "device_bytes": "memory.device_bytes",
-    "host_bytes": "memory.host_bytes",
-    "set_manual_optimization": "step_state.set_manual",
-}
-
-
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_a_moved_name_warns_and_gives_its_new_place(old):
-    engine = _engine()
-    try:
-        _backward(engine, batches(1)[0])  # the gradients are ready: the clipping reads work
-        with pytest.warns(FutureWarning, match=rf"engine\.{old} is deprecated .* use engine\.{MOVED[old]}"):
-            got = getattr(engine, old)
-        assert got == _resolve(engine, MOVED[old])
-    finally:
-        engine.close()
-
-
-def test_the_moved_names_still_work_as_before():
-    """A loop written against the old names trains exactly as one on the new names."""
-    data = batches(3)
-    runs = []
-    for old in (True, False):
-        engine = _engine()
-        norms = []
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore" if old else "error", FutureWarning)
-            for x in data:
-                _backward(engine, x)
-                norms.append(engine.clip_grad_norm_(0.5) if old else engine.clipping.clip_grad_norm_(0.5))
-                engine.step()
-                engine.zero_grad()
-            osd = engine.optimizer_state_dict() if old else engine.states.optimizer()
-            overlap = engine.steady_overlap() if old else engine.clipping.overlap(steady=True)
-        runs.append((torch.stack(norms), engine.state_dict(), osd["state"][0]["exp_avg"], overlap))
-        engine.close()
-    (n0, w0, m0, o0), (n1, w1, m1, o1) = runs
-    assert torch.equal(n0, n1) and torch.equal(m0, m1) and o0 == o1
-    assert all(torch.equal(w0[k], w1[k]) for k in w0)
-
-
-def test_an_unknown_attribute_is_an_attribute_error_without_a_warning():
+def test_the_names_the_parts_replaced_are_gone():
+    """Issue 56, item 3: no compatibility layer for a project that has not released -- the
+    engine's old names (``engine.clip_grad_norm_``, ``engine.optimizer_state_dict``, ...) are
+    plain AttributeErrors; the parts hold them."""
     engine = _engine()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert not hasattr(engine, "clip_grad")
-            with pytest.raises(AttributeError, match="has no attribute 'clip_grad'"):
-                engine.clip_grad  # noqa: B018
+            for old in ("clip_grad_norm_", "optimizer_state_dict", "steady_overlap", "host_bytes", "activation_report"):
+                with pytest.raises(AttributeError, match=f"has no attribute '{old}'"):
+                    getattr(engine, old)
+        _backward(engine, batches(1)[0])
+        assert engine.clipping.clip_grad_norm_(0.5) > 0 and engine.memory.host_bytes() > 0
     finally:
         engine.close()
 

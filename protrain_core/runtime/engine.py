@@ -9,9 +9,7 @@ the same public methods and parts: ``set_block_modes``, ``on_recompute``, ``auto
 
 from __future__ import annotations
 
-import functools
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
@@ -391,16 +389,6 @@ class Engine:
         memo[id(self)] = self
         return self
 
-    def __getattr__(self, name: str):
-        """The names this release moved to the engine's parts: they work, with a FutureWarning."""
-        moved = _MOVED.get(name)
-        if moved is None or name.startswith("__"):
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        new, get = moved
-        warnings.warn(f"engine.{name} is deprecated and will be removed in the next release; use engine.{new}.",
-                      FutureWarning, stacklevel=2)
-        return get(self)
-
     def _on_module_call(self, module, args, kwargs) -> None:
         if module is not self.module:  # a deep copy of the model
             return
@@ -422,31 +410,6 @@ class Engine:
                 f"{what} on an evaluation-only ProTrain engine (wrap(optimizer_states=False)): it holds no optimizer "
                 "states. Wrap with optimizer_states=True to train."
             )
-
-
-# Old name -> (new name, how to reach it from an engine).
-_MOVED: dict[str, tuple[str, Callable[[Engine], object]]] = {
-    "set_gradient_clipping": ("clipping.configure", lambda e: e.clipping.configure),
-    "clip_grad_norm_": ("clipping.clip_grad_norm_", lambda e: e.clipping.clip_grad_norm_),
-    "clip_grad_value_": ("clipping.clip_grad_value_", lambda e: e.clipping.clip_grad_value_),
-    "grad_norm": ("clipping.grad_norm", lambda e: e.clipping.grad_norm),
-    "expect_late_clipping": ("clipping.expect_late", lambda e: e.clipping.expect_late),
-    "gradient_clipping": ("clipping.configured", lambda e: e.clipping.configured),
-    "last_grad_norm": ("clipping.last_norm", lambda e: e.clipping.last_norm),
-    "step_gradients_ready": ("clipping.gradients_ready", lambda e: e.clipping.gradients_ready),
-    "steady_overlap": ("clipping.overlap(steady=True)", lambda e: functools.partial(e.clipping.overlap, steady=True)),
-    "optimizer_state_dict": ("states.optimizer", lambda e: e.states.optimizer),
-    "load_optimizer_state_dict": ("states.load_optimizer", lambda e: e.states.load_optimizer),
-    "scaler_state_dict": ("states.scaler", lambda e: e.states.scaler),
-    "load_scaler_state_dict": ("states.load_scaler", lambda e: e.states.load_scaler),
-    "chunk_optimizer": ("states.chunk_optimizer", lambda e: e.states.chunk_optimizer),
-    "slot_of": ("states.slot_of", lambda e: e.states.slot_of),
-    "activation_report": ("activations.report", lambda e: e.activations.report),
-    "measure_activations": ("activations.measure_next_forward", lambda e: e.activations.measure_next_forward),
-    "device_bytes": ("memory.device_bytes", lambda e: e.memory.device_bytes),
-    "host_bytes": ("memory.host_bytes", lambda e: e.memory.host_bytes),
-    "set_manual_optimization": ("step_state.set_manual", lambda e: e.step_state.set_manual),
-}
 
 
 class _ZeroGradRoute:
