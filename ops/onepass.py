@@ -148,6 +148,17 @@ def update(module, masters: list[Tensor], lows: list[Tensor], accs: list[Tensor]
                         None if coef is None else float(coef), clamp, landed, accumulate, write_acc)
 
 
+def adam8bit(module, params: list[Tensor], grads: list[Tensor], states1: list[Tensor], states2: list[Tensor],
+             absmax1: list[Tensor], absmax2: list[Tensor], qmap1: Tensor, qmap2: Tensor, steps: list[int],
+             hp: AdamHyperParams) -> None:
+    """bitsandbytes' block-wise 8-bit AdamW step (``optimizer_update_8bit_blockwise("adam", ...)``)
+    of each member's piece in one pass ([Note: 8-bit moments in one pass] in the C++ file): fp32
+    ``params`` and ``grads``, uint8 ``states`` with one fp32 scale per block of 256 in
+    ``absmax``, the signed and unsigned maps, each member's step count after this step."""
+    module.adam8bit(params, grads, states1, states2, absmax1, absmax2, qmap1, qmap2, [float(s) for s in steps], hp.lr,
+                    hp.beta1, hp.beta2, hp.eps, hp.weight_decay)
+
+
 def separate_passes(masters, lows, accs, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hp, *, coef, clamp, landed,
                     accumulate) -> None:
     """What ``update`` must equal: the passes the worker runs without the kernel."""

@@ -3,6 +3,7 @@
 in fp32 on every plan, independent of the plan in mixed precision, state dicts that load back
 exactly and open as torch AdamW's, the bytes the planner counts, and the refusals."""
 
+import contextlib
 import copy
 import math
 import sys
@@ -51,12 +52,17 @@ def test_the_tiny_model_has_8bit_and_fp32_members():
 @pytest.mark.parametrize("plan_name", ["all-persistent", "streamed-buf1", "mixed-buf2", "swap-checkpoint"])
 @pytest.mark.parametrize("fmt", ["bf16", "8bit"])
 def test_each_format_trains_bitwise_like_its_reference_optimizer(fmt, plan_name):
+    """8-bit moments: bitsandbytes' own calls, with the one-pass kernel turned off (the kernel
+    is held to bitsandbytes within its bounds in test_the_8bit_kernel_...)."""
+    from protrain_ops import onepass
+
     base, data = tiny_gpt2(), batches(6)
     ref = copy.deepcopy(base)
     ref_opt = reference_optimizer(fmt, ref.parameters())
     ref_losses = train_reference(ref, ref_opt, data)
-    engine = engine_for(copy.deepcopy(base), fmt, standard_plans(base)[plan_name], runtime={"check_invariants": True})
-    losses, sd, osd = run(engine, data)
+    with onepass.turned_off() if fmt == "8bit" else contextlib.nullcontext():
+        engine = engine_for(copy.deepcopy(base), fmt, standard_plans(base)[plan_name], runtime={"check_invariants": True})
+        losses, sd, osd = run(engine, data)
     assert losses == ref_losses
     assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
     # The optimizer state is the reference's own, entry for entry (bitsandbytes' unwrapped).
@@ -99,7 +105,18 @@ def test_in_mixed_precision_plans_offloads_and_replans_do_not_change_the_run(fmt
     assert_same_runs(a2, run(moved, data[4:], accumulate=2))
 
 
-def test_8bit_states_load_back_exactly_into_the_engine_and_into_bitsandbytes():
+@pytest.mark.parametrize("kernel", [True, False], ids=["one-pass kernel", "bitsandbytes' calls"])
+def test_8bit_states_load_back_exactly_into_the_engine_and_into_bitsandbytes(kernel):
+    """A resumed engine continues exactly; bitsandbytes' own optimizer takes the state and
+    continues exactly as the engine does with bitsandbytes' calls (the kernel's run stays within
+    test_the_8bit_kernel_trains_within_bitsandbytes_distance_of_bitsandbytes of it)."""
+    from protrain_ops import onepass
+
+    with contextlib.nullcontext() if kernel else onepass.turned_off():
+        _load_back(kernel)
+
+
+def _load_back(kernel: bool) -> None:
     base, data = tiny_gpt2(), batches(6)
     plan = standard_plans(base)["mixed-buf2"]
     whole = run(engine_for(copy.deepcopy(base), "8bit", plan), data)
@@ -114,6 +131,8 @@ def test_8bit_states_load_back_exactly_into_the_engine_and_into_bitsandbytes():
     tail = run(resumed, data[3:])
     assert tail[0] == whole[0][3:]
     assert_same_runs((tail[0],) + whole[1:], tail)
+    if kernel:
+        return
     # bitsandbytes' own optimizer takes the state on the unwrapped model and continues exactly.
     plain = copy.deepcopy(base)
     plain.load_state_dict(sd)
@@ -170,12 +189,15 @@ def _same_entries(got: dict, want: dict) -> bool:
     return True
 
 
-def test_8bit_moments_sharded_over_two_processes_train_like_ddp_with_adamw8bit(tmp_path):
+def test_8bit_moments_sharded_over_two_processes_train_like_ddp_with_adamw8bit(tmp_path, monkeypatch):
     """Two gloo processes: every plan gives DDP + bitsandbytes.optim.AdamW8bit's losses, weights
-    and optimizer state bit for bit (the 2-rank reduction is DDP's exactly: tests/test_distributed.py),
-    with members cut between the ranks; bitsandbytes' state loads back exactly, and an fp32 AdamW
-    state is quantised as a whole parameter would be."""
+    and optimizer state bit for bit with bitsandbytes' own calls (PROTRAIN_ONEPASS=0; the 2-rank
+    reduction is DDP's exactly: tests/test_distributed.py), with members cut between the ranks;
+    bitsandbytes' state loads back exactly, and an fp32 AdamW state is quantised as a whole
+    parameter would be."""
     from _distributed import spawn
+
+    monkeypatch.setenv("PROTRAIN_ONEPASS", "0")
 
     results = spawn(_eight_bit_ranks, 2, tmp_path, str(tmp_path))
     F = state_formats.bitsandbytes()
@@ -354,12 +376,20 @@ def test_an_unaligned_layout_an_unknown_format_and_a_missing_bitsandbytes_are_re
 
 
 def test_the_hardware_probe_times_the_update_in_the_format(monkeypatch):
-    calls = []
-    monkeypatch.setattr(state_formats, "eight_bit_step", lambda *a: calls.append(a))
+    """The probe times the 8-bit update as the runtime runs it: through ``eight_bit_steps``
+    with the one-pass kernel (and bf16 moments in the one-pass update)."""
+    from protrain_ops import onepass
+
+    calls, updates = [], []
+    monkeypatch.setattr(state_formats, "eight_bit_steps", lambda members, hp, kernel: calls.append(kernel))
+    real = onepass.update
+    monkeypatch.setattr(onepass, "update", lambda *a, **k: (updates.append(a[4][0].dtype), real(*a, **k))[1])
     from protrain_core.profiler.hardware import probe_hardware
 
     probe_hardware(torch.device("cpu"), 8192, pt.Precision.BF16_MIXED, state_format="8bit")
-    assert calls
+    assert calls and all(k is onepass.kernel() is not None for k in calls)
+    probe_hardware(torch.device("cpu"), 8192, pt.Precision.BF16_MIXED, state_format="bf16")
+    assert updates and set(updates) == {torch.bfloat16}
 
 
 def test_a_trainer_with_8bit_states_trains_like_bitsandbytes_under_the_default_strategy(tmp_path, monkeypatch):
@@ -367,6 +397,7 @@ def test_a_trainer_with_8bit_states_trains_like_bitsandbytes_under_the_default_s
     from test_lightning import LitLM, assert_same, fit
 
     monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PROTRAIN_ONEPASS", "0")  # bitsandbytes' own calls: bit for bit
 
     class Lit8bit(LitLM):
         def configure_optimizers(self):  # what the default strategy runs: bitsandbytes' own optimizer

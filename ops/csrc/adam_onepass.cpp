@@ -28,9 +28,15 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -71,6 +77,7 @@ Hyper make_hyper(double lr, double beta1, double beta2, double weight_decay, dou
 }
 
 using fVec = at::vec::Vectorized<float>;
+constexpr int64_t kBlock = 256;  // bitsandbytes' block-wise block
 // Elements per iteration: one vector of bf16 or fp16, two of fp32 (32 with AVX-512, 16 with AVX2).
 constexpr int64_t kLanes = at::vec::Vectorized<at::BFloat16>::size();
 static_assert(at::vec::Vectorized<at::Half>::size() == kLanes, "bf16 and fp16 vectors of one width");
@@ -329,6 +336,195 @@ bool land(std::vector<at::Tensor> masters, std::vector<at::Tensor> lows, std::ve
   return found;
 }
 
+
+// ----- 8-bit block-wise moments ---------------------------------------------------------------
+// [Note: 8-bit moments in one pass]
+// bitsandbytes' AdamW8bit on the CPU (its 0.50 backend) dequantises each moment (code[q] times
+// the absmax of the element's block of 256), steps with torch operators -- m * beta1 then
+// add(g, alpha=1 - beta1); v * beta2 then addcmul(g, g, value=1 - beta2); sqrt(v) / c2 + eps;
+// p * (1 - lr * wd) when wd > 0; addcdiv(m, denom, value=-lr / c1) -- and quantises each moment
+// again: a block's absmax, each element divided by it, the nearest code. Here all of it is one
+// pass per block, with the roundings of torch's kernels here (add with alpha and addcmul are
+// fused multiply-adds, addcdiv is not). Two differences, each within an ulp or a code: the
+// square root is the correctly rounded one (torch's sqrt operator, through MKL here, is not
+// always), and the nearest code is found exactly -- one table lookup on the top 16 bits of x
+// (the code nearest the least value with those bits; no such bucket holds two midpoints of
+// bitsandbytes' maps), then one comparison with the midpoint above it (ties go down) --
+// where bitsandbytes' binary search picks a farther code for some values: within about 1e-5 of
+// a midpoint, and the second moment's values below about 1e-5 of their block's scale (among its
+// tiny codes near 0): 0.1 % and 3 % of the codes after a first step, in a measurement.
+// tests/test_onepass.py holds the kernel to bitsandbytes within those bounds, and a training
+// run to bitsandbytes' own within the distance bitsandbytes keeps from fp32 moments.
+struct Search {
+  float mid[256];  // mid[i]: between code i and i + 1 (mid[255]: +inf)
+  std::vector<uint8_t> start;  // by x's top 16 bits: the nearest code to the least such value (+3 pad)
+  explicit Search(const float* table) : start(65536 + 3) {
+    float code[256];
+    std::copy(table, table + 256, code);
+    code[0] = -1.0f;  // as bitsandbytes' quantiser takes it
+    for (int i = 0; i < 255; ++i) mid[i] = (code[i] + code[i + 1]) / 2.0f;
+    mid[255] = INFINITY;
+    for (uint32_t key = 0; key < 65536; ++key) {
+      const uint32_t bits = key >> 15 ? (key << 16) | 0xFFFFu : key << 16;  // the bucket's least value
+      float lo;
+      std::memcpy(&lo, &bits, sizeof lo);
+      int64_t i = 0;
+      if (!std::isnan(lo)) i = std::upper_bound(mid, mid + 255, lo, [](float x, float m) { return x <= m; }) - mid;
+      start[key] = static_cast<uint8_t>(i);  // the number of midpoints strictly below lo
+    }
+  }
+  uint8_t find(float x) const {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    const int i = start[bits >> 16];
+    return static_cast<uint8_t>(i + (x > mid[i]));  // (NaN: code 0, as bitsandbytes gives)
+  }
+};
+
+// The searches of the maps seen so far (two in practice), built once each.
+const Search& search_for(const at::Tensor& qmap) {
+  static std::mutex lock;
+  static std::vector<std::pair<std::vector<float>, std::unique_ptr<Search>>> built;
+  std::vector<float> key(qmap.data_ptr<float>(), qmap.data_ptr<float>() + 256);
+  key[0] = -1.0f;
+  std::lock_guard<std::mutex> guard(lock);
+  for (auto& [table, search] : built) {
+    if (table == key) return *search;
+  }
+  built.emplace_back(key, std::make_unique<Search>(key.data()));
+  return *built.back().second;
+}
+
+struct Hyper8 {
+  float beta1, omb1, beta2, omb2, c2, eps, decay, neg_step;
+  bool decays;
+};
+
+// `len` moments of one block from their codes, and back to codes with their new block scale.
+inline void dequantise(const uint8_t* q, const float* code, float scale, float* out, int64_t len) {
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  for (; i + 16 <= len; i += 16) {
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i)));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_i32gather_ps(idx, code, 4), _mm512_set1_ps(scale)));
+  }
+#endif
+  for (; i < len; ++i) out[i] = code[q[i]] * scale;
+}
+
+inline float quantise(const float* x, const Search& s, uint8_t* q, int64_t len) {
+  float absmax = -FLT_MAX;
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 most = _mm512_set1_ps(-FLT_MAX);
+  for (; i + 16 <= len; i += 16) {  // (a NaN is passed over, as fmax does: max_ps gives its second operand)
+    most = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), most);
+  }
+  absmax = _mm512_reduce_max_ps(most);
+#endif
+  for (; i < len; ++i) absmax = std::fmax(absmax, std::fabs(x[i]));
+  i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 scale = _mm512_set1_ps(absmax);
+  for (; i + 16 <= len; i += 16) {
+    const __m512 v = _mm512_div_ps(_mm512_loadu_ps(x + i), scale);
+    const __m512i key = _mm512_srli_epi32(_mm512_castps_si512(v), 16);
+    __m512i c = _mm512_and_si512(_mm512_i32gather_epi32(key, s.start.data(), 1), _mm512_set1_epi32(0xFF));
+    const __mmask16 up = _mm512_cmp_ps_mask(v, _mm512_i32gather_ps(c, s.mid, 4), _CMP_GT_OQ);
+    c = _mm512_mask_add_epi32(c, up, c, _mm512_set1_epi32(1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(c));
+  }
+#endif
+  for (; i < len; ++i) q[i] = s.find(x[i] / absmax);
+  return absmax;
+}
+
+// One block of `len` (<= 256) elements: the moments dequantised with the maps as they were
+// (`dq1`, `dq2`), stepped, p updated, the moments quantised again.
+void block8(const Hyper8& h, float* p, const float* g, uint8_t* q1, uint8_t* q2, float* a1, float* a2, int64_t len,
+            const float* dq1, const float* dq2, const Search& s1, const Search& s2) {
+  alignas(64) float m[256], v[256];
+  dequantise(q1, dq1, *a1, m, len);
+  dequantise(q2, dq2, *a2, v, len);
+  int64_t i = 0;
+  for (; i + fVec::size() <= len; i += fVec::size()) {
+    const fVec gv = fVec::loadu(g + i);
+    const fVec mv = at::vec::fmadd(gv, fVec(h.omb1), fVec::loadu(m + i) * fVec(h.beta1));
+    const fVec vv = at::vec::fmadd(fVec(h.omb2) * gv, gv, fVec::loadu(v + i) * fVec(h.beta2));
+    const fVec denom = vv.sqrt() / fVec(h.c2) + fVec(h.eps);
+    fVec pv = fVec::loadu(p + i);
+    if (h.decays) pv = pv * fVec(h.decay);
+    pv = pv + fVec(h.neg_step) * mv / denom;
+    pv.store(p + i);
+    mv.store(m + i);
+    vv.store(v + i);
+  }
+  for (; i < len; ++i) {  // torch's scalar loop rounds alike (fused where its vectors are)
+    m[i] = std::fma(g[i], h.omb1, m[i] * h.beta1);
+    v[i] = std::fma(h.omb2 * g[i], g[i], v[i] * h.beta2);
+    const float denom = std::sqrt(v[i]) / h.c2 + h.eps;
+    const float pv = h.decays ? p[i] * h.decay : p[i];
+    p[i] = pv + h.neg_step * m[i] / denom;
+  }
+  *a1 = quantise(m, s1, q1, len);
+  *a2 = quantise(v, s2, q2, len);
+}
+
+// Members' pieces (each starting at a block boundary of its member) with their step counts
+// after this step: bitsandbytes' optimizer_update_8bit_blockwise("adam", ...) of each, in one
+// pass ([Note: 8-bit moments in one pass]).
+void adam8bit(std::vector<at::Tensor> params, std::vector<at::Tensor> grads, std::vector<at::Tensor> states1,
+              std::vector<at::Tensor> states2, std::vector<at::Tensor> absmax1, std::vector<at::Tensor> absmax2,
+              at::Tensor qmap1, at::Tensor qmap2, std::vector<double> steps, double lr, double beta1, double beta2,
+              double eps, double weight_decay) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && states1.size() == n && states2.size() == n && absmax1.size() == n &&
+                  absmax2.size() == n && steps.size() == n, "adam8bit: one tensor per member in every list");
+  TORCH_CHECK(qmap1.scalar_type() == at::kFloat && qmap1.numel() == 256 && qmap1.is_contiguous() &&
+                  qmap2.scalar_type() == at::kFloat && qmap2.numel() == 256 && qmap2.is_contiguous(),
+              "adam8bit: two maps of 256 fp32 codes");
+  const float* dq1 = qmap1.data_ptr<float>();
+  const float* dq2 = qmap2.data_ptr<float>();
+  const Search& s1 = search_for(qmap1);
+  const Search& s2 = search_for(qmap2);
+  for (size_t k = 0; k < n; ++k) {
+    const int64_t numel = params[k].numel(), blocks = (numel + kBlock - 1) / kBlock;
+    TORCH_CHECK(params[k].scalar_type() == at::kFloat && grads[k].scalar_type() == at::kFloat &&
+                    params[k].is_contiguous() && grads[k].is_contiguous() && grads[k].numel() == numel,
+                "adam8bit: fp32 contiguous params and gradients of one size");
+    TORCH_CHECK(states1[k].scalar_type() == at::kByte && states2[k].scalar_type() == at::kByte &&
+                    states1[k].is_contiguous() && states2[k].is_contiguous() && states1[k].numel() == numel &&
+                    states2[k].numel() == numel, "adam8bit: uint8 contiguous states of the param's size");
+    TORCH_CHECK(absmax1[k].scalar_type() == at::kFloat && absmax2[k].scalar_type() == at::kFloat &&
+                    absmax1[k].is_contiguous() && absmax2[k].is_contiguous() && absmax1[k].numel() == blocks &&
+                    absmax2[k].numel() == blocks, "adam8bit: one fp32 scale per block of 256");
+    // The scalars as torch takes them from Python's doubles.
+    const double step = steps[k];
+    Hyper8 h{};
+    h.beta1 = static_cast<float>(beta1);
+    h.omb1 = static_cast<float>(1.0 - beta1);
+    h.beta2 = static_cast<float>(beta2);
+    h.omb2 = static_cast<float>(1.0 - beta2);
+    h.c2 = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, step)));
+    h.eps = static_cast<float>(eps);
+    h.decays = weight_decay > 0.0;
+    h.decay = static_cast<float>(1.0 - lr * weight_decay);
+    h.neg_step = static_cast<float>(-lr / (1.0 - std::pow(beta1, step)));
+    float* p = params[k].data_ptr<float>();
+    const float* g = grads[k].data_ptr<float>();
+    uint8_t* q1 = states1[k].data_ptr<uint8_t>();
+    uint8_t* q2 = states2[k].data_ptr<uint8_t>();
+    float* a1 = absmax1[k].data_ptr<float>();
+    float* a2 = absmax2[k].data_ptr<float>();
+    at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t at = b * kBlock, len = std::min(kBlock, numel - at);
+        block8(h, p + at, g + at, q1 + at, q2 + at, a1 + b, a2 + b, len, dq1, dq2, s1, s2);
+      }
+    });
+  }
+}
+
 }  // namespace
 
 // The arguments are converted with the GIL held; the calls then release it (call_guard): the CPU
@@ -337,6 +533,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("adam_onepass", &adam_onepass, "One-pass Adam/AdamW of a chunk's members in mixed precision",
              pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("land", &land, "A landing folded into the accumulator (unscaled and checked), the copy restored",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("adam8bit", &adam8bit, "bitsandbytes' block-wise 8-bit Adam of members' pieces, in one pass",
              pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("lanes", [] { return kLanes; }, "Elements per iteration: lengths are multiples of it");
 }

@@ -17,7 +17,7 @@ from protrain_core.runtime.device import DeviceContext, as_context, cpu_worker_p
 from protrain_core.runtime.frozen_formats import dequantise_into, quantised_dtype
 from protrain_core.runtime.host_pool import PageLocked
 from protrain_core.runtime.options import RuntimeConfig
-from protrain_core.runtime.state_formats import moment_step
+from protrain_core.runtime.state_formats import moment_dtype, moment_step
 from protrain_ops import AdamHyperParams, adam_step, copy_to_low_precision, onepass
 
 
@@ -134,15 +134,18 @@ def _adam_rate(ctx: DeviceContext, n: int, on: torch.device, low: torch.dtype | 
     Where the host's mixed-precision update runs in one pass (protrain_ops/onepass.py), that
     pass is timed, and the landing's part is half of the one-pass landing (fold and copy
     restored), which the cost model charges twice where the update waits. Moments in another
-    format than fp32 are updated as the runtime does it (``moment_step``), without the kernel."""
-    p, g, m, v = (torch.zeros(n, device=on) for _ in range(4))
-    moments = moment_step(state_format, n, on)
+    format than fp32 are updated as the runtime does it: bf16 ones in the same pass, 8-bit ones
+    by ``moment_step`` (their own one-pass kernel) between the landing and the copy back."""
+    one_pass = onepass.kernel() if kernel and on.type == "cpu" else None
+    p, g = (torch.zeros(n, device=on) for _ in range(2))
+    m, v = (torch.zeros(n, device=on, dtype=moment_dtype(state_format, torch.float32)) for _ in range(2))
+    moments = moment_step(state_format, n, on, kernel=one_pass)
     steps = [torch.zeros((), device=on)]
     copy = torch.zeros(n, dtype=low, device=on) if low is not None else None
     g.fill_(1e-3)
     hp = AdamHyperParams(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
     landing = copy is not None and on == ctx.host
-    kernel = onepass.kernel() if kernel and landing and on.type == "cpu" and moments is None else None
+    kernel = one_pass if landing and moments is None else None
 
     def land():
         if kernel is not None:

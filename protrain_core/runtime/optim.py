@@ -222,13 +222,14 @@ class ChunkOptimizer:
     def _eight_bit(self, chunk: Chunk, members: list[int], views, hp: AdamHyperParams) -> None:
         """bitsandbytes' AdamW8bit step of ``members``, one call per member as its optimizer makes
         ([Note: optimizer-state formats] in state_formats.py); the step counters are on the CPU."""
-        places = self.quant_places(chunk)
+        places, stepped = self.quant_places(chunk), []
         for j, i in enumerate(members):
             steps = chunk.storage.steps[i]
             steps.add_(1)  # (on every rank, as torch counts a step of a parameter with no piece here)
             moments = self.member_moments(chunk, i, places, views.exp_avgs[j], views.exp_avg_sqs[j])
             if moments is not None:
-                formats.eight_bit_step(views.master[j], views.grads[j], moments, int(steps.item()), hp)
+                stepped.append((views.master[j], views.grads[j], moments, int(steps.item())))
+        formats.eight_bit_steps(stepped, hp, onepass.kernel() if self.one_pass_kernel else None)
 
     def quant_places(self, chunk: Chunk) -> formats.QuantPlaces:
         """Where ``chunk``'s 8-bit members keep their block scales and small ones their moments

@@ -11,13 +11,18 @@ dtype); the moments take one of three formats:
   bf16    bfloat16, round to nearest (4)           the fused kernel on fp32  protrain_core.AdamWBf16Moments
                                                    copies, rounded back (or
                                                    the one-pass kernel)
-  8bit    bitsandbytes' block-wise 8 bits: the     bitsandbytes' kernel,     bitsandbytes.optim.AdamW8bit
-          dynamic maps, fp32 absmax per block of   member by member
-          256 (2.03); fp32 below 4096 elements
+  8bit    bitsandbytes' block-wise 8 bits: the     one pass of protrain_ops  bitsandbytes.optim.AdamW8bit
+          dynamic maps, fp32 absmax per block of   on the CPU (else, and
+          256 (2.03); fp32 below 4096 elements     below 4096 elements,
+                                                   bitsandbytes' calls)
 
-Each is bitwise its reference on the unwrapped model: the update is elementwise (bf16) or
-block-wise from each parameter's first element (8bit), and a chunk's member is a contiguous view
-shaped like its parameter, so a chunk step makes the same calls on the same values. A member of
+Each is bitwise its reference on the unwrapped model where it makes the reference's calls: the
+update is elementwise (bf16) or block-wise from each parameter's first element (8bit), and a
+chunk's member is a contiguous view shaped like its parameter, so a chunk step makes the same
+calls on the same values. The 8-bit kernel's codes are exactly the nearest, where
+bitsandbytes' CPU search picks a farther one for a few; its runs stay within the distance
+bitsandbytes keeps from fp32 moments ([Note: 8-bit moments in one pass] in
+ops/csrc/adam_onepass.cpp; ``RuntimeConfig.one_pass_kernel=False`` makes bitsandbytes' calls). A member of
 fewer than 4096 elements keeps fp32 moments in "8bit", as bitsandbytes does (its
 ``min_8bit_size``): they live in one fp32 tensor of the chunk's (``wide``, packed in member
 order), the 8-bit members' block scales in another (``absmax``), both addressed by
@@ -51,7 +56,7 @@ import torch
 from torch import Tensor
 from torch.optim.adamw import adamw
 
-from protrain_ops import AdamHyperParams, adam_step
+from protrain_ops import AdamHyperParams, onepass
 
 FORMATS = ("fp32", "bf16", "8bit")
 BLOCK = 256  # bitsandbytes' block-wise block
@@ -230,21 +235,35 @@ def eight_bit_step(p: Tensor, g: Tensor, moments: MemberMoments, step: int, hp: 
                                       gnorm_scale=1.0, skip_zeros=False)
 
 
-def moment_step(name: str, n: int, device: torch.device):
+def eight_bit_steps(members: list[tuple[Tensor, Tensor, MemberMoments, int]], hp: AdamHyperParams, kernel) -> None:
+    """AdamW8bit steps of ``members`` (param, gradient, moments, its step count after this one):
+    the 8-bit ones on the CPU in one pass of ``kernel`` (protrain_ops; None: bitsandbytes'
+    own calls), the fp32 moments of small members and those on another device as bitsandbytes
+    runs them."""
+    fused = [k for k, (p, _, moments, _) in enumerate(members)
+             if kernel is not None and moments.absmax1 is not None and p.device.type == "cpu"]
+    for k in sorted(set(range(len(members))) - set(fused)):
+        eight_bit_step(*members[k], hp)
+    if fused:
+        q1, q2 = qmaps(members[fused[0]][0].device)
+        parts = [[members[k][0] for k in fused], [members[k][1] for k in fused]]
+        parts += [[getattr(members[k][2], a) for k in fused] for a in ("state1", "state2", "absmax1", "absmax2")]
+        onepass.adam8bit(kernel, *parts, q1, q2, [members[k][3] for k in fused], hp)
+
+
+def moment_step(name: str, n: int, device: torch.device, kernel=None):
     """For the hardware probe: ``step(p, g, hp)`` updating one ``n``-element parameter with moments in
-    format ``name`` as the runtime does, or None for "fp32" (torch's fused kernel)."""
-    if name == "fp32":
+    format ``name`` as the runtime does (``kernel``: the one-pass module the runtime would use);
+    None where the moments are tensors of ``moment_dtype`` that Adam steps as they are (fp32,
+    bf16)."""
+    if name != "8bit":
         return None
-    steps = [torch.zeros((), device=device)]
-    if name == "bf16":
-        m, v = (torch.zeros(n, dtype=torch.bfloat16, device=device) for _ in range(2))
-        return lambda p, g, hp: adam_step([p], [g], [m], [v], [], steps, hp)
     blocks = math.ceil(n / BLOCK)
     state = torch.zeros(2, n, dtype=torch.uint8, device=device)
     absmax = torch.zeros(2, blocks, device=device)
     moments = MemberMoments(state[0], state[1], absmax[0], absmax[1]) if n >= MIN_8BIT else \
         MemberMoments(*torch.zeros(2, n, device=device), None, None)
-    return lambda p, g, hp: eight_bit_step(p, g, moments, 1, hp)
+    return lambda p, g, hp: eight_bit_steps([(p, g, moments, 1)], hp, kernel)
 
 
 # ----- state dicts -------------------------------------------------------------------------------
