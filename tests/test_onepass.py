@@ -228,7 +228,7 @@ def _ticks_during(call) -> int:
     return ticks
 
 
-@pytest.mark.parametrize("what", ["land", "adam_onepass"])
+@pytest.mark.parametrize("what", ["land", "adam_onepass", "adam8bit"])
 def test_the_kernel_releases_the_gil_while_it_runs(kernel, what):
     """The CPU worker's native calls let Python run beside them (on a GPU: the autograd thread's
     hooks, a checkpointed block's recomputation). One thread, one call of tens of milliseconds:
@@ -240,6 +240,12 @@ def test_the_kernel_releases_the_gil_while_it_runs(kernel, what):
     if what == "land":
         def call():
             kernel.land([masters], [lows], [accs], True, None)
+    elif what == "adam8bit":
+        states, scales, code = torch.zeros(2, n, dtype=torch.uint8), torch.zeros(2, n // 256), torch.linspace(-1, 1, 256)
+
+        def call():
+            kernel.adam8bit([masters], [accs], [states[0]], [states[1]], [scales[0]], [scales[1]], code, code, [1.0],
+                            1e-3, 0.9, 0.999, 1e-8, 0.0)
     else:
         m, v = torch.zeros(n), torch.zeros(n)
 
@@ -261,8 +267,6 @@ def test_the_8bit_kernel_steps_as_bitsandbytes_with_exactly_nearest_codes(kernel
     members (a partial last block included): the same block scales, the weights within the
     square root's last bit, and codes that are exactly the nearest to the stepped moments --
     where bitsandbytes' search picks another code for a few, always a farther one."""
-    import numpy as np
-
     F = pytest.importorskip("bitsandbytes.functional")
     gen = torch.Generator().manual_seed(0)
     codes = [F.create_dynamic_map(signed=True), F.create_dynamic_map(signed=False)]
