@@ -264,3 +264,29 @@ def test_a_link_serves_the_copy_that_is_ready_and_nothing_is_charged_twice():
         a.add_(1)
     causes = {w.label.split(" (")[0] for w in sim.records.work if w.kind == "idle"}
     assert {"host wait: first", "host wait: second"} <= causes
+
+
+def test_the_simulated_search_plans_with_the_host_budget_wrap_checks():
+    """Issue 57, item 2 (one host budget): the simulated search took the host's whole memory as
+    its budget while wrap checks a plan against available memory less its margin, so a plan
+    between the two was chosen and then refused by wrap (an 11.1B plan on the H100 preset). Here
+    a host whose whole memory holds the all-streamed states but whose budget does not: the
+    search says no plan fits, before wrap builds anything."""
+    import dataclasses
+
+    from protrain_core import models
+    from protrain_core.simulator.hardware import H100
+    from protrain_core.simulator.run import simulate
+
+    def run(spec, **kw):
+        config = models.load_config("tiny-llama")
+        model, opt = models.build(config, "meta")
+        batch = models.token_batch(config, 2, 64, "meta")
+        return simulate(model, opt, batch, device=SimulatedDevice(spec), **kw)
+
+    streamed = run(H100, plan=pt.Plan(n_persist=0, n_buffer=1))
+    need = streamed.memory.planned_host_bytes
+    small = dataclasses.replace(H100, host_memory_bytes=int(need / 0.95))  # need <= host, need > host less 10 %
+    assert streamed.host_budget_bytes == int(H100.host_memory_bytes * 0.9)
+    with pytest.raises(pt.InfeasibleBudget):
+        run(small, budget=streamed.memory.peak_bytes)

@@ -359,8 +359,8 @@ class SimulatedDevice(DeviceContext):
             self._run(self.compute, self.spec.copy_latency_s, "read on host", "copy")
             self.block(self.host_lane(), self.compute.t, label)
 
-    def worker(self, threaded: bool, threads: int | None = None) -> Executor:
-        # (``threads``: the worker's rate is the spec's, however many threads it would use)
+    def worker(self, threaded: bool, placement=None) -> Executor:
+        # (``placement``: none on a simulated device; the worker's rate is the spec's)
         return SimulatedWorker(self, self.worker_lane if threaded else self.main)
 
     def clock(self) -> float:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from protrain_core.api import default_memory_budget, wrap
+from protrain_core.api import default_host_budget, default_memory_budget, wrap
 from protrain_core.config import ProTrainConfig
 from protrain_core.phase import StepObserver
 from protrain_core.plan import Plan, as_plan
@@ -49,7 +49,7 @@ class Simulation:
     predicted: RuntimeEstimate
     memory: MemoryEstimate
     device_memory_bytes: int
-    host_memory_bytes: int
+    host_budget_bytes: int | None  # what wrap lets the host states take (the search's too; None: a CPU device)
     timeline: dict
     profile: Profile
     choice: PlanChoice | None = None
@@ -66,7 +66,7 @@ class Simulation:
     def text(self) -> str:
         p = self.plan
         fits = self.memory.peak_bytes <= self.device_memory_bytes
-        host_fits = self.memory.host_bytes <= self.host_memory_bytes
+        host_fits = self.host_budget_bytes is None or self.memory.planned_host_bytes <= self.host_budget_bytes
         head = [
             f"{self.hardware}: {self.description}",
             f"plan {p.n_persist}/{p.n_buffer}/{p.n_swap}/{p.n_checkpoint} (persist/buffer/swap/checkpoint), "
@@ -74,8 +74,9 @@ class Simulation:
             f"cost model: step {format_seconds(self.predicted.total_s)} (forward {format_seconds(self.predicted.forward_s)}, "
             f"backward {format_seconds(self.predicted.backward_s)}, bottleneck {self.predicted.bottleneck}); peak "
             f"{format_bytes(self.memory.peak_bytes)} of {format_bytes(self.device_memory_bytes)}"
-            + ("" if fits else " -- does NOT fit the device") + f"; host {format_bytes(self.memory.host_bytes)} of "
-            f"{format_bytes(self.host_memory_bytes)}" + ("" if host_fits else " -- does NOT fit the host"),
+            + ("" if fits else " -- does NOT fit the device") + f"; host {format_bytes(self.memory.planned_host_bytes)} "
+            + (f"of its budget {format_bytes(self.host_budget_bytes)}" if self.host_budget_bytes is not None else "")
+            + ("" if host_fits else " -- does NOT fit the host"),
         ]
         return "\n".join(head + [self.report.text(self.predicted.total_s)])
 
@@ -124,7 +125,9 @@ def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
                                     accumulator=grad_accumulator is not False)
         choice = None
         if plan is None:
-            choice = search(profile, budget or default_memory_budget(sim), host_budget=sim.spec.host_memory_bytes,
+            # The host budget wrap checks a plan against (available RAM less the margin): a plan
+            # chosen here is one wrap builds.
+            choice = search(profile, budget or default_memory_budget(sim), host_budget=default_host_budget(sim),
                             schedule=mode.schedule, gradient_passes=mode.gradient_passes)
             plan = choice.plan
         plan = as_plan(plan)
@@ -139,7 +142,7 @@ def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
         hardware=sim.spec.name, description=description or profile.description, plan=plan, precision=prec.value,
         overlap=overlap, world_size=world_size, report=report,
         predicted=estimate_runtime(profile, plan, schedule=mode.schedule, gradient_passes=mode.gradient_passes), memory=estimate_memory(profile, plan),
-        device_memory_bytes=sim.spec.device_memory_bytes, host_memory_bytes=sim.spec.host_memory_bytes,
+        device_memory_bytes=sim.spec.device_memory_bytes, host_budget_bytes=default_host_budget(sim),
         timeline=timeline, profile=profile, choice=choice,
     )
 
