@@ -69,8 +69,8 @@ class Engine:
         self._autocast_depth = 0
         self.scaler = LossScaler() if precision is Precision.FP16_MIXED else None
         self._optim = ChunkOptimizer(optimizer, one_pass_kernel=options.runtime.one_pass_kernel)
-        if self._optim.one_pass_kernel and precision in (Precision.BF16_MIXED, Precision.FP16_MIXED) \
-                and self._optim.kind is None:
+        if self._optim.one_pass_kernel and self._optim.kind is None and (
+                precision in (Precision.BF16_MIXED, Precision.FP16_MIXED) or options.state_format == "8bit"):
             onepass.kernel()  # built (once per machine) and checked now, not in the first backward
         check_optimizer_for(options.state_format, optimizer, adam=self._optim.kind is None)
         if options.optimizer_states:
