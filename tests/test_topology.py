@@ -40,6 +40,20 @@ def test_sysfs_is_read_as_linux_writes_it(tmp_path):
     assert topo.gpu_nodes == (0, 1, None)  # -1: the kernel does not know
     assert topo.node_of((9, 10)) == 1 and topo.node_of((7, 8)) is None
     assert HostTopology.read(tmp_path / "nowhere").nodes == (tuple(range(__import__("os").cpu_count())),)
+    (tmp_path / "devices" / "system" / "node" / "node2").mkdir()  # a memory-only node: no cpulist
+    assert HostTopology.read(tmp_path).nodes == topo.nodes + ((),)
+
+
+def test_a_node_without_cores_keeps_the_numbering(tmp_path):
+    """Nodes are numbered as sysfs numbers them: a memory-only node between two (CXL memory)
+    takes no process, and a GPU on node 2 gets node 2's cores."""
+    root = fake_sysfs(tmp_path, ["0-3", "", "4-7"], {"0000:18:00.0": "2"})
+    topo = HostTopology.read(root, ("0000:18:00.0",))
+    assert topo.nodes == ((0, 1, 2, 3), (), (4, 5, 6, 7)) and topo.gpu_nodes == (2,)
+    assert place_worker(topo, allowed=frozenset(range(8)), local_rank=0, local_processes=1, device_index=0).cores == (5, 6, 7)
+    spread = [place_worker(HostTopology.read(root), allowed=frozenset(range(8)), local_rank=r, local_processes=2).node
+              for r in range(2)]
+    assert spread == [0, 2]
 
 
 def test_one_process_takes_its_gpus_node_less_a_core_for_the_driving_thread(tmp_path):

@@ -56,8 +56,8 @@ def _cores_text(cores: tuple[int, ...]) -> str:
 
 @dataclass(frozen=True)
 class HostTopology:
-    """The cores of each NUMA node, and the node each CUDA device is attached to (None: not
-    known)."""
+    """The cores of each NUMA node by its number (a node with memory only: no cores), and the
+    node each CUDA device is attached to (None: not known)."""
 
     nodes: tuple[tuple[int, ...], ...]
     gpu_nodes: tuple[int | None, ...] = ()
@@ -66,9 +66,10 @@ class HostTopology:
     def read(cls, root: str | Path = "/sys", gpu_bus_ids: tuple[str, ...] = ()) -> HostTopology:
         """From sysfs under ``root``; one node of every core where it says nothing (not Linux)."""
         base = Path(root, "devices", "system", "node")
-        found = sorted(base.glob("node[0-9]*"), key=lambda d: int(d.name[4:])) if base.is_dir() else []
-        nodes = tuple(cores for d in found if (cores := parse_cpulist((d / "cpulist").read_text())))
-        nodes = nodes or (tuple(range(os.cpu_count() or 1)),)
+        found = {int(d.name[4:]): _cpulist(d / "cpulist") for d in base.glob("node[0-9]*")} if base.is_dir() else {}
+        nodes = tuple(found.get(i, ()) for i in range(max(found, default=-1) + 1))
+        if not any(nodes):
+            nodes = (tuple(range(os.cpu_count() or 1)),)
         return cls(nodes, tuple(_pci_node(Path(root), bus, len(nodes)) for bus in gpu_bus_ids))
 
     def node_of(self, cores: tuple[int, ...]) -> int | None:
@@ -77,12 +78,19 @@ class HostTopology:
         return owners.pop() if len(owners) == 1 else None
 
 
+def _cpulist(path: Path) -> tuple[int, ...]:
+    try:
+        return parse_cpulist(path.read_text())
+    except (OSError, ValueError):  # a node without cores (memory only), or an unreadable file
+        return ()
+
+
 def _pci_node(root: Path, bus_id: str, n_nodes: int) -> int | None:
     try:
         node = int(Path(root, "bus", "pci", "devices", bus_id.lower(), "numa_node").read_text())
     except (OSError, ValueError):
         return None
-    return node if 0 <= node < n_nodes else None
+    return node if 0 <= node < n_nodes else None  # (a node without cores: see _node_and_peers)
 
 
 def gpu_bus_ids() -> tuple[str, ...]:
@@ -162,13 +170,15 @@ def _gpu_node(topology: HostTopology, device: int | None) -> int | None:
 def _node_and_peers(topology: HostTopology, rank: int, processes: int, device: int | None) -> tuple[int, list[int]]:
     """This process's node and the local ranks on it (their devices taken to be their local
     ranks when every GPU's node is known; else ranks spread evenly over the nodes)."""
-    n, processes = len(topology.nodes), max(1, processes)
-    if _gpu_node(topology, device) is not None and processes <= len(topology.gpu_nodes):
-        node = topology.gpu_nodes[device]
-        peers = [r for r in range(processes) if topology.gpu_nodes[r] == node]
+    with_cores = [i for i, cores in enumerate(topology.nodes) if cores]
+    processes = max(1, processes)
+    gpu = _gpu_node(topology, device)
+    if gpu is not None and topology.nodes[gpu] and processes <= len(topology.gpu_nodes):
+        node, peers = gpu, [r for r in range(processes) if topology.gpu_nodes[r] == gpu]
     else:
-        node = min(rank, processes - 1) * n // processes
-        peers = [r for r in range(processes) if r * n // processes == node]
+        spread = lambda r: with_cores[r * len(with_cores) // processes]  # noqa: E731
+        node = spread(min(rank, processes - 1))
+        peers = [r for r in range(processes) if spread(r) == node]
     return node, sorted(set(peers) | {rank})
 
 
