@@ -324,6 +324,15 @@ def strategy_config(config, *, caller: str) -> pt.ProTrainConfig:
     return config
 
 
+def for_evaluation(module: nn.Module, config: pt.ProTrainConfig, plan: pt.Plan | None) -> tuple:
+    """(optimizer, config) of an engine that only evaluates: an optimizer nobody steps (the
+    engine allocates no states for it), and ``plan`` -- else the configuration's, else every
+    chunk streamed -- with no search."""
+    plan = config.planning.plan or plan or pt.Plan(n_persist=0, n_buffer=2)
+    return torch.optim.AdamW(module.parameters()), config.replace(
+        planning={"plan": plan, "memory_budget": None, "max_tokens": None}, optimizer_states=False)
+
+
 def build_engine(module: nn.Module, optimizer, config: pt.ProTrainConfig, *, precision: str, device: torch.device,
                  example_inputs=None, loss_fn=None, scaler: dict | None = None, report) -> pt.Engine:
     engine = pt.wrap(module, optimizer, config=config, precision=precision, device=device,

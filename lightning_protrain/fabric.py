@@ -33,6 +33,7 @@ from lightning_protrain._common import (
     OneDevicePlumbing,
     ProcessesPlumbing,
     build_engine,
+    for_evaluation,
     checkpoint_optimizer_state,
     close_for_a_new_engine,
     load_checkpoint_optimizer_state,
@@ -205,13 +206,9 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
             return module  # nothing to manage (Lightning's own tests set up an empty nn.Sequential beside a model)
         self._refuse_a_second_model()
         self._environment_for("fabric.setup_module(model)")
-        plan = self.config.planning.plan or pt.Plan(n_persist=0, n_buffer=2)
-        config = self.config.replace(planning={"plan": plan, "memory_budget": None, "max_tokens": None},
-                                     optimizer_states=False)
-        # An optimizer nobody steps: the engine allocates no states for it.
-        self.engine = build_engine(module, torch.optim.AdamW(module.parameters()), config,
-                                   precision=self.precision.precision, device=self.root_device,
-                                   scaler=self.precision.scaler, report=_report)
+        optimizer, config = for_evaluation(module, self.config, None)
+        self.engine = build_engine(module, optimizer, config, precision=self.precision.precision,
+                                   device=self.root_device, scaler=self.precision.scaler, report=_report)
         return module
 
     def setup_optimizer(self, optimizer):

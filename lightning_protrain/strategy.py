@@ -65,6 +65,7 @@ from lightning_protrain._common import (
     OneDevicePlumbing,
     ProcessesPlumbing,
     build_engine,
+    for_evaluation,
     checkpoint_optimizer_state,
     close_for_a_new_engine,
     load_checkpoint_optimizer_state,
@@ -375,13 +376,8 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
             self._evaluate_without_engine(module)
             return
         else:
-            # Evaluation only: an optimizer nobody steps (the engine allocates no states for it);
-            # without a known plan everything streams.
-            optimizer = torch.optim.AdamW(module.parameters())
             late = touched = False
-            plan = self.config.planning.plan or self._last_plan or pt.Plan(n_persist=0, n_buffer=2)
-            config = self.config.replace(planning={"plan": plan, "memory_budget": None, "max_tokens": None},
-                                         optimizer_states=False)
+            optimizer, config = for_evaluation(module, self.config, self._last_plan)  # evaluation only
         self._fit = (config, late, touched, manual) if fitting else None
         self._build(module, optimizer, config)
         if self._sharded_weights is not None:  # ckpt_path is a sharded directory (load_model_state_dict)

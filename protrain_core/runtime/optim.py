@@ -220,8 +220,9 @@ class ChunkOptimizer:
             copy_to_low_precision(storage.compute_span(), storage.master)
 
     def _eight_bit(self, chunk: Chunk, members: list[int], views, hp: AdamHyperParams) -> None:
-        """bitsandbytes' AdamW8bit step of ``members``, one call per member as its optimizer makes
-        ([Note: optimizer-state formats] in state_formats.py); the step counters are on the CPU."""
+        """bitsandbytes' AdamW8bit step of ``members`` (``eight_bit_steps``: the one-pass kernel, or
+        bitsandbytes' calls; [Note: optimizer-state formats] in state_formats.py); the step
+        counters are on the CPU."""
         places, stepped = self.quant_places(chunk), []
         for j, i in enumerate(members):
             steps = chunk.storage.steps[i]

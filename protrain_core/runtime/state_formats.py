@@ -41,8 +41,8 @@ rule with ``W = 1``.
 
 Every chunk keeps the one format, persistent or streamed, so that a plan or a re-plan never
 changes the arithmetic. "bf16" and "8bit" need Adam or AdamW (another optimizer's states have
-no such format) without amsgrad, and "8bit" follows bitsandbytes' AdamW8bit: decoupled weight decay, no amsgrad,
-no maximize.
+no such format) without amsgrad, and "8bit" follows bitsandbytes' AdamW8bit: decoupled weight
+decay, no maximize.
 """
 
 from __future__ import annotations
@@ -240,15 +240,17 @@ def eight_bit_steps(members: list[tuple[Tensor, Tensor, MemberMoments, int]], hp
     the 8-bit ones on the CPU in one pass of ``kernel`` (protrain_ops; None: bitsandbytes'
     own calls), the fp32 moments of small members and those on another device as bitsandbytes
     runs them."""
-    fused = [k for k, (p, _, moments, _) in enumerate(members)
-             if kernel is not None and moments.absmax1 is not None and p.device.type == "cpu"]
-    for k in sorted(set(range(len(members))) - set(fused)):
-        eight_bit_step(*members[k], hp)
+    fused = []
+    for member in members:
+        p, _, moments, _ = member
+        if kernel is not None and moments.absmax1 is not None and p.device.type == "cpu":
+            fused.append(member)
+        else:
+            eight_bit_step(*member, hp)
     if fused:
-        q1, q2 = qmaps(members[fused[0]][0].device)
-        parts = [[members[k][0] for k in fused], [members[k][1] for k in fused]]
-        parts += [[getattr(members[k][2], a) for k in fused] for a in ("state1", "state2", "absmax1", "absmax2")]
-        onepass.adam8bit(kernel, *parts, q1, q2, [members[k][3] for k in fused], hp)
+        ps, gs, moments, steps = zip(*fused)
+        states = [[getattr(m, a) for m in moments] for a in ("state1", "state2", "absmax1", "absmax2")]
+        onepass.adam8bit(kernel, list(ps), list(gs), *states, *qmaps(ps[0].device), list(steps), hp)
 
 
 def moment_step(name: str, n: int, device: torch.device, kernel=None):
