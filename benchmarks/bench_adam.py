@@ -179,13 +179,12 @@ def _land_and_update(engine, chunk, clip: bool, iters: int) -> float:
     return statistics.median(times[1:]), statistics.median(after[1:]) if after else None
 
 
-# Host bytes per parameter of a bf16-mixed streamed chunk's whole update by the moments' format.
-# fp32 and bf16 moments, one pass: the landed bf16 gradient in (2), the fp32 gradient out (4),
-# the fp32 master read and written (8), both moments read and written (fp32 16, bf16 8), the bf16
-# copy out (2). 8-bit moments, three passes: the landing folded (2 + 4), the 8-bit update (the
-# gradient in 4, the master 8, the codes 4, their scales), the copy back (4 + 2). What a step
-# moves over PCIe per parameter: the copy up and the gradient down (2 + 2).
-FORMAT_BYTES = {"fp32": 32, "bf16": 24, "8bit": 28}
+# Host bytes per parameter of a bf16-mixed streamed chunk's whole update by the moments' format,
+# one pass each: the landed bf16 gradient in (2), the fp32 gradient out (4), the fp32 master read
+# and written (8), both moments read and written (fp32 16, bf16 8, 8-bit 4 and their block
+# scales, 1/32), the bf16 copy out (2). What a step moves over PCIe per parameter: the copy up
+# and the gradient down (2 + 2).
+FORMAT_BYTES = {"fp32": 32, "bf16": 24, "8bit": 20}
 PCIE_BYTES = 4
 
 

@@ -46,6 +46,17 @@ CAPABILITY_FLAGS = {
     "AVX2": ("-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mbmi2", "-mf16c"),
 }
 
+# The 8-bit moments' table lookups as byte permutes ([Note: the nearest code without a gather]),
+# where the CPU has them.
+VBMI = ("-mavx512vbmi",)
+
+
+def _has_vbmi() -> bool:
+    try:
+        return any(line.startswith("flags") and " avx512vbmi " in f"{line} " for line in open("/proc/cpuinfo"))
+    except OSError:
+        return False
+
 
 @dataclass
 class _Kernel:
@@ -93,7 +104,8 @@ def _load():
         return None, f"the kernel is built on Linux only, not {sys.platform}"
     try:
         from torch.utils.cpp_extension import load
-        flags = FLAGS + CAPABILITY_FLAGS.get(torch.backends.cpu.get_cpu_capability(), ())
+        capability = torch.backends.cpu.get_cpu_capability()
+        flags = FLAGS + CAPABILITY_FLAGS.get(capability, ()) + (VBMI if capability == "AVX512" and _has_vbmi() else ())
         digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:12]
         module = load(name=f"protrain_onepass_{digest}", sources=[str(SOURCE)], extra_cflags=list(flags),
                       extra_ldflags=["-fopenmp"], verbose=False)
@@ -148,15 +160,20 @@ def update(module, masters: list[Tensor], lows: list[Tensor], accs: list[Tensor]
                         None if coef is None else float(coef), clamp, landed, accumulate, write_acc)
 
 
-def adam8bit(module, params: list[Tensor], grads: list[Tensor], states1: list[Tensor], states2: list[Tensor],
-             absmax1: list[Tensor], absmax2: list[Tensor], qmap1: Tensor, qmap2: Tensor, steps: list[int],
-             hp: AdamHyperParams) -> None:
+def adam8bit(module, params: list[Tensor], lows: list[Tensor], accs: list[Tensor], states1: list[Tensor],
+             states2: list[Tensor], absmax1: list[Tensor], absmax2: list[Tensor], qmap1: Tensor, qmap2: Tensor,
+             steps: list[int], hp: AdamHyperParams, *, coef: Tensor | None = None, clamp: float | None = None,
+             landed: bool = False, accumulate: bool = False) -> None:
     """bitsandbytes' block-wise 8-bit AdamW step (``optimizer_update_8bit_blockwise("adam", ...)``)
     of each member's piece in one pass ([Note: 8-bit moments in one pass] in the C++ file): fp32
-    ``params`` and ``grads``, uint8 ``states`` with one fp32 scale per block of 256 in
-    ``absmax``, the signed and unsigned maps, each member's step count after this step."""
-    module.adam8bit(params, grads, states1, states2, absmax1, absmax2, qmap1, qmap2, [float(s) for s in steps], hp.lr,
-                    hp.beta1, hp.beta2, hp.eps, hp.weight_decay)
+    ``params``, uint8 ``states`` with one fp32 scale per block of 256 in ``absmax``, the signed
+    and unsigned maps, each member's step count after this step. The gradient is in ``accs``
+    (fp32), or, with ``landed``, in ``lows`` as ``update`` takes it (added to ``accs`` when
+    ``accumulate``); clipped by ``coef`` and ``clamp`` first; ``lows`` (the compute copy's span;
+    empty: none) end as the stepped params rounded."""
+    module.adam8bit(params, lows, accs, states1, states2, absmax1, absmax2, qmap1, qmap2, [float(s) for s in steps],
+                    hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, None if coef is None else float(coef), clamp,
+                    landed, accumulate)
 
 
 def separate_passes(masters, lows, accs, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hp, *, coef, clamp, landed,

@@ -435,7 +435,7 @@ def test_the_adam_benchmark_rates_every_moment_format_alone_and_beside_copies():
 
     rows = bench_adam.format_rows(hidden=64, iters=1, threads=(1,))
     assert [(r["format"], r["load"]) for r in rows] == [(f, load) for f in ("fp32", "bf16", "8bit") for load in (False, True)]
-    assert [r["bytes_per_param"] for r in rows[::2]] == [32, 24, 28]
+    assert [r["bytes_per_param"] for r in rows[::2]] == [32, 24, 20]
     assert all(r["pinned_bytes_per_param"] == 2.0 and r["params_per_s"] > 0 for r in rows)
     assert all((r["copy_bytes_per_s"] > 0) is r["load"] for r in rows)
     assert "| bf16 | 1 | both ways |" in bench_adam.format_markdown(rows, 1)

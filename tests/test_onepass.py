@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import protrain_core as pt
+from protrain_core.runtime.optim import ChunkOptimizer
 from conftest import batches, tiny_gpt2, train_engine, train_reference
 from protrain_ops import onepass
 
@@ -76,13 +77,13 @@ def test_verify_names_a_landing_that_misses_an_overflow(kernel):
     assert "bad=inf" in difference, difference
 
 
-def odd_llama(seed=0):
+def odd_llama(seed=0, hidden=40, intermediate=70):
     """Sizes that are not multiples of the kernel's vectors: every tensor has elements that
     torch's own kernel updates (the rest of ``onepass.update``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(num_hidden_layers=3, hidden_size=40, intermediate_size=70, num_attention_heads=4,
+    cfg = LlamaConfig(num_hidden_layers=3, hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=101, max_position_embeddings=64, bos_token_id=0,
                       eos_token_id=0, pad_token_id=0)
     return LlamaForCausalLM(cfg)
@@ -102,8 +103,10 @@ def optimizer(model, kind):
 def train(kind, clipping, accumulate, precision="bf16-mixed", *, steps=3, scale=None, moments="fp32"):
     """Losses, then per step the chunks' gradients left after step() (as ``p.grad`` stays until
     zero_grad), then the final weights and optimizer state, and the loss scale after each step
-    (fp16; ``scale``: the first one)."""
-    model = odd_llama()
+    (fp16; ``scale``: the first one). 8-bit moments: a wider model, whose larger members (from
+    4,096 elements) have 8-bit moments, some ending in a partial block of 256, and the smaller
+    fp32 ones."""
+    model = odd_llama(hidden=72, intermediate=130) if moments == "8bit" else odd_llama()
     engine = pt.wrap(model, optimizer(model, kind), pt.Plan(n_persist=0, n_buffer=2), precision=precision,
                      device="cpu", report=None,
                      config=pt.ProTrainConfig(clipping=clipping, optimizer_state_format=moments))
@@ -139,7 +142,8 @@ def assert_equal_runs(fused, separate):
     assert all(torch.equal(bits(fused[2][k]), bits(separate[2][k])) for k in fused[2])
     for index, entry in separate[3]["state"].items():
         for key, value in entry.items():
-            assert torch.equal(bits(fused[3]["state"][index][key]), bits(value)), (index, key)
+            ours = fused[3]["state"][index][key]
+            assert torch.equal(bits(ours), bits(value)) if torch.is_tensor(value) else ours == value, (index, key)
     assert fused[3]["state"].keys() == separate[3]["state"].keys()
     assert fused[4] == separate[4]
 
@@ -202,6 +206,30 @@ def test_fp16_training_with_the_kernel_equals_the_separate_passes_bit_for_bit(ke
     assert_equal_runs(fused, separate)
 
 
+@pytest.mark.parametrize("clipping, accumulate, precision", [
+    (None, 1, "bf16-mixed"),
+    (None, 2, "bf16-mixed"),  # the last landing added to the accumulator in the pass
+    (("value", 0.01), 1, "bf16-mixed"),
+    (("norm", 0.5), 2, "bf16-mixed"),  # the gradient read from the accumulator, scaled by the norm's coefficient
+    (None, 1, "16-mixed"),
+])
+def test_8bit_training_in_one_pass_equals_the_separate_passes_bit_for_bit(kernel, monkeypatch, clipping, accumulate,
+                                                                          precision):
+    """8-bit moments ([Note: 8-bit moments in one pass]): the landing, clipping and copy back in
+    the kernel's pass give what the separate passes give around the same 8-bit update, bit for
+    bit (the small members' fp32 moments stepped by bitsandbytes in both)."""
+    calls = record(monkeypatch, "adam8bit", lambda kw: kw.get("landed"))
+    with monkeypatch.context() as m:
+        m.setattr(ChunkOptimizer, "one_pass", lambda self, chunk: None)
+        separate = train("adamw", clipping, accumulate, precision, moments="8bit")
+    assert set(calls) == {None}  # the update alone, the gradient folded and the copy made around it
+    calls.clear()
+    fused = train("adamw", clipping, accumulate, precision, moments="8bit")
+    expected = {None: {False, True}, "value": {True}, "norm": {False}}[clipping and clipping[0]]
+    assert set(calls) == ({False} if precision == "16-mixed" else expected), calls
+    assert_equal_runs(fused, separate)
+
+
 def _ticks_during(call) -> int:
     """How often this thread's Python runs while ``call()`` runs on another thread: a tick per
     pass of a loop sleeping 0.5 ms. A call that holds the GIL leaves it none."""
@@ -244,8 +272,8 @@ def test_the_kernel_releases_the_gil_while_it_runs(kernel, what):
         states, scales, code = torch.zeros(2, n, dtype=torch.uint8), torch.zeros(2, n // 256), torch.linspace(-1, 1, 256)
 
         def call():
-            kernel.adam8bit([masters], [accs], [states[0]], [states[1]], [scales[0]], [scales[1]], code, code, [1.0],
-                            1e-3, 0.9, 0.999, 1e-8, 0.0)
+            kernel.adam8bit([masters], [lows], [accs], [states[0]], [states[1]], [scales[0]], [scales[1]], code, code,
+                            [1.0], 1e-3, 0.9, 0.999, 1e-8, 0.0, None, None, True, True)
     else:
         m, v = torch.zeros(n), torch.zeros(n)
 
@@ -270,14 +298,14 @@ def test_the_8bit_kernel_steps_as_bitsandbytes_with_exactly_nearest_codes(kernel
     F = pytest.importorskip("bitsandbytes.functional")
     gen = torch.Generator().manual_seed(0)
     codes = [F.create_dynamic_map(signed=True), F.create_dynamic_map(signed=False)]
-    for n in (4096, 256 * 33 + 40):
+    for n in (4096, 256 * 33 + 40, 63):  # (63: every lookup by the scalar search, as without AVX-512 VBMI)
         p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2
         blocks = -(-n // 256)
         ours = [p.clone(), torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8), torch.zeros(blocks),
                 torch.zeros(blocks)]
         theirs = [t.clone() for t in ours]
         hp = onepass.AdamHyperParams(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
-        onepass.adam8bit(kernel, [ours[0]], [g], [ours[1]], [ours[2]], [ours[3]], [ours[4]], *codes, [1], hp)
+        onepass.adam8bit(kernel, [ours[0]], [], [g], [ours[1]], [ours[2]], [ours[3]], [ours[4]], *codes, [1], hp)
         F.optimizer_update_8bit_blockwise("adam", g, theirs[0], theirs[1], theirs[2], 0.9, 0.999, 0.0, 0.0, 1e-8, 1,
                                           1e-3, *codes, theirs[3], theirs[4], 0.01, gnorm_scale=1.0, skip_zeros=False)
         assert torch.equal(ours[3], theirs[3]) and torch.equal(ours[4], theirs[4])

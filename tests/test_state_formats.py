@@ -376,18 +376,18 @@ def test_an_unaligned_layout_an_unknown_format_and_a_missing_bitsandbytes_are_re
 
 
 def test_the_hardware_probe_times_the_update_in_the_format(monkeypatch):
-    """The probe times the 8-bit update as the runtime runs it: through ``eight_bit_steps``
-    with the one-pass kernel (and bf16 moments in the one-pass update)."""
+    """The probe times the 8-bit update as the runtime runs it: the landing, the update and the
+    copy back in one pass of the kernel (and bf16 moments in the one-pass update)."""
     from protrain_ops import onepass
 
     calls, updates = [], []
-    monkeypatch.setattr(state_formats, "eight_bit_steps", lambda members, hp, kernel: calls.append(kernel))
-    real = onepass.update
+    real8, real = onepass.adam8bit, onepass.update
+    monkeypatch.setattr(onepass, "adam8bit", lambda *a, **k: (calls.append((a[0], k["landed"])), real8(*a, **k))[1])
     monkeypatch.setattr(onepass, "update", lambda *a, **k: (updates.append(a[4][0].dtype), real(*a, **k))[1])
     from protrain_core.profiler.hardware import probe_hardware
 
     probe_hardware(torch.device("cpu"), 8192, pt.Precision.BF16_MIXED, state_format="8bit")
-    assert calls and all(k is onepass.kernel() is not None for k in calls)
+    assert calls and set(calls) == {(onepass.kernel(), True)} and onepass.kernel() is not None
     probe_hardware(torch.device("cpu"), 8192, pt.Precision.BF16_MIXED, state_format="bf16")
     assert updates and set(updates) == {torch.bfloat16}
 

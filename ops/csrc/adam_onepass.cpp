@@ -343,109 +343,323 @@ bool land(std::vector<at::Tensor> masters, std::vector<at::Tensor> lows, std::ve
 // the absmax of the element's block of 256), steps with torch operators -- m * beta1 then
 // add(g, alpha=1 - beta1); v * beta2 then addcmul(g, g, value=1 - beta2); sqrt(v) / c2 + eps;
 // p * (1 - lr * wd) when wd > 0; addcdiv(m, denom, value=-lr / c1) -- and quantises each moment
-// again: a block's absmax, each element divided by it, the nearest code. Here all of it is one
-// pass per block, with the roundings of torch's kernels here (add with alpha and addcmul are
-// fused multiply-adds, addcdiv is not). Two differences, each within an ulp or a code: the
-// square root is the correctly rounded one (torch's sqrt operator, through MKL here, is not
-// always), and the nearest code is found exactly -- one table lookup on the top 16 bits of x
-// (the code nearest the least value with those bits; no such bucket holds two midpoints of
-// bitsandbytes' maps), then one comparison with the midpoint above it (ties go down) --
-// where bitsandbytes' binary search picks a farther code for some values: within about 1e-5 of
-// a midpoint, and the second moment's values below about 1e-5 of their block's scale (among its
-// tiny codes near 0): 0.1 % and 3 % of the codes after a first step, in a measurement.
-// tests/test_onepass.py holds the kernel to bitsandbytes within those bounds, and a training
-// run to bitsandbytes' own within the distance bitsandbytes keeps from fp32 moments.
-struct Search {
-  float mid[256];  // mid[i]: between code i and i + 1 (mid[255]: +inf)
-  std::vector<uint8_t> start;  // by x's top 16 bits: the nearest code to the least such value (+3 pad)
-  explicit Search(const float* table) : start(65536 + 3) {
-    float code[256];
-    std::copy(table, table + 256, code);
-    code[0] = -1.0f;  // as bitsandbytes' quantiser takes it
-    for (int i = 0; i < 255; ++i) mid[i] = (code[i] + code[i + 1]) / 2.0f;
-    mid[255] = INFINITY;
-    for (uint32_t key = 0; key < 65536; ++key) {
-      const uint32_t bits = key >> 15 ? (key << 16) | 0xFFFFu : key << 16;  // the bucket's least value
-      float lo;
-      std::memcpy(&lo, &bits, sizeof lo);
-      int64_t i = 0;
-      if (!std::isnan(lo)) i = std::upper_bound(mid, mid + 255, lo, [](float x, float m) { return x <= m; }) - mid;
-      start[key] = static_cast<uint8_t>(i);  // the number of midpoints strictly below lo
-    }
+// again: a block's absmax, each element divided by it, the nearest code. Here a streamed
+// chunk's whole update is one pass per block, as `adam_onepass` is for wider moments: the
+// gradient read where it landed (added to the accumulator, clipped, stored as the fp32
+// gradient the step leaves behind), both moments dequantised, stepped and quantised again, the
+// master stepped and rounded into the low-precision copy -- 20 bytes per parameter against the
+// 28 of landing, update and copy-back as separate passes. The landing, clipping and copy are
+// single roundings, equal bit for bit to the separate passes; the update has the roundings of
+// torch's kernels here (add with alpha and addcmul are fused multiply-adds, addcdiv is not).
+// Two differences from bitsandbytes, each within an ulp or a code: the square root is the
+// correctly rounded one (torch's sqrt operator, through MKL here, is not always), and the
+// nearest code is found exactly ([Note: the nearest code without a gather]) where bitsandbytes'
+// binary search picks a farther code for some values: within about 1e-5 of a midpoint, and the
+// second moment's values below about 1e-5 of their block's scale (among its tiny codes near 0):
+// 0.1 % and 3 % of the codes after a first step, in a measurement. tests/test_onepass.py holds
+// the kernel to bitsandbytes within those bounds, and a training run to bitsandbytes' own within
+// the distance bitsandbytes keeps from fp32 moments.
+//
+// [Note: the nearest code without a gather]
+// The nearest code of v is the number of midpoints between codes below v (ties go down). A
+// table of at most 512 buckets gives that number for the least value of v's bucket: its sign,
+// its binade (all binades below the map's least midpoint are one), and as many leading mantissa
+// bits as that binade needs for no bucket to hold two midpoints (bitsandbytes' maps: 444 and 497
+// buckets); one comparison with the midpoint above finishes. With AVX-512 VBMI the lookups --
+// the bucket's start among 512 bytes, the midpoint and the dequantised code among 256 floats
+// held as four planes of bytes -- are byte permutes of 64 lanes at once. A 16-lane gather
+// instead cost more than the rest of the update together on the 2-core Zen 5 VM (the kernel at
+// 340 M parameters/s with two gathers per moment, 1,820 without). Without VBMI: scalar lookups
+// of the same tables, with the same results.
+#if defined(__AVX512VBMI__)
+// out[r] (natural order): the floats of `planes` (byte k of entry i: planes[k][i / 64] lane i % 64)
+// at the 64 byte indices `idx`.
+inline void lookup64(const __m512i (&planes)[4][4], __m512i idx, __m512 (&out)[4]) {
+  // Unpacking bytes into floats interleaves within 128-bit lanes: permute the indices first so
+  // that the floats come out in order.
+  alignas(64) static const uint8_t order[64] = {
+      0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4, 5, 6, 7, 20, 21, 22, 23, 36, 37, 38, 39,
+      52, 53, 54, 55, 8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59, 12, 13, 14, 15, 28, 29, 30, 31,
+      44, 45, 46, 47, 60, 61, 62, 63};
+  idx = _mm512_permutexvar_epi8(_mm512_load_si512(order), idx);
+  const __mmask64 high = _mm512_movepi8_mask(idx);
+  __m512i b[4];
+  for (int k = 0; k < 4; ++k) {
+    b[k] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(planes[k][0], idx, planes[k][1]),
+                                  _mm512_permutex2var_epi8(planes[k][2], idx, planes[k][3]));
   }
-  uint8_t find(float x) const {
+  const __m512i lo01 = _mm512_unpacklo_epi8(b[0], b[1]), hi01 = _mm512_unpackhi_epi8(b[0], b[1]);
+  const __m512i lo23 = _mm512_unpacklo_epi8(b[2], b[3]), hi23 = _mm512_unpackhi_epi8(b[2], b[3]);
+  out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23));
+  out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23));
+  out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23));
+  out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23));
+}
+
+inline void byte_planes(const float* values, __m512i (&planes)[4][4]) {
+  alignas(64) uint8_t b[4][256];
+  for (int i = 0; i < 256; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &values[i], sizeof bits);
+    for (int k = 0; k < 4; ++k) b[k][i] = static_cast<uint8_t>(bits >> (8 * k));
+  }
+  for (int k = 0; k < 4; ++k) {
+    for (int r = 0; r < 4; ++r) planes[k][r] = _mm512_load_si512(b[k] + 64 * r);
+  }
+}
+
+inline __mmask64 join(__mmask16 a, __mmask16 b, __mmask16 c, __mmask16 d) {
+  return _mm512_kunpackd(_mm512_kunpackw(d, c), _mm512_kunpackw(b, a));
+}
+#endif
+
+// One of bitsandbytes' maps of 256 sorted codes: their values, and the search for the nearest.
+class alignas(64) Map {
+ public:
+  explicit Map(const float* table) {
+    std::copy(table, table + 256, code_);
+    for (int i = 0; i < 255; ++i) mid_[i] = ((i == 0 ? -1.0f : code_[i]) + code_[i + 1]) / 2.0f;  // (code 0 taken
+    mid_[255] = INFINITY;                                                  // as -1, as bitsandbytes' search does)
+    int least = 255;  // the least binade holding a midpoint
+    for (int i = 0; i < 255; ++i) {
+      if (mid_[i] != 0.0f) least = std::min(least, static_cast<int>((bits_of(mid_[i]) >> 23) & 0xFF));
+    }
+    TORCH_CHECK(least >= 129 - 32, "adam8bit: a map with codes below 2^-31 of its largest");
+    base_ = least - 1;  // slot 0: every binade below `least`; slot j: binade least + j - 1 (the last: 2^0 and up)
+    slots_ = 129 - least;
+    uint32_t next = 0;
+    for (uint32_t sign = 0; sign < 2; ++sign) {
+      for (int j = 0; j < 32; ++j) {
+        if (j >= slots_) {
+          slot_[sign * 32 + j] = 23u << 16;
+          continue;
+        }
+        const bool whole = j == 0 || j == slots_ - 1;  // (several binades: one bucket)
+        const uint32_t first = j == 0 ? 0u : static_cast<uint32_t>(base_ + j) << 23;
+        const uint32_t last = j == 0 ? (static_cast<uint32_t>(least) << 23) - 1 : j == slots_ - 1 ? 0x7F7FFFFFu
+                                                                                            : first | 0x7FFFFFu;
+        uint32_t r = 0;
+        while (!fits(sign, first, last, r)) {
+          TORCH_CHECK(!whole && ++r < 23, "adam8bit: a map whose midpoints no bucketing separates");
+        }
+        TORCH_CHECK(next + (1u << r) <= 512, "adam8bit: a map needing more than 512 buckets");
+        slot_[sign * 32 + j] = next | ((23 - r) << 16);
+        for (uint32_t b = 0; b < (1u << r); ++b) {
+          start_[next + b] = static_cast<uint8_t>(below(bucket_value(sign, first, last, r, b, true)));
+        }
+        next += 1u << r;
+      }
+    }
+#if defined(__AVX512VBMI__)
+    byte_planes(code_, code_planes_);
+    byte_planes(mid_, mid_planes_);
+    for (int r = 0; r < 8; ++r) start_vec_[r] = _mm512_loadu_si512(start_ + 64 * r);
+    for (int r = 0; r < 4; ++r) slot_vec_[r] = _mm512_loadu_si512(slot_ + 16 * r);
+#endif
+  }
+
+  // The nearest code to v (NaN: code 0, as bitsandbytes gives).
+  uint8_t find(float v) const {
+    if (std::isnan(v)) return 0;
+    const uint8_t s = start_[key(bits_of(v))];
+    return static_cast<uint8_t>(s + (v > mid_[s]));
+  }
+
+  // `len` (<= 256) values of a block from their codes and scale.
+  void dequantise(const uint8_t* q, float scale, float* out, int64_t len) const {
+    int64_t i = 0;
+#if defined(__AVX512VBMI__)
+    for (; i + 64 <= len; i += 64) {
+      __m512 c[4];
+      lookup64(code_planes_, _mm512_loadu_si512(q + i), c);
+      for (int r = 0; r < 4; ++r) _mm512_storeu_ps(out + i + 16 * r, _mm512_mul_ps(c[r], _mm512_set1_ps(scale)));
+    }
+#endif
+    for (; i < len; ++i) out[i] = code_[q[i]] * scale;
+  }
+
+  // `len` (<= 256) values of a block into codes; returns the block's scale (its absmax).
+  float quantise(const float* x, uint8_t* q, int64_t len) const {
+    float absmax = -FLT_MAX;
+    int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+    __m512 most = _mm512_set1_ps(-FLT_MAX);
+    for (; i + 16 <= len; i += 16) {  // (a NaN is passed over, as fmax does: max_ps gives its second operand)
+      most = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), most);
+    }
+    absmax = _mm512_reduce_max_ps(most);
+#endif
+    for (; i < len; ++i) absmax = std::fmax(absmax, std::fabs(x[i]));
+    i = 0;
+#if defined(__AVX512VBMI__)
+    for (; i + 64 <= len; i += 64) {
+      __m512 v[4], mid[4];
+      __m128i keys[4];
+      __mmask16 high[4], ordered[4];
+      for (int r = 0; r < 4; ++r) {
+        v[r] = _mm512_div_ps(_mm512_loadu_ps(x + i + 16 * r), _mm512_set1_ps(absmax));
+        const __m512i k = key16(_mm512_castps_si512(v[r]));
+        keys[r] = _mm512_cvtepi32_epi8(k);
+        high[r] = _mm512_test_epi32_mask(k, _mm512_set1_epi32(256));
+        ordered[r] = _mm512_cmp_ps_mask(v[r], v[r], _CMP_ORD_Q);
+      }
+      const __m512i key = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(
+          _mm512_castsi128_si512(keys[0]), keys[1], 1), keys[2], 2), keys[3], 3);
+      const __mmask64 b7 = _mm512_movepi8_mask(key);
+      const __m512i lo = _mm512_mask_blend_epi8(b7, _mm512_permutex2var_epi8(start_vec_[0], key, start_vec_[1]),
+                                                _mm512_permutex2var_epi8(start_vec_[2], key, start_vec_[3]));
+      const __m512i hi = _mm512_mask_blend_epi8(b7, _mm512_permutex2var_epi8(start_vec_[4], key, start_vec_[5]),
+                                                _mm512_permutex2var_epi8(start_vec_[6], key, start_vec_[7]));
+      const __m512i start = _mm512_mask_blend_epi8(join(high[0], high[1], high[2], high[3]), lo, hi);
+      lookup64(mid_planes_, start, mid);
+      __mmask16 up[4];
+      for (int r = 0; r < 4; ++r) up[r] = _mm512_cmp_ps_mask(v[r], mid[r], _CMP_GT_OQ);
+      const __m512i code = _mm512_mask_add_epi8(start, join(up[0], up[1], up[2], up[3]), start, _mm512_set1_epi8(1));
+      _mm512_storeu_si512(q + i, _mm512_maskz_mov_epi8(join(ordered[0], ordered[1], ordered[2], ordered[3]), code));
+    }
+#endif
+    alignas(64) float v[kBlock];  // (divided in vectors by the compiler, then searched one by one)
+    for (int64_t j = i; j < len; ++j) v[j] = x[j] / absmax;
+    for (; i < len; ++i) q[i] = find(v[i]);
+    return absmax;
+  }
+
+ private:
+  static uint32_t bits_of(float x) {
     uint32_t bits;
     std::memcpy(&bits, &x, sizeof bits);
-    const int i = start[bits >> 16];
-    return static_cast<uint8_t>(i + (x > mid[i]));  // (NaN: code 0, as bitsandbytes gives)
+    return bits;
   }
+  static float float_of(uint32_t bits) {
+    float x;
+    std::memcpy(&x, &bits, sizeof x);
+    return x;
+  }
+  int below(float x) const { return static_cast<int>(std::lower_bound(mid_, mid_ + 255, x) - mid_); }
+
+  // The least (`least`) or greatest value of bucket b of 2^r over magnitudes [first, last].
+  static float bucket_value(uint32_t sign, uint32_t first, uint32_t last, uint32_t r, uint32_t b, bool least) {
+    const uint32_t width = r == 0 ? last - first : (1u << (23 - r)) - 1;
+    const uint32_t lo = first + (r == 0 ? 0 : b << (23 - r)), hi = lo + width;
+    return float_of((sign << 31) | ((least != (sign == 1)) ? lo : hi));
+  }
+
+  // No bucket of 2^r over magnitudes [first, last] of this sign holds two midpoints.
+  bool fits(uint32_t sign, uint32_t first, uint32_t last, uint32_t r) const {
+    for (uint32_t b = 0; b < (1u << r); ++b) {
+      if (below(bucket_value(sign, first, last, r, b, false)) - below(bucket_value(sign, first, last, r, b, true)) > 1)
+        return false;
+    }
+    return true;
+  }
+
+  uint32_t key(uint32_t bits) const {
+    const int e = static_cast<int>((bits >> 23) & 0xFF);
+    const uint32_t slot = slot_[(bits >> 31) * 32 + std::clamp(e - base_, 0, slots_ - 1)];
+    return (slot & 0xFFFF) + ((bits & 0x7FFFFF) >> (slot >> 16));
+  }
+
+#if defined(__AVX512VBMI__)
+  __m512i key16(__m512i bits) const {
+    __m512i slot = _mm512_subs_epu16(_mm512_and_si512(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(0xFF)),
+                                     _mm512_set1_epi32(base_));  // (the exponent, below 2^16)
+    slot = _mm512_min_epu32(slot, _mm512_set1_epi32(slots_ - 1));
+    const __m512i entry = _mm512_mask_blend_epi32(_mm512_movepi32_mask(bits),
+                                                  _mm512_permutex2var_epi32(slot_vec_[0], slot, slot_vec_[1]),
+                                                  _mm512_permutex2var_epi32(slot_vec_[2], slot, slot_vec_[3]));
+    const __m512i mantissa = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFF));
+    return _mm512_add_epi32(_mm512_and_si512(entry, _mm512_set1_epi32(0xFFFF)),
+                            _mm512_srlv_epi32(mantissa, _mm512_srli_epi32(entry, 16)));
+  }
+  __m512i code_planes_[4][4], mid_planes_[4][4], start_vec_[8], slot_vec_[4];
+#endif
+  float code_[256];
+  float mid_[256];         // mid_[i]: between codes i and i + 1 (mid_[255]: +inf)
+  int base_, slots_;       // slot of a binade e: clamp(e - base_, 0, slots_ - 1)
+  uint32_t slot_[64];      // by sign * 32 + slot: its first bucket | the mantissa's shift << 16
+  uint8_t start_[512]{};   // by bucket: the midpoints below its least value
 };
 
-// The searches of the maps seen so far (two in practice), built once each.
-const Search& search_for(const at::Tensor& qmap) {
+// The maps seen so far (two in practice), built once each.
+const Map& map_for(const at::Tensor& qmap) {
   static std::mutex lock;
-  static std::vector<std::pair<std::vector<float>, std::unique_ptr<Search>>> built;
+  static std::vector<std::pair<std::vector<float>, std::unique_ptr<Map>>> built;
   std::vector<float> key(qmap.data_ptr<float>(), qmap.data_ptr<float>() + 256);
-  key[0] = -1.0f;
   std::lock_guard<std::mutex> guard(lock);
-  for (auto& [table, search] : built) {
-    if (table == key) return *search;
+  for (auto& [table, map] : built) {
+    if (table == key) return *map;
   }
-  built.emplace_back(key, std::make_unique<Search>(key.data()));
+  built.emplace_back(key, std::make_unique<Map>(key.data()));
   return *built.back().second;
 }
 
 struct Hyper8 {
   float beta1, omb1, beta2, omb2, c2, eps, decay, neg_step;
-  bool decays;
+  float coef, clamp;  // clipping (neutral: 1 and infinity, as in `Hyper`)
+  bool decays, landed, accumulate, write_acc;
 };
 
-// `len` moments of one block from their codes, and back to codes with their new block scale.
-inline void dequantise(const uint8_t* q, const float* code, float scale, float* out, int64_t len) {
+// One member's piece: its fp32 master, its low-precision span (nullptr: none), its fp32
+// gradient (`acc`), its codes and their block scales.
+template <typename Low>
+struct Piece8 {
+  float* p;
+  Low* low;
+  float* acc;
+  uint8_t *q1, *q2;
+  float *a1, *a2;
+};
+
+// The gradient of `len` elements from `at` into `g`: where it landed (added to the accumulator
+// when micro-batches accumulate) or in the accumulator, clipped, and stored into the accumulator
+// where it changed -- the separate passes' fold, `_foreach_mul_` and clamps.
+template <typename Low>
+void gradient8(const Hyper8& h, const Piece8<Low>& t, int64_t at, int64_t len, float* g) {
+  constexpr int64_t half = fVec::size();
+  float* acc = t.acc + at;
   int64_t i = 0;
-#if defined(CPU_CAPABILITY_AVX512)
-  for (; i + 16 <= len; i += 16) {
-    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i)));
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_i32gather_ps(idx, code, 4), _mm512_set1_ps(scale)));
+  for (; i + kLanes <= len; i += kLanes) {
+    fVec g0, g1;
+    if (h.landed) {
+      std::tie(g0, g1) = at::vec::convert_to_float<Low>(at::vec::Vectorized<Low>::loadu(t.low + at + i));
+      if (h.accumulate) {
+        g0 = fVec::loadu(acc + i) + g0;
+        g1 = fVec::loadu(acc + i + half) + g1;
+      }
+    } else {
+      g0 = fVec::loadu(acc + i);
+      g1 = fVec::loadu(acc + i + half);
+    }
+    g0 = at::vec::clamp_max(at::vec::clamp_min(g0 * fVec(h.coef), fVec(-h.clamp)), fVec(h.clamp));
+    g1 = at::vec::clamp_max(at::vec::clamp_min(g1 * fVec(h.coef), fVec(-h.clamp)), fVec(h.clamp));
+    if (h.write_acc) {
+      g0.store(acc + i);
+      g1.store(acc + i + half);
+    }
+    g0.store(g + i);
+    g1.store(g + i + half);
   }
-#endif
-  for (; i < len; ++i) out[i] = code[q[i]] * scale;
+  for (; i < len; ++i) {
+    float x = h.landed ? static_cast<float>(t.low[at + i]) : acc[i];
+    if (h.landed && h.accumulate) x = acc[i] + x;
+    x = x * h.coef;
+    if (x < -h.clamp) x = -h.clamp;  // (a NaN stays)
+    if (x > h.clamp) x = h.clamp;
+    if (h.write_acc) acc[i] = x;
+    g[i] = x;
+  }
 }
 
-inline float quantise(const float* x, const Search& s, uint8_t* q, int64_t len) {
-  float absmax = -FLT_MAX;
-  int64_t i = 0;
-#if defined(CPU_CAPABILITY_AVX512)
-  __m512 most = _mm512_set1_ps(-FLT_MAX);
-  for (; i + 16 <= len; i += 16) {  // (a NaN is passed over, as fmax does: max_ps gives its second operand)
-    most = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), most);
-  }
-  absmax = _mm512_reduce_max_ps(most);
-#endif
-  for (; i < len; ++i) absmax = std::fmax(absmax, std::fabs(x[i]));
-  i = 0;
-#if defined(CPU_CAPABILITY_AVX512)
-  const __m512 scale = _mm512_set1_ps(absmax);
-  for (; i + 16 <= len; i += 16) {
-    const __m512 v = _mm512_div_ps(_mm512_loadu_ps(x + i), scale);
-    const __m512i key = _mm512_srli_epi32(_mm512_castps_si512(v), 16);
-    __m512i c = _mm512_and_si512(_mm512_i32gather_epi32(key, s.start.data(), 1), _mm512_set1_epi32(0xFF));
-    const __mmask16 up = _mm512_cmp_ps_mask(v, _mm512_i32gather_ps(c, s.mid, 4), _CMP_GT_OQ);
-    c = _mm512_mask_add_epi32(c, up, c, _mm512_set1_epi32(1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(c));
-  }
-#endif
-  for (; i < len; ++i) q[i] = s.find(x[i] / absmax);
-  return absmax;
-}
-
-// One block of `len` (<= 256) elements: the moments dequantised with the maps as they were
-// (`dq1`, `dq2`), stepped, p updated, the moments quantised again.
-void block8(const Hyper8& h, float* p, const float* g, uint8_t* q1, uint8_t* q2, float* a1, float* a2, int64_t len,
-            const float* dq1, const float* dq2, const Search& s1, const Search& s2) {
-  alignas(64) float m[256], v[256];
-  dequantise(q1, dq1, *a1, m, len);
-  dequantise(q2, dq2, *a2, v, len);
+// Block b of `len` (<= 256) elements: the gradient, the moments dequantised, stepped with the
+// master, quantised again; the master rounded into the low-precision span.
+template <typename Low>
+void block8(const Hyper8& h, const Piece8<Low>& t, int64_t b, int64_t len, const Map& map1, const Map& map2) {
+  const int64_t at = b * kBlock;
+  alignas(64) float g[kBlock], m[kBlock], v[kBlock];
+  gradient8(h, t, at, len, g);
+  map1.dequantise(t.q1 + at, t.a1[b], m, len);
+  map2.dequantise(t.q2 + at, t.a2[b], v, len);
+  float* p = t.p + at;
   int64_t i = 0;
   for (; i + fVec::size() <= len; i += fVec::size()) {
     const fVec gv = fVec::loadu(g + i);
@@ -466,31 +680,48 @@ void block8(const Hyper8& h, float* p, const float* g, uint8_t* q1, uint8_t* q2,
     const float pv = h.decays ? p[i] * h.decay : p[i];
     p[i] = pv + h.neg_step * m[i] / denom;
   }
-  *a1 = quantise(m, s1, q1, len);
-  *a2 = quantise(v, s2, q2, len);
+  if (t.low != nullptr) {
+    i = 0;
+    for (; i + kLanes <= len; i += kLanes) {
+      at::vec::convert_from_float<Low>(fVec::loadu(p + i), fVec::loadu(p + i + fVec::size())).store(t.low + at + i);
+    }
+    for (; i < len; ++i) t.low[at + i] = static_cast<Low>(p[i]);
+  }
+  t.a1[b] = map1.quantise(m, t.q1 + at, len);
+  t.a2[b] = map2.quantise(v, t.q2 + at, len);
+}
+
+template <typename Low>
+void run_piece8(const Hyper8& h, const Piece8<Low>& t, int64_t numel, const Map& map1, const Map& map2) {
+  at::parallel_for(0, (numel + kBlock - 1) / kBlock, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) block8(h, t, b, std::min(kBlock, numel - b * kBlock), map1, map2);
+  });
 }
 
 // Members' pieces (each starting at a block boundary of its member) with their step counts
 // after this step: bitsandbytes' optimizer_update_8bit_blockwise("adam", ...) of each, in one
-// pass ([Note: 8-bit moments in one pass]).
-void adam8bit(std::vector<at::Tensor> params, std::vector<at::Tensor> grads, std::vector<at::Tensor> states1,
-              std::vector<at::Tensor> states2, std::vector<at::Tensor> absmax1, std::vector<at::Tensor> absmax2,
-              at::Tensor qmap1, at::Tensor qmap2, std::vector<double> steps, double lr, double beta1, double beta2,
-              double eps, double weight_decay) {
+// pass ([Note: 8-bit moments in one pass]). `lows` empty: the gradients are in `accs` and no
+// low-precision copy is written; else as `adam_onepass` takes them (`landed`, `accumulate`,
+// clipping by `coef` and `clamp`).
+void adam8bit(std::vector<at::Tensor> params, std::vector<at::Tensor> lows, std::vector<at::Tensor> accs,
+              std::vector<at::Tensor> states1, std::vector<at::Tensor> states2, std::vector<at::Tensor> absmax1,
+              std::vector<at::Tensor> absmax2, at::Tensor qmap1, at::Tensor qmap2, std::vector<double> steps,
+              double lr, double beta1, double beta2, double eps, double weight_decay, c10::optional<double> coef,
+              c10::optional<double> clamp, bool landed, bool accumulate) {
   const size_t n = params.size();
-  TORCH_CHECK(grads.size() == n && states1.size() == n && states2.size() == n && absmax1.size() == n &&
-                  absmax2.size() == n && steps.size() == n, "adam8bit: one tensor per member in every list");
+  TORCH_CHECK(accs.size() == n && states1.size() == n && states2.size() == n && absmax1.size() == n &&
+                  absmax2.size() == n && steps.size() == n && (lows.empty() || lows.size() == n),
+              "adam8bit: one tensor per member in every list");
+  TORCH_CHECK(!lows.empty() || !landed, "adam8bit: a landed gradient needs the low-precision spans");
   TORCH_CHECK(qmap1.scalar_type() == at::kFloat && qmap1.numel() == 256 && qmap1.is_contiguous() &&
                   qmap2.scalar_type() == at::kFloat && qmap2.numel() == 256 && qmap2.is_contiguous(),
               "adam8bit: two maps of 256 fp32 codes");
-  const float* dq1 = qmap1.data_ptr<float>();
-  const float* dq2 = qmap2.data_ptr<float>();
-  const Search& s1 = search_for(qmap1);
-  const Search& s2 = search_for(qmap2);
+  const Map& map1 = map_for(qmap1);
+  const Map& map2 = map_for(qmap2);
   for (size_t k = 0; k < n; ++k) {
     const int64_t numel = params[k].numel(), blocks = (numel + kBlock - 1) / kBlock;
-    TORCH_CHECK(params[k].scalar_type() == at::kFloat && grads[k].scalar_type() == at::kFloat &&
-                    params[k].is_contiguous() && grads[k].is_contiguous() && grads[k].numel() == numel,
+    TORCH_CHECK(params[k].scalar_type() == at::kFloat && accs[k].scalar_type() == at::kFloat &&
+                    params[k].is_contiguous() && accs[k].is_contiguous() && accs[k].numel() == numel,
                 "adam8bit: fp32 contiguous params and gradients of one size");
     TORCH_CHECK(states1[k].scalar_type() == at::kByte && states2[k].scalar_type() == at::kByte &&
                     states1[k].is_contiguous() && states2[k].is_contiguous() && states1[k].numel() == numel &&
@@ -498,6 +729,10 @@ void adam8bit(std::vector<at::Tensor> params, std::vector<at::Tensor> grads, std
     TORCH_CHECK(absmax1[k].scalar_type() == at::kFloat && absmax2[k].scalar_type() == at::kFloat &&
                     absmax1[k].is_contiguous() && absmax2[k].is_contiguous() && absmax1[k].numel() == blocks &&
                     absmax2[k].numel() == blocks, "adam8bit: one fp32 scale per block of 256");
+    const bool half = !lows.empty() && lows[k].scalar_type() == at::kHalf;
+    TORCH_CHECK(lows.empty() || ((half || lows[k].scalar_type() == at::kBFloat16) && lows[k].is_contiguous() &&
+                                 lows[k].numel() == numel),
+                "adam8bit: the low-precision span is bf16 or fp16, contiguous, of the param's size");
     // The scalars as torch takes them from Python's doubles.
     const double step = steps[k];
     Hyper8 h{};
@@ -510,18 +745,23 @@ void adam8bit(std::vector<at::Tensor> params, std::vector<at::Tensor> grads, std
     h.decays = weight_decay > 0.0;
     h.decay = static_cast<float>(1.0 - lr * weight_decay);
     h.neg_step = static_cast<float>(-lr / (1.0 - std::pow(beta1, step)));
+    h.coef = coef.has_value() ? static_cast<float>(*coef) : 1.0f;
+    h.clamp = clamp.has_value() ? static_cast<float>(*clamp) : INFINITY;
+    h.landed = landed;
+    h.accumulate = accumulate;
+    h.write_acc = landed || coef.has_value() || clamp.has_value();
     float* p = params[k].data_ptr<float>();
-    const float* g = grads[k].data_ptr<float>();
+    float* acc = accs[k].data_ptr<float>();
     uint8_t* q1 = states1[k].data_ptr<uint8_t>();
     uint8_t* q2 = states2[k].data_ptr<uint8_t>();
     float* a1 = absmax1[k].data_ptr<float>();
     float* a2 = absmax2[k].data_ptr<float>();
-    at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t at = b * kBlock, len = std::min(kBlock, numel - at);
-        block8(h, p + at, g + at, q1 + at, q2 + at, a1 + b, a2 + b, len, dq1, dq2, s1, s2);
-      }
-    });
+    if (half) {
+      run_piece8<at::Half>(h, {p, lows[k].data_ptr<at::Half>(), acc, q1, q2, a1, a2}, numel, map1, map2);
+    } else {
+      at::BFloat16* low = lows.empty() ? nullptr : lows[k].data_ptr<at::BFloat16>();
+      run_piece8<at::BFloat16>(h, {p, low, acc, q1, q2, a1, a2}, numel, map1, map2);
+    }
   }
 }
 

@@ -135,7 +135,7 @@ def _adam_rate(ctx: DeviceContext, n: int, on: torch.device, low: torch.dtype | 
     pass is timed, and the landing's part is half of the one-pass landing (fold and copy
     restored), which the cost model charges twice where the update waits. Moments in another
     format than fp32 are updated as the runtime does it: bf16 ones in the same pass, 8-bit ones
-    by ``moment_step`` (their own one-pass kernel) between the landing and the copy back."""
+    by ``moment_step`` (their own one-pass kernel, with the landing and the copy back)."""
     one_pass = onepass.kernel() if kernel and on.type == "cpu" else None
     p, g = (torch.zeros(n, device=on) for _ in range(2))
     m, v = (torch.zeros(n, device=on, dtype=moment_dtype(state_format, torch.float32)) for _ in range(2))
@@ -145,7 +145,7 @@ def _adam_rate(ctx: DeviceContext, n: int, on: torch.device, low: torch.dtype | 
     g.fill_(1e-3)
     hp = AdamHyperParams(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
     landing = copy is not None and on == ctx.host
-    kernel = one_pass if landing and moments is None else None
+    kernel = one_pass if landing else None
 
     def land():
         if kernel is not None:
@@ -154,6 +154,9 @@ def _adam_rate(ctx: DeviceContext, n: int, on: torch.device, low: torch.dtype | 
             g.copy_(copy)
 
     def step():
+        if kernel is not None and moments is not None:
+            moments(p, g, hp, low=copy)
+            return
         if kernel is not None:
             onepass.update(kernel, [p], [copy], [g], [m], [v], [], steps, hp, coef=None, clamp=None, landed=True,
                            accumulate=False)

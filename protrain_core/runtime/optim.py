@@ -164,11 +164,10 @@ class ChunkOptimizer:
 
     def one_pass(self, chunk: Chunk):
         """The kernel that lands and updates ``chunk`` in one pass (protrain_ops/onepass.py), or
-        None: Adam on a bf16-mixed or 16-mixed chunk with fp32 or bf16 moments whose states are
-        in host memory, where the kernel built and matched torch's arithmetic."""
+        None: Adam on a bf16-mixed or 16-mixed chunk (fp32, bf16 or 8-bit moments) whose states
+        are in host memory, where the kernel built and matched torch's arithmetic."""
         storage = chunk.storage
         if (self.elementwise is not None or not storage.fmt.separate_master or storage.master.device.type != "cpu"
-                or storage.fmt.state_format == "8bit"
                 or storage.fmt.compute_dtype not in (torch.bfloat16, torch.float16) or not self.one_pass_kernel):
             return None
         return onepass.kernel()
@@ -221,16 +220,41 @@ class ChunkOptimizer:
 
     def _eight_bit(self, chunk: Chunk, members: list[int], views, hp: AdamHyperParams) -> None:
         """bitsandbytes' AdamW8bit step of ``members`` (``eight_bit_steps``: the one-pass kernel, or
-        bitsandbytes' calls; [Note: optimizer-state formats] in state_formats.py); the step
-        counters are on the CPU."""
-        places, stepped = self.quant_places(chunk), []
+        bitsandbytes' calls; [Note: optimizer-state formats] in state_formats.py)."""
+        stepped = [(views.master[j], views.grads[j], moments, step) for j, moments, step in
+                   self._stepped_eight_bit(chunk, members, views)]
+        formats.eight_bit_steps(stepped, hp, onepass.kernel() if self.one_pass_kernel else None)
+
+    def _stepped_eight_bit(self, chunk: Chunk, members: list[int], views) -> list[tuple[int, formats.MemberMoments, int]]:
+        """(position in ``views``, moments, step count after this step) of each of ``members`` this
+        rank holds a piece of; every member's step counter (on the CPU) advanced, on every rank,
+        as torch counts a step of a parameter with no piece here."""
+        places, out = self.quant_places(chunk), []
         for j, i in enumerate(members):
             steps = chunk.storage.steps[i]
-            steps.add_(1)  # (on every rank, as torch counts a step of a parameter with no piece here)
+            steps.add_(1)
             moments = self.member_moments(chunk, i, places, views.exp_avgs[j], views.exp_avg_sqs[j])
             if moments is not None:
-                stepped.append((views.master[j], views.grads[j], moments, int(steps.item())))
-        formats.eight_bit_steps(stepped, hp, onepass.kernel() if self.one_pass_kernel else None)
+                out.append((j, moments, int(steps.item())))
+        return out
+
+    def _eight_bit_one_pass(self, kernel, chunk: Chunk, members: list[int], views, hp: AdamHyperParams,
+                            clip: UpdateClip, landed: str | None) -> tuple[list[Tensor], list[tuple]]:
+        """The members with 8-bit moments landed, clipped, stepped and copied in one pass of
+        ``kernel`` ([Note: 8-bit moments in one pass]); returns their masters (the span they cover)
+        and the small members' (master, gradient, low-precision span, moments, step) left for
+        ``eight_bit_step`` once their landing is folded."""
+        stepped = self._stepped_eight_bit(chunk, members, views)
+        fused = [(j, moments, step) for j, moments, step in stepped if moments.absmax1 is not None]
+        masters = [views.master[j] for j, _, _ in fused]
+        if fused:
+            states = [[getattr(moments, a) for _, moments, _ in fused] for a in ("state1", "state2", "absmax1", "absmax2")]
+            onepass.adam8bit(kernel, masters, [views.lows[j] for j, _, _ in fused], [views.grads[j] for j, _, _ in fused],
+                             *states, *formats.qmaps(chunk.storage.master.device), [step for _, _, step in fused], hp,
+                             coef=clip.coef, clamp=clip.value, landed=landed is not None, accumulate=landed == "add")
+        small = [(views.master[j], views.grads[j], views.lows[j], moments, step)
+                 for j, moments, step in stepped if moments.absmax1 is None]
+        return masters, small
 
     def quant_places(self, chunk: Chunk) -> formats.QuantPlaces:
         """Where ``chunk``'s 8-bit members keep their block scales and small ones their moments
@@ -286,20 +310,29 @@ class ChunkOptimizer:
             out.append(formats.MemberMoments(small[0].view(m.shape), small[1].view(m.shape), None, None))
         return out
 
-    @staticmethod
-    def _update_one_pass(kernel, chunk: Chunk, hps, selected: dict[int, list[int]], clip: UpdateClip,
+    def _update_one_pass(self, kernel, chunk: Chunk, hps, selected: dict[int, list[int]], clip: UpdateClip,
                          landed: str | None) -> None:
         """``update`` in one pass per param group (the same results bit for bit), then the
         rest of the span, as the separate passes leave it: the landing folded into the
-        accumulator, the compute copy from the master (the landing overwrote it)."""
-        covered = []
+        accumulator, the compute copy from the master (the landing overwrote it); then 8-bit
+        chunks' small members, whose fp32 moments bitsandbytes steps."""
+        covered, small = [], []
         for g, members in selected.items():
             views = chunk.values.update_views(tuple(members))
+            if chunk.storage.fmt.eight_bit:
+                masters, rest = self._eight_bit_one_pass(kernel, chunk, members, views, hps[g], clip, landed)
+                covered += masters
+                small += [(hps[g], *member) for member in rest]
+                continue
             onepass.update(kernel, views.master, views.lows, views.grads, views.exp_avgs, views.exp_avg_sqs,
                            views.max_exp_avg_sqs, views.member_steps, hps[g], coef=clip.coef, clamp=clip.value,
                            landed=landed is not None, accumulate=landed == "add")
             covered += views.master
         _land_rest(kernel, chunk, covered, None if landed is None else landed == "add")
+        for hp, master, grad, low, moments, step in small:
+            clip_gradients([grad], clip.coef, clip.value)
+            formats.eight_bit_step(master, grad, moments, step, hp)
+            low.copy_(master)
 
     # ----- torch.optim state-dict format --------------------------------------------------
     def slot_names(self) -> tuple[str, ...]:

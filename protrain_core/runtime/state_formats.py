@@ -250,14 +250,15 @@ def eight_bit_steps(members: list[tuple[Tensor, Tensor, MemberMoments, int]], hp
     if fused:
         ps, gs, moments, steps = zip(*fused)
         states = [[getattr(m, a) for m in moments] for a in ("state1", "state2", "absmax1", "absmax2")]
-        onepass.adam8bit(kernel, list(ps), list(gs), *states, *qmaps(ps[0].device), list(steps), hp)
+        onepass.adam8bit(kernel, list(ps), [], list(gs), *states, *qmaps(ps[0].device), list(steps), hp)
 
 
 def moment_step(name: str, n: int, device: torch.device, kernel=None):
-    """For the hardware probe: ``step(p, g, hp)`` updating one ``n``-element parameter with moments in
-    format ``name`` as the runtime does (``kernel``: the one-pass module the runtime would use);
-    None where the moments are tensors of ``moment_dtype`` that Adam steps as they are (fp32,
-    bf16)."""
+    """For the hardware probe: ``step(p, g, hp, low=None)`` updating one ``n``-element parameter
+    with moments in format ``name`` as the runtime does (``kernel``: the one-pass module the
+    runtime would use; with ``low``, the compute copy where the gradient landed, the landing and
+    the copy back in the kernel's pass too); None where the moments are tensors of
+    ``moment_dtype`` that Adam steps as they are (fp32, bf16)."""
     if name != "8bit":
         return None
     blocks = math.ceil(n / BLOCK)
@@ -265,7 +266,15 @@ def moment_step(name: str, n: int, device: torch.device, kernel=None):
     absmax = torch.zeros(2, blocks, device=device)
     moments = MemberMoments(state[0], state[1], absmax[0], absmax[1]) if n >= MIN_8BIT else \
         MemberMoments(*torch.zeros(2, n, device=device), None, None)
-    return lambda p, g, hp: eight_bit_steps([(p, g, moments, 1)], hp, kernel)
+
+    def step(p: Tensor, g: Tensor, hp: AdamHyperParams, low: Tensor | None = None) -> None:
+        if low is not None and kernel is not None and moments.absmax1 is not None:
+            onepass.adam8bit(kernel, [p], [low], [g], [moments.state1], [moments.state2], [moments.absmax1],
+                             [moments.absmax2], *qmaps(device), [1], hp, landed=True)
+        else:
+            eight_bit_steps([(p, g, moments, 1)], hp, kernel)
+
+    return step
 
 
 # ----- state dicts -------------------------------------------------------------------------------
