@@ -693,8 +693,8 @@ def simulated_step(spec, plan, profile, device) -> float:
 
     cuda = device.type == "cuda"
     tensors = "meta" if cuda else "cpu"
-    hardware = with_measured(preset_for(torch.cuda.get_device_name(device)), profile.hardware) if cuda else \
-        cpu_spec(profile.hardware)
+    hardware = with_measured(preset_for(torch.cuda.get_device_name(device)), profile.hardware, profile.state_format) \
+        if cuda else cpu_spec(profile.hardware, profile.state_format)
     model = build_model(spec["model"], tensors)
     x = batches(dict(spec, warmup=1, steps=0), tensors)[0]
     result = simulate(model, adamw(trainable(model), tensors), {"input_ids": x, "labels": x},

@@ -178,7 +178,8 @@ def simulate_command(args) -> int:
     try:
         result = simulate(model, opt, batch, device=sim, plan=args.plan, budget=budget, precision=args.precision,
                           gradient_clipping=("norm", args.clip_norm) if args.clip_norm else None,
-                          world_size=args.world_size, description=f"{args.model}, batch {args.batch_size} x {args.seq_len}")
+                          world_size=args.world_size, description=f"{args.model}, batch {args.batch_size} x {args.seq_len}",
+                          optimizer_state_format=args.optimizer_state_format or "fp32")
     except pt.InfeasibleBudget as e:
         print(f"protrain plan: {e}")
         return 1
@@ -251,6 +252,9 @@ def main(argv=None) -> int:
                                                 "(default: the one the search chooses)")
     p.add_argument("--clip-norm", type=float, default=None, help="with --simulate: clip the gradient norm at this value")
     p.add_argument("--timeline", default=None, help="with --simulate: write the simulated steps' timeline figure here (PNG)")
+    p.add_argument("--optimizer-state-format", default=None, choices=("fp32", "bf16", "8bit"),
+                   help="with --simulate: Adam's moments in this format (ProTrainConfig.optimizer_state_format; "
+                        "default fp32): their bytes and the CPU update's rate for it")
     args = ap.parse_args(argv)
     check_arguments(ap, args)
     return simulate_command(args) if args.simulate else plan_command(args)
@@ -295,8 +299,8 @@ def check_arguments(ap: argparse.ArgumentParser, args) -> None:
 
 
 def _check_simulation_arguments(ap: argparse.ArgumentParser, args) -> None:
-    only = [name for name, given in (("--plan", args.plan), ("--clip-norm", args.clip_norm), ("--timeline", args.timeline))
-            if given is not None]
+    only = [name for name, given in (("--plan", args.plan), ("--clip-norm", args.clip_norm), ("--timeline", args.timeline),
+                                     ("--optimizer-state-format", args.optimizer_state_format)) if given is not None]
     if not args.simulate:
         if only:
             ap.error(f"{', '.join(only)} need --simulate")

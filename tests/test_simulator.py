@@ -145,26 +145,40 @@ def test_copies_streams_and_waits_follow_the_stated_figures():
 
 
 def test_the_cpu_worker_runs_on_its_own_lane():
-    """A job starts when submitted, takes the worker's modeled time (fused Adam at the stated
-    rate), and its future is done only when the host's clock has passed its end; result() is
+    """A job starts when submitted, takes the worker's modeled time (a chunk's update once, at
+    the rate of its moments' format, less a landing folded before; other operators by their
+    bytes), and its future is done only when the host's clock has passed its end; result() is
     a recorded host wait."""
     from protrain_ops import AdamHyperParams, adam_step
 
     sim = SimulatedDevice("h100", tensors="cpu")
-    n = 10**6
+    spec, n = sim.spec, 10**6
     p, g, m, v = (torch.zeros(n) for _ in range(4))
     steps = [torch.zeros(())]
     hp = AdamHyperParams(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+
+    def job(fmt, folded):
+        g.mul_(1.0)  # outside the update: charged its bytes at the host's bandwidth
+        with sim.host_update(n, fmt, folded):
+            adam_step([p], [g], [m], [v], [], steps, hp)
+
     with sim:
         worker = sim.worker(threaded=True)
-        future = worker.submit(adam_step, [p], [g], [m], [v], [], steps, hp)
-        adam = [w for w in sim.records.work if w.label == "_fused_adamw_"]
-        assert len(adam) == 1 and adam[0].end - adam[0].start == pytest.approx(
-            sim.spec.cpu_op_s + n / sim.spec.cpu_adam_params_per_s)
-        assert not future.done() and sim.compute.t == 0  # nothing ran on the device
-        future.result()
-        assert future.done() and sim.main.t == pytest.approx(future.end)
+        futures = [worker.submit(job, "fp32", 0), worker.submit(job, "8bit", 6)]
+        work = [w for w in sim.records.work if w.lane == sim.worker_lane.name and w.kind != "cpu" or w.label == "mul_"]
+        assert [w.label for w in work] == ["mul_", "update (fp32 moments)", "mul_", "update (8bit moments)"]
+        seconds = [w.end - w.start for w in work]
+        assert seconds[0] == pytest.approx(spec.cpu_op_s + 4 * n / spec.host_memory_bytes_per_s)  # (in place: once)
+        assert seconds[1] == pytest.approx(spec.cpu_op_s + n / spec.cpu_adam_params_per_s["fp32"])
+        assert seconds[3] == pytest.approx(spec.cpu_op_s + n / spec.cpu_adam_params_per_s["8bit"]
+                                           - 6 * n / spec.host_memory_bytes_per_s)
+        assert not any(w.label == "_fused_adamw_" for w in sim.records.work)  # inside the update: not charged
+        assert not futures[1].done() and sim.compute.t == 0  # nothing ran on the device
+        futures[1].result()
+        assert futures[1].done() and sim.main.t == pytest.approx(futures[1].end)
         assert sim.records.waits[-1].label == "CPU worker job"
+        with pytest.raises(ValueError, match="no CPU update rate for moments in format 'int4'"):
+            worker.submit(job, "int4", 0).result()
 
 
 def test_meta_reads_and_the_hardware_file(tmp_path):
@@ -192,6 +206,11 @@ def test_meta_reads_and_the_hardware_file(tmp_path):
         load_spec("a100")
     path.write_text(json.dumps({"base": "h100", "h2d_bytes_per_s": 0}))
     with pytest.raises(ValueError, match="h2d_bytes_per_s"):
+        load_spec(str(path))
+    path.write_text(json.dumps({"base": "h100", "cpu_adam_params_per_s": {"8bit": 1e9}}))  # one format: the base's others
+    assert load_spec(str(path)).cpu_adam_params_per_s == {**H100.cpu_adam_params_per_s, "8bit": 1e9}
+    path.write_text(json.dumps({"base": "h100", "cpu_adam_params_per_s": 3e9}))
+    with pytest.raises(ValueError, match="cpu_adam_params_per_s .by moments' format"):
         load_spec(str(path))
 
 
@@ -231,9 +250,13 @@ def test_plan_simulate_command(capsys, tmp_path):
         with pytest.raises(SystemExit):
             main(["plan", "--model", "tiny-llama", "--simulate", *argv])
         assert error in capsys.readouterr().err
+    for argv in (["--plan", "0/2/0/0"], ["--optimizer-state-format", "8bit"]):
+        with pytest.raises(SystemExit):
+            main(["plan", "--model", "tiny-llama", *argv])
+        assert "need --simulate" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["plan", "--model", "tiny-llama", "--plan", "0/2/0/0"])
-    assert "need --simulate" in capsys.readouterr().err
+        main(["plan", "--model", "tiny-llama", "--simulate", "--optimizer-state-format", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
 
 
 def test_a_link_serves_the_copy_that_is_ready_and_nothing_is_charged_twice():
@@ -290,3 +313,34 @@ def test_the_simulated_search_plans_with_the_host_budget_wrap_checks():
     assert streamed.host_budget_bytes == int(H100.host_memory_bytes * 0.9)
     with pytest.raises(pt.InfeasibleBudget):
         run(small, budget=streamed.memory.peak_bytes)
+
+
+def test_a_size_only_simulation_updates_each_moment_format_at_its_rate():
+    """Issue 54, item 5: ``simulate(optimizer_state_format=...)`` on the meta device, 8-bit
+    moments included. The CPU worker's update of a streamed chunk takes the preset's rate for
+    the format (less the landing folded before it), the profile the search reads measures that
+    rate, and the plan's host bytes are the format's."""
+    from protrain_core import models
+    from protrain_core.simulator.run import simulate
+
+    config = models.load_config("tiny-llama")
+    runs = {}
+    for fmt in ("fp32", "bf16", "8bit"):
+        model, opt = models.build(config, "meta")
+        batch = models.token_batch(config, 2, 64, "meta")
+        runs[fmt] = simulate(model, opt, batch, device=SimulatedDevice("h200"), plan=pt.Plan(n_persist=0, n_buffer=2),
+                             optimizer_state_format=fmt)
+    spec = SimulatedDevice("h200").spec
+    measured = {fmt: result.profile.hardware.cpu_adam_params_per_s for fmt, result in runs.items()}
+    for fmt, result in runs.items():
+        rate = spec.cpu_adam_params_per_s[fmt]
+        # the probe's job: its elements at the rate, plus the worker's cost per job (the same for every format)
+        assert 1 / measured[fmt] - 1 / measured["fp32"] == pytest.approx(1 / rate - 1 / spec.cpu_adam_params_per_s["fp32"],
+                                                                         rel=1e-6, abs=1e-18)
+        chunks = [n for n in result.profile.chunk_trainable if n]
+        # each streamed chunk once per step: its elements at the rate, less the bf16 landing (6 bytes each)
+        # folded before the update (no one-pass kernel on meta tensors), plus the worker's cost per job
+        expected = sum(n / rate - 6 * n / spec.host_memory_bytes_per_s + spec.cpu_op_s for n in chunks)
+        assert result.report.cpu_adam_s == pytest.approx(expected, rel=0.02), fmt
+    hosts = [runs[f].memory.planned_host_bytes for f in ("fp32", "bf16", "8bit")]
+    assert hosts[0] > hosts[1] > hosts[2]

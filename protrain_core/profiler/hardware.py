@@ -7,6 +7,7 @@ same path: the profile then describes the device the run will see.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 
 import torch
@@ -81,7 +82,8 @@ def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, preci
     try:
         cpu_rate, land_rate, pass_rate = _adam_rate(ctx, n, ctx.host, cdt if mixed else None,
                                                     lambda fn: worker.submit(fn).result(), parts=True,
-                                                    kernel=switches.one_pass_kernel, state_format=state_format)
+                                                    kernel=switches.one_pass_kernel, state_format=state_format,
+                                                    update=lambda: ctx.host_update(n, state_format))
     finally:
         worker.shutdown()
     dev_rate = _adam_rate(ctx, n, ctx.device, cdt if mixed else None, lambda fn: fn(),
@@ -122,20 +124,18 @@ def _dequant_rate(ctx: DeviceContext, n: int, cdt: torch.dtype, fmt: str, sync) 
 
 
 def _adam_rate(ctx: DeviceContext, n: int, on: torch.device, low: torch.dtype | None, run, *,
-               parts: bool = False, kernel: bool = True, state_format: str = "fp32") -> tuple[float, float, float]:
+               parts: bool = False, kernel: bool = True, state_format: str = "fp32",
+               update=contextlib.nullcontext) -> tuple[float, float, float]:
     """Parameters per second of one chunk's update on ``on`` as the runtime runs it (``run(fn)``:
-    where): Adam, and with a low-precision compute dtype ``low`` the landing of the gradients
-    into the accumulator before and the compute copy written from the master after (the host
-    side does both; a persistent chunk's gradients land in the accumulator directly). With
-    ``parts``, also the landing alone (0 without one) and one elementwise pass over the fp32
-    gradients in place (clipping's), which the cost model charges where the runtime runs them
-    ([Note: the overlap under clipping and fp16] in update.py); else (rate, 0, 0).
-
-    Where the host's mixed-precision update runs in one pass (protrain_ops/onepass.py), that
-    pass is timed, and the landing's part is half of the one-pass landing (fold and copy
-    restored), which the cost model charges twice where the update waits. Moments in another
-    format than fp32 are updated as the runtime does it: bf16 ones in the same pass, 8-bit ones
-    by ``moment_step`` (their own one-pass kernel, with the landing and the copy back)."""
+    where; ``update()``: the context it runs in, ``DeviceContext.host_update`` on the worker):
+    Adam, and with a low-precision compute dtype ``low`` the landing of the gradients into the
+    accumulator before and the compute copy written from the master after (the host side does
+    both). With ``parts``, also the landing alone (0 without one) and one elementwise pass over
+    the fp32 gradients in place (clipping's), which the cost model charges where the runtime
+    runs them ([Note: the overlap under clipping and fp16] in update.py); else (rate, 0, 0).
+    Where the host's update runs in one pass (protrain_ops/onepass.py, every moment format),
+    that pass is timed, and the landing's part is half of the one-pass landing (fold and copy
+    restored), which the cost model charges twice where the update waits."""
     one_pass = onepass.kernel() if kernel and on.type == "cpu" else None
     p, g = (torch.zeros(n, device=on) for _ in range(2))
     m, v = (torch.zeros(n, device=on, dtype=moment_dtype(state_format, torch.float32)) for _ in range(2))
@@ -154,13 +154,16 @@ def _adam_rate(ctx: DeviceContext, n: int, on: torch.device, low: torch.dtype | 
             g.copy_(copy)
 
     def step():
-        if kernel is not None and moments is not None:
-            moments(p, g, hp, low=copy)
-            return
-        if kernel is not None:
-            onepass.update(kernel, [p], [copy], [g], [m], [v], [], steps, hp, coef=None, clamp=None, landed=True,
-                           accumulate=False)
-            return
+        with update():
+            if kernel is not None and moments is not None:
+                moments(p, g, hp, low=copy)
+            elif kernel is not None:
+                onepass.update(kernel, [p], [copy], [g], [m], [v], [], steps, hp, coef=None, clamp=None, landed=True,
+                               accumulate=False)
+            else:
+                separate_passes()
+
+    def separate_passes():
         if landing:
             land()
         if moments is not None:

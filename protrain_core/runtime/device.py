@@ -385,6 +385,13 @@ class DeviceContext:
         return t.to(self.host)
 
     # ----- the host side ------------------------------------------------------------------------
+    def host_update(self, numel: int, state_format: str, folded_bytes: int = 0):
+        """Around the CPU worker's update of a chunk's ``numel`` elements with moments in
+        ``state_format`` (the landing folded, Adam, the compute copy written; ``folded_bytes``
+        per element: the landing's, where it was folded before): nothing here; a simulated
+        device charges it once, at its rate for the format less the landing folded before."""
+        return contextlib.nullcontext()
+
     def worker(self, threaded: bool, placement: Placement | None = None) -> Executor:
         """The CPU worker's executor: a thread (``threaded``), else jobs run inline. ``placement``:
         the cores it and its intra-op threads run on (None: the process's threads)."""

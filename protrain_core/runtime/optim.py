@@ -10,6 +10,7 @@ stays empty: moments live in the chunks, next to the master weights.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -190,7 +191,7 @@ class ChunkOptimizer:
         return found
 
     def update(self, chunk: Chunk, hps: tuple[AdamHyperParams, ...], selected: dict[int, list[int]],
-               clip: UpdateClip, *, landed: str | None = None) -> None:
+               clip: UpdateClip, *, landed: str | None = None, timed=contextlib.nullcontext) -> None:
         """One Adam step of the ``selected`` members (``selected(chunk)``), clipped by ``clip``
         first with the calls of clip_grad_norm_ (``_foreach_mul_`` by the coefficient) and
         clip_grad_value_ (clamp), on this chunk's gradients.
@@ -198,25 +199,29 @@ class ChunkOptimizer:
         ``landed`` ("copy" or "add", only where ``one_pass(chunk)`` gave a kernel): the gradient
         is still in the compute copy's span where it landed, and goes into the accumulator in
         the same pass. Runs on the device for persistent chunks (main thread) and on the host for
-        streamed chunks (CPU worker)."""
+        streamed chunks (CPU worker). ``timed()``: the context around the update after clipping's
+        separate passes (``DeviceContext.host_update`` on the worker)."""
         kernel = self.one_pass(chunk)
         if kernel is not None:
-            self._update_one_pass(kernel, chunk, hps, selected, clip, landed)
+            with timed():
+                self._update_one_pass(kernel, chunk, hps, selected, clip, landed)
             return
         assert landed is None, "a landed gradient needs the one-pass kernel"
         storage = chunk.storage
-        for g, members in selected.items():
-            views = chunk.values.update_views(tuple(members))
+        groups = [(g, members, chunk.values.update_views(tuple(members))) for g, members in selected.items()]
+        for _, _, views in groups:
             clip_gradients(views.grads, clip.coef, clip.value)
-            if self.elementwise is not None:
-                self.elementwise.step(chunk, g, tuple(members), views, hps[g])
-            elif storage.fmt.state_format == "8bit":
-                self._eight_bit(chunk, members, views, hps[g])
-            else:  # (bf16 moments: widened and rounded back, by protrain_ops)
-                adam_step(views.master, views.grads, views.exp_avgs, views.exp_avg_sqs,
-                          views.max_exp_avg_sqs if hps[g].amsgrad else [], views.member_steps, hps[g])
-        if storage.fmt.separate_master:
-            copy_to_low_precision(storage.compute_span(), storage.master)
+        with timed():
+            for g, members, views in groups:
+                if self.elementwise is not None:
+                    self.elementwise.step(chunk, g, tuple(members), views, hps[g])
+                elif storage.fmt.state_format == "8bit":
+                    self._eight_bit(chunk, members, views, hps[g])
+                else:  # (bf16 moments: widened and rounded back, by protrain_ops)
+                    adam_step(views.master, views.grads, views.exp_avgs, views.exp_avg_sqs,
+                              views.max_exp_avg_sqs if hps[g].amsgrad else [], views.member_steps, hps[g])
+            if storage.fmt.separate_master:
+                copy_to_low_precision(storage.compute_span(), storage.master)
 
     def _eight_bit(self, chunk: Chunk, members: list[int], views, hp: AdamHyperParams) -> None:
         """bitsandbytes' AdamW8bit step of ``members`` (``eight_bit_steps``: the one-pass kernel, or

@@ -387,9 +387,10 @@ class ChunkStorage:
 
     def _steps_device(self) -> torch.device:
         """Where the step counters are: beside the master (torch's fused kernel reads them there),
-        on the CPU in format "8bit" (bitsandbytes takes the step as a number)."""
+        on the CPU in format "8bit" (bitsandbytes takes the step as a number; a size-only
+        simulation too)."""
         if self.fmt.eight_bit:
-            return torch.device("cpu") if self.host.type != "meta" else self.host
+            return torch.device("cpu")
         home = self.master if self.master is not None else self.compute_home
         return home.device
 

@@ -164,8 +164,11 @@ class CpuWorker:
 
     def update(self, chunk: Chunk, hps, selected, clip, *, landed: str | None = None) -> None:
         self.record("cpu_adam_begin", chunk.index)
+        fmt = chunk.storage.fmt  # (mixed precision: a landing not in this pass was folded before)
+        folded = fmt.compute_dtype.itemsize + fmt.master_dtype.itemsize if landed is None and fmt.separate_master else 0
         with torch.no_grad():
-            self.optim.update(chunk, hps, selected, clip, landed=landed)
+            self.optim.update(chunk, hps, selected, clip, landed=landed,
+                              timed=lambda: self.ctx.host_update(fmt.state_numel, fmt.state_format, folded))
         if chunk.storage.return_accumulator(consumed=True):
             chunk.values.forget_views()  # they hold the chunk's own accumulator: let it go
         self.record("cpu_adam_end", chunk.index)

@@ -116,7 +116,7 @@ class Work:
     start: float
     end: float
     label: str
-    kind: str  # "compute", "copy", "collective", "cpu", "idle"
+    kind: str  # "compute", "copy", "collective", "cpu", "update" (a chunk's whole CPU update), "idle"
     nbytes: int = 0
 
 

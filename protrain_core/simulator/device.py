@@ -23,9 +23,12 @@ runtime knows it is simulated. A discrete-event clock (clock.py) keeps the time 
 - the communication stream: all-gathers and reduce-scatters over the bus bandwidth, for the
   ranks of a ``SimulatedGroup`` (W identical ranks, one simulated; size-only);
 - the CPU worker: each job starts when submitted and the worker is free, waits for the events
-  it synchronizes on, and is charged its operators on the host's figures (fused Adam at
-  ``cpu_adam_params_per_s``, the rest at ``host_memory_bytes_per_s``). Jobs run inline, so a
-  simulation is deterministic; a job's future is done when the simulated clock has passed it.
+  it synchronizes on, and is charged on the host's figures: a chunk's whole update
+  (``DeviceContext.host_update``: the landing folded, Adam, the compute copy written) once, at
+  ``cpu_adam_params_per_s`` of its moments' format -- the rate the benchmark and the profiler's
+  probe measure --, every other operator its bytes at ``host_memory_bytes_per_s``. Jobs run
+  inline, so a simulation is deterministic; a job's future is done when the simulated clock has
+  passed it.
 Every figure is a field of a ``DeviceSpec`` (hardware.py), none is hidden here. Not modeled:
 device memory (the allocator, and when a stream-ordered free returns memory); contention of
 the side streams' kernels with compute for the GPU's cores; host-side blocking inside the
@@ -69,7 +72,6 @@ from protrain_core.utils import iter_tensors
 _FREE = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "_unsafe_view", "_reshape_alias",
          "resize_", "set_", "lift_fresh", "lift_fresh_copy", "detach", "alias", "sym_size", "sym_stride", "sym_numel",
          "is_same_size", "_has_compatible_shallow_copy_type", "record_stream"}
-_ADAM = {"_fused_adamw_", "_fused_adam_"}
 _DIRECTIONS = ("host->device", "device->host")  # a copy's span lane: its direction
 _HERE = (str(Path(__file__).resolve().parent),)
 
@@ -154,6 +156,23 @@ class SimulatedDevice(DeviceContext):
         """Operators inside run on the host lane ``lane`` (a CPU worker's job), at the host's rates."""
         return self._at("cpu", lane)
 
+    @contextmanager
+    def host_update(self, numel: int, state_format: str, folded_bytes: int = 0):
+        spec = self.spec
+        seconds = max(0.0, numel / spec.cpu_update_rate(state_format) - numel * folded_bytes / spec.host_memory_bytes_per_s)
+        lane = self.host_lane()
+        quiet, self._local.quiet = getattr(self._local, "quiet", False), True
+        real = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._local.quiet = quiet
+        if isinstance(lane, MeasuredLane) and self._where()[0] != "cpu":  # (a worker's job excludes its own)
+            lane.exclude(time.perf_counter() - real)
+        start = lane.t
+        lane.t += spec.cpu_op_s + seconds
+        self.records.work.append(Work(lane.name, start, lane.t, f"update ({state_format} moments)", "update"))
+
     def host_lane(self) -> Lane:
         kind, lane = self._where()
         return lane if kind == "cpu" else self.main
@@ -199,12 +218,12 @@ class SimulatedDevice(DeviceContext):
     # ----- charging operators (the dispatch mode calls this) ----------------------------------
     def charge(self, func, args, kwargs, out) -> None:
         name = func.overloadpacket.__name__
-        if name in _FREE or func.is_view:
+        if name in _FREE or func.is_view or getattr(self._local, "quiet", False):
             return
         kind, lane = self._where()
         if kind == "cpu":
             start = lane.t
-            lane.t += self._cpu_seconds(name, args, out)
+            lane.t += self._cpu_seconds(args, out)
             self.records.work.append(Work(lane.name, start, lane.t, name, "cpu"))
             return
         if kind == "inline":  # a copy on the CPU device
@@ -230,11 +249,8 @@ class SimulatedDevice(DeviceContext):
             seconds = max(seconds, flops / (spec.tensor_flops_per_s if low else spec.fp32_flops_per_s))
         return spec.kernel_s + seconds
 
-    def _cpu_seconds(self, name: str, args, out) -> float:
-        spec = self.spec
-        if name in _ADAM:
-            return spec.cpu_op_s + sum(t.numel() for t in args[0]) / spec.cpu_adam_params_per_s
-        return spec.cpu_op_s + _touched(args, out)[1] / spec.host_memory_bytes_per_s
+    def _cpu_seconds(self, args, out) -> float:
+        return self.spec.cpu_op_s + _touched(args, out)[1] / self.spec.host_memory_bytes_per_s
 
     def _copy(self, stream: Lane, direction: str, nbytes: int) -> None:
         bandwidth = self.spec.h2d_bytes_per_s if direction == "host->device" else self.spec.d2h_bytes_per_s

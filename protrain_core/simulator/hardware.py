@@ -39,9 +39,12 @@ class DeviceSpec:
             simulated ranks (a ring moves (W-1)/W of the buffer per rank; all-reduce twice that).
         collective_latency_s: fixed cost of one collective.
         host_collective_s: one blocking host-side agreement between ranks (gloo, a few bytes).
-        cpu_adam_params_per_s: the CPU worker's fused AdamW.
-        host_memory_bytes_per_s: the CPU worker's other work (landing gradients, copies back,
-            norms), charged its bytes over this bandwidth.
+        cpu_adam_params_per_s: the CPU worker's whole update of a streamed chunk (the landing
+            folded, Adam, the compute copy written: one pass where protrain_ops' kernel runs),
+            parameters per second, by the moments' format ("fp32", "bf16", "8bit"), as
+            ``benchmarks.bench_adam`` and the profiler's probe measure it.
+        host_memory_bytes_per_s: the CPU worker's other work (a landing folded before the
+            update, norms), charged its bytes over this bandwidth.
         cpu_op_s: the CPU worker's overhead per operator.
         device_memory_bytes, host_memory_bytes: the memory of the device and of the host.
         sources: where each figure comes from.
@@ -60,7 +63,7 @@ class DeviceSpec:
     collective_bytes_per_s: float
     collective_latency_s: float
     host_collective_s: float
-    cpu_adam_params_per_s: float
+    cpu_adam_params_per_s: dict[str, float]
     host_memory_bytes_per_s: float
     cpu_op_s: float
     device_memory_bytes: int
@@ -68,14 +71,26 @@ class DeviceSpec:
     sources: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        rates = [f.name for f in dataclasses.fields(self) if f.name.endswith("_per_s")]
+        rates = [f.name for f in dataclasses.fields(self) if f.name.endswith("_per_s") and f.name != "cpu_adam_params_per_s"]
         bad = [n for n in rates if not getattr(self, n) > 0]
+        update = self.cpu_adam_params_per_s
+        if not isinstance(update, dict) or not update or not all(v > 0 for v in update.values()):
+            bad.append("cpu_adam_params_per_s (by moments' format, e.g. {\"fp32\": 2.6e9})")
         bad += [n for n in ("kernel_s", "launch_s", "copy_latency_s", "collective_latency_s", "host_collective_s",
                             "cpu_op_s") if getattr(self, n) < 0]
         bad += [n for n in ("device_memory_bytes", "host_memory_bytes") if getattr(self, n) <= 0]
         if bad:
             raise ValueError(f"DeviceSpec {self.name!r}: {', '.join(bad)} must be positive numbers (rates, memory) "
                              "or >= 0 (times).")
+
+    def cpu_update_rate(self, state_format: str) -> float:
+        """Parameters per second of the CPU worker's update of a chunk with moments in ``state_format``."""
+        rate = self.cpu_adam_params_per_s.get(state_format)
+        if rate is None:
+            raise ValueError(f"DeviceSpec {self.name!r} has no CPU update rate for moments in format "
+                             f"{state_format!r} (cpu_adam_params_per_s gives {sorted(self.cpu_adam_params_per_s)}); "
+                             "add it, or simulate another format.")
+        return rate
 
 
 # The GPU machines this project is lent (shared/GPU_NOTES.md): one H100 80 GB or one H200 141 GB,
@@ -90,8 +105,11 @@ _SHARED_SOURCES = (
     "collective_bytes_per_s 350 GB/s: NVLink 4 gives 450 GB/s per direction per GPU (NVIDIA H100 datasheet: "
     "900 GB/s total); NCCL all-gather / reduce-scatter bus bandwidth about 350 GB/s on 8 GPUs (nccl-tests), assumed",
     "collective_latency_s 20 us, host_collective_s 50 us (gloo between local processes), assumed",
-    "cpu_adam_params_per_s 3e9: memory-bound fused AdamW on the 16-core host, the figure the cost-model studies "
-    "use (update.py); benchmarks.gpu_session's cpu-adam piece measures it",
+    "cpu_adam_params_per_s fp32 2.2e9: memory-bound fused AdamW at 3e9 parameters/s on the 16-core host (the "
+    "figure the cost-model studies use, update.py) with the landing and the copy back, 12 bytes a parameter at "
+    "100 GB/s, assumed; bf16 3.0e9 and 8bit 2.1e9: fp32's times the ratios bench_adam measured on the 2-core Zen 5 "
+    "VM with 2 threads (1.35x, 0.96x; docs/benchmarks.md); benchmarks.gpu_session's cpu-adam piece measures them on "
+    "the GPU box",
     "host_memory_bytes_per_s 100 GB/s and cpu_op_s 5 us for the worker's other operators, assumed",
     "host_memory_bytes 128 GiB: the lent machines",
 )
@@ -109,7 +127,7 @@ H100 = DeviceSpec(
     collective_bytes_per_s=350e9,
     collective_latency_s=20e-6,
     host_collective_s=50e-6,
-    cpu_adam_params_per_s=3e9,
+    cpu_adam_params_per_s={"fp32": 2.2e9, "bf16": 3.0e9, "8bit": 2.1e9},
     host_memory_bytes_per_s=100e9,
     cpu_op_s=5e-6,
     device_memory_bytes=78 * GIB,
@@ -166,6 +184,8 @@ def load_spec(name_or_path: str | Path | DeviceSpec) -> DeviceSpec:
     fields.setdefault("sources", (f"{path}",))
     if base is not None:
         base_spec = load_spec(base)
+        if isinstance(fields.get("cpu_adam_params_per_s"), dict):  # the formats it gives, the base's others
+            fields["cpu_adam_params_per_s"] = {**base_spec.cpu_adam_params_per_s, **fields["cpu_adam_params_per_s"]}
         return dataclasses.replace(base_spec, name=fields.pop("name", f"{base_spec.name} ({path.name})"), **fields)
     missing = sorted(f.name for f in dataclasses.fields(DeviceSpec)
                      if f.name not in fields and f.default is dataclasses.MISSING)
@@ -174,19 +194,20 @@ def load_spec(name_or_path: str | Path | DeviceSpec) -> DeviceSpec:
     return DeviceSpec(**fields)
 
 
-def cpu_spec(hardware, *, name: str = "the CPU device (measured figures)") -> DeviceSpec:
+def cpu_spec(hardware, state_format: str = "fp32", *, name: str = "the CPU device (measured figures)") -> DeviceSpec:
     """The CPU device as a simulated device, from a profile's measured hardware figures
-    (``Profile.hardware``): copies at the measured bandwidths, Adam at the measured rate, compute
-    and host work as they run (there is no other device to model on a CPU)."""
+    (``Profile.hardware``, timed with moments in ``state_format``): copies at the measured
+    bandwidths, the CPU update at the measured rate, compute and host work as they run (there is
+    no other device to model on a CPU)."""
     return DeviceSpec(
         name=name, asynchronous=False, tensor_flops_per_s=1.0, fp32_flops_per_s=1.0, memory_bytes_per_s=1.0,
         kernel_s=0.0, launch_s=0.0, h2d_bytes_per_s=hardware.h2d_bytes_per_s, d2h_bytes_per_s=hardware.d2h_bytes_per_s,
         copy_latency_s=0.0, collective_bytes_per_s=1.0, collective_latency_s=0.0, host_collective_s=0.0,
-        cpu_adam_params_per_s=hardware.cpu_adam_params_per_s, host_memory_bytes_per_s=hardware.d2h_bytes_per_s,
-        cpu_op_s=0.0, device_memory_bytes=int(hardware.device_memory_bytes),
+        cpu_adam_params_per_s={state_format: hardware.cpu_adam_params_per_s},
+        host_memory_bytes_per_s=hardware.d2h_bytes_per_s, cpu_op_s=0.0, device_memory_bytes=int(hardware.device_memory_bytes),
         host_memory_bytes=int(hardware.device_memory_bytes),
-        sources=("copies, Adam: the profile's probes on this machine (profiler/hardware.py); compute and host work: "
-                 "as measured while the simulation runs",),
+        sources=("copies, the CPU update: the profile's probes on this machine (profiler/hardware.py); compute and host "
+                 "work: as measured while the simulation runs",),
     )
 
 
@@ -195,12 +216,12 @@ def preset_for(device_name: str) -> DeviceSpec:
     return H200 if "H200" in device_name.upper() else H100
 
 
-def with_measured(spec: DeviceSpec, hardware) -> DeviceSpec:
+def with_measured(spec: DeviceSpec, hardware, state_format: str = "fp32") -> DeviceSpec:
     """``spec`` with the figures a profile measured on the machine (``Profile.hardware``): the
-    copy bandwidths each way and the CPU Adam rate (the update as the worker runs it)."""
+    copy bandwidths each way and the CPU update's rate (moments in ``state_format``)."""
     return dataclasses.replace(
         spec, name=f"{spec.name}, with this machine's measured copies and CPU Adam",
         h2d_bytes_per_s=hardware.h2d_bytes_per_s, d2h_bytes_per_s=hardware.d2h_bytes_per_s,
-        cpu_adam_params_per_s=hardware.cpu_adam_params_per_s,
-        sources=spec.sources + ("h2d/d2h, cpu_adam_params_per_s: measured by the profiler's probes",),
+        cpu_adam_params_per_s={**spec.cpu_adam_params_per_s, state_format: hardware.cpu_adam_params_per_s},
+        sources=spec.sources + (f"h2d/d2h, cpu_adam_params_per_s[{state_format!r}]: measured by the profiler's probes",),
     )

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from protrain_core.simulator.clock import Records, Wait, Work
 from protrain_core.utils import format_bytes, format_seconds
 
-_ADAM_OPS = ("_fused_adamw_", "_fused_adam_")
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,7 @@ class StepReport:
         bwd = (phases.backward, phases.backward_end)
         work = [w for w in records.work if w.end > lo and w.start < hi]
         busy = sum(_clip(w, lo, hi) for w in work if w.lane == "compute" and w.kind != "idle")
-        adam = [w for w in work if w.lane == worker_lane and w.label in _ADAM_OPS]
+        adam = [w for w in work if w.lane == worker_lane and w.kind == "update"]
         copies = {d: _union([(w.start, w.end) for w in work if w.kind == "copy" and w.label == d], *bwd)
                   for d in ("host->device", "device->host")}
         collectives = defaultdict(float)

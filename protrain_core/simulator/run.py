@@ -103,12 +103,12 @@ def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
              plan: Plan | dict | None = None, budget: int | None = None, precision: str = "bf16-mixed",
              gradient_clipping: tuple[str, float] | None = None, world_size: int = 1, profile: Profile | None = None,
              steps: int = 2, description: str = "", frozen_dtype: str | None = None,
-             grad_accumulator: bool | None = None) -> Simulation:
+             grad_accumulator: bool | None = None, optimizer_state_format: str = "fp32") -> Simulation:
     """Simulate ``steps`` training steps (at least 2; the report is the first step's period, from
     its backward to the next one's) of ``model`` on ``batch`` (keyword inputs with labels).
     ``profile``: one taken on this device before (the same model, batch, precision and world
     size); ``world_size``: simulated ranks the chunks are sharded over (meta tensors only);
-    ``frozen_dtype``, ``grad_accumulator``: those of ``ProTrainConfig``."""
+    ``frozen_dtype``, ``grad_accumulator``, ``optimizer_state_format``: those of ``ProTrainConfig``."""
     if steps < 2:
         raise ValueError("simulate(steps=...) needs at least 2 steps: a step's period ends where the next backward begins.")
     sim, prec = device, parse_precision(precision)
@@ -122,7 +122,7 @@ def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
             # One timed pass: the simulated clock gives the same times every pass.
             profile = profile_model(model, optimizer, layout, example_inputs=batch, precision=prec, device=sim,
                                     iterations=1, cache=False, sharding=group, frozen_format=frozen_dtype,
-                                    accumulator=grad_accumulator is not False)
+                                    accumulator=grad_accumulator is not False, state_format=optimizer_state_format)
         choice = None
         if plan is None:
             # The host budget wrap checks a plan against (available RAM less the margin): a plan
@@ -133,7 +133,8 @@ def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
         plan = as_plan(plan)
         engine = wrap(model, optimizer, plan, device=sim, precision=precision, process_group=group,
                       config=ProTrainConfig(clipping=gradient_clipping, frozen_dtype=frozen_dtype,
-                                            grad_accumulator=grad_accumulator))
+                                            grad_accumulator=grad_accumulator,
+                                            optimizer_state_format=optimizer_state_format))
         try:
             report, timeline, overlap = _run(engine, sim, batch, steps, late=gradient_clipping is None)
         finally:
