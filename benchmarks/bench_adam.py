@@ -150,11 +150,11 @@ def _fused_adamw(chunk, members: list[int], iters: int) -> float:
     return statistics.median(times[1:])
 
 
-def _land_and_update(engine, chunk, clip: bool, iters: int) -> float:
-    """Median seconds of the worker landing a full chunk's gradient and updating it; a fresh
-    gradient is written where it lands before each (outside the timed region). fp16: the
-    landing with the step's finishing (unscale and check, the norms when clipping), then the
-    update, as the step after backward runs it."""
+def _land_and_update(engine, chunk, clip: bool, iters: int, *, warm: bool = True) -> float:
+    """Median seconds of the worker landing a full chunk's gradient and updating it (after one
+    untimed warm-up when ``warm``); a fresh gradient is written where it lands before each
+    (outside the timed region). fp16: the landing with the step's finishing (unscale and check,
+    the norms when clipping), then the update, as the step after backward runs it."""
     from protrain_core.runtime.gradients import Finishing
     from protrain_core.runtime.optim import ChunkOptimizer, UpdateClip
 
@@ -163,7 +163,7 @@ def _land_and_update(engine, chunk, clip: bool, iters: int) -> float:
               UpdateClip(coef=torch.tensor(0.5)) if clip else UpdateClip())
     members = [i for group in chunk.opt_members.values() for i in group]
     times, after = [], []
-    for _ in range(iters + 1):  # the first one warms up
+    for _ in range(iters + int(warm)):
         landing = storage.compute_span() if storage.fmt.separate_master else storage.grad_acc
         landing.normal_(std=1e-3)
         t = time.perf_counter()
@@ -176,7 +176,8 @@ def _land_and_update(engine, chunk, clip: bool, iters: int) -> float:
             worker.update(chunk, *update)
             after.append(time.perf_counter() - landed)
         times.append(time.perf_counter() - t)
-    return statistics.median(times[1:]), statistics.median(after[1:]) if after else None
+    skip = int(warm)
+    return statistics.median(times[skip:]), statistics.median(after[skip:]) if after else None
 
 
 # Host bytes per parameter of a bf16-mixed streamed chunk's whole update by the moments' format,
@@ -208,7 +209,7 @@ class CopyLoad:
     def _run(self) -> None:
         torch.set_num_threads(1)
         t = time.perf_counter()
-        while not self._stop.is_set():
+        while True:  # (at least one round: a copy rate however short the work beside it)
             for (src, dst), stream in zip(self._pairs, self._streams):
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     dst.copy_(src, non_blocking=stream is not None)
@@ -216,6 +217,8 @@ class CopyLoad:
                 if stream is not None:
                     stream.synchronize()
             self.copied += 2 * self._pairs[0][0].nbytes
+            if self._stop.is_set():
+                break
         self.seconds = time.perf_counter() - t
 
     def __enter__(self):
@@ -237,24 +240,32 @@ def format_rows(hidden: int = 1024, iters: int = 10, threads: tuple[int, ...] | 
     pinned_bytes_per_param, copy_bytes_per_s}: the worker's landing and update of one bf16-mixed
     streamed chunk with moments in each format, on each thread count, alone and beside a
     ``CopyLoad`` of the chunk's PCIe bytes (``copies``: "cpu", or a CUDA device for real
-    copies) -- all in one run."""
+    copies) -- all in one run, the formats taking turns update by update (a neighbour's load on
+    a shared machine falls on all of them alike)."""
     threads = threads or tuple(sorted({1, torch.get_num_threads()}))
     own, rows = torch.get_num_threads(), []
-    for fmt in FORMAT_BYTES:
-        engine, chunk = streamed_chunk("bf16-mixed", hidden, fmt)
-        numel = chunk.storage.fmt.state_numel
+    built = {fmt: streamed_chunk("bf16-mixed", hidden, fmt) for fmt in FORMAT_BYTES}
+    numel = built["fp32"][1].storage.fmt.state_numel
+    try:
         for n in threads:
             torch.set_num_threads(n)
             for load in (False, True):
+                times = {fmt: [] for fmt in built}
                 with CopyLoad(numel, copies) if load else contextlib.nullcontext() as running:
-                    seconds, _ = _land_and_update(engine, chunk, False, iters)
-                rows.append({"format": fmt, "threads": n, "load": load, "numel": numel, "seconds": seconds,
-                             "params_per_s": numel / seconds, "bytes_per_param": FORMAT_BYTES[fmt],
-                             "pinned_bytes_per_param": chunk.storage.fmt.streamed_pinned_bytes / numel,
-                             "copies": copies, "copy_bytes_per_s": running.bytes_per_s if load else 0.0})
+                    for _ in range(iters + 1):  # the first round warms up
+                        for fmt, (engine, chunk) in built.items():
+                            times[fmt].append(_land_and_update(engine, chunk, False, 1, warm=False)[0])
+                for fmt, (_, chunk) in built.items():
+                    seconds, own_numel = statistics.median(times[fmt][1:]), chunk.storage.fmt.state_numel
+                    rows.append({"format": fmt, "threads": n, "load": load, "numel": own_numel, "seconds": seconds,
+                                 "params_per_s": own_numel / seconds, "bytes_per_param": FORMAT_BYTES[fmt],
+                                 "pinned_bytes_per_param": chunk.storage.fmt.streamed_pinned_bytes / own_numel,
+                                 "copies": copies, "copy_bytes_per_s": running.bytes_per_s if load else 0.0})
+    finally:
         torch.set_num_threads(own)
-        engine.close()
-    return rows
+        for engine, _ in built.values():
+            engine.close()
+    return sorted(rows, key=lambda r: list(FORMAT_BYTES).index(r["format"]))
 
 
 def format_markdown(rows: list[dict], iters: int) -> str:

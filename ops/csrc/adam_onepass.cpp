@@ -364,13 +364,14 @@ bool land(std::vector<at::Tensor> masters, std::vector<at::Tensor> lows, std::ve
 // The nearest code of v is the number of midpoints between codes below v (ties go down). A
 // table of at most 512 buckets gives that number for the least value of v's bucket: its sign,
 // its binade (all binades below the map's least midpoint are one), and as many leading mantissa
-// bits as that binade needs for no bucket to hold two midpoints (bitsandbytes' maps: 444 and 497
-// buckets); one comparison with the midpoint above finishes. With AVX-512 VBMI the lookups --
-// the bucket's start among 512 bytes, the midpoint and the dequantised code among 256 floats
-// held as four planes of bytes -- are byte permutes of 64 lanes at once. A 16-lane gather
-// instead cost more than the rest of the update together on the 2-core Zen 5 VM (the kernel at
-// 340 M parameters/s with two gathers per moment, 1,820 without). Without VBMI: scalar lookups
-// of the same tables, with the same results.
+// bits as that binade needs for no bucket to hold two midpoints (at most 7, so that the top half
+// of v's bits decides its bucket; bitsandbytes' maps: 444 and 497 buckets); one comparison with
+// the midpoint above finishes. With AVX-512 VBMI the keys are computed 32 at a time on the top
+// halves, and the lookups -- the bucket's start among 512 bytes, the midpoint and the
+// dequantised code among 256 floats held as four planes of bytes -- are byte permutes of 64
+// lanes at once. A 16-lane gather instead cost more than the rest of the update together on the
+// 2-core Zen 5 VM (the kernel at 340 M parameters/s with two gathers per moment, 1,820 without).
+// Without VBMI: scalar lookups of the same tables, with the same results.
 #if defined(__AVX512VBMI__)
 // out[r] (natural order): the floats of `planes` (byte k of entry i: planes[k][i / 64] lane i % 64)
 // at the 64 byte indices `idx`.
@@ -431,19 +432,19 @@ class alignas(64) Map {
     for (uint32_t sign = 0; sign < 2; ++sign) {
       for (int j = 0; j < 32; ++j) {
         if (j >= slots_) {
-          slot_[sign * 32 + j] = 23u << 16;
+          slot_[sign * 32 + j] = 7u << 9;
           continue;
         }
         const bool whole = j == 0 || j == slots_ - 1;  // (several binades: one bucket)
         const uint32_t first = j == 0 ? 0u : static_cast<uint32_t>(base_ + j) << 23;
         const uint32_t last = j == 0 ? (static_cast<uint32_t>(least) << 23) - 1 : j == slots_ - 1 ? 0x7F7FFFFFu
                                                                                             : first | 0x7FFFFFu;
-        uint32_t r = 0;
+        uint32_t r = 0;  // (at most 7 bits: a float's top half decides its bucket)
         while (!fits(sign, first, last, r)) {
-          TORCH_CHECK(!whole && ++r < 23, "adam8bit: a map whose midpoints no bucketing separates");
+          TORCH_CHECK(!whole && ++r <= 7, "adam8bit: a map whose midpoints 7 mantissa bits do not separate");
         }
         TORCH_CHECK(next + (1u << r) <= 512, "adam8bit: a map needing more than 512 buckets");
-        slot_[sign * 32 + j] = next | ((23 - r) << 16);
+        slot_[sign * 32 + j] = static_cast<uint16_t>(next | ((7 - r) << 9));
         for (uint32_t b = 0; b < (1u << r); ++b) {
           start_[next + b] = static_cast<uint8_t>(below(bucket_value(sign, first, last, r, b, true)));
         }
@@ -454,7 +455,7 @@ class alignas(64) Map {
     byte_planes(code_, code_planes_);
     byte_planes(mid_, mid_planes_);
     for (int r = 0; r < 8; ++r) start_vec_[r] = _mm512_loadu_si512(start_ + 64 * r);
-    for (int r = 0; r < 4; ++r) slot_vec_[r] = _mm512_loadu_si512(slot_ + 16 * r);
+    for (int r = 0; r < 2; ++r) slot_vec_[r] = _mm512_loadu_si512(slot_ + 32 * r);
 #endif
   }
 
@@ -494,23 +495,22 @@ class alignas(64) Map {
 #if defined(__AVX512VBMI__)
     for (; i + 64 <= len; i += 64) {
       __m512 v[4], mid[4];
-      __m128i keys[4];
-      __mmask16 high[4], ordered[4];
+      __mmask16 ordered[4];
       for (int r = 0; r < 4; ++r) {
         v[r] = _mm512_div_ps(_mm512_loadu_ps(x + i + 16 * r), _mm512_set1_ps(absmax));
-        const __m512i k = key16(_mm512_castps_si512(v[r]));
-        keys[r] = _mm512_cvtepi32_epi8(k);
-        high[r] = _mm512_test_epi32_mask(k, _mm512_set1_epi32(256));
         ordered[r] = _mm512_cmp_ps_mask(v[r], v[r], _CMP_ORD_Q);
       }
-      const __m512i key = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(
-          _mm512_castsi128_si512(keys[0]), keys[1], 1), keys[2], 2), keys[3], 3);
+      // The keys of 32 values at once from their top halves, then their low bytes in order and their ninth bits.
+      const __m512i k01 = key32(top_halves(v[0], v[1])), k23 = key32(top_halves(v[2], v[3]));
+      const __m512i key = low_bytes(k01, k23);
       const __mmask64 b7 = _mm512_movepi8_mask(key);
+      const __mmask64 b8 = _mm512_kunpackd(_mm512_test_epi16_mask(k23, _mm512_set1_epi16(256)),
+                                           _mm512_test_epi16_mask(k01, _mm512_set1_epi16(256)));
       const __m512i lo = _mm512_mask_blend_epi8(b7, _mm512_permutex2var_epi8(start_vec_[0], key, start_vec_[1]),
                                                 _mm512_permutex2var_epi8(start_vec_[2], key, start_vec_[3]));
       const __m512i hi = _mm512_mask_blend_epi8(b7, _mm512_permutex2var_epi8(start_vec_[4], key, start_vec_[5]),
                                                 _mm512_permutex2var_epi8(start_vec_[6], key, start_vec_[7]));
-      const __m512i start = _mm512_mask_blend_epi8(join(high[0], high[1], high[2], high[3]), lo, hi);
+      const __m512i start = _mm512_mask_blend_epi8(b8, lo, hi);
       lookup64(mid_planes_, start, mid);
       __mmask16 up[4];
       for (int r = 0; r < 4; ++r) up[r] = _mm512_cmp_ps_mask(v[r], mid[r], _CMP_GT_OQ);
@@ -553,30 +553,45 @@ class alignas(64) Map {
     return true;
   }
 
+  // A value's bucket, from the top half of its bits: sign, exponent, 7 mantissa bits.
   uint32_t key(uint32_t bits) const {
-    const int e = static_cast<int>((bits >> 23) & 0xFF);
-    const uint32_t slot = slot_[(bits >> 31) * 32 + std::clamp(e - base_, 0, slots_ - 1)];
-    return (slot & 0xFFFF) + ((bits & 0x7FFFFF) >> (slot >> 16));
+    const uint32_t top = bits >> 16;
+    const uint16_t slot = slot_[(top >> 15) * 32 + std::clamp(static_cast<int>((top >> 7) & 0xFF) - base_, 0, slots_ - 1)];
+    return (slot & 0x1FFu) + ((top & 0x7Fu) >> (slot >> 9));
   }
 
 #if defined(__AVX512VBMI__)
-  __m512i key16(__m512i bits) const {
-    __m512i slot = _mm512_subs_epu16(_mm512_and_si512(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(0xFF)),
-                                     _mm512_set1_epi32(base_));  // (the exponent, below 2^16)
-    slot = _mm512_min_epu32(slot, _mm512_set1_epi32(slots_ - 1));
-    const __m512i entry = _mm512_mask_blend_epi32(_mm512_movepi32_mask(bits),
-                                                  _mm512_permutex2var_epi32(slot_vec_[0], slot, slot_vec_[1]),
-                                                  _mm512_permutex2var_epi32(slot_vec_[2], slot, slot_vec_[3]));
-    const __m512i mantissa = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFF));
-    return _mm512_add_epi32(_mm512_and_si512(entry, _mm512_set1_epi32(0xFFFF)),
-                            _mm512_srlv_epi32(mantissa, _mm512_srli_epi32(entry, 16)));
+  // The top halves of 32 floats, in order.
+  static __m512i top_halves(__m512 a, __m512 b) {
+    alignas(64) static const uint16_t odd[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31,
+                                                 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+    return _mm512_permutex2var_epi16(_mm512_castps_si512(a), _mm512_load_si512(odd), _mm512_castps_si512(b));
   }
-  __m512i code_planes_[4][4], mid_planes_[4][4], start_vec_[8], slot_vec_[4];
+  // `key` of 32 top halves.
+  __m512i key32(__m512i top) const {
+    __m512i slot = _mm512_subs_epu16(_mm512_and_si512(_mm512_srli_epi16(top, 7), _mm512_set1_epi16(0xFF)),
+                                     _mm512_set1_epi16(static_cast<int16_t>(base_)));
+    slot = _mm512_min_epu16(slot, _mm512_set1_epi16(static_cast<int16_t>(slots_ - 1)));
+    slot = _mm512_mask_add_epi16(slot, _mm512_movepi16_mask(top), slot, _mm512_set1_epi16(32));
+    const __m512i entry = _mm512_permutex2var_epi16(slot_vec_[0], slot, slot_vec_[1]);
+    const __m512i mantissa = _mm512_and_si512(top, _mm512_set1_epi16(0x7F));
+    return _mm512_add_epi16(_mm512_and_si512(entry, _mm512_set1_epi16(0x1FF)),
+                            _mm512_srlv_epi16(mantissa, _mm512_srli_epi16(entry, 9)));
+  }
+  // The low bytes of two vectors of 32 keys: byte 2j of the pair.
+  static __m512i low_bytes(__m512i a, __m512i b) {
+    alignas(64) static const uint8_t even[64] = {
+        0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42,
+        44, 46, 48, 50, 52, 54, 56, 58, 60, 62, 64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86,
+        88, 90, 92, 94, 96, 98, 100, 102, 104, 106, 108, 110, 112, 114, 116, 118, 120, 122, 124, 126};
+    return _mm512_permutex2var_epi8(a, _mm512_load_si512(even), b);
+  }
+  __m512i code_planes_[4][4], mid_planes_[4][4], start_vec_[8], slot_vec_[2];
 #endif
   float code_[256];
   float mid_[256];         // mid_[i]: between codes i and i + 1 (mid_[255]: +inf)
   int base_, slots_;       // slot of a binade e: clamp(e - base_, 0, slots_ - 1)
-  uint32_t slot_[64];      // by sign * 32 + slot: its first bucket | the mantissa's shift << 16
+  uint16_t slot_[64];      // by sign * 32 + slot: its first bucket | the shift of the top 7 mantissa bits << 9
   uint8_t start_[512]{};   // by bucket: the midpoints below its least value
 };
 
