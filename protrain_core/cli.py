@@ -135,6 +135,24 @@ def plan_command(args) -> int:
     return 0 if fits else 1  # (no plan fits the budget: the table shows what would)
 
 
+def _plain_pytorch(args, result, budget: int) -> str:
+    """Where the whole model fits the device (its all-persistent plan within the budget, one
+    process): plain PyTorch's simulated step on the same device next to the plan's; else ""."""
+    import protrain_core as pt
+    from protrain_core.planner.cost import estimate_memory
+    from protrain_core.simulator.device import SimulatedDevice
+    from protrain_core.simulator.run import simulate_plain
+
+    whole = pt.Plan(n_persist=result.profile.n_chunks, n_buffer=0)
+    if args.world_size > 1 or estimate_memory(result.profile, whole).peak_bytes > budget:
+        return ""
+    model, _ = models.build(args.config, "meta")
+    batch = models.token_batch(args.config, args.batch_size, args.seq_len, "meta")
+    seconds = simulate_plain(model, batch, device=SimulatedDevice(args.hardware), precision=args.precision)
+    return (f"plain PyTorch on the same simulated device (the model fits it; torch.autocast, AdamW(fused=True)): step "
+            f"{format_seconds(seconds)}; this plan's {format_seconds(result.step_s)} is {result.step_s / seconds:.2f}x it")
+
+
 def _check_host_fits(args) -> None:
     """Profiling on the CPU builds the model and its training states in host memory: refuse,
     before anything is built, a model whose states this machine cannot hold (a 7B config on a
@@ -187,6 +205,9 @@ def simulate_command(args) -> int:
     if result.choice is not None:
         print(result.choice.explain(), end="\n\n")
     print(result.text(), flush=True)
+    plain = _plain_pytorch(args, result, budget)
+    if plain:
+        print(plain, flush=True)
     if args.timeline:
         from protrain_core import timeline_figure
 

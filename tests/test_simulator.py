@@ -244,6 +244,7 @@ def test_plan_simulate_command(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "simulated NVIDIA H200" in out and "plan 0/2/1/1" in out
     assert "simulated step" in out and "cost model" in out and "host waits" in out and "What if" in out
+    assert "plain PyTorch on the same simulated device (the model fits it" in out  # (issue 55, item 7)
     for argv, error in ((["--plan", "1/2"], "persist/buffer/swap/checkpoint"),
                         (["--hardware", "a100"], "use one of h100, h200"),
                         (["--device", "cpu"], "replaces the device")):
@@ -344,3 +345,46 @@ def test_a_size_only_simulation_updates_each_moment_format_at_its_rate():
         assert result.report.cpu_adam_s == pytest.approx(expected, rel=0.02), fmt
     hosts = [runs[f].memory.planned_host_bytes for f in ("fp32", "bf16", "8bit")]
     assert hosts[0] > hosts[1] > hosts[2]
+
+
+def test_plain_pytorch_on_the_simulated_device():
+    """Issue 55, item 7: plain PyTorch's step on the simulated device -- autocast's casts (the
+    matmuls at the bf16 rate: far faster than in fp32 at this size), one fused AdamW over all
+    parameters on the compute stream per step."""
+    from protrain_core import models
+    from protrain_core.simulator.run import simulate_plain
+
+    config = models.load_config("llama-1b")  # (on meta tensors: no memory)
+    seconds, adams, casts = {}, {}, {}
+    for precision in ("32-true", "bf16-mixed"):
+        model, _ = models.build(config, "meta")
+        sim = SimulatedDevice("h100")
+        seconds[precision] = simulate_plain(model, models.token_batch(config, 4, 512, "meta"), device=sim,
+                                            precision=precision, steps=3)
+        adams[precision] = [w for w in sim.records.work if w.label == "_fused_adamw_"]
+        casts[precision] = sum(w.label == "_to_copy" for w in sim.records.work)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert casts["bf16-mixed"] - casts["32-true"] >= 3 * 2 * linears  # each step: a linear's input and weight
+    assert all(len(a) == 3 and {w.lane for w in a} == {"compute"} for a in adams.values())
+    assert seconds["bf16-mixed"] < 0.5 * seconds["32-true"]
+
+
+@pytest.mark.parametrize("model, batch, seq, hardware", [("llama-1b", 1, 1024, "h200"), ("llama-1b", 8, 1024, "h100")])
+def test_where_the_whole_model_fits_the_chosen_plan_is_as_fast_as_keeping_it_all(model, batch, seq, hardware):
+    """Issue 55, item 4: when the all-persistent plan fits the budget, the search's plan
+    simulates no slower than 1.03x the all-persistent plan with the least checkpointing that
+    fits (the lent H200 once ran a 4-of-13-chunks-streamed plan at 0.75x plain PyTorch)."""
+    from protrain_core import models
+    from protrain_core.api import default_memory_budget
+    from protrain_core.planner.cost import estimate_memory
+    from protrain_core.simulator.run import simulate
+
+    config = models.load_config(model)
+    tokens = models.token_batch(config, batch, seq, "meta")
+    chosen = simulate(*models.build(config, "meta"), tokens, device=SimulatedDevice(hardware), precision="bf16-mixed")
+    profile, budget = chosen.profile, default_memory_budget(SimulatedDevice(hardware))
+    whole = next(p for p in (pt.Plan(n_persist=profile.n_chunks, n_buffer=0, n_checkpoint=k)
+                             for k in range(profile.n_blocks + 1)) if estimate_memory(profile, p).peak_bytes <= budget)
+    kept = simulate(*models.build(config, "meta"), tokens, device=SimulatedDevice(hardware), precision="bf16-mixed",
+                    plan=whole, profile=profile)
+    assert chosen.step_s <= 1.03 * kept.step_s, (chosen.plan, chosen.step_s, whole, kept.step_s)

@@ -12,10 +12,12 @@ device.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from protrain_core.api import default_host_budget, default_memory_budget, wrap
 from protrain_core.config import ProTrainConfig
@@ -167,3 +169,50 @@ def _run(engine, sim: SimulatedDevice, batch: dict, steps: int, *, late: bool):
     data = timeline.to_json()
     data.update(plan=str(engine.plan), overlap=engine.overlap)
     return report, data, engine.overlap
+
+
+def simulate_plain(model: nn.Module, batch: dict, *, device: SimulatedDevice, precision: str = "bf16-mixed",
+                   steps: int = 2) -> float:
+    """Plain PyTorch's training step of ``model`` on the simulated device, in simulated seconds
+    (the last of ``steps``): the parameters on the device, forward with the casts
+    ``torch.autocast`` makes in a mixed precision (``_Autocast``), backward, the kernel of
+    ``torch.optim.AdamW(fused=True)`` (``torch._fused_adamw_``, which that optimizer refuses to
+    run on meta tensors) and ``zero_grad``. The baseline a chosen plan is compared with where the
+    whole model fits the device (``protrain plan --simulate``)."""
+    from protrain_ops import AdamHyperParams, adam_step
+
+    prec = parse_precision(precision)
+    params = [p for p in model.parameters() if p.requires_grad]
+    hp = AdamHyperParams(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    ends = []
+    with device, (_Autocast(prec.compute_dtype) if prec.is_mixed else contextlib.nullcontext()):
+        moments = [[torch.zeros_like(p) for p in params] for _ in range(2)]
+        counts = [torch.zeros((), device=p.device) for p in params]
+        for _ in range(steps):
+            default_loss(call(model, batch)).backward()
+            adam_step(params, [p.grad for p in params], *moments, [], counts, hp)
+            for p in params:
+                p.grad = None
+            device.synchronize_device()
+            ends.append(device.main.t)
+    return ends[-1] - ends[-2] if steps > 1 else ends[-1]
+
+
+class _Autocast(TorchFunctionMode):
+    """``torch.autocast`` for the simulated device's meta tensors (which autocast does not
+    touch): the operands of matmuls, linear layers and attention cast to ``dtype`` when they are
+    fp32, one charged cast each, as autocast's; everything else in its own dtype."""
+
+    _CAST = {torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torch.bmm, torch.baddbmm, torch.mm,
+             torch.addmm, torch.nn.functional.scaled_dot_product_attention}
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._CAST:
+            low = lambda t: t.to(self.dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t  # noqa: E731
+            args, kwargs = [low(a) for a in args], {k: low(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
