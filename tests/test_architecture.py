@@ -140,6 +140,11 @@ ALLOWED_PRIVATE = {
     # Lightning's launcher hook, which its connectors call on every strategy: ProTrain's strategies
     # call it on the DDP strategy they delegate the launch to (lightning_protrain/_common.py).
     "_configure_launcher",
+    # The stream-order checker (simulator/races.py) inside a TorchDispatchMode: which arguments an
+    # operator writes (its schema's alias annotations, as torch's own dispatch modes read them), and a
+    # storage's identity (a meta storage has no data pointer).
+    "_schema",
+    "_cdata",
 }
 
 

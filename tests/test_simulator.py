@@ -124,10 +124,10 @@ def test_copies_streams_and_waits_follow_the_stated_figures():
     spec = sim.spec
     n = 2**20
     seconds = spec.copy_latency_s + 4 * n / spec.h2d_bytes_per_s
-    host, dev = torch.zeros(n), torch.zeros(n)
+    host, dev, grads, landing = (torch.zeros(n) for _ in range(4))
     with sim:
         up = sim.copy_async(dev, host, stream=sim.h2d_stream, span=("host->device", "chunk 7"))
-        down = sim.copy_async(host, dev, stream=sim.d2h_stream, span=("device->host", "grads"))
+        down = sim.copy_async(landing, grads, stream=sim.d2h_stream, span=("device->host", "grads"))
         # at once: each starts as soon as the host has issued it (one launch each)
         launch = spec.launch_s
         assert up.time == pytest.approx(launch + seconds) and down.time == pytest.approx(2 * launch + seconds)
@@ -269,7 +269,7 @@ def test_a_link_serves_the_copy_that_is_ready_and_nothing_is_charged_twice():
     spec = sim.spec
     n = 2**22
     one = spec.copy_latency_s + 4 * n / spec.h2d_bytes_per_s
-    a, b, c, d = (torch.zeros(n) for _ in range(4))
+    a, b, c, d, g, h, k, m, w = (torch.zeros(n) for _ in range(9))  # (no two streams touch one: no race)
     e, f = torch.zeros(n // 4), torch.zeros(n // 4)
     with sim:
         sim.copy_async(a, b, stream=sim.swap_stream, span=("device->host", "activations"))
@@ -278,14 +278,14 @@ def test_a_link_serves_the_copy_that_is_ready_and_nothing_is_charged_twice():
         assert swap_in.time > 2 * one and prefetch.time < one  # the link was free before the swap-in's turn
         with sim:  # nested
             before = len(sim.records.work)
-            a.add_(1)
-            assert len([w for w in sim.records.work[before:] if w.kind == "compute"]) == 1
+            w.add_(1)
+            assert len([r for r in sim.records.work[before:] if r.kind == "compute"]) == 1
         sim.synchronize(prefetch)
-        x = sim.copy_async(a, b, stream=sim.d2h_stream, span=("device->host", "first"))
-        y = sim.copy_async(c, d, stream=sim.d2h_stream, span=("device->host", "second"))
+        x = sim.copy_async(g, h, stream=sim.d2h_stream, span=("device->host", "first"))
+        y = sim.copy_async(k, m, stream=sim.d2h_stream, span=("device->host", "second"))
         sim.synchronize(x)
         sim.synchronize(y)
-        a.add_(1)
+        w.add_(1)
     causes = {w.label.split(" (")[0] for w in sim.records.work if w.kind == "idle"}
     assert {"host wait: first", "host wait: second"} <= causes
 
@@ -406,3 +406,44 @@ def test_the_simulator_replays_the_measured_steps_within_10_percent(row):
     from benchmarks.bench_holdout import replay
 
     assert abs(replay(row) / row["measured_s"] - 1) <= 0.10
+
+
+# ----- the stream-order checker ([Note: the stream-order checker] in simulator/races.py) -----------------
+def _streamed_run(sim, steps=2):
+    torch.manual_seed(0)
+    model = tiny_gpt2()
+    with sim:
+        engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), pt.Plan(n_persist=0, n_buffer=2),
+                         device=sim, precision="bf16-mixed", report=None)
+        try:
+            train_engine(engine, batches(steps))
+        finally:
+            engine.scheduler.shutdown(wait=False)
+
+
+def test_a_chunk_used_before_its_upload_ends_is_a_race(monkeypatch):
+    """Issue 55, item 5, a seeded race: the compute stream does not wait for the chunks'
+    uploads (every ``wait_on_compute`` dropped): the first read of an uploaded chunk is caught."""
+    from protrain_core.simulator.races import StreamRace
+
+    sim = SimulatedDevice("h100", tensors="cpu")
+    _streamed_run(sim)  # (as the runtime orders it: no race)
+    sim = SimulatedDevice("h100", tensors="cpu")
+    monkeypatch.setattr(sim, "wait_on_compute", lambda event: None)
+    with pytest.raises(StreamRace, match=r"on compute reads .* that copy_ on h2d wrote"):
+        _streamed_run(sim)
+
+
+def test_a_chunk_fetched_before_its_cpu_update_ends_is_a_race(monkeypatch):
+    """Issue 55, item 5, a seeded race: a streamed chunk fetched again without waiting for its
+    CPU update (``Chunk.end_update`` not waiting for the worker's job): the upload reads the
+    host copy where the gradient landed and the update writes, ordered after neither."""
+    from protrain_core.runtime.chunk import Chunk
+    from protrain_core.simulator.races import StreamRace
+
+    def end_update(chunk):  # the state moves on, the job is not waited for
+        chunk.state, chunk._future = chunk._moved("end_update"), None
+
+    monkeypatch.setattr(Chunk, "end_update", end_update)
+    with pytest.raises(StreamRace, match=r"copy_ on h2d reads a torch.bfloat16 tensor"):
+        _streamed_run(SimulatedDevice("h100", tensors="cpu"))

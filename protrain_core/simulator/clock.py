@@ -89,6 +89,7 @@ class Event:
     time: float
     label: str
     stream: str
+    order: dict | None = None  # its stream's vector clock ([Note: the stream-order checker] in races.py)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,9 @@ runtime knows it is simulated. A discrete-event clock (clock.py) keeps the time 
   probe measure --, every other operator its bytes at ``host_memory_bytes_per_s``. Jobs run
   inline, so a simulation is deterministic; a job's future is done when the simulated clock has
   passed it.
-Every figure is a field of a ``DeviceSpec`` (hardware.py), none is hidden here. Not modeled:
+Every figure is a field of a ``DeviceSpec`` (hardware.py), none is hidden here. Every
+operator's reads and writes are also checked for stream order ([Note: the stream-order checker]
+in races.py): an access no event orders after another agent's raises ``StreamRace``. Not modeled:
 device memory (the allocator, and when a stream-ordered free returns memory); contention of
 the side streams' kernels with compute for the GPU's cores; host-side blocking inside the
 runtime's own structures -- a CPU job runs when it is submitted, so a host thread that would
@@ -65,6 +67,7 @@ from torch.utils.flop_counter import flop_registry
 from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.sharding import Sharding
 from protrain_core.simulator.clock import Event, Lane, Link, MeasuredLane, Records, Stream, Wait, Work
+from protrain_core.simulator.races import RaceChecker
 from protrain_core.simulator.hardware import DeviceSpec, load_spec
 from protrain_core.utils import iter_tensors
 
@@ -108,6 +111,8 @@ class SimulatedDevice(DeviceContext):
         self._modes: list = []
         self._depth = 0  # ``with sim:`` entered (nested entries add nothing)
         self.charging_depth = 0  # _Charging modes active (one charges; a second would charge twice)
+        # Every access of device memory ordered by events ([Note: the stream-order checker]).
+        self.races = RaceChecker() if self.asynchronous else None
 
     # ----- entering --------------------------------------------------------------------------
     def __enter__(self) -> SimulatedDevice:
@@ -218,6 +223,8 @@ class SimulatedDevice(DeviceContext):
     # ----- charging operators (the dispatch mode calls this) ----------------------------------
     def charge(self, func, args, kwargs, out) -> None:
         name = func.overloadpacket.__name__
+        if self.races is not None:
+            self._order(func, name, args, kwargs, out)
         if name in _FREE or func.is_view or getattr(self._local, "quiet", False):
             return
         kind, lane = self._where()
@@ -237,6 +244,28 @@ class SimulatedDevice(DeviceContext):
             self._copy(stream, direction, _nbytes(args[1]))
         else:
             self._run(stream, self._device_seconds(func, args, kwargs, out), name, "compute")
+
+    def _order(self, func, name: str, args, kwargs, out) -> None:
+        """The stream-order checker's view of an operator: who runs it, what it reads and writes."""
+        if func.is_view or name in _FREE:
+            if name.startswith(("empty", "new_empty")):
+                self.races.fresh(out)
+            return
+        kind, lane = self._where()
+        if kind == "cpu":
+            agent = self.agent(lane)
+        elif kind == "stream":  # enqueued after the host's work so far
+            agent = lane[0].name
+            self.races.follow(agent, self.compute.name)
+        else:
+            agent = self.compute.name
+        self.races.operator(agent, func, args, kwargs, out)
+
+    def agent(self, lane: Lane) -> str:
+        """The stream-order checker's agent of a host lane: the host thread that drives the device
+        is one with the compute stream (host and device tensors are alike in a simulation: the
+        order of the host's work is the compute stream's); a worker is its own."""
+        return self.compute.name if lane is self.main else lane.name
 
     def _device_seconds(self, func, args, kwargs, out) -> float:
         spec = self.spec
@@ -302,7 +331,8 @@ class SimulatedDevice(DeviceContext):
         begin = mine[0].start if mine else max(stream.t, self.main.t)
         if self.timeline is not None:
             self.timeline.add(lane_name, label, begin, stream.t)
-        return Event(max(stream.t, self.main.t), label or lane_name, stream.name)
+        return Event(max(stream.t, self.main.t), label or lane_name, stream.name,
+                     self.races.snapshot(stream.name) if self.races is not None else None)
 
     def _check_duplex(self, stream: Stream, direction: str, after) -> None:
         """A copy queued on a stream behind a copy of the other direction waits for it although
@@ -320,11 +350,14 @@ class SimulatedDevice(DeviceContext):
                                           f"{direction} copy queued behind a {previous} copy", "stall"))
 
     def _wait_stream(self, stream: Stream, other: Stream) -> None:
+        if self.races is not None:
+            self.races.follow(stream.name, other.name)
         if other.t > stream.t:
             stream.t = other.t
             stream.held_by = f"{other.name} stream"
 
     def _wait_event(self, stream: Stream, event: Event) -> None:
+        self._after(stream.name, event)
         if event.time > stream.t:
             stream.t = event.time
             stream.held_by = event.label
@@ -336,7 +369,12 @@ class SimulatedDevice(DeviceContext):
     def synchronize(self, event) -> None:
         if event is not None:
             lane = self.host_lane()
+            self._after(self.agent(lane), event)
             self.block(lane, event.time, event.label)
+
+    def _after(self, agent: str, event: Event) -> None:
+        if self.races is not None and event.order is not None:
+            self.races.merge(agent, event.order)
 
     def block(self, lane: Lane, until: float, label: str) -> None:
         """The host lane ``lane`` waits until ``until`` for ``label`` (recorded with the call site)."""
@@ -353,10 +391,15 @@ class SimulatedDevice(DeviceContext):
 
     def synchronize_stream(self, stream) -> None:
         if stream is not None:
+            if self.races is not None:
+                self.races.follow(self.agent(self.host_lane()), stream.name)
             self.block(self.host_lane(), stream.t, f"{stream.name} stream")
 
     def synchronize_device(self) -> None:
         streams = (self.compute, self.h2d_stream, self.d2h_stream, self.swap_stream, self.comm_stream)
+        if self.races is not None:
+            for s in streams:
+                self.races.follow(self.agent(self.host_lane()), s.name)
         last = max(streams, key=lambda s: s.t)
         self.block(self.host_lane(), last.t, "device synchronize")
 
@@ -372,6 +415,8 @@ class SimulatedDevice(DeviceContext):
     def read_on_host(self, label: str) -> None:
         """The calling host lane reads a value the compute stream produces: it waits for it."""
         if self.asynchronous and self._where()[0] == "compute":
+            if self.races is not None:
+                self.races.follow(self.agent(self.host_lane()), self.compute.name)
             self._run(self.compute, self.spec.copy_latency_s, "read on host", "copy")
             self.block(self.host_lane(), self.compute.t, label)
 
@@ -450,6 +495,8 @@ class SimulatedWorker(Executor):
     def submit(self, fn, /, *args, **kwargs) -> Future:
         sim, lane = self.sim, self.lane
         lane.t = max(lane.t, sim.host_lane().t)
+        if sim.races is not None and lane is not sim.host_lane():  # a job comes after its submission
+            sim.races.follow(sim.agent(lane), sim.agent(sim.host_lane()))
         start = lane.t
         future = SimulatedFuture(sim)
         r0 = time.perf_counter()
@@ -463,6 +510,7 @@ class SimulatedWorker(Executor):
         if isinstance(lane, MeasuredLane):
             lane.exclude(time.perf_counter() - r0)
         future.end = lane.t
+        future.order = sim.races.snapshot(sim.agent(lane)) if sim.races is not None else None
         sim.records.work.append(Work(lane.name, start, lane.t, getattr(fn, "__name__", "job"), "cpu"))
         return future
 
@@ -475,12 +523,15 @@ class SimulatedFuture(Future):
         super().__init__()
         self.sim = sim
         self.end = 0.0
+        self.order = None  # the worker's vector clock at the job's end
 
     def done(self) -> bool:
         return super().done() and self.sim.host_lane().t >= self.end
 
     def result(self, timeout=None):
         lane = self.sim.host_lane()
+        if self.sim.races is not None and self.order is not None:
+            self.sim.races.merge(self.sim.agent(lane), self.order)
         self.sim.block(lane, self.end, "CPU worker job")
         return super().result(timeout)
 
