@@ -6,8 +6,14 @@ tool's 10-minute commands, resumable across calls.
     options: --budget SECONDS (default 530: a call ends within 9 minutes)  --suite gpu-80g|gpu-141g
              (default: by the GPU's memory)  --retry-failed
 
-The pieces, in order:
-  cuda-tests        python -m pytest -m cuda (passed, failed and skipped, from its JUnit XML)
+The pieces, in order (the first five minutes on what no CPU test can show):
+  cuda-tests        python -m pytest -m cuda (passed, failed and skipped, from its JUnit XML), with
+                    torch.cuda.set_sync_debug_mode("warn") (PROTRAIN_SYNC_DEBUG: its synchronising
+                    calls counted)
+  calibration       a plain-PyTorch TinyLlama-1.1B step traced: time by operator class, matmul
+                    rates, launch gaps, host time per operator (benchmarks/bench_calibration.py)
+  cuda-sanitizer    the CUDA parity tests under PyTorch's CUDA sanitizer (TORCH_CUDA_SANITIZER=1):
+                    stream races on the real device
   transfer          host<->device bandwidth with the pinned host pool (benchmarks/bench_transfer.py)
   cpu-adam          CPU Adam throughput on the host's cores, and the update of each moment format
                     alone and while host<->GPU copies run both ways (benchmarks/bench_adam.py)
@@ -33,7 +39,8 @@ pieces that broke before giving one).
 
 In DIR: session.json (every piece's status, time and result), session.md (the session's
 tables), suite/ (the suite's results.json, results.md and figures). The dry mode runs the CUDA
-tests (skipped without CUDA), the micro-benchmarks on the CPU, the cpu-smoke suite's study run
+tests (skipped without CUDA; the sanitizer's piece is left out), the calibration trace of a
+2-layer model and the micro-benchmarks on the CPU, the cpu-smoke suite's study run
 for the timeline, and a dry run of the GPU suite that builds every configuration; its pieces
 are the real session's with "(dry)" estimates.
 """
@@ -63,7 +70,8 @@ class Piece:
     name: str
     estimate_s: float  # a guess before it first ran, for planning the calls
     command: tuple[str, ...]  # run in ROOT; "{out}" is the session's folder
-    kind: str  # "tests", "json" (writes {out}/<name>.json), "suite"
+    kind: str  # "tests" (writes {out}/<name>.xml), "json" (writes {out}/<name>.json), "suite"
+    env: tuple[tuple[str, str], ...] = ()  # set for its process
 
 
 class Interrupted(Exception):
@@ -91,11 +99,17 @@ def plan_pieces(suite_name: str, dry: bool) -> list[Piece]:
     suite = R.SUITES[suite_name]
     py = sys.executable
     runner = (py, "-m", "benchmarks.run", "--suite", suite_name, "--resume", "--out", "{out}/suite")
+    one_file = ("tests/test_offload_states.py",) if dry else ()  # (all skip on a CPU; collecting every file: 30 s)
     pieces = [
-        # Dry: one file's CUDA tests (they all skip on a CPU; collecting every file took 30 s of CI).
         Piece("cuda-tests", 20 if dry else 300, (py, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
-                                                "--junitxml", "{out}/cuda-tests.xml")
-              + (("tests/test_offload_states.py",) if dry else ()), "tests"),
+                                                "--junitxml", "{out}/cuda-tests.xml") + one_file, "tests",
+              (("PROTRAIN_SYNC_DEBUG", "warn"),)),
+        Piece("calibration", 10 if dry else 60, (py, "-m", "benchmarks.bench_calibration", "--json", "{out}/calibration.json")
+              + (("--tiny", "--batch", "2", "--seq", "32") if dry else ()), "json"),
+        *([] if dry else [Piece("cuda-sanitizer", 180, (py, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
+                                                        "-k", "bitwise or parity or equal", "--junitxml",
+                                                        "{out}/cuda-sanitizer.xml"), "tests",
+                                (("TORCH_CUDA_SANITIZER", "1"),))]),  # (on a CPU: the cuda-tests piece again)
         Piece("transfer", 5 if dry else 30, (py, "-m", "benchmarks.bench_transfer", "--mib", "16" if dry else "256",
                                              "--json", "{out}/transfer.json"), "json"),
         Piece("cpu-adam", 5 if dry else 90, (py, "-m", "benchmarks.bench_adam", "--numel", str(2**20 if dry else 2**24),
@@ -138,13 +152,13 @@ def run_piece(piece: Piece, out: Path, timeout: float) -> dict:
     """Run one piece as a process of its own; its result. Raises Interrupted past ``timeout``
     (the process is stopped with SIGTERM, then killed)."""
     cmd = [c.replace("{out}", str(out)) for c in piece.command]
-    for stale in (out / "cuda-tests.xml", out / f"{piece.name}.json"):  # an earlier call's: not this result
+    for stale in (out / f"{piece.name}.xml", out / f"{piece.name}.json"):  # an earlier call's: not this result
         if piece.kind in ("tests", "json"):
             stale.unlink(missing_ok=True)
     log = out / "logs" / (piece.name.replace(":", "").replace(" ", "_").replace("(", "").replace(")", "") + ".log")
     log.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", **dict(piece.env))
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -158,7 +172,8 @@ def run_piece(piece: Piece, out: Path, timeout: float) -> dict:
     tail = log.read_text()[-2000:]
     result = {"exit_status": code, "log": str(log.relative_to(out)), "log_tail": tail}
     if piece.kind == "tests":
-        result.update(junit(out / "cuda-tests.xml"))
+        result.update(junit(out / f"{piece.name}.xml"))
+        result["sync_warnings"] = log.read_text().count("called a synchronizing CUDA operation")
         ok = code in (0, 5) or (code == 1 and result.get("failed", 0) + result.get("errors", 0) > 0)
     elif piece.kind == "json":
         path = out / f"{piece.name}.json"
@@ -279,11 +294,18 @@ def markdown(state: dict, out: Path) -> str:
              "| piece | status | seconds | calls |", "|---|---|---|---|"]
     for name, p in state["pieces"].items():
         lines.append(f"| {name} | {p['status']} | {p['seconds']:.0f} | {p['calls']} |")
-    tests = state["pieces"].get("cuda-tests", {})
-    if "tests" in tests:
-        lines += ["", f"CUDA tests: {tests['passed']} passed, {tests['failed']} failed, {tests['errors']} errors, "
-                  f"{tests['skipped']} skipped" + "".join(f"\n- failing: `{t}`" for t in tests["failing"])]
-    from benchmarks import bench_adam, bench_offload, bench_transfer
+    for name, what in (("cuda-tests", "CUDA tests (sync debug mode: warn)"), ("cuda-sanitizer", "CUDA sanitizer")):
+        tests = state["pieces"].get(name, {})
+        if "tests" in tests:
+            lines += ["", f"{what}: {tests['passed']} passed, {tests['failed']} failed, {tests['errors']} errors, "
+                      f"{tests['skipped']} skipped; {tests.get('sync_warnings', 0)} synchronising calls warned"
+                      + "".join(f"\n- failing: `{t}`" for t in tests["failing"])]
+    from benchmarks import bench_adam, bench_calibration, bench_offload, bench_transfer
+
+    calibration = state["pieces"].get("calibration", {}).get("data")
+    if calibration:
+        lines += ["", "Plain PyTorch traced (`benchmarks/bench_calibration.py`):", "",
+                  bench_calibration.markdown(calibration)]
 
     transfer = state["pieces"].get("transfer", {}).get("data")
     if transfer:

@@ -1,5 +1,6 @@
 import copy
 import logging
+import os
 import warnings
 
 import pytest
@@ -161,6 +162,11 @@ def pytest_configure(config):
     from protrain_ops import onepass
 
     onepass.kernel()
+    # benchmarks.gpu_session runs the CUDA tests with PROTRAIN_SYNC_DEBUG=warn: every host-device
+    # synchronisation warns (its log counts them).
+    mode = os.environ.get("PROTRAIN_SYNC_DEBUG")
+    if mode and torch.cuda.is_available():
+        torch.cuda.set_sync_debug_mode(mode)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker

@@ -38,6 +38,8 @@ def test_dry_session_plans_resumes_and_runs_what_a_cpu_can(tmp_path):
     tests = state["pieces"]["cuda-tests"]
     assert tests["calls"] == 2 and tests["tests"] > 0 and tests["failed"] == tests["errors"] == 0
     assert tests["skipped"] == tests["tests"]  # no CUDA here: every CUDA-marked test skips
+    calibration = state["pieces"]["calibration"]["data"]
+    assert calibration["step_s"] > 0 and calibration["classes"]["matmul"]["calls"] > 0 and calibration["matmuls"]
     transfer = state["pieces"]["transfer"]["data"]["rows"]
     assert {r["direction"] for r in transfer} == {"host->device", "device->host", "both at once"}
     assert all(r["gb_per_s"] > 0 for r in transfer)
@@ -54,6 +56,7 @@ def test_dry_session_plans_resumes_and_runs_what_a_cpu_can(tmp_path):
     assert {r["system"] for r in dry["runs"]} >= {"protrain-core", "pytorch", "fsdp2-offload"}
     md = (out / "session.md").read_text()
     assert "| cuda-tests | done |" in md and "Host<->device copies" in md and "CPU Adam" in md
+    assert "sync debug mode: warn" in md and "Plain PyTorch traced" in md
     assert "The update per moment format, alone and beside copies both ways" in md
     assert "Offloading the training state and back" in md
     assert "Study run (tiny-4L study" in md and "Dry run: every configuration constructed" in md
@@ -73,11 +76,12 @@ def test_the_gpu_session_plan():
     suite = SUITES["gpu-80g"]
     runs = [f"run: {w.label}, {s}" for w in suite.workloads + multi_workloads(suite) for s in G.SESSION_SYSTEMS
             if w.systems is None or s in w.systems]
-    assert [p.name for p in pieces] == (["cuda-tests", "transfer", "cpu-adam", "offload-states", "timeline"] + runs
+    assert [p.name for p in pieces] == (["cuda-tests", "calibration", "cuda-sanitizer", "transfer", "cpu-adam",
+                                         "offload-states", "timeline"] + runs
                                         + [f"probes: {s}" for s in G.SESSION_SYSTEMS])
     assert "run: llama-6.7B, deepspeed-zero3-offload" in runs and "run: llama-1.1B, pytorch" in runs
     assert not any("lora, fsdp2" in r or "protrain-lightning" in r for r in runs)
-    for p in pieces[4:]:
+    for p in pieces[6:]:
         assert p.kind == "suite" and "--resume" in p.command and "{out}/suite" in p.command
         assert p.command[p.command.index("--systems") + 1] in G.SESSION_SYSTEMS
     assert all(p.estimate_s < 530 for p in pieces)  # each fits one call's budget by its estimate
