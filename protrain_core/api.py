@@ -321,18 +321,22 @@ def profile(
     iterations: int = 3,
     cache: bool = True,
     reprofile: bool | None = None,
+    config: ProTrainConfig | None = None,
 ) -> Profile:
     """Profile ``model`` on one real batch without wrapping it for training (the parameters,
     the optimizer and the random state are left as they were). See ``protrain_core.profiler``.
     ``reprofile``: profile again even when a cached profile matches (None: as
-    ``PlanningConfig.reprofile``'s default, ``PROTRAIN_REPROFILE``)."""
+    ``PlanningConfig.reprofile``'s default, ``PROTRAIN_REPROFILE``). ``config``: the
+    ``ProTrainConfig`` the run will use (its state formats' bytes and update rates, its runtime
+    switches)."""
     prec: Precision = parse_precision(precision)
     dev = as_context(device)
+    config = config or ProTrainConfig()
     layout = _prepare(model, optimizer, blocks, chunk_size, example_inputs, dev)
     return profile_model(
         model, optimizer, layout, example_inputs=example_inputs, loss_fn=loss_fn, step_fn=step_fn, precision=prec,
-        device=dev, iterations=iterations, cache=cache,
-        reprofile=PlanningConfig().reprofile if reprofile is None else reprofile,
+        device=dev, iterations=iterations, cache=cache, switches=config.runtime,
+        reprofile=PlanningConfig().reprofile if reprofile is None else reprofile, **config.engine_options().formats(),
     )
 
 

@@ -48,9 +48,15 @@ def _profile(args, config, batch_size: int):
              f"batch of {batch_size} x {args.seq_len} tokens on {args.device} ...")
     start = time.perf_counter()
     prof = pt.profile(model, opt, models.token_batch(config, batch_size, args.seq_len), precision=args.precision,
-                      device=args.device, cache=not args.no_cache, reprofile=args.reprofile)
+                      device=args.device, cache=not args.no_cache, reprofile=args.reprofile, config=_config(args))
     progress(f"profile ready after {format_seconds(time.perf_counter() - start)}")
     return prof
+
+
+def _config(args):
+    import protrain_core as pt
+
+    return pt.ProTrainConfig(optimizer_state_format=args.optimizer_state_format or "fp32")
 
 
 def check_prediction(args, config, prof, choice) -> None:
@@ -61,7 +67,7 @@ def check_prediction(args, config, prof, choice) -> None:
     from protrain_core.update import Overlap
 
     model, opt = models.build(config)
-    engine = pt.wrap(model, opt, choice.plan, precision=args.precision, device=args.device)
+    engine = pt.wrap(model, opt, choice.plan, precision=args.precision, device=args.device, config=_config(args))
     planner = AutoPlanner(engine, prof, budget=choice.budget_bytes, host_budget=choice.host_budget_bytes,
                           overlap=Overlap(choice.schedule, gradient_passes=choice.gradient_passes))
     PredictionCheck(engine, planner, report=lambda text, **_: print(text), hint="--reprofile",
@@ -197,7 +203,7 @@ def simulate_command(args) -> int:
         result = simulate(model, opt, batch, device=sim, plan=args.plan, budget=budget, precision=args.precision,
                           gradient_clipping=("norm", args.clip_norm) if args.clip_norm else None,
                           world_size=args.world_size, description=f"{args.model}, batch {args.batch_size} x {args.seq_len}",
-                          optimizer_state_format=args.optimizer_state_format or "fp32")
+                          optimizer_state_format=_config(args).optimizer_state_format)
     except pt.InfeasibleBudget as e:
         print(f"protrain plan: {e}")
         return 1
@@ -274,8 +280,8 @@ def main(argv=None) -> int:
     p.add_argument("--clip-norm", type=float, default=None, help="with --simulate: clip the gradient norm at this value")
     p.add_argument("--timeline", default=None, help="with --simulate: write the simulated steps' timeline figure here (PNG)")
     p.add_argument("--optimizer-state-format", default=None, choices=("fp32", "bf16", "8bit"),
-                   help="with --simulate: Adam's moments in this format (ProTrainConfig.optimizer_state_format; "
-                        "default fp32): their bytes and the CPU update's rate for it")
+                   help="Adam's moments in this format (ProTrainConfig.optimizer_state_format; default fp32): their "
+                        "bytes and the CPU update's rate for it")
     args = ap.parse_args(argv)
     check_arguments(ap, args)
     return simulate_command(args) if args.simulate else plan_command(args)
@@ -320,8 +326,8 @@ def check_arguments(ap: argparse.ArgumentParser, args) -> None:
 
 
 def _check_simulation_arguments(ap: argparse.ArgumentParser, args) -> None:
-    only = [name for name, given in (("--plan", args.plan), ("--clip-norm", args.clip_norm), ("--timeline", args.timeline),
-                                     ("--optimizer-state-format", args.optimizer_state_format)) if given is not None]
+    only = [name for name, given in (("--plan", args.plan), ("--clip-norm", args.clip_norm), ("--timeline", args.timeline))
+            if given is not None]
     if not args.simulate:
         if only:
             ap.error(f"{', '.join(only)} need --simulate")

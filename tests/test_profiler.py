@@ -218,6 +218,10 @@ def test_plan_command_prints_plan_and_what_if(capsys):
     assert main(args + ["--budget", "1GiB", "--batch-sizes", "1,2"]) == 0
     out = capsys.readouterr().out
     assert "| 1 | " in out and "| 2 | " in out
+    # Adam's moments in another format: their bytes in the plan (issue 57, item 3)
+    assert main(args + ["--budget", "8MiB", "--budgets", "8MiB", "--optimizer-state-format", "bf16",
+                        "--check-steps", "1"]) == 0
+    assert "of host memory (Adam moments bf16)" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(args + ["--budget", "lots"])
     with pytest.raises(SystemExit, match="built-in configs"):
