@@ -425,7 +425,7 @@ class alignas(64) Map {
     for (int i = 0; i < 255; ++i) {
       if (mid_[i] != 0.0f) least = std::min(least, static_cast<int>((bits_of(mid_[i]) >> 23) & 0xFF));
     }
-    TORCH_CHECK(least >= 129 - 32, "adam8bit: a map with codes below 2^-31 of its largest");
+    TORCH_CHECK(least >= 129 - 32, "adam8bit: a map with midpoints below 2^-30 of its largest code");
     base_ = least - 1;  // slot 0: every binade below `least`; slot j: binade least + j - 1 (the last: 2^0 and up)
     slots_ = 129 - least;
     uint32_t next = 0;

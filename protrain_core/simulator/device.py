@@ -67,8 +67,8 @@ from torch.utils.flop_counter import flop_registry
 from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.sharding import Sharding
 from protrain_core.simulator.clock import Event, Lane, Link, MeasuredLane, Records, Stream, Wait, Work
-from protrain_core.simulator.races import RaceChecker
 from protrain_core.simulator.hardware import DeviceSpec, load_spec
+from protrain_core.simulator.races import RaceChecker
 from protrain_core.utils import iter_tensors
 
 # Operators that launch no kernel: allocation, metadata, aliasing.
