@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 ROWS = Path(__file__).with_name("holdout") / "rows.json"
 
 
@@ -36,8 +38,6 @@ def replay(row: dict) -> float:
     device = SimulatedDevice(row["hardware"])
     if row["system"] == "pytorch":
         return simulate_plain(model, batch, device=device, precision=row["precision"])
-    import torch
-
     plan = dict(zip(("n_persist", "n_buffer", "n_swap", "n_checkpoint"), map(int, row["plan"].split("/"))))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return simulate(model, optimizer, batch, device=device, plan=plan, precision=row["precision"]).step_s

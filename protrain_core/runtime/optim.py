@@ -251,15 +251,13 @@ class ChunkOptimizer:
         ``eight_bit_step`` once their landing is folded."""
         stepped = self._stepped_eight_bit(chunk, members, views)
         fused = [(j, moments, step) for j, moments, step in stepped if moments.absmax1 is not None]
-        masters = [views.master[j] for j, _, _ in fused]
         if fused:
-            states = [[getattr(moments, a) for _, moments, _ in fused] for a in ("state1", "state2", "absmax1", "absmax2")]
-            onepass.adam8bit(kernel, masters, [views.lows[j] for j, _, _ in fused], [views.grads[j] for j, _, _ in fused],
-                             *states, *formats.qmaps(chunk.storage.master.device), [step for _, _, step in fused], hp,
-                             coef=clip.coef, clamp=clip.value, landed=landed is not None, accumulate=landed == "add")
+            formats.kernel_steps(kernel, [(views.master[j], views.grads[j], moments, step) for j, moments, step in fused],
+                                 hp, [views.lows[j] for j, _, _ in fused], coef=clip.coef, clamp=clip.value,
+                                 landed=landed is not None, accumulate=landed == "add")
         small = [(views.master[j], views.grads[j], views.lows[j], moments, step)
                  for j, moments, step in stepped if moments.absmax1 is None]
-        return masters, small
+        return [views.master[j] for j, _, _ in fused], small
 
     def quant_places(self, chunk: Chunk) -> formats.QuantPlaces:
         """Where ``chunk``'s 8-bit members keep their block scales and small ones their moments

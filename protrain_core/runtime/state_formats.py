@@ -248,9 +248,18 @@ def eight_bit_steps(members: list[tuple[Tensor, Tensor, MemberMoments, int]], hp
         else:
             eight_bit_step(*member, hp)
     if fused:
-        ps, gs, moments, steps = zip(*fused)
-        states = [[getattr(m, a) for m in moments] for a in ("state1", "state2", "absmax1", "absmax2")]
-        onepass.adam8bit(kernel, list(ps), [], list(gs), *states, *qmaps(ps[0].device), list(steps), hp)
+        kernel_steps(kernel, fused, hp)
+
+
+def kernel_steps(kernel, members: list[tuple[Tensor, Tensor, MemberMoments, int]], hp: AdamHyperParams,
+                 lows: list[Tensor] = (), **pass_options) -> None:
+    """One pass of ``kernel``'s ``adam8bit`` over ``members`` with 8-bit moments (param, gradient,
+    moments, step count after this one) on the CPU; ``lows`` and ``pass_options`` (the landing,
+    clipping) as ``onepass.adam8bit`` takes them."""
+    ps, gs, moments, steps = zip(*members)
+    states = [[getattr(m, a) for m in moments] for a in ("state1", "state2", "absmax1", "absmax2")]
+    onepass.adam8bit(kernel, list(ps), list(lows), list(gs), *states, *qmaps(ps[0].device), list(steps), hp,
+                     **pass_options)
 
 
 def moment_step(name: str, n: int, device: torch.device, kernel=None):
@@ -269,8 +278,7 @@ def moment_step(name: str, n: int, device: torch.device, kernel=None):
 
     def step(p: Tensor, g: Tensor, hp: AdamHyperParams, low: Tensor | None = None) -> None:
         if low is not None and kernel is not None and moments.absmax1 is not None:
-            onepass.adam8bit(kernel, [p], [low], [g], [moments.state1], [moments.state2], [moments.absmax1],
-                             [moments.absmax2], *qmaps(device), [1], hp, landed=True)
+            kernel_steps(kernel, [(p, g, moments, 1)], hp, [low], landed=True)
         else:
             eight_bit_steps([(p, g, moments, 1)], hp, kernel)
 

@@ -75,7 +75,7 @@ class DeviceSpec:
         bad = [n for n in rates if not getattr(self, n) > 0]
         update = self.cpu_adam_params_per_s
         if not isinstance(update, dict) or not update or not all(v > 0 for v in update.values()):
-            bad.append("cpu_adam_params_per_s (by moments' format, e.g. {\"fp32\": 2.6e9})")
+            bad.append("cpu_adam_params_per_s (by moments' format, e.g. {\"fp32\": 2.2e9})")
         bad += [n for n in ("kernel_s", "launch_s", "copy_latency_s", "collective_latency_s", "host_collective_s",
                             "cpu_op_s") if getattr(self, n) < 0]
         bad += [n for n in ("device_memory_bytes", "host_memory_bytes") if getattr(self, n) <= 0]

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from protrain_core.utils import iter_tensors
+
 
 class StreamRace(RuntimeError):
     """Two accesses of the same device memory that no event or wait orders."""
@@ -75,7 +77,7 @@ class RaceChecker:
             self._check(agent, mine, t, True, name)
         for t in reads:
             self._check(agent, mine, t, False, name)
-        for t in _tensors(out):
+        for t in iter_tensors(out):
             if not any(_same_memory(t, w) for w in writes):
                 self._memory.pop(_key(t), None)  # a new tensor: its memory's earlier life is over
                 writes.append(t)
@@ -86,7 +88,7 @@ class RaceChecker:
 
     def fresh(self, out) -> None:
         """Tensors just allocated: nothing has used their memory yet."""
-        for t in _tensors(out):
+        for t in iter_tensors(out):
             self._memory.pop(_key(t), None)
 
     def _check(self, agent: str, clock: dict[str, int], t: Tensor, write: bool, name: str) -> None:
@@ -111,21 +113,13 @@ class RaceChecker:
         records.append(_Access(lo, hi, agent, tick, write, name))
 
 
-def _tensors(value) -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
 def _accesses(func, args, kwargs) -> tuple[list[Tensor], list[Tensor]]:
     """(read, written) tensors of a call, by its schema's alias annotations."""
     reads, writes = [], []
     schema = func._schema
     for i, arg in enumerate(schema.arguments):
         value = args[i] if i < len(args) else kwargs.get(arg.name)
-        tensors = _tensors(value)
+        tensors = list(iter_tensors(value))
         if arg.alias_info is not None and arg.alias_info.is_write:
             writes += tensors
         else:

@@ -114,6 +114,8 @@ def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
     if steps < 2:
         raise ValueError("simulate(steps=...) needs at least 2 steps: a step's period ends where the next backward begins.")
     sim, prec = device, parse_precision(precision)
+    config = ProTrainConfig(clipping=gradient_clipping, frozen_dtype=frozen_dtype, grad_accumulator=grad_accumulator,
+                            optimizer_state_format=optimizer_state_format)
     clipping = None if gradient_clipping is None else parse_gradient_clipping(*gradient_clipping)
     group = SimulatedGroup(sim, world_size) if world_size > 1 else None
     mode = overlap_mode(prec, clipping)
@@ -123,8 +125,7 @@ def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
             layout = build_layout(model, block_path, len(blocks))
             # One timed pass: the simulated clock gives the same times every pass.
             profile = profile_model(model, optimizer, layout, example_inputs=batch, precision=prec, device=sim,
-                                    iterations=1, cache=False, sharding=group, frozen_format=frozen_dtype,
-                                    accumulator=grad_accumulator is not False, state_format=optimizer_state_format)
+                                    iterations=1, cache=False, sharding=group, **config.engine_options().formats())
         choice = None
         if plan is None:
             # The host budget wrap checks a plan against (available RAM less the margin): a plan
@@ -133,10 +134,7 @@ def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
                             schedule=mode.schedule, gradient_passes=mode.gradient_passes)
             plan = choice.plan
         plan = as_plan(plan)
-        engine = wrap(model, optimizer, plan, device=sim, precision=precision, process_group=group,
-                      config=ProTrainConfig(clipping=gradient_clipping, frozen_dtype=frozen_dtype,
-                                            grad_accumulator=grad_accumulator,
-                                            optimizer_state_format=optimizer_state_format))
+        engine = wrap(model, optimizer, plan, device=sim, precision=precision, process_group=group, config=config)
         try:
             report, timeline, overlap = _run(engine, sim, batch, steps, late=gradient_clipping is None)
         finally:
