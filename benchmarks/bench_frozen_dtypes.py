@@ -70,7 +70,8 @@ def simulated_rows() -> list[dict]:
         for fmt in (None, "int8"):
             model = _lora(models.build(config, "meta")[0], r=16)
             opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
-            result = simulate(model, opt, models.token_batch(config, batch, 2048, "meta"), device=SimulatedDevice("h100"),
+            result = simulate(model, opt, models.token_batch(config, batch, 2048, "meta"),
+                              device=SimulatedDevice("h100", out_of_memory=False),
                               plan=pt.Plan(n_persist=0, n_buffer=2), frozen_dtype=fmt, world_size=world)
             rows.append(row("streamed-buf2", f"lora-7b {fmt or 'bf16'}", world, result, batch))
     return rows

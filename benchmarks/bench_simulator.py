@@ -12,7 +12,9 @@ streamed with 2 and 3 buffers; mixed; with swapped and checkpointed blocks) and 
 model's prediction for the same plan and schedule, the compute stream's idle time by cause,
 the host waits during backward that [Note: host waits] does not name, the time both copy
 directions run at once in backward (and copies queued behind the other direction's), and the
-share of the CPU Adam time inside backward; then the sharded runs (2 and 4 simulated ranks).
+share of the CPU Adam time inside backward, and the simulated peak of device memory (most
+plans could not hold batch 32's activations on the device: these runs study schedules, and the
+memory is counted, not refused); then the sharded runs (2 and 4 simulated ranks).
 tests/test_simulator.py holds the runtime to the same runs.
 """
 
@@ -28,7 +30,7 @@ from protrain_core import models
 from protrain_core.runtime.device import BACKWARD_HOST_WAITS
 from protrain_core.simulator.device import SimulatedDevice
 from protrain_core.simulator.run import Simulation, simulate
-from protrain_core.utils import format_seconds
+from protrain_core.utils import format_bytes, format_seconds
 
 PLANS = {
     "all-persistent": pt.Plan(n_persist=34, n_buffer=0),
@@ -67,10 +69,13 @@ class Runner:
         self.profiles: dict = {}
 
     def run(self, plan: str | pt.Plan, variant: str = "bf16", world: int = 1) -> Simulation:
-        """``plan``: a name of ``PLANS`` (LLaMA-7B's 34 chunks) or a Plan."""
+        """``plan``: a name of ``PLANS`` (LLaMA-7B's 34 chunks) or a Plan. The schedules are
+        studied at batches whose activations most plans could not hold on the device: its memory
+        is counted (``Simulation.device_peak_bytes``), not refused."""
         precision, clipping = VARIANTS[variant]
         key = (precision, world)
-        result = simulate(self.model, self.optimizer, self.batch, device=SimulatedDevice(self.hardware),
+        device = SimulatedDevice(self.hardware, out_of_memory=False)
+        result = simulate(self.model, self.optimizer, self.batch, device=device,
                           plan=PLANS.get(plan, plan), precision=precision, gradient_clipping=clipping,
                           world_size=world, profile=self.profiles.get(key))
         self.profiles[key] = result.profile
@@ -89,14 +94,15 @@ def row(plan: str, variant: str, world: int, result: Simulation, batch: int) -> 
         "duplex_backward_s": r.duplex_backward_s, "copy_backward_s": r.copy_busy_backward_s, "half_duplex_s": r.half_duplex_s,
         "cpu_adam_s": r.cpu_adam_s, "cpu_adam_in_backward": r.cpu_adam_inside_backward, "backward_s": r.backward_s,
         "collectives": r.collectives, "reduce_scatter_waits_backward_s": r.waits_for_backward_s("reduce-scatter"),
+        "device_peak_bytes": result.device_peak_bytes, "device_memory_bytes": result.device_memory_bytes,
     }
 
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| plan | variant | batch | ranks | simulated | cost model | error | compute idle | largest idle causes | "
              "backward host waits not named | copies in backward: h2d / d2h / both at once / behind the other "
-             "direction | CPU Adam inside backward |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "direction | CPU Adam inside backward | device memory, simulated peak |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in rows:
         causes = "; ".join(f"{c} {format_seconds(s)}" for c, s in x["idle_top"]) or "-"
         copies = " / ".join(format_seconds(v) for v in (*x["copy_backward_s"].values(), x["duplex_backward_s"],
@@ -105,7 +111,8 @@ def markdown(rows: list[dict]) -> str:
             f"| {x['plan']} | {x['variant']} | {x['batch']} | {x['world']} | {format_seconds(x['simulated_s'])} | "
             f"{format_seconds(x['predicted_s'])} | {100 * x['error']:+.1f} % | {format_seconds(x['idle_s'])} | {causes} | "
             f"{x['unnamed_backward_waits']} ({format_seconds(x['unnamed_backward_wait_s'])}) | {copies} | "
-            f"{100 * x['cpu_adam_in_backward']:.0f} % |")
+            f"{100 * x['cpu_adam_in_backward']:.0f} % | {format_bytes(x['device_peak_bytes'])}"
+            f"{' (over the device)' if x['device_peak_bytes'] > x['device_memory_bytes'] else ''} |")
     return "\n".join(lines)
 
 

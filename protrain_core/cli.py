@@ -154,7 +154,10 @@ def _plain_pytorch(args, result, budget: int) -> str:
         return ""
     model, _ = models.build(args.config, "meta")
     batch = models.token_batch(args.config, args.batch_size, args.seq_len, "meta")
-    seconds = simulate_plain(model, batch, device=SimulatedDevice(args.hardware), precision=args.precision)
+    try:
+        seconds = simulate_plain(model, batch, device=SimulatedDevice(args.hardware), precision=args.precision)
+    except torch.OutOfMemoryError as e:
+        return f"plain PyTorch on the same simulated device: {e}"
     return (f"plain PyTorch on the same simulated device (the model fits it; torch.autocast, AdamW(fused=True)): step "
             f"{format_seconds(seconds)}; this plan's {format_seconds(result.step_s)} is {result.step_s / seconds:.2f}x it")
 
@@ -204,7 +207,7 @@ def simulate_command(args) -> int:
                           gradient_clipping=("norm", args.clip_norm) if args.clip_norm else None,
                           world_size=args.world_size, description=f"{args.model}, batch {args.batch_size} x {args.seq_len}",
                           optimizer_state_format=_config(args).optimizer_state_format)
-    except pt.InfeasibleBudget as e:
+    except (pt.InfeasibleBudget, torch.OutOfMemoryError) as e:
         print(f"protrain plan: {e}")
         return 1
     progress(f"simulated in {format_seconds(time.perf_counter() - start)} of real time")

@@ -9,9 +9,10 @@ both O(1) per operator. ``live_bytes()`` recomputes the total from the recorded 
 can leave some out). On CUDA ``torch.cuda.memory_allocated`` tells the same for the device (and
 also counts what was allocated outside the tracker).
 
-Allocations that are not activation memory -- the engine's chunk buffers, which it counts
-itself, and host buffers for swapped activations, which on a CPU "device" live in the same
-memory -- are made inside ``untracked()`` and are not recorded.
+Allocations that are not activation memory are not recorded: the engine's chunk buffers, which
+it counts itself, are made inside ``untracked()``; host memory (host pools, staging and swap
+buffers, which on a CPU "device" live in the same memory) inside ``on_host()``, which also
+tells a simulated device that they are not its memory.
 """
 
 from __future__ import annotations
@@ -39,6 +40,23 @@ def untracked():
         yield
     finally:
         _local.skip = previous
+
+
+@contextmanager
+def on_host():
+    """Allocations made inside are host memory: no LiveStorageTracker records them, and a
+    simulated device does not count them as its own (this thread)."""
+    previous = getattr(_local, "host", False)
+    _local.host = True
+    try:
+        with untracked():
+            yield
+    finally:
+        _local.host = previous
+
+
+def allocating_on_host() -> bool:
+    return getattr(_local, "host", False)
 
 
 class LiveStorageTracker(TorchDispatchMode):

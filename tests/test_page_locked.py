@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from protrain_core.runtime import host_pool
+from protrain_core.runtime.device import as_context
 from protrain_core.runtime.host_pool import HostPool, PageLocked
 from protrain_core.runtime.swap import HostBuffers
 
@@ -179,7 +180,7 @@ def test_only_what_the_copies_touch_is_page_locked(cudart, name):
     fmt = ChunkFormat(numel=S, **kw)
     scales = 2 * 4 * S // BLOCK if fmt.eight_bit else 0  # 8-bit moments' fp32 block scales
     assert (fmt.streamed_pinned_bytes, fmt.streamed_host_bytes) == (locked_per * S, host_per * S + scales)
-    storage = ChunkStorage(fmt, persistent=False, device=torch.device("cpu"), pin=True, n_members=1)
+    storage = ChunkStorage(fmt, persistent=False, ctx=as_context("cpu"), pin=True, n_members=1)
     (start, pages), = cudart.ranges.items()
     registered = range(start, start + len(pages) * PAGE)
     inside = lambda t: t.data_ptr() in registered and t.data_ptr() + t.nbytes - 1 in registered  # noqa: E731

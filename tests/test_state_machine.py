@@ -13,7 +13,7 @@ from conftest import batches, tiny_gpt2, tiny_llama, train_engine
 from protrain_core.runtime.chunk import (
     GRAD_TRANSITIONS, GRAD_VERBS, TRANSITIONS, VERBS, Chunk, ChunkState, GradState, IllegalTransition, _next,
 )
-from protrain_core.runtime.device import DeviceContext
+from protrain_core.runtime.device import DeviceContext, as_context
 from protrain_core.runtime.storage import ChunkFormat, ChunkStorage
 from protrain_core.structure.layout import ChunkSpec, ParamSlot, align
 
@@ -51,7 +51,7 @@ def test_transition_tables_are_the_documented_ones():
 def _chunk(persistent=False):
     spec = ChunkSpec(index=0, members=(ParamSlot("w", 0, 4, (4,)),), units=("u",), capacity=16)
     fmt = ChunkFormat(numel=16, compute_dtype=torch.float32, master_dtype=torch.float32, trainable_numel=4, adam_states=2)
-    storage = ChunkStorage(fmt, persistent=persistent, device=torch.device("cpu"), pin=False, n_members=1)
+    storage = ChunkStorage(fmt, persistent=persistent, ctx=as_context("cpu"), pin=False, n_members=1)
     chunk = Chunk(spec, params=[torch.nn.Parameter(torch.arange(4.0))], storage=storage, opt_members={0: [0]})
     chunk.load_params()
     return chunk

@@ -10,6 +10,7 @@ import torch
 import protrain_core as pt
 from conftest import n_chunks, tiny_gpt2
 from protrain_core.profiler.profiler import static_facts
+from protrain_core.runtime.device import as_context
 from protrain_core.runtime.host_pool import HostPool
 from protrain_core.runtime.sharding import Sharding, piece
 from protrain_core.runtime.storage import ChunkFormat, ChunkStorage
@@ -61,7 +62,7 @@ def test_profile_facts_match_the_allocation(precision, amsgrad):
 
 
 def _storage(fmt, *, persistent):
-    storage = ChunkStorage(fmt, persistent=persistent, device=torch.device("cpu"), pin=False, n_members=1)
+    storage = ChunkStorage(fmt, persistent=persistent, ctx=as_context("cpu"), pin=False, n_members=1)
     return storage, storage.pool
 
 
@@ -163,7 +164,7 @@ def test_a_shard_of_a_chunk(mixed):
     assert fmt.upload_bytes == 528 * cdt.itemsize and fmt.offload_bytes == 464 * cdt.itemsize
     assert fmt.gather_bytes == 1056 * cdt.itemsize and fmt.reduce_bytes == 928 * cdt.itemsize
     rank1 = Sharding(group=None, rank=1, world=world)
-    kw = dict(device=torch.device("cpu"), pin=False, n_members=1, sharding=rank1)
+    kw = dict(ctx=as_context("cpu"), pin=False, n_members=1, sharding=rank1)
     storage = ChunkStorage(fmt, persistent=True, **kw)
     assert storage.device_copy.numel() == 1056 and storage.grad_acc.numel() == storage.exp_avg.numel() == 464
     assert storage.master.numel() == 464

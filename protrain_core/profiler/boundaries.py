@@ -54,7 +54,6 @@ class Boundaries:
     the profile's key is made of)."""
 
     def __init__(self, engine, blocks: list[nn.Module], *, live: bool = False) -> None:
-        self.engine = engine
         self.L = len(blocks)
         self.live = live
         self.ctx = engine.ctx
@@ -149,8 +148,12 @@ class Boundaries:
         self.first_inputs = self.block_inputs = None
 
     def remove(self) -> None:
+        """Take the hooks off, and the tensors kept: a kept activation's gradient hook holds these
+        boundaries, so they would keep each other -- and the profiled engine with its chunks on
+        the device -- alive past the garbage collector."""
         for h in self.handles:
             h.remove()
+        self.first_inputs = self.block_inputs = None
 
     def durations(self) -> tuple[list[float], list[float], list[float]]:
         """Forward, backward (recomputation excluded) and recomputation time per segment: the

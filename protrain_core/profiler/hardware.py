@@ -12,6 +12,7 @@ import statistics
 
 import torch
 
+from protrain_core.memtrack import on_host
 from protrain_core.planner.profiles import Hardware
 from protrain_core.precision import Precision
 from protrain_core.runtime.device import DeviceContext, as_context, cpu_worker_placement
@@ -61,29 +62,17 @@ def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, preci
     n = max(1024, min(chunk_elems, 64 * 2**20))
     cdt = precision.compute_dtype
     sync = ctx.synchronize_device
-    host = torch.empty(n, dtype=cdt, device=ctx.host, pin_memory=switches.pins(ctx))
-    dev = torch.empty(n, dtype=cdt, device=ctx.device)
-    host.fill_(1)
     nbytes = n * cdt.itemsize
-    if ctx.asynchronous:
-        h2d = nbytes / _median_time(ctx, lambda: ctx.copy_async(dev, host, stream=ctx.h2d_stream,
-                                                                 span=("host->device", "probe")), sync)
-        d2h = nbytes / _median_time(ctx, lambda: ctx.copy_async(host, dev, stream=ctx.d2h_stream,
-                                                                 span=("device->host", "probe")), sync)
-    else:
-        # The CPU runtime allocates a chunk's "device" buffer (and gradient buffer) anew for
-        # every upload (and offload): fresh pages, so the probe allocates too.
-        h2d = nbytes / _median_time(ctx, lambda: torch.empty(n, dtype=cdt).copy_(host), sync)
-        d2h = nbytes / _median_time(ctx, lambda: host.copy_(torch.zeros(n, dtype=cdt)), sync)
-    del host, dev
+    h2d, d2h = _copy_rates(ctx, n, cdt, switches.pins(ctx))
     mixed = precision.is_mixed
     worker = ctx.worker(ctx.asynchronous, cpu_worker_placement(ctx, sharding.world if sharding else 1,
                                                                switches.worker_cores))
     try:
-        cpu_rate, land_rate, pass_rate = _adam_rate(ctx, n, ctx.host, cdt if mixed else None,
-                                                    lambda fn: worker.submit(fn).result(), parts=True,
-                                                    kernel=switches.one_pass_kernel, state_format=state_format,
-                                                    update=lambda: ctx.host_update(n, state_format))
+        with on_host():
+            cpu_rate, land_rate, pass_rate = _adam_rate(ctx, n, ctx.host, cdt if mixed else None,
+                                                        lambda fn: worker.submit(fn).result(), parts=True,
+                                                        kernel=switches.one_pass_kernel, state_format=state_format,
+                                                        update=lambda: ctx.host_update(n, state_format))
     finally:
         worker.shutdown()
     dev_rate = _adam_rate(ctx, n, ctx.device, cdt if mixed else None, lambda fn: fn(),
@@ -101,6 +90,26 @@ def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, preci
         dequant_params_per_s=0.0 if frozen_format is None else _dequant_rate(ctx, n, cdt, frozen_format, sync),
         page_lock_bytes_per_s=_page_lock_rate(ctx, nbytes) if switches.pins(ctx) else 0.0,
     )
+
+
+def _copy_rates(ctx: DeviceContext, n: int, cdt: torch.dtype, pin: bool) -> tuple[float, float]:
+    """Bytes per second of an ``n``-element copy each way, as the runtime copies a chunk."""
+    with on_host():
+        host = torch.empty(n, dtype=cdt, device=ctx.host, pin_memory=pin)
+    dev = torch.empty(n, dtype=cdt, device=ctx.device)
+    host.fill_(1)
+    nbytes, sync = n * cdt.itemsize, ctx.synchronize_device
+    if ctx.asynchronous:
+        h2d = nbytes / _median_time(ctx, lambda: ctx.copy_async(dev, host, stream=ctx.h2d_stream,
+                                                                 span=("host->device", "probe")), sync)
+        d2h = nbytes / _median_time(ctx, lambda: ctx.copy_async(host, dev, stream=ctx.d2h_stream,
+                                                                 span=("device->host", "probe")), sync)
+    else:
+        # The CPU runtime allocates a chunk's "device" buffer (and gradient buffer) anew for
+        # every upload (and offload): fresh pages, so the probe allocates too.
+        h2d = nbytes / _median_time(ctx, lambda: torch.empty(n, dtype=cdt).copy_(host), sync)
+        d2h = nbytes / _median_time(ctx, lambda: host.copy_(torch.zeros(n, dtype=cdt)), sync)
+    return h2d, d2h
 
 
 def _page_lock_rate(ctx: DeviceContext, nbytes: int) -> float:

@@ -31,6 +31,7 @@ streamed, of a chunk buffer and of an upload) come from the chunks' storage form
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -221,15 +222,10 @@ def profile_model(
     and every rank gets rank 0's profile. ``switches``: the runtime switches of the engine to
     be profiled (``ProTrainConfig.runtime``); ``state_format``, ``frozen_format``, ``accumulator``:
     the formats whose bytes the profile counts (the profiled engine computes alike in any)."""
-    loss_fn = loss_fn or default_loss
     ctx = as_context(device)
     device = ctx.device
     inputs = to_device(example_inputs, device)
-    if step_fn is None:
-        def step_fn(module, batch):
-            out = call(module, batch)
-            return loss_fn(out), out  # the output stays alive through backward, as in training
-
+    step_fn = step_fn or _step_of(loss_fn or default_loss)
     start = ctx.clock()
     plan = _profiling_plan(model, optimizer, layout, precision, ctx)
     engine = Engine(model, optimizer, layout, plan, precision, ctx,
@@ -248,7 +244,9 @@ def profile_model(
             measured = _measure(engine, bounds, inputs, step_fn, iterations)
     finally:
         bounds.remove()
-        engine.close()
+        engine.close()  # its chunks still hold device memory, in reference cycles that only the
+        del engine  # garbage collector frees: freed before the training engine is built beside it
+        gc.collect()
     check_blocks_called(bounds, layout.n_blocks)
     profile = agree(sharding, build_profile(key, shapes, measured, model, optimizer, layout, precision, ctx, start,
                                             sharding=sharding, switches=switches, state_format=state_format,
@@ -256,6 +254,14 @@ def profile_model(
     if cache and (sharding is None or sharding.rank == 0):
         store(profile, cache_dir)
     return profile
+
+
+def _step_of(loss_fn):
+    def step_fn(module, batch):
+        out = call(module, batch)
+        return loss_fn(out), out  # the output stays alive through backward, as in training
+
+    return step_fn
 
 
 @contextmanager

@@ -379,6 +379,10 @@ class DeviceContext:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
 
+    def resize(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Free (``nbytes`` 0) or re-allocate a chunk buffer's memory in place, its tensors kept."""
+        storage.resize_(nbytes)
+
     def to_host(self, t: Tensor) -> Tensor:
         """``t`` (a small device tensor) on the host: a host wait for the compute stream on CUDA
         (one of the waits [Note: host waits] names)."""

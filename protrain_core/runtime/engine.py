@@ -458,10 +458,10 @@ def _allocate(engine: Engine, optim: ChunkOptimizer, *, touch=None) -> list[Chun
     chunks, pin = [], options.runtime.pins(ctx)
     for spec, fmt in zip(engine.layout.chunks, formats):
         members = [params[m.name] for m in spec.members]
-        storage = ChunkStorage(fmt, persistent=spec.index in persistent, device=dev, pin=pin,
-                               n_members=len(members), sharding=engine.sharding, host=ctx.host,
+        storage = ChunkStorage(fmt, persistent=spec.index in persistent, ctx=ctx, pin=pin,
+                               n_members=len(members), sharding=engine.sharding,
                                frozen=frozen_places_of(spec, fmt.frozen_format, fmt.world_size, engine.rank)
-                               if fmt.quantised else None, blocks=ctx.blocks, touch=touch)
+                               if fmt.quantised else None, touch=touch)
         opt_members = optim.members_by_group(members) if engine.optimizer_states else {}
         chunk = Chunk(spec, params=members, storage=storage, opt_members=opt_members)
         chunk.load_params()

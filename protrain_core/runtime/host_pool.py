@@ -45,6 +45,8 @@ import weakref
 import torch
 from torch import Tensor
 
+from protrain_core.memtrack import on_host
+
 _ALIGN_BYTES = 64
 _PAGE = mmap.PAGESIZE
 
@@ -111,6 +113,12 @@ class HostPool:
         self.pinned_nbytes, self.pageable_nbytes = _region_bytes(tensors, True), _region_bytes(tensors, False)
         self.nbytes = self.pinned_nbytes + self.pageable_nbytes
         self._locked = None
+        with on_host():
+            self._regions = self._reserve(pin, device, cuda, touch)
+        self.rewind()
+
+    def _reserve(self, pin: bool, device: torch.device, cuda: torch.device | None, touch) -> dict[bool, Tensor]:
+        """The page-locked (moving) and pageable regions."""
         if pin and self.pinned_nbytes > 0:
             self._locked = PageLocked(self.pinned_nbytes, device=cuda or torch.device("cuda", torch.cuda.current_device()),
                                       what="the streamed chunks' host memory")
@@ -122,8 +130,7 @@ class HostPool:
         else:
             pageable = torch.empty(self.pageable_nbytes, dtype=torch.uint8, device=device)
             touch(pageable)
-        self._regions = {True: moving, False: pageable}
-        self.rewind()
+        return {True: moving, False: pageable}
 
     @property
     def pinned(self) -> bool:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from protrain_core.memtrack import on_host
 from protrain_core.runtime.chunk import Chunk
 from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.scheduler import Scheduler
@@ -132,7 +133,8 @@ def _buffers_to_host(module: nn.Module, ctx: DeviceContext, copy) -> list[tuple[
     moved = []
     for b in module.buffers():
         if b.device.type == ctx.device.type != ctx.host.type:
-            host = torch.empty(b.shape, dtype=b.dtype, device=ctx.host, pin_memory=ctx.pin_memory)
+            with on_host():
+                host = torch.empty(b.shape, dtype=b.dtype, device=ctx.host, pin_memory=ctx.pin_memory)
             copy(host, b.data)
             moved.append((b, b.device))
             b.data = host

@@ -54,9 +54,9 @@ from functools import cached_property
 import torch
 from torch import Tensor, nn
 
-from protrain_core.memtrack import untracked
+from protrain_core.memtrack import on_host, untracked
 from protrain_core.precision import Precision
-from protrain_core.runtime.device import BlockCache
+from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.elementwise import state_slots
 from protrain_core.runtime.frozen_formats import FrozenPlaces, frozen_places
 from protrain_core.runtime.host_pool import HostPool
@@ -352,12 +352,12 @@ class ChunkStorage:
 
     _STATES = ("grad_acc", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "absmax", "wide")
 
-    def __init__(self, fmt: ChunkFormat, *, persistent: bool, device: torch.device, pin: bool,
-                 n_members: int, sharding: Sharding | None = None, host: torch.device = torch.device("cpu"),
-                 frozen: FrozenPlaces | None = None, blocks: BlockCache | None = None, touch=None) -> None:
-        """``blocks``: a CPU device's cache, where gradient buffers come from and go back to
-        ([Note: a CPU device's block cache] in device.py); ``touch(t)``: zeroes a streamed
-        chunk's new pageable host region where the CPU worker runs (None: here)."""
+    def __init__(self, fmt: ChunkFormat, *, persistent: bool, ctx: DeviceContext, pin: bool,
+                 n_members: int, sharding: Sharding | None = None, frozen: FrozenPlaces | None = None,
+                 touch=None) -> None:
+        """``ctx``: the device (a CPU device's gradient buffers come from its block cache and go
+        back to it: [Note: a CPU device's block cache] in device.py); ``touch(t)``: zeroes a
+        streamed chunk's new pageable host region where the CPU worker runs (None: here)."""
         assert (sharding.world if sharding is not None else 1) == fmt.world_size
         assert (frozen is None) == (not fmt.quantised)
         self.fmt = fmt
@@ -366,14 +366,15 @@ class ChunkStorage:
         self.sharding = sharding
         self.rank = sharding.rank if sharding is not None else 0
         self.shards = ShardLayout(fmt, self.rank)
-        self.device = device
-        self.host = host  # where host tensors live (the meta device in a size-only simulation)
+        self.ctx = ctx
+        self.device = ctx.device
+        self.host = ctx.host  # where host tensors live (the meta device in a size-only simulation)
         self.pin = pin
         self.touch = touch
         self.pool: HostPool | None = None
         self.spare_pool: HostPool | None = None  # a persistent chunk's host buffer kept for the next offload
         self.grad_buffer: Tensor | None = None  # streamed: this backward's gradients, on the device
-        self.blocks = blocks
+        self.blocks = ctx.blocks
         # An update consumed gradients lent an accumulator, and zero_grad has not come since (the
         # gradients torch would still hold are gone: [Note: gradients consumed where they land]).
         self.gradients_consumed = False
@@ -522,7 +523,7 @@ class ChunkStorage:
             return
         n = self.fmt.state_numel
         if scratch is None:
-            with untracked():  # chunk memory, not activations (a CPU device's tracker)
+            with on_host():
                 self.grad_acc = torch.empty(n, dtype=self.fmt.master_dtype, device=self.host)
             return
         if self._scratch_view is None or self._scratch_view[0] is not scratch:
@@ -597,11 +598,10 @@ class ChunkStorage:
         self.sharding.gather_(self.device_copy[self.fmt.trainable_device_start:])
 
     def allocate_device_copy(self) -> None:
-        storage = self.device_copy.untyped_storage()
-        storage.resize_(self.device_copy.numel() * self.device_copy.element_size())
+        self.ctx.resize(self.device_copy.untyped_storage(), self.device_copy.numel() * self.device_copy.element_size())
 
     def free_device_copy(self) -> None:
-        self.device_copy.untyped_storage().resize_(0)
+        self.ctx.resize(self.device_copy.untyped_storage(), 0)
 
     @property
     def device_copy_allocated(self) -> bool:

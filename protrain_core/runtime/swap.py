@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from protrain_core.memtrack import untracked
+from protrain_core.memtrack import on_host
 from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.host_pool import PageLocked
 
@@ -55,7 +55,7 @@ class HostBuffers:
                 buf = locked.tensor
                 self._locked[id(buf)] = locked
             else:
-                with untracked():  # host memory, even when the "device" is the CPU
+                with on_host():
                     buf = torch.empty(size, dtype=torch.uint8, device=self.ctx.host)
             self._all[id(buf)] = buf
             self.nbytes += size

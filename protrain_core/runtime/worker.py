@@ -54,7 +54,7 @@ from concurrent.futures import Future
 import torch
 from torch import Tensor
 
-from protrain_core.memtrack import untracked
+from protrain_core.memtrack import on_host
 from protrain_core.runtime.chunk import Chunk
 from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.topology import Placement
@@ -111,7 +111,7 @@ class CpuWorker:
         if self._staging is None:
             self._staging = queue.Queue()
             for _ in range(self.n_staging):
-                with untracked():
+                with on_host():
                     self._staging.put(torch.empty(self.staging_numel, dtype=storage.grad_acc.dtype,
                                                   device=self.ctx.host, pin_memory=self.ctx.is_cuda))
         full = self._staging.get()
@@ -158,7 +158,7 @@ class CpuWorker:
         """The fp32 scratch lent as the accumulator of a chunk that keeps none, allocated on first
         use ([Note: gradients consumed where they land])."""
         if self._scratch is None:
-            with untracked():
+            with on_host():
                 self._scratch = torch.empty(self.staging_numel, dtype=storage.fmt.master_dtype, device=self.ctx.host)
         return self._scratch
 

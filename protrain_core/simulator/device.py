@@ -31,8 +31,10 @@ runtime knows it is simulated. A discrete-event clock (clock.py) keeps the time 
   passed it.
 Every figure is a field of a ``DeviceSpec`` (hardware.py), none is hidden here. Every
 operator's reads and writes are also checked for stream order ([Note: the stream-order checker]
-in races.py): an access no event orders after another agent's raises ``StreamRace``. Not modeled:
-device memory (the allocator, and when a stream-ordered free returns memory); contention of
+in races.py): an access no event orders after another agent's raises ``StreamRace``. Device
+memory is counted as the caching allocator counts it, stream-ordered frees included, and an
+allocation beyond the device raises ``torch.OutOfMemoryError`` ([Note: simulated device memory]
+in memory.py). Not modeled: contention of
 the side streams' kernels with compute for the GPU's cores; host-side blocking inside the
 runtime's own structures -- a CPU job runs when it is submitted, so a host thread that would
 wait for the worker to give back a staging buffer (worker.py, fp32 gradient accumulation)
@@ -68,6 +70,7 @@ from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.sharding import Sharding
 from protrain_core.simulator.clock import Event, Lane, Link, MeasuredLane, Records, Stream, Wait, Work
 from protrain_core.simulator.hardware import DeviceSpec, load_spec
+from protrain_core.simulator.memory import DeviceMemory
 from protrain_core.simulator.races import RaceChecker
 from protrain_core.utils import iter_tensors
 
@@ -83,9 +86,11 @@ class SimulatedDevice(DeviceContext):
     """A ``DeviceContext`` whose streams and threads are simulated (see the Note). Enter it
     (``with sim:``) around everything that runs on it: building the engine, training steps.
 
-    ``tensors``: "meta" (size-only) or "cpu" (small real tensors: the numbers are real)."""
+    ``tensors``: "meta" (size-only) or "cpu" (small real tensors: the numbers are real);
+    ``out_of_memory``: an allocation beyond the device's memory raises (False: memory is only
+    counted, for studies of schedules that would not fit)."""
 
-    def __init__(self, spec: DeviceSpec | str = "h100", *, tensors: str = "meta") -> None:
+    def __init__(self, spec: DeviceSpec | str = "h100", *, tensors: str = "meta", out_of_memory: bool = True) -> None:
         if tensors not in ("meta", "cpu"):
             raise ValueError(f"SimulatedDevice(tensors={tensors!r}): use 'meta' (size-only) or 'cpu' (real values).")
         self.spec = load_spec(spec)
@@ -113,6 +118,9 @@ class SimulatedDevice(DeviceContext):
         self.charging_depth = 0  # _Charging modes active (one charges; a second would charge twice)
         # Every access of device memory ordered by events ([Note: the stream-order checker]).
         self.races = RaceChecker() if self.asynchronous else None
+        # Device memory as the caching allocator counts it ([Note: simulated device memory]).
+        self.memory = DeviceMemory(self.spec.device_memory_bytes if out_of_memory else None, lambda: self.host_lane().t,
+                                   self.spec.name) if self.asynchronous else None
 
     # ----- entering --------------------------------------------------------------------------
     def __enter__(self) -> SimulatedDevice:
@@ -225,6 +233,8 @@ class SimulatedDevice(DeviceContext):
         name = func.overloadpacket.__name__
         if self.races is not None:
             self._order(func, name, args, kwargs, out)
+        if self.memory is not None:
+            self.memory.operator(args, kwargs, out, on_host=self._where()[0] == "cpu")
         if name in _FREE or func.is_view or getattr(self._local, "quiet", False):
             return
         kind, lane = self._where()
@@ -404,7 +414,13 @@ class SimulatedDevice(DeviceContext):
         self.block(self.host_lane(), last.t, "device synchronize")
 
     def record_stream(self, t: Tensor, stream) -> None:
-        pass  # memory reuse is not simulated: frees are stream-ordered, the runtime waits for nothing
+        if self.memory is not None:
+            self.memory.record_stream(t, stream)
+
+    def resize(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        if self.memory is not None:
+            self.memory.resize(storage, nbytes)
+        storage.resize_(nbytes)
 
     def to_host(self, t: Tensor) -> Tensor:
         self.read_on_host("a device value read on the host")

@@ -54,6 +54,7 @@ class Simulation:
     host_budget_bytes: int | None  # what wrap lets the host states take (the search's too; None: a CPU device)
     timeline: dict
     profile: Profile
+    device_peak_bytes: int | None  # the most device memory allocated at once in the steps (simulated; None: a CPU device)
     choice: PlanChoice | None = None
 
     @property
@@ -80,6 +81,10 @@ class Simulation:
             + (f"of its budget {format_bytes(self.host_budget_bytes)}" if self.host_budget_bytes is not None else "")
             + ("" if host_fits else " -- does NOT fit the host"),
         ]
+        if self.device_peak_bytes is not None:
+            head.append(f"simulated device memory: peak {format_bytes(self.device_peak_bytes)} in the steps (cost model "
+                        f"{format_bytes(self.memory.peak_bytes)})" + ("" if self.device_peak_bytes <= self.device_memory_bytes
+                                                                       else " -- does NOT fit the device"))
         return "\n".join(head + [self.report.text(self.predicted.total_s)])
 
 
@@ -135,6 +140,8 @@ def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
             plan = choice.plan
         plan = as_plan(plan)
         engine = wrap(model, optimizer, plan, device=sim, precision=precision, process_group=group, config=config)
+        if sim.memory is not None:
+            sim.memory.reset_peak()
         try:
             report, timeline, overlap = _run(engine, sim, batch, steps, late=gradient_clipping is None)
         finally:
@@ -144,7 +151,8 @@ def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
         overlap=overlap, world_size=world_size, report=report,
         predicted=estimate_runtime(profile, plan, schedule=mode.schedule, gradient_passes=mode.gradient_passes), memory=estimate_memory(profile, plan),
         device_memory_bytes=sim.spec.device_memory_bytes, host_budget_bytes=default_host_budget(sim),
-        timeline=timeline, profile=profile, choice=choice,
+        timeline=timeline, profile=profile, device_peak_bytes=sim.memory.peak if sim.memory is not None else None,
+        choice=choice,
     )
 
 
@@ -183,6 +191,7 @@ def simulate_plain(model: nn.Module, batch: dict, *, device: SimulatedDevice, pr
     params = [p for p in model.parameters() if p.requires_grad]
     hp = AdamHyperParams(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
     ends = []
+    device.memory.adopt(model.parameters())  # built before the device was entered
     with device, (_Autocast(prec.compute_dtype) if prec.is_mixed else contextlib.nullcontext()):
         moments = [[torch.zeros_like(p) for p in params] for _ in range(2)]
         counts = [torch.zeros((), device=p.device) for p in params]

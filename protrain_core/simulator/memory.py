@@ -1,0 +1,133 @@
+"""The simulated device's memory: what CUDA's caching allocator would count as allocated.
+
+[Note: simulated device memory]
+A size-only simulation holds no bytes, so its device memory is counted the way the caching
+allocator counts ``torch.cuda.memory_allocated``: every storage an operator creates on the
+device (an output that aliases none of its inputs, ``torch.empty`` included) is allocated, in
+whole blocks of 512 bytes, when the host issues the operator; it is freed when its last tensor
+dies. A storage that the runtime handed to a side stream (``record_stream``) stays allocated
+after its last tensor dies until the work queued on that stream then has ended, and is returned
+at the next allocation after that time (the allocator queries the stream's event there, on the
+host's clock): the stream-ordered frees of streamed chunks and swapped activations. An
+allocation beyond the device's memory raises ``torch.OutOfMemoryError``, as on the device (unless
+the simulated device only counts);
+``peak`` is the most allocated at once since ``reset_peak``.
+
+Host memory is not counted: storages made inside ``memtrack.on_host()`` (the runtime's host
+pools, staging buffers, swap buffers), by the CPU worker's jobs, or by operators whose inputs
+all live on the host. Not modeled: the allocator's fragmentation and its cached, unallocated
+blocks (``memory_reserved``), and the CUDA context's own memory (the planner's margin covers
+them); the allocator's per-stream pools (a freed block counts as free for every stream).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from protrain_core.memtrack import allocating_on_host
+from protrain_core.utils import format_bytes, iter_tensors
+
+BLOCK = 512  # the caching allocator's smallest block and rounding
+
+
+def rounded(nbytes: int) -> int:
+    return -(-nbytes // BLOCK) * BLOCK
+
+
+class DeviceMemory:
+    """Allocated device bytes of a simulated device (see the Note): ``live`` now, ``peak``
+    since ``reset_peak``; ``capacity``: the device's memory (None: counted, never refused);
+    ``now()``: the allocating host lane's clock; ``name``: the device in an out-of-memory error."""
+
+    def __init__(self, capacity: int | None, now, name: str) -> None:
+        self.capacity, self.now, self.name = capacity, now, name
+        self.live = self.peak = 0
+        self._sizes: dict[StorageWeakRef, int] = {}  # device storages alive
+        self._host: set[StorageWeakRef] = set()  # host storages alive
+        self._streams: dict[StorageWeakRef, list] = {}  # device storages recorded on side streams
+        self._pending: list[tuple[float, int]] = []  # (when a stream-ordered free returns, bytes)
+
+    def operator(self, args, kwargs, out, *, on_host: bool) -> None:
+        """Count the storages an operator created (``on_host``: run by a host thread's job)."""
+        inputs = {StorageWeakRef(t.untyped_storage()) for t in iter_tensors((args, kwargs))}
+        host = on_host or allocating_on_host() or (bool(inputs) and inputs <= self._host)
+        for t in iter_tensors(out):
+            storage = t.untyped_storage()
+            key = StorageWeakRef(storage)
+            if key in inputs or key in self._sizes or key in self._host:
+                continue
+            if host:
+                self._host.add(key)
+                weakref.finalize(storage, self._host.discard, key)
+            else:
+                self._allocate(key, storage)
+
+    def adopt(self, tensors) -> None:
+        """Count device tensors made before the device was entered (plain PyTorch's parameters)."""
+        for t in tensors:
+            key = StorageWeakRef(t.untyped_storage())
+            if key not in self._sizes:
+                self._allocate(key, t.untyped_storage())
+
+    def record_stream(self, t: Tensor, stream) -> None:
+        """``t``'s memory is used by work queued on ``stream``: its free waits for that work."""
+        key = StorageWeakRef(t.untyped_storage())
+        if key in self._sizes:
+            self._streams.setdefault(key, []).append(stream)
+
+    def resize(self, storage, nbytes: int) -> None:
+        """A device storage freed (``nbytes`` 0) or re-allocated in place (a chunk buffer)."""
+        key = StorageWeakRef(storage)
+        if key not in self._sizes:
+            return
+        old = self._sizes[key]
+        if nbytes:
+            self._reserve(rounded(nbytes) - old)
+            self._sizes[key] = rounded(nbytes)
+        else:
+            self._sizes[key] = 0
+            self._release(key, old)
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def _allocate(self, key: StorageWeakRef, storage) -> None:
+        nbytes = rounded(storage.nbytes())
+        self._reserve(nbytes)
+        self._sizes[key] = nbytes
+        weakref.finalize(storage, self._free, key)
+
+    def _reserve(self, nbytes: int) -> None:
+        """``nbytes`` more allocated now (after the stream-ordered frees whose work has ended)."""
+        now = self.now()
+        returned = [n for t, n in self._pending if t <= now]
+        if returned:
+            self._pending = [(t, n) for t, n in self._pending if t > now]
+            self.live -= sum(returned)
+        if self.capacity is not None and self.live + nbytes > self.capacity:
+            raise torch.OutOfMemoryError(
+                f"Simulated out of memory on {self.name}: allocating {format_bytes(nbytes)} with "
+                f"{format_bytes(self.live)} of {format_bytes(self.capacity)} allocated "
+                f"({format_bytes(sum(n for _, n in self._pending))} of it waiting for side streams' work): the plan "
+                "does not fit this device. Plan with a smaller memory budget or batch.")
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def _free(self, key: StorageWeakRef) -> None:
+        self._release(key, self._sizes.pop(key))
+        self._streams.pop(key, None)
+
+    def _release(self, key: StorageWeakRef, nbytes: int) -> None:
+        """``nbytes`` of ``key`` freed: now, or once the side streams' work queued on it ends."""
+        until = max((s.t for s in self._streams.get(key, ())), default=0.0)
+        if until > self.now():
+            self._pending.append((until, nbytes))
+        else:
+            self.live -= nbytes
+
+
+__all__ = ["DeviceMemory"]
