@@ -146,3 +146,25 @@ def test_a_plan_that_does_not_fit_the_simulated_device_ends_in_out_of_memory(lla
     with pytest.raises(torch.OutOfMemoryError, match="Simulated out of memory on simulated NVIDIA H100"):
         simulate(llama7b.model, llama7b.optimizer, llama7b.batch, device=SimulatedDevice("h100"),
                  plan=PLANS["streamed-buf2"], profile=llama7b.profiles[("bf16-mixed", 1)])
+
+
+def _llama_1b_on(device_gib: int, batch: int):
+    config = models.load_config("llama-1b")  # Llama 3.2 1B's shape: 3 chunks, a vocabulary of 128,256
+    model, opt = models.build(config, "meta")
+    spec = dataclasses.replace(load_spec("h100"), device_memory_bytes=device_gib * 2**30)
+    return model, opt, models.token_batch(config, batch, 1024, "meta"), SimulatedDevice(spec)
+
+
+def test_profiling_runs_out_of_device_memory_then_profiles_again_with_fewer_persistent_chunks():
+    """On 28 GiB the safe plan keeps all 3 chunks (12 GiB of parameters, masters and gradients)
+    beside 8 x 1024 tokens' logits and loss (about 4 GiB a tensor), which do not fit: profiled
+    again with every chunk streamed, and the searched plan trains within the device."""
+    model, opt, batch, sim = _llama_1b_on(28, 8)
+    result = simulate(model, opt, batch, device=sim)
+    assert result.device_peak_bytes <= sim.spec.device_memory_bytes, result.text()
+
+
+def test_a_batch_whose_activations_fit_no_profiling_plan_is_refused_with_the_fix():
+    model, opt, batch, sim = _llama_1b_on(16, 8)
+    with pytest.raises(torch.OutOfMemoryError, match="every chunk streamed and every block checkpointed.*smaller batch"):
+        simulate(model, opt, batch, device=sim)

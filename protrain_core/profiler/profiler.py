@@ -3,9 +3,12 @@
 [Note: profiling]
 The model is wrapped by a *profiling engine*: the same chunks, hooks and runtime as training,
 but without optimizer states (it never steps); the profiler drives it through the engine's
-public methods only (``set_block_modes``, ``on_recompute``, ``autocast``, ``device_bytes``). On CUDA its chunks are all persistent when their
-parameters and gradients fit in half the free memory, otherwise they are streamed through
-buffers (so a model that does not fit can be profiled); on the CPU they are persistent. Every
+public methods only (``set_block_modes``, ``on_recompute``, ``autocast``, ``device_bytes``).
+On CUDA its chunks are all persistent when their parameters and gradients fit in half the free
+memory, otherwise the leading ones that do are and the rest are streamed through buffers (so a
+model that does not fit can be profiled); where the batch's activations then run out of device
+memory, the passes start again on a new engine with the states' share halved, down to every
+chunk streamed (``torch.OutOfMemoryError`` beyond that). On the CPU they are persistent. Every
 block is checkpointed, so only one block's activations exist at a time -- and every block's
 recomputation can be timed and measured. The passes, each a forward, the loss and a backward
 (inside ``no_sync``: nothing is updated), run under ``torch.random.fork_rng``, so the user's
@@ -223,37 +226,68 @@ def profile_model(
     be profiled (``ProTrainConfig.runtime``); ``state_format``, ``frozen_format``, ``accumulator``:
     the formats whose bytes the profile counts (the profiled engine computes alike in any)."""
     ctx = as_context(device)
-    device = ctx.device
-    inputs = to_device(example_inputs, device)
+    inputs = to_device(example_inputs, ctx.device)
     step_fn = step_fn or _step_of(loss_fn or default_loss)
     start = ctx.clock()
-    plan = _profiling_plan(model, optimizer, layout, precision, ctx)
-    engine = Engine(model, optimizer, layout, plan, precision, ctx,
-                    EngineOptions(optimizer_states=False, warn_on_cache=False, runtime=switches or RuntimeConfig()))
-    bounds = Boundaries(engine, block_modules(model, layout.block_path))
-    try:
-        with torch.random.fork_rng(devices=[device] if ctx.is_cuda else []), _buffers_kept(model):
-            _one_pass(engine, bounds, inputs, step_fn)  # warm-up, and the batch as the first block sees it
-            shapes = tensor_shapes(bounds.block_inputs or [])
-            key = profile_key(model, optimizer, shapes, precision, ctx, layout, world_size=world_of(sharding),
-                              state_format=state_format, frozen_format=frozen_format, accumulator=accumulator)
-            cached = agree(sharding, load_cached(key, cache_dir, n_chunks=layout.n_chunks, n_blocks=layout.n_blocks)
-                           if cache and not reprofile else None)
-            if cached is not None:
-                return cached
-            measured = _measure(engine, bounds, inputs, step_fn, iterations)
-    finally:
-        bounds.remove()
-        engine.close()  # its chunks still hold device memory, in reference cycles that only the
-        del engine  # garbage collector frees: freed before the training engine is built beside it
-        gc.collect()
-    check_blocks_called(bounds, layout.n_blocks)
+
+    def passes(engine: Engine, bounds: Boundaries):
+        _one_pass(engine, bounds, inputs, step_fn)  # warm-up, and the batch as the first block sees it
+        shapes = tensor_shapes(bounds.block_inputs or [])
+        key = profile_key(model, optimizer, shapes, precision, ctx, layout, world_size=world_of(sharding),
+                          state_format=state_format, frozen_format=frozen_format, accumulator=accumulator)
+        cached = agree(sharding, load_cached(key, cache_dir, n_chunks=layout.n_chunks, n_blocks=layout.n_blocks)
+                       if cache and not reprofile else None)
+        return shapes, key, cached if cached is not None else _measure(engine, bounds, inputs, step_fn, iterations)
+
+    shapes, key, measured = _fitting(model, optimizer, layout, precision, ctx, switches or RuntimeConfig(), passes)
+    if isinstance(measured, Profile):
+        return measured
     profile = agree(sharding, build_profile(key, shapes, measured, model, optimizer, layout, precision, ctx, start,
                                             sharding=sharding, switches=switches, state_format=state_format,
                                             frozen_format=frozen_format, accumulator=accumulator))
     if cache and (sharding is None or sharding.rank == 0):
         store(profile, cache_dir)
     return profile
+
+
+def _fitting(model: nn.Module, optimizer, layout: ChunkLayout, precision: Precision, ctx: DeviceContext,
+             switches: RuntimeConfig, passes):
+    """``passes(engine, boundaries)`` on a profiling engine of the safe plan; where the batch's
+    activations beside its persistent chunks run out of device memory, again with the states'
+    share of the device halved, down to every chunk streamed (its device memory is freed before
+    each new engine)."""
+    budget = None
+    while True:
+        plan = safe_plan(model, optimizer, layout, precision, ctx, optimizer_states=False, budget=budget)
+        try:
+            return _profiled(model, optimizer, layout, plan, precision, ctx, switches, passes)
+        except torch.OutOfMemoryError as e:
+            if plan.n_persist == 0:
+                raise torch.OutOfMemoryError(
+                    f"Profiling ran out of device memory with every chunk streamed and every block checkpointed: the "
+                    f"example batch's activations do not fit on {ctx.name()} ({e}). Profile and train with a smaller "
+                    "batch or shorter sequences.") from e
+        finally:
+            gc.collect()  # the failed engine and the pass's tensors, held in cycles and the traceback
+        budget = (budget or ctx.free_memory()[0]) // 2
+
+
+def _profiled(model: nn.Module, optimizer, layout: ChunkLayout, plan: Plan, precision: Precision, ctx: DeviceContext,
+              switches: RuntimeConfig, passes):
+    """``passes(engine, boundaries)`` on a profiling engine of ``plan``, then the engine closed;
+    the blocks checked to have run."""
+    engine = Engine(model, optimizer, layout, plan, precision, ctx,
+                    EngineOptions(optimizer_states=False, warn_on_cache=False, runtime=switches))
+    bounds = Boundaries(engine, block_modules(model, layout.block_path))
+    try:
+        with torch.random.fork_rng(devices=[ctx.device] if ctx.is_cuda else []), _buffers_kept(model):
+            found = passes(engine, bounds)
+    finally:
+        bounds.remove()
+        engine.close()  # its chunks still hold device memory, in reference cycles that only the
+        # garbage collector frees (the caller's), before the training engine is built beside it
+    check_blocks_called(bounds, layout.n_blocks)
+    return found
 
 
 def _step_of(loss_fn):
@@ -350,10 +384,6 @@ def safe_plan(model: nn.Module, optimizer, layout: ChunkLayout, precision: Preci
                 k += 1
             return Plan(n_persist=k, n_buffer=max(2, limits.buffers_needed(k)), n_checkpoint=L)
     return Plan(n_persist=n, n_buffer=0, n_checkpoint=L)
-
-
-def _profiling_plan(model: nn.Module, optimizer, layout: ChunkLayout, precision: Precision, ctx: DeviceContext) -> Plan:
-    return safe_plan(model, optimizer, layout, precision, ctx, optimizer_states=False)
 
 
 def _measure(engine: Engine, bounds: Boundaries, inputs, step_fn, iterations: int) -> Measured:
