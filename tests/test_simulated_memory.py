@@ -14,7 +14,7 @@ from protrain_core.api import default_memory_budget
 from protrain_core.memtrack import on_host
 from protrain_core.precision import parse_precision
 from protrain_core.profiler.profiler import profile_model
-from protrain_core.simulator.device import SimulatedDevice
+from protrain_core.simulator.device import LAUNCH_QUEUE_FULL, SimulatedDevice
 from protrain_core.simulator.hardware import load_spec
 from protrain_core.simulator.run import simulate
 from protrain_core.structure.blocks import find_blocks
@@ -168,3 +168,17 @@ def test_a_batch_whose_activations_fit_no_profiling_plan_is_refused_with_the_fix
     model, opt, batch, sim = _llama_1b_on(16, 8)
     with pytest.raises(torch.OutOfMemoryError, match="every chunk streamed and every block checkpointed.*smaller batch"):
         simulate(model, opt, batch, device=sim)
+
+
+def test_the_host_waits_when_a_streams_launch_queue_is_full():
+    spec = dataclasses.replace(load_spec("h100"), launch_queue=2)
+    with SimulatedDevice(spec) as sim:
+        a = torch.empty(4096, 4096, device="meta", dtype=torch.bfloat16)
+        ends = []
+        for _ in range(4):
+            a @ a  # 137 GFLOP: about 0.17 ms each, far longer than their 5 us of issue
+            ends.append(sim.compute.t)
+        queue_waits = [w for w in sim.records.waits if w.label == LAUNCH_QUEUE_FULL]
+        # The third and fourth issues each wait for the oldest of the two queued to finish.
+        assert [w.end for w in queue_waits] == ends[:2]
+        assert sim.main.t >= ends[1] and sim.main.t < ends[2]

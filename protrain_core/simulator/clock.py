@@ -4,7 +4,7 @@ and the records a step's summary is made of ([Note: the simulated device] in dev
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 
 
@@ -72,13 +72,15 @@ class Link:
 
 
 class Stream(Lane):
-    """A device stream: its work queue's end ``t``, the end of its last piece of work, and what
-    it waited for since (the latest event: the cause of its idle time)."""
+    """A device stream: its work queue's end ``t``, the end of its last piece of work, what it
+    waited for since (the latest event: the cause of its idle time), and the ends of the work
+    issued to it (``pending``: the launch queue, oldest first)."""
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self.last_end = 0.0
         self.held_by = ""
+        self.pending: deque[float] = deque()
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ or meta tensors (size-only runs of 7B-70B shapes: no memory, no values). Nothing
 runtime knows it is simulated. A discrete-event clock (clock.py) keeps the time of every lane:
 - the host thread that drives the device: it issues each operator (``launch_s``), and a host
   wait (an event's ``synchronize``, a CPU job's ``result()``, a read of a device value) moves
-  it to the time the awaited work ends -- recorded by call site and training phase;
+  it to the time the awaited work ends -- recorded by call site and training phase; so does a
+  stream's full launch queue (``launch_queue`` operators issued and not finished);
 - the compute stream: every operator the host issues outside the side streams runs there
   after the host issued it and after the events the stream waits for, for its roofline time
   (FLOPs from ``torch.utils.flop_counter`` over the matmul rate of its dtype, or its bytes over
@@ -78,6 +79,7 @@ from protrain_core.utils import iter_tensors
 _FREE = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "_unsafe_view", "_reshape_alias",
          "resize_", "set_", "lift_fresh", "lift_fresh_copy", "detach", "alias", "sym_size", "sym_stride", "sym_numel",
          "is_same_size", "_has_compatible_shallow_copy_type", "record_stream"}
+LAUNCH_QUEUE_FULL = "launch queue full"  # a host wait for the device's work, not a synchronisation
 _DIRECTIONS = ("host->device", "device->host")  # a copy's span lane: its direction
 _HERE = (str(Path(__file__).resolve().parent),)
 
@@ -197,6 +199,11 @@ class SimulatedDevice(DeviceContext):
         transfer) its link has room."""
         main = self.main
         main.t += self.spec.launch_s
+        queue = stream.pending
+        while queue and queue[0] <= main.t:
+            queue.popleft()
+        if len(queue) >= self.spec.launch_queue:
+            self.block(main, queue.popleft(), LAUNCH_QUEUE_FULL)
         waited = stream.t
         ready = max(waited, main.t)
         start = ready if link is None else link.book(ready, seconds, floor=main.t)
@@ -204,6 +211,7 @@ class SimulatedDevice(DeviceContext):
             self._idle(stream.last_end, waited, ready, start, stream.held_by)
         end = start + seconds
         stream.t = stream.last_end = end
+        queue.append(end)
         self.records.work.append(Work(stream.name, start, end, label, kind, nbytes))
 
     def _idle(self, last_end: float, waited: float, ready: float, start: float, held_by: str) -> None:

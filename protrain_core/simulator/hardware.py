@@ -32,6 +32,8 @@ class DeviceSpec:
             its bytes read and written over it.
         kernel_s: the least time of one kernel on the device.
         launch_s: host time to issue one operator (eager PyTorch: dispatch and launch).
+        launch_queue: operators a stream holds issued and not yet finished; the host issuing one
+            more waits until the oldest finishes.
         h2d_bytes_per_s, d2h_bytes_per_s: pinned host <-> device copies, each direction on its
             own copy engine (full duplex when they run on separate streams).
         copy_latency_s: fixed cost of one copy.
@@ -57,6 +59,7 @@ class DeviceSpec:
     memory_bytes_per_s: float
     kernel_s: float
     launch_s: float
+    launch_queue: int = 1024
     h2d_bytes_per_s: float
     d2h_bytes_per_s: float
     copy_latency_s: float
@@ -78,7 +81,7 @@ class DeviceSpec:
             bad.append("cpu_adam_params_per_s (by moments' format, e.g. {\"fp32\": 2.2e9})")
         bad += [n for n in ("kernel_s", "launch_s", "copy_latency_s", "collective_latency_s", "host_collective_s",
                             "cpu_op_s") if getattr(self, n) < 0]
-        bad += [n for n in ("device_memory_bytes", "host_memory_bytes") if getattr(self, n) <= 0]
+        bad += [n for n in ("device_memory_bytes", "host_memory_bytes", "launch_queue") if getattr(self, n) <= 0]
         if bad:
             raise ValueError(f"DeviceSpec {self.name!r}: {', '.join(bad)} must be positive numbers (rates, memory) "
                              "or >= 0 (times).")
@@ -99,6 +102,8 @@ _SHARED_SOURCES = (
     "launch_s 5 us: eager PyTorch's host cost per operator (dispatcher and cudaLaunchKernel), an order of "
     "magnitude, assumed",
     "kernel_s 3 us: the shortest kernels' duration on Hopper, assumed",
+    "launch_queue 1,024 operators per stream: the depth of CUDA's queue of pending launches as commonly reported, "
+    "assumed (to be measured on the GPU box)",
     "h2d/d2h 50 GB/s each way: PCIe Gen5 x16 is 63 GB/s per direction (32 GT/s x 16 lanes, 128b/130b); pinned "
     "copies reach about 80 % of it, assumed (the profiler's probe measures it on the machine)",
     "copy_latency_s 10 us per copy, assumed",
