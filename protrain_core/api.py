@@ -357,7 +357,7 @@ def default_memory_budget(device: torch.device | DeviceContext) -> int:
     CPU: 10 % of the available RAM, which a CPU "device" shares with the host side of ProTrain)."""
     if _asynchronous(device):
         free, total = device.free_memory() if isinstance(device, DeviceContext) else torch.cuda.mem_get_info(device)
-        return max(0, free - max(int(total * CUDA_MARGIN_FRACTION), CUDA_MARGIN_MIN_BYTES))
+        return device_budget(free, total)
     available = available_host_bytes()
     if available is None:
         raise ValueError("Cannot read the available memory of this machine; set config.planning.memory_budget explicitly.")
@@ -370,7 +370,17 @@ def default_host_budget(device: torch.device | DeviceContext) -> int | None:
     if not _asynchronous(device):
         return None
     available = device.available_host_bytes() if isinstance(device, DeviceContext) else available_host_bytes()
-    return None if available is None else int(available * (1 - CPU_MARGIN_FRACTION))
+    return None if available is None else host_budget(available)
+
+
+def device_budget(free: int, total: int) -> int:
+    """A GPU's memory budget: its free memory less the margin (5 % of the device, >= 1 GiB)."""
+    return max(0, free - max(int(total * CUDA_MARGIN_FRACTION), CUDA_MARGIN_MIN_BYTES))
+
+
+def host_budget(available: int) -> int:
+    """What the host side may take of ``available`` host memory: all but the margin (10 %)."""
+    return int(available * (1 - CPU_MARGIN_FRACTION))
 
 
 def _asynchronous(device: torch.device | DeviceContext) -> bool:

@@ -16,6 +16,7 @@ from the cache. Progress goes to stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -43,8 +44,8 @@ def progress(text: str) -> None:
 def _profile(args, config, batch_size: int):
     import protrain_core as pt
 
-    model, opt = models.build(config)
-    progress(f"profiling {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} parameters) on a "
+    model, opt = _build(args, config)
+    progress(f"profiling {_what(args)} ({_counts(model)}) on a "
              f"batch of {batch_size} x {args.seq_len} tokens on {args.device} ...")
     start = time.perf_counter()
     prof = pt.profile(model, opt, models.token_batch(config, batch_size, args.seq_len), precision=args.precision,
@@ -53,10 +54,29 @@ def _profile(args, config, batch_size: int):
     return prof
 
 
+def _counts(model) -> str:
+    n = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return f"{n:,} parameters" + ("" if trained == n else f", {trained:,} trained")
+
+
 def _config(args):
     import protrain_core as pt
 
-    return pt.ProTrainConfig(optimizer_state_format=args.optimizer_state_format or "fp32")
+    return pt.ProTrainConfig(optimizer_state_format=args.optimizer_state_format or "fp32", frozen_dtype=args.frozen_dtype)
+
+
+def _what(args) -> str:
+    """The run sized: the model, and its LoRA adapters and frozen base's format if any."""
+    if args.lora_rank is None:
+        return args.model
+    base = f", the base in {args.frozen_dtype}" if args.frozen_dtype else ""
+    return f"{args.model} with LoRA rank {args.lora_rank} on {args.lora_targets}{base}"
+
+
+def _build(args, config=None, device: str = "cpu"):
+    """The model of ``--model`` (or ``config``: another batch's) with ``--lora-rank``'s adapters."""
+    return models.build(config or args.config, device, lora_rank=args.lora_rank, lora_targets=args.lora_targets)
 
 
 def check_prediction(args, config, prof, choice) -> None:
@@ -66,7 +86,7 @@ def check_prediction(args, config, prof, choice) -> None:
     from protrain_core.autoplan import WARMUP_STEPS, AutoPlanner, PredictionCheck
     from protrain_core.update import Overlap
 
-    model, opt = models.build(config)
+    model, opt = _build(args, config)
     engine = pt.wrap(model, opt, choice.plan, precision=args.precision, device=args.device, config=_config(args))
     planner = AutoPlanner(engine, prof, budget=choice.budget_bytes, host_budget=choice.host_budget_bytes,
                           overlap=Overlap(choice.schedule, gradient_passes=choice.gradient_passes))
@@ -100,15 +120,16 @@ def _row(label: str, prof, budget: int, tokens: int) -> str:
 
 def plan_command(args) -> int:
     import protrain_core as pt
-    from protrain_core.api import default_host_budget
+    from protrain_core.api import default_host_budget, device_budget, host_budget as host_budget_of
 
     device = args.device
-    budget = parse_bytes(args.budget, "--budget") if args.budget else pt.default_memory_budget(device)
+    budget = parse_bytes(args.budget, "--budget") if args.budget else device_budget(args.device_memory, args.device_memory) \
+        if args.device_memory else pt.default_memory_budget(device)
     budgets, batch_sizes, config = args.budgets, args.batch_sizes, args.config
     if device.type == "cpu":
         _check_host_fits(args)
     prof = _sharded(args, config, _profile(args, config, args.batch_size))
-    host_budget = default_host_budget(device)
+    host_budget = host_budget_of(args.host_memory) if args.host_memory else default_host_budget(device)
     if host_budget is not None and args.world_size > 1:
         host_budget //= min(args.world_size, max(1, torch.cuda.device_count()))  # the node's ranks share its host
     fits = True
@@ -152,7 +173,7 @@ def _plain_pytorch(args, result, budget: int) -> str:
     whole = pt.Plan(n_persist=result.profile.n_chunks, n_buffer=0)
     if args.world_size > 1 or estimate_memory(result.profile, whole).peak_bytes > budget:
         return ""
-    model, _ = models.build(args.config, "meta")
+    model, _ = _build(args, device="meta")
     batch = models.token_batch(args.config, args.batch_size, args.seq_len, "meta")
     try:
         seconds = simulate_plain(model, batch, device=SimulatedDevice(args.hardware), precision=args.precision)
@@ -169,10 +190,12 @@ def _check_host_fits(args) -> None:
     from protrain_core.precision import Precision, parse_precision
     from protrain_core.utils import available_host_bytes
 
-    model, _ = models.build(args.config, "meta")
+    model, _ = _build(args, device="meta")
     n = sum(p.numel() for p in model.parameters())
-    # the model as built (fp32), then its masters, gradients and two moments (bf16-true: in bf16)
-    needed = n * (4 + (8 if parse_precision(args.precision) is Precision.BF16_TRUE else 16))
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # the model as built (fp32), then the trained parameters' masters, gradients and two moments
+    # (bf16-true: in bf16)
+    needed = 4 * n + trained * (8 if parse_precision(args.precision) is Precision.BF16_TRUE else 16)
     available = available_host_bytes()
     if available is not None and needed > available:
         raise SystemExit(
@@ -195,18 +218,18 @@ def simulate_command(args) -> int:
 
     sim = SimulatedDevice(args.hardware)  # a DeviceSpec: check_arguments read it
     budget = parse_bytes(args.budget, "--budget") if args.budget else default_memory_budget(sim)
-    model, opt = models.build(args.config, "meta")
+    model, opt = _build(args, device="meta")
     batch = models.token_batch(args.config, args.batch_size, args.seq_len, "meta")
     ranks = f", {args.world_size} simulated ranks" if args.world_size > 1 else ""
-    progress(f"simulating {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} parameters) on a "
+    progress(f"simulating {_what(args)} ({_counts(model)}) on a "
              f"batch of {args.batch_size} x {args.seq_len} tokens on the {sim.spec.name}{ranks}: profile, plan, "
              "two training steps ...")
     start = time.perf_counter()
     try:
         result = simulate(model, opt, batch, device=sim, plan=args.plan, budget=budget, precision=args.precision,
                           gradient_clipping=("norm", args.clip_norm) if args.clip_norm else None,
-                          world_size=args.world_size, description=f"{args.model}, batch {args.batch_size} x {args.seq_len}",
-                          optimizer_state_format=_config(args).optimizer_state_format)
+                          world_size=args.world_size, description=f"{_what(args)}, batch {args.batch_size} x {args.seq_len}",
+                          optimizer_state_format=_config(args).optimizer_state_format, frozen_dtype=args.frozen_dtype)
     except (pt.InfeasibleBudget, torch.OutOfMemoryError) as e:
         print(f"protrain plan: {e}")
         return 1
@@ -241,7 +264,7 @@ def _sharded(args, config, prof):
     from protrain_core.precision import parse_precision
     from protrain_core.profiler.profiler import for_world_size
 
-    model, opt = models.build(config)
+    model, opt = _build(args, config)
     progress(f"what if the chunks are sharded over {args.world_size} processes (batch {args.batch_size} x "
              f"{args.seq_len} each; all-gather and reduce-scatter assumed at {args.collective_bandwidth:g} GB/s: a "
              "training run measures them) ...")
@@ -285,6 +308,19 @@ def main(argv=None) -> int:
     p.add_argument("--optimizer-state-format", default=None, choices=("fp32", "bf16", "8bit"),
                    help="Adam's moments in this format (ProTrainConfig.optimizer_state_format; default fp32): their "
                         "bytes and the CPU update's rate for it")
+    p.add_argument("--lora-rank", type=int, default=None,
+                   help="a LoRA fine-tune: adapters of this rank (peft, alpha twice the rank), the base frozen")
+    p.add_argument("--lora-targets", default=None,
+                   help="with --lora-rank: the modules adapted, comma-separated, e.g. q_proj,v_proj (default all-linear: "
+                        "every linear layer but the output head)")
+    p.add_argument("--frozen-dtype", default=None, choices=("int8", "fp8"),
+                   help="with --lora-rank: the frozen base kept in this format (ProTrainConfig.frozen_dtype)")
+    p.add_argument("--device-memory", default=None,
+                   help="size the run for a device with this much memory, e.g. 141GB (with --simulate: the simulated "
+                        "device's; default: this device's, or the preset's)")
+    p.add_argument("--host-memory", default=None,
+                   help="size the run for a host with this much memory, e.g. 128GiB (with --simulate: the simulated "
+                        "host's)")
     args = ap.parse_args(argv)
     check_arguments(ap, args)
     return simulate_command(args) if args.simulate else plan_command(args)
@@ -302,7 +338,10 @@ def check_arguments(ap: argparse.ArgumentParser, args) -> None:
         ap.error("--check-steps must be >= 0")
     if args.world_size < 1 or args.collective_bandwidth <= 0:
         ap.error("--world-size must be >= 1 and --collective-bandwidth > 0")
+    _check_lora_arguments(ap, args)
     try:
+        args.device_memory, args.host_memory = (None if v is None else parse_bytes(v, name) for v, name in
+                                                ((args.device_memory, "--device-memory"), (args.host_memory, "--host-memory")))
         if args.budget:
             parse_bytes(args.budget, "--budget")
         args.budgets = [parse_bytes(b, "--budgets") for b in args.budgets.split(",")] if args.budgets else None
@@ -319,6 +358,9 @@ def check_arguments(ap: argparse.ArgumentParser, args) -> None:
             args.device = resolve_device(args.device)
     except (ValueError, RuntimeError) as e:  # (torch.device of an unknown type raises RuntimeError)
         ap.error(str(e).replace("precision=", "--precision ").replace("device=", "--device "))
+    if not args.simulate and args.device.type == "cpu" and (args.device_memory or args.host_memory):
+        ap.error("--device-memory and --host-memory size a GPU box: use them with --simulate or --device cuda (the CPU "
+                 "device's memory is the host's: give it with --budget)")
     _check_simulation_arguments(ap, args)
     args.config = load_config(args.model)
     positions = next((getattr(args.config, a) for a in ("max_position_embeddings", "n_positions", "n_ctx")
@@ -326,6 +368,16 @@ def check_arguments(ap: argparse.ArgumentParser, args) -> None:
     if positions is not None and args.seq_len > positions:
         ap.error(f"--seq-len {args.seq_len} is longer than the {positions} positions of {args.model}: "
                  f"use --seq-len {positions} or less.")
+
+
+def _check_lora_arguments(ap: argparse.ArgumentParser, args) -> None:
+    if args.lora_rank is None:
+        given = [n for n, v in (("--lora-targets", args.lora_targets), ("--frozen-dtype", args.frozen_dtype)) if v]
+        if given:
+            ap.error(f"{', '.join(given)} describe a LoRA fine-tune: give its --lora-rank too")
+    elif args.lora_rank < 1:
+        ap.error("--lora-rank must be >= 1")
+    args.lora_targets = args.lora_targets or "all-linear"
 
 
 def _check_simulation_arguments(ap: argparse.ArgumentParser, args) -> None:
@@ -343,6 +395,9 @@ def _check_simulation_arguments(ap: argparse.ArgumentParser, args) -> None:
         args.hardware = load_spec(args.hardware)
     except ValueError as e:
         ap.error(str(e))
+    memory = {k: v for k, v in (("device_memory_bytes", args.device_memory), ("host_memory_bytes", args.host_memory)) if v}
+    if memory:
+        args.hardware = dataclasses.replace(args.hardware, **memory)
     if args.plan is not None:
         parts = args.plan.split("/")
         if len(parts) != 4 or not all(p.isdigit() for p in parts):

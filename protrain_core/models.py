@@ -40,15 +40,24 @@ def load_config(name: str):
                          f"path, or one of the built-in configs: {', '.join(BUILTIN)}.") from None
 
 
-def build(config, device: torch.device | str = "cpu"):
-    """(a causal LM of ``config`` with random weights on ``device``, AdamW over its parameters);
-    ``device="meta"``: shapes only, no memory."""
+def build(config, device: torch.device | str = "cpu", *, lora_rank: int | None = None,
+          lora_targets: str = "all-linear"):
+    """(a causal LM of ``config`` with random weights on ``device``, AdamW over its trainable
+    parameters); ``device="meta"``: shapes only, no memory. ``lora_rank``: LoRA adapters of that
+    rank (peft, alpha twice the rank) on ``lora_targets`` ("all-linear": every linear layer but
+    the output head; or module names, comma-separated), the base frozen."""
     from transformers import AutoModelForCausalLM
 
     config.use_cache = False
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if lora_rank is not None:
+            from peft import LoraConfig, get_peft_model
+
+            targets = lora_targets if lora_targets == "all-linear" else [t.strip() for t in lora_targets.split(",")]
+            model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=targets,
+                                                     lora_dropout=0.0))
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
 
 def token_batch(config, batch_size: int, seq_len: int, device: torch.device | str = "cpu") -> dict:

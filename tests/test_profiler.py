@@ -256,6 +256,10 @@ def test_plan_command_shows_the_what_if_of_several_processes(capsys, tmp_path, m
     (["--world-size", "0"], "--world-size must be >= 1"),
     (["--precision", "fp8"], "does not support --precision 'fp8'"),
     (["--device", "tpu"], "device type at start of device string: tpu"),
+    (["--frozen-dtype", "int8"], "describe a LoRA fine-tune: give its --lora-rank too"),
+    (["--lora-rank", "0"], "--lora-rank must be >= 1"),
+    (["--host-memory", "zz"], "--host-memory='zz' is not a size"),
+    (["--device-memory", "80GiB"], "size a GPU box: use them with --simulate or --device cuda"),
 ])
 def test_plan_command_checks_its_arguments_before_profiling(bad, message, capsys, monkeypatch):
     import protrain_core.cli as cli

@@ -20,6 +20,7 @@ Small real tensors through the same path train bitwise like plain PyTorch in fp3
 """
 
 import copy
+import re
 
 import pytest
 import torch
@@ -257,6 +258,22 @@ def test_plan_simulate_command(capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(["plan", "--model", "tiny-llama", "--simulate", "--optimizer-state-format", "int4"])
     assert "invalid choice: 'int4'" in capsys.readouterr().err
+
+
+def test_plan_command_sizes_a_lora_run_with_a_quantised_base_on_a_box_of_given_memory(capsys):
+    """Issue 57, item 3: ``--lora-rank``, ``--frozen-dtype``, ``--device-memory`` and
+    ``--host-memory`` with ``--simulate`` (the simulated device's memory, the host budget wrap
+    would check: 90 % of the host's)."""
+    from protrain_core.cli import main
+
+    assert main(["plan", "--model", "llama-1b", "--simulate", "--hardware", "h200", "--batch-size", "2", "--seq-len", "256",
+                 "--precision", "bf16-mixed", "--lora-rank", "8", "--frozen-dtype", "int8", "--device-memory", "8GiB",
+                 "--host-memory", "16GiB"]) == 0
+    captured = capsys.readouterr()
+    assert "llama-1b with LoRA rank 8 on all-linear, the base in int8" in captured.out
+    assert re.search(r"parameters, [\d,]+ trained\)", captured.err)
+    assert re.search(r"peak [\d.]+ [MG]iB of 8\.00 GiB", captured.out) and "of its budget 14.40 GiB" in captured.out
+    assert "a frozen parameter uploads 1.0" in captured.out  # int8: a byte, and its scales
 
 
 def test_a_link_serves_the_copy_that_is_ready_and_nothing_is_charged_twice():
