@@ -57,7 +57,7 @@ def _profile(args, config, batch_size: int):
 def _counts(model) -> str:
     n = sum(p.numel() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return f"{n:,} parameters" + ("" if trained == n else f", {trained:,} trained")
+    return f"{type(model).__name__}, {n:,} parameters" + ("" if trained == n else f", {trained:,} trained")
 
 
 def _config(args):

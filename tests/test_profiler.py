@@ -309,7 +309,7 @@ def test_plan_command_shows_progress_and_checks_its_prediction(capsys, tmp_path,
     assert main(args) == 0
     monkeypatch.setattr(autoplan, "STALE_FACTOR", stale_factor)
     captured = capsys.readouterr()
-    assert "protrain plan: profiling GPT2LMHeadModel" in captured.err and "profile ready after" in captured.err
+    assert "protrain plan: profiling tiny-gpt2 (GPT2LMHeadModel, " in captured.err and "profile ready after" in captured.err
     assert "checking the prediction: 8 training steps" in captured.err
     assert "ProTrain: measured step" in captured.out and "predicted" in captured.out
     (path,) = (tmp_path / "profiles").glob("*.json")
