@@ -23,7 +23,7 @@ import time
 import torch
 
 from protrain_core import models
-from protrain_core.models import BUILTIN
+from protrain_core.models import BUILTIN, LADDER
 from protrain_core.utils import format_bytes, format_seconds, parse_bytes
 
 WHAT_IF_HEADER = "| {} | plan (persist/buffer/swap/checkpoint) | predicted step | tokens/s | predicted peak | bottleneck |"
@@ -66,12 +66,17 @@ def _config(args):
     return pt.ProTrainConfig(optimizer_state_format=args.optimizer_state_format or "fp32", frozen_dtype=args.frozen_dtype)
 
 
-def _what(args) -> str:
-    """The run sized: the model, and its LoRA adapters and frozen base's format if any."""
+def _what(args, name: str | None = None) -> str:
+    """The run sized: the model (``name``, else ``--model``) and its LoRA adapters if any."""
+    return (name or args.model) + (f" with {_adapters(args)}" if args.lora_rank else "")
+
+
+def _adapters(args) -> str:
+    """``--lora-rank``'s adapters and the frozen base's format ("" for a full fine-tune)."""
     if args.lora_rank is None:
-        return args.model
-    base = f", the base in {args.frozen_dtype}" if args.frozen_dtype else ""
-    return f"{args.model} with LoRA rank {args.lora_rank} on {args.lora_targets}{base}"
+        return ""
+    return f"LoRA rank {args.lora_rank} on {args.lora_targets}" + (f", the base in {args.frozen_dtype}"
+                                                                   if args.frozen_dtype else "")
 
 
 def _build(args, config=None, device: str = "cpu"):
@@ -183,6 +188,65 @@ def _plain_pytorch(args, result, budget: int) -> str:
             f"{format_seconds(seconds)}; this plan's {format_seconds(result.step_s)} is {result.step_s / seconds:.2f}x it")
 
 
+def _simulated_budget(args) -> int:
+    from protrain_core.api import default_memory_budget
+    from protrain_core.simulator.device import SimulatedDevice
+
+    return parse_bytes(args.budget, "--budget") if args.budget else default_memory_budget(SimulatedDevice(args.hardware))
+
+
+def _simulated(args, config, name: str):
+    """(the simulation of model ``config`` (called ``name``) as the arguments describe the run,
+    the model's parameters and those trained)."""
+    from protrain_core.simulator.device import SimulatedDevice
+    from protrain_core.simulator.run import simulate
+
+    sim = SimulatedDevice(args.hardware)  # a DeviceSpec: check_arguments read it
+    model, opt = _build(args, config, "meta")
+    batch = models.token_batch(config, args.batch_size, args.seq_len, "meta")
+    what = _what(args, name)
+    ranks = f", {args.world_size} simulated ranks" if args.world_size > 1 else ""
+    progress(f"simulating {what} ({_counts(model)}) on a batch of {args.batch_size} x {args.seq_len} tokens on the "
+             f"{sim.spec.name}{ranks}: profile, plan, two training steps ...")
+    counts = (sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.parameters() if p.requires_grad))
+    result = simulate(model, opt, batch, device=sim, plan=args.plan, budget=_simulated_budget(args),
+                      precision=args.precision, gradient_clipping=("norm", args.clip_norm) if args.clip_norm else None,
+                      world_size=args.world_size, description=f"{what}, batch {args.batch_size} x {args.seq_len}",
+                      optimizer_state_format=_config(args).optimizer_state_format, frozen_dtype=args.frozen_dtype)
+    return result, counts
+
+
+def largest_command(args) -> int:
+    """``--largest``: the run the arguments describe (a full fine-tune, or LoRA) simulated on each
+    rung of ``models.LADDER`` in turn until one does not fit the box; a row per rung."""
+    import protrain_core as pt
+
+    tokens = args.batch_size * args.seq_len * args.world_size
+    rows, largest = [], None
+    for name in models.LADDER:
+        try:
+            result, (n, trained) = _simulated(args, models.load_config(name), name)
+        except (pt.InfeasibleBudget, torch.OutOfMemoryError) as e:
+            rows.append(f"| {name} | does not fit: {str(e).splitlines()[0]} | | | | | |")
+            break
+        # Model FLOPs: 2 per parameter and token forward, 2 more for the activations' gradients, and 2
+        # more for the weights' gradients of the trained parameters (attention's own left out).
+        flops = (4 * n + 2 * trained) * tokens
+        p = result.plan
+        rows.append(f"| {name} | {n / 1e9:.1f}B | {p.n_persist}/{p.n_buffer}/{p.n_swap}/{p.n_checkpoint} | "
+                    f"{format_seconds(result.step_s)} | {flops / result.step_s / 1e12:.0f} | "
+                    f"{format_bytes(result.device_peak_bytes)} | {format_bytes(result.memory.planned_host_bytes)} |")
+        largest = name
+    spec = args.hardware
+    print(f"The largest model of the ladder whose {_adapters(args) or 'full fine-tune'} (batch {args.batch_size} x "
+          f"{args.seq_len}, {args.precision}) fits the {spec.name} with {format_bytes(spec.device_memory_bytes)} of "
+          f"device and {format_bytes(spec.host_memory_bytes)} of host memory: {largest or 'none'} (simulated)\n")
+    print("| model | parameters | plan | simulated step | model TFLOPS | device peak | host bytes |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    return 0 if largest else 1
+
+
 def _check_host_fits(args) -> None:
     """Profiling on the CPU builds the model and its training states in host memory: refuse,
     before anything is built, a model whose states this machine cannot hold (a 7B config on a
@@ -212,24 +276,11 @@ def simulate_command(args) -> int:
     simulated step next to the cost model's prediction (idle time by cause, host waits, copies,
     CPU Adam), and the what-if table of the simulated profile."""
     import protrain_core as pt
-    from protrain_core.api import default_memory_budget
-    from protrain_core.simulator.device import SimulatedDevice
-    from protrain_core.simulator.run import simulate
 
-    sim = SimulatedDevice(args.hardware)  # a DeviceSpec: check_arguments read it
-    budget = parse_bytes(args.budget, "--budget") if args.budget else default_memory_budget(sim)
-    model, opt = _build(args, device="meta")
-    batch = models.token_batch(args.config, args.batch_size, args.seq_len, "meta")
-    ranks = f", {args.world_size} simulated ranks" if args.world_size > 1 else ""
-    progress(f"simulating {_what(args)} ({_counts(model)}) on a "
-             f"batch of {args.batch_size} x {args.seq_len} tokens on the {sim.spec.name}{ranks}: profile, plan, "
-             "two training steps ...")
+    budget = _simulated_budget(args)
     start = time.perf_counter()
     try:
-        result = simulate(model, opt, batch, device=sim, plan=args.plan, budget=budget, precision=args.precision,
-                          gradient_clipping=("norm", args.clip_norm) if args.clip_norm else None,
-                          world_size=args.world_size, description=f"{_what(args)}, batch {args.batch_size} x {args.seq_len}",
-                          optimizer_state_format=_config(args).optimizer_state_format, frozen_dtype=args.frozen_dtype)
+        result, _ = _simulated(args, args.config, args.model)
     except (pt.InfeasibleBudget, torch.OutOfMemoryError) as e:
         print(f"protrain plan: {e}")
         return 1
@@ -276,7 +327,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="protrain", description="ProTrain tools")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="profile a model and print the plan ProTrain would choose, without training")
-    p.add_argument("--model", required=True,
+    p.add_argument("--model", default=None,
                    help=f"a local Hugging Face model directory or config.json, or a built-in config: {', '.join(BUILTIN)}")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=512)
@@ -318,11 +369,16 @@ def main(argv=None) -> int:
     p.add_argument("--device-memory", default=None,
                    help="size the run for a device with this much memory, e.g. 141GB (with --simulate: the simulated "
                         "device's; default: this device's, or the preset's)")
+    p.add_argument("--largest", action="store_true",
+                   help="with --simulate, instead of --model: the largest LLaMA-shaped model of a ladder ("
+                        f"{', '.join(LADDER)}) whose run fits the box, each rung's plan, step and bytes")
     p.add_argument("--host-memory", default=None,
                    help="size the run for a host with this much memory, e.g. 128GiB (with --simulate: the simulated "
                         "host's)")
     args = ap.parse_args(argv)
     check_arguments(ap, args)
+    if args.largest:
+        return largest_command(args)
     return simulate_command(args) if args.simulate else plan_command(args)
 
 
@@ -362,6 +418,11 @@ def check_arguments(ap: argparse.ArgumentParser, args) -> None:
         ap.error("--device-memory and --host-memory size a GPU box: use them with --simulate or --device cuda (the CPU "
                  "device's memory is the host's: give it with --budget)")
     _check_simulation_arguments(ap, args)
+    if args.largest:
+        args.config = None
+        return
+    if args.model is None:
+        ap.error("--model is required (or --largest with --simulate)")
     args.config = load_config(args.model)
     positions = next((getattr(args.config, a) for a in ("max_position_embeddings", "n_positions", "n_ctx")
                       if isinstance(getattr(args.config, a, None), int)), None)
@@ -381,14 +442,16 @@ def _check_lora_arguments(ap: argparse.ArgumentParser, args) -> None:
 
 
 def _check_simulation_arguments(ap: argparse.ArgumentParser, args) -> None:
-    only = [name for name, given in (("--plan", args.plan), ("--clip-norm", args.clip_norm), ("--timeline", args.timeline))
-            if given is not None]
+    only = [name for name, given in (("--plan", args.plan), ("--clip-norm", args.clip_norm), ("--timeline", args.timeline),
+                                     ("--largest", args.largest or None)) if given is not None]
     if not args.simulate:
         if only:
             ap.error(f"{', '.join(only)} need --simulate")
         return
     if args.device is not None or args.batch_sizes:
         ap.error("--simulate replaces the device and simulates one batch size: leave out --device and --batch-sizes")
+    if args.largest and (args.model is not None or args.plan is not None or args.timeline is not None):
+        ap.error("--largest climbs a ladder of models and plans each: leave out --model, --plan and --timeline")
     from protrain_core.simulator.hardware import load_spec
 
     try:

@@ -15,14 +15,26 @@ BUILTIN = {
     "gpt2-124m": ("gpt2", dict()),
     "llama-1b": ("llama", dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
                                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096)),
+    # OpenLLaMA 3B's shape (its released config).
+    "llama-3b": ("llama", dict(num_hidden_layers=26, hidden_size=3200, intermediate_size=8640, num_attention_heads=32,
+                               num_key_value_heads=32, vocab_size=32000, max_position_embeddings=2048)),
     # LLaMA-2 shapes (Touvron et al. 2023, table 1 and the released configs).
     "llama-7b": ("llama", dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
                                num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)),
     "llama-13b": ("llama", dict(num_hidden_layers=40, hidden_size=5120, intermediate_size=13824, num_attention_heads=40,
                                 num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096)),
+    # No released model of this size: a LLaMA-shaped 20B (20.3B parameters) between 13B and 30B.
+    "llama-20b": ("llama", dict(num_hidden_layers=44, hidden_size=6144, intermediate_size=16384, num_attention_heads=48,
+                                num_key_value_heads=48, vocab_size=32000, max_position_embeddings=4096)),
+    # LLaMA-1 33B's shape (Touvron et al. 2023a, table 2).
+    "llama-30b": ("llama", dict(num_hidden_layers=60, hidden_size=6656, intermediate_size=17920, num_attention_heads=52,
+                                num_key_value_heads=52, vocab_size=32000, max_position_embeddings=2048)),
     "llama-70b": ("llama", dict(num_hidden_layers=80, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
                                 num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096)),
 }
+
+# The rungs ``protrain plan --largest`` climbs, smallest first.
+LADDER = ("llama-1b", "llama-3b", "llama-7b", "llama-13b", "llama-20b", "llama-30b", "llama-70b")
 
 
 def load_config(name: str):

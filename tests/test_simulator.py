@@ -276,6 +276,31 @@ def test_plan_command_sizes_a_lora_run_with_a_quantised_base_on_a_box_of_given_m
     assert "a frozen parameter uploads 1.0" in captured.out  # int8: a byte, and its scales
 
 
+def test_plan_command_finds_the_largest_model_of_the_ladder_that_fits_a_box(capsys):
+    """``--largest`` climbs models.LADDER until a rung does not fit: on 16 GiB of device and 32
+    GiB of host memory, llama-1b's full fine-tune (1.5B parameters, 27 GiB of states) fits and
+    llama-3b's (3.4B, 61 GiB) does not, for want of host memory."""
+    from protrain_core.cli import main
+
+    argv = ["plan", "--largest", "--simulate", "--batch-size", "1", "--seq-len", "256", "--precision", "bf16-mixed",
+            "--device-memory", "16GiB", "--host-memory", "32GiB"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "The largest model of the ladder whose full fine-tune (batch 1 x 256, bf16-mixed) fits" in out
+    assert "with 16.00 GiB of device and 32.00 GiB of host memory: llama-1b (simulated)" in out
+    assert re.search(r"\| llama-1b \| 1\.5B \| \d+/\d+/\d+/\d+ \| [\d.]+ ms \| \d+ \|", out)
+    assert re.search(r"\| llama-3b \| does not fit: .*host memory", out) and "llama-7b" not in out
+    assert main(argv[:-4] + ["--device-memory", "1GiB", "--host-memory", "1GiB"]) == 1  # not even the first rung
+    assert ": none (simulated)" in capsys.readouterr().out
+    for bad, error in ((["--model", "llama-7b"], "leave out --model"), (["--plan", "0/2/0/0"], "leave out --model, --plan")):
+        with pytest.raises(SystemExit):
+            main(argv + bad)
+        assert error in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--largest"])
+    assert "--largest need --simulate" in capsys.readouterr().err
+
+
 def test_a_link_serves_the_copy_that_is_ready_and_nothing_is_charged_twice():
     """A copy engine serves a copy in the first free gap from when it is ready, not in the
     host's issue order: a prefetch on an idle h2d stream runs before a swap-in issued earlier
