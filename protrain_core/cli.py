@@ -238,7 +238,8 @@ def largest_command(args) -> int:
                     f"{format_bytes(result.device_peak_bytes)} | {format_bytes(result.memory.planned_host_bytes)} |")
         largest = name
     spec = args.hardware
-    print(f"The largest model of the ladder whose {_adapters(args) or 'full fine-tune'} (batch {args.batch_size} x "
+    moments = "" if (args.optimizer_state_format or "fp32") == "fp32" else f", Adam moments {args.optimizer_state_format}"
+    print(f"The largest model of the ladder whose {_adapters(args) or 'full fine-tune'}{moments} (batch {args.batch_size} x "
           f"{args.seq_len}, {args.precision}) fits the {spec.name} with {format_bytes(spec.device_memory_bytes)} of "
           f"device and {format_bytes(spec.host_memory_bytes)} of host memory: {largest or 'none'} (simulated)\n")
     print("| model | parameters | plan | simulated step | model TFLOPS | device peak | host bytes |")
