@@ -182,3 +182,23 @@ def test_the_host_waits_when_a_streams_launch_queue_is_full():
         # The third and fourth issues each wait for the oldest of the two queued to finish.
         assert [w.end for w in queue_waits] == ends[:2]
         assert sim.main.t >= ends[1] and sim.main.t < ends[2]
+
+
+def test_a_chunk_buffer_allocated_again_frees_without_the_streams_of_its_last_life():
+    sim = SimulatedDevice("h100")
+    with sim:
+        with on_host():
+            host = empty(64 * MiB)
+        buf = empty(64 * MiB)
+        upload = sim.copy_async(buf, host, stream=sim.h2d_stream, span=("host->device", "upload"))
+        sim.record_stream(buf, sim.h2d_stream)
+        sim.resize(buf.untyped_storage(), 0)
+        assert sim.memory.live == 256 * MiB  # freed in stream order: the upload still reads it
+        sim.synchronize(upload)
+        sim.resize(buf.untyped_storage(), 256 * MiB)  # allocated again (the finished free returned first)
+        assert sim.memory.live == 256 * MiB
+        other = empty(64 * MiB)
+        sim.copy_async(other, host, stream=sim.h2d_stream, span=("host->device", "another upload"))  # h2d busy again
+        sim.resize(buf.untyped_storage(), 0)
+        assert sim.memory.live == 256 * MiB  # only `other`: no stream is recorded on this allocation of buf
+        del other

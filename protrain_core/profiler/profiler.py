@@ -262,7 +262,7 @@ def _fitting(model: nn.Module, optimizer, layout: ChunkLayout, precision: Precis
         try:
             return _profiled(model, optimizer, layout, plan, precision, ctx, switches, passes)
         except torch.OutOfMemoryError as e:
-            if plan.n_persist == 0:
+            if plan.n_persist == 0 or not ctx.asynchronous:
                 raise torch.OutOfMemoryError(
                     f"Profiling ran out of device memory with every chunk streamed and every block checkpointed: the "
                     f"example batch's activations do not fit on {ctx.name()} ({e}). Profile and train with a smaller "

@@ -119,11 +119,11 @@ class DeviceMemory:
 
     def _free(self, key: StorageWeakRef) -> None:
         self._release(key, self._sizes.pop(key))
-        self._streams.pop(key, None)
 
     def _release(self, key: StorageWeakRef, nbytes: int) -> None:
-        """``nbytes`` of ``key`` freed: now, or once the side streams' work queued on it ends."""
-        until = max((s.t for s in self._streams.get(key, ())), default=0.0)
+        """``nbytes`` of ``key`` freed: now, or once the work queued on the side streams it was
+        recorded on has ended (a later allocation of it starts with no stream recorded)."""
+        until = max((s.t for s in self._streams.pop(key, ())), default=0.0)
         if until > self.now():
             self._pending.append((until, nbytes))
         else:
