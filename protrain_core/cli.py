@@ -3,6 +3,8 @@
     protrain plan --model tiny-llama --batch-size 8 --seq-len 256 --budget 64MiB
     protrain plan --model /path/to/hf-model-or-config.json --precision bf16-mixed --budget 20GiB \\
         --batch-sizes 1,2,4,8
+    protrain plan --largest --simulate --hardware h200 --batch-size 4 --seq-len 2048 --precision bf16-mixed \\
+        [--lora-rank 16 --frozen-dtype int8] [--device-memory 80GB --host-memory 256GiB]
     python -m protrain_core.cli plan ...            (the same, without the console script)
 
 The model is built from its Hugging Face config with random weights (the step time and memory
@@ -370,12 +372,12 @@ def main(argv=None) -> int:
     p.add_argument("--device-memory", default=None,
                    help="size the run for a device with this much memory, e.g. 141GB (with --simulate: the simulated "
                         "device's; default: this device's, or the preset's)")
-    p.add_argument("--largest", action="store_true",
-                   help="with --simulate, instead of --model: the largest LLaMA-shaped model of a ladder ("
-                        f"{', '.join(LADDER)}) whose run fits the box, each rung's plan, step and bytes")
     p.add_argument("--host-memory", default=None,
                    help="size the run for a host with this much memory, e.g. 128GiB (with --simulate: the simulated "
                         "host's)")
+    p.add_argument("--largest", action="store_true",
+                   help="with --simulate, instead of --model: the largest LLaMA-shaped model of a ladder ("
+                        f"{', '.join(LADDER)}) whose run fits the box, each rung's plan, step and bytes")
     args = ap.parse_args(argv)
     check_arguments(ap, args)
     if args.largest:
