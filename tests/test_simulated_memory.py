@@ -15,6 +15,7 @@ from protrain_core.memtrack import on_host
 from protrain_core.precision import parse_precision
 from protrain_core.profiler.profiler import profile_model
 from protrain_core.simulator.device import LAUNCH_QUEUE_FULL, SimulatedDevice
+from protrain_core.simulator.memory import ALLOCATOR_WAIT
 from protrain_core.simulator.hardware import load_spec
 from protrain_core.simulator.run import simulate
 from protrain_core.structure.blocks import find_blocks
@@ -99,7 +100,7 @@ def test_an_allocation_beyond_the_device_raises_out_of_memory_unless_only_counte
     small = dataclasses.replace(load_spec("h100"), device_memory_bytes=MiB)
     with SimulatedDevice(small) as sim:
         whole = empty(MiB // 4)  # exactly the device
-        with pytest.raises(torch.OutOfMemoryError, match=r"allocating 512 B with 1.00 MiB of 1.00 MiB allocated"):
+        with pytest.raises(torch.OutOfMemoryError, match=r"allocating 512 B with 1.00 MiB of 1.00 MiB allocated: the plan does not fit"):
             empty(1)
         del whole
     with SimulatedDevice(small, out_of_memory=False) as sim:
@@ -202,3 +203,22 @@ def test_a_chunk_buffer_allocated_again_frees_without_the_streams_of_its_last_li
         sim.resize(buf.untyped_storage(), 0)
         assert sim.memory.live == 256 * MiB  # only `other`: no stream is recorded on this allocation of buf
         del other
+
+
+def test_an_allocation_the_device_cannot_hold_waits_for_the_stream_ordered_frees_first():
+    """The caching allocator, out of memory, synchronizes and frees the blocks whose side-stream
+    work was pending before it gives up: a host wait, then the allocation."""
+    sim = SimulatedDevice(dataclasses.replace(load_spec("h100"), device_memory_bytes=6 * MiB))
+    with sim:
+        with on_host():
+            host = empty(MiB)
+        buf = empty(MiB)  # 4 MiB
+        upload = sim.copy_async(buf, host, stream=sim.h2d_stream, span=("host->device", "upload"))
+        sim.record_stream(buf, sim.h2d_stream)
+        del buf
+        assert sim.main.t < upload.time and sim.memory.live == 4 * MiB
+        bigger = empty(MiB // 2 + 1)  # 2 MiB + a block: fits only once the upload's buffer is back
+        (wait,) = [w for w in sim.records.waits if w.label == ALLOCATOR_WAIT]
+        assert wait.end == upload.time and sim.main.t >= upload.time
+        assert sim.memory.live == 2 * MiB + 512
+        del bigger

@@ -71,7 +71,7 @@ from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.sharding import Sharding
 from protrain_core.simulator.clock import Event, Lane, Link, MeasuredLane, Records, Stream, Wait, Work
 from protrain_core.simulator.hardware import DeviceSpec, load_spec
-from protrain_core.simulator.memory import DeviceMemory
+from protrain_core.simulator.memory import ALLOCATOR_WAIT, DeviceMemory
 from protrain_core.simulator.races import RaceChecker
 from protrain_core.utils import iter_tensors
 
@@ -122,6 +122,7 @@ class SimulatedDevice(DeviceContext):
         self.races = RaceChecker() if self.asynchronous else None
         # Device memory as the caching allocator counts it ([Note: simulated device memory]).
         self.memory = DeviceMemory(self.spec.device_memory_bytes if out_of_memory else None, lambda: self.host_lane().t,
+                                   lambda until: self.block(self.host_lane(), until, ALLOCATOR_WAIT),
                                    self.spec.name) if self.asynchronous else None
 
     # ----- entering --------------------------------------------------------------------------

@@ -9,9 +9,10 @@ dies. A storage that the runtime handed to a side stream (``record_stream``) sta
 after its last tensor dies until the work queued on that stream then has ended, and is returned
 at the next allocation after that time (the allocator queries the stream's event there, on the
 host's clock): the stream-ordered frees of streamed chunks and swapped activations. An
-allocation beyond the device's memory raises ``torch.OutOfMemoryError``, as on the device (unless
-the simulated device only counts);
-``peak`` is the most allocated at once since ``reset_peak``.
+allocation that would exceed the device's memory first waits, as the allocator synchronizes,
+for every such free to return (a host wait, ``ALLOCATOR_WAIT``); beyond that it raises
+``torch.OutOfMemoryError``, as on the device (unless the simulated device only counts). ``peak``
+is the most allocated at once since ``reset_peak``.
 
 Host memory is not counted: storages made inside ``memtrack.on_host()`` (the runtime's host
 pools, staging buffers, swap buffers), by the CPU worker's jobs, or by operators whose inputs
@@ -32,6 +33,7 @@ from protrain_core.memtrack import allocating_on_host
 from protrain_core.utils import format_bytes, iter_tensors
 
 BLOCK = 512  # the caching allocator's smallest block and rounding
+ALLOCATOR_WAIT = "allocator: the side streams' frees"  # a host wait before an allocation the device cannot hold
 
 
 def rounded(nbytes: int) -> int:
@@ -41,10 +43,11 @@ def rounded(nbytes: int) -> int:
 class DeviceMemory:
     """Allocated device bytes of a simulated device (see the Note): ``live`` now, ``peak``
     since ``reset_peak``; ``capacity``: the device's memory (None: counted, never refused);
-    ``now()``: the allocating host lane's clock; ``name``: the device in an out-of-memory error."""
+    ``now()``: the allocating host lane's clock, ``wait(until)`` moves it there (a host wait);
+    ``name``: the device in an out-of-memory error."""
 
-    def __init__(self, capacity: int | None, now, name: str) -> None:
-        self.capacity, self.now, self.name = capacity, now, name
+    def __init__(self, capacity: int | None, now, wait, name: str) -> None:
+        self.capacity, self.now, self.wait, self.name = capacity, now, wait, name
         self.live = self.peak = 0
         self._sizes: dict[StorageWeakRef, int] = {}  # device storages alive
         self._host: set[StorageWeakRef] = set()  # host storages alive
@@ -108,12 +111,15 @@ class DeviceMemory:
         if returned:
             self._pending = [(t, n) for t, n in self._pending if t > now]
             self.live -= sum(returned)
+        if self.capacity is not None and self.live + nbytes > self.capacity and self._pending:
+            self.wait(max(t for t, _ in self._pending))  # the allocator synchronizes, and frees them all
+            self.live -= sum(n for _, n in self._pending)
+            self._pending = []
         if self.capacity is not None and self.live + nbytes > self.capacity:
             raise torch.OutOfMemoryError(
                 f"Simulated out of memory on {self.name}: allocating {format_bytes(nbytes)} with "
-                f"{format_bytes(self.live)} of {format_bytes(self.capacity)} allocated "
-                f"({format_bytes(sum(n for _, n in self._pending))} of it waiting for side streams' work): the plan "
-                "does not fit this device. Plan with a smaller memory budget or batch.")
+                f"{format_bytes(self.live)} of {format_bytes(self.capacity)} allocated: the plan does not fit this "
+                "device. Plan with a smaller memory budget or batch.")
         self.live += nbytes
         self.peak = max(self.peak, self.live)
 
