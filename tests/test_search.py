@@ -137,6 +137,17 @@ def test_infeasible_budget_says_what_is_missing():
         pt.search(prof, 10**9 // 10**6, host_budget=100)
 
 
+def test_a_host_too_small_is_refused_with_the_shortfall_beside_what_the_device_holds():
+    """Issue 57, item 2: the refusal counted the host bytes of streaming every chunk (4,800 B, so
+    3,800 missing) although the device holds two of the three chunks: 600 B are missing."""
+    prof = hand_profile()
+    with pytest.raises(pt.InfeasibleBudget) as e:
+        pt.search(prof, 5000, host_budget=1000)
+    msg = str(e.value)
+    assert "The device holds 2 of the 3 chunks" in msg and "need 1.56 KiB with 1000 B available: 600 B missing" in msg
+    assert "optimizer_state_format='8bit'" in msg
+
+
 def test_host_budget_forces_persistence():
     prof = hand_profile()
     # Streamed chunks need 1600 B of host memory each: with 1600 B only one chunk may stream.

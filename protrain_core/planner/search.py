@@ -427,7 +427,8 @@ def _infeasible(cm: CostModel, budget: int, host_budget: int | None) -> Infeasib
     need = states + profile.base_bytes + lay.activation_peak
     host_need = cm.host_suffix[0] + lay.swap_host_bytes
     keep = cm.layout(interleaved_modes(L, 0, 0)).activation_peak
-    msg = [f"No ProTrain plan fits a device memory budget of {format_bytes(budget)}."]
+    msg = [f"No ProTrain plan fits a device memory budget of {format_bytes(budget)}"
+           + ("." if host_budget is None else f" and a host budget of {format_bytes(host_budget)}.")]
     if need > budget:
         msg.append(
             f"The smallest plan (n_persist=0, n_buffer={fewest}, n_swap={s}, "
@@ -437,10 +438,24 @@ def _infeasible(cm: CostModel, budget: int, host_budget: int | None) -> Infeasib
             f"sequences shrink the activations; a smaller chunk size (chunk_size=) the buffers; or raise the budget."
         )
     if host_budget is not None:
-        msg.append(
-            f"Streaming every chunk needs {format_bytes(host_need)} of host memory for the offloaded model "
-            f"states, with {format_bytes(host_budget)} available"
-            + (f" ({format_bytes(host_need - host_budget)} missing): add host RAM or raise the device budget so "
-               "that more chunks stay on the device." if host_need > host_budget else ".")
-        )
+        msg.append(_host_shortfall(cm, budget, host_budget, profile.base_bytes + lay.activation_peak,
+                                   lay.swap_host_bytes) if need <= budget else
+                   f"Streaming every chunk needs {format_bytes(host_need)} of host memory for the offloaded model "
+                   f"states, with {format_bytes(host_budget)} available.")
     return InfeasibleBudget(" ".join(msg), needed_bytes=need, budget_bytes=budget)
+
+
+def _host_shortfall(cm: CostModel, budget: int, host_budget: int, others: int, swapped: int) -> str:
+    """What the host lacks beside the most the device holds: the leading chunks that fit the
+    budget beside their buffers and ``others`` (the batch and the smallest activation peak) stay
+    there, the rest stream through host memory (with ``swapped`` activation bytes)."""
+    limits, N = cm.profile.limits, cm.N
+    k = max(k for k in range(N + 1) if k == 0 or cm.states_bytes(k, limits.buffers_needed(k)) + others <= budget)
+    host_need = cm.streamed_host_bytes(k) + swapped
+    if host_need <= host_budget:
+        return f"The host holds the states of the {N - k} chunks the device cannot ({format_bytes(host_need)})."
+    return (f"The device holds {k} of the {N} chunks beside the chunk buffers and the activations; the other "
+            f"{N - k} stream from host memory, whose states need {format_bytes(host_need)} with "
+            f"{format_bytes(host_budget)} available: {format_bytes(host_need - host_budget)} missing. 8-bit Adam "
+            "moments (optimizer_state_format='8bit') or a quantised frozen base (frozen_dtype='int8') need fewer "
+            "host bytes per parameter, more processes each hold a part of them; or add host RAM.")
