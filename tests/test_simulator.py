@@ -276,6 +276,20 @@ def test_plan_command_sizes_a_lora_run_with_a_quantised_base_on_a_box_of_given_m
     assert "a frozen parameter uploads 1.0" in captured.out  # int8: a byte, and its scales
 
 
+def test_plan_command_refuses_a_run_the_box_cannot_hold_and_says_what_would_fit(capsys):
+    """Issue 57, item 2: llama-1b's full fine-tune on 16 GiB of device and of host memory: the
+    true shortfall beside the chunk the device holds, then each change that needs fewer bytes,
+    simulated."""
+    from protrain_core.cli import main
+
+    assert main(["plan", "--model", "llama-1b", "--simulate", "--batch-size", "1", "--seq-len", "512", "--precision",
+                 "bf16-mixed", "--device-memory", "16GiB", "--host-memory", "16GiB"]) == 1
+    out = capsys.readouterr().out
+    assert "and a host budget of 14.40 GiB" in out and "The device holds 1 of the 3 chunks" in out
+    assert re.search(r"\| --optimizer-state-format 8bit \| \d+/\d+/\d+/\d+ \| [\d.]+ ms \|", out)
+    assert "| --seq-len 256 | does not fit either |" in out
+
+
 def test_plan_command_finds_the_largest_model_of_the_ladder_that_fits_a_box(capsys):
     """``--largest`` climbs models.LADDER until a rung does not fit: on 16 GiB of device and 32
     GiB of host memory, llama-1b's full fine-tune (1.5B parameters, 27 GiB of states) fits and

@@ -458,4 +458,4 @@ def _host_shortfall(cm: CostModel, budget: int, host_budget: int, others: int, s
             f"{N - k} stream from host memory, whose states need {format_bytes(host_need)} with "
             f"{format_bytes(host_budget)} available: {format_bytes(host_need - host_budget)} missing. 8-bit Adam "
             "moments (optimizer_state_format='8bit') or a quantised frozen base (frozen_dtype='int8') need fewer "
-            "host bytes per parameter, more processes each hold a part of them; or add host RAM.")
+            "host bytes per parameter, processes on more hosts each hold a part of them; or add host RAM.")
