@@ -1,7 +1,8 @@
 """The simulated device's memory ([Note: simulated device memory] in protrain_core/simulator/memory.py):
 allocations counted as the caching allocator counts them, host memory left out, stream-ordered
-frees, chunk buffers freed and re-allocated in place, an out-of-memory error past the device, and
-the profiled engine's memory gone before the training engine is built."""
+frees, chunk buffers freed and re-allocated in place, the allocator's wait and an out-of-memory
+error past the device, the profiled engine's memory gone before the training engine is built and
+profiling that runs out of memory; and the host's launch queue."""
 
 import dataclasses
 
@@ -15,8 +16,8 @@ from protrain_core.memtrack import on_host
 from protrain_core.precision import parse_precision
 from protrain_core.profiler.profiler import profile_model
 from protrain_core.simulator.device import LAUNCH_QUEUE_FULL, SimulatedDevice
-from protrain_core.simulator.memory import ALLOCATOR_WAIT
 from protrain_core.simulator.hardware import load_spec
+from protrain_core.simulator.memory import ALLOCATOR_WAIT
 from protrain_core.simulator.run import simulate
 from protrain_core.structure.blocks import find_blocks
 from protrain_core.structure.layout import build_layout
