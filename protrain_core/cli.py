@@ -56,9 +56,14 @@ def _profile(args, config, batch_size: int):
     return prof
 
 
+def _parameters(model) -> tuple[int, int]:
+    """(the model's parameters, those trained)."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
 def _counts(model) -> str:
-    n = sum(p.numel() for p in model.parameters())
-    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n, trained = _parameters(model)
     return f"{type(model).__name__}, {n:,} parameters" + ("" if trained == n else f", {trained:,} trained")
 
 
@@ -210,7 +215,7 @@ def _simulated(args, config, name: str):
     ranks = f", {args.world_size} simulated ranks" if args.world_size > 1 else ""
     progress(f"simulating {what} ({_counts(model)}) on a batch of {args.batch_size} x {args.seq_len} tokens on the "
              f"{sim.spec.name}{ranks}: profile, plan, two training steps ...")
-    counts = (sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.parameters() if p.requires_grad))
+    counts = _parameters(model)
     result = simulate(model, opt, batch, device=sim, plan=args.plan, budget=_simulated_budget(args),
                       precision=args.precision, gradient_clipping=("norm", args.clip_norm) if args.clip_norm else None,
                       world_size=args.world_size, description=f"{what}, batch {args.batch_size} x {args.seq_len}",
@@ -284,8 +289,7 @@ def _check_host_fits(args) -> None:
     from protrain_core.utils import available_host_bytes
 
     model, _ = _build(args, device="meta")
-    n = sum(p.numel() for p in model.parameters())
-    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n, trained = _parameters(model)
     # the model as built (fp32), then the trained parameters' masters, gradients and two moments
     # (bf16-true: in bf16)
     needed = 4 * n + trained * (8 if parse_precision(args.precision) is Precision.BF16_TRUE else 16)

@@ -29,6 +29,17 @@ def empty(n_floats: int) -> torch.Tensor:
     return torch.empty(n_floats, device="meta")
 
 
+def upload(sim: SimulatedDevice, n_floats: int):
+    """(a host buffer, a device buffer, the event of its upload on the h2d stream), the device
+    buffer recorded on that stream, as the runtime hands a streamed chunk's buffer to it."""
+    with on_host():
+        host = empty(n_floats)
+    buf = empty(n_floats)
+    event = sim.copy_async(buf, host, stream=sim.h2d_stream, span=("host->device", "upload"))
+    sim.record_stream(buf, sim.h2d_stream)
+    return host, buf, event
+
+
 def test_device_memory_counts_new_storages_in_whole_blocks():
     sim = SimulatedDevice("h100")
     with sim:
@@ -65,11 +76,7 @@ def test_host_memory_is_not_the_devices():
 def test_a_stream_ordered_free_returns_its_memory_once_the_streams_work_has_ended():
     sim = SimulatedDevice("h100")
     with sim:
-        with on_host():
-            host = empty(64 * MiB)
-        buf = empty(64 * MiB)
-        event = sim.copy_async(buf, host, stream=sim.h2d_stream, span=("host->device", "upload"))
-        sim.record_stream(buf, sim.h2d_stream)
+        _, buf, event = upload(sim, 64 * MiB)
         del buf
         assert event.time > sim.main.t  # the upload is still queued when its buffer is freed ...
         assert sim.memory.live == 256 * MiB  # ... so the allocator keeps the block
@@ -189,14 +196,10 @@ def test_the_host_waits_when_a_streams_launch_queue_is_full():
 def test_a_chunk_buffer_allocated_again_frees_without_the_streams_of_its_last_life():
     sim = SimulatedDevice("h100")
     with sim:
-        with on_host():
-            host = empty(64 * MiB)
-        buf = empty(64 * MiB)
-        upload = sim.copy_async(buf, host, stream=sim.h2d_stream, span=("host->device", "upload"))
-        sim.record_stream(buf, sim.h2d_stream)
+        host, buf, uploaded = upload(sim, 64 * MiB)
         sim.resize(buf.untyped_storage(), 0)
         assert sim.memory.live == 256 * MiB  # freed in stream order: the upload still reads it
-        sim.synchronize(upload)
+        sim.synchronize(uploaded)
         sim.resize(buf.untyped_storage(), 256 * MiB)  # allocated again (the finished free returned first)
         assert sim.memory.live == 256 * MiB
         other = empty(64 * MiB)
@@ -211,15 +214,11 @@ def test_an_allocation_the_device_cannot_hold_waits_for_the_stream_ordered_frees
     work was pending before it gives up: a host wait, then the allocation."""
     sim = SimulatedDevice(dataclasses.replace(load_spec("h100"), device_memory_bytes=6 * MiB))
     with sim:
-        with on_host():
-            host = empty(MiB)
-        buf = empty(MiB)  # 4 MiB
-        upload = sim.copy_async(buf, host, stream=sim.h2d_stream, span=("host->device", "upload"))
-        sim.record_stream(buf, sim.h2d_stream)
+        _, buf, uploaded = upload(sim, MiB)  # 4 MiB
         del buf
-        assert sim.main.t < upload.time and sim.memory.live == 4 * MiB
+        assert sim.main.t < uploaded.time and sim.memory.live == 4 * MiB
         bigger = empty(MiB // 2 + 1)  # 2 MiB + a block: fits only once the upload's buffer is back
         (wait,) = [w for w in sim.records.waits if w.label == ALLOCATOR_WAIT]
-        assert wait.end == upload.time and sim.main.t >= upload.time
+        assert wait.end == uploaded.time and sim.main.t >= uploaded.time
         assert sim.memory.live == 2 * MiB + 512
         del bigger
