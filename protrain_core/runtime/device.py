@@ -244,13 +244,16 @@ def deferring() -> HostEvent | None:
 
 class InlineExecutor(Executor):
     """Runs each job when it is submitted, on the calling thread (the CPU worker on a CPU device:
-    [Note: CPU Adam on a CPU device] in worker.py)."""
+    [Note: CPU Adam on a CPU device] in worker.py). A job's error waits in its future, as from a
+    thread; an interrupt or exit (ctrl-C lands on the main thread, which runs the job here) goes
+    up at once: kept in the future, it would surface only when the step reads it, after the other
+    ranks had ended and broken the collectives this rank still waits on."""
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
         future = Future()
         try:
             future.set_result(fn(*args, **kwargs))
-        except BaseException as e:  # noqa: BLE001 - re-raised by the future's result(), as from a thread
+        except Exception as e:  # noqa: BLE001 - re-raised by the future's result(), as from a thread
             future.set_exception(e)
         return future
 

@@ -528,7 +528,7 @@ class SimulatedWorker(Executor):
         try:
             with sim.cpu_work(lane), sim.charging():
                 value = fn(*args, **kwargs)
-        except BaseException as e:  # noqa: BLE001 - re-raised by result(), as from a thread
+        except Exception as e:  # noqa: BLE001 - re-raised by result(), as from a thread (an interrupt goes up now)
             future.set_exception(e)
         else:
             future.set_result(value)

@@ -1,6 +1,7 @@
 """Rank 0 waits on a collective that rank 1 never issues; for tests/test_distributed.py: ``RANK PORT OUT KIND``.
 
-KIND: ``event`` (a chunk's collectives, waited for through ``HostEvent``), ``messages`` (a chunk's
+KIND: ``event`` (a chunk's collectives, waited for through ``HostEvent``), ``worker`` (the same
+wait inside a CPU worker's job: on a CPU device the job runs inline, on the main thread), ``messages`` (a chunk's
 reduction in a step, gloo's point-to-point messages, waited for through ``HostEvent``), ``issue``
 (a chunk collective run at once, outside a step: state dicts, checkpoints), ``check`` (a blocking host
 collective of ``Sharding``), ``barrier`` or ``broadcast`` (``protrain_core.barrier`` and
@@ -38,6 +39,11 @@ def main(rank: int, port: str, out: str, kind: str) -> None:
             event = HostEvent()
             event.add(dist.all_reduce(torch.ones(4), async_op=True))
             event.wait()
+        elif kind == "worker":
+            event = HostEvent()
+            event.add(dist.all_reduce(torch.ones(4), async_op=True))
+            DeviceContext(torch.device("cpu")).worker(threaded=False).submit(event.wait)
+            time.sleep(60)  # the step goes on: an interrupt kept in the job's future would be read only later
         elif kind == "messages":
             ctx = DeviceContext(torch.device("cpu"))
             ctx.collective(lambda: sharding.reduce_scatter_mean(torch.empty(2), torch.ones(4))).wait()
