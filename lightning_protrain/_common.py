@@ -333,8 +333,16 @@ def for_evaluation(module: nn.Module, config: pt.ProTrainConfig, plan: pt.Plan |
         planning={"plan": plan, "memory_budget": None, "max_tokens": None}, optimizer_states=False)
 
 
+def on_meta(module: nn.Module) -> bool:
+    """Whether ``module`` has parameters or buffers on the meta device (``init_module(empty_init=
+    True)``: the engine fills them, [Note: weights straight into chunks] in protrain_core)."""
+    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
 def build_engine(module: nn.Module, optimizer, config: pt.ProTrainConfig, *, precision: str, device: torch.device,
                  example_inputs=None, loss_fn=None, scaler: dict | None = None, report) -> pt.Engine:
+    if config.weights is not None and not on_meta(module):  # filled by an engine before (evaluation after
+        config = config.replace(weights=None)                  # fit, an engine built again)
     engine = pt.wrap(module, optimizer, config=config, precision=precision, device=device,
                      example_inputs=example_inputs, loss_fn=loss_fn, report=report)
     if scaler and engine.scaler is not None:

@@ -197,6 +197,17 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
     def module_to_device(self, module: nn.Module) -> None:
         pass  # the engine places every parameter itself
 
+    def module_init_context(self, empty_init: bool | None = None):
+        """``fabric.init_module(empty_init=True)`` builds the model on the meta device: the engine
+        fills each chunk from ``ProTrainConfig.weights`` or the modules' own initialisation
+        ([Note: weights straight into chunks])."""
+        if not empty_init:
+            return super().module_init_context(empty_init)
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.device("meta"))
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
     def setup_module(self, module: nn.Module) -> nn.Module:
         """``fabric.setup(model)`` and ``fabric.setup_module(model)``: an engine for evaluation
         (no optimizer states; the configuration's plan, else every chunk streamed), which

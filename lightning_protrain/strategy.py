@@ -69,6 +69,7 @@ from lightning_protrain._common import (
     checkpoint_optimizer_state,
     close_for_a_new_engine,
     load_checkpoint_optimizer_state,
+    on_meta,
     strategy_config,
     check_optimizers,
     convert_input,
@@ -298,6 +299,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         self._final_optimizer_state: dict | None = None
         self._sharded_from = None  # a sharded checkpoint directory being restored
         self._sharded_weights: bool | None = None  # its weights wait for the engine (the strict flag)
+        self._meta_weights: dict | None = None  # ckpt_path's weights for a module on the meta device
         self._failed = False  # an exception ends the run: teardown runs no collective
         self._wrapped_optimizers: list = []  # Lightning's wrappers of the optimizer, zero_grad routed
         # A fit's engine configuration, and whether the module clips late, changes gradients, optimizes manually
@@ -327,6 +329,18 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
 
     def model_to_device(self) -> None:
         pass  # the engine places every parameter (device or host) itself
+
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None):
+        """``trainer.init_module(empty_init=True)`` builds the model on the meta device, as FSDP's
+        does: no memory until the engine fills each chunk from ``ProTrainConfig.weights``, a
+        ``ckpt_path``, or the modules' own initialisation ([Note: weights straight into chunks])."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -379,6 +393,8 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
             late = touched = False
             optimizer, config = for_evaluation(module, self.config, self._last_plan)  # evaluation only
         self._fit = (config, late, touched, manual) if fitting else None
+        if self._meta_weights is not None:  # (load_model_state_dict: ckpt_path's weights fill the chunks)
+            config, self._meta_weights = config.replace(weights=self._meta_weights), None
         self._build(module, optimizer, config)
         if self._sharded_weights is not None:  # ckpt_path is a sharded directory (load_model_state_dict)
             self.engine.load_sharded(self._sharded_from, optimizer=False, strict=self._sharded_weights)
@@ -509,6 +525,11 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
             check_sharded(sharded, self.lightning_module)  # names and sizes now; the pieces after setup
             self._sharded_weights = strict
             return None
+        if engine is None and on_meta(self.lightning_module):
+            # init_module(empty_init=True): loaded into meta tensors the values would be lost; the
+            # engine fills its chunks from them instead ([Note: weights straight into chunks]).
+            self._meta_weights = checkpoint["state_dict"]
+            return None
         if engine is None:
             return super().load_model_state_dict(checkpoint, strict=strict)
         if sharded is not None:
@@ -549,7 +570,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         if self._precision_plugin is not None:
             self._precision_plugin.engine = self._precision_plugin.device = None
         module = self.lightning_module
-        if module is not None and any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        if module is not None and on_meta(module):
             # setup refused a model on the meta device: Lightning's teardown would move it to the
             # CPU and fail ("Cannot copy out of meta tensor"), hiding that error behind its own.
             self._lightning_module = None

@@ -8,12 +8,15 @@ builds the engine. Every argument is checked before any of that starts.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from protrain_core.autoplan import AutoPlanner, check_budget_holds_states, follow, plan_on_first_steps, print_report
+from protrain_core.checkpoint import is_sharded_checkpoint
 from protrain_core.config import PlanningConfig, ProTrainConfig
 from protrain_core.plan import Plan, check_plan
 from protrain_core.planner.profiles import Profile
@@ -26,6 +29,7 @@ from protrain_core.runtime.optim import check_optimizer
 from protrain_core.runtime.sharding import Sharding, agree, agree_budgets, check_same_configuration
 from protrain_core.runtime.state_formats import block_aligned, check_optimizer_for
 from protrain_core.runtime.storage import ChunkFormat, chunk_formats
+from protrain_core.runtime.weights import check_weights
 from protrain_core.structure.blocks import find_blocks
 from protrain_core.structure.layout import ChunkLayout, build_layout
 from protrain_core.update import overlap_mode
@@ -91,6 +95,11 @@ def wrap(
     return _searched(build, budget, report, example_inputs=example_inputs, loss_fn=loss_fn, step_fn=step_fn)
 
 
+def _sharded_weights(weights) -> bool:
+    """``ProTrainConfig.weights`` is a sharded ProTrain checkpoint directory (``save_sharded``)."""
+    return isinstance(weights, (str, os.PathLike)) and is_sharded_checkpoint(weights)
+
+
 def _check_grad_accumulator(config: ProTrainConfig, prec: Precision) -> None:
     """Refuse ``grad_accumulator=False`` where an offloaded chunk's gradient cannot be consumed
     where it lands ([Note: gradients consumed where they land] in runtime/worker.py)."""
@@ -151,8 +160,12 @@ class _Build:
     def engine(self, plan: Plan) -> Engine:
         check_plan(plan, self.layout.limits())
         self.check_host_budget(plan)
-        engine = Engine(self.model, self.optimizer, self.layout, plan, self.precision, self.device, self.options,
+        sharded = _sharded_weights(self.config.weights)
+        options = dataclasses.replace(self.options, weights=None) if sharded else self.options
+        engine = Engine(self.model, self.optimizer, self.layout, plan, self.precision, self.device, options,
                         sharding=self.sharding)
+        if sharded:  # (initialised, then read in place: a sharded checkpoint is read chunk by chunk)
+            engine.load_sharded(self.config.weights, optimizer=False)
         clipping = self.config.clipping
         if clipping is not None:
             engine.clipping.configure(clipping.algorithm, clipping.value, clipping.norm_type)
@@ -227,8 +240,6 @@ def _prepare(model: nn.Module, optimizer, blocks, chunk_size, example_inputs, ct
     """Checks shared by ``wrap`` and ``profile``; returns the chunk layout. ``moments``: the
     moments' format, which the optimizer must suit and the layout follows."""
     check_optimizer_for(moments, optimizer, adam=check_optimizer(optimizer) is None)
-    if ctx.device.type != "meta" and any(p.device.type == "meta" for p in model.parameters()):
-        raise ValueError("The model has parameters on the meta device; materialise them before wrap().")
     model_params = {id(p) for p in model.parameters()}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -266,6 +277,7 @@ def _checked(model: nn.Module, precision: str, device, config: ProTrainConfig) -
     allocated yet)."""
     prec, dev = parse_precision(precision), as_context(device)
     check_parameter_dtypes(model, prec)
+    check_weights(model, config.weights)
     _check_grad_accumulator(config, prec)
     return prec, dev
 

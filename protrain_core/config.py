@@ -181,6 +181,17 @@ class ProTrainConfig:
     (``accumulate_grad_batches=1``, automatic optimization, no clipping by norm, no overridden
     ``configure_gradient_clipping``); elsewhere True."""
 
+    weights: str | None = None
+    """Where a model built on the meta device (``with torch.device("meta")``, ``init_module(
+    empty_init=True)``) takes its weights, chunk by chunk, without a host copy of the model
+    ([Note: weights straight into chunks]): a Hugging Face model directory (safetensors files),
+    a ``.safetensors`` file, a ``torch.save``d state dict or Lightning checkpoint, or a sharded
+    ProTrain checkpoint directory (from Python also a state dict itself: the Trainer strategy
+    passes ``ckpt_path``'s). Parameters
+    it does not hold, and every parameter when None, are initialised by their modules (a Hugging
+    Face model's ``_init_weights``, PEFT's LoRA initialisation, else ``reset_parameters``). A
+    model whose parameters are on the host is used as it is."""
+
     def __post_init__(self) -> None:
         for name, cls in _PARTS.items():
             value = getattr(self, name)
@@ -209,7 +220,8 @@ class ProTrainConfig:
         """What an engine built from this configuration is told."""
         return EngineOptions(optimizer_states=self.optimizer_states, runtime=self.runtime,
                              state_format=self.optimizer_state_format, frozen_format=self.frozen_dtype,
-                             grad_accumulator=self.grad_accumulator is not False)
+                             grad_accumulator=self.grad_accumulator is not False,
+                             weights=self.weights)
 
     def replace(self, **parts) -> ProTrainConfig:
         """A copy with some fields replaced; nested parts by dict: ``replace(planning={"plan": p})``

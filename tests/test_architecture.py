@@ -145,6 +145,10 @@ ALLOWED_PRIVATE = {
     # storage's identity (a meta storage has no data pointer).
     "_schema",
     "_cdata",
+    # A Hugging Face model's initialisation of one module, which from_config and post_init run on
+    # each: a model built on the meta device is initialised chunk by chunk (runtime/weights.py);
+    # transformers has no public per-module form.
+    "_init_weights",
 }
 
 

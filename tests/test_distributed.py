@@ -567,6 +567,46 @@ def test_tied_weights_gather_alike_on_every_rank(tmp_path):
     assert all(torch.equal(s0["state"][k][n], s1["state"][k][n]) for k in s0["state"] for n in ("exp_avg", "exp_avg_sq"))
 
 
+def _meta_models(rank, world, hf):
+    """Models built on the meta device on every rank, with another random state per rank: filled
+    from the saved model, they train like DDP on it; initialised by their modules, every rank
+    holds rank 0's values ([Note: weights straight into chunks])."""
+    from transformers import LlamaForCausalLM
+
+    ref = tiny_llama(seed=0)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(ref.config)
+    losses, engine = protrain_run(model, batches(3, seed=10 + rank), pt.Plan(n_persist=1, n_buffer=1), weights=hf)
+    engine.close()
+    torch.manual_seed(100 + rank)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(ref.config)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=1, n_buffer=1), device="cpu")
+    initialised = engine.state_dict(rank0_only=False)
+    engine.close()
+    return ddp_reference(ref, batches(3, seed=10 + rank))[0], losses, initialised
+
+
+def test_meta_models_are_filled_alike_on_every_rank(tmp_path):
+    """Each rank keeps its piece of every chunk: without rank 0's values broadcast chunk by chunk,
+    the initialised model would be a patchwork of both ranks' draws (still alike on both ranks
+    when gathered); with them it is rank 0's, the one process's of its seed."""
+    from transformers import LlamaForCausalLM
+
+    ref = tiny_llama(seed=0)
+    ref.save_pretrained(tmp_path / "hf")
+    (ref0, l0, init0), (ref1, l1, init1) = spawn(_meta_models, 2, tmp_path, str(tmp_path / "hf"))
+    assert (l0, l1) == (ref0, ref1)
+    torch.manual_seed(100)  # rank 0's
+    with torch.device("meta"):
+        alone = LlamaForCausalLM(ref.config)
+    engine = pt.wrap(alone, torch.optim.AdamW(alone.parameters()), pt.Plan(n_persist=1, n_buffer=1), device="cpu")
+    one = engine.state_dict()
+    engine.close()
+    for k, v in one.items():
+        assert torch.equal(init0[k], v) and torch.equal(init1[k], v), k
+
+
 def test_a_device_count_is_never_ignored():
     """What several processes cannot honour is refused when the Trainer is built, with the fix."""
     import lightning.pytorch as pl

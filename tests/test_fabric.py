@@ -235,6 +235,32 @@ def test_fabric_two_step_setup_trains_like_plain_pytorch(strategy):
         torch.testing.assert_close(fabric.strategy.engine.state_dict()[k], v, rtol=0, atol=0, msg=k)
 
 
+def test_fabric_init_module_empty_init_fills_the_chunks_from_the_checkpoint(tmp_path):
+    """``fabric.init_module(empty_init=True)`` builds on the meta device; ``fabric.setup`` of the
+    model and of an optimizer built over its meta parameters fills every chunk from
+    ``ProTrainConfig.weights``: plain PyTorch's run on the saved model, bit for bit."""
+    data = batches(4, batch=4)
+    MODELS["gpt2"]().save_pretrained(tmp_path)
+    ref_model, _, ref_losses = plain(data, accumulate=1)
+    fabric = Fabric(strategy=ProTrainFabricStrategy(config=pt.ProTrainConfig(weights=str(tmp_path))),
+                    accelerator="cpu", devices=1)
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = MODELS["gpt2"]()
+    assert all(p.is_meta for p in model.parameters())
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True))
+    losses = []
+    for x in data:
+        loss = model(input_ids=x, labels=x).loss
+        fabric.backward(loss)
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    assert losses == ref_losses
+    for k, v in ref_model.state_dict().items():
+        torch.testing.assert_close(fabric.strategy.engine.state_dict()[k], v, rtol=0, atol=0, msg=k)
+
+
 def test_fabric_setup_without_an_optimizer_evaluates_like_the_default_strategy():
     data = batches(3, batch=2)
     ref = Fabric(accelerator="cpu", devices=1)

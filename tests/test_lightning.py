@@ -545,12 +545,45 @@ def test_a_bad_ckpt_path_is_refused_before_the_engine_is_built(tmp_path):
         assert t.strategy.engine is None and lit.losses == []
 
 
-def test_a_model_on_the_meta_device_gets_the_clear_error_alone():
-    """Issue 18, case 7: the refusal is the error the user sees, not a teardown failure after it."""
+def test_init_module_empty_init_builds_on_the_meta_device_and_the_engine_fills_the_chunks(tmp_path):
+    """``trainer.init_module(empty_init=True)`` builds the LightningModule on the meta device (as
+    FSDP's does); the engine fills its chunks from ``ProTrainConfig.weights`` (a Hugging Face
+    directory): the same losses and weights as the saved model under the default strategy. A
+    ``ckpt_path`` fills them too (loaded into meta tensors its values would be lost): the run
+    resumes as from a module on the host."""
+    torch.manual_seed(1234)
+    LitLM().model.save_pretrained(tmp_path / "hf")
+    rng = torch.get_rng_state()  # (the data's order: as fit's after building its module)
+    strategy = ProTrainStrategy(config=pt.ProTrainConfig(weights=str(tmp_path / "hf"),
+                                                         planning={"plan": _plan("streamed")}))
+    t = trainer(strategy)
+    with t.init_module(empty_init=True):
+        lit = LitLM()
+    assert all(p.is_meta for p in lit.parameters())
+    torch.set_rng_state(rng)
+    t.fit(lit, loader())
+    assert_same((lit, t), fit("auto"))
+
+    t.save_checkpoint(tmp_path / "six.ckpt")
+    resumed = []
+    for empty_init in (False, True):
+        t = trainer(ProTrainStrategy(_plan("streamed")), max_steps=STEPS + 3)
+        with t.init_module(empty_init=empty_init):
+            lit = LitLM()
+        torch.manual_seed(0)
+        t.fit(lit, loader(), ckpt_path=tmp_path / "six.ckpt")
+        resumed.append((lit, t))
+    assert_same(*resumed)
+
+
+def test_a_model_on_the_meta_device_that_cannot_be_filled_gets_the_clear_error_alone(tmp_path):
+    """Issue 18, case 7: the refusal (here: weights= names no file) is the error the user sees,
+    not a teardown failure after it (Lightning's teardown would move the meta module to the CPU)."""
     lit = LitLM()
     lit.model.to("meta")
-    with pytest.raises(ValueError, match="meta device; materialise them") as info:
-        trainer("protrain").fit(lit, loader())
+    strategy = ProTrainStrategy(config=pt.ProTrainConfig(weights=str(tmp_path / "missing")))
+    with pytest.raises(FileNotFoundError, match="does not exist") as info:
+        trainer(strategy).fit(lit, loader())
     assert not isinstance(info.value.__context__, NotImplementedError)
 
 

@@ -57,6 +57,7 @@ from protrain_core.profiler.hardware import device_name, probe_hardware
 from protrain_core.runtime.device import DeviceContext, as_context
 from protrain_core.runtime.engine import Engine
 from protrain_core.runtime.options import EngineOptions, RuntimeConfig
+from protrain_core.runtime.weights import back_to_meta, meta_names
 from protrain_core.runtime.elementwise import state_slots
 from protrain_core.runtime.sharding import agree
 from protrain_core.runtime.state_formats import block_aligned
@@ -276,16 +277,19 @@ def _profiled(model: nn.Module, optimizer, layout: ChunkLayout, plan: Plan, prec
               switches: RuntimeConfig, passes):
     """``passes(engine, boundaries)`` on a profiling engine of ``plan``, then the engine closed;
     the blocks checked to have run."""
-    engine = Engine(model, optimizer, layout, plan, precision, ctx,
-                    EngineOptions(optimizer_states=False, warn_on_cache=False, runtime=switches))
-    bounds = Boundaries(engine, block_modules(model, layout.block_path))
-    try:
-        with torch.random.fork_rng(devices=[ctx.device] if ctx.is_cuda else []), _buffers_kept(model):
-            found = passes(engine, bounds)
-    finally:
-        bounds.remove()
-        engine.close()  # its chunks still hold device memory, in reference cycles that only the
-        # garbage collector frees (the caller's), before the training engine is built beside it
+    meta = meta_names(model) if ctx.host.type != "meta" else []  # (filled by their initialisation to profile)
+    with torch.random.fork_rng(devices=[ctx.device] if ctx.is_cuda else []):
+        engine = Engine(model, optimizer, layout, plan, precision, ctx,
+                        EngineOptions(optimizer_states=False, warn_on_cache=False, runtime=switches))
+        bounds = Boundaries(engine, block_modules(model, layout.block_path))
+        try:
+            with _buffers_kept(model):
+                found = passes(engine, bounds)
+        finally:
+            bounds.remove()
+            engine.close()  # its chunks still hold device memory, in reference cycles that only the
+            # garbage collector frees (the caller's), before the training engine is built beside it
+            back_to_meta(model, meta)
     check_blocks_called(bounds, layout.n_blocks)
     return found
 

@@ -29,11 +29,12 @@ from protrain_core.runtime.optim import ChunkOptimizer
 from protrain_core.runtime.options import EngineOptions
 from protrain_core.runtime.parking import OffloadedStates, check_between_steps, check_onloaded, offload, onload
 from protrain_core.runtime.scheduler import Scheduler
-from protrain_core.runtime.sharding import Sharding, broadcast_module
+from protrain_core.runtime.sharding import Sharding, broadcast_tensors
 from protrain_core.runtime.states import StateAccess, StateMemory
 from protrain_core.runtime.state_formats import check_layout_for, check_optimizer_for
 from protrain_core.runtime.storage import ChunkStorage, chunk_formats, frozen_places_of
 from protrain_core.runtime.timeline import Timeline
+from protrain_core.runtime.weights import Weights, has_meta
 from protrain_core.structure.blocks import block_modules
 from protrain_core.structure.layout import ChunkLayout, unit_chunks
 from protrain_ops import onepass
@@ -453,11 +454,16 @@ def _allocate(engine: Engine, optim: ChunkOptimizer, *, touch=None) -> list[Chun
     device_bytes = 0 if dev.type != "cpu" else sum(formats[i].persistent_device_bytes for i in persistent)
     ctx.check_host_memory(host_bytes + device_bytes, "offloaded model states")
     params = dict(engine.module.named_parameters())
-    if engine.sharding is not None:  # every rank starts from rank 0's values, as DDP does
-        broadcast_module(engine.module, engine.sharding, dev)
+    # A model on the meta device takes its values chunk by chunk ([Note: weights straight into chunks]).
+    weights = Weights(engine.module, options.weights, ctx.host) if ctx.host.type != "meta" and has_meta(
+        engine.module) else None
     chunks, pin = [], options.runtime.pins(ctx)
     for spec, fmt in zip(engine.layout.chunks, formats):
         members = [params[m.name] for m in spec.members]
+        if weights is not None:
+            weights.fill([(m.name, params[m.name]) for m in spec.members])
+        if engine.sharding is not None:  # every rank starts from rank 0's values, as DDP does
+            broadcast_tensors(members, engine.sharding, dev)
         storage = ChunkStorage(fmt, persistent=spec.index in persistent, ctx=ctx, pin=pin,
                                n_members=len(members), sharding=engine.sharding,
                                frozen=frozen_places_of(spec, fmt.frozen_format, fmt.world_size, engine.rank)
@@ -466,6 +472,11 @@ def _allocate(engine: Engine, optim: ChunkOptimizer, *, touch=None) -> list[Chun
         chunk = Chunk(spec, params=members, storage=storage, opt_members=opt_members)
         chunk.load_params()
         chunks.append(chunk)
+    if weights is not None:
+        weights.fill_buffers()
+        weights.warn_initialised()
+    if engine.sharding is not None:
+        broadcast_tensors(list(engine.module.buffers()), engine.sharding, dev)
     for b in engine.module.buffers():
         # bf16-true runs the module as model.to(torch.bfloat16) would: floating buffers too.
         low = engine.precision is Precision.BF16_TRUE and b.is_floating_point()

@@ -78,6 +78,7 @@ class EngineOptions:
         frozen_format: the frozen weight matrices' format (``ProTrainConfig.frozen_dtype``).
         grad_accumulator: False: streamed chunks keep no gradient accumulator
             (``ProTrainConfig.grad_accumulator``; [Note: gradients consumed where they land]).
+        weights: where parameters on the meta device take their values (``ProTrainConfig.weights``).
     """
 
     optimizer_states: bool = True
@@ -85,6 +86,7 @@ class EngineOptions:
     frozen_format: str | None = None
     grad_accumulator: bool = True
     warn_on_cache: bool = True
+    weights: object = None
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def formats(self) -> dict:

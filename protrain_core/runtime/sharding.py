@@ -401,11 +401,11 @@ class _Waiter:
             posted.done.set()
 
 
-def broadcast_module(module, sharding: Sharding, device: torch.device) -> None:
-    """Rank 0's parameters and buffers on every rank, one tensor at a time (through ``device``:
-    NCCL broadcasts device tensors only), as DDP does when it wraps a model."""
+def broadcast_tensors(tensors, sharding: Sharding, device: torch.device) -> None:
+    """Rank 0's values of a module's parameters or buffers on every rank, one tensor at a time
+    (through ``device``: NCCL broadcasts device tensors only), as DDP does when it wraps a model."""
     with torch.no_grad():
-        for t in [*module.parameters(), *module.buffers()]:
+        for t in tensors:
             moved = t.detach().to(device)
             sharding.broadcast_(moved)
             if moved is not t.data:

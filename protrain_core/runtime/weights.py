@@ -1,0 +1,287 @@
+"""Weights for a model built on the meta device, one tensor at a time as its chunks are filled.
+
+[Note: weights straight into chunks]
+A model too large for the host's memory twice over is built without memory
+(``with torch.device("meta")``, Lightning's and Fabric's ``init_module(empty_init=True)``) and
+wrapped as it is: the engine fills each chunk in turn, and every parameter of the chunk still on
+the meta device takes its value here, just before the chunk copies it in. The value comes from
+``ProTrainConfig.weights`` where that holds it -- a Hugging Face directory of safetensors files,
+one ``.safetensors`` file, or a ``torch.save``d file (a state dict, a Lightning checkpoint's
+``state_dict``, ``engine.state_dict()``; a sharded ProTrain checkpoint directory is read by the
+engine itself, in place, once ``wrap`` has built it) -- and otherwise from the module's own
+initialisation:
+a PEFT LoRA layer's ``reset_lora_parameters`` for its adapters, the enclosing Hugging Face
+model's ``_init_weights`` (what ``from_config`` runs), else the module's ``reset_parameters``.
+
+The parameter keeps its identity (``torch.utils.swap_tensors``): the optimizer built over the
+meta parameters holds the same objects. A value is read from its file only when its chunk is
+filled (a safetensors file's own pages, memory-mapped, where the dtype matches) and let go once
+the chunk has copied it in: the host holds the chunks plus the values of the one being filled
+(a ``torch.save``d file is memory-mapped whole: the pages read stay resident until the last
+chunk is filled). Checkpoint names match the model's after
+leading components are dropped on either side (a LightningModule's ``model.``, PEFT's
+``base_model.model.``) and PEFT's ``.base_layer`` is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+_BASE_LAYER = ".base_layer"
+
+
+def has_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def check_weights(model: nn.Module, source) -> None:
+    """``ProTrainConfig.weights`` refused before anything is built where it cannot apply."""
+    if source is None:
+        return
+    if not has_meta(model):
+        raise ValueError(
+            "ProTrainConfig.weights fills a model built on the meta device, but this model's parameters "
+            "all hold values already. Build it under torch.device('meta') (or init_module(empty_init=True)), or load "
+            "the checkpoint into it yourself and leave weights=None.")
+    if not isinstance(source, Mapping) and not Path(source).exists():
+        raise FileNotFoundError(f"ProTrainConfig.weights={str(source)!r} does not exist.")
+
+
+def meta_names(model: nn.Module) -> list[str]:
+    """The parameters and buffers of ``model`` on the meta device."""
+    return [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+
+
+def back_to_meta(model: nn.Module, names: list[str]) -> None:
+    """These parameters and buffers on the meta device again (a profiling engine, closed, filled
+    them with initial values: the engine that trains fills them from the checkpoint)."""
+    params = dict(model.named_parameters())
+    for name in names:
+        if name in params:
+            p = params[name]
+            torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
+        else:
+            module_name, _, attr = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            setattr(module, attr, torch.empty_like(getattr(module, attr), device="meta"))
+
+
+class Weights:
+    """Where the meta-device tensors of ``model`` take their values (see the note above)."""
+
+    def __init__(self, model: nn.Module, source, host: torch.device) -> None:
+        """``source``: a path (see the note), a state dict, or None (every tensor initialised)."""
+        self.model, self.host = model, host
+        self._files: dict[str, Path] = {}  # key -> safetensors file
+        self._state: Mapping[str, Tensor] | None = None  # a state dict (a torch.save'd one memory-mapped)
+        self.where = None if source is None else "the state dict given" if isinstance(source, Mapping) else str(source)
+        if isinstance(source, Mapping):
+            self._state = source
+        elif source is not None:
+            self._open(Path(source))
+        names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+        self._key = _match(names, self._keys())
+        if self.where is not None and names and not self._key:
+            raise ValueError(
+                f"ProTrainConfig.weights: {self.where} holds none of the model's parameters under any prefix (its "
+                f"first keys: {sorted(self._keys())[:3]}; the model's: {names[:3]}). Give the checkpoint of this model.")
+        self._saved = set(model.state_dict())  # (not a non-persistent buffer: a checkpoint would hold it)
+        self.initialised: list[str] = []  # (saved names filled by their module's initialisation)
+
+    def _open(self, path: Path) -> None:
+        if path.is_dir():
+            index = path / "model.safetensors.index.json"
+            if index.exists():
+                for key, file in json.loads(index.read_text())["weight_map"].items():
+                    self._files[key] = path / file
+            else:
+                for file in sorted(path.glob("*.safetensors")):
+                    self._index_safetensors(file)
+            if not self._files:
+                raise ValueError(f"ProTrainConfig.weights={str(path)!r} is a directory without safetensors files "
+                                 "(a Hugging Face model directory, save_pretrained's output, has them) and not a "
+                                 "sharded ProTrain checkpoint (save_sharded's, with its .metadata).")
+        elif path.suffix == ".safetensors":
+            self._index_safetensors(path)
+        elif path.exists():
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            self._state = state.get("state_dict", state) if isinstance(state, dict) else None
+            if not isinstance(self._state, dict):
+                raise ValueError(f"ProTrainConfig.weights={str(path)!r} holds no state dict (a dict of tensors, or a "
+                                 "Lightning checkpoint's 'state_dict').")
+        else:
+            raise FileNotFoundError(f"ProTrainConfig.weights={str(path)!r} does not exist.")
+
+    def _index_safetensors(self, file: Path) -> None:
+        from safetensors import safe_open
+
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                self._files[key] = file
+
+    def _keys(self) -> set[str]:
+        return set(self._files) | ({k for k, v in self._state.items() if isinstance(v, Tensor)} if self._state else set())
+
+    def _read(self, key: str) -> Tensor:
+        if self._state is not None:
+            return self._state[key]
+        from safetensors import safe_open
+
+        with safe_open(str(self._files[key]), "pt") as f:  # mapped for this tensor only
+            return f.get_tensor(key)
+
+    def fill(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        """Give each parameter of ``named`` still on the meta device its value, on the host."""
+        for name, p in named:
+            if not p.is_meta:
+                continue
+            key = self._key.get(name)
+            if key is None:
+                self._initialise(name)
+                continue
+            value = self._read(key)
+            if value.shape != p.shape:
+                raise ValueError(f"{name}: the model's parameter is {tuple(p.shape)}, {key!r} in {self.where} is "
+                                 f"{tuple(value.shape)}; the checkpoint is of another model configuration.")
+            # (the file's own pages where the dtype matches: the chunk copies them in, then lets go)
+            torch.utils.swap_tensors(p, nn.Parameter(value.to(self.host, p.dtype), requires_grad=p.requires_grad))
+            del value
+
+    def fill_buffers(self) -> None:
+        """The model's buffers still on the meta device (a checkpoint holds the persistent ones; a
+        rotary embedding's frequencies are computed by its initialisation)."""
+        for name, b in list(self.model.named_buffers()):
+            if not b.is_meta:
+                continue
+            module_name, _, attr = name.rpartition(".")
+            key = self._key.get(name)
+            if key is None:
+                self._initialise(name, buffer=True)
+            else:
+                setattr(self.model.get_submodule(module_name), attr, self._read(key).to(self.host, b.dtype, copy=True))
+
+    def warn_initialised(self) -> None:
+        """A checkpoint that left parameters to their initialisation says which (a LoRA adapter
+        over a base checkpoint: expected; anything else: a checkpoint of another model)."""
+        if self.where is not None and self.initialised:
+            shown = ", ".join(self.initialised[:4]) + (", ..." if len(self.initialised) > 4 else "")
+            warnings.warn(f"ProTrain: {len(self.initialised)} tensor(s) of the model are not in {self.where} and were "
+                          f"initialised by their modules: {shown}.", stacklevel=2)
+
+    def _initialise(self, name: str, buffer: bool = False) -> None:
+        """``name``'s module initialised as the model's own code does, its tensors that already
+        hold values (read from the checkpoint) kept."""
+        module_name = name.rpartition(".")[0]
+        module = self.model.get_submodule(module_name)
+        lora = _lora_layer(self.model, module_name)
+        if lora is not None:
+            layer, adapter = lora
+            layer_name = module_name[:module_name.rindex(".lora_")]
+            for d in ("lora_A", "lora_B"):
+                if adapter in getattr(layer, d, {}):
+                    self._materialise(getattr(layer, d)[adapter], f"{layer_name}.{d}.{adapter}")
+            layer.reset_lora_parameters(adapter, True)
+        else:
+            init = _initialiser(self.model, module_name)
+            if init is None:
+                kind = "buffer" if buffer else "parameter"
+                raise ValueError(
+                    f"The model's {kind} {name!r} is on the meta device and neither ProTrainConfig.weights holds it "
+                    f"nor can its module ({type(module).__name__}) initialise it (no reset_parameters, not part of a "
+                    "Hugging Face model). Give weights= a checkpoint that holds it, or build this module on the host.")
+            kept = {k: t.detach().clone() for k, t in _own(module) if not t.is_meta}
+            self._materialise(module, module_name)
+            init(module)
+            with torch.no_grad():
+                for k, t in _own(module):
+                    if k in kept:
+                        t.copy_(kept[k])
+
+    def _materialise(self, module: nn.Module, module_name: str) -> None:
+        """The module's own meta tensors on the host, uninitialised (its initialisation follows)."""
+        for k, t in _own(module):
+            if not t.is_meta:
+                continue
+            if isinstance(t, nn.Parameter):
+                torch.utils.swap_tensors(t, nn.Parameter(torch.empty_like(t, device=self.host),
+                                                         requires_grad=t.requires_grad))
+            else:
+                setattr(module, k, torch.empty_like(t, device=self.host))
+            name = f"{module_name}.{k}" if module_name else k
+            if name in self._saved:
+                self.initialised.append(name)
+
+
+def _own(module: nn.Module):
+    return [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+
+
+def _ancestors(model: nn.Module, module_name: str):
+    parts = module_name.split(".") if module_name else []
+    for i in range(len(parts), -1, -1):
+        yield ".".join(parts[:i]), model.get_submodule(".".join(parts[:i]))
+
+
+def _lora_layer(model: nn.Module, module_name: str):
+    """(PEFT's LoRA layer, adapter name) when ``module_name`` is one of its adapter modules."""
+    parts = module_name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        if parts[i] in ("lora_A", "lora_B") and i + 1 < len(parts):
+            layer = model.get_submodule(".".join(parts[:i]))
+            if hasattr(layer, "reset_lora_parameters"):
+                return layer, parts[i + 1]
+    return None
+
+
+def _initialiser(model: nn.Module, module_name: str):
+    """The module's initialisation: its Hugging Face model's ``_init_weights``, else its own
+    ``reset_parameters``; None where neither exists."""
+    for _, ancestor in _ancestors(model, module_name):
+        if hasattr(ancestor, "_init_weights") and hasattr(ancestor, "config"):
+            return ancestor._init_weights
+    module = model.get_submodule(module_name)
+    reset = getattr(module, "reset_parameters", None)
+    return (lambda m: reset()) if callable(reset) else None
+
+
+def _match(names: list[str], keys: set[str]) -> dict[str, str]:
+    """The checkpoint key of each model name: the renaming (leading components dropped from the
+    names, from the keys; PEFT's ``.base_layer`` skipped) that matches the most names, one key
+    to one name (a renaming that leaves two names or two keys alike is no renaming)."""
+    best: dict[str, str] = {}
+    plain = {n: n.replace(_BASE_LAYER, "") for n in names}
+    for drop_key in range(3):
+        by_tail = _tails(keys, drop_key)
+        for drop_name in range(4):
+            tails = _tails(plain.values(), drop_name)
+            if by_tail is None or tails is None:
+                continue
+            found = {n: by_tail[t] for n, clean in plain.items()
+                     if (t := _tail(clean, drop_name)) is not None and t in by_tail}
+            if len(found) > len(best):
+                best = found
+    return best
+
+
+def _tail(name: str, drop: int) -> str | None:
+    """``name`` less ``drop`` leading components, if two are left (a bare "weight" names nothing)."""
+    parts = name.split(".")
+    return ".".join(parts[drop:]) if drop == 0 or len(parts) >= drop + 2 else None
+
+
+def _tails(names, drop: int) -> dict[str, str] | None:
+    """Each name by its tail after ``drop`` leading components; None if two share one."""
+    by_tail = {}
+    for name in names:
+        tail = _tail(name, drop)
+        if tail is not None:
+            if tail in by_tail:
+                return None
+            by_tail[tail] = name
+    return by_tail
