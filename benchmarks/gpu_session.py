@@ -28,6 +28,9 @@ The pieces, in order (the first five minutes on what no CPU test can show):
                     offload, and DeepSpeed ZeRO-3 offload when it is installed (README: bringing
                     DeepSpeed; a system that is not installed is listed as not run); every
                     one-process ProTrain run is simulated too
+  largest-<rung>    the top rungs of ProTrain's largest-model ladder trained for real: LLaMA-13B
+                    fully fine-tuned and LLaMA-70B with LoRA over an int8 base, built on the meta
+                    device (benchmarks/bench_largest.py)
   probes: <system>  the largest-model and largest-batch ladders of one system
 
 A call runs pending pieces in order while the next one's estimate fits what is left of its
@@ -141,6 +144,11 @@ def plan_pieces(suite_name: str, dry: bool) -> list[Piece]:
                 estimate = 30 + 2 * size if system == "pytorch" else 50 + 16 * size
                 pieces.append(Piece(f"run: {w.label}, {system}", min(estimate, R.SUITES[suite_name].timeout_s + 30),
                                     runner + ("--systems", system, "--workloads", w.label, "--no-probes"), "suite"))
+    # The top rungs of the largest-model ladder (issue 57): built on the meta device, filled chunk by chunk.
+    for name, model, extra in (("largest-llama-13b-full", "llama-13b", ()),
+                               ("largest-llama-70b-lora-int8", "llama-70b", ("--lora-rank", "16", "--frozen-dtype", "int8"))):
+        pieces.append(Piece(name, 480, (py, "-m", "benchmarks.bench_largest", "--model", model, "--device", "cuda",
+                                        "--json", "{out}/" + name + ".json") + extra, "json"))
     for system in SESSION_SYSTEMS:
         if suite.probe_systems is None or system in suite.probe_systems:
             pieces.append(Piece(f"probes: {system}", 300, runner + ("--systems", system, "--workloads", ""), "suite"))

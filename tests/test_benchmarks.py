@@ -439,3 +439,18 @@ def test_the_adam_benchmark_rates_every_moment_format_alone_and_beside_copies():
     assert all(r["pinned_bytes_per_param"] == 2.0 and r["params_per_s"] > 0 for r in rows)
     assert all((r["copy_bytes_per_s"] > 0) is r["load"] for r in rows)
     assert "| bf16 | 1 | both ways |" in bench_adam.format_markdown(rows, 1)
+
+
+def test_the_largest_model_benchmark_trains_a_rung_built_on_the_meta_device():
+    """benchmarks/bench_largest.py (a GPU session's top rungs) on the CPU with the tiny LLaMA:
+    built on the meta device, initialised chunk by chunk, a searched plan after the live
+    profile, finite losses and every figure reported; LoRA over an int8 base alike."""
+    from benchmarks.bench_largest import run
+
+    for lora in (None, 4):
+        r = run("tiny-llama", device="cpu", batch_size=1, seq_len=16, steps=1, warmup=1, lora_rank=lora,
+                frozen_dtype="int8" if lora else None)
+        assert r["plan"].startswith("Plan(") and len(r["step_s"]) == 2 and r["median_step_s"] > 0
+        assert all(torch.isfinite(torch.tensor(r["losses"])))
+        assert r["trained"] < r["parameters"] if lora else r["trained"] == r["parameters"]
+        assert r["host_peak_rss_bytes"] > 0 and r["device_peak_bytes"] is None
