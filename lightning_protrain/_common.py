@@ -376,7 +376,7 @@ def checkpoint_optimizer_state(engine: pt.Engine) -> dict:
     is kept beside them (``EXACT_STATE``: torch's ``load_state_dict`` ignores the key), which
     ProTrain resumes from bit for bit (``load_checkpoint_optimizer_state``)."""
     osd = engine.states.optimizer()
-    if engine.options.state_format != "8bit" or not osd:
+    if engine.config.optimizer_state_format != "8bit" or not osd:
         return osd
     return {**pt.to_fp32_adam_state(osd), EXACT_STATE: osd}
 

@@ -8,7 +8,6 @@ builds the engine. Every argument is checked before any of that starts.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -24,7 +23,6 @@ from protrain_core.precision import Precision, parse_precision
 from protrain_core.profiler.profiler import profile_model, safe_plan
 from protrain_core.runtime.device import DeviceContext, as_context
 from protrain_core.engine import Engine
-from protrain_core.runtime.options import EngineOptions
 from protrain_core.runtime.optim import check_optimizer
 from protrain_core.runtime.sharding import Sharding, agree, agree_budgets, check_same_configuration
 from protrain_core.runtime.state_formats import block_aligned, check_optimizer_for
@@ -89,7 +87,7 @@ def wrap(
     layout = _prepare(model, optimizer, planning.blocks, planning.chunk_size, example_inputs, dev,
                       moments=config.optimizer_state_format)
     check_same_configuration(sharding, _configuration(model, optimizer, layout, prec, config))
-    build = _Build(model, optimizer, layout, prec, dev, config, config.engine_options(), sharding)
+    build = _Build(model, optimizer, layout, prec, dev, config, sharding)
     if planning.plan is not None:
         return build.engine(agree(sharding, planning.plan))
     return _searched(build, budget, report, example_inputs=example_inputs, loss_fn=loss_fn, step_fn=step_fn)
@@ -150,7 +148,6 @@ class _Build:
     precision: Precision
     device: DeviceContext
     config: ProTrainConfig
-    options: EngineOptions
     sharding: Sharding | None
 
     @property
@@ -161,8 +158,8 @@ class _Build:
         check_plan(plan, self.layout.limits())
         self.check_host_budget(plan)
         sharded = _sharded_weights(self.config.weights)
-        options = dataclasses.replace(self.options, weights=None) if sharded else self.options
-        engine = Engine(self.model, self.optimizer, self.layout, plan, self.precision, self.device, options,
+        config = self.config.replace(weights=None) if sharded else self.config
+        engine = Engine(self.model, self.optimizer, self.layout, plan, self.precision, self.device, config,
                         sharding=self.sharding)
         if sharded:  # (initialised, then read in place: a sharded checkpoint is read chunk by chunk)
             engine.load_sharded(self.config.weights, optimizer=False)
@@ -181,7 +178,7 @@ class _Build:
         if host_budget is None:
             return
         host_budget = agree_budgets(self.sharding, 0, host_budget)[1]
-        formats = self.formats(optimizer_states=self.options.optimizer_states)
+        formats = self.formats(optimizer_states=self.config.optimizer_states)
         persistent = plan.persistent()
         need = sum(f.streamed_host_bytes for i, f in enumerate(formats) if i not in persistent)
         if need > host_budget:
@@ -195,11 +192,11 @@ class _Build:
     def formats(self, *, optimizer_states: bool = True) -> list[ChunkFormat]:
         """Every chunk's format, as the engine will allocate it."""
         return chunk_formats(self.model, self.optimizer, self.layout, self.precision, optimizer_states=optimizer_states,
-                             world_size=self.world, **self.options.formats())
+                             world_size=self.world, **self.config.formats())
 
     def safe_plan(self, budget: int) -> Plan:
         return safe_plan(self.model, self.optimizer, self.layout, self.precision, self.device, optimizer_states=True,
-                         budget=budget, world_size=self.world, state_format=self.options.state_format)
+                         budget=budget, world_size=self.world, state_format=self.config.optimizer_state_format)
 
 
 def _searched(build: _Build, budget: int, report, *, example_inputs, loss_fn, step_fn) -> Engine:
@@ -222,7 +219,7 @@ def _searched(build: _Build, budget: int, report, *, example_inputs, loss_fn, st
         return engine
     profile = profile_model(build.model, build.optimizer, build.layout, example_inputs=example_inputs,
                             loss_fn=loss_fn, step_fn=step_fn, precision=build.precision, device=build.device,
-                            sharding=sharding, switches=build.config.runtime, **build.options.formats(), **cache)
+                            sharding=sharding, switches=build.config.runtime, **build.config.formats(), **cache)
     n = batch_tokens(example_inputs)
     clipping = None if build.config.clipping is None else build.config.clipping.parsed()
     planner = AutoPlanner(None, profile, budget=budget, host_budget=host_budget, report=report,
@@ -348,7 +345,7 @@ def profile(
     return profile_model(
         model, optimizer, layout, example_inputs=example_inputs, loss_fn=loss_fn, step_fn=step_fn, precision=prec,
         device=dev, iterations=iterations, cache=cache, switches=config.runtime,
-        reprofile=PlanningConfig().reprofile if reprofile is None else reprofile, **config.engine_options().formats(),
+        reprofile=PlanningConfig().reprofile if reprofile is None else reprofile, **config.formats(),
     )
 
 

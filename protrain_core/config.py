@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from protrain_core.plan import Plan, plan_arguments
-from protrain_core.runtime.options import EngineOptions, RuntimeConfig, env_flag
+from protrain_core.runtime.options import RuntimeConfig, env_flag
 from protrain_core.runtime.frozen_formats import check_frozen_format
 from protrain_core.runtime.state_formats import check_format
 from protrain_core.update import GradientClipping, parse_gradient_clipping
@@ -216,12 +216,16 @@ class ProTrainConfig:
         check_format(self.optimizer_state_format)
         check_frozen_format(self.frozen_dtype)
 
-    def engine_options(self) -> EngineOptions:
-        """What an engine built from this configuration is told."""
-        return EngineOptions(optimizer_states=self.optimizer_states, runtime=self.runtime,
-                             state_format=self.optimizer_state_format, frozen_format=self.frozen_dtype,
-                             grad_accumulator=self.grad_accumulator is not False,
-                             weights=self.weights)
+    @property
+    def keeps_accumulators(self) -> bool:
+        """Whether streamed chunks keep a gradient accumulator (``grad_accumulator`` not False)."""
+        return self.grad_accumulator is not False
+
+    def formats(self) -> dict:
+        """The chunks' storage formats, in ``ChunkFormat``'s terms (``chunk_formats`` and the
+        profiler take them)."""
+        return dict(state_format=self.optimizer_state_format, frozen_format=self.frozen_dtype,
+                    accumulator=self.keeps_accumulators)
 
     def replace(self, **parts) -> ProTrainConfig:
         """A copy with some fields replaced; nested parts by dict: ``replace(planning={"plan": p})``

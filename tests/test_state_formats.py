@@ -15,7 +15,6 @@ import protrain_core as pt
 from conftest import assert_same_runs, batches, standard_plans, tiny_gpt2, train_engine, train_reference
 from protrain_core.runtime import state_formats
 from protrain_core.runtime.host_pool import HostPool
-from protrain_core.runtime.options import EngineOptions
 from protrain_core.runtime.storage import chunk_formats
 from protrain_core.structure.layout import ChunkLayout  # noqa: F401  (the layout the formats are of)
 
@@ -362,7 +361,7 @@ def test_an_unaligned_layout_an_unknown_format_and_a_missing_bitsandbytes_are_re
     unaligned = pt.build_layout(model, path, len(blocks))  # (wrap builds it block-aligned for "8bit")
     with pytest.raises(ValueError, match="block boundary.*block_aligned"):
         pt.Engine(model, torch.optim.AdamW(model.parameters()), unaligned, pt.Plan(n_persist=0, n_buffer=1),
-                  pt.Precision.FP32, "cpu", EngineOptions(state_format="8bit"))
+                  pt.Precision.FP32, "cpu", pt.ProTrainConfig(optimizer_state_format="8bit"))
     with pytest.raises(ValueError, match="'fp32'.*'bf16'.*'8bit'"):
         pt.ProTrainConfig(optimizer_state_format="int8")
     state_formats.bitsandbytes.cache_clear()

@@ -25,7 +25,6 @@ training equals plain PyTorch from the first step on.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from protrain_core.phase import StepObserver
@@ -167,7 +166,7 @@ class LiveProfiler(StepObserver):
         engine = self.engine
         self.shapes = tensor_shapes(self.bounds.block_inputs or [])
         self.key = profile_key(engine.module, engine.optimizer, self.shapes, engine.precision, engine.ctx,
-                               engine.layout, world_size=engine.world_size, **engine.options.formats())
+                               engine.layout, world_size=engine.world_size, **engine.config.formats())
         if self.cache and not self.reprofile:
             self.cached = load_cached(self.key, self.cache_dir, n_chunks=engine.layout.n_chunks,
                                       n_blocks=engine.layout.n_blocks)
@@ -191,8 +190,8 @@ class LiveProfiler(StepObserver):
         if profile is None:
             profile = build_profile(self.key, self.shapes, self.measured, engine.module, engine.optimizer,
                                     engine.layout, engine.precision, engine.ctx, self.started,
-                                    sharding=engine.sharding, switches=engine.options.runtime,
-                                    **engine.options.formats())
+                                    sharding=engine.sharding, switches=engine.config.runtime,
+                                    **engine.config.formats())
             if self.cache and engine.rank == 0:
                 store(profile, self.cache_dir)
         # Sharded: rank 0's profile and batch, so that every rank searches the same plan.

@@ -47,6 +47,7 @@ import torch
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from protrain_core.config import ProTrainConfig
 from protrain_core.memtrack import LiveStorageTracker
 from protrain_core.phase import TrainingPhase
 from protrain_core.plan import BlockMode, Plan
@@ -56,7 +57,7 @@ from protrain_core.profiler.boundaries import Boundaries, Boundary as B, CudaMet
 from protrain_core.profiler.hardware import device_name, probe_hardware
 from protrain_core.runtime.device import DeviceContext, as_context
 from protrain_core.runtime.engine import Engine
-from protrain_core.runtime.options import EngineOptions, RuntimeConfig
+from protrain_core.runtime.options import RuntimeConfig
 from protrain_core.runtime.weights import back_to_meta, meta_names
 from protrain_core.runtime.elementwise import state_slots
 from protrain_core.runtime.sharding import agree
@@ -280,7 +281,7 @@ def _profiled(model: nn.Module, optimizer, layout: ChunkLayout, plan: Plan, prec
     meta = meta_names(model) if ctx.host.type != "meta" else []  # (filled by their initialisation to profile)
     with torch.random.fork_rng(devices=[ctx.device] if ctx.is_cuda else []):
         engine = Engine(model, optimizer, layout, plan, precision, ctx,
-                        EngineOptions(optimizer_states=False, warn_on_cache=False, runtime=switches))
+                        ProTrainConfig(optimizer_states=False, runtime=switches), warn_on_cache=False)
         bounds = Boundaries(engine, block_modules(model, layout.block_path))
         try:
             with _buffers_kept(model):

@@ -2,7 +2,7 @@
 API (forward through ``engine.module``, then ``backward``, ``step``, ``zero_grad``).
 
 ``protrain_core.wrap`` (api.py) builds one from a model, an optimizer and a plan; the profiler
-builds one that never steps (``EngineOptions(optimizer_states=False)``) and drives it through
+builds one that never steps (``ProTrainConfig(optimizer_states=False)``) and drives it through
 the same public methods and parts: ``set_block_modes``, ``on_recompute``, ``autocast``,
 ``memory.device_bytes``.
 """
@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from protrain_core.config import ProTrainConfig
 from protrain_core.phase import Observers, RecomputeObserver, StepObserver, StepState, TrainingPhase
 from protrain_core.plan import BlockMode, Plan, as_plan, check_plan, describe_modes
 from protrain_core.precision import LossScaler, Precision
@@ -26,7 +27,6 @@ from protrain_core.runtime.device import DeviceContext, as_context, cpu_worker_p
 from protrain_core.runtime.gradients import StepGradients
 from protrain_core.runtime.hooks import RuntimeHooks, refuse_compiled
 from protrain_core.runtime.optim import ChunkOptimizer
-from protrain_core.runtime.options import EngineOptions
 from protrain_core.runtime.parking import OffloadedStates, check_between_steps, check_onloaded, offload, onload
 from protrain_core.runtime.scheduler import Scheduler
 from protrain_core.runtime.sharding import Sharding, broadcast_tensors
@@ -50,13 +50,13 @@ class Engine:
     stands: phase.py)."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, layout: ChunkLayout, plan: Plan,
-                 precision: Precision, device: torch.device | DeviceContext, options: EngineOptions | None = None,
-                 sharding: Sharding | None = None) -> None:
+                 precision: Precision, device: torch.device | DeviceContext, config: ProTrainConfig | None = None,
+                 sharding: Sharding | None = None, *, warn_on_cache: bool = True) -> None:
         """``device``: a torch device, or a DeviceContext (a simulated device: protrain_core/simulator).
         ``sharding``: the processes the chunks are sharded over (``Sharding.resolve``; None:
         one process). Every rank builds its engine alike, with the same plan."""
         check_plan(plan, layout.limits())
-        options = options or EngineOptions()
+        config = config or ProTrainConfig()
         self.ctx = as_context(device)
         device = self.ctx.device
         if sharding is not None:
@@ -64,24 +64,25 @@ class Engine:
         self.sharding = sharding
         self.world_size, self.rank = (1, 0) if sharding is None else (sharding.world, sharding.rank)
         self.module, self.optimizer, self.layout, self.plan = module, optimizer, layout, plan
-        self.precision, self.device, self.options = precision, device, options
-        self.optimizer_states = options.optimizer_states
+        self.precision, self.device, self.config = precision, device, config
+        self._warn_on_cache = warn_on_cache  # (off for the profiler's all-checkpointed engine: not the user's choice)
+        self.optimizer_states = config.optimizer_states
         self.step_state = StepState()
         self._autocast_depth = 0
         self.scaler = LossScaler() if precision is Precision.FP16_MIXED else None
-        self._optim = ChunkOptimizer(optimizer, one_pass_kernel=options.runtime.one_pass_kernel)
+        self._optim = ChunkOptimizer(optimizer, one_pass_kernel=config.runtime.one_pass_kernel)
         if self._optim.one_pass_kernel and self._optim.kind is None and (
-                precision in (Precision.BF16_MIXED, Precision.FP16_MIXED) or options.state_format == "8bit"):
+                precision in (Precision.BF16_MIXED, Precision.FP16_MIXED) or config.optimizer_state_format == "8bit"):
             onepass.kernel()  # built (once per machine) and checked now, not in the first backward
-        check_optimizer_for(options.state_format, optimizer, adam=self._optim.kind is None)
-        if options.optimizer_states:
-            check_layout_for(options.state_format, layout)
-        placement = cpu_worker_placement(self.ctx, self.world_size, options.runtime.worker_cores)
+        check_optimizer_for(config.optimizer_state_format, optimizer, adam=self._optim.kind is None)
+        if config.optimizer_states:
+            check_layout_for(config.optimizer_state_format, layout)
+        placement = cpu_worker_placement(self.ctx, self.world_size, config.runtime.worker_cores)
         self.chunks = _allocate(self, self._optim, touch=None if placement is None else placement.touch)
         n_buffer = min(plan.n_buffer, len(self.chunks) - plan.n_persist)
         self.grads = StepGradients(self._optim, self.scaler, self.chunks, self.ctx)
         self.scheduler = Scheduler(self.chunks, self.ctx, self._optim, self.step_state, n_buffer=n_buffer,
-                                   switches=options.runtime, finisher=self.grads.finisher, placement=placement)
+                                   switches=config.runtime, finisher=self.grads.finisher, placement=placement)
         self.stats = self.scheduler.stats  # counts of the runtime's events: uploads, offloads, updates
         self.clipping = Clipping(self.grads, self.scheduler, self.chunks, precision, self.step_state)
         self.states = StateAccess(module, self.chunks, self._optim, self.scaler, self.scheduler, self.step_state,
@@ -96,10 +97,10 @@ class Engine:
         self._step_observers = Observers(StepObserver)
         self._handles = [module.register_forward_pre_hook(self._on_module_call, with_kwargs=True, prepend=True),
                          optimizer.register_step_pre_hook(self._before_optimizer_step),
-                         *([_ZeroGradRoute(self)] if options.optimizer_states else []),
+                         *([_ZeroGradRoute(self)] if config.optimizer_states else []),
                          *(_autocast_hooks(self) if precision.is_mixed else [])]
         self.set_block_modes(plan.block_modes(layout.n_blocks))
-        if optimizer.state and options.optimizer_states:
+        if optimizer.state and config.optimizer_states:
             # The optimizer already stepped: carry its state into the chunks.
             osd = optimizer.state_dict()
             optimizer.state.clear()
@@ -142,7 +143,7 @@ class Engine:
         self.block_modes = modes
         self.activations = ActivationManager(blocks, modes, self.ctx, self.step_state,
                                              observers=self._recompute_observers,
-                                             warn_on_cache=self.options.warn_on_cache)
+                                             warn_on_cache=self._warn_on_cache)
         static = [t for c in self.chunks for t in c.storage.static_tensors()]
         self.activations.install(static + list(self.module.buffers()))
 
@@ -338,9 +339,9 @@ class Engine:
         return "\n".join(
             [
                 f"ProTrain engine: {self.plan}, precision={self.precision.value}, device={self.device}",
-                f"optimizer: {type(self.optimizer).__name__} per chunk, moments {self.options.state_format}"
-                f"{'' if self.options.frozen_format is None else ', frozen weights ' + self.options.frozen_format}"
-                f"{'' if self.options.grad_accumulator else ', no gradient accumulators on the host'}; "
+                f"optimizer: {type(self.optimizer).__name__} per chunk, moments {self.config.optimizer_state_format}"
+                f"{'' if self.config.frozen_dtype is None else ', frozen weights ' + self.config.frozen_dtype}"
+                f"{'' if self.config.keeps_accumulators else ', no gradient accumulators on the host'}; "
                 f"overlap: {self.overlap}",
                 f"CPU worker: {self.scheduler.worker.describe()}{_update_kernel(self)}",
                 self.clipping.describe(self.choice),
@@ -446,18 +447,18 @@ def _allocate(engine: Engine, optim: ChunkOptimizer, *, touch=None) -> list[Chun
     """Chunk storages (a streamed one in an exact-size host buffer of its own) holding the
     parameters' values; the parameters then point into them. ``touch(t)``: zeroes a new pageable
     host region where the CPU worker runs ([Note: CPU worker placement] in topology.py)."""
-    persistent, dev, ctx, options = engine.plan.persistent(), engine.device, engine.ctx, engine.options
+    persistent, dev, ctx, config = engine.plan.persistent(), engine.device, engine.ctx, engine.config
     formats = chunk_formats(engine.module, engine.optimizer, engine.layout, engine.precision,
-                            optimizer_states=options.optimizer_states, world_size=engine.world_size, **options.formats())
+                            optimizer_states=config.optimizer_states, world_size=engine.world_size, **config.formats())
     host_bytes = sum(fmt.streamed_host_bytes for i, fmt in enumerate(formats) if i not in persistent)
     # A CPU "device" is host memory too.
     device_bytes = 0 if dev.type != "cpu" else sum(formats[i].persistent_device_bytes for i in persistent)
     ctx.check_host_memory(host_bytes + device_bytes, "offloaded model states")
     params = dict(engine.module.named_parameters())
     # A model on the meta device takes its values chunk by chunk ([Note: weights straight into chunks]).
-    weights = Weights(engine.module, options.weights, ctx.host) if ctx.host.type != "meta" and has_meta(
+    weights = Weights(engine.module, config.weights, ctx.host) if ctx.host.type != "meta" and has_meta(
         engine.module) else None
-    chunks, pin = [], options.runtime.pins(ctx)
+    chunks, pin = [], config.runtime.pins(ctx)
     for spec, fmt in zip(engine.layout.chunks, formats):
         members = [params[m.name] for m in spec.members]
         if weights is not None:

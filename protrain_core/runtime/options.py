@@ -1,7 +1,5 @@
-"""How an engine is built beyond its model, optimizer, layout, plan and precision: the
-runtime's switches (``RuntimeConfig``, the ``runtime`` part of ``ProTrainConfig``) and the
-options the layers above set (``EngineOptions``). Both are frozen: the engine reads them once
-and passes each decision to the part that acts on it."""
+"""The runtime's switches (``RuntimeConfig``, the ``runtime`` part of ``ProTrainConfig``): frozen,
+read once by the engine, which passes each decision to the part that acts on it."""
 
 from __future__ import annotations
 
@@ -62,33 +60,3 @@ class RuntimeConfig:
                 raise ValueError(f"RuntimeConfig.worker_cores must be a non-empty list of core numbers (e.g. [8, 9, 10, 11]), "
                                  f"got {cores!r}.")
             object.__setattr__(self, "worker_cores", tuple(cores))
-
-
-@dataclass(frozen=True, kw_only=True)
-class EngineOptions:
-    """How an engine is built, beyond its model, optimizer, layout, plan and precision.
-
-    Attributes:
-        optimizer_states: False builds an engine that never steps (evaluation, profiling): no
-            optimizer states are allocated; ``backward`` outside ``no_sync`` and ``step`` raise.
-        warn_on_cache: warn once when checkpointed or swapped blocks run without their key/value
-            cache (the profiler's all-checkpointed layout is not the user's choice: no warning).
-        runtime: the user's switches (``ProTrainConfig.runtime``).
-        state_format: the moments' format (``ProTrainConfig.optimizer_state_format``).
-        frozen_format: the frozen weight matrices' format (``ProTrainConfig.frozen_dtype``).
-        grad_accumulator: False: streamed chunks keep no gradient accumulator
-            (``ProTrainConfig.grad_accumulator``; [Note: gradients consumed where they land]).
-        weights: where parameters on the meta device take their values (``ProTrainConfig.weights``).
-    """
-
-    optimizer_states: bool = True
-    state_format: str = "fp32"
-    frozen_format: str | None = None
-    grad_accumulator: bool = True
-    warn_on_cache: bool = True
-    weights: object = None
-    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
-
-    def formats(self) -> dict:
-        """The storage formats, as ``chunk_formats`` and the profiler take them."""
-        return dict(state_format=self.state_format, frozen_format=self.frozen_format, accumulator=self.grad_accumulator)

@@ -130,7 +130,7 @@ def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
             layout = build_layout(model, block_path, len(blocks))
             # One timed pass: the simulated clock gives the same times every pass.
             profile = profile_model(model, optimizer, layout, example_inputs=batch, precision=prec, device=sim,
-                                    iterations=1, cache=False, sharding=group, **config.engine_options().formats())
+                                    iterations=1, cache=False, sharding=group, **config.formats())
         choice = None
         if plan is None:
             # The host budget wrap checks a plan against (available RAM less the margin): a plan
