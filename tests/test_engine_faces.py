@@ -105,3 +105,39 @@ def test_memory_reports_the_plans_bound_and_the_host_copies():
         assert "device model-state bytes now" in engine.summary()
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_a_closed_engine_is_freed_with_its_last_reference_without_the_garbage_collector(precision):
+    """No reference cycle keeps a closed engine (its chunks' device and host memory) alive until
+    the garbage collector runs: on every plan, with a recorded timeline, and the profiler's own
+    engine when ``wrap`` profiles ahead. Before, the runtime hooks' callback to the engine and the
+    CPU worker's to the scheduler held every closed engine, which the profiler freed by
+    ``gc.collect()`` after each profile."""
+    import gc
+    import weakref
+
+    from conftest import standard_plans, tiny_llama, train_engine
+    from protrain_core.runtime.engine import Engine
+
+    gc.collect()
+    gc.disable()
+    try:
+        for name, plan in standard_plans(tiny_llama(n_layer=4)).items():
+            model = tiny_llama(n_layer=4)
+            engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), plan, device="cpu",
+                             precision=precision)
+            with engine.record_timeline():
+                train_engine(engine, batches(2))
+            refs = [weakref.ref(engine), *(weakref.ref(c.storage) for c in engine.chunks)]
+            engine.close()
+            del engine
+            assert all(r() is None for r in refs), name
+        model = tiny_llama(n_layer=4)
+        x = batches(1)[0]
+        engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), device="cpu", precision=precision,
+                         example_inputs={"input_ids": x, "labels": x}, report=lambda *a, **k: None)
+        assert [o for o in gc.get_objects() if isinstance(o, Engine)] == [engine]
+        engine.close()
+    finally:
+        gc.enable()

@@ -269,8 +269,7 @@ def _fitting(model: nn.Module, optimizer, layout: ChunkLayout, precision: Precis
                     f"Profiling ran out of device memory with every chunk streamed and every block checkpointed: the "
                     f"example batch's activations do not fit on {ctx.name()} ({e}). Profile and train with a smaller "
                     "batch or shorter sequences.") from e
-        finally:
-            gc.collect()  # the failed engine and the pass's tensors, held in cycles and the traceback
+        gc.collect()  # the failed pass's tensors, held by the traceback's frames, before the next engine
         budget = (budget or ctx.free_memory()[0]) // 2
 
 
@@ -288,8 +287,7 @@ def _profiled(model: nn.Module, optimizer, layout: ChunkLayout, plan: Plan, prec
                 found = passes(engine, bounds)
         finally:
             bounds.remove()
-            engine.close()  # its chunks still hold device memory, in reference cycles that only the
-            # garbage collector frees (the caller's), before the training engine is built beside it
+            engine.close()  # (closed, it is freed when its last reference goes: no cycle holds it)
             back_to_meta(model, meta)
     check_blocks_called(bounds, layout.n_blocks)
     return found

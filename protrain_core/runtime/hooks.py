@@ -124,6 +124,7 @@ class RuntimeHooks:
             del p.protrain_use
             p.__class__ = nn.Parameter
         self._managed.clear()
+        self._onloaded = self.grad_of = None  # (the engine's parts: no cycle keeps a closed engine alive)
 
     def covers(self, chunk: Chunk) -> bool:
         """A use of ``chunk``'s parameters now needs nothing of its own: the chunk is persistent,

@@ -177,5 +177,6 @@ class CpuWorker:
         """Stop the worker; ``wait`` False (after a failure): drop the jobs not started and
         return without waiting for the one running."""
         self._pool.shutdown(wait=wait, cancel_futures=not wait)
+        self.record = None  # (the scheduler's: no cycle keeps a closed engine alive)
         if self.placement is not None:
             self.placement.close()
