@@ -571,8 +571,9 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
             self._precision_plugin.engine = self._precision_plugin.device = None
         module = self.lightning_module
         if module is not None and on_meta(module):
-            # setup refused a model on the meta device: Lightning's teardown would move it to the
-            # CPU and fail ("Cannot copy out of meta tensor"), hiding that error behind its own.
+            # setup failed before the engine filled a model built on the meta device: Lightning's
+            # teardown would move it to the CPU and fail ("Cannot copy out of meta tensor"),
+            # hiding that error behind its own.
             self._lightning_module = None
             try:
                 super().teardown()
