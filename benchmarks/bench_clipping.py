@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 import protrain_core as pt
+from protrain_core.chunk_format import ChunkFormat
 from protrain_core.planner.cost import SPECULATIVE_EXTRA_HOST_BYTES
 from protrain_core.planner.profiles import Hardware, Profile, Segment
 from protrain_core.update import UpdateSchedule
@@ -64,12 +67,11 @@ def llama_profile(*, name: str, hidden: int, layers: int, intermediate: int, voc
     hw = Hardware(device=f"hand-built: {tflops / 1e12:.0f} TFLOP/s, {pcie / 1e9:.0f} GB/s, CPU Adam {cpu_adam:.1e}/s",
                   async_copies=True, h2d_bytes_per_s=pcie, d2h_bytes_per_s=pcie, cpu_adam_params_per_s=cpu_adam,
                   device_adam_params_per_s=50e9, device_memory_bytes=device_bytes)
-    # Persistent: bf16 compute copy, fp32 master, fp32 gradient, two fp32 moments (18 B per
-    # element); streamed: a bf16 buffer and its gradient on the device, 16 B per element on the host.
-    return Profile(key=name, description=name, precision="bf16-mixed", n_chunks=n, chunk_elems=chunk, compute_bytes=2,
-                   chunk_trainable=trainable, chunk_has_grad=(True,) * n, chunk_frozen=(0,) * n,
-                   persist_bytes=tuple(18 * t for t in trainable), host_bytes=tuple(16 * t for t in trainable),
-                   offload_bytes=tuple(2 * t for t in trainable), buffer_bytes=(4 * chunk,) * n, upload_bytes=(2 * chunk,) * n,
+    # bf16-mixed chunks: persistent, a bf16 compute copy, fp32 master, gradient and two moments
+    # (18 B per element); streamed, a bf16 buffer and its gradient on the device ([Note: chunk storage]).
+    chunks = tuple(ChunkFormat(numel=chunk, compute_dtype=torch.bfloat16, master_dtype=torch.float32, trainable_numel=t)
+                   for t in trainable)
+    return Profile(key=name, description=name, precision="bf16-mixed", chunks=chunks,
                    resident_sets=tuple((c,) for c in range(n)), segments=segments, base_bytes=2 * GIB,
                    fragmentation=1.1, hardware=hw, tokens=tokens)
 
@@ -86,12 +88,12 @@ def rows(profile: Profile, budget: int):
         if schedule is UpdateSchedule.NEXT_FORWARD:
             r = choice.runtime  # the same plan with every update after backward and nothing overlapped
             out.append(("deferred (before)", choice.plan, r.forward_s + r.backward_s + max(r.device_adam_s, r.cpu_adam_s), host))
-    extra = SPECULATIVE_EXTRA_HOST_BYTES[profile.compute_bytes]
+    extra = SPECULATIVE_EXTRA_HOST_BYTES[profile.chunks[0].compute_dtype.itemsize]
     for p in (0.0, 0.1, 0.5, 1.0):
         timed = [(pt.estimate_runtime(profile, plan, schedule=UpdateSchedule.SPECULATIVE, redo_fraction=p).total_s, plan)
                  for plan in plans]
         t, plan = min(timed, key=lambda x: x[0])
-        host = pt.estimate_memory(profile, plan).host_bytes + extra * sum(profile.chunk_trainable[plan.n_persist:])
+        host = pt.estimate_memory(profile, plan).host_bytes + extra * sum(c.updated_numel for c in profile.chunks[plan.n_persist:])
         out.append((f"speculative, redo {p:.0%}", plan, t, host))
     return out
 

@@ -49,7 +49,7 @@ def bytes_rows() -> list[dict]:
         frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
         for world in (1, 2):  # per rank: each keeps and uploads its piece of every frozen span
             for fmt in FORMATS:
-                formats = chunk_formats(model, opt, layout, pt.Precision.BF16_MIXED, frozen_format=fmt,
+                formats = chunk_formats(model, opt, layout, pt.Precision.BF16_MIXED, pt.ProTrainConfig(frozen_dtype=fmt),
                                         world_size=world)
                 upload = sum(f.frozen_upload_bytes for f in formats)
                 rows.append({"model": name, "format": fmt or "bf16", "ranks": world, "frozen_params": frozen,

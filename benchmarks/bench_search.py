@@ -20,12 +20,13 @@ import time
 import torch
 
 import protrain_core as pt
+from protrain_core.chunk_format import ChunkFormat
 from protrain_core.planner.profiles import Hardware, Profile, Segment
 
 
 def synthetic_profile(n_blocks: int, seed: int = 0) -> Profile:
     rng = random.Random(seed)
-    S, cb = 100_000_000, 2  # 100 M elements per chunk, bf16
+    S = 100_000_000  # elements per chunk, bf16
     n_chunks = n_blocks + 2
     hidden = 8 * 2048 * 8192 * 2  # batch 8 x 2048 tokens x 8192 hidden, bf16
 
@@ -46,13 +47,10 @@ def synthetic_profile(n_blocks: int, seed: int = 0) -> Profile:
                         recompute_peak_bytes=0))
     hw = Hardware(device="synthetic H100-like", async_copies=True, h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9,
                   cpu_adam_params_per_s=2e9, device_adam_params_per_s=60e9, device_memory_bytes=80 * 2**30)
+    chunk = ChunkFormat(numel=S, compute_dtype=torch.bfloat16, master_dtype=torch.float32)
     return Profile(key="synthetic", description=f"synthetic {n_blocks}-block model", precision="bf16-mixed",
-                   n_chunks=n_chunks, chunk_elems=S, compute_bytes=cb, chunk_trainable=(S,) * n_chunks,
-                   chunk_has_grad=(True,) * n_chunks, persist_bytes=(S * 18,) * n_chunks, host_bytes=(S * 18,) * n_chunks,
-                   chunk_frozen=(0,) * n_chunks, offload_bytes=(S * cb,) * n_chunks, buffer_bytes=(2 * S * cb,) * n_chunks,
-                   upload_bytes=(S * cb,) * n_chunks, resident_sets=tuple((c,) for c in range(n_chunks)),
-                   segments=tuple(segs), base_bytes=2**20, fragmentation=1.05,
-                   hardware=hw)
+                   chunks=(chunk,) * n_chunks, resident_sets=tuple((c,) for c in range(n_chunks)),
+                   segments=tuple(segs), base_bytes=2**20, fragmentation=1.05, hardware=hw)
 
 
 def main(argv=None):

@@ -66,8 +66,8 @@ def host_bytes(model, fmt: str, accumulator: bool = True, world_size: int = 1) -
     opt = torch.optim.AdamW(model.parameters())
     layout = pt.build_layout(model, *(lambda path, blocks: (path, len(blocks)))(*pt.find_blocks(model)),
                              block_aligned=block_aligned(fmt))
-    formats = chunk_formats(model, opt, layout, pt.Precision.BF16_MIXED, state_format=fmt, accumulator=accumulator,
-                            world_size=world_size)
+    config = pt.ProTrainConfig(optimizer_state_format=fmt, grad_accumulator=None if accumulator else False)
+    formats = chunk_formats(model, opt, layout, pt.Precision.BF16_MIXED, config, world_size=world_size)
     return sum(f.streamed_host_bytes for f in formats), sum(p.numel() for p in model.parameters())
 
 

@@ -592,12 +592,13 @@ def protrain_facts(engine, spec, device) -> dict:
     # activations go out and come back; CPU Adam touches each streamed element's master, grad,
     # two moments (read and write) and writes the compute copy.
     streamed = range(plan.n_persist, prof.n_chunks)
-    trained = sum(prof.chunk_trainable[i] for i in streamed)
+    trained = sum(prof.chunks[i].updated_numel for i in streamed)
     swapped = sum(s.saved_bytes for s in prof.blocks[: plan.n_swap]) if plan.n_swap else 0
     hw = prof.hardware
-    up = sum(prof.upload_bytes[i] for i in streamed) + swapped
-    down = sum(prof.offload_bytes[i] for i in streamed) + swapped
-    adam_bytes = trained * (4 * 7 + (prof.compute_bytes if prof.compute_bytes != 4 else 0))
+    up = sum(prof.chunks[i].upload_bytes for i in streamed) + swapped
+    down = sum(prof.chunks[i].offload_bytes for i in streamed) + swapped
+    compute = prof.chunks[0].compute_dtype.itemsize
+    adam_bytes = trained * (4 * 7 + (compute if compute != 4 else 0))
     flops = flops_per_step(spec)
     matmul = measured_matmul_flops(device, spec["precision"])
     membw = host_memory_bandwidth(2**30 if device.type == "cuda" else 2**28)

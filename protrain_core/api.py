@@ -16,17 +16,18 @@ from torch import nn
 
 from protrain_core.autoplan import AutoPlanner, check_budget_holds_states, follow, plan_on_first_steps, print_report
 from protrain_core.checkpoint import is_sharded_checkpoint
+from protrain_core.chunk_format import ChunkFormat
 from protrain_core.config import PlanningConfig, ProTrainConfig
+from protrain_core.engine import Engine
 from protrain_core.plan import Plan, check_plan
 from protrain_core.planner.profiles import Profile
 from protrain_core.precision import Precision, parse_precision
 from protrain_core.profiler.profiler import profile_model, safe_plan
 from protrain_core.runtime.device import DeviceContext, as_context
-from protrain_core.engine import Engine
 from protrain_core.runtime.optim import check_optimizer
 from protrain_core.runtime.sharding import Sharding, agree, agree_budgets, check_same_configuration
 from protrain_core.runtime.state_formats import block_aligned, check_optimizer_for
-from protrain_core.runtime.storage import ChunkFormat, chunk_formats
+from protrain_core.runtime.storage import chunk_formats
 from protrain_core.runtime.weights import check_weights
 from protrain_core.structure.blocks import find_blocks
 from protrain_core.structure.layout import ChunkLayout, build_layout
@@ -178,7 +179,7 @@ class _Build:
         if host_budget is None:
             return
         host_budget = agree_budgets(self.sharding, 0, host_budget)[1]
-        formats = self.formats(optimizer_states=self.config.optimizer_states)
+        formats = self.formats()
         persistent = plan.persistent()
         need = sum(f.streamed_host_bytes for i, f in enumerate(formats) if i not in persistent)
         if need > host_budget:
@@ -189,14 +190,12 @@ class _Build:
                 "ranks of this node). Keep more chunks on the device (a larger n_persist), use precision="
                 "'bf16-true', or free host memory; nothing was allocated.")
 
-    def formats(self, *, optimizer_states: bool = True) -> list[ChunkFormat]:
-        """Every chunk's format, as the engine will allocate it."""
-        return chunk_formats(self.model, self.optimizer, self.layout, self.precision, optimizer_states=optimizer_states,
-                             world_size=self.world, **self.config.formats())
+    def formats(self) -> list[ChunkFormat]:
+        """Every chunk's format, as the engine will allocate it on this rank."""
+        return chunk_formats(self.model, self.optimizer, self.layout, self.precision, self.config, world_size=self.world)
 
     def safe_plan(self, budget: int) -> Plan:
-        return safe_plan(self.model, self.optimizer, self.layout, self.precision, self.device, optimizer_states=True,
-                         budget=budget, world_size=self.world, state_format=self.config.optimizer_state_format)
+        return safe_plan(self.formats(), self.layout.limits(), self.device, budget=budget)
 
 
 def _searched(build: _Build, budget: int, report, *, example_inputs, loss_fn, step_fn) -> Engine:
@@ -219,7 +218,7 @@ def _searched(build: _Build, budget: int, report, *, example_inputs, loss_fn, st
         return engine
     profile = profile_model(build.model, build.optimizer, build.layout, example_inputs=example_inputs,
                             loss_fn=loss_fn, step_fn=step_fn, precision=build.precision, device=build.device,
-                            sharding=sharding, switches=build.config.runtime, **build.config.formats(), **cache)
+                            sharding=sharding, switches=build.config.runtime, formats=build.formats(), **cache)
     n = batch_tokens(example_inputs)
     clipping = None if build.config.clipping is None else build.config.clipping.parsed()
     planner = AutoPlanner(None, profile, budget=budget, host_budget=host_budget, report=report,
@@ -345,7 +344,8 @@ def profile(
     return profile_model(
         model, optimizer, layout, example_inputs=example_inputs, loss_fn=loss_fn, step_fn=step_fn, precision=prec,
         device=dev, iterations=iterations, cache=cache, switches=config.runtime,
-        reprofile=PlanningConfig().reprofile if reprofile is None else reprofile, **config.formats(),
+        reprofile=PlanningConfig().reprofile if reprofile is None else reprofile,
+        formats=chunk_formats(model, optimizer, layout, prec, config),
     )
 
 

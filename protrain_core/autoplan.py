@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import statistics
 
+from protrain_core.chunk_format import ChunkFormat
 from protrain_core.phase import StepObserver
 from protrain_core.plan import Plan, PlanLimits
 from protrain_core.planner.cost import CostModel
@@ -31,7 +32,6 @@ from protrain_core.planner.profiles import Profile, discard
 from protrain_core.planner.search import InfeasibleBudget, PlanChoice, search
 from protrain_core.profiler.live import LiveProfile, LiveProfiler
 from protrain_core.runtime.engine import Engine
-from protrain_core.runtime.storage import ChunkFormat
 from protrain_core.update import Overlap
 from protrain_core.utils import batch_tokens, format_bytes, format_seconds
 

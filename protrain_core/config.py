@@ -221,12 +221,6 @@ class ProTrainConfig:
         """Whether streamed chunks keep a gradient accumulator (``grad_accumulator`` not False)."""
         return self.grad_accumulator is not False
 
-    def formats(self) -> dict:
-        """The chunks' storage formats, in ``ChunkFormat``'s terms (``chunk_formats`` and the
-        profiler take them)."""
-        return dict(state_format=self.optimizer_state_format, frozen_format=self.frozen_dtype,
-                    accumulator=self.keeps_accumulators)
-
     def replace(self, **parts) -> ProTrainConfig:
         """A copy with some fields replaced; nested parts by dict: ``replace(planning={"plan": p})``
         keeps the other planning fields."""

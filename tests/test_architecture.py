@@ -73,8 +73,8 @@ def test_no_import_cycle_in_protrain_core():
 
 
 def test_layers_depend_downwards():
-    """structure and planner know nothing of the runtime or the profiler; the runtime knows
-    nothing of the profiler, the planner's search or the entry points."""
+    """structure, the chunk format record and the planner know nothing of the runtime or the
+    profiler; the runtime knows nothing of the profiler, the planner's search or the entry points."""
     graph = _graph("protrain_core")
     sim = "protrain_core.simulator"  # the simulated device sits on top: nothing below knows it
     # The modules above the runtime: the entry points, and the checkpoint and export functions of
@@ -86,6 +86,10 @@ def test_layers_depend_downwards():
                                   "protrain_core.api", sim),
         "protrain_core.structure": ("protrain_core.runtime", "protrain_core.profiler", "protrain_core.planner",
                                     "protrain_core.api", sim),
+        # The chunk format record sits below the runtime, which allocates by it, and the planner,
+        # whose profile carries it: it knows neither, nor the model's structure.
+        "protrain_core.chunk_format": ("protrain_core.runtime", "protrain_core.profiler", "protrain_core.planner",
+                                       "protrain_core.structure", "protrain_core.api", sim),
         "protrain_core.runtime": ("protrain_core.profiler", "protrain_core.planner", sim) + above,
         "protrain_core.profiler": ("protrain_core.api", "protrain_core.planner.search", "protrain_core.planner.cost", sim),
         "protrain_core.api": (sim,),
@@ -122,13 +126,15 @@ def test_the_lightning_adapters_use_the_engines_public_face_only():
 
 
 def test_planner_installs_no_hooks():
-    """The planner is pure: it imports only the plan, the update's configuration (update.py: the
-    schedule the cost model predicts), the utilities and itself, and registers nothing."""
+    """The planner is pure: it imports only the plan, the chunks' format records, the update's
+    configuration (update.py: the schedule the cost model predicts), the utilities and itself,
+    and registers nothing."""
     graph = _graph("protrain_core")
     for m, deps in graph.items():
         if not m.startswith("protrain_core.planner"):
             continue
-        assert deps <= {"protrain_core.plan", "protrain_core.update", "protrain_core.utils"} | {d for d in graph if d.startswith("protrain_core.planner")}, m
+        pure = {"protrain_core.plan", "protrain_core.chunk_format", "protrain_core.update", "protrain_core.utils"}
+        assert deps <= pure | {d for d in graph if d.startswith("protrain_core.planner")}, m
         source = _modules("protrain_core")[m].read_text()
         assert "register_" not in source and "saved_tensors_hooks" not in source, m
 
@@ -211,9 +217,10 @@ def test_the_engine_is_thin():
 # answer. Everything else addresses members through the ShardLayout, for which one process is
 # rank 0 of W = 1.
 COLLECTIVE_SITES = {
-    "chunk.py": {"begin_fetch", "end_offload", "receive", "land", "_reduced_gradients"},
-    "values.py": {"gathered_values"},
-    "storage.py": {"__post_init__", "__init__", "_restore", "persistent_device_bytes", "gather_bytes", "reduce_bytes", "whole"},
+    "runtime/chunk.py": {"begin_fetch", "end_offload", "receive", "land", "_reduced_gradients"},
+    "runtime/values.py": {"gathered_values"},
+    "runtime/storage.py": {"__init__", "_restore", "whole"},
+    "chunk_format.py": {"__post_init__", "persistent_device_bytes", "gather_bytes", "reduce_bytes"},
 }
 _WORLD_TEST = re.compile(r"sharding is (not )?None|world_size ?(==|>|<|!=)|\bworld ?(==|>|<|!=)")
 
@@ -221,11 +228,26 @@ _WORLD_TEST = re.compile(r"sharding is (not )?None|world_size ?(==|>|<|!=)|\bwor
 def test_one_process_is_the_w1_case_of_sharding():
     """No world-size branch in a chunk's addressing: only around collectives (COLLECTIVE_SITES)."""
     for name, allowed in COLLECTIVE_SITES.items():
-        tree = ast.parse((ROOT / "protrain_core" / "runtime" / name).read_text())
+        tree = ast.parse((ROOT / "protrain_core" / name).read_text())
         branching = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
                      and any(_WORLD_TEST.search(ast.unparse(n)) for n in ast.walk(f) if isinstance(n, (ast.If, ast.IfExp,
                                                                                                         ast.Assert, ast.Compare)))}
         assert branching <= allowed, f"{name}: world-size branches outside collectives in {sorted(branching - allowed)}"
+
+
+def test_a_chunk_is_described_by_its_format_record():
+    """The profile carries one record per chunk (``Profile.chunks``), not parallel per-chunk
+    lists; records are made from the configuration in one place (``chunk_formats``), by hand
+    nowhere else in the library (the cost model, the runtime and the profiler read them)."""
+    import dataclasses
+
+    from protrain_core.planner.profiles import Profile
+
+    sequences = {f.name for f in dataclasses.fields(Profile) if str(f.type).startswith("tuple[")}
+    assert sequences == {"chunks", "resident_sets", "segments", "ops"}
+    makers = {str(path.relative_to(ROOT)) for package in LIBRARY for path in (ROOT / package).rglob("*.py")
+              if re.search(r"\bChunkFormat\(", path.read_text())}
+    assert makers == {"protrain_core/runtime/storage.py"}
 
 
 ADDRESSING = re.compile(r"shards\.(device_offset|span_offset|state_piece|host_piece)\(")

@@ -425,7 +425,7 @@ def test_live_profiling_does_not_time_the_updates_as_forward(clipping, monkeypat
     monkeypatch.setattr(LiveProfiler, "_boundary", recorded_boundary)
     # The safe plan a model larger than the device gets (on a CPU device every chunk would persist).
     monkeypatch.setattr(protrain_core.api, "safe_plan",
-                        lambda model, opt, layout, *a, **k: pt.Plan(n_persist=0, n_buffer=2, n_checkpoint=layout.n_blocks))
+                        lambda formats, limits, *a, **k: pt.Plan(n_persist=0, n_buffer=2, n_checkpoint=limits.n_blocks))
     model = tiny_llama(n_layer=6)
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), None, device="cpu",
                      report=lambda *a, **k: None,

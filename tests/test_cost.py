@@ -6,13 +6,17 @@ import pytest
 import torch
 
 import protrain_core as pt
+from protrain_core.chunk_format import ChunkFormat
 from protrain_core.planner.profiles import Hardware, Profile, Segment
 from protrain_core.update import UpdateSchedule
 
 
 def hand_profile(*, async_copies=True) -> Profile:
-    """3 chunks of 100 fp32 elements (400 B): X = 400/400 = 1 s per upload, Y = 400/800 = 0.5 s
-    per offload; CPU Adam 100 params/s (U = 1 s a chunk), device Adam 1000/s (V = 0.1 s).
+    """3 chunks of 128 trainable fp32 elements (512 B): X = 512/512 = 1 s per upload, Y =
+    512/1024 = 0.5 s per offload; CPU Adam 128 params/s (U = 1 s a chunk), device Adam 1280/s
+    (V = 0.1 s). Their records ([Note: chunk storage]): persistent, 2048 B (compute copy,
+    accumulator, two moments); streamed, 2048 B of host memory and a 1024 B buffer (compute copy
+    and gradients).
     Segments: pre on chunk 0, block.0 on chunk 1, block.1 on chunk 2, post on chunks 0 and 2
     (a tied head: chunk 0 is an *extra* fetch of the post segment, homed at chunk 2)."""
 
@@ -28,13 +32,13 @@ def hand_profile(*, async_copies=True) -> Profile:
         Segment(name="post", kind="post", chunks=(0, 2), fwd_s=1.0, bwd_s=1.0, recompute_s=0.0,
                 out_bytes=30, saved_bytes=0, fwd_peak_bytes=40, bwd_peak_bytes=60, recompute_peak_bytes=0),
     )
-    hw = Hardware(device="hand", async_copies=async_copies, h2d_bytes_per_s=400.0, d2h_bytes_per_s=800.0,
-                  cpu_adam_params_per_s=100.0, device_adam_params_per_s=1000.0, device_memory_bytes=10**6)
-    return Profile(key="hand", description="hand-built", precision="32-true", n_chunks=3, chunk_elems=100,
-                   compute_bytes=4, chunk_trainable=(100, 100, 100), chunk_has_grad=(True, True, True),
-                   chunk_frozen=(0, 0, 0), persist_bytes=(2000, 2000, 2000), host_bytes=(1600, 1600, 1600),
-                   offload_bytes=(400, 400, 400), buffer_bytes=(800, 800, 800), upload_bytes=(400, 400, 400),
+    hw = Hardware(device="hand", async_copies=async_copies, h2d_bytes_per_s=512.0, d2h_bytes_per_s=1024.0,
+                  cpu_adam_params_per_s=128.0, device_adam_params_per_s=1280.0, device_memory_bytes=10**6)
+    return Profile(key="hand", description="hand-built", precision="32-true", chunks=(CHUNK,) * 3,
                    resident_sets=((0,), (1,), (2,)), segments=segments, base_bytes=5, fragmentation=1.0, hardware=hw)
+
+
+CHUNK = ChunkFormat(numel=128, compute_dtype=torch.float32, master_dtype=torch.float32)
 
 
 def rt(profile, schedule=UpdateSchedule.DURING_BACKWARD, redo_fraction=0.0, **plan):
@@ -42,11 +46,12 @@ def rt(profile, schedule=UpdateSchedule.DURING_BACKWARD, redo_fraction=0.0, **pl
 
 
 def test_each_chunk_is_charged_its_own_upload():
-    """Chunks differ (an embedding chunk, a rank's shard): chunk 0 uploads 800 bytes (X_0 = 2 s),
-    the others 400 (1 s). p=0, B=1 as in test_one_buffer_serialises: forward c0 1 + 2, c1 2 + 1,
+    """Chunks differ (an embedding chunk, a rank's shard): chunk 0 uploads 1024 bytes (X_0 = 2 s:
+    a frozen span as large as its trainable one), the others 512 (1 s). p=0, B=1 as in test_one_buffer_serialises: forward c0 1 + 2, c1 2 + 1,
     c2 3 + 1 + 2 (its extra fetch is chunk 0's) -> 12; backward c2 5 + 2 (extra) + 0.5, c1 4 + 1
     + 0.5, c0 1 + 2 + 0.5 -> 16.5. The search's vectorised grid charges the same."""
-    profile = dataclasses.replace(hand_profile(), upload_bytes=(800, 400, 400))
+    embedding = ChunkFormat(numel=256, compute_dtype=torch.float32, master_dtype=torch.float32, trainable_start=128)
+    profile = dataclasses.replace(hand_profile(), chunks=(embedding, CHUNK, CHUNK))
     r = rt(profile, n_persist=0, n_buffer=1)
     assert (r.forward_s, r.backward_s) == pytest.approx((12.0, 16.5))
     assert r.h2d_s == pytest.approx(2 + 1 + 1 + 2 + 2 + 1 + 2)
@@ -70,7 +75,7 @@ def test_a_named_persistent_set_is_charged_chunk_by_chunk():
     assert (r.forward_s, r.backward_s, r.total_s) == pytest.approx((9.0, 12.0, 22.5))
     assert (r.h2d_s, r.d2h_s, r.device_adam_s) == pytest.approx((5.0, 1.0, 0.1))
     m = pt.estimate_memory(hand_profile(), plan)
-    assert (m.persistent_bytes, m.buffer_bytes, m.host_bytes) == (2000, 800, 2 * 1600)
+    assert (m.persistent_bytes, m.buffer_bytes, m.host_bytes) == (2048, 1024, 2 * 2048)
     # The first chunk instead (the default plan with n_persist=1): forward 1 + 3 + 4, backward
     # 5.5 + 5.5 + 1, T = 8 + max(12.1, 12.5).
     assert rt(hand_profile(), n_persist=1, n_buffer=1).total_s == pytest.approx(20.5)
@@ -119,12 +124,12 @@ def test_recompute_adds_to_backward():
 
 
 def test_swap_hidden_with_async_copies_but_not_without():
-    # Swapping block 0: out 100/800 = 0.125 s, in 100/400 = 0.25 s. With CUDA streams both hide
-    # behind compute (16.3 as with keep); on the CPU they add: 6.125 + 10.25 + 0.3 = 16.675.
+    # Swapping block 0: out 100/1024 s, in 100/512 s. With CUDA streams both hide behind compute
+    # (16.3 as with keep); on the CPU they add: (6 + 100/1024) + (10 + 100/512) + 0.3.
     assert rt(hand_profile(), n_persist=3, n_buffer=0, n_swap=1).total_s == pytest.approx(16.3)
     sync = hand_profile(async_copies=False)
     r = rt(sync, n_persist=3, n_buffer=0, n_swap=1)
-    assert (r.forward_s, r.backward_s, r.total_s) == pytest.approx((6.125, 10.25, 16.675))
+    assert (r.forward_s, r.backward_s, r.total_s) == pytest.approx((6 + 100 / 1024, 10 + 100 / 512, 16.3 + 300 / 1024))
 
 
 def test_measured_swap_times_replace_the_bandwidth():
@@ -163,19 +168,19 @@ def test_adam_after_backward_overlaps_the_next_forward():
     assert r.total_s == pytest.approx(16.1) and r.forward_s == pytest.approx(6.0)
     # A slow CPU Adam (U = 10 s a chunk): c1 waits to 10, c2 to 20: T = 10 + 20 + 3 = 33, where
     # updating during backward gives 6 + max(10.1, (5.5 + 10 = 15.5, then 25.5)) = 31.5.
-    slow = dataclasses.replace(hand_profile(), hardware=dataclasses.replace(hand_profile().hardware, cpu_adam_params_per_s=10.0))
+    slow = dataclasses.replace(hand_profile(), hardware=dataclasses.replace(hand_profile().hardware, cpu_adam_params_per_s=12.8))
     assert rt(slow, UpdateSchedule.NEXT_FORWARD, n_persist=1, n_buffer=2).total_s == pytest.approx(33.0)
     assert rt(slow, n_persist=1, n_buffer=2).total_s == pytest.approx(31.5)
 
 
 def test_each_part_of_the_cpu_update_is_charged_where_the_runtime_runs_it():
-    # The slow CPU above (U = 10 s a chunk) of which the landing is L = 100 / 50 = 2 s. After
+    # The slow CPU above (U = 10 s a chunk) of which the landing is L = 128 / 64 = 2 s. After
     # backward (NEXT_FORWARD) the landing and the compute copy's restore (2 L) run when the
     # gradients arrive: chunk 2's land at 5.5 -> 9.5, chunk 1's at max(9.5, 9.5) -> 13.5, 3.5
     # after backward's 10. Then U - L = 8 a chunk: c1 done 11.5, its forward to 13.5; c2 done
     # 19.5, forward to 22.5: T = 32.5 (33 when the whole update waited for the last landing).
-    hw = dataclasses.replace(hand_profile().hardware, cpu_adam_params_per_s=10.0, cpu_land_params_per_s=50.0,
-                             cpu_pass_params_per_s=100.0)
+    hw = dataclasses.replace(hand_profile().hardware, cpu_adam_params_per_s=12.8, cpu_land_params_per_s=64.0,
+                             cpu_pass_params_per_s=128.0)
     split = dataclasses.replace(hand_profile(), hardware=hw)
     assert rt(split, UpdateSchedule.NEXT_FORWARD, n_persist=1, n_buffer=2).total_s == pytest.approx(32.5)
     # One clipping pass (1 s a chunk) is part of the update, wherever it runs: after backward
@@ -202,8 +207,8 @@ def test_memory_keep_all():
     # 20 + 10 + 100; block.1 fwd 240, bwd 250, holds 240; post fwd 280, bwd 240 + 60 = 300.
     m = pt.estimate_memory(hand_profile(), pt.Plan(n_persist=3, n_buffer=0))
     assert m.activation_bytes == 300 and m.peak_at == "backward of post"
-    assert m.persistent_bytes == 6000 and m.buffer_bytes == 0 and m.host_bytes == 0
-    assert m.peak_bytes == 6000 + 5 + 300
+    assert m.persistent_bytes == 3 * 2048 and m.buffer_bytes == 0 and m.host_bytes == 0
+    assert m.peak_bytes == 3 * 2048 + 5 + 300
 
 
 def test_memory_checkpoint_and_swap():
@@ -211,36 +216,36 @@ def test_memory_checkpoint_and_swap():
     m = pt.estimate_memory(hand_profile(), pt.Plan(n_persist=3, n_buffer=0, n_checkpoint=2))
     assert (m.activation_bytes, m.peak_at) == (150, "backward of block.1")
     # Both swapped, p=1, B=2: block.1 bwd 30 + 120 + block.0's prefetched 100 = 250 (the peak);
-    # states 2000 + 2 x 800; host: chunks 1, 2 (2 x 1600) + 200 swapped bytes.
+    # states 2048 + 2 x 1024; host: chunks 1, 2 (2 x 2048) + 200 swapped bytes.
     m = pt.estimate_memory(hand_profile(), pt.Plan(n_persist=1, n_buffer=2, n_swap=2))
     assert (m.activation_bytes, m.peak_at) == (250, "backward of block.1")
-    assert m.peak_bytes == 2000 + 1600 + 5 + 250
-    assert m.host_bytes == 3200 + 200
+    assert m.peak_bytes == 2048 + 2 * 1024 + 5 + 250
+    assert m.host_bytes == 2 * 2048 + 200
 
 
 def test_fragmentation_scales_activations_only():
     prof = dataclasses.replace(hand_profile(), fragmentation=1.1)
     m = pt.estimate_memory(prof, pt.Plan(n_persist=3, n_buffer=0))
-    assert m.activation_bytes == 330 and m.peak_bytes == 6000 + 5 + 330
+    assert m.activation_bytes == 330 and m.peak_bytes == 3 * 2048 + 5 + 330
 
 
 def test_buffers_capped_by_streamed_chunks():
     a = pt.estimate_memory(hand_profile(), pt.Plan(n_persist=2, n_buffer=5))
-    assert a.buffer_bytes == 800  # one streamed chunk needs one buffer
+    assert a.buffer_bytes == 1024  # one streamed chunk needs one buffer
 
 
 def test_sharded_chunks_add_the_collectives():
-    """Sharded over W=2 processes (the hand profile's bytes as one rank's): a fetch also
-    all-gathers the chunk (gather_bytes 800 at 800 B/s: +1 s), an offload reduce-scatters the
-    gradients first (reduce_bytes 800 at 1600 B/s: +0.5 s), each rank's Adam updates half of the
-    elements; the persistent chunks' reduce-scatters and gathers run beside backward and the
-    updates (communication stream): what sticks out is charged."""
+    """Sharded over W=2 processes: a rank uploads and offloads its half (256 B: X 0.5 s, Y
+    0.25 s), a fetch also all-gathers the chunk (512 B at 512 B/s: +1 s), an offload
+    reduce-scatters the gradients first (512 B at 1024 B/s: +0.5 s), each rank's Adam updates
+    half of the elements; the persistent chunks' reduce-scatters and gathers run beside backward
+    and the updates (communication stream): what sticks out is charged."""
     one = hand_profile()
-    hw = dataclasses.replace(one.hardware, gather_bytes_per_s=800.0, reduce_bytes_per_s=1600.0)
-    two = dataclasses.replace(one, world_size=2, gather_bytes=(800, 800, 800), reduce_bytes=(800, 800, 800), hardware=hw)
+    hw = dataclasses.replace(one.hardware, gather_bytes_per_s=512.0, reduce_bytes_per_s=1024.0)
+    two = dataclasses.replace(one, chunks=tuple(c.sharded(2) for c in one.chunks), hardware=hw)
     cm1, cm2 = pt.CostModel(one), pt.CostModel(two)
-    assert cm2.X == pytest.approx([x + 1.0 for x in cm1.X])
-    assert cm2.Y == pytest.approx([y + 0.5 for y in cm1.Y])
+    assert cm2.X == pytest.approx([x / 2 + 1.0 for x in cm1.X])
+    assert cm2.Y == pytest.approx([y / 2 + 0.5 for y in cm1.Y])
     assert cm2.U == pytest.approx([u / 2 for u in cm1.U])
     assert cm1.V_prefix == pytest.approx([0.0, 0.1, 0.2, 0.3])  # one process: the Adam times
     # W=2: updates of 0.05 each; each chunk's gather (1 s) after its update and the one before;

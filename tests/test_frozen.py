@@ -1,6 +1,6 @@
 """Frozen parameters (requires_grad=False) on every plan and in every precision: a chunk's
 device copy stays until every module reading it has finished its backward, and a frozen
-parameter holds only its compute-dtype copy ([Note: chunk storage] in runtime/storage.py).
+parameter holds only its compute-dtype copy ([Note: chunk storage] in chunk_format.py).
 
 References: fp32 -- plain ``AdamW(fused=True)`` over the trainable parameters (bitwise);
 bf16-true -- the model in bf16, the same (bitwise); mixed -- the recipe the engine implements:

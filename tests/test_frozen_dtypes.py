@@ -188,19 +188,24 @@ def test_wrap_quantises_chunk_by_chunk_and_drops_each_bf16_original():
 
 
 def test_the_explanation_and_the_profile_count_the_smaller_uploads():
-    from protrain_core.profiler.profiler import static_facts
+    from protrain_core.runtime.storage import chunk_formats
 
     model = _model()
     path, blocks = pt.find_blocks(model)
     layout = pt.build_layout(model, path, len(blocks))
     opt = torch.optim.AdamW(trainable(model))
-    facts = {fmt: static_facts(layout, model, opt, pt.Precision.BF16_MIXED, frozen_format=fmt) for fmt in [None, "int8"]}
-    frozen = sum(facts[None]["chunk_frozen"])
-    assert sum(facts[None]["frozen_upload_bytes"]) / frozen >= 2
-    assert sum(facts["int8"]["frozen_upload_bytes"]) / frozen < 1.2
-    assert sum(facts["int8"]["upload_bytes"]) < sum(facts[None]["upload_bytes"])
-    assert facts["int8"]["host_bytes"] < facts[None]["host_bytes"]
-    assert facts["int8"]["persist_bytes"] == facts[None]["persist_bytes"]  # dequantised on the device
+    chunks = {fmt: chunk_formats(model, opt, layout, pt.Precision.BF16_MIXED, pt.ProTrainConfig(frozen_dtype=fmt))
+              for fmt in [None, "int8"]}
+
+    def total(fmt, name):
+        return sum(getattr(c, name) for c in chunks[fmt])
+
+    frozen = total(None, "frozen_numel")
+    assert total(None, "frozen_upload_bytes") / frozen >= 2
+    assert total("int8", "frozen_upload_bytes") / frozen < 1.2
+    assert total("int8", "upload_bytes") < total(None, "upload_bytes")
+    assert total("int8", "streamed_host_bytes") < total(None, "streamed_host_bytes")
+    assert [c.persistent_device_bytes for c in chunks["int8"]] == [c.persistent_device_bytes for c in chunks[None]]
     engine = pt.wrap(model, opt, example_inputs={"input_ids": batches(1)[0], "labels": batches(1)[0]},
                      precision="bf16-mixed", device="cpu", config=pt.ProTrainConfig(
                          frozen_dtype="int8", planning={"profile_cache": False}), report=lambda _: None)
@@ -214,20 +219,30 @@ def test_the_explanation_and_the_profile_count_the_smaller_uploads():
 
 def test_the_cost_model_charges_the_dequantisation_to_the_upload():
     """The kernels run on the upload stream after the copy: each streamed chunk's upload takes
-    its frozen elements at the probed rate longer; without a quantised base, nothing."""
+    its frozen elements at the probed rate longer; without a quantised base, nothing. Chunk 0
+    is frozen (128 elements: 2 s at 64 a second), chunk 2 half (1 s), chunk 1 trains; each
+    store as large as the compute copy it replaces, so that only the dequantisation differs."""
     import dataclasses
 
+    from protrain_core.chunk_format import ChunkFormat
     from protrain_core.planner.cost import CostModel
     from test_cost import hand_profile
 
     p = hand_profile()
-    hw = dataclasses.replace(p.hardware, dequant_params_per_s=50.0)
-    quantised = dataclasses.replace(p, hardware=hw, frozen_format="int8", chunk_frozen=(100, 0, 50))
-    plain = CostModel(dataclasses.replace(quantised, frozen_format=None))
-    assert [a - b for a, b in zip(CostModel(quantised).X, plain.X)] == [2.0, 0.0, 1.0]
-    assert plain.X == CostModel(p).X
+    frozen = dataclasses.replace(p.chunks[0], trainable_numel=0, updated_numel=0, adam_states=0)
+    half = dataclasses.replace(p.chunks[0], trainable_start=64, trainable_numel=64, updated_numel=64)
+
+    def int8(c: ChunkFormat) -> ChunkFormat:
+        return dataclasses.replace(c, frozen_format="int8", store_bytes=c.frozen_numel * 4)
+
+    plain = dataclasses.replace(p, hardware=dataclasses.replace(p.hardware, dequant_params_per_s=64.0),
+                                chunks=(frozen, p.chunks[1], half))
+    quantised = dataclasses.replace(plain, chunks=(int8(frozen), p.chunks[1], int8(half)))
+    assert [c.upload_bytes for c in quantised.chunks] == [c.upload_bytes for c in plain.chunks]
+    assert [a - b for a, b in zip(CostModel(quantised).X, CostModel(plain).X)] == [2.0, 0.0, 1.0]
+    assert CostModel(plain).X == [c.upload_bytes / 512 for c in plain.chunks]
     assert pt.estimate_runtime(quantised, pt.Plan(n_persist=0, n_buffer=2)).total_s > \
-        pt.estimate_runtime(p, pt.Plan(n_persist=0, n_buffer=2)).total_s
+        pt.estimate_runtime(plain, pt.Plan(n_persist=0, n_buffer=2)).total_s
     probed = {fmt: probe_hardware("cpu", 8192, pt.Precision.BF16_MIXED, frozen_format=fmt).dequant_params_per_s
               for fmt in (None, "int8", "fp8")}
     assert probed[None] == 0 and probed["int8"] > 0 and probed["fp8"] > 0

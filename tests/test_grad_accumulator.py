@@ -6,6 +6,7 @@ the host holds 4 bytes per trainable parameter less, as the planner counts; the 
 it where its settings allow; and what needs an accumulator is refused with the fix."""
 
 import copy
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -240,27 +241,32 @@ def test_the_planner_counts_no_accumulator_and_the_scratch_lent_instead():
                      config=pt.ProTrainConfig(grad_accumulator=False,
                                               planning=pt.PlanningConfig(memory_budget="3MiB", profile_cache=False)))
     profile = engine.choice.profile
-    assert profile.grad_accumulator is False
+    assert profile.chunks == tuple(c.storage.fmt for c in engine.chunks)
+    assert [c.accumulator for c in profile.chunks if c.updated_numel] == [False] * len(engine.chunks)
     plan = pt.Plan(n_persist=1, n_buffer=2)
     m = CostModel(profile).memory(plan)
     streamed = [c for c in engine.chunks if c.index not in plan.persistent()]
     assert m.host_bytes == sum(c.storage.fmt.streamed_host_bytes for c in streamed)
     assert all(not c.storage.fmt.host_accumulator for c in streamed)
     assert m.staging_host_bytes == max(c.storage.fmt.state_numel for c in streamed) * 4  # one fp32 scratch
-    kept = CostModel(profile.__class__(**{**profile.__dict__, "grad_accumulator": True})).memory(plan)
+    kept = CostModel(dataclasses.replace(profile, chunks=tuple(dataclasses.replace(c, accumulator=True)
+                                                               for c in profile.chunks))).memory(plan)
     assert kept.staging_host_bytes == 0  # bf16-mixed lands in the host copy: no staging
+    assert kept.host_bytes == m.host_bytes + sum(4 * c.storage.fmt.state_numel for c in streamed)  # fp32 accumulators
     assert "no gradient accumulator" in engine.explain()
     engine.close()
 
 
 def test_the_profile_key_tells_the_formats_apart():
     from protrain_core.profiler.profiler import profile_key
+    from protrain_core.runtime.storage import chunk_formats
 
     model = tiny_gpt2()
     opt = torch.optim.AdamW(model.parameters())
     layout = pt.build_layout(model, "transformer.h", 4)
-    keys = {profile_key(model, opt, [], pt.Precision.BF16_MIXED, torch.device("cpu"), layout, accumulator=a)
-            for a in (True, False)}
+    keys = {profile_key(model, opt, [], pt.Precision.BF16_MIXED, torch.device("cpu"), layout,
+                        chunk_formats(model, opt, layout, pt.Precision.BF16_MIXED, pt.ProTrainConfig(grad_accumulator=a)))
+            for a in (None, False)}
     assert len(keys) == 2
 
 

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import protrain_core as pt
-from protrain_core.structure.layout import ALIGN, pack as _pack, search_chunk_size
+from protrain_core.chunk_format import ALIGN
+from protrain_core.structure.layout import pack as _pack, search_chunk_size
 from conftest import tiny_gpt2, tiny_llama, train_engine, train_reference
 
 

@@ -285,7 +285,8 @@ def test_max_tokens_plans_once_for_the_longest_batch():
 
 
 # ----- the profile cache ----------------------------------------------------------------------
-@pytest.mark.parametrize("damage", ["chunk index", "zero bandwidth", "negative time", "few segments", "not a list"])
+@pytest.mark.parametrize("damage", ["chunk index", "zero bandwidth", "negative time", "few segments", "not a list",
+                                    "chunk outside its span", "unknown dtype"])
 def test_a_semantically_wrong_cached_profile_is_discarded_and_measured_again(tmp_path, damage):
     data = batches(8)
     model = MODELS["gpt2"]()
@@ -303,8 +304,12 @@ def test_a_semantically_wrong_cached_profile_is_discarded_and_measured_again(tmp
         bad["segments"][2]["bwd_s"] = -1.0
     elif damage == "few segments":
         bad["segments"] = bad["segments"][:1]
+    elif damage == "chunk outside its span":
+        bad["chunks"][0]["trainable_start"] = bad["chunks"][0]["numel"] + 1
+    elif damage == "unknown dtype":
+        bad["chunks"][-1]["compute_dtype"] = "float99"
     else:
-        bad["persist_bytes"] = 7
+        bad["chunks"] = 7
     path.write_text(json.dumps(bad))
     reports = Reports()
     model = MODELS["gpt2"]()

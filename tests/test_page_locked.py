@@ -172,8 +172,8 @@ def test_only_what_the_copies_touch_is_page_locked(cudart, name):
     mixed modes' gradient landing) and, without a separate master, the accumulator its gradients
     land in -- not the master and moments that only the CPU worker touches: 2 of 18 bytes per
     parameter in bf16-mixed instead of all 18. What is registered is exactly those tensors."""
-    from protrain_core.runtime.state_formats import BLOCK
-    from protrain_core.runtime.storage import ChunkFormat, ChunkStorage
+    from protrain_core.chunk_format import BLOCK, ChunkFormat
+    from protrain_core.runtime.storage import ChunkStorage
 
     kw, locked_per, host_per = FORMATS[name]
     S = 4096

@@ -121,7 +121,7 @@ def test_profile_cache_hit_and_invalidation():
     other_batch = pt.profile(model, opt, {"input_ids": y, "labels": y})
     assert other_batch.key != first.key
     other_precision = pt.profile(model, opt, {"input_ids": x, "labels": x}, precision="bf16-mixed")
-    assert other_precision.key != first.key and other_precision.compute_bytes == 2
+    assert other_precision.key != first.key and other_precision.chunks[0].compute_dtype == torch.bfloat16
     assert len(list((cache_dir() / "profiles").glob("*.json"))) == 3
     forced = pt.profile(model, opt, {"input_ids": x, "labels": x}, reprofile=True)
     assert forced.key == first.key and forced != first  # new timings
@@ -336,14 +336,14 @@ def test_the_safe_plan_keeps_the_leading_chunks_that_fit_half_the_device_budget(
     opt = torch.optim.AdamW(model.parameters())
     block_path, blocks = pt.find_blocks(model)
     layout = pt.build_layout(model, block_path, len(blocks))
-    formats = chunk_formats(model, opt, layout, Precision.BF16_MIXED)
+    formats = chunk_formats(model, opt, layout, Precision.BF16_MIXED, pt.ProTrainConfig())
     states = [f.persistent_device_bytes for f in formats]
     buffers = max(f.buffer_device_bytes for f in formats)
     n, L = layout.n_chunks, layout.n_blocks
     sim = SimulatedDevice("h100")
 
     def plan(budget):
-        return safe_plan(model, opt, layout, Precision.BF16_MIXED, sim, optimizer_states=True, budget=budget)
+        return safe_plan(formats, layout.limits(), sim, budget=budget)
 
     assert plan(2 * sum(states)) == pt.Plan(n_persist=n, n_buffer=0, n_checkpoint=L)
     for k in range(n):  # half the budget holds exactly the chunk buffers and the first k chunks
@@ -353,5 +353,5 @@ def test_the_safe_plan_keeps_the_leading_chunks_that_fit_half_the_device_budget(
         assert got.n_buffer >= max(2, layout.limits().buffers_needed(k))
         assert plan(budget - 2).n_persist == max(k - 1, 0)
     # On a CPU device every chunk persists whatever the budget (its memory is the host's).
-    cpu = safe_plan(model, opt, layout, Precision.BF16_MIXED, torch.device("cpu"), optimizer_states=True, budget=1)
+    cpu = safe_plan(formats, layout.limits(), torch.device("cpu"), budget=1)
     assert cpu.n_persist == n

@@ -7,10 +7,12 @@ import pytest
 import torch
 
 import protrain_core as pt
+from protrain_core.chunk_format import ChunkFormat
 from protrain_core.plan import BlockMode, interleaved_modes
 from protrain_core.planner.profiles import Hardware, Profile, Segment
 from protrain_core.planner.search import brute_force
 from protrain_core.update import UpdateSchedule
+from protrain_core.utils import format_bytes
 from test_cost import hand_profile
 
 
@@ -32,20 +34,18 @@ def random_profile(rng: random.Random, n_chunks: int, n_blocks: int, async_copie
     segs.append(Segment(name="post", kind="post", chunks=(0, n_chunks - 1), fwd_s=rng.uniform(0, 1),
                         bwd_s=rng.uniform(0, 1), recompute_s=0.0, out_bytes=rng.randrange(300), saved_bytes=0,
                         fwd_peak_bytes=rng.randrange(300), bwd_peak_bytes=rng.randrange(600), recompute_peak_bytes=0))
-    S = 100
     hw = Hardware(device="random", async_copies=async_copies, h2d_bytes_per_s=rng.uniform(100, 2000),
                   d2h_bytes_per_s=rng.uniform(100, 2000), cpu_adam_params_per_s=rng.uniform(20, 500),
                   device_adam_params_per_s=rng.uniform(500, 5000), device_memory_bytes=10**6)
-    trainable = tuple(rng.choice([0, S // 2, S]) for _ in range(n_chunks))
-    persist_bytes = tuple(rng.randrange(1000, 2000) for _ in range(n_chunks))
-    host_bytes = tuple(rng.randrange(1000, 2000) for _ in range(n_chunks))
     schedule = rng.choice([UpdateSchedule.DURING_BACKWARD] * 3 + [UpdateSchedule.NEXT_FORWARD])
-    uploads = tuple(rng.choice((S * 4, S * 2, S)) for _ in range(n_chunks))  # chunks differ: each its own upload
-    offloads = tuple(S * 4 * (t > 0) for t in trainable)
-    prof = Profile(key="r", description="random", precision="32-true", n_chunks=n_chunks, chunk_elems=S,
-                   compute_bytes=4, chunk_trainable=trainable, chunk_has_grad=tuple(t > 0 for t in trainable),
-                   chunk_frozen=tuple(S - t for t in trainable), persist_bytes=persist_bytes, host_bytes=host_bytes,
-                   offload_bytes=offloads, buffer_bytes=tuple(u + o for u, o in zip(uploads, offloads)), upload_bytes=uploads,
+    chunks = []
+    for _ in range(n_chunks):  # chunks differ: each its own spans, dtypes and formats, so its own bytes
+        trainable = rng.choice([0, 64, 128])
+        compute = rng.choice([torch.float32, torch.bfloat16])
+        chunks.append(ChunkFormat(numel=128, compute_dtype=compute, master_dtype=rng.choice([compute, torch.float32]),
+                                  trainable_start=128 - trainable, adam_states=rng.randint(1, 3) if trainable else 0,
+                                  accumulator=rng.random() < 0.5))
+    prof = Profile(key="r", description="random", precision="32-true", chunks=tuple(chunks),
                    resident_sets=tuple((c,) for c in range(n_chunks)), segments=tuple(segs),
                    base_bytes=rng.randrange(100), fragmentation=rng.uniform(1.0, 1.2), hardware=hw)
     return prof, schedule
@@ -59,7 +59,7 @@ def test_first_n_search_equals_brute_force(seed):
     everything = cm.memory(pt.Plan(n_persist=prof.n_chunks, n_buffer=0)).peak_bytes
     for frac in (0.3, 0.5, 0.7, 1.0, 1.5):
         budget = int(everything * frac)
-        host = rng.choice([None, int(sum(prof.host_bytes) * rng.uniform(0.3, 1.5))])
+        host = rng.choice([None, int(sum(c.streamed_host_bytes for c in prof.chunks) * rng.uniform(0.3, 1.5))])
         try:
             expected = brute_force(prof, budget, host_budget=host, schedule=schedule)
         except pt.InfeasibleBudget:
@@ -103,24 +103,24 @@ def test_everything_fits_keeps_everything():
     choice = pt.search(hand_profile(), 10**9)
     assert choice.plan == pt.Plan(n_persist=3, n_buffer=0)
     assert choice.runtime.total_s == pytest.approx(16.3)
-    assert choice.memory.peak_bytes == 6000 + 5 + 300
+    assert choice.memory.peak_bytes == 3 * 2048 + 5 + 300
     assert pt.estimate_runtime(hand_profile(), pt.Plan(n_persist=3, n_buffer=0, n_swap=1)).total_s \
         == pytest.approx(16.3)  # the tie
 
 
 def test_tight_budget_streams():
-    # 2955 B: one persistent chunk (2000) leaves too little for a buffer and activations; streaming
-    # all three chunks through 3 buffers (2400) with block 0 swapped (activation peak 250) fits:
-    # forward 2 + 2 + 3 = 7, backward 5 + 4 + 1 = 10, the CPU Adam chain ends at 11.5 -> 18.5 s.
-    # With 2 buffers chunk 0 is uploaded again in backward, but that 1 s hides behind chunk 1's
-    # 4 s of backward compute: the same 18.5 s with one buffer (800 B) less; and with 2 buffers
-    # the activations fit kept (peak 300), again in 18.5 s: the tie goes to keeping them.
+    # 3200 B: one persistent chunk (2048) leaves too little for a buffer (1024) and activations;
+    # streaming all three chunks through 3 buffers with block 0 swapped takes forward 2 + 2 + 3 =
+    # 7, backward 5 + 4 + 1 = 10, the CPU Adam chain ends at 11.5 -> 18.5 s (and 3327 B). With 2
+    # buffers chunk 0 is uploaded again in backward, but that 1 s hides behind chunk 1's 4 s of
+    # backward compute: the same 18.5 s with one buffer less; and with 2 buffers the activations
+    # fit kept (peak 300), again in 18.5 s: the tie goes to keeping them.
     assert pt.estimate_runtime(hand_profile(), pt.Plan(n_persist=0, n_buffer=3, n_swap=1)).total_s \
         == pytest.approx(18.5)
-    choice = pt.search(hand_profile(), 2955)
+    choice = pt.search(hand_profile(), 3200)
     assert choice.plan == pt.Plan(n_persist=0, n_buffer=2)
     assert choice.runtime.total_s == pytest.approx(18.5)
-    assert choice.memory.peak_bytes == 1600 + 5 + 300 <= 2955
+    assert choice.memory.peak_bytes == 2 * 1024 + 5 + 300 <= 3200
 
 
 def test_infeasible_budget_says_what_is_missing():
@@ -128,31 +128,31 @@ def test_infeasible_budget_says_what_is_missing():
     with pytest.raises(pt.InfeasibleBudget) as e:
         pt.search(prof, 500)
     msg = str(e.value)
-    # Smallest plan: no persistent chunk, one buffer (800), base 5, smallest activation peak.
+    # Smallest plan: no persistent chunk, one buffer (1024), base 5, smallest activation peak.
     smallest = min(pt.estimate_memory(prof, pt.Plan(n_persist=0, n_buffer=1, n_swap=s, n_checkpoint=c)).peak_bytes
                    for s in range(3) for c in range(3 - s))
-    assert f"needs {smallest} B" in msg and f"{smallest - 500} B missing" in msg
+    assert f"needs {format_bytes(smallest)}" in msg and f"{format_bytes(smallest - 500)} missing" in msg
     assert "smaller batch" in msg
     with pytest.raises(pt.InfeasibleBudget, match="host memory"):
         pt.search(prof, 10**9 // 10**6, host_budget=100)
 
 
 def test_a_host_too_small_is_refused_with_the_shortfall_beside_what_the_device_holds():
-    """Issue 57, item 2: the refusal counted the host bytes of streaming every chunk (4,800 B, so
-    3,800 missing) although the device holds two of the three chunks: 600 B are missing."""
+    """Issue 57, item 2: the refusal counted the host bytes of streaming every chunk (6,144 B, so
+    5,144 missing) although the device holds two of the three chunks: 1,048 B are missing."""
     prof = hand_profile()
     with pytest.raises(pt.InfeasibleBudget) as e:
-        pt.search(prof, 5000, host_budget=1000)
+        pt.search(prof, 5500, host_budget=1000)
     msg = str(e.value)
-    assert "The device holds 2 of the 3 chunks" in msg and "need 1.56 KiB with 1000 B available: 600 B missing" in msg
+    assert "The device holds 2 of the 3 chunks" in msg and "need 2.00 KiB with 1000 B available: 1.02 KiB missing" in msg
     assert "optimizer_state_format='8bit'" in msg
 
 
 def test_host_budget_forces_persistence():
     prof = hand_profile()
-    # Streamed chunks need 1600 B of host memory each: with 1600 B only one chunk may stream.
-    choice = pt.search(prof, 6000 + 5 + 300, host_budget=1600)
-    assert choice.plan.n_persist >= 2 and choice.memory.host_bytes <= 1600
+    # Streamed chunks need 2048 B of host memory each: with 2048 B only one chunk may stream.
+    choice = pt.search(prof, 3 * 2048 + 5 + 300, host_budget=2048)
+    assert choice.plan.n_persist >= 2 and choice.memory.host_bytes <= 2048
 
 
 def test_explain_names_phases_memory_and_bottleneck():
@@ -232,23 +232,21 @@ def test_set_search_is_never_slower_than_the_first_n(seed):
 
 def test_the_search_keeps_a_trainable_chunk_before_a_frozen_one():
     """Chunk 0 is frozen (an embedding: a 1 s upload, no offload, no CPU Adam); chunks 1 and 2
-    train, and their CPU Adam (10 s each at 10 parameters/s) is what a step waits for. The
-    first-n rule must keep chunk 0 to keep anything (3250 B: chunk 0 alone, 31.5 s; 4000 B:
+    train, and their CPU Adam (10 s each at 12.8 parameters/s) is what a step waits for. The
+    first-n rule must keep chunk 0 to keep anything (3522 B: chunk 0 alone, 31.5 s; 4384 B:
     chunks 0 and 1 with one buffer, 23.0 s); the search keeps chunk 1 alone instead
     (26.0 s, 22.5 s: the best over every set, brute force), and each buffer is then the size
     of the largest chunk still streamed."""
     base = hand_profile()
     prof = dataclasses.replace(
-        base, hardware=dataclasses.replace(base.hardware, cpu_adam_params_per_s=10.0),
-        chunk_trainable=(0, 100, 100), chunk_frozen=(100, 0, 0), chunk_has_grad=(False, True, True),
-        persist_bytes=(400, 2000, 2000), host_bytes=(400, 1600, 1600), offload_bytes=(0, 400, 400),
-        buffer_bytes=(400, 800, 800))
-    for budget in (3250, 4000):
+        base, hardware=dataclasses.replace(base.hardware, cpu_adam_params_per_s=12.8),
+        chunks=(dataclasses.replace(base.chunks[0], trainable_numel=0, updated_numel=0, adam_states=0), *base.chunks[1:]))
+    for budget in (3522, 4384):
         first_n = pt.search(prof, budget, sets=False)
         got = pt.search(prof, budget)
         assert got.plan.persistent_chunks == (1,) and 0 in first_n.plan.persistent()
         assert got.runtime.total_s < first_n.runtime.total_s
         assert got.runtime.total_s == pytest.approx(brute_force(prof, budget, sets=True).runtime.total_s)
-        assert got.memory.buffer_bytes == got.plan.n_buffer * 800
+        assert got.memory.buffer_bytes == got.plan.n_buffer * 1024
         assert "(chunks 1)" in got.explain()
-    assert pt.estimate_memory(prof, pt.Plan(n_persist=2, n_buffer=1, persistent_chunks=(1, 2))).buffer_bytes == 400
+    assert pt.estimate_memory(prof, pt.Plan(n_persist=2, n_buffer=1, persistent_chunks=(1, 2))).buffer_bytes == 512

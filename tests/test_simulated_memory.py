@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from benchmarks.bench_simulator import PLANS, Runner
+import protrain_core as pt
 from protrain_core import models
 from protrain_core.api import default_memory_budget
 from protrain_core.memtrack import on_host
 from protrain_core.precision import parse_precision
 from protrain_core.profiler.profiler import profile_model
+from protrain_core.runtime.storage import chunk_formats
 from protrain_core.simulator.device import LAUNCH_QUEUE_FULL, SimulatedDevice
 from protrain_core.simulator.hardware import load_spec
 from protrain_core.simulator.memory import ALLOCATOR_WAIT
@@ -128,8 +130,9 @@ def test_profiling_leaves_on_the_device_only_what_the_models_parameters_point_at
     layout = build_layout(model, block_path, len(blocks))
     sim = SimulatedDevice("h100")
     with sim:
-        profile_model(model, opt, layout, example_inputs=batch, precision=parse_precision("bf16-mixed"), device=sim,
-                      iterations=1, cache=False)
+        precision = parse_precision("bf16-mixed")
+        profile_model(model, opt, layout, example_inputs=batch, precision=precision, device=sim, iterations=1,
+                      cache=False, formats=chunk_formats(model, opt, layout, precision, pt.ProTrainConfig()))
         assert sim.memory.live > 0  # the persistent chunks' values, the parameters' now
         for p in model.parameters():
             p.data = torch.empty(0, device="meta")

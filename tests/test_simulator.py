@@ -393,7 +393,7 @@ def test_a_size_only_simulation_updates_each_moment_format_at_its_rate():
         # the probe's job: its elements at the rate, plus the worker's cost per job (the same for every format)
         assert 1 / measured[fmt] - 1 / measured["fp32"] == pytest.approx(1 / rate - 1 / spec.cpu_adam_params_per_s["fp32"],
                                                                          rel=1e-6, abs=1e-18)
-        chunks = [n for n in result.profile.chunk_trainable if n]
+        chunks = [c.updated_numel for c in result.profile.chunks if c.updated_numel]
         # each streamed chunk once per step: its elements at the rate, less the bf16 landing (6 bytes each)
         # folded before the update (no one-pass kernel on meta tensors), plus the worker's cost per job
         expected = sum(n / rate - 6 * n / spec.host_memory_bytes_per_s + spec.cpu_op_s for n in chunks)

@@ -287,7 +287,7 @@ def test_bf16_states_are_torch_adamw_states_with_bf16_moments():
 def test_the_planned_bytes_are_the_allocated_ones_and_the_explanation_names_the_format(fmt):
     base = tiny_gpt2()
     engine = engine_for(copy.deepcopy(base), fmt, standard_plans(base)["streamed-buf1"])
-    formats = chunk_formats(engine.module, engine.optimizer, engine.layout, engine.precision, state_format=fmt)
+    formats = chunk_formats(engine.module, engine.optimizer, engine.layout, engine.precision, engine.config)
     # The formula's bytes, and the pool's: each tensor at a 64-byte boundary.
     assert engine.memory.host_bytes() == sum(HostPool.bytes_for(f.host_tensors()) for f in formats)
     assert all(0 <= HostPool.bytes_for(f.host_tensors()) - f.streamed_host_bytes < 64 * 8 for f in formats)
@@ -323,7 +323,7 @@ def test_host_bytes_per_trainable_parameter_by_format():
     layout = pt.build_layout(model, *(lambda bp, b: (bp, len(b)))(*pt.find_blocks(model)))
     per_param = {}
     for fmt in ("fp32", "bf16", "8bit"):
-        formats = chunk_formats(model, opt, layout, pt.Precision.BF16_MIXED, state_format=fmt)
+        formats = chunk_formats(model, opt, layout, pt.Precision.BF16_MIXED, pt.ProTrainConfig(optimizer_state_format=fmt))
         trainable = [f for f in formats if f.adam_states]
         per_param[fmt] = sum(f.streamed_host_bytes - f.frozen_shard * 2 for f in trainable) / sum(
             f.trainable_numel for f in trainable)

@@ -13,9 +13,11 @@ from conftest import batches, tiny_gpt2, tiny_llama, train_engine
 from protrain_core.runtime.chunk import (
     GRAD_TRANSITIONS, GRAD_VERBS, TRANSITIONS, VERBS, Chunk, ChunkState, GradState, IllegalTransition, _next,
 )
+from protrain_core.chunk_format import ChunkFormat
+from protrain_core.chunk_format import align
 from protrain_core.runtime.device import DeviceContext, as_context
-from protrain_core.runtime.storage import ChunkFormat, ChunkStorage
-from protrain_core.structure.layout import ChunkSpec, ParamSlot, align
+from protrain_core.runtime.storage import ChunkStorage
+from protrain_core.structure.layout import ChunkSpec, ParamSlot
 
 H, F, R, O, U, P = (ChunkState.HOST, ChunkState.FETCHING, ChunkState.RESIDENT, ChunkState.OFFLOADING,
                     ChunkState.UPDATING, ChunkState.PERSISTENT)

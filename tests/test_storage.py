@@ -1,5 +1,5 @@
-"""Chunk storage: the one byte formula (runtime/storage.py) is what the engine allocates and
-what the profiler hands the planner, for trainable, frozen (compute copy only), partly frozen
+"""Chunk storage: the one byte formula (the chunk format record, chunk_format.py) is what the
+engine allocates and what the profile hands the planner, for trainable, frozen (compute copy only), partly frozen
 (a trainable span) and sharded chunks."""
 
 import contextlib
@@ -9,12 +9,11 @@ import torch
 
 import protrain_core as pt
 from conftest import n_chunks, tiny_gpt2
-from protrain_core.profiler.profiler import static_facts
+from protrain_core.chunk_format import ChunkFormat, align, dtype_name
 from protrain_core.runtime.device import as_context
 from protrain_core.runtime.host_pool import HostPool
 from protrain_core.runtime.sharding import Sharding, piece
-from protrain_core.runtime.storage import ChunkFormat, ChunkStorage
-from protrain_core.structure.layout import align
+from protrain_core.runtime.storage import ChunkStorage, chunk_formats
 
 
 @pytest.mark.parametrize("amsgrad", [False, True])
@@ -29,16 +28,18 @@ def test_profile_facts_match_the_allocation(precision, amsgrad):
     n = n_chunks(model)
     for n_persist in (0, n):
         engine = pt.wrap(model, opt, pt.Plan(n_persist=n_persist, n_buffer=2), precision=precision, device="cpu")
-        facts = static_facts(engine.layout, model, opt, engine.precision)
+        records = tuple(chunk_formats(model, opt, engine.layout, engine.precision, engine.config))
+        assert records == tuple(c.storage.fmt for c in engine.chunks)
         streamed = [c.index for c in engine.chunks if not c.persistent]
         # The host pool aligns each tensor to 64 bytes: at most 6 tensors per chunk.
-        host = facts["host_bytes"]
+        host = [f.streamed_host_bytes for f in records]
         assert 0 <= engine.memory.host_bytes() - sum(host[i] for i in streamed) < 64 * 6 * max(1, len(streamed))
         for c in engine.chunks:
             if c.persistent:
-                assert c.device_bytes() == facts["persist_bytes"][c.index]
+                assert c.device_bytes() == records[c.index].persistent_device_bytes
         assert engine.scheduler.device_bytes_bound() == (
-            sum(facts["persist_bytes"][:n_persist]) + min(2, n - n_persist) * max(facts["buffer_bytes"][n_persist:], default=0))
+            sum(f.persistent_device_bytes for f in records[:n_persist])
+            + min(2, n - n_persist) * max((f.buffer_device_bytes for f in records[n_persist:]), default=0))
         engine.close()
     S = engine.layout.chunk_size
     cb = engine.precision.compute_dtype.itemsize
@@ -51,14 +52,14 @@ def test_profile_facts_match_the_allocation(precision, amsgrad):
     for c in engine.chunks:  # the compute copy of both spans, the states of its trainable span
         f, t = spans[c.index]
         assert host[c.index] == (f + t) * cb + per_trainable * t
-    assert facts["buffer_bytes"] == tuple((f + 2 * t) * cb for f, t in spans.values())
-    assert facts["upload_bytes"] == tuple((f + t) * cb for f, t in spans.values())
+    assert [f.buffer_device_bytes for f in records] == [(f + 2 * t) * cb for f, t in spans.values()]
+    assert [f.upload_bytes for f in records] == [(f + t) * cb for f, t in spans.values()]
     dtypes = {"32-true": ("float32", "float32"), "bf16-true": ("bfloat16", "bfloat16"),
               "bf16-mixed": ("bfloat16", "float32"), "16-mixed": ("float16", "float32")}[precision]
-    assert facts["chunk_dtypes"] == (dtypes,) * n
+    assert {(dtype_name(f.compute_dtype), dtype_name(f.master_dtype)) for f in records} == {dtypes}
     assert any(f + t < S for f, t in spans.values())  # the last chunk's waste is not stored
     frozen = [c for c in engine.chunks if not c.storage.fmt.trains]  # block 1's chunk: its compute copy only
-    assert frozen and all(host[c.index] == align(S) * cb and facts["offload_bytes"][c.index] == 0 for c in frozen)
+    assert frozen and all(host[c.index] == align(S) * cb and records[c.index].offload_bytes == 0 for c in frozen)
 
 
 def _storage(fmt, *, persistent):
@@ -99,7 +100,7 @@ def test_a_chunk_with_no_trainable_member_holds_its_compute_copy_only(mixed):
         storage, _ = _storage(fmt, persistent=persistent)
         assert storage.master is storage.grad_acc is storage.exp_avg is storage.max_exp_avg_sq is None
         assert storage.compute_home.numel() == S
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError, match="a chunk with no trainable member has no optimizer state"):
         ChunkFormat(numel=S, compute_dtype=cdt, master_dtype=torch.float32, trainable_numel=0, adam_states=2)
 
 

@@ -167,33 +167,33 @@ class CostModel:
         # and the all-gather after its update run on the communication stream beside backward
         # and beside the next chunks' updates: only what sticks out is charged (``V_prefix``).
         w = profile.world_size
-        gather = _collective_seconds(profile.gather_bytes, hw.gather_bytes_per_s, self.N, sharded=w > 1)
-        reduce = _collective_seconds(profile.reduce_bytes, hw.reduce_bytes_per_s, self.N, sharded=w > 1)
+        chunks = profile.chunks
+        gather = _collective_seconds([c.gather_bytes for c in chunks], hw.gather_bytes_per_s, self.N, sharded=w > 1)
+        reduce = _collective_seconds([c.reduce_bytes for c in chunks], hw.reduce_bytes_per_s, self.N, sharded=w > 1)
         # A quantised frozen span is dequantised on the upload stream after its copy ([Note:
         # quantised frozen chunks]): part of the upload's time.
-        dequant = [f / hw.dequant_params_per_s if profile.frozen_format and hw.dequant_params_per_s else 0.0
-                   for f in profile.chunk_frozen]
-        self.X = [b / hw.h2d_bytes_per_s + g + d for b, g, d in zip(profile.upload_bytes, gather, dequant)]
-        self.Y = [b / hw.d2h_bytes_per_s + r for b, r in zip(profile.offload_bytes, reduce)]  # 0 for a frozen chunk
+        dequant = [c.frozen_numel / hw.dequant_params_per_s if c.quantised and hw.dequant_params_per_s else 0.0
+                   for c in chunks]
+        self.X = [c.upload_bytes / hw.h2d_bytes_per_s + g + d for c, g, d in zip(chunks, gather, dequant)]
+        self.Y = [c.offload_bytes / hw.d2h_bytes_per_s + r for c, r in zip(chunks, reduce)]  # 0 for a frozen chunk
         # A streamed chunk's CPU work, per part ([Note: the CPU worker's work, by schedule]).
-        n_upd = [n / w for n in profile.chunk_trainable]
+        n_upd = [c.updated_numel / w for c in chunks]
         self.U_land = [n / hw.cpu_land_params_per_s if hw.cpu_land_params_per_s else 0.0 for n in n_upd]
         passes = [gradient_passes * n / hw.cpu_pass_params_per_s if hw.cpu_pass_params_per_s else 0.0 for n in n_upd]
         self.U = [n / hw.cpu_adam_params_per_s + k for n, k in zip(n_upd, passes)]
-        self.has_grad = profile.chunk_has_grad
-        self._adam_reduce_gather = ([n / w / hw.device_adam_params_per_s for n in profile.chunk_trainable],
-                                    reduce, gather)
+        self.has_grad = [c.trains for c in chunks]
+        self._adam_reduce_gather = ([n / hw.device_adam_params_per_s for n in n_upd], reduce, gather)
         self.V_prefix = [0.0, *self._device_chain(range(self.N))]  # the first p persistent
         self.async_copies = hw.async_copies
         # Prefix sums of the chunk sizes when persistent (eq. 8 is linear in n_persist).
         self.persist_prefix = [0]
-        for b in profile.persist_bytes:
-            self.persist_prefix.append(self.persist_prefix[-1] + b)
+        for c in chunks:
+            self.persist_prefix.append(self.persist_prefix[-1] + c.persistent_device_bytes)
         self.host_suffix = [0] * (self.N + 1)
         self.buffer_suffix = [0] * (self.N + 1)  # the largest buffer of chunks c.. (streamed when p = c)
         for c in range(self.N - 1, -1, -1):
-            self.host_suffix[c] = self.host_suffix[c + 1] + profile.host_bytes[c]
-            self.buffer_suffix[c] = max(self.buffer_suffix[c + 1], profile.buffer_bytes[c])
+            self.host_suffix[c] = self.host_suffix[c + 1] + chunks[c].streamed_host_bytes
+            self.buffer_suffix[c] = max(self.buffer_suffix[c + 1], chunks[c].buffer_device_bytes)
         self.segments = profile.segments
         self.block_seg = [i for i, s in enumerate(profile.segments) if s.kind == "block"]
         self._layouts: dict[tuple[BlockMode, ...], _Layout] = {}
@@ -251,7 +251,7 @@ class CostModel:
         the first n)."""
         if isinstance(persistent, int):
             return self.buffer_suffix[persistent]
-        return max((b for c, b in enumerate(self.profile.buffer_bytes) if c not in persistent), default=0)
+        return max((f.buffer_device_bytes for c, f in enumerate(self.profile.chunks) if c not in persistent), default=0)
 
     def states_bytes(self, persistent: int | frozenset[int], n_buffer: int) -> int:
         """Eq. 8: model-state bytes on the device, M_states = sum_{c in P} persist_c + B * buffer
@@ -259,18 +259,18 @@ class CostModel:
         buffers = n_buffer * self.buffer_bytes(persistent)
         if isinstance(persistent, int):
             return self.persist_prefix[persistent] + buffers
-        return sum(self.profile.persist_bytes[c] for c in persistent) + buffers
+        return sum(self.profile.chunks[c].persistent_device_bytes for c in persistent) + buffers
 
     def streamed_host_bytes(self, persistent: int | frozenset[int]) -> int:
         """Host bytes of the streamed chunks' states (``persistent``: the indices, or the first n)."""
         if isinstance(persistent, int):
             return self.host_suffix[persistent]
-        return sum(b for c, b in enumerate(self.profile.host_bytes) if c not in persistent)
+        return sum(f.streamed_host_bytes for c, f in enumerate(self.profile.chunks) if c not in persistent)
 
     def pinned_host_bytes(self, persistent: frozenset[int]) -> int:
         """Of ``streamed_host_bytes``, those page-locked ([Note: what is page-locked] in
         runtime/host_pool.py)."""
-        return sum(b for c, b in enumerate(self.profile.pinned_bytes) if c not in persistent)
+        return sum(f.streamed_pinned_bytes for c, f in enumerate(self.profile.chunks) if c not in persistent)
 
     def staging_bytes(self, persistent: int | frozenset[int], n_buffer: int) -> int:
         """The CPU worker's staging buffers (runtime/worker.py): where a chunk's gradients of a
@@ -278,20 +278,14 @@ class CostModel:
         largest streamed trainable shard, in the state dtype, only where the state dtype is the
         compute dtype (the mixed modes land in the host compute copy instead); and, where
         streamed chunks keep no accumulator, the one it lends them (the same shard, once)."""
-        p = self.profile
         persistent = frozenset(range(persistent)) if isinstance(persistent, int) else persistent
         largest, itemsize, copies = 0, 0, 0
-        for c in range(p.n_chunks):
-            compute, state = p.chunk_dtypes[c] if p.chunk_dtypes else (None, None)
-            shard = p.offload_bytes[c] // p.compute_bytes  # this rank's trainable shard, as the runtime sizes it
-            if c in persistent or not shard:
+        for c, f in enumerate(self.profile.chunks):
+            if c in persistent or not f.trains or (f.separate_master and f.accumulator):
                 continue
-            mixed = compute != state
-            if mixed and p.grad_accumulator:
-                continue
-            copies = 1 if mixed else n_buffer
-            if shard > largest:  # no dtypes (a hand-built profile): the compute dtype everywhere
-                largest, itemsize = shard, p.compute_bytes if state is None else getattr(torch, state).itemsize
+            copies = 1 if f.separate_master else n_buffer
+            if f.state_numel > largest:  # this rank's trainable shard, as the runtime sizes it
+                largest, itemsize = f.state_numel, f.master_dtype.itemsize
         return copies * largest * itemsize
 
     def host_bytes(self, persistent: int | frozenset[int], modes: tuple[BlockMode, ...]) -> int:

@@ -1,12 +1,12 @@
 """What the profiler measured: a frozen ``Profile``, and its cache on disk.
 
 A profile holds three kinds of facts (paper §3.3):
-  static    known before anything runs, per chunk (chunks differ: an embedding chunk's trainable
-            span, a LoRA chunk's frozen base, a rank's shard): its trainable and frozen
-            elements and dtypes, the device/host bytes it needs when persistent or streamed
-            (resident in a buffer), the bytes one upload, offload, all-gather and reduce-scatter
-            of it moves (all from the chunks' storage formula, [Note: chunk storage] in
-            runtime/storage.py), and which chunks must be on the device at once;
+  static    known before anything runs: each chunk's format record (chunks differ: an embedding
+            chunk's trainable span, a LoRA chunk's frozen base, a rank's shard, a format per
+            chunk), from which the cost model reads the device/host bytes it needs when
+            persistent or streamed (resident in a buffer) and the bytes one upload, offload,
+            all-gather and reduce-scatter of it moves ([Note: chunk storage] in
+            chunk_format.py); and which chunks must be on the device at once;
   measured  from real iterations of the model on its real batch shape, per *segment* (the
             modules before the first block, each transformer block, the modules after the
             last block): forward, backward and recomputation time, and activation bytes;
@@ -42,9 +42,10 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from protrain_core.chunk_format import ChunkFormat, timed_formats
 from protrain_core.plan import PlanLimits
 
-PROFILE_VERSION = 14  # 14: the page-locked part of each chunk's host bytes, and the registration rate
+PROFILE_VERSION = 15  # 15: one format record per chunk
 
 
 class ProfileVersionError(ValueError):
@@ -114,17 +115,7 @@ class Profile:
     key: str
     description: str
     precision: str
-    n_chunks: int
-    chunk_elems: int
-    compute_bytes: int  # bytes per element of the compute dtype
-    chunk_trainable: tuple[int, ...]  # elements Adam updates, per chunk
-    chunk_frozen: tuple[int, ...]  # elements of frozen parameters (a compute copy only), per chunk
-    chunk_has_grad: tuple[bool, ...]
-    persist_bytes: tuple[int, ...]  # device bytes of each chunk when persistent
-    host_bytes: tuple[int, ...]  # host bytes of each chunk when streamed
-    offload_bytes: tuple[int, ...]  # bytes of one gradient offload of each chunk (0: frozen)
-    buffer_bytes: tuple[int, ...]  # device bytes of each chunk while streamed and resident (compute copy, gradients)
-    upload_bytes: tuple[int, ...]  # bytes one upload of each chunk copies host -> device (a rank's shard)
+    chunks: tuple[ChunkFormat, ...]  # each chunk's record, in execution order (one rank's when sharded)
     resident_sets: tuple[tuple[int, ...], ...]  # chunks needed on the device at once (PlanLimits)
     segments: tuple[Segment, ...]
     base_bytes: int  # dynamic device bytes alive during the whole iteration (the batch, ...)
@@ -134,24 +125,20 @@ class Profile:
     tokens: int = 0  # tokens of the profiled batch as the first block sees it (0: not known)
     iterations: int = 0  # timed iterations (median per segment)
     profile_seconds: float = 0.0
-    world_size: int = 1  # processes the chunks are sharded over (the bytes above are one rank's)
-    gather_bytes: tuple[int, ...] = ()  # bytes one all-gather of each chunk's compute copy assembles (): one process
-    reduce_bytes: tuple[int, ...] = ()  # bytes one reduce-scatter of each chunk's gradients reads
-    # (compute-copy dtype, master and state dtype) of each chunk, e.g. ("bfloat16", "float32");
-    # (): not known (a hand-built profile), the compute dtype of ``compute_bytes`` everywhere
-    chunk_dtypes: tuple[tuple[str, str], ...] = ()
-    state_format: str = "fp32"  # the moments' format the bytes above count ([Note: optimizer-state formats])
-    # bytes of each chunk's upload that are its frozen span's, and their format ([Note: quantised
-    # frozen chunks]; None: the compute dtype); (): not known (a hand-built profile)
-    frozen_upload_bytes: tuple[int, ...] = ()
-    frozen_format: str | None = None
-    # False: streamed chunks keep no gradient accumulator (the bytes above count none); the CPU
-    # worker lends one, a scratch of the largest trainable shard ([Note: gradients consumed
-    # where they land] in runtime/worker.py)
-    grad_accumulator: bool = True
-    # of ``host_bytes``, those page-locked on CUDA ([Note: what is page-locked] in
-    # runtime/host_pool.py); (): not known (a hand-built profile)
-    pinned_bytes: tuple[int, ...] = ()
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def world_size(self) -> int:
+        """Processes the chunks are sharded over."""
+        return self.chunks[0].world_size
+
+    @property
+    def state_format(self) -> str:
+        """The format of the updated chunks' moments: the one the hardware's CPU update was timed in."""
+        return timed_formats(self.chunks)[0]
 
     @property
     def blocks(self) -> tuple[Segment, ...]:
@@ -196,14 +183,10 @@ class Profile:
         positive, negative or non-finite measurements. Empty when it is sound."""
         bad = []
         n = self.n_chunks
-        per_chunk = ("chunk_trainable", "chunk_frozen", "chunk_has_grad", "persist_bytes", "host_bytes", "offload_bytes",
-                     "upload_bytes", "buffer_bytes")
-        bad += [f"{name} has {len(getattr(self, name))} entries for {n} chunks"
-                for name in per_chunk if len(getattr(self, name)) != n]
-        bad += [f"{name} has {len(getattr(self, name))} entries for {n} chunks"
-                for name in ("gather_bytes", "reduce_bytes", "chunk_dtypes", "frozen_upload_bytes", "pinned_bytes") if len(getattr(self, name)) not in (0, n)]
-        if n < 1 or self.chunk_elems < 1 or self.compute_bytes < 1 or min(self.upload_bytes, default=0) < 1:
-            bad.append("chunk count, size or element size is not positive")
+        if n < 1 or not all(isinstance(c, ChunkFormat) for c in self.chunks):
+            bad.append("no chunks, or a chunk that is not a format record")
+        elif len({(c.numel, c.world_size) for c in self.chunks}) > 1:
+            bad.append("chunks of different sizes or process counts")
         kinds = [s.kind for s in self.segments]
         if len(kinds) < 2 or kinds[0] != "pre" or kinds[-1] != "post" or any(k != "block" for k in kinds[1:-1]):
             bad.append(f"segments are not pre, blocks, post: {kinds}")
@@ -221,8 +204,7 @@ class Profile:
             bad.append("the landing alone is slower than the whole CPU update it is part of")
         numbers = [getattr(s, f.name) for s in self.segments for f in dataclasses.fields(Segment)
                    if f.name not in ("name", "kind", "chunks")]
-        numbers += [*self.persist_bytes, *self.host_bytes, *self.offload_bytes, *self.upload_bytes, *self.gather_bytes,
-                    *self.reduce_bytes, *self.buffer_bytes, *self.pinned_bytes, self.base_bytes, self.tokens]
+        numbers += [self.base_bytes, self.tokens]
         if not all(x is None or (isinstance(x, (int, float)) and math.isfinite(x) and x >= 0) for x in numbers):
             bad.append("a measured time or size is negative or not a number")
         if not (isinstance(self.fragmentation, (int, float)) and 1.0 <= self.fragmentation < 10):
@@ -232,6 +214,7 @@ class Profile:
     # ----- serialisation ------------------------------------------------------------------
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
+        d["chunks"] = [c.to_dict() for c in self.chunks]
         d["version"] = PROFILE_VERSION
         return json.dumps(d)
 
@@ -243,10 +226,7 @@ class Profile:
         d["hardware"] = Hardware(**d["hardware"])
         d["segments"] = tuple(Segment(**{**s, "chunks": tuple(s["chunks"])}) for s in d["segments"])
         d["ops"] = tuple(OpRecord(**o) for o in d["ops"])
-        for name in ("chunk_trainable", "chunk_frozen", "chunk_has_grad", "persist_bytes", "host_bytes", "offload_bytes",
-                     "upload_bytes", "gather_bytes", "reduce_bytes", "buffer_bytes", "frozen_upload_bytes", "pinned_bytes"):
-            d[name] = tuple(d.get(name, ()))
-        d["chunk_dtypes"] = tuple(tuple(x) for x in d["chunk_dtypes"])
+        d["chunks"] = tuple(ChunkFormat.from_dict(c) for c in d["chunks"])
         d["resident_sets"] = tuple(tuple(s) for s in d["resident_sets"])
         return cls(**d)
 

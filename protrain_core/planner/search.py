@@ -36,10 +36,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
+from protrain_core.chunk_format import dtype_name
 from protrain_core.plan import Plan, describe_modes, interleaved_modes
 from protrain_core.planner.cost import CostModel, MemoryEstimate, RuntimeEstimate
 from protrain_core.planner.profiles import Profile
@@ -132,39 +134,39 @@ def _named(plan: Plan) -> str:
 
 
 def _chunks_line(p: Profile) -> str:
-    """The chunks' size and dtypes, and what one upload of each moves (chunks differ)."""
-    lo, hi = min(p.upload_bytes), max(p.upload_bytes)
+    """The chunks' size and formats, and what one upload of each moves (chunks differ)."""
+    uploads = [c.upload_bytes for c in p.chunks]
+    lo, hi = min(uploads), max(uploads)
     moves = format_bytes(lo) if lo == hi else f"{format_bytes(lo)} to {format_bytes(hi)} by chunk"
     whose = f" (this rank's shard of {p.world_size})" if p.world_size > 1 else ""
-    kinds = sorted(set(p.chunk_dtypes))
-    dtypes = "" if not kinds else " ".join(
-        [" stored"] + [f"{compute} (states {state}) x {p.chunk_dtypes.count((compute, state))}" if len(kinds) > 1
-                       else f"{compute}, states {state}" for compute, state in kinds]) + ";"
-    trainable = sum(n for n, grad in zip(p.chunk_trainable, p.chunk_has_grad) if grad)
-    per_param = "" if not trainable else (
+    kinds = Counter((dtype_name(c.compute_dtype), dtype_name(c.master_dtype)) for c in p.chunks)
+    dtypes = " ".join([" stored"] + [f"{compute} (states {state}) x {k}" if len(kinds) > 1 else f"{compute}, states {state}"
+                                     for (compute, state), k in sorted(kinds.items())]) + ";"
+    trained = [c for c in p.chunks if c.trains]
+    updated = sum(c.updated_numel for c in trained)
+    formats = sorted({f"Adam moments {c.state_format}" + ("" if c.accumulator else ", no gradient accumulator")
+                      for c in trained if c.adam_states})
+    per_param = "" if not updated else (
         f"; streamed, a trainable parameter holds "
-        f"{sum(b for b, grad in zip(p.host_bytes, p.chunk_has_grad) if grad) / trainable * p.world_size:.2f} B "
-        f"of host memory (Adam moments {p.state_format}{'' if p.grad_accumulator else ', no gradient accumulator'})")
-    frozen = sum(p.chunk_frozen)
-    per_frozen = "" if not frozen or not p.frozen_upload_bytes else (
-        f"; a frozen parameter uploads {sum(p.frozen_upload_bytes) / frozen:.2f} B "
-        f"({p.frozen_format or 'compute dtype'}{', scales and norms included' if p.frozen_format else ''})")
-    return (f"  chunks: {p.n_chunks} x {p.chunk_elems:,} elements ({format_bytes(p.chunk_elems * p.compute_bytes)});"
+        f"{sum(c.streamed_host_bytes - c.frozen_upload_bytes for c in trained) / updated * p.world_size:.2f} B "
+        f"of host memory ({'; '.join(formats) or 'no optimizer state'})")
+    frozen = [c for c in p.chunks if c.frozen_numel]
+    quantised = sorted({c.frozen_format for c in frozen if c.quantised})
+    per_frozen = "" if not frozen else (
+        f"; a frozen parameter uploads {sum(c.frozen_upload_bytes for c in frozen) / sum(c.frozen_numel for c in frozen):.2f} B "
+        f"({', '.join(quantised) + ', scales and norms included' if quantised else 'compute dtype'})")
+    size = p.chunks[0].numel * p.chunks[0].compute_dtype.itemsize
+    return (f"  chunks: {p.n_chunks} x {p.chunks[0].numel:,} elements ({format_bytes(size)});"
             f"{dtypes} an upload moves {moves}{whose}{per_param}{per_frozen}")
-
-
-def _frozen_itemsize(p: Profile, c: int) -> int:
-    """Bytes per frozen element of chunk ``c`` (its compute copy's dtype)."""
-    return getattr(torch, p.chunk_dtypes[c][0]).itemsize if p.chunk_dtypes else p.compute_bytes
 
 
 def _states_line(p: Profile) -> str:
     """Trainable and frozen parameters and what their model states take (wherever they live)."""
-    frozen = sum(n * _frozen_itemsize(p, c) for c, n in enumerate(p.chunk_frozen))
-    total = sum(p.persist_bytes)
-    return (f"  model states {format_bytes(total)}: {sum(p.chunk_trainable):,} trainable parameters "
-            f"{format_bytes(total - frozen)} (compute copy, master, gradients, Adam states; chunk padding included), "
-            f"{sum(p.chunk_frozen):,} frozen {format_bytes(frozen)} (compute copy only)")
+    frozen = sum(c.frozen_numel * c.compute_dtype.itemsize for c in p.chunks)
+    total = sum(c.persistent_device_bytes for c in p.chunks)
+    return (f"  model states {format_bytes(total)}: {sum(c.updated_numel for c in p.chunks):,} trainable parameters "
+            f"{format_bytes(total - frozen)} (compute copy, master, gradients, Adam states), frozen parameters "
+            f"{format_bytes(frozen)} (compute copy only); chunk padding included")
 
 
 def _choice(cm: CostModel, plan: Plan, budget: int, host_budget, evaluated: int, seconds: float) -> PlanChoice:
@@ -332,8 +334,9 @@ def _groups(cm: CostModel) -> list[list[int]]:
     (the moves are coarse, their evaluation is exact)."""
     p = cm.profile
     fetched = {e for extra in cm.base.extra for e in extra}
-    facts = [p.chunk_trainable, p.chunk_frozen, p.persist_bytes, p.host_bytes, p.upload_bytes, p.offload_bytes,
-             p.buffer_bytes]
+    facts = [[getattr(c, name) for c in p.chunks] for name in (
+        "updated_numel", "frozen_numel", "persistent_device_bytes", "streamed_host_bytes", "upload_bytes", "offload_bytes",
+        "buffer_device_bytes")]
     scale = [max(max(f), 1) for f in facts]
     groups: dict[tuple, list[int]] = {}
     for c in range(cm.N):

@@ -12,6 +12,7 @@ import statistics
 
 import torch
 
+from protrain_core.chunk_format import moment_dtype
 from protrain_core.memtrack import on_host
 from protrain_core.planner.profiles import Hardware
 from protrain_core.precision import Precision
@@ -19,7 +20,7 @@ from protrain_core.runtime.device import DeviceContext, as_context, cpu_worker_p
 from protrain_core.runtime.frozen_formats import dequantise_into, quantised_dtype
 from protrain_core.runtime.host_pool import PageLocked
 from protrain_core.runtime.options import RuntimeConfig
-from protrain_core.runtime.state_formats import moment_dtype, moment_step
+from protrain_core.runtime.state_formats import moment_step
 from protrain_ops import AdamHyperParams, adam_step, copy_to_low_precision, onepass
 
 

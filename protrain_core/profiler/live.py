@@ -64,6 +64,7 @@ class LiveProfiler(StepObserver):
         """``on_unfinished(steps)``: the engine closed before profiling was over."""
         self.engine, self.on_profile, self.on_unfinished = engine, on_profile, on_unfinished
         self.cache, self.reprofile, self.cache_dir = cache, reprofile, cache_dir
+        self.formats = tuple(c.storage.fmt for c in engine.chunks)  # the records the profile carries
         blocks = block_modules(engine.module, engine.layout.block_path)
         self.L = len(blocks)
         self.bounds = Boundaries(engine, blocks, live=True)
@@ -166,7 +167,7 @@ class LiveProfiler(StepObserver):
         engine = self.engine
         self.shapes = tensor_shapes(self.bounds.block_inputs or [])
         self.key = profile_key(engine.module, engine.optimizer, self.shapes, engine.precision, engine.ctx,
-                               engine.layout, world_size=engine.world_size, **engine.config.formats())
+                               engine.layout, self.formats)
         if self.cache and not self.reprofile:
             self.cached = load_cached(self.key, self.cache_dir, n_chunks=engine.layout.n_chunks,
                                       n_blocks=engine.layout.n_blocks)
@@ -188,10 +189,9 @@ class LiveProfiler(StepObserver):
             engine.set_block_modes(engine.plan.block_modes(self.L))  # the safe plan's, until the switch
         profile = self.cached
         if profile is None:
-            profile = build_profile(self.key, self.shapes, self.measured, engine.module, engine.optimizer,
-                                    engine.layout, engine.precision, engine.ctx, self.started,
-                                    sharding=engine.sharding, switches=engine.config.runtime,
-                                    **engine.config.formats())
+            profile = build_profile(self.key, self.shapes, self.measured, engine.module, engine.layout,
+                                    engine.precision, engine.ctx, self.started, self.formats,
+                                    sharding=engine.sharding, switches=engine.config.runtime)
             if self.cache and engine.rank == 0:
                 store(profile, self.cache_dir)
         # Sharded: rank 0's profile and batch, so that every rank searches the same plan.

@@ -47,22 +47,23 @@ import torch
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from protrain_core.chunk_format import timed_formats
 from protrain_core.config import ProTrainConfig
 from protrain_core.memtrack import LiveStorageTracker
 from protrain_core.phase import TrainingPhase
-from protrain_core.plan import BlockMode, Plan
+from protrain_core.plan import BlockMode, Plan, PlanLimits
 from protrain_core.planner.profiles import PROFILE_VERSION, Profile, Segment, load_cached, store
 from protrain_core.precision import Precision
 from protrain_core.profiler.boundaries import Boundaries, Boundary as B, CudaMeter, MemoryPass
 from protrain_core.profiler.hardware import device_name, probe_hardware
 from protrain_core.runtime.device import DeviceContext, as_context
+from protrain_core.runtime.elementwise import state_slots
 from protrain_core.runtime.engine import Engine
 from protrain_core.runtime.options import RuntimeConfig
-from protrain_core.runtime.weights import back_to_meta, meta_names
-from protrain_core.runtime.elementwise import state_slots
 from protrain_core.runtime.sharding import agree
 from protrain_core.runtime.state_formats import block_aligned
-from protrain_core.runtime.storage import ChunkFormat, chunk_formats
+from protrain_core.runtime.storage import chunk_formats
+from protrain_core.runtime.weights import back_to_meta, meta_names
 from protrain_core.structure.blocks import block_modules, find_blocks
 from protrain_core.structure.layout import ChunkLayout, build_layout
 from protrain_core.utils import block_tokens, iter_tensors
@@ -104,63 +105,17 @@ def default_loss(output) -> Tensor:
     )
 
 
-# ----- static facts -----------------------------------------------------------------------------
-def static_facts(layout: ChunkLayout, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, *,
-                 world_size: int = 1, state_format: str = "fp32", frozen_format: str | None = None,
-                 accumulator: bool = True) -> dict:
-    """The Profile fields known before anything runs, from the chunks' storage formula (what
-    the engine allocates, per rank when sharded over ``world_size`` processes, in the formats
-    given) and the layout's trace."""
-    params = dict(model.named_parameters())
-    optimized = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    formats = chunk_formats(model, optimizer, layout, precision, world_size=world_size, state_format=state_format,
-                            frozen_format=frozen_format, accumulator=accumulator)
-    trainable = tuple(sum(m.numel for m in spec.members if m.trainable and id(params[m.name]) in optimized)
-                      for spec in layout.chunks)
-    return dict(
-        n_chunks=layout.n_chunks,
-        chunk_elems=layout.chunk_size,
-        compute_bytes=precision.compute_dtype.itemsize,
-        chunk_trainable=trainable,
-        chunk_frozen=tuple(sum(m.numel for m in spec.members if not m.trainable) for spec in layout.chunks),
-        chunk_has_grad=tuple(fmt.trains for fmt in formats),
-        persist_bytes=tuple(fmt.persistent_device_bytes for fmt in formats),
-        host_bytes=tuple(fmt.streamed_host_bytes for fmt in formats),
-        pinned_bytes=tuple(fmt.streamed_pinned_bytes for fmt in formats),
-        offload_bytes=tuple(fmt.offload_bytes for fmt in formats),
-        buffer_bytes=tuple(fmt.buffer_device_bytes for fmt in formats),
-        upload_bytes=tuple(fmt.upload_bytes for fmt in formats),
-        resident_sets=layout.resident_sets,
-        world_size=world_size,
-        gather_bytes=tuple(fmt.gather_bytes for fmt in formats),
-        reduce_bytes=tuple(fmt.reduce_bytes for fmt in formats),
-        chunk_dtypes=tuple((_dtype_name(fmt.compute_dtype), _dtype_name(fmt.master_dtype)) for fmt in formats),
-        state_format=state_format,
-        frozen_upload_bytes=tuple(fmt.frozen_upload_bytes for fmt in formats),
-        frozen_format=frozen_format,
-        grad_accumulator=accumulator,
-    )
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def tensor_shapes(tensors) -> list[tuple[tuple[int, ...], str]]:
     """(shape, dtype) of each tensor: what a profile's key knows of a batch."""
     return [(tuple(t.shape), str(t.dtype)) for t in tensors]
 
 
-def world_of(sharding) -> int:
-    return 1 if sharding is None else sharding.world
-
-
 def profile_key(model, optimizer, batch: list[tuple[tuple[int, ...], str]], precision: Precision,
-                device: torch.device | DeviceContext, layout: ChunkLayout, *, world_size: int = 1,
-                state_format: str = "fp32", frozen_format: str | None = None, accumulator: bool = True) -> str:
+                device: torch.device | DeviceContext, layout: ChunkLayout, formats) -> str:
     """A hash of everything a profile depends on: model structure (parameter names, shapes,
     dtypes, trainability; the Hugging Face config), optimizer coverage, the batch as the first
-    block sees it (``tensor_shapes`` of its inputs), precision, chunk layout, device and software."""
+    block sees it (``tensor_shapes`` of its inputs), precision, chunk layout and the chunks'
+    format records (``formats``: one rank's, its shard and formats), device and software."""
     h = hashlib.sha256()
 
     def add(*parts):
@@ -178,18 +133,15 @@ def profile_key(model, optimizer, batch: list[tuple[tuple[int, ...], str]], prec
     add(batch)
     add(precision.value, layout.chunk_size, layout.block_path, [c.units for c in layout.chunks])
     add(device_name(device), torch.__version__, torch.version.cuda, torch.get_num_threads(), os.cpu_count())
-    if world_size > 1:
-        add("world", world_size)
-    if state_format != "fp32":
-        add("moments", state_format)
-    if frozen_format is not None:
-        add("frozen", frozen_format)
-    if not accumulator:
-        add("no accumulator")
+    add([c.to_dict() for c in formats])
     return h.hexdigest()[:24]
 
 
 # ----- the profiler -----------------------------------------------------------------------------
+# The profiling engine's configuration: it never steps (no optimizer states), and computes alike
+# in every state format (the profile carries the run's own records).
+PROFILING = ProTrainConfig(optimizer_states=False)
+
 @dataclass
 class Measured:
     """What the passes measured (see [Note: profiling])."""
@@ -218,15 +170,16 @@ def profile_model(
     reprofile: bool = False,
     sharding=None,
     switches: RuntimeConfig | None = None,
-    state_format: str = "fp32", frozen_format: str | None = None, accumulator: bool = True,
+    formats,
 ) -> Profile:
     """Profile ``model`` on ``example_inputs`` (one real batch) ahead of training -- or, after
     one pass that shows the batch as the first block sees it, return the cached profile with the
     same key (``reprofile=True`` forces a new one). ``sharding``: the processes the engine will
     be sharded over: each rank profiles its own (unsharded) engine, the collectives are probed,
     and every rank gets rank 0's profile. ``switches``: the runtime switches of the engine to
-    be profiled (``ProTrainConfig.runtime``); ``state_format``, ``frozen_format``, ``accumulator``:
-    the formats whose bytes the profile counts (the profiled engine computes alike in any)."""
+    be profiled (``ProTrainConfig.runtime``); ``formats``: the chunks' records as the engine will
+    allocate them on this rank, which the profile carries (the profiled engine computes alike in
+    any format)."""
     ctx = as_context(device)
     inputs = to_device(example_inputs, ctx.device)
     step_fn = step_fn or _step_of(loss_fn or default_loss)
@@ -235,8 +188,7 @@ def profile_model(
     def passes(engine: Engine, bounds: Boundaries):
         _one_pass(engine, bounds, inputs, step_fn)  # warm-up, and the batch as the first block sees it
         shapes = tensor_shapes(bounds.block_inputs or [])
-        key = profile_key(model, optimizer, shapes, precision, ctx, layout, world_size=world_of(sharding),
-                          state_format=state_format, frozen_format=frozen_format, accumulator=accumulator)
+        key = profile_key(model, optimizer, shapes, precision, ctx, layout, formats)
         cached = agree(sharding, load_cached(key, cache_dir, n_chunks=layout.n_chunks, n_blocks=layout.n_blocks)
                        if cache and not reprofile else None)
         return shapes, key, cached if cached is not None else _measure(engine, bounds, inputs, step_fn, iterations)
@@ -244,9 +196,8 @@ def profile_model(
     shapes, key, measured = _fitting(model, optimizer, layout, precision, ctx, switches or RuntimeConfig(), passes)
     if isinstance(measured, Profile):
         return measured
-    profile = agree(sharding, build_profile(key, shapes, measured, model, optimizer, layout, precision, ctx, start,
-                                            sharding=sharding, switches=switches, state_format=state_format,
-                                            frozen_format=frozen_format, accumulator=accumulator))
+    profile = agree(sharding, build_profile(key, shapes, measured, model, layout, precision, ctx, start, formats,
+                                            sharding=sharding, switches=switches))
     if cache and (sharding is None or sharding.rank == 0):
         store(profile, cache_dir)
     return profile
@@ -260,7 +211,8 @@ def _fitting(model: nn.Module, optimizer, layout: ChunkLayout, precision: Precis
     each new engine)."""
     budget = None
     while True:
-        plan = safe_plan(model, optimizer, layout, precision, ctx, optimizer_states=False, budget=budget)
+        plan = safe_plan(chunk_formats(model, optimizer, layout, precision, PROFILING), layout.limits(), ctx,
+                         budget=budget)
         try:
             return _profiled(model, optimizer, layout, plan, precision, ctx, switches, passes)
         except torch.OutOfMemoryError as e:
@@ -279,8 +231,8 @@ def _profiled(model: nn.Module, optimizer, layout: ChunkLayout, plan: Plan, prec
     the blocks checked to have run."""
     meta = meta_names(model) if ctx.host.type != "meta" else []  # (filled by their initialisation to profile)
     with torch.random.fork_rng(devices=[ctx.device] if ctx.is_cuda else []):
-        engine = Engine(model, optimizer, layout, plan, precision, ctx,
-                        ProTrainConfig(optimizer_states=False, runtime=switches), warn_on_cache=False)
+        engine = Engine(model, optimizer, layout, plan, precision, ctx, PROFILING.replace(runtime=switches),
+                        warn_on_cache=False)
         bounds = Boundaries(engine, block_modules(model, layout.block_path))
         try:
             with _buffers_kept(model):
@@ -316,14 +268,14 @@ def _buffers_kept(model: nn.Module):
                     b.copy_(kept[name])
 
 
-def build_profile(key: str, shapes, measured: Measured, model, optimizer, layout: ChunkLayout, precision: Precision,
-                  ctx: DeviceContext, start: float, sharding=None, switches: RuntimeConfig | None = None,
-                  state_format: str = "fp32", frozen_format: str | None = None, accumulator: bool = True) -> Profile:
-    """The Profile of what the passes measured, the static facts and the hardware probes (with
-    ``sharding``: the collectives' bandwidths too, a collective call; ``switches``: the
-    engine's runtime switches, which the probes follow)."""
+def build_profile(key: str, shapes, measured: Measured, model, layout: ChunkLayout, precision: Precision,
+                  ctx: DeviceContext, start: float, formats, sharding=None, switches: RuntimeConfig | None = None) -> Profile:
+    """The Profile of what the passes measured, the chunks' records ``formats`` and the hardware
+    probes, in their formats (with ``sharding``: the collectives' bandwidths too, a collective
+    call; ``switches``: the engine's runtime switches, which the probes follow)."""
+    moments, frozen = timed_formats(formats)
     hardware = probe_hardware(ctx, layout.chunk_size, precision, sharding=sharding, switches=switches,
-                              state_format=state_format, frozen_format=frozen_format)
+                              state_format=moments, frozen_format=frozen)
     if hardware.async_copies:
         measured.swap_timings = []
     n_params = sum(p.numel() for p in model.parameters())
@@ -332,8 +284,8 @@ def build_profile(key: str, shapes, measured: Measured, model, optimizer, layout
         description=f"{type(model).__name__}, {n_params:,} parameters, {layout.n_blocks} blocks, first block's inputs "
                     + ", ".join(str(shape) for shape, _ in shapes),
         precision=precision.value,
-        **static_facts(layout, model, optimizer, precision, world_size=world_of(sharding), state_format=state_format,
-                       frozen_format=frozen_format, accumulator=accumulator),
+        chunks=tuple(formats),
+        resident_sets=layout.resident_sets,
         segments=_segments(measured, layout.n_blocks),
         base_bytes=measured.base,
         fragmentation=measured.fragmentation,
@@ -352,33 +304,30 @@ def for_world_size(profile: Profile, model: nn.Module, optimizer, precision: Pre
     ``collective_bytes_per_s`` (assumed: one process cannot measure them). The batch is each
     rank's. ``protrain plan --world-size`` prints this what-if."""
     block_path, blocks = find_blocks(model, None)
-    layout = build_layout(model, block_path, len(blocks), chunk_size=profile.chunk_elems,
+    layout = build_layout(model, block_path, len(blocks), chunk_size=profile.chunks[0].numel,
                           block_aligned=block_aligned(profile.state_format))
     hw = dataclasses.replace(profile.hardware, gather_bytes_per_s=collective_bytes_per_s,
                              reduce_bytes_per_s=collective_bytes_per_s)
-    return dataclasses.replace(profile, hardware=hw,
-                               **static_facts(layout, model, optimizer, precision, world_size=world_size,
-                                              state_format=profile.state_format))
+    moments, frozen = timed_formats(profile.chunks)
+    config = ProTrainConfig(optimizer_state_format=moments, frozen_dtype=frozen,
+                            grad_accumulator=None if all(c.accumulator for c in profile.chunks) else False)
+    formats = chunk_formats(model, optimizer, layout, precision, config, world_size=world_size)
+    return dataclasses.replace(profile, hardware=hw, chunks=tuple(formats), resident_sets=layout.resident_sets)
 
 
-def safe_plan(model: nn.Module, optimizer, layout: ChunkLayout, precision: Precision,
-              device: torch.device | DeviceContext, *, optimizer_states: bool, budget: int | None = None,
-              world_size: int = 1, state_format: str = "fp32") -> Plan:
+def safe_plan(formats, limits: PlanLimits, device: torch.device | DeviceContext, *, budget: int | None = None) -> Plan:
     """A plan any batch the profiler measures can run on: every block checkpointed, and the model
-    states (``optimizer_states``: with Adam's) in at most half the device budget (default: the
-    free memory). On a CPU, or when they fit there, every chunk is persistent; else the leading
-    chunks that fit there beside the chunk buffers are, and the rest are streamed -- the fewest
-    host bytes such a plan can have (streaming every chunk would ask the host for all the states:
-    a 6.7 B model's 113 GiB, over the host budget of the 128 GiB machine whose 141 GB GPU holds
-    half of them)."""
-    n, L = layout.n_chunks, layout.n_blocks
+    states of the chunks' records ``formats`` (with or without Adam's, as the engine allocates
+    them) in at most half the device budget (default: the free memory). On a CPU, or when they
+    fit there, every chunk is persistent; else the leading chunks that fit there beside the
+    chunk buffers are, and the rest are streamed -- the fewest host bytes such a plan can have
+    (streaming every chunk would ask the host for all the states: a 6.7 B model's 113 GiB, over
+    the host budget of the 128 GiB machine whose 141 GB GPU holds half of them)."""
+    n, L = limits.n_chunks, limits.n_blocks
     ctx = as_context(device)
     if ctx.asynchronous:
-        formats: list[ChunkFormat] = chunk_formats(model, optimizer, layout, precision, optimizer_states=optimizer_states,
-                                                   world_size=world_size, state_format=state_format)
         half = (budget if budget is not None else ctx.free_memory()[0]) // 2
         if sum(fmt.persistent_device_bytes for fmt in formats) > half:
-            limits = layout.limits()
             n_buffer = max(2, limits.buffers_needed(0))
             used = n_buffer * max(fmt.buffer_device_bytes for fmt in formats)
             k = 0

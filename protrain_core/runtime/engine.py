@@ -448,8 +448,8 @@ def _allocate(engine: Engine, optim: ChunkOptimizer, *, touch=None) -> list[Chun
     parameters' values; the parameters then point into them. ``touch(t)``: zeroes a new pageable
     host region where the CPU worker runs ([Note: CPU worker placement] in topology.py)."""
     persistent, dev, ctx, config = engine.plan.persistent(), engine.device, engine.ctx, engine.config
-    formats = chunk_formats(engine.module, engine.optimizer, engine.layout, engine.precision,
-                            optimizer_states=config.optimizer_states, world_size=engine.world_size, **config.formats())
+    formats = chunk_formats(engine.module, engine.optimizer, engine.layout, engine.precision, config,
+                            world_size=engine.world_size)
     host_bytes = sum(fmt.streamed_host_bytes for i, fmt in enumerate(formats) if i not in persistent)
     # A CPU "device" is host memory too.
     device_bytes = 0 if dev.type != "cpu" else sum(formats[i].persistent_device_bytes for i in persistent)

@@ -56,10 +56,10 @@ import torch
 from torch import Tensor
 from torch.optim.adamw import adamw
 
+from protrain_core.chunk_format import BLOCK
 from protrain_ops import AdamHyperParams, onepass
 
 FORMATS = ("fp32", "bf16", "8bit")
-BLOCK = 256  # bitsandbytes' block-wise block
 MIN_8BIT = 4096  # bitsandbytes' min_8bit_size: smaller parameters keep fp32 moments
 _INSTALL = "pip install 'lightning-protrain[8bit]' (bitsandbytes)"
 
@@ -73,11 +73,6 @@ def check_format(name: object) -> str:
             "optimizer_states=False is another setting: an engine that never steps.)"
         )
     return name
-
-
-def moment_dtype(name: str, master_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of a chunk's moment tensors in format ``name``."""
-    return {"fp32": master_dtype, "bf16": torch.bfloat16, "8bit": torch.uint8}[name]
 
 
 @cache

@@ -1,59 +1,18 @@
-"""One chunk's storage: the tensors it holds, where they live, and the only byte formula.
-
-[Note: chunk storage]
-A chunk of ``S`` elements (the layout's chunk size; ``c`` = compute dtype, ``m`` = master dtype:
-fp32, or bf16 in bf16-true) has its frozen parameters first (the frozen span, ``F`` elements)
-and its trainable ones after them (structure/layout.py), so the trainable ones form one span of
-``T`` elements, ending at the last trainable member. Only that span trains. With ``W``
-processes (``W = 1`` in one process) both spans are sharded separately: rank ``r`` keeps piece
-``r`` of each, ``s_f = ceil(F / W)`` and ``s_t = ceil(T / W)`` elements rounded up to the
-layout's alignment (``s_t`` to the 8-bit block with 8-bit moments), ``s_c = s_f + s_t``
-([Note: sharded chunks] in sharding.py):
-
-  tensor          elements   dtype  persistent chunk        streamed chunk
-  compute copy    s_c * W    c      device, always          device buffer while resident
-  host copy       s_c        c      --                      host (page-locked)
-  master          s_t        m      device                  host (pageable)
-  grad. accum.    s_t        m      device                  host (page-locked where c = m:
-                                                            gradients land in it)
-  grad. buffer    s_t * W    c      W > 1: before the       device, during backward
-                                    reduce-scatter
-  Adam states     k * s_t    m      device                  host (pageable) (k = 2, 3 with amsgrad)
-
-A streamed chunk keeps no accumulator of its own where the format says so
-(``ChunkFormat.accumulator`` False, ``ProTrainConfig.grad_accumulator``; [Note: gradients
-consumed where they land] in worker.py): 4 bytes per trainable parameter less on the host.
-
-The moments take another dtype in the formats of ``ChunkFormat.state_format`` (bf16; 8-bit,
-with fp32 block scales and fp32 moments for small members: [Note: optimizer-state formats] in
-state_formats.py); the master and the accumulator keep ``m``.
-
-A frozen parameter therefore costs its compute-dtype copy and nothing else (2 bytes in the
-bf16 modes) -- or, with ``frozen_dtype``, a frozen weight matrix of a streamed chunk about one
-byte in the chunk's host store, which then holds the frozen span instead of the host copy (the
-host copy is the trainable shard alone; [Note: quantised frozen chunks] in frozen_formats.py;
-the device copy is unchanged); a chunk with no trainable member (``T = 0``; its frozen span is the whole chunk)
-holds the compute copy only, is uploaded and never offloaded. The chunk's waste after its last
-trainable member is not stored. The master is a tensor of its own only when its dtype differs
-from the compute dtype (the mixed modes); otherwise it *is* this rank's piece of the trainable
-span of the compute copy where it rests (the host copy of a streamed chunk, the device copy of
-a persistent one). ``ShardLayout`` answers where a member is in each of these tensors on this
-rank; one process is rank 0 of ``W = 1``, whose pieces are whole members at their layout
-offsets.
-
-Everything that needs a chunk's size asks ``ChunkFormat``: the engine's allocation (here), the
-size of a streamed chunk's exact host buffer, the runtime's device-memory bound, and the profiler's static facts, which
-are all the cost model knows of chunks.
+"""One chunk's storage: the tensors its format (``ChunkFormat``, [Note: chunk storage] in
+chunk_format.py) gives it, where this rank's pieces of its members are in them (``ShardLayout``),
+and the records of a model's chunks (``chunk_formats``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 from torch import Tensor, nn
 
+from protrain_core.chunk_format import ChunkFormat, align, moment_dtype
+from protrain_core.config import ProTrainConfig
 from protrain_core.memtrack import on_host, untracked
 from protrain_core.precision import Precision
 from protrain_core.runtime.device import DeviceContext
@@ -61,203 +20,8 @@ from protrain_core.runtime.elementwise import state_slots
 from protrain_core.runtime.frozen_formats import FrozenPlaces, frozen_places
 from protrain_core.runtime.host_pool import HostPool
 from protrain_core.runtime.sharding import Sharding, piece
-from protrain_core.runtime.state_formats import BLOCK, moment_dtype, quant_places, small_numel
-from protrain_core.structure.layout import ALIGN, ChunkLayout, ParamSlot, align
-
-
-@dataclass(frozen=True, kw_only=True)
-class ChunkFormat:
-    """What one chunk stores (see [Note: chunk storage])."""
-
-    numel: int  # the layout's chunk size S, in elements
-    compute_dtype: torch.dtype
-    master_dtype: torch.dtype
-    trainable_start: int = 0  # where the trainable span begins (elements)
-    trainable_numel: int | None = None  # T; None: the whole chunk trains
-    # Optimizer state tensors of the trainable span: Adam's 2, or 3 with amsgrad; another
-    # elementwise optimizer's 0-3 ([Note: elementwise optimizers] in runtime/elementwise.py).
-    adam_states: int = 2
-    world_size: int = 1  # processes the chunk is sharded over
-    # The moments' format ([Note: optimizer-state formats] in state_formats.py); "8bit" also
-    # keeps fp32 block scales (``quant_blocks`` per moment) and the fp32 moments of its small
-    # members (``wide_numel`` elements per moment: all of them, a bound of any rank's pieces).
-    state_format: str = "fp32"
-    wide_numel: int = 0
-    # Frozen weight matrices in 8 bits on the host ([Note: quantised frozen chunks] in
-    # frozen_formats.py): "int8" or "fp8" (None: the compute dtype); ``store_bytes`` of the host
-    # store that holds the frozen span then (the 8-bit values of this rank's piece of it, every
-    # scale and kept member).
-    frozen_format: str | None = None
-    store_bytes: int = 0
-    # Streamed, the chunk keeps its gradient accumulator in host memory (False: the CPU worker
-    # lends one per update: [Note: gradients consumed where they land] in worker.py). A
-    # persistent chunk always keeps it, on the device.
-    accumulator: bool = True
-
-    def __post_init__(self) -> None:
-        if self.trainable_numel is None:
-            object.__setattr__(self, "trainable_numel", self.numel - self.trainable_start)
-        assert 0 <= self.trainable_start and self.trainable_start + self.trainable_numel <= self.numel
-        assert self.adam_states in (0, 1, 2, 3) and self.world_size >= 1
-        assert self.trainable_numel or not self.adam_states, "a chunk with no trainable member has no Adam state"
-        assert self.state_format == "8bit" or not self.wide_numel
-        assert (self.frozen_format is None) == (self.store_bytes == 0)
-
-    @property
-    def trains(self) -> bool:
-        return self.trainable_numel > 0
-
-    def _shard(self, n: int, unit: int = ALIGN) -> int:
-        return align(-(-n // self.world_size), unit)
-
-    @property
-    def quant_blocks(self) -> int:
-        """Block scales per moment in format "8bit": one per block of the trainable shard."""
-        return -(-self.state_numel // BLOCK) if self.eight_bit else 0
-
-    @property
-    def frozen_numel(self) -> int:
-        """F: the span before the trainable one (the whole chunk when nothing in it trains)."""
-        return self.trainable_start if self.trains else self.numel
-
-    @property
-    def frozen_shard(self) -> int:
-        """s_f: elements of this rank's piece of the frozen span (``F`` rounded up to the
-        alignment in one process)."""
-        return self._shard(self.frozen_numel)
-
-    @property
-    def quantised(self) -> bool:
-        """The frozen span lives in the host store, in 8 bits (not in the host copy)."""
-        return self.store_bytes > 0
-
-    @property
-    def host_copy_numel(self) -> int:
-        """Elements of a streamed chunk's host copy: the frozen and trainable shards, or the
-        trainable one alone when the frozen span is quantised."""
-        return (0 if self.quantised else self.frozen_shard) + self.state_numel
-
-    @property
-    def state_numel(self) -> int:
-        """s_t: elements of this rank's shard of the master, accumulator and Adam states (with
-        8-bit moments a multiple of their block, so that every rank's piece of a member starts
-        at a block boundary: [Note: optimizer-state formats])."""
-        return self._shard(self.trainable_numel, BLOCK if self.eight_bit else ALIGN)
-
-    @property
-    def shard_numel(self) -> int:
-        """s_c: elements of this rank's shard of the compute copy."""
-        return self.frozen_shard + self.state_numel
-
-    @property
-    def padded_numel(self) -> int:
-        """Elements of the gathered compute copy (``s_c * W``)."""
-        return self.shard_numel * self.world_size
-
-    @property
-    def trainable_device_start(self) -> int:
-        """Where the trainable span begins in the gathered compute copy."""
-        return self.frozen_shard * self.world_size
-
-    @property
-    def grad_buffer_numel(self) -> int:
-        """Elements of the device gradient buffer: the trainable span, padded to ``s_t * W``."""
-        return self.state_numel * self.world_size
-
-    @property
-    def separate_master(self) -> bool:
-        return self.trains and self.compute_dtype != self.master_dtype
-
-    @property
-    def moment_dtype(self) -> torch.dtype:
-        return moment_dtype(self.state_format, self.master_dtype)
-
-    @property
-    def eight_bit(self) -> bool:
-        return self.state_format == "8bit" and self.adam_states > 0
-
-    @property
-    def host_accumulator(self) -> bool:
-        """Streamed, the chunk keeps an accumulator in host memory."""
-        return self.trains and self.accumulator
-
-    def _state_bytes(self, *, accumulator: bool = True) -> int:
-        """Master (when separate), accumulator (when kept) and Adam states of this rank's shard."""
-        n = int(self.separate_master) + int(self.trains and accumulator)
-        return sum(numel * dtype.itemsize for numel, dtype in [(self.state_numel, self.master_dtype)] * n
-                   + self._moment_tensors())
-
-    def _moment_tensors(self) -> list[tuple[int, torch.dtype]]:
-        """(elements, dtype) of the moment tensors, in allocation order."""
-        out = [(self.state_numel, self.moment_dtype)] * self.adam_states
-        if self.eight_bit:
-            out += [(2 * self.quant_blocks, torch.float32), (2 * self.wide_numel, torch.float32)]
-        return out
-
-    @property
-    def persistent_device_bytes(self) -> int:
-        """Device bytes of the chunk when it is persistent (with ``W`` processes, its gradient
-        buffer during backward included)."""
-        grads = 0 if self.world_size == 1 else self.grad_buffer_numel
-        return (self.padded_numel + grads) * self.compute_dtype.itemsize + self._state_bytes()
-
-    @property
-    def streamed_host_bytes(self) -> int:
-        """Host bytes of the chunk when it is streamed (before the pool's 64-byte alignment)."""
-        return (self.host_copy_numel * self.compute_dtype.itemsize + self._state_bytes(accumulator=self.accumulator)
-                + self.store_bytes)
-
-    @property
-    def buffer_device_bytes(self) -> int:
-        """Device bytes of a streamed chunk while resident: its compute copy, plus the gradient
-        buffer of its trainable span during backward (and, quantised, the staging of its host
-        store while it uploads)."""
-        return (self.padded_numel + self.grad_buffer_numel) * self.compute_dtype.itemsize + self.store_bytes
-
-    @property
-    def upload_bytes(self) -> int:
-        """Bytes one fetch copies host -> device (this rank's shard; the gather does the rest)."""
-        return self.host_copy_numel * self.compute_dtype.itemsize + self.store_bytes
-
-    @property
-    def frozen_upload_bytes(self) -> int:
-        """Of ``upload_bytes``, those of the frozen span (the host store when quantised)."""
-        return self.store_bytes or (self.host_copy_numel - self.state_numel) * self.compute_dtype.itemsize
-
-    @property
-    def offload_bytes(self) -> int:
-        """Bytes of gradients one offload copies device -> host (0 for a frozen chunk)."""
-        return self.state_numel * self.compute_dtype.itemsize
-
-    @property
-    def gather_bytes(self) -> int:
-        """Bytes one all-gather of the compute copy assembles (0 in one process)."""
-        return 0 if self.world_size == 1 else self.padded_numel * self.compute_dtype.itemsize
-
-    @property
-    def reduce_bytes(self) -> int:
-        """Bytes of gradients one reduce-scatter reads (0 in one process)."""
-        return 0 if self.world_size == 1 else self.grad_buffer_numel * self.compute_dtype.itemsize
-
-    def sharded(self, world_size: int) -> ChunkFormat:
-        return replace(self, world_size=world_size)
-
-    def host_tensors(self) -> list[tuple[int, torch.dtype, bool]]:
-        """(elements, dtype, moves) of a streamed chunk's host tensors, in allocation order;
-        ``moves``: a copy engine reads or writes it, so it is page-locked on CUDA ([Note: what
-        is page-locked] in host_pool.py): the host copy, the accumulator where gradients land in
-        it (no separate master), the quantised store."""
-        s, m = self.state_numel, self.master_dtype
-        out = [(s, m, False)] if self.separate_master else []
-        out.append((self.host_copy_numel, self.compute_dtype, True))
-        out += [(s, m, not self.separate_master)] * int(self.host_accumulator)
-        out += [(n, dtype, False) for n, dtype in self._moment_tensors()]
-        return out + ([(self.store_bytes, torch.uint8, True)] if self.quantised else [])
-
-    @property
-    def streamed_pinned_bytes(self) -> int:
-        """Of ``streamed_host_bytes``, those page-locked on CUDA (before alignment)."""
-        return sum(n * dtype.itemsize for n, dtype, moves in self.host_tensors() if moves)
+from protrain_core.runtime.state_formats import quant_places, small_numel
+from protrain_core.structure.layout import ChunkLayout, ParamSlot
 
 
 @dataclass(frozen=True)
@@ -663,14 +427,16 @@ def _copy_now(dst: Tensor, src: Tensor) -> None:
     dst.copy_(src)
 
 
-def chunk_formats(model: nn.Module, optimizer: torch.optim.Optimizer, layout: ChunkLayout, precision: Precision, *,
-                  optimizer_states: bool = True, world_size: int = 1, state_format: str = "fp32",
-                  frozen_format: str | None = None, accumulator: bool = True) -> list[ChunkFormat]:
-    """The format of every chunk of ``layout``: what the engine allocates, and what the profiler
-    reports to the cost model. Adam states go with chunks holding a trainable parameter the
-    optimizer updates (none for an engine that never steps), in ``state_format``; frozen weight
-    matrices in ``frozen_format`` (``frozen_places_of``); ``accumulator`` False: streamed chunks
-    keep no gradient accumulator."""
+def chunk_formats(model: nn.Module, optimizer: torch.optim.Optimizer, layout: ChunkLayout, precision: Precision,
+                  config: ProTrainConfig, *, world_size: int = 1) -> list[ChunkFormat]:
+    """The format of every chunk of ``layout`` as ``config`` asks (each rank's of ``world_size``):
+    what the engine allocates, and what the profile carries to the cost model. Adam states go
+    with chunks holding a trainable parameter the optimizer updates (none for an engine that
+    never steps, ``optimizer_states`` False), in ``optimizer_state_format``; frozen weight
+    matrices in ``frozen_dtype`` (``frozen_places_of``); streamed chunks keep a gradient
+    accumulator unless ``grad_accumulator`` is False."""
+    optimizer_states, state_format = config.optimizer_states, config.optimizer_state_format
+    frozen_format, accumulator = config.frozen_dtype, config.keeps_accumulators
     params = dict(model.named_parameters())
     optimized = {id(p) for g in optimizer.param_groups for p in g["params"]}
     adam = state_slots(optimizer)
@@ -678,12 +444,14 @@ def chunk_formats(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Ch
         state_format = "fp32"  # bf16 moments in bf16-true: what torch keeps there anyway
     formats = []
     for spec in layout.chunks:
-        trains = optimizer_states and any(m.trainable and id(params[m.name]) in optimized for m in spec.members)
+        updated = sum(m.numel for m in spec.members if m.trainable and id(params[m.name]) in optimized)
+        trains = optimizer_states and updated > 0
         frozen = frozen_places_of(spec, frozen_format, world_size)
         formats.append(ChunkFormat(
             numel=layout.chunk_size, compute_dtype=precision.compute_dtype, master_dtype=precision.master_dtype,
             trainable_start=spec.trainable_start if spec.trainable_numel else 0,
-            trainable_numel=spec.trainable_numel, adam_states=adam if trains else 0, world_size=world_size,
+            trainable_numel=spec.trainable_numel, updated_numel=updated if trains else 0,
+            adam_states=adam if trains else 0, world_size=world_size,
             state_format=state_format if trains else "fp32",
             wide_numel=small_numel(trainable_numels(spec)) if trains and state_format == "8bit" else 0,
             frozen_format=frozen and frozen.fmt, store_bytes=frozen.store_bytes(precision.compute_dtype) if frozen else 0,

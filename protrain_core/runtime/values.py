@@ -5,7 +5,7 @@ this face turns that into views and values. Its only collectives are ``gathered_
 ``gather_shard``.
 
 One process is the case ``W = 1``: every piece is the whole member at its layout offset
-([Note: chunk storage] in storage.py, [Note: sharded chunks] in sharding.py).
+([Note: chunk storage] in chunk_format.py, [Note: sharded chunks] in sharding.py).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from protrain_core.planner.profiles import Profile
 from protrain_core.planner.search import PlanChoice, search
 from protrain_core.precision import parse_precision
 from protrain_core.profiler.profiler import call, default_loss, profile_model
+from protrain_core.runtime.storage import chunk_formats
 from protrain_core.simulator.device import SimulatedDevice, SimulatedGroup
 from protrain_core.simulator.report import Phases, StepReport
 from protrain_core.structure.blocks import find_blocks
@@ -129,8 +130,9 @@ def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
             block_path, blocks = find_blocks(model)
             layout = build_layout(model, block_path, len(blocks))
             # One timed pass: the simulated clock gives the same times every pass.
+            formats = chunk_formats(model, optimizer, layout, prec, config, world_size=world_size)
             profile = profile_model(model, optimizer, layout, example_inputs=batch, precision=prec, device=sim,
-                                    iterations=1, cache=False, sharding=group, **config.formats())
+                                    iterations=1, cache=False, sharding=group, formats=formats)
         choice = None
         if plan is None:
             # The host budget wrap checks a plan against (available RAM less the margin): a plan

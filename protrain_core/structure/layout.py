@@ -9,7 +9,7 @@ that minimises wasted bytes (chunk capacity not used by parameters).
 Inside a chunk the frozen parameters (``requires_grad=False`` when the layout is built: a LoRA
 base model, frozen embeddings) come first and the trainable ones after them, each group in
 execution order, so that the trainable ones form one span: the only part of the chunk with a
-master copy, gradients and Adam states ([Note: chunk storage] in runtime/storage.py).
+master copy, gradients and Adam states ([Note: chunk storage] in chunk_format.py).
 
 With block-wise 8-bit moments (``block_aligned``) the first trainable member, and every trainable
 member of at least the format's minimum size, start at a multiple of its block: a piece of such a
@@ -23,19 +23,13 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
+from protrain_core.chunk_format import ALIGN, align
 from protrain_core.plan import PlanLimits
 from protrain_core.structure.blocks import block_modules, split_paths
 from protrain_core.structure.trace import Trace, trace
 
-# Parameter offsets inside a chunk are multiples of ALIGN elements (>= 16-byte aligned views
-# in every dtype we use), so vectorised kernels see aligned rows.
-ALIGN = 16
 # Chunk sizes tried by the grid search: max_unit * (1 + k / _GRID_STEPS), k = 0.._GRID_STEPS.
 _GRID_STEPS = 128
-
-
-def align(n: int, unit: int = ALIGN) -> int:
-    return (n + unit - 1) // unit * unit
 
 
 def _alignment_bound(params, block_aligned: tuple[int, int] | None) -> int:
