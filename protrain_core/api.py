@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from protrain_core.autoplan import AutoPlanner, check_budget_holds_states, follow, plan_on_first_steps, print_report
+from protrain_core.autoplan import (AutoPlanner, check_budget_holds_states, follow, plan_on_first_steps, print_report,
+                                    refitter)
 from protrain_core.checkpoint import is_sharded_checkpoint
 from protrain_core.chunk_format import ChunkFormat
 from protrain_core.config import PlanningConfig, ProTrainConfig
@@ -224,7 +225,9 @@ def _searched(build: _Build, budget: int, report, *, example_inputs, loss_fn, st
     planner = AutoPlanner(None, profile, budget=budget, host_budget=host_budget, report=report,
                           max_tokens=planning.max_tokens, overlap=overlap_mode(build.precision, clipping),
                           tokens_per_batch_token=profile.tokens / n if n and profile.tokens else None,
-                          cache_dir=planning.cache_dir)
+                          cache_dir=planning.cache_dir, refit=refitter(build.model, build.optimizer, build.layout,
+                                                                       build.precision, build.config, build.device,
+                                                                       world_size=build.world))
     choice = planner.first_choice()
     planner.engine = engine = build.engine(choice.plan)
     follow(engine, planner, choice, report=report)

@@ -22,16 +22,19 @@ profiled batch.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
-from protrain_core.chunk_format import ChunkFormat
+from protrain_core.chunk_format import ChunkFormat, timed_formats
 from protrain_core.phase import StepObserver
 from protrain_core.plan import Plan, PlanLimits
 from protrain_core.planner.cost import CostModel
 from protrain_core.planner.profiles import Profile, discard
 from protrain_core.planner.search import InfeasibleBudget, PlanChoice, search
+from protrain_core.profiler.hardware import probe_hardware
 from protrain_core.profiler.live import LiveProfile, LiveProfiler
 from protrain_core.runtime.engine import Engine
+from protrain_core.runtime.storage import chunk_formats
 from protrain_core.update import Overlap
 from protrain_core.utils import batch_tokens, format_bytes, format_seconds
 
@@ -62,14 +65,16 @@ class AutoPlanner(StepObserver):
 
     def __init__(self, engine: Engine | None, profile: Profile, *, budget: int, host_budget: int | None,
                  overlap: Overlap, report=print_report, max_tokens: int | None = None,
-                 tokens_per_batch_token: float | None = None, cache_dir=None) -> None:
+                 tokens_per_batch_token: float | None = None, cache_dir=None, refit=None) -> None:
         """``engine``: may be set later (a plan searched before the engine is built);
         ``overlap``: when the CPU Adam runs and the passes clipping adds (``update.overlap_mode``)
             until the engine is set; then the engine's steady overlap (``engine.clipping.overlap(steady=True)``);
         ``tokens_per_batch_token``: the first block's tokens per ``batch_tokens`` of the batch
-        (None: batches do not show their tokens, and the plan stays the first choice)."""
+        (None: batches do not show their tokens, and the plan stays the first choice);
+        ``refit(profile, changes)``: ``profile`` as the run would be with ``ProTrainConfig.replace(**changes)``
+        (``refitter``), for the changes a refusal proposes."""
         self.engine, self.profile, self.budget, self.host_budget = engine, profile, budget, host_budget
-        self.report, self.max_tokens, self.cache_dir = report, max_tokens, cache_dir
+        self.report, self.max_tokens, self.cache_dir, self.refit = report, max_tokens, cache_dir, refit
         self.ratio = tokens_per_batch_token
         self._overlap = overlap
         self.planned_tokens = max(profile.tokens, max_tokens or 0)
@@ -100,9 +105,10 @@ class AutoPlanner(StepObserver):
         try:
             return self.search(self.planned_tokens)
         except InfeasibleBudget as e:
-            if self.planned_tokens == self.profile.tokens:
-                raise
-            raise self._too_large(self.planned_tokens, e, what="max_tokens") from None
+            if self.planned_tokens != self.profile.tokens:
+                raise self._too_large(self.planned_tokens, e, what="max_tokens") from None
+            raise InfeasibleBudget(f"{e}\n{self._what_would_fit()}", needed_bytes=e.needed_bytes,
+                                   budget_bytes=e.budget_bytes) from None
 
     def plan_for(self, tokens: int) -> Plan:
         """The plan to run a batch of ``tokens`` tokens with, from the current one."""
@@ -159,6 +165,34 @@ class AutoPlanner(StepObserver):
             f"{format_bytes(self.budget)}: the smallest plan needs {format_bytes(error.needed_bytes)}. The largest "
             f"batch that fits has {largest:,} tokens; {fix}.",
             tokens=tokens, largest=largest)
+
+    def _what_would_fit(self) -> str:
+        """After a refusal: each change that needs fewer bytes, alone, with the plan it would get
+        and its predicted step -- the largest batch that fits, 8-bit Adam moments (where chunks
+        are updated in another format), an int8 frozen base (where chunks have a frozen span)."""
+        chunks, tokens = self.profile.chunks, self.profile.tokens
+        largest = self.largest_fitting(tokens)
+        changes = [(f"batches of at most {largest:,} tokens instead of {tokens:,} (shorter sequences or a smaller "
+                    "batch)", lambda: self.profile.at_tokens(largest))] if largest else []
+        if self.refit is not None and self.profile.state_format != "8bit" and any(c.adam_states for c in chunks):
+            changes.append(("optimizer_state_format='8bit'", lambda: self.refit(self.profile, dict(optimizer_state_format="8bit"))))
+        if self.refit is not None and not any(c.quantised for c in chunks) and any(c.frozen_numel for c in chunks):
+            changes.append(("frozen_dtype='int8'", lambda: self.refit(self.profile, dict(frozen_dtype="int8"))))
+        rows = []
+        for change, profile in changes:
+            try:
+                choice = search(profile(), self.budget, host_budget=self.host_budget, schedule=self.overlap.schedule,
+                                gradient_passes=self.overlap.gradient_passes)
+            except InfeasibleBudget:
+                rows.append(f"  {change}: does not fit either")
+                continue
+            except Exception as e:  # (a format that cannot run here): the refusal stands as it is
+                rows.append(f"  {change}: not predicted ({type(e).__name__}: {e})")
+                continue
+            rows.append(f"  {change}: {choice.plan}, predicted {format_seconds(choice.runtime.total_s)} a step, device "
+                        f"peak {format_bytes(choice.memory.peak_bytes)}, host {format_bytes(choice.memory.host_bytes)}")
+        return ("What would fit, each change alone (predicted by the cost model from this profile; a new format's "
+                "update timed in it):\n" + "\n".join(rows)) if rows else "No batch or format change fits this budget."
 
     # ----- following the run ----------------------------------------------------------------
     def follow(self) -> None:
@@ -249,6 +283,27 @@ def follow(engine: Engine, planner: AutoPlanner, choice: PlanChoice, *, report) 
     PredictionCheck(engine, planner, report=report)
 
 
+def refitter(model, optimizer, layout, precision, config, device, *, world_size: int = 1):
+    """``refit(profile, changes)`` for ``AutoPlanner``: ``profile`` as the run would be with
+    ``config.replace(**changes)`` -- its chunks' records in the new formats and the CPU update and
+    the dequantisation timed in them (one process's probes), every other measurement kept."""
+
+    def refit(profile: Profile, changes: dict) -> Profile:
+        new = config.replace(**changes)
+        chunks = tuple(chunk_formats(model, optimizer, layout, precision, new, world_size=world_size))
+        moments, frozen = timed_formats(chunks)
+        probed = probe_hardware(device, layout.chunk_size, precision, switches=new.runtime, state_format=moments,
+                                frozen_format=frozen)
+        hw = profile.hardware
+        timed = dict(cpu_adam_params_per_s=probed.cpu_adam_params_per_s, cpu_land_params_per_s=probed.cpu_land_params_per_s,
+                     cpu_pass_params_per_s=probed.cpu_pass_params_per_s, dequant_params_per_s=probed.dequant_params_per_s)
+        if not hw.async_copies:  # a CPU device: the persistent chunks' update is the same kernel
+            timed["device_adam_params_per_s"] = probed.device_adam_params_per_s
+        return dataclasses.replace(profile, chunks=chunks, hardware=dataclasses.replace(hw, **timed))
+
+    return refit
+
+
 def check_budget_holds_states(formats: list[ChunkFormat], limits: PlanLimits, budget: int) -> None:
     """Before a safe plan starts: a budget below the smallest plan's chunk buffers (every chunk
     streamed through the fewest buffers the model allows) fits no plan, whatever the profile
@@ -273,7 +328,9 @@ def plan_on_first_steps(engine: Engine, *, budget: int, host_budget: int | None,
         profile = result.profile.at_tokens(result.tokens) if result.tokens else result.profile
         planner = AutoPlanner(engine, profile, budget=budget, host_budget=host_budget,
                               overlap=engine.clipping.overlap(steady=True), report=report,
-                              max_tokens=max_tokens, tokens_per_batch_token=ratio, cache_dir=cache_dir)
+                              max_tokens=max_tokens, tokens_per_batch_token=ratio, cache_dir=cache_dir,
+                              refit=refitter(engine.module, engine.optimizer, engine.layout, engine.precision,
+                                             engine.config, engine.ctx, world_size=engine.world_size))
         choice = planner.first_choice()
         engine.replan(choice.plan)
         follow(engine, planner, choice, report=report)

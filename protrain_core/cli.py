@@ -223,32 +223,6 @@ def _simulated(args, config, name: str):
     return result, counts
 
 
-def _what_would_fit(args) -> None:
-    """After a refusal: the run simulated again with each change that needs fewer bytes (8-bit
-    moments for a full fine-tune, an int8 base for LoRA, half the sequence), a row each."""
-    import protrain_core as pt
-
-    changes = []
-    if args.lora_rank is None and args.optimizer_state_format != "8bit":
-        changes.append(("--optimizer-state-format 8bit", dict(optimizer_state_format="8bit")))
-    if args.lora_rank is not None and args.frozen_dtype is None:
-        changes.append(("--frozen-dtype int8", dict(frozen_dtype="int8")))
-    if args.seq_len > 1:
-        changes.append((f"--seq-len {args.seq_len // 2}", dict(seq_len=args.seq_len // 2)))
-    rows = []
-    for option, change in changes:
-        try:
-            result, _ = _simulated(argparse.Namespace(**{**vars(args), **change}), args.config, args.model)
-        except (pt.InfeasibleBudget, torch.OutOfMemoryError):
-            rows.append(f"| {option} | does not fit either | | |")
-            continue
-        p = result.plan
-        rows.append(f"| {option} | {p.n_persist}/{p.n_buffer}/{p.n_swap}/{p.n_checkpoint} | "
-                    f"{format_seconds(result.step_s)} | {format_bytes(result.device_peak_bytes)} |")
-    print("\nWhat would fit (each change alone, simulated; more processes on more hosts also divide the host's "
-          "states):\n\n| change | plan | simulated step | device peak |\n|---|---|---|---|\n" + "\n".join(rows))
-
-
 def largest_command(args) -> int:
     """``--largest``: the run the arguments describe (a full fine-tune, or LoRA) simulated on each
     rung of ``models.LADDER`` in turn until one does not fit the box; a row per rung."""
@@ -316,7 +290,6 @@ def simulate_command(args) -> int:
         result, _ = _simulated(args, args.config, args.model)
     except (pt.InfeasibleBudget, torch.OutOfMemoryError) as e:
         print(f"protrain plan: {e}")
-        _what_would_fit(args)
         return 1
     progress(f"simulated in {format_seconds(time.perf_counter() - start)} of real time")
     if result.choice is not None:

@@ -18,7 +18,8 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader, TensorDataset
 
 import protrain_core as pt
-from protrain_core.autoplan import SWITCH_GAIN
+from protrain_core.autoplan import SWITCH_GAIN, refitter
+from protrain_core.utils import format_bytes, format_seconds, parse_bytes
 from conftest import MODELS, VOCAB, assert_same_weights, batches, train_engine, train_reference
 from lightning_protrain import ProTrainFabricStrategy, ProTrainStrategy
 
@@ -260,6 +261,80 @@ def test_a_batch_no_plan_fits_is_refused_before_its_forward():
     fits = torch.randint(0, VOCAB, (largest // 64, 64))
     engine.backward(engine.module(input_ids=fits, labels=fits).loss)  # the engine is usable after the refusal
     engine.step()
+
+
+def test_a_budget_no_plan_fits_is_refused_with_what_would_fit(tmp_path):
+    """Issue 57, item 2: planning on the first steps, a budget that holds the chunk buffers but
+    no plan's activations beside them is refused with each change that would fit and its
+    predicted step: the largest batch that fits (whose plan the search gives for it); 8-bit
+    moments do not shrink buffers or activations, and say so."""
+    model = MODELS["llama"]()
+    data = batches(PROFILED_STEPS + 2)
+    with pytest.raises(pt.InfeasibleBudget) as need:
+        pt.search(pt.profile(model, torch.optim.AdamW(model.parameters()), {"input_ids": data[0], "labels": data[0]},
+                             cache=False), 1)
+    budget = int(need.value.needed_bytes * 0.6)  # above the buffers alone (the check before the first step)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), device="cpu", report=Reports(),
+                     config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget=budget)))
+    with pytest.raises(pt.InfeasibleBudget, match="No ProTrain plan fits") as refused:
+        train_engine(engine, data)
+    text = str(refused.value)
+    row = text.split("What would fit, each change alone")[1].splitlines()
+    batch = next(r for r in row if r.startswith("  batches of at most"))
+    largest = int(batch.split("at most ")[1].split(" tokens")[0].replace(",", ""))
+    assert 0 < largest < data[0].numel()
+    assert "predicted" in batch and "a step, device peak" in batch
+    peak = batch.split("device peak ")[1].split(",")[0]
+    assert parse_bytes(peak) <= budget
+    assert "  optimizer_state_format='8bit': does not fit either" in row
+    assert not any("frozen_dtype" in r for r in row)  # nothing is frozen
+
+
+def test_a_host_too_small_is_refused_with_the_formats_that_would_fit():
+    """Issue 57, item 2, on a simulated H100 whose host holds the streamed states with 8-bit
+    moments and not with fp32 ones: ``wrap`` refuses, and its refusal gives the plan, step,
+    device peak and host bytes that a run with 8-bit moments gets (the update timed in them):
+    those of that run's own profile and search."""
+    import dataclasses
+
+    from protrain_core import models
+    from protrain_core.simulator.device import SimulatedDevice
+    from protrain_core.simulator.hardware import load_spec
+    from protrain_core.simulator.run import simulate
+
+    config = models.load_config("tiny-llama")
+
+    def build():
+        model, opt = models.build(config, "meta")
+        return model, opt, models.token_batch(config, 2, 64, "meta")
+
+    h100, streamed = load_spec("h100"), pt.Plan(n_persist=0, n_buffer=1)
+    need = {fmt: simulate(*build(), device=SimulatedDevice(h100), plan=streamed, optimizer_state_format=fmt).memory
+            for fmt in ("fp32", "8bit")}
+    assert need["8bit"].planned_host_bytes < need["fp32"].planned_host_bytes
+    host = (need["fp32"].planned_host_bytes + need["8bit"].planned_host_bytes) // 2
+    small = dataclasses.replace(h100, host_memory_bytes=int(host / 0.9))  # the host budget: 90 % of it
+    budget = need["fp32"].peak_bytes
+    sim = SimulatedDevice(small)
+    model, opt, batch = build()
+    with sim, pytest.raises(pt.InfeasibleBudget, match="host budget") as refused:
+        pt.wrap(model, opt, example_inputs=batch, device=sim, precision="bf16-mixed", report=lambda *a, **k: None,
+                config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget=budget, profile_cache=False)))
+    eight = simulate(*build(), device=SimulatedDevice(small), budget=budget, optimizer_state_format="8bit")
+    c = eight.choice
+    assert (f"  optimizer_state_format='8bit': {c.plan}, predicted {format_seconds(c.runtime.total_s)} a step, device "
+            f"peak {format_bytes(c.memory.peak_bytes)}, host {format_bytes(c.memory.host_bytes)}") in str(refused.value)
+    # What it predicted from: the fp32 profile refitted, its records and its update's rate those of the 8-bit run.
+    fp32 = simulate(*build(), device=SimulatedDevice(h100), plan=streamed).profile
+    model, opt, _ = build()
+    layout = pt.build_layout(model, *(lambda path, blocks: (path, len(blocks)))(*pt.find_blocks(model)))
+    with SimulatedDevice(h100) as sim:
+        refitted = refitter(model, opt, layout, pt.Precision.BF16_MIXED, pt.ProTrainConfig(), sim)(
+            fp32, {"optimizer_state_format": "8bit"})
+    assert refitted.chunks == eight.profile.chunks != fp32.chunks
+    rate = eight.profile.hardware.cpu_adam_params_per_s
+    assert refitted.hardware.cpu_adam_params_per_s == pytest.approx(rate, rel=1e-9)
+    assert rate != pytest.approx(fp32.hardware.cpu_adam_params_per_s, rel=1e-3)
 
 
 def test_max_tokens_plans_once_for_the_longest_batch():

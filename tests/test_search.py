@@ -208,6 +208,26 @@ def test_set_grid_matches_scalar_model(seed):
                 assert bound[row].item() == pytest.approx(r.forward_s + r.backward_s + r.device_adam_s, rel=1e-12)
 
 
+def test_a_host_only_a_later_chunk_can_relieve_still_gets_a_plan():
+    """Chunk 0 is frozen (512 B on the host, 512 on the device), chunks 1 and 2 train (2048 B
+    each). A 2560 B host holds two streamed chunks only if one of them is chunk 0: the first-n
+    plans must keep chunks 0 and 1 (the device budget cannot), keeping chunk 1 alone fits both.
+    The search starts from the sets that fit the host when no first-n plan does (it refused
+    this run before). Alike chunks persist earliest first (``_refine``'s moves), so it keeps
+    chunk 1 where brute force over every set keeps chunk 2 (1 s faster: chunk 2 serves block.1
+    and the head): a local optimum, as documented."""
+    base = hand_profile()
+    prof = dataclasses.replace(base, chunks=(
+        dataclasses.replace(base.chunks[0], trainable_numel=0, updated_numel=0, adam_states=0), *base.chunks[1:]))
+    budget, host = 3400, 2560
+    with pytest.raises(pt.InfeasibleBudget):
+        pt.search(prof, budget, host_budget=host, sets=False)
+    got = pt.search(prof, budget, host_budget=host)
+    assert got.plan.persistent() == {1} and got.memory.peak_bytes <= budget and got.memory.host_bytes <= host
+    best = brute_force(prof, budget, host_budget=host, sets=True).runtime.total_s
+    assert best <= got.runtime.total_s <= 1.05 * best
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_set_search_is_never_slower_than_the_first_n(seed):
     """With sets, the search starts from the best first-n plan and only moves to faster plans:

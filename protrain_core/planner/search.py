@@ -216,6 +216,9 @@ def search(profile: Profile, budget: int, *, host_budget: int | None = None,
         best, evaluated = _best_layout(cm, frozenset(n_persist), budget, host_budget)
     else:
         best, evaluated = _best_first_n(cm, budget, host_budget, n_persist)
+    if best is None and sets and n_persist is None and host_budget is not None:
+        best, more = _host_fitting_start(cm, budget, host_budget)
+        evaluated += more
     if best is None:
         raise _infeasible(cm, budget, host_budget)
     if sets and n_persist is None:
@@ -325,6 +328,26 @@ def _refine(cm: CostModel, best, budget: int, host_budget: int | None):
         if best[2] is current:
             break
     return best, evaluated
+
+
+def _host_fitting_start(cm: CostModel, budget: int, host_budget: int):
+    """Where no first-n plan fits the host budget, a start for ``_refine``: the persistent sets
+    (a count of each group of alike chunks, earliest first, as ``_refine`` moves them) whose
+    streamed chunks' states fit the host, fewest device bytes first, until one fits the device
+    too -- where chunks differ, a later chunk may free more host bytes per device byte than the
+    first ones (a set search that starts only from first-n plans refused such runs). (time,
+    memory, plan) or None, and the plans evaluated."""
+    groups = _groups(cm)
+    counts = itertools.islice(itertools.product(*(range(len(g) + 1) for g in groups)), 4096)
+    sets = [frozenset(c for g, k in zip(groups, ks) for c in g[:k]) for ks in counts]
+    evaluated = 0
+    for persistent in sorted((s for s in sets if cm.streamed_host_bytes(s) <= host_budget),
+                             key=lambda s: cm.states_bytes(s, 0))[:16]:
+        found, more = _best_layout(cm, persistent, budget, host_budget)
+        evaluated += more
+        if found is not None:
+            return found, evaluated
+    return None, evaluated
 
 
 def _groups(cm: CostModel) -> list[list[int]]:

@@ -109,14 +109,12 @@ class Weights:
                                  "sharded ProTrain checkpoint (save_sharded's, with its .metadata).")
         elif path.suffix == ".safetensors":
             self._index_safetensors(path)
-        elif path.exists():
+        else:  # (check_weights refused a missing path before anything was built)
             state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
             self._state = state.get("state_dict", state) if isinstance(state, dict) else None
             if not isinstance(self._state, dict):
                 raise ValueError(f"ProTrainConfig.weights={str(path)!r} holds no state dict (a dict of tensors, or a "
                                  "Lightning checkpoint's 'state_dict').")
-        else:
-            raise FileNotFoundError(f"ProTrainConfig.weights={str(path)!r} does not exist.")
 
     def _index_safetensors(self, file: Path) -> None:
         from safetensors import safe_open
@@ -223,9 +221,10 @@ def _own(module: nn.Module):
 
 
 def _ancestors(model: nn.Module, module_name: str):
+    """The module ``module_name`` and each module above it, up to ``model``."""
     parts = module_name.split(".") if module_name else []
     for i in range(len(parts), -1, -1):
-        yield ".".join(parts[:i]), model.get_submodule(".".join(parts[:i]))
+        yield model.get_submodule(".".join(parts[:i]))
 
 
 def _lora_layer(model: nn.Module, module_name: str):
@@ -242,7 +241,7 @@ def _lora_layer(model: nn.Module, module_name: str):
 def _initialiser(model: nn.Module, module_name: str):
     """The module's initialisation: its Hugging Face model's ``_init_weights``, else its own
     ``reset_parameters``; None where neither exists."""
-    for _, ancestor in _ancestors(model, module_name):
+    for ancestor in _ancestors(model, module_name):
         if hasattr(ancestor, "_init_weights") and hasattr(ancestor, "config"):
             return ancestor._init_weights
     module = model.get_submodule(module_name)

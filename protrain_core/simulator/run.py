@@ -20,12 +20,13 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from protrain_core.api import default_host_budget, default_memory_budget, wrap
+from protrain_core.autoplan import AutoPlanner, refitter
 from protrain_core.config import ProTrainConfig
 from protrain_core.phase import StepObserver
 from protrain_core.plan import Plan, as_plan
 from protrain_core.planner.cost import MemoryEstimate, RuntimeEstimate, estimate_memory, estimate_runtime
 from protrain_core.planner.profiles import Profile
-from protrain_core.planner.search import PlanChoice, search
+from protrain_core.planner.search import PlanChoice
 from protrain_core.precision import parse_precision
 from protrain_core.profiler.profiler import call, default_loss, profile_model
 from protrain_core.runtime.storage import chunk_formats
@@ -125,6 +126,7 @@ def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
     clipping = None if gradient_clipping is None else parse_gradient_clipping(*gradient_clipping)
     group = SimulatedGroup(sim, world_size) if world_size > 1 else None
     mode = overlap_mode(prec, clipping)
+    refit = None  # (a refusal's alternatives: of a profile taken here)
     with sim:
         if profile is None:
             block_path, blocks = find_blocks(model)
@@ -133,12 +135,13 @@ def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
             formats = chunk_formats(model, optimizer, layout, prec, config, world_size=world_size)
             profile = profile_model(model, optimizer, layout, example_inputs=batch, precision=prec, device=sim,
                                     iterations=1, cache=False, sharding=group, formats=formats)
+            refit = refitter(model, optimizer, layout, prec, config, sim, world_size=world_size)
         choice = None
         if plan is None:
             # The host budget wrap checks a plan against (available RAM less the margin): a plan
-            # chosen here is one wrap builds.
-            choice = search(profile, budget or default_memory_budget(sim), host_budget=default_host_budget(sim),
-                            schedule=mode.schedule, gradient_passes=mode.gradient_passes)
+            # chosen here is one wrap builds; refused, with what would fit, as wrap refuses it.
+            choice = AutoPlanner(None, profile, budget=budget or default_memory_budget(sim),
+                                 host_budget=default_host_budget(sim), overlap=mode, refit=refit).first_choice()
             plan = choice.plan
         plan = as_plan(plan)
         engine = wrap(model, optimizer, plan, device=sim, precision=precision, process_group=group, config=config)
