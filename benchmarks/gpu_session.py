@@ -25,7 +25,7 @@ The pieces, in order (the first five minutes on what no CPU test can show):
                     measured: protrain_core/simulator)
   run: <workload>, <system>
                     the suite's throughput rows, one piece per run: ProTrain, plain PyTorch, FSDP2
-                    offload, and DeepSpeed ZeRO-3 offload when it is installed (README: bringing
+                    offload, and DeepSpeed ZeRO-3 offload when it is installed (docs/developers.md: bringing
                     DeepSpeed; a system that is not installed is listed as not run); every
                     one-process ProTrain run is simulated too
   largest-<rung>    the top rungs of ProTrain's largest-model ladder trained for real: LLaMA-13B
