@@ -44,7 +44,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
 from protrain_core.runtime import state_formats as formats
@@ -142,10 +141,19 @@ def _save_eight_bit(state: dict, optim, chunk, i: int, index: int) -> None:
 # failed write removes its temporary directory and names the cause (``ENOSPC``: the disk is
 # full) in the first line of the error, on every rank.
 
+def _dcp():
+    """``torch.distributed.checkpoint``, imported where a checkpoint is written or read: at import
+    time it would cost every process half a second."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
 def _write(engine, state: dict, tmp: Path, path: Path, meta: dict | None) -> None:
     """Steps 1-2 of [Note: replacing a checkpoint directory] up to the barrier after them; a
     failure on any rank raises on every rank (DCP gathers the ranks' results) with its cause
     first, and the temporary directory is removed."""
+    dcp = _dcp()
     try:
         with _quiet():
             dcp.save(state, checkpoint_id=str(tmp), process_group=_group(engine), no_dist=engine.sharding is None)
@@ -260,6 +268,7 @@ def read_meta(path) -> dict:
 def check_sharded(path, module) -> None:
     """Before an engine exists: the directory's weights have ``module``'s parameter names and
     sizes (from its metadata alone), or a ``ValueError`` says what differs."""
+    dcp = _dcp()
     sizes: dict[str, int] = {}
     for key, md in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items():
         head, _, off = key.rpartition("/")
@@ -281,6 +290,7 @@ def load_sharded(engine, path, *, model: bool = True, optimizer: bool = True, st
     """Load a sharded checkpoint directory (written at any number of processes) into
     ``engine``'s chunks, one chunk at a time: the weights (``model``) and Adam's state and
     hyper-parameters (``optimizer``). Every rank calls it."""
+    dcp = _dcp()
     path = Path(path)
     if engine.rank == 0:
         recover(path)
@@ -428,6 +438,7 @@ def _load_buffers(engine, path: Path, saved) -> None:
 def _load(read: dict, path: Path) -> None:
     """``dcp.load`` of ``read`` from ``path`` by this rank alone; a file it cannot read (a shard
     file missing: ENOENT) is named in the first line of the error."""
+    dcp = _dcp()
     try:
         with _quiet():
             dcp.load(read, checkpoint_id=str(path), no_dist=True)

@@ -299,6 +299,19 @@ def test_importing_every_protrain_core_module_loads_no_lightning():
         assert not any(d.startswith("lightning") for d in deps), m
 
 
+def test_importing_protrain_core_loads_no_compiler_and_no_checkpoint_machinery():
+    """Every process the suite and a user's launcher start imports protrain_core: dynamo (a
+    second; ``torch.compiler.disable`` at import time pulled it in) and
+    ``torch.distributed.checkpoint`` (half a second) load where they are used, not before.
+    (Lightning's own import loads dynamo: the strategies' processes pay it anyway.)"""
+    code = "import sys, protrain_core\n" \
+           "print('LOADED', [m for m in ('torch._dynamo', 'torch.distributed.checkpoint') if m in sys.modules])\n"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env=dict(os.environ))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "LOADED []" in r.stdout, r.stdout
+
+
 def test_precision_names_come_from_one_table():
     """The strategies map Lightning's flags with protrain_core.precision's table: what the
     engine accepts, they accept (and refuse the rest with the same message)."""

@@ -360,10 +360,9 @@ def refuse_compiled() -> None:
     of the disabled function below is a graph break that runs it eagerly, so the user gets this
     error; in eager code the check is one function call."""
     if torch.compiler.is_compiling():
-        _compiled_call()
+        torch.compiler.disable(_compiled_call)()  # (made here: importing dynamo costs every process a second)
 
 
-@torch.compiler.disable
 def _compiled_call() -> None:
     raise RuntimeError(
         "torch.compile of a ProTrain-wrapped model, or of one of its modules, is not supported: the engine "
