@@ -93,7 +93,8 @@ def rows(profile: Profile, budget: int):
         timed = [(pt.estimate_runtime(profile, plan, schedule=UpdateSchedule.SPECULATIVE, redo_fraction=p).total_s, plan)
                  for plan in plans]
         t, plan = min(timed, key=lambda x: x[0])
-        host = pt.estimate_memory(profile, plan).host_bytes + extra * sum(c.updated_numel for c in profile.chunks[plan.n_persist:])
+        streamed = sum(c.updated_numel for c in profile.chunks[plan.n_persist:])
+        host = pt.estimate_memory(profile, plan).host_bytes + extra * streamed
         out.append((f"speculative, redo {p:.0%}", plan, t, host))
     return out
 

@@ -175,7 +175,8 @@ class AutoPlanner(StepObserver):
         changes = [(f"batches of at most {largest:,} tokens instead of {tokens:,} (shorter sequences or a smaller "
                     "batch)", lambda: self.profile.at_tokens(largest))] if largest else []
         if self.refit is not None and self.profile.state_format != "8bit" and any(c.adam_states for c in chunks):
-            changes.append(("optimizer_state_format='8bit'", lambda: self.refit(self.profile, dict(optimizer_state_format="8bit"))))
+            changes.append(("optimizer_state_format='8bit'",
+                            lambda: self.refit(self.profile, dict(optimizer_state_format="8bit"))))
         if self.refit is not None and not any(c.quantised for c in chunks) and any(c.frozen_numel for c in chunks):
             changes.append(("frozen_dtype='int8'", lambda: self.refit(self.profile, dict(frozen_dtype="int8"))))
         rows = []
@@ -295,8 +296,8 @@ def refitter(model, optimizer, layout, precision, config, device, *, world_size:
         probed = probe_hardware(device, layout.chunk_size, precision, switches=new.runtime, state_format=moments,
                                 frozen_format=frozen)
         hw = profile.hardware
-        timed = dict(cpu_adam_params_per_s=probed.cpu_adam_params_per_s, cpu_land_params_per_s=probed.cpu_land_params_per_s,
-                     cpu_pass_params_per_s=probed.cpu_pass_params_per_s, dequant_params_per_s=probed.dequant_params_per_s)
+        timed = {name: getattr(probed, name) for name in ("cpu_adam_params_per_s", "cpu_land_params_per_s",
+                                                          "cpu_pass_params_per_s", "dequant_params_per_s")}
         if not hw.async_copies:  # a CPU device: the persistent chunks' update is the same kernel
             timed["device_adam_params_per_s"] = probed.device_adam_params_per_s
         return dataclasses.replace(profile, chunks=chunks, hardware=dataclasses.replace(hw, **timed))

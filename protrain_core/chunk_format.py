@@ -261,7 +261,8 @@ class ChunkFormat:
 
     def to_dict(self) -> dict:
         """The record as JSON values (dtypes by name): what a profile's cache file holds."""
-        return {**asdict(self), "compute_dtype": dtype_name(self.compute_dtype), "master_dtype": dtype_name(self.master_dtype)}
+        dtypes = {"compute_dtype": dtype_name(self.compute_dtype), "master_dtype": dtype_name(self.master_dtype)}
+        return {**asdict(self), **dtypes}
 
     @classmethod
     def from_dict(cls, d: dict) -> ChunkFormat:

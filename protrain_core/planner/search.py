@@ -153,7 +153,8 @@ def _chunks_line(p: Profile) -> str:
     frozen = [c for c in p.chunks if c.frozen_numel]
     quantised = sorted({c.frozen_format for c in frozen if c.quantised})
     per_frozen = "" if not frozen else (
-        f"; a frozen parameter uploads {sum(c.frozen_upload_bytes for c in frozen) / sum(c.frozen_numel for c in frozen):.2f} B "
+        f"; a frozen parameter uploads "
+        f"{sum(c.frozen_upload_bytes for c in frozen) / sum(c.frozen_numel for c in frozen):.2f} B "
         f"({', '.join(quantised) + ', scales and norms included' if quantised else 'compute dtype'})")
     size = p.chunks[0].numel * p.chunks[0].compute_dtype.itemsize
     return (f"  chunks: {p.n_chunks} x {p.chunks[0].numel:,} elements ({format_bytes(size)});"
