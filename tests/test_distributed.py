@@ -531,18 +531,23 @@ def _gated_accumulation(rank, world, plan_name, garbage):
         ChunkStorage.allocate_grad_buffer = allocate
 
 
-@pytest.mark.parametrize("plan_name", ["all-persistent", "streamed-buf2"])
-def test_what_a_gradient_buffer_leaves_unwritten_never_reaches_the_results(plan_name, tmp_path):
+def _gated_runs(rank, world):
+    """``_gated_accumulation`` without and with garbage, on both plans, one after the other."""
+    return {(plan_name, garbage): _gated_accumulation(rank, world, plan_name, garbage)
+            for plan_name in ("all-persistent", "streamed-buf2") for garbage in (False, True)}
+
+
+def test_what_a_gradient_buffer_leaves_unwritten_never_reaches_the_results(tmp_path):
     """Issue 26: a chunk's gradient buffer is allocated uninitialised but for its padding, and
     the places of members that got no gradient in a pass are zeroed before it is read. With
     NaN in every unwritten place, a run whose first micro-batch leaves some members without
     gradients (sharded over 2 processes; persistent chunks reduce-scattered, streamed ones
-    offloaded) is the same bit for bit as one without."""
-    clean = spawn(_gated_accumulation, 2, tmp_path / "clean", plan_name, False)
-    dirty = spawn(_gated_accumulation, 2, tmp_path / "dirty", plan_name, True)
-    for (l0, w0), (l1, w1) in zip(clean, dirty):
-        assert l0 == l1 and all(torch.isfinite(torch.tensor(l0))), (l0, l1)
-        assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
+    offloaded) is the same bit for bit as one without. (The four runs in one launch.)"""
+    for runs in spawn(_gated_runs, 2, tmp_path):
+        for plan_name in ("all-persistent", "streamed-buf2"):
+            (l0, w0), (l1, w1) = runs[plan_name, False], runs[plan_name, True]
+            assert l0 == l1 and all(torch.isfinite(torch.tensor(l0))), (plan_name, l0, l1)
+            assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0), plan_name
 
 
 def _tied_states(rank, world):
@@ -978,7 +983,11 @@ def test_a_cpu_devices_freed_block_is_handed_out_again_only_once_its_readers_are
     assert blocks.nbytes == 0
 
 
-def _blocks_per_step(rank, world, plan_name):
+def _blocks_per_plan(rank, world):
+    return {plan_name: _blocks_per_step(plan_name, rank) for plan_name in ("all-persistent", "streamed-buf1")}
+
+
+def _blocks_per_step(plan_name, rank):
     """Blocks the CPU device's cache allocated and handed out again after each of 3 steps, and
     the bytes it holds before and after ``close``."""
     model = tiny_llama(seed=0)
@@ -996,14 +1005,14 @@ def _blocks_per_step(rank, world, plan_name):
     return counts, chunks, kept, engine.ctx.blocks.nbytes, reported
 
 
-@pytest.mark.parametrize("plan_name", ["all-persistent", "streamed-buf1"])
-def test_a_cpu_device_allocates_its_gradient_buffers_in_the_first_backward_only(plan_name, tmp_path):
+def test_a_cpu_device_allocates_its_gradient_buffers_in_the_first_backward_only(tmp_path):
     """On a CPU device the gradient buffers (and a streamed chunk's reduced piece) come from the
     block cache: every one the first backward allocated is handed out again in the next
     backwards, none allocated anew (torch's allocator would map each anew and fault its pages
     in: [Note: a CPU device's block cache]); ``engine.memory`` reports what it holds, and
-    ``close`` empties it."""
-    for counts, chunks, kept, after_close, reported in spawn(_blocks_per_step, 2, tmp_path, plan_name):
+    ``close`` empties it. Both plans in one launch, one engine after the other."""
+    for plan_name, (counts, chunks, kept, after_close, reported) in (
+            item for per_rank in spawn(_blocks_per_plan, 2, tmp_path) for item in per_rank.items()):
         assert kept > 0 and after_close == 0, (kept, after_close)
         assert reported == (kept, True)  # engine.memory and the summary say what the cache holds
         (first, reused_first), *later = counts
@@ -1263,34 +1272,40 @@ def test_a_module_inside_the_wrapped_model_gives_its_true_values_or_refuses_with
         assert result["all-persistent"]["deepcopy"] is True  # the copy has the gathered values
 
 
-def _configured_differently(rank, world, what):
-    kw = {"precision": "32-true", "chunk_size": None, "n_layer": 4}
-    if rank == 1:
-        kw.update({"precision": {"precision": "bf16-mixed"}, "chunk size": {"chunk_size": 32768},
-                   "model": {"n_layer": 5}}[what])
-    model = tiny_llama(n_layer=kw["n_layer"])
-    try:
-        pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), pt.Plan(n_persist=1, n_buffer=1),
-                precision=kw["precision"], device="cpu",
-                config=pt.ProTrainConfig(planning=pt.PlanningConfig(chunk_size=kw["chunk_size"])))
-    except ValueError as e:
-        return str(e)
-    return None
+DIFFERENCES = {"precision": "precision: rank 0: 32-true; rank 1: bf16-mixed", "chunk size": "chunk size: rank 0: ",
+               "model": "parameters: rank 0: "}
 
 
-@pytest.mark.parametrize("what,named", [
-    ("precision", "precision: rank 0: 32-true; rank 1: bf16-mixed"),
-    ("chunk size", "chunk size: rank 0: "),
-    ("model", "parameters: rank 0: "),
-])
-def test_ranks_configured_differently_are_refused_at_wrap_naming_the_difference(what, named, tmp_path):
+def _configured_differently(rank, world):
+    """Each difference of DIFFERENCES in turn, in the same processes (a refusal leaves the group
+    usable): rank 1 wraps with another precision, chunk size or model; each rank's messages."""
+    messages = {}
+    for what in DIFFERENCES:
+        kw = {"precision": "32-true", "chunk_size": None, "n_layer": 4}
+        if rank == 1:
+            kw.update({"precision": {"precision": "bf16-mixed"}, "chunk size": {"chunk_size": 32768},
+                       "model": {"n_layer": 5}}[what])
+        model = tiny_llama(n_layer=kw["n_layer"])
+        try:
+            pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), pt.Plan(n_persist=1, n_buffer=1),
+                    precision=kw["precision"], device="cpu",
+                    config=pt.ProTrainConfig(planning=pt.PlanningConfig(chunk_size=kw["chunk_size"])))
+            messages[what] = None
+        except ValueError as e:
+            messages[what] = str(e)
+    return messages
+
+
+def test_ranks_configured_differently_are_refused_at_wrap_naming_the_difference(tmp_path):
     """Precision, chunk size or model structure differing between ranks (torchrun ranks reading
     different configs) used to end in a gloo collective mismatch or a hang; now every rank's wrap
-    raises, before anything is allocated, with the field and each rank's value."""
-    for message in spawn(_configured_differently, 2, tmp_path, what):
-        assert message is not None and "wrap their models differently" in message and named in message, message
-    if what == "model":
-        assert "model.layers.4" in message, message  # where the parameter lists part
+    raises, before anything is allocated, with the field and each rank's value. (One launch for
+    the three cases: a process start is most of each case's time.)"""
+    for messages in spawn(_configured_differently, 2, tmp_path):
+        for what, named in DIFFERENCES.items():
+            message = messages[what]
+            assert message is not None and "wrap their models differently" in message and named in message, message
+        assert "model.layers.4" in messages["model"], messages["model"]  # where the parameter lists part
 
 
 
