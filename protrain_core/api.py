@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -180,7 +181,7 @@ class _Build:
         if host_budget is None:
             return
         host_budget = agree_budgets(self.sharding, 0, host_budget)[1]
-        formats = self.formats()
+        formats = self.formats
         persistent = plan.persistent()
         need = sum(f.streamed_host_bytes for i, f in enumerate(formats) if i not in persistent)
         if need > host_budget:
@@ -191,12 +192,15 @@ class _Build:
                 "ranks of this node). Keep more chunks on the device (a larger n_persist), use precision="
                 "'bf16-true', or free host memory; nothing was allocated.")
 
-    def formats(self) -> list[ChunkFormat]:
-        """Every chunk's format, as the engine will allocate it on this rank."""
-        return chunk_formats(self.model, self.optimizer, self.layout, self.precision, self.config, world_size=self.world)
+    @cached_property
+    def formats(self) -> tuple[ChunkFormat, ...]:
+        """Every chunk's format, as the engine will allocate it on this rank (made once: the host
+        check, the safe plan and the profile all read it)."""
+        return tuple(chunk_formats(self.model, self.optimizer, self.layout, self.precision, self.config,
+                                   world_size=self.world))
 
     def safe_plan(self, budget: int) -> Plan:
-        return safe_plan(self.formats(), self.layout.limits(), self.device, budget=budget)
+        return safe_plan(self.formats, self.layout.limits(), self.device, budget=budget)
 
 
 def _searched(build: _Build, budget: int, report, *, example_inputs, loss_fn, step_fn) -> Engine:
@@ -212,14 +216,14 @@ def _searched(build: _Build, budget: int, report, *, example_inputs, loss_fn, st
                "its chunks persist when its model states take at most half the memory budget, else they stream.")
         return engine
     if example_inputs is None:
-        check_budget_holds_states(build.formats(), build.layout.limits(), budget)
+        check_budget_holds_states(build.formats, build.layout.limits(), budget)
         engine = build.engine(agree(sharding, build.safe_plan(budget)))
         plan_on_first_steps(engine, budget=budget, host_budget=host_budget, report=report,
                             max_tokens=planning.max_tokens, **cache)
         return engine
     profile = profile_model(build.model, build.optimizer, build.layout, example_inputs=example_inputs,
                             loss_fn=loss_fn, step_fn=step_fn, precision=build.precision, device=build.device,
-                            sharding=sharding, switches=build.config.runtime, formats=build.formats(), **cache)
+                            sharding=sharding, switches=build.config.runtime, formats=build.formats, **cache)
     n = batch_tokens(example_inputs)
     clipping = None if build.config.clipping is None else build.config.clipping.parsed()
     planner = AutoPlanner(None, profile, budget=budget, host_budget=host_budget, report=report,

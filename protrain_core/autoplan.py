@@ -305,7 +305,7 @@ def refitter(model, optimizer, layout, precision, config, device, *, world_size:
     return refit
 
 
-def check_budget_holds_states(formats: list[ChunkFormat], limits: PlanLimits, budget: int) -> None:
+def check_budget_holds_states(formats: tuple[ChunkFormat, ...], limits: PlanLimits, budget: int) -> None:
     """Before a safe plan starts: a budget below the smallest plan's chunk buffers (every chunk
     streamed through the fewest buffers the model allows) fits no plan, whatever the profile
     says; refuse it now instead of after the profiled steps."""

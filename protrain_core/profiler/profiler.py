@@ -209,10 +209,9 @@ def _fitting(model: nn.Module, optimizer, layout: ChunkLayout, precision: Precis
     activations beside its persistent chunks run out of device memory, again with the states'
     share of the device halved, down to every chunk streamed (its device memory is freed before
     each new engine)."""
-    budget = None
+    budget, formats = None, chunk_formats(model, optimizer, layout, precision, PROFILING)
     while True:
-        plan = safe_plan(chunk_formats(model, optimizer, layout, precision, PROFILING), layout.limits(), ctx,
-                         budget=budget)
+        plan = safe_plan(formats, layout.limits(), ctx, budget=budget)
         try:
             return _profiled(model, optimizer, layout, plan, precision, ctx, switches, passes)
         except torch.OutOfMemoryError as e:

@@ -357,8 +357,8 @@ def refuse_compiled() -> None:
     dynamo traces the module's hooks, and a compiled graph bakes in the placeholders and host
     copies a streamed chunk's parameters point at between their fetches (it would fail deep in
     the compiler or train on stale values). Under tracing ``is_compiling()`` is true and the call
-    of the disabled function below is a graph break that runs it eagerly, so the user gets this
-    error; in eager code the check is one function call."""
+    of ``_compiled_call``, disabled for the compiler there, is a graph break that runs it eagerly,
+    so the user gets this error; in eager code the check is one function call."""
     if torch.compiler.is_compiling():
         torch.compiler.disable(_compiled_call)()  # (made here: importing dynamo costs every process a second)
 
