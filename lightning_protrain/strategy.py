@@ -561,7 +561,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
                 self.precision_plugin.scaler = engine.states.scaler()  # and the loss scaler's
             self._last_plan = engine.plan  # the plan evaluation after fit runs with
             engine.close()
-            if self._final_optimizer_state is not None and self.world_size == 1:
+            if self._final_optimizer_state is not None and engine.sharding.whole:
                 # The optimizer is plain PyTorch again, with its state as under the default
                 # strategy (the tensors are the state dict's: nothing is copied).
                 engine.optimizer.load_state_dict(self._final_optimizer_state)

@@ -83,8 +83,7 @@ def wrap(
                          "config.planning.plan).")
     prec, dev = _checked(model, precision, device, config)
     sharding = Sharding.resolve(process_group)
-    if sharding is not None:
-        sharding.check_device(dev.device)
+    sharding.check_device(dev.device)
     budget = planning.budget_bytes
     budget = default_memory_budget(dev) if budget is None and planning.plan is None else budget
     layout = _prepare(model, optimizer, planning.blocks, planning.chunk_size, example_inputs, dev,
@@ -151,11 +150,7 @@ class _Build:
     precision: Precision
     device: DeviceContext
     config: ProTrainConfig
-    sharding: Sharding | None
-
-    @property
-    def world(self) -> int:
-        return 1 if self.sharding is None else self.sharding.world
+    sharding: Sharding
 
     def engine(self, plan: Plan) -> Engine:
         check_plan(plan, self.layout.limits())
@@ -197,7 +192,7 @@ class _Build:
         """Every chunk's format, as the engine will allocate it on this rank (made once: the host
         check, the safe plan and the profile all read it)."""
         return tuple(chunk_formats(self.model, self.optimizer, self.layout, self.precision, self.config,
-                                   world_size=self.world))
+                                   world_size=self.sharding.world))
 
     def safe_plan(self, budget: int) -> Plan:
         return safe_plan(self.formats, self.layout.limits(), self.device, budget=budget)
@@ -231,7 +226,7 @@ def _searched(build: _Build, budget: int, report, *, example_inputs, loss_fn, st
                           tokens_per_batch_token=profile.tokens / n if n and profile.tokens else None,
                           cache_dir=planning.cache_dir, refit=refitter(build.model, build.optimizer, build.layout,
                                                                        build.precision, build.config, build.device,
-                                                                       world_size=build.world))
+                                                                       world_size=build.sharding.world))
     choice = planner.first_choice()
     planner.engine = engine = build.engine(choice.plan)
     follow(engine, planner, choice, report=report)

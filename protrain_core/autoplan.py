@@ -210,9 +210,8 @@ class AutoPlanner(StepObserver):
         tokens = self.tokens_of(batch)
         if tokens is None:
             return
-        sharding = self.engine.sharding
-        if sharding is not None:  # every rank plans for the longest of the ranks' batches (a host collective)
-            tokens = int(sharding.max_on_host([tokens])[0])
+        # Every rank plans for the longest of the ranks' batches (a host collective).
+        tokens = int(self.engine.sharding.max_on_host([tokens])[0])
         plan = self.plan_for(tokens)
         if plan != self.engine.plan:
             self.engine.replan(plan)

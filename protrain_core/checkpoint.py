@@ -102,7 +102,7 @@ def save_sharded(engine, path, meta: dict | None = None) -> None:
             _replace(tmp, path)
     finally:
         _SAVING.discard(path.resolve())
-    _barrier(engine)
+    engine.sharding.barrier()
 
 
 _SAVING: set[Path] = set()  # the checkpoint paths this process is saving now
@@ -156,7 +156,8 @@ def _write(engine, state: dict, tmp: Path, path: Path, meta: dict | None) -> Non
     dcp = _dcp()
     try:
         with _quiet():
-            dcp.save(state, checkpoint_id=str(tmp), process_group=_group(engine), no_dist=engine.sharding is None)
+            dcp.save(state, checkpoint_id=str(tmp), process_group=engine.sharding.group,
+                     no_dist=engine.sharding.whole)
         if engine.rank == 0 and meta is not None:
             # Serialised in memory, then written by Python: a full disk raises OSError(ENOSPC),
             # where torch.save to a path says "unexpected pos 704 vs 598".
@@ -167,7 +168,7 @@ def _write(engine, state: dict, tmp: Path, path: Path, meta: dict | None) -> Non
     except (Exception, dcp.CheckpointException) as e:  # DCP's is a BaseException
         shutil.rmtree(tmp, ignore_errors=True)  # every rank: none waits for another on a failure
         raise _write_error(e, path) from e
-    _barrier(engine)
+    engine.sharding.barrier()
 
 
 def _write_error(e: Exception, path: Path) -> Exception:
@@ -294,7 +295,7 @@ def load_sharded(engine, path, *, model: bool = True, optimizer: bool = True, st
     path = Path(path)
     if engine.rank == 0:
         recover(path)
-    _barrier(engine)
+    engine.sharding.barrier()
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a sharded ProTrain checkpoint (a torch.distributed.checkpoint directory).")
     engine.states.release_device_copies()
@@ -470,15 +471,6 @@ def _indexed(engine):
     return indexed_params(engine.optimizer)
 
 
-def _group(engine):
-    return None if engine.sharding is None else engine.sharding.group
-
-
-def _barrier(engine) -> None:
-    if engine.sharding is not None:
-        engine.sharding.barrier()
-
-
 def _agreed_tmp(engine, path: Path) -> Path:
     """A fresh temporary sibling of ``path`` with rank 0's name on every rank (rank 0 first
     removes what killed saves left there)."""
@@ -488,7 +480,6 @@ def _agreed_tmp(engine, path: Path) -> Path:
         remove_stale_temporaries(path.parent)
         recover(path)
         name = f"{temporary_prefix(path)}{uuid.uuid4().hex[:8]}"
-    if engine.sharding is not None:
-        name = engine.sharding.broadcast_object(name)
+    name = engine.sharding.broadcast_object(name)
     return path.with_name(name)
 

@@ -124,6 +124,16 @@ class ChunkFormat:
     def trains(self) -> bool:
         return self.trainable_numel > 0
 
+    @property
+    def whole(self) -> bool:
+        """One process holds the chunk whole (``W = 1``): a fetch uploads the compute copy with
+        no all-gather, a persistent chunk's gradients land straight in its accumulator and a
+        streamed chunk's gradient buffer is offloaded as it is (no reduce-scatter, no gradient
+        buffer of a persistent chunk), a persistent chunk's update needs no gather, and the
+        parameters can point at a streamed chunk's host copy at rest. With ``W`` processes
+        every one of these is a collective or a piece ([Note: sharded chunks])."""
+        return self.world_size == 1
+
     def _shard(self, n: int, unit: int = ALIGN) -> int:
         return align(-(-n // self.world_size), unit)
 
@@ -215,7 +225,7 @@ class ChunkFormat:
     def persistent_device_bytes(self) -> int:
         """Device bytes of the chunk when it is persistent (with ``W`` processes, its gradient
         buffer during backward included)."""
-        grads = 0 if self.world_size == 1 else self.grad_buffer_numel
+        grads = 0 if self.whole else self.grad_buffer_numel
         return (self.padded_numel + grads) * self.compute_dtype.itemsize + self._state_bytes()
 
     @property
@@ -249,12 +259,12 @@ class ChunkFormat:
     @property
     def gather_bytes(self) -> int:
         """Bytes one all-gather of the compute copy assembles (0 in one process)."""
-        return 0 if self.world_size == 1 else self.padded_numel * self.compute_dtype.itemsize
+        return 0 if self.whole else self.padded_numel * self.compute_dtype.itemsize
 
     @property
     def reduce_bytes(self) -> int:
         """Bytes of gradients one reduce-scatter reads (0 in one process)."""
-        return 0 if self.world_size == 1 else self.grad_buffer_numel * self.compute_dtype.itemsize
+        return 0 if self.whole else self.grad_buffer_numel * self.compute_dtype.itemsize
 
     def sharded(self, world_size: int) -> ChunkFormat:
         return replace(self, world_size=world_size)

@@ -39,8 +39,7 @@ def save_pretrained(engine, save_directory, *, module: str | None = None, **kwar
     finally:
         if config is not None:
             config.dtype = before
-    if engine.sharding is not None:
-        engine.sharding.barrier()
+    engine.sharding.barrier()
 
 
 def _exported(root, name: str | None):

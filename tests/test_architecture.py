@@ -211,28 +211,30 @@ def test_the_engine_is_thin():
     assert len(runtime) + len(verbs) <= 30, sorted(runtime + verbs)
 
 
-# The functions of a chunk's storage and lifecycle that may ask whether chunks are sharded: each
-# runs or sizes a collective (the all-gather of a fetch, the reduce-scatter of gradients and its
-# buffer, the gather of values), or validates the format; ShardLayout.whole is the layout's own
-# answer. Everything else addresses members through the ShardLayout, for which one process is
-# rank 0 of W = 1.
-COLLECTIVE_SITES = {
-    "runtime/chunk.py": {"begin_fetch", "end_offload", "receive", "land", "_reduced_gradients"},
-    "runtime/values.py": {"gathered_values"},
-    "runtime/storage.py": {"__init__", "_restore", "whole"},
-    "chunk_format.py": {"__post_init__", "persistent_device_bytes", "gather_bytes", "reduce_bytes"},
-}
-_WORLD_TEST = re.compile(r"sharding is (not )?None|world_size ?(==|>|<|!=)|\bworld ?(==|>|<|!=)")
+# Where the number of processes may decide anything: the collectives (sharding.py: a group of one
+# returns at once), the chunk format record (its named property ``whole`` and the bytes it sizes),
+# and the simulator and the command line, whose arguments say how many ranks to simulate (and the
+# search's report, one sentence of it).
+WORLD_BRANCHES = {"protrain_core/runtime/sharding.py", "protrain_core/chunk_format.py", "protrain_core/cli.py",
+                  "protrain_core/simulator/run.py", "protrain_core/simulator/device.py", "protrain_core/planner/search.py"}
+_WORLD_TEST = re.compile(r"world_size ?(==|>|<|!=|>=|<=)|\bworld ?(==|>|<|!=|>=|<=)")
+_NO_GROUP = re.compile(r"sharding is (not )?None|Sharding \| None|sharding=None|sharding else|if (not )?sharding:")
 
 
-def test_one_process_is_the_w1_case_of_sharding():
-    """No world-size branch in a chunk's addressing: only around collectives (COLLECTIVE_SITES)."""
-    for name, allowed in COLLECTIVE_SITES.items():
-        tree = ast.parse((ROOT / "protrain_core" / name).read_text())
-        branching = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
-                     and any(_WORLD_TEST.search(ast.unparse(n)) for n in ast.walk(f) if isinstance(n, (ast.If, ast.IfExp,
-                                                                                                        ast.Assert, ast.Compare)))}
-        assert branching <= allowed, f"{name}: world-size branches outside collectives in {sorted(branching - allowed)}"
+def test_one_process_is_a_group_of_one():
+    """``Sharding`` always exists (in one process the group of one, whose collectives return at
+    once), so no code asks whether there is one; the number of processes decides something only
+    in the collectives and the chunk format record (``whole``), which everything else asks."""
+    branching = set()
+    for package in LIBRARY:
+        for path in (ROOT / package).rglob("*.py"):
+            name, text = str(path.relative_to(ROOT)), path.read_text()
+            assert not _NO_GROUP.search(text), f"{name}: {_NO_GROUP.search(text).group()} (the group is never None)"
+            tests = [n.test for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.If, ast.IfExp, ast.While))]
+            tests += [c for n in ast.walk(ast.parse(text)) if isinstance(n, ast.comprehension) for c in n.ifs]
+            if any(_WORLD_TEST.search(ast.unparse(t)) for t in tests):
+                branching.add(name)
+    assert branching <= WORLD_BRANCHES, f"world-size branches outside the collectives: {sorted(branching - WORLD_BRANCHES)}"
 
 
 def test_a_chunk_is_described_by_its_format_record():

@@ -134,15 +134,60 @@ def test_one_process_is_rank_0_of_one():
                       trainable_numel=150)
     layout = ShardLayout(fmt)
     frozen, trainable = ParamSlot("a", 16, 100, (10, 10), trainable=False), ParamSlot("b", 816, 120, (120,))
-    assert layout.whole and (fmt.frozen_shard, fmt.state_numel, fmt.padded_numel) == (800, 160, 960)
+    assert fmt.whole and (fmt.frozen_shard, fmt.state_numel, fmt.padded_numel) == (800, 160, 960)
     assert layout.device_offset(frozen) == 16 and layout.device_offset(trainable) == 816
     assert layout.host_piece(frozen) == (0, 16, 100) and layout.host_piece(trainable) == (0, 816, 120)
     assert layout.state_piece(trainable) == (0, 16, 120) and layout.span_offset(trainable) == 16
     assert layout.compute_span(persistent=False) == layout.compute_span(persistent=True) == (800, 160)
     assert layout.upload_places == ((0, 0, 960),)
     rank1 = ShardLayout(fmt.sharded(2), rank=1)  # the same questions, answered for rank 1 of 2
-    assert not rank1.whole and rank1.upload_places == ((0, 400, 400), (400, 800 + 80, 80))
+    assert not rank1.fmt.whole and rank1.upload_places == ((0, 400, 400), (400, 800 + 80, 80))
     assert rank1.host_piece(frozen) is None and rank1.state_piece(trainable) == (64, 0, 56)
+
+
+def test_one_process_is_the_group_of_one(monkeypatch):
+    """One process is a ``Sharding`` too, the group of one: its collectives give what they would
+    with W = 1 without calling torch.distributed, and a one-process engine trains a streamed and
+    a persistent chunk, clipping and fp16's overflow check included, without issuing one
+    collective on the device (no gather, no reduce-scatter, no broadcast of its weights)."""
+    import torch.distributed as dist
+
+    from conftest import batches
+    from protrain_core.runtime import device as D
+    from protrain_core.runtime import sharding as S
+    one = Sharding.resolve()
+    assert one is S.ONE_PROCESS and one.whole and (one.group, one.rank, one.world, one.pre_scale) == (None, 0, 1, None)
+    for name in ("all_reduce", "broadcast", "all_gather_object", "barrier", "isend", "irecv", "all_gather_into_tensor",
+                 "reduce_scatter_tensor", "get_backend_config"):
+        monkeypatch.setattr(dist, name, lambda *a, name=name, **k: pytest.fail(f"dist.{name} in one process"))
+    full = torch.arange(8.0)
+    one.gather_(full)
+    one.broadcast_(full)
+    assert one.all_reduce_(full) is full and full.tolist() == list(range(8))
+    out = torch.empty(8)
+    one.reduce_scatter_mean(out, full)
+    assert torch.equal(out, full)
+    assert one.max_on_host([1.0, -2.0]) == [1.0, -2.0] and one.gather_objects("x") == ["x"]
+    assert one.broadcast_object("x") == "x" and S.agree(one, "plan") == "plan"
+    assert S.agree_budgets(one, 10, 20) == (10, 20)
+    S.check_same_configuration(one, {"precision": "32"})
+    one.barrier()
+    one.check_device(torch.device("cpu"))
+
+    def no_collective(self, *a, **k):
+        raise AssertionError("a device collective in one process")
+
+    monkeypatch.setattr(D.DeviceContext, "collective", no_collective)
+    model = tiny_gpt2()
+    opt = torch.optim.AdamW(model.parameters())
+    engine = pt.wrap(model, opt, pt.Plan(n_persist=1, n_buffer=2), precision="16-mixed", device="cpu")
+    assert engine.sharding is one and {c.persistent for c in engine.chunks} == {True, False}
+    for x in batches(2):
+        engine.backward(model(x, labels=x).loss)
+        engine.clipping.clip_grad_norm_(1.0)
+        engine.step()
+        engine.zero_grad()
+    engine.close()
 
 
 @pytest.mark.parametrize("mixed", [False, True])

@@ -20,6 +20,7 @@ from protrain_core.runtime.device import DeviceContext, as_context, cpu_worker_p
 from protrain_core.runtime.frozen_formats import dequantise_into, quantised_dtype
 from protrain_core.runtime.host_pool import PageLocked
 from protrain_core.runtime.options import RuntimeConfig
+from protrain_core.runtime.sharding import ONE_PROCESS, Sharding
 from protrain_core.runtime.state_formats import moment_step
 from protrain_ops import AdamHyperParams, adam_step, copy_to_low_precision, onepass
 
@@ -44,7 +45,7 @@ def _median_time(ctx: DeviceContext, fn, sync, *, budget_s: float = 0.15, max_re
 
 
 def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, precision: Precision, *,
-                   sharding=None, switches: RuntimeConfig | None = None, state_format: str = "fp32",
+                   sharding: Sharding = ONE_PROCESS, switches: RuntimeConfig | None = None, state_format: str = "fp32",
                    frozen_format: str | None = None) -> Hardware:
     """Chunk-size copies each way and Adam on one chunk, as the runtime performs them (and with
     ``sharding``, a chunk's all-gather and reduce-scatter: every rank must call it).
@@ -66,8 +67,7 @@ def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, preci
     nbytes = n * cdt.itemsize
     h2d, d2h = _copy_rates(ctx, n, cdt, switches.pins(ctx))
     mixed = precision.is_mixed
-    worker = ctx.worker(ctx.asynchronous, cpu_worker_placement(ctx, sharding.world if sharding else 1,
-                                                               switches.worker_cores))
+    worker = ctx.worker(ctx.asynchronous, cpu_worker_placement(ctx, sharding.world, switches.worker_cores))
     try:
         with on_host():
             cpu_rate, land_rate, pass_rate = _adam_rate(ctx, n, ctx.host, cdt if mixed else None,
@@ -78,7 +78,7 @@ def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, preci
         worker.shutdown()
     dev_rate = _adam_rate(ctx, n, ctx.device, cdt if mixed else None, lambda fn: fn(),
                           state_format=state_format)[0] if ctx.asynchronous else cpu_rate
-    gather, reduce = (0.0, 0.0) if sharding is None else collective_rates(sharding, ctx, n, cdt)
+    gather, reduce = (0.0, 0.0) if sharding.whole else collective_rates(sharding, ctx, n, cdt)
     return Hardware(
         gather_bytes_per_s=gather, reduce_bytes_per_s=reduce,
         device=ctx.name(), async_copies=ctx.asynchronous,

@@ -60,7 +60,7 @@ from protrain_core.runtime.device import DeviceContext, as_context
 from protrain_core.runtime.elementwise import state_slots
 from protrain_core.runtime.engine import Engine
 from protrain_core.runtime.options import RuntimeConfig
-from protrain_core.runtime.sharding import agree
+from protrain_core.runtime.sharding import ONE_PROCESS, Sharding, agree
 from protrain_core.runtime.state_formats import block_aligned
 from protrain_core.runtime.storage import chunk_formats
 from protrain_core.runtime.weights import back_to_meta, meta_names
@@ -168,7 +168,7 @@ def profile_model(
     cache: bool = True,
     cache_dir=None,
     reprofile: bool = False,
-    sharding=None,
+    sharding: Sharding = ONE_PROCESS,
     switches: RuntimeConfig | None = None,
     formats,
 ) -> Profile:
@@ -198,7 +198,7 @@ def profile_model(
         return measured
     profile = agree(sharding, build_profile(key, shapes, measured, model, layout, precision, ctx, start, formats,
                                             sharding=sharding, switches=switches))
-    if cache and (sharding is None or sharding.rank == 0):
+    if cache and sharding.rank == 0:
         store(profile, cache_dir)
     return profile
 
@@ -268,7 +268,7 @@ def _buffers_kept(model: nn.Module):
 
 
 def build_profile(key: str, shapes, measured: Measured, model, layout: ChunkLayout, precision: Precision,
-                  ctx: DeviceContext, start: float, formats, sharding=None, switches: RuntimeConfig | None = None) -> Profile:
+                  ctx: DeviceContext, start: float, formats, sharding: Sharding = ONE_PROCESS, switches: RuntimeConfig | None = None) -> Profile:
     """The Profile of what the passes measured, the chunks' records ``formats`` and the hardware
     probes, in their formats (with ``sharding``: the collectives' bandwidths too, a collective
     call; ``switches``: the engine's runtime switches, which the probes follow)."""

@@ -244,7 +244,7 @@ class Chunk:
             self._event = ctx.copy_async(device, host, stream=ctx.h2d_stream, span=("host->device", f"chunk {self.index}"))
         if storage.frozen_store is not None:  # the same stream: this event comes after the copies above
             self._event = storage.upload_frozen(ctx, f"chunk {self.index} (8-bit frozen)")
-        if storage.sharding is not None:
+        if not storage.fmt.whole:
             self._event = ctx.collective(storage.gather_spans, after=self._event,
                                          span=("collectives", f"all-gather chunk {self.index}"))
         self.state = target
@@ -298,7 +298,7 @@ class Chunk:
         for t in (storage.grad_buffer, self._reduced):
             if t is not None:
                 ctx.record_stream(t, ctx.d2h_stream)
-                if storage.sharding is not None:
+                if not storage.fmt.whole:
                     ctx.record_stream(t, ctx.comm_stream)
         copied, self._event = self._event, None
         self.point_at_placeholders() if in_pass else self.point_at_rest()
@@ -351,7 +351,7 @@ class Chunk:
         device gradient buffer (streamed; the chunk is resident). True when every member with
         gradients has its gradient of this pass."""
         target = self._grad_moved("receive")
-        if self.persistent and self.storage.sharding is None:
+        if self.persistent and self.storage.fmt.whole:
             dst = self.values.state_view(self.storage.grad_acc, i)
             dst.add_(grad) if self._received[i] else dst.copy_(grad)
         else:  # a streamed chunk (resident), or any chunk sharded over W processes
@@ -360,8 +360,7 @@ class Chunk:
             if buffer is None:
                 buffer = self.storage.allocate_grad_buffer(zero=self._grad_gaps)
                 self._written, self._n_written = [False] * len(self.params), 0
-            dst, sharding = self.values.span_view(buffer, i), self.storage.sharding
-            scale = None if sharding is None else sharding.pre_scale
+            dst, scale = self.values.span_view(buffer, i), self.storage.sharding.pre_scale
             if scale is None:
                 dst.copy_(grad)
             elif grad.dtype == dst.dtype:
@@ -391,7 +390,7 @@ class Chunk:
         assert self.persistent, self
         target = self._grad_moved("land")
         storage = self.storage
-        if storage.sharding is not None and storage.grad_buffer is not None:
+        if not storage.fmt.whole and storage.grad_buffer is not None:
             self._zero_missing()
             buffer, first = storage.grad_buffer, self.grad_state is GradState.FIRST
             direct = first and storage.grad_acc.dtype == buffer.dtype  # reduced into the accumulator itself
@@ -430,7 +429,7 @@ class Chunk:
         gradient buffer, or with ``W`` processes this rank's piece of their mean over the ranks
         (reduce-scattered on the communication stream)."""
         storage = self.storage
-        if storage.sharding is None:
+        if storage.fmt.whole:
             return storage.grad_buffer, None
         buffer = storage.grad_buffer
         self._reduced = out = storage.empty(storage.fmt.state_numel, buffer.dtype)
@@ -496,13 +495,13 @@ class Chunk:
         others at the host copy and the host store's kept values): [Note: quantised frozen
         chunks] in frozen_formats.py."""
         storage = self.storage
-        if storage.shards.whole and storage.frozen is None:
+        if storage.fmt.whole and storage.frozen is None:
             self.point_params_at(storage.host_copy, members)
             return
         nan = self._nan_of(storage.host, storage.fmt.compute_dtype)
         for i in self._repointed(members):
             # one process, quantised: the trainable and kept members have their values at rest
-            at_rest = self.values.at_rest(i) if storage.shards.whole else None
+            at_rest = self.values.at_rest(i) if storage.fmt.whole else None
             p = self.params[i]
             p.data = nan.expand(p.shape) if at_rest is None else at_rest
             self._pointed[i] = p.data_ptr()

@@ -142,7 +142,7 @@ class Clipping:
         state = self._state
         if not (self._grads.readable and state.idle and not state.optimizer_step and chunk.has_grad(i)):
             return None
-        if self._scheduler.sharding is not None:
+        if not self._scheduler.sharding.whole:
             raise RuntimeError(
                 f"p.grad of {chunk.spec.members[i].name} was read with ProTrain sharding the gradients over "
                 f"{self._scheduler.sharding.world} processes: no rank holds it whole. Use engine.clipping "

@@ -29,7 +29,7 @@ from protrain_core.runtime.hooks import RuntimeHooks, refuse_compiled
 from protrain_core.runtime.optim import ChunkOptimizer
 from protrain_core.runtime.parking import OffloadedStates, check_between_steps, check_onloaded, offload, onload
 from protrain_core.runtime.scheduler import Scheduler
-from protrain_core.runtime.sharding import Sharding, broadcast_tensors
+from protrain_core.runtime.sharding import ONE_PROCESS, Sharding, broadcast_tensors
 from protrain_core.runtime.states import StateAccess, StateMemory
 from protrain_core.runtime.state_formats import check_layout_for, check_optimizer_for
 from protrain_core.runtime.storage import ChunkStorage, chunk_formats, frozen_places_of
@@ -51,18 +51,17 @@ class Engine:
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, layout: ChunkLayout, plan: Plan,
                  precision: Precision, device: torch.device | DeviceContext, config: ProTrainConfig | None = None,
-                 sharding: Sharding | None = None, *, warn_on_cache: bool = True) -> None:
+                 sharding: Sharding = ONE_PROCESS, *, warn_on_cache: bool = True) -> None:
         """``device``: a torch device, or a DeviceContext (a simulated device: protrain_core/simulator).
-        ``sharding``: the processes the chunks are sharded over (``Sharding.resolve``; None:
-        one process). Every rank builds its engine alike, with the same plan."""
+        ``sharding``: the processes the chunks are sharded over (``Sharding.resolve``; the group
+        of one in one process). Every rank builds its engine alike, with the same plan."""
         check_plan(plan, layout.limits())
         config = config or ProTrainConfig()
         self.ctx = as_context(device)
         device = self.ctx.device
-        if sharding is not None:
-            sharding.check_device(device)
+        sharding.check_device(device)
         self.sharding = sharding
-        self.world_size, self.rank = (1, 0) if sharding is None else (sharding.world, sharding.rank)
+        self.world_size, self.rank = sharding.world, sharding.rank
         self.module, self.optimizer, self.layout, self.plan = module, optimizer, layout, plan
         self.precision, self.device, self.config = precision, device, config
         self._warn_on_cache = warn_on_cache  # (off for the profiler's all-checkpointed engine: not the user's choice)
@@ -80,8 +79,8 @@ class Engine:
         placement = cpu_worker_placement(self.ctx, self.world_size, config.runtime.worker_cores)
         self.chunks = _allocate(self, self._optim, touch=None if placement is None else placement.touch)
         n_buffer = min(plan.n_buffer, len(self.chunks) - plan.n_persist)
-        self.grads = StepGradients(self._optim, self.scaler, self.chunks, self.ctx)
-        self.scheduler = Scheduler(self.chunks, self.ctx, self._optim, self.step_state, n_buffer=n_buffer,
+        self.grads = StepGradients(self._optim, self.scaler, self.chunks, self.ctx, sharding)
+        self.scheduler = Scheduler(self.chunks, self.ctx, self._optim, self.step_state, sharding, n_buffer=n_buffer,
                                    switches=config.runtime, finisher=self.grads.finisher, placement=placement)
         self.stats = self.scheduler.stats  # counts of the runtime's events: uploads, offloads, updates
         self.clipping = Clipping(self.grads, self.scheduler, self.chunks, precision, self.step_state)
@@ -463,8 +462,7 @@ def _allocate(engine: Engine, optim: ChunkOptimizer, *, touch=None) -> list[Chun
         members = [params[m.name] for m in spec.members]
         if weights is not None:
             weights.fill([(m.name, params[m.name]) for m in spec.members])
-        if engine.sharding is not None:  # every rank starts from rank 0's values, as DDP does
-            broadcast_tensors(members, engine.sharding, dev)
+        broadcast_tensors(members, engine.sharding, dev)  # every rank starts from rank 0's values, as DDP does
         storage = ChunkStorage(fmt, persistent=spec.index in persistent, ctx=ctx, pin=pin,
                                n_members=len(members), sharding=engine.sharding,
                                frozen=frozen_places_of(spec, fmt.frozen_format, fmt.world_size, engine.rank)
@@ -476,8 +474,7 @@ def _allocate(engine: Engine, optim: ChunkOptimizer, *, touch=None) -> list[Chun
     if weights is not None:
         weights.fill_buffers()
         weights.warn_initialised()
-    if engine.sharding is not None:
-        broadcast_tensors(list(engine.module.buffers()), engine.sharding, dev)
+    broadcast_tensors(list(engine.module.buffers()), engine.sharding, dev)
     for b in engine.module.buffers():
         # bf16-true runs the module as model.to(torch.bfloat16) would: floating buffers too.
         low = engine.precision is Precision.BF16_TRUE and b.is_floating_point()

@@ -57,6 +57,7 @@ from protrain_core.precision import LossScaler
 from protrain_core.runtime.chunk import Chunk
 from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.optim import ChunkOptimizer, UpdateClip
+from protrain_core.runtime.sharding import Sharding
 from protrain_core.update import ClipAlgorithm, GradientClipping, clips_norm
 
 
@@ -109,9 +110,10 @@ class ClippingPolicy:
 class StepGradients:
     """What the engine knows about clipping, and the finished gradients of the current step."""
 
-    def __init__(self, optim: ChunkOptimizer, scaler: LossScaler | None, chunks: list[Chunk], ctx: DeviceContext) -> None:
+    def __init__(self, optim: ChunkOptimizer, scaler: LossScaler | None, chunks: list[Chunk], ctx: DeviceContext,
+                 sharding: Sharding) -> None:
         self.optim, self.scaler, self.chunks, self.ctx, self.device = optim, scaler, chunks, ctx, ctx.device
-        self.sharding = chunks[0].storage.sharding if chunks else None  # norms and overflow all-reduced
+        self.sharding = sharding  # norms and overflow all-reduced
         # Streamed chunks keep no accumulator ([Note: gradients consumed where they land] in
         # worker.py): their gradients are gone once updated, so no step is held for a late request.
         self.consumed = any(not c.storage.fmt.accumulator for c in chunks)
@@ -205,7 +207,7 @@ class StepGradients:
     def _total_norm(self, norm_type: float) -> Tensor:
         norms = self._norms(norm_type)
         ordered = [norms[id(p)] for group in self.optim.optimizer.param_groups for p in group["params"] if id(p) in norms]
-        if self.sharding is not None:
+        if not self.sharding.whole:
             return self._sharded_total(ordered, norm_type)
         if not ordered:
             return torch.tensor(0.0, device=self.device)
@@ -245,8 +247,7 @@ class StepGradients:
         for f in self._finished.values():
             if f.found_inf is not None:
                 found += f.found_inf.to(self.device)
-        if self.sharding is not None:
-            self.sharding.all_reduce_(found, dist.ReduceOp.MAX)
+        self.sharding.all_reduce_(found, dist.ReduceOp.MAX)
         return (self.ctx.to_host(found) > 0).float()
 
     def check_consumed(self, *, backward: bool, final: bool = True) -> None:

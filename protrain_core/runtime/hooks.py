@@ -146,7 +146,7 @@ class RuntimeHooks:
                     scheduler.await_chunk(c)
                 if all(c.holds_value(i) for c, i in uses):
                     return _kept(func(*args, **kwargs), func, uses, args)
-            if scheduler.sharding is not None:
+            if not scheduler.sharding.whole:
                 raise RuntimeError(_sharded_use_message(uses, scheduler.sharding.world))
             if scheduler.phase.phase in (TrainingPhase.BACKWARD, TrainingPhase.RECOMPUTE):
                 scheduler.acquire(idxs, pin=False)  # e.g. a tensor hook reading a weight
@@ -303,7 +303,7 @@ class ManagedParameter(nn.Parameter):
         Sharded, the value where it is: the module's state-dict hook refuses such a copy with
         the fix (states.py)."""
         if id(self) not in memo:
-            sharded = self.protrain_use[0].scheduler.sharding is not None
+            sharded = not self.protrain_use[0].scheduler.sharding.whole
             with DisableTorchFunctionSubclass() if sharded else contextlib.nullcontext():
                 value = self.data.clone(memory_format=torch.preserve_format)  # (data: a read)
             memo[id(self)] = nn.Parameter(value, self.requires_grad)

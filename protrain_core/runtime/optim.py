@@ -284,7 +284,7 @@ class ChunkOptimizer:
         states and the block scales gathered side by side (both by position), the small
         members' fp32 moments from each rank's packed pieces."""
         storage, values = chunk.storage, chunk.values
-        if storage.sharding is None:
+        if storage.fmt.whole:
             places = self.quant_places(chunk)
             return [self.member_moments(chunk, i, places) if m.trainable else None
                     for i, m in enumerate(chunk.spec.members)]

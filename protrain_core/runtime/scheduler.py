@@ -48,6 +48,7 @@ from protrain_core.runtime.chunk import Chunk, ChunkState
 from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.optim import ChunkOptimizer, UpdateClip
 from protrain_core.runtime.options import RuntimeConfig
+from protrain_core.runtime.sharding import Sharding
 from protrain_core.runtime.worker import CpuWorker
 from protrain_core.utils import plain_parameters, traced
 
@@ -64,15 +65,15 @@ class UpdatePolicy:
 
 
 class Scheduler:
-    def __init__(self, chunks: list[Chunk], ctx: DeviceContext, optim: ChunkOptimizer, phase: StepState, *,
-                 n_buffer: int, switches: RuntimeConfig, finisher=None, placement=None) -> None:
+    def __init__(self, chunks: list[Chunk], ctx: DeviceContext, optim: ChunkOptimizer, phase: StepState,
+                 sharding: Sharding, *, n_buffer: int, switches: RuntimeConfig, finisher=None, placement=None) -> None:
         """``finisher(chunk)``: the worker's job finishing a streamed chunk's gradients at a
         boundary, or None (``StepGradients.finisher``); ``placement``: the CPU worker's cores
         (topology.py), or None."""
         self.chunks = chunks
         self.streamed = [c for c in chunks if not c.persistent]
         self.ctx = ctx
-        self.sharding = chunks[0].storage.sharding if chunks else None  # W processes ([Note: sharded chunks])
+        self.sharding = sharding  # the processes the chunks are sharded over ([Note: sharded chunks])
         self.optim = optim
         self.phase = phase
         self.n_buffer = n_buffer
@@ -183,7 +184,7 @@ class Scheduler:
             if not c.persistent and c.state is not ChunkState.RESIDENT:
                 self._make_resident(c, protect=self.current | {c.index})
             complete = c.receive(i, grad)
-            if complete and c.persistent and self.sharding is not None:
+            if complete and c.persistent and not c.storage.fmt.whole:
                 self._reduce(c)  # reduce-scattered into its accumulator now
             elif complete and not c.persistent:
                 if c.spec.has_frozen and c.index in self.current:
@@ -220,7 +221,7 @@ class Scheduler:
         c = self.chunks[index]
         if c.persistent:
             return
-        if c.update_finished() or (self.sharding is not None and c.state is ChunkState.UPDATING):
+        if c.update_finished() or (not self.sharding.whole and c.state is ChunkState.UPDATING):
             c.end_update()  # sharded: every rank must prefetch alike, whatever the worker's timing
         if c.state is not ChunkState.HOST or self._victim(self.current | {index}, spill=False) is False:
             return
@@ -329,7 +330,7 @@ class Scheduler:
         the backward of the last blocks runs while it travels; a difference stops every rank
         there, with the fix, before a collective could pair different chunks ([Note: sharded
         chunks])."""
-        if self.sharding is None:
+        if self.sharding.whole:
             return
         members = [(c, i) for c in self.chunks for i in c.grad_members]
         reached = reached_leaves(loss)
@@ -374,7 +375,7 @@ class Scheduler:
                     # A backward that raised (ctrl-C included) ends without the reductions: with
                     # several processes they are collectives, and a collective on a failure path
                     # meets a rank that has left -- its error would replace the user's.
-                    if ended or self.sharding is None:
+                    if ended or self.sharding.whole:
                         self._finish_backward()
                     else:
                         self.sharding.hold_collectives(None)  # its verdict is not waited for
@@ -386,8 +387,7 @@ class Scheduler:
         self.check()
 
     def _finish_backward(self) -> None:
-        if self.sharding is not None:
-            self.sharding.check_held()  # (a backward that reached no chunk collective)
+        self.sharding.check_held()  # (a backward that reached no chunk collective)
         for c in self.chunks:
             if not c.receiving:
                 continue
@@ -395,10 +395,9 @@ class Scheduler:
                 self._reduce(c)
             else:  # some of its parameters got no gradient in this pass
                 self._offload(c, final=True)
-        if self.sharding is not None:
-            for c in self.chunks:
-                if c.persistent:
-                    c.await_reduction(self.ctx)  # the reduce-scatters ran beside backward
+        for c in self.chunks:
+            if c.persistent and not c.storage.fmt.whole:
+                c.await_reduction(self.ctx)  # the reduce-scatters ran beside backward
 
     def copies_pending(self, event) -> None:
         """Copies into host tensors are in flight until ``event`` (a non-blocking offload of the
@@ -452,10 +451,10 @@ class Scheduler:
             if c.persistent:
                 with traced("ProTrain::device_adam"), torch.no_grad():
                     self.optim.update(c, hps, self.optim.selected(c), device_clip)
-                if self.sharding is not None:
+                if not c.storage.fmt.whole:
                     c.gather_updated(self.ctx)  # every rank's updated piece, beside the next updates
         for c in pending:
-            if c.persistent and self.sharding is not None:
+            if c.persistent and not c.storage.fmt.whole:
                 c.await_reduction(self.ctx)  # before the next forward reads the chunk
         if wait:
             self.wait_all()
@@ -513,7 +512,7 @@ class Scheduler:
                 assert c.state is not ChunkState.RESIDENT, c
                 assert all(p.device == storage.device_copy.device and p.stride() == (0,) * p.dim()
                            for p in c.params), f"{c}: placeholders"
-            elif not c.device_resident and storage.shards.whole and storage.frozen is None:  # else some point at NaN
+            elif not c.device_resident and storage.fmt.whole and storage.frozen is None:  # else some point at NaN
                 home = storage.host_copy
             if home is not None:
                 for p in c.params:

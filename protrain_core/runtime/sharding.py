@@ -74,46 +74,59 @@ _EXCHANGE_TAG = 0x5054
 
 @dataclass
 class Sharding:
-    """The process group a wrapped model is sharded over (one per engine)."""
+    """The process group a wrapped model is sharded over; one process is the group of one
+    (``ONE_PROCESS``: ``whole``)."""
 
-    group: object  # a torch.distributed ProcessGroup
-    rank: int
-    world: int
+    group: object = None  # a torch.distributed ProcessGroup (None: the group of one)
+    rank: int = 0
+    world: int = 1
     checks: object = None  # a gloo group over the same ranks for host-side agreement (None: ``group``)
     _verdict: Callable[[], str | None] | None = field(default=None, init=False, repr=False, compare=False)
     _device_type: str = field(default="cpu", init=False, repr=False, compare=False)  # of the chunks' tensors
 
     @staticmethod
-    def resolve(process_group=None) -> Sharding | None:
+    def resolve(process_group=None) -> Sharding:
         """The sharding of an engine built now: ``process_group`` (default: the default group when
-        torch.distributed is initialized); None in one process. A ``Sharding`` is used as it
-        is (a simulated group of ranks: protrain_core/simulator)."""
+        torch.distributed is initialized), or the group of one (``ONE_PROCESS``) in one process. A
+        ``Sharding`` is used as it is (a simulated group of ranks: protrain_core/simulator)."""
         if isinstance(process_group, Sharding):
             return process_group
         if process_group is None:
             if not (dist.is_available() and dist.is_initialized()):
-                return None
+                return ONE_PROCESS
             process_group = dist.group.WORLD
         world = dist.get_world_size(process_group)
         if world == 1:
-            return None
+            return ONE_PROCESS
         checks = None
         if backend_of("cpu", process_group) != "gloo":  # NCCL alone: host-side checks need their own group
             ranks = [dist.get_global_rank(process_group, r) for r in range(world)]
             checks = dist.new_group(ranks=ranks, backend="gloo")
         return Sharding(process_group, dist.get_rank(process_group), world, checks)
 
+    @property
+    def whole(self) -> bool:
+        """One process, the group of one: it holds every chunk whole, and every collective is
+        the identity (it returns at once: no copy, no host wait). The few things that differ
+        with ``W`` processes ask this: a gradient read through ``p.grad`` (no rank holds it
+        whole), the order-independent global norm, timing-independent prefetches (every rank
+        must issue the same collectives), a failed backward's reductions (a collective on a
+        failure path meets a rank that has left), the ranks' usage check (nothing to compare)."""
+        return self.world == 1
+
     @functools.cached_property
     def backend(self) -> str | None:
         """The backend of the chunk collectives: the group's for tensors of the engine's device
         (``check_device`` tells it which; before that, the CPU's)."""
-        return backend_of(self._device_type, self.group)
+        return None if self.whole else backend_of(self._device_type, self.group)
 
     def check_device(self, device: torch.device) -> None:
         """Refuse a device the group's backend cannot reach, before anything is allocated; the
         chunk collectives then run on that device's backend (a group may have one per device
         type: torch's default, ``init_process_group()`` without a backend, is gloo for CPU
         tensors and NCCL for CUDA ones)."""
+        if self.whole:
+            return
         backend = backend_of(device.type, self.group)
         config = str(dist.get_backend_config(self.group))
         if device.type == "cpu" and backend != "gloo":
@@ -144,7 +157,7 @@ class Sharding:
         for bit: a copy)."""
         self.check_held()
         n = full.numel() // self.world
-        if not n:
+        if not n or self.whole:
             return
         if self._on_gloo:
             for r in range(self.world):
@@ -159,7 +172,7 @@ class Sharding:
         whose average scales inside the collective. A chunk applies it as a gradient is copied
         into its buffer (``Chunk.receive``), so no pass over the buffer is added for it. (Read
         for every gradient: cached after the first look at the backend.)"""
-        return None if self.backend == "nccl" else 1.0 / self.world
+        return None if self.backend == "nccl" or self.whole else 1.0 / self.world
 
     def reduce_scatter_mean(self, out: Tensor, full: Tensor, *, scaled: bool = False) -> None:
         """``out`` = piece ``rank`` of the mean of ``full`` over the ranks, as DDP averages:
@@ -169,6 +182,10 @@ class Sharding:
         and reduced by messages (``_on_gloo``)."""
         self.check_held()
         if not out.numel():
+            return
+        if self.whole:
+            if out.data_ptr() != full.data_ptr():
+                out.copy_(full)
             return
         if self.backend == "nccl":
             _issue(_reduce_scatter, out, full, op=dist.ReduceOp.AVG, group=self.group)
@@ -210,11 +227,15 @@ class Sharding:
         _issue_all(works, then=total)
 
     def all_reduce_(self, t: Tensor, op=dist.ReduceOp.SUM) -> Tensor:
+        if self.whole:
+            return t
         _blocking(dist.all_reduce, t, op=op, group=self.group)
         return t
 
     def max_on_host(self, values: list[float]) -> list[float]:
         """The largest of each value over the ranks (host numbers: the slowest rank's timings)."""
+        if self.whole:
+            return list(values)
         t = torch.tensor(values, dtype=torch.float64)
         _blocking(dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.checks or self.group)
         return t.tolist()
@@ -252,20 +273,28 @@ class Sharding:
 
     def gather_objects(self, obj) -> list:
         """Every rank's ``obj``, by rank (a host collective)."""
+        if self.whole:
+            return [obj]
         every = [None] * self.world
         dist.all_gather_object(every, obj, group=self.checks or self.group)
         return every
 
     def broadcast_(self, t: Tensor, src: int = 0) -> None:
         """Rank ``src``'s ``t`` on every rank, in place."""
+        if self.whole:
+            return
         _blocking(dist.broadcast, t, src=dist.get_global_rank(self.group, src), group=self.group)
 
     def broadcast_object(self, obj, src: int = 0):
         """Rank ``src``'s ``obj`` on every rank."""
-        return broadcast_object(obj, dist.get_global_rank(self.group, src), self.group)
+        return obj if self.whole else broadcast_object(obj, dist.get_global_rank(self.group, src), self.group)
 
     def barrier(self) -> None:
-        barrier(self.group)
+        if not self.whole:
+            barrier(self.group)
+
+
+ONE_PROCESS = Sharding()  # the group of one (``whole``): it holds no state, so every engine shares it
 
 
 def backend_of(device_type: str, group=None) -> str | None:
@@ -404,6 +433,8 @@ class _Waiter:
 def broadcast_tensors(tensors, sharding: Sharding, device: torch.device) -> None:
     """Rank 0's values of a module's parameters or buffers on every rank, one tensor at a time
     (through ``device``: NCCL broadcasts device tensors only), as DDP does when it wraps a model."""
+    if sharding.whole:
+        return
     with torch.no_grad():
         for t in tensors:
             moved = t.detach().to(device)
@@ -412,12 +443,10 @@ def broadcast_tensors(tensors, sharding: Sharding, device: torch.device) -> None
                 t.data.copy_(moved)
 
 
-def agree_budgets(sharding: Sharding | None, device_budget: int, host_budget: int | None) -> tuple[int, int | None]:
+def agree_budgets(sharding: Sharding, device_budget: int, host_budget: int | None) -> tuple[int, int | None]:
     """The budgets every rank plans with: the smallest device budget of the ranks, and the
     smallest host budget divided among the ranks of a node (they share its memory). Each rank
     measured its own free memory, which differs a little, and a plan must be the same on all."""
-    if sharding is None:
-        return device_budget, host_budget
     hosts = sharding.gather_objects(socket.gethostname())
     per_node = hosts.count(hosts[sharding.rank])
     # Every rank has the same kind of device, so the host budget is None on all of them or none.
@@ -426,13 +455,11 @@ def agree_budgets(sharding: Sharding | None, device_budget: int, host_budget: in
     return int(-low[0]), None if host_budget is None else int(-low[1])
 
 
-def check_same_configuration(sharding: Sharding | None, fields: dict[str, object]) -> None:
+def check_same_configuration(sharding: Sharding, fields: dict[str, object]) -> None:
     """Every rank's ``fields`` (what ``wrap`` was given and derived: precision, chunk size, the
     model's parameters, the optimizer, the plan's inputs) compared in one host collective; where
     they differ, every rank raises the same error naming the fields and each rank's value --
     before anything is allocated, instead of a collective mismatch later."""
-    if sharding is None:
-        return
     every = sharding.gather_objects(fields)
     differ = [key for key in fields if any(other.get(key) != every[0].get(key) for other in every)]
     if not differ:
@@ -452,10 +479,10 @@ def check_same_configuration(sharding: Sharding | None, fields: dict[str, object
     )
 
 
-def agree(sharding: Sharding | None, decision):
+def agree(sharding: Sharding, decision):
     """Rank 0's ``decision`` on every rank (identity in one process): every choice that changes
     which collectives run -- a plan, a switch -- is rank 0's ([Note: sharded chunks])."""
-    return decision if sharding is None else sharding.broadcast_object(decision)
+    return sharding.broadcast_object(decision)
 
 
 def piece(start: int, numel: int, shard: int, rank: int) -> tuple[int, int, int] | None:

@@ -35,7 +35,7 @@ class StateAccess:
         self._slot_of: dict[int, tuple[Chunk, int]] = {id(p): (c, i) for c in chunks for i, p in enumerate(c.params)}
         # Whether every rank's shards hold whole members (one process): else streamed chunks'
         # parameters point at NaN at rest (``Chunk.point_at_rest``).
-        self._whole = all(c.storage.shards.whole for c in chunks)
+        self._whole = all(c.storage.fmt.whole for c in chunks)
         self._reading = False  # model() is reading the module's own entries
         self._managed = {id(m) for m in module.modules()}
         # model.state_dict() (save_pretrained, torch.save) reads the parameters: wait for their updates.

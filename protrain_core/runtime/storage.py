@@ -19,7 +19,7 @@ from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.elementwise import state_slots
 from protrain_core.runtime.frozen_formats import FrozenPlaces, frozen_places
 from protrain_core.runtime.host_pool import HostPool
-from protrain_core.runtime.sharding import Sharding, piece
+from protrain_core.runtime.sharding import ONE_PROCESS, Sharding, piece
 from protrain_core.runtime.state_formats import quant_places, small_numel
 from protrain_core.structure.layout import ChunkLayout, ParamSlot
 
@@ -35,12 +35,6 @@ class ShardLayout:
 
     fmt: ChunkFormat
     rank: int = 0
-
-    @property
-    def whole(self) -> bool:
-        """This rank's shards hold whole members (one process): the parameters can point at a
-        streamed chunk's host copy at rest."""
-        return self.fmt.world_size == 1
 
     def device_offset(self, m: ParamSlot) -> int:
         """Member ``m``'s offset in the gathered compute copy (the trainable span moved to
@@ -117,18 +111,18 @@ class ChunkStorage:
     _STATES = ("grad_acc", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "absmax", "wide")
 
     def __init__(self, fmt: ChunkFormat, *, persistent: bool, ctx: DeviceContext, pin: bool,
-                 n_members: int, sharding: Sharding | None = None, frozen: FrozenPlaces | None = None,
+                 n_members: int, sharding: Sharding = ONE_PROCESS, frozen: FrozenPlaces | None = None,
                  touch=None) -> None:
         """``ctx``: the device (a CPU device's gradient buffers come from its block cache and go
         back to it: [Note: a CPU device's block cache] in device.py); ``touch(t)``: zeroes a
         streamed chunk's new pageable host region where the CPU worker runs (None: here)."""
-        assert (sharding.world if sharding is not None else 1) == fmt.world_size
+        assert sharding.world == fmt.world_size
         assert (frozen is None) == (not fmt.quantised)
         self.fmt = fmt
         self.frozen = frozen  # where the frozen members are in the host store (quantised), else None
         self.frozen_store: Tensor | None = None  # a streamed quantised chunk's host store (bytes)
         self.sharding = sharding
-        self.rank = sharding.rank if sharding is not None else 0
+        self.rank = sharding.rank
         self.shards = ShardLayout(fmt, self.rank)
         self.ctx = ctx
         self.device = ctx.device
@@ -258,8 +252,7 @@ class ChunkStorage:
                 staging = torch.empty_like(old["store"], device=self.device)
                 copy(staging, old["store"])
                 self.frozen.unpack(staging, self.frozen_piece(self.device_copy))
-            if self.sharding is not None:
-                self.gather_spans()
+            self.gather_spans()  # (the identity in one process)
         else:  # the rank's pieces of the gathered copy
             for host, device in self.shard_places(device_copy=old["compute"]):
                 copy(host, device)

@@ -151,7 +151,7 @@ class ChunkValues:
         if flat is not None:
             return None
         if self._in_store(i):  # from the host store: the whole member (one process), or its piece
-            if storage.shards.whole:
+            if storage.fmt.whole:
                 return 0, self.member_value(i).reshape(-1)
             part = storage.shards.frozen_piece(m)
             if part is None:
@@ -205,7 +205,7 @@ class ChunkValues:
         """Member ``i``'s authoritative value: its master weights, or the compute copy of a
         frozen member (one process: ``gathered_values`` with ``W``)."""
         storage = self.storage
-        assert storage.shards.whole, "a sharded chunk holds pieces only: gathered_values()"
+        assert storage.fmt.whole, "a sharded chunk holds pieces only: gathered_values()"
         if self.spec.members[i].trainable and storage.master is not None:
             return self.state_view(storage.master, i)
         if storage.frozen is not None and not storage.persistent:  # the host copy and the host store
@@ -219,7 +219,7 @@ class ChunkValues:
         chunks in the same order. ``tensor_of(storage)``: gather that shard tensor of the
         trainable span instead of the master (an Adam state; frozen members then give None)."""
         storage, fmt = self.storage, self.storage.fmt
-        if storage.sharding is None:
+        if storage.fmt.whole:
             if tensor_of is None:
                 return [self.member_value(i) for i in range(len(self.spec.members))]
             flat = tensor_of(storage)

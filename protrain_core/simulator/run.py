@@ -30,6 +30,7 @@ from protrain_core.planner.search import PlanChoice
 from protrain_core.precision import parse_precision
 from protrain_core.profiler.profiler import call, default_loss, profile_model
 from protrain_core.runtime.storage import chunk_formats
+from protrain_core.runtime.sharding import ONE_PROCESS
 from protrain_core.simulator.device import SimulatedDevice, SimulatedGroup
 from protrain_core.simulator.report import Phases, StepReport
 from protrain_core.structure.blocks import find_blocks
@@ -124,7 +125,7 @@ def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
     config = ProTrainConfig(clipping=gradient_clipping, frozen_dtype=frozen_dtype, grad_accumulator=grad_accumulator,
                             optimizer_state_format=optimizer_state_format)
     clipping = None if gradient_clipping is None else parse_gradient_clipping(*gradient_clipping)
-    group = SimulatedGroup(sim, world_size) if world_size > 1 else None
+    group = SimulatedGroup(sim, world_size) if world_size > 1 else ONE_PROCESS
     mode = overlap_mode(prec, clipping)
     refit = None  # (a refusal's alternatives: of a profile taken here)
     with sim:
