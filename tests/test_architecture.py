@@ -194,6 +194,16 @@ def test_the_engine_sets_its_parts_through_their_methods():
     assert offences == []
 
 
+def test_the_scheduler_and_the_storage_are_small():
+    """Scheduler (the mechanism: fetch, offload, evict, update) and ChunkStorage (a chunk's
+    tensors) have at most 30 methods each (properties included): which chunk gives its device
+    buffer up is a policy of its own (``BufferPolicy``), and the ranks' usage check is
+    ``UsageCheck``'s (sharding.py)."""
+    for file, name in (("scheduler.py", "Scheduler"), ("storage.py", "ChunkStorage")):
+        methods = _methods(_class(ROOT / "protrain_core" / "runtime" / file, name))
+        assert len(methods) <= 30, (name, len(methods), sorted(methods))
+
+
 def _methods(cls: ast.ClassDef) -> list[str]:
     return [n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 

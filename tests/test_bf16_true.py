@@ -97,7 +97,7 @@ def test_threaded_cpu_adam(monkeypatch):
     data = batches(5)
     ref, _, ref_losses = reference(model, data)
     engine = wrap_bf16(model, pt.Plan(n_persist=0, n_buffer=2))
-    assert engine.scheduler.threaded
+    assert engine.scheduler.worker.threaded
     assert train_engine(engine, data) == ref_losses
     assert_same_state(engine.state_dict(), ref.state_dict())
 

@@ -143,7 +143,7 @@ def test_threaded_cpu_adam_clipping_parity(precision, algorithm, monkeypatch):
         engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), pt.Plan(n_persist=1, n_buffer=2),
                          precision=precision, device="cpu",
                          config=pt.ProTrainConfig(clipping=(algorithm, MAX_NORM if algorithm == "norm" else CLIP_VALUE), runtime=pt.RuntimeConfig(check_invariants=True)))
-        assert engine.scheduler.threaded == (threaded == "1")
+        assert engine.scheduler.worker.threaded == (threaded == "1")
         results.append((train_recording_norms(engine, batches(5)), engine.state_dict()))
     (losses, norms), sd = results[0]
     assert losses == results[1][0][0]

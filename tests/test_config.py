@@ -121,8 +121,8 @@ def _engine(precision="32-true", plan=pt.Plan(n_persist=0, n_buffer=1), **runtim
 
 
 def test_cpu_adam_thread_puts_the_updates_on_the_worker_thread():
-    assert not _engine().scheduler.threaded
-    assert _engine(cpu_adam_thread=True).scheduler.threaded
+    assert not _engine().scheduler.worker.threaded
+    assert _engine(cpu_adam_thread=True).scheduler.worker.threaded
 
 
 def test_one_pass_kernel_off_runs_the_separate_passes_with_the_same_results(monkeypatch):

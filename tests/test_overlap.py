@@ -49,7 +49,7 @@ def test_cpu_adam_starts_before_backward_ends_on_cpu(threaded, monkeypatch):
     begin_last = next(t for what, c, t in events if what == "cpu_adam_begin" and c == last)
     offload_first = next(t for what, c, t in events if what == "offload" and c == 0)
     assert begin_last < offload_first < backward_end
-    assert engine.scheduler.threaded == (threaded == "1")
+    assert engine.scheduler.worker.threaded == (threaded == "1")
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])

@@ -107,7 +107,7 @@ def test_device_memory_during_a_switch_stays_within_the_larger_plan(monkeypatch)
 
         def moved(self, original=original):
             original(self)
-            seen.append(engine.scheduler.device_bytes())
+            seen.append(engine.memory.device_bytes())
 
         monkeypatch.setattr(Chunk, verb, moved)
 

@@ -106,7 +106,7 @@ def test_simulated_path_trains_bitwise_like_pytorch(name):
     with sim:
         engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), standard_plans(model)[name],
                          device=sim, config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
-        assert engine.scheduler.threaded  # the GPU's path: the worker on its own (simulated) thread
+        assert engine.scheduler.worker.threaded  # the GPU's path: the worker on its own (simulated) thread
         losses = train_engine(engine, data)
     assert losses == ref_losses
     state = engine.state_dict()
@@ -475,7 +475,7 @@ def _streamed_run(sim, steps=2):
         try:
             train_engine(engine, batches(steps))
         finally:
-            engine.scheduler.shutdown(wait=False)
+            engine.scheduler.worker.shutdown(wait=False)
 
 
 def test_a_chunk_used_before_its_upload_ends_is_a_race(monkeypatch):

@@ -222,7 +222,7 @@ def _resident(engine):
 @pytest.mark.parametrize("make", [tiny_gpt2, tiny_llama])
 @pytest.mark.parametrize("plan", [pt.Plan(n_persist=0, n_buffer=1), pt.Plan(n_persist=0, n_buffer=2), pt.Plan(n_persist=1, n_buffer=2)], ids=str)
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_device_bytes_invariant_at_every_hook(make, plan, precision):
+def test_device_bytes_invariant_at_every_hook(make, plan, precision, monkeypatch):
     """At every hook: at most n_buffer streamed chunks hold device memory, parameters point at
     the copy that is valid, and the device bytes (read from the storages) stay within
     persistent bytes + n_buffer x (chunk params + chunk grads)."""
@@ -230,15 +230,16 @@ def test_device_bytes_invariant_at_every_hook(make, plan, precision):
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-3), plan, precision=precision, device="cpu")
     rt = engine.scheduler
     calls = {"n": 0, "max_resident": 0, "max_bytes": 0}
-    original = rt.assert_invariants
+    from protrain_core.runtime import scheduler as S
+    original = S.assert_invariants
 
-    def counting():
-        original()
+    def counting(scheduler):
+        original(scheduler)
         calls["n"] += 1
         calls["max_resident"] = max(calls["max_resident"], len(_resident(engine)))
-        calls["max_bytes"] = max(calls["max_bytes"], rt.device_bytes())
+        calls["max_bytes"] = max(calls["max_bytes"], engine.memory.device_bytes())
 
-    rt.assert_invariants = counting
+    monkeypatch.setattr(S, "assert_invariants", counting)
     rt.check_invariants = True
     for x in batches(3):
         engine.backward(engine.module(input_ids=x, labels=x).loss)
@@ -247,7 +248,7 @@ def test_device_bytes_invariant_at_every_hook(make, plan, precision):
     n_hooks = len(engine.chunks)  # at least one pre-forward per streamed unit, plus grad hooks
     assert calls["n"] > 3 * n_hooks
     assert calls["max_resident"] == plan.n_buffer  # the buffers are used, never exceeded
-    assert calls["max_bytes"] <= rt.device_bytes_bound()
+    assert calls["max_bytes"] <= engine.memory.device_bound()
     cb = engine.precision.compute_dtype.itemsize
     size = engine.layout.chunk_size * cb
     persistent = sum(c.device_bytes() for c in engine.chunks if c.persistent)
@@ -256,7 +257,7 @@ def test_device_bytes_invariant_at_every_hook(make, plan, precision):
     spans = [(align(c.spec.trainable_start), align(c.spec.trainable_numel)) for c in engine.chunks if not c.persistent]
     per_buffer = max((f + 2 * t) * cb for f, t in spans)
     assert size < per_buffer <= 2 * size
-    assert rt.device_bytes_bound() == persistent + plan.n_buffer * per_buffer
+    assert engine.memory.device_bound() == persistent + plan.n_buffer * per_buffer
     # At rest (after step) only persistent chunks and idle buffers are on the device.
     assert engine.memory.device_bytes() <= persistent + plan.n_buffer * size
 
@@ -327,3 +328,30 @@ def test_updates_after_step_are_waited_for_by_their_own_fetch():
     assert any(c.state is ChunkState.UPDATING for c in engine.chunks)
     engine.state_dict()
     assert not any(c.state is ChunkState.UPDATING for c in engine.chunks)
+
+
+def test_the_buffer_policy_chooses_the_chunk_that_gives_its_buffer_up():
+    """``BufferPolicy.victim`` (the policy; the scheduler moves the chunks): a free buffer needs
+    no victim; an issued offload goes first (its copy done first, then the least recently
+    used); then the least recently used idle chunk that is neither pinned nor protected nor
+    holding gradients; a chunk holding some of its gradients only when spilling is allowed;
+    False when every buffer is busy."""
+    from types import SimpleNamespace
+
+    from protrain_core.runtime.scheduler import BufferPolicy
+
+    def chunk(index, state, last_use, *, pins=0, grads=False, done=True):
+        return SimpleNamespace(index=index, state=state, last_use=last_use, pins=pins, holds_gradient_buffer=grads,
+                               device_resident=state in (F, R, O), copy_done=lambda ctx, done=done: done)
+
+    policy = BufferPolicy(n_buffer=3)
+    idle_old, idle_new, on_host = chunk(0, R, 1), chunk(1, F, 5), chunk(2, H, 0)
+    assert policy.victim([idle_old, idle_new, on_host], set(), CTX, spill=False) is None  # 2 of 3 buffers used
+    pinned, partial = chunk(3, R, 0, pins=1), chunk(4, R, 0, grads=True)
+    assert policy.victim([idle_old, idle_new, pinned], set(), CTX, spill=False) is idle_old
+    assert policy.victim([idle_old, idle_new, pinned], {0}, CTX, spill=False) is idle_new
+    assert policy.victim([idle_old, partial, pinned], {0}, CTX, spill=False) is False
+    assert policy.victim([idle_old, partial, pinned], {0}, CTX, spill=True) is partial
+    copying, copied = chunk(5, O, 0, done=False), chunk(6, O, 9)
+    assert policy.victim([idle_old, copying, copied], set(), CTX, spill=False) is copied
+    assert policy.victim([idle_old, copying, pinned], set(), CTX, spill=False) is copying

@@ -37,7 +37,7 @@ def test_profile_facts_match_the_allocation(precision, amsgrad):
         for c in engine.chunks:
             if c.persistent:
                 assert c.device_bytes() == records[c.index].persistent_device_bytes
-        assert engine.scheduler.device_bytes_bound() == (
+        assert engine.memory.device_bound() == (
             sum(f.persistent_device_bytes for f in records[:n_persist])
             + min(2, n - n_persist) * max((f.buffer_device_bytes for f in records[n_persist:]), default=0))
         engine.close()

@@ -401,7 +401,7 @@ def test_the_core_api_habits_on_the_simulated_gpus_asynchronous_path(plan):
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         engine = pt.wrap(model, opt, plans(n_chunks(model))[plan], device=sim,
                          config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
-        assert engine.scheduler.threaded
+        assert engine.scheduler.worker.threaded
         got = _core_loop(engine.module, opt, engine.step, engine.backward, opt.zero_grad)
     assert got == expected
     sd = engine.state_dict()

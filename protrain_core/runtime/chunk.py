@@ -245,7 +245,7 @@ class Chunk:
         if storage.frozen_store is not None:  # the same stream: this event comes after the copies above
             self._event = storage.upload_frozen(ctx, f"chunk {self.index} (8-bit frozen)")
         if not storage.fmt.whole:
-            self._event = ctx.collective(storage.gather_spans, after=self._event,
+            self._event = ctx.collective(storage.gather, after=self._event,
                                          span=("collectives", f"all-gather chunk {self.index}"))
         self.state = target
 
@@ -421,7 +421,7 @@ class Chunk:
         """With ``W`` processes, after a persistent chunk's update: every rank's updated piece
         of the trainable span, all-gathered on the communication stream (``await_reduction``
         waits for it)."""
-        self._event = ctx.collective(self.storage.gather_trainable,
+        self._event = ctx.collective(lambda: self.storage.gather(frozen=False),
                                      span=("collectives", f"all-gather chunk {self.index}"))
 
     def _reduced_gradients(self, ctx: DeviceContext) -> tuple[Tensor, object]:

@@ -52,8 +52,8 @@ Waits on the CPU worker (no device involved):
 - ``wait_all``: ``wait_for_updates``, ``zero_grad`` (for jobs it must not race), state dicts;
 - the worker itself waits for each gradient offload it lands (its own thread).
 Host collectives between ranks (sharded; gloo, no device): one per backward, on which
-parameters the losses reach (``Scheduler.check_usage``: [Note: sharded chunks]), issued before
-it and read before its first chunk collective (``Scheduler._usage_verdict``); the longest
+parameters the losses reach (``UsageCheck.begin``: [Note: sharded chunks]), issued before
+it and read before its first chunk collective (``UsageCheck._verdict``); the longest
 batch of the ranks before each micro-batch when plans follow batch lengths
 (``Sharding.max_on_host``); the budgets at ``wrap``. A wait for a collective on CPU tensors
 polls it (``wait_work``) instead of blocking in C, so that ctrl-C still ends every rank. Not the
@@ -88,7 +88,7 @@ BACKWARD_HOST_WAITS = (
     "chunk.py:Chunk.end_update",  # a chunk needed again while its CPU job runs
     # W processes: the usage check's all-reduce, issued before backward, read before its first
     # chunk collective (over by then unless the ranks' forwards took different times)
-    "scheduler.py:Scheduler._usage_verdict",
+    "sharding.py:UsageCheck._verdict",
 )
 
 

@@ -261,7 +261,7 @@ class Engine:
         self.step_state.check_open()
         if self.ctx.timeline is not None:
             raise RuntimeError("engine.record_timeline() is already recording; record one timeline at a time.")
-        timeline = Timeline(self.ctx, threaded=self.scheduler.threaded)
+        timeline = Timeline(self.ctx, threaded=self.scheduler.worker.threaded)
         self.scheduler.set_timeline(timeline)
         handle = self.observe(timeline)
         try:
@@ -376,7 +376,7 @@ class Engine:
         for h in self._handles:
             h.remove()
         self.states.remove_hooks()
-        self.scheduler.shutdown(wait=not after_failure)
+        self.scheduler.worker.shutdown(wait=not after_failure)
         if self.ctx.blocks is not None:  # (a block still read by a collective in flight keeps itself alive)
             self.ctx.blocks.clear()
         self.module._protrain_engine = None

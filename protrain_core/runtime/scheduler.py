@@ -48,7 +48,7 @@ from protrain_core.runtime.chunk import Chunk, ChunkState
 from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.optim import ChunkOptimizer, UpdateClip
 from protrain_core.runtime.options import RuntimeConfig
-from protrain_core.runtime.sharding import Sharding
+from protrain_core.runtime.sharding import Sharding, UsageCheck
 from protrain_core.runtime.worker import CpuWorker
 from protrain_core.utils import plain_parameters, traced
 
@@ -64,6 +64,36 @@ class UpdatePolicy:
     landing_clip: UpdateClip = UpdateClip()  # the clipping of updates during backward (elementwise only)
 
 
+@dataclass(frozen=True)
+class BufferPolicy:
+    """Which streamed chunk gives its device buffer up, and whether a prefetch may take one: the
+    policy, apart from the mechanism (``Scheduler`` fetches, offloads and evicts what it says)."""
+
+    n_buffer: int  # device buffers for streamed chunks (the plan's)
+
+    def victim(self, streamed: list[Chunk], protect: set[int], ctx: DeviceContext, *, spill: bool) -> Chunk | bool | None:
+        """The chunk to evict for a free buffer: None if a buffer is free, False if none can go.
+
+        Preference: a chunk whose offload is issued (one whose copy is done first: the memory
+        of a copy in flight returns to the allocator only when the copy completes, [Note:
+        streams] in device.py), then the least recently used idle or prefetched chunk not in
+        ``protect``, then (only if ``spill``) one holding a partial set of gradients: those are
+        offloaded and accumulated on the host like a micro-batch, and the chunk is fetched again
+        if more of its gradients arrive (a parameter unused in this pass can leave a chunk
+        incomplete until the end of backward).
+        """
+        resident = [c for c in streamed if c.device_resident]
+        if len(resident) < self.n_buffer:
+            return None
+        offloading = [c for c in resident if c.state is ChunkState.OFFLOADING]
+        if offloading:
+            return min(offloading, key=lambda c: (not c.copy_done(ctx), c.last_use))
+        idle = [c for c in resident if c.state in (ChunkState.RESIDENT, ChunkState.FETCHING)
+                and c.pins == 0 and c.index not in protect]
+        candidates = [c for c in idle if not c.holds_gradient_buffer] or (idle if spill else [])
+        return min(candidates, key=lambda c: c.last_use) if candidates else False
+
+
 class Scheduler:
     def __init__(self, chunks: list[Chunk], ctx: DeviceContext, optim: ChunkOptimizer, phase: StepState,
                  sharding: Sharding, *, n_buffer: int, switches: RuntimeConfig, finisher=None, placement=None) -> None:
@@ -74,13 +104,14 @@ class Scheduler:
         self.streamed = [c for c in chunks if not c.persistent]
         self.ctx = ctx
         self.sharding = sharding  # the processes the chunks are sharded over ([Note: sharded chunks])
+        self.usage = UsageCheck(sharding, chunks)
         self.optim = optim
         self.phase = phase
-        self.n_buffer = n_buffer
+        self.buffers = BufferPolicy(n_buffer)  # which chunk gives its device buffer up
         self.policy = UpdatePolicy()  # set_policy
         self.finisher = finisher
         self._after_step: set[int] = set()  # chunks whose update step() handed out and did not wait for
-        self._stepped_backward = False  # a backward outside no_sync ran since the last step / zero_grad
+        self.stepped_backward = False  # a backward outside no_sync ran since the last step / zero_grad
         self.check_invariants = switches.check_invariants
         self.boundary = True  # this backward is followed by step() (not inside no_sync)
         self.hps = None  # hyper-parameters snapshot of the current step
@@ -89,7 +120,6 @@ class Scheduler:
         self._deferred: set[int] = set()  # chunks with all their gradients and frozen members still in use
         self._in_pass = False  # a forward's graph may use the parameters ([Note: a pass's placeholders])
         self._tick = 0
-        self._order = 0  # W processes: a hash of the chunks this backward reduced, in order
         self.stats = dict.fromkeys(_COUNTED.values(), 0)
         self.events: list[tuple[str, int, float]] = []  # (what, chunk, time) when recording
         self.record_events = False
@@ -99,11 +129,6 @@ class Scheduler:
         self.worker = CpuWorker(ctx, optim, n_staging=n_buffer, staging_numel=staging, record=self.record,
                                 threaded=ctx.asynchronous or switches.cpu_adam_thread, placement=placement)
 
-    @property
-    def stepped_backward(self) -> bool:
-        """A backward outside ``no_sync`` ran since the last step (its gradients are the step's)."""
-        return self._stepped_backward
-
     def set_policy(self, policy: UpdatePolicy) -> None:
         """Between steps (no update in flight reads it)."""
         self.policy = policy
@@ -111,10 +136,6 @@ class Scheduler:
     def set_timeline(self, timeline) -> None:
         """Record into ``timeline`` (None: stop), on the device context too."""
         self.timeline = self.ctx.timeline = timeline
-
-    @property
-    def threaded(self) -> bool:
-        return self.worker.threaded
 
     # ----- called by the hooks (runtime/hooks.py) -------------------------------------------
     def pre_forward(self, idxs: tuple[int, ...]) -> None:
@@ -185,7 +206,8 @@ class Scheduler:
                 self._make_resident(c, protect=self.current | {c.index})
             complete = c.receive(i, grad)
             if complete and c.persistent and not c.storage.fmt.whole:
-                self._reduce(c)  # reduce-scattered into its accumulator now
+                self.usage.reduced(c)
+                c.land(self.ctx)  # reduce-scattered into its accumulator now
             elif complete and not c.persistent:
                 if c.spec.has_frozen and c.index in self.current:
                     self._deferred.add(c.index)  # its frozen weights may still be read by this backward
@@ -223,43 +245,19 @@ class Scheduler:
             return
         if c.update_finished() or (not self.sharding.whole and c.state is ChunkState.UPDATING):
             c.end_update()  # sharded: every rank must prefetch alike, whatever the worker's timing
-        if c.state is not ChunkState.HOST or self._victim(self.current | {index}, spill=False) is False:
+        protect = self.current | {index}
+        if c.state is not ChunkState.HOST or self.buffers.victim(self.streamed, protect, self.ctx, spill=False) is False:
             return
-        self._make_room(self.current | {index})
+        self._make_room(protect)
         self._fetch(c)
         c.touch(self._tick)
 
-    def _resident(self) -> list[Chunk]:
-        return [c for c in self.streamed if c.device_resident]
-
-    def _victim(self, protect: set[int], *, spill: bool):
-        """The chunk to evict for a free buffer: None if a buffer is free, False if none can go.
-
-        Preference: a chunk whose offload is issued (one whose copy is done first: the memory
-        of a copy in flight returns to the allocator only when the copy completes, [Note:
-        streams] in device.py), then the least recently used idle or
-        prefetched chunk, then (only if ``spill``) one holding a partial set of gradients: those
-        are offloaded and accumulated on the host like a micro-batch, and the chunk is fetched
-        again if more of its gradients arrive (a parameter unused in this pass can leave a
-        chunk incomplete until the end of backward).
-        """
-        resident = self._resident()
-        if len(resident) < self.n_buffer:
-            return None
-        offloading = [c for c in resident if c.state is ChunkState.OFFLOADING]
-        if offloading:
-            return min(offloading, key=lambda c: (not c.copy_done(self.ctx), c.last_use))
-        idle = [c for c in resident if c.state in (ChunkState.RESIDENT, ChunkState.FETCHING)
-                and c.pins == 0 and c.index not in protect]
-        candidates = [c for c in idle if not c.holds_gradient_buffer] or (idle if spill else [])
-        return min(candidates, key=lambda c: c.last_use) if candidates else False
-
     def _make_room(self, protect: set[int]) -> None:
-        while (victim := self._victim(protect, spill=True)) is not None:
+        while (victim := self.buffers.victim(self.streamed, protect, self.ctx, spill=True)) is not None:
             if victim is False:
-                busy = [(c.index, c.state.name, c.pins) for c in self._resident()]
+                busy = [(c.index, c.state.name, c.pins) for c in self.streamed if c.device_resident]
                 raise RuntimeError(
-                    f"ProTrain needs another device chunk buffer but all {self.n_buffer} are in use "
+                    f"ProTrain needs another device chunk buffer but all {self.buffers.n_buffer} are in use "
                     f"(chunk, state, forward pins): {busy}. Increase Plan.n_buffer (or Plan.n_persist)."
                 )
             if victim.state is ChunkState.FETCHING:
@@ -295,7 +293,7 @@ class Scheduler:
         ``final``: no more gradients of this chunk come in this backward pass, so at a
         gradient-accumulation boundary the worker runs Adam on it right away.
         """
-        self._ordered(c)
+        self.usage.reduced(c)
         at_boundary = final and self.boundary
         finish = self.finisher(c) if at_boundary and self.finisher is not None else None
         update = None
@@ -312,45 +310,11 @@ class Scheduler:
         if not self.ctx.asynchronous:
             c.end_offload(self.ctx, in_pass=self._in_pass)
 
-    def _reduce(self, c: Chunk) -> None:
-        """A persistent chunk's gradients of this pass into its accumulator (W processes:
-        reduce-scattered)."""
-        self._ordered(c)
-        c.land(self.ctx)
-
-    def _ordered(self, c: Chunk) -> None:
-        """W processes: chunk ``c``'s gradients are reduced now; the next backward's
-        ``check_usage`` compares the order with the other ranks'."""
-        self._order = (self._order * 1_000_003 + c.index + 1) % (1 << 61)
-
-    def check_usage(self, loss: Tensor | None) -> None:
-        """W processes, before a backward: one host all-reduce compares which parameters the
-        ranks' losses reach, and the order of the previous backward's reductions. It is issued
-        here and read before the backward's first chunk collective (``hold_collectives``), so
-        the backward of the last blocks runs while it travels; a difference stops every rank
-        there, with the fix, before a collective could pair different chunks ([Note: sharded
-        chunks])."""
-        if self.sharding.whole:
-            return
-        members = [(c, i) for c in self.chunks for i in c.grad_members]
-        reached = reached_leaves(loss)
-        result = self.sharding.differences([id(c.params[i]) in reached for c, i in members], self._order)
-        self._order = 0
-        self.sharding.hold_collectives(lambda: self._usage_verdict(result, members))
-
-    def _usage_verdict(self, result, members) -> str | None:
-        """The usage check's outcome, read before the backward's first chunk collective (a host
-        wait for its all-reduce only where it is still travelling): the error, or None."""
-        differ, order_differs = result()
-        if not (differ or order_differs):
-            return None
-        return _usage_mismatch(self.sharding, [members[k][0].spec.members[members[k][1]].name for k in differ])
-
     # ----- passes -------------------------------------------------------------------------
     @contextmanager
     def backward_pass(self, *, boundary: bool, loss: Tensor | None = None):
         """One ``engine.backward`` of ``loss``; ``boundary``: a step follows (not inside ``no_sync``)."""
-        if self._stepped_backward:
+        if self.stepped_backward:
             raise RuntimeError(
                 "engine.backward() was called twice without engine.step(), but the first backward "
                 "already finished this step's gradients (ProTrain updates offloaded chunks during "
@@ -366,10 +330,10 @@ class Scheduler:
             self._after_step.clear()  # from here on, zero_grad waits for every job in flight
             ended = False
             try:
-                self.check_usage(loss)  # W processes: the ranks' losses reach the same parameters
+                self.usage.begin(loss)  # W processes: the ranks' losses reach the same parameters
                 yield
                 ended = True
-                self._stepped_backward = boundary
+                self.stepped_backward = boundary
             finally:
                 try:
                     # A backward that raised (ctrl-C included) ends without the reductions: with
@@ -391,8 +355,9 @@ class Scheduler:
         for c in self.chunks:
             if not c.receiving:
                 continue
-            if c.persistent:
-                self._reduce(c)
+            if c.persistent:  # its gradients of this pass into its accumulator (W processes: reduce-scattered)
+                self.usage.reduced(c)
+                c.land(self.ctx)
             else:  # some of its parameters got no gradient in this pass
                 self._offload(c, final=True)
         for c in self.chunks:
@@ -461,7 +426,7 @@ class Scheduler:
         self.finish_step()
 
     def finish_step(self) -> None:
-        self._stepped_backward = False
+        self.stepped_backward = False
         for c in self.chunks:
             c.finish_step()
 
@@ -473,55 +438,21 @@ class Scheduler:
                 c.end_offload(self.ctx, in_pass=self._in_pass)
             if c.state is ChunkState.UPDATING and c.index not in self._after_step:
                 c.end_update()
-        self._stepped_backward = False
+        self.stepped_backward = False
         for c in self.chunks:
             c.zero()
 
     def reconfigure(self, n_buffer: int) -> None:
         """After a re-plan moved chunks between the device and the host (all idle)."""
         self.streamed = [c for c in self.chunks if not c.persistent]
-        assert not self._resident()
-        self.n_buffer = n_buffer
+        assert not any(c.device_resident for c in self.streamed)
+        self.buffers = BufferPolicy(n_buffer)
         staging = max((c.storage.fmt.state_numel for c in self.streamed), default=0)
         self.worker.resize_staging(n_staging=n_buffer, staging_numel=staging)
 
-    def shutdown(self, *, wait: bool = True) -> None:
-        self.worker.shutdown(wait=wait)
-
-    # ----- accounting ---------------------------------------------------------------------
-    def device_bytes(self) -> int:
-        return sum(c.device_bytes() for c in self.chunks)
-
-    def device_bytes_bound(self) -> int:
-        """Persistent chunks plus ``n_buffer`` of the largest streamed chunk's buffer bytes."""
-        persistent = sum(c.storage.fmt.persistent_device_bytes for c in self.chunks if c.persistent)
-        per_buffer = max((c.storage.fmt.buffer_device_bytes for c in self.streamed), default=0)
-        return persistent + self.n_buffer * per_buffer
-
-    def assert_invariants(self) -> None:
-        resident = self._resident()
-        assert len(resident) <= self.n_buffer, f"{len(resident)} chunks resident > n_buffer={self.n_buffer}"
-        for c in self.streamed:
-            storage = c.storage
-            if c.device_resident:
-                assert storage.device_copy_allocated, c
-            else:
-                assert not storage.device_copy_allocated and storage.grad_buffer is None, f"{c} holds device memory"
-            home = storage.device_copy if c.state is ChunkState.RESIDENT else None
-            if c.at_placeholders:  # released inside a pass: NaN of the device copy's device and dtype
-                assert c.state is not ChunkState.RESIDENT, c
-                assert all(p.device == storage.device_copy.device and p.stride() == (0,) * p.dim()
-                           for p in c.params), f"{c}: placeholders"
-            elif not c.device_resident and storage.fmt.whole and storage.frozen is None:  # else some point at NaN
-                home = storage.host_copy
-            if home is not None:
-                for p in c.params:
-                    assert p.untyped_storage().data_ptr() == home.untyped_storage().data_ptr(), f"{c}: stale .data"
-        assert self.device_bytes() <= self.device_bytes_bound(), "device bytes above the plan's bound"
-
     def check(self) -> None:
         if self.check_invariants:
-            self.assert_invariants()
+            assert_invariants(self)
 
     def record(self, what: str, index: int) -> None:
         counter = _COUNTED.get(what)
@@ -534,29 +465,36 @@ class Scheduler:
             timeline.event(what, index)
 
 
-def reached_leaves(root: Tensor | None) -> set[int]:
-    """The ids of the leaf tensors whose gradients ``root.backward()`` computes: the variables
-    of the ``AccumulateGrad`` nodes its autograd graph reaches."""
-    seen, leaves = set(), set()
-    stack = [getattr(root, "grad_fn", None)]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if variable is not None:
-            leaves.add(id(variable))
-        stack.extend(f for f, _ in node.next_functions)
-    return leaves
+def device_bytes_bound(chunks: list[Chunk], n_buffer: int) -> int:
+    """What a plan lets the model states hold on the device: the persistent chunks, plus
+    ``n_buffer`` buffers of the largest streamed chunk."""
+    persistent = sum(c.storage.fmt.persistent_device_bytes for c in chunks if c.persistent)
+    per_buffer = max((c.storage.fmt.buffer_device_bytes for c in chunks if not c.persistent), default=0)
+    return persistent + n_buffer * per_buffer
 
 
-def _usage_mismatch(sharding, names: list[str]) -> str:
-    what = (f"parameter(s) {', '.join(names[:3])}{' and others' if len(names) > 3 else ''} get a gradient on some "
-            "ranks and not on others" if names else
-            "the previous backward reduced its chunks in a different order on some ranks (the model ran its modules in "
-            "a data-dependent order)")
-    return (f"ProTrain with {sharding.world} processes (rank {sharding.rank}): {what}. Every rank must give a gradient "
-            "to the same parameters, in the same order, in every backward, as DDP requires by default "
-            "(find_unused_parameters=False): use the parameter on every rank (e.g. add 0 * its output to the loss), "
-            "or set requires_grad=False on it.")
+def assert_invariants(scheduler: Scheduler) -> None:
+    """The residency invariants (``RuntimeConfig.check_invariants``): at most ``n_buffer``
+    streamed chunks hold device memory, only those that are resident, every parameter points
+    where its chunk's state says, and the device bytes are within the plan's bound."""
+    n_buffer = scheduler.buffers.n_buffer
+    resident = [c for c in scheduler.streamed if c.device_resident]
+    assert len(resident) <= n_buffer, f"{len(resident)} chunks resident > n_buffer={n_buffer}"
+    for c in scheduler.streamed:
+        storage = c.storage
+        if c.device_resident:
+            assert storage.device_copy_allocated, c
+        else:
+            assert not storage.device_copy_allocated and storage.grad_buffer is None, f"{c} holds device memory"
+        home = storage.device_copy if c.state is ChunkState.RESIDENT else None
+        if c.at_placeholders:  # released inside a pass: NaN of the device copy's device and dtype
+            assert c.state is not ChunkState.RESIDENT, c
+            assert all(p.device == storage.device_copy.device and p.stride() == (0,) * p.dim()
+                       for p in c.params), f"{c}: placeholders"
+        elif not c.device_resident and storage.fmt.whole and storage.frozen is None:  # else some point at NaN
+            home = storage.host_copy
+        if home is not None:
+            for p in c.params:
+                assert p.untyped_storage().data_ptr() == home.untyped_storage().data_ptr(), f"{c}: stale .data"
+    device = sum(c.device_bytes() for c in scheduler.chunks)
+    assert device <= device_bytes_bound(scheduler.chunks, n_buffer), "device bytes above the plan's bound"

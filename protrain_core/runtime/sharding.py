@@ -37,7 +37,7 @@ only on the state machines of the chunks, never on timing (a prefetch waits for 
 update instead of skipping a chunk still updating), and the planner's decisions are rank 0's,
 broadcast (``agree``). What the runtime cannot decide alone is which parameters get gradients:
 that is the user's graph. So at each backward the ranks compare, in one host all-reduce
-(``Scheduler.check_usage``), which parameters their losses reach (the autograd graph's leaves,
+(``UsageCheck.begin``), which parameters their losses reach (the autograd graph's leaves,
 as DDP's ``find_unused_parameters`` finds them), and stop together with the fix where they
 differ -- before any chunk collective could pair one rank's chunk with another's: the
 all-reduce is issued as backward begins, and its result read before the backward's first
@@ -241,7 +241,7 @@ class Sharding:
         return t.tolist()
 
     def differences(self, used: list[bool], order: int) -> Callable[[], tuple[list[int], bool]]:
-        """One host all-reduce, issued at the start of a backward (``Scheduler.check_usage``)
+        """One host all-reduce, issued at the start of a backward (``UsageCheck.begin``)
         without waiting: the returned function waits for it and gives the positions of ``used``
         (which parameters this rank's loss reaches) where the ranks differ, and whether
         ``order`` (a hash of the chunks the previous backward reduced, in order) differs. The
@@ -483,6 +483,70 @@ def agree(sharding: Sharding, decision):
     """Rank 0's ``decision`` on every rank (identity in one process): every choice that changes
     which collectives run -- a plan, a switch -- is rank 0's ([Note: sharded chunks])."""
     return sharding.broadcast_object(decision)
+
+
+class UsageCheck:
+    """What each backward reduces, compared across the ranks before its first chunk collective
+    ([Note: sharded chunks]): which parameters the loss reaches, and the order in which the
+    previous backward reduced its chunks. The group of one has nothing to compare."""
+
+    def __init__(self, sharding: Sharding, chunks: list) -> None:
+        self.sharding, self.chunks = sharding, chunks
+        self._order = 0  # a hash of the chunks this backward reduced, in order
+
+    def reduced(self, c) -> None:
+        """Chunk ``c``'s gradients are reduced now; the next backward compares the order."""
+        self._order = (self._order * 1_000_003 + c.index + 1) % (1 << 61)
+
+    def begin(self, loss: Tensor | None) -> None:
+        """Before a backward: one host all-reduce compares which parameters the ranks' losses
+        reach, and the order of the previous backward's reductions. It is issued here and read
+        before the backward's first chunk collective (``Sharding.hold_collectives``), so the
+        backward of the last blocks runs while it travels; a difference stops every rank there,
+        with the fix, before a collective could pair different chunks."""
+        if self.sharding.whole:
+            return
+        members = [(c, i) for c in self.chunks for i in c.grad_members]
+        reached = reached_leaves(loss)
+        result = self.sharding.differences([id(c.params[i]) in reached for c, i in members], self._order)
+        self._order = 0
+        self.sharding.hold_collectives(lambda: self._verdict(result, members))
+
+    def _verdict(self, result, members) -> str | None:
+        """The check's outcome, read before the backward's first chunk collective (a host wait
+        for its all-reduce only where it is still travelling): the error, or None."""
+        differ, order_differs = result()
+        if not (differ or order_differs):
+            return None
+        return _usage_mismatch(self.sharding, [members[k][0].spec.members[members[k][1]].name for k in differ])
+
+
+def reached_leaves(root: Tensor | None) -> set[int]:
+    """The ids of the leaf tensors whose gradients ``root.backward()`` computes: the variables
+    of the ``AccumulateGrad`` nodes its autograd graph reaches."""
+    seen, leaves = set(), set()
+    stack = [getattr(root, "grad_fn", None)]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            leaves.add(id(variable))
+        stack.extend(f for f, _ in node.next_functions)
+    return leaves
+
+
+def _usage_mismatch(sharding, names: list[str]) -> str:
+    what = (f"parameter(s) {', '.join(names[:3])}{' and others' if len(names) > 3 else ''} get a gradient on some "
+            "ranks and not on others" if names else
+            "the previous backward reduced its chunks in a different order on some ranks (the model ran its modules in "
+            "a data-dependent order)")
+    return (f"ProTrain with {sharding.world} processes (rank {sharding.rank}): {what}. Every rank must give a gradient "
+            "to the same parameters, in the same order, in every backward, as DDP requires by default "
+            "(find_unused_parameters=False): use the parameter on every rank (e.g. add 0 * its output to the loss), "
+            "or set requires_grad=False on it.")
 
 
 def piece(start: int, numel: int, shard: int, rank: int) -> tuple[int, int, int] | None:

@@ -20,7 +20,7 @@ from protrain_core.phase import StepState
 from protrain_core.precision import LossScaler, Precision
 from protrain_core.runtime.chunk import Chunk
 from protrain_core.runtime.optim import ChunkOptimizer
-from protrain_core.runtime.scheduler import Scheduler
+from protrain_core.runtime.scheduler import Scheduler, device_bytes_bound
 from protrain_core.utils import plain_parameters
 
 
@@ -286,11 +286,11 @@ class StateMemory:
 
     def device_bytes(self) -> int:
         """Device memory held by model states right now (persistent chunks + chunk buffers)."""
-        return self._scheduler.device_bytes()
+        return sum(c.device_bytes() for c in self._chunks)
 
     def device_bound(self) -> int:
         """What the plan lets them hold at most: the persistent chunks and ``n_buffer`` buffers."""
-        return self._scheduler.device_bytes_bound()
+        return device_bytes_bound(self._chunks, self._scheduler.buffers.n_buffer)
 
     def host_bytes(self) -> int:
         """Host memory of the streamed chunks' model states (their exact-size buffers)."""

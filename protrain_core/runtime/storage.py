@@ -252,7 +252,7 @@ class ChunkStorage:
                 staging = torch.empty_like(old["store"], device=self.device)
                 copy(staging, old["store"])
                 self.frozen.unpack(staging, self.frozen_piece(self.device_copy))
-            self.gather_spans()  # (the identity in one process)
+            self.gather()
         else:  # the rank's pieces of the gathered copy
             for host, device in self.shard_places(device_copy=old["compute"]):
                 copy(host, device)
@@ -342,17 +342,14 @@ class ChunkStorage:
         self.frozen.unpack(self.frozen_store, out)
         return out
 
-    def gather_spans(self) -> None:
-        """All-gather the device copy's frozen and trainable spans in place (each rank's pieces
-        are in place already)."""
-        fmt = self.fmt
-        tds = fmt.trainable_device_start
-        self.sharding.gather_(self.device_copy[:tds])
+    def gather(self, *, frozen: bool = True) -> None:
+        """All-gather the device copy's trainable span, and its frozen span unless not
+        ``frozen`` (a persistent chunk after its update), in place: each rank's pieces are in
+        place already (in one process, the whole chunk: the identity)."""
+        tds = self.fmt.trainable_device_start
+        if frozen:
+            self.sharding.gather_(self.device_copy[:tds])
         self.sharding.gather_(self.device_copy[tds:])
-
-    def gather_trainable(self) -> None:
-        """All-gather the device copy's trainable span (a persistent chunk after its update)."""
-        self.sharding.gather_(self.device_copy[self.fmt.trainable_device_start:])
 
     def allocate_device_copy(self) -> None:
         self.ctx.resize(self.device_copy.untyped_storage(), self.device_copy.numel() * self.device_copy.element_size())
