@@ -33,7 +33,7 @@ from protrain_core.planner.profiles import Profile, discard
 from protrain_core.planner.search import InfeasibleBudget, PlanChoice, search
 from protrain_core.profiler.hardware import probe_hardware
 from protrain_core.profiler.live import LiveProfile, LiveProfiler
-from protrain_core.runtime.engine import Engine
+from protrain_core.runtime.engine import RuntimeEngine
 from protrain_core.runtime.storage import chunk_formats
 from protrain_core.update import Overlap
 from protrain_core.utils import batch_tokens, format_bytes, format_seconds
@@ -63,7 +63,7 @@ class BatchTooLarge(ValueError):
 class AutoPlanner(StepObserver):
     """The plan of one engine once its profile exists (see [Note: batch shapes])."""
 
-    def __init__(self, engine: Engine | None, profile: Profile, *, budget: int, host_budget: int | None,
+    def __init__(self, engine: RuntimeEngine | None, profile: Profile, *, budget: int, host_budget: int | None,
                  overlap: Overlap, report=print_report, max_tokens: int | None = None,
                  tokens_per_batch_token: float | None = None, cache_dir=None, refit=None) -> None:
         """``engine``: may be set later (a plan searched before the engine is built);
@@ -228,7 +228,7 @@ class PredictionCheck(StepObserver):
     ``measured_step_s``). A stale profile is said so and removed from the cache: the next run
     profiles again."""
 
-    def __init__(self, engine: Engine, planner: AutoPlanner, *, report=print_report, hint: str = "reprofile=True",
+    def __init__(self, engine: RuntimeEngine, planner: AutoPlanner, *, report=print_report, hint: str = "reprofile=True",
                  checked_steps: int = CHECKED_STEPS) -> None:
         self.engine, self.planner, self.report, self.hint = engine, planner, report, hint
         self.checked_steps = checked_steps
@@ -276,7 +276,7 @@ class PredictionCheck(StepObserver):
         self.report(message, predicted_step_s=predicted, measured_step_s=measured)
 
 
-def follow(engine: Engine, planner: AutoPlanner, choice: PlanChoice, *, report) -> None:
+def follow(engine: RuntimeEngine, planner: AutoPlanner, choice: PlanChoice, *, report) -> None:
     """Record the choice on the engine, check batch shapes and the prediction from now on."""
     engine.profile, engine.choice = planner.profile, choice
     planner.follow()
@@ -317,7 +317,7 @@ def check_budget_holds_states(formats: tuple[ChunkFormat, ...], limits: PlanLimi
             "any activation. Raise memory_budget, or pass a smaller chunk_size.", needed_bytes=need, budget_bytes=budget)
 
 
-def plan_on_first_steps(engine: Engine, *, budget: int, host_budget: int | None, report=print_report,
+def plan_on_first_steps(engine: RuntimeEngine, *, budget: int, host_budget: int | None, report=print_report,
                         max_tokens: int | None = None, cache: bool = True, reprofile: bool = False,
                         cache_dir=None) -> LiveProfiler:
     """Profile the engine's first training steps (it runs a safe plan meanwhile), then switch it

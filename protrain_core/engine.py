@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from protrain_core.checkpoint import load_sharded, save_sharded
 from protrain_core.export import save_pretrained
-from protrain_core.runtime.engine import Engine as RuntimeEngine
+from protrain_core.runtime.engine import RuntimeEngine
 
 
 class Engine(RuntimeEngine):

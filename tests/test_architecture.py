@@ -194,6 +194,18 @@ def test_the_engine_sets_its_parts_through_their_methods():
     assert offences == []
 
 
+def test_one_class_per_name():
+    """No two classes of the library share a name (the engine ``wrap`` returns is ``Engine``;
+    the runtime it extends, which the profiler also builds, is ``RuntimeEngine``)."""
+    where: dict[str, list[str]] = {}
+    for package in LIBRARY:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef):
+                    where.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in where.items() if len(paths) > 1} == {}
+
+
 def test_the_scheduler_and_the_storage_are_small():
     """Scheduler (the mechanism: fetch, offload, evict, update) and ChunkStorage (a chunk's
     tensors) have at most 30 methods each (properties included): which chunk gives its device
@@ -216,7 +228,7 @@ def test_the_engine_is_thin():
     """The engine that ``wrap`` returns has at most 30 methods (properties included), its
     runtime base and the checkpoint verbs together: clipping, state access, memory and the
     step state are parts with faces of their own."""
-    runtime = _methods(_class(ROOT / "protrain_core" / "runtime" / "engine.py", "Engine"))
+    runtime = _methods(_class(ROOT / "protrain_core" / "runtime" / "engine.py", "RuntimeEngine"))
     verbs = _methods(_class(ROOT / "protrain_core" / "engine.py", "Engine"))
     assert len(runtime) + len(verbs) <= 30, sorted(runtime + verbs)
 

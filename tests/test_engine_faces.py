@@ -118,10 +118,10 @@ def test_a_closed_engine_is_freed_with_its_last_reference_without_the_garbage_co
     import weakref
 
     from conftest import standard_plans, tiny_llama, train_engine
-    from protrain_core.runtime.engine import Engine
+    from protrain_core.runtime.engine import RuntimeEngine
 
     gc.collect()
-    before = {id(o) for o in gc.get_objects() if isinstance(o, Engine)}  # (earlier tests' engines still referenced)
+    before = {id(o) for o in gc.get_objects() if isinstance(o, RuntimeEngine)}  # (earlier tests' engines still referenced)
     gc.disable()
     try:
         for name, plan in standard_plans(tiny_llama(n_layer=4)).items():
@@ -138,7 +138,7 @@ def test_a_closed_engine_is_freed_with_its_last_reference_without_the_garbage_co
         x = batches(1)[0]
         engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), device="cpu", precision=precision,
                          example_inputs={"input_ids": x, "labels": x}, report=lambda *a, **k: None)
-        assert [o for o in gc.get_objects() if isinstance(o, Engine) and id(o) not in before] == [engine]
+        assert [o for o in gc.get_objects() if isinstance(o, RuntimeEngine) and id(o) not in before] == [engine]
         engine.close()
     finally:
         gc.enable()

@@ -35,7 +35,7 @@ from protrain_core.profiler.profiler import (
     Measured, base_bytes, build_profile, check_blocks_called, fragmentation_factor, memory_meter, profile_key,
     tensor_shapes,
 )
-from protrain_core.runtime.engine import Engine
+from protrain_core.runtime.engine import RuntimeEngine
 from protrain_core.structure.blocks import block_modules
 from protrain_core.runtime.sharding import agree
 from protrain_core.utils import batch_tokens, block_tokens
@@ -59,7 +59,7 @@ class LiveProfiler(StepObserver):
     """Profiles an engine's first training steps (see the Note), then calls ``on_profile``
     with a ``LiveProfile``."""
 
-    def __init__(self, engine: Engine, *, on_profile, on_unfinished=None, cache: bool = True, reprofile: bool = False,
+    def __init__(self, engine: RuntimeEngine, *, on_profile, on_unfinished=None, cache: bool = True, reprofile: bool = False,
                  cache_dir=None) -> None:
         """``on_unfinished(steps)``: the engine closed before profiling was over."""
         self.engine, self.on_profile, self.on_unfinished = engine, on_profile, on_unfinished

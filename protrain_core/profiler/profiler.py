@@ -58,7 +58,7 @@ from protrain_core.profiler.boundaries import Boundaries, Boundary as B, CudaMet
 from protrain_core.profiler.hardware import device_name, probe_hardware
 from protrain_core.runtime.device import DeviceContext, as_context
 from protrain_core.runtime.elementwise import state_slots
-from protrain_core.runtime.engine import Engine
+from protrain_core.runtime.engine import RuntimeEngine
 from protrain_core.runtime.options import RuntimeConfig
 from protrain_core.runtime.sharding import ONE_PROCESS, Sharding, agree
 from protrain_core.runtime.state_formats import block_aligned
@@ -185,7 +185,7 @@ def profile_model(
     step_fn = step_fn or _step_of(loss_fn or default_loss)
     start = ctx.clock()
 
-    def passes(engine: Engine, bounds: Boundaries):
+    def passes(engine: RuntimeEngine, bounds: Boundaries):
         _one_pass(engine, bounds, inputs, step_fn)  # warm-up, and the batch as the first block sees it
         shapes = tensor_shapes(bounds.block_inputs or [])
         key = profile_key(model, optimizer, shapes, precision, ctx, layout, formats)
@@ -230,7 +230,7 @@ def _profiled(model: nn.Module, optimizer, layout: ChunkLayout, plan: Plan, prec
     the blocks checked to have run."""
     meta = meta_names(model) if ctx.host.type != "meta" else []  # (filled by their initialisation to profile)
     with torch.random.fork_rng(devices=[ctx.device] if ctx.is_cuda else []):
-        engine = Engine(model, optimizer, layout, plan, precision, ctx, PROFILING.replace(runtime=switches),
+        engine = RuntimeEngine(model, optimizer, layout, plan, precision, ctx, PROFILING.replace(runtime=switches),
                         warn_on_cache=False)
         bounds = Boundaries(engine, block_modules(model, layout.block_path))
         try:
@@ -337,7 +337,7 @@ def safe_plan(formats, limits: PlanLimits, device: torch.device | DeviceContext,
     return Plan(n_persist=n, n_buffer=0, n_checkpoint=L)
 
 
-def _measure(engine: Engine, bounds: Boundaries, inputs, step_fn, iterations: int) -> Measured:
+def _measure(engine: RuntimeEngine, bounds: Boundaries, inputs, step_fn, iterations: int) -> Measured:
     """The passes of [Note: profiling] after the warm-up, on the profiling engine."""
     L, ctx = engine.layout.n_blocks, engine.ctx
     chunks = {s: tuple(sorted(c)) for s, c in bounds.chunks.items()}
@@ -395,7 +395,7 @@ def _segments(m: Measured, L: int) -> tuple[Segment, ...]:
     return tuple(segments)
 
 
-def _one_pass(engine: Engine, bounds: Boundaries, inputs, step_fn) -> None:
+def _one_pass(engine: RuntimeEngine, bounds: Boundaries, inputs, step_fn) -> None:
     bounds.reset()
     bounds.mark(B.FORWARD, 0)  # also when step_fn calls a submodule, not the wrapped module itself
     with engine.autocast():
@@ -412,7 +412,7 @@ def _one_pass(engine: Engine, bounds: Boundaries, inputs, step_fn) -> None:
     engine.zero_grad()
 
 
-def memory_meter(engine: Engine, bounds: Boundaries):
+def memory_meter(engine: RuntimeEngine, bounds: Boundaries):
     """(MemoryPass, the dispatch mode that feeds it): enter the mode around one pass. CPU (and a
     simulated device): the tensor tracker; CUDA: the caching allocator, minus the engine's chunk
     memory."""

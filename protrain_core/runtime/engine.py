@@ -40,8 +40,9 @@ from protrain_core.structure.layout import ChunkLayout, unit_chunks
 from protrain_ops import onepass
 
 
-class Engine:
-    """Runs a wrapped model: forward through ``engine.module``, then backward, step, zero_grad.
+class RuntimeEngine:
+    """Runs a wrapped model: forward through ``engine.module``, then backward, step, zero_grad
+    (``protrain_core.Engine``, what ``wrap`` returns, adds the verbs that write files).
 
     Its parts, each with a small public face: ``engine.clipping`` (gradient clipping and norms,
     runtime/clipping.py), ``engine.states`` (model, optimizer and loss-scaler states,
@@ -382,7 +383,7 @@ class Engine:
         self.module._protrain_engine = None
         self.step_state.close()
 
-    def __deepcopy__(self, memo) -> Engine:
+    def __deepcopy__(self, memo) -> RuntimeEngine:
         """The engine is not a value: it owns the device, pinned memory, a worker thread and the
         process group. A deep copy of the model (an EMA, Lightning's weight averaging) copies
         its hooks, which refer to the engine: they get this engine, and ignore the copy's
@@ -427,7 +428,7 @@ class _ZeroGradRoute:
     every way the user's code calls it; Lightning's optimizer wrapper is routed to it
     (lightning_protrain/strategy.py)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: RuntimeEngine) -> None:
         optimizer = self.optimizer = engine.optimizer
         original = type(optimizer).zero_grad
 
@@ -442,7 +443,7 @@ class _ZeroGradRoute:
         self.optimizer.__dict__.pop("zero_grad", None)
 
 
-def _allocate(engine: Engine, optim: ChunkOptimizer, *, touch=None) -> list[Chunk]:
+def _allocate(engine: RuntimeEngine, optim: ChunkOptimizer, *, touch=None) -> list[Chunk]:
     """Chunk storages (a streamed one in an exact-size host buffer of its own) holding the
     parameters' values; the parameters then point into them. ``touch(t)``: zeroes a new pageable
     host region where the CPU worker runs ([Note: CPU worker placement] in topology.py)."""
@@ -482,7 +483,7 @@ def _allocate(engine: Engine, optim: ChunkOptimizer, *, touch=None) -> list[Chun
     return chunks
 
 
-def _autocast_hooks(engine: Engine) -> list[RemovableHandle]:
+def _autocast_hooks(engine: RuntimeEngine) -> list[RemovableHandle]:
     """The module's forward runs inside ``engine.autocast()`` (not a deep copy's)."""
     stack = []
 
@@ -502,7 +503,7 @@ def _autocast_hooks(engine: Engine) -> list[RemovableHandle]:
             engine.module.register_forward_hook(leave, always_call=True)]
 
 
-def _update_kernel(engine: Engine) -> str:
+def _update_kernel(engine: RuntimeEngine) -> str:
     """How the CPU updates streamed chunks in the mixed modes with the fused AdamW path."""
     optim = engine.states.chunk_optimizer
     if engine.precision not in (Precision.BF16_MIXED, Precision.FP16_MIXED) or optim.kind is not None:
@@ -511,7 +512,7 @@ def _update_kernel(engine: Engine) -> str:
                                                 else "separate passes (one_pass_kernel=False)")
 
 
-def _check_trainables(engine: Engine) -> None:
+def _check_trainables(engine: RuntimeEngine) -> None:
     """Refuse a training step after which parameters train changed: the chunks hold states for
     the parameters that trained when they were built (the Trainer and Fabric strategies wrap
     anew)."""
