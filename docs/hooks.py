@@ -4,7 +4,9 @@ written twice. A page asks for them with a marker line:
 - ``<!-- configuration reference -->``: every field of ``ProTrainConfig`` and its parts, with its
   type, default and docstring (protrain_core/config.py, runtime/options.py);
 - ``<!-- refusals -->``: every error the library raises with a message, by module, as the user
-  reads it (placeholders where the message names a value).
+  reads it (placeholders where the message names a value);
+- ``<!-- api reference -->``: every name of ``protrain_core.__all__`` and
+  ``lightning_protrain.__all__``, for mkdocstrings to render from its docstring.
 
 The functions read the source with ``ast`` (nothing is imported: the build needs no torch).
 """
@@ -27,7 +29,25 @@ def on_page_markdown(markdown: str, page, config, files) -> str:  # noqa: ARG001
         markdown = markdown.replace("<!-- configuration reference -->", configuration_reference())
     if "<!-- refusals -->" in markdown:
         markdown = markdown.replace("<!-- refusals -->", refusals_page())
+    if "<!-- api reference -->" in markdown:
+        markdown = markdown.replace("<!-- api reference -->", api_page())
     return markdown
+
+
+def public_names(package: str) -> list[str]:
+    """``package.__all__``, read from its ``__init__.py``."""
+    tree = ast.parse((ROOT / package / "__init__.py").read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "__all__")
+    return ast.literal_eval(node.value)
+
+
+def api_page() -> str:
+    out = []
+    for package, title in (("protrain_core", "protrain_core: the engine"), ("lightning_protrain", "lightning_protrain: "
+                                                                           "the Lightning strategies")):
+        out += [f"## {title}", ""]
+        out += [f"::: {package}.{name}\n" for name in sorted(public_names(package), key=str.lower)]
+    return "\n".join(out)
 
 
 # ----- the configuration reference ------------------------------------------------------------

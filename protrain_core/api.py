@@ -333,12 +333,17 @@ def profile(
     reprofile: bool | None = None,
     config: ProTrainConfig | None = None,
 ) -> Profile:
-    """Profile ``model`` on one real batch without wrapping it for training (the parameters,
-    the optimizer and the random state are left as they were). See ``protrain_core.profiler``.
-    ``reprofile``: profile again even when a cached profile matches (None: as
-    ``PlanningConfig.reprofile``'s default, ``PROTRAIN_REPROFILE``). ``config``: the
-    ``ProTrainConfig`` the run will use (its state formats' bytes and update rates, its runtime
-    switches)."""
+    """Profile ``model`` and ``optimizer`` on one real batch, ``example_inputs``, without
+    wrapping them for training (the parameters, the optimizer and the random state are left as
+    they were), for ``search`` and the cost models. See ``protrain_core.profiler``.
+
+    ``precision``, ``device``, ``loss_fn``, ``step_fn``: as ``wrap``'s; ``blocks``,
+    ``chunk_size``: as ``PlanningConfig``'s; ``iterations``: timed passes (the median is kept);
+    ``cache``: reuse a profile cached on disk for the same model, batch shape, precision and
+    hardware, and store this one; ``reprofile``: profile again even when a cached profile
+    matches (None: as ``PlanningConfig.reprofile``'s default, ``PROTRAIN_REPROFILE``);
+    ``config``: the ``ProTrainConfig`` the run will use (its state formats' bytes and update
+    rates, its runtime switches)."""
     prec: Precision = parse_precision(precision)
     dev = as_context(device)
     config = config or ProTrainConfig()

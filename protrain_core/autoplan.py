@@ -52,7 +52,9 @@ def print_report(text: str, **metrics) -> None:
 
 
 class BatchTooLarge(ValueError):
-    """A training batch that fits no plan within the memory budget (raised before its forward)."""
+    """A training batch that fits no plan within the memory budget (raised before its forward):
+    ``message`` says what is missing and the fix, ``tokens`` the batch's tokens (batch x
+    sequence), ``largest`` the most tokens a batch may have (0: none fits)."""
 
     def __init__(self, message: str, *, tokens: int, largest: int) -> None:
         super().__init__(message)

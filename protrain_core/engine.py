@@ -16,7 +16,13 @@ from protrain_core.runtime.engine import RuntimeEngine
 
 class Engine(RuntimeEngine):
     """A training engine (``wrap``): forward through ``engine.module``, then ``backward``,
-    ``step``, ``zero_grad`` (runtime/engine.py), and the checkpoint and export verbs."""
+    ``step``, ``zero_grad`` (runtime/engine.py), and the checkpoint and export verbs.
+
+    ``wrap`` builds it: it finds the blocks and the ``layout`` of the chunks, searches the
+    ``plan`` and calls the constructor with the ``module``, the ``optimizer``, the
+    ``precision`` (a ``Precision``), the ``device``, the ``config`` (a ``ProTrainConfig``), the
+    ``sharding`` (the processes) and ``warn_on_cache`` (warn when checkpointed or swapped blocks
+    turn a key/value cache off)."""
 
     def save_pretrained(self, save_directory, **kwargs) -> None:
         """Export a Hugging Face (or PEFT) model: its ``save_pretrained`` with the master weights

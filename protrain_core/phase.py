@@ -24,6 +24,8 @@ from torch.utils.hooks import RemovableHandle
 
 
 class TrainingPhase(enum.Enum):
+    """Where an engine is in a training step (``StepState.phase``)."""
+
     IDLE = "idle"  # between steps (and forward passes, which need no phase of their own here)
     FORWARD = "forward"  # used by the profiler's timeline
     BACKWARD = "backward"  # inside engine.backward()
@@ -36,6 +38,7 @@ class StepState:
     """The training state of one engine (not global: every engine has its own)."""
 
     phase: TrainingPhase = TrainingPhase.IDLE
+    """Where the engine is in a step (``TrainingPhase``)."""
     final_micro_batch: bool = True
     """The next (or running) backward is a step's last micro-batch: False inside ``no_sync``."""
     manual: bool = False
@@ -47,6 +50,7 @@ class StepState:
     step_closure: bool = False
     """An adapter runs the closure of an optimizer step (Lightning: the step's last micro-batch)."""
     closed: bool = False
+    """``engine.close()`` ran: the engine's states are gone, every verb refuses."""
 
     @property
     def idle(self) -> bool:

@@ -117,6 +117,8 @@ def plan_arguments(plan: Plan | dict | None, memory_budget, max_tokens=None) -> 
 
 # ----- activations per block ---------------------------------------------------------------
 class BlockMode(enum.Enum):
+    """What a transformer block does with its activations between forward and backward."""
+
     KEEP = "keep"  # autograd keeps the block's saved tensors on the device
     CHECKPOINT = "checkpoint"  # only the inputs are kept; backward recomputes the forward
     SWAP = "swap"  # saved tensors go to host memory in forward and come back for backward

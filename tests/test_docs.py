@@ -46,6 +46,11 @@ def test_the_user_guide_builds_strictly(tmp_path):
     troubleshooting = (tmp_path / "site" / "guide" / "troubleshooting" / "index.html").read_text()
     assert "No ProTrain plan fits a device memory budget of" in troubleshooting
     assert "worker_cores" in (tmp_path / "site" / "guide" / "configuration" / "index.html").read_text()
+    api = (tmp_path / "site" / "guide" / "api" / "index.html").read_text()
+    hooks = _hooks()
+    for package in ("protrain_core", "lightning_protrain"):
+        assert all(f"{package}.{name}" in api for name in hooks.public_names(package)), package
+    assert "zero_grad" in api and "save_pretrained" in api  # the engine's methods, inherited ones included
 
 
 def test_every_page_is_in_the_navigation():
@@ -102,3 +107,48 @@ def test_the_configuration_reference_has_every_field():
             assert f"**`{f.name}`**" in text, (cls.__name__, f.name)
             if f.default is not dataclasses.MISSING:
                 assert f"**`{f.name}`**: `{f.type}` = `{f.default!r}`" in text, (cls.__name__, f.name)
+
+
+def _field_docstrings(cls) -> set[str]:
+    """The fields of a dataclass that have a docstring (a string right after the field)."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    return {node.target.id for node, after in zip(body, body[1:]) if isinstance(node, ast.AnnAssign)
+            and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)}
+
+
+def _undocumented(obj) -> list[str]:
+    """The arguments of a public function or class that its docstring does not name."""
+    import dataclasses
+    import enum
+    import inspect
+
+    doc = obj.__doc__ if not inspect.isclass(obj) else vars(obj).get("__doc__")
+    if not doc or not doc.strip():
+        return ["(no docstring)"]
+    if inspect.isclass(obj) and issubclass(obj, enum.Enum):
+        return []
+    try:
+        params = inspect.signature(obj).parameters
+    except (TypeError, ValueError):
+        return []
+    documented = _field_docstrings(obj) if inspect.isclass(obj) and dataclasses.is_dataclass(obj) else set()
+    init_doc = (getattr(obj, "__init__", None).__doc__ or "") if inspect.isclass(obj) else ""
+    return [name for name, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+            and name not in documented and not re.search(rf"\b{name}\b", doc + init_doc)]
+
+
+def test_every_public_name_has_a_docstring_with_its_arguments():
+    """The API reference is generated from the docstrings (docs/guide/api.md), so every
+    name of ``__all__`` has one, naming each of its arguments (a dataclass's fields may carry
+    their own docstrings, an enum's members are its arguments)."""
+    import lightning_protrain
+    import protrain_core
+
+    lacking = {f"{module.__name__}.{name}": missing for module in (protrain_core, lightning_protrain)
+               for name in module.__all__ if (missing := _undocumented(getattr(module, name)))}
+    assert lacking == {}

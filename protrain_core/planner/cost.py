@@ -730,12 +730,13 @@ def _grid_modes(L: int, pairs: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
 
 def estimate_runtime(profile: Profile, plan: Plan, *, schedule: UpdateSchedule = UpdateSchedule.DURING_BACKWARD,
                      gradient_passes: int = 0, redo_fraction: float = 0.0) -> RuntimeEstimate:
-    """Predicted step time of ``plan`` (eq. 3-7) when the CPU Adam runs on ``schedule`` after
-    ``gradient_passes`` of clipping (``CostModel``)."""
+    """Predicted step time of ``plan`` (eq. 3-7) for the measurements of ``profile`` when the CPU
+    Adam runs on ``schedule`` after ``gradient_passes`` of clipping (``redo_fraction``: of a
+    speculative schedule's steps, those redone; ``CostModel``)."""
     return CostModel(profile, schedule=schedule, gradient_passes=gradient_passes,
                      redo_fraction=redo_fraction).runtime(plan)
 
 
 def estimate_memory(profile: Profile, plan: Plan) -> MemoryEstimate:
-    """Predicted peak device memory of ``plan`` (eq. 8-10)."""
+    """Predicted peak device memory of ``plan`` (eq. 8-10) for the measurements of ``profile``."""
     return CostModel(profile).memory(plan)

@@ -50,8 +50,9 @@ from protrain_core.utils import format_bytes, format_seconds
 
 
 class InfeasibleBudget(ValueError):
-    """No plan's predicted peak fits the memory budget (or its host memory does not fit).
-    ``needed_bytes``: what the smallest plan needs on the device."""
+    """No plan's predicted peak fits the memory budget (or its host memory does not fit):
+    ``message`` says what is missing and what would fit, ``needed_bytes`` what the smallest plan
+    needs on the device, ``budget_bytes`` the device budget."""
 
     def __init__(self, message: str, *, needed_bytes: int, budget_bytes: int) -> None:
         super().__init__(message)
@@ -204,8 +205,8 @@ def _better(t: float, mem: int, plan: Plan, best) -> bool:
 def search(profile: Profile, budget: int, *, host_budget: int | None = None,
            schedule: UpdateSchedule = UpdateSchedule.DURING_BACKWARD, gradient_passes: int = 0,
            n_persist: int | frozenset[int] | None = None, sets: bool = True) -> PlanChoice:
-    """The plan with the least predicted step time whose predicted peak is <= ``budget``
-    bytes (and whose host memory is <= ``host_budget`` when given); ``schedule``,
+    """The plan with the least predicted step time for ``profile`` whose predicted peak is <=
+    ``budget`` bytes (and whose host memory is <= ``host_budget`` when given); ``schedule``,
     ``gradient_passes``: see ``CostModel``; ``n_persist``: only plans that keep these chunks on
     the device (the first ``n_persist``, or the indices of a set; the activation part and the
     buffers are re-solved: a new batch shape between steps); ``sets``: from the best plan whose

@@ -113,6 +113,8 @@ from protrain_core.utils import plain_parameters
 
 
 class ChunkState(enum.Enum):
+    """Where a chunk's up-to-date states are and what moves them ([Note: chunk lifecycle])."""
+
     PERSISTENT = "persistent"  # everything on the device (until a re-plan streams it)
     HOST = "host"  # streamed chunk at rest: host copies are authoritative, no device memory
     FETCHING = "fetching"  # host -> device copy of the compute copy issued
@@ -122,6 +124,8 @@ class ChunkState(enum.Enum):
 
 
 class GradState(enum.Enum):
+    """What a chunk's gradient accumulator holds in the step ([Note: chunk lifecycle])."""
+
     EMPTY = "empty"  # nothing since zero_grad: the accumulator holds garbage
     FIRST = "first"  # the first backward since zero_grad is writing gradients
     MORE = "more"  # a further backward is writing gradients to add to the accumulator
@@ -165,7 +169,8 @@ GRAD_VERBS = tuple(sorted({verb for verb, _ in GRAD_TRANSITIONS}))
 
 
 class IllegalTransition(RuntimeError):
-    pass
+    """A lifecycle verb called on a chunk in a state it does not leave that way (a bug of the
+    runtime, never of the user's code: nothing was changed)."""
 
 
 def _next(table: dict, verb: str, state, index: int):

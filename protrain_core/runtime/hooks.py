@@ -274,7 +274,9 @@ _plain = nn.Parameter.__torch_function__
 
 class ManagedParameter(nn.Parameter):
     """The class of a parameter held in a ProTrain chunk while its engine is open: a use outside
-    the units that fetch its chunk fetches it ([Note: parameters used outside their units])."""
+    the units that fetch its chunk fetches it ([Note: parameters used outside their units]).
+    The engine sets it on the model's own parameters (``data``, ``requires_grad``: as
+    ``nn.Parameter``'s); nothing else builds one."""
 
     protrain_use: tuple[RuntimeHooks, Chunk, int]
 

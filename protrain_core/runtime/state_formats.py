@@ -357,7 +357,7 @@ def unwrapped(entry: dict | None) -> dict | None:
 
 
 def to_fp32_adam_state(osd: dict) -> dict:
-    """An optimizer state dict of any format (``engine.states.optimizer()`` / a checkpoint's) in
+    """``osd``, an optimizer state dict of any format (``engine.states.optimizer()`` / a checkpoint's), in
     ``torch.optim.AdamW``'s own: fp32 ``exp_avg``/``exp_avg_sq`` (8-bit moments dequantised, bf16
     ones widened) and a tensor ``step``, for a run with plain torch AdamW or fp32 states."""
     return {"state": {index: to_fp32_adam_entry(entry) for index, entry in osd["state"].items()},
@@ -383,7 +383,9 @@ class AdamWBf16Moments(torch.optim.AdamW):
     what ``optimizer_state_format='bf16'`` runs, as a plain optimizer -- the reference for the
     engine's results, and a way to continue such a run without ProTrain. Each step runs torch's
     functional fused AdamW on fp32 copies of a parameter's moments (written independently of the
-    engine's path through protrain_ops, so that a test comparing the two can fail)."""
+    engine's path through protrain_ops, so that a test comparing the two can fail).
+
+    ``params``, ``lr``, ``betas``, ``eps``, ``weight_decay``: as ``torch.optim.AdamW``'s."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)

@@ -201,7 +201,9 @@ def build_layout(
     chunk_size: int | None = None,
     block_aligned: tuple[int, int] | None = None,
 ) -> ChunkLayout:
-    """The layout of ``model``'s parameters in chunks (``chunk_size``: None searches it).
+    """The layout of ``model``'s parameters in chunks (``chunk_size``: None searches it), its
+    transformer blocks the ``n_blocks`` modules of the ``nn.ModuleList`` at ``block_path``
+    (``find_blocks``), in the execution order traced on ``example_inputs`` (on the meta device).
     ``block_aligned`` ``(block, min_numel)``: the first trainable member of a chunk and every
     trainable member of at least ``min_numel`` elements start at a multiple of ``block`` (8-bit
     moments: see the module's docstring)."""
