@@ -9,7 +9,7 @@ counts them), the device's peak memory and the host's peak RSS.
     python -m benchmarks.bench_largest --model llama-70b --lora-rank 16 --frozen-dtype int8 --device cuda
 
 Compare with the simulated rung: ``protrain plan --simulate --hardware h200 --model ... --batch-size
-4 --seq-len 2048 --precision bf16-mixed`` (docs/benchmarks.md, the largest model on one H200).
+4 --seq-len 2048 --precision bf16-mixed`` (docs/benchmarks.md, "The largest model one H200 box trains").
 """
 
 from __future__ import annotations

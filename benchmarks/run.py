@@ -271,7 +271,7 @@ _stopping = _Stopping()
 
 # On a CPU device the activations are host memory too. With glibc's default (dynamic) mmap
 # threshold, freed activation blocks stay resident for reuse, and peak RSS measures the
-# allocator's cache rather than what a plan holds (docs/benchmarks.md, "Peak resident memory
+# allocator's cache rather than what a plan holds (benchmarks/HISTORY.md, "Peak resident memory
 # against the plan"). Every system of a CPU suite therefore runs with large blocks returned at
 # once, as a CUDA suite's device memory is read from the allocator's own counters; an
 # environment that sets MALLOC_MMAP_THRESHOLD_ itself keeps its value. Recorded per run.

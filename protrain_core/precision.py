@@ -15,7 +15,7 @@ class Precision(enum.Enum):
     its fp32 master, the forward runs under autocast, and the gradients come out in the compute
     dtype and are accumulated and applied in fp32. Lightning's own bf16-mixed keeps fp32 weights
     and autocasts only, so its gradients are fp32; the two stray from fp32 differently
-    (benchmarks/bench_precision.py, docs/benchmarks.md)."""
+    (benchmarks/bench_precision.py, benchmarks/HISTORY.md)."""
 
     FP32 = "32-true"  # fp32 compute, the parameters are the master weights
     BF16_TRUE = "bf16-true"  # bf16 parameters (= master), gradients and Adam states, no autocast

@@ -10,7 +10,7 @@ are offloaded and overlaps the rest of backward (DURING_BACKWARD): T = T_f + max
 T_cpu_adam chain). Norm clipping and fp16's overflow check need every gradient of the step first.
 Two exact ways keep an overlap; the cost model predicts both (planner/cost.py) and
 ``python -m benchmarks.bench_clipping`` prints them for LLaMA 1.1B / 7B / 13B on hand-built H100
-figures (the predictions are in docs/benchmarks.md):
+figures (the predictions are in benchmarks/HISTORY.md):
 - SPECULATIVE: update during backward into a second copy of the host states and keep it unless
   the step clips or overflows, else redo after backward. Kept steps cost what DURING_BACKWARD
   costs, redone ones what NEXT_FORWARD costs. But the second copy is 14 B per streamed

@@ -283,7 +283,7 @@ def test_unknown_system_is_refused(tmp_path, capsys):
 
 
 def test_precision_drift_benchmark_runs_and_its_fp32_row_is_exact(capsys):
-    """benchmarks.bench_precision (docs/benchmarks.md): the two bf16-mixed recipes against fp32;
+    """benchmarks.bench_precision (benchmarks/HISTORY.md): the two bf16-mixed recipes against fp32;
     ProTrain's 32-true run equals the fp32 reference bitwise (a check of the set-up)."""
     import argparse
 

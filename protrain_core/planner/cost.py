@@ -41,7 +41,7 @@ the schedule, and the model charges each part where it runs (profiled separately
   backward), and after backward, in forward order,
   clipping's passes, Adam and the copy back (U_c - L_c), which the next forward waits for.
 Charging U_c whole after backward over-predicted the fp16 rows of
-``benchmarks/bench_simulator.py`` (docs/benchmarks.md).
+``benchmarks/bench_simulator.py`` (benchmarks/HISTORY.md).
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ class BlockCache:
     torch's CPU allocator gives a block of 32 MB or more back to the kernel when it is freed
     (glibc's largest mmap threshold), and the next one is mapped anew: every page faults in,
     zeroed by the kernel, the first time it is written -- 31 ms to write a new 39 MB block
-    against 7 ms for one written before, on the 2-core VM of docs/benchmarks.md ("A CPU
+    against 7 ms for one written before, on the 2-core VM of benchmarks/HISTORY.md ("A CPU
     device's gradient buffers kept"). A chunk's gradient buffer is such a block, allocated in
     every backward: at 80M parameters (``bench_ddp``, all-persistent) 63,000-70,000 page faults
     per backward, where DDP, whose buckets live as long as the model, takes 8,000-32,000.

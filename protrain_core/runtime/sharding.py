@@ -145,7 +145,7 @@ class Sharding:
     @property
     def _on_gloo(self) -> bool:
         """gloo's own all-gather and reduce-scatter are its slowest ways to move a chunk: slower
-        than an all-reduce, and than one broadcast per piece (measured in docs/benchmarks.md,
+        than an all-reduce, and than one broadcast per piece (measured in benchmarks/HISTORY.md,
         "gloo's gather by broadcasts", "gloo's reduction by messages"). So on gloo a gather is
         a broadcast from each rank of its piece, and a reduction point-to-point messages (an
         all-reduce on GPU tensors, which gloo's messages do not take)."""
@@ -207,7 +207,7 @@ class Sharding:
         sums them in rank order into ``out`` (the first received piece lands in ``out`` itself).
         Each rank sends and receives ``(W-1)/W`` of the buffer, as a ring reduce-scatter does,
         against twice that for the all-reduce; gloo's own reduce-scatter and its all-reduce are
-        several times slower (docs/benchmarks.md, "gloo's reduction by messages"). With two
+        several times slower (benchmarks/HISTORY.md, "gloo's reduction by messages"). With two
         ranks the sum is the all-reduce's bit for bit (one addition, commutative); with more,
         rank order fixes it (a ring sums each piece in another order: the last bits differ)."""
         n, rank = out.numel(), self.rank

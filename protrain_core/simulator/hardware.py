@@ -113,7 +113,7 @@ _SHARED_SOURCES = (
     "cpu_adam_params_per_s fp32 2.2e9: memory-bound fused AdamW at 3e9 parameters/s on the 16-core host (the "
     "figure the cost-model studies use, update.py) with the landing and the copy back, 12 bytes a parameter at "
     "100 GB/s, assumed; bf16 3.0e9 and 8bit 2.1e9: fp32's times the ratios bench_adam measured on the 2-core Zen 5 "
-    "VM with 2 threads (1.35x, 0.96x; docs/benchmarks.md); benchmarks.gpu_session's cpu-adam piece measures them on "
+    "VM with 2 threads (1.35x, 0.96x; benchmarks/HISTORY.md); benchmarks.gpu_session's cpu-adam piece measures them on "
     "the GPU box",
     "host_memory_bytes_per_s 100 GB/s and cpu_op_s 5 us for the worker's other operators, assumed",
     "host_memory_bytes 128 GiB: the lent machines",
