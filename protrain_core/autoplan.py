@@ -181,11 +181,11 @@ class AutoPlanner(StepObserver):
                             lambda: self.refit(self.profile, dict(optimizer_state_format="8bit"))))
         if self.refit is not None and not any(c.quantised for c in chunks) and any(c.frozen_numel for c in chunks):
             changes.append(("frozen_dtype='int8'", lambda: self.refit(self.profile, dict(frozen_dtype="int8"))))
+        changes.append(self._more_processes())
         rows = []
         for change, profile in changes:
             try:
-                choice = search(profile(), self.budget, host_budget=self.host_budget, schedule=self.overlap.schedule,
-                                gradient_passes=self.overlap.gradient_passes)
+                choice = self._search(profile())
             except InfeasibleBudget:
                 rows.append(f"  {change}: does not fit either")
                 continue
@@ -196,6 +196,26 @@ class AutoPlanner(StepObserver):
                         f"peak {format_bytes(choice.memory.peak_bytes)}, host {format_bytes(choice.memory.host_bytes)}")
         return ("What would fit, each change alone (predicted by the cost model from this profile; a new format's "
                 "update timed in it):\n" + "\n".join(rows)) if rows else "No batch or format change fits this budget."
+
+    def _search(self, profile: Profile) -> PlanChoice:
+        return search(profile, self.budget, host_budget=self.host_budget, schedule=self.overlap.schedule,
+                      gradient_passes=self.overlap.gradient_passes)
+
+    def _more_processes(self) -> tuple[str, object]:
+        """The fewest processes (doubling, up to 64 times as many), each with a device and a host
+        like this one's, whose shards of the chunks fit: (the change, its profile)."""
+        w = self.profile.world_size
+        for more in (2, 4, 8, 16, 32, 64):
+            sharded = dataclasses.replace(self.profile, chunks=tuple(c.sharded(w * more) for c in self.profile.chunks))
+            try:
+                self._search(sharded)
+                break
+            except InfeasibleBudget:
+                continue
+        collectives = ("the step leaves out the collectives, which one process cannot time" if w == 1 else
+                       f"the collectives at the rates timed with {w}")
+        return (f"{w * more} processes, each with a device and a host like this one's (ZeRO-3 over chunks: each holds "
+                f"1/{w * more} of the states; {collectives})", lambda: sharded)
 
     # ----- following the run ----------------------------------------------------------------
     def follow(self) -> None:

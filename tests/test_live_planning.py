@@ -335,6 +335,13 @@ def test_a_host_too_small_is_refused_with_the_formats_that_would_fit():
     rate = eight.profile.hardware.cpu_adam_params_per_s
     assert refitted.hardware.cpu_adam_params_per_s == pytest.approx(rate, rel=1e-9)
     assert rate != pytest.approx(fp32.hardware.cpu_adam_params_per_s, rel=1e-3)
+    # More processes, each with this device and host: the fewest whose shards fit (one does not),
+    # with the plan a search of the profile sharded over them finds.
+    two = dataclasses.replace(fp32, chunks=tuple(f.sharded(2) for f in fp32.chunks))
+    from protrain_core.api import default_host_budget
+    c = pt.search(two, budget, host_budget=default_host_budget(SimulatedDevice(small))).plan
+    assert f"  2 processes, each with a device and a host like this one's" in str(refused.value)
+    assert f"the step leaves out the collectives, which one process cannot time): {c}," in str(refused.value)
 
 
 def test_max_tokens_plans_once_for_the_longest_batch():
