@@ -5,6 +5,7 @@
         --batch-sizes 1,2,4,8
     protrain plan --largest --simulate --hardware h200 --batch-size 4 --seq-len 2048 --precision bf16-mixed \\
         [--lora-rank 16 --frozen-dtype int8] [--device-memory 80GB --host-memory 256GiB]
+    protrain plan --largest --batch-size 4 --seq-len 2048 --precision bf16-mixed      (on this machine's GPU)
     python -m protrain_core.cli plan ...            (the same, without the console script)
 
 The model is built from its Hugging Face config with random weights (the step time and memory
@@ -130,20 +131,27 @@ def _row(label: str, prof, budget: int, tokens: int) -> str:
             f"{tokens / r.total_s:,.0f} | {format_bytes(c.memory.peak_bytes)} | {r.bottleneck} |")
 
 
-def plan_command(args) -> int:
+def _budgets(args) -> tuple[int, int | None]:
+    """(device budget, host budget) of a run on ``--device`` (each process's, with ``--world-size``)."""
     import protrain_core as pt
     from protrain_core.api import default_host_budget, device_budget, host_budget as host_budget_of
 
-    device = args.device
     budget = parse_bytes(args.budget, "--budget") if args.budget else device_budget(args.device_memory, args.device_memory) \
-        if args.device_memory else pt.default_memory_budget(device)
-    budgets, batch_sizes, config = args.budgets, args.batch_sizes, args.config
-    if device.type == "cpu":
-        _check_host_fits(args)
-    prof = _sharded(args, config, _profile(args, config, args.batch_size))
-    host_budget = host_budget_of(args.host_memory) if args.host_memory else default_host_budget(device)
+        if args.device_memory else pt.default_memory_budget(args.device)
+    host_budget = host_budget_of(args.host_memory) if args.host_memory else default_host_budget(args.device)
     if host_budget is not None and args.world_size > 1:
         host_budget //= min(args.world_size, max(1, torch.cuda.device_count()))  # the node's ranks share its host
+    return budget, host_budget
+
+
+def plan_command(args) -> int:
+    import protrain_core as pt
+
+    budget, host_budget = _budgets(args)
+    budgets, batch_sizes, config = args.budgets, args.batch_sizes, args.config
+    if args.device.type == "cpu":
+        _check_host_fits(args)
+    prof = _sharded(args, config, _profile(args, config, args.batch_size))
     fits = True
     try:
         choice = pt.search(prof, budget, host_budget=host_budget)
@@ -223,33 +231,67 @@ def _simulated(args, config, name: str):
     return result, counts
 
 
+def _simulated_rung(args, name: str):
+    """Rung ``name`` simulated: (plan, step seconds, device peak, host bytes, (parameters, trained))."""
+    result, counts = _simulated(args, models.load_config(name), name)
+    return result.plan, result.step_s, result.device_peak_bytes, result.memory.planned_host_bytes, counts
+
+
+def _profiled_rung(args, name: str):
+    """Rung ``name`` profiled on ``--device`` and planned for its budgets: (plan, predicted step,
+    predicted peak, planned host bytes, (parameters, trained)). On the CPU, a rung whose states
+    this machine cannot hold is refused before it is built (``_TooLarge``)."""
+    import protrain_core as pt
+
+    rung = argparse.Namespace(**{**vars(args), "model": name, "config": models.load_config(name)})
+    if rung.device.type == "cpu":
+        try:
+            _check_host_fits(rung)
+        except SystemExit as e:
+            raise _TooLarge(str(e).removeprefix("protrain plan: ").split(". ")[0]) from None
+    budget, host_budget = _budgets(rung)
+    choice = pt.search(_profile(rung, rung.config, rung.batch_size), budget, host_budget=host_budget)
+    counts = _parameters(_build(rung, device="meta")[0])
+    return choice.plan, choice.runtime.total_s, choice.memory.peak_bytes, choice.memory.host_bytes, counts
+
+
+class _TooLarge(Exception):
+    pass
+
+
 def largest_command(args) -> int:
-    """``--largest``: the run the arguments describe (a full fine-tune, or LoRA) simulated on each
-    rung of ``models.LADDER`` in turn until one does not fit the box; a row per rung."""
+    """``--largest``: the run the arguments describe (a full fine-tune, or LoRA) on each rung of
+    ``models.LADDER`` in turn until one does not fit the box -- simulated (``--simulate``), or
+    profiled on ``--device`` and predicted by the cost model; a row per rung."""
     import protrain_core as pt
 
     tokens = args.batch_size * args.seq_len * args.world_size
-    rows, largest = [], None
+    rows, largest, rung = [], None, _simulated_rung if args.simulate else _profiled_rung
     for name in models.LADDER:
         try:
-            result, (n, trained) = _simulated(args, models.load_config(name), name)
-        except (pt.InfeasibleBudget, torch.OutOfMemoryError) as e:
+            plan, step_s, peak, host, (n, trained) = rung(args, name)
+        except (pt.InfeasibleBudget, torch.OutOfMemoryError, _TooLarge) as e:
             rows.append(f"| {name} | does not fit: {str(e).splitlines()[0]} | | | | | |")
             break
         # Model FLOPs: 2 per parameter and token forward, 2 more for the activations' gradients, and 2
         # more for the weights' gradients of the trained parameters (attention's own left out).
         flops = (4 * n + 2 * trained) * tokens
-        p = result.plan
-        rows.append(f"| {name} | {n / 1e9:.1f}B | {p.n_persist}/{p.n_buffer}/{p.n_swap}/{p.n_checkpoint} | "
-                    f"{format_seconds(result.step_s)} | {flops / result.step_s / 1e12:.0f} | "
-                    f"{format_bytes(result.device_peak_bytes)} | {format_bytes(result.memory.planned_host_bytes)} |")
+        rows.append(f"| {name} | {n / 1e9:.1f}B | {plan.n_persist}/{plan.n_buffer}/{plan.n_swap}/{plan.n_checkpoint} | "
+                    f"{format_seconds(step_s)} | {flops / step_s / 1e12:.0f} | {format_bytes(peak)} | {format_bytes(host)} |")
         largest = name
-    spec = args.hardware
     moments = "" if (args.optimizer_state_format or "fp32") == "fp32" else f", Adam moments {args.optimizer_state_format}"
+    if args.simulate:
+        spec, kind = args.hardware, "simulated"
+        box = (f"the {spec.name} with {format_bytes(spec.device_memory_bytes)} of device and "
+               f"{format_bytes(spec.host_memory_bytes)} of host memory")
+    else:
+        (budget, host_budget), kind = _budgets(args), "predicted by the cost model from a profile on this machine"
+        box = f"{args.device} with a budget of {format_bytes(budget)}" + (
+            "" if host_budget is None else f" and {format_bytes(host_budget)} of host memory")
     print(f"The largest model of the ladder whose {_adapters(args) or 'full fine-tune'}{moments} (batch {args.batch_size} x "
-          f"{args.seq_len}, {args.precision}) fits the {spec.name} with {format_bytes(spec.device_memory_bytes)} of "
-          f"device and {format_bytes(spec.host_memory_bytes)} of host memory: {largest or 'none'} (simulated)\n")
-    print("| model | parameters | plan | simulated step | model TFLOPS | device peak | host bytes |")
+          f"{args.seq_len}, {args.precision}) fits {box}: {largest or 'none'} ({kind})\n")
+    what = "simulated" if args.simulate else "predicted"
+    print(f"| model | parameters | plan | {what} step | {what} model TFLOPS | {what} device peak | planned host bytes |")
     print("|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     return 0 if largest else 1
@@ -380,8 +422,9 @@ def main(argv=None) -> int:
                    help="size the run for a host with this much memory, e.g. 128GiB (with --simulate: the simulated "
                         "host's)")
     p.add_argument("--largest", action="store_true",
-                   help="with --simulate, instead of --model: the largest LLaMA-shaped model of a ladder ("
-                        f"{', '.join(LADDER)}) whose run fits the box, each rung's plan, step and bytes")
+                   help="instead of --model: the largest LLaMA-shaped model of a ladder ("
+                        f"{', '.join(LADDER)}) whose run fits the box (this machine's device, or with --simulate a "
+                        "simulated one), each rung's plan, step and bytes")
     args = ap.parse_args(argv)
     check_arguments(ap, args)
     if args.largest:
@@ -429,7 +472,7 @@ def check_arguments(ap: argparse.ArgumentParser, args) -> None:
         args.config = None
         return
     if args.model is None:
-        ap.error("--model is required (or --largest with --simulate)")
+        ap.error("--model is required (or --largest)")
     args.config = load_config(args.model)
     positions = next((getattr(args.config, a) for a in ("max_position_embeddings", "n_positions", "n_ctx")
                       if isinstance(getattr(args.config, a, None), int)), None)
@@ -449,16 +492,17 @@ def _check_lora_arguments(ap: argparse.ArgumentParser, args) -> None:
 
 
 def _check_simulation_arguments(ap: argparse.ArgumentParser, args) -> None:
-    only = [name for name, given in (("--plan", args.plan), ("--clip-norm", args.clip_norm), ("--timeline", args.timeline),
-                                     ("--largest", args.largest or None)) if given is not None]
+    only = [name for name, given in (("--plan", args.plan), ("--clip-norm", args.clip_norm), ("--timeline", args.timeline))
+            if given is not None]
+    if args.largest and (args.model is not None or args.plan is not None or args.timeline is not None or args.batch_sizes):
+        ap.error("--largest climbs a ladder of models and plans each: leave out --model, --plan, --timeline and "
+                 "--batch-sizes")
     if not args.simulate:
         if only:
             ap.error(f"{', '.join(only)} need --simulate")
         return
     if args.device is not None or args.batch_sizes:
         ap.error("--simulate replaces the device and simulates one batch size: leave out --device and --batch-sizes")
-    if args.largest and (args.model is not None or args.plan is not None or args.timeline is not None):
-        ap.error("--largest climbs a ladder of models and plans each: leave out --model, --plan and --timeline")
     from protrain_core.simulator.hardware import load_spec
 
     try:

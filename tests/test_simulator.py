@@ -313,8 +313,27 @@ def test_plan_command_finds_the_largest_model_of_the_ladder_that_fits_a_box(caps
             main(argv + bad)
         assert error in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["plan", "--largest"])
-    assert "--largest need --simulate" in capsys.readouterr().err
+        main(["plan", "--largest", "--batch-sizes", "1,2"])
+    assert "leave out --model, --plan, --timeline and --batch-sizes" in capsys.readouterr().err
+
+
+def test_plan_command_finds_the_largest_model_on_this_machine(capsys, monkeypatch):
+    """Without ``--simulate``, ``--largest`` profiles each rung on this machine's device and plans
+    it for the device's budget (the cost model's predictions, labelled so); on the CPU a rung
+    whose states the host cannot hold is refused before it is built (here: 4 GiB available)."""
+    from protrain_core import models, utils
+    from protrain_core.cli import main
+
+    monkeypatch.setattr(models, "LADDER", ("tiny-llama", "llama-1b"))
+    monkeypatch.setattr(utils, "available_host_bytes", lambda: 4 * 2**30)
+    assert main(["plan", "--largest", "--batch-size", "1", "--seq-len", "32", "--budget", "256MiB", "--no-cache"]) == 0
+    out = capsys.readouterr().out
+    assert ("fits cpu with a budget of 256.00 MiB: tiny-llama (predicted by the cost model from a profile on this "
+            "machine)") in out
+    assert "| model | parameters | plan | predicted step | predicted model TFLOPS |" in out
+    assert re.search(r"\| tiny-llama \| 0\.0B \| \d+/\d+/\d+/\d+ \| [\d.]+ ms \| \d+ \|", out)
+    assert re.search(r"\| llama-1b \| does not fit: profiling llama-1b \(1\.50B parameters\) on the CPU needs about "
+                     r"[\d.]+ GiB of host memory .*; this machine has 4\.00 GiB available \|", out)
 
 
 def test_a_link_serves_the_copy_that_is_ready_and_nothing_is_charged_twice():
