@@ -152,7 +152,7 @@ class _Scope:
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             return node.value
         if isinstance(node, ast.JoinedStr):
-            return "".join(v.value if isinstance(v, ast.Constant) else f"{{{_placeholder(v.value)}}}" for v in node.values)
+            return "".join(v.value if isinstance(v, ast.Constant) else self.formatted(v.value, function) for v in node.values)
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
             return self.text(node.left, function) + self.text(node.right, function)
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "format":
@@ -173,6 +173,15 @@ class _Scope:
         if isinstance(node, ast.IfExp):
             return max(self.text(node.body, function), self.text(node.orelse, function), key=len)
         return ""
+
+    def formatted(self, value, function) -> str:
+        """A value formatted into a message: a local variable holding a sentence of its own (a
+        reason made by a helper) is that sentence; anything else, a placeholder naming it."""
+        if isinstance(value, ast.Name) and function is not None:
+            text = max(self.parts(value, function), key=len, default="")
+            if len(text.split()) >= 4:
+                return text
+        return f"{{{_placeholder(value)}}}"
 
     def parts(self, node, function) -> list[str]:
         """The texts a list holds, or a local variable is given: its assignments' values (a list's

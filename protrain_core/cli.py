@@ -149,8 +149,11 @@ def plan_command(args) -> int:
 
     budget, host_budget = _budgets(args)
     budgets, batch_sizes, config = args.budgets, args.batch_sizes, args.config
-    if args.device.type == "cpu":
-        _check_host_fits(args)
+    short = _host_shortfall(args) if args.device.type == "cpu" else None
+    if short:
+        raise SystemExit(f"protrain plan: {short}. To size a run for a GPU, simulate one: add --simulate (--hardware "
+                         "h100, h200 or a JSON file; the model on the meta device, no memory). Or run this on the GPU "
+                         "machine.")
     prof = _sharded(args, config, _profile(args, config, args.batch_size))
     fits = True
     try:
@@ -239,24 +242,18 @@ def _simulated_rung(args, name: str):
 
 def _profiled_rung(args, name: str):
     """Rung ``name`` profiled on ``--device`` and planned for its budgets: (plan, predicted step,
-    predicted peak, planned host bytes, (parameters, trained)). On the CPU, a rung whose states
-    this machine cannot hold is refused before it is built (``_TooLarge``)."""
+    predicted peak, planned host bytes, (parameters, trained)); or, on the CPU, why this machine
+    cannot hold the rung's states (checked before it is built)."""
     import protrain_core as pt
 
     rung = argparse.Namespace(**{**vars(args), "model": name, "config": models.load_config(name)})
-    if rung.device.type == "cpu":
-        try:
-            _check_host_fits(rung)
-        except SystemExit as e:
-            raise _TooLarge(str(e).removeprefix("protrain plan: ").split(". ")[0]) from None
+    short = _host_shortfall(rung) if rung.device.type == "cpu" else None
+    if short:
+        return short
     budget, host_budget = _budgets(rung)
     choice = pt.search(_profile(rung, rung.config, rung.batch_size), budget, host_budget=host_budget)
     counts = _parameters(_build(rung, device="meta")[0])
     return choice.plan, choice.runtime.total_s, choice.memory.peak_bytes, choice.memory.host_bytes, counts
-
-
-class _TooLarge(Exception):
-    pass
 
 
 def largest_command(args) -> int:
@@ -269,10 +266,13 @@ def largest_command(args) -> int:
     rows, largest, rung = [], None, _simulated_rung if args.simulate else _profiled_rung
     for name in models.LADDER:
         try:
-            plan, step_s, peak, host, (n, trained) = rung(args, name)
-        except (pt.InfeasibleBudget, torch.OutOfMemoryError, _TooLarge) as e:
-            rows.append(f"| {name} | does not fit: {str(e).splitlines()[0]} | | | | | |")
+            got = rung(args, name)
+        except (pt.InfeasibleBudget, torch.OutOfMemoryError) as e:
+            got = str(e).splitlines()[0]
+        if isinstance(got, str):  # why the rung does not fit
+            rows.append(f"| {name} | does not fit: {got} | | | | | |")
             break
+        plan, step_s, peak, host, (n, trained) = got
         # Model FLOPs: 2 per parameter and token forward, 2 more for the activations' gradients, and 2
         # more for the weights' gradients of the trained parameters (attention's own left out).
         flops = (4 * n + 2 * trained) * tokens
@@ -297,10 +297,10 @@ def largest_command(args) -> int:
     return 0 if largest else 1
 
 
-def _check_host_fits(args) -> None:
-    """Profiling on the CPU builds the model and its training states in host memory: refuse,
-    before anything is built, a model whose states this machine cannot hold (a 7B config on a
-    laptop), and point to ``--simulate``, which sizes a GPU run with no memory."""
+def _host_shortfall(args) -> str | None:
+    """Profiling on the CPU builds the model and its training states in host memory: why this
+    machine cannot hold them (a 7B config on a laptop; checked before anything is built), or
+    None."""
     from protrain_core.precision import Precision, parse_precision
     from protrain_core.utils import available_host_bytes
 
@@ -310,13 +310,10 @@ def _check_host_fits(args) -> None:
     # (bf16-true: in bf16)
     needed = 4 * n + trained * (8 if parse_precision(args.precision) is Precision.BF16_TRUE else 16)
     available = available_host_bytes()
-    if available is not None and needed > available:
-        raise SystemExit(
-            f"protrain plan: profiling {args.model} ({n / 1e9:.2f}B parameters) on the CPU needs about "
-            f"{format_bytes(needed)} of host memory for the model and its training states; this machine has "
-            f"{format_bytes(available)} available. To size a run for a GPU, simulate one: add --simulate "
-            "(--hardware h100, h200 or a JSON file; the model on the meta device, no memory). Or run this on "
-            "the GPU machine.")
+    if available is None or needed <= available:
+        return None
+    return (f"profiling {args.model} ({n / 1e9:.2f}B parameters) on the CPU needs about {format_bytes(needed)} of host "
+            f"memory for the model and its training states; this machine has {format_bytes(available)} available")
 
 
 def simulate_command(args) -> int:
