@@ -72,7 +72,8 @@ def simulated_rows() -> list[dict]:
             opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
             result = simulate(model, opt, models.token_batch(config, batch, 2048, "meta"),
                               device=SimulatedDevice("h100", out_of_memory=False),
-                              plan=pt.Plan(n_persist=0, n_buffer=2), frozen_dtype=fmt, world_size=world)
+                              plan=pt.Plan(n_persist=0, n_buffer=2), config=pt.ProTrainConfig(frozen_dtype=fmt),
+                              world_size=world)
             rows.append(row("streamed-buf2", f"lora-7b {fmt or 'bf16'}", world, result, batch))
     return rows
 

@@ -77,7 +77,7 @@ class Runner:
         key = (precision, world)
         device = SimulatedDevice(self.hardware, out_of_memory=False)
         result = simulate(self.model, self.optimizer, self.batch, device=device,
-                          plan=PLANS.get(plan, plan), precision=precision, gradient_clipping=clipping,
+                          plan=PLANS.get(plan, plan), precision=precision, config=pt.ProTrainConfig(clipping=clipping),
                           world_size=world, profile=self.profiles.get(key))
         self.profiles[key] = result.profile
         return result

@@ -105,7 +105,7 @@ def simulated_rows() -> list[dict]:
         model = models.build(config, "meta")[0]
         result = simulate(model, torch.optim.AdamW(model.parameters()), models.token_batch(config, 32, 2048, "meta"),
                           device=SimulatedDevice("h100", out_of_memory=False), plan=pt.Plan(n_persist=0, n_buffer=2),
-                          grad_accumulator=accumulator)
+                          config=pt.ProTrainConfig(grad_accumulator=accumulator))
         r = row("streamed-buf2", label("fp32", accumulator), 1, result, 32)
         rows.append(dict(r, host_bytes=result.memory.host_bytes, planned_host_bytes=result.memory.planned_host_bytes))
     return rows

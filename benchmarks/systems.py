@@ -688,6 +688,7 @@ def simulated_step(spec, plan, profile, device) -> float:
     measured figures: on the CPU the CPU device itself (compute as it runs, copies and Adam at
     the profile's rates, on a second model of real tensors); on CUDA this GPU's preset with the
     profile's copy bandwidths and CPU Adam rate, the model on the meta device."""
+    import protrain_core as pt
     from protrain_core.simulator.device import SimulatedDevice
     from protrain_core.simulator.hardware import cpu_spec, preset_for, with_measured
     from protrain_core.simulator.run import simulate
@@ -700,7 +701,7 @@ def simulated_step(spec, plan, profile, device) -> float:
     x = batches(dict(spec, warmup=1, steps=0), tensors)[0]
     result = simulate(model, adamw(trainable(model), tensors), {"input_ids": x, "labels": x},
                       device=SimulatedDevice(hardware, tensors=tensors), plan=plan, precision=spec["precision"],
-                      gradient_clipping=None if spec.get("clip") is None else ("norm", spec["clip"]))
+                      config=pt.ProTrainConfig(clipping=None if spec.get("clip") is None else ("norm", spec["clip"])))
     return result.step_s
 
 

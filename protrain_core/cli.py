@@ -227,10 +227,10 @@ def _simulated(args, config, name: str):
     progress(f"simulating {what} ({_counts(model)}) on a batch of {args.batch_size} x {args.seq_len} tokens on the "
              f"{sim.spec.name}{ranks}: profile, plan, two training steps ...")
     counts = _parameters(model)
+    config = _config(args).replace(clipping=("norm", args.clip_norm) if args.clip_norm else None)
     result = simulate(model, opt, batch, device=sim, plan=args.plan, budget=_simulated_budget(args),
-                      precision=args.precision, gradient_clipping=("norm", args.clip_norm) if args.clip_norm else None,
-                      world_size=args.world_size, description=f"{what}, batch {args.batch_size} x {args.seq_len}",
-                      optimizer_state_format=_config(args).optimizer_state_format, frozen_dtype=args.frozen_dtype)
+                      precision=args.precision, config=config, world_size=args.world_size,
+                      description=f"{what}, batch {args.batch_size} x {args.seq_len}")
     return result, counts
 
 

@@ -309,7 +309,8 @@ def test_a_host_too_small_is_refused_with_the_formats_that_would_fit():
         return model, opt, models.token_batch(config, 2, 64, "meta")
 
     h100, streamed = load_spec("h100"), pt.Plan(n_persist=0, n_buffer=1)
-    need = {fmt: simulate(*build(), device=SimulatedDevice(h100), plan=streamed, optimizer_state_format=fmt).memory
+    need = {fmt: simulate(*build(), device=SimulatedDevice(h100), plan=streamed,
+                          config=pt.ProTrainConfig(optimizer_state_format=fmt)).memory
             for fmt in ("fp32", "8bit")}
     assert need["8bit"].planned_host_bytes < need["fp32"].planned_host_bytes
     host = (need["fp32"].planned_host_bytes + need["8bit"].planned_host_bytes) // 2
@@ -320,7 +321,8 @@ def test_a_host_too_small_is_refused_with_the_formats_that_would_fit():
     with sim, pytest.raises(pt.InfeasibleBudget, match="host budget") as refused:
         pt.wrap(model, opt, example_inputs=batch, device=sim, precision="bf16-mixed", report=lambda *a, **k: None,
                 config=pt.ProTrainConfig(planning=pt.PlanningConfig(memory_budget=budget, profile_cache=False)))
-    eight = simulate(*build(), device=SimulatedDevice(small), budget=budget, optimizer_state_format="8bit")
+    eight = simulate(*build(), device=SimulatedDevice(small), budget=budget,
+                     config=pt.ProTrainConfig(optimizer_state_format="8bit"))
     c = eight.choice
     assert (f"  optimizer_state_format='8bit': {c.plan}, predicted {format_seconds(c.runtime.total_s)} a step, device "
             f"peak {format_bytes(c.memory.peak_bytes)}, host {format_bytes(c.memory.host_bytes)}") in str(refused.value)
@@ -340,7 +342,7 @@ def test_a_host_too_small_is_refused_with_the_formats_that_would_fit():
     two = dataclasses.replace(fp32, chunks=tuple(f.sharded(2) for f in fp32.chunks))
     from protrain_core.api import default_host_budget
     c = pt.search(two, budget, host_budget=default_host_budget(SimulatedDevice(small))).plan
-    assert f"  2 processes, each with a device and a host like this one's" in str(refused.value)
+    assert "  2 processes, each with a device and a host like this one's" in str(refused.value)
     assert f"the step leaves out the collectives, which one process cannot time): {c}," in str(refused.value)
 
 

@@ -393,7 +393,7 @@ def test_the_simulated_search_plans_with_the_host_budget_wrap_checks():
 
 
 def test_a_size_only_simulation_updates_each_moment_format_at_its_rate():
-    """Issue 54, item 5: ``simulate(optimizer_state_format=...)`` on the meta device, 8-bit
+    """Issue 54, item 5: ``simulate`` with ``optimizer_state_format`` on the meta device, 8-bit
     moments included. The CPU worker's update of a streamed chunk takes the preset's rate for
     the format (less the landing folded before it), the profile the search reads measures that
     rate, and the plan's host bytes are the format's."""
@@ -406,7 +406,7 @@ def test_a_size_only_simulation_updates_each_moment_format_at_its_rate():
         model, opt = models.build(config, "meta")
         batch = models.token_batch(config, 2, 64, "meta")
         runs[fmt] = simulate(model, opt, batch, device=SimulatedDevice("h200"), plan=pt.Plan(n_persist=0, n_buffer=2),
-                             optimizer_state_format=fmt)
+                             config=pt.ProTrainConfig(optimizer_state_format=fmt))
     spec = SimulatedDevice("h200").spec
     measured = {fmt: result.profile.hardware.cpu_adam_params_per_s for fmt, result in runs.items()}
     for fmt, result in runs.items():

@@ -35,7 +35,7 @@ from protrain_core.simulator.device import SimulatedDevice, SimulatedGroup
 from protrain_core.simulator.report import Phases, StepReport
 from protrain_core.structure.blocks import find_blocks
 from protrain_core.structure.layout import build_layout
-from protrain_core.update import overlap_mode, parse_gradient_clipping
+from protrain_core.update import overlap_mode
 from protrain_core.utils import format_bytes, format_seconds
 
 
@@ -111,20 +111,19 @@ class _Marks(StepObserver):
 
 def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *, device: SimulatedDevice,
              plan: Plan | dict | None = None, budget: int | None = None, precision: str = "bf16-mixed",
-             gradient_clipping: tuple[str, float] | None = None, world_size: int = 1, profile: Profile | None = None,
-             steps: int = 2, description: str = "", frozen_dtype: str | None = None,
-             grad_accumulator: bool | None = None, optimizer_state_format: str = "fp32") -> Simulation:
+             config: ProTrainConfig | None = None, world_size: int = 1, profile: Profile | None = None,
+             steps: int = 2, description: str = "") -> Simulation:
     """Simulate ``steps`` training steps (at least 2; the report is the first step's period, from
     its backward to the next one's) of ``model`` on ``batch`` (keyword inputs with labels).
     ``profile``: one taken on this device before (the same model, batch, precision and world
     size); ``world_size``: simulated ranks the chunks are sharded over (meta tensors only);
-    ``frozen_dtype``, ``grad_accumulator``, ``optimizer_state_format``: those of ``ProTrainConfig``."""
+    ``config``: the run's ``ProTrainConfig`` (its clipping, state formats, accumulators; its
+    planning part is the arguments')."""
     if steps < 2:
         raise ValueError("simulate(steps=...) needs at least 2 steps: a step's period ends where the next backward begins.")
     sim, prec = device, parse_precision(precision)
-    config = ProTrainConfig(clipping=gradient_clipping, frozen_dtype=frozen_dtype, grad_accumulator=grad_accumulator,
-                            optimizer_state_format=optimizer_state_format)
-    clipping = None if gradient_clipping is None else parse_gradient_clipping(*gradient_clipping)
+    config = config or ProTrainConfig()
+    clipping = None if config.clipping is None else config.clipping.parsed()
     group = SimulatedGroup(sim, world_size) if world_size > 1 else ONE_PROCESS
     mode = overlap_mode(prec, clipping)
     refit = None  # (a refusal's alternatives: of a profile taken here)
@@ -149,7 +148,7 @@ def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
         if sim.memory is not None:
             sim.memory.reset_peak()
         try:
-            report, timeline, overlap = _run(engine, sim, batch, steps, late=gradient_clipping is None)
+            report, timeline, overlap = _run(engine, sim, batch, steps, late=config.clipping is None)
         finally:
             engine.close()
     return Simulation(
