@@ -108,11 +108,11 @@ def refusals() -> list[tuple[str, int, str, str]]:
     in file order. A message built elsewhere is followed: a helper of the same module that
     returns it (or the error), a module constant ``.format``ted, a local variable assigned the
     text. A re-raise (``raise``, ``raise e``, ``raise error``) is not a refusal of its own."""
-    found, helpers = [], _library_functions()
+    found, modules = [], _library_functions()
     for package in LIBRARY:
         for path in sorted((ROOT / package).rglob("*.py")):
             tree = ast.parse(path.read_text())
-            scope = _Scope(tree, helpers)
+            scope = _Scope(tree, modules)
             for node in ast.walk(tree):
                 if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
                     kind, message = scope.error(node.exc, _enclosing(tree, node))
@@ -121,16 +121,26 @@ def refusals() -> list[tuple[str, int, str, str]]:
     return sorted(found)
 
 
-def _library_functions() -> dict:
-    """The library's module-level functions by name (helpers imported from another module)."""
-    return {n.name: n for package in LIBRARY for path in sorted((ROOT / package).rglob("*.py"))
-            for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
+def _library_functions() -> dict[str, dict]:
+    """Each library module's (dotted name) module-level functions by name."""
+    out = {}
+    for package in LIBRARY:
+        for path in (ROOT / package).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            out[name] = {n.name: n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
+    return out
 
 
 class _Scope:
-    def __init__(self, tree: ast.Module, helpers: dict) -> None:
+    def __init__(self, tree: ast.Module, modules: dict[str, dict]) -> None:
+        """The functions a message may come from: this module's own (methods included), and those
+        it imports from other library modules (``from protrain_core.x import helper``)."""
+        imported = {alias.asname or alias.name: modules[n.module][alias.name] for n in ast.walk(tree)
+                    if isinstance(n, ast.ImportFrom) and n.module in modules for alias in n.names
+                    if alias.name in modules[n.module]}
         here = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-        self.functions = {**helpers, **here}
+        self.functions = {**imported, **here}
+        self._resolving: set[str] = set()  # the variables being read (a message built from itself)
         self.constants = {t.id: n.value for n in tree.body if isinstance(n, ast.Assign)
                           for t in n.targets if isinstance(t, ast.Name)}
 
@@ -190,6 +200,9 @@ class _Scope:
             return [self.text(e, function) for e in node.elts]
         if not (isinstance(node, ast.Name) and function is not None):
             return [self.text(node, function)]
+        if node.id in self._resolving:  # msg = f"{msg} ...": its earlier text is read once
+            return []
+        self._resolving.add(node.id)
         out = []
         for n in ast.walk(function):
             if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == node.id for t in n.targets):
@@ -197,6 +210,7 @@ class _Scope:
             elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "append" \
                     and ast.unparse(n.func.value) == node.id and n.args:
                 out.append(self.text(n.args[0], function))
+        self._resolving.discard(node.id)
         return out
 
 

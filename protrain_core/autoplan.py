@@ -171,7 +171,8 @@ class AutoPlanner(StepObserver):
     def _what_would_fit(self) -> str:
         """After a refusal: each change that needs fewer bytes, alone, with the plan it would get
         and its predicted step -- the largest batch that fits, 8-bit Adam moments (where chunks
-        are updated in another format), an int8 frozen base (where chunks have a frozen span)."""
+        are updated in another format), an int8 frozen base (where chunks have a frozen span),
+        the fewest processes whose shards fit."""
         chunks, tokens = self.profile.chunks, self.profile.tokens
         largest = self.largest_fitting(tokens)
         changes = [(f"batches of at most {largest:,} tokens instead of {tokens:,} (shorter sequences or a smaller "
@@ -181,41 +182,39 @@ class AutoPlanner(StepObserver):
                             lambda: self.refit(self.profile, dict(optimizer_state_format="8bit"))))
         if self.refit is not None and not any(c.quantised for c in chunks) and any(c.frozen_numel for c in chunks):
             changes.append(("frozen_dtype='int8'", lambda: self.refit(self.profile, dict(frozen_dtype="int8"))))
-        changes.append(self._more_processes())
-        rows = []
-        for change, profile in changes:
-            try:
-                choice = self._search(profile())
-            except InfeasibleBudget:
-                rows.append(f"  {change}: does not fit either")
-                continue
-            except Exception as e:  # (a format that cannot run here): the refusal stands as it is
-                rows.append(f"  {change}: not predicted ({type(e).__name__}: {e})")
-                continue
-            rows.append(f"  {change}: {choice.plan}, predicted {format_seconds(choice.runtime.total_s)} a step, device "
-                        f"peak {format_bytes(choice.memory.peak_bytes)}, host {format_bytes(choice.memory.host_bytes)}")
+        rows = [self._row(change, profile) for change, profile in changes] + [self._more_processes()]
         return ("What would fit, each change alone (predicted by the cost model from this profile; a new format's "
-                "update timed in it):\n" + "\n".join(rows)) if rows else "No batch or format change fits this budget."
+                "update timed in it):\n" + "\n".join(rows))
+
+    def _row(self, change: str, profile) -> str:
+        """``change``'s line: the plan a search of ``profile()`` finds, its step and bytes."""
+        try:
+            choice = self._search(profile())
+        except InfeasibleBudget:
+            return f"  {change}: does not fit either"
+        except Exception as e:  # (a format that cannot run here): the refusal stands as it is
+            return f"  {change}: not predicted ({type(e).__name__}: {e})"
+        return (f"  {change}: {choice.plan}, predicted {format_seconds(choice.runtime.total_s)} a step, device peak "
+                f"{format_bytes(choice.memory.peak_bytes)}, host {format_bytes(choice.memory.host_bytes)}")
 
     def _search(self, profile: Profile) -> PlanChoice:
         return search(profile, self.budget, host_budget=self.host_budget, schedule=self.overlap.schedule,
                       gradient_passes=self.overlap.gradient_passes)
 
-    def _more_processes(self) -> tuple[str, object]:
-        """The fewest processes (doubling, up to 64 times as many), each with a device and a host
-        like this one's, whose shards of the chunks fit: (the change, its profile)."""
-        w = self.profile.world_size
-        for more in (2, 4, 8, 16, 32, 64):
-            sharded = dataclasses.replace(self.profile, chunks=tuple(c.sharded(w * more) for c in self.profile.chunks))
-            try:
-                self._search(sharded)
-                break
-            except InfeasibleBudget:
-                continue
-        collectives = ("the step leaves out the collectives, which one process cannot time" if w == 1 else
-                       f"the collectives at the rates timed with {w}")
-        return (f"{w * more} processes, each with a device and a host like this one's (ZeRO-3 over chunks: each holds "
-                f"1/{w * more} of the states; {collectives})", lambda: sharded)
+    def _more_processes(self) -> str:
+        """The line of the fewest processes (doubling, up to 64 times as many), each with a device
+        and a host like this one's, whose shards of the chunks fit."""
+        w, whole = self.profile.world_size, self.profile.chunks[0].whole
+        collectives = ("the step leaves out the collectives, which one process cannot time" if whole else
+                       f"the collectives at the rates timed with {w} processes")
+        for n in (2 * w, 4 * w, 8 * w, 16 * w, 32 * w, 64 * w):
+            sharded = dataclasses.replace(self.profile, chunks=tuple(c.sharded(n) for c in self.profile.chunks))
+            change = (f"{n} processes, each with a device and a host like this one's (ZeRO-3 over chunks: each holds "
+                      f"1/{n} of the states; {collectives})")
+            row = self._row(change, lambda: sharded)
+            if not row.endswith("does not fit either"):
+                return row
+        return f"  more processes, each with a device and a host like this one's: not even {64 * w} fit"
 
     # ----- following the run ----------------------------------------------------------------
     def follow(self) -> None:

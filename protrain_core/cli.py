@@ -234,24 +234,26 @@ def _simulated(args, config, name: str):
     return result, counts
 
 
-def _simulated_rung(args, name: str):
+def _simulated_rung(args, name: str, budgets=None):
     """Rung ``name`` simulated: (plan, step seconds, device peak, host bytes, (parameters, trained))."""
     result, counts = _simulated(args, models.load_config(name), name)
     return result.plan, result.step_s, result.device_peak_bytes, result.memory.planned_host_bytes, counts
 
 
-def _profiled_rung(args, name: str):
-    """Rung ``name`` profiled on ``--device`` and planned for its budgets: (plan, predicted step,
-    predicted peak, planned host bytes, (parameters, trained)); or, on the CPU, why this machine
-    cannot hold the rung's states (checked before it is built)."""
+def _profiled_rung(args, name: str, budgets: tuple[int, int | None]):
+    """Rung ``name`` profiled on ``--device`` (sharded over ``--world-size`` processes, as
+    ``plan`` does) and planned for ``budgets`` (``_budgets``, measured once before the ladder):
+    (plan, predicted step, predicted peak, planned host bytes, (parameters, trained)); or, on
+    the CPU, why this machine cannot hold the rung's states (checked before it is built)."""
     import protrain_core as pt
 
     rung = argparse.Namespace(**{**vars(args), "model": name, "config": models.load_config(name)})
     short = _host_shortfall(rung) if rung.device.type == "cpu" else None
     if short:
         return short
-    budget, host_budget = _budgets(rung)
-    choice = pt.search(_profile(rung, rung.config, rung.batch_size), budget, host_budget=host_budget)
+    budget, host_budget = budgets
+    prof = _sharded(rung, rung.config, _profile(rung, rung.config, rung.batch_size))
+    choice = pt.search(prof, budget, host_budget=host_budget)
     counts = _parameters(_build(rung, device="meta")[0])
     return choice.plan, choice.runtime.total_s, choice.memory.peak_bytes, choice.memory.host_bytes, counts
 
@@ -264,9 +266,10 @@ def largest_command(args) -> int:
 
     tokens = args.batch_size * args.seq_len * args.world_size
     rows, largest, rung = [], None, _simulated_rung if args.simulate else _profiled_rung
+    budgets = None if args.simulate else _budgets(args)
     for name in models.LADDER:
         try:
-            got = rung(args, name)
+            got = rung(args, name, budgets)
         except (pt.InfeasibleBudget, torch.OutOfMemoryError) as e:
             got = str(e).splitlines()[0]
         if isinstance(got, str):  # why the rung does not fit
@@ -285,7 +288,7 @@ def largest_command(args) -> int:
         box = (f"the {spec.name} with {format_bytes(spec.device_memory_bytes)} of device and "
                f"{format_bytes(spec.host_memory_bytes)} of host memory")
     else:
-        (budget, host_budget), kind = _budgets(args), "predicted by the cost model from a profile on this machine"
+        (budget, host_budget), kind = budgets, "predicted by the cost model from a profile on this machine"
         box = f"{args.device} with a budget of {format_bytes(budget)}" + (
             "" if host_budget is None else f" and {format_bytes(host_budget)} of host memory")
     print(f"The largest model of the ladder whose {_adapters(args) or 'full fine-tune'}{moments} (batch {args.batch_size} x "

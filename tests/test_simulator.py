@@ -334,6 +334,11 @@ def test_plan_command_finds_the_largest_model_on_this_machine(capsys, monkeypatc
     assert re.search(r"\| tiny-llama \| 0\.0B \| \d+/\d+/\d+/\d+ \| [\d.]+ ms \| \d+ \|", out)
     assert re.search(r"\| llama-1b \| does not fit: profiling llama-1b \(1\.50B parameters\) on the CPU needs about "
                      r"[\d.]+ GiB of host memory .*; this machine has 4\.00 GiB available \|", out)
+    # --world-size: each rung's profile sharded over the processes, as `plan` does (a smaller peak each)
+    assert main(["plan", "--largest", "--batch-size", "1", "--seq-len", "32", "--budget", "256MiB", "--no-cache",
+                 "--world-size", "2"]) == 0
+    peak = lambda text: re.search(r"\| tiny-llama \|(?:[^|]*\|){4} ([\d.]+ \w+) \|", text).group(1)  # noqa: E731
+    assert peak(capsys.readouterr().out) != peak(out)
 
 
 def test_a_link_serves_the_copy_that_is_ready_and_nothing_is_charged_twice():

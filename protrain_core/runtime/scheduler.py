@@ -465,12 +465,12 @@ class Scheduler:
             timeline.event(what, index)
 
 
-def device_bytes_bound(chunks: list[Chunk], n_buffer: int) -> int:
-    """What a plan lets the model states hold on the device: the persistent chunks, plus
+def device_bytes_bound(scheduler: Scheduler) -> int:
+    """What the plan lets the model states hold on the device: the persistent chunks, plus
     ``n_buffer`` buffers of the largest streamed chunk."""
-    persistent = sum(c.storage.fmt.persistent_device_bytes for c in chunks if c.persistent)
-    per_buffer = max((c.storage.fmt.buffer_device_bytes for c in chunks if not c.persistent), default=0)
-    return persistent + n_buffer * per_buffer
+    persistent = sum(c.storage.fmt.persistent_device_bytes for c in scheduler.chunks if c.persistent)
+    per_buffer = max((c.storage.fmt.buffer_device_bytes for c in scheduler.streamed), default=0)
+    return persistent + scheduler.buffers.n_buffer * per_buffer
 
 
 def assert_invariants(scheduler: Scheduler) -> None:
@@ -497,4 +497,4 @@ def assert_invariants(scheduler: Scheduler) -> None:
             for p in c.params:
                 assert p.untyped_storage().data_ptr() == home.untyped_storage().data_ptr(), f"{c}: stale .data"
     device = sum(c.device_bytes() for c in scheduler.chunks)
-    assert device <= device_bytes_bound(scheduler.chunks, n_buffer), "device bytes above the plan's bound"
+    assert device <= device_bytes_bound(scheduler), "device bytes above the plan's bound"

@@ -290,7 +290,7 @@ class StateMemory:
 
     def device_bound(self) -> int:
         """What the plan lets them hold at most: the persistent chunks and ``n_buffer`` buffers."""
-        return device_bytes_bound(self._chunks, self._scheduler.buffers.n_buffer)
+        return device_bytes_bound(self._scheduler)
 
     def host_bytes(self) -> int:
         """Host memory of the streamed chunks' model states (their exact-size buffers)."""

@@ -31,7 +31,7 @@ host: 8.03 instead of 12.03 with 8-bit moments). The job then borrows the worker
 one fp32 tensor of the largest trainable shard: the jobs run one at a time on the one worker
 thread, and the landing is widened into the scratch exactly as into an accumulator, so Adam
 reads the same values bit for bit. A job that lands without updating (a chunk spilled before
-all its gradients came, ``Scheduler._victim``) gives the chunk a tensor of its own instead,
+all its gradients came, ``BufferPolicy.victim``) gives the chunk a tensor of its own instead,
 kept until its update (at its last landing, or at ``step()``) adds the rest and consumes it;
 ``return_accumulator`` frees it after the update, or at ``zero_grad``. (Those tensors are host
 memory the plan does not count: a chunk spills only when a parameter of it got no gradient yet
