@@ -108,27 +108,18 @@ def refusals() -> list[tuple[str, int, str, str]]:
     in file order. A message built elsewhere is followed: a helper of the same module that
     returns it (or the error), a module constant ``.format``ted, a local variable assigned the
     text. A re-raise (``raise``, ``raise e``, ``raise error``) is not a refusal of its own."""
-    found, modules = [], _library_functions()
-    for package in LIBRARY:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            tree = ast.parse(path.read_text())
-            scope = _Scope(tree, modules)
-            for node in ast.walk(tree):
-                if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
-                    kind, message = scope.error(node.exc, _enclosing(tree, node))
-                    if kind is not None:
-                        found.append((str(path.relative_to(ROOT)), node.lineno, kind, message))
+    trees = {path: ast.parse(path.read_text()) for package in LIBRARY for path in sorted((ROOT / package).rglob("*.py"))}
+    modules = {".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"):  # module-level functions
+               {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)} for path, tree in trees.items()}
+    found = []
+    for path, tree in trees.items():
+        scope = _Scope(tree, modules)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+                kind, message = scope.error(node.exc, _enclosing(tree, node))
+                if kind is not None:
+                    found.append((str(path.relative_to(ROOT)), node.lineno, kind, message))
     return sorted(found)
-
-
-def _library_functions() -> dict[str, dict]:
-    """Each library module's (dotted name) module-level functions by name."""
-    out = {}
-    for package in LIBRARY:
-        for path in (ROOT / package).rglob("*.py"):
-            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-            out[name] = {n.name: n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
-    return out
 
 
 class _Scope:

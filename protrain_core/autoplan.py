@@ -189,11 +189,14 @@ class AutoPlanner(StepObserver):
     def _row(self, change: str, profile) -> str:
         """``change``'s line: the plan a search of ``profile()`` finds, its step and bytes."""
         try:
-            choice = self._search(profile())
+            return self._fits(change, self._search(profile()))
         except InfeasibleBudget:
             return f"  {change}: does not fit either"
         except Exception as e:  # (a format that cannot run here): the refusal stands as it is
             return f"  {change}: not predicted ({type(e).__name__}: {e})"
+
+    @staticmethod
+    def _fits(change: str, choice: PlanChoice) -> str:
         return (f"  {change}: {choice.plan}, predicted {format_seconds(choice.runtime.total_s)} a step, device peak "
                 f"{format_bytes(choice.memory.peak_bytes)}, host {format_bytes(choice.memory.host_bytes)}")
 
@@ -207,13 +210,17 @@ class AutoPlanner(StepObserver):
         w, whole = self.profile.world_size, self.profile.chunks[0].whole
         collectives = ("the step leaves out the collectives, which one process cannot time" if whole else
                        f"the collectives at the rates timed with {w} processes")
-        for n in (2 * w, 4 * w, 8 * w, 16 * w, 32 * w, 64 * w):
-            sharded = dataclasses.replace(self.profile, chunks=tuple(c.sharded(n) for c in self.profile.chunks))
-            change = (f"{n} processes, each with a device and a host like this one's (ZeRO-3 over chunks: each holds "
-                      f"1/{n} of the states; {collectives})")
-            row = self._row(change, lambda: sharded)
-            if not row.endswith("does not fit either"):
-                return row
+        try:
+            for n in (2 * w, 4 * w, 8 * w, 16 * w, 32 * w, 64 * w):
+                sharded = dataclasses.replace(self.profile, chunks=tuple(c.sharded(n) for c in self.profile.chunks))
+                try:
+                    choice = self._search(sharded)
+                except InfeasibleBudget:
+                    continue
+                return self._fits(f"{n} processes, each with a device and a host like this one's (ZeRO-3 over chunks: "
+                                  f"each holds 1/{n} of the states; {collectives})", choice)
+        except Exception as e:  # the refusal stands as it is
+            return f"  more processes: not predicted ({type(e).__name__}: {e})"
         return f"  more processes, each with a device and a host like this one's: not even {64 * w} fit"
 
     # ----- following the run ----------------------------------------------------------------

@@ -149,7 +149,7 @@ def plan_command(args) -> int:
 
     budget, host_budget = _budgets(args)
     budgets, batch_sizes, config = args.budgets, args.batch_sizes, args.config
-    short = _host_shortfall(args) if args.device.type == "cpu" else None
+    short = _host_shortfall(args)
     if short:
         raise SystemExit(f"protrain plan: {short}. To size a run for a GPU, simulate one: add --simulate (--hardware "
                          "h100, h200 or a JSON file; the model on the meta device, no memory). Or run this on the GPU "
@@ -248,7 +248,7 @@ def _profiled_rung(args, name: str, budgets: tuple[int, int | None]):
     import protrain_core as pt
 
     rung = argparse.Namespace(**{**vars(args), "model": name, "config": models.load_config(name)})
-    short = _host_shortfall(rung) if rung.device.type == "cpu" else None
+    short = _host_shortfall(rung)
     if short:
         return short
     budget, host_budget = budgets
@@ -303,9 +303,12 @@ def largest_command(args) -> int:
 def _host_shortfall(args) -> str | None:
     """Profiling on the CPU builds the model and its training states in host memory: why this
     machine cannot hold them (a 7B config on a laptop; checked before anything is built), or
-    None."""
+    None (also on a GPU, whose budgets the search checks)."""
     from protrain_core.precision import Precision, parse_precision
     from protrain_core.utils import available_host_bytes
+
+    if args.device.type != "cpu":
+        return None
 
     model, _ = _build(args, device="meta")
     n, trained = _parameters(model)
