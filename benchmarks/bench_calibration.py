@@ -2,6 +2,7 @@
 and 6): where a real device's time goes, by operator class, against the preset's roofline.
 
     python -m benchmarks.bench_calibration [--device cuda] [--batch 8 --seq 1024] [--json FILE]
+    python -m benchmarks.bench_calibration --fit FILE [--hardware h200]   # a trace's class factors
 
 The model is TinyLlama-1.1B's shape (the first GPU session's plain-PyTorch row, 173.05 ms on the
 lent H200) with random weights, trained as plain PyTorch does: ``torch.autocast`` in bf16 on a
@@ -11,6 +12,12 @@ calls and the device time (the CPU time on a CPU), each matmul shape's achieved 
 step's kernels and the idle gaps between them on the device (launch gaps), and the host time
 per operator. Only plain PyTorch is traced: ProTrain's measured rows stay the simulator's
 hold-out (benchmarks/bench_holdout.py). ``--tiny`` (the CPU check): a 2-layer model.
+
+``--fit`` replays the traced step (its model, batch and sequence) on the simulated device with
+the preset's class factors left out, and prints each class's factor: the traced device time
+over the simulated roofline time, the ``kernel_s`` of each simulated operator kept apart. A
+preset's ``op_class_factor`` is this output (tests/test_simulator.py checks the H200's against
+the committed trace).
 """
 
 from __future__ import annotations
@@ -23,23 +30,10 @@ from pathlib import Path
 
 import torch
 
+from protrain_core.simulator.hardware import op_class
+
 TINYLLAMA = {"hidden": 2048, "layers": 22, "heads": 32, "kv_heads": 4, "intermediate": 5632, "vocab": 32000}
 TINY = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 172, "vocab": 256}
-CLASSES = (  # (class, substrings of aten operator names), the first match wins
-    ("attention", ("attention", "flash", "sdpa")),
-    ("matmul", ("mm", "matmul", "linear")),
-    ("optimizer", ("fused_adam",)),
-    ("normalisation", ("rsqrt", "pow", "mean", "norm")),
-    ("copies", ("copy", "_to_copy", "cat", "contiguous")),
-    ("elementwise", ("add", "mul", "silu", "neg", "div", "sub", "where", "exp", "log", "softmax", "cross_entropy")),
-)
-
-
-def op_class(name: str) -> str:
-    bare = name.removeprefix("aten::")
-    return next((c for c, keys in CLASSES if any(k in bare for k in keys)), "other")
-
-
 def _matmul_flops(name: str, shapes: list) -> float:
     """FLOPs of an mm/addmm/bmm call from its input shapes (0 when the shapes do not say)."""
     dims = [s for s in shapes if s]
@@ -116,6 +110,34 @@ def summarise(prof, cuda: bool, steps: int) -> dict:
             "host_s_per_op": sum(c["host_s"] for c in classes.values()) / max(ops, 1)}
 
 
+def fit(calibration: dict, hardware: str = "h200") -> dict[str, float]:
+    """Each operator class's factor (``DeviceSpec.op_class_factor``, two decimals) from a
+    trace's ``calibration`` (``trace``'s result): its device time over the roofline time of
+    the same plain-PyTorch step simulated on ``hardware`` without factors."""
+    import dataclasses
+
+    from benchmarks.systems import build_model
+    from protrain_core import models
+    from protrain_core.simulator.device import SimulatedDevice
+    from protrain_core.simulator.hardware import load_spec
+    from protrain_core.simulator.run import simulate_plain
+
+    spec = dataclasses.replace(load_spec(hardware), op_class_factor={})
+    model = build_model(dict(calibration["model"], seq=calibration["seq"]), "meta")
+    batch = models.token_batch(model.config, calibration["batch"], calibration["seq"], "meta")
+    sim = SimulatedDevice(spec)
+    step_s = simulate_plain(model, batch, device=sim, precision="bf16-mixed")
+    since = sim.main.t - step_s  # the last step's operators
+    roofline, calls = defaultdict(float), defaultdict(int)
+    for w in sim.records.work:
+        if w.lane == "compute" and w.kind == "compute" and w.start >= since:
+            roofline[op_class(w.label)] += w.end - w.start - spec.kernel_s
+            calls[op_class(w.label)] += 1
+    measured = calibration["classes"]
+    return {c: round((measured[c]["device_s"] - calls[c] * spec.kernel_s) / roofline[c], 2)
+            for c in sorted(roofline) if c in measured and roofline[c] > 0}
+
+
 def markdown(r: dict) -> str:
     lines = [f"plain PyTorch step on {r['device']} (torch {r['torch']}), batch {r['batch']} x {r['seq']}: "
              f"{r['step_s'] * 1e3:.2f} ms; {r['kernels_per_step']} kernels, gaps between them "
@@ -134,7 +156,12 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model (the CPU check)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--fit", default=None, help="a trace's JSON: print its operator classes' factors")
+    ap.add_argument("--hardware", default="h200", help="the preset --fit simulates (default h200)")
     args = ap.parse_args(argv)
+    if args.fit:
+        print(json.dumps(fit(json.loads(Path(args.fit).read_text()), args.hardware)))
+        return
     result = trace(args.device, TINY if args.tiny else TINYLLAMA, args.batch, args.seq, args.steps)
     print(markdown(result))
     if args.json:

@@ -477,16 +477,29 @@ def _holdout_rows():
     return rows()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 55, items 1-2: the presets' compute has no per-operator efficiency, "
-                                       "launch gaps or Python time; the simulated TinyLlama steps are 12-18 % short")
 @pytest.mark.parametrize("row", _holdout_rows(), ids=lambda r: r["name"])
 def test_the_simulator_replays_the_measured_steps_within_10_percent(row):
     """Issue 55, item 3: every measured row of benchmarks/holdout/rows.json (a GPU session's
-    step, its source with it), replayed on the simulator, within 10 %. Strict: the test fails
-    once a row passes, so that the mark comes off."""
+    step, its source with it), replayed on the simulator, within 10 %. ProTrain's rows are a
+    hold-out: the presets are fitted from plain PyTorch and microbenchmarks alone."""
     from benchmarks.bench_holdout import replay
 
     assert abs(replay(row) / row["measured_s"] - 1) <= 0.10
+
+
+def test_the_h200_preset_is_fitted_from_the_committed_plain_pytorch_trace():
+    """Issue 55, item 1: the H200 preset's operator-class factors are what
+    ``bench_calibration --fit`` gives for the trace committed with the session that measured
+    it (a preset edited by hand, or a change to the simulator's charging, fails here)."""
+    import json
+    from pathlib import Path
+
+    from benchmarks.bench_calibration import fit
+    from protrain_core.simulator.hardware import H200
+
+    trace = json.loads((Path(__file__).parents[1] / "benchmarks/results/h200-2026-11-29/calibration.json").read_text())
+    assert trace["device"] == "NVIDIA H200"
+    assert fit(trace, "h200") == H200.op_class_factor
 
 
 # ----- the stream-order checker ([Note: the stream-order checker] in simulator/races.py) -----------------

@@ -14,7 +14,8 @@ runtime knows it is simulated. A discrete-event clock (clock.py) keeps the time 
 - the compute stream: every operator the host issues outside the side streams runs there
   after the host issued it and after the events the stream waits for, for its roofline time
   (FLOPs from ``torch.utils.flop_counter`` over the matmul rate of its dtype, or its bytes over
-  the memory bandwidth, at least ``kernel_s``); the gap before it is *idle time*, charged to
+  the memory bandwidth) times its operator class's factor (``op_class_factor``, fitted from a
+  traced plain-PyTorch step), plus ``kernel_s``; the gap before it is *idle time*, charged to
   what held the stream: the event it waited for (a chunk's upload, an all-gather, a swap) or
   the host (a host wait, or the host's own issue time);
 - the h2d and d2h copy streams and the swap stream: copies of their bytes over the bandwidth
@@ -70,7 +71,7 @@ from torch.utils.flop_counter import flop_registry
 from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.sharding import Sharding
 from protrain_core.simulator.clock import Event, Lane, Link, MeasuredLane, Records, Stream, Wait, Work
-from protrain_core.simulator.hardware import DeviceSpec, load_spec
+from protrain_core.simulator.hardware import DeviceSpec, load_spec, op_class
 from protrain_core.simulator.memory import ALLOCATOR_WAIT, DeviceMemory
 from protrain_core.simulator.races import RaceChecker
 from protrain_core.utils import iter_tensors
@@ -262,7 +263,7 @@ class SimulatedDevice(DeviceContext):
         if name == "copy_" and direction in _DIRECTIONS:
             self._copy(stream, direction, _nbytes(args[1]))
         else:
-            self._run(stream, self._device_seconds(func, args, kwargs, out), name, "compute")
+            self._run(stream, self._device_seconds(func, name, args, kwargs, out), name, "compute")
 
     def _order(self, func, name: str, args, kwargs, out) -> None:
         """The stream-order checker's view of an operator: who runs it, what it reads and writes."""
@@ -286,7 +287,9 @@ class SimulatedDevice(DeviceContext):
         order of the host's work is the compute stream's); a worker is its own."""
         return self.compute.name if lane is self.main else lane.name
 
-    def _device_seconds(self, func, args, kwargs, out) -> float:
+    def _device_seconds(self, func, name: str, args, kwargs, out) -> float:
+        """An operator's time on the device: its roofline time scaled by its class's factor, at
+        least ``kernel_s``."""
         spec = self.spec
         tensors, nbytes = _touched(args, kwargs, out)
         seconds = nbytes / spec.memory_bytes_per_s
@@ -295,7 +298,7 @@ class SimulatedDevice(DeviceContext):
             flops = formula(*args, **kwargs, out_val=out)
             low = any(t.dtype in (torch.bfloat16, torch.float16) for t in tensors)
             seconds = max(seconds, flops / (spec.tensor_flops_per_s if low else spec.fp32_flops_per_s))
-        return spec.kernel_s + seconds
+        return spec.kernel_s + seconds * spec.op_class_factor.get(op_class(name), 1.0)
 
     def _cpu_seconds(self, args, out) -> float:
         return self.spec.cpu_op_s + _touched(args, out)[1] / self.spec.host_memory_bytes_per_s

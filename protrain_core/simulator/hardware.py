@@ -10,11 +10,28 @@ measured figures ([Note: the simulated device] in device.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 GIB = 2**30
+OP_CLASSES = (  # (class, substrings of aten operator names), the first match wins
+    ("attention", ("attention", "flash", "sdpa")),
+    ("matmul", ("mm", "matmul", "linear")),
+    ("optimizer", ("fused_adam",)),
+    ("normalisation", ("rsqrt", "pow", "mean", "norm")),
+    ("copies", ("copy", "_to_copy", "cat", "contiguous")),
+    ("elementwise", ("add", "mul", "silu", "neg", "div", "sub", "where", "exp", "log", "softmax", "cross_entropy")),
+)
+
+
+@functools.lru_cache(maxsize=None)
+def op_class(name: str) -> str:
+    """The class of an aten operator ``name`` ("aten::mm" or "mm"): one of ``OP_CLASSES``, else
+    "other". A trace (benchmarks/bench_calibration.py) and the simulated device sort by it."""
+    bare = name.removeprefix("aten::")
+    return next((c for c, keys in OP_CLASSES if any(k in bare for k in keys)), "other")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +47,10 @@ class DeviceSpec:
         fp32_flops_per_s: matmuls in fp32 (PyTorch's default keeps TF32 off), achieved.
         memory_bytes_per_s: device memory bandwidth, achieved: every other kernel is charged
             its bytes read and written over it.
+        op_class_factor: each operator class's device time over its roofline time (``op_class``;
+            a class not given: 1), fitted from a traced plain-PyTorch step on the device
+            (``python -m benchmarks.bench_calibration --fit``): kernels short of the roofline,
+            and the casts and reductions the roofline's byte count misses.
         kernel_s: the least time of one kernel on the device.
         launch_s: host time to issue one operator (eager PyTorch: dispatch and launch).
         launch_queue: operators a stream holds issued and not yet finished; the host issuing one
@@ -57,6 +78,7 @@ class DeviceSpec:
     tensor_flops_per_s: float
     fp32_flops_per_s: float
     memory_bytes_per_s: float
+    op_class_factor: dict[str, float] = field(default_factory=dict)
     kernel_s: float
     launch_s: float
     launch_queue: int = 1024
@@ -79,6 +101,9 @@ class DeviceSpec:
         update = self.cpu_adam_params_per_s
         if not isinstance(update, dict) or not update or not all(v > 0 for v in update.values()):
             bad.append("cpu_adam_params_per_s (by moments' format, e.g. {\"fp32\": 2.2e9})")
+        classes = {c for c, _ in OP_CLASSES} | {"other"}
+        if not all(c in classes and f > 0 for c, f in self.op_class_factor.items()):
+            bad.append(f"op_class_factor (by operator class: {', '.join(sorted(classes))})")
         bad += [n for n in ("kernel_s", "launch_s", "copy_latency_s", "collective_latency_s", "host_collective_s",
                             "cpu_op_s") if getattr(self, n) < 0]
         bad += [n for n in ("device_memory_bytes", "host_memory_bytes", "launch_queue") if getattr(self, n) <= 0]
@@ -140,6 +165,7 @@ H100 = DeviceSpec(
     sources=(
         "tensor_flops_per_s 790 TFLOP/s: bf16 matmul measured on the lent H100 (shared/GPU_NOTES.md); the "
         "datasheet's dense peak is 989 TFLOP/s",
+        "op_class_factor: none (every class at its roofline): no plain-PyTorch step was traced on an H100",
         "fp32_flops_per_s 53.5 TFLOP/s: the datasheet's 67 TFLOP/s FP32 (SXM5) at the same 80 % of peak",
         "memory_bytes_per_s 3.0 TB/s: device-to-device copy measured on the lent H100 (shared/GPU_NOTES.md); the "
         "datasheet's HBM3 peak is 3.35 TB/s",
@@ -148,17 +174,31 @@ H100 = DeviceSpec(
     ),
 )
 
+# Measured on the lent H200 (benchmarks/results/h200-2026-11-29, commit 0acb1b3): plain PyTorch and
+# microbenchmarks only; ProTrain's rows of that session are the hold-out (benchmarks/holdout).
 H200 = dataclasses.replace(
     H100,
     name="simulated NVIDIA H200 141GB HBM3e (PCIe Gen5 x16 host link)",
     memory_bytes_per_s=4.3e12,
+    op_class_factor={"attention": 1.58, "copies": 1.78, "elementwise": 1.26, "matmul": 0.99, "normalisation": 0.5,
+                     "optimizer": 2.17, "other": 0.67},
+    h2d_bytes_per_s=54.3e9,
+    d2h_bytes_per_s=54.3e9,
+    cpu_adam_params_per_s={"fp32": 2.92e9, "bf16": 3.67e9, "8bit": 1.20e9},
     device_memory_bytes=139 * GIB,
     sources=(
         "tensor_flops_per_s, fp32_flops_per_s: as the H100 (the same SXM5 compute; NVIDIA H200 datasheet)",
         "memory_bytes_per_s 4.3 TB/s: device-to-device copy measured on the lent H200 (shared/GPU_NOTES.md); the "
         "datasheet's HBM3e peak is 4.8 TB/s",
+        "op_class_factor: TinyLlama-1.1B's plain-PyTorch step (8 x 1024, bf16 autocast, fused AdamW) traced on the "
+        "lent H200, calibration.json of benchmarks/results/h200-2026-11-29, fitted by python -m "
+        "benchmarks.bench_calibration --fit",
+        "h2d/d2h 54.3 GB/s each way: 256 MiB copies from ProTrain's registered host pool on the lent H200 "
+        "(transfer.json, same folder; both directions at once moved 98.7 GB/s in all)",
+        "cpu_adam_params_per_s fp32 2.92e9, bf16 3.67e9, 8bit 1.20e9: a streamed chunk's whole update with 16 "
+        "threads on the lent H200's host, no copies beside it (cpu-adam.json, same folder)",
         "device_memory_bytes 139 GiB: what the device tool reports for the lent H200",
-        *_SHARED_SOURCES,
+        *(s for s in _SHARED_SOURCES if not s.startswith(("h2d/d2h", "cpu_adam"))),
     ),
 )
 
