@@ -198,3 +198,24 @@ def test_only_what_the_copies_touch_is_page_locked(cudart, name):
     assert storage.host_locked_bytes == storage.pool.pinned_nbytes < storage.host_bytes
     storage.pool.close()
     assert storage.host_locked_bytes == 0 and not cudart.ranges
+
+
+@pytest.mark.parametrize("parked", [False, True])
+def test_a_parked_chunk_is_page_locked_whole(cudart, parked):
+    """``offload_states`` moves every state of a persistent chunk to the host and back, so the
+    host buffer it parks the chunk in is page-locked whole; a re-plan that streams the chunk
+    from now on locks only what the copies touch, as ``wrap`` does."""
+    from protrain_core.chunk_format import ChunkFormat
+    from protrain_core.runtime.storage import ChunkStorage
+
+    fmt = ChunkFormat(numel=4096, **MIXED)
+    storage = ChunkStorage(fmt, persistent=True, ctx=as_context("cpu"), pin=True, n_members=1)
+    assert not cudart.ranges
+    storage.make_streamed(parked=parked)
+    (start, pages), = cudart.ranges.items()
+    registered = range(start, start + len(pages) * PAGE)
+    states = [storage.master, storage.host_copy, storage.grad_acc, storage.exp_avg, storage.exp_avg_sq]
+    assert all(t is not None for t in states)
+    locked = [t.data_ptr() in registered and t.data_ptr() + t.nbytes - 1 in registered for t in states]
+    assert locked == ([True] * 5 if parked else [False, True, False, False, False])
+    assert (storage.host_locked_bytes == storage.host_bytes) is parked

@@ -230,12 +230,13 @@ class Chunk:
         self.point_params_at(self.storage.device_copy)
         self.state = target
 
-    def unpersist(self, copy=None) -> None:
-        """A re-plan streams this persistent chunk from now on (all its states move to the host;
-        ``copy(dst, src)``: how, ``ChunkStorage.make_streamed``)."""
+    def unpersist(self, copy=None, *, parked: bool = False) -> None:
+        """A re-plan streams this persistent chunk from now on, or ``offload_states`` parks it
+        (``parked``): all its states move to the host (``copy(dst, src)``: how,
+        ``ChunkStorage.make_streamed``)."""
         target = self._moved("unpersist")
         self.values.forget_views()
-        self.storage.make_streamed(copy, gradients=self.has_gradients)
+        self.storage.make_streamed(copy, gradients=self.has_gradients, parked=parked)
         self.point_at_rest()
         self.state = target
 

@@ -103,7 +103,7 @@ def offload(engine, *, non_blocking: bool) -> OffloadedStates:
     with torch.no_grad():
         buffers = _buffers_to_host(engine.module, ctx, copy)
         for c in held:
-            c.unpersist(copy)
+            c.unpersist(copy, parked=True)
     scheduler.copies_pending(last)
     return OffloadedStates(ctx, scheduler, last, chunks=tuple(c.index for c in held), buffers=buffers,
                            copied_bytes=copied)

@@ -162,11 +162,12 @@ class ChunkStorage:
             self.compute_span() if fmt.trains else None
         self._allocate_states(zeros)
 
-    def _allocate_streamed(self) -> None:
+    def _allocate_streamed(self, parked: bool = False) -> None:
         fmt = self.fmt
         pool, self.spare_pool = self.spare_pool, None
         if pool is None:
-            pool = HostPool(fmt.host_tensors(), pin=self.pin, device=self.host, cuda=self.device, touch=self.touch)
+            tensors = [(n, dtype, moves or parked) for n, dtype, moves in fmt.host_tensors()]
+            pool = HostPool(tensors, pin=self.pin, device=self.host, cuda=self.device, touch=self.touch)
         else:
             pool.rewind()
         self.pool = pool
@@ -215,18 +216,20 @@ class ChunkStorage:
             self.pool.close()
         self.pool = None
 
-    def make_streamed(self, copy=None, *, gradients: bool = False) -> None:
+    def make_streamed(self, copy=None, *, gradients: bool = False, parked: bool = False) -> None:
         """Persistent -> streamed: a host buffer allocated (or the one kept) and every tensor
         copied there, by ``copy(dst, src)`` when given (a copy stream; the caller waits for it
         before the host tensors are read), else at once. The device tensors go when nothing
         refers to them: the parameters are re-pointed next. ``gradients``: the accumulator holds
         gradients not cleared yet, which a chunk keeping none holds in a tensor of its own until
-        its update or zero_grad (``borrow_accumulator``)."""
+        its update or zero_grad (``borrow_accumulator``). ``parked``: every tensor comes back
+        to the device (``offload_states``), so a new host buffer is page-locked whole ([Note:
+        what is page-locked] in host_pool.py)."""
         assert self.persistent
         old = self._snapshot()
         with torch.no_grad():
             self.persistent = False
-            self._allocate_streamed()
+            self._allocate_streamed(parked)
             if gradients and self.borrows_accumulator:
                 self.borrow_accumulator(None)
             self._restore(old, copy)
