@@ -242,7 +242,13 @@ def format_rows(hidden: int = 1024, iters: int = 10, threads: tuple[int, ...] | 
     ``CopyLoad`` of the chunk's PCIe bytes (``copies``: "cpu", or a CUDA device for real
     copies) -- all in one run, the formats taking turns update by update (a neighbour's load on
     a shared machine falls on all of them alike)."""
-    threads = threads or tuple(sorted({1, torch.get_num_threads()}))
+    # On a GPU the engine's worker leaves one core to the thread that drives the device ([Note: CPU
+    # worker placement]); here that thread is the copy load's, which waits in its synchronize. With
+    # the worker on all 16 cores beside it the update ran 13x slower than alone on the lent H200
+    # (216 against 2,923 M parameters/s; one thread: 566 against 678), most likely its intra-op
+    # threads waiting for the one that shares a core with the copies.
+    most = torch.get_num_threads() - (copies != "cpu" and torch.get_num_threads() > 1)
+    threads = threads or tuple(sorted({1, most}))
     own, rows = torch.get_num_threads(), []
     built = {fmt: streamed_chunk("bf16-mixed", hidden, fmt) for fmt in FORMAT_BYTES}
     numel = built["fp32"][1].storage.fmt.state_numel
