@@ -15,14 +15,14 @@ The pieces, in order (the first five minutes on what no CPU test can show):
   cuda-sanitizer    the CUDA parity tests under PyTorch's CUDA sanitizer (TORCH_CUDA_SANITIZER=1):
                     stream races on the real device
   transfer          host<->device bandwidth with the pinned host pool (benchmarks/bench_transfer.py)
-  cpu-adam          CPU Adam throughput on the host's cores, and the update of each moment format
-                    alone and while host<->GPU copies run both ways (benchmarks/bench_adam.py)
-  offload-states    a whole training state to the host and back (benchmarks/bench_offload.py),
-                    against the copy bandwidth the profiler measures (goal: at least 80 %)
   timeline          the suite's study run: one ProTrain step's overlap timeline and the cost
                     models across plans (benchmarks/run.py), each plan also simulated on this
                     GPU's preset with the measured copy and CPU Adam figures (simulated against
                     measured: protrain_core/simulator)
+  cpu-adam          CPU Adam throughput on the host's cores, and the update of each moment format
+                    alone and while host<->GPU copies run both ways (benchmarks/bench_adam.py)
+  offload-states    a whole training state to the host and back (benchmarks/bench_offload.py),
+                    against the copy bandwidth the profiler measures (goal: at least 80 %)
   run: <workload>, <system>
                     the suite's throughput rows, one piece per run: ProTrain, plain PyTorch, FSDP2
                     offload, and DeepSpeed ZeRO-3 offload when it is installed (docs/developers.md: bringing
@@ -103,39 +103,43 @@ def plan_pieces(suite_name: str, dry: bool) -> list[Piece]:
     py = sys.executable
     runner = (py, "-m", "benchmarks.run", "--suite", suite_name, "--resume", "--out", "{out}/suite")
     one_file = ("tests/test_offload_states.py",) if dry else ()  # (all skip on a CPU; collecting every file: 30 s)
+    # Estimates: the times of the lent H200's session of 2026-11-29, rounded up.
     pieces = [
-        Piece("cuda-tests", 20 if dry else 300, (py, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
+        Piece("cuda-tests", 20 if dry else 120, (py, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
                                                 "--junitxml", "{out}/cuda-tests.xml") + one_file, "tests",
               (("PROTRAIN_SYNC_DEBUG", "warn"),)),
-        Piece("calibration", 10 if dry else 60, (py, "-m", "benchmarks.bench_calibration", "--json", "{out}/calibration.json")
+        Piece("calibration", 10 if dry else 30, (py, "-m", "benchmarks.bench_calibration", "--json", "{out}/calibration.json")
               + (("--tiny", "--batch", "2", "--seq", "32") if dry else ()), "json"),
-        *([] if dry else [Piece("cuda-sanitizer", 180, (py, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
-                                                        "-k", "bitwise or parity or equal", "--junitxml",
-                                                        "{out}/cuda-sanitizer.xml"), "tests",
+        *([] if dry else [Piece("cuda-sanitizer", 70, (py, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
+                                                       "-k", "bitwise or parity or equal", "--junitxml",
+                                                       "{out}/cuda-sanitizer.xml"), "tests",
                                 (("TORCH_CUDA_SANITIZER", "1"),))]),  # (on a CPU: the cuda-tests piece again)
-        Piece("transfer", 5 if dry else 30, (py, "-m", "benchmarks.bench_transfer", "--mib", "16" if dry else "256",
+        Piece("transfer", 5 if dry else 15, (py, "-m", "benchmarks.bench_transfer", "--mib", "16" if dry else "256",
                                              "--json", "{out}/transfer.json"), "json"),
-        Piece("cpu-adam", 5 if dry else 90, (py, "-m", "benchmarks.bench_adam", "--numel", str(2**20 if dry else 2**24),
-                                             "--json", "{out}/cpu-adam.json")
-              + (("--iters", "2", "--hidden", "256") if dry else ("--copies", "cuda")), "json"),
-        Piece("offload-states", 10 if dry else 90,
-              (py, "-m", "benchmarks.bench_offload", "--layers", "2" if dry else "24", "--hidden", "256" if dry else "2048",
-               "--json", "{out}/offload-states.json") + (() if dry else ("--device", "cuda")), "json"),
     ]
+    # Then the study run's timeline (simulated beside it), before the longer micro-benchmarks.
     if dry:  # the timeline of the CPU suite's study run; the GPU suite built on the meta device
         study = R.study_workload(R.SUITES["cpu-smoke"])
         pieces.append(Piece("timeline", 30, (py, "-m", "benchmarks.run", "--suite", "cpu-smoke", "--systems",
                                              "protrain-core", "--workloads", study.label, "--no-probes", "--out",
                                              "{out}/suite"), "suite"))
+    elif R.study_workload(suite) is not None:
+        study = R.study_workload(suite)  # + the simulation of each study plan on the meta device (seconds each)
+        pieces.append(Piece("timeline", 90 + 25 * billions(S.param_counts(study.model)[0]),
+                            runner + ("--systems", "protrain-core", "--workloads", study.label, "--no-probes"), "suite"))
+    pieces += [
+        Piece("cpu-adam", 5 if dry else 240, (py, "-m", "benchmarks.bench_adam", "--numel", str(2**20 if dry else 2**24),
+                                              "--json", "{out}/cpu-adam.json")
+              + (("--iters", "2", "--hidden", "256") if dry else ("--copies", "cuda")), "json"),
+        Piece("offload-states", 10 if dry else 75,
+              (py, "-m", "benchmarks.bench_offload", "--layers", "2" if dry else "24", "--hidden", "256" if dry else "2048",
+               "--json", "{out}/offload-states.json") + (() if dry else ("--device", "cuda")), "json"),
+    ]
+    if dry:
         pieces.append(Piece(f"rows and probes: {suite_name} (dry run)", 20,
                             (py, "-m", "benchmarks.run", "--suite", suite_name, "--dry-run", "--systems",
                              ",".join(SESSION_SYSTEMS), "--out", "{out}/suite-dry"), "suite"))
         return pieces
-    study = R.study_workload(suite)
-    if study is not None:
-        # + the simulation of each study plan on the meta device (a few seconds each)
-        pieces.append(Piece("timeline", 90 + 25 * billions(S.param_counts(study.model)[0]),
-                            runner + ("--systems", "protrain-core", "--workloads", study.label, "--no-probes"), "suite"))
     for w in suite.workloads + R.multi_workloads(suite):
         size = billions(S.param_counts(w.model)[0])
         for system in SESSION_SYSTEMS:

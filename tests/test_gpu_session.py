@@ -76,13 +76,13 @@ def test_the_gpu_session_plan():
     suite = SUITES["gpu-80g"]
     runs = [f"run: {w.label}, {s}" for w in suite.workloads + multi_workloads(suite) for s in G.SESSION_SYSTEMS
             if w.systems is None or s in w.systems]
-    assert [p.name for p in pieces] == (["cuda-tests", "calibration", "cuda-sanitizer", "transfer", "cpu-adam",
-                                         "offload-states", "timeline"] + runs
+    assert [p.name for p in pieces] == (["cuda-tests", "calibration", "cuda-sanitizer", "transfer", "timeline",
+                                         "cpu-adam", "offload-states"] + runs
                                         + ["largest-llama-13b-full", "largest-llama-70b-lora-int8"]
                                         + [f"probes: {s}" for s in G.SESSION_SYSTEMS])
     assert "run: llama-6.7B, deepspeed-zero3-offload" in runs and "run: llama-1.1B, pytorch" in runs
     assert not any("lora, fsdp2" in r or "protrain-lightning" in r for r in runs)
-    for p in pieces[6:]:
+    for p in pieces[7:]:
         if p.name.startswith("largest"):
             assert p.kind == "json" and "benchmarks.bench_largest" in p.command and f"{{out}}/{p.name}.json" in p.command
             continue
