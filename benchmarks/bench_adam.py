@@ -301,8 +301,18 @@ def pipeline_markdown(rows: list[dict], iters: int) -> str:
     return "\n".join(lines)
 
 
+def kernel_build() -> str:
+    """The instruction sets the one-pass kernel is built for here: ATen's CPU capability, and
+    whether the 8-bit moments' byte permutes (AVX-512 VBMI) are in."""
+    from protrain_ops import onepass
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{capability}{' + VBMI' if capability == 'AVX512' and onepass.has_vbmi() else ''}"
+
+
 def markdown(rows: list[dict], iters: int) -> str:
-    lines = [f"machine: {platform.node()} {platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}",
+    lines = [f"machine: {platform.node()} {platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+             f"kernel built for {kernel_build()}",
              f"chunk: {rows[0]['numel']:,} fp32 parameters; median of {iters} steps", "",
              "| kernel | median s/step | G params/s |", "|---|---|---|"]
     lines += [f"| {r['kernel']} | {r['seconds']:.4f} | {r['params_per_s'] / 1e9:.3f} |" for r in rows]
@@ -325,8 +335,8 @@ def main(argv=None):
     formats = format_rows(args.hidden, args.iters, copies=args.copies)
     print("\n" + format_markdown(formats, args.iters))
     if args.json:
-        Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows, "pipelines": pipelines,
-                                               "formats": formats}, indent=1))
+        Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(), "kernel_build": kernel_build(),
+                                               "rows": rows, "pipelines": pipelines, "formats": formats}, indent=1))
 
 
 if __name__ == "__main__":

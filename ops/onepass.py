@@ -51,7 +51,8 @@ CAPABILITY_FLAGS = {
 VBMI = ("-mavx512vbmi",)
 
 
-def _has_vbmi() -> bool:
+def has_vbmi() -> bool:
+    """The CPU has AVX-512 VBMI (its flags in /proc/cpuinfo): the 8-bit moments' byte permutes."""
     try:
         return any(line.startswith("flags") and " avx512vbmi " in f"{line} " for line in open("/proc/cpuinfo"))
     except OSError:
@@ -105,7 +106,7 @@ def _load():
     try:
         from torch.utils.cpp_extension import load
         capability = torch.backends.cpu.get_cpu_capability()
-        flags = FLAGS + CAPABILITY_FLAGS.get(capability, ()) + (VBMI if capability == "AVX512" and _has_vbmi() else ())
+        flags = FLAGS + CAPABILITY_FLAGS.get(capability, ()) + (VBMI if capability == "AVX512" and has_vbmi() else ())
         digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:12]
         module = load(name=f"protrain_onepass_{digest}", sources=[str(SOURCE)], extra_cflags=list(flags),
                       extra_ldflags=["-fopenmp"], verbose=False)
