@@ -134,8 +134,13 @@ def fit(calibration: dict, hardware: str = "h200") -> dict[str, float]:
             roofline[op_class(w.label)] += w.end - w.start - spec.kernel_s
             calls[op_class(w.label)] += 1
     measured = calibration["classes"]
-    return {c: round((measured[c]["device_s"] - calls[c] * spec.kernel_s) / roofline[c], 2)
-            for c in sorted(roofline) if c in measured and roofline[c] > 0}
+    missing = sorted(set(measured) ^ {c for c in roofline if roofline[c] > 0})
+    if missing:
+        raise ValueError(f"operator classes {missing} are in only one of the trace and its simulation: no factor")
+    factors = {c: round((measured[c]["device_s"] - calls[c] * spec.kernel_s) / roofline[c], 2) for c in sorted(roofline)}
+    if not all(f > 0 for f in factors.values()):
+        raise ValueError(f"factors {factors}: a class's traced time is below its simulated kernels' kernel_s")
+    return factors
 
 
 def markdown(r: dict) -> str:

@@ -3,10 +3,11 @@
     python -m benchmarks.bench_holdout
 
 Each row of benchmarks/holdout/rows.json (a GPU session's measured step: hardware preset, model
-shape, batch, precision, system, and for ProTrain its plan) is simulated on the meta device --
-plain PyTorch by ``simulate_plain``, ProTrain by ``simulate`` with the row's plan -- and printed
-next to the measurement. The simulator's figures come from presets and microbenchmarks, never
-from these rows, so the error is a hold-out error. tests/test_simulator.py requires each row
+shape, batch, precision, system, and for ProTrain its plan with the chunks it kept) is simulated
+on the meta device -- plain PyTorch by ``simulate_plain``, ProTrain by ``simulate`` with the
+row's plan -- and printed next to the measurement. The presets are fitted from plain PyTorch and
+microbenchmarks, never from ProTrain's rows, so ProTrain's errors are hold-out errors (a plain
+PyTorch row the preset was fitted on is in-sample). tests/test_simulator.py requires each row
 within 10 %.
 """
 
@@ -38,7 +39,8 @@ def replay(row: dict) -> float:
     device = SimulatedDevice(row["hardware"])
     if row["system"] == "pytorch":
         return simulate_plain(model, batch, device=device, precision=row["precision"])
-    plan = dict(zip(("n_persist", "n_buffer", "n_swap", "n_checkpoint"), map(int, row["plan"].split("/"))))
+    plan = dict(zip(("n_persist", "n_buffer", "n_swap", "n_checkpoint"), map(int, row["plan"].split("/"))),
+                persistent_chunks=tuple(row["persistent_chunks"]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return simulate(model, optimizer, batch, device=device, plan=plan, precision=row["precision"]).step_s
 

@@ -103,7 +103,7 @@ def plan_pieces(suite_name: str, dry: bool) -> list[Piece]:
     py = sys.executable
     runner = (py, "-m", "benchmarks.run", "--suite", suite_name, "--resume", "--out", "{out}/suite")
     one_file = ("tests/test_offload_states.py",) if dry else ()  # (all skip on a CPU; collecting every file: 30 s)
-    # Estimates: the times of the lent H200's session of 2026-11-29, rounded up.
+    # Estimates: the times of the lent H200's session of 2026-11-29 and a fifth more, rounded up.
     pieces = [
         Piece("cuda-tests", 20 if dry else 120, (py, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
                                                 "--junitxml", "{out}/cuda-tests.xml") + one_file, "tests",
@@ -127,14 +127,7 @@ def plan_pieces(suite_name: str, dry: bool) -> list[Piece]:
         study = R.study_workload(suite)  # + the simulation of each study plan on the meta device (seconds each)
         pieces.append(Piece("timeline", 90 + 25 * billions(S.param_counts(study.model)[0]),
                             runner + ("--systems", "protrain-core", "--workloads", study.label, "--no-probes"), "suite"))
-    pieces += [
-        Piece("cpu-adam", 5 if dry else 240, (py, "-m", "benchmarks.bench_adam", "--numel", str(2**20 if dry else 2**24),
-                                              "--json", "{out}/cpu-adam.json")
-              + (("--iters", "2", "--hidden", "256") if dry else ("--copies", "cuda")), "json"),
-        Piece("offload-states", 10 if dry else 75,
-              (py, "-m", "benchmarks.bench_offload", "--layers", "2" if dry else "24", "--hidden", "256" if dry else "2048",
-               "--json", "{out}/offload-states.json") + (() if dry else ("--device", "cuda")), "json"),
-    ]
+    pieces += host_pieces(py, dry)
     if dry:
         pieces.append(Piece(f"rows and probes: {suite_name} (dry run)", 20,
                             (py, "-m", "benchmarks.run", "--suite", suite_name, "--dry-run", "--systems",
@@ -157,6 +150,18 @@ def plan_pieces(suite_name: str, dry: bool) -> list[Piece]:
         if suite.probe_systems is None or system in suite.probe_systems:
             pieces.append(Piece(f"probes: {system}", 300, runner + ("--systems", system, "--workloads", ""), "suite"))
     return pieces
+
+
+def host_pieces(py: str, dry: bool) -> list[Piece]:
+    """The host-side micro-benchmarks: CPU Adam beside copies both ways, the offload round trip."""
+    return [
+        Piece("cpu-adam", 5 if dry else 290, (py, "-m", "benchmarks.bench_adam", "--numel", str(2**20 if dry else 2**24),
+                                              "--json", "{out}/cpu-adam.json")
+              + (("--iters", "2", "--hidden", "256") if dry else ("--copies", "cuda")), "json"),
+        Piece("offload-states", 10 if dry else 80,
+              (py, "-m", "benchmarks.bench_offload", "--layers", "2" if dry else "24", "--hidden", "256" if dry else "2048",
+               "--json", "{out}/offload-states.json") + (() if dry else ("--device", "cuda")), "json"),
+    ]
 
 
 # ----- running ----------------------------------------------------------------------------------

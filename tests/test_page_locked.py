@@ -219,3 +219,9 @@ def test_a_parked_chunk_is_page_locked_whole(cudart, parked):
     locked = [t.data_ptr() in registered and t.data_ptr() + t.nbytes - 1 in registered for t in states]
     assert locked == ([True] * 5 if parked else [False, True, False, False, False])
     assert (storage.host_locked_bytes == storage.host_bytes) is parked
+    if parked:  # onloaded (the buffer kept for the next offload), then streamed by a re-plan
+        storage.make_persistent(keep_host=True)
+        assert storage.host_locked_bytes == storage.host_bytes
+        storage.make_streamed()
+        assert 0 < storage.host_locked_bytes == storage.pool.pinned_nbytes < storage.host_bytes
+        assert len(cudart.ranges) == 1  # the kept buffer unregistered

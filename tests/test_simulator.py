@@ -187,7 +187,7 @@ def test_meta_reads_and_the_hardware_file(tmp_path):
     reads device values on the host as zeros; a hardware file overrides a preset's figures."""
     import json
 
-    from protrain_core.simulator.hardware import H100, load_spec
+    from protrain_core.simulator.hardware import H100, H200, load_spec
 
     sim = SimulatedDevice("h100")
     with sim:
@@ -210,6 +210,11 @@ def test_meta_reads_and_the_hardware_file(tmp_path):
         load_spec(str(path))
     path.write_text(json.dumps({"base": "h100", "cpu_adam_params_per_s": {"8bit": 1e9}}))  # one format: the base's others
     assert load_spec(str(path)).cpu_adam_params_per_s == {**H100.cpu_adam_params_per_s, "8bit": 1e9}
+    path.write_text(json.dumps({"base": "h200", "op_class_factor": {"matmul": 1.1}}))  # one class: the base's others
+    assert load_spec(str(path)).op_class_factor == {**H200.op_class_factor, "matmul": 1.1}
+    path.write_text(json.dumps({"base": "h200", "op_class_factor": {"matmuls": 1.1}}))
+    with pytest.raises(ValueError, match="op_class_factor"):
+        load_spec(str(path))
     path.write_text(json.dumps({"base": "h100", "cpu_adam_params_per_s": 3e9}))
     with pytest.raises(ValueError, match="cpu_adam_params_per_s .by moments' format"):
         load_spec(str(path))

@@ -1,4 +1,6 @@
-"""Plan search: the fastest predicted plan whose predicted peak fits the budget (paper §3.3).
+"""Plan search: the fastest predicted plan whose predicted peak fits the budget (paper §3.3),
+except that where every chunk fits, streaming must win by more than ``KEEP_ALL_MARGIN`` ([Note:
+keeping every chunk when streaming gains little]).
 
 The four knobs span (N+1) * (N+1) * (L+1)(L+2)/2 plans (about 3.2 million for 50 chunks and
 48 blocks). The search evaluates the full model for only a few of them, using three properties
@@ -395,11 +397,12 @@ def _moves(groups: list[list[int]], persistent: frozenset[int]):
 # chunks (their update moves to the CPU worker, beside backward): a few percent of the step. The
 # cost model cannot resolve that: on the lent H200 (benchmarks/results/h200-2026-11-29) it
 # predicted the 9/2/0/0 plan it chose for TinyLlama-1.1B at 179.26 ms, measured 182.97 ms, while
-# plain PyTorch with everything on the device ran 173.41 ms; on the H200 preset fitted from that
-# session its errors on a streamed and the all-persistent plan have opposite signs (-2.0 % and
-# +2.1 %). Streaming also takes host memory, PCIe and the host's cores from the user's other
-# work. So a plan that streams must be predicted faster than the best all-persistent plan that
-# fits by more than KEEP_ALL_MARGIN, or every chunk is kept.
+# plain PyTorch with everything on the device ran 173.41 ms. On the H200 preset fitted from that
+# session (8 x 1024 tokens) it predicts 10/2/0/0 2.0 % under its simulated step (148.08 against
+# 151.06 ms) and 13/0/0/0 2.1 % over it (151.29 against 148.16 ms): errors of opposite signs,
+# larger than the gain. Streaming also takes host memory, PCIe and the host's cores from the
+# user's other work. So a plan that streams is chosen only if the best all-persistent plan that
+# fits is predicted slower than (1 + KEEP_ALL_MARGIN) times it; else every chunk is kept.
 KEEP_ALL_MARGIN = 0.05
 
 
@@ -437,7 +440,8 @@ def brute_force(profile: Profile, budget: int, *, host_budget: int | None = None
                 schedule: UpdateSchedule = UpdateSchedule.DURING_BACKWARD, gradient_passes: int = 0,
                 n_persist: int | None = None, sets: bool = False) -> PlanChoice:
     """Every plan, no shortcuts (for checking ``search`` on small models): every persistent set
-    with ``sets`` (2^N of them), else the first n chunks for each n."""
+    with ``sets`` (2^N of them), else the first n chunks for each n; the other arguments as
+    ``search``'s, and the same rule for keeping every chunk (``KEEP_ALL_MARGIN``)."""
     start = time.perf_counter()
     cm = CostModel(profile, schedule=schedule, gradient_passes=gradient_passes)
     N, L = cm.N, cm.L

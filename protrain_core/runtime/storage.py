@@ -163,8 +163,14 @@ class ChunkStorage:
         self._allocate_states(zeros)
 
     def _allocate_streamed(self, parked: bool = False) -> None:
+        """The host buffer and the streamed tensors in it; ``parked``: see ``make_streamed``. A
+        kept buffer (``make_persistent(keep_host=True)``: page-locked whole) serves a parked
+        chunk again; a re-plan gives it up for one that locks only what moves."""
         fmt = self.fmt
         pool, self.spare_pool = self.spare_pool, None
+        if pool is not None and not parked:
+            pool.close()
+            pool = None
         if pool is None:
             tensors = [(n, dtype, moves or parked) for n, dtype, moves in fmt.host_tensors()]
             pool = HostPool(tensors, pin=self.pin, device=self.host, cuda=self.device, touch=self.touch)

@@ -288,8 +288,8 @@ class SimulatedDevice(DeviceContext):
         return self.compute.name if lane is self.main else lane.name
 
     def _device_seconds(self, func, name: str, args, kwargs, out) -> float:
-        """An operator's time on the device: its roofline time scaled by its class's factor, at
-        least ``kernel_s``."""
+        """The time on the device of operator ``func`` (named ``name``) on ``args``, ``kwargs``
+        giving ``out``: its roofline time times its class's factor, plus ``kernel_s``."""
         spec = self.spec
         tensors, nbytes = _touched(args, kwargs, out)
         seconds = nbytes / spec.memory_bytes_per_s

@@ -196,7 +196,9 @@ H200 = dataclasses.replace(
         "h2d/d2h 54.3 GB/s each way: 256 MiB copies from ProTrain's registered host pool on the lent H200 "
         "(transfer.json, same folder; both directions at once moved 98.7 GB/s in all)",
         "cpu_adam_params_per_s fp32 2.92e9, bf16 3.67e9, 8bit 1.20e9: a streamed chunk's whole update with 16 "
-        "threads on the lent H200's host, no copies beside it (cpu-adam.json, same folder)",
+        "threads on the lent H200's host, no copies beside it (cpu-adam.json, same folder); the engine's worker "
+        "runs 15 threads beside the copies, and whether that kernel was built with AVX-512 VBMI (the 8-bit "
+        "permutes) was not recorded",
         "device_memory_bytes 139 GiB: what the device tool reports for the lent H200",
         *(s for s in _SHARED_SOURCES if not s.startswith(("h2d/d2h", "cpu_adam"))),
     ),
@@ -229,8 +231,9 @@ def load_spec(name_or_path: str | Path | DeviceSpec) -> DeviceSpec:
     fields.setdefault("sources", (f"{path}",))
     if base is not None:
         base_spec = load_spec(base)
-        if isinstance(fields.get("cpu_adam_params_per_s"), dict):  # the formats it gives, the base's others
-            fields["cpu_adam_params_per_s"] = {**base_spec.cpu_adam_params_per_s, **fields["cpu_adam_params_per_s"]}
+        for by_key in ("cpu_adam_params_per_s", "op_class_factor"):  # the keys it gives, the base's others
+            if isinstance(fields.get(by_key), dict):
+                fields[by_key] = {**getattr(base_spec, by_key), **fields[by_key]}
         return dataclasses.replace(base_spec, name=fields.pop("name", f"{base_spec.name} ({path.name})"), **fields)
     missing = sorted(f.name for f in dataclasses.fields(DeviceSpec)
                      if f.name not in fields and f.default is dataclasses.MISSING)
