@@ -304,10 +304,10 @@ def pipeline_markdown(rows: list[dict], iters: int) -> str:
 def kernel_build() -> str:
     """The instruction sets the one-pass kernel is built for here: ATen's CPU capability, and
     whether the 8-bit moments' byte permutes (AVX-512 VBMI) are in."""
-    from protrain_ops import onepass
+    from protrain_ops.onepass import build_target
 
-    capability = torch.backends.cpu.get_cpu_capability()
-    return f"{capability}{' + VBMI' if capability == 'AVX512' and onepass.has_vbmi() else ''}"
+    capability, vbmi = build_target()
+    return f"{capability}{' + VBMI' if vbmi else ''}"
 
 
 def markdown(rows: list[dict], iters: int) -> str:

@@ -131,8 +131,9 @@ def fit(calibration: dict, hardware: str = "h200") -> dict[str, float]:
     roofline, calls = defaultdict(float), defaultdict(int)
     for w in sim.records.work:
         if w.lane == "compute" and w.kind == "compute" and w.start >= since:
-            roofline[op_class(w.label)] += w.end - w.start - spec.kernel_s
-            calls[op_class(w.label)] += 1
+            c = op_class(w.label)
+            roofline[c] += w.end - w.start - spec.kernel_s
+            calls[c] += 1
     measured = calibration["classes"]
     missing = sorted(set(measured) ^ {c for c in roofline if roofline[c] > 0})
     if missing:

@@ -123,8 +123,7 @@ def plan_pieces(suite_name: str, dry: bool) -> list[Piece]:
         pieces.append(Piece("timeline", 30, (py, "-m", "benchmarks.run", "--suite", "cpu-smoke", "--systems",
                                              "protrain-core", "--workloads", study.label, "--no-probes", "--out",
                                              "{out}/suite"), "suite"))
-    elif R.study_workload(suite) is not None:
-        study = R.study_workload(suite)  # + the simulation of each study plan on the meta device (seconds each)
+    elif (study := R.study_workload(suite)) is not None:  # + each study plan simulated on the meta device
         pieces.append(Piece("timeline", 90 + 25 * billions(S.param_counts(study.model)[0]),
                             runner + ("--systems", "protrain-core", "--workloads", study.label, "--no-probes"), "suite"))
     pieces += host_pieces(py, dry)

@@ -51,8 +51,14 @@ CAPABILITY_FLAGS = {
 VBMI = ("-mavx512vbmi",)
 
 
-def has_vbmi() -> bool:
-    """The CPU has AVX-512 VBMI (its flags in /proc/cpuinfo): the 8-bit moments' byte permutes."""
+def build_target() -> tuple[str, bool]:
+    """What the kernel is built for here: ATen's CPU capability, and whether the 8-bit moments'
+    byte permutes (AVX-512 VBMI) are in."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability, capability == "AVX512" and _has_vbmi()
+
+
+def _has_vbmi() -> bool:
     try:
         return any(line.startswith("flags") and " avx512vbmi " in f"{line} " for line in open("/proc/cpuinfo"))
     except OSError:
@@ -105,8 +111,8 @@ def _load():
         return None, f"the kernel is built on Linux only, not {sys.platform}"
     try:
         from torch.utils.cpp_extension import load
-        capability = torch.backends.cpu.get_cpu_capability()
-        flags = FLAGS + CAPABILITY_FLAGS.get(capability, ()) + (VBMI if capability == "AVX512" and has_vbmi() else ())
+        capability, vbmi = build_target()
+        flags = FLAGS + CAPABILITY_FLAGS.get(capability, ()) + (VBMI if vbmi else ())
         digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:12]
         module = load(name=f"protrain_onepass_{digest}", sources=[str(SOURCE)], extra_cflags=list(flags),
                       extra_ldflags=["-fopenmp"], verbose=False)
