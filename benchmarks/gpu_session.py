@@ -23,6 +23,8 @@ The pieces, in order (the first five minutes on what no CPU test can show):
                     alone and while host<->GPU copies run both ways (benchmarks/bench_adam.py)
   offload-states    a whole training state to the host and back (benchmarks/bench_offload.py),
                     against the copy bandwidth the profiler measures (goal: at least 80 %)
+  compile           torch.compile of each block against eager, ProTrain and plain PyTorch in one
+                    run: compilation time and step time (benchmarks/bench_compile.py)
   run: <workload>, <system>
                     the suite's throughput rows, one piece per run: ProTrain, plain PyTorch, FSDP2
                     offload, and DeepSpeed ZeRO-3 offload when it is installed (docs/developers.md: bringing
@@ -127,6 +129,10 @@ def plan_pieces(suite_name: str, dry: bool) -> list[Piece]:
         pieces.append(Piece("timeline", 90 + 25 * billions(S.param_counts(study.model)[0]),
                             runner + ("--systems", "protrain-core", "--workloads", study.label, "--no-probes"), "suite"))
     pieces += host_pieces(py, dry)
+    pieces.append(Piece("compile", 10 if dry else 180, (py, "-m", "benchmarks.bench_compile", "--json", "{out}/compile.json")
+                        + (("--backend", "aot_eager", "--layers", "2", "--steps", "2", "--warmup", "1") if dry else
+                           ("--device", "cuda", "--layers", "12", "--hidden", "1024", "--seq", "1024",
+                            "--precision", "bf16-mixed", "--plan", "persistent")), "json"))
     if dry:
         pieces.append(Piece(f"rows and probes: {suite_name} (dry run)", 20,
                             (py, "-m", "benchmarks.run", "--suite", suite_name, "--dry-run", "--systems",
@@ -316,7 +322,7 @@ def markdown(state: dict, out: Path) -> str:
             lines += ["", f"{what}: {tests['passed']} passed, {tests['failed']} failed, {tests['errors']} errors, "
                       f"{tests['skipped']} skipped; {tests.get('sync_warnings', 0)} synchronising calls warned"
                       + "".join(f"\n- failing: `{t}`" for t in tests["failing"])]
-    from benchmarks import bench_adam, bench_calibration, bench_offload, bench_transfer
+    from benchmarks import bench_adam, bench_calibration, bench_compile, bench_offload, bench_transfer
 
     calibration = state["pieces"].get("calibration", {}).get("data")
     if calibration:
@@ -331,6 +337,10 @@ def markdown(state: dict, out: Path) -> str:
     if offload:
         lines += ["", "Offloading the training state and back (`benchmarks/bench_offload.py`):", "",
                   offload["setting"], "", bench_offload.markdown(offload["rows"])]
+    compiled = state["pieces"].get("compile", {}).get("data")
+    if compiled:
+        lines += ["", "torch.compile against eager (`benchmarks/bench_compile.py`):", "", compiled["setting"], "",
+                  bench_compile.markdown(compiled["rows"])]
     adam = state["pieces"].get("cpu-adam", {}).get("data")
     if adam:
         lines += ["", "CPU Adam (`benchmarks/bench_adam.py`):", "", bench_adam.markdown(adam["rows"], iters=20)]

@@ -8,6 +8,7 @@ builds the engine. Every argument is checked before any of that starts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from functools import cached_property
@@ -25,6 +26,7 @@ from protrain_core.plan import Plan, check_plan
 from protrain_core.planner.profiles import Profile
 from protrain_core.precision import Precision, parse_precision
 from protrain_core.profiler.profiler import profile_model, safe_plan
+from protrain_core.runtime.compiled import compile_setting
 from protrain_core.runtime.device import DeviceContext, as_context
 from protrain_core.runtime.optim import check_optimizer
 from protrain_core.runtime.sharding import Sharding, agree, agree_budgets, check_same_configuration
@@ -34,7 +36,7 @@ from protrain_core.runtime.weights import check_weights
 from protrain_core.structure.blocks import find_blocks
 from protrain_core.structure.layout import ChunkLayout, build_layout
 from protrain_core.update import overlap_mode
-from protrain_core.utils import available_host_bytes, batch_tokens, format_bytes
+from protrain_core.utils import available_host_bytes, batch_tokens, format_bytes, is_compile_wrapper
 
 
 def wrap(
@@ -82,6 +84,7 @@ def wrap(
         raise ValueError("optimizer_states=False builds an engine for evaluation only: pass its plan= (or "
                          "config.planning.plan).")
     prec, dev = _checked(model, precision, device, config)
+    config = config.replace(compile=compile_setting(model, config.compile))
     sharding = Sharding.resolve(process_group)
     sharding.check_device(dev.device)
     budget = planning.budget_bytes
@@ -218,7 +221,8 @@ def _searched(build: _Build, budget: int, report, *, example_inputs, loss_fn, st
         return engine
     profile = profile_model(build.model, build.optimizer, build.layout, example_inputs=example_inputs,
                             loss_fn=loss_fn, step_fn=step_fn, precision=build.precision, device=build.device,
-                            sharding=sharding, switches=build.config.runtime, formats=build.formats, **cache)
+                            sharding=sharding, switches=build.config.runtime, compile=build.config.compile,
+                            formats=build.formats, **cache)
     n = batch_tokens(example_inputs)
     clipping = None if build.config.clipping is None else build.config.clipping.parsed()
     planner = AutoPlanner(None, profile, budget=budget, host_budget=host_budget, report=report,
@@ -247,14 +251,6 @@ def _prepare(model: nn.Module, optimizer, blocks, chunk_size, example_inputs, ct
     if engine is not None and engine.module is model:  # (a deep copy of a wrapped model is not)
         raise ValueError("This model is already wrapped by a ProTrain engine.")
 
-    compiled = next((name for name, m in model.named_modules() if _is_compiled(m)), None)
-    if compiled is not None:
-        where = "The model is" if compiled == "" else f"Its submodule {compiled!r} is"
-        raise ValueError(
-            f"{where} compiled with torch.compile. ProTrain hooks every block and moves its parameters "
-            "between the device and the host, which a compiled graph does not see; wrap the model before "
-            "compiling anything (torch.compile of a ProTrain-wrapped model is not supported yet)."
-        )
     checkpointed = _hf_checkpointing(model)
     if checkpointed is not None:
         where = "The model" if checkpointed == "" else f"Its submodule {checkpointed!r}"
@@ -265,8 +261,11 @@ def _prepare(model: nn.Module, optimizer, blocks, chunk_size, example_inputs, ct
             "configure_model, instead of gradient_checkpointing_enable())."
         )
     block_path, block_list = find_blocks(model, blocks)
-    return build_layout(model, block_path, len(block_list), example_inputs=example_inputs, chunk_size=chunk_size,
-                        block_aligned=block_aligned(moments))
+    # The order is traced on the meta device with torch.compile's wrappers running eagerly.
+    compiled = any(is_compile_wrapper(m) for m in model.modules())
+    with torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext():
+        return build_layout(model, block_path, len(block_list), example_inputs=example_inputs, chunk_size=chunk_size,
+                            block_aligned=block_aligned(moments))
 
 
 def _checked(model: nn.Module, precision: str, device, config: ProTrainConfig) -> tuple[Precision, DeviceContext]:
@@ -294,13 +293,6 @@ def check_parameter_dtypes(model: nn.Module, precision: Precision) -> None:
             f"(e.g. {other[0][0]}). Cast the model with model.float(), or choose the precision of its dtype: "
             "'bf16-true' for a bf16 model, 'bf16-mixed' / '16-mixed' for fp32 masters with low-precision compute."
         )
-
-
-def _is_compiled(module: nn.Module) -> bool:
-    """``torch.compile(module)``'s wrapper (torch._dynamo's OptimizedModule), without importing
-    dynamo."""
-    cls = type(module)
-    return cls.__name__ == "OptimizedModule" and cls.__module__.startswith("torch._dynamo")
 
 
 def _hf_checkpointing(model: nn.Module) -> str | None:
@@ -351,6 +343,7 @@ def profile(
     return profile_model(
         model, optimizer, layout, example_inputs=example_inputs, loss_fn=loss_fn, step_fn=step_fn, precision=prec,
         device=dev, iterations=iterations, cache=cache, switches=config.runtime,
+        compile=compile_setting(model, config.compile),
         reprofile=PlanningConfig().reprofile if reprofile is None else reprofile,
         formats=chunk_formats(model, optimizer, layout, prec, config),
     )

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from protrain_core.plan import Plan, plan_arguments
+from protrain_core.runtime.compiled import compile_options
 from protrain_core.runtime.options import RuntimeConfig, env_flag
 from protrain_core.runtime.frozen_formats import check_frozen_format
 from protrain_core.runtime.state_formats import check_format
@@ -192,6 +193,15 @@ class ProTrainConfig:
     Face model's ``_init_weights``, PEFT's LoRA initialisation, else ``reset_parameters``). A
     model whose parameters are on the host is used as it is."""
 
+    compile: bool | dict = False
+    """``torch.compile`` of each transformer block and of the stem and head units, per module,
+    with the runtime's hooks outside the compiled regions ([Note: compiled units] in
+    runtime/compiled.py): False (default) runs them eagerly, True compiles with torch's
+    defaults, a dict gives ``torch.compile``'s ``backend``, ``mode``, ``options``, ``dynamic``
+    and ``fullgraph``. Every plan works compiled; a checkpointed block recomputes with the
+    compiled forward. Under the Trainer and Fabric a model compiled with ``torch.compile`` is
+    compiled this way, with its options."""
+
     def __post_init__(self) -> None:
         for name, cls in _PARTS.items():
             value = getattr(self, name)
@@ -215,6 +225,7 @@ class ProTrainConfig:
             raise ValueError(f"ProTrainConfig.optimizer_states must be True or False, got {self.optimizer_states!r}.")
         check_format(self.optimizer_state_format)
         check_frozen_format(self.frozen_dtype)
+        compile_options(self.compile)
 
     @property
     def keeps_accumulators(self) -> bool:

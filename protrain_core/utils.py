@@ -207,3 +207,9 @@ def alive(pid: int) -> bool:
     except PermissionError:
         return True  # another user's process
     return True
+
+
+def is_compile_wrapper(module) -> bool:
+    """``torch.compile(module)``'s wrapper (dynamo's OptimizedModule), without importing dynamo."""
+    cls = type(module)
+    return cls.__name__ == "OptimizedModule" and cls.__module__.startswith("torch._dynamo")

@@ -155,6 +155,11 @@ ALLOWED_PRIVATE = {
     # each: a model built on the meta device is initialised chunk by chunk (runtime/weights.py);
     # transformers has no public per-module form.
     "_init_weights",
+    # torch.compile's wrapper of a module the user compiled (dynamo's OptimizedModule), which has no
+    # public accessor: its module, and Lightning's record of the arguments it was compiled with
+    # (runtime/compiled.py compiles each unit with them instead).
+    "_orig_mod",
+    "_compile_kwargs",
 }
 
 

@@ -184,10 +184,11 @@ def test_a_lightning_cli_file_sets_every_field(tmp_path):
         runtime=pt.RuntimeConfig(check_invariants=True, pin_memory=False, cpu_adam_thread=True, one_pass_kernel=False),
         checkpoint=pt.CheckpointConfig(state_dict_type="sharded"), optimizer_state_format="bf16",
         frozen_dtype="int8", grad_accumulator=False, weights=str(tmp_path / "hf"),
+        compile={"mode": "default", "dynamic": False},
     )
     unset = {f.name for f in dataclasses.fields(pt.ProTrainConfig)} - {"planning", "runtime", "checkpoint",
                                                                        "optimizer_state_format", "frozen_dtype",
-                                                                       "grad_accumulator", "weights"}
+                                                                       "grad_accumulator", "weights", "compile"}
     assert unset == {"clipping", "optimizer_states"}  # the Trainer's gradient_clip_val; the strategy's own
     file = tmp_path / "config.yaml"
     file.write_text(textwrap.dedent(f"""
@@ -206,6 +207,7 @@ def test_a_lightning_cli_file_sets_every_field(tmp_path):
                 frozen_dtype: int8
                 grad_accumulator: false
                 weights: {str(tmp_path / "hf")!r}
+                compile: {{mode: default, dynamic: false}}
     """))
     cli = LightningCLI(_Tiny, run=False, args=["--config", str(file)])
     assert cli.trainer.strategy.config == expected

@@ -47,6 +47,9 @@ def test_dry_session_plans_resumes_and_runs_what_a_cpu_can(tmp_path):
     assert adam[0]["kernel"].startswith("protrain_ops.adam_step") and adam[0]["params_per_s"] > 0
     formats = state["pieces"]["cpu-adam"]["data"]["formats"]
     assert {r["format"] for r in formats} == {"fp32", "bf16", "8bit"} and {r["load"] for r in formats} == {False, True}
+    compiled = state["pieces"]["compile"]["data"]["rows"]
+    assert [r["system"] for r in compiled] == ["pytorch", "pytorch compiled", "protrain", "protrain compiled"]
+    assert all(r["step_s"] > 0 for r in compiled)
     offload = state["pieces"]["offload-states"]["data"]["rows"]
     assert len(offload) == 3 and all(r["bytes"] > 0 and r["offload_s"] > 0 and r["onload_s"] > 0 for r in offload)
     study = json.loads((out / "suite" / "results.json").read_text())["study"][0]
@@ -58,7 +61,7 @@ def test_dry_session_plans_resumes_and_runs_what_a_cpu_can(tmp_path):
     assert "| cuda-tests | done |" in md and "Host<->device copies" in md and "CPU Adam" in md
     assert "sync debug mode: warn" in md and "Plain PyTorch traced" in md
     assert "The update per moment format, alone and beside copies both ways" in md
-    assert "Offloading the training state and back" in md
+    assert "Offloading the training state and back" in md and "torch.compile against eager" in md
     assert "Study run (tiny-4L study" in md and "Dry run: every configuration constructed" in md
     # Nothing is left: a third call runs nothing.
     stdout, again = session(out)
@@ -77,12 +80,12 @@ def test_the_gpu_session_plan():
     runs = [f"run: {w.label}, {s}" for w in suite.workloads + multi_workloads(suite) for s in G.SESSION_SYSTEMS
             if w.systems is None or s in w.systems]
     assert [p.name for p in pieces] == (["cuda-tests", "calibration", "cuda-sanitizer", "transfer", "timeline",
-                                         "cpu-adam", "offload-states"] + runs
+                                         "cpu-adam", "offload-states", "compile"] + runs
                                         + ["largest-llama-13b-full", "largest-llama-70b-lora-int8"]
                                         + [f"probes: {s}" for s in G.SESSION_SYSTEMS])
     assert "run: llama-6.7B, deepspeed-zero3-offload" in runs and "run: llama-1.1B, pytorch" in runs
     assert not any("lora, fsdp2" in r or "protrain-lightning" in r for r in runs)
-    for p in pieces[7:]:
+    for p in pieces[8:]:
         if p.name.startswith("largest"):
             assert p.kind == "json" and "benchmarks.bench_largest" in p.command and f"{{out}}/{p.name}.json" in p.command
             continue

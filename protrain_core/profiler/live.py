@@ -15,6 +15,8 @@ says what is measured):
   steps 2-3    timing (the median of the two);
   steps 4-6    without asynchronous copies (a CPU device) every block swapped: one step warms
                the host buffers up, two are timed (what swapping adds is measured per block).
+With compiled units (``ProTrainConfig.compile``) the memory pass runs them eagerly and one step
+after it compiles them, untimed: the timing steps and the swap steps come one later.
 A micro-batch's times are scaled to the tokens of the memory pass's batch, so batches of other
 lengths in the timed steps measure the same thing. Then the hardware is probed, the profile
 built and cached, and ``on_profile`` gets it -- the planner (autoplan.py) searches and
@@ -70,7 +72,9 @@ class LiveProfiler(StepObserver):
         self.bounds = Boundaries(engine, blocks, live=True)
         self.bounds.listener = self._boundary
         swaps = not engine.ctx.asynchronous  # no asynchronous copies: measure what swapping adds
-        self.schedule = ["memory"] + ["time"] * TIMED_STEPS + (["swap-warm-up"] + ["swap"] * TIMED_STEPS if swaps else [])
+        # Compiled units compile in the step after the memory pass (which runs them eagerly), not in a timed one.
+        warm = ["compile-warm-up"] if engine.compiled is not None else []
+        self.schedule = ["memory"] + warm + ["time"] * TIMED_STEPS + (["swap-warm-up"] + ["swap"] * TIMED_STEPS if swaps else [])
         self.step = 0
         self.recorded = False  # a micro-batch of this step was measured
         self.mem: MemoryPass | None = None
@@ -167,7 +171,7 @@ class LiveProfiler(StepObserver):
         engine = self.engine
         self.shapes = tensor_shapes(self.bounds.block_inputs or [])
         self.key = profile_key(engine.module, engine.optimizer, self.shapes, engine.precision, engine.ctx,
-                               engine.layout, self.formats)
+                               engine.layout, self.formats, engine.config.compile)
         if self.cache and not self.reprofile:
             self.cached = load_cached(self.key, self.cache_dir, n_chunks=engine.layout.n_chunks,
                                       n_blocks=engine.layout.n_blocks)

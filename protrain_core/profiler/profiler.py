@@ -56,6 +56,7 @@ from protrain_core.planner.profiles import PROFILE_VERSION, Profile, Segment, lo
 from protrain_core.precision import Precision
 from protrain_core.profiler.boundaries import Boundaries, Boundary as B, CudaMeter, MemoryPass
 from protrain_core.profiler.hardware import device_name, probe_hardware
+from protrain_core.runtime.compiled import compile_options
 from protrain_core.runtime.device import DeviceContext, as_context
 from protrain_core.runtime.elementwise import state_slots
 from protrain_core.runtime.engine import RuntimeEngine
@@ -111,11 +112,12 @@ def tensor_shapes(tensors) -> list[tuple[tuple[int, ...], str]]:
 
 
 def profile_key(model, optimizer, batch: list[tuple[tuple[int, ...], str]], precision: Precision,
-                device: torch.device | DeviceContext, layout: ChunkLayout, formats) -> str:
+                device: torch.device | DeviceContext, layout: ChunkLayout, formats, compile=False) -> str:
     """A hash of everything a profile depends on: model structure (parameter names, shapes,
     dtypes, trainability; the Hugging Face config), optimizer coverage, the batch as the first
     block sees it (``tensor_shapes`` of its inputs), precision, chunk layout and the chunks'
-    format records (``formats``: one rank's, its shard and formats), device and software."""
+    format records (``formats``: one rank's, its shard and formats), device and software, and
+    how the units are compiled (``compile``: ``ProTrainConfig.compile``)."""
     h = hashlib.sha256()
 
     def add(*parts):
@@ -134,6 +136,8 @@ def profile_key(model, optimizer, batch: list[tuple[tuple[int, ...], str]], prec
     add(precision.value, layout.chunk_size, layout.block_path, [c.units for c in layout.chunks])
     add(device_name(device), torch.__version__, torch.version.cuda, torch.get_num_threads(), os.cpu_count())
     add([c.to_dict() for c in formats])
+    if compile_options(compile) is not None:  # (eager profiles keep their keys)
+        add("compiled", compile_options(compile))
     return h.hexdigest()[:24]
 
 
@@ -170,6 +174,7 @@ def profile_model(
     reprofile: bool = False,
     sharding: Sharding = ONE_PROCESS,
     switches: RuntimeConfig | None = None,
+    compile=False,
     formats,
 ) -> Profile:
     """Profile ``model`` on ``example_inputs`` (one real batch) ahead of training -- or, after
@@ -177,9 +182,10 @@ def profile_model(
     same key (``reprofile=True`` forces a new one). ``sharding``: the processes the engine will
     be sharded over: each rank profiles its own (unsharded) engine, the collectives are probed,
     and every rank gets rank 0's profile. ``switches``: the runtime switches of the engine to
-    be profiled (``ProTrainConfig.runtime``); ``formats``: the chunks' records as the engine will
-    allocate them on this rank, which the profile carries (the profiled engine computes alike in
-    any format)."""
+    be profiled (``ProTrainConfig.runtime``), ``compile``: its units' compilation
+    (``ProTrainConfig.compile``: the blocks are timed compiled, after the warm-up compiled them);
+    ``formats``: the chunks' records as the engine will allocate them on this rank, which the
+    profile carries (the profiled engine computes alike in any format)."""
     ctx = as_context(device)
     inputs = to_device(example_inputs, ctx.device)
     step_fn = step_fn or _step_of(loss_fn or default_loss)
@@ -188,12 +194,13 @@ def profile_model(
     def passes(engine: RuntimeEngine, bounds: Boundaries):
         _one_pass(engine, bounds, inputs, step_fn)  # warm-up, and the batch as the first block sees it
         shapes = tensor_shapes(bounds.block_inputs or [])
-        key = profile_key(model, optimizer, shapes, precision, ctx, layout, formats)
+        key = profile_key(model, optimizer, shapes, precision, ctx, layout, formats, compile)
         cached = agree(sharding, load_cached(key, cache_dir, n_chunks=layout.n_chunks, n_blocks=layout.n_blocks)
                        if cache and not reprofile else None)
         return shapes, key, cached if cached is not None else _measure(engine, bounds, inputs, step_fn, iterations)
 
-    shapes, key, measured = _fitting(model, optimizer, layout, precision, ctx, switches or RuntimeConfig(), passes)
+    profiling = PROFILING.replace(runtime=switches or RuntimeConfig(), compile=compile)
+    shapes, key, measured = _fitting(model, optimizer, layout, precision, ctx, profiling, passes)
     if isinstance(measured, Profile):
         return measured
     profile = agree(sharding, build_profile(key, shapes, measured, model, layout, precision, ctx, start, formats,
@@ -204,7 +211,7 @@ def profile_model(
 
 
 def _fitting(model: nn.Module, optimizer, layout: ChunkLayout, precision: Precision, ctx: DeviceContext,
-             switches: RuntimeConfig, passes):
+             profiling: ProTrainConfig, passes):
     """``passes(engine, boundaries)`` on a profiling engine of the safe plan; where the batch's
     activations beside its persistent chunks run out of device memory, again with the states'
     share of the device halved, down to every chunk streamed (its device memory is freed before
@@ -213,7 +220,7 @@ def _fitting(model: nn.Module, optimizer, layout: ChunkLayout, precision: Precis
     while True:
         plan = safe_plan(formats, layout.limits(), ctx, budget=budget)
         try:
-            return _profiled(model, optimizer, layout, plan, precision, ctx, switches, passes)
+            return _profiled(model, optimizer, layout, plan, precision, ctx, profiling, passes)
         except torch.OutOfMemoryError as e:
             if plan.n_persist == 0 or not ctx.asynchronous:
                 raise torch.OutOfMemoryError(
@@ -225,12 +232,12 @@ def _fitting(model: nn.Module, optimizer, layout: ChunkLayout, precision: Precis
 
 
 def _profiled(model: nn.Module, optimizer, layout: ChunkLayout, plan: Plan, precision: Precision, ctx: DeviceContext,
-              switches: RuntimeConfig, passes):
+              profiling: ProTrainConfig, passes):
     """``passes(engine, boundaries)`` on a profiling engine of ``plan``, then the engine closed;
     the blocks checked to have run."""
     meta = meta_names(model) if ctx.host.type != "meta" else []  # (filled by their initialisation to profile)
     with torch.random.fork_rng(devices=[ctx.device] if ctx.is_cuda else []):
-        engine = RuntimeEngine(model, optimizer, layout, plan, precision, ctx, PROFILING.replace(runtime=switches),
+        engine = RuntimeEngine(model, optimizer, layout, plan, precision, ctx, profiling,
                         warn_on_cache=False)
         bounds = Boundaries(engine, block_modules(model, layout.block_path))
         try:
@@ -429,7 +436,15 @@ def memory_meter(engine: RuntimeEngine, bounds: Boundaries):
         mode = tracker
     if bounds.listener is None:
         bounds.listener = mem.boundary
-    return mem, mode
+    return mem, mode if engine.compiled is None else _eager(mode)
+
+
+@contextmanager
+def _eager(mode):
+    """``mode`` with compiled units run eagerly: dynamo does not trace under a dispatch mode
+    ([Note: compiled units])."""
+    with torch.compiler.set_stance("force_eager"), mode:
+        yield
 
 
 def fragmentation_factor(ctx: DeviceContext) -> float:

@@ -25,6 +25,7 @@ from protrain_core.runtime.chunk import Chunk
 from protrain_core.runtime.clipping import Clipping
 from protrain_core.runtime.device import DeviceContext, as_context, cpu_worker_placement
 from protrain_core.runtime.gradients import StepGradients
+from protrain_core.runtime.compiled import compile_units
 from protrain_core.runtime.hooks import RuntimeHooks, refuse_compiled
 from protrain_core.runtime.optim import ChunkOptimizer
 from protrain_core.runtime.parking import OffloadedStates, check_between_steps, check_onloaded, offload, onload
@@ -92,6 +93,7 @@ class RuntimeEngine:
         # are changes with ``replan``), every trainable parameter, and every parameter's use.
         self.hooks = RuntimeHooks(self.scheduler, unit_chunks(module, layout), self.chunks,
                                   onloaded=lambda: self.offloaded is None, grad_of=self.clipping.grad_of)
+        self.compiled = compile_units(module, layout, config.compile)  # (before set_block_modes)
         self.activations: ActivationManager | None = None
         self._recompute_observers = Observers(RecomputeObserver)  # they stay across set_block_modes
         self._step_observers = Observers(StepObserver)
@@ -346,6 +348,7 @@ class RuntimeEngine:
                 f"CPU worker: {self.scheduler.worker.describe()}{_update_kernel(self)}",
                 self.clipping.describe(self.choice),
                 f"activations per block: {describe_modes(self.block_modes)}",
+                "compiled: no" if self.compiled is None else self.compiled.describe(),
                 self.memory.describe(),
                 self.layout.summary(self.precision.compute_dtype.itemsize, self.plan.persistent()),
             ]
@@ -374,6 +377,8 @@ class RuntimeEngine:
                 c.detach_params()  # sharded: gathered, a collective per chunk
         self.hooks.remove()
         self.activations.remove()
+        if self.compiled is not None:
+            self.compiled.remove()
         for h in self._handles:
             h.remove()
         self.states.remove_hooks()

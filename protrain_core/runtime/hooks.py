@@ -355,8 +355,9 @@ def _sharded_use_message(uses: list[tuple[Chunk, int]], world: int) -> str:
 
 
 def refuse_compiled() -> None:
-    """Refuses ``torch.compile`` of the wrapped model or of one of its modules, at its first call:
-    dynamo traces the module's hooks, and a compiled graph bakes in the placeholders and host
+    """Refuses ``torch.compile`` of the wrapped model or of one of its modules *after* ``wrap``
+    (a model compiled before is compiled per unit: [Note: compiled units] in compiled.py), at its
+    first call: dynamo traces the module's hooks, and a compiled graph bakes in the placeholders and host
     copies a streamed chunk's parameters point at between their fetches (it would fail deep in
     the compiler or train on stale values). Under tracing ``is_compiling()`` is true and the call
     of ``_compiled_call``, disabled for the compiler there, is a graph break that runs it eagerly,
@@ -367,7 +368,9 @@ def refuse_compiled() -> None:
 
 def _compiled_call() -> None:
     raise RuntimeError(
-        "torch.compile of a ProTrain-wrapped model, or of one of its modules, is not supported: the engine "
-        "moves the parameters between the device and the host around every block, which a compiled graph "
-        "does not see. Run the wrapped model without torch.compile (compile nothing before wrap either)."
+        "torch.compile of a ProTrain-wrapped model, or of one of its modules, after wrap is not supported: the "
+        "engine moves the parameters between the device and the host around every block, which a graph of the "
+        "whole model does not see. Compile before wrap (the engine then compiles each block and the stem and "
+        "head on their own), or set ProTrainConfig(compile=True). Under Fabric, which compiles the module again "
+        "after setup, pass the model uncompiled and set the strategy's config compile=True."
     )

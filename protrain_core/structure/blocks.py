@@ -6,6 +6,8 @@ import warnings
 
 from torch import nn
 
+from protrain_core.utils import is_compile_wrapper
+
 # Dotted paths of the block list in Hugging Face causal LMs, tried in order.
 _KNOWN_BLOCK_PATHS = (
     "transformer.h",  # GPT-2, GPT-J, GPT-Neo
@@ -90,7 +92,8 @@ def find_blocks(model: nn.Module, blocks=None) -> tuple[str, list[nn.Module]]:
         if name is None:
             raise ValueError("blocks= is an nn.ModuleList that is not a submodule of the model.")
         names.append(name)
-    uncalled = sorted({type(b).__name__ for lst in found for b in lst if type(b).forward is nn.Module.forward})
+    uncalled = sorted({type(b).__name__ for lst in found for b in lst
+                       if type(b).forward is nn.Module.forward and not is_compile_wrapper(b)})  # (torch.compile's: called)
     if uncalled:  # (an nn.ModuleDict of layers that the model calls one by one)
         raise ValueError(
             f"The blocks in {SEP.join(names)!r} are {', '.join(uncalled)} without a forward of their own: the model "

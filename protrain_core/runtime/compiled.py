@@ -1,0 +1,151 @@
+"""torch.compile under the engine: each unit's own computation compiled, the runtime outside.
+
+[Note: compiled units]
+``ProTrainConfig(compile=...)`` compiles, per module as torchtitan does, each transformer block
+and each unit outside the blocks that has no submodules (the stem and head: embeddings, the
+final norm, the output projection). A compiled unit gets an instance ``forward`` that runs
+``torch.compile`` of its own forward; the module, its hooks and every name stay as they are
+(``remove()`` restores the forward), so what the runtime does at unit boundaries -- the chunk
+fetch and release hooks, the gradient hooks, the activation hooks, the checkpoint wrapper --
+runs outside the compiled regions, and a checkpointed block's recomputation runs the compiled
+forward (the wrapper calls the forward it found: this one). Inside a running unit its chunks
+are resident and pinned, so the compiled call runs with ``ManagedParameter``'s
+``__torch_function__`` turned off: the parameters are plain tensors to the compiler, inputs of
+the graph (dynamo lifts module parameters), and a streamed chunk's parameters pointing at
+another buffer each step changes no guard. A deep copy of the model (an EMA) runs its blocks'
+plain forward.
+
+When compilation happens: at a unit's first call with gradients (the second training step
+under live profiling, whose memory pass runs the units eagerly -- dynamo cannot trace under its
+dispatch mode -- and whose next step is untimed: [Note: live profiling]), and again per activation mode the unit meets (a checkpointed block runs under
+checkpoint's saved-tensor hooks, a swapped one under the swap's), per batch shape until dynamo
+marks the shape dynamic, and under ``no_grad`` (evaluation). Hugging Face blocks read their own
+layer index, so every block compiles its own graph (identical graphs come from inductor's
+cache): dynamo's limit of recompilations per code object (8 by default) is raised to what the
+blocks need, never lowered.
+
+A model that comes compiled (``torch.compile(model)``, or a submodule compiled: a
+LightningModule's ``self.model = torch.compile(...)``) is compiled this way instead: while the
+engine is open each of torch.compile's wrappers runs its module eagerly (the hooks inside it
+cannot be traced), and the units are compiled with the options the wrapper was made with as
+Lightning records them (torch's defaults where it did not), unless ``ProTrainConfig.compile``
+says otherwise. The wrappers and their names stay (state-dict keys keep ``_orig_mod.``, as
+plain PyTorch's do); ``remove()`` makes them compile again.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections import Counter
+
+import torch
+from torch import nn
+
+from protrain_core.structure.blocks import block_modules
+from protrain_core.structure.layout import unit_chunks
+from protrain_core.utils import is_compile_wrapper
+
+# torch.compile's keyword arguments that ProTrainConfig.compile may set.
+COMPILE_ARGS = ("backend", "mode", "options", "dynamic", "fullgraph")
+# Compilations of one unit's forward that its activation modes and a no_grad pass may need.
+COMPILES_PER_UNIT = 4
+
+
+def compile_options(value) -> dict | None:
+    """``ProTrainConfig.compile`` as ``torch.compile``'s keyword arguments: None (off) for
+    False, ``{}`` (torch's defaults) for True, else the dict itself (its keys among
+    ``COMPILE_ARGS``)."""
+    if value is False or value is None:
+        return None
+    if value is True:
+        return {}
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - set(COMPILE_ARGS))
+        if unknown:
+            raise ValueError(f"ProTrainConfig.compile has {unknown[0]!r}, which torch.compile does not take per "
+                             f"module here; give a dict of {', '.join(COMPILE_ARGS)}, or True for torch's defaults.")
+        return dict(value)
+    raise ValueError(f"ProTrainConfig.compile must be True, False or a dict of torch.compile's arguments "
+                     f"({', '.join(COMPILE_ARGS)}), got {type(value).__name__}.")
+
+
+def compile_setting(model: nn.Module, configured):
+    """``ProTrainConfig.compile`` for ``model``: ``configured`` where it is on; for a model with
+    torch.compile's wrappers in it, the options the first was compiled with (as Lightning
+    records them; True: torch's defaults); else off."""
+    if compile_options(configured) is not None:
+        return configured
+    wrapper = next((m for m in model.modules() if is_compile_wrapper(m)), None)
+    if wrapper is None:
+        return configured
+    recorded = getattr(wrapper, "_compile_kwargs", None) or {}
+    return {k: v for k, v in recorded.items() if k in COMPILE_ARGS} or True
+
+
+def compile_units(root: nn.Module, layout, setting) -> CompiledUnits | None:
+    """``root``'s units compiled as ``setting`` (``ProTrainConfig.compile``) says, or None where
+    it is off: the transformer blocks, then the runtime's other units (``unit_chunks``) that have
+    no submodules. The engine compiles them before the activation manager wraps checkpointed
+    blocks' forwards, so that those wrap the compiled ones."""
+    options = compile_options(setting)
+    if options is None:
+        return None
+    blocks = block_modules(root, layout.block_path)
+    inside = {id(b) for b in blocks}
+    others = [m for m in unit_chunks(root, layout) if id(m) not in inside and next(m.children(), None) is None]
+    return CompiledUnits(blocks + others, options, root)
+
+
+class CompiledUnits:
+    """``modules``' forwards compiled with ``options`` (``torch.compile``'s keyword arguments),
+    and torch.compile's wrappers in ``root`` running eagerly, until ``remove()`` ([Note:
+    compiled units])."""
+
+    def __init__(self, modules: list[nn.Module], options: dict, root: nn.Module) -> None:
+        wrappers = [m for m in root.modules() if is_compile_wrapper(m)]
+        self._originals = [(m, "forward" in m.__dict__, m.__dict__.get("forward")) for m in wrappers + modules]
+        for w in wrappers:  # (the wrapper's forward is its compiled call of the module's __call__)
+            w.forward = w._orig_mod.__call__
+        self._options, self._count = options, len(modules)
+        _raise_recompile_limit(modules)
+        for m in modules:
+            m.forward = types.MethodType(_compiled_forward(m, m.forward, options), m)
+
+    def describe(self) -> str:
+        """What is compiled and when it compiles, for ``engine.summary()``."""
+        settings = ", ".join(f"{k}={getattr(v, '__name__', v)!r}" for k, v in self._options.items()) or "torch's defaults"
+        return (f"compiled: {self._count} modules (each block, the stem and head) with torch.compile({settings}); "
+                "each compiles at its first training call, per activation mode, and per batch shape until dynamo "
+                "makes it dynamic")
+
+    def remove(self) -> None:
+        """Give every module its forward back (torch.compile's wrappers theirs)."""
+        for m, had, previous in reversed(self._originals):  # (a compiled block: its own entry, then its wrapper's)
+            if had:
+                m.forward = previous
+            else:
+                del m.forward
+        self._originals = []
+
+
+def _compiled_forward(module: nn.Module, forward, options: dict):
+    compiled = torch.compile(forward, **options)
+
+    # (wraps the function, not the bound method: the signature seen through the bound result is
+    # the forward's own, which the activation manager reads for cache arguments)
+    @functools.wraps(getattr(forward, "__func__", forward))
+    def run(self, *args, **kwargs):
+        if self is not module:  # a deep copy of the module: its plain forward (a compiled block's: its module's)
+            return self._orig_mod(*args, **kwargs) if is_compile_wrapper(self) else type(self).forward(self, *args, **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return compiled(*args, **kwargs)
+
+    return run
+
+
+def _raise_recompile_limit(modules: list[nn.Module]) -> None:
+    config = torch._dynamo.config
+    sharing = max(Counter(type(m).forward for m in modules).values(), default=0)
+    config.recompile_limit = max(config.recompile_limit, COMPILES_PER_UNIT * sharing)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, COMPILES_PER_UNIT * len(modules))
