@@ -10,8 +10,7 @@ ProTrain eager and ProTrain compiled (``ProTrainConfig(compile=...)``), ProTrain
 (default: every chunk streamed through one buffer, so the chunk hooks run around every block).
 Each system's first ``--warmup`` steps are timed together (compilation happens there: its share
 of a short run) and its next ``--steps`` steps one by one (median). The losses of ProTrain and
-plain PyTorch are compared, eager and compiled (in fp32 eager ones are equal bit for bit; compiled
-ones are where inductor generates the same code for both). Prints a Markdown table of measured
+plain PyTorch are compared, eager and compiled (in fp32 eager ones are equal bit for bit). Prints a Markdown table of measured
 times on this machine.
 """
 
@@ -126,8 +125,7 @@ def main(argv=None) -> int:
         differ = [abs(x - y) for x, y in zip(a, b) if x != y]
         print(f"losses, ProTrain{kind} against plain PyTorch{kind}: " + (
             "equal in every step" if not differ else
-            f"{len(differ)} of {len(a)} steps differ, by at most {max(differ):.3g} (inductor's code depends on where "
-            "the parameters lie: plain PyTorch with its parameters moved into one buffer differs from itself alike)"))
+            f"{len(differ)} of {len(a)} steps differ, by at most {max(differ):.3g}"))
     print(markdown(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"setting": setting, "rows": rows}, indent=1))

@@ -140,6 +140,7 @@ def _configuration(model: nn.Module, optimizer, layout: ChunkLayout, prec: Preci
         "frozen dtype": config.frozen_dtype,
         "gradient accumulator": config.grad_accumulator,
         "max tokens": config.planning.max_tokens,
+        "compile": repr(config.compile) if isinstance(config.compile, bool) else sorted(config.compile),
     }
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from protrain_core.plan import Plan, plan_arguments
-from protrain_core.runtime.compiled import compile_options
+from protrain_core.runtime.compiled import check_compile
 from protrain_core.runtime.options import RuntimeConfig, env_flag
 from protrain_core.runtime.frozen_formats import check_frozen_format
 from protrain_core.runtime.state_formats import check_format
@@ -225,7 +225,7 @@ class ProTrainConfig:
             raise ValueError(f"ProTrainConfig.optimizer_states must be True or False, got {self.optimizer_states!r}.")
         check_format(self.optimizer_state_format)
         check_frozen_format(self.frozen_dtype)
-        compile_options(self.compile)
+        check_compile(self.compile)
 
     @property
     def keeps_accumulators(self) -> bool:

@@ -201,6 +201,8 @@ def test_the_compile_setting_is_checked_where_it_is_written():
         pt.ProTrainConfig(compile={"modee": "default"})
     with pytest.raises(ValueError, match="must be True, False or a dict"):
         pt.ProTrainConfig(compile="yes")
+    with pytest.raises(ValueError, match="torch.compile refuses it: Unrecognized mode"):  # (before any engine exists)
+        pt.ProTrainConfig(compile={"mode": "no-such-mode"})
 
 
 def test_a_compiled_profile_has_a_key_of_its_own():
@@ -216,6 +218,7 @@ def test_a_compiled_profile_has_a_key_of_its_own():
                                       torch.device("cpu"), layout, formats, compile)
     with warnings.catch_warnings():
         assert key(False) == key(None) != key(True) != key({"mode": "reduce-overhead"})
+        assert key({"backend": Counting()}) == key({"backend": Counting()})  # (a backend by its name: cached)
 
 
 @COUNTED
@@ -250,12 +253,16 @@ def test_a_model_compiled_before_wrap_is_compiled_per_unit_and_given_back_compil
     assert compiled.forward is compiled_forward
 
     torch._dynamo.reset()
+    counters.clear()
     block = copy.deepcopy(model)
-    block.transformer.h[1] = torch.compile(block.transformer.h[1], backend=backend)
+    wrapper = block.transformer.h[1] = torch.compile(block.transformer.h[1], backend=backend)
+    wrapper_forward = wrapper.forward
     engine = pt.wrap(block, torch.optim.AdamW(block.parameters(), lr=1e-2), pt.Plan(n_persist=0, n_buffer=1),
                      device="cpu", report=lambda *a, **k: None)
     assert train_engine(engine, data) == ref_losses
+    assert counters["stats"]["unique_graphs"] >= 2 and not counters["graph_break"]  # (every unit compiled, whole)
     engine.close()
+    assert wrapper.forward is wrapper_forward
 
 
 @COUNTED
@@ -333,3 +340,59 @@ def test_mixed_precision_compiled_trains_as_eager_where_the_graphs_run_as_captur
     (eager, sd_eager), (compiled, sd_compiled) = runs
     assert compiled == eager and all(torch.equal(sd_compiled[k], v) for k, v in sd_eager.items())
     assert counters["stats"]["unique_graphs"] >= 2 and not counters["graph_break"]
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x, table=None, shared=None):
+        x = x + torch.tanh(self.lin(x))
+        x = x if table is None else x + 0.1 * torch.tanh(x @ table.t()) @ table
+        return x if shared is None else shared(x)
+
+
+class _Model(nn.Module):
+    """Blocks given the embedding table (another unit's parameter) as an argument, or a norm
+    registered outside the blocks and called inside each."""
+
+    def __init__(self, shared_norm=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(96, 32)
+        self.h = nn.ModuleList(_Block() for _ in range(4))
+        self.norm = nn.LayerNorm(32) if shared_norm else None
+        self.head = nn.Linear(32, 96)
+
+    def forward(self, input_ids, labels):
+        x = self.emb(input_ids)
+        for block in self.h:
+            x = block(x, shared=self.norm) if self.norm is not None else block(x, self.emb.weight)
+        loss = nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+        return type("Out", (), {"loss": loss})()
+
+
+def test_a_parameter_of_another_chunk_passed_to_a_compiled_block_is_fetched_and_a_shared_module_is_refused():
+    """Every chunk streamed: a block given the embedding table runs that call uncompiled, so the
+    table's chunk is fetched (compiled with the hooks' parameter class turned off it read the
+    placeholder: NaN losses); a module with hooks called inside a compiled block is refused with
+    the fix."""
+    data = batches(4)
+    plan, planning = pt.Plan(n_persist=0, n_buffer=2), {"blocks": "h", "chunk_size": 3200}
+    for shared in (False, True):
+        model = _Model(shared)
+        plain = copy.deepcopy(model)
+        ref_losses = train_reference(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, fused=True), data)
+        engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), plan, device="cpu",
+                         report=lambda *a, **k: None,
+                         config=pt.ProTrainConfig(compile={"backend": Counting()}, planning=planning))
+        assert engine.layout.n_chunks > 2
+        if shared:
+            with pytest.raises(RuntimeError, match="called inside one cannot be compiled.*set compile=False"):
+                train_engine(engine, data)
+        else:
+            with pytest.warns(UserWarning, match="_Block is given a parameter of another module"):
+                assert train_engine(engine, data) == ref_losses
+        engine.close()
+        torch._dynamo.reset()

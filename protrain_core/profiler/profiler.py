@@ -136,8 +136,9 @@ def profile_key(model, optimizer, batch: list[tuple[tuple[int, ...], str]], prec
     add(precision.value, layout.chunk_size, layout.block_path, [c.units for c in layout.chunks])
     add(device_name(device), torch.__version__, torch.version.cuda, torch.get_num_threads(), os.cpu_count())
     add([c.to_dict() for c in formats])
-    if compile_options(compile) is not None:  # (eager profiles keep their keys)
-        add("compiled", compile_options(compile))
+    if compile_options(compile) is not None:  # (eager profiles keep their keys; a backend by its name)
+        add("compiled", {k: getattr(v, "__qualname__", type(v).__qualname__) if callable(v) else v
+                         for k, v in compile_options(compile).items()})
     return h.hexdigest()[:24]
 
 

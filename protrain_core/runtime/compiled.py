@@ -12,8 +12,11 @@ forward (the wrapper calls the forward it found: this one). Inside a running uni
 are resident and pinned, so the compiled call runs with ``ManagedParameter``'s
 ``__torch_function__`` turned off: the parameters are plain tensors to the compiler, inputs of
 the graph (dynamo lifts module parameters), and a streamed chunk's parameters pointing at
-another buffer each step changes no guard. A deep copy of the model (an EMA) runs its blocks'
-plain forward.
+another buffer each step changes no guard. A unit given another unit's parameter as an argument
+(an embedding table passed to every block) runs that call uncompiled, where the parameter's use
+fetches its chunk, and says so once; a module with ProTrain's hooks called from inside a compiled
+unit (registered outside the blocks, called in one) is refused at its first call. A deep copy of
+the model (an EMA) runs its blocks' plain forward.
 
 When compilation happens: at a unit's first call with gradients (the second training step
 under live profiling, whose memory pass runs the units eagerly -- dynamo cannot trace under its
@@ -28,8 +31,8 @@ A model that comes compiled (``torch.compile(model)``, or a submodule compiled: 
 LightningModule's ``self.model = torch.compile(...)``) is compiled this way instead: while the
 engine is open each of torch.compile's wrappers runs its module eagerly (the hooks inside it
 cannot be traced), and the units are compiled with the options the wrapper was made with as
-Lightning records them (torch's defaults where it did not), unless ``ProTrainConfig.compile``
-says otherwise. The wrappers and their names stay (state-dict keys keep ``_orig_mod.``, as
+Lightning records them (torch's defaults where it did not), or with ``ProTrainConfig.compile``
+where that is True or a dict (False, the default, does not undo the user's compile). The wrappers and their names stay (state-dict keys keep ``_orig_mod.``, as
 plain PyTorch's do); ``remove()`` makes them compile again.
 """
 
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import types
+import warnings
 from collections import Counter
 
 import torch
@@ -48,8 +52,9 @@ from protrain_core.utils import is_compile_wrapper
 
 # torch.compile's keyword arguments that ProTrainConfig.compile may set.
 COMPILE_ARGS = ("backend", "mode", "options", "dynamic", "fullgraph")
-# Compilations of one unit's forward that its activation modes and a no_grad pass may need.
-COMPILES_PER_UNIT = 4
+# Compilations of one unit's forward that its activation modes (a checkpointed block's first run
+# and recomputation), a no_grad pass and new batch shapes may need.
+COMPILES_PER_UNIT = 16
 
 
 def compile_options(value) -> dict | None:
@@ -68,6 +73,22 @@ def compile_options(value) -> dict | None:
         return dict(value)
     raise ValueError(f"ProTrainConfig.compile must be True, False or a dict of torch.compile's arguments "
                      f"({', '.join(COMPILE_ARGS)}), got {type(value).__name__}.")
+
+
+def check_compile(value) -> None:
+    """Raise ``ValueError`` unless ``torch.compile`` takes ``ProTrainConfig.compile`` (its mode,
+    backend and options are checked when a function is compiled, before anything runs)."""
+    options = compile_options(value)
+    if options is None:
+        return
+    try:
+        torch.compile(_nothing, **options)
+    except Exception as e:  # (torch raises RuntimeError, ValueError, or the backend's own)
+        raise ValueError(f"ProTrainConfig.compile={value!r}: torch.compile refuses it: {e}") from e
+
+
+def _nothing() -> None:
+    return None
 
 
 def compile_setting(model: nn.Module, configured):
@@ -131,6 +152,8 @@ class CompiledUnits:
 
 def _compiled_forward(module: nn.Module, forward, options: dict):
     compiled = torch.compile(forward, **options)
+    own = {id(p) for p in module.parameters()}
+    warned = []
 
     # (wraps the function, not the bound method: the signature seen through the bound result is
     # the forward's own, which the activation manager reads for cache arguments)
@@ -138,6 +161,11 @@ def _compiled_forward(module: nn.Module, forward, options: dict):
     def run(self, *args, **kwargs):
         if self is not module:  # a deep copy of the module: its plain forward (a compiled block's: its module's)
             return self._orig_mod(*args, **kwargs) if is_compile_wrapper(self) else type(self).forward(self, *args, **kwargs)
+        if any(isinstance(t, nn.Parameter) and id(t) not in own for t in (*args, *kwargs.values())):
+            if not warned:  # (another unit's parameter: the eager call fetches its chunk, as without compile)
+                warned.append(warnings.warn(f"{type(module).__name__} is given a parameter of another module; such calls "
+                                            "run uncompiled (its chunk is fetched for the call).", stacklevel=2))
+            return forward(*args, **kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return compiled(*args, **kwargs)
 

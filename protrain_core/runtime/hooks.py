@@ -372,5 +372,7 @@ def _compiled_call() -> None:
         "engine moves the parameters between the device and the host around every block, which a graph of the "
         "whole model does not see. Compile before wrap (the engine then compiles each block and the stem and "
         "head on their own), or set ProTrainConfig(compile=True). Under Fabric, which compiles the module again "
-        "after setup, pass the model uncompiled and set the strategy's config compile=True."
+        "after setup, pass the model uncompiled and set the strategy's config compile=True. With compile set, a "
+        "module that owns parameters outside the blocks and is called inside one cannot be compiled into it: "
+        "register it inside the block, or set compile=False."
     )
