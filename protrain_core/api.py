@@ -26,7 +26,7 @@ from protrain_core.plan import Plan, check_plan
 from protrain_core.planner.profiles import Profile
 from protrain_core.precision import Precision, parse_precision
 from protrain_core.profiler.profiler import profile_model, safe_plan
-from protrain_core.runtime.compiled import compile_setting
+from protrain_core.runtime.compiled import compile_fingerprint, compile_setting
 from protrain_core.runtime.device import DeviceContext, as_context
 from protrain_core.runtime.optim import check_optimizer
 from protrain_core.runtime.sharding import Sharding, agree, agree_budgets, check_same_configuration
@@ -140,7 +140,7 @@ def _configuration(model: nn.Module, optimizer, layout: ChunkLayout, prec: Preci
         "frozen dtype": config.frozen_dtype,
         "gradient accumulator": config.grad_accumulator,
         "max tokens": config.planning.max_tokens,
-        "compile": repr(config.compile) if isinstance(config.compile, bool) else sorted(config.compile),
+        "compile": compile_fingerprint(config.compile),
     }
 
 

@@ -56,7 +56,7 @@ from protrain_core.planner.profiles import PROFILE_VERSION, Profile, Segment, lo
 from protrain_core.precision import Precision
 from protrain_core.profiler.boundaries import Boundaries, Boundary as B, CudaMeter, MemoryPass
 from protrain_core.profiler.hardware import device_name, probe_hardware
-from protrain_core.runtime.compiled import compile_options
+from protrain_core.runtime.compiled import compile_fingerprint
 from protrain_core.runtime.device import DeviceContext, as_context
 from protrain_core.runtime.elementwise import state_slots
 from protrain_core.runtime.engine import RuntimeEngine
@@ -136,9 +136,8 @@ def profile_key(model, optimizer, batch: list[tuple[tuple[int, ...], str]], prec
     add(precision.value, layout.chunk_size, layout.block_path, [c.units for c in layout.chunks])
     add(device_name(device), torch.__version__, torch.version.cuda, torch.get_num_threads(), os.cpu_count())
     add([c.to_dict() for c in formats])
-    if compile_options(compile) is not None:  # (eager profiles keep their keys; a backend by its name)
-        add("compiled", {k: getattr(v, "__qualname__", type(v).__qualname__) if callable(v) else v
-                         for k, v in compile_options(compile).items()})
+    if compile_fingerprint(compile) is not None:  # (eager profiles keep their keys)
+        add("compiled", compile_fingerprint(compile))
     return h.hexdigest()[:24]
 
 

@@ -75,6 +75,15 @@ def compile_options(value) -> dict | None:
                      f"({', '.join(COMPILE_ARGS)}), got {type(value).__name__}.")
 
 
+def compile_fingerprint(value) -> dict | None:
+    """``ProTrainConfig.compile`` as data that compares alike across processes (a callable
+    backend by its name), or None where it is off: for the profile key and the ranks' agreement."""
+    options = compile_options(value)
+    if options is None:
+        return None
+    return {k: getattr(v, "__qualname__", type(v).__qualname__) if callable(v) else v for k, v in options.items()}
+
+
 def check_compile(value) -> None:
     """Raise ``ValueError`` unless ``torch.compile`` takes ``ProTrainConfig.compile`` (its mode,
     backend and options are checked when a function is compiled, before anything runs)."""
