@@ -65,6 +65,18 @@ def compile_like_protrain(model: nn.Module, **options) -> nn.Module:
     return model
 
 
+def loop(model, backward, step, zero_grad, data) -> list[float]:
+    """A training loop calling ``model`` itself, with the given backward, step and zero_grad."""
+    losses = []
+    for x in data:
+        loss = model(input_ids=x, labels=x).loss
+        backward(loss)
+        step()
+        zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def wrap_compiled(model, plan, backend, **kwargs):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     return pt.wrap(model, opt, plan, device="cpu", report=lambda *a, **k: None,
@@ -240,13 +252,7 @@ def test_a_model_compiled_before_wrap_is_compiled_per_unit_and_given_back_compil
                      device="cpu", report=lambda *a, **k: None)
     # (Lightning records a deep copy of the arguments: the engine compiles with a copy of the backend)
     assert type(engine.config.compile["backend"]) is Counting and engine.layout.block_path == "_orig_mod.transformer.h"
-    losses = []
-    for x in data:  # the user calls what torch.compile gave them
-        loss = compiled(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-        losses.append(loss.item())
+    losses = loop(compiled, engine.backward, engine.step, engine.zero_grad, data)  # (what torch.compile gave the user)
     assert losses == ref_losses and counters["stats"]["unique_graphs"] >= 2 and not counters["graph_break"]
     assert all(k.startswith("_orig_mod.") for k in engine.state_dict())
     engine.close()
@@ -305,13 +311,7 @@ def test_fabric_compiles_per_unit_by_the_config_and_refuses_its_own_recompilatio
     fabric = Fabric(strategy=ProTrainFabricStrategy(config=config), accelerator="cpu", devices=1)
     mine = copy.deepcopy(model)
     module, opt = fabric.setup(mine, torch.optim.AdamW(mine.parameters(), lr=1e-2))
-    losses = []
-    for x in data:
-        loss = module(input_ids=x, labels=x).loss
-        fabric.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = loop(module, fabric.backward, opt.step, opt.zero_grad, data)
     assert losses == ref_losses and counters["stats"]["unique_graphs"] >= 2 and not counters["graph_break"]
 
     fabric = Fabric(strategy="protrain", accelerator="cpu", devices=1)
