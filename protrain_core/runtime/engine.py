@@ -23,9 +23,9 @@ from protrain_core.precision import LossScaler, Precision
 from protrain_core.runtime.activations import ActivationManager
 from protrain_core.runtime.chunk import Chunk
 from protrain_core.runtime.clipping import Clipping
+from protrain_core.runtime.compiled import compile_units
 from protrain_core.runtime.device import DeviceContext, as_context, cpu_worker_placement
 from protrain_core.runtime.gradients import StepGradients
-from protrain_core.runtime.compiled import compile_units
 from protrain_core.runtime.hooks import RuntimeHooks, refuse_compiled
 from protrain_core.runtime.optim import ChunkOptimizer
 from protrain_core.runtime.parking import OffloadedStates, check_between_steps, check_onloaded, offload, onload
