@@ -30,13 +30,19 @@ from benchmarks import _gpt2
 PLANS = {"streamed": lambda n: pt.Plan(n_persist=0, n_buffer=1), "persistent": lambda n: pt.Plan(n_persist=n, n_buffer=0)}
 
 
-def compiled_like_protrain(model, options: dict):
-    """Plain PyTorch with the modules ProTrain compiles compiled the same way."""
+def protrain_units(model) -> list:
+    """What ProTrain compiles, found without the library's own rule (the reference the tests and
+    this benchmark compile): the blocks, then the modules outside them that own parameters and
+    have no submodules."""
     _, blocks = pt.find_blocks(model)
     inside = {id(m) for b in blocks for m in b.modules()}
-    others = [m for m in model.modules() if id(m) not in inside and next(m.children(), None) is None
-              and next(m.parameters(recurse=False), None) is not None]
-    for m in list(blocks) + others:
+    return list(blocks) + [m for m in model.modules() if id(m) not in inside and next(m.children(), None) is None
+                           and next(m.parameters(recurse=False), None) is not None]
+
+
+def compiled_like_protrain(model, options: dict):
+    """Plain PyTorch with the modules ProTrain compiles compiled the same way."""
+    for m in protrain_units(model):
         m.forward = torch.compile(m.forward, **options)
     return model
 

@@ -18,6 +18,7 @@ from torch import nn
 
 import protrain_core as pt
 from torch._dynamo.utils import counters
+from benchmarks.bench_compile import compiled_like_protrain, protrain_units
 from conftest import MODELS, batches, standard_plans, train_engine, train_reference
 
 COUNTED = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -50,21 +51,6 @@ def fresh_dynamo():
     counters.clear()
 
 
-def compiled_units(model: nn.Module) -> list[nn.Module]:
-    """What ProTrain compiles, found independently: the blocks, then the modules outside them
-    that own parameters and have no submodules."""
-    _, blocks = pt.find_blocks(model)
-    inside = {id(m) for b in blocks for m in b.modules()}
-    return list(blocks) + [m for m in model.modules() if id(m) not in inside and next(m.children(), None) is None
-                           and next(m.parameters(recurse=False), None) is not None]
-
-
-def compile_like_protrain(model: nn.Module, **options) -> nn.Module:
-    for m in compiled_units(model):
-        m.forward = torch.compile(m.forward, **options)
-    return model
-
-
 def loop(model, backward, step, zero_grad, data) -> list[float]:
     """A training loop calling ``model`` itself, with the given backward, step and zero_grad."""
     losses = []
@@ -88,7 +74,7 @@ def wrap_compiled(model, plan, backend, **kwargs):
 @pytest.mark.parametrize("plan_name", ["all-persistent", "streamed-buf1", "mixed-buf2", "swap-checkpoint"])
 def test_every_plan_trains_compiled_exactly_like_plain_pytorch_compiled_the_same_way(arch, plan_name):
     model = MODELS[arch]()
-    ref = compile_like_protrain(copy.deepcopy(model), backend=Counting())
+    ref = compiled_like_protrain(copy.deepcopy(model), {"backend": Counting()})
     data = batches(6)
     ref_losses = train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True), data)
     backend = Counting()
@@ -99,7 +85,7 @@ def test_every_plan_trains_compiled_exactly_like_plain_pytorch_compiled_the_same
     assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
     # Every unit ran compiled, whole (the runtime's hooks and parameter class are outside the
     # graphs): at least one graph per distinct unit, each unit's graph ran each step, no graph break.
-    assert backend.graphs >= 2 and backend.calls >= len(data) * len(compiled_units(model))
+    assert backend.graphs >= 2 and backend.calls >= len(data) * len(protrain_units(model))
     assert not counters["graph_break"], dict(counters["graph_break"])
     engine.close()
 
@@ -114,7 +100,7 @@ def test_inductor_compiled_blocks_train_exactly_like_plain_pytorch_with_inductor
     data = batches(4)
     plain = copy.deepcopy(model)
     eager = train_reference(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, fused=True), data)
-    ref = compile_like_protrain(copy.deepcopy(model))
+    ref = compiled_like_protrain(copy.deepcopy(model), {})
     ref_losses = train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True), data)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine = pt.wrap(model, opt, standard_plans(model)["swap-checkpoint"], device="cpu", report=lambda *a, **k: None,
@@ -129,7 +115,7 @@ def test_steady_state_compiles_nothing_and_a_replan_compiles_each_unit_at_most_o
     re-plan that checkpoints and swaps blocks, and a new batch length, compile each unit at most
     once more."""
     model = MODELS["llama"]()
-    units = len(compiled_units(model))
+    units = len(protrain_units(model))
     backend = Counting()
     engine = wrap_compiled(model, pt.Plan(n_persist=0, n_buffer=1), backend)
     assert f"compiled: {units} modules (each block, the stem and head)" in engine.summary()
@@ -192,7 +178,7 @@ def test_live_profiling_compiles_in_an_untimed_step_and_times_the_compiled_block
 @COUNTED
 def test_close_gives_every_unit_its_forward_back_and_a_deep_copy_runs_plain():
     model = MODELS["gpt2"]()
-    units = compiled_units(model)
+    units = protrain_units(model)
     forwards = [m.forward for m in units]
     backend = Counting()
     engine = wrap_compiled(model, pt.Plan(n_persist=0, n_buffer=1, n_checkpoint=1), backend)

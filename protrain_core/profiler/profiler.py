@@ -136,8 +136,8 @@ def profile_key(model, optimizer, batch: list[tuple[tuple[int, ...], str]], prec
     add(precision.value, layout.chunk_size, layout.block_path, [c.units for c in layout.chunks])
     add(device_name(device), torch.__version__, torch.version.cuda, torch.get_num_threads(), os.cpu_count())
     add([c.to_dict() for c in formats])
-    if compile_fingerprint(compile) is not None:  # (eager profiles keep their keys)
-        add("compiled", compile_fingerprint(compile))
+    if (compiled := compile_fingerprint(compile)) is not None:  # (eager profiles keep their keys)
+        add("compiled", compiled)
     return h.hexdigest()[:24]
 
 

@@ -172,8 +172,9 @@ def _compiled_forward(module: nn.Module, forward, options: dict):
             return self._orig_mod(*args, **kwargs) if is_compile_wrapper(self) else type(self).forward(self, *args, **kwargs)
         if any(isinstance(t, nn.Parameter) and id(t) not in own for t in (*args, *kwargs.values())):
             if not warned:  # (another unit's parameter: the eager call fetches its chunk, as without compile)
-                warned.append(warnings.warn(f"{type(module).__name__} is given a parameter of another module; such calls "
-                                            "run uncompiled (its chunk is fetched for the call).", stacklevel=2))
+                warnings.warn(f"{type(module).__name__} is given a parameter of another module; such calls run "
+                              "uncompiled (its chunk is fetched for the call).", stacklevel=2)
+                warned.append(True)
             return forward(*args, **kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return compiled(*args, **kwargs)
