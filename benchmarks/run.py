@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -497,10 +498,10 @@ def machine(device_type: str) -> dict:
 
     info = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
             "cpu": cpu_model(), "cpu_threads": os.cpu_count(), "host_ram_gib": round(total_host_bytes() / 2**30, 1)}
-    for mod in ("transformers", "lightning", "deepspeed", "torchao"):
-        try:
-            info[mod] = __import__(mod).__version__
-        except ImportError:
+    for dist in ("transformers", "lightning", "deepspeed", "torchao"):
+        try:  # (from the installed metadata: importing lightning or deepspeed takes seconds)
+            info[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
             pass
     if device_type == "cpu":
         info["MALLOC_MMAP_THRESHOLD_"] = os.environ.get("MALLOC_MMAP_THRESHOLD_", CPU_MMAP_THRESHOLD)

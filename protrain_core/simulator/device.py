@@ -603,6 +603,8 @@ class _Charging(TorchDispatchMode):
                          torch.zeros(a.shape, dtype=a.dtype) for a in args], **kwargs)
             return out
         out = func(*args, **kwargs)
+        if func.is_view:  # (most operators of a step: a view allocates, reads, writes and takes nothing)
+            return out
         if sim.device.type != "meta" or any(t.device.type == "meta" for t in iter_tensors((args, kwargs, out))):
             sim.charge(func, args, kwargs, out)  # (beside a meta device, real CPU tensors are host work)
         return out
