@@ -7,6 +7,7 @@ import copy
 import os
 import socket
 import sys
+import time
 import traceback
 
 import torch
@@ -45,15 +46,23 @@ def _entry(rank: int, world: int, port: int, fn, args, out_dir: str, backend: st
     os._exit(0)
 
 
-def spawn(fn, world: int, out_dir, *args, backend: str = "gloo") -> list:
+def spawn(fn, world: int, out_dir, *args, backend: str = "gloo", timeout: float = 300) -> list:
     """``fn(rank, world, *args)`` in ``world`` processes joined by ``backend`` (NCCL: one GPU each,
-    ``cuda:rank``); their results, by rank."""
+    ``cuda:rank``); their results, by rank. The processes are forked (NCCL: spawned, as CUDA
+    needs): a fresh interpreter importing torch, transformers and the test modules took 1.5-2 s
+    of a test's 3. Ranks still running after ``timeout`` seconds are killed and the test fails."""
     out_dir = str(out_dir)
     os.makedirs(out_dir, exist_ok=True)
+    context = mp.start_processes(_entry, args=(world, free_port(), fn, args, out_dir, backend), nprocs=world,
+                                 start_method="spawn" if backend == "nccl" else "fork", join=False)
+    deadline = time.monotonic() + timeout
     try:
-        mp.start_processes(_entry, args=(world, free_port(), fn, args, out_dir, backend), nprocs=world,
-                           start_method="spawn")
+        while not context.join(max(0.0, deadline - time.monotonic())):  # (False while a rank runs)
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"ranks still running after {timeout} s")
     except Exception as e:
+        for p in context.processes:
+            p.kill()
         files = sorted(os.listdir(out_dir))
         errors = [open(os.path.join(out_dir, f)).read() for f in files if f.endswith(".err")]
         raise AssertionError(f"a rank failed ({e}; files written: {files}):\n" + "\n".join(errors)) from e
