@@ -23,10 +23,15 @@
 // whose roundings depend on how its binary was compiled. `verify()` in onepass.py checks the
 // whole claim against torch at load time, and the kernel is not used where it fails.
 
-#include <torch/extension.h>
+// The headers are those the kernel uses -- a tensor, ATen's vectors and parallel_for, the Python
+// binding of tensors -- rather than <torch/extension.h>, which adds the whole C++ API to every
+// first build.
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <pybind11/stl.h>
+#include <torch/python.h>
 
 #include <algorithm>
 #include <atomic>
