@@ -402,6 +402,31 @@ def test_the_simulated_search_plans_with_the_host_budget_wrap_checks():
         run(small, budget=streamed.memory.peak_bytes)
 
 
+def test_meta_kernels_run_once_per_shape_and_the_simulated_step_is_the_same_to_the_bit(monkeypatch):
+    """[Note: meta outputs by shape]: a size-only simulation with the meta kernels' outputs reused
+    (a plan that streams, swaps and checkpoints, in bf16 and fp16) charges exactly the work, to
+    the bit, of one that runs every kernel -- and runs far fewer kernels than it charges."""
+    from protrain_core import models
+    from protrain_core.simulator import device as D
+    from protrain_core.simulator.run import simulate
+
+    config = models.load_config("tiny-llama")
+    plan = pt.Plan(n_persist=1, n_buffer=2, n_swap=1, n_checkpoint=1)
+
+    def run(precision):
+        sim = SimulatedDevice("h100")
+        result = simulate(*models.build(config, "meta"), models.token_batch(config, 2, 64, "meta"), device=sim,
+                          plan=plan, precision=precision)
+        return [(w.lane, w.start, w.end, w.label, w.kind, w.nbytes) for w in sim.records.work], result.text()
+
+    D._META_OUTPUTS.clear()
+    reused = {p: run(p) for p in ("bf16-mixed", "16-mixed")}
+    kernels = len(D._META_OUTPUTS)
+    assert 0 < kernels < len(reused["bf16-mixed"][0]) / 4
+    monkeypatch.setattr(D, "run_on_meta", lambda func, args, kwargs: func(*args, **kwargs))
+    assert {p: run(p) for p in reused} == reused
+
+
 def test_a_size_only_simulation_updates_each_moment_format_at_its_rate():
     """Issue 54, item 5: ``simulate`` with ``optimizer_state_format`` on the meta device, 8-bit
     moments included. The CPU worker's update of a streamed chunk takes the preset's rate for

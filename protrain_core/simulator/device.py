@@ -64,6 +64,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
@@ -602,12 +603,85 @@ class _Charging(TorchDispatchMode):
             out = func(*[a if not (isinstance(a, Tensor) and a.device.type == "meta") else
                          torch.zeros(a.shape, dtype=a.dtype) for a in args], **kwargs)
             return out
-        out = func(*args, **kwargs)
         if func.is_view:  # (most operators of a step: a view allocates, reads, writes and takes nothing)
-            return out
+            return func(*args, **kwargs)
+        out = run_on_meta(func, args, kwargs)
         if sim.device.type != "meta" or any(t.device.type == "meta" for t in iter_tensors((args, kwargs, out))):
             sim.charge(func, args, kwargs, out)  # (beside a meta device, real CPU tensors are host work)
         return out
+
+
+# [Note: meta outputs by shape]
+# Most of a size-only simulation's host time is torch's meta kernels -- Python shape rules
+# (broadcasting, type promotion, strides) run for every operator, the same for each of a model's
+# identical blocks. What a meta kernel returns is fresh tensors whose shape, strides and dtype
+# follow from the operator and its arguments' metadata alone, so the first call of each operator
+# on each combination is run and described, and later ones get new empty tensors of that
+# description (a simulated 7B step: 28k operators, 240 kernels run). Only where that is exactly
+# what the kernel would give: the operator mutates nothing; no other dispatch mode or tensor
+# subclass sees it; every tensor argument is a plain strided meta tensor, every other argument
+# a plain value; its outputs are meta tensors of storages of their own, exactly their size.
+# Anything else runs the kernel, every time. The simulated step is the same to the bit
+# (tests/test_simulator.py compares every span with the memo and without).
+_VALUES = (int, float, bool, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
+_META_OUTPUTS: dict = {}  # (operator, arguments described) -> its outputs described, or None: run it
+
+
+def run_on_meta(func, args, kwargs):
+    """``func(*args, **kwargs)``, from what an earlier call with the same metadata returned where
+    that is the kernel's result ([Note: meta outputs by shape])."""
+    if func._schema.is_mutable or torch._C._len_torch_dispatch_stack():
+        return func(*args, **kwargs)
+    try:
+        key = (func, _described(args), _described(tuple(kwargs.items())))
+        spec = _META_OUTPUTS.get(key, False)
+    except (KeyError, TypeError):  # (a value that is not plain, or not hashable)
+        return func(*args, **kwargs)
+    if spec:
+        return _made(spec)
+    out = func(*args, **kwargs)
+    if spec is False:
+        _META_OUTPUTS[key] = _fresh(out, args, kwargs)
+    return out
+
+
+def _described(a):
+    if isinstance(a, Tensor):
+        if type(a) not in (Tensor, torch.nn.Parameter) or a.device.type != "meta" or a.layout != torch.strided:
+            raise KeyError
+        return a.shape, a.stride(), a.dtype, a.storage_offset()
+    if isinstance(a, (list, tuple)):
+        return tuple(_described(x) for x in a)
+    if a is None or type(a) in _VALUES:
+        return type(a), a
+    raise KeyError
+
+
+def _fresh(out, args, kwargs):
+    """``out`` described if it is fresh meta tensors (or plain values) only, else None."""
+    inputs = {StorageWeakRef(t.untyped_storage()) for t in iter_tensors((args, kwargs))}
+    outputs = list(iter_tensors(out))
+    for t in outputs:
+        if type(t) is not Tensor or t.device.type != "meta" or t.storage_offset() or \
+                StorageWeakRef(t.untyped_storage()) in inputs or t.untyped_storage().nbytes() != _extent(t):
+            return None
+    if isinstance(out, Tensor):
+        return "tensor", tuple(out.shape), out.stride(), out.dtype
+    if isinstance(out, (tuple, list)) and all(isinstance(o, Tensor) for o in out):
+        return "tensors", type(out), tuple(_fresh(o, (), {}) for o in out)
+    return None
+
+
+def _extent(t: Tensor) -> int:
+    if t.numel() == 0:
+        return t.untyped_storage().nbytes()
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def _made(spec):
+    if spec[0] == "tensor":
+        return torch.empty_strided(spec[1], spec[2], dtype=spec[3], device="meta")
+    return spec[1](_made(s) for s in spec[2])
 
 
 def _reads_meta_on_cpu(func, args, kwargs) -> bool:
