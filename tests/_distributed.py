@@ -48,21 +48,29 @@ def _entry(rank: int, world: int, port: int, fn, args, out_dir: str, backend: st
 
 def spawn(fn, world: int, out_dir, *args, backend: str = "gloo", timeout: float = 300) -> list:
     """``fn(rank, world, *args)`` in ``world`` processes joined by ``backend`` (NCCL: one GPU each,
-    ``cuda:rank``); their results, by rank. The processes are forked (NCCL: spawned, as CUDA
-    needs): a fresh interpreter importing torch, transformers and the test modules took 1.5-2 s
-    of a test's 3. Ranks still running after ``timeout`` seconds are killed and the test fails."""
+    ``cuda:rank``); their results, by rank. Without CUDA the processes are forked: a fresh
+    interpreter importing torch, transformers and the test modules took 1.5-2 s of a test's 3.
+    (With CUDA they are spawned: autograd's device threads, started by any earlier backward in
+    this process, make a forked rank's backward refuse to run.) A rank starts with one intra-op
+    thread (``_entry``): OpenMP's pool of the parent does not exist in a forked child. Ranks still
+    running after ``timeout`` seconds are killed and the test fails."""
     out_dir = str(out_dir)
     os.makedirs(out_dir, exist_ok=True)
+    start = "spawn" if backend == "nccl" or torch.cuda.is_available() else "fork"
     context = mp.start_processes(_entry, args=(world, free_port(), fn, args, out_dir, backend), nprocs=world,
-                                 start_method="spawn" if backend == "nccl" else "fork", join=False)
+                                 start_method=start, join=False)
     deadline = time.monotonic() + timeout
     try:
         while not context.join(max(0.0, deadline - time.monotonic())):  # (False while a rank runs)
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"ranks still running after {timeout} s")
-    except Exception as e:
+    except BaseException as e:
         for p in context.processes:
-            p.kill()
+            if p.is_alive():
+                p.kill()
+            p.join()
+        if not isinstance(e, Exception):  # (an interrupt of the test run itself)
+            raise
         files = sorted(os.listdir(out_dir))
         errors = [open(os.path.join(out_dir, f)).read() for f in files if f.endswith(".err")]
         raise AssertionError(f"a rank failed ({e}; files written: {files}):\n" + "\n".join(errors)) from e

@@ -421,10 +421,40 @@ def test_meta_kernels_run_once_per_shape_and_the_simulated_step_is_the_same_to_t
 
     D._META_OUTPUTS.clear()
     reused = {p: run(p) for p in ("bf16-mixed", "16-mixed")}
-    kernels = len(D._META_OUTPUTS)
-    assert 0 < kernels < len(reused["bf16-mixed"][0]) / 4
+    described = sum(spec is not None for spec in D._META_OUTPUTS.values())  # (each reused on later calls)
+    assert 0 < described <= len(D._META_OUTPUTS) < len(reused["bf16-mixed"][0]) / 4
     monkeypatch.setattr(D, "run_on_meta", lambda func, args, kwargs: func(*args, **kwargs))
     assert {p: run(p) for p in reused} == reused
+
+
+def test_a_meta_output_reused_follows_the_default_dtype_and_values_that_are_no_key():
+    """What the reuse must not take from an earlier call: the default dtype (factories and Python
+    floats follow it), a NaN argument (equal to no key), conjugated inputs and sparse outputs."""
+    from protrain_core.simulator.device import _META_OUTPUTS, run_on_meta
+
+    aten = torch.ops.aten
+    full = lambda: run_on_meta(aten.full.default, ((2, 3), 1.5), {"device": torch.device("meta")})  # noqa: E731
+    ints = torch.empty(4, dtype=torch.long, device="meta")
+    assert full().dtype == run_on_meta(aten.add.Tensor, (ints, 1.5), {}).dtype == torch.float32
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert full().dtype == run_on_meta(aten.add.Tensor, (ints, 1.5), {}).dtype == torch.float64
+    finally:
+        torch.set_default_dtype(previous)
+    assert full().shape == (2, 3) and full().stride() == (3, 1) and full() is not full()
+    n = len(_META_OUTPUTS)
+    for _ in range(3):
+        run_on_meta(aten.mul.Tensor, (ints, float("nan")), {})
+    z = torch.empty(3, dtype=torch.complex64, device="meta").conj()
+    run_on_meta(aten.mul.Tensor, (z, z), {})
+    assert len(_META_OUTPUTS) == n
+    indices = torch.empty(1, 2, dtype=torch.long, device="meta")
+    sparse = run_on_meta(aten._sparse_coo_tensor_with_dims_and_tensors.default,
+                         (1, 0, [3], indices, torch.empty(2, device="meta")), {"dtype": torch.float32,
+                                                                             "layout": torch.sparse_coo,
+                                                                             "device": torch.device("meta")})
+    assert sparse.layout == torch.sparse_coo
 
 
 def test_a_size_only_simulation_updates_each_moment_format_at_its_rate():

@@ -620,11 +620,12 @@ class _Charging(TorchDispatchMode):
 # description (a simulated 7B step: 28k operators, 240 kernels run). Only where that is exactly
 # what the kernel would give: the operator mutates nothing; no other dispatch mode or tensor
 # subclass sees it; every tensor argument is a plain strided meta tensor, every other argument
-# a plain value; its outputs are meta tensors of storages of their own, exactly their size.
+# a plain value (the default dtype is part of the key: factories and Python scalars follow it);
+# its outputs are strided meta tensors of storages of their own, exactly their size.
 # Anything else runs the kernel, every time. The simulated step is the same to the bit
 # (tests/test_simulator.py compares every span with the memo and without).
 _VALUES = (int, float, bool, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
-_META_OUTPUTS: dict = {}  # (operator, arguments described) -> its outputs described, or None: run it
+_META_OUTPUTS: dict = {}  # (operator, default dtype, arguments described) -> outputs described, or None: run it
 
 
 def run_on_meta(func, args, kwargs):
@@ -633,7 +634,7 @@ def run_on_meta(func, args, kwargs):
     if func._schema.is_mutable or torch._C._len_torch_dispatch_stack():
         return func(*args, **kwargs)
     try:
-        key = (func, _described(args), _described(tuple(kwargs.items())))
+        key = (func, torch.get_default_dtype(), _described(args), _described(tuple(kwargs.items())))
         spec = _META_OUTPUTS.get(key, False)
     except (KeyError, TypeError):  # (a value that is not plain, or not hashable)
         return func(*args, **kwargs)
@@ -647,12 +648,13 @@ def run_on_meta(func, args, kwargs):
 
 def _described(a):
     if isinstance(a, Tensor):
-        if type(a) not in (Tensor, torch.nn.Parameter) or a.device.type != "meta" or a.layout != torch.strided:
+        if type(a) not in (Tensor, torch.nn.Parameter) or a.device.type != "meta" or a.layout != torch.strided \
+                or a.is_conj() or a.is_neg():
             raise KeyError
         return a.shape, a.stride(), a.dtype, a.storage_offset()
     if isinstance(a, (list, tuple)):
         return tuple(_described(x) for x in a)
-    if a is None or type(a) in _VALUES:
+    if a is None or type(a) in _VALUES and a == a:  # (a NaN equals no key)
         return type(a), a
     raise KeyError
 
@@ -662,8 +664,9 @@ def _fresh(out, args, kwargs):
     inputs = {StorageWeakRef(t.untyped_storage()) for t in iter_tensors((args, kwargs))}
     outputs = list(iter_tensors(out))
     for t in outputs:
-        if type(t) is not Tensor or t.device.type != "meta" or t.storage_offset() or \
-                StorageWeakRef(t.untyped_storage()) in inputs or t.untyped_storage().nbytes() != _extent(t):
+        if type(t) is not Tensor or t.device.type != "meta" or t.layout != torch.strided or t.is_conj() or \
+                t.is_neg() or t.storage_offset() or StorageWeakRef(t.untyped_storage()) in inputs or \
+                t.untyped_storage().nbytes() != _extent(t):
             return None
     if isinstance(out, Tensor):
         return "tensor", tuple(out.shape), out.stride(), out.dtype
