@@ -617,11 +617,11 @@ class _Charging(TorchDispatchMode):
 # identical blocks. What a meta kernel returns is fresh tensors whose shape, strides and dtype
 # follow from the operator and its arguments' metadata alone, so the first call of each operator
 # on each combination is run and described, and later ones get new empty tensors of that
-# description (a simulated 7B step: 28k operators, 240 kernels run). Only where that is exactly
-# what the kernel would give: the operator mutates nothing; no other dispatch mode or tensor
-# subclass sees it; every tensor argument is a plain strided meta tensor, every other argument
-# a plain value (the default dtype is part of the key: factories and Python scalars follow it);
-# its outputs are strided meta tensors of storages of their own, exactly their size.
+# description (a simulated 7B step: 28k operators, a few hundred kernels run). Only where that
+# is exactly what the kernel would give: the operator mutates nothing; no other dispatch mode
+# or tensor subclass sees it; every tensor argument is a plain strided meta tensor, every other
+# argument a plain value (the default dtype is part of the key: factories and Python scalars
+# follow it); its outputs are strided meta tensors of storages of their own, exactly their size.
 # Anything else runs the kernel, every time. The simulated step is the same to the bit
 # (tests/test_simulator.py compares every span with the memo and without).
 _VALUES = (int, float, bool, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
@@ -660,7 +660,7 @@ def _described(a):
 
 
 def _fresh(out, args, kwargs):
-    """``out`` described if it is fresh meta tensors (or plain values) only, else None."""
+    """``out`` described if it is fresh strided meta tensors (one, or a tuple or list of them), else None."""
     inputs = {StorageWeakRef(t.untyped_storage()) for t in iter_tensors((args, kwargs))}
     outputs = list(iter_tensors(out))
     for t in outputs:
@@ -684,7 +684,7 @@ def _extent(t: Tensor) -> int:
 def _made(spec):
     if spec[0] == "tensor":
         return torch.empty_strided(spec[1], spec[2], dtype=spec[3], device="meta")
-    return spec[1](_made(s) for s in spec[2])
+    return spec[1]([_made(s) for s in spec[2]])
 
 
 def _reads_meta_on_cpu(func, args, kwargs) -> bool:
