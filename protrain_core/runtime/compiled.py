@@ -162,19 +162,20 @@ class CompiledUnits:
 def _compiled_forward(module: nn.Module, forward, options: dict):
     compiled = torch.compile(forward, **options)
     own = {id(p) for p in module.parameters()}
-    warned = []
+    warned = False
 
     # (wraps the function, not the bound method: the signature seen through the bound result is
     # the forward's own, which the activation manager reads for cache arguments)
     @functools.wraps(getattr(forward, "__func__", forward))
     def run(self, *args, **kwargs):
+        nonlocal warned
         if self is not module:  # a deep copy of the module: its plain forward (a compiled block's: its module's)
             return self._orig_mod(*args, **kwargs) if is_compile_wrapper(self) else type(self).forward(self, *args, **kwargs)
         if any(isinstance(t, nn.Parameter) and id(t) not in own for t in (*args, *kwargs.values())):
             if not warned:  # (another unit's parameter: the eager call fetches its chunk, as without compile)
                 warnings.warn(f"{type(module).__name__} is given a parameter of another module; such calls run "
                               "uncompiled (its chunk is fetched for the call).", stacklevel=2)
-                warned.append(True)
+                warned = True
             return forward(*args, **kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return compiled(*args, **kwargs)

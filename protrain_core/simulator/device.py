@@ -605,7 +605,7 @@ class _Charging(TorchDispatchMode):
             return out
         if func.is_view:  # (most operators of a step: a view allocates, reads, writes and takes nothing)
             return func(*args, **kwargs)
-        out = run_on_meta(func, args, kwargs)
+        out = run_on_meta(func, args, kwargs) if sim.device.type == "meta" else func(*args, **kwargs)
         if sim.device.type != "meta" or any(t.device.type == "meta" for t in iter_tensors((args, kwargs, out))):
             sim.charge(func, args, kwargs, out)  # (beside a meta device, real CPU tensors are host work)
         return out
@@ -669,10 +669,14 @@ def _fresh(out, args, kwargs):
                 t.untyped_storage().nbytes() != _extent(t):
             return None
     if isinstance(out, Tensor):
-        return "tensor", tuple(out.shape), out.stride(), out.dtype
+        return _spec(out)
     if isinstance(out, (tuple, list)) and all(isinstance(o, Tensor) for o in out):
-        return "tensors", type(out), tuple(_fresh(o, (), {}) for o in out)
+        return "tensors", type(out), tuple(_spec(o) for o in out)
     return None
+
+
+def _spec(t: Tensor) -> tuple:
+    return "tensor", tuple(t.shape), t.stride(), t.dtype
 
 
 def _extent(t: Tensor) -> int:
