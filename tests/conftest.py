@@ -1,4 +1,5 @@
 import copy
+import gc
 import logging
 import os
 import warnings
@@ -167,6 +168,15 @@ def pytest_configure(config):
     mode = os.environ.get("PROTRAIN_SYNC_DEBUG")
     if mode and torch.cuda.is_available():
         torch.cuda.set_sync_debug_mode(mode)
+
+
+def pytest_collection_finish(session):
+    """What is alive once the tests are collected (torch, transformers, Lightning, the test
+    modules: about 560k objects) lives to the end: frozen out of the collector's sight, each full
+    collection during the tests visits only what the tests made (the suite's full collections
+    took 40 s, 33 s with the imports frozen; the simulator's tests 14 s, 6 s)."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker

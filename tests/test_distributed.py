@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import protrain_core as pt
-from _distributed import _null, ddp_reduce, ddp_reference, protrain_run, spawn
+from _distributed import _null, ddp_reduce, ddp_reference, free_port, protrain_run, spawn
 from conftest import SEQ, VOCAB, batches, standard_plans, tiny_llama, train_engine
 from test_parity import reference_mixed
 
@@ -284,20 +284,40 @@ def test_checkpoints_resume_at_other_world_sizes(tmp_path):
 
 
 # ----- Lightning: the Trainer and Fabric with devices=2 on the CPU ------------------------------
-def _launch(*args, out):
-    os.makedirs(out, exist_ok=True)
-    run = subprocess.run([sys.executable, SCRIPT, *args, str(out)], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "PROTRAIN_CACHE_DIR": str(out)})
-    assert run.returncode == 0, run.stderr[-4000:]
-    return [torch.load(os.path.join(out, f), weights_only=False) for f in sorted(os.listdir(out)) if f.startswith("rank")]
+def _launch(*runs):
+    """Each run ``(args, out)`` of tests/scripts/lightning_run.py, all at once, each on a port of
+    its own (their processes wait for each other's imports and collectives: side by side they
+    take 2 cores' time, not the sum); each run's per-rank results, in order."""
+    ports = set()
+    while len(ports) < len(runs):
+        ports.add(free_port())
+    procs = []
+    try:
+        for (args, out), port in zip(runs, ports):
+            os.makedirs(out, exist_ok=True)
+            procs.append(subprocess.Popen([sys.executable, SCRIPT, *args, str(out)], stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, text=True,
+                                          env={**os.environ, "PROTRAIN_CACHE_DIR": str(out), "MASTER_PORT": str(port)}))
+        results = []
+        for proc, (args, out) in zip(procs, runs):
+            _, err = proc.communicate(timeout=600)
+            assert proc.returncode == 0, (args, err[-4000:])
+            results.append([torch.load(os.path.join(out, f), weights_only=False)
+                            for f in sorted(os.listdir(out)) if f.startswith("rank")])
+        return results
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_trainer_with_two_cpu_devices_trains_like_ddp_and_resumes_on_one(tmp_path):
     """``Trainer(accelerator="cpu", devices=2, strategy=ProTrainStrategy(...))`` (Lightning's
     launcher, gloo): per-rank losses equal ``strategy="ddp"``'s, with accumulation and clipping;
     its sharded checkpoint resumes on one device like the default strategy from the full file."""
-    ddp = _launch("trainer", "ddp", "2", out=tmp_path / "ddp")
-    protrain = _launch("trainer", "protrain", "2", "--sharded", out=tmp_path / "pt")
+    ddp, protrain = _launch((("trainer", "ddp", "2"), tmp_path / "ddp"),
+                            (("trainer", "protrain", "2", "--sharded"), tmp_path / "pt"))
     assert [r["world"] for r in protrain] == [2, 2]
     for a, b in zip(ddp, protrain):
         assert b["losses"] == pytest.approx(a["losses"], abs=LOSS_ATOL)
@@ -326,8 +346,8 @@ def test_trainer_with_two_cpu_devices_and_8bit_moments_trains_like_ddp_with_adam
     and clipping (their tolerances: the module's docstring) and a full checkpoint: per-rank losses
     and the final weights are DDP's with bitsandbytes' AdamW8bit."""
     pytest.importorskip("bitsandbytes")
-    ddp = _launch("trainer", "ddp", "2", "--state-format", "8bit", out=tmp_path / "ddp")
-    protrain = _launch("trainer", "protrain", "2", "--state-format", "8bit", out=tmp_path / "pt")
+    ddp, protrain = _launch((("trainer", "ddp", "2", "--state-format", "8bit"), tmp_path / "ddp"),
+                            (("trainer", "protrain", "2", "--state-format", "8bit"), tmp_path / "pt"))
     assert [r["world"] for r in protrain] == [2, 2]
     for a, b in zip(ddp, protrain):
         assert b["losses"] == pytest.approx(a["losses"], abs=LOSS_ATOL)
@@ -339,8 +359,8 @@ def test_fabric_with_two_cpu_devices_trains_like_ddp(tmp_path):
     """``Fabric(accelerator="cpu", devices=2, strategy=ProTrainFabricStrategy(...))``: per-rank
     losses equal DDP's (``fabric.clip_gradients`` included), and ``fabric.save`` writes a sharded
     directory."""
-    ddp = _launch("fabric", "ddp", "2", out=tmp_path / "ddp")
-    protrain = _launch("fabric", "protrain", "2", "--sharded", out=tmp_path / "pt")
+    ddp, protrain = _launch((("fabric", "ddp", "2"), tmp_path / "ddp"),
+                            (("fabric", "protrain", "2", "--sharded"), tmp_path / "pt"))
     assert [r["world"] for r in protrain] == [2, 2]  # not one process silently
     for a, b in zip(ddp, protrain):
         assert b["losses"] == pytest.approx(a["losses"], abs=LOSS_ATOL)
@@ -351,11 +371,10 @@ def test_fabric_with_two_cpu_devices_trains_like_ddp(tmp_path):
 def test_trainer_resumes_a_two_process_checkpoint_on_three(tmp_path):
     """2 -> 3 through the Trainer: the sharded directory resumes with 3 processes as DDP resumes
     from the full file."""
-    _launch("trainer", "protrain", "2", "--sharded", out=tmp_path / "two")
-    ddp = _launch("trainer", "ddp", "3", "--resume", str(tmp_path / "two" / "final.ckpt"), "--epochs", "2",
-                  out=tmp_path / "ddp3")
-    protrain = _launch("trainer", "protrain", "3", "--resume", str(tmp_path / "two" / "ckpt.ckpt"), "--epochs", "2",
-                       out=tmp_path / "pt3")
+    _launch((("trainer", "protrain", "2", "--sharded"), tmp_path / "two"))
+    ddp, protrain = _launch(
+        (("trainer", "ddp", "3", "--resume", str(tmp_path / "two" / "final.ckpt"), "--epochs", "2"), tmp_path / "ddp3"),
+        (("trainer", "protrain", "3", "--resume", str(tmp_path / "two" / "ckpt.ckpt"), "--epochs", "2"), tmp_path / "pt3"))
     assert [r["world"] for r in protrain] == [3, 3, 3]
     for a, b in zip(ddp, protrain):
         assert b["losses"] == pytest.approx(a["losses"], abs=LOSS_ATOL)

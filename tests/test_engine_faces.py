@@ -107,6 +107,28 @@ def test_memory_reports_the_plans_bound_and_the_host_copies():
         engine.close()
 
 
+def test_an_engine_dropped_unclosed_with_its_model_is_collected():
+    """An engine and its model dropped without ``close`` (a notebook cell run again) are freed by
+    the garbage collector, on every plan. Before, each parameter's gradient hook, which autograd
+    holds where the collector cannot see it, held the engine: every such engine stayed for the
+    life of the process (57 of them after tests/test_activations.py)."""
+    import gc
+    import weakref
+
+    from conftest import standard_plans, tiny_llama, train_engine
+
+    refs = {}
+    for name, plan in standard_plans(tiny_llama(n_layer=3)).items():
+        model = tiny_llama(n_layer=3)
+        engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), plan, device="cpu")
+        train_engine(engine, batches(2))
+        refs[name] = [weakref.ref(engine), *(weakref.ref(c.storage) for c in engine.chunks)]
+        del engine, model
+    gc.collect()
+    assert {name: [r() is None for r in rs] for name, rs in refs.items()} == {
+        name: [True] * len(rs) for name, rs in refs.items()}
+
+
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_a_closed_engine_is_freed_with_its_last_reference_without_the_garbage_collector(precision):
     """No reference cycle keeps a closed engine (its chunks' device and host memory) alive until

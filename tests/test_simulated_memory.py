@@ -5,6 +5,8 @@ error past the device, the profiled engine's memory gone before the training eng
 profiling that runs out of memory; and the host's launch queue."""
 
 import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
@@ -170,10 +172,18 @@ def _llama_1b_on(device_gib: int, batch: int):
 def test_profiling_runs_out_of_device_memory_then_profiles_again_with_fewer_persistent_chunks():
     """On 28 GiB the safe plan keeps all 3 chunks (12 GiB of parameters, masters and gradients)
     beside 8 x 1024 tokens' logits and loss (about 4 GiB a tensor), which do not fit: profiled
-    again with every chunk streamed, and the searched plan trains within the device."""
+    again with every chunk streamed, and the searched plan trains within the device. Once the
+    result is dropped, the simulated device (with the engines and records it held) is freed, the
+    model still alive: each storage's free callback holds the device's memory weakly (held
+    strongly, the finalizer registry kept every simulated device and engine alive: 2 million
+    objects after the simulator's tests)."""
     model, opt, batch, sim = _llama_1b_on(28, 8)
     result = simulate(model, opt, batch, device=sim)
     assert result.device_peak_bytes <= sim.spec.device_memory_bytes, result.text()
+    device = weakref.ref(sim)
+    del sim, result
+    gc.collect()
+    assert device() is None
 
 
 def test_a_batch_whose_activations_fit_no_profiling_plan_is_refused_with_the_fix():

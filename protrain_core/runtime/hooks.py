@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -107,10 +108,10 @@ class RuntimeHooks:
             self.handles.append(module.register_forward_hook(self._post_forward(idxs), with_kwargs=True,
                                                              always_call=True))
         self._managed = []  # the parameters made ManagedParameter ([Note: parameters used outside their units])
-        for chunk in chunks:  # (a tied parameter is one member of one chunk)
+        for c, chunk in enumerate(chunks):  # (a tied parameter is one member of one chunk)
             for i, p in enumerate(chunk.params):
                 if p.requires_grad:
-                    self.handles.append(p.register_post_accumulate_grad_hook(self._post_accumulate_grad(chunk, i)))
+                    self.handles.append(p.register_post_accumulate_grad_hook(self._post_accumulate_grad(c, i)))
                 if type(p) is nn.Parameter:
                     p.__class__ = ManagedParameter
                     p.protrain_use = (self, chunk, i)
@@ -206,9 +207,18 @@ class RuntimeHooks:
 
         return hook
 
-    def _post_accumulate_grad(self, chunk: Chunk, i: int):
+    def _post_accumulate_grad(self, c: int, i: int):
+        # The hook holds nothing of the engine but a weak reference to these hooks: autograd
+        # keeps a tensor's hooks where the garbage collector cannot see them, so a strong
+        # reference (to the chunk too) made an engine and its model, dropped unclosed, a cycle
+        # never freed. The units' forward hooks (plain Python) keep these hooks alive while the
+        # model lives.
+        hooks = weakref.ref(self)
+
         def hook(p: Tensor) -> None:
-            self.scheduler.on_grad(chunk, i, p)
+            alive = hooks()
+            if alive is not None:
+                alive.scheduler.on_grad(alive.chunks[c], i, p)
 
         return hook
 

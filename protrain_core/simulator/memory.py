@@ -102,7 +102,9 @@ class DeviceMemory:
         nbytes = rounded(storage.nbytes())
         self._reserve(nbytes)
         self._sizes[key] = nbytes
-        weakref.finalize(storage, self._free, key)
+        # The finalizer holds this memory weakly: strongly, the finalizer registry would keep the
+        # device alive, and with it the engine that holds the storage (neither were ever freed).
+        weakref.finalize(storage, _call_if_alive, weakref.WeakMethod(self._free), key)
 
     def _reserve(self, nbytes: int) -> None:
         """``nbytes`` more allocated now (after the stream-ordered frees whose work has ended)."""
@@ -134,6 +136,12 @@ class DeviceMemory:
             self._pending.append((until, nbytes))
         else:
             self.live -= nbytes
+
+
+def _call_if_alive(method: weakref.WeakMethod, *args) -> None:
+    alive = method()
+    if alive is not None:
+        alive(*args)
 
 
 __all__ = ["DeviceMemory"]
