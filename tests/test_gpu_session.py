@@ -24,15 +24,21 @@ def session(out, *args, timeout=600):
     return proc.stdout, json.loads((out / "session.json").read_text())
 
 
-def test_dry_session_plans_resumes_and_runs_what_a_cpu_can(tmp_path):
+def test_dry_session_plans_resumes_and_runs_what_a_cpu_can(tmp_path, monkeypatch, capsys):
     out = tmp_path / "session"
     names = [p.name for p in G.plan_pieces("gpu-80g", dry=True)]
     # A budget of one second: the first piece starts (and is stopped), nothing else does.
     stdout, state = session(out, "--budget", "1")
     assert list(state["pieces"]) == ["cuda-tests"] and state["pieces"]["cuda-tests"]["status"] == "interrupted"
     assert f"left ({len(names)} pieces" in stdout and "; ".join(names) in stdout
+
+    def session_here():  # the next calls in this process (the command line's is the one above)
+        G.run_session(out, "gpu-80g", dry=True, budget=530)
+        return capsys.readouterr().out, json.loads((out / "session.json").read_text())
+
+    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(out.parent / "cache"))
     # The next call runs every piece, the interrupted one again.
-    stdout, state = session(out)
+    stdout, state = session_here()
     assert list(state["pieces"]) == names and all(p["status"] == "done" for p in state["pieces"].values()), state
     assert "nothing left" in stdout
     tests = state["pieces"]["cuda-tests"]
@@ -64,7 +70,7 @@ def test_dry_session_plans_resumes_and_runs_what_a_cpu_can(tmp_path):
     assert "Offloading the training state and back" in md and "torch.compile against eager" in md
     assert "Study run (tiny-4L study" in md and "Dry run: every configuration constructed" in md
     # Nothing is left: a third call runs nothing.
-    stdout, again = session(out)
+    stdout, again = session_here()
     assert "nothing left" in stdout and again["calls"][-1]["ran"] == []
     assert {k: v["calls"] for k, v in again["pieces"].items()} == {k: v["calls"] for k, v in state["pieces"].items()}
 
