@@ -341,11 +341,14 @@ def test_trainer_with_two_cpu_devices_trains_like_ddp_and_resumes_on_one(tmp_pat
 
 
 @pytest.mark.slow  # (the engine-level 8-bit parity over two processes is in test_state_formats.py)
-def test_trainer_with_two_cpu_devices_and_8bit_moments_trains_like_ddp_with_adamw8bit(tmp_path):
+def test_trainer_with_two_cpu_devices_and_8bit_moments_trains_like_ddp_with_adamw8bit(tmp_path, monkeypatch):
     """``optimizer_state_format="8bit"`` through the Trainer on two processes, with accumulation
     and clipping (their tolerances: the module's docstring) and a full checkpoint: per-rank losses
-    and the final weights are DDP's with bitsandbytes' AdamW8bit."""
+    and the final weights are DDP's with bitsandbytes' AdamW8bit. The update runs bitsandbytes'
+    own calls (PROTRAIN_ONEPASS=0, as in test_state_formats' two-process test; the one-pass
+    kernel's distance from bitsandbytes is test_onepass's)."""
     pytest.importorskip("bitsandbytes")
+    monkeypatch.setenv("PROTRAIN_ONEPASS", "0")
     ddp, protrain = _launch((("trainer", "ddp", "2", "--state-format", "8bit"), tmp_path / "ddp"),
                             (("trainer", "protrain", "2", "--state-format", "8bit"), tmp_path / "pt"))
     assert [r["world"] for r in protrain] == [2, 2]
