@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from contextlib import contextmanager
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from protrain_core.utils import iter_tensors
+from protrain_core.utils import iter_tensors, when_freed
 
 _local = threading.local()
 
@@ -97,7 +96,7 @@ class LiveStorageTracker(TorchDispatchMode):
                     nbytes = storage.nbytes()
                     self._sizes[key] = nbytes
                     self.live += nbytes
-                    weakref.finalize(storage, self._freed, key, nbytes)
+                    when_freed(storage, self._freed, key, nbytes)
             self.peak = max(self.peak, self.live)
         if self.on_op is not None:
             self.on_op(func, before, self.live, seconds)

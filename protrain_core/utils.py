@@ -6,6 +6,7 @@ import contextlib
 import functools
 import os
 import shutil
+import weakref
 from pathlib import Path
 from collections.abc import Iterator, Mapping
 
@@ -33,6 +34,19 @@ def plain_parameters(fn):
             return fn(*args, **kwargs)
 
     return plain
+
+
+def when_freed(obj, method, *args) -> None:
+    """Call the bound ``method(*args)`` once ``obj`` is freed, if ``method``'s object still lives.
+    The finalizer holds that object weakly: held strongly by the finalizer registry, it kept alive
+    whatever it held, ``obj`` included (a simulated device and its engine were never freed)."""
+    weakref.finalize(obj, _call_if_alive, weakref.WeakMethod(method), *args)
+
+
+def _call_if_alive(method: weakref.WeakMethod, *args) -> None:
+    alive = method()
+    if alive is not None:
+        alive(*args)
 
 
 def iter_tensors(obj) -> Iterator[Tensor]:

@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from protrain_core.memtrack import allocating_on_host
-from protrain_core.utils import format_bytes, iter_tensors
+from protrain_core.utils import format_bytes, iter_tensors, when_freed
 
 BLOCK = 512  # the caching allocator's smallest block and rounding
 ALLOCATOR_WAIT = "allocator: the side streams' frees"  # a host wait before an allocation the device cannot hold
@@ -102,9 +102,7 @@ class DeviceMemory:
         nbytes = rounded(storage.nbytes())
         self._reserve(nbytes)
         self._sizes[key] = nbytes
-        # The finalizer holds this memory weakly: strongly, the finalizer registry would keep the
-        # device alive, and with it the engine that holds the storage (neither were ever freed).
-        weakref.finalize(storage, _call_if_alive, weakref.WeakMethod(self._free), key)
+        when_freed(storage, self._free, key)
 
     def _reserve(self, nbytes: int) -> None:
         """``nbytes`` more allocated now (after the stream-ordered frees whose work has ended)."""
@@ -136,12 +134,6 @@ class DeviceMemory:
             self._pending.append((until, nbytes))
         else:
             self.live -= nbytes
-
-
-def _call_if_alive(method: weakref.WeakMethod, *args) -> None:
-    alive = method()
-    if alive is not None:
-        alive(*args)
 
 
 __all__ = ["DeviceMemory"]
