@@ -264,31 +264,21 @@ def convert_input(data, precision: str):
     return data
 
 
-def one_optimizer_message(got) -> str:
-    return (f"The ProTrain strategy trains with exactly one optimizer, got {got}: return a single "
-            "torch.optim optimizer (AdamW, Adam, SGD, or another elementwise one) from configure_optimizers, "
-            "with param groups for different settings "
-            "(learning rates, weight decay, frozen parts). ProTrain runs it per chunk, so manual optimization "
-            "with several optimizers is not supported either.")
-
-
-def check_optimizers(optimizers) -> torch.optim.Optimizer:
-    """Exactly one optimizer ProTrain runs per chunk (Adam/AdamW, or another elementwise one:
-    ``runtime/elementwise.py``), with any param groups; anything else is refused."""
-    optimizers = list(optimizers)
-    if len(optimizers) != 1:
-        raise ValueError(one_optimizer_message(len(optimizers)))
-    opt = optimizers[0]
-    opt = getattr(opt, "optimizer", opt) if not isinstance(opt, torch.optim.Optimizer) else opt
-    if not any(group.get("params") for group in getattr(opt, "param_groups", None) or []):
+def check_optimizers(optimizers) -> list[torch.optim.Optimizer]:
+    """The optimizers ProTrain runs per chunk (Adam/AdamW, or another elementwise one:
+    ``runtime/elementwise.py``), with any param groups; several (manual optimization, a GAN) are
+    checked by ``wrap`` (one class, disjoint parameters); none is refused."""
+    opts = [o if isinstance(o, torch.optim.Optimizer) else getattr(o, "optimizer", o) for o in optimizers]
+    if not any(group.get("params") for opt in opts for group in getattr(opt, "param_groups", None) or []):
         # Lightning stands in a parameterless optimizer when configure_optimizers returns None.
         raise ValueError(
             "The ProTrain strategy trains with an optimizer over the model's parameters, and got none "
             "(configure_optimizers returned None, or an optimizer without parameters): return one from "
             "configure_optimizers, or evaluate with trainer.validate/test/predict, which need none."
         )
-    check_optimizer(opt)  # raises ValueError naming what is supported
-    return opt
+    for opt in opts:
+        check_optimizer(opt)  # raises ValueError naming what is supported
+    return opts
 
 
 def gradient_clipping(value, algorithm) -> pt.ClippingConfig | None:
@@ -356,12 +346,14 @@ def close_for_a_new_engine(engine: pt.Engine) -> dict | None:
     them, with the weights (the module's parameters hold them after ``close``) and the
     optimizer state (loaded into the optimizer, in its new groups' numbering, which the new
     engine takes in). The loss scaler's state, for the new engine."""
-    rank_zero_info(f"ProTrain: {engine.states.trainables_changed()}; the engine is built again for the parameters "
-                   "that train now.")
-    optimizer_state = engine.states.optimizer(rank0_only=False)
+    changed = engine.states.trainables_changed()
+    if changed is not None:
+        rank_zero_info(f"ProTrain: {changed}; the engine is built again for the parameters that train now.")
+    states = [engine.states.optimizer(rank0_only=False, of=o) for o in engine.optimizers]
     scaler = engine.states.scaler()
     engine.close()
-    engine.optimizer.load_state_dict(optimizer_state)
+    for optimizer, state in zip(engine.optimizers, states):
+        optimizer.load_state_dict(state)
     return scaler
 
 
@@ -369,20 +361,21 @@ def close_for_a_new_engine(engine: pt.Engine) -> dict | None:
 EXACT_STATE = "protrain_8bit_state"
 
 
-def checkpoint_optimizer_state(engine: pt.Engine) -> dict:
-    """A full checkpoint's optimizer entry: what ``engine.states.optimizer()`` gives, in the format
-    of the user's torch optimizer, which loads it under Lightning's default strategies. With
-    8-bit moments that is their fp32 values (``to_fp32_adam_state``), and the 8-bit state itself
-    is kept beside them (``EXACT_STATE``: torch's ``load_state_dict`` ignores the key), which
-    ProTrain resumes from bit for bit (``load_checkpoint_optimizer_state``)."""
-    osd = engine.states.optimizer()
+def checkpoint_optimizer_state(engine: pt.Engine, optimizer: torch.optim.Optimizer) -> dict:
+    """A full checkpoint's entry for ``optimizer`` (one of the engine's): what
+    ``engine.states.optimizer(of=optimizer)`` gives, in the format of the user's torch optimizer,
+    which loads it under Lightning's default strategies. With 8-bit moments that is their fp32
+    values (``to_fp32_adam_state``), and the 8-bit state itself is kept beside them
+    (``EXACT_STATE``: torch's ``load_state_dict`` ignores the key), which ProTrain resumes from
+    bit for bit (``load_checkpoint_optimizer_state``)."""
+    osd = engine.states.optimizer(of=optimizer)
     if engine.config.optimizer_state_format != "8bit" or not osd:
         return osd
     return {**pt.to_fp32_adam_state(osd), EXACT_STATE: osd}
 
 
-def load_checkpoint_optimizer_state(engine: pt.Engine, osd: dict) -> None:
-    engine.states.load_optimizer(osd.get(EXACT_STATE, osd))
+def load_checkpoint_optimizer_state(engine: pt.Engine, osd: dict, optimizer: torch.optim.Optimizer) -> None:
+    engine.states.load_optimizer(osd.get(EXACT_STATE, osd), of=optimizer)
 
 
 def scaler_state(engine: pt.Engine | None, kept: dict | None = None) -> dict:

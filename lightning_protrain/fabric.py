@@ -71,8 +71,9 @@ class ProTrainFabricPrecision(Precision):
         # which cannot see gradients kept in chunks: the step consumes them instead (Fabric
         # loops call zero_grad right after step anyway).
         engine = self.strategy.require_engine()
-        engine.step()
-        engine.zero_grad()
+        engine.step(optimizer)
+        if len(engine.optimizers) == 1:
+            engine.zero_grad()  # (with several, gradients stay until the wrapper's zero_grad: it sets p.grad = None)
         # Fabric cannot see the loop between this step and the next forward, where code may read
         # the weights (an EMA, a save_pretrained): the offloaded chunks' updates end here too.
         engine.wait_for_updates()
@@ -229,22 +230,21 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
         if engine is None:
             raise RuntimeError("The ProTrain strategy builds its engine from the model: call fabric.setup_module(model) "
                                "before fabric.setup_optimizers(optimizer), or fabric.setup(model, optimizer).")
-        if engine.optimizer_states:
-            raise RuntimeError(
-                "The ProTrain strategy trains its model with one optimizer, and it has one already. Give the "
-                "parameters of both one optimizer (a param group each, with their own settings) and call "
-                "fabric.setup_optimizers(optimizer) once.")
-        module = engine.module
-        engine.close()
-        self._build_for_training(module, check_optimizers([optimizer]))
+        optimizers = check_optimizers([optimizer])
+        if engine.optimizer_states:  # fabric.setup_optimizers(opt_a, opt_b): one engine steps both
+            optimizers = [*engine.optimizers, *optimizers]
+            self.precision.scaler = close_for_a_new_engine(engine) or self.precision.scaler
+        else:
+            engine.close()
+        self._build_for_training(engine.module, optimizers)
         return optimizer
 
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
         self._refuse_a_second_model()
-        optimizer = check_optimizers(optimizers)
+        optimizers = check_optimizers(optimizers)
         self._environment_for("fabric.setup(model, optimizer)")
-        self._build_for_training(module, optimizer)
-        return module, [optimizer], scheduler
+        self._build_for_training(module, optimizers)
+        return module, optimizers, scheduler
 
     def _refuse_a_second_model(self) -> None:
         if self._open_engine() is not None:
@@ -252,14 +252,20 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
                 "This ProTrain strategy already runs a model: fabric.setup was called "
                 f"before (for {type(self.engine.module).__name__}), and one ProTrain strategy runs one model. "
                 "To train several models, put them in one nn.Module (e.g. nn.ModuleDict({'generator': g, "
-                "'discriminator': d})) with one optimizer (one param group each, if they need their own "
-                "settings) and call fabric.setup once; or give the other model its own Fabric."
+                "'discriminator': d})) and call fabric.setup once, with an optimizer for each part (of one class) or "
+                "one optimizer with a param group each; or give the other model its own Fabric."
             )
 
-    def _build_for_training(self, module: nn.Module, optimizer) -> None:
+    def _build_for_training(self, module: nn.Module, optimizers: list) -> None:
+        if len(optimizers) > 1 and self.world_size > 1:
+            raise RuntimeError(
+                "The ProTrain Fabric strategy runs several optimizers in one process only: Fabric's optimizer.zero_grad() "
+                "reaches the engine through p.grad, which no rank holds whole when the chunks are sharded over "
+                f"{self.world_size} processes. Use the Trainer's manual optimization for several processes, or one "
+                "optimizer with a param group per part.")
         searched = self.config.planning.plan is None
         self.engine = build_engine(
-            module, optimizer, self.config, precision=self.precision.precision, device=self.root_device,
+            module, optimizers, self.config, precision=self.precision.precision, device=self.root_device,
             example_inputs=self.example_inputs if searched else None, loss_fn=self.loss_fn,
             scaler=self.precision.scaler, report=_report,
         )
@@ -275,7 +281,8 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
         searched again on the next steps)."""
         engine = self.engine
         scaler = close_for_a_new_engine(engine)
-        self.engine = build_engine(engine.module, engine.optimizer, self.config, precision=self.precision.precision,
+        self.engine = build_engine(engine.module, list(engine.optimizers), self.config,
+                                   precision=self.precision.precision,
                                    device=self.root_device, scaler=scaler or self.precision.scaler, report=_report)
         return self.engine
 
@@ -299,8 +306,8 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
 
     def get_optimizer_state(self, optimizer) -> dict:
         optimizer = getattr(optimizer, "optimizer", optimizer)
-        if self.engine is not None and optimizer is self.engine.optimizer:
-            return checkpoint_optimizer_state(self.engine)
+        if self.engine is not None and any(optimizer is o for o in self.engine.optimizers):
+            return checkpoint_optimizer_state(self.engine, optimizer)
         return super().get_optimizer_state(optimizer)
 
     def load_module_state_dict(self, module, state_dict, strict: bool = True) -> None:
@@ -317,7 +324,7 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
             return "model"
         if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
             return None  # it has an .optimizer too, but its own state
-        return "optimizer" if getattr(obj, "optimizer", obj) is self.engine.optimizer else None
+        return "optimizer" if any(getattr(obj, "optimizer", obj) is o for o in self.engine.optimizers) else None
 
     def save_checkpoint(self, path, state, storage_options=None, filter=None) -> None:
         """``state_dict_type="sharded"``: the model and optimizer go into a
@@ -351,7 +358,7 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
             if isinstance(obj, nn.Module):
                 self.load_module_state_dict(obj, value, strict=strict)
             elif self._is_engine_object(obj) == "optimizer":  # not an LR scheduler (it has .optimizer too)
-                load_checkpoint_optimizer_state(self.engine, value)
+                load_checkpoint_optimizer_state(self.engine, value, getattr(obj, "optimizer", obj))
             elif hasattr(obj, "load_state_dict"):
                 obj.load_state_dict(value)
             else:

@@ -61,7 +61,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 import protrain_core as pt
 from protrain_core.precision import parse_precision
 from lightning_protrain._common import (
-    one_optimizer_message,
     OneDevicePlumbing,
     ProcessesPlumbing,
     build_engine,
@@ -132,7 +131,7 @@ class ProTrainPrecision(Precision):
         self._after_closure(model, optimizer)
         if closure_result is None and model.automatic_optimization:
             return None  # training_step returned None: no backward, no step (as Lightning)
-        self.engine.step()  # manual optimization: opt.step() after the manual_backward calls
+        self.engine.step(optimizer)  # manual optimization: opt.step() after the manual_backward calls
         if self.wait_after_step:
             self.engine.wait_for_updates()
         return closure_result
@@ -296,7 +295,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         self._root_device = torch.device(device) if device is not None else None
         self.engine: pt.Engine | None = None
         self._last_plan: pt.Plan | None = None
-        self._final_optimizer_state: dict | None = None
+        self._final_optimizer_states: dict[int, dict] = {}  # id(optimizer) -> its state when fit ended
         self._sharded_from = None  # a sharded checkpoint directory being restored
         self._sharded_weights: bool | None = None  # its weights wait for the engine (the strict flag)
         self._meta_weights: dict | None = None  # ckpt_path's weights for a module on the meta device
@@ -367,13 +366,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         manual = not module.automatic_optimization
         if fitting:
-            try:
-                self.setup_optimizers(trainer)
-            except RuntimeError as e:
-                if "multiple optimizers" not in str(e):
-                    raise
-                # Lightning would send the user to manual optimization, which ProTrain refuses.
-                raise ValueError(one_optimizer_message("several")) from None
+            self.setup_optimizers(trainer)  # (several only under manual optimization: Lightning checks)
             optimizer = check_optimizers(self.optimizers)
             # An overridden configure_gradient_clipping may clip at any step, with any setting:
             # the engine hears of it between backward and step (expect_late_clipping below).
@@ -428,7 +421,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         added their param group): the engine is built again for them, from the weights, the
         optimizer state and the loss scaler's state it had, as the optimizer under the default
         strategy goes on (a plan of the configuration is kept; a searched one is searched again)."""
-        optimizer = self.engine.optimizer
+        optimizer = list(self.engine.optimizers)
         self.precision_plugin.scaler = close_for_a_new_engine(self.engine) or self.precision_plugin.scaler
         self._build(self.lightning_module, optimizer, self._fit[0])
         self._route_wrapped_zero_grad()
@@ -449,7 +442,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         # override, and runs only when the user calls it.)
         self._wrapped_optimizers = list(self._lightning_optimizers)
         for wrapper in self._wrapped_optimizers:
-            wrapper.zero_grad = self.engine.optimizer.zero_grad
+            wrapper.zero_grad = wrapper.optimizer.zero_grad
 
     def training_step(self, *args, **kwargs):
         # The batch before anything of it runs: the engine may re-plan for its length.
@@ -511,9 +504,9 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         if self._sharded() is not None:
             return {}
         if engine is not None and engine.optimizer_states:
-            return checkpoint_optimizer_state(engine)
-        if self._final_optimizer_state is not None:
-            return self._final_optimizer_state
+            return checkpoint_optimizer_state(engine, optimizer)
+        if id(optimizer) in self._final_optimizer_states:
+            return self._final_optimizer_states[id(optimizer)]
         return super().optimizer_state(optimizer)
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
@@ -543,9 +536,11 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         if getattr(self, "_sharded_from", None) is not None:
             return engine.load_sharded(self._sharded_from, model=False)
         states = checkpoint["optimizer_states"]
-        if len(states) != 1:
-            raise ValueError(f"The checkpoint holds {len(states)} optimizer states; ProTrain trains with one.")
-        load_checkpoint_optimizer_state(engine, states[0])
+        if len(states) != len(engine.optimizers):
+            raise ValueError(f"The checkpoint holds {len(states)} optimizer states, for as many optimizers; this run "
+                             f"trains with {len(engine.optimizers)}.")
+        for optimizer, state in zip(engine.optimizers, states):
+            load_checkpoint_optimizer_state(engine, state, optimizer)
 
     def teardown(self) -> None:
         for wrapper in self._wrapped_optimizers:
@@ -555,16 +550,18 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         if engine is not None and self._failed:
             engine.close(after_failure=True)
         elif engine is not None:
-            if self.optimizers and engine.optimizer_states:  # not after evaluation only
+            trained = bool(self.optimizers) and engine.optimizer_states  # not after evaluation only
+            if trained:
                 # Kept for trainer.save_checkpoint() after fit; the engine and its chunks go away.
-                self._final_optimizer_state = checkpoint_optimizer_state(engine)
+                self._final_optimizer_states = {id(o): checkpoint_optimizer_state(engine, o) for o in engine.optimizers}
                 self.precision_plugin.scaler = engine.states.scaler()  # and the loss scaler's
             self._last_plan = engine.plan  # the plan evaluation after fit runs with
             engine.close()
-            if self._final_optimizer_state is not None and engine.sharding.whole:
-                # The optimizer is plain PyTorch again, with its state as under the default
-                # strategy (the tensors are the state dict's: nothing is copied).
-                engine.optimizer.load_state_dict(self._final_optimizer_state)
+            if trained and engine.sharding.whole:
+                # The optimizers are plain PyTorch again, with their states as under the default
+                # strategy (the tensors are the state dicts': nothing is copied).
+                for o in engine.optimizers:
+                    o.load_state_dict(self._final_optimizer_states[id(o)])
                 self.precision_plugin.plain_after_fit = True
         self.engine = None
         if self._precision_plugin is not None:

@@ -28,7 +28,7 @@ from protrain_core.precision import Precision, parse_precision
 from protrain_core.profiler.profiler import profile_model, safe_plan
 from protrain_core.runtime.compiled import compile_fingerprint, compile_setting
 from protrain_core.runtime.device import DeviceContext, as_context
-from protrain_core.runtime.optim import check_optimizer
+from protrain_core.runtime.optim import check_optimizer, indexed_params, joint_optimizer
 from protrain_core.runtime.sharding import Sharding, agree, agree_budgets, check_same_configuration
 from protrain_core.runtime.state_formats import block_aligned, check_optimizer_for
 from protrain_core.runtime.storage import chunk_formats
@@ -40,7 +40,7 @@ from protrain_core.utils import available_host_bytes, batch_tokens, format_bytes
 
 
 def wrap(
-    model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan | dict | None = None, *,
+    model: nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer], plan: Plan | dict | None = None, *,
     config: ProTrainConfig | None = None, precision: str = "32-true", device: torch.device | str | None = None,
     example_inputs=None, loss_fn=None, step_fn=None, report=print_report, process_group=None,
 ) -> Engine:
@@ -49,7 +49,9 @@ def wrap(
     Args:
         model, optimizer: the module to train (its parameters on the CPU or on ``device``), and a
             ``torch.optim.AdamW`` or ``Adam`` (or another elementwise optimizer) over (some of)
-            its parameters.
+            its parameters; or a list of several optimizers of one class over disjoint
+            parameters (a GAN's generator and discriminator), each stepped on its own with
+            ``engine.step(optimizer)`` ([Note: several optimizers] in runtime/engine.py).
         plan: a :class:`Plan` (or dict of its fields): chunks kept on the device, chunk buffers,
             and how many transformer blocks swap or checkpoint their activations; the same as
             ``config.planning.plan``. None (default): the engine starts on a safe plan, measures
@@ -84,18 +86,41 @@ def wrap(
         raise ValueError("optimizer_states=False builds an engine for evaluation only: pass its plan= (or "
                          "config.planning.plan).")
     prec, dev = _checked(model, precision, device, config)
+    optimizers, optimizer = _joint(model, optimizer, config, prec)
     config = config.replace(compile=compile_setting(model, config.compile))
     sharding = Sharding.resolve(process_group)
     sharding.check_device(dev.device)
     budget = planning.budget_bytes
     budget = default_memory_budget(dev) if budget is None and planning.plan is None else budget
     layout = _prepare(model, optimizer, planning.blocks, planning.chunk_size, example_inputs, dev,
-                      moments=config.optimizer_state_format)
+                      moments=config.optimizer_state_format, optimizers=optimizers)
     check_same_configuration(sharding, _configuration(model, optimizer, layout, prec, config))
-    build = _Build(model, optimizer, layout, prec, dev, config, sharding)
+    build = _Build(model, optimizer, layout, prec, dev, config, sharding, optimizers)
     if planning.plan is not None:
         return build.engine(agree(sharding, planning.plan))
     return _searched(build, budget, report, example_inputs=example_inputs, loss_fn=loss_fn, step_fn=step_fn)
+
+
+def _joint(model: nn.Module, optimizer, config: ProTrainConfig, prec: Precision) -> tuple[tuple, torch.optim.Optimizer]:
+    """The optimizers given (one, or a list), and the engine's optimizer: the one given, or one
+    over several (``joint_optimizer``), whose steps the engine takes one optimizer at a time; what
+    several cannot do is refused here."""
+    optimizers = tuple(optimizer) if isinstance(optimizer, (list, tuple)) else (optimizer,)
+    if not optimizers:
+        raise ValueError("wrap() needs an optimizer (or a list of them); got an empty list.")
+    if len(optimizers) > 1:
+        why = ("gradient clipping (its norm would span every optimizer's parameters)" if config.clipping is not None
+               else "grad_accumulator=False (updates during backward)" if config.grad_accumulator is False
+               else "optimizer_states=False (an engine for evaluation has no optimizer)"
+               if not config.optimizer_states
+               else "precision='16-mixed' (one loss scale would serve every optimizer's step; bf16-mixed needs none)"
+               if prec is Precision.FP16_MIXED else None)
+        if why is not None:
+            raise ValueError(f"wrap() with several optimizers does not support {why}: each optimizer's chunks are "
+                             "updated at its own step() from the gradients accumulated for them. Remove the setting, "
+                             "or train with one optimizer (a param group per model part).")
+    names = {id(p): n for n, p in model.named_parameters()}
+    return optimizers, joint_optimizer(optimizers, names)
 
 
 def _sharded_weights(weights) -> bool:
@@ -155,6 +180,7 @@ class _Build:
     device: DeviceContext
     config: ProTrainConfig
     sharding: Sharding
+    optimizers: tuple = ()  # several optimizers the engine steps one at a time (``optimizer`` over all)
 
     def engine(self, plan: Plan) -> Engine:
         check_plan(plan, self.layout.limits())
@@ -162,7 +188,7 @@ class _Build:
         sharded = _sharded_weights(self.config.weights)
         config = self.config.replace(weights=None) if sharded else self.config
         engine = Engine(self.model, self.optimizer, self.layout, plan, self.precision, self.device, config,
-                        sharding=self.sharding)
+                        sharding=self.sharding, optimizers=self.optimizers)
         if sharded:  # (initialised, then read in place: a sharded checkpoint is read chunk by chunk)
             engine.load_sharded(self.config.weights, optimizer=False)
         clipping = self.config.clipping
@@ -239,9 +265,10 @@ def _searched(build: _Build, budget: int, report, *, example_inputs, loss_fn, st
 
 
 def _prepare(model: nn.Module, optimizer, blocks, chunk_size, example_inputs, ctx: DeviceContext, *,
-             moments: str = "fp32") -> ChunkLayout:
+             moments: str = "fp32", optimizers: tuple = ()) -> ChunkLayout:
     """Checks shared by ``wrap`` and ``profile``; returns the chunk layout. ``moments``: the
-    moments' format, which the optimizer must suit and the layout follows."""
+    moments' format, which the optimizer must suit and the layout follows; ``optimizers``:
+    several, whose parameters never share a chunk."""
     check_optimizer_for(moments, optimizer, adam=check_optimizer(optimizer) is None)
     model_params = {id(p) for p in model.parameters()}
     for group in optimizer.param_groups:
@@ -266,7 +293,14 @@ def _prepare(model: nn.Module, optimizer, blocks, chunk_size, example_inputs, ct
     compiled = any(is_compile_wrapper(m) for m in model.modules())
     with torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext():
         return build_layout(model, block_path, len(block_list), example_inputs=example_inputs, chunk_size=chunk_size,
-                            block_aligned=block_aligned(moments))
+                            block_aligned=block_aligned(moments), owners=_owners(optimizers))
+
+
+def _owners(optimizers: tuple) -> dict[int, int] | None:
+    """Parameter id -> its optimizer's index, when there are several."""
+    if len(optimizers) < 2:
+        return None
+    return {id(p): k for k, o in enumerate(optimizers) for _, p in indexed_params(o)}
 
 
 def _checked(model: nn.Module, precision: str, device, config: ProTrainConfig) -> tuple[Precision, DeviceContext]:

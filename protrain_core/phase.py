@@ -101,10 +101,12 @@ class StepState:
         self.batch_begun = False
 
     def set_manual(self, enabled: bool = True) -> None:
-        """Lightning's manual optimization: every backward runs inside no_sync and the user's
-        ``opt.step()`` ends the step, so the step's gradients are complete after any backward
-        (clipping and norms are allowed then); otherwise only after a backward outside no_sync."""
+        """Lightning's manual optimization, or several optimizers: every backward runs as inside
+        no_sync and the user's ``opt.step()`` ends the step, so the step's gradients are complete
+        after any backward (clipping and norms are allowed then); otherwise only after a backward
+        outside no_sync."""
         self.manual = enabled
+        self.final_micro_batch = not enabled
 
     def close(self) -> None:
         self.closed = True

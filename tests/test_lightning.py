@@ -682,18 +682,6 @@ def test_an_optimizer_that_needs_whole_parameters_is_refused():
         trainer("protrain").fit(Factored(), loader())
 
 
-def test_several_optimizers_are_refused_with_what_protrain_needs():
-    """Issue 18, case 11: Lightning's own message would send the user to manual optimization,
-    which ProTrain refuses too; the first message says what ProTrain needs."""
-    class Two(LitLM):
-        def configure_optimizers(self):
-            return [torch.optim.AdamW(self.model.transformer.parameters()), torch.optim.AdamW(self.model.lm_head.parameters())]
-
-    with pytest.raises(ValueError, match="exactly one optimizer.*param groups") as info:
-        trainer("protrain").fit(Two(), loader())
-    assert "automatic_optimization = False" not in str(info.value)
-
-
 def test_no_optimizer_is_refused_before_training_with_what_protrain_needs():
     """configure_optimizers returning None: Lightning stands in an optimizer without parameters;
     the engine failed on it with a KeyError ('param_groups')."""

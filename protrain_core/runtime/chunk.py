@@ -470,6 +470,14 @@ class Chunk:
             self.values.forget_views()  # a partial landing's own accumulator, no longer needed
         self.grad_state = target
 
+    def clear_grad(self, i: int) -> None:
+        """Member ``i``'s gradient is gone (``p.grad = None``): its place in the accumulator is
+        zeroed, where a later landing adds to it, and it received none since zero_grad."""
+        self.values.state_view(self.storage.grad_acc, i).zero_()
+        self._received[i] = False
+        if not any(self._received):
+            self.zero()
+
     @property
     def applied(self) -> bool:
         return self.grad_state is GradState.APPLIED

@@ -58,6 +58,7 @@ class Clipping:
         clipping = parse_gradient_clipping(algorithm, value, norm_type)
         if clipping == self._grads.configured:
             return
+        self._refuse_several("engine.clipping.configure()")
         if not self._state.idle:
             raise RuntimeError("engine.clipping.configure() was called during backward; call it between steps.")
         if clips_norm(clipping) and self._grads.consumed:
@@ -158,6 +159,15 @@ class Clipping:
         self._grads.handed_out(chunk)
         return chunk.values.state_view(chunk.storage.grad_acc, i)
 
+    def clear_grad(self, chunk: Chunk, i: int) -> None:
+        """``p.grad = None`` of member ``i`` of ``chunk`` while ``p.grad`` reads its gradient
+        (``optimizer.zero_grad()`` and ``module.zero_grad()`` do it, as a Fabric-wrapped optimizer's
+        does): the gradient is gone, as torch's, so no step updates the member before a backward
+        gives it one again, which starts afresh. After a backward that already updated the
+        chunk, ``step()`` refuses the change as any other through ``p.grad``."""
+        if self.grad_of(chunk, i) is not None:  # (the read registers the change, as a write's would)
+            chunk.clear_grad(i)
+
     @property
     def configured(self) -> GradientClipping | None:
         """The clipping configured ahead (``configure``)."""
@@ -208,7 +218,15 @@ class Clipping:
                      f"'norm', ...}}) searches for {steady.value}")
         return line
 
+    def _refuse_several(self, what: str) -> None:
+        if self._grads.several_optimizers:  # (one step of every trainable parameter: [Note: several optimizers])
+            raise RuntimeError(
+                f"{what}: this engine steps several optimizers, one at a time, and ProTrain clips the gradients of "
+                "one optimizer's whole step; clipping per optimizer is not supported. Train without clipping, or with "
+                "one optimizer (a param group per model part) and clip that.")
+
     def _late_request(self, algorithm: str, value, norm_type: float = 2.0) -> GradientClipping:
+        self._refuse_several(f"engine.clipping.clip_grad_{algorithm}_()")
         clipping = parse_gradient_clipping(algorithm, value, norm_type)
         self._check_gradients(f"engine.clipping.clip_grad_{algorithm}_()")
         self._grads.check_request(clipping, updated_in_backward=self._updated_in_backward())

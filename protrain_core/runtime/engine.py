@@ -5,6 +5,22 @@ API (forward through ``engine.module``, then ``backward``, ``step``, ``zero_grad
 builds one that never steps (``ProTrainConfig(optimizer_states=False)``) and drives it through
 the same public methods and parts: ``set_block_modes``, ``on_recompute``, ``autocast``,
 ``memory.device_bytes``.
+
+[Note: several optimizers]
+An engine trains with several optimizers over disjoint parameters (a GAN's generator and
+discriminator, in Lightning's manual optimization or Fabric) as torch does: each optimizer's
+``step()`` updates only its own parameters, with the gradients accumulated for them since its
+``zero_grad``. ``wrap`` builds one optimizer over all of them (``joint_optimizer``: same class,
+their param-group dicts), which the chunks' states, the planner and the profiler see, and a layout
+in which no chunk holds two optimizers' parameters (``build_layout(owners=)``); the engine keeps
+which chunks are whose. Since no backward knows which optimizer steps next, every backward only
+accumulates (as inside ``no_sync``: the step state is manual's) and ``step(optimizer)`` updates
+that optimizer's chunks -- the streamed ones on the CPU worker, overlapping what follows -- and
+runs that optimizer's own ``step`` for its hooks and schedulers; ``zero_grad(optimizer=)`` clears
+its chunks. Gradients stay readable through ``p.grad`` across steps, until cleared member by
+member (``p.grad = None``) or by chunk, so that an optimizer whose ``zero_grad`` does not reach
+the engine (Fabric's wrapper) still clears them exactly. Clipping, loss scaling (16-mixed) and
+``grad_accumulator=False`` are refused: each spans one step of every trainable parameter.
 """
 
 from __future__ import annotations
@@ -27,7 +43,7 @@ from protrain_core.runtime.compiled import compile_units
 from protrain_core.runtime.device import DeviceContext, as_context, cpu_worker_placement
 from protrain_core.runtime.gradients import StepGradients
 from protrain_core.runtime.hooks import RuntimeHooks, refuse_compiled
-from protrain_core.runtime.optim import ChunkOptimizer
+from protrain_core.runtime.optim import ChunkOptimizer, indexed_params
 from protrain_core.runtime.parking import OffloadedStates, check_between_steps, check_onloaded, offload, onload
 from protrain_core.runtime.scheduler import Scheduler
 from protrain_core.runtime.sharding import ONE_PROCESS, Sharding, broadcast_tensors
@@ -53,10 +69,12 @@ class RuntimeEngine:
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, layout: ChunkLayout, plan: Plan,
                  precision: Precision, device: torch.device | DeviceContext, config: ProTrainConfig | None = None,
-                 sharding: Sharding = ONE_PROCESS, *, warn_on_cache: bool = True) -> None:
+                 sharding: Sharding = ONE_PROCESS, *, warn_on_cache: bool = True, optimizers: tuple = ()) -> None:
         """``device``: a torch device, or a DeviceContext (a simulated device: protrain_core/simulator).
         ``sharding``: the processes the chunks are sharded over (``Sharding.resolve``; the group
-        of one in one process). Every rank builds its engine alike, with the same plan."""
+        of one in one process). Every rank builds its engine alike, with the same plan.
+        ``optimizers``: several optimizers over disjoint parameters, each stepped on its own
+        (``optimizer`` is then ``joint_optimizer(optimizers)``: [Note: several optimizers])."""
         check_plan(plan, layout.limits())
         config = config or ProTrainConfig()
         self.ctx = as_context(device)
@@ -65,48 +83,44 @@ class RuntimeEngine:
         self.sharding = sharding
         self.world_size, self.rank = sharding.world, sharding.rank
         self.module, self.optimizer, self.layout, self.plan = module, optimizer, layout, plan
+        self.optimizers = tuple(optimizers) or (optimizer,)
         self.precision, self.device, self.config = precision, device, config
         self._warn_on_cache = warn_on_cache  # (off for the profiler's all-checkpointed engine: not the user's choice)
         self.optimizer_states = config.optimizer_states
         self.step_state = StepState()
+        several = len(self.optimizers) > 1
+        self.step_state.set_manual(several)  # several: every backward accumulates, each optimizer's step() updates
         self._autocast_depth = 0
         self.scaler = LossScaler() if precision is Precision.FP16_MIXED else None
-        self._optim = ChunkOptimizer(optimizer, one_pass_kernel=config.runtime.one_pass_kernel)
-        if self._optim.one_pass_kernel and self._optim.kind is None and (
-                precision in (Precision.BF16_MIXED, Precision.FP16_MIXED) or config.optimizer_state_format == "8bit"):
-            onepass.kernel()  # built (once per machine) and checked now, not in the first backward
-        check_optimizer_for(config.optimizer_state_format, optimizer, adam=self._optim.kind is None)
-        if config.optimizer_states:
-            check_layout_for(config.optimizer_state_format, layout)
+        self._optim = ChunkOptimizer(optimizer, one_pass_kernel=config.runtime.one_pass_kernel, optimizers=optimizers)
+        _check_formats(self, self._optim)
         placement = cpu_worker_placement(self.ctx, self.world_size, config.runtime.worker_cores)
         self.chunks = _allocate(self, self._optim, touch=None if placement is None else placement.touch)
         n_buffer = min(plan.n_buffer, len(self.chunks) - plan.n_persist)
-        self.grads = StepGradients(self._optim, self.scaler, self.chunks, self.ctx, sharding)
+        self.grads = StepGradients(self._optim, self.scaler, self.chunks, self.ctx, sharding, several_optimizers=several)
         self.scheduler = Scheduler(self.chunks, self.ctx, self._optim, self.step_state, sharding, n_buffer=n_buffer,
                                    switches=config.runtime, finisher=self.grads.finisher, placement=placement)
         self.stats = self.scheduler.stats  # counts of the runtime's events: uploads, offloads, updates
         self.clipping = Clipping(self.grads, self.scheduler, self.chunks, precision, self.step_state)
+        self._owned = _owned_chunks(self.chunks, self.optimizers)
         self.states = StateAccess(module, self.chunks, self._optim, self.scaler, self.scheduler, self.step_state,
                                   precision=precision, rank=self.rank, world_size=self.world_size)
         self.memory = StateMemory(self.chunks, self.scheduler)
         # The runtime's hooks on every unit (they act for units with a streamed chunk: which those
         # are changes with ``replan``), every trainable parameter, and every parameter's use.
         self.hooks = RuntimeHooks(self.scheduler, unit_chunks(module, layout), self.chunks,
-                                  onloaded=lambda: self.offloaded is None, grad_of=self.clipping.grad_of)
+                                  onloaded=lambda: self.offloaded is None, grad_of=self.clipping.grad_of,
+                                  clear_grad=self.clipping.clear_grad)
         self.compiled = compile_units(module, layout, config.compile)  # (before set_block_modes)
         self.activations: ActivationManager | None = None
         self._recompute_observers = Observers(RecomputeObserver)  # they stay across set_block_modes
         self._step_observers = Observers(StepObserver)
         self._handles = [module.register_forward_pre_hook(self._on_module_call, with_kwargs=True, prepend=True),
-                         optimizer.register_step_pre_hook(self._before_optimizer_step),
-                         *([_ZeroGradRoute(self)] if config.optimizer_states else []),
+                         *[o.register_step_pre_hook(self._before_optimizer_step) for o in self.optimizers],
+                         *([_ZeroGradRoute(self, o) for o in self.optimizers] if config.optimizer_states else []),
                          *(_autocast_hooks(self) if precision.is_mixed else [])]
         self.set_block_modes(plan.block_modes(layout.n_blocks))
-        if optimizer.state and config.optimizer_states:
-            # The optimizer already stepped: carry its state into the chunks.
-            osd = optimizer.state_dict()
-            optimizer.state.clear()
-            self.states.load_optimizer(osd)
+        _carry_optimizer_states(self)
         module._protrain_engine = self
         self.offloaded: OffloadedStates | None = None  # offload_states() moved the states to the host
         self.profile = None  # the Profile a searched plan came from (set by wrap)
@@ -219,11 +233,14 @@ class RuntimeEngine:
         """Backward passes inside only accumulate gradients (non-final micro-batches)."""
         return self.step_state.accumulating()
 
-    def step(self) -> None:
+    def step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Returns when every parameter holds this step's final value -- except, when the CPU
         Adam overlaps the next forward (``overlap``), the offloaded chunks' parameters: their
-        next use in forward, ``wait_for_updates`` and every state dict wait for their update."""
+        next use in forward, ``wait_for_updates`` and every state dict wait for their update.
+        ``optimizer``: with several optimizers, the one to step: only its parameters are
+        updated, as its own ``step()`` would (None: every optimizer)."""
         self.step_state.check_open()
+        chunks = self._chunks_of(optimizer)
         self._check_trains("step()")
         check_onloaded(self, "engine.step()")
         if self.grads.consumed:
@@ -241,17 +258,18 @@ class RuntimeEngine:
                 )
             if self.grads.needs_finishing():
                 self.scheduler.wait_all()  # every gradient is in its accumulator, none was used yet
-                self.grads.finish_all()
+                self.grads.finish_all(chunks)
             clip, runs = self.grads.step_clip()
             if runs:
-                self.scheduler.step(hps, clip, wait=self.scheduler.policy.during_backward)
+                self.scheduler.step(hps, clip, wait=self.scheduler.policy.during_backward, chunks=chunks)
             else:
                 self.scheduler.finish_step()  # fp16 overflow: the step is skipped
             self.grads.end_step()
         # Runs the optimizer's step hooks and LR-scheduler bookkeeping. No parameter holds a
         # .grad (the engine keeps gradients in chunks), so torch's update loop skips them all.
         with self.step_state.in_optimizer_step(), torch._C.DisableTorchFunctionSubclass():
-            self.optimizer.step()
+            for stepped in self.optimizers if optimizer is None else (optimizer,):
+                stepped.step()
         self.step_state.micro_batch_ended()
         self._step_observers.notify(lambda o: o.step_ends())
 
@@ -307,9 +325,11 @@ class RuntimeEngine:
         self.offloaded = None
         self.set_block_modes(self.block_modes)  # the buffers' and chunks' device tensors are new
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool = True, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Clear the gradients (``set_to_none`` as torch's: either way none is kept); ``optimizer``:
+        with several optimizers, of its parameters only (None: all)."""
         self.step_state.check_open()
-        self.scheduler.zero_grad()
+        self.scheduler.zero_grad(self._chunks_of(optimizer))
         self.grads.discard()
 
     @property
@@ -411,6 +431,15 @@ class RuntimeEngine:
         if not self.step_state.optimizer_step:
             _refuse_optimizer_step(optimizer)
 
+    def _chunks_of(self, optimizer: torch.optim.Optimizer | None) -> list[Chunk]:
+        """The chunks that ``optimizer`` (one of the engine's; None: every one) updates."""
+        if optimizer is None or optimizer is self.optimizer:
+            return self.chunks
+        if id(optimizer) not in self._owned:
+            raise ValueError(f"This {type(optimizer).__name__} is not an optimizer of this ProTrain engine: step and "
+                             "zero_grad the optimizers given to wrap().")
+        return self._owned[id(optimizer)]
+
     def _check_trains(self, what: str) -> None:
         if not self.optimizer_states:
             raise RuntimeError(
@@ -433,19 +462,53 @@ class _ZeroGradRoute:
     every way the user's code calls it; Lightning's optimizer wrapper is routed to it
     (lightning_protrain/strategy.py)."""
 
-    def __init__(self, engine: RuntimeEngine) -> None:
-        optimizer = self.optimizer = engine.optimizer
+    def __init__(self, engine: RuntimeEngine, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
         original = type(optimizer).zero_grad
 
         def zero_grad(set_to_none: bool = True) -> None:
+            if not engine.closed:  # (first: then p.grad of its parameters reads None, sharded too)
+                engine.zero_grad(set_to_none, optimizer)
             original(optimizer, set_to_none=set_to_none)
-            if not engine.closed:
-                engine.zero_grad(set_to_none)
 
         optimizer.zero_grad = zero_grad
 
     def remove(self) -> None:
         self.optimizer.__dict__.pop("zero_grad", None)
+
+
+def _check_formats(engine: RuntimeEngine, optim: ChunkOptimizer) -> None:
+    """The optimizer and layout suit the state formats; the one-pass kernel is built (once per
+    machine) and checked now, not in the first backward, where it will run."""
+    config = engine.config
+    if optim.one_pass_kernel and optim.kind is None and (
+            engine.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED) or config.optimizer_state_format == "8bit"):
+        onepass.kernel()
+    check_optimizer_for(config.optimizer_state_format, engine.optimizer, adam=optim.kind is None)
+    if config.optimizer_states:
+        check_layout_for(config.optimizer_state_format, engine.layout)
+
+
+def _carry_optimizer_states(engine: RuntimeEngine) -> None:
+    """An optimizer that already stepped: its state into the chunks (its own is cleared)."""
+    for optimizer in engine.optimizers if engine.optimizer_states else ():
+        if optimizer.state:
+            osd = optimizer.state_dict()
+            optimizer.state.clear()
+            engine.states.load_optimizer(osd, of=optimizer)
+
+
+def _owned_chunks(chunks: list[Chunk], optimizers: tuple) -> dict[int, list[Chunk]]:
+    """id(optimizer) -> the chunks holding its parameters, for several optimizers (none shares a
+    chunk with another: the layout's ``owners``)."""
+    if len(optimizers) < 2:
+        return {}
+    owner = {id(p): id(o) for o in optimizers for _, p in indexed_params(o)}
+    owned: dict[int, list[Chunk]] = {id(o): [] for o in optimizers}
+    for c in chunks:
+        for key in {owner[id(p)] for p in c.params if id(p) in owner}:
+            owned[key].append(c)
+    return owned
 
 
 def _allocate(engine: RuntimeEngine, optim: ChunkOptimizer, *, touch=None) -> list[Chunk]:

@@ -111,8 +111,12 @@ class StepGradients:
     """What the engine knows about clipping, and the finished gradients of the current step."""
 
     def __init__(self, optim: ChunkOptimizer, scaler: LossScaler | None, chunks: list[Chunk], ctx: DeviceContext,
-                 sharding: Sharding) -> None:
+                 sharding: Sharding, *, several_optimizers: bool = False) -> None:
+        """``several_optimizers`` ([Note: several optimizers] in engine.py): ``p.grad`` reads the
+        gradients through steps and zero_grads too, until each member's are cleared, as torch's
+        ``.grad``; else from the end of a backward to the next step or zero_grad."""
         self.optim, self.scaler, self.chunks, self.ctx, self.device = optim, scaler, chunks, ctx, ctx.device
+        self.several_optimizers = several_optimizers
         self.sharding = sharding  # norms and overflow all-reduced
         # Streamed chunks keep no accumulator ([Note: gradients consumed where they land] in
         # worker.py): their gradients are gone once updated, so no step is held for a late request.
@@ -174,12 +178,12 @@ class StepGradients:
     def _members(self, chunk: Chunk) -> list[int]:
         return [i for members in chunk.opt_members.values() for i in members if chunk.has_grad(i)]
 
-    def finish_all(self) -> None:
-        """Finish every chunk with gradients that is not finished yet (the persistent chunks, and
-        streamed ones whose last landing came before this step's last backward). No update may
-        be in flight."""
+    def finish_all(self, chunks: list[Chunk] | None = None) -> None:
+        """Finish every chunk (of ``chunks``: default all) with gradients that is not finished
+        yet (the persistent chunks, and streamed ones whose last landing came before this step's
+        last backward). No update may be in flight."""
         inv_scale = None if self.scaler is None else self.scaler.inv_scale()
-        for c in self.chunks:
+        for c in self.chunks if chunks is None else chunks:
             # (A chunk without an accumulator had its gradients consumed by its update: none to finish.)
             if c.index not in self._finished and c.opt_members and c.has_gradients and c.storage.grad_acc is not None:
                 Finishing(c, self._members(c), inv_scale, None, self._finished)()
@@ -392,7 +396,9 @@ class StepGradients:
         self._finished.clear()
         self._totals.clear()
         self._late = None
+        readable = self.readable and self.several_optimizers
         self.forget_reads()
+        self.readable = readable
 
 
 def _describe(clipping: GradientClipping) -> str:

@@ -88,18 +88,19 @@ class UnitCall:
 
 class RuntimeHooks:
     def __init__(self, scheduler: Scheduler, units: dict[nn.Module, tuple[int, ...]], chunks: list[Chunk], *,
-                 onloaded: Callable[[], bool], grad_of: Callable[[Chunk, int], Tensor | None]) -> None:
+                 onloaded: Callable[[], bool], grad_of: Callable[[Chunk, int], Tensor | None],
+                 clear_grad: Callable[[Chunk, int], None]) -> None:
         """``units``: hooked modules -> the chunks their forward needs. A unit's hooks act while
         one of those chunks is streamed (a re-plan between steps changes which are), so the
         hooks of a call are the same from its forward to the end of its backward.
         ``onloaded()``: False while the states are offloaded (``Engine.offload_states``): no
         unit may run, and parameters are used where they are. ``grad_of(chunk, i)``: what
         ``p.grad`` reads, or None for the parameter's own ([Note: gradients read through p.grad]
-        in gradients.py)."""
+        in gradients.py); ``clear_grad(chunk, i)``: ``p.grad = None``."""
         self.scheduler = scheduler
         self.chunks = chunks
         self._onloaded = onloaded
-        self.grad_of = grad_of
+        self.grad_of, self.clear_grad = grad_of, clear_grad
         self.handles = []
         self._running: list[UnitCall] = []  # the unit calls whose forward is running, outermost first
         self._units = {id(m) for m in units}  # (a deep copy of the model shares the hooks: ignored)
@@ -125,7 +126,8 @@ class RuntimeHooks:
             del p.protrain_use
             p.__class__ = nn.Parameter
         self._managed.clear()
-        self._onloaded = self.grad_of = None  # (the engine's parts: no cycle keeps a closed engine alive)
+        self._onloaded = self.grad_of = self.clear_grad = None  # (the engine's parts: no cycle keeps a closed
+                                                                # engine alive)
 
     def covers(self, chunk: Chunk) -> bool:
         """A use of ``chunk``'s parameters now needs nothing of its own: the chunk is persistent,
@@ -228,6 +230,7 @@ class _Use(enum.Enum):
 
     NO_VALUES = "no values"  # metadata, hooks, autograd flags: goes straight through
     GRAD = "grad"  # the ``.grad`` getter ([Note: gradients read through p.grad])
+    CLEAR_GRAD = "clear grad"  # the ``.grad`` setter (``p.grad = None``: optimizer.zero_grad)
     READ = "read"  # reads values; its result joins no autograd graph
     USE = "use"  # reads values, and its result may join an autograd graph
 
@@ -269,6 +272,8 @@ def _classify(func) -> _Use:
     name = getattr(func, "__name__", None)
     if name in ("__get__", "__set__", "__delete__"):
         prop = getattr(getattr(func, "__self__", None), "__name__", None)
+        if name == "__set__" and prop == "grad":
+            return _Use.CLEAR_GRAD
         if name != "__get__" or prop not in _VALUE_PROPERTIES | {"grad"}:
             return _Use.NO_VALUES
         return _Use.GRAD if prop == "grad" else _Use.READ if prop == "data" else _Use.USE
@@ -298,6 +303,10 @@ class ManagedParameter(nn.Parameter):
             grad = None if owner is None else owner[0].grad_of(owner[1], owner[2])
             if grad is not None:
                 return grad
+        elif use is _Use.CLEAR_GRAD:
+            owner = getattr(args[0], "protrain_use", None)
+            if owner is not None and len(args) > 1 and args[1] is None:
+                owner[0].clear_grad(owner[1], owner[2])
         elif use is not _Use.NO_VALUES:
             hooks, uses = None, []
             for t in _top_level(args, kwargs or {}):

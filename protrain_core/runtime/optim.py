@@ -62,6 +62,37 @@ def _check_groups(optimizer: torch.optim.Optimizer) -> None:
             raise ValueError("lr must be a float or a one-element tensor.")
 
 
+def joint_optimizer(optimizers, names: dict[int, str]) -> torch.optim.Optimizer:
+    """One optimizer over several optimizers' parameters, for an engine that trains with all of
+    them ([Note: several optimizers] in runtime/engine.py): of their common class, its param
+    groups the same dicts as theirs in order, so a learning-rate scheduler of one of them, or a
+    change of a group's settings, reaches it. Nobody steps it: ``engine.step(optimizer)`` steps
+    the chunks of that optimizer's parameters and runs that optimizer's own ``step`` hooks.
+    ``names``: parameter id -> name, for the refusals. A single optimizer is returned as it is."""
+    optimizers = list(optimizers)
+    if len(optimizers) == 1:
+        return optimizers[0]
+    classes = sorted({type(o).__name__ for o in optimizers})
+    if len(classes) > 1:
+        raise ValueError(
+            f"ProTrain trains with several optimizers of one class, got {' and '.join(classes)}: their updates run "
+            "chunk by chunk in one kernel per class. Use one class for all (e.g. AdamW, each with its own "
+            "learning rate and weight decay), or one optimizer with a param group per model part.")
+    owner: dict[int, int] = {}
+    for k, optimizer in enumerate(optimizers):
+        check_optimizer(optimizer)
+        for _, p in indexed_params(optimizer):
+            if owner.setdefault(id(p), k) != k:
+                raise ValueError(
+                    f"The parameter {names.get(id(p), tuple(p.shape))!r} is in optimizers {owner[id(p)]} and {k}. "
+                    "ProTrain keeps each optimizer's states in its own chunks and steps only those, so a parameter "
+                    "belongs to one optimizer; give each optimizer its own parameters.")
+    cls = type(optimizers[0])
+    joint = cls.__new__(cls)
+    torch.optim.Optimizer.__init__(joint, [g for o in optimizers for g in o.param_groups], dict(optimizers[0].defaults))
+    return joint
+
+
 def indexed_params(optimizer: torch.optim.Optimizer):
     """(index, parameter) in torch's state-dict numbering: param groups in order."""
     index = 0
@@ -111,10 +142,12 @@ def _land_rest(kernel, chunk: Chunk, covered: list[Tensor], accumulate: bool | N
 
 
 class ChunkOptimizer:
-    def __init__(self, optimizer: torch.optim.Optimizer, *, one_pass_kernel: bool = True) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, one_pass_kernel: bool = True, optimizers: tuple = ()) -> None:
         """``one_pass_kernel``: False runs the separate passes where the kernel would apply
-        (``RuntimeConfig.one_pass_kernel``)."""
+        (``RuntimeConfig.one_pass_kernel``); ``optimizers``: the user's several, when
+        ``optimizer`` is their ``joint_optimizer``."""
         self.optimizer = optimizer
+        self.optimizers = tuple(optimizers) or (optimizer,)
         self.one_pass_kernel = one_pass_kernel
         self.kind = check_optimizer(optimizer)
         self.decoupled = bool(isinstance(optimizer, torch.optim.AdamW)
@@ -353,15 +386,17 @@ class ChunkOptimizer:
     def _order(self) -> tuple[str, ...]:
         return self.kind.order if self.kind is not None else ("step",) + self.slot_names()
 
-    def state_dict(self, slot_of: SlotMap, *, keep: bool = True) -> dict:
-        """The state in torch's format. Sharded over ``W`` processes every rank must call it (the
-        states are gathered chunk by chunk, one chunk at a time); ``keep`` False: this rank takes
-        part only (its result is empty)."""
-        base = self.optimizer.state_dict()  # param_groups with hyper-parameters and indices
+    def state_dict(self, slot_of: SlotMap, *, keep: bool = True, optimizer: torch.optim.Optimizer | None = None) -> dict:
+        """The state in torch's format, of ``optimizer`` (one of several the engine trains with,
+        numbered as its own ``state_dict`` numbers them; None: the engine's). Sharded over ``W``
+        processes every rank must call it (the states are gathered chunk by chunk, one chunk at
+        a time); ``keep`` False: this rank takes part only (its result is empty)."""
+        optimizer = optimizer or self.optimizer
+        base = optimizer.state_dict()  # param_groups with hyper-parameters and indices
         names, order = self.slot_names(), self._order()
         state = {}
         gathered: tuple[Chunk | None, list] = (None, [])  # the last chunk's whole states
-        for index, p in indexed_params(self.optimizer):
+        for index, p in indexed_params(optimizer):
             chunk, i = slot_of[id(p)]
             scalars = self.scalar_state(chunk, i)
             if scalars is None:
@@ -387,8 +422,9 @@ class ChunkOptimizer:
                 state[index] = entry
         return {"state": state, "param_groups": base["param_groups"]} if keep else {}
 
-    def validate_state_dict(self, osd: dict) -> None:
-        groups = self.optimizer.param_groups
+    def validate_state_dict(self, osd: dict, optimizer: torch.optim.Optimizer | None = None) -> None:
+        optimizer = optimizer or self.optimizer
+        groups = optimizer.param_groups
         saved = osd.get("param_groups")
         if not isinstance(saved, list) or "state" not in osd:
             raise ValueError("Not an optimizer state dict: expected keys 'state' and 'param_groups'.")
@@ -398,7 +434,7 @@ class ChunkOptimizer:
                 f"{[len(g['params']) for g in saved]} but the optimizer has "
                 f"{[len(g['params']) for g in groups]}; it was saved for a different model or grouping."
             )
-        params = dict(indexed_params(self.optimizer))
+        params = dict(indexed_params(optimizer))
         for index, entry in osd["state"].items():
             p = params.get(int(index))
             if p is None:
@@ -413,15 +449,17 @@ class ChunkOptimizer:
                         f"{tuple(entry[key].shape) if key in entry else None}, expected {tuple(p.shape)}."
                     )
 
-    def load_state_dict(self, osd: dict, slot_of: SlotMap) -> None:
-        self.validate_state_dict(osd)
-        for group, saved in zip(self.optimizer.param_groups, osd["param_groups"]):
+    def load_state_dict(self, osd: dict, slot_of: SlotMap, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Load ``osd``, a state dict of ``optimizer`` (see ``state_dict``)."""
+        optimizer = optimizer or self.optimizer
+        self.validate_state_dict(osd, optimizer)
+        for group, saved in zip(optimizer.param_groups, osd["param_groups"]):
             for key, value in saved.items():
                 if key != "params":
                     group[key] = value
         states = {int(k): v for k, v in osd["state"].items()}
         names = self.slot_names()
-        for index, p in indexed_params(self.optimizer):
+        for index, p in indexed_params(optimizer):
             chunk, i = slot_of[id(p)]
             if not chunk.opt_members or not chunk.spec.members[i].trainable:
                 continue  # frozen parameter: torch keeps no state for it either

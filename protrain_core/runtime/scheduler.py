@@ -389,13 +389,14 @@ class Scheduler:
             if c.state is ChunkState.UPDATING:
                 c.end_update()
 
-    def step(self, hps, clip: UpdateClip, *, wait: bool) -> None:
-        """Update every chunk that has gradients and was not updated during backward, clipped by
-        ``clip``: the streamed ones on the CPU worker in forward order, then the persistent ones
-        on the device. ``wait``: return when every update is over (else the streamed chunks'
-        updates overlap what comes next; their next use waits for them)."""
+    def step(self, hps, clip: UpdateClip, *, wait: bool, chunks: list[Chunk] | None = None) -> None:
+        """Update every chunk (of ``chunks``: default all) that has gradients and was not updated
+        during backward, clipped by ``clip``: the streamed ones on the CPU worker in forward
+        order, then the persistent ones on the device. ``wait``: return when every update is
+        over (else the streamed chunks' updates overlap what comes next; their next use waits
+        for them)."""
         self.wait_all()
-        pending = [c for c in self.chunks if not c.applied and c.has_gradients]
+        pending = [c for c in (self.chunks if chunks is None else chunks) if not c.applied and c.has_gradients]
         # The coefficient's copy to the host (a host wait on CUDA) only when a streamed chunk needs it.
         host_clip = None
         if any(not c.persistent for c in pending):
@@ -430,16 +431,17 @@ class Scheduler:
         for c in self.chunks:
             c.finish_step()
 
-    def zero_grad(self) -> None:
-        """Clear the gradients; updates handed out by step() may go on (they hold their own
-        list of members, and the accumulators are written again only after the next fetch)."""
+    def zero_grad(self, chunks: list[Chunk] | None = None) -> None:
+        """Clear the gradients (of ``chunks``: default all); updates handed out by step() may go
+        on (they hold their own list of members, and the accumulators are written again only
+        after the next fetch)."""
         for c in self.streamed:
             if c.state is ChunkState.OFFLOADING:
                 c.end_offload(self.ctx, in_pass=self._in_pass)
             if c.state is ChunkState.UPDATING and c.index not in self._after_step:
                 c.end_update()
         self.stepped_backward = False
-        for c in self.chunks:
+        for c in self.chunks if chunks is None else chunks:
             c.zero()
 
     def reconfigure(self, n_buffer: int) -> None:

@@ -128,21 +128,26 @@ class StateAccess:
 
     @plain_parameters
     def _trainables(self) -> tuple:
-        """Which parameters train (``requires_grad``) and which the optimizer updates, by group."""
+        """Which parameters train (``requires_grad``) and which the optimizers update, by group."""
         params = [p for c in self._chunks for p in c.params]
-        groups = [[id(p) for p in g["params"]] for g in self._optim.optimizer.param_groups]
+        groups = [[id(p) for p in g["params"]] for o in self._optim.optimizers for g in o.param_groups]
         return tuple(p.requires_grad for p in params), groups
 
     def trainables_changed(self) -> str | None:
         """What changed since the chunks were built: a parameter's ``requires_grad`` (Lightning's
         ``BaseFinetuning`` unfreezing blocks) or the optimizer's parameters (a param group
         added); None: nothing. Their formats (fp32 masters, gradient accumulators, optimizer
-        states) are built for which parameters train."""
+        states) are built for which parameters train. A parameter the optimizer updates that
+        stops requiring gradients (Lightning's ``toggle_optimizer``) keeps its states and is
+        skipped while it gets none, as torch skips it: no change."""
         (trainable, groups), (now, now_groups) = self._formats, self._trainables()
         if now != trainable:
-            names = [c.spec.members[i].name for c in self._chunks for i, p in enumerate(c.params)]
-            changed = [n for n, a, b in zip(names, trainable, now) if a != b]
-            return f"requires_grad of {changed[0]}{f' and {len(changed) - 1} more' if len(changed) > 1 else ''} changed"
+            updated = {i for g in groups for i in g}
+            params = [(c.spec.members[i].name, p) for c in self._chunks for i, p in enumerate(c.params)]
+            changed = [n for (n, p), a, b in zip(params, trainable, now) if a != b and not (a and id(p) in updated)]
+            if changed:
+                return (f"requires_grad of {changed[0]}{f' and {len(changed) - 1} more' if len(changed) > 1 else ''} "
+                        "changed")
         if now_groups != groups:
             return "the optimizer's param groups changed"
         return None
@@ -166,17 +171,20 @@ class StateAccess:
             c.adopt(members)
 
     # ----- the optimizer and the loss scaler -------------------------------------------------
-    def optimizer(self, *, rank0_only: bool = True) -> dict:
+    def optimizer(self, *, rank0_only: bool = True, of: torch.optim.Optimizer | None = None) -> dict:
         """The optimizer state in ``torch.optim.AdamW.state_dict()`` format, on the CPU (sharded:
-        gathered chunk by chunk, kept by rank 0 only unless ``rank0_only`` is False)."""
+        gathered chunk by chunk, kept by rank 0 only unless ``rank0_only`` is False). ``of``: one
+        of the engine's several optimizers, its state as its own ``state_dict()`` gives it
+        (None: the engine's optimizer, over all of them)."""
         self._scheduler.wait_all()
-        return self._optim.state_dict(self._slot_of, keep=not rank0_only or self._rank == 0)
+        return self._optim.state_dict(self._slot_of, keep=not rank0_only or self._rank == 0, optimizer=of)
 
-    def load_optimizer(self, state_dict: dict) -> None:
-        """Load an ``AdamW.state_dict()`` (of the unwrapped optimizer, or of ``optimizer()``)."""
+    def load_optimizer(self, state_dict: dict, *, of: torch.optim.Optimizer | None = None) -> None:
+        """Load an ``AdamW.state_dict()`` (of the unwrapped optimizer, or of ``optimizer()``);
+        ``of``: the optimizer it belongs to, with several (see ``optimizer``)."""
         self._state.check_open()
         self._scheduler.wait_all()
-        self._optim.load_state_dict(state_dict, self._slot_of)
+        self._optim.load_state_dict(state_dict, self._slot_of, optimizer=of)
 
     @property
     def chunk_optimizer(self) -> ChunkOptimizer:

@@ -166,27 +166,31 @@ def _units(model: nn.Module, block_path: str, n_blocks: int, module_order: tuple
     return list(units.items())
 
 
-def pack(unit_sizes: list[int], chunk_size: int) -> list[list[int]]:
-    """Units (by size, in order) -> chunks (lists of unit indices), filling each chunk in turn."""
+def pack(unit_sizes: list[int], chunk_size: int, owners: list[int | None] | None = None) -> list[list[int]]:
+    """Units (by size, in order) -> chunks (lists of unit indices), filling each chunk in turn.
+    ``owners``: each unit's optimizer (None: it has no parameter an optimizer updates); a chunk
+    never holds the units of two optimizers."""
     chunks: list[list[int]] = [[]]
-    used = 0
+    used, owner = 0, None
     for i, size in enumerate(unit_sizes):
-        if used + size > chunk_size and chunks[-1]:
+        unit_owner = None if owners is None else owners[i]
+        if chunks[-1] and (used + size > chunk_size or None not in (owner, unit_owner) and owner != unit_owner):
             chunks.append([])
-            used = 0
+            used, owner = 0, None
         chunks[-1].append(i)
         used += size
+        owner = unit_owner if unit_owner is not None else owner
     return chunks
 
 
-def search_chunk_size(unit_sizes: list[int]) -> int:
+def search_chunk_size(unit_sizes: list[int], owners: list[int | None] | None = None) -> int:
     """Chunk size (elements) in [max_unit, 2 * max_unit] with the least waste; ties -> smaller."""
     smallest = align(max(unit_sizes))
     total = sum(unit_sizes)
     best, best_waste = smallest, None
     for k in range(_GRID_STEPS + 1):
         size = align(int(smallest * (1 + k / _GRID_STEPS)))
-        waste = len(pack(unit_sizes, size)) * size - total
+        waste = len(pack(unit_sizes, size, owners)) * size - total
         if best_waste is None or waste < best_waste:
             best, best_waste = size, waste
     return best
@@ -200,21 +204,24 @@ def build_layout(
     example_inputs=None,
     chunk_size: int | None = None,
     block_aligned: tuple[int, int] | None = None,
+    owners: dict[int, int] | None = None,
 ) -> ChunkLayout:
     """The layout of ``model``'s parameters in chunks (``chunk_size``: None searches it), its
     transformer blocks the ``n_blocks`` modules of the ``nn.ModuleList`` at ``block_path``
     (``find_blocks``), in the execution order traced on ``example_inputs`` (on the meta device).
     ``block_aligned`` ``(block, min_numel)``: the first trainable member of a chunk and every
     trainable member of at least ``min_numel`` elements start at a multiple of ``block`` (8-bit
-    moments: see the module's docstring)."""
+    moments: see the module's docstring). ``owners``: parameter id -> the index of the optimizer
+    that updates it, when there are several: each chunk holds one optimizer's parameters."""
     traced = trace(model, block_path, example_inputs)
     units = _units(model, block_path, n_blocks, traced.order)
     unit_sizes = [sum(align(p.numel()) for _, p in params) + _alignment_bound(params, block_aligned)
                   for _, params in units]
     if not units:
         raise ValueError(f"{type(model).__name__} has no parameters to manage.")
+    unit_owners = None if owners is None else [_owner(unit, params, owners) for unit, params in units]
     if chunk_size is None:
-        chunk_size = search_chunk_size(unit_sizes)
+        chunk_size = search_chunk_size(unit_sizes, unit_owners)
     elif chunk_size < max(unit_sizes):
         biggest = units[max(range(len(units)), key=unit_sizes.__getitem__)][0]
         raise ValueError(
@@ -223,7 +230,7 @@ def build_layout(
             f"{max(unit_sizes):,} or leave chunk_size=None for the automatic search."
         )
     chunks = []
-    for index, unit_ids in enumerate(pack(unit_sizes, chunk_size)):
+    for index, unit_ids in enumerate(pack(unit_sizes, chunk_size, unit_owners)):
         params = [(name, p) for u in unit_ids for name, p in units[u][1]]
         members, offset = [], 0
         for name, p in sorted(params, key=lambda np: np[1].requires_grad):  # stable: frozen first, then trainable
@@ -239,6 +246,17 @@ def build_layout(
     layout = ChunkLayout(chunk_size=chunk_size, chunks=tuple(chunks), block_path=block_path, n_blocks=n_blocks,
                          order_source=traced.source)
     return _with_resident_sets(layout, model, traced)
+
+
+def _owner(unit: str, params, owners: dict[int, int]) -> int | None:
+    """The one optimizer that updates the unit's parameters (None: none does)."""
+    found = {owners[id(p)] for _, p in params if id(p) in owners}
+    if len(found) > 1:
+        raise ValueError(
+            f"The unit {unit!r} (a transformer block, or a module outside the blocks) has parameters in optimizers "
+            f"{sorted(found)}. ProTrain moves a unit's parameters as one chunk and steps each optimizer's chunks "
+            "alone, so one unit's parameters belong to one optimizer: give that module's parameters to one of them.")
+    return next(iter(found), None)
 
 
 def unit_chunks(model: nn.Module, layout: ChunkLayout) -> dict[nn.Module, tuple[int, ...]]:
