@@ -233,6 +233,7 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
         optimizers = check_optimizers([optimizer])
         if engine.optimizer_states:  # fabric.setup_optimizers(opt_a, opt_b): one engine steps both
             optimizers = [*engine.optimizers, *optimizers]
+            self._check_processes_for(optimizers)
             self.precision.scaler = close_for_a_new_engine(engine) or self.precision.scaler
         else:
             engine.close()
@@ -243,6 +244,7 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
         self._refuse_a_second_model()
         optimizers = check_optimizers(optimizers)
         self._environment_for("fabric.setup(model, optimizer)")
+        self._check_processes_for(optimizers)
         self._build_for_training(module, optimizers)
         return module, optimizers, scheduler
 
@@ -256,13 +258,15 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
                 "one optimizer with a param group each; or give the other model its own Fabric."
             )
 
-    def _build_for_training(self, module: nn.Module, optimizers: list) -> None:
-        if len(optimizers) > 1 and self.world_size > 1:
+    def _check_processes_for(self, optimizers: list) -> None:
+        if len(optimizers) > 1 and self.is_distributed:
             raise RuntimeError(
                 "The ProTrain Fabric strategy runs several optimizers in one process only: Fabric's optimizer.zero_grad() "
                 "reaches the engine through p.grad, which no rank holds whole when the chunks are sharded over "
                 f"{self.world_size} processes. Use the Trainer's manual optimization for several processes, or one "
                 "optimizer with a param group per part.")
+
+    def _build_for_training(self, module: nn.Module, optimizers: list) -> None:
         searched = self.config.planning.plan is None
         self.engine = build_engine(
             module, optimizers, self.config, precision=self.precision.precision, device=self.root_device,

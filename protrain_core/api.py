@@ -113,6 +113,8 @@ def _joint(model: nn.Module, optimizer, config: ProTrainConfig, prec: Precision)
                else "grad_accumulator=False (updates during backward)" if config.grad_accumulator is False
                else "optimizer_states=False (an engine for evaluation has no optimizer)"
                if not config.optimizer_states
+               else f"optimizer_state_format={config.optimizer_state_format!r} (fp32 moments only, for now)"
+               if config.optimizer_state_format != "fp32"
                else "precision='16-mixed' (one loss scale would serve every optimizer's step; bf16-mixed needs none)"
                if prec is Precision.FP16_MIXED else None)
         if why is not None:

@@ -84,6 +84,7 @@ class AutoPlanner(StepObserver):
         self._decisions: dict[tuple[int, Plan, Overlap], Plan] = {}
         self._said: set[tuple[int, Plan]] = set()
         self.handle = None
+        self.pending: Plan | None = None  # a switch waiting for a graph's backward (``switch``)
 
     # ----- the plans ------------------------------------------------------------------------
     @property
@@ -225,9 +226,9 @@ class AutoPlanner(StepObserver):
 
     # ----- following the run ----------------------------------------------------------------
     def follow(self) -> None:
-        """From now on, check every micro-batch's shape (when batches show their tokens)."""
-        if self.ratio is not None:
-            self.handle = self.engine.observe(self)
+        """From now on, check every micro-batch's shape (when batches show their tokens) and
+        make a switch that waited (``switch``)."""
+        self.handle = self.engine.observe(self)
 
     def tokens_of(self, batch) -> int | None:
         """A batch's tokens as the first block will see them (None: it does not show them)."""
@@ -237,11 +238,18 @@ class AutoPlanner(StepObserver):
     def batch_begins(self, batch) -> None:
         tokens = self.tokens_of(batch)
         if tokens is None:
+            if self.pending is not None:
+                self.switch(self.pending)
             return
         # Every rank plans for the longest of the ranks' batches (a host collective).
         tokens = int(self.engine.sharding.max_on_host([tokens])[0])
-        plan = self.plan_for(tokens)
-        if plan != self.engine.plan:
+        self.switch(self.plan_for(tokens))
+
+    def switch(self, plan: Plan) -> None:
+        """Run ``plan``: now, or -- while a forward's autograd graph waits for its backward across
+        a step (``RuntimeHooks.backward_awaited``) -- from the first micro-batch after it."""
+        self.pending = plan if self.engine.hooks.backward_awaited() else None
+        if self.pending is None and plan != self.engine.plan:
             self.engine.replan(plan)
 
     def predicted_step(self, tokens: int | None) -> float:
@@ -360,11 +368,12 @@ def plan_on_first_steps(engine: RuntimeEngine, *, budget: int, host_budget: int 
                               refit=refitter(engine.module, engine.optimizer, engine.layout, engine.precision,
                                              engine.config, engine.ctx, world_size=engine.world_size))
         choice = planner.first_choice()
-        engine.replan(choice.plan)
+        planner.switch(choice.plan)
         follow(engine, planner, choice, report=report)
         how = "from the profile cache, 1 step" if result.cached else f"{result.steps} steps"
+        when = " at the next micro-batch (a forward's graph waits for its backward)" if planner.pending else ""
         report(f"ProTrain profiling: {how}, {format_seconds(result.seconds)} (they trained as usual, on a safe plan); "
-               f"switching to the searched plan.\n{engine.explain()}",
+               f"switching to the searched plan{when}.\n{engine.explain()}",
                profiling_steps=result.steps, profiling_s=result.seconds)
 
     def unfinished(steps: int) -> None:

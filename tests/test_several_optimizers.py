@@ -374,3 +374,177 @@ def test_two_processes_train_with_two_optimizers_as_ddp(tmp_path):
                 assert losses == ref_losses and diff == 0.0, rank
             else:
                 assert losses == pytest.approx(ref_losses, abs=1e-5) and diff < 1e-4, (rank, diff)
+
+
+# ----- the GAN recipe: a generated batch kept across the discriminator's step ----------------------
+class TinyGAN(torch.nn.Module):
+    """Blocks 0-1 generate, 2-3 discriminate (the blocks ProTrain manages), a head each."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.g_in = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+            for _ in range(4))
+        self.d_out = torch.nn.Linear(16, 1)
+
+    def forward(self, z=None, x=None):
+        if z is not None:
+            x = self.g_in(z)
+            for b in self.blocks[:2]:
+                x = x + b(x)
+            return x
+        for b in self.blocks[2:]:
+            x = x + b(x)
+        return self.d_out(x)
+
+    def optimizers(self):
+        g = [*self.g_in.parameters(), *self.blocks[:2].parameters()]
+        d = [*self.blocks[2:].parameters(), *self.d_out.parameters()]
+        return torch.optim.AdamW(g, lr=1e-2, fused=True), torch.optim.AdamW(d, lr=1e-2, fused=True)
+
+
+def gan_steps(gan, opt_g, opt_d, backward, step, n=3, between=None):
+    """The DCGAN recipe: the generated batch's graph lives across the discriminator's backward
+    and step, then the generator's backward goes through the discriminator; ``between()`` runs
+    right after the discriminator's step."""
+    g, losses = torch.Generator().manual_seed(3), []
+    for _ in range(n):
+        fake = gan(z=torch.randn(4, 6, 8, generator=g))
+        opt_d.zero_grad()
+        loss_d = gan(x=fake.detach()).pow(2).mean()
+        backward(loss_d)
+        step(opt_d)
+        if between is not None:
+            between()
+        opt_g.zero_grad()
+        loss_g = (gan(x=fake) - 1).pow(2).mean()
+        backward(loss_g)
+        step(opt_g)
+        losses += [loss_d.item(), loss_g.item()]
+    return losses
+
+
+def test_a_generated_batch_kept_across_a_step_holds_its_chunks_in_place():
+    """While the generator's graph waits for its backward, engine.replan and offload_states are
+    refused with the reason (a streamed chunk made persistent under it broke that backward), and
+    the planner's switch waits for the next micro-batch; the run stays plain PyTorch's."""
+    ref = TinyGAN()
+    ref_losses = gan_steps(ref, *ref.optimizers(), lambda loss: loss.backward(), lambda o: o.step())
+    gan = TinyGAN()
+    opt_g, opt_d = gan.optimizers()
+    config = pt.ProTrainConfig(planning=pt.PlanningConfig(blocks="blocks"))
+    engine = pt.wrap(gan, [opt_g, opt_d], pt.Plan(n_persist=0, n_buffer=1), device="cpu", config=config)
+    streamed, persistent = engine.plan, pt.Plan(n_persist=engine.layout.n_chunks, n_buffer=0)
+    refused = []
+
+    def replan():
+        assert engine.hooks.backward_awaited()
+        for what in (lambda: engine.replan(persistent), engine.offload_states):
+            with pytest.raises(RuntimeError, match="waits for its backward"):
+                what()
+        refused.append(engine.plan)
+
+    losses = gan_steps(gan, opt_g, opt_d, engine.backward, engine.step, between=replan)
+    assert losses == ref_losses and refused == [streamed] * 3 and not engine.hooks.backward_awaited()
+    ref_sd = ref.state_dict()
+    assert all(torch.equal(v, ref_sd[k]) for k, v in engine.state_dict().items())
+
+
+def test_the_planners_switch_waits_for_the_generated_batchs_backward():
+    gan = TinyGAN()
+    opt_g, opt_d = gan.optimizers()
+    config = pt.ProTrainConfig(planning=pt.PlanningConfig(blocks="blocks"))
+    engine = pt.wrap(gan, [opt_g, opt_d], pt.Plan(n_persist=0, n_buffer=1), device="cpu", config=config)
+    profiled = TinyGAN()
+    profile = pt.profile(profiled, profiled.optimizers()[0], example_inputs={"z": torch.randn(4, 6, 8)},
+                         step_fn=lambda m, inputs: m(x=m(**inputs)).pow(2).mean(), device="cpu", blocks="blocks")
+    from protrain_core.autoplan import AutoPlanner
+    planner = AutoPlanner(engine, profile, budget=2**30, host_budget=None, overlap=engine.clipping.overlap(),
+                          report=lambda *a, **k: None)
+    planner.follow()
+    persistent = pt.Plan(n_persist=engine.layout.n_chunks, n_buffer=0)
+    seen = []
+
+    def switch():
+        planner.switch(persistent)
+        seen.append((engine.plan == persistent, planner.pending == persistent))
+
+    gan_steps(gan, opt_g, opt_d, engine.backward, engine.step, n=2, between=switch)
+    assert seen == [(False, True), (True, False)]  # deferred, then made at the next batch's first forward
+
+
+
+@pytest.mark.parametrize("plan", ["persistent", "streamed"])
+def test_each_optimizers_own_weight_decay_mode_is_kept(plan):
+    """Two Adams, one with decoupled weight decay: each group is stepped in its own mode (the
+    engine read the first optimizer's for all); the CPU update overlaps the next forward."""
+    data = batches(2)
+    runs = []
+    for engine_run in (False, True):
+        model = MODELS["gpt2"]()
+        first = [p for n, p in model.named_parameters() if n.startswith(FIRST)]
+        rest = [p for p in model.parameters() if all(p is not q for q in first)]
+        opts = [torch.optim.Adam(first, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True, fused=True),
+                torch.optim.Adam(rest, lr=1e-2, weight_decay=0.1, fused=True)]
+        run = model, lambda loss: loss.backward(), lambda o: o.step()
+        if engine_run:
+            engine = pt.wrap(model, opts, plans(n_chunks(MODELS["gpt2"]()))[plan], device="cpu")
+            run = engine.module, engine.backward, engine.step
+            assert engine.overlap.startswith("cpu-adam-during-next-forward (several optimizers")
+        losses = alternate(data, opts, lambda x: run[0](input_ids=x, labels=x).loss, *run[1:],
+                           lambda o: o.zero_grad(), zero_first=True)
+        runs.append((losses, (engine if engine_run else model).state_dict()))
+    (l0, sd0), (l1, sd1) = runs
+    assert l0 == l1 and all(torch.equal(v, sd1[k]) for k, v in sd0.items())
+
+
+def test_a_gradient_cleared_after_its_chunk_was_updated_in_backward_is_refused():
+    """One optimizer, every chunk streamed: from the second step on a chunk is updated during
+    backward; ``p.grad = None`` of its parameters then cannot be honoured (torch would skip them)."""
+    model = MODELS["gpt2"]()
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=0, n_buffer=1), device="cpu")
+    for step, x in enumerate(batches(2)):
+        engine.backward(engine.module(input_ids=x, labels=x).loss)
+        if step == 1:
+            with pytest.raises(RuntimeError, match="set to None between backward and step.*already updated"):
+                for p in engine.chunks[2].params:  # the whole chunk: its last member used to pass silently
+                    p.grad = None
+            return
+        engine.step()
+        engine.zero_grad()
+
+
+def test_an_optimizer_wrapped_by_the_user_still_steps_under_the_trainer():
+    """configure_optimizers may return an optimizable that wraps the torch optimizer
+    (``.optimizer``): the engine takes the one inside, and Lightning's step of the wrapper steps it."""
+    class Wrapped:
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        def __getattr__(self, name):
+            return getattr(self.optimizer, name)
+
+        def step(self, closure=None):
+            return self.optimizer.step(closure)
+
+    class Lit(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = MODELS["gpt2"]()
+
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            return self.model(input_ids=x, labels=x).loss
+
+        def configure_optimizers(self):
+            return Wrapped(torch.optim.AdamW(self.parameters(), lr=1e-2))
+
+    lit = Lit()
+    before = lit.model.lm_head.weight.detach().clone()
+    trainer = pl.Trainer(strategy=ProTrainStrategy(pt.Plan(n_persist=0, n_buffer=1)), accelerator="cpu", devices=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, max_steps=2)
+    trainer.fit(lit, _loader())
+    assert trainer.global_step == 2 and not torch.equal(before, lit.model.lm_head.weight.detach())

@@ -240,7 +240,7 @@ class RuntimeEngine:
         ``optimizer``: with several optimizers, the one to step: only its parameters are
         updated, as its own ``step()`` would (None: every optimizer)."""
         self.step_state.check_open()
-        chunks = self._chunks_of(optimizer)
+        stepped, chunks = self._chunks_of(optimizer)
         self._check_trains("step()")
         check_onloaded(self, "engine.step()")
         if self.grads.consumed:
@@ -268,8 +268,8 @@ class RuntimeEngine:
         # Runs the optimizer's step hooks and LR-scheduler bookkeeping. No parameter holds a
         # .grad (the engine keeps gradients in chunks), so torch's update loop skips them all.
         with self.step_state.in_optimizer_step(), torch._C.DisableTorchFunctionSubclass():
-            for stepped in self.optimizers if optimizer is None else (optimizer,):
-                stepped.step()
+            for o in stepped:
+                o.step()
         self.step_state.micro_batch_ended()
         self._step_observers.notify(lambda o: o.step_ends())
 
@@ -329,7 +329,7 @@ class RuntimeEngine:
         """Clear the gradients (``set_to_none`` as torch's: either way none is kept); ``optimizer``:
         with several optimizers, of its parameters only (None: all)."""
         self.step_state.check_open()
-        self.scheduler.zero_grad(self._chunks_of(optimizer))
+        self.scheduler.zero_grad(self._chunks_of(optimizer)[1])
         self.grads.discard()
 
     @property
@@ -431,14 +431,16 @@ class RuntimeEngine:
         if not self.step_state.optimizer_step:
             _refuse_optimizer_step(optimizer)
 
-    def _chunks_of(self, optimizer: torch.optim.Optimizer | None) -> list[Chunk]:
-        """The chunks that ``optimizer`` (one of the engine's; None: every one) updates."""
-        if optimizer is None or optimizer is self.optimizer:
-            return self.chunks
-        if id(optimizer) not in self._owned:
+    def _chunks_of(self, optimizer) -> tuple[tuple, list[Chunk]]:
+        """The engine's optimizers that ``optimizer`` names (None, or the engine's only one: all;
+        a wrapper such as Lightning's: the one it wraps) and the chunks they update."""
+        if optimizer is None or len(self.optimizers) == 1:
+            return self.optimizers, self.chunks
+        own = next((o for o in self.optimizers if o is optimizer or o is getattr(optimizer, "optimizer", None)), None)
+        if own is None:
             raise ValueError(f"This {type(optimizer).__name__} is not an optimizer of this ProTrain engine: step and "
                              "zero_grad the optimizers given to wrap().")
-        return self._owned[id(optimizer)]
+        return (own,), self._owned[id(own)]
 
     def _check_trains(self, what: str) -> None:
         if not self.optimizer_states:

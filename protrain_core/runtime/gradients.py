@@ -146,6 +146,8 @@ class StepGradients:
     def late_reason(self, *, steady: bool = False) -> str | None:
         """Why the next backward must hold the CPU updates for a late clipping request (None: it
         need not); ``steady``: after the first step."""
+        if self.several_optimizers:
+            return "several optimizers: each one's step updates its chunks"
         if self.policy.expect_late is not None:
             return "gradient clipping or gradient changes expected after backward"
         if self.read_seen:

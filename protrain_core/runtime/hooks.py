@@ -71,7 +71,7 @@ from protrain_core.utils import iter_tensors
 class UnitCall:
     """One forward call of a hooked unit, until its backward is over."""
 
-    __slots__ = ("idxs", "parent", "began", "inputs")
+    __slots__ = ("idxs", "parent", "began", "inputs", "__weakref__")
 
     def __init__(self, idxs: tuple[int, ...], parent: UnitCall | None) -> None:
         self.idxs = idxs
@@ -103,6 +103,8 @@ class RuntimeHooks:
         self.grad_of, self.clear_grad = grad_of, clear_grad
         self.handles = []
         self._running: list[UnitCall] = []  # the unit calls whose forward is running, outermost first
+        # Unit calls whose outputs joined an autograd graph; gone with the graph (its tensors' hooks hold them).
+        self._graphs: weakref.WeakSet[UnitCall] = weakref.WeakSet()
         self._units = {id(m) for m in units}  # (a deep copy of the model shares the hooks: ignored)
         for module, idxs in units.items():
             self.handles.append(module.register_forward_pre_hook(self._pre_forward(idxs), with_kwargs=True))
@@ -128,6 +130,12 @@ class RuntimeHooks:
         self._managed.clear()
         self._onloaded = self.grad_of = self.clear_grad = None  # (the engine's parts: no cycle keeps a closed
                                                                 # engine alive)
+
+    def backward_awaited(self) -> bool:
+        """A forward that streamed chunks left an autograd graph whose backward has not begun
+        (several optimizers: a GAN's generated batch kept across the discriminator's step).
+        Chunks must stay where that forward found them until then: no re-plan, no offload."""
+        return any(not call.began for call in self._graphs)
 
     def covers(self, chunk: Chunk) -> bool:
         """A use of ``chunk``'s parameters now needs nothing of its own: the chunk is persistent,
@@ -164,6 +172,7 @@ class RuntimeHooks:
             for t in iter_tensors(out):
                 if t.requires_grad:
                     t.register_hook(self._pre_backward(call))
+                    self._graphs.add(call)
         return out
 
     def _streams(self, idxs: tuple[int, ...]) -> bool:
@@ -199,6 +208,7 @@ class RuntimeHooks:
             for t in iter_tensors(output):
                 if t.requires_grad and call.inputs.get(id(t), -1) != t._version:  # not an input passed through
                     t.register_hook(self._pre_backward(call))
+                    self._graphs.add(call)
             call.inputs = None
 
         return hook

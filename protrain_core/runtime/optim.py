@@ -150,8 +150,6 @@ class ChunkOptimizer:
         self.optimizers = tuple(optimizers) or (optimizer,)
         self.one_pass_kernel = one_pass_kernel
         self.kind = check_optimizer(optimizer)
-        self.decoupled = bool(isinstance(optimizer, torch.optim.AdamW)
-                              or optimizer.defaults.get("decoupled_weight_decay", False))
         self.elementwise = None if self.kind is None else ElementwiseSteps(optimizer, self.kind)
         self._places: dict[int, formats.QuantPlaces] = {}  # chunk -> its 8-bit addressing
         self.group_of: dict[int, int] = {}
@@ -169,8 +167,9 @@ class ChunkOptimizer:
         """Each param group's hyper-parameters now (Adam's, or the other optimizer's settings)."""
         if self.elementwise is not None:
             return self.elementwise.snapshot()
-        return tuple(
-            AdamHyperParams.from_group(group, decoupled_weight_decay=self.decoupled)
+        adamw = isinstance(self.optimizer, torch.optim.AdamW)  # (a group without the key: torch's older state dicts)
+        return tuple(  # decoupled per group, as torch reads it (several optimizers' groups may differ)
+            AdamHyperParams.from_group(group, decoupled_weight_decay=bool(group.get("decoupled_weight_decay", adamw)))
             for group in self.optimizer.param_groups
         )
 

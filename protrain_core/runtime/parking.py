@@ -69,6 +69,10 @@ def check_between_steps(engine, what: str) -> None:
     if not state.idle or state.batch_begun or any(c.applied or c.receiving for c in engine.chunks):
         raise RuntimeError(f"{what} was called within a step; call it after engine.step() (or before the "
                            "next forward).")
+    if engine.hooks.backward_awaited():
+        raise RuntimeError(f"{what} was called while the autograd graph of a forward that streamed chunks waits for "
+                           "its backward (an output kept across a step, as a GAN's generated batch is): that backward "
+                           "needs the chunks where they were. Call it after that backward, or once the graph is freed.")
 
 
 def check_onloaded(engine, what: str) -> None:
