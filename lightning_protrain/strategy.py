@@ -1,7 +1,8 @@
 """``Trainer(strategy="protrain")``: the ProTrain engine behind Lightning's strategy API.
 
 The strategy is a thin adapter over ``protrain_core``:
-  setup       the user's optimizer from ``configure_optimizers`` (param groups, schedulers kept)
+  setup       the user's optimizer from ``configure_optimizers`` (param groups, schedulers kept;
+              several under manual optimization, each ``opt.step()`` updating its own parameters)
               go into the engine, which owns the parameters from then on (``model_to_device``
               does nothing). Unless a plan is given, it starts on a safe plan and profiles the
               first training steps (they train as usual: ``training_step`` runs once per batch),

@@ -109,14 +109,16 @@ def _joint(model: nn.Module, optimizer, config: ProTrainConfig, prec: Precision)
     if not optimizers:
         raise ValueError("wrap() needs an optimizer (or a list of them); got an empty list.")
     if len(optimizers) > 1:
-        why = ("gradient clipping (its norm would span every optimizer's parameters)" if config.clipping is not None
-               else "grad_accumulator=False (updates during backward)" if config.grad_accumulator is False
-               else "optimizer_states=False (an engine for evaluation has no optimizer)"
-               if not config.optimizer_states
-               else f"optimizer_state_format={config.optimizer_state_format!r} (fp32 moments only, for now)"
-               if config.optimizer_state_format != "fp32"
-               else "precision='16-mixed' (one loss scale would serve every optimizer's step; bf16-mixed needs none)"
-               if prec is Precision.FP16_MIXED else None)
+        unsupported = {
+            "gradient clipping (its norm would span every optimizer's parameters)": config.clipping is not None,
+            "grad_accumulator=False (updates during backward)": config.grad_accumulator is False,
+            "optimizer_states=False (an engine for evaluation has no optimizer)": not config.optimizer_states,
+            f"optimizer_state_format={config.optimizer_state_format!r} (fp32 moments only, for now)":
+                config.optimizer_state_format != "fp32",
+            "precision='16-mixed' (one loss scale would serve every optimizer's step; bf16-mixed needs none)":
+                prec is Precision.FP16_MIXED,
+        }
+        why = next((what for what, given in unsupported.items() if given), None)
         if why is not None:
             raise ValueError(f"wrap() with several optimizers does not support {why}: each optimizer's chunks are "
                              "updated at its own step() from the gradients accumulated for them. Remove the setting, "

@@ -432,9 +432,10 @@ class RuntimeEngine:
             _refuse_optimizer_step(optimizer)
 
     def _chunks_of(self, optimizer) -> tuple[tuple, list[Chunk]]:
-        """The engine's optimizers that ``optimizer`` names (None, or the engine's only one: all;
-        a wrapper such as Lightning's: the one it wraps) and the chunks they update."""
-        if optimizer is None or len(self.optimizers) == 1:
+        """The engine's optimizers that ``optimizer`` names (None, ``engine.optimizer`` or the
+        engine's only one: all; a wrapper such as Lightning's: the one it wraps) and the chunks
+        they update."""
+        if optimizer is None or optimizer is self.optimizer or len(self.optimizers) == 1:
             return self.optimizers, self.chunks
         own = next((o for o in self.optimizers if o is optimizer or o is getattr(optimizer, "optimizer", None)), None)
         if own is None:
