@@ -19,8 +19,11 @@ that optimizer's chunks -- the streamed ones on the CPU worker, overlapping what
 runs that optimizer's own ``step`` for its hooks and schedulers; ``zero_grad(optimizer=)`` clears
 its chunks. Gradients stay readable through ``p.grad`` across steps, until cleared member by
 member (``p.grad = None``) or by chunk, so that an optimizer whose ``zero_grad`` does not reach
-the engine (Fabric's wrapper) still clears them exactly. Clipping, loss scaling (16-mixed) and
-``grad_accumulator=False`` are refused: each spans one step of every trainable parameter.
+the engine (Fabric's wrapper) still clears them exactly. A forward's graph may outlive a step
+(the DCGAN recipe keeps the generated batch's): until its backward begins, the chunks stay where
+that forward found them (``RuntimeHooks.backward_awaited``: no re-plan, no offload). Clipping,
+loss scaling (16-mixed), moments other than fp32 and ``grad_accumulator=False`` are refused:
+each spans one step of every trainable parameter, or is not tested with several yet.
 """
 
 from __future__ import annotations
