@@ -406,3 +406,32 @@ def test_the_core_api_habits_on_the_simulated_gpus_asynchronous_path(plan):
     assert got == expected
     sd = engine.state_dict()
     assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
+
+
+@pytest.mark.parametrize("plan", ["streamed", "persistent"])
+def test_the_models_own_zero_grad_clears_the_chunks_as_torchs_clears_grad(plan):
+    """A loop that zeroes with ``model.zero_grad()`` (as Hugging Face's Trainer does, and
+    Lightning before each stage and each validation run) before each backward, and never through
+    the optimizer: the same losses and weights as PyTorch's (the chunks kept the last step's
+    gradients, and the next backward added to them). A deep copy's ``zero_grad`` (an EMA's)
+    clears its own gradients only, not the engine's."""
+    data = batches(3)
+    ref = MODELS["gpt2"]()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), plans(n_chunks(model))[plan], device="cpu")
+    ema = copy.deepcopy(model)
+    losses, ref_losses = [], []
+    for x in data:
+        ref.zero_grad()
+        ref_losses.append(ref(input_ids=x, labels=x).loss)
+        ref_losses[-1].backward()
+        ref_opt.step()
+        model.zero_grad()
+        losses.append(engine.module(input_ids=x, labels=x).loss)
+        engine.backward(losses[-1])
+        ema.zero_grad()
+        engine.step()
+    assert [loss.item() for loss in losses] == [loss.item() for loss in ref_losses]
+    state = engine.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items())

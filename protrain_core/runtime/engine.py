@@ -28,6 +28,7 @@ each spans one step of every trainable parameter, or is not tested with several 
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -120,7 +121,8 @@ class RuntimeEngine:
         self._step_observers = Observers(StepObserver)
         self._handles = [module.register_forward_pre_hook(self._on_module_call, with_kwargs=True, prepend=True),
                          *[o.register_step_pre_hook(self._before_optimizer_step) for o in self.optimizers],
-                         *([_ZeroGradRoute(self, o) for o in self.optimizers] if config.optimizer_states else []),
+                         *([_ZeroGradRoute(self, o) for o in (*self.optimizers, module)] if config.optimizer_states
+                           else []),
                          *(_autocast_hooks(self) if precision.is_mixed else [])]
         self.set_block_modes(plan.block_modes(layout.n_blocks))
         _carry_optimizer_states(self)
@@ -455,32 +457,39 @@ class RuntimeEngine:
 
 
 class _ZeroGradRoute:
-    """``optimizer.zero_grad()`` of the engine's optimizer (what PyTorch loops, the Trainer and
-    Fabric scripts call) also clears the gradients the engine keeps in its chunks, until
-    ``remove()`` (the engine closes).
+    """``zero_grad()`` of one of the engine's optimizers (what PyTorch loops, the Trainer and
+    Fabric scripts call: that optimizer's chunks) or of its module (``nn.Module.zero_grad``: a
+    loop's ``model.zero_grad()``, Lightning's before each stage and each validation run: every
+    chunk) also clears the gradients the engine keeps in its chunks, until ``remove()`` (the
+    engine closes).
 
     [Note: routing zero_grad]
-    This sets an instance attribute on the user's optimizer (its class is untouched; ``remove``
+    This sets an instance attribute on the user's object (its class is untouched; ``remove``
     deletes it), because no public seam sees a ``zero_grad``: torch.optim has step and
-    state-dict hooks but none for ``zero_grad``, which only clears ``p.grad`` (always None here:
-    gradients live in the chunks), and Lightning reaches it through
-    ``LightningModule.optimizer_zero_grad``, which users override. An instance attribute follows
-    every way the user's code calls it; Lightning's optimizer wrapper is routed to it
-    (lightning_protrain/strategy.py)."""
+    state-dict hooks but none for ``zero_grad``, and neither has ``nn.Module``; both only clear
+    ``p.grad``, which reads None outside a backward's window (gradients live in the chunks), and
+    Lightning reaches the optimizer's through ``LightningModule.optimizer_zero_grad``, which users
+    override. An instance attribute follows every way the user's code calls it; Lightning's
+    optimizer wrapper is routed to it (lightning_protrain/strategy.py). It is a method bound to
+    its object, so a deep copy (an EMA's of the model) is bound to the copy, which it leaves to
+    the class's own ``zero_grad``."""
 
-    def __init__(self, engine: RuntimeEngine, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
-        original = type(optimizer).zero_grad
+    def __init__(self, engine: RuntimeEngine, owner: torch.optim.Optimizer | nn.Module) -> None:
+        self.owner = owner
+        original = type(owner).zero_grad
+        optimizer = None if isinstance(owner, nn.Module) else owner  # a module's: every chunk
 
-        def zero_grad(set_to_none: bool = True) -> None:
-            if not engine.closed:  # (first: then p.grad of its parameters reads None, sharded too)
+        def zero_grad(this, set_to_none: bool = True) -> None:
+            # (first: then p.grad of its parameters reads None, sharded too; a module's call inside a
+            # pass or a step leaves the chunks alone, as torch's leaves a running backward's)
+            if this is owner and not engine.closed and (optimizer is not None or engine.step_state.idle):
                 engine.zero_grad(set_to_none, optimizer)
-            original(optimizer, set_to_none=set_to_none)
+            original(this, set_to_none=set_to_none)
 
-        optimizer.zero_grad = zero_grad
+        owner.zero_grad = types.MethodType(zero_grad, owner)
 
     def remove(self) -> None:
-        self.optimizer.__dict__.pop("zero_grad", None)
+        self.owner.__dict__.pop("zero_grad", None)
 
 
 def _check_formats(engine: RuntimeEngine, optim: ChunkOptimizer) -> None:
