@@ -435,3 +435,19 @@ def test_the_models_own_zero_grad_clears_the_chunks_as_torchs_clears_grad(plan):
     assert [loss.item() for loss in losses] == [loss.item() for loss in ref_losses]
     state = engine.state_dict()
     assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items())
+
+
+def test_a_zero_grad_set_on_the_model_itself_is_called_and_put_back():
+    """A ``zero_grad`` the model holds on itself (Lightning's hook tests record calls so) runs
+    inside the engine's route, and is the model's again once the engine closes."""
+    model = MODELS["gpt2"]()
+    calls = []
+    model.zero_grad = lambda set_to_none=True: calls.append(set_to_none)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=0, n_buffer=1), device="cpu")
+    x = batches(1)[0]
+    engine.backward(engine.module(input_ids=x, labels=x).loss)
+    model.zero_grad()
+    assert calls == [True] and not any(c.has_gradients for c in engine.chunks)
+    engine.close()
+    model.zero_grad(False)
+    assert calls == [True, False]

@@ -476,20 +476,27 @@ class _ZeroGradRoute:
 
     def __init__(self, engine: RuntimeEngine, owner: torch.optim.Optimizer | nn.Module) -> None:
         self.owner = owner
-        original = type(owner).zero_grad
+        self.own = owner.__dict__.get("zero_grad")  # one the object had on itself already: called, then put back
+        original = self.own if self.own is not None else types.MethodType(type(owner).zero_grad, owner)
         optimizer = None if isinstance(owner, nn.Module) else owner  # a module's: every chunk
 
         def zero_grad(this, set_to_none: bool = True) -> None:
+            if this is not owner:  # a deep copy's
+                return type(this).zero_grad(this, set_to_none=set_to_none)
             # (first: then p.grad of its parameters reads None, sharded too; a module's call inside a
             # pass or a step leaves the chunks alone, as torch's leaves a running backward's)
-            if this is owner and not engine.closed and (optimizer is not None or engine.step_state.idle):
+            if not engine.closed and (optimizer is not None or engine.step_state.idle):
                 engine.zero_grad(set_to_none, optimizer)
-            original(this, set_to_none=set_to_none)
+            return original(set_to_none=set_to_none)
 
-        owner.zero_grad = types.MethodType(zero_grad, owner)
+        self.routed = owner.zero_grad = types.MethodType(zero_grad, owner)
 
     def remove(self) -> None:
-        self.owner.__dict__.pop("zero_grad", None)
+        if self.owner.__dict__.get("zero_grad") is self.routed:
+            if self.own is None:
+                del self.owner.__dict__["zero_grad"]
+            else:
+                self.owner.__dict__["zero_grad"] = self.own
 
 
 def _check_formats(engine: RuntimeEngine, optim: ChunkOptimizer) -> None:
