@@ -497,6 +497,7 @@ class _ZeroGradRoute:
                 del self.owner.__dict__["zero_grad"]
             else:
                 self.owner.__dict__["zero_grad"] = self.own
+        self.routed = None  # (it holds the engine: no cycle keeps a closed engine alive)
 
 
 def _check_formats(engine: RuntimeEngine, optim: ChunkOptimizer) -> None:
