@@ -480,14 +480,14 @@ class _ZeroGradRoute:
         original = self.own if self.own is not None else types.MethodType(type(owner).zero_grad, owner)
         optimizer = None if isinstance(owner, nn.Module) else owner  # a module's: every chunk
 
-        def zero_grad(this, set_to_none: bool = True) -> None:
+        def zero_grad(this, *args, **kwargs) -> None:  # (the caller's arguments passed on as they came)
             if this is not owner:  # a deep copy's
-                return type(this).zero_grad(this, set_to_none=set_to_none)
+                return type(this).zero_grad(this, *args, **kwargs)
             # (first: then p.grad of its parameters reads None, sharded too; a module's call inside a
             # pass or a step leaves the chunks alone, as torch's leaves a running backward's)
             if not engine.closed and (optimizer is not None or engine.step_state.idle):
-                engine.zero_grad(set_to_none, optimizer)
-            return original(set_to_none=set_to_none)
+                engine.zero_grad(kwargs.get("set_to_none", args[0] if args else True), optimizer)
+            return original(*args, **kwargs)
 
         self.routed = owner.zero_grad = types.MethodType(zero_grad, owner)
 
