@@ -28,7 +28,7 @@ from protrain_core.precision import Precision, parse_precision
 from protrain_core.profiler.profiler import profile_model, safe_plan
 from protrain_core.runtime.compiled import compile_fingerprint, compile_setting
 from protrain_core.runtime.device import DeviceContext, as_context
-from protrain_core.runtime.optim import check_optimizer, indexed_params, joint_optimizer
+from protrain_core.runtime.optim import check_optimizer, joint_optimizer, parameter_owners
 from protrain_core.runtime.sharding import Sharding, agree, agree_budgets, check_same_configuration
 from protrain_core.runtime.state_formats import block_aligned, check_optimizer_for
 from protrain_core.runtime.storage import chunk_formats
@@ -297,14 +297,8 @@ def _prepare(model: nn.Module, optimizer, blocks, chunk_size, example_inputs, ct
     compiled = any(is_compile_wrapper(m) for m in model.modules())
     with torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext():
         return build_layout(model, block_path, len(block_list), example_inputs=example_inputs, chunk_size=chunk_size,
-                            block_aligned=block_aligned(moments), owners=_owners(optimizers))
-
-
-def _owners(optimizers: tuple) -> dict[int, int] | None:
-    """Parameter id -> its optimizer's index, when there are several."""
-    if len(optimizers) < 2:
-        return None
-    return {id(p): k for k, o in enumerate(optimizers) for _, p in indexed_params(o)}
+                            block_aligned=block_aligned(moments),
+                            owners=parameter_owners(optimizers) if len(optimizers) > 1 else None)
 
 
 def _checked(model: nn.Module, precision: str, device, config: ProTrainConfig) -> tuple[Precision, DeviceContext]:

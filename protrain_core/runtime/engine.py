@@ -47,7 +47,7 @@ from protrain_core.runtime.compiled import compile_units
 from protrain_core.runtime.device import DeviceContext, as_context, cpu_worker_placement
 from protrain_core.runtime.gradients import StepGradients
 from protrain_core.runtime.hooks import RuntimeHooks, refuse_compiled
-from protrain_core.runtime.optim import ChunkOptimizer, indexed_params
+from protrain_core.runtime.optim import ChunkOptimizer, parameter_owners
 from protrain_core.runtime.parking import OffloadedStates, check_between_steps, check_onloaded, offload, onload
 from protrain_core.runtime.scheduler import Scheduler
 from protrain_core.runtime.sharding import ONE_PROCESS, Sharding, broadcast_tensors
@@ -526,11 +526,11 @@ def _owned_chunks(chunks: list[Chunk], optimizers: tuple) -> dict[int, list[Chun
     chunk with another: the layout's ``owners``)."""
     if len(optimizers) < 2:
         return {}
-    owner = {id(p): id(o) for o in optimizers for _, p in indexed_params(o)}
+    owner = parameter_owners(optimizers)
     owned: dict[int, list[Chunk]] = {id(o): [] for o in optimizers}
     for c in chunks:
-        for key in {owner[id(p)] for p in c.params if id(p) in owner}:
-            owned[key].append(c)
+        for k in {owner[id(p)] for p in c.params if id(p) in owner}:
+            owned[id(optimizers[k])].append(c)
     return owned
 
 

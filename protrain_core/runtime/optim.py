@@ -78,19 +78,25 @@ def joint_optimizer(optimizers, names: dict[int, str]) -> torch.optim.Optimizer:
             f"ProTrain trains with several optimizers of one class, got {' and '.join(classes)}: their updates run "
             "chunk by chunk in one kernel per class. Use one class for all (e.g. AdamW, each with its own "
             "learning rate and weight decay), or one optimizer with a param group per model part.")
-    owner: dict[int, int] = {}
-    for k, optimizer in enumerate(optimizers):
-        check_optimizer(optimizer)
-        for _, p in indexed_params(optimizer):
-            if owner.setdefault(id(p), k) != k:
-                raise ValueError(
-                    f"The parameter {names.get(id(p), tuple(p.shape))!r} is in optimizers {owner[id(p)]} and {k}. "
-                    "ProTrain keeps each optimizer's states in its own chunks and steps only those, so a parameter "
-                    "belongs to one optimizer; give each optimizer its own parameters.")
+    parameter_owners(optimizers, names)  # (refuses a parameter in two; wrap checks the joint one as any optimizer)
     cls = type(optimizers[0])
     joint = cls.__new__(cls)
     torch.optim.Optimizer.__init__(joint, [g for o in optimizers for g in o.param_groups], dict(optimizers[0].defaults))
     return joint
+
+
+def parameter_owners(optimizers, names: dict[int, str] | None = None) -> dict[int, int]:
+    """Parameter id -> the index of the one optimizer (of ``optimizers``) that updates it; a
+    parameter in two is refused (``names``: parameter id -> name, for the message)."""
+    owner: dict[int, int] = {}
+    for k, optimizer in enumerate(optimizers):
+        for _, p in indexed_params(optimizer):
+            if owner.setdefault(id(p), k) != k:
+                raise ValueError(
+                    f"The parameter {(names or {}).get(id(p), tuple(p.shape))!r} is in optimizers {owner[id(p)]} and "
+                    f"{k}. ProTrain keeps each optimizer's states in its own chunks and steps only those, so a "
+                    "parameter belongs to one optimizer; give each optimizer its own parameters.")
+    return owner
 
 
 def indexed_params(optimizer: torch.optim.Optimizer):
