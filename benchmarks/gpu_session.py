@@ -123,14 +123,14 @@ def plan_pieces(suite_name: str, dry: bool) -> list[Piece]:
     if dry:  # the timeline of the CPU suite's study run; the GPU suite built on the meta device
         study = R.study_workload(R.SUITES["cpu-smoke"])
         pieces.append(Piece("timeline", 30, (py, "-m", "benchmarks.run", "--suite", "cpu-smoke", "--systems",
-                                             "protrain-core", "--workloads", study.label, "--no-probes", "--out",
-                                             "{out}/suite"), "suite"))
+                                             "protrain-core", "--workloads", study.label, "--no-probes", "--resume",
+                                             "--out", "{out}/suite"), "suite"))
     elif (study := R.study_workload(suite)) is not None:  # + each study plan simulated on the meta device
         pieces.append(Piece("timeline", 90 + 25 * billions(S.param_counts(study.model)[0]),
                             runner + ("--systems", "protrain-core", "--workloads", study.label, "--no-probes"), "suite"))
     pieces += host_pieces(py, dry)
     pieces.append(Piece("compile", 10 if dry else 180, (py, "-m", "benchmarks.bench_compile", "--json", "{out}/compile.json")
-                        + (("--backend", "aot_eager", "--layers", "2", "--steps", "2", "--warmup", "1") if dry else
+                        + (("--backend", "eager", "--layers", "2", "--steps", "2", "--warmup", "1") if dry else
                            ("--device", "cuda", "--layers", "12", "--hidden", "1024", "--seq", "1024",
                             "--precision", "bf16-mixed", "--plan", "persistent")), "json"))
     if dry:

@@ -53,11 +53,14 @@ def iter_tensors(obj) -> Iterator[Tensor]:
     """The tensors in ``obj``, looking into dicts, lists and tuples (model outputs, arguments)."""
     if isinstance(obj, Tensor):
         yield obj
-    elif isinstance(obj, Mapping):  # dicts, model outputs, a tokenizer's BatchEncoding
-        for v in obj.values():
-            yield from iter_tensors(v)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
+            if isinstance(v, Tensor):  # (most items: an operator's arguments, a batch)
+                yield v
+            elif isinstance(v, (list, tuple, Mapping)):
+                yield from iter_tensors(v)
+    elif isinstance(obj, Mapping):  # dicts, model outputs, a tokenizer's BatchEncoding
+        for v in obj.values():
             yield from iter_tensors(v)
 
 

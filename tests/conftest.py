@@ -1,8 +1,12 @@
 import copy
 import gc
+import json
 import logging
 import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +18,7 @@ warnings.filterwarnings("ignore", message=".*loss_type=None.*")
 
 VOCAB = 96
 SEQ = 16
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_gpt2(n_layer=4, seed=0):
@@ -154,6 +159,25 @@ def assert_same_runs(a, b):
 @pytest.fixture
 def deepcopy():
     return copy.deepcopy
+
+
+def bench(*args, out, check=True):
+    """``python -m benchmarks.run ARGS --out OUT`` (its profile cache in ``out``)."""
+    env = dict(os.environ, PROTRAIN_CACHE_DIR=str(out / "cache"))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", *args, "--out", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="session")
+def smoke_subset(tmp_path_factory):
+    """The cpu-smoke suite's CI subset, run once: ProTrain core and plain PyTorch, one process
+    and two, and the study run (test_benchmarks.py reads it; the dry GPU session resumes it)."""
+    out = tmp_path_factory.mktemp("smoke-subset")
+    proc = bench("--suite", "cpu-smoke", "--systems", "protrain-core,pytorch", "--no-probes", out=out)
+    return out, proc.stdout, json.loads((out / "results.json").read_text())
 
 
 def pytest_configure(config):

@@ -9,40 +9,19 @@ resume, out-of-memory and timeouts, every dry-run configuration -- are marked ``
 ``python -m pytest -m slow tests/test_benchmarks.py``."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pytest
 import torch
 
 from benchmarks.systems import SYSTEMS, unavailable
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def bench(*args, out, check=True):
-    env = dict(os.environ, PROTRAIN_CACHE_DIR=str(out / "cache"))
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", *args, "--out", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    if check:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+from conftest import bench
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("smoke")
     proc = bench("--suite", "cpu-smoke", out=out)
-    return out, proc.stdout, json.loads((out / "results.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def smoke_subset(tmp_path_factory):
-    out = tmp_path_factory.mktemp("smoke-subset")
-    proc = bench("--suite", "cpu-smoke", "--systems", "protrain-core,pytorch", "--no-probes", out=out)
     return out, proc.stdout, json.loads((out / "results.json").read_text())
 
 
@@ -133,10 +112,11 @@ def test_clipping_rows_train_like_plain_pytorch(tmp_path, monkeypatch):
     assert clipped(w).label == "tiny-4L clip1" and any(x.clip == 1.0 for x in SUITES["cpu-small"].workloads)
 
 
-@pytest.mark.parametrize("system", ["protrain-core", "protrain-lightning"])
+@pytest.mark.parametrize("system", ["protrain-lightning"])
 def test_gpu_suite_builds_protrain_in_a_dry_run(system):
     """The CI subset of the dry run, in this process: ProTrain's configurations of gpu-80g's
-    workloads and model ladder built on the meta device (blocks, traced order, chunk layout)."""
+    workloads and model ladder built on the meta device (blocks, traced order, chunk layout).
+    ProTrain core's are built by the dry GPU session (tests/test_gpu_session.py)."""
     from benchmarks.run import SUITES, spec_of
     from benchmarks.systems import run
 

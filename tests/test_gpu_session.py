@@ -4,6 +4,7 @@ outlasts its call is stopped with everything it started."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -24,8 +25,11 @@ def session(out, *args, timeout=600):
     return proc.stdout, json.loads((out / "session.json").read_text())
 
 
-def test_dry_session_plans_resumes_and_runs_what_a_cpu_can(tmp_path, monkeypatch, capsys):
+def test_dry_session_plans_resumes_and_runs_what_a_cpu_can(tmp_path, monkeypatch, capsys, smoke_subset):
     out = tmp_path / "session"
+    # The timeline piece resumes the suite's report, as a real session's suite pieces do: here
+    # the cpu-smoke subset's, whose study run is the piece's (test_benchmarks.py checks that run).
+    shutil.copytree(smoke_subset[0], out / "suite", ignore=shutil.ignore_patterns("cache"))
     names = [p.name for p in G.plan_pieces("gpu-80g", dry=True)]
     # A budget of one second: the first piece starts (and is stopped), nothing else does.
     stdout, state = session(out, "--budget", "1")

@@ -296,7 +296,7 @@ class SimulatedDevice(DeviceContext):
         seconds = nbytes / spec.memory_bytes_per_s
         formula = flop_registry.get(func.overloadpacket)
         if formula is not None:
-            flops = formula(*args, **kwargs, out_val=out)
+            flops = _flops(formula, func, args, kwargs, out)
             low = any(t.dtype in (torch.bfloat16, torch.float16) for t in tensors)
             seconds = max(seconds, flops / (spec.tensor_flops_per_s if low else spec.fp32_flops_per_s))
         return spec.kernel_s + seconds * spec.op_class_factor.get(op_class(name), 1.0)
@@ -500,18 +500,48 @@ def _touched(*objs) -> tuple[list[Tensor], int]:
     return tensors, sum(_nbytes(t) for t in tensors)
 
 
+def _flops(formula, func, args, kwargs, out) -> int:
+    """``formula``'s count for the call, from an earlier call of ``func`` on the same shapes where
+    there was one (torch's formulas read shapes only, and wrap every call in a tree map)."""
+    try:
+        key = (func, _shapes(args), _shapes(tuple(kwargs.items())))
+        flops = _FLOPS.get(key)
+    except TypeError:  # (an unhashable argument)
+        return formula(*args, **kwargs, out_val=out)
+    if flops is None:
+        flops = _FLOPS[key] = formula(*args, **kwargs, out_val=out)
+    return flops
+
+
+def _shapes(a):
+    if isinstance(a, Tensor):
+        return Tensor, a.shape
+    if isinstance(a, (list, tuple)):
+        return tuple(_shapes(x) for x in a)
+    return a
+
+
+_FLOPS: dict = {}  # (operator, argument shapes) -> its FLOPs
+
+
 def _call_site() -> str:
     """The innermost frames of the runtime that led here: "scheduler.py:_make_room <
     chunk.py:end_offload" (the simulator's own frames and the caller's code left out)."""
     frames = []
     frame = inspect.currentframe()
     while frame is not None and len(frames) < 3:
-        path = frame.f_code.co_filename
-        if "protrain_core" in path and not path.startswith(_HERE):
-            code = frame.f_code
-            frames.append(f"{Path(path).name}:{getattr(code, 'co_qualname', code.co_name)}")
+        name = _SITES.get(frame.f_code, False)
+        if name is False:
+            code, path = frame.f_code, frame.f_code.co_filename
+            runtime = "protrain_core" in path and not path.startswith(_HERE)
+            name = _SITES[code] = f"{Path(path).name}:{getattr(code, 'co_qualname', code.co_name)}" if runtime else None
+        if name is not None:
+            frames.append(name)
         frame = frame.f_back
     return " < ".join(frames) or "user code"
+
+
+_SITES: dict = {}  # code object -> "file.py:qualname" of a runtime frame, or None (not the runtime's)
 
 
 class SimulatedWorker(Executor):

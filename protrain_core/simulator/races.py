@@ -73,27 +73,30 @@ class RaceChecker:
         tick = mine[agent] = mine.get(agent, 0) + 1
         name = func.overloadpacket.__name__
         reads, writes = _accesses(func, args, kwargs)
-        for t in writes:
-            self._check(agent, mine, t, True, name)
-        for t in reads:
-            self._check(agent, mine, t, False, name)
+        reads, writes = [(t, _key(t), _span(t)) for t in reads], [(t, _key(t), _span(t)) for t in writes]
+        for t, key, span in writes:
+            self._check(agent, mine, t, key, span, True, name)
+        for t, key, span in reads:
+            self._check(agent, mine, t, key, span, False, name)
         for t in iter_tensors(out):
-            if not any(_same_memory(t, w) for w in writes):
-                self._memory.pop(_key(t), None)  # a new tensor: its memory's earlier life is over
-                writes.append(t)
-        for t in reads:
-            self._record(t, agent, tick, False, name)
-        for t in writes:
-            self._record(t, agent, tick, True, name)
+            key, span = _key(t), _span(t)
+            if not any(key == k and span == s for _, k, s in writes):
+                self._memory.pop(key, None)  # a new tensor: its memory's earlier life is over
+                writes.append((t, key, span))
+        for _, key, span in reads:
+            self._record(key, span, agent, tick, False, name)
+        for _, key, span in writes:
+            self._record(key, span, agent, tick, True, name)
 
     def fresh(self, out) -> None:
         """Tensors just allocated: nothing has used their memory yet."""
         for t in iter_tensors(out):
             self._memory.pop(_key(t), None)
 
-    def _check(self, agent: str, clock: dict[str, int], t: Tensor, write: bool, name: str) -> None:
-        lo, hi = _span(t)
-        for a in self._memory.get(_key(t), ()):
+    def _check(self, agent: str, clock: dict[str, int], t: Tensor, key: int, span: tuple[int, int], write: bool,
+               name: str) -> None:
+        lo, hi = span
+        for a in self._memory.get(key, ()):
             if a.agent == agent or a.hi <= lo or hi <= a.lo or not (a.write or write):
                 continue
             if clock.get(a.agent, 0) < a.tick:
@@ -103,9 +106,9 @@ class RaceChecker:
                     f"two ([Note: the stream-order checker] in protrain_core/simulator/races.py): on a GPU they could "
                     "overlap.")
 
-    def _record(self, t: Tensor, agent: str, tick: int, write: bool, name: str) -> None:
-        lo, hi = _span(t)
-        records = self._memory.setdefault(_key(t), [])
+    def _record(self, key: int, span: tuple[int, int], agent: str, tick: int, write: bool, name: str) -> None:
+        lo, hi = span
+        records = self._memory.setdefault(key, [])
         if write:  # what it covers is superseded (checked already)
             records[:] = [a for a in records if not (lo <= a.lo and a.hi <= hi)]
         else:  # one read per agent and range is enough
@@ -116,15 +119,20 @@ class RaceChecker:
 def _accesses(func, args, kwargs) -> tuple[list[Tensor], list[Tensor]]:
     """(read, written) tensors of a call, by its schema's alias annotations."""
     reads, writes = [], []
-    schema = func._schema
-    for i, arg in enumerate(schema.arguments):
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
-        tensors = list(iter_tensors(value))
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            writes += tensors
-        else:
-            reads += tensors
+    arguments = _ARGUMENTS.get(func)
+    if arguments is None:
+        arguments = _ARGUMENTS[func] = [(arg.name, arg.alias_info is not None and arg.alias_info.is_write)
+                                        for arg in func._schema.arguments]
+    for i, (name, write) in enumerate(arguments):
+        value = args[i] if i < len(args) else kwargs.get(name)
+        if isinstance(value, Tensor):
+            (writes if write else reads).append(value)
+        elif isinstance(value, (list, tuple)):
+            (writes if write else reads).extend(iter_tensors(value))
     return reads, writes
+
+
+_ARGUMENTS: dict = {}  # operator -> its arguments' (name, written)
 
 
 def _key(t: Tensor) -> int:
@@ -139,10 +147,6 @@ def _span(t: Tensor) -> tuple[int, int]:
     last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     lo = t.storage_offset() * size
     return lo, lo + (last + 1) * size
-
-
-def _same_memory(a: Tensor, b: Tensor) -> bool:
-    return _key(a) == _key(b) and _span(a) == _span(b)
 
 
 __all__ = ["RaceChecker", "StreamRace"]
