@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import grad_norm
 from torch.utils.data import DataLoader, TensorDataset
 
 import protrain_core as pt
-from conftest import MODELS, SEQ, VOCAB, batches, n_chunks
+from conftest import MODELS, SEQ, VOCAB, batches, n_chunks, standard_plans
 from lightning_protrain import ProTrainFabricStrategy, ProTrainStrategy
 
 STEPS = 5
@@ -435,6 +435,65 @@ def test_the_models_own_zero_grad_clears_the_chunks_as_torchs_clears_grad(plan):
     assert [loss.item() for loss in losses] == [loss.item() for loss in ref_losses]
     state = engine.state_dict()
     assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items())
+
+
+def _loop(model, backward, step, data, *, clear_between=()):
+    """Each step: forward, backward, ``zero_grad()`` of the blocks ``clear_between``, step, then
+    ``zero_grad()`` of the first two blocks only (the others' gradients accumulate)."""
+    losses = []
+    for x in data:
+        losses.append(model(input_ids=x, labels=x).loss)
+        backward(losses[-1])
+        for k in clear_between:
+            model.transformer.h[k].zero_grad()
+        step()
+        for block in model.transformer.h[:2]:
+            block.zero_grad()
+    return [loss.item() for loss in losses]
+
+
+@pytest.mark.parametrize("plan", ["all-persistent", "streamed-buf1", "mixed-buf2", "swap-checkpoint"])
+def test_a_submodules_own_zero_grad_clears_its_parameters_gradients_as_torchs(plan):
+    """A loop that clears only some parts' gradients with their own ``zero_grad()`` after each
+    step (PyTorch's DCGAN example: ``netD.zero_grad()``): those parameters start afresh and the
+    others accumulate, as in PyTorch, on every plan. Before, a submodule's ``zero_grad()`` read
+    ``p.grad`` (None after a step: the gradients live in the chunks) and cleared nothing, so the
+    next update used the stale gradients."""
+    data = batches(4)
+    ref = MODELS["gpt2"]()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), standard_plans(model)[plan], device="cpu")
+    ref_losses = _loop(ref, lambda loss: loss.backward(), ref_opt.step, data)
+    assert _loop(engine.module, engine.backward, engine.step, data) == ref_losses
+    state = engine.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items())
+
+
+def test_a_submodules_zero_grad_between_backward_and_step_clears_or_is_refused():
+    """Between backward and step, a block's ``zero_grad()`` clears its gradients as torch's (all
+    chunks persistent: the update waits for step); where backward already updated the block's
+    offloaded chunk with them, it is refused with the fix, before anything is cleared."""
+    data = batches(3)
+    ref = MODELS["gpt2"]()
+    model, streamed = copy.deepcopy(ref), copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True)
+    ref_losses = _loop(ref, lambda loss: loss.backward(), ref_opt.step, data, clear_between=(1,))
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), standard_plans(model)["all-persistent"],
+                     device="cpu")
+    assert _loop(engine.module, engine.backward, engine.step, data, clear_between=(1,)) == ref_losses
+    state = engine.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items())
+    engine = pt.wrap(streamed, torch.optim.AdamW(streamed.parameters(), lr=3e-3), pt.Plan(n_persist=0, n_buffer=1),
+                     device="cpu")
+    x = data[0]
+    engine.backward(engine.module(input_ids=x, labels=x).loss)
+    engine.step()  # (from the second step on, backward updates each offloaded chunk)
+    engine.backward(engine.module(input_ids=x, labels=x).loss)
+    with pytest.raises(RuntimeError, match=r"cleared \(p.grad = None, or a module's zero_grad\(\)\) between backward "
+                                           r"and step, but ProTrain had already updated its \(offloaded\) chunk"):
+        streamed.transformer.h[1].zero_grad()
+    assert all(c.has_gradients for c in engine.chunks)  # nothing was cleared
 
 
 def test_a_zero_grad_set_on_the_model_itself_is_called_and_put_back():

@@ -163,16 +163,9 @@ class Clipping:
         """``p.grad = None`` of member ``i`` of ``chunk`` while ``p.grad`` reads its gradient
         (``optimizer.zero_grad()`` and ``module.zero_grad()`` do it, as a Fabric-wrapped optimizer's
         does): the gradient is gone, as torch's, so no step updates the member before a backward
-        gives it one again, which starts afresh. After a backward that already updated the
-        chunk, ``step()`` refuses the change as any other through ``p.grad``."""
-        if self.grad_of(chunk, i) is None:  # (the read registers the change, as a write's would)
-            return
-        if chunk.applied:
-            raise RuntimeError(
-                f"p.grad of {chunk.spec.members[i].name} was set to None between backward and step, but ProTrain had "
-                "already updated its (offloaded) chunk during backward with it. To have every step exact, say so "
-                "before training: engine.clipping.expect_late(); or clear gradients after the step.")
-        chunk.clear_grad(i)
+        gives it one again, which starts afresh (``Scheduler.clear_grads``)."""
+        if self.grad_of(chunk, i) is not None:  # (the read registers the change, as a write's would)
+            self._scheduler.clear_grads([(chunk, i)])
 
     @property
     def configured(self) -> GradientClipping | None:

@@ -46,7 +46,7 @@ from protrain_core.runtime.clipping import Clipping
 from protrain_core.runtime.compiled import compile_units
 from protrain_core.runtime.device import DeviceContext, as_context, cpu_worker_placement
 from protrain_core.runtime.gradients import StepGradients
-from protrain_core.runtime.hooks import RuntimeHooks, refuse_compiled
+from protrain_core.runtime.hooks import ManagedParameter, RuntimeHooks, refuse_compiled
 from protrain_core.runtime.optim import ChunkOptimizer, parameter_owners
 from protrain_core.runtime.parking import OffloadedStates, check_between_steps, check_onloaded, offload, onload
 from protrain_core.runtime.scheduler import Scheduler
@@ -121,8 +121,8 @@ class RuntimeEngine:
         self._step_observers = Observers(StepObserver)
         self._handles = [module.register_forward_pre_hook(self._on_module_call, with_kwargs=True, prepend=True),
                          *[o.register_step_pre_hook(self._before_optimizer_step) for o in self.optimizers],
-                         *([_ZeroGradRoute(self, o) for o in (*self.optimizers, module)] if config.optimizer_states
-                           else []),
+                         *([_ZeroGradRoute(self, o, module) for o in (*self.optimizers, *module.modules())]
+                           if config.optimizer_states else []),
                          *(_autocast_hooks(self) if precision.is_mixed else [])]
         self.set_block_modes(plan.block_modes(layout.n_blocks))
         _carry_optimizer_states(self)
@@ -330,10 +330,15 @@ class RuntimeEngine:
         self.offloaded = None
         self.set_block_modes(self.block_modes)  # the buffers' and chunks' device tensors are new
 
-    def zero_grad(self, set_to_none: bool = True, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def zero_grad(self, set_to_none: bool = True, optimizer: torch.optim.Optimizer | None = None, *,
+                  module: nn.Module | None = None) -> None:
         """Clear the gradients (``set_to_none`` as torch's: either way none is kept); ``optimizer``:
-        with several optimizers, of its parameters only (None: all)."""
+        with several optimizers, of its parameters only (None: all); ``module``: of that part of
+        the model's parameters only (its own ``zero_grad()``)."""
         self.step_state.check_open()
+        if module is not None:
+            self.scheduler.clear_grads([p.protrain_use[1:] for p in module.parameters() if isinstance(p, ManagedParameter)])
+            return
         self.scheduler.zero_grad(self._chunks_of(optimizer)[1])
         self.grads.discard()
 
@@ -460,8 +465,8 @@ class _ZeroGradRoute:
     """``zero_grad()`` of one of the engine's optimizers (what PyTorch loops, the Trainer and
     Fabric scripts call: that optimizer's chunks) or of its module (``nn.Module.zero_grad``: a
     loop's ``model.zero_grad()``, Lightning's before each stage and each validation run: every
-    chunk) also clears the gradients the engine keeps in its chunks, until ``remove()`` (the
-    engine closes).
+    chunk) or of one of its submodules (a GAN loop's ``netD.zero_grad()``: their members) also
+    clears the gradients the engine keeps in its chunks, until ``remove()`` (the engine closes).
 
     [Note: routing zero_grad]
     This sets an instance attribute on the user's object (its class is untouched; ``remove``
@@ -474,11 +479,12 @@ class _ZeroGradRoute:
     its object, so a deep copy (an EMA's of the model) is bound to the copy, which it leaves to
     the class's own ``zero_grad``."""
 
-    def __init__(self, engine: RuntimeEngine, owner: torch.optim.Optimizer | nn.Module) -> None:
+    def __init__(self, engine: RuntimeEngine, owner: torch.optim.Optimizer | nn.Module, model: nn.Module) -> None:
         self.owner = owner
         self.own = owner.__dict__.get("zero_grad")  # one the object had on itself already: called, then put back
         original = self.own if self.own is not None else types.MethodType(type(owner).zero_grad, owner)
-        optimizer = None if isinstance(owner, nn.Module) else owner  # a module's: every chunk
+        optimizer = None if isinstance(owner, nn.Module) else owner  # the model's: every chunk
+        part = owner if isinstance(owner, nn.Module) and owner is not model else None  # a submodule's: its members
 
         def zero_grad(this, *args, **kwargs) -> None:  # (the caller's arguments passed on as they came)
             if this is not owner:  # a deep copy's
@@ -486,7 +492,7 @@ class _ZeroGradRoute:
             # (first: then p.grad of its parameters reads None, sharded too; a module's call inside a
             # pass or a step leaves the chunks alone, as torch's leaves a running backward's)
             if not engine.closed and (optimizer is not None or engine.step_state.idle):
-                engine.zero_grad(kwargs.get("set_to_none", args[0] if args else True), optimizer)
+                engine.zero_grad(kwargs.get("set_to_none", args[0] if args else True), optimizer, module=part)
             return original(*args, **kwargs)
 
         self.routed = owner.zero_grad = types.MethodType(zero_grad, owner)

@@ -444,6 +444,27 @@ class Scheduler:
         for c in self.chunks if chunks is None else chunks:
             c.zero()
 
+    def clear_grads(self, members: list[tuple[Chunk, int]]) -> None:
+        """Clear the gradients of some members (``p.grad = None``, a submodule's ``zero_grad()``)
+        in their places in the accumulators, where a later landing adds to them: their chunks'
+        offloads and updates end first. Refused for a chunk that an update in backward already
+        used them for (until ``step()`` completes it)."""
+        for c in {id(c): c for c, i in members if c.has_grad(i)}.values():
+            if c.applied:
+                name = next(c.spec.members[i].name for d, i in members if d is c and c.has_grad(i))
+                raise RuntimeError(
+                    f"The gradient of {name} was cleared (p.grad = None, or a module's zero_grad()) between backward "
+                    "and step, but ProTrain had already updated its (offloaded) chunk during backward with it. To "
+                    "have every step exact, say so before training: engine.clipping.expect_late(); or clear "
+                    "gradients after the step.")
+            if c.state is ChunkState.OFFLOADING:
+                c.end_offload(self.ctx, in_pass=self._in_pass)
+            if c.state is ChunkState.UPDATING:
+                c.end_update()
+        for c, i in members:
+            if c.has_grad(i):
+                c.clear_grad(i)
+
     def reconfigure(self, n_buffer: int) -> None:
         """After a re-plan moved chunks between the device and the host (all idle)."""
         self.streamed = [c for c in self.chunks if not c.persistent]
