@@ -437,37 +437,78 @@ def test_the_models_own_zero_grad_clears_the_chunks_as_torchs_clears_grad(plan):
     assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items())
 
 
-def _loop(model, backward, step, data, *, clear_between=()):
-    """Each step: forward, backward, ``zero_grad()`` of the blocks ``clear_between``, step, then
-    ``zero_grad()`` of the first two blocks only (the others' gradients accumulate)."""
+def _clear(block, how):
+    if how == "zero_grad":
+        block.zero_grad()
+    else:
+        for p in block.parameters():
+            p.grad = None
+
+
+def _loop(model, backward, step, data, *, how="zero_grad", clear_between=(), forward=None):
+    """Each step: forward (``forward``: default ``model``), backward, the blocks ``clear_between``
+    cleared, step, then the first two blocks only cleared (the others' gradients accumulate):
+    by ``zero_grad()`` or ``p.grad = None``."""
     losses = []
     for x in data:
-        losses.append(model(input_ids=x, labels=x).loss)
+        losses.append((forward or model)(input_ids=x, labels=x).loss)
         backward(losses[-1])
         for k in clear_between:
-            model.transformer.h[k].zero_grad()
+            _clear(model.transformer.h[k], how)
         step()
         for block in model.transformer.h[:2]:
-            block.zero_grad()
+            _clear(block, how)
     return [loss.item() for loss in losses]
 
 
+@pytest.mark.parametrize("how", ["zero_grad", "p.grad = None"])
 @pytest.mark.parametrize("plan", ["all-persistent", "streamed-buf1", "mixed-buf2", "swap-checkpoint"])
-def test_a_submodules_own_zero_grad_clears_its_parameters_gradients_as_torchs(plan):
-    """A loop that clears only some parts' gradients with their own ``zero_grad()`` after each
-    step (PyTorch's DCGAN example: ``netD.zero_grad()``): those parameters start afresh and the
-    others accumulate, as in PyTorch, on every plan. Before, a submodule's ``zero_grad()`` read
-    ``p.grad`` (None after a step: the gradients live in the chunks) and cleared nothing, so the
-    next update used the stale gradients."""
+def test_a_submodules_own_zero_grad_clears_its_parameters_gradients_as_torchs(plan, how):
+    """A loop that clears only some parts' gradients after each step, by their own
+    ``zero_grad()`` (PyTorch's DCGAN example: ``netD.zero_grad()``) or ``p.grad = None``: those
+    parameters start afresh and the others accumulate, as in PyTorch, on every plan. Before,
+    both cleared nothing after a step (``p.grad`` reads None there: the gradients live in the
+    chunks), so the next update used the stale gradients."""
     data = batches(4)
     ref = MODELS["gpt2"]()
     model = copy.deepcopy(ref)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True)
     engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), standard_plans(model)[plan], device="cpu")
-    ref_losses = _loop(ref, lambda loss: loss.backward(), ref_opt.step, data)
-    assert _loop(engine.module, engine.backward, engine.step, data) == ref_losses
+    ref_losses = _loop(ref, lambda loss: loss.backward(), ref_opt.step, data, how=how)
+    assert _loop(engine.module, engine.backward, engine.step, data, how=how) == ref_losses
     state = engine.state_dict()
     assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items())
+
+
+def _sharded_clears(rank, world):
+    """On each rank: DDP, then ProTrain sharded over the two processes (a streamed plan), the
+    loop of partial clears after each step, by ``zero_grad()`` and by ``p.grad = None``."""
+    data = batches(3, seed=10 + rank)
+    out = []
+    for how in ("zero_grad", "p.grad = None"):
+        ref = torch.nn.parallel.DistributedDataParallel(MODELS["gpt2"]())
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True)
+        ref_losses = _loop(ref.module, lambda loss: loss.backward(), ref_opt.step, data, how=how, forward=ref)
+        model = MODELS["gpt2"]()
+        engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), pt.Plan(n_persist=1, n_buffer=2),
+                         device="cpu")
+        losses = _loop(engine.module, engine.backward, engine.step, data, how=how)
+        weights = engine.state_dict()
+        diff = max((weights[k] - v).abs().max().item() for k, v in ref.module.state_dict().items()) if rank == 0 else 0
+        out.append((how, ref_losses, losses, diff))
+    return out
+
+
+def test_partial_clears_on_two_processes_train_as_ddp(tmp_path):
+    """The same partial clears with the chunks sharded over two gloo processes (each rank clears
+    its pieces): DDP's losses and weights. The blocks not cleared keep gradients across steps,
+    which DDP reduces summed with the next backward's and ProTrain reduces alone and adds: the
+    last bits differ (the tolerance of tests/test_several_optimizers.py's two-process test)."""
+    from _distributed import spawn
+
+    for rank, results in enumerate(spawn(_sharded_clears, 2, tmp_path)):
+        for how, ref_losses, losses, diff in results:
+            assert losses == pytest.approx(ref_losses, abs=1e-5) and diff < 1e-4, (rank, how, diff)
 
 
 def test_a_submodules_zero_grad_between_backward_and_step_clears_or_is_refused():
@@ -494,6 +535,27 @@ def test_a_submodules_zero_grad_between_backward_and_step_clears_or_is_refused()
                                            r"and step, but ProTrain had already updated its \(offloaded\) chunk"):
         streamed.transformer.h[1].zero_grad()
     assert all(c.has_gradients for c in engine.chunks)  # nothing was cleared
+
+
+def test_a_clipped_step_after_a_submodules_zero_grad_takes_the_norm_without_its_gradients():
+    """Clipping by norm configured ahead (every update waits for the norm, streamed chunks too),
+    a block's ``zero_grad()`` between backward and step: the norm is taken again, without that
+    block's gradients, as ``clip_grad_norm_`` after torch's ``zero_grad`` takes it."""
+    data = batches(3)
+    ref = MODELS["gpt2"]()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True)
+
+    def clipped_step():
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+
+    ref_losses = _loop(ref, lambda loss: loss.backward(), clipped_step, data, clear_between=(1,))
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), pt.Plan(n_persist=1, n_buffer=2),
+                     device="cpu", config=pt.ProTrainConfig(clipping=("norm", 0.5)))
+    assert _loop(engine.module, engine.backward, engine.step, data, clear_between=(1,)) == ref_losses
+    state = engine.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items())
 
 
 def test_a_zero_grad_set_on_the_model_itself_is_called_and_put_back():

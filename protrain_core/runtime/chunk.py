@@ -471,9 +471,11 @@ class Chunk:
         self.grad_state = target
 
     def clear_grad(self, i: int) -> None:
-        """Member ``i``'s gradient is gone (``p.grad = None``): its place in the accumulator is
-        zeroed, where a later landing adds to it, and it received none since zero_grad."""
-        self.values.state_view(self.storage.grad_acc, i).zero_()
+        """Member ``i``'s gradient is gone (``p.grad = None``): its place in the accumulator (if
+        the chunk has one) is zeroed, where a later landing adds to it, and it received none since
+        zero_grad."""
+        if self.storage.fmt.accumulator:
+            self.values.state_view(self.storage.grad_acc, i).zero_()
         self._received[i] = False
         if not any(self._received):
             self.zero()

@@ -152,20 +152,32 @@ class Clipping:
         if not chunk.storage.fmt.accumulator:
             raise RuntimeError(_NEEDS_ACCUMULATORS.format(
                 what=f"p.grad of {chunk.spec.members[i].name} was read between backward and step"))
+        self._hand_out(chunk)
+        return chunk.values.state_view(chunk.storage.grad_acc, i)
+
+    def _hand_out(self, chunk: Chunk) -> None:
+        """``chunk``'s gradients reach the user's code in the window after backward: read or cleared."""
         if not self._grads.read_since_backward:  # the window's first read: every landing and update in flight over
             self._scheduler.wait_all()
             if self.gradients_ready:
                 self._grads.finish_all()  # fp16: unscaled, as the update reads them
         self._grads.handed_out(chunk)
-        return chunk.values.state_view(chunk.storage.grad_acc, i)
 
-    def clear_grad(self, chunk: Chunk, i: int) -> None:
-        """``p.grad = None`` of member ``i`` of ``chunk`` while ``p.grad`` reads its gradient
-        (``optimizer.zero_grad()`` and ``module.zero_grad()`` do it, as a Fabric-wrapped optimizer's
-        does): the gradient is gone, as torch's, so no step updates the member before a backward
-        gives it one again, which starts afresh (``Scheduler.clear_grads``)."""
-        if self.grad_of(chunk, i) is not None:  # (the read registers the change, as a write's would)
-            self._scheduler.clear_grads([(chunk, i)])
+    def clear_grads(self, members: list[tuple[Chunk, int]]) -> None:
+        """``p.grad = None`` of these members (``(chunk, i)``), or a module's ``zero_grad()``
+        (optimizer.zero_grad and module.zero_grad do it, as a Fabric-wrapped optimizer's does):
+        the gradients are gone, as torch's, so no step updates the members before a backward gives
+        them new ones, which start afresh; in the window after backward (where ``p.grad`` reads
+        them) as after a step (where it reads None, and the next backward would add to them).
+        Inside a forward, backward or optimizer step nothing is cleared (torch's leaves a running
+        backward's)."""
+        members = [(c, i) for c, i in members if c.has_grad(i)]
+        if not members or not self._state.idle or self._state.optimizer_step:
+            return
+        if self._grads.readable:  # a change in the window: step() takes its norms again
+            for c in {id(c): c for c, _ in members if c.storage.fmt.accumulator}.values():
+                self._hand_out(c)
+        self._scheduler.clear_grads(members)
 
     @property
     def configured(self) -> GradientClipping | None:

@@ -114,7 +114,7 @@ class RuntimeEngine:
         # are changes with ``replan``), every trainable parameter, and every parameter's use.
         self.hooks = RuntimeHooks(self.scheduler, unit_chunks(module, layout), self.chunks,
                                   onloaded=lambda: self.offloaded is None, grad_of=self.clipping.grad_of,
-                                  clear_grad=self.clipping.clear_grad)
+                                  clear_grads=self.clipping.clear_grads)
         self.compiled = compile_units(module, layout, config.compile)  # (before set_block_modes)
         self.activations: ActivationManager | None = None
         self._recompute_observers = Observers(RecomputeObserver)  # they stay across set_block_modes
@@ -337,7 +337,7 @@ class RuntimeEngine:
         the model's parameters only (its own ``zero_grad()``)."""
         self.step_state.check_open()
         if module is not None:
-            self.scheduler.clear_grads([p.protrain_use[1:] for p in module.parameters() if isinstance(p, ManagedParameter)])
+            self.clipping.clear_grads([p.protrain_use[1:] for p in module.parameters() if isinstance(p, ManagedParameter)])
             return
         self.scheduler.zero_grad(self._chunks_of(optimizer)[1])
         self.grads.discard()

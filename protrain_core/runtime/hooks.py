@@ -89,18 +89,18 @@ class UnitCall:
 class RuntimeHooks:
     def __init__(self, scheduler: Scheduler, units: dict[nn.Module, tuple[int, ...]], chunks: list[Chunk], *,
                  onloaded: Callable[[], bool], grad_of: Callable[[Chunk, int], Tensor | None],
-                 clear_grad: Callable[[Chunk, int], None]) -> None:
+                 clear_grads: Callable[[list[tuple[Chunk, int]]], None]) -> None:
         """``units``: hooked modules -> the chunks their forward needs. A unit's hooks act while
         one of those chunks is streamed (a re-plan between steps changes which are), so the
         hooks of a call are the same from its forward to the end of its backward.
         ``onloaded()``: False while the states are offloaded (``Engine.offload_states``): no
         unit may run, and parameters are used where they are. ``grad_of(chunk, i)``: what
         ``p.grad`` reads, or None for the parameter's own ([Note: gradients read through p.grad]
-        in gradients.py); ``clear_grad(chunk, i)``: ``p.grad = None``."""
+        in gradients.py); ``clear_grads([(chunk, i)])``: ``p.grad = None``."""
         self.scheduler = scheduler
         self.chunks = chunks
         self._onloaded = onloaded
-        self.grad_of, self.clear_grad = grad_of, clear_grad
+        self.grad_of, self.clear_grads = grad_of, clear_grads
         self.handles = []
         self._running: list[UnitCall] = []  # the unit calls whose forward is running, outermost first
         # Unit calls whose outputs joined an autograd graph; gone with the graph (its tensors' hooks hold them).
@@ -128,7 +128,7 @@ class RuntimeHooks:
             del p.protrain_use
             p.__class__ = nn.Parameter
         self._managed.clear()
-        self._onloaded = self.grad_of = self.clear_grad = None  # (the engine's parts: no cycle keeps a closed
+        self._onloaded = self.grad_of = self.clear_grads = None  # (the engine's parts: no cycle keeps a closed
                                                                 # engine alive)
 
     def backward_awaited(self) -> bool:
@@ -316,7 +316,7 @@ class ManagedParameter(nn.Parameter):
         elif use is _Use.CLEAR_GRAD:
             owner = getattr(args[0], "protrain_use", None)
             if owner is not None and len(args) > 1 and args[1] is None:
-                owner[0].clear_grad(owner[1], owner[2])
+                owner[0].clear_grads([owner[1:]])
         elif use is not _Use.NO_VALUES:
             hooks, uses = None, []
             for t in _top_level(args, kwargs or {}):

@@ -454,9 +454,9 @@ class Scheduler:
                 name = next(c.spec.members[i].name for d, i in members if d is c and c.has_grad(i))
                 raise RuntimeError(
                     f"The gradient of {name} was cleared (p.grad = None, or a module's zero_grad()) between backward "
-                    "and step, but ProTrain had already updated its (offloaded) chunk during backward with it. To "
-                    "have every step exact, say so before training: engine.clipping.expect_late(); or clear "
-                    "gradients after the step.")
+                    "and step, but ProTrain had already updated its (offloaded) chunk during backward with it. Clear "
+                    "gradients after the step; or, to clear them between backward and step, say so before training: "
+                    "engine.clipping.expect_late() (with gradient accumulators, the default).")
             if c.state is ChunkState.OFFLOADING:
                 c.end_offload(self.ctx, in_pass=self._in_pass)
             if c.state is ChunkState.UPDATING:
