@@ -531,10 +531,49 @@ def test_a_submodules_zero_grad_between_backward_and_step_clears_or_is_refused()
     engine.backward(engine.module(input_ids=x, labels=x).loss)
     engine.step()  # (from the second step on, backward updates each offloaded chunk)
     engine.backward(engine.module(input_ids=x, labels=x).loss)
-    with pytest.raises(RuntimeError, match=r"cleared \(p.grad = None, or a module's zero_grad\(\)\) between backward "
-                                           r"and step, but ProTrain had already updated its \(offloaded\) chunk"):
+    with pytest.raises(RuntimeError, match=r"cleared \(zero_grad\(\), p.grad = None\) between backward and step, "
+                                           r"but ProTrain had already updated its \(offloaded\) chunk"):
         streamed.transformer.h[1].zero_grad()
     assert all(c.has_gradients for c in engine.chunks)  # nothing was cleared
+
+
+def _skipping(model, backward, step, zero_grad, data, skip=2):
+    """A loop that skips batch ``skip``'s step (a loss it does not trust): zero_grad, no step."""
+    losses = []
+    for k, x in enumerate(data):
+        zero_grad()
+        losses.append(model(input_ids=x, labels=x).loss)
+        backward(losses[-1])
+        if k != skip:
+            step()
+    return [loss.item() for loss in losses]
+
+
+@pytest.mark.parametrize("plan", ["all-persistent", "streamed-buf1", "mixed-buf2", "swap-checkpoint"])
+def test_a_step_skipped_by_zero_grad_after_backward_is_exact_when_held_and_refused_otherwise(plan):
+    """``zero_grad()`` after backward and no step (skipping a batch): with the updates held until
+    step (``engine.clipping.expect_late()``), the batch is skipped as in PyTorch, on every plan.
+    Without, the offloaded chunks were updated during backward (from the second step on) and
+    the skip is refused with that fix; all persistent, nothing was updated and it is exact.
+    Before, the skip was taken for the persistent chunks only, silently."""
+    data = batches(5, distinct=5)
+    ref = MODELS["gpt2"]()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True)
+    ref_losses = _skipping(ref, lambda loss: loss.backward(), ref_opt.step, ref_opt.zero_grad, data)
+    for held in (True, False):
+        model = copy.deepcopy(MODELS["gpt2"]())
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        engine = pt.wrap(model, opt, standard_plans(model)[plan], device="cpu")
+        if held:
+            engine.clipping.expect_late()
+        elif plan != "all-persistent":
+            with pytest.raises(RuntimeError, match=r"cleared \(zero_grad\(\), p.grad = None\) between backward and "
+                                                   r"step.*engine.clipping.expect_late\(\)"):
+                _skipping(engine.module, engine.backward, engine.step, opt.zero_grad, data)
+            continue
+        assert _skipping(engine.module, engine.backward, engine.step, opt.zero_grad, data) == ref_losses, held
+        state = engine.state_dict()
+        assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items())
 
 
 def test_a_clipped_step_after_a_submodules_zero_grad_takes_the_norm_without_its_gradients():

@@ -434,7 +434,11 @@ class Scheduler:
     def zero_grad(self, chunks: list[Chunk] | None = None) -> None:
         """Clear the gradients (of ``chunks``: default all); updates handed out by step() may go
         on (they hold their own list of members, and the accumulators are written again only
-        after the next fetch)."""
+        after the next fetch). Refused, before anything changes, where an update in backward
+        already used them (until ``step()`` completes it): a skipped step it cannot take back."""
+        for c in self.chunks if chunks is None else chunks:
+            if c.applied and c.has_gradients:
+                raise _cleared_after_update(next(m.name for i, m in enumerate(c.spec.members) if c.has_grad(i)))
         for c in self.streamed:
             if c.state is ChunkState.OFFLOADING:
                 c.end_offload(self.ctx, in_pass=self._in_pass)
@@ -451,12 +455,7 @@ class Scheduler:
         used them for (until ``step()`` completes it)."""
         for c in {id(c): c for c, i in members if c.has_grad(i)}.values():
             if c.applied:
-                name = next(c.spec.members[i].name for d, i in members if d is c and c.has_grad(i))
-                raise RuntimeError(
-                    f"The gradient of {name} was cleared (p.grad = None, or a module's zero_grad()) between backward "
-                    "and step, but ProTrain had already updated its (offloaded) chunk during backward with it. Clear "
-                    "gradients after the step; or, to clear them between backward and step, say so before training: "
-                    "engine.clipping.expect_late() (with gradient accumulators, the default).")
+                raise _cleared_after_update(next(c.spec.members[i].name for d, i in members if d is c and c.has_grad(i)))
             if c.state is ChunkState.OFFLOADING:
                 c.end_offload(self.ctx, in_pass=self._in_pass)
             if c.state is ChunkState.UPDATING:
@@ -521,3 +520,12 @@ def assert_invariants(scheduler: Scheduler) -> None:
                 assert p.untyped_storage().data_ptr() == home.untyped_storage().data_ptr(), f"{c}: stale .data"
     device = sum(c.device_bytes() for c in scheduler.chunks)
     assert device <= device_bytes_bound(scheduler), "device bytes above the plan's bound"
+
+
+def _cleared_after_update(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"The gradient of {name} was cleared (zero_grad(), p.grad = None) between backward and step, but ProTrain "
+        "had already updated its (offloaded) chunk during backward with it: a step skipped so would be taken for "
+        "the offloaded chunks only. Clear gradients after the step; or, to clear them (or skip a step) between "
+        "backward and step, say so before training: engine.clipping.expect_late() (with gradient accumulators, "
+        "the default), which holds every update until step().")
