@@ -508,7 +508,8 @@ def test_a_gradient_cleared_after_its_chunk_was_updated_in_backward_is_refused()
     for step, x in enumerate(batches(2)):
         engine.backward(engine.module(input_ids=x, labels=x).loss)
         if step == 1:
-            with pytest.raises(RuntimeError, match=r"cleared \(zero_grad\(\), p.grad = None\) between backward and step, but ProTrain had already updated"):
+            with pytest.raises(RuntimeError, match=r"cleared \(zero_grad\(\), p.grad = None\) between backward and step, "
+                                                   r"but ProTrain had already updated"):
                 for p in engine.chunks[2].params:  # the whole chunk: its last member used to pass silently
                     p.grad = None
             return

@@ -337,7 +337,8 @@ class RuntimeEngine:
         the model's parameters only (its own ``zero_grad()``)."""
         self.step_state.check_open()
         if module is not None:
-            self.clipping.clear_grads([p.protrain_use[1:] for p in module.parameters() if isinstance(p, ManagedParameter)])
+            self.clipping.clear_grads([p.protrain_use[1:] for p in module.parameters()
+                                       if isinstance(p, ManagedParameter)])
             return
         self.scheduler.zero_grad(self._chunks_of(optimizer)[1])
         self.grads.discard()

@@ -455,7 +455,8 @@ class Scheduler:
         used them for (until ``step()`` completes it)."""
         for c in {id(c): c for c, i in members if c.has_grad(i)}.values():
             if c.applied:
-                raise _cleared_after_update(next(c.spec.members[i].name for d, i in members if d is c and c.has_grad(i)))
+                raise _cleared_after_update(next(c.spec.members[i].name for d, i in members
+                                                 if d is c and c.has_grad(i)))
             if c.state is ChunkState.OFFLOADING:
                 c.end_offload(self.ctx, in_pass=self._in_pass)
             if c.state is ChunkState.UPDATING:
