@@ -66,12 +66,13 @@ def loop(model, backward, step, zero_grad, data) -> list[float]:
 _REFERENCES: dict = {}
 
 
-def compiled_reference(arch, data):
-    """Plain PyTorch with ProTrain's units compiled, trained on ``data``: (losses, final state),
-    once per model (the plans' cases share it)."""
+def compiled_reference(arch):
+    """Plain PyTorch with ProTrain's units compiled, trained on ``batches(6)``: (losses, final
+    state), once per model (the plans' cases share it)."""
     if arch not in _REFERENCES:
         ref = compiled_like_protrain(MODELS[arch](), {"backend": Counting()})
-        losses = train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True), data)
+        losses = train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True),
+                                 batches(6))
         _REFERENCES[arch] = losses, {k: v.clone() for k, v in ref.state_dict().items()}
     return _REFERENCES[arch]
 
@@ -88,7 +89,7 @@ def wrap_compiled(model, plan, backend, **kwargs):
 def test_every_plan_trains_compiled_exactly_like_plain_pytorch_compiled_the_same_way(arch, plan_name):
     model = MODELS[arch]()
     data = batches(6)
-    ref_losses, ref_state = compiled_reference(arch, data)
+    ref_losses, ref_state = compiled_reference(arch)
     backend = Counting()
     engine = wrap_compiled(model, standard_plans(model)[plan_name], backend)
     losses = train_engine(engine, data)
