@@ -164,3 +164,23 @@ def test_a_closed_engine_is_freed_with_its_last_reference_without_the_garbage_co
         engine.close()
     finally:
         gc.enable()
+
+
+def test_a_wrapped_model_pickled_whole_is_refused_with_the_fix_and_pickles_after_close(tmp_path):
+    """``torch.save(model)`` while the engine is open met one of the engine's locks ("cannot
+    pickle '_thread.lock' object"); now the engine and its parameters refuse with the fix. The
+    weights save as they are, and after ``close`` the model pickles as a plain one."""
+    engine = _engine()
+    model = engine.module
+    _backward(engine, batches(1)[0])
+    engine.step()
+    for obj in (model, list(model.parameters()), engine.optimizers[0]):
+        with pytest.raises(TypeError, match=r"cannot be pickled whole.*torch.save\(model.state_dict\(\), path\).*"
+                                            r"engine.close\(\) first"):
+            torch.save(obj, tmp_path / "model.pt")
+    torch.save(model.state_dict(), tmp_path / "weights.pt")
+    weights = torch.load(tmp_path / "weights.pt")
+    engine.close()
+    torch.save(model, tmp_path / "model.pt")
+    plain = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert all(torch.equal(weights[k], v) for k, v in plain.state_dict().items())

@@ -46,7 +46,7 @@ from protrain_core.runtime.clipping import Clipping
 from protrain_core.runtime.compiled import compile_units
 from protrain_core.runtime.device import DeviceContext, as_context, cpu_worker_placement
 from protrain_core.runtime.gradients import StepGradients
-from protrain_core.runtime.hooks import ManagedParameter, RuntimeHooks, refuse_compiled
+from protrain_core.runtime.hooks import ManagedParameter, RuntimeHooks, refuse_compiled, refuse_pickling
 from protrain_core.runtime.optim import ChunkOptimizer, parameter_owners
 from protrain_core.runtime.parking import OffloadedStates, check_between_steps, check_onloaded, offload, onload
 from protrain_core.runtime.scheduler import Scheduler
@@ -418,6 +418,8 @@ class RuntimeEngine:
             self.ctx.blocks.clear()
         self.module._protrain_engine = None
         self.step_state.close()
+
+    __reduce_ex__ = refuse_pickling
 
     def __deepcopy__(self, memo) -> RuntimeEngine:
         """The engine is not a value: it owns the device, pinned memory, a worker thread and the

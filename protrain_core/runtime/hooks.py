@@ -297,6 +297,16 @@ def _classify(func) -> _Use:
 _plain = nn.Parameter.__torch_function__
 
 
+def refuse_pickling(obj, protocol) -> None:
+    """``__reduce_ex__`` of what an open engine holds (its parameters, the engine): a model wrapped
+    by ProTrain is not pickled whole."""
+    raise TypeError(
+        "A model wrapped by ProTrain cannot be pickled whole (torch.save(model), or its parameters): its "
+        "parameters live in the engine's chunks, with the engine's threads and hooks. Save the weights: "
+        "torch.save(model.state_dict(), path) (or engine.state_dict(), engine.save_pretrained); or call "
+        "engine.close() first, which gives the model back with plain parameters.")
+
+
 class ManagedParameter(nn.Parameter):
     """The class of a parameter held in a ProTrain chunk while its engine is open: a use outside
     the units that fetch its chunk fetches it ([Note: parameters used outside their units]).
@@ -304,6 +314,9 @@ class ManagedParameter(nn.Parameter):
     ``nn.Parameter``'s); nothing else builds one."""
 
     protrain_use: tuple[RuntimeHooks, Chunk, int]
+
+    def __reduce_ex__(self, protocol):
+        refuse_pickling(self, protocol)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
