@@ -315,8 +315,7 @@ class ManagedParameter(nn.Parameter):
 
     protrain_use: tuple[RuntimeHooks, Chunk, int]
 
-    def __reduce_ex__(self, protocol):
-        refuse_pickling(self, protocol)
+    __reduce_ex__ = refuse_pickling
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):

@@ -449,21 +449,20 @@ class Scheduler:
             c.zero()
 
     def clear_grads(self, members: list[tuple[Chunk, int]]) -> None:
-        """Clear the gradients of some members (``p.grad = None``, a submodule's ``zero_grad()``)
-        in their places in the accumulators, where a later landing adds to them: their chunks'
-        offloads and updates end first. Refused for a chunk that an update in backward already
-        used them for (until ``step()`` completes it)."""
-        for c in {id(c): c for c, i in members if c.has_grad(i)}.values():
+        """Clear the gradients of some members that hold one (``p.grad = None``, a submodule's
+        ``zero_grad()``) in their places in the accumulators, where a later landing adds to them:
+        their chunks' offloads and updates end first. Refused, before anything changes, for a
+        chunk that an update in backward already used them for (until ``step()`` completes it)."""
+        for c, i in members:
             if c.applied:
-                raise _cleared_after_update(next(c.spec.members[i].name for d, i in members
-                                                 if d is c and c.has_grad(i)))
+                raise _cleared_after_update(c.spec.members[i].name)
+        for c in {id(c): c for c, _ in members}.values():
             if c.state is ChunkState.OFFLOADING:
                 c.end_offload(self.ctx, in_pass=self._in_pass)
             if c.state is ChunkState.UPDATING:
                 c.end_update()
         for c, i in members:
-            if c.has_grad(i):
-                c.clear_grad(i)
+            c.clear_grad(i)
 
     def reconfigure(self, n_buffer: int) -> None:
         """After a re-plan moved chunks between the device and the host (all idle)."""
