@@ -14,7 +14,7 @@ unscales and checks it (fp16, the step's last landing) and restores the compute 
 master in one pass (12 bytes per parameter against the 20 of fold, unscale and copy), and the
 update reads the gradient from the accumulator.
 
-The kernel is compiled on first use (``torch.utils.cpp_extension``: a C++ compiler, about 20 s,
+The kernel is compiled on first use (``torch.utils.cpp_extension``: a C++ compiler, about 10 s,
 cached per machine) and checked against torch's own kernel before it is used (``verify``). When
 either fails the engine keeps the separate passes and ``status()`` says why.
 """
@@ -114,14 +114,17 @@ def _load():
         capability, vbmi = build_target()
         flags = FLAGS + CAPABILITY_FLAGS.get(capability, ()) + (VBMI if vbmi else ())
         digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()[:12]
-        module = load(name=f"protrain_onepass_{digest}", sources=[str(SOURCE)], extra_cflags=list(flags),
-                      extra_ldflags=["-fopenmp"], verbose=False)
+        name = f"protrain_onepass_{digest}"
+        load(name=name, sources=[str(SOURCE)], extra_cflags=list(flags), extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)  # torch's operators torch.ops.<name>.*
+        module = getattr(torch.ops, name)
+        library = next(Path(p) for p in torch.ops.loaded_libraries if Path(p).stem == name)
     except Exception as e:  # no compiler, no ninja, a build error: the separate passes stay
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return None, f"the kernel did not build: {first[:200]}"
     # Checked once per build of the kernel (and torch) and version of the Python around it (the
     # tails, the separate passes): the stamp beside the library names the sources it checked.
-    stamp = Path(module.__file__).with_suffix(".verified")
+    stamp = library.with_suffix(".verified")
     checked = hashlib.sha1(Path(__file__).read_bytes() + Path(__file__).with_name("adam.py").read_bytes()).hexdigest()
     if not stamp.is_file() or stamp.read_text().strip() != checked:
         mismatch = verify(module)

@@ -182,7 +182,7 @@ def smoke_subset(tmp_path_factory):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "grid(ci): a parameter grid whose combinations ci(**params) rejects are slow")
-    # The one-pass CPU Adam kernel compiles once per machine (~20 s): here, before any test, so that
+    # The one-pass CPU Adam kernel compiles once per machine (~10 s): here, before any test, so that
     # processes started by the tests find it built instead of building it inside a timed run.
     from protrain_ops import onepass
 
