@@ -187,11 +187,66 @@ def pytest_configure(config):
     from protrain_ops import onepass
 
     onepass.kernel()
+    _trace_once_per_structure()
     # benchmarks.gpu_session runs the CUDA tests with PROTRAIN_SYNC_DEBUG=warn: every host-device
     # synchronisation warns (its log counts them).
     mode = os.environ.get("PROTRAIN_SYNC_DEBUG")
     if mode and torch.cuda.is_available():
         torch.cuda.set_sync_debug_mode(mode)
+
+
+def _trace_once_per_structure():
+    """Every ``wrap`` traces its model's forward on the meta device (structure/trace.py), and
+    meta kernels are Python: 30 ms for a tiny test model, 3/4 of its ``wrap``, a quarter of the
+    suite's time in the tests that wrap. The suite wraps the same few tiny models over and over,
+    so here a trace is remembered by everything it can depend on -- each module's name, class and
+    ``forward``, its parameters' and buffers' names, shapes, dtypes and sharing, its other
+    attributes (configs, flags such as LoRA's ``merged``), train or eval mode; the block path and
+    the inputs' structure -- and run again for any other model. A model with hooks or an instance
+    ``forward`` (a wrapped model, a patched one) and a trace that fell back to registration order
+    (its warning is a result) are never remembered. ``build_layout`` is the one caller; the trace's
+    own tests call it, and each new structure still runs it."""
+    import protrain_core.structure.layout as layout
+
+    real, remembered = layout.trace, {}
+
+    def trace(model, block_path, example_inputs=None):
+        key = _structure(model, block_path, example_inputs)
+        if key in remembered:
+            return remembered[key]
+        result = real(model, block_path, example_inputs)
+        if key is not None and result.source == "traced":
+            remembered[key] = result
+        return result
+
+    layout.trace = trace
+
+
+def _structure(model, block_path, example_inputs):
+    """What a trace of ``model`` can depend on, as a key (None: not to be remembered)."""
+    shared, described = {}, {}
+
+    def value(v):
+        if isinstance(v, (bool, int, float, str, type(None))):
+            return v
+        if isinstance(v, torch.Tensor):
+            return ("tensor", tuple(v.shape), v.dtype, v.device.type, shared.setdefault(id(v), len(shared)))
+        if isinstance(v, (list, tuple)):
+            return tuple(value(x) for x in v)
+        if isinstance(v, dict):
+            return tuple((k, value(x)) for k, x in v.items())
+        if id(v) not in described:  # a config, a function, any other object: its repr, once
+            described[id(v)] = v.to_json_string() if hasattr(v, "to_json_string") else repr(v)
+        return described[id(v)]
+
+    modules = []
+    for name, m in model.named_modules(remove_duplicate=False):
+        if "forward" in m.__dict__ or m._forward_hooks or m._forward_pre_hooks or m._backward_hooks:
+            return None
+        states = {**m._parameters, **m._buffers}
+        attributes = {k: v for k, v in vars(m).items() if not k.startswith("_")}
+        modules.append((name, type(m), type(m).forward, value(states), value(attributes)))
+    return tuple(modules), block_path, value(example_inputs)
 
 
 def pytest_collection_finish(session):
