@@ -1,10 +1,15 @@
+import contextlib
 import copy
 import gc
 import json
 import logging
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -161,9 +166,9 @@ def deepcopy():
     return copy.deepcopy
 
 
-def bench(*args, out, check=True):
+def bench(*args, out, check=True, env=None):
     """``python -m benchmarks.run ARGS --out OUT`` (its profile cache in ``out``)."""
-    env = dict(os.environ, PROTRAIN_CACHE_DIR=str(out / "cache"))
+    env = dict(env or os.environ, PROTRAIN_CACHE_DIR=str(out / "cache"))
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run", *args, "--out", str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     if check:
@@ -171,23 +176,120 @@ def bench(*args, out, check=True):
     return proc
 
 
-@pytest.fixture(scope="session")
-def smoke_subset(tmp_path_factory):
-    """The cpu-smoke suite's CI subset, run once: ProTrain core and plain PyTorch, one process
-    and two, and the study run (test_benchmarks.py reads it; the dry GPU session resumes it)."""
-    out = tmp_path_factory.mktemp("smoke-subset")
-    proc = bench("--suite", "cpu-smoke", "--systems", "protrain-core,pytorch", "--no-probes", out=out)
-    return out, proc.stdout, json.loads((out / "results.json").read_text())
+# ----- long runs in other processes, in the background ----------------------------------------
+# A few tests read what long runs in other processes leave (the benchmark runner's CI subset, the
+# dry GPU session, peak resident memory in a fresh process): two of the suite's ten minutes, all
+# of it spent waiting in the test process, while most of the suite is single-threaded Python
+# (hooks, meta kernels, the simulator) that leaves the second core idle. So these runs start when
+# the session does, one after another on a thread of their own, and the tests that read them
+# (marked ``background(name)``, given the run's result by the ``background`` fixture) run last.
+# Each run gets a folder of its own and the environment as the session began (tests change
+# os.environ meanwhile); a failed run fails the tests that read it, with its error.
+BACKGROUND: dict = {}  # name -> (run(folder, env, results so far), the runs it reads)
+
+
+def background_run(name, after=()):
+    """Register ``run(folder, env, results)`` as the background run ``name``."""
+    def register(run):
+        BACKGROUND[name] = (run, tuple(after))
+        return run
+
+    return register
+
+
+class _BackgroundRuns:
+    def __init__(self, names, env):
+        self.folder = Path(tempfile.mkdtemp(prefix="protrain-background-"))
+        self.results, self.errors, self.stopped = {}, {}, False
+        self.done = {name: threading.Event() for name in names}
+        self.thread = threading.Thread(target=self._run, args=(names, env), name="background runs", daemon=True)
+        self.thread.start()
+
+    def _run(self, names, env):
+        if hasattr(os, "setpriority"):  # this thread, and the processes it starts: only the cores the tests leave idle
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        for name in names:
+            if self.stopped:
+                break
+            run, after = BACKGROUND[name]
+            try:
+                failed = [a for a in after if a in self.errors]
+                if failed:
+                    raise RuntimeError(f"the background run {name!r} reads {failed}, which failed")
+                (self.folder / name).mkdir()
+                self.results[name] = run(self.folder / name, env, self.results)
+            except Exception as e:  # noqa: BLE001 - given to the tests that read the run
+                self.errors[name] = e
+            finally:
+                self.done[name].set()
+
+    def stop(self):
+        """At the session's end (an interrupt, ``-x``): no further run starts, and the one running
+        ends with the processes this one started (on Linux; elsewhere they end on their own)."""
+        self.stopped = True
+        if self.thread.is_alive() and os.path.isdir("/proc"):
+            for pid in _descendants(os.getpid()):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        self.thread.join(timeout=30)
+        if not self.thread.is_alive():
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def result(self, name, timeout=1800):
+        assert self.done[name].wait(timeout), f"the background run {name!r} still runs after {timeout} s"
+        if name in self.errors:
+            raise AssertionError(f"the background run {name!r} failed: {self.errors[name]}") from self.errors[name]
+        return self.results[name]
+
+
+_background: list[_BackgroundRuns] = []
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (from /proc), deepest first."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    below, level = [], [pid]
+    while level:
+        level = [p for p, parent in parents.items() if parent in level]
+        below = level + below
+    return below
+
+
+@pytest.fixture
+def background(request):
+    """The result of the background run the test is marked with (``@pytest.mark.background(name)``;
+    None for a test, or a parameter of one, without the mark)."""
+    marker = request.node.get_closest_marker("background")
+    return None if marker is None else _background[0].result(marker.args[0])
+
+
+@background_run("smoke-subset")
+def _smoke_subset(folder, env, results):
+    """The cpu-smoke suite's CI subset: ProTrain core and plain PyTorch, one process and two, and
+    the study run (test_benchmarks.py reads it; the dry GPU session resumes it)."""
+    proc = bench("--suite", "cpu-smoke", "--systems", "protrain-core,pytorch", "--no-probes", out=folder, env=env)
+    return folder, proc.stdout, json.loads((folder / "results.json").read_text())
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "grid(ci): a parameter grid whose combinations ci(**params) rejects are slow")
+    config.addinivalue_line("markers", "background(name): reads the background run name (conftest.py), runs last")
     # The one-pass CPU Adam kernel compiles once per machine (~10 s): here, before any test, so that
     # processes started by the tests find it built instead of building it inside a timed run.
     from protrain_ops import onepass
 
     onepass.kernel()
     _trace_once_per_structure()
+    # One intra-op thread in this process and in those it starts: the suite's processes share 2
+    # cores (the background runs beside the tests), and an OpenMP team whose second thread waits
+    # for a core spins at every parallel operator -- a test then took 10 times as long. The tiny
+    # models gain nothing from a second thread (the same tests, one thread against two: 22.2 s
+    # and 22.7 s).
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
     # benchmarks.gpu_session runs the CUDA tests with PROTRAIN_SYNC_DEBUG=warn: every host-device
     # synchronisation warns (its log counts them).
     mode = os.environ.get("PROTRAIN_SYNC_DEBUG")
@@ -256,13 +358,27 @@ def pytest_collection_finish(session):
     took 40 s, 33 s with the imports frozen; the simulator's tests 14 s, 6 s)."""
     gc.collect()
     gc.freeze()
+    if session.config.option.collectonly:
+        return
+    wanted = {m.args[0] for item in session.items for m in item.iter_markers("background")}
+    for name in reversed(list(BACKGROUND)):  # (the runs a wanted run reads are wanted too)
+        if name in wanted:
+            wanted.update(BACKGROUND[name][1])
+    if wanted:
+        _background.append(_BackgroundRuns([n for n in BACKGROUND if n in wanted], dict(os.environ)))
+
+
+def pytest_sessionfinish(session):
+    if _background:
+        _background[0].stop()
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
     """Grids: mark the combinations outside a test's CI subset ``slow`` (the representative
     combinations run in CI, every one with ``-m "slow or not slow"``). CUDA tests: skipped
-    without a GPU."""
+    without a GPU. The tests that read background runs: last (in order otherwise)."""
+    items.sort(key=lambda item: item.get_closest_marker("background") is not None)
     for item in items:
         grid = item.get_closest_marker("grid")
         if grid is not None and not grid.kwargs["ci"](**item.callspec.params):

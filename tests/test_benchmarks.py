@@ -25,10 +25,11 @@ def smoke(tmp_path_factory):
     return out, proc.stdout, json.loads((out / "results.json").read_text())
 
 
-def test_cpu_smoke_protrain_equals_pytorch_and_writes_the_report(smoke_subset):
+@pytest.mark.background("smoke-subset")
+def test_cpu_smoke_protrain_equals_pytorch_and_writes_the_report(background):
     """The CI subset: the runner end to end with ProTrain and its baseline, in one process and in
     two (the devices=2 gloo row: ProTrain's sharded chunks against DDP)."""
-    out, stdout, report = smoke_subset
+    out, stdout, report = background
     assert {(r["system"], r["label"]) for r in report["runs"]} == {
         (s, label) for s in ("protrain-core", "pytorch") for label in ("tiny-4L", "tiny-4L x2")}
     assert all(r["status"] == "ok" for r in report["runs"])
@@ -62,11 +63,12 @@ def test_cpu_smoke_protrain_equals_pytorch_and_writes_the_report(smoke_subset):
         assert image.shape[0] > 200 and image.shape[1] > 300 and image[..., :3].std() > 0.05  # drawn, not blank
 
 
-def test_cpu_smoke_study_run(smoke_subset):
+@pytest.mark.background("smoke-subset")
+def test_cpu_smoke_study_run(background):
     """The study run: the cost models across plans that fit its budget (other plans, same losses
     as plain PyTorch), memory by category, and a timeline whose CPU Adam (the worker thread on a
     CPU) overlaps backward."""
-    out, stdout, report = smoke_subset
+    out, stdout, report = background
     (study,) = report["study"]
     assert study["status"] == "ok" and study["label"] == "tiny-4L study" and study["memory_budget"] == "5MiB"
     pytorch = next(r for r in report["runs"] if r["system"] == "pytorch" and r["label"] == "tiny-4L")

@@ -13,36 +13,39 @@ from pathlib import Path
 import pytest
 
 from benchmarks import gpu_session as G
+from conftest import background_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def session(out, *args, timeout=600):
-    env = dict(os.environ, PROTRAIN_CACHE_DIR=str(out.parent / "cache"))
+def session(out, *args, timeout=600, env=None):
+    env = dict(env or os.environ, PROTRAIN_CACHE_DIR=str(out.parent / "cache"))
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_session", "--out", str(out), "--dry", *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout, json.loads((out / "session.json").read_text())
 
 
-def test_dry_session_plans_resumes_and_runs_what_a_cpu_can(tmp_path, monkeypatch, capsys, smoke_subset):
-    out = tmp_path / "session"
-    # The timeline piece resumes the suite's report, as a real session's suite pieces do: here
-    # the cpu-smoke subset's, whose study run is the piece's (test_benchmarks.py checks that run).
-    shutil.copytree(smoke_subset[0], out / "suite", ignore=shutil.ignore_patterns("cache"))
+@background_run("dry-session", after=("smoke-subset",))
+def _dry_session(folder, env, results):
+    """Three calls of the dry session: one with a budget of one second, then two with the real
+    budget. The timeline piece resumes the suite's report, as a real session's suite pieces do:
+    here the cpu-smoke subset's, whose study run is the piece's (test_benchmarks.py checks that
+    run)."""
+    out = folder / "session"
+    shutil.copytree(results["smoke-subset"][0], out / "suite", ignore=shutil.ignore_patterns("cache"))
+    return out, [session(out, "--budget", budget, env=env) for budget in ("1", "530", "530")]
+
+
+@pytest.mark.background("dry-session")
+def test_dry_session_plans_resumes_and_runs_what_a_cpu_can(background):
+    out, ((stdout, state), (stdout2, state2), (stdout3, again)) = background
     names = [p.name for p in G.plan_pieces("gpu-80g", dry=True)]
     # A budget of one second: the first piece starts (and is stopped), nothing else does.
-    stdout, state = session(out, "--budget", "1")
     assert list(state["pieces"]) == ["cuda-tests"] and state["pieces"]["cuda-tests"]["status"] == "interrupted"
     assert f"left ({len(names)} pieces" in stdout and "; ".join(names) in stdout
-
-    def session_here():  # the next calls in this process (the command line's is the one above)
-        G.run_session(out, "gpu-80g", dry=True, budget=530)
-        return capsys.readouterr().out, json.loads((out / "session.json").read_text())
-
-    monkeypatch.setenv("PROTRAIN_CACHE_DIR", str(out.parent / "cache"))
     # The next call runs every piece, the interrupted one again.
-    stdout, state = session_here()
+    stdout, state = stdout2, state2
     assert list(state["pieces"]) == names and all(p["status"] == "done" for p in state["pieces"].values()), state
     assert "nothing left" in stdout
     tests = state["pieces"]["cuda-tests"]
@@ -74,7 +77,7 @@ def test_dry_session_plans_resumes_and_runs_what_a_cpu_can(tmp_path, monkeypatch
     assert "Offloading the training state and back" in md and "torch.compile against eager" in md
     assert "Study run (tiny-4L study" in md and "Dry run: every configuration constructed" in md
     # Nothing is left: a third call runs nothing.
-    stdout, again = session_here()
+    stdout = stdout3
     assert "nothing left" in stdout and again["calls"][-1]["ran"] == []
     assert {k: v["calls"] for k, v in again["pieces"].items()} == {k: v["calls"] for k, v in state["pieces"].items()}
 

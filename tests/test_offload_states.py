@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import protrain_core as pt
-from conftest import (MODELS, assert_same_runs, assert_same_weights, batches, n_chunks, standard_plans, train_engine,
-                      train_reference)
+from conftest import (MODELS, assert_same_runs, assert_same_weights, background_run, batches, n_chunks, standard_plans,
+                      train_engine, train_reference)
 
 CACHE_WARNING = "ignore:ProTrain. a key/value cache"
 
@@ -324,7 +324,7 @@ def test_the_explanation_lists_every_host_byte_the_plan_allocates():
                      r"\(predicted\)\)", _host_line(on_gpu, None))
 
 
-def _rss_runs(cases: str, world: int = 1) -> list[dict]:
+def _rss_runs(cases: str, world: int = 1, env=None) -> list[dict]:
     import json
     import os
     import subprocess
@@ -332,23 +332,29 @@ def _rss_runs(cases: str, world: int = 1) -> list[dict]:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", PYTHONPATH=str(root))
+    env = dict(env or os.environ, MALLOC_MMAP_THRESHOLD_="131072", PYTHONPATH=str(root))
     proc = subprocess.run([sys.executable, str(root / "tests" / "scripts" / "host_rss.py"), cases, str(world)],
                           capture_output=True, text=True, timeout=600, env=env, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
+@background_run("peak-rss")
+def _peak_rss(folder, env, results):
+    return _rss_runs("streamed,lora", 1, env)
+
+
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/clear_refs"), reason="reads Linux's /proc")
 # Two processes (14 s) with -m "slow or not slow"; test_round_trips_on_two_processes_change_nothing stays in CI.
-@pytest.mark.parametrize("cases,world", [("streamed,lora", 1), pytest.param("two-processes", 2, marks=pytest.mark.slow)])
-def test_peak_resident_memory_stays_within_the_plan(cases, world):
+@pytest.mark.parametrize("cases,world", [pytest.param("streamed,lora", 1, marks=pytest.mark.background("peak-rss")),
+                                         pytest.param("two-processes", 2, marks=pytest.mark.slow)])
+def test_peak_resident_memory_stays_within_the_plan(cases, world, background):
     """Issue 30: the peak resident size over steady steps is at most 1.10x the plan's bytes plus
     the process before ``wrap`` (on a CPU device the plan's bytes are its host bytes and its
     predicted device peak: the same RAM), for a plan that streams chunks and swaps
     activations, a LoRA model and each of 2 processes; the chunk states' host memory is the
     plan's to the byte."""
-    runs = _rss_runs(cases, world)
+    runs = background if background is not None else _rss_runs(cases, world)
     assert len(runs) == len(cases.split(",")) * world
     for r in runs:
         planned = r["planned_host"] + r["planned_device"]
