@@ -1,15 +1,10 @@
-import contextlib
 import copy
 import gc
 import json
 import logging
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import threading
 import warnings
 from pathlib import Path
 
@@ -17,6 +12,7 @@ import pytest
 import torch
 
 import protrain_core as pt
+from _background import BackgroundRuns, background_run
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 warnings.filterwarnings("ignore", message=".*loss_type=None.*")
@@ -176,86 +172,7 @@ def bench(*args, out, check=True, env=None):
     return proc
 
 
-# ----- long runs in other processes, in the background ----------------------------------------
-# A few tests read what long runs in other processes leave (the benchmark runner's CI subset, the
-# dry GPU session, peak resident memory in a fresh process): two of the suite's ten minutes, all
-# of it spent waiting in the test process, while most of the suite is single-threaded Python
-# (hooks, meta kernels, the simulator) that leaves the second core idle. So these runs start when
-# the session does, one after another on a thread of their own, and the tests that read them
-# (marked ``background(name)``, given the run's result by the ``background`` fixture) run last.
-# Each run gets a folder of its own and the environment as the session began (tests change
-# os.environ meanwhile); a failed run fails the tests that read it, with its error.
-BACKGROUND: dict = {}  # name -> (run(folder, env, results so far), the runs it reads)
-
-
-def background_run(name, after=()):
-    """Register ``run(folder, env, results)`` as the background run ``name``."""
-    def register(run):
-        BACKGROUND[name] = (run, tuple(after))
-        return run
-
-    return register
-
-
-class _BackgroundRuns:
-    def __init__(self, names, env):
-        self.folder = Path(tempfile.mkdtemp(prefix="protrain-background-"))
-        self.results, self.errors, self.stopped = {}, {}, False
-        self.done = {name: threading.Event() for name in names}
-        self.thread = threading.Thread(target=self._run, args=(names, env), name="background runs", daemon=True)
-        self.thread.start()
-
-    def _run(self, names, env):
-        if hasattr(os, "setpriority"):  # this thread, and the processes it starts: only the cores the tests leave idle
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        for name in names:
-            if self.stopped:
-                break
-            run, after = BACKGROUND[name]
-            try:
-                failed = [a for a in after if a in self.errors]
-                if failed:
-                    raise RuntimeError(f"the background run {name!r} reads {failed}, which failed")
-                (self.folder / name).mkdir()
-                self.results[name] = run(self.folder / name, env, self.results)
-            except Exception as e:  # noqa: BLE001 - given to the tests that read the run
-                self.errors[name] = e
-            finally:
-                self.done[name].set()
-
-    def stop(self):
-        """At the session's end (an interrupt, ``-x``): no further run starts, and the one running
-        ends with the processes this one started (on Linux; elsewhere they end on their own)."""
-        self.stopped = True
-        if self.thread.is_alive() and os.path.isdir("/proc"):
-            for pid in _descendants(os.getpid()):
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-        self.thread.join(timeout=30)
-        if not self.thread.is_alive():
-            shutil.rmtree(self.folder, ignore_errors=True)
-
-    def result(self, name, timeout=1800):
-        assert self.done[name].wait(timeout), f"the background run {name!r} still runs after {timeout} s"
-        if name in self.errors:
-            raise AssertionError(f"the background run {name!r} failed: {self.errors[name]}") from self.errors[name]
-        return self.results[name]
-
-
-_background: list[_BackgroundRuns] = []
-
-
-def _descendants(pid: int) -> list[int]:
-    """The processes below ``pid`` (from /proc), deepest first."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    below, level = [], [pid]
-    while level:
-        level = [p for p, parent in parents.items() if parent in level]
-        below = level + below
-    return below
+_background: list[BackgroundRuns] = []  # (started once the tests are collected)
 
 
 @pytest.fixture
@@ -361,11 +278,8 @@ def pytest_collection_finish(session):
     if session.config.option.collectonly:
         return
     wanted = {m.args[0] for item in session.items for m in item.iter_markers("background")}
-    for name in reversed(list(BACKGROUND)):  # (the runs a wanted run reads are wanted too)
-        if name in wanted:
-            wanted.update(BACKGROUND[name][1])
-    if wanted:
-        _background.append(_BackgroundRuns([n for n in BACKGROUND if n in wanted], dict(os.environ)))
+    if wanted:  # (tests/_background.py)
+        _background.append(BackgroundRuns(wanted, dict(os.environ)))
 
 
 def pytest_sessionfinish(session):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import gpu_session as G
-from conftest import background_run
+from _background import background_run
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import protrain_core as pt
-from conftest import (MODELS, assert_same_runs, assert_same_weights, background_run, batches, n_chunks, standard_plans,
-                      train_engine, train_reference)
+from _background import background_run
+from conftest import (MODELS, assert_same_runs, assert_same_weights, batches, n_chunks, standard_plans, train_engine,
+                      train_reference)
 
 CACHE_WARNING = "ignore:ProTrain. a key/value cache"
 

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from benchmarks.bench_wrap_memory import measure as _measure
-from conftest import background_run
+from _background import background_run
 
 READS = pytest.mark.background("wrap-memory")
 
