@@ -30,6 +30,7 @@ import pytest
 import torch
 
 import protrain_core as pt
+from _background import background_run
 from _distributed import _null, ddp_reduce, ddp_reference, free_port, protrain_run, spawn
 from conftest import SEQ, VOCAB, batches, standard_plans, tiny_llama, train_engine
 from test_parity import reference_mixed
@@ -284,10 +285,11 @@ def test_checkpoints_resume_at_other_world_sizes(tmp_path):
 
 
 # ----- Lightning: the Trainer and Fabric with devices=2 on the CPU ------------------------------
-def _launch(*runs):
+def _launch(*runs, env=None):
     """Each run ``(args, out)`` of tests/scripts/lightning_run.py, all at once, each on a port of
     its own (their processes wait for each other's imports and collectives: side by side they
-    take 2 cores' time, not the sum); each run's per-rank results, in order."""
+    take 2 cores' time, not the sum), in ``env`` (by default this process's environment); each
+    run's per-rank results, in order."""
     ports = set()
     while len(ports) < len(runs):
         ports.add(free_port())
@@ -297,7 +299,8 @@ def _launch(*runs):
             os.makedirs(out, exist_ok=True)
             procs.append(subprocess.Popen([sys.executable, SCRIPT, *args, str(out)], stdout=subprocess.DEVNULL,
                                           stderr=subprocess.PIPE, text=True,
-                                          env={**os.environ, "PROTRAIN_CACHE_DIR": str(out), "MASTER_PORT": str(port)}))
+                                          env={**(env or os.environ), "PROTRAIN_CACHE_DIR": str(out),
+                                               "MASTER_PORT": str(port)}))
         results = []
         for proc, (args, out) in zip(procs, runs):
             _, err = proc.communicate(timeout=600)
@@ -312,18 +315,24 @@ def _launch(*runs):
                 proc.wait()
 
 
-def test_trainer_with_two_cpu_devices_trains_like_ddp_and_resumes_on_one(tmp_path):
+@background_run("lightning-trainer")
+def _trainer_runs(folder, env, results):
+    return folder, _launch((("trainer", "ddp", "2"), folder / "ddp"), (("trainer", "protrain", "2", "--sharded"),
+                                                                     folder / "pt"), env=env)
+
+
+@pytest.mark.background("lightning-trainer")
+def test_trainer_with_two_cpu_devices_trains_like_ddp_and_resumes_on_one(tmp_path, background):
     """``Trainer(accelerator="cpu", devices=2, strategy=ProTrainStrategy(...))`` (Lightning's
     launcher, gloo): per-rank losses equal ``strategy="ddp"``'s, with accumulation and clipping;
     its sharded checkpoint resumes on one device like the default strategy from the full file."""
-    ddp, protrain = _launch((("trainer", "ddp", "2"), tmp_path / "ddp"),
-                            (("trainer", "protrain", "2", "--sharded"), tmp_path / "pt"))
+    runs, (ddp, protrain) = background
     assert [r["world"] for r in protrain] == [2, 2]
     for a, b in zip(ddp, protrain):
         assert b["losses"] == pytest.approx(a["losses"], abs=LOSS_ATOL)
         assert max((a["weights"][k] - b["weights"][k]).abs().max().item() for k in a["weights"]) < WEIGHT_ATOL
-    assert (tmp_path / "pt" / "ckpt.ckpt" / ".metadata").is_file()  # a sharded directory
-    assert (tmp_path / "pt" / "final.ckpt").is_file()  # after fit: one file
+    assert (runs / "pt" / "ckpt.ckpt" / ".metadata").is_file()  # a sharded directory
+    assert (runs / "pt" / "final.ckpt").is_file()  # after fit: one file
     sys.path.insert(0, os.path.dirname(SCRIPT))
     try:
         import lightning_run
@@ -332,7 +341,7 @@ def test_trainer_with_two_cpu_devices_trains_like_ddp_and_resumes_on_one(tmp_pat
     one = {}
     for name, strategy, ckpt in (("pt1", "protrain", "ckpt.ckpt"), ("auto1", "auto", "final.ckpt")):
         args = lightning_run.argparse.Namespace(strategy=strategy, devices=1, out=str(tmp_path / name), sharded=False,
-                                                resume=str(tmp_path / "pt" / ckpt), epochs=2, state_format="fp32")
+                                                resume=str(runs / "pt" / ckpt), epochs=2, state_format="fp32")
         os.makedirs(args.out)
         lightning_run.trainer_run(args)
         one[name] = torch.load(tmp_path / name / "rank0.pt", weights_only=False)
@@ -358,16 +367,22 @@ def test_trainer_with_two_cpu_devices_and_8bit_moments_trains_like_ddp_with_adam
     assert (tmp_path / "pt" / "final.ckpt").is_file()
 
 
-def test_fabric_with_two_cpu_devices_trains_like_ddp(tmp_path):
+@background_run("lightning-fabric")
+def _fabric_runs(folder, env, results):
+    return folder, _launch((("fabric", "ddp", "2"), folder / "ddp"), (("fabric", "protrain", "2", "--sharded"),
+                                                                    folder / "pt"), env=env)
+
+
+@pytest.mark.background("lightning-fabric")
+def test_fabric_with_two_cpu_devices_trains_like_ddp(background):
     """``Fabric(accelerator="cpu", devices=2, strategy=ProTrainFabricStrategy(...))``: per-rank
     losses equal DDP's (``fabric.clip_gradients`` included), and ``fabric.save`` writes a sharded
     directory."""
-    ddp, protrain = _launch((("fabric", "ddp", "2"), tmp_path / "ddp"),
-                            (("fabric", "protrain", "2", "--sharded"), tmp_path / "pt"))
+    runs, (ddp, protrain) = background
     assert [r["world"] for r in protrain] == [2, 2]  # not one process silently
     for a, b in zip(ddp, protrain):
         assert b["losses"] == pytest.approx(a["losses"], abs=LOSS_ATOL)
-    assert (tmp_path / "pt" / "ckpt" / ".metadata").is_file() and (tmp_path / "pt" / "ckpt" / "meta.pt").is_file()
+    assert (runs / "pt" / "ckpt" / ".metadata").is_file() and (runs / "pt" / "ckpt" / "meta.pt").is_file()
 
 
 @pytest.mark.slow
