@@ -1,8 +1,9 @@
 """Long runs in other processes, in the background of the test session.
 
 A few tests read what long runs in other processes leave (the benchmark runner's CI subset, the
-dry GPU session, peak resident memory in a fresh process): two of the suite's ten minutes, all of
-it spent waiting in the test process, while most of the suite is single-threaded Python (hooks,
+dry GPU session, peak resident memory in a fresh process, the Trainer's and Fabric's runs on two
+processes against DDP's): two and a half of the suite's ten minutes, all of it spent waiting in
+the test process, while most of the suite is single-threaded Python (hooks,
 meta kernels, the simulator) that leaves the second core idle. So these runs start when the
 session does, one after another on a thread of their own at the lowest priority, and the tests
 that read them (marked ``background(name)``, given the run's result by conftest's ``background``
