@@ -72,18 +72,17 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def measure(how: str, directory, shape=SMALL, env=None) -> dict:
-    """One way of wrapping, in a fresh process (its environment ``env``, by default this one's):
-    the model's, the states', a chunk's and the largest tensor's bytes, the RSS before ``wrap``
-    and its peak during it."""
+def measure(how: str, directory, shape=SMALL) -> dict:
+    """One way of wrapping, in a fresh process: the model's, the states', a chunk's and the
+    largest tensor's bytes, the RSS before ``wrap`` and its peak during it."""
     if how in ("from_pretrained", "meta"):  # the checkpoint written by another process
-        _run("save", directory, shape, env)
-    return json.loads(_run(how, directory, shape, env).stdout.strip().splitlines()[-1])
+        _run("save", directory, shape)
+    return json.loads(_run(how, directory, shape).stdout.strip().splitlines()[-1])
 
 
-def _run(how: str, directory, shape, env):
+def _run(how: str, directory, shape):
     r = subprocess.run([sys.executable, "-c", SCRIPT, how, str(Path(directory) / "model"), json.dumps(shape)],
-                       capture_output=True, text=True, timeout=3600, env=dict(env or os.environ, OMP_NUM_THREADS="2"))
+                       capture_output=True, text=True, timeout=3600, env=dict(os.environ, OMP_NUM_THREADS="2"))
     if r.returncode != 0:
         raise RuntimeError(f"{how}: {r.stderr[-3000:]}")
     return r

@@ -9,28 +9,15 @@ import os
 import pytest
 
 from benchmarks.bench_wrap_memory import measure as _measure
-from _background import background_run
-
-READS = pytest.mark.background("wrap-memory")
-
-
-@background_run("wrap-memory")
-def _wrap_memory(folder, env, results):
-    """The ways CI measures, one after another (each in its own folder and process)."""
-    measured = {}
-    for how in ("lora", "meta"):
-        (folder / how).mkdir()
-        measured[how] = _measure(how, folder / how, env=env)
-    return measured
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
 # lora-int8 with -m "slow or not slow" (CI: test_frozen_dtypes' chunk-by-chunk test)
-@pytest.mark.parametrize("how", [pytest.param("lora", marks=READS), pytest.param("lora-int8", marks=pytest.mark.slow),
+@pytest.mark.parametrize("how", ["lora", pytest.param("lora-int8", marks=pytest.mark.slow),
                                  pytest.param("cast", marks=pytest.mark.slow),
                                  pytest.param("from_pretrained", marks=pytest.mark.slow)])
-def test_peak_host_memory_of_wrap(how, tmp_path, background):
-    m = background[how] if background else _measure(how, tmp_path)
+def test_peak_host_memory_of_wrap(how, tmp_path):
+    m = _measure(how, tmp_path)
     rise = m["peak"] - m["before"]
     assert m["model"] > 300 * 2**20
     assert rise <= m["states"] + m["chunk"], {k: v / 2**20 for k, v in m.items()}
@@ -39,14 +26,13 @@ def test_peak_host_memory_of_wrap(how, tmp_path, background):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
-@READS
-def test_a_meta_model_filled_from_its_checkpoint_holds_no_host_copy_of_it(background):
+def test_a_meta_model_filled_from_its_checkpoint_holds_no_host_copy_of_it(tmp_path):
     """[Note: weights straight into chunks]: ``wrap`` of the model built on the meta device and
     filled from save_pretrained's directory raises the peak by at most the states and one chunk
     (the values of the chunk being filled, the file's own pages) and a constant of 32 MiB (the
     allocator's arenas, Python's objects: 5 MiB measured here, none at 1.1B) -- never by the
     model: the RSS before ``wrap`` holds none of it."""
-    m = background["meta"]
+    m = _measure("meta", tmp_path)
     rise = m["peak"] - m["before"]
     assert m["model"] > 300 * 2**20 and m["model"] > 2 * m["chunk"] + 32 * 2**20
     assert rise <= m["states"] + m["chunk"] + 32 * 2**20, {k: v / 2**20 for k, v in m.items()}
