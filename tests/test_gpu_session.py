@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -150,7 +151,11 @@ def test_a_runner_stopped_while_it_starts_a_run_stops_that_run(tmp_path, monkeyp
         time.sleep(0.2)
         return started[-1]
 
-    monkeypatch.setattr(run.subprocess, "Popen", popen_then_sigterm)
+    # (benchmarks.run's own copy of the module: subprocess.Popen itself is every thread's, and the
+    # suite's background runs start processes meanwhile -- once one got this sleeper instead.)
+    patched = types.ModuleType("subprocess")
+    patched.__dict__.update(vars(subprocess), Popen=popen_then_sigterm)
+    monkeypatch.setattr(run, "subprocess", patched)
     previous = signal.signal(signal.SIGTERM, run._stopping)
     try:
         with pytest.raises(SystemExit) as stopped:
