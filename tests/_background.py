@@ -2,13 +2,15 @@
 
 A few tests read what long runs in other processes leave (the benchmark runner's CI subset, the
 dry GPU session, peak resident memory in a fresh process, the Trainer's and Fabric's runs on two
-processes against DDP's): two and a half of the suite's ten minutes, all of it spent waiting in
-the test process, while most of the suite is single-threaded Python (hooks,
-meta kernels, the simulator) that leaves the second core idle. So these runs start when the
+processes against DDP's): two of the suite's ten minutes, all of it spent waiting in the test
+process, while most of the suite is single-threaded Python (hooks, meta kernels, the simulator)
+that leaves the second core idle. So these runs start when the
 session does, one after another on a thread of their own at the lowest priority, and the tests
 that read them (marked ``background(name)``, given the run's result by conftest's ``background``
 fixture) run last. Each run gets a folder of its own and the environment as the session began
 (tests change os.environ meanwhile); a failed run fails the tests that read it, with its error.
+A test that patches a name every thread sees (``subprocess.Popen`` itself) reaches these runs
+too: patch the copy a module under test holds instead (tests/test_gpu_session.py does).
 """
 
 from __future__ import annotations
