@@ -315,10 +315,17 @@ def _launch(*runs, env=None):
                 proc.wait()
 
 
-@background_run("lightning-trainer")
-def _trainer_runs(folder, env, results):
-    return folder, _launch((("trainer", "ddp", "2"), folder / "ddp"), (("trainer", "protrain", "2", "--sharded"),
-                                                                     folder / "pt"), env=env)
+def _beside_ddp(kind: str) -> None:
+    """The background run ``lightning-<kind>``: tests/scripts/lightning_run.py's ``kind`` (trainer
+    or fabric) on 2 processes with DDP (in ``ddp/``) and with ProTrain, sharded (in ``pt/``)."""
+    @background_run(f"lightning-{kind}")
+    def run(folder, env, results):
+        return folder, _launch(((kind, "ddp", "2"), folder / "ddp"),
+                               ((kind, "protrain", "2", "--sharded"), folder / "pt"), env=env)
+
+
+_beside_ddp("trainer")
+_beside_ddp("fabric")
 
 
 @pytest.mark.background("lightning-trainer")
@@ -365,12 +372,6 @@ def test_trainer_with_two_cpu_devices_and_8bit_moments_trains_like_ddp_with_adam
         assert b["losses"] == pytest.approx(a["losses"], abs=LOSS_ATOL)
         assert max((a["weights"][k] - b["weights"][k]).abs().max().item() for k in a["weights"]) < WEIGHT_ATOL
     assert (tmp_path / "pt" / "final.ckpt").is_file()
-
-
-@background_run("lightning-fabric")
-def _fabric_runs(folder, env, results):
-    return folder, _launch((("fabric", "ddp", "2"), folder / "ddp"), (("fabric", "protrain", "2", "--sharded"),
-                                                                    folder / "pt"), env=env)
 
 
 @pytest.mark.background("lightning-fabric")
