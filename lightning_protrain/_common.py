@@ -267,14 +267,14 @@ def convert_input(data, precision: str):
 def check_optimizers(optimizers) -> list[torch.optim.Optimizer]:
     """The optimizers ProTrain runs per chunk (Adam/AdamW, or another elementwise one:
     ``runtime/elementwise.py``), with any param groups; several (manual optimization, a GAN) are
-    checked by ``wrap`` (one class, disjoint parameters); none is refused."""
+    checked by ``wrap`` (one class, disjoint parameters); optimizers without parameters are refused
+    (the Trainer's stand-in for none never comes here)."""
     opts = [o if isinstance(o, torch.optim.Optimizer) else getattr(o, "optimizer", o) for o in optimizers]
     if not any(group.get("params") for opt in opts for group in getattr(opt, "param_groups", None) or []):
-        # Lightning stands in a parameterless optimizer when configure_optimizers returns None.
         raise ValueError(
-            "The ProTrain strategy trains with an optimizer over the model's parameters, and got none "
-            "(configure_optimizers returned None, or an optimizer without parameters): return one from "
-            "configure_optimizers, or evaluate with trainer.validate/test/predict, which need none."
+            "The ProTrain strategy trains with an optimizer over the model's parameters, and got one without "
+            "parameters: build it from model.parameters(), or set the model up alone (fabric.setup(model)) to "
+            "evaluate."
         )
     for opt in opts:
         check_optimizer(opt)  # raises ValueError naming what is supported

@@ -53,24 +53,46 @@ class ProTrainFabricPrecision(Precision):
         self.precision = precision
         self.strategy = strategy
         self.scaler = scaler  # a 16-mixed plugin's GradScaler settings
+        self._lightning: Precision | None = None
+
+    def lightning_plugin(self) -> Precision:
+        """Lightning's own plugin for this precision: what runs, as under the default strategy,
+        a module and optimizers no engine runs (set up before any module, or never)."""
+        if self._lightning is None:
+            if self.precision.endswith("-mixed"):
+                device = "cuda" if self.strategy.root_device.type == "cuda" else "cpu"
+                self._lightning = MixedPrecision(self.precision, device)
+            else:
+                self._lightning = Precision() if self.precision == "32-true" else HalfPrecision(self.precision)
+        return self._lightning
 
     def forward_context(self):
         engine = self.strategy.engine
-        if engine is not None and torch.is_grad_enabled() and engine.states.trainables_changed() is not None:
+        if engine is None:
+            return self.lightning_plugin().forward_context()
+        if torch.is_grad_enabled() and engine.states.trainables_changed() is not None:
             engine = self.strategy.wrap_anew()  # before the training forward
-        return engine.autocast() if engine is not None else contextlib.nullcontext()
+        return engine.autocast()
 
     def convert_input(self, data):
         return convert_input(data, self.precision)
 
     def backward(self, tensor, model, *args, **kwargs) -> None:
-        self.strategy.require_engine().backward(tensor)
+        if self.strategy.engine is None:
+            return self.lightning_plugin().backward(tensor, model, *args, **kwargs)
+        self.strategy.engine.backward(tensor)
+
+    def unscale_gradients(self, optimizer) -> None:
+        if self.strategy.engine is None:  # (the engine's own clipping unscales)
+            self.lightning_plugin().unscale_gradients(optimizer)
 
     def optimizer_step(self, optimizer, **kwargs):
+        engine = self.strategy.engine
+        if engine is None:
+            return self.lightning_plugin().optimizer_step(optimizer, **kwargs)
         # Fabric's optimizer wrapper resolves zero_grad to the optimizer class's own method,
         # which cannot see gradients kept in chunks: the step consumes them instead (Fabric
         # loops call zero_grad right after step anyway).
-        engine = self.strategy.require_engine()
         engine.step(optimizer)
         if len(engine.optimizers) == 1:
             engine.zero_grad()  # (with several, gradients stay until the wrapper's zero_grad: it sets p.grad = None)
@@ -146,6 +168,7 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
         self._root_device = torch.device(device) if device is not None else None
         self.example_inputs, self.loss_fn = example_inputs, loss_fn
         self.engine: pt.Engine | None = None
+        self._waiting: list[torch.optim.Optimizer] = []  # set up before any module (setup_optimizer)
         self._backward_sync_control = _EngineSyncControl(self)
 
     @property
@@ -216,8 +239,16 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
         built from the set-up module's parameters, as Lightning teaches for FSDP."""
         if next(module.parameters(), None) is None:
             return module  # nothing to manage (Lightning's own tests set up an empty nn.Sequential beside a model)
+        if self._open_engine() is not None and module is self.engine.module:
+            return module  # set up again: the engine it has
         self._refuse_a_second_model()
         self._environment_for("fabric.setup_module(model)")
+        waiting = self._claim_waiting(module, [])
+        if waiting:  # fabric.setup_optimizers(optimizer) came first (DDP allows that order)
+            optimizers = check_optimizers(waiting)
+            self._check_processes_for(optimizers)
+            self._build_for_training(module, optimizers)
+            return module
         optimizer, config = for_evaluation(module, self.config, None)
         self.engine = build_engine(module, optimizer, config, precision=self.precision.precision,
                                    device=self.root_device, scaler=self.precision.scaler, report=_report)
@@ -225,28 +256,53 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
 
     def setup_optimizer(self, optimizer):
         """``fabric.setup_optimizers(optimizer)`` after ``fabric.setup_module(model)``: the
-        evaluation engine gives way to a training one with this optimizer."""
+        evaluation engine gives way to a training one with this optimizer. Before any module:
+        the optimizer steps as under the default strategy until ``fabric.setup_module`` of a
+        module with its parameters hands it to that module's engine."""
         engine = self._open_engine()
         if engine is None:
-            raise RuntimeError("The ProTrain strategy builds its engine from the model: call fabric.setup_module(model) "
-                               "before fabric.setup_optimizers(optimizer), or fabric.setup(model, optimizer).")
-        optimizers = check_optimizers([optimizer])
-        if engine.optimizer_states:  # fabric.setup_optimizers(opt_a, opt_b): one engine steps both
-            optimizers = [*engine.optimizers, *optimizers]
-            self._check_processes_for(optimizers)
+            self._waiting.append(optimizer)
+            return optimizer
+        self._rebuild([*engine.optimizers, optimizer] if engine.optimizer_states else [optimizer])
+        return optimizer
+
+    def _rebuild(self, optimizers: list) -> None:
+        """The engine built again for its module with ``optimizers`` (``fabric.setup_optimizers``
+        after ``setup_module``, or ``fabric.setup`` of its module again), with the weights and
+        the optimizer states it had (an optimizer it no longer has gets its state back)."""
+        engine = self.engine
+        optimizers = check_optimizers(optimizers)
+        self._check_processes_for(optimizers)
+        if engine.optimizer_states:  # (fabric.setup_optimizers(opt_a, opt_b): one engine steps both)
             self.precision.scaler = close_for_a_new_engine(engine) or self.precision.scaler
         else:
             engine.close()
         self._build_for_training(engine.module, optimizers)
-        return optimizer
 
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
+        if self._open_engine() is not None and module is self.engine.module:  # set up again
+            self._rebuild(list(optimizers))
+            return module, optimizers, scheduler
         self._refuse_a_second_model()
-        optimizers = check_optimizers(optimizers)
+        optimizers = check_optimizers(self._claim_waiting(module, list(optimizers)))
         self._environment_for("fabric.setup(model, optimizer)")
         self._check_processes_for(optimizers)
         self._build_for_training(module, optimizers)
         return module, optimizers, scheduler
+
+    def _claim_waiting(self, module: nn.Module, optimizers: list) -> list:
+        """``optimizers`` and those set up before any module over ``module``'s parameters: the
+        engine's. An optimizer set up before over other parameters would train a second model,
+        which one ProTrain strategy does not (``_refuse_a_second_model``)."""
+        params = {id(p) for p in module.parameters()}
+        for o in self._waiting:
+            if o not in optimizers and not any(id(p) in params for g in o.param_groups for p in g["params"]):
+                raise RuntimeError(
+                    "fabric.setup_optimizers set up an optimizer over parameters of another model than "
+                    f"{type(module).__name__}, and one ProTrain strategy runs one model. Put both models in one "
+                    "nn.Module (e.g. nn.ModuleDict) and set it up once, or give the other model its own Fabric.")
+        self._waiting, claimed = [], [o for o in self._waiting if o not in optimizers]
+        return optimizers + claimed
 
     def _refuse_a_second_model(self) -> None:
         if self._open_engine() is not None:
@@ -297,10 +353,14 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
         return self.engine
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
-        return self.require_engine().clipping.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
+        if self.engine is None:
+            return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+        return self.engine.clipping.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
 
     def clip_gradients_value(self, module, optimizer, clip_val):
-        self.require_engine().clipping.clip_grad_value_(clip_val)
+        if self.engine is None:
+            return super().clip_gradients_value(module, optimizer, clip_val)
+        self.engine.clipping.clip_grad_value_(clip_val)
 
     # ----- state -------------------------------------------------------------------------------
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:

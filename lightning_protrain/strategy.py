@@ -129,6 +129,8 @@ class ProTrainPrecision(Precision):
             return super().optimizer_step(optimizer, model, closure, **kwargs)
         with self.engine.step_state.in_step_closure():  # the closure's backward is a step's last micro-batch
             closure_result = closure()
+        if _stand_in([optimizer]):
+            return closure_result  # no optimizer: nothing steps
         self._after_closure(model, optimizer)
         if closure_result is None and model.automatic_optimization:
             return None  # training_step returned None: no backward, no step (as Lightning)
@@ -368,7 +370,13 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         manual = not module.automatic_optimization
         if fitting:
             self.setup_optimizers(trainer)  # (several only under manual optimization: Lightning checks)
-            optimizer = check_optimizers(self.optimizers)
+            if _stand_in(self.optimizers):
+                # configure_optimizers returned None: Lightning's stand-in has no parameters and
+                # the fit runs forward and backward only. The engine's own stand-in, which nothing
+                # steps, keeps the gradients, accumulated over the steps as Lightning's p.grad are.
+                optimizer, manual = torch.optim.SGD(module.parameters(), lr=0.0), True
+            else:
+                optimizer = check_optimizers(self.optimizers)
             # An overridden configure_gradient_clipping may clip at any step, with any setting:
             # the engine hears of it between backward and step (expect_late_clipping below).
             late = is_overridden("configure_gradient_clipping", module, pl.LightningModule)
@@ -583,3 +591,8 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
         register_as_protrain(strategy_registry, cls)
+
+
+def _stand_in(optimizers) -> bool:
+    """Lightning's stand-in when ``configure_optimizers`` returns None: no parameters."""
+    return not any(group.get("params") for o in optimizers for group in o.param_groups)

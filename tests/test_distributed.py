@@ -595,6 +595,9 @@ def _tied_states(rank, world):
     losses, engine = protrain_run(model, batches(2, seed=10 + rank), pt.Plan(n_persist=1, n_buffer=2))
     weights = engine.state_dict()  # rank 0 keeps it; every rank must gather the same chunks
     states = engine.states.optimizer(rank0_only=False)
+    x = batches(1, seed=20)[0]  # ([Note: loss.backward()]: the ranks need the loss itself)
+    with pytest.raises(RuntimeError, match=r"loss.backward\(\) with several processes.*Call engine.backward\(loss\)"):
+        engine.module(input_ids=x, labels=x).loss.backward()
     engine.close()
     return weights, states
 

@@ -4,6 +4,7 @@ import re
 
 import pytest
 import torch
+from torch import nn
 from lightning.fabric import Fabric
 
 import protrain_core as pt
@@ -202,24 +203,31 @@ def test_a_second_model_in_one_fabric_is_refused_before_anything_is_built(monkey
     opt.step()
 
 
+@pytest.mark.parametrize("optimizer_first", [False, True], ids=["module-first", "optimizer-first"])
 @pytest.mark.parametrize("strategy", ["protrain", "streamed"])
-def test_fabric_two_step_setup_trains_like_plain_pytorch(strategy):
+def test_fabric_two_step_setup_trains_like_plain_pytorch(strategy, optimizer_first):
     """Issue 59, item 1: ``fabric.setup_module(model)``, the optimizer built from the set-up
     module's parameters, then ``fabric.setup_optimizers(optimizer)`` (the order Lightning teaches
-    for FSDP): bitwise plain PyTorch's run, on the searched and an all-streamed plan; the module
-    runs (for evaluation) between the two steps."""
+    for FSDP), or the optimizer set up first (as DDP allows): bitwise plain PyTorch's run, on the
+    searched and an all-streamed plan; the module runs (for evaluation) between the two steps."""
     if strategy == "streamed":
         strategy = ProTrainFabricStrategy(pt.Plan(n_persist=0, n_buffer=1))
     data = batches(8, batch=4)
     ref_model, _, ref_losses = plain(data, accumulate=2)
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1)
     fabric.launch()
-    model = fabric.setup_module(MODELS["gpt2"]())
-    assert not fabric.strategy.engine.optimizer_states  # evaluation until the optimizer comes
-    with torch.no_grad():
-        before = model(input_ids=data[0], labels=data[0]).loss
-    assert before.item() == MODELS["gpt2"]()(input_ids=data[0], labels=data[0]).loss.item()
-    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True))
+    if optimizer_first:
+        model = MODELS["gpt2"]()
+        opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True))
+        assert fabric.strategy.engine is None
+        model = fabric.setup_module(model)
+    else:
+        model = fabric.setup_module(MODELS["gpt2"]())
+        assert not fabric.strategy.engine.optimizer_states  # evaluation until the optimizer comes
+        with torch.no_grad():
+            before = model(input_ids=data[0], labels=data[0]).loss
+        assert before.item() == MODELS["gpt2"]()(input_ids=data[0], labels=data[0]).loss.item()
+        opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True))
     assert fabric.strategy.engine.optimizer_states
     _assert_trains_like(fabric, model, opt, data, 2, ref_model, ref_losses)
 
@@ -269,12 +277,61 @@ def test_fabric_setup_without_an_optimizer_evaluates_like_the_default_strategy()
     assert all(torch.equal(a, b) for a, b in zip(outputs["auto"], outputs["protrain"]))
 
 
-def test_fabric_two_step_setup_refuses_what_it_cannot_do():
-    fabric = Fabric(strategy="protrain", accelerator="cpu", devices=1)
+def test_fabric_setup_of_the_same_model_again_keeps_training_like_plain_pytorch():
+    """``fabric.setup(model, optimizer)`` of the engine's own model again (Lightning's tests do;
+    the default strategy allows it): the engine is built again with the weights and Adam states
+    it had; ``fabric.setup_module(model)`` again keeps the engine. Plain PyTorch's run, bit for bit."""
+    data = batches(4, batch=4)
+    ref_model, _, ref_losses = plain(data, accumulate=1)
+    fabric = Fabric(strategy=ProTrainFabricStrategy(pt.Plan(n_persist=1, n_buffer=1)), accelerator="cpu", devices=1)
     fabric.launch()
     model = MODELS["gpt2"]()
-    with pytest.raises(RuntimeError, match=r"call fabric.setup_module\(model\) before fabric.setup_optimizers"):
-        fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    fabric.setup(model)  # evaluation first
+    losses = []
+    for half in (data[:2], data[2:]):
+        wrapped, wrapped_opt = fabric.setup(model, opt)
+        engine = fabric.strategy.engine
+        assert fabric.setup_module(model).module is model and fabric.strategy.engine is engine
+        for x in half:
+            loss = wrapped(input_ids=x, labels=x).loss
+            fabric.backward(loss)
+            wrapped_opt.step()
+            wrapped_opt.zero_grad()
+            losses.append(loss.item())
+    assert losses == ref_losses
+    for k, v in ref_model.state_dict().items():
+        torch.testing.assert_close(fabric.strategy.engine.state_dict()[k], v, rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_fabric_without_a_protrain_module_runs_as_the_default_strategy(precision):
+    """An optimizer set up before any module (and a module never given to the engine) runs
+    as under the default strategy, through Lightning's own precision plugin: the same losses
+    and weights, bit for bit, with ``fabric.backward``, clipping and ``optimizer.step``."""
+    data = torch.randn(4, 3, 8, generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for strategy in ("auto", "protrain"):
+        fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1, precision=precision)
+        fabric.launch()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        losses = []
+        for x in data:
+            with fabric.autocast():
+                loss = model(fabric.to_device(x)).float().pow(2).mean()
+            fabric.backward(loss)
+            fabric.clip_gradients(model, opt, max_norm=0.5)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs[strategy] = losses, [p.detach().clone() for p in model.parameters()]
+    assert fabric.strategy.engine is None
+    assert runs["auto"][0] == runs["protrain"][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs["auto"][1], runs["protrain"][1]))
+    with pytest.raises(RuntimeError, match="over parameters of another model than GPT2LMHeadModel, and one ProTrain"):
+        fabric.setup(MODELS["gpt2"]())  # (its optimizer would train a second model)
 
 
 @pytest.mark.parametrize("state_dict_type", ["full", "sharded"])

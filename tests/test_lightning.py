@@ -363,19 +363,20 @@ def test_training_step_returning_none_with_clipping_equals_default():
 
 
 class Manual(LitLM):
-    """Manual optimization: manual_backward every batch, clip_gradients and a step every second
-    batch (accumulation), toggle_optimizer around it."""
+    """Manual optimization: manual_backward (or the plain loss.backward()) every batch,
+    clip_gradients and a step every second batch (accumulation), toggle_optimizer around it."""
 
-    def __init__(self):
+    def __init__(self, plain_backward=False):
         super().__init__()
         self.automatic_optimization = False
+        self.plain_backward = plain_backward
 
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
         self.toggle_optimizer(opt)
         (x,) = batch
         loss = self.model(input_ids=x, labels=x).loss
-        self.manual_backward(loss / 2)
+        (loss / 2).backward() if self.plain_backward else self.manual_backward(loss / 2)
         if batch_idx % 2 == 1:
             self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
             opt.step()
@@ -387,16 +388,44 @@ class Manual(LitLM):
         pass
 
 
+@pytest.mark.parametrize("plain_backward", [False, True], ids=["manual_backward", "loss.backward"])
 @pytest.mark.parametrize("plan", ["persistent", "streamed"])
-def test_manual_optimization_trains_as_under_the_default_strategy(plan):
-    """manual_backward, clip_gradients, opt.step() every second batch, zero_grad and
-    toggle_optimizer train bitwise like the default strategy (before: refused at setup)."""
+def test_manual_optimization_trains_as_under_the_default_strategy(plan, plain_backward):
+    """manual_backward (or loss.backward()), clip_gradients, opt.step() every second batch,
+    zero_grad and toggle_optimizer train bitwise like the default strategy."""
     def run(strategy):
-        return fit(strategy, module=Manual, max_steps=4)
+        return fit(strategy, module=Manual, module_kw={"plain_backward": plain_backward}, max_steps=4)
 
     ours, default = run(ProTrainStrategy(_plan(plan, n_chunks(LitLM())))), run("auto")
     assert len(ours[0].losses) == len(default[0].losses) == 8
     assert_same(ours, default)
+
+
+class NoOptimizer(LitLM):
+    """configure_optimizers returns None: forward and backward only; the gradients each
+    backward leaves (accumulated, as nothing clears them) are recorded."""
+
+    def configure_optimizers(self):
+        return None
+
+    def on_after_backward(self):
+        self.grads = getattr(self, "grads", [])
+        self.grads.append({n: p.grad.clone() for n, p in self.model.named_parameters()})
+
+
+@pytest.mark.parametrize("plan", ["persistent", "streamed"])
+def test_a_fit_without_an_optimizer_runs_as_under_the_default_strategy(plan):
+    """Lightning warns and runs training_step and backward with no step: the same losses and
+    gradients as the default strategy, bit for bit, and the weights untouched."""
+    runs = {}
+    for name, strategy in (("auto", "auto"), ("protrain", ProTrainStrategy(_plan(plan, n_chunks(LitLM()))))):
+        with pytest.warns(UserWarning, match="will run with no optimizer"):
+            runs[name] = fit(strategy, module=NoOptimizer, max_steps=3)
+    (ours, _), (default, _) = runs["protrain"], runs["auto"]
+    assert len(ours.grads) == 3 and ours.losses == default.losses
+    assert all(torch.equal(g[n], r[n]) for g, r in zip(ours.grads, default.grads) for n in r)
+    torch.manual_seed(1234)
+    assert all(torch.equal(a, b) for a, b in zip(weights(ours).values(), weights(NoOptimizer()).values()))
 
 
 class ManualClosure(LitLM):
@@ -680,19 +709,6 @@ def test_an_optimizer_that_needs_whole_parameters_is_refused():
 
     with pytest.raises(ValueError, match="Adafactor per chunk: its second moment is factored"):
         trainer("protrain").fit(Factored(), loader())
-
-
-def test_no_optimizer_is_refused_before_training_with_what_protrain_needs():
-    """configure_optimizers returning None: Lightning stands in an optimizer without parameters;
-    the engine failed on it with a KeyError ('param_groups')."""
-    class NoOptimizer(LitLM):
-        def configure_optimizers(self):
-            return None
-
-    lit = NoOptimizer()
-    with pytest.raises(ValueError, match="configure_optimizers returned None"):
-        trainer("protrain").fit(lit, loader())
-    assert lit.losses == []  # refused before the first training step
 
 
 class Plain(pl.LightningModule):

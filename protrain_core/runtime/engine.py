@@ -41,6 +41,7 @@ from protrain_core.phase import Observers, RecomputeObserver, StepObserver, Step
 from protrain_core.plan import BlockMode, Plan, as_plan, check_plan, describe_modes
 from protrain_core.precision import LossScaler, Precision
 from protrain_core.runtime.activations import ActivationManager
+from protrain_core.runtime.backward import BackwardPasses
 from protrain_core.runtime.chunk import Chunk
 from protrain_core.runtime.clipping import Clipping
 from protrain_core.runtime.compiled import compile_units
@@ -74,17 +75,15 @@ class RuntimeEngine:
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, layout: ChunkLayout, plan: Plan,
                  precision: Precision, device: torch.device | DeviceContext, config: ProTrainConfig | None = None,
                  sharding: Sharding = ONE_PROCESS, *, warn_on_cache: bool = True, optimizers: tuple = ()) -> None:
-        """``device``: a torch device, or a DeviceContext (a simulated device: protrain_core/simulator).
-        ``sharding``: the processes the chunks are sharded over (``Sharding.resolve``; the group
-        of one in one process). Every rank builds its engine alike, with the same plan.
-        ``optimizers``: several optimizers over disjoint parameters, each stepped on its own
-        (``optimizer`` is then ``joint_optimizer(optimizers)``: [Note: several optimizers])."""
+        """``device``: a torch device, or a DeviceContext (a simulated device: protrain_core/simulator);
+        ``sharding``: the processes the chunks are sharded over (``Sharding.resolve``; one process:
+        the group of one), every rank building alike; ``optimizers``: several over disjoint parameters,
+        each stepped on its own (``optimizer`` is ``joint_optimizer(optimizers)``: [Note: several optimizers])."""
         check_plan(plan, layout.limits())
         config = config or ProTrainConfig()
-        self.ctx = as_context(device)
+        self.ctx, self.sharding = as_context(device), sharding
         device = self.ctx.device
         sharding.check_device(device)
-        self.sharding = sharding
         self.world_size, self.rank = sharding.world, sharding.rank
         self.module, self.optimizer, self.layout, self.plan = module, optimizer, layout, plan
         self.optimizers = tuple(optimizers) or (optimizer,)
@@ -103,7 +102,8 @@ class RuntimeEngine:
         n_buffer = min(plan.n_buffer, len(self.chunks) - plan.n_persist)
         self.grads = StepGradients(self._optim, self.scaler, self.chunks, self.ctx, sharding, several_optimizers=several)
         self.scheduler = Scheduler(self.chunks, self.ctx, self._optim, self.step_state, sharding, n_buffer=n_buffer,
-                                   switches=config.runtime, finisher=self.grads.finisher, placement=placement)
+                                   switches=config.runtime, finisher=self.grads.finisher, placement=placement,
+                                   loss_backward=lambda: self._passes.loss_backward())
         self.stats = self.scheduler.stats  # counts of the runtime's events: uploads, offloads, updates
         self.clipping = Clipping(self.grads, self.scheduler, self.chunks, precision, self.step_state)
         self._owned = _owned_chunks(self.chunks, self.optimizers)
@@ -119,6 +119,9 @@ class RuntimeEngine:
         self.activations: ActivationManager | None = None
         self._recompute_observers = Observers(RecomputeObserver)  # they stay across set_block_modes
         self._step_observers = Observers(StepObserver)
+        self._passes = BackwardPasses(step_state=self.step_state, grads=self.grads, clipping=self.clipping,
+                                      scheduler=self.scheduler, activations=lambda: self.activations,
+                                      scaler=self.scaler, observers=self._step_observers, check_trains=self._check_trains)
         self._handles = [module.register_forward_pre_hook(self._on_module_call, with_kwargs=True, prepend=True),
                          *[o.register_step_pre_hook(self._before_optimizer_step) for o in self.optimizers],
                          *([_ZeroGradRoute(self, o, module) for o in (*self.optimizers, *module.modules())]
@@ -128,8 +131,7 @@ class RuntimeEngine:
         _carry_optimizer_states(self)
         module._protrain_engine = self
         self.offloaded: OffloadedStates | None = None  # offload_states() moved the states to the host
-        self.profile = None  # the Profile a searched plan came from (set by wrap)
-        self.choice = None  # the search's PlanChoice (set by wrap)
+        self.profile = self.choice = None  # the Profile and the search's PlanChoice of a searched plan (set by wrap)
 
     def replan(self, plan: Plan | dict) -> None:
         """Run with ``plan`` from the next step on, keeping every state (weights, gradients not yet
@@ -214,25 +216,9 @@ class RuntimeEngine:
         """Backward through the managed model; streamed chunks are updated while it runs, or
         their gradients are finished for an update at step() (see ``overlap``). ``run(loss)``:
         what starts autograd instead of ``loss.backward()`` (an overridden
-        ``LightningModule.backward``), given the loss as scaled for fp16."""
-        state = self.step_state
-        state.check_open()
-        if state.final_micro_batch:
-            self._check_trains("backward() outside no_sync()")
-        self.grads.check_consumed(backward=True, final=state.final_micro_batch)
-        self.clipping.schedule_updates()
-        self.grads.forget_reads()
-        self._step_observers.notify(lambda o: o.backward_begins())
-        try:
-            with self.scheduler.backward_pass(boundary=state.final_micro_batch, loss=loss), \
-                    self.activations.backward_pass():
-                if self.scaler is not None:
-                    loss = loss * self.scaler.scale.to(loss.device)
-                loss.backward() if run is None else run(loss)
-            self.grads.backward_ended()  # p.grad reads the gradients until step() or zero_grad
-        finally:
-            state.micro_batch_ended()
-            self._step_observers.notify(lambda o: o.backward_ends())
+        ``LightningModule.backward``), given the loss as scaled for fp16. A plain
+        ``loss.backward()`` runs the same pass ([Note: loss.backward()] in backward.py)."""
+        self._passes.run(loss, run)
 
     def no_sync(self):
         """Backward passes inside only accumulate gradients (non-final micro-batches)."""
@@ -244,7 +230,7 @@ class RuntimeEngine:
         next use in forward, ``wait_for_updates`` and every state dict wait for their update.
         ``optimizer``: with several optimizers, the one to step: only its parameters are
         updated, as its own ``step()`` would (None: every optimizer)."""
-        self.step_state.check_open()
+        self._passes.ready()
         stepped, chunks = self._chunks_of(optimizer)
         self._check_trains("step()")
         check_onloaded(self, "engine.step()")
@@ -335,7 +321,7 @@ class RuntimeEngine:
         """Clear the gradients (``set_to_none`` as torch's: either way none is kept); ``optimizer``:
         with several optimizers, of its parameters only (None: all); ``module``: of that part of
         the model's parameters only (its own ``zero_grad()``)."""
-        self.step_state.check_open()
+        self._passes.ready()
         if module is not None:
             self.clipping.clear_grads([p.protrain_use[1:] for p in module.parameters()
                                        if isinstance(p, ManagedParameter)])
@@ -432,6 +418,7 @@ class RuntimeEngine:
     def _on_module_call(self, module, args, kwargs) -> None:
         if module is not self.module:  # a deep copy of the model
             return
+        self._passes.ready()
         refuse_compiled()
         check_onloaded(self, "The model's forward")
         if torch.is_grad_enabled():

@@ -1,0 +1,91 @@
+"""The engine's backward passes: what ``engine.backward(loss)`` does around autograd's pass,
+and the same pass around a ``loss.backward()`` the user starts.
+
+[Note: loss.backward()]
+A backward the user starts with ``loss.backward()`` (manual optimization that does not call
+manual_backward, a plain loop, a Fabric script that runs the module it gave to setup) instead of
+``engine.backward(loss)`` runs the same pass: the runtime's first hook in it (a unit's backward,
+a gradient: ``Scheduler``) finds the engine idle and opens the pass there, and a callback queued
+on autograd's engine (FSDP2's way to run after the last hook) closes it when autograd's pass
+ends -- the gradients are readable right after ``loss.backward()`` returns, and step(),
+clipping and the next backward see a finished one. A pass that raised never reaches its
+callback: the engine's next verb or forward closes it as failed (``ready``). Where the loss
+itself is needed it is refused with the fix: the fp16 scale multiplies it, and several processes
+compare which parameters it reaches before the first collective (``UsageCheck`` in sharding.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import ExitStack, contextmanager
+
+import torch
+from torch import Tensor
+
+_HOW = "engine.backward(loss) (in a LightningModule self.manual_backward(loss); with Fabric fabric.backward(loss))"
+
+
+class BackwardPasses:
+    def __init__(self, *, step_state, grads, clipping, scheduler, activations: Callable, observers, scaler,
+                 check_trains: Callable[[str], None]) -> None:
+        """``activations()``: the engine's ActivationManager now (``set_block_modes`` replaces
+        it); ``observers``: the engine's step observers; ``check_trains(what)`` refuses a
+        training verb of an evaluation engine."""
+        self.step_state, self.grads, self.clipping, self.scheduler = step_state, grads, clipping, scheduler
+        self.activations, self.observers, self.scaler, self.check_trains = activations, observers, scaler, check_trains
+        self._open: ExitStack | None = None  # a loss.backward()'s pass, until autograd's ends
+
+    def run(self, loss: Tensor, run=None) -> None:
+        """``engine.backward(loss, run)``."""
+        with self.around(loss):
+            if self.scaler is not None:
+                loss = loss * self.scaler.scale.to(loss.device)
+            loss.backward() if run is None else run(loss)
+
+    @contextmanager
+    def around(self, loss: Tensor | None):
+        """What one backward does around autograd's pass (``loss``: None where the user's
+        ``loss.backward()`` started it)."""
+        self.ready()
+        state = self.step_state
+        if state.final_micro_batch:
+            self.check_trains("backward() outside no_sync()")
+        self.grads.check_consumed(backward=True, final=state.final_micro_batch)
+        self.clipping.schedule_updates()
+        self.grads.forget_reads()
+        self.observers.notify(lambda o: o.backward_begins())
+        try:
+            with self.scheduler.backward_pass(boundary=state.final_micro_batch, loss=loss), \
+                    self.activations().backward_pass():
+                yield
+            self.grads.backward_ended()  # p.grad reads the gradients until step() or zero_grad
+        finally:
+            state.micro_batch_ended()
+            self.observers.notify(lambda o: o.backward_ends())
+
+    def loss_backward(self) -> None:
+        """The first hook of a backward the user started with ``loss.backward()``: the pass
+        begins here and ends when autograd's does."""
+        if self.scaler is not None:
+            raise RuntimeError(f"loss.backward() with precision='16-mixed': the loss is scaled first. Call {_HOW}.")
+        if not self.scheduler.sharding.whole:
+            raise RuntimeError("loss.backward() with several processes: the ranks compare which parameters the loss "
+                               f"reaches before the backward's first collective. Call {_HOW}.")
+        stack = ExitStack()
+        stack.enter_context(self.around(None))
+        self._open = stack
+
+        def end() -> None:
+            self._open = None
+            stack.close()
+
+        torch.autograd.Variable._execution_engine.queue_callback(end)
+
+    def ready(self) -> None:
+        """Not closed, and no ``loss.backward()`` half done: one that raised (autograd never
+        ends it) ends here, as failed."""
+        self.step_state.check_open()
+        failed, self._open = self._open, None
+        if failed is not None:
+            error = RuntimeError("loss.backward() raised")
+            failed.__exit__(type(error), error, None)

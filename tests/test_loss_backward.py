@@ -1,0 +1,77 @@
+"""``loss.backward()`` instead of ``engine.backward(loss)`` runs the engine's own pass
+([Note: loss.backward()] in runtime/engine.py): plain PyTorch's training, bit for bit."""
+
+import copy
+
+import pytest
+import torch
+
+import protrain_core as pt
+from conftest import MODELS, assert_same_weights, batches, standard_plans, train_reference
+
+
+def _train(engine, data, *, accumulate):
+    """``train_engine`` with the user's own ``loss.backward()``; the gradients read through
+    ``p.grad`` after each step's last backward."""
+    losses, grads = [], []
+    for i in range(0, len(data), accumulate):
+        micro, total = data[i:i + accumulate], 0.0
+        for j, x in enumerate(micro):
+            with engine.no_sync() if j < len(micro) - 1 else torch.enable_grad():
+                loss = engine.module(input_ids=x, labels=x).loss / len(micro)
+                loss.backward()
+            total += loss.item()
+        grads.append({n: p.grad.clone() for n, p in engine.module.named_parameters()})
+        engine.step()
+        engine.zero_grad()
+        losses.append(total)
+    return losses, grads
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("plan_name", ["all-persistent", "streamed-buf1", "mixed-buf2", "swap-checkpoint"])
+def test_loss_backward_trains_as_plain_pytorch(plan_name, accumulate):
+    model = MODELS["llama"]()
+    ref = copy.deepcopy(model)
+    data = batches(8)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1, fused=True)
+    ref_grads = []
+    ref_losses = train_reference(ref, ref_opt, data, accumulate=accumulate,
+                                 clip=lambda ps: ref_grads.append({n: p.grad.clone() for n, p in ref.named_parameters()}))
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1),
+                     standard_plans(model)[plan_name], device="cpu",
+                     config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
+    losses, grads = _train(engine, data, accumulate=accumulate)
+    assert losses == ref_losses
+    assert_same_weights(engine.state_dict(), ref)
+    assert all(torch.equal(g[n], r[n]) for g, r in zip(grads, ref_grads) for n in r)
+    if plan_name != "all-persistent":
+        assert engine.scheduler.stats["cpu_updates"] > 0
+
+
+def test_a_loss_backward_that_raised_ends_at_the_next_verb():
+    """Autograd never runs its end callback after an error: the engine's next forward ends the
+    pass as failed, and training goes on from the step's start, as plain PyTorch's does."""
+    model = MODELS["gpt2"]()
+    ref = copy.deepcopy(model)
+    data = batches(3)
+    ref_losses = train_reference(ref, torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True), data[1:])
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), pt.Plan(n_persist=1, n_buffer=1),
+                     device="cpu")
+    logits = engine.module(input_ids=data[0]).logits
+    logits.register_hook(lambda g: (_ for _ in ()).throw(ValueError("the user's hook")))
+    with pytest.raises(ValueError, match="the user's hook"):
+        (logits.float().pow(2).mean() + engine.module(input_ids=data[0], labels=data[0]).loss).backward()
+    engine.zero_grad()
+    losses, _ = _train(engine, data[1:], accumulate=1)
+    assert losses == ref_losses
+    assert_same_weights(engine.state_dict(), ref)
+
+
+def test_loss_backward_is_refused_where_the_loss_itself_is_needed():
+    model = MODELS["gpt2"]()
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=1, n_buffer=1), device="cpu",
+                     precision="16-mixed")
+    x = batches(1)[0]
+    with pytest.raises(RuntimeError, match=r"precision='16-mixed': the loss is scaled first. Call engine.backward"):
+        engine.module(input_ids=x, labels=x).loss.backward()
