@@ -512,7 +512,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         engine = self._open_engine()
         if self._sharded() is not None:
             return {}
-        if engine is not None and engine.optimizer_states:
+        if engine is not None and engine.optimizer_states and not _stand_in([optimizer]):
             return checkpoint_optimizer_state(engine, optimizer)
         if id(optimizer) in self._final_optimizer_states:
             return self._final_optimizer_states[id(optimizer)]
@@ -540,7 +540,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
         engine = self._open_engine()
-        if engine is None:
+        if engine is None or _stand_in(self.optimizers):
             return super().load_optimizer_state_dict(checkpoint)
         if getattr(self, "_sharded_from", None) is not None:
             return engine.load_sharded(self._sharded_from, model=False)

@@ -413,19 +413,33 @@ class NoOptimizer(LitLM):
         self.grads.append({n: p.grad.clone() for n, p in self.model.named_parameters()})
 
 
+class SaveEachStep(pl.Callback):
+    def __init__(self, folder):
+        self.folder = folder
+
+    def on_train_batch_end(self, trainer, *args):
+        trainer.save_checkpoint(self.folder / f"step{trainer.global_step}.ckpt")
+
+
 @pytest.mark.parametrize("plan", ["persistent", "streamed"])
-def test_a_fit_without_an_optimizer_runs_as_under_the_default_strategy(plan):
+def test_a_fit_without_an_optimizer_runs_as_under_the_default_strategy(plan, tmp_path):
     """Lightning warns and runs training_step and backward with no step: the same losses and
-    gradients as the default strategy, bit for bit, and the weights untouched."""
+    gradients as the default strategy, bit for bit, and the weights untouched; its checkpoints
+    (saved during the fit) resume."""
     runs = {}
     for name, strategy in (("auto", "auto"), ("protrain", ProTrainStrategy(_plan(plan, n_chunks(LitLM()))))):
         with pytest.warns(UserWarning, match="will run with no optimizer"):
-            runs[name] = fit(strategy, module=NoOptimizer, max_steps=3)
+            runs[name] = fit(strategy, module=NoOptimizer, max_steps=3, callbacks=[SaveEachStep(tmp_path / name)])
     (ours, _), (default, _) = runs["protrain"], runs["auto"]
     assert len(ours.grads) == 3 and ours.losses == default.losses
     assert all(torch.equal(g[n], r[n]) for g, r in zip(ours.grads, default.grads) for n in r)
     torch.manual_seed(1234)
     assert all(torch.equal(a, b) for a, b in zip(weights(ours).values(), weights(NoOptimizer()).values()))
+    resumed = NoOptimizer()
+    with pytest.warns(UserWarning, match="will run with no optimizer"):
+        trainer(ProTrainStrategy(_plan(plan, n_chunks(LitLM()))), max_steps=4).fit(
+            resumed, loader(), ckpt_path=tmp_path / "protrain" / "step2.ckpt")
+    assert len(resumed.grads) == 2
 
 
 class ManualClosure(LitLM):

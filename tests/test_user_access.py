@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import grad_norm
 from torch.utils.data import DataLoader, TensorDataset
 
 import protrain_core as pt
-from conftest import MODELS, SEQ, VOCAB, batches, n_chunks, standard_plans
+from conftest import MODELS, SEQ, VOCAB, assert_same_weights, batches, n_chunks, standard_plans
 from lightning_protrain import ProTrainFabricStrategy, ProTrainStrategy
 
 STEPS = 5
@@ -215,6 +215,37 @@ def test_gradients_read_through_p_grad_only_between_a_backward_and_its_step():
     engine.step()
     assert seen_by_optimizer == [False]
     assert all(p.grad is None for p in params)
+
+
+@pytest.mark.parametrize("read_first", [False, True], ids=["clip-then-read", "read-then-clip"])
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+@pytest.mark.parametrize("plan", ["streamed", "persistent"])
+def test_a_clipping_requested_after_backward_shows_in_p_grad_at_once_as_in_pytorch(plan, algorithm, read_first):
+    """``engine.clipping.clip_grad_*_`` (Lightning's ``clip_gradients``) between backward and
+    step: ``p.grad`` shows the clipped gradients at once, also through views read before the
+    request, as torch's in-place clipping does; the step applies it once. Bitwise plain PyTorch."""
+    def run(model, backward, clip, step):
+        seen = []
+        for x in batches(3):
+            backward(model(input_ids=x, labels=x).loss)
+            held = [p.grad for p in model.parameters()] if read_first else None
+            clip(list(model.parameters()))
+            seen.append([g.clone() for g in (held or [p.grad for p in model.parameters()])])
+            step()
+        return seen
+
+    model = MODELS["gpt2"]()
+    ref = copy.deepcopy(model)
+    torch_clip = {"norm": lambda ps: torch.nn.utils.clip_grad_norm_(ps, 0.05),
+                  "value": lambda ps: torch.nn.utils.clip_grad_value_(ps, 1e-3)}[algorithm]
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True)
+    expected = run(ref, lambda loss: loss.backward(), torch_clip, lambda: (ref_opt.step(), ref_opt.zero_grad()))
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), plans(n_chunks(model))[plan], device="cpu")
+    clip = {"norm": lambda ps: engine.clipping.clip_grad_norm_(0.05),
+            "value": lambda ps: engine.clipping.clip_grad_value_(1e-3)}[algorithm]
+    got = run(engine.module, engine.backward, clip, lambda: (engine.step(), engine.zero_grad()))
+    assert all(torch.equal(a, b) for step_a, step_b in zip(got, expected) for a, b in zip(step_a, step_b))
+    assert_same_weights(engine.state_dict(), ref)
 
 
 def test_fabric_reads_and_clips_gradients_between_backward_and_step_as_pytorch():

@@ -90,13 +90,20 @@ class Clipping:
                 "clipped (clip_grad_norm_ with error_if_nonfinite=True). Pass error_if_nonfinite=False to scale "
                 "the gradients by it anyway (under fp16 the step is then skipped by the loss scaler)."
             )
-        self._grads.accept(clipping)
+        self._accept(clipping)
         return total
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """``torch.nn.utils.clip_grad_value_`` over the optimizer's parameters, between
         ``backward`` and ``step`` (see ``clip_grad_norm_``)."""
-        self._grads.accept(self._late_request("value", clip_value))
+        self._accept(self._late_request("value", clip_value))
+
+    def _accept(self, clipping) -> None:
+        """A late request: applied at step(), fused with the update -- or at once where ``p.grad``
+        shows the gradients (read since backward, or when first read: ``_hand_out``)."""
+        self._grads.accept(clipping)
+        if self._grads.read_since_backward:
+            self._grads.apply_late()
 
     def grad_norm(self, norm_type: float = 2.0) -> Tensor:
         """The total norm of the gradients over the optimizer's parameters, between ``backward``
@@ -161,6 +168,7 @@ class Clipping:
             self._scheduler.wait_all()
             if self.gradients_ready:
                 self._grads.finish_all()  # fp16: unscaled, as the update reads them
+                self._grads.apply_late()  # a clipping requested before: p.grad shows it, as torch's
         self._grads.handed_out(chunk)
 
     def clear_grads(self, members: list[tuple[Chunk, int]]) -> None:

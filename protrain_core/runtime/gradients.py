@@ -59,6 +59,7 @@ from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.optim import ChunkOptimizer, UpdateClip
 from protrain_core.runtime.sharding import Sharding
 from protrain_core.update import ClipAlgorithm, GradientClipping, clips_norm
+from protrain_ops import clip_gradients
 
 
 @dataclass
@@ -314,6 +315,22 @@ class StepGradients:
         """This step applies ``clipping`` (after ``check_request``; a no-op when configured)."""
         if self.configured is None:
             self._late, self.late_seen = clipping, True
+
+    def apply_late(self) -> None:
+        """This step's late request applied now, in place, to the gradients it clips, as torch's
+        clipping changes ``.grad`` at once (``p.grad`` reads them: [Note: gradients read through
+        p.grad]); the update then clips nothing more. After ``late_norm`` / ``finish_all``."""
+        clip, self._late = self._late, None
+        if clip is None:
+            return
+        coef = torch.clamp(clip.value / (self.last_norm + 1e-6), max=1.0) if clips_norm(clip) else None
+        value = None if coef is not None else clip.value
+        for index, finished in self._finished.items():
+            c = self.chunks[index]
+            grads = [c.values.state_view(c.storage.grad_acc, i) for i in finished.members]
+            clip_gradients(grads, None if coef is None else coef.to(c.storage.grad_acc.device), value)
+            finished.norms.clear()
+        self._totals.clear()
 
     def late_norm(self, clipping: GradientClipping) -> Tensor:
         """The total norm for a request by norm (after finish_all); it is the last norm now."""
