@@ -5,7 +5,7 @@ and the same pass around a ``loss.backward()`` the user starts.
 A backward the user starts with ``loss.backward()`` (manual optimization that does not call
 manual_backward, a plain loop, a Fabric script that runs the module it gave to setup) instead of
 ``engine.backward(loss)`` runs the same pass: the runtime's first hook in it (a unit's backward,
-a gradient: ``Scheduler``) finds the engine idle and opens the pass there, and a callback queued
+a gradient: ``RuntimeHooks``) finds the engine idle and opens the pass there, and a callback queued
 on autograd's engine (FSDP2's way to run after the last hook) closes it when autograd's pass
 ends -- the gradients are readable right after ``loss.backward()`` returns, and step(),
 clipping and the next backward see a finished one. A pass that raised never reaches its
@@ -16,7 +16,6 @@ compare which parameters it reaches before the first collective (``UsageCheck`` 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 
 import torch
@@ -25,15 +24,28 @@ from torch import Tensor
 _HOW = "engine.backward(loss) (in a LightningModule self.manual_backward(loss); with Fabric fabric.backward(loss))"
 
 
+def check_trains(trains: bool, what: str) -> None:
+    """Refuse a training verb of an engine built for evaluation only."""
+    if not trains:
+        raise RuntimeError(
+            f"{what} on an evaluation-only ProTrain engine (wrap(optimizer_states=False)): it holds no optimizer "
+            "states. Wrap with optimizer_states=True to train."
+        )
+
+
 class BackwardPasses:
-    def __init__(self, *, step_state, grads, clipping, scheduler, activations: Callable, observers, scaler,
-                 check_trains: Callable[[str], None]) -> None:
-        """``activations()``: the engine's ActivationManager now (``set_block_modes`` replaces
-        it); ``observers``: the engine's step observers; ``check_trains(what)`` refuses a
-        training verb of an evaluation engine."""
+    def __init__(self, *, step_state, grads, clipping, scheduler, observers, scaler, trains: bool) -> None:
+        """``observers``: the engine's step observers; ``trains``: the engine holds optimizer
+        states (else a backward outside no_sync is refused). Nothing here refers to the engine:
+        no cycle keeps a closed one alive."""
         self.step_state, self.grads, self.clipping, self.scheduler = step_state, grads, clipping, scheduler
-        self.activations, self.observers, self.scaler, self.check_trains = activations, observers, scaler, check_trains
+        self.observers, self.scaler, self.trains = observers, scaler, trains
+        self.activations = None  # the engine's ActivationManager (set_activations)
         self._open: ExitStack | None = None  # a loss.backward()'s pass, until autograd's ends
+
+    def set_activations(self, activations) -> None:
+        """The blocks' activation manager now (``Engine.set_block_modes`` replaces it)."""
+        self.activations = activations
 
     def run(self, loss: Tensor, run=None) -> None:
         """``engine.backward(loss, run)``."""
@@ -49,14 +61,14 @@ class BackwardPasses:
         self.ready()
         state = self.step_state
         if state.final_micro_batch:
-            self.check_trains("backward() outside no_sync()")
+            check_trains(self.trains, "backward() outside no_sync()")
         self.grads.check_consumed(backward=True, final=state.final_micro_batch)
         self.clipping.schedule_updates()
         self.grads.forget_reads()
         self.observers.notify(lambda o: o.backward_begins())
         try:
             with self.scheduler.backward_pass(boundary=state.final_micro_batch, loss=loss), \
-                    self.activations().backward_pass():
+                    self.activations.backward_pass():
                 yield
             self.grads.backward_ended()  # p.grad reads the gradients until step() or zero_grad
         finally:

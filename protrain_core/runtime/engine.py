@@ -41,7 +41,7 @@ from protrain_core.phase import Observers, RecomputeObserver, StepObserver, Step
 from protrain_core.plan import BlockMode, Plan, as_plan, check_plan, describe_modes
 from protrain_core.precision import LossScaler, Precision
 from protrain_core.runtime.activations import ActivationManager
-from protrain_core.runtime.backward import BackwardPasses
+from protrain_core.runtime.backward import BackwardPasses, check_trains
 from protrain_core.runtime.chunk import Chunk
 from protrain_core.runtime.clipping import Clipping
 from protrain_core.runtime.compiled import compile_units
@@ -102,26 +102,25 @@ class RuntimeEngine:
         n_buffer = min(plan.n_buffer, len(self.chunks) - plan.n_persist)
         self.grads = StepGradients(self._optim, self.scaler, self.chunks, self.ctx, sharding, several_optimizers=several)
         self.scheduler = Scheduler(self.chunks, self.ctx, self._optim, self.step_state, sharding, n_buffer=n_buffer,
-                                   switches=config.runtime, finisher=self.grads.finisher, placement=placement,
-                                   loss_backward=lambda: self._passes.loss_backward())
+                                   switches=config.runtime, finisher=self.grads.finisher, placement=placement)
         self.stats = self.scheduler.stats  # counts of the runtime's events: uploads, offloads, updates
         self.clipping = Clipping(self.grads, self.scheduler, self.chunks, precision, self.step_state)
         self._owned = _owned_chunks(self.chunks, self.optimizers)
         self.states = StateAccess(module, self.chunks, self._optim, self.scaler, self.scheduler, self.step_state,
                                   precision=precision, rank=self.rank, world_size=self.world_size)
         self.memory = StateMemory(self.chunks, self.scheduler)
+        self._step_observers = Observers(StepObserver)
+        self._passes = BackwardPasses(step_state=self.step_state, grads=self.grads, clipping=self.clipping,
+                                      scheduler=self.scheduler, observers=self._step_observers, scaler=self.scaler,
+                                      trains=config.optimizer_states)
         # The runtime's hooks on every unit (they act for units with a streamed chunk: which those
         # are changes with ``replan``), every trainable parameter, and every parameter's use.
         self.hooks = RuntimeHooks(self.scheduler, unit_chunks(module, layout), self.chunks,
                                   onloaded=lambda: self.offloaded is None, grad_of=self.clipping.grad_of,
-                                  clear_grads=self.clipping.clear_grads)
+                                  clear_grads=self.clipping.clear_grads, loss_backward=self._passes.loss_backward)
         self.compiled = compile_units(module, layout, config.compile)  # (before set_block_modes)
         self.activations: ActivationManager | None = None
         self._recompute_observers = Observers(RecomputeObserver)  # they stay across set_block_modes
-        self._step_observers = Observers(StepObserver)
-        self._passes = BackwardPasses(step_state=self.step_state, grads=self.grads, clipping=self.clipping,
-                                      scheduler=self.scheduler, activations=lambda: self.activations,
-                                      scaler=self.scaler, observers=self._step_observers, check_trains=self._check_trains)
         self._handles = [module.register_forward_pre_hook(self._on_module_call, with_kwargs=True, prepend=True),
                          *[o.register_step_pre_hook(self._before_optimizer_step) for o in self.optimizers],
                          *([_ZeroGradRoute(self, o, module) for o in (*self.optimizers, *module.modules())]
@@ -167,6 +166,7 @@ class RuntimeEngine:
         self.activations = ActivationManager(blocks, modes, self.ctx, self.step_state,
                                              observers=self._recompute_observers,
                                              warn_on_cache=self._warn_on_cache)
+        self._passes.set_activations(self.activations)
         static = [t for c in self.chunks for t in c.storage.static_tensors()]
         self.activations.install(static + list(self.module.buffers()))
 
@@ -232,7 +232,7 @@ class RuntimeEngine:
         updated, as its own ``step()`` would (None: every optimizer)."""
         self._passes.ready()
         stepped, chunks = self._chunks_of(optimizer)
-        self._check_trains("step()")
+        check_trains(self.optimizer_states, "step()")
         check_onloaded(self, "engine.step()")
         if self.grads.consumed:
             self.scheduler.wait_all()  # every landing done: a chunk's own accumulator is where it is kept
@@ -442,13 +442,6 @@ class RuntimeEngine:
             raise ValueError(f"This {type(optimizer).__name__} is not an optimizer of this ProTrain engine: step and "
                              "zero_grad the optimizers given to wrap().")
         return (own,), self._owned[id(own)]
-
-    def _check_trains(self, what: str) -> None:
-        if not self.optimizer_states:
-            raise RuntimeError(
-                f"{what} on an evaluation-only ProTrain engine (wrap(optimizer_states=False)): it holds no optimizer "
-                "states. Wrap with optimizer_states=True to train."
-            )
 
 
 class _ZeroGradRoute:

@@ -96,12 +96,10 @@ class BufferPolicy:
 
 class Scheduler:
     def __init__(self, chunks: list[Chunk], ctx: DeviceContext, optim: ChunkOptimizer, phase: StepState,
-                 sharding: Sharding, *, n_buffer: int, switches: RuntimeConfig, finisher=None, placement=None,
-                 loss_backward=None) -> None:
+                 sharding: Sharding, *, n_buffer: int, switches: RuntimeConfig, finisher=None, placement=None) -> None:
         """``finisher(chunk)``: the worker's job finishing a streamed chunk's gradients at a
         boundary, or None (``StepGradients.finisher``); ``placement``: the CPU worker's cores
-        (topology.py), or None; ``loss_backward()``: opens the pass of a backward the user
-        started with ``loss.backward()`` ([Note: loss.backward()] in engine.py), or None: refused."""
+        (topology.py), or None."""
         self.chunks = chunks
         self.streamed = [c for c in chunks if not c.persistent]
         self.ctx = ctx
@@ -112,7 +110,6 @@ class Scheduler:
         self.buffers = BufferPolicy(n_buffer)  # which chunk gives its device buffer up
         self.policy = UpdatePolicy()  # set_policy
         self.finisher = finisher
-        self.loss_backward = loss_backward
         self._after_step: set[int] = set()  # chunks whose update step() handed out and did not wait for
         self.stepped_backward = False  # a backward outside no_sync ran since the last step / zero_grad
         self.check_invariants = switches.check_invariants
@@ -190,8 +187,6 @@ class Scheduler:
             self.check()
 
     def _check_in_backward(self) -> None:
-        if self.phase.phase is TrainingPhase.IDLE and self.loss_backward is not None:
-            self.loss_backward()  # a loss.backward() begins
         if self.phase.phase is not TrainingPhase.BACKWARD:
             raise RuntimeError(
                 "A ProTrain-managed module is running backward outside engine.backward(loss): call "
