@@ -96,6 +96,18 @@ def train_engine(engine, data, *, accumulate=1, before_micro_batch=None, after_s
     return losses
 
 
+def fabric_steps(fabric, model, opt, data) -> list[float]:
+    """One Fabric step per batch of ``data`` (the language model's loss on it); the losses."""
+    losses = []
+    for x in data:
+        loss = model(input_ids=x, labels=x).loss
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def train_reference(model, opt, data, *, accumulate=1, scheduler=None, clip=None):
     """Plain PyTorch; ``clip(params)`` (e.g. clip_grad_norm_) runs on the optimizer's
     parameters before every step."""

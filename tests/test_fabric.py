@@ -8,7 +8,7 @@ from torch import nn
 from lightning.fabric import Fabric
 
 import protrain_core as pt
-from conftest import MODELS, batches
+from conftest import MODELS, batches, fabric_steps
 from lightning_protrain import ProTrainFabricStrategy
 
 
@@ -158,14 +158,7 @@ def test_fabric_save_and_load(tmp_path):
     state = {"model": model2, "optimizer": opt2, "step": 0}
     fabric2.load(path, state)
     assert state["step"] == 4
-    got = []
-    for x in data[4:]:
-        loss = model2(input_ids=x, labels=x).loss
-        fabric2.backward(loss)
-        opt2.step()
-        opt2.zero_grad()
-        got.append(loss.item())
-    assert got == expected
+    assert fabric_steps(fabric2, model2, opt2, data[4:]) == expected
 
 
 def test_fabric_refuses_what_it_cannot_do():
@@ -293,12 +286,7 @@ def test_fabric_setup_of_the_same_model_again_keeps_training_like_plain_pytorch(
         wrapped, wrapped_opt = fabric.setup(model, opt)
         engine = fabric.strategy.engine
         assert fabric.setup_module(model).module is model and fabric.strategy.engine is engine
-        for x in half:
-            loss = wrapped(input_ids=x, labels=x).loss
-            fabric.backward(loss)
-            wrapped_opt.step()
-            wrapped_opt.zero_grad()
-            losses.append(loss.item())
+        losses += fabric_steps(fabric, wrapped, wrapped_opt, half)
     assert losses == ref_losses
     for k, v in ref_model.state_dict().items():
         torch.testing.assert_close(fabric.strategy.engine.state_dict()[k], v, rtol=0, atol=0, msg=k)

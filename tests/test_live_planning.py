@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import protrain_core as pt
 from protrain_core.autoplan import SWITCH_GAIN, refitter
 from protrain_core.utils import format_bytes, format_seconds, parse_bytes
-from conftest import MODELS, VOCAB, assert_same_weights, batches, train_engine, train_reference
+from conftest import MODELS, VOCAB, assert_same_weights, batches, fabric_steps, train_engine, train_reference
 from lightning_protrain import ProTrainFabricStrategy, ProTrainStrategy
 
 CACHE_WARNING = "ignore:ProTrain. a key/value cache"
@@ -547,13 +547,7 @@ def test_fabric_plans_on_its_first_steps_and_prints_the_prediction(collect_info)
     inner = model
     model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
     calls = count_calls(inner)  # after setup: its meta-device trace is not a training call
-    losses = []
-    for x in data:
-        loss = model(input_ids=x, labels=x).loss
-        fabric.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = fabric_steps(fabric, model, opt, data)
     assert losses == ref_losses and len(calls) == len(data)
     assert_same_weights(fabric.strategy.engine.state_dict(), ref)
     out = "\n".join(lines)
