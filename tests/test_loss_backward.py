@@ -75,3 +75,40 @@ def test_loss_backward_is_refused_where_the_loss_itself_is_needed():
     x = batches(1)[0]
     with pytest.raises(RuntimeError, match=r"precision='16-mixed': the loss is scaled first. Call engine.backward"):
         engine.module(input_ids=x, labels=x).loss.backward()
+
+
+def test_a_backward_started_inside_the_step_is_refused_with_the_fix():
+    """The optimizer's own step hooks run inside ``engine.step()``, after the update: a backward
+    there (torch would apply its gradients in this step) is refused, naming where it ran."""
+    model = MODELS["gpt2"]()
+    opt = torch.optim.AdamW(model.parameters())
+    engine = pt.wrap(model, opt, pt.Plan(n_persist=1, n_buffer=1), device="cpu")
+    x = batches(1)[0]
+    opt.register_step_pre_hook(lambda *_: engine.module(input_ids=x, labels=x).loss.backward())
+    engine.backward(engine.module(input_ids=x, labels=x).loss)
+    with pytest.raises(RuntimeError, match=r"inside engine.step\(\), from the optimizer's step hooks"):
+        engine.step()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_cuda_loss_backward_trains_as_engine_backward(precision):
+    """On a GPU autograd runs the hooks, and so the pass's opening and its end callback, on its
+    device thread: the same losses and weights as ``engine.backward(loss)``, bit for bit, on a
+    streamed plan with swapped and checkpointed blocks."""
+    runs = []
+    for plain in (False, True):
+        model = MODELS["llama"]()
+        engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), standard_plans(model)["swap-checkpoint"],
+                         device="cuda", precision=precision)
+        losses = []
+        for x in batches(6, device="cuda"):
+            loss = engine.module(input_ids=x, labels=x).loss
+            loss.backward() if plain else engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+            losses.append(loss.item())
+        runs.append((losses, engine.state_dict()))
+        engine.close()
+    (l0, w0), (l1, w1) = runs
+    assert l0 == l1 and all(torch.equal(w0[k], w1[k]) for k in w0)

@@ -415,12 +415,14 @@ def test_fabric_builds_the_engine_again_when_blocks_are_unfrozen():
     _same_as_fabrics_default(run)
 
 
+@pytest.mark.parametrize("plain_backward", [False, True], ids=["engine.backward", "loss.backward"])
 @pytest.mark.parametrize("plan", ["streamed", "mixed"])
-def test_the_core_api_habits_on_the_simulated_gpus_asynchronous_path(plan):
+def test_the_core_api_habits_on_the_simulated_gpus_asynchronous_path(plan, plain_backward):
     """The same loop as ``test_the_core_api_reads_parameters_and_gradients_as_pytorch_does`` on
     the CUDA code path (streams, events, the CPU worker on its own thread: the simulated device
     with small real tensors): a penalty and a read outside the modules, p.grad clipped in place,
-    optimizer.zero_grad -- bitwise plain PyTorch in fp32."""
+    optimizer.zero_grad, ``engine.backward(loss)`` or ``loss.backward()`` -- bitwise plain
+    PyTorch in fp32."""
     from protrain_core.simulator.device import SimulatedDevice
 
     model = MODELS["gpt2"]()
@@ -433,7 +435,8 @@ def test_the_core_api_habits_on_the_simulated_gpus_asynchronous_path(plan):
         engine = pt.wrap(model, opt, plans(n_chunks(model))[plan], device=sim,
                          config=pt.ProTrainConfig(runtime=pt.RuntimeConfig(check_invariants=True)))
         assert engine.scheduler.worker.threaded
-        got = _core_loop(engine.module, opt, engine.step, engine.backward, opt.zero_grad)
+        backward = (lambda loss: loss.backward()) if plain_backward else engine.backward
+        got = _core_loop(engine.module, opt, engine.step, backward, opt.zero_grad)
     assert got == expected
     sd = engine.state_dict()
     assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())

@@ -9,8 +9,9 @@ a gradient: ``RuntimeHooks``) finds the engine idle and opens the pass there, an
 on autograd's engine (FSDP2's way to run after the last hook) closes it when autograd's pass
 ends -- the gradients are readable right after ``loss.backward()`` returns, and step(),
 clipping and the next backward see a finished one. A pass that raised never reaches its
-callback: the engine's next verb or forward closes it as failed (``ready``). Where the loss
-itself is needed it is refused with the fix: the fp16 scale multiplies it, and several processes
+callback: the engine's next verb or forward closes it as failed (``ready``). A backward from
+the optimizer's step hooks (inside ``engine.step()``, after the update) is refused, and where
+the loss itself is needed too: the fp16 scale multiplies it, and several processes
 compare which parameters it reaches before the first collective (``UsageCheck`` in sharding.py).
 """
 
@@ -78,6 +79,9 @@ class BackwardPasses:
     def loss_backward(self) -> None:
         """The first hook of a backward the user started with ``loss.backward()``: the pass
         begins here and ends when autograd's does."""
+        if self.step_state.optimizer_step:  # (torch would apply its gradients in this step; the update ran)
+            raise RuntimeError("A backward reached a ProTrain-managed module inside engine.step(), from the optimizer's "
+                               "step hooks: the step's update already ran. Run the backward before the step.")
         if self.scaler is not None:
             raise RuntimeError(f"loss.backward() with precision='16-mixed': the loss is scaled first. Call {_HOW}.")
         if not self.scheduler.sharding.whole:

@@ -189,9 +189,9 @@ class Scheduler:
     def _check_in_backward(self) -> None:
         if self.phase.phase is not TrainingPhase.BACKWARD:
             raise RuntimeError(
-                "A ProTrain-managed module is running backward outside engine.backward(loss): call "
-                "engine.backward(loss) instead of loss.backward() (in a LightningModule "
-                "self.manual_backward(loss); with Fabric fabric.backward(loss))."
+                f"A backward reached a ProTrain-managed module during the engine's {self.phase.phase.name.lower()} "
+                "(a backward started inside the model's forward, a recomputation or a step): run it after the "
+                "forward, as engine.backward(loss) or loss.backward()."
             )
 
     @plain_parameters
