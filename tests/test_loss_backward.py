@@ -112,3 +112,40 @@ def test_cuda_loss_backward_trains_as_engine_backward(precision):
         engine.close()
     (l0, w0), (l1, w1) = runs
     assert l0 == l1 and all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+@pytest.mark.parametrize("plan_name", ["streamed-buf1", "swap-checkpoint"])
+def test_an_input_gradient_through_the_model_then_training_equals_plain_pytorch(plan_name):
+    """``torch.autograd.grad`` of the input embeddings (an adversarial example, FGSM) runs
+    through the model's hooks without a parameter gradient: not the step's backward; the
+    training step on the perturbed input that follows is plain PyTorch's, bit for bit."""
+    def run(model, backward, step):
+        losses = []
+        for x in batches(3):
+            emb = model.transformer.wte(x).detach().requires_grad_(True)
+            (g,) = torch.autograd.grad(model(inputs_embeds=emb, labels=x).loss, emb)
+            loss = model(inputs_embeds=emb + 0.01 * g.sign(), labels=x).loss
+            backward(loss)
+            step()
+            losses.append(loss.item())
+        return losses
+
+    model = MODELS["gpt2"]()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True)
+    expected = run(ref, lambda loss: loss.backward(), lambda: (ref_opt.step(), ref_opt.zero_grad()))
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), standard_plans(model)[plan_name],
+                     device="cpu")
+    assert run(engine.module, engine.backward, lambda: (engine.step(), engine.zero_grad())) == expected
+    assert_same_weights(engine.state_dict(), ref)
+
+
+def test_a_backward_with_create_graph_is_refused_before_anything_is_released():
+    """A gradient penalty's ``create_graph=True`` backward would leave a graph that reads
+    streamed parameters after their release (it crashed the process): refused at its first hook."""
+    model = MODELS["gpt2"]()
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=1, n_buffer=1), device="cpu")
+    x = batches(1)[0]
+    emb = model.transformer.wte(x).detach().requires_grad_(True)
+    with pytest.raises(RuntimeError, match="create_graph=True reached ProTrain-managed modules"):
+        torch.autograd.grad(engine.module(inputs_embeds=emb, labels=x).loss, emb, create_graph=True)

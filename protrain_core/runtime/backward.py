@@ -9,10 +9,13 @@ a gradient: ``RuntimeHooks``) finds the engine idle and opens the pass there, an
 on autograd's engine (FSDP2's way to run after the last hook) closes it when autograd's pass
 ends -- the gradients are readable right after ``loss.backward()`` returns, and step(),
 clipping and the next backward see a finished one. A pass that raised never reaches its
-callback: the engine's next verb or forward closes it as failed (``ready``). A backward from
-the optimizer's step hooks (inside ``engine.step()``, after the update) is refused, and where
-the loss itself is needed too: the fp16 scale multiplies it, and several processes
-compare which parameters it reaches before the first collective (``UsageCheck`` in sharding.py).
+callback: the engine's next verb or forward closes it as failed (``ready``). A pass in which no
+parameter got a gradient (``torch.autograd.grad`` of an input: an adversarial example) is not
+the step's backward (``Scheduler.backward_pass``). Refused with the fix: a backward with
+create_graph=True (its gradients' graph would read released parameters), one from the
+optimizer's step hooks (inside ``engine.step()``, after the update), and where the loss itself
+is needed: the fp16 scale multiplies it, and several processes compare which parameters it
+reaches before the first collective (``UsageCheck`` in sharding.py).
 """
 
 from __future__ import annotations
@@ -79,6 +82,11 @@ class BackwardPasses:
     def loss_backward(self) -> None:
         """The first hook of a backward the user started with ``loss.backward()``: the pass
         begins here and ends when autograd's does."""
+        if torch.is_grad_enabled():  # (autograd runs a create_graph backward's hooks with gradients on)
+            raise RuntimeError(
+                "A backward with create_graph=True reached ProTrain-managed modules (a gradient penalty, a "
+                "higher-order gradient): the graph of its gradients would read a streamed chunk's parameters after "
+                "ProTrain released them. Compute the penalty outside the model, or train that model without ProTrain.")
         if self.step_state.optimizer_step:  # (torch would apply its gradients in this step; the update ran)
             raise RuntimeError("A backward reached a ProTrain-managed module inside engine.step(), from the optimizer's "
                                "step hooks: the step's update already ran. Run the backward before the step.")

@@ -112,6 +112,7 @@ class Scheduler:
         self.finisher = finisher
         self._after_step: set[int] = set()  # chunks whose update step() handed out and did not wait for
         self.stepped_backward = False  # a backward outside no_sync ran since the last step / zero_grad
+        self._received = False  # a parameter's gradient arrived in the running backward
         self.check_invariants = switches.check_invariants
         self.boundary = True  # this backward is followed by step() (not inside no_sync)
         self.hps = None  # hyper-parameters snapshot of the current step
@@ -197,6 +198,7 @@ class Scheduler:
     @plain_parameters
     def on_grad(self, c: Chunk, i: int, p: Tensor) -> None:
         self._check_in_backward()
+        self._received = True
         grad = p.grad
         p.grad = None
         if grad is None:
@@ -327,13 +329,14 @@ class Scheduler:
             self.hps = self.optim.snapshot()
             self._in_pass = True
             self._chain, self.current, self._deferred = [], set(), set()
+            self._received = False
             self._after_step.clear()  # from here on, zero_grad waits for every job in flight
             ended = False
             try:
                 self.usage.begin(loss)  # W processes: the ranks' losses reach the same parameters
                 yield
                 ended = True
-                self.stepped_backward = boundary
+                self.stepped_backward = boundary and self._received  # (torch.autograd.grad of inputs: no gradient)
             finally:
                 try:
                     # A backward that raised (ctrl-C included) ends without the reductions: with
