@@ -80,7 +80,7 @@ class ProTrainFabricPrecision(Precision):
     def backward(self, tensor, model, *args, **kwargs) -> None:
         if self.strategy.engine is None:
             return self.lightning_plugin().backward(tensor, model, *args, **kwargs)
-        self.strategy.engine.backward(tensor)
+        self.strategy.engine.backward(tensor, run=(lambda t: t.backward(*args, **kwargs)) if args or kwargs else None)
 
     def unscale_gradients(self, optimizer) -> None:
         if self.strategy.engine is None:  # (the engine's own clipping unscales)

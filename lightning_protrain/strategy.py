@@ -129,9 +129,9 @@ class ProTrainPrecision(Precision):
             return super().optimizer_step(optimizer, model, closure, **kwargs)
         with self.engine.step_state.in_step_closure():  # the closure's backward is a step's last micro-batch
             closure_result = closure()
+        self._after_closure(model, optimizer)
         if _stand_in([optimizer]):
             return closure_result  # no optimizer: nothing steps
-        self._after_closure(model, optimizer)
         if closure_result is None and model.automatic_optimization:
             return None  # training_step returned None: no backward, no step (as Lightning)
         self.engine.step(optimizer)  # manual optimization: opt.step() after the manual_backward calls

@@ -651,13 +651,15 @@ class _NormModel(nn.Module):
         return x.square().mean()
 
 
-@pytest.mark.parametrize("ckpt", [0, 2, 4])
-def test_buffers_updated_in_forward_stay_exact_under_recomputation(ckpt):
+@pytest.mark.parametrize("ckpt,n_persist,plain_backward", [(0, 1, False), (2, 1, False), (4, 1, False),
+                                                        (4, 1, True), (4, 4, True)])
+def test_buffers_updated_in_forward_stay_exact_under_recomputation(ckpt, n_persist, plain_backward):
     """Checkpointed blocks recompute their forward in backward; the buffers the forward updates
     are updated once per forward all the same, and the recomputation reads what the forward
     read: losses, weights and buffers bitwise equal to plain PyTorch (4 steps; before: the
     running statistics and counters were updated twice, and the counter's second value changed
-    the recomputed activations)."""
+    the recomputed activations). Also with ``loss.backward()`` where every chunk persists: the
+    last block's recomputation is then the backward's first act, before any runtime hook."""
     torch.manual_seed(0)
     reference = _NormModel()
     model = copy.deepcopy(reference)
@@ -670,13 +672,13 @@ def test_buffers_updated_in_forward_stay_exact_under_recomputation(ckpt):
         opt.step()
         opt.zero_grad()
         ref_losses.append(loss.item())
-    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), pt.Plan(n_persist=1, n_buffer=1, n_checkpoint=ckpt),
-                     device="cpu", example_inputs=(xs[0],))
+    plan = pt.Plan(n_persist=n_persist, n_buffer=1 if n_persist < 4 else 0, n_checkpoint=ckpt)
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), plan, device="cpu", example_inputs=(xs[0],))
     assert engine.block_modes.count(C) == ckpt
     losses = []
     for x in xs:
         loss = engine.module(x)
-        engine.backward(loss)
+        loss.backward() if plain_backward else engine.backward(loss)
         engine.step()
         engine.zero_grad()
         losses.append(loss.item())

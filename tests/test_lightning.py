@@ -412,6 +412,9 @@ class NoOptimizer(LitLM):
         self.grads = getattr(self, "grads", [])
         self.grads.append({n: p.grad.clone() for n, p in self.model.named_parameters()})
 
+    def on_before_optimizer_step(self, optimizer):  # (Lightning calls it for its stand-in too)
+        self.before_step = getattr(self, "before_step", 0) + 1
+
 
 class SaveEachStep(pl.Callback):
     def __init__(self, folder):
@@ -431,7 +434,7 @@ def test_a_fit_without_an_optimizer_runs_as_under_the_default_strategy(plan, tmp
         with pytest.warns(UserWarning, match="will run with no optimizer"):
             runs[name] = fit(strategy, module=NoOptimizer, max_steps=3, callbacks=[SaveEachStep(tmp_path / name)])
     (ours, _), (default, _) = runs["protrain"], runs["auto"]
-    assert len(ours.grads) == 3 and ours.losses == default.losses
+    assert len(ours.grads) == 3 and ours.losses == default.losses and ours.before_step == default.before_step == 3
     assert all(torch.equal(g[n], r[n]) for g, r in zip(ours.grads, default.grads) for n in r)
     torch.manual_seed(1234)
     assert all(torch.equal(a, b) for a, b in zip(weights(ours).values(), weights(NoOptimizer()).values()))

@@ -149,3 +149,18 @@ def test_a_backward_with_create_graph_is_refused_before_anything_is_released():
     emb = model.transformer.wte(x).detach().requires_grad_(True)
     with pytest.raises(RuntimeError, match="create_graph=True reached ProTrain-managed modules"):
         torch.autograd.grad(engine.module(inputs_embeds=emb, labels=x).loss, emb, create_graph=True)
+    with pytest.raises(RuntimeError, match="create_graph=True reached ProTrain-managed modules"):  # (its own pass)
+        engine.backward(engine.module(input_ids=x, labels=x).loss, run=lambda loss: loss.backward(create_graph=True))
+
+
+def test_an_input_gradient_between_the_steps_backward_and_step_is_refused_with_the_fix():
+    """The step's backward finished its gradients; torch would let an input gradient through,
+    but its pass would begin a second backward of the step: refused, saying when to run it."""
+    model = MODELS["gpt2"]()
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters()), pt.Plan(n_persist=1, n_buffer=1), device="cpu")
+    x = batches(1)[0]
+    engine.backward(engine.module(input_ids=x, labels=x).loss)
+    emb = model.transformer.wte(x).detach().requires_grad_(True)
+    with pytest.raises(RuntimeError, match="between the step's backward and engine.step.*after the step"):
+        torch.autograd.grad(engine.module(inputs_embeds=emb, labels=x).loss, emb)
+    engine.step()

@@ -248,6 +248,38 @@ def test_a_clipping_requested_after_backward_shows_in_p_grad_at_once_as_in_pytor
     assert_same_weights(engine.state_dict(), ref)
 
 
+@pytest.mark.parametrize("plan", ["streamed", "persistent"])
+def test_a_clipping_followed_by_another_backward_clips_what_it_saw_as_in_pytorch(plan):
+    """Manual optimization (Lightning's manual_backward / clip_gradients): backward, clip,
+    backward, step. torch clips the first gradients and adds the second unclipped; so does the
+    engine, without a read of ``p.grad`` (the clip applies when the next backward begins)."""
+    data = batches(6)
+
+    def run(model, backward, clip, step):
+        losses = []
+        for i in range(0, len(data), 2):
+            for k, x in enumerate(data[i:i + 2]):
+                loss = model(input_ids=x, labels=x).loss
+                backward(loss)
+                if k == 0:
+                    clip()
+                losses.append(loss.item())
+            step()
+        return losses
+
+    model = MODELS["gpt2"]()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, fused=True)
+    expected = run(ref, lambda loss: loss.backward(), lambda: torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05),
+                   lambda: (ref_opt.step(), ref_opt.zero_grad()))
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=3e-3), plans(n_chunks(model))[plan], device="cpu")
+    engine.step_state.set_manual()  # (what the Trainer does under manual optimization)
+    got = run(engine.module, engine.backward, lambda: engine.clipping.clip_grad_norm_(0.05),
+              lambda: (engine.step(), engine.zero_grad()))
+    assert got == expected
+    assert_same_weights(engine.state_dict(), ref)
+
+
 def test_fabric_reads_and_clips_gradients_between_backward_and_step_as_pytorch():
     def run(strategy):
         torch.manual_seed(0)

@@ -101,6 +101,7 @@ class ActivationManager:
         observers: Observers | None = None,
         warn_on_cache: bool = True,
         min_swap_bytes: int = MIN_SWAP_BYTES,
+        on_recompute=None,
     ) -> None:
         assert len(blocks) == len(modes)
         self.blocks = blocks
@@ -120,6 +121,9 @@ class ActivationManager:
         self._originals: dict[int, tuple[bool, object]] = {}  # checkpointed blocks' own forward attribute
         # observer(block_index, begin) around every recomputation (the owner's registry).
         self._recompute_observers = Observers(RecomputeObserver) if observers is None else observers
+        # on_recompute(): a recomputation's first act; it may be the first of a backward the user
+        # started ([Note: loss.backward()] in backward.py). Dropped by remove (no cycle).
+        self._on_recompute = on_recompute
         self.stats = {"swap_out_bytes": 0, "swap_in_bytes": 0, "recomputed_blocks": 0}
 
     @property
@@ -154,6 +158,7 @@ class ActivationManager:
             else:
                 del self.blocks[i].forward
         self._originals.clear()
+        self._on_recompute = None
         self.ctx.synchronize_device()  # no copy may still read a host buffer
         self.host.close()
 
@@ -259,9 +264,12 @@ class ActivationManager:
 
     def _recomputing(self, i: int, forward):
         def run(buffers, _anchor, *args, **kwargs):
-            if self.phase.phase is not TrainingPhase.BACKWARD:  # the first run, in forward
+            if not buffers.ran:  # the first run, in forward
+                buffers.ran = True
                 with buffers.forward():
                     return forward(*args, **kwargs)
+            if self._on_recompute is not None:
+                self._on_recompute()
             # A recomputation (it may stop early, by an exception, once the last saved tensor
             # backward needs was rebuilt).
             self.stats["recomputed_blocks"] += 1
@@ -526,6 +534,7 @@ class _BufferState:
     def __init__(self, places: list[tuple[nn.Module, str, Tensor]]) -> None:
         self.places = places  # (module, buffer name, buffer)
         self.before: list[Tensor] | None = None
+        self.ran = False  # the forward ran (a later run is the recomputation)
 
     @staticmethod
     def of(block: nn.Module) -> _BufferState:

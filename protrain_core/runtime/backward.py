@@ -3,19 +3,21 @@ and the same pass around a ``loss.backward()`` the user starts.
 
 [Note: loss.backward()]
 A backward the user starts with ``loss.backward()`` (manual optimization that does not call
-manual_backward, a plain loop, a Fabric script that runs the module it gave to setup) instead of
-``engine.backward(loss)`` runs the same pass: the runtime's first hook in it (a unit's backward,
-a gradient: ``RuntimeHooks``) finds the engine idle and opens the pass there, and a callback queued
-on autograd's engine (FSDP2's way to run after the last hook) closes it when autograd's pass
-ends -- the gradients are readable right after ``loss.backward()`` returns, and step(),
-clipping and the next backward see a finished one. A pass that raised never reaches its
-callback: the engine's next verb or forward closes it as failed (``ready``). A pass in which no
-parameter got a gradient (``torch.autograd.grad`` of an input: an adversarial example) is not
-the step's backward (``Scheduler.backward_pass``). Refused with the fix: a backward with
-create_graph=True (its gradients' graph would read released parameters), one from the
-optimizer's step hooks (inside ``engine.step()``, after the update), and where the loss itself
-is needed: the fp16 scale multiplies it, and several processes compare which parameters it
-reaches before the first collective (``UsageCheck`` in sharding.py).
+manual_backward, a plain loop, a Fabric script that runs the module it gave to setup) or
+``torch.autograd.grad`` instead of ``engine.backward(loss)`` runs the same pass: its first act
+that reaches the runtime -- a unit's backward hook, a gradient (``RuntimeHooks``), or a
+checkpointed block's recomputation (``ActivationManager``) -- finds the engine idle and opens the
+pass there (``begins``), and a callback queued on autograd's engine (FSDP2's way to run after
+the last hook) closes it when autograd's pass ends: the gradients are readable right after
+``loss.backward()`` returns, and step(), clipping and the next backward see a finished one. A
+pass that raised never reaches its callback: the engine's next verb or forward closes it as
+failed (``ready``). A pass in which no parameter got a gradient (``torch.autograd.grad`` of an
+input: an adversarial example) is not the step's backward (``Scheduler.backward_pass``).
+Refused with the fix: a backward with create_graph=True, at every hook (its gradients' graph
+would read parameters ProTrain released), and a pass the user starts inside ``engine.step()``
+(from the optimizer's step hooks, after the update), between the step's backward and its step,
+or where the loss itself is needed: the fp16 scale multiplies it, and several processes compare
+which parameters it reaches before the first collective (``UsageCheck`` in sharding.py).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class BackwardPasses:
         """What one backward does around autograd's pass (``loss``: None where the user's
         ``loss.backward()`` started it)."""
         self.ready()
+        self.grads.apply_late()  # a clipping requested since the last backward clips what it saw, as torch's
         state = self.step_state
         if state.final_micro_batch:
             check_trains(self.trains, "backward() outside no_sync()")
@@ -79,22 +82,35 @@ class BackwardPasses:
             state.micro_batch_ended()
             self.observers.notify(lambda o: o.backward_ends())
 
-    def loss_backward(self) -> None:
-        """The first hook of a backward the user started with ``loss.backward()``: the pass
-        begins here and ends when autograd's does."""
-        if torch.is_grad_enabled():  # (autograd runs a create_graph backward's hooks with gradients on)
+    def hook(self) -> None:
+        """The first act of every runtime backward hook: a backward with create_graph=True is
+        refused (autograd runs its hooks with gradients on), and one finding the engine idle is
+        a backward the user started (``begins``)."""
+        if torch.is_grad_enabled():
             raise RuntimeError(
                 "A backward with create_graph=True reached ProTrain-managed modules (a gradient penalty, a "
                 "higher-order gradient): the graph of its gradients would read a streamed chunk's parameters after "
                 "ProTrain released them. Compute the penalty outside the model, or train that model without ProTrain.")
+        self.begins()
+
+    def begins(self) -> None:
+        """A backward the user started (``loss.backward()``, ``torch.autograd.grad``) reached the
+        model -- a hook, or a checkpointed block's recomputation, found the engine idle: the pass
+        begins here and ends when autograd's does."""
+        if not self.step_state.idle:
+            return
+        what = "A backward started outside engine.backward(loss) (loss.backward(), torch.autograd.grad)"
         if self.step_state.optimizer_step:  # (torch would apply its gradients in this step; the update ran)
-            raise RuntimeError("A backward reached a ProTrain-managed module inside engine.step(), from the optimizer's "
-                               "step hooks: the step's update already ran. Run the backward before the step.")
+            raise RuntimeError(f"{what} reached the model inside engine.step(), from the optimizer's step hooks: the "
+                               "step's update already ran. Run the backward before the step.")
+        if self.scheduler.stepped_backward:
+            raise RuntimeError(f"{what} reached the model between the step's backward and engine.step(), which "
+                               "finished the step's gradients. Run it before that backward, or after the step.")
         if self.scaler is not None:
-            raise RuntimeError(f"loss.backward() with precision='16-mixed': the loss is scaled first. Call {_HOW}.")
+            raise RuntimeError(f"{what} with precision='16-mixed': the loss is scaled first. Call {_HOW}.")
         if not self.scheduler.sharding.whole:
-            raise RuntimeError("loss.backward() with several processes: the ranks compare which parameters the loss "
-                               f"reaches before the backward's first collective. Call {_HOW}.")
+            raise RuntimeError(f"{what} with several processes: the ranks compare which parameters the loss reaches "
+                               f"before the backward's first collective. Call {_HOW}.")
         stack = ExitStack()
         stack.enter_context(self.around(None))
         self._open = stack

@@ -100,7 +100,8 @@ class Clipping:
 
     def _accept(self, clipping) -> None:
         """A late request: applied at step(), fused with the update -- or at once where ``p.grad``
-        shows the gradients (read since backward, or when first read: ``_hand_out``)."""
+        shows the gradients (read since backward, or when first read: ``_hand_out``), or when
+        another backward adds to them first (``BackwardPasses.around``), as torch's clips at once."""
         self._grads.accept(clipping)
         if self._grads.read_since_backward:
             self._grads.apply_late()

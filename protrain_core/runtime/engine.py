@@ -117,7 +117,7 @@ class RuntimeEngine:
         # are changes with ``replan``), every trainable parameter, and every parameter's use.
         self.hooks = RuntimeHooks(self.scheduler, unit_chunks(module, layout), self.chunks,
                                   onloaded=lambda: self.offloaded is None, grad_of=self.clipping.grad_of,
-                                  clear_grads=self.clipping.clear_grads, loss_backward=self._passes.loss_backward)
+                                  clear_grads=self.clipping.clear_grads, on_backward=self._passes.hook)
         self.compiled = compile_units(module, layout, config.compile)  # (before set_block_modes)
         self.activations: ActivationManager | None = None
         self._recompute_observers = Observers(RecomputeObserver)  # they stay across set_block_modes
@@ -165,7 +165,7 @@ class RuntimeEngine:
         self.block_modes = modes
         self.activations = ActivationManager(blocks, modes, self.ctx, self.step_state,
                                              observers=self._recompute_observers,
-                                             warn_on_cache=self._warn_on_cache)
+                                             warn_on_cache=self._warn_on_cache, on_recompute=self._passes.begins)
         self._passes.set_activations(self.activations)
         static = [t for c in self.chunks for t in c.storage.static_tensors()]
         self.activations.install(static + list(self.module.buffers()))

@@ -89,20 +89,19 @@ class UnitCall:
 class RuntimeHooks:
     def __init__(self, scheduler: Scheduler, units: dict[nn.Module, tuple[int, ...]], chunks: list[Chunk], *,
                  onloaded: Callable[[], bool], grad_of: Callable[[Chunk, int], Tensor | None],
-                 clear_grads: Callable[[list[tuple[Chunk, int]]], None], loss_backward: Callable[[], None]) -> None:
+                 clear_grads: Callable[[list[tuple[Chunk, int]]], None], on_backward: Callable[[], None]) -> None:
         """``units``: hooked modules -> the chunks their forward needs. A unit's hooks act while
         one of those chunks is streamed (a re-plan between steps changes which are), so the
         hooks of a call are the same from its forward to the end of its backward.
         ``onloaded()``: False while the states are offloaded (``Engine.offload_states``): no
         unit may run, and parameters are used where they are. ``grad_of(chunk, i)``: what
         ``p.grad`` reads, or None for the parameter's own ([Note: gradients read through p.grad]
-        in gradients.py); ``clear_grads([(chunk, i)])``: ``p.grad = None``; ``loss_backward()``:
-        opens the pass of a backward whose first hook finds the engine idle: the user's
-        ``loss.backward()`` ([Note: loss.backward()] in backward.py)."""
+        in gradients.py); ``clear_grads([(chunk, i)])``: ``p.grad = None``; ``on_backward()``: every
+        backward hook's first act (``BackwardPasses.hook``: [Note: loss.backward()] in backward.py)."""
         self.scheduler = scheduler
         self.chunks = chunks
         self._onloaded = onloaded
-        self.grad_of, self.clear_grads, self._loss_backward = grad_of, clear_grads, loss_backward
+        self.grad_of, self.clear_grads, self._on_backward = grad_of, clear_grads, on_backward
         self.handles = []
         self._running: list[UnitCall] = []  # the unit calls whose forward is running, outermost first
         # Unit calls whose outputs joined an autograd graph; gone with the graph (its tensors' hooks hold them).
@@ -130,8 +129,8 @@ class RuntimeHooks:
             del p.protrain_use
             p.__class__ = nn.Parameter
         self._managed.clear()
-        self._onloaded = self.grad_of = self.clear_grads = self._loss_backward = None  # (the engine's parts: no
-                                                                                      # cycle keeps a closed engine)
+        self._onloaded = self.grad_of = self.clear_grads = self._on_backward = None  # (the engine's parts: no
+                                                                                    # cycle keeps a closed engine)
 
     def backward_awaited(self) -> bool:
         """A forward that streamed chunks left an autograd graph whose backward has not begun
@@ -223,10 +222,8 @@ class RuntimeHooks:
         return hook
 
     def backward_hook(self) -> None:
-        """Every backward hook's first act: a hook finding the engine idle is the first of a
-        ``loss.backward()`` ([Note: loss.backward()] in backward.py)."""
-        if self.scheduler.phase.idle and self._loss_backward is not None:
-            self._loss_backward()
+        if self._on_backward is not None:
+            self._on_backward()
 
     def _post_accumulate_grad(self, c: int, i: int):
         # The hook holds nothing of the engine but a weak reference to these hooks: autograd
