@@ -241,14 +241,10 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
             return module  # nothing to manage (Lightning's own tests set up an empty nn.Sequential beside a model)
         if self._open_engine() is not None and module is self.engine.module:
             return module  # set up again: the engine it has
+        if self._waiting:  # fabric.setup_optimizers(optimizer) came first (DDP allows that order)
+            return self.setup_module_and_optimizers(module, [])[0]
         self._refuse_a_second_model()
         self._environment_for("fabric.setup_module(model)")
-        waiting = self._claim_waiting(module, [])
-        if waiting:  # fabric.setup_optimizers(optimizer) came first (DDP allows that order)
-            optimizers = check_optimizers(waiting)
-            self._check_processes_for(optimizers)
-            self._build_for_training(module, optimizers)
-            return module
         optimizer, config = for_evaluation(module, self.config, None)
         self.engine = build_engine(module, optimizer, config, precision=self.precision.precision,
                                    device=self.root_device, scaler=self.precision.scaler, report=_report)

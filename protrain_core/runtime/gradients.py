@@ -323,7 +323,7 @@ class StepGradients:
         clip, self._late = self._late, None
         if clip is None:
             return
-        coef = torch.clamp(clip.value / (self.last_norm + 1e-6), max=1.0) if clips_norm(clip) else None
+        coef = _norm_coef(clip, self.last_norm) if clips_norm(clip) else None
         value = None if coef is not None else clip.value
         for index, finished in self._finished.items():
             c = self.chunks[index]
@@ -397,7 +397,7 @@ class StepGradients:
         if clips_norm(clip):
             # Also on a skipped fp16 step: the norm is then inf/nan, as clip_grad_norm_ reports it.
             total = self.last_norm = self.total_norm(clip.norm_type)
-            coef = torch.clamp(clip.value / (total + 1e-6), max=1.0)
+            coef = _norm_coef(clip, total)
         value = clip.value if clip is not None and clip.algorithm is ClipAlgorithm.VALUE else None
         return UpdateClip(coef=coef, value=value), found_inf is None or not found_inf.item()
 
@@ -418,6 +418,11 @@ class StepGradients:
         readable = self.readable and self.several_optimizers
         self.forget_reads()
         self.readable = readable
+
+
+def _norm_coef(clipping: GradientClipping, total: Tensor) -> Tensor:
+    """``clip_grad_norm_``'s factor for a total norm: ``min(max_norm / (total + 1e-6), 1)``."""
+    return torch.clamp(clipping.value / (total + 1e-6), max=1.0)
 
 
 def _describe(clipping: GradientClipping) -> str:
