@@ -3,11 +3,8 @@ check, the engine's construction, and atomic checkpoint files."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import tempfile
-from pathlib import Path
 
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
@@ -17,7 +14,6 @@ from torch import Tensor, nn
 import protrain_core as pt
 from protrain_core.precision import parse_precision
 from protrain_core.runtime.optim import check_optimizer
-from protrain_core.utils import temporary_prefix
 
 
 def precision_of_plugin(plugin, known_plugins: tuple[type, ...]) -> str:
@@ -39,13 +35,6 @@ def scaler_settings(plugin) -> dict | None:
     return scaler.state_dict() if scaler is not None and scaler.is_enabled() else None
 
 
-def register_as_protrain(registry, strategy_cls) -> None:
-    if "protrain" not in registry:
-        registry.register(
-            "protrain", strategy_cls, description="ProTrain: chunked, offloaded model states with automatic planning"
-        )
-
-
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``torch.save`` into a temporary file, then rename: never a torn checkpoint file (local
     paths; remote ones and storage options go to Lightning's own writer)."""
@@ -53,7 +42,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
         if storage_options is not None or "://" in str(path):
             return super().save_checkpoint(checkpoint, path, storage_options)
-        atomic_save(checkpoint, path)
+        with pt.utils.atomic_file(path) as f:
+            torch.save(checkpoint, f)
 
     def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
         """Memory-mapped (local files): every rank of a sharded run reads only the pieces it
@@ -71,34 +61,40 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             ) from None
 
 
-class ProcessesPlumbing:
-    """The processes of a ProTrain run, alike for the Trainer and Fabric, placed before their
-    Lightning base class (a ``ParallelStrategy``). One process: nothing is launched and no
-    process group is created (the data order, seeds and loaders are those of a single-device
-    run). Several (``devices`` x ``num_nodes`` > 1, or an external launcher: torchrun, SLURM):
-    Lightning's own DDP strategy of that flavour (``_ddp_class``) launches the processes and
-    sets up the process group, and ProTrain shards its chunks over it; nothing is launched by
-    ProTrain itself. Its collectives are the DDP strategy's (reduce, and all on NCCL), but for a
-    barrier and a broadcast on gloo: ProTrain's, which ctrl-C can interrupt (a rank waiting in
-    one after the other rank has left would otherwise print gloo's error, not the interrupt)."""
+def _on_gloo() -> bool:
+    """The process group is up and gloo's (CPU processes): its barrier and broadcast then run as
+    ProTrain's, which a signal can interrupt (``protrain_core.barrier``)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
+        "gloo" in str(torch.distributed.get_backend())
+
+
+class StrategyPlumbing:
+    """What the Trainer and the Fabric strategy do alike, placed before their Lightning base
+    class (a ``ParallelStrategy``): checkpoints written by ``AtomicCheckpointIO`` unless another
+    IO is set, the root device (``root_device``), offloading the open engine's states, and the
+    processes. One process: nothing is launched and no process group is created (the data order,
+    seeds and loaders are those of a single-device run). Several (``devices`` x ``num_nodes`` >
+    1, or an external launcher: torchrun, SLURM): Lightning's own DDP strategy of that flavour
+    (``_ddp_class``) launches the processes and sets up the process group, and ProTrain shards
+    its chunks over it. Its collectives are the DDP strategy's (reduce, and all on NCCL), but for
+    a barrier and a broadcast on gloo: ProTrain's, which ctrl-C can interrupt (a rank waiting in
+    one after the other rank has left would otherwise print gloo's error, not the interrupt).
+    ``_cuda_accelerator``: that Lightning flavour's CUDA accelerator."""
 
     _ddp_class: type
+    _cuda_accelerator: type
+    engine: pt.Engine | None
+    config: pt.ProTrainConfig
 
-    def _init_processes(self, process_group_backend, timeout, start_method) -> None:
-        self._num_nodes = 1
+    def _init_plumbing(self, device, process_group_backend, timeout, start_method) -> None:
+        # device None: the accelerator's (Lightning creates registered strategies without one).
+        self._root_device = torch.device(device) if device is not None else None
+        self.num_nodes = 1  # set by Lightning's connectors
         self._pg_args = dict(process_group_backend=process_group_backend, start_method=start_method)
         if timeout is not None:
             self._pg_args["timeout"] = timeout
         self._ddp = None
         self._processes_ready = False
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
 
     @property
     def num_processes(self) -> int:
@@ -139,9 +135,10 @@ class ProcessesPlumbing:
         ddp._configure_launcher()  # the hook every Lightning strategy implements
         self._launcher = ddp.launcher
 
-    def assign_world_ranks(self) -> None:
+    def set_world_ranks(self) -> None:
         """This process's global rank and the world size, from the devices and nodes (what
-        Lightning's connectors ask every strategy for before the launch)."""
+        Lightning's connectors ask every strategy for before the launch; Fabric's call it
+        ``_set_world_ranks``)."""
         env = self.cluster_environment
         if env is None or not self.is_distributed:
             return
@@ -149,8 +146,13 @@ class ProcessesPlumbing:
         env.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank
 
-    def setup_processes(self) -> None:
-        """After the launch, in every process: the process group (and the world ranks)."""
+    def _set_world_ranks(self) -> None:
+        self.set_world_ranks()
+
+    def setup_environment(self) -> None:
+        """After the launch, in every process: the device, and the process group (and the world
+        ranks)."""
+        super().setup_environment()
         if self.is_distributed:
             self.ddp().setup_environment()
         self._processes_ready = True
@@ -191,34 +193,25 @@ class ProcessesPlumbing:
     def reduce(self, tensor, *args, **kwargs):
         return self.ddp().reduce(tensor, *args, **kwargs) if self.is_distributed else tensor
 
+    @property
+    def state_dict_type(self) -> str:
+        return self.config.checkpoint.state_dict_type
 
-def _on_gloo() -> bool:
-    """The process group is up and gloo's (CPU processes): its barrier and broadcast then run as
-    ProTrain's, which a signal can interrupt (``protrain_core.barrier``)."""
-    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
-        "gloo" in str(torch.distributed.get_backend())
-
-
-class OneDevicePlumbing:
-    """What the Trainer and the Fabric strategy do alike, placed before their Lightning base
-    class: checkpoints written by ``AtomicCheckpointIO`` unless another IO is set, the root
-    device, when none was given, the accelerator's current device (Lightning creates registered
-    strategies without one), and offloading the open engine's states. ``_cuda_accelerator``:
-    that Lightning flavour's CUDA accelerator."""
-
-    _cuda_accelerator: type
-    engine: pt.Engine | None
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        if "protrain" not in strategy_registry:
+            strategy_registry.register(
+                "protrain", cls, description="ProTrain: chunked, offloaded model states with automatic planning"
+            )
 
     def _open_engine(self) -> pt.Engine | None:
         return self.engine if self.engine is not None and not self.engine.closed else None
 
     # ----- the device lent between phases ([Note: parking] in protrain_core/runtime/parking.py) --
     def offload_states(self, *, non_blocking: bool = False):
-        """Move the training state off the device (``Engine.offload_states``) between steps: from
-        a Trainer callback (``on_train_batch_end``, ...) or a Fabric loop; the model cannot run
-        until ``onload_states()``. Without an open engine there is nothing to move (between
-        Trainer ``fit`` calls the engine is closed and Lightning moved the model to the CPU).
-        The engine's handle, or None."""
+        """Move the training state off the device (``Engine.offload_states``) between steps, from
+        a Trainer callback or a Fabric loop, until ``onload_states()``; the engine's handle, or
+        None without an open engine (between Trainer ``fit`` calls)."""
         engine = self._open_engine()
         return None if engine is None else engine.offload_states(non_blocking=non_blocking)
 
@@ -227,6 +220,16 @@ class OneDevicePlumbing:
         engine = self._open_engine()
         if engine is not None:
             engine.onload_states()
+
+    def _recovered(self, path) -> bool:
+        """Whether ``path`` is a sharded checkpoint directory, once rank 0 finished what a save
+        of it killed between its renames left (``protrain_core.checkpoint.recover``)."""
+        from protrain_core.checkpoint import is_sharded_checkpoint, recover
+
+        if self.global_rank == 0:
+            recover(path)
+        self.barrier("protrain-recover-checkpoint")
+        return is_sharded_checkpoint(path)
 
     @property
     def checkpoint_io(self):
@@ -251,6 +254,28 @@ class OneDevicePlumbing:
         return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 
+class EnginePrecision:
+    """What both precision plugins do alike, placed before their Lightning base class:
+    bf16-true inputs, and the checkpoint entry: the fp16 loss scaler's state (empty otherwise;
+    ``scaler``: the state kept when the last engine closed, or the user's GradScaler settings)."""
+
+    precision: str
+    scaler: dict | None
+    engine: pt.Engine | None
+
+    def convert_input(self, data):
+        return convert_input(data, self.precision)
+
+    def state_dict(self) -> dict:
+        engine = self.engine
+        scaler = engine.states.scaler() if engine is not None and not engine.closed else self.scaler
+        return {"scaler": scaler} if scaler else {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if state_dict.get("scaler") and self.engine is not None and self.engine.scaler is not None:
+            self.engine.states.load_scaler(state_dict["scaler"])
+
+
 def convert_input(data, precision: str):
     """bf16-true: floating-point inputs become bf16 (as Lightning's HalfPrecision does)."""
     if precision != "bf16-true":
@@ -265,12 +290,11 @@ def convert_input(data, precision: str):
 
 
 def check_optimizers(optimizers) -> list[torch.optim.Optimizer]:
-    """The optimizers ProTrain runs per chunk (Adam/AdamW, or another elementwise one:
-    ``runtime/elementwise.py``), with any param groups; several (manual optimization, a GAN) are
-    checked by ``wrap`` (one class, disjoint parameters); optimizers without parameters are refused
-    (the Trainer's stand-in for none never comes here)."""
+    """The optimizers ProTrain runs per chunk (Adam/AdamW, or another elementwise one), unwrapped
+    from Lightning's wrappers; optimizers without parameters are refused (several are checked by
+    ``wrap``)."""
     opts = [o if isinstance(o, torch.optim.Optimizer) else getattr(o, "optimizer", o) for o in optimizers]
-    if not any(group.get("params") for opt in opts for group in getattr(opt, "param_groups", None) or []):
+    if no_parameters(opts):
         raise ValueError(
             "The ProTrain strategy trains with an optimizer over the model's parameters, and got one without "
             "parameters: build it from model.parameters(), or set the model up alone (fabric.setup(model)) to "
@@ -279,6 +303,12 @@ def check_optimizers(optimizers) -> list[torch.optim.Optimizer]:
     for opt in opts:
         check_optimizer(opt)  # raises ValueError naming what is supported
     return opts
+
+
+def no_parameters(optimizers) -> bool:
+    """Whether ``optimizers`` hold no parameter (Lightning's stand-in when ``configure_optimizers``
+    returns None has none)."""
+    return not any(group.get("params") for opt in optimizers for group in getattr(opt, "param_groups", None) or [])
 
 
 def gradient_clipping(value, algorithm) -> pt.ClippingConfig | None:
@@ -292,10 +322,9 @@ def gradient_clipping(value, algorithm) -> pt.ClippingConfig | None:
 
 
 def strategy_config(config, *, caller: str) -> pt.ProTrainConfig:
-    """A strategy's ``config`` argument (a ``ProTrainConfig``, a dict of its fields, a
-    ``Plan`` or a dict of a plan's fields: short for the configuration with that plan, or None:
-    the defaults); what the Lightning loop decides itself is refused here, before anything is
-    built."""
+    """A strategy's ``config`` argument (a ``ProTrainConfig``, a dict of its fields, a ``Plan`` or
+    a dict of its fields, or None: the defaults); what the Lightning loop decides itself is
+    refused here, before anything is built."""
     if isinstance(config, dict) and config and set(config) <= {f.name for f in dataclasses.fields(pt.Plan)}:
         config = pt.Plan.from_dict(config)  # (no Plan field is a configuration field)
     if isinstance(config, pt.Plan):
@@ -341,11 +370,9 @@ def build_engine(module: nn.Module, optimizer, config: pt.ProTrainConfig, *, pre
 
 
 def close_for_a_new_engine(engine: pt.Engine) -> dict | None:
-    """Which parameters train changed between steps (``StateAccess.trainables_changed``: a
-    block unfrozen, a param group added): close ``engine`` so that a new one can be built for
-    them, with the weights (the module's parameters hold them after ``close``) and the
-    optimizer state (loaded into the optimizer, in its new groups' numbering, which the new
-    engine takes in). The loss scaler's state, for the new engine."""
+    """Close ``engine`` so that a new one can be built for the parameters that train now
+    (``StateAccess.trainables_changed``), from the weights (the module's after ``close``) and the
+    optimizer state (loaded into the optimizer). The loss scaler's state, for the new engine."""
     changed = engine.states.trainables_changed()
     if changed is not None:
         rank_zero_info(f"ProTrain: {changed}; the engine is built again for the parameters that train now.")
@@ -362,12 +389,10 @@ EXACT_STATE = "protrain_8bit_state"
 
 
 def checkpoint_optimizer_state(engine: pt.Engine, optimizer: torch.optim.Optimizer) -> dict:
-    """A full checkpoint's entry for ``optimizer`` (one of the engine's): what
-    ``engine.states.optimizer(of=optimizer)`` gives, in the format of the user's torch optimizer,
-    which loads it under Lightning's default strategies. With 8-bit moments that is their fp32
-    values (``to_fp32_adam_state``), and the 8-bit state itself is kept beside them
-    (``EXACT_STATE``: torch's ``load_state_dict`` ignores the key), which ProTrain resumes from
-    bit for bit (``load_checkpoint_optimizer_state``)."""
+    """A full checkpoint's entry for ``optimizer`` (one of the engine's), in the format of the
+    user's torch optimizer, which loads it under Lightning's default strategies. With 8-bit
+    moments that is their fp32 values, and the 8-bit state itself is kept beside them
+    (``EXACT_STATE``: torch's ``load_state_dict`` ignores the key) to resume from bit for bit."""
     osd = engine.states.optimizer(of=optimizer)
     if engine.config.optimizer_state_format != "8bit" or not osd:
         return osd
@@ -377,43 +402,3 @@ def checkpoint_optimizer_state(engine: pt.Engine, optimizer: torch.optim.Optimiz
 def load_checkpoint_optimizer_state(engine: pt.Engine, osd: dict, optimizer: torch.optim.Optimizer) -> None:
     engine.states.load_optimizer(osd.get(EXACT_STATE, osd), of=optimizer)
 
-
-def scaler_state(engine: pt.Engine | None, kept: dict | None = None) -> dict:
-    """The precision plugin's checkpoint entry: the fp16 loss scaler's state (empty otherwise);
-    ``kept``: the state kept when the last engine closed (or the user's GradScaler settings)."""
-    scaler = engine.states.scaler() if engine is not None and not engine.closed else kept
-    return {"scaler": scaler} if scaler else {}
-
-
-def load_scaler_state(engine: pt.Engine | None, state: dict) -> None:
-    if state.get("scaler") and engine is not None and engine.scaler is not None:
-        engine.states.load_scaler(state["scaler"])
-
-
-def atomic_save(obj, path) -> None:
-    """``torch.save`` to a temporary file in the same directory, flushed to disk, then renamed
-    over ``path``: a crash mid-save leaves the previous file (if any) intact, never a torn one.
-    The file gets the permissions of any new file (``0o666`` less the umask), as Lightning's
-    own writer gives it. The temporary file's name carries the writing process's id, so that a
-    save after a crash (``kill -9``) removes the leftovers of processes no longer running."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pt.utils.remove_stale_temporaries(path.parent)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temporary_prefix(path), suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fchmod(f.fileno(), pt.utils.new_file_mode())
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):  # make the rename itself durable
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)

@@ -2,18 +2,14 @@
 
 ``model, optimizer = fabric.setup(model, optimizer)`` hands both to the ProTrain engine (after
 ``fabric.launch()`` with several processes; on one device it is not needed: [Note: Fabric
-without launch]).
-Without a plan the engine starts on a safe plan, profiles the first training steps (they
-train as usual) and then switches to the fastest plan that fits ``planning.memory_budget``,
-re-planning for batches of other lengths; ``example_inputs=`` (with ``loss_fn``, default ``output.loss``)
-profiles ahead at setup instead. The plan and, after a few more steps, the measured step time
-against the prediction are printed. Then ``fabric.backward(loss)``, ``optimizer.step()``,
-``optimizer.zero_grad()`` (a step also clears the gradients it used: gradients are not carried
-across steps), ``fabric.no_backward_sync(model)`` for accumulation, and
-``fabric.save`` / ``fabric.load`` (portable state dicts, written atomically) work as usual.
-``fabric.clip_gradients(model, optimizer, max_norm=...)`` between backward and step clips
-exactly as with the default strategies and returns the total norm (``engine.clipping.clip_grad_norm_``);
-``gradient_clip_val=`` on the strategy clips at every step without the call.
+without launch]). Without a plan the engine profiles the first training steps (they train as
+usual), then switches to the fastest plan that fits ``planning.memory_budget`` and re-plans for
+batches of other lengths; ``example_inputs=`` (with ``loss_fn``, default ``output.loss``)
+profiles ahead at setup instead. Then ``fabric.backward(loss)``, ``optimizer.step()``,
+``optimizer.zero_grad()`` (a step also clears the gradients it used), ``fabric.no_backward_sync``
+for accumulation, and ``fabric.save`` / ``fabric.load`` (portable state dicts, written
+atomically) work as usual. ``fabric.clip_gradients(model, optimizer, max_norm=...)`` between
+backward and step clips exactly as with the default strategies and returns the total norm.
 """
 
 from __future__ import annotations
@@ -30,8 +26,8 @@ from torch import nn
 
 import protrain_core as pt
 from lightning_protrain._common import (
-    OneDevicePlumbing,
-    ProcessesPlumbing,
+    EnginePrecision,
+    StrategyPlumbing,
     build_engine,
     for_evaluation,
     checkpoint_optimizer_state,
@@ -39,21 +35,21 @@ from lightning_protrain._common import (
     load_checkpoint_optimizer_state,
     strategy_config,
     check_optimizers,
-    convert_input,
-    load_scaler_state,
     precision_of_plugin,
-    register_as_protrain,
     scaler_settings,
-    scaler_state,
 )
 
 
-class ProTrainFabricPrecision(Precision):
+class ProTrainFabricPrecision(EnginePrecision, Precision):
     def __init__(self, precision: str, strategy: ProTrainFabricStrategy, scaler: dict | None = None) -> None:
         self.precision = precision
         self.strategy = strategy
         self.scaler = scaler  # a 16-mixed plugin's GradScaler settings
         self._lightning: Precision | None = None
+
+    @property
+    def engine(self) -> pt.Engine | None:
+        return self.strategy.engine
 
     def lightning_plugin(self) -> Precision:
         """Lightning's own plugin for this precision: what runs, as under the default strategy,
@@ -67,27 +63,24 @@ class ProTrainFabricPrecision(Precision):
         return self._lightning
 
     def forward_context(self):
-        engine = self.strategy.engine
+        engine = self.engine
         if engine is None:
             return self.lightning_plugin().forward_context()
         if torch.is_grad_enabled() and engine.states.trainables_changed() is not None:
             engine = self.strategy.wrap_anew()  # before the training forward
         return engine.autocast()
 
-    def convert_input(self, data):
-        return convert_input(data, self.precision)
-
     def backward(self, tensor, model, *args, **kwargs) -> None:
-        if self.strategy.engine is None:
+        if self.engine is None:
             return self.lightning_plugin().backward(tensor, model, *args, **kwargs)
-        self.strategy.engine.backward(tensor, run=(lambda t: t.backward(*args, **kwargs)) if args or kwargs else None)
+        self.engine.backward(tensor, run=(lambda t: t.backward(*args, **kwargs)) if args or kwargs else None)
 
     def unscale_gradients(self, optimizer) -> None:
-        if self.strategy.engine is None:  # (the engine's own clipping unscales)
+        if self.engine is None:  # (the engine's own clipping unscales)
             self.lightning_plugin().unscale_gradients(optimizer)
 
     def optimizer_step(self, optimizer, **kwargs):
-        engine = self.strategy.engine
+        engine = self.engine
         if engine is None:
             return self.lightning_plugin().optimizer_step(optimizer, **kwargs)
         # Fabric's optimizer wrapper resolves zero_grad to the optimizer class's own method,
@@ -100,21 +93,14 @@ class ProTrainFabricPrecision(Precision):
         # the weights (an EMA, a save_pretrained): the offloaded chunks' updates end here too.
         engine.wait_for_updates()
 
-    def state_dict(self) -> dict[str, Any]:
-        return scaler_state(self.strategy.engine, self.scaler)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        load_scaler_state(self.strategy.engine, state_dict)
-
 
 def _report(text: str, **metrics) -> None:
     rank_zero_info(text)
 
 
 class _EngineSyncControl:
-    """What ``fabric.no_backward_sync`` asks the strategy's backward-sync control for. Fabric
-    only calls ``no_backward_sync`` on it; Lightning's own base class for it is private, so this
-    one stands alone."""
+    """The strategy's backward-sync control, of which Fabric calls only ``no_backward_sync``
+    (Lightning's base class for it is private)."""
 
     def __init__(self, strategy: ProTrainFabricStrategy) -> None:
         self.strategy = strategy
@@ -124,7 +110,7 @@ class _EngineSyncControl:
         return engine.no_sync() if enabled and engine is not None else contextlib.nullcontext()
 
 
-class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
+class ProTrainFabricStrategy(StrategyPlumbing, ParallelStrategy):
     """Fabric strategy running the ProTrain engine.
 
     Args:
@@ -164,16 +150,11 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
         self.config = strategy_config(config, caller="ProTrainFabricStrategy")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision)
-        self._init_processes(process_group_backend, timeout, start_method)
-        self._root_device = torch.device(device) if device is not None else None
+        self._init_plumbing(device, process_group_backend, timeout, start_method)
         self.example_inputs, self.loss_fn = example_inputs, loss_fn
         self.engine: pt.Engine | None = None
         self._waiting: list[torch.optim.Optimizer] = []  # set up before any module (setup_optimizer)
         self._backward_sync_control = _EngineSyncControl(self)
-
-    @property
-    def state_dict_type(self) -> str:
-        return self.config.checkpoint.state_dict_type
 
     # ----- Fabric plumbing ---------------------------------------------------------------------
     @property
@@ -190,23 +171,12 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
         flag = precision_of_plugin(plugin, (Precision, MixedPrecision, HalfPrecision, DoublePrecision))
         self._precision = ProTrainFabricPrecision(flag, self, scaler_settings(plugin))
 
-
-    # A parallel strategy (also in one process: Fabric ignores no_backward_sync for a
-    # SingleDeviceStrategy, and ProTrain needs it for accumulation); collectives are Lightning
-    # DDP's with several processes, identities in one. See [Note: Fabric without launch].
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self.setup_processes()
-
     def _environment_for(self, call: str) -> None:
         """What ``fabric.launch()`` would have done, where it was not called: in one process,
         set up the device here; with several, refuse with the fix."""
         if not self._processes_ready:
             self.require_processes(call)
             self.setup_environment()
-
-    def _set_world_ranks(self) -> None:  # the name Fabric's connector calls
-        self.assign_world_ranks()
 
     def all_reduce(self, tensor, *args, **kwargs):
         if not self.is_distributed:
@@ -234,9 +204,8 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """``fabric.setup(model)`` and ``fabric.setup_module(model)``: an engine for evaluation
-        (no optimizer states; the configuration's plan, else every chunk streamed), which
-        ``fabric.setup_optimizers(optimizer)`` replaces by a training engine -- the optimizer may be
-        built from the set-up module's parameters, as Lightning teaches for FSDP."""
+        (``for_evaluation``), which ``fabric.setup_optimizers(optimizer)`` replaces by a training
+        engine (the optimizer may be built from the set-up module's parameters, as for FSDP)."""
         if next(module.parameters(), None) is None:
             return module  # nothing to manage (Lightning's own tests set up an empty nn.Sequential beside a model)
         if self._open_engine() is not None and module is self.engine.module:
@@ -245,16 +214,13 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
             return self.setup_module_and_optimizers(module, [])[0]
         self._refuse_a_second_model()
         self._environment_for("fabric.setup_module(model)")
-        optimizer, config = for_evaluation(module, self.config, None)
-        self.engine = build_engine(module, optimizer, config, precision=self.precision.precision,
-                                   device=self.root_device, scaler=self.precision.scaler, report=_report)
+        self._build(module, *for_evaluation(module, self.config, None))
         return module
 
     def setup_optimizer(self, optimizer):
-        """``fabric.setup_optimizers(optimizer)`` after ``fabric.setup_module(model)``: the
-        evaluation engine gives way to a training one with this optimizer. Before any module:
-        the optimizer steps as under the default strategy until ``fabric.setup_module`` of a
-        module with its parameters hands it to that module's engine."""
+        """``fabric.setup_optimizers(optimizer)`` after ``fabric.setup_module(model)``: a training
+        engine with this optimizer replaces the evaluation one. Before any module: the optimizer
+        waits for the ``fabric.setup_module`` of a module with its parameters."""
         engine = self._open_engine()
         if engine is None:
             self._waiting.append(optimizer)
@@ -265,10 +231,9 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
     def _rebuild(self, optimizers: list) -> None:
         """The engine built again for its module with ``optimizers`` (``fabric.setup_optimizers``
         after ``setup_module``, or ``fabric.setup`` of its module again), with the weights and
-        the optimizer states it had (an optimizer it no longer has gets its state back)."""
+        the optimizer states it had."""
         engine = self.engine
-        optimizers = check_optimizers(optimizers)
-        self._check_processes_for(optimizers)
+        optimizers = self._checked(optimizers)
         if engine.optimizer_states:  # (fabric.setup_optimizers(opt_a, opt_b): one engine steps both)
             self.precision.scaler = close_for_a_new_engine(engine) or self.precision.scaler
         else:
@@ -280,9 +245,8 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
             self._rebuild(list(optimizers))
             return module, optimizers, scheduler
         self._refuse_a_second_model()
-        optimizers = check_optimizers(self._claim_waiting(module, list(optimizers)))
+        optimizers = self._checked(self._claim_waiting(module, list(optimizers)))
         self._environment_for("fabric.setup(model, optimizer)")
-        self._check_processes_for(optimizers)
         self._build_for_training(module, optimizers)
         return module, optimizers, scheduler
 
@@ -310,43 +274,37 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
                 "one optimizer with a param group each; or give the other model its own Fabric."
             )
 
-    def _check_processes_for(self, optimizers: list) -> None:
+    def _checked(self, optimizers: list) -> list[torch.optim.Optimizer]:
+        optimizers = check_optimizers(optimizers)
         if len(optimizers) > 1 and self.is_distributed:
             raise RuntimeError(
                 "The ProTrain Fabric strategy runs several optimizers in one process only: Fabric's optimizer.zero_grad() "
                 "reaches the engine through p.grad, which no rank holds whole when the chunks are sharded over "
                 f"{self.world_size} processes. Use the Trainer's manual optimization for several processes, or one "
                 "optimizer with a param group per part.")
+        return optimizers
+
+    def _build(self, module: nn.Module, optimizers, config: pt.ProTrainConfig, example_inputs=None) -> pt.Engine:
+        self.engine = build_engine(module, optimizers, config, precision=self.precision.precision,
+                                   device=self.root_device, example_inputs=example_inputs, loss_fn=self.loss_fn,
+                                   scaler=self.precision.scaler, report=_report)
+        return self.engine
 
     def _build_for_training(self, module: nn.Module, optimizers: list) -> None:
         searched = self.config.planning.plan is None
-        self.engine = build_engine(
-            module, optimizers, self.config, precision=self.precision.precision, device=self.root_device,
-            example_inputs=self.example_inputs if searched else None, loss_fn=self.loss_fn,
-            scaler=self.precision.scaler, report=_report,
-        )
+        self._build(module, optimizers, self.config, self.example_inputs if searched else None)
         if not searched:
             rank_zero_info(f"ProTrain: {self.engine.plan} (given), overlap: {self.engine.overlap}")
         elif self.example_inputs is not None:
             rank_zero_info(self.engine.explain())
 
     def wrap_anew(self) -> pt.Engine:
-        """Which parameters train changed between steps (a block unfrozen and its param group
-        added): the engine is built again for them, with the weights, the optimizer state and
-        the loss scaler's state it had (a plan of the configuration is kept; a searched one is
+        """Which parameters train changed between steps: the engine is built again for them
+        (``close_for_a_new_engine``; a plan of the configuration is kept, a searched one is
         searched again on the next steps)."""
         engine = self.engine
-        scaler = close_for_a_new_engine(engine)
-        self.engine = build_engine(engine.module, list(engine.optimizers), self.config,
-                                   precision=self.precision.precision,
-                                   device=self.root_device, scaler=scaler or self.precision.scaler, report=_report)
-        return self.engine
-
-    def require_engine(self) -> pt.Engine:
-        if self.engine is None:
-            raise RuntimeError("The ProTrain engine is built by fabric.setup(model, optimizer) or "
-                               "fabric.setup_module(model); neither was called yet.")
-        return self.engine
+        self.precision.scaler = close_for_a_new_engine(engine) or self.precision.scaler
+        return self._build(engine.module, list(engine.optimizers), self.config)
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
         if self.engine is None:
@@ -397,24 +355,31 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
         self.engine.save_sharded(path, meta=meta)
 
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only=None):
-        from protrain_core.checkpoint import is_sharded_checkpoint, recover
+        from protrain_core.checkpoint import read_meta
 
-        if self.global_rank == 0:
-            recover(path)  # what a save killed between its renames left
-        self.barrier("protrain-recover-checkpoint")
-        if is_sharded_checkpoint(path):
-            return self._load_sharded(path, state or {}, strict)
-        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-        if not state:
-            return checkpoint
-        for key in list(state):
-            obj = state[key]
-            obj = getattr(obj, "_forward_module", obj)
-            if key not in checkpoint:
+        state = state or {}
+        if not self._recovered(path):
+            checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+            return self._restore(path, state, checkpoint, strict)
+        if self.engine is None:
+            raise RuntimeError("The ProTrain engine is built by fabric.setup(model, optimizer) or "
+                               "fabric.setup_module(model); neither was called yet.")
+        kinds = {key: self._is_engine_object(obj) for key, obj in state.items()}
+        self.engine.load_sharded(path, model="model" in kinds.values(), optimizer="optimizer" in kinds.values(),
+                                 strict=strict)
+        return self._restore(path, state, read_meta(path), strict, skip={k for k, kind in kinds.items() if kind})
+
+    def _restore(self, path, state: dict, saved: dict, strict: bool, skip=frozenset()) -> dict:
+        """Every entry of ``state`` but ``skip`` from ``saved``: modules and the engine's
+        optimizers through the engine, other objects by their ``load_state_dict``, anything else
+        replaced in ``state``. What is left of ``saved``."""
+        for key in [k for k in state if k not in skip]:
+            obj = getattr(state[key], "_forward_module", state[key])
+            if key not in saved:
                 if strict:
-                    raise KeyError(f"'{key}' is not in the checkpoint {path}; its keys: {sorted(checkpoint)}.")
+                    raise KeyError(f"'{key}' is not in the checkpoint {path}; its keys: {sorted(saved)}.")
                 continue
-            value = checkpoint.pop(key)
+            value = saved.pop(key)
             if isinstance(obj, nn.Module):
                 self.load_module_state_dict(obj, value, strict=strict)
             elif self._is_engine_object(obj) == "optimizer":  # not an LR scheduler (it has .optimizer too)
@@ -423,29 +388,7 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
                 obj.load_state_dict(value)
             else:
                 state[key] = value
-        return checkpoint
-
-    def _load_sharded(self, path, state: dict, strict: bool) -> dict:
-        from protrain_core.checkpoint import read_meta
-
-        engine = self.require_engine()
-        meta = read_meta(path)
-        kinds = {key: self._is_engine_object(obj) for key, obj in state.items()}
-        engine.load_sharded(path, model="model" in kinds.values(), optimizer="optimizer" in kinds.values(),
-                            strict=strict)
-        for key, obj in state.items():
-            if kinds[key] is not None:
-                continue
-            if key not in meta:
-                if strict:
-                    raise KeyError(f"'{key}' is not in the checkpoint {path}; its keys: {sorted(meta)}.")
-                continue
-            value = meta.pop(key)
-            if hasattr(obj, "load_state_dict"):
-                obj.load_state_dict(value)
-            else:
-                state[key] = value
-        return meta
+        return saved
 
     def teardown(self) -> None:
         engine = self._open_engine()
@@ -453,10 +396,6 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
             self.precision.scaler = engine.states.scaler()  # for fabric.save after teardown
             engine.close()
         super().teardown()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry) -> None:
-        register_as_protrain(strategy_registry, cls)
 
 
 # [Note: Fabric without launch]
@@ -471,6 +410,6 @@ class ProTrainFabricStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrat
 #   setup_environment) when launch() was not called; the data order, seeds and samplers are a
 #   single-device run's either way;
 # - several (devices x nodes > 1, torchrun, SLURM): fabric.setup and every collective before
-#   launch() are refused, saying to call fabric.launch() (ProcessesPlumbing.require_processes); a
+#   launch() are refused, saying to call fabric.launch() (StrategyPlumbing.require_processes); a
 #   distributed sampler's arguments need no process group (as DDP's strategy gives them).
 DataParallelStrategy.register(ProTrainFabricStrategy)

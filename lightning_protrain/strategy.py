@@ -1,39 +1,31 @@
 """``Trainer(strategy="protrain")``: the ProTrain engine behind Lightning's strategy API.
 
 The strategy is a thin adapter over ``protrain_core``:
-  setup       the user's optimizer from ``configure_optimizers`` (param groups, schedulers kept;
-              several under manual optimization, each ``opt.step()`` updating its own parameters)
-              go into the engine, which owns the parameters from then on (``model_to_device``
-              does nothing). Unless a plan is given, it starts on a safe plan and profiles the
-              first training steps (they train as usual: ``training_step`` runs once per batch),
-              then switches to the fastest plan that fits ``planning.memory_budget`` and re-plans
-              for batches of other lengths (``planning.max_tokens``: plan once); the explanation
-              is printed once, and the measured step time against the prediction after a few more steps
-              (also logged as ``protrain/predicted_step_s`` and ``protrain/measured_step_s``).
-  backward    ``engine.backward`` (streamed chunks are updated while it runs); a backward that
-              Lightning runs outside ``optimizer_step`` is a non-final micro-batch of
-              ``accumulate_grad_batches`` and runs under ``engine.no_sync()``. Manual
-              optimization: every ``manual_backward`` accumulates so (nothing is updated during
-              it; also inside a closure given to ``opt.step``), ``self.clip_gradients`` clips
-              exactly, ``opt.step()`` is ``engine.step()`` and ``opt.zero_grad()`` reaches the
-              engine through Lightning's optimizer wrapper. ``LightningModule.backward``
-              (overridden or not) starts autograd inside ``engine.backward``, every backward.
-  step        ``engine.step()``; LR schedulers step the user's optimizer as usual. Updates
-              that overlap the next forward (fp16, norm clipping) are waited for at the end of
-              the step when the module or a user callback has a hook that runs before that
-              forward (``reads_weights_between_steps``).
-  clipping    ``gradient_clip_val`` / ``gradient_clip_algorithm`` are handed to the engine,
-              which clips exactly as ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``
-              and logs the total norm as ``grad_norm``; an overridden
-              ``configure_gradient_clipping`` clips through the engine between backward and step.
-  checkpoints the model's own state dict (fp32 master weights) and the optimizer state in
+  setup       the optimizers from ``configure_optimizers`` (param groups and schedulers kept;
+              several under manual optimization) go into the engine, which owns the parameters
+              from then on (``model_to_device`` does nothing). Without a plan it profiles the first
+              training steps (they train as usual), switches to the fastest plan that fits
+              ``planning.memory_budget`` and re-plans for batches of other lengths; the plan and
+              the measured step time against the prediction are printed and logged
+              (``protrain/predicted_step_s``, ``protrain/measured_step_s``).
+  backward    ``engine.backward``, which runs ``LightningModule.backward`` (streamed chunks are
+              updated while it runs); a backward outside ``optimizer_step`` (a non-final
+              micro-batch of ``accumulate_grad_batches``), and every ``manual_backward``, runs
+              under ``engine.no_sync()``. Manual optimization: ``self.clip_gradients`` clips
+              exactly, ``opt.step()`` is ``engine.step()``, ``opt.zero_grad()`` reaches the engine.
+  step        ``engine.step()``; updates that overlap the next forward (fp16, norm clipping) are
+              waited for at its end when a hook that runs before that forward may read weights.
+  clipping    ``gradient_clip_val`` / ``gradient_clip_algorithm`` go to the engine, which clips
+              exactly as ``clip_grad_norm_`` / ``clip_grad_value_`` and logs ``grad_norm``; an
+              overridden ``configure_gradient_clipping`` clips through it between backward and step.
+  checkpoints the model's state dict (fp32 master weights) and the optimizer state in
               ``torch.optim.AdamW`` format, written atomically; any plan can load them.
-  processes   ``Trainer(devices=N, num_nodes=M)``, torchrun or SLURM: Lightning's DDP launcher and
-              process-group set-up start the processes, and the engine shards every chunk over
-              them (ZeRO-3 over chunks: [Note: sharded chunks] in protrain_core/runtime/sharding.py);
-              rank 0's plan is followed. Checkpoints are consolidated files (gathered chunk by
-              chunk to rank 0) or, with ``checkpoint.state_dict_type="sharded"``,
-              ``torch.distributed.checkpoint`` directories; both load at any number of processes.
+  processes   ``Trainer(devices=N, num_nodes=M)``, torchrun or SLURM: Lightning's DDP launcher
+              starts the processes and the engine shards every chunk over them ([Note: sharded
+              chunks] in protrain_core/runtime/sharding.py), following rank 0's plan. Checkpoints
+              are consolidated files (gathered to rank 0 chunk by chunk) or, with
+              ``checkpoint.state_dict_type="sharded"``, ``torch.distributed.checkpoint``
+              directories; both load at any number of processes.
 """
 
 from __future__ import annotations
@@ -62,8 +54,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 import protrain_core as pt
 from protrain_core.precision import parse_precision
 from lightning_protrain._common import (
-    OneDevicePlumbing,
-    ProcessesPlumbing,
+    EnginePrecision,
+    StrategyPlumbing,
     build_engine,
     for_evaluation,
     checkpoint_optimizer_state,
@@ -72,17 +64,14 @@ from lightning_protrain._common import (
     on_meta,
     strategy_config,
     check_optimizers,
-    convert_input,
     gradient_clipping,
-    load_scaler_state,
+    no_parameters,
     precision_of_plugin,
-    register_as_protrain,
     scaler_settings,
-    scaler_state,
 )
 
 
-class ProTrainPrecision(Precision):
+class ProTrainPrecision(EnginePrecision, Precision):
     """The precision plugin of the ProTrain strategy: the engine's autocast around steps for the
     mixed modes (the engine keeps the compute copies and fp32 masters), backward and step
     through the engine, the fp16 loss scaler's state in checkpoints."""
@@ -104,24 +93,15 @@ class ProTrainPrecision(Precision):
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)  # evaluation without an engine
 
-    def convert_input(self, data):
-        return convert_input(data, self.precision)
-
     def backward(self, tensor, model, optimizer, *args, **kwargs) -> None:
         if self.engine is None:
             self._check_plain()
             return super().backward(tensor, model, optimizer, *args, **kwargs)
-        # Lightning runs the closure of a non-final micro-batch directly, the last one's inside
-        # optimizer_step: only that backward may update chunks. Under manual optimization every
-        # backward accumulates (also those of a closure given to opt.step): the step updates.
+        # Only the backward of the closure Lightning runs inside optimizer_step (a step's last
+        # micro-batch) may update chunks; under manual optimization every backward accumulates.
         final = self.engine.step_state.step_closure and model.automatic_optimization
-        # LightningModule.backward (``loss.backward()`` unless overridden) starts autograd inside
-        # the engine's backward: the default strategy calls it every backward.
-        def run(loss):
-            model.backward(loss, *args, **kwargs)
-
         with contextlib.nullcontext() if final else self.engine.no_sync():
-            self.engine.backward(tensor, run=run)
+            self.engine.backward(tensor, run=lambda loss: model.backward(loss, *args, **kwargs))
 
     def optimizer_step(self, optimizer, model, closure, **kwargs):
         if self.engine is None:
@@ -130,7 +110,7 @@ class ProTrainPrecision(Precision):
         with self.engine.step_state.in_step_closure():  # the closure's backward is a step's last micro-batch
             closure_result = closure()
         self._after_closure(model, optimizer)
-        if _stand_in([optimizer]):
+        if no_parameters([optimizer]):
             return closure_result  # no optimizer: nothing steps
         if closure_result is None and model.automatic_optimization:
             return None  # training_step returned None: no backward, no step (as Lightning)
@@ -164,36 +144,20 @@ class ProTrainPrecision(Precision):
         if self.log_grad_norm and getattr(module, "_trainer", None) is not None:
             module.log("grad_norm", norm, on_step=True, on_epoch=False)
 
-    def state_dict(self) -> dict[str, Any]:
-        return scaler_state(self.engine, self.scaler)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        load_scaler_state(self.engine, state_dict)
-
 
 # Lightning callbacks that read no weights between a step and the next forward (ModelCheckpoint
-# saves through the strategy, whose state dicts wait for the updates).
+# saves through the strategy, whose state dicts wait for the updates), nor gradients.
 _SAFE_CALLBACKS = (ProgressBar, ModelCheckpoint, ModelSummary, LearningRateMonitor, Timer, EarlyStopping)
+# Hooks that run between a step and the next forward, where user code may read the weights; and
+# between a step's backward and its update, where users read and change p.grad.
 _BETWEEN_STEPS = ("on_before_zero_grad", "optimizer_zero_grad", "on_train_batch_end")
+_BEFORE_UPDATE = ("on_after_backward", "on_before_optimizer_step")
 
 
 def grad_accumulator(config: pt.ProTrainConfig, trainer, precision: str, *, manual: bool, late: bool) -> bool:
     """``ProTrainConfig.grad_accumulator`` for a fit: None is False where every step has one
     backward whose offloaded chunks can be updated as their gradients land, else True; False
     where that cannot be is refused, with the reason, before anything is built."""
-    why = _needs_accumulators(config, trainer, precision, manual=manual, late=late)
-    if config.grad_accumulator is None:
-        return why is not None  # kept where a reason needs it
-    if config.grad_accumulator is False and why is not None:
-        raise ValueError(
-            f"ProTrainConfig(grad_accumulator=False) updates each offloaded chunk as its gradients land, during "
-            f"backward, which this fit cannot do: {why}. Leave grad_accumulator=None: the strategy then keeps the "
-            "accumulators where a fit needs them.")
-    return config.grad_accumulator
-
-
-def _needs_accumulators(config: pt.ProTrainConfig, trainer, precision: str, *, manual: bool, late: bool) -> str | None:
-    """Why this fit needs the offloaded chunks' gradient accumulators (None: it does not)."""
     clip = config.clipping
     reasons = [
         (manual, "manual optimization accumulates every manual_backward until opt.step()"),
@@ -207,45 +171,30 @@ def _needs_accumulators(config: pt.ProTrainConfig, trainer, precision: str, *, m
         (clip is not None and clip.algorithm == "norm", "gradient_clip_algorithm='norm' needs every gradient first"),
         (precision != "bf16-mixed", f"precision={precision!r} (it needs 'bf16-mixed')"),
     ]
-    return next((why for needed, why in reasons if needed), None)
+    why = next((why for needed, why in reasons if needed), None)  # the accumulators are needed
+    if config.grad_accumulator is None:
+        return why is not None  # kept where a reason needs it
+    if config.grad_accumulator is False and why is not None:
+        raise ValueError(
+            f"ProTrainConfig(grad_accumulator=False) updates each offloaded chunk as its gradients land, during "
+            f"backward, which this fit cannot do: {why}. Leave grad_accumulator=None: the strategy then keeps the "
+            "accumulators where a fit needs them.")
+    return config.grad_accumulator
 
 
-# Hooks that run between a step's backward and its update, where users read and change p.grad.
-_BEFORE_UPDATE = ("on_after_backward", "on_before_optimizer_step")
-
-
-def touches_gradients(module, callbacks) -> bool:
-    """May user code change gradients between backward and the update? Yes when the
-    LightningModule or a callback other than Lightning's bookkeeping ones overrides a hook
-    that runs there: every step's updates then wait for ``step()`` ([Note: gradients read
-    through p.grad] in protrain_core/runtime/gradients.py)."""
-    if any(is_overridden(hook, module, pl.LightningModule) for hook in _BEFORE_UPDATE):
+def overrides(module, callbacks, hooks: tuple[str, ...]) -> bool:
+    """Whether the LightningModule or a callback other than Lightning's bookkeeping ones
+    overrides one of ``hooks``: ``_BEFORE_UPDATE`` (user code may change gradients between
+    backward and the update, so every step's updates wait for ``step()``: [Note: gradients read
+    through p.grad] in protrain_core/runtime/gradients.py) or ``_BETWEEN_STEPS`` (it may read the
+    weights between ``optimizer_step`` and the next forward)."""
+    if any(is_overridden(hook, module, pl.LightningModule) for hook in hooks):
         return True
-    return any(not isinstance(cb, _SAFE_CALLBACKS) and any(is_overridden(h, cb, pl.Callback) for h in _BEFORE_UPDATE)
+    return any(not isinstance(cb, _SAFE_CALLBACKS) and any(is_overridden(h, cb, pl.Callback) for h in hooks)
                for cb in callbacks)
 
 
-def reads_weights_between_steps(module, callbacks) -> bool:
-    """May code that runs between ``optimizer_step`` and the next forward read the weights?
-    Yes when the LightningModule or a callback other than Lightning's bookkeeping ones
-    overrides a hook that runs there."""
-    if any(is_overridden(hook, module, pl.LightningModule) for hook in _BETWEEN_STEPS):
-        return True
-    return any(not isinstance(cb, _SAFE_CALLBACKS) and any(is_overridden(h, cb, pl.Callback) for h in _BETWEEN_STEPS)
-               for cb in callbacks)
-
-
-# Lightning's own plugins for the flags the engine implements; any other plugin is refused.
-_KNOWN_PLUGINS = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
-
-
-def to_protrain_precision(plugin) -> ProTrainPrecision:
-    if isinstance(plugin, ProTrainPrecision):
-        return plugin
-    return ProTrainPrecision(precision_of_plugin(plugin, _KNOWN_PLUGINS), scaler_settings(plugin))
-
-
-class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
+class ProTrainStrategy(StrategyPlumbing, ParallelStrategy):
     """Train with ProTrain: chunked model states streamed from host memory, CPU Adam during
     backward, and per-block activation checkpointing/swapping, chosen automatically.
 
@@ -293,9 +242,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        self._init_processes(process_group_backend, timeout, start_method)
-        # None: the accelerator's first device (Lightning creates registered strategies without one).
-        self._root_device = torch.device(device) if device is not None else None
+        self._init_plumbing(device, process_group_backend, timeout, start_method)
         self.engine: pt.Engine | None = None
         self._last_plan: pt.Plan | None = None
         self._final_optimizer_states: dict[int, dict] = {}  # id(optimizer) -> its state when fit ended
@@ -307,10 +254,6 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         # A fit's engine configuration, and whether the module clips late, changes gradients, optimizes manually
         self._fit: tuple | None = None
 
-    @property
-    def state_dict_type(self) -> str:
-        return self.config.checkpoint.state_dict_type
-
     # ----- Lightning plumbing ----------------------------------------------------------------
     @property
     def precision_plugin(self) -> ProTrainPrecision:
@@ -320,13 +263,15 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
 
     @precision_plugin.setter
     def precision_plugin(self, plugin) -> None:
-        self._precision_plugin = None if plugin is None else to_protrain_precision(plugin)
+        if plugin is not None and not isinstance(plugin, ProTrainPrecision):
+            flag = precision_of_plugin(plugin, (Precision, MixedPrecision, HalfPrecision, DoublePrecision))
+            plugin = ProTrainPrecision(flag, scaler_settings(plugin))
+        self._precision_plugin = plugin
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        # The weights of ckpt_path go into the module before the engine is built (it takes them
-        # from the module): a file that does not read or does not match the model is refused
-        # before anything else happens. A sharded directory loads right after the engine exists.
+        # ckpt_path's weights go into the module before the engine takes them from it (a sharded
+        # directory loads right after the engine exists): a file that does not match is refused first.
         return False
 
     def model_to_device(self) -> None:
@@ -344,20 +289,11 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         with torch.device("meta"), self.precision_plugin.tensor_init_context():
             yield
 
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self.setup_processes()
-
-    def set_world_ranks(self) -> None:
-        self.assign_world_ranks()
-
     # ----- setup -------------------------------------------------------------------------------
     def on_exception(self, exception: BaseException) -> None:
-        """The run ends with ``exception`` (the user's, a failed save, ctrl-C): teardown follows.
-        The other ranks may be anywhere -- in a forward's all-gather, a barrier, or failing
-        too -- so it runs no collective (the optimizer-state gather, the engine's waits): this
-        process ends at once with the user's error, and the others' collectives fail on its
-        closed connections within seconds, as under ``strategy="ddp"``."""
+        """The run ends with ``exception``: teardown follows, with no collective (the other ranks
+        may be anywhere): this process ends at once with the user's error, and the others'
+        collectives fail on its closed connections within seconds, as under ``strategy="ddp"``."""
         super().on_exception(exception)
         self._failed = True
 
@@ -370,26 +306,28 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         manual = not module.automatic_optimization
         if fitting:
             self.setup_optimizers(trainer)  # (several only under manual optimization: Lightning checks)
-            if _stand_in(self.optimizers):
+            if no_parameters(self.optimizers):
                 # configure_optimizers returned None: Lightning's stand-in has no parameters and
                 # the fit runs forward and backward only. The engine's own stand-in, which nothing
                 # steps, keeps the gradients, accumulated over the steps as Lightning's p.grad are.
                 optimizer, manual = torch.optim.SGD(module.parameters(), lr=0.0), True
             else:
                 optimizer = check_optimizers(self.optimizers)
-            # An overridden configure_gradient_clipping may clip at any step, with any setting:
-            # the engine hears of it between backward and step (expect_late_clipping below).
+            # An overridden configure_gradient_clipping may clip at any step, with any setting.
             late = is_overridden("configure_gradient_clipping", module, pl.LightningModule)
-            touched = touches_gradients(module, trainer.callbacks)
-            # Manual optimization: every manual_backward accumulates (as inside no_sync) and
-            # opt.step() updates; self.clip_gradients between them clips exactly.
+            touched = overrides(module, trainer.callbacks, _BEFORE_UPDATE)
             clipping = None if late or manual else gradient_clipping(trainer.gradient_clip_val,
                                                                      trainer.gradient_clip_algorithm)
             config = self.config.replace(clipping=clipping)
             config = config.replace(grad_accumulator=grad_accumulator(config, trainer, precision.precision,
                                                                       manual=manual, late=late or touched))
         elif next(module.parameters(), None) is None:
-            self._evaluate_without_engine(module)
+            # validate/test/predict of a module without parameters: nothing to place or stream, so
+            # no engine; the module runs on the device as under the default strategy.
+            module.to(self.root_device)
+            self.precision_plugin.device = self.root_device
+            self.model = module
+            self.setup_precision_plugin()
             return
         else:
             late = touched = False
@@ -413,35 +351,23 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         self.engine = build_engine(module, optimizer, config, precision=precision.precision, device=self.root_device,
                                    scaler=precision.scaler, report=self._report)
         if self._fit is not None:
-            # Lightning clips only through configure_gradient_clipping: the engine is told whether
-            # that, or a change of p.grad in on_after_backward / on_before_optimizer_step, may come
-            # between backward and step (an override) or never (gradient_clip_val, configured
-            # ahead); and step() waits for the offloaded chunks' updates when hooks that run
-            # before the next forward may read the weights.
+            # The engine is told whether clipping or a change of p.grad may come between backward
+            # and step (an override) or never (gradient_clip_val, configured ahead).
             _, late, touched, manual = self._fit
             self.engine.clipping.expect_late(late or touched)
             self.engine.step_state.set_manual(manual)
             precision.log_grad_norm = not (late or manual)
-            precision.wait_after_step = reads_weights_between_steps(module, module.trainer.callbacks)
+            precision.wait_after_step = overrides(module, module.trainer.callbacks, _BETWEEN_STEPS)
         precision.engine = self.engine
 
     def _wrap_anew(self) -> None:
-        """Which parameters train changed between steps (``BaseFinetuning`` unfroze blocks and
-        added their param group): the engine is built again for them, from the weights, the
-        optimizer state and the loss scaler's state it had, as the optimizer under the default
-        strategy goes on (a plan of the configuration is kept; a searched one is searched again)."""
+        """Which parameters train changed between steps (``BaseFinetuning`` unfroze blocks): the
+        engine is built again for them (``close_for_a_new_engine``; a plan of the configuration is
+        kept, a searched one is searched again)."""
         optimizer = list(self.engine.optimizers)
         self.precision_plugin.scaler = close_for_a_new_engine(self.engine) or self.precision_plugin.scaler
         self._build(self.lightning_module, optimizer, self._fit[0])
         self._route_wrapped_zero_grad()
-
-    def _evaluate_without_engine(self, module) -> None:
-        """``validate``/``test``/``predict`` of a module without parameters: nothing to place
-        or stream, so no engine; the module runs on the device as under the default strategy."""
-        module.to(self.root_device)
-        self.precision_plugin.device = self.root_device
-        self.model = module
-        self.setup_precision_plugin()
 
     def _route_wrapped_zero_grad(self) -> None:
         """``self.optimizers().zero_grad()`` (manual optimization) reaches the optimizer class's
@@ -497,12 +423,9 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         engine.save_sharded(filepath, meta=meta)
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict[str, Any]:
-        from protrain_core.checkpoint import is_sharded_checkpoint, read_meta, recover
+        from protrain_core.checkpoint import read_meta
 
-        if self.global_rank == 0:
-            recover(checkpoint_path)  # what a save killed between its renames left
-        self.barrier("protrain-recover-checkpoint")
-        if not is_sharded_checkpoint(checkpoint_path):
+        if not self._recovered(checkpoint_path):
             self._sharded_from = None
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._sharded_from = checkpoint_path  # read by the load_*_state_dict below, into the engine
@@ -512,7 +435,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
         engine = self._open_engine()
         if self._sharded() is not None:
             return {}
-        if engine is not None and engine.optimizer_states and not _stand_in([optimizer]):
+        if engine is not None and engine.optimizer_states and not no_parameters([optimizer]):
             return checkpoint_optimizer_state(engine, optimizer)
         if id(optimizer) in self._final_optimizer_states:
             return self._final_optimizer_states[id(optimizer)]
@@ -520,7 +443,7 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         engine = self._open_engine()
-        sharded = getattr(self, "_sharded_from", None)
+        sharded = self._sharded_from
         if engine is None and sharded is not None:
             from protrain_core.checkpoint import check_sharded
 
@@ -540,9 +463,9 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
         engine = self._open_engine()
-        if engine is None or _stand_in(self.optimizers):
+        if engine is None or no_parameters(self.optimizers):
             return super().load_optimizer_state_dict(checkpoint)
-        if getattr(self, "_sharded_from", None) is not None:
+        if self._sharded_from is not None:
             return engine.load_sharded(self._sharded_from, model=False)
         states = checkpoint["optimizer_states"]
         if len(states) != len(engine.optimizers):
@@ -587,12 +510,3 @@ class ProTrainStrategy(ProcessesPlumbing, OneDevicePlumbing, ParallelStrategy):
                 self._lightning_module = module
             return
         super().teardown()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry) -> None:
-        register_as_protrain(strategy_registry, cls)
-
-
-def _stand_in(optimizers) -> bool:
-    """Lightning's stand-in when ``configure_optimizers`` returns None: no parameters."""
-    return not any(group.get("params") for o in optimizers for group in o.param_groups)

@@ -4,11 +4,7 @@ Both paths build on PyTorch's fused multi-tensor kernel (``torch._fused_adamw_``
 ``torch._fused_adam_``), which runs on CUDA and, since torch 2.4, on the CPU close to memory
 bandwidth. The math is exactly ``torch.optim.AdamW(fused=True)``: the step counters are
 incremented here (as ``torch.optim.adam._fused_adam`` does) and the kernel does the rest.
-
-A hand-written one-pass kernel that also writes the low-precision copy would save one read of
-the fp32 master per step (28 instead of ~32 bytes per parameter); ``benchmarks/bench_adam.py``
-measures the two-pass version against ``torch.optim.AdamW(fused=True)`` and a custom kernel is
-only worth adding if it beats that figure.
+(Mixed-precision chunks on the CPU update in one pass instead: onepass.py.)
 """
 
 from __future__ import annotations
@@ -34,12 +30,9 @@ class AdamHyperParams:
 
     @classmethod
     def from_group(cls, group: dict, *, decoupled_weight_decay: bool) -> AdamHyperParams:
-        lr = group["lr"]
-        if isinstance(lr, Tensor):
-            lr = lr.item()
         beta1, beta2 = group["betas"]
         return cls(
-            lr=float(lr),
+            lr=float(group["lr"]),  # (a tensor lr too)
             beta1=float(beta1),
             beta2=float(beta2),
             eps=float(group["eps"]),

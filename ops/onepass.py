@@ -21,7 +21,9 @@ either fails the engine keeps the separate passes and ``status()`` says why.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import os
 import sys
 import threading
@@ -55,14 +57,11 @@ def build_target() -> tuple[str, bool]:
     """What the kernel is built for here: ATen's CPU capability, and whether the 8-bit moments'
     byte permutes (AVX-512 VBMI) are in."""
     capability = torch.backends.cpu.get_cpu_capability()
-    return capability, capability == "AVX512" and _has_vbmi()
-
-
-def _has_vbmi() -> bool:
     try:
-        return any(line.startswith("flags") and " avx512vbmi " in f"{line} " for line in open("/proc/cpuinfo"))
+        vbmi = any(line.startswith("flags") and " avx512vbmi " in f"{line} " for line in open("/proc/cpuinfo"))
     except OSError:
-        return False
+        vbmi = False
+    return capability, capability == "AVX512" and vbmi
 
 
 @dataclass
@@ -148,22 +147,21 @@ def update(module, masters: list[Tensor], lows: list[Tensor], accs: list[Tensor]
       ``accumulate``) first; otherwise it is in ``accs`` already.
     - clipping: ``accs *= coef``, then clamped to ``[-clamp, clamp]``.
     - Adam on ``masters`` with ``accs`` as gradients, then ``lows`` = the masters rounded."""
-    torch._foreach_add_(steps, 1)
     write_acc = landed or coef is not None or clamp is not None
     lanes = module.lanes()  # torch's kernel runs whole vectors (8 or 16 floats) and the rest in a scalar
     # loop whose roundings are its compiler's: a multiple of its width leaves torch exactly that rest
     lengths = [t.numel() - t.numel() % lanes for t in masters]
     tails = [k for k, (t, n) in enumerate(zip(masters, lengths)) if n < t.numel()]
-    if tails:
+    if tails:  # (their steps are incremented there)
         def tail(ts):
             return [ts[k].view(-1)[lengths[k]:] for k in tails]
 
-        if landed:
-            fold_landing(tail(accs), tail(lows), accumulate=accumulate)
-        clip_gradients(tail(accs), coef, clamp)
-        fused_kernel_step(tail(masters), tail(accs), tail(exp_avgs), tail(exp_avg_sqs),
-                          tail(max_exp_avg_sqs) if hp.amsgrad else [], [steps[k] for k in tails], hp)
-        torch._foreach_copy_(tail(lows), tail(masters))
+        separate_passes(tail(masters), tail(lows), tail(accs), tail(exp_avgs), tail(exp_avg_sqs),
+                        tail(max_exp_avg_sqs) if hp.amsgrad else [], [steps[k] for k in tails], hp, coef=coef,
+                        clamp=clamp, landed=landed, accumulate=accumulate)
+    rest = [s for k, s in enumerate(steps) if k not in tails]
+    if rest:
+        torch._foreach_add_(rest, 1)
     module.adam_onepass(masters, lows, accs, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if hp.amsgrad else [], lengths,
                         [float(s) for s in steps], hp.lr, hp.beta1, hp.beta2, hp.weight_decay, hp.eps,
                         hp.decoupled_weight_decay, hp.amsgrad, hp.maximize,
@@ -231,22 +229,12 @@ def verify(module) -> str:
              for decoupled, weight_decay in ((True, 0.1), (False, 0.1), (True, 0.0))
              for landed, accumulate in ((True, False), (True, True), (False, False))
              for coef, clamp in ((None, None), (0.37, None), (None, 3e-3))]
-    for moments in (torch.float32, torch.bfloat16):
-        for i, (decoupled, weight_decay, *kind) in enumerate(kinds):
-            hp = AdamHyperParams(lr=1e-2, beta1=0.3 if i % 2 else 0.9, beta2=0.99, eps=1e-8, weight_decay=weight_decay,
-                                 amsgrad=bool(i // 2 % 2) and moments == torch.float32, maximize=bool(i // 4 % 2),
-                                 decoupled_weight_decay=decoupled)
-            low = torch.float16 if i // 8 % 2 else torch.bfloat16
-            difference = _compare(module, hp, kind, low, moments, shapes, gen)
-            if difference:
-                return difference
-    for low in (torch.bfloat16, torch.float16):
-        for accumulate in (False, True):
-            for unscale, bad in ((False, None), (True, None), (True, float("inf")), (True, float("nan"))):
-                difference = _compare_landing(module, low, accumulate, unscale, bad, shapes, gen)
-                if difference:
-                    return difference
-    return ""
+    updates = (_compare(module, i, kind, moments, shapes, gen)
+               for moments in (torch.float32, torch.bfloat16) for i, kind in enumerate(kinds))
+    landings = (_compare_landing(module, low, accumulate, unscale, bad, shapes, gen)
+                for low in (torch.bfloat16, torch.float16) for accumulate in (False, True)
+                for unscale, bad in ((False, None), (True, None), (True, float("inf")), (True, float("nan"))))
+    return next((difference for difference in itertools.chain(updates, landings) if difference), "")
 
 
 def _random(shape, gen, scale, dtype=torch.float32, positive=False) -> Tensor:
@@ -265,19 +253,21 @@ def _differs(ours: list[dict], theirs: list[dict], shapes) -> str:
     return ""
 
 
-def _compare(module, hp: AdamHyperParams, kind, low, moments, shapes, gen) -> str:
-    landed, accumulate, coef, clamp = kind
+def _compare(module, i: int, kind, moments, shapes, gen) -> str:
+    """Kind ``i`` of ``verify``'s: amsgrad, maximize, beta1 below 0.5 and an fp16 copy on and off in turn."""
+    decoupled, weight_decay, landed, accumulate, coef, clamp = kind
+    hp = AdamHyperParams(lr=1e-2, beta1=0.3 if i % 2 else 0.9, beta2=0.99, eps=1e-8, weight_decay=weight_decay,
+                         amsgrad=bool(i // 2 % 2) and moments == torch.float32, maximize=bool(i // 4 % 2),
+                         decoupled_weight_decay=decoupled)
+    low = torch.float16 if i // 8 % 2 else torch.bfloat16
     ours = [{"master": _random(s, gen, 1.0), "low": _random(s, gen, 1e-2, low), "acc": _random(s, gen, 1e-2),
              "m": _random(s, gen, 1e-3, moments), "v": _random(s, gen, 1e-5, moments, positive=True),
              "vmax": _random(s, gen, 2e-5, positive=True), "step": torch.tensor(4.0)} for s in shapes]
     theirs = [{k: v.clone() for k, v in m.items()} for m in ours]
-    for states, run in ((ours, update), (theirs, separate_passes)):
+    for states, run in ((ours, functools.partial(update, module)), (theirs, separate_passes)):
         lists = [[m[k] for m in states] for k in ("master", "low", "acc", "m", "v", "vmax", "step")]
-        kw = dict(coef=None if coef is None else torch.tensor(coef), clamp=clamp, landed=landed, accumulate=accumulate)
-        if run is update:
-            update(module, *lists, hp, **kw)
-        else:
-            run(*lists, hp, **kw)
+        run(*lists, hp, coef=None if coef is None else torch.tensor(coef), clamp=clamp, landed=landed,
+            accumulate=accumulate)
     difference = _differs(ours, theirs, shapes)
     return difference and (f"{difference}, {low}, {moments} moments, {hp}, landed={landed} accumulate={accumulate} "
                            f"coef={coef} clamp={clamp}")
@@ -289,14 +279,11 @@ def _compare_landing(module, low, accumulate: bool, unscale: bool, bad: float | 
     if bad is not None:  # an inf in the elements after the last whole vector, a nan in a whole vector
         ours[-1 if bad > 0 else 0]["low"].view(-1)[-2 if bad > 0 else 3] = bad
     theirs = [{k: v.clone() for k, v in m.items()} for m in ours]
-    for states, run in ((ours, land), (theirs, separate_landing)):
+    for states, run in ((ours, functools.partial(land, module)), (theirs, separate_landing)):
         inv_scale = torch.tensor([2.0 ** -13]) if unscale else None
         found = torch.zeros(1) if unscale else None
-        lists = [[m[k] for m in states] for k in ("master", "low", "acc")]
-        if run is land:
-            land(module, *lists, accumulate=accumulate, inv_scale=inv_scale, found=found)
-        else:
-            run(*lists, accumulate=accumulate, inv_scale=inv_scale, found=found)
+        run(*[[m[k] for m in states] for k in ("master", "low", "acc")], accumulate=accumulate, inv_scale=inv_scale,
+            found=found)
         states.append({"found": torch.zeros(1) if found is None else found})
     difference = _differs(ours, theirs, list(shapes) + ["found"])
     return difference and f"landing: {difference}, {low}, accumulate={accumulate} unscale={unscale} bad={bad}"

@@ -52,13 +52,10 @@ def wrap(
             its parameters; or a list of several optimizers of one class over disjoint
             parameters (a GAN's generator and discriminator), each stepped on its own with
             ``engine.step(optimizer)`` ([Note: several optimizers] in runtime/engine.py).
-        plan: a :class:`Plan` (or dict of its fields): chunks kept on the device, chunk buffers,
-            and how many transformer blocks swap or checkpoint their activations; the same as
-            ``config.planning.plan``. None (default): the engine starts on a safe plan, measures
-            the first training steps (they train as usual: [Note: live profiling] in
-            profiler/live.py), then switches to the fastest plan that fits
-            ``config.planning.memory_budget`` (``engine.explain()``); ``example_inputs``:
-            profile ahead.
+        plan: a :class:`Plan` (or dict of its fields), as ``config.planning.plan``. None
+            (default): the engine starts on a safe plan, measures the first training steps (they
+            train as usual: [Note: live profiling] in profiler/live.py), then switches to the
+            fastest plan that fits ``config.planning.memory_budget`` (``engine.explain()``).
         config: every other setting (:class:`ProTrainConfig`: planning, gradient clipping,
             runtime switches); default: the defaults.
         precision, device: "32-true", "bf16-mixed", "16-mixed" or "bf16-true"; None: CUDA (this process's GPU) if any.
@@ -85,7 +82,10 @@ def wrap(
     if planning.plan is None and not config.optimizer_states:
         raise ValueError("optimizer_states=False builds an engine for evaluation only: pass its plan= (or "
                          "config.planning.plan).")
-    prec, dev = _checked(model, precision, device, config)
+    prec, dev = parse_precision(precision), as_context(device)  # (a DeviceContext: maybe a simulated device)
+    check_parameter_dtypes(model, prec)
+    check_weights(model, config.weights)
+    _check_grad_accumulator(config, prec)
     optimizers, optimizer = _joint(model, optimizer, config, prec)
     config = config.replace(compile=compile_setting(model, config.compile))
     sharding = Sharding.resolve(process_group)
@@ -125,11 +125,6 @@ def _joint(model: nn.Module, optimizer, config: ProTrainConfig, prec: Precision)
                              "or train with one optimizer (a param group per model part).")
     names = {id(p): n for n, p in model.named_parameters()}
     return optimizers, joint_optimizer(optimizers, names)
-
-
-def _sharded_weights(weights) -> bool:
-    """``ProTrainConfig.weights`` is a sharded ProTrain checkpoint directory (``save_sharded``)."""
-    return isinstance(weights, (str, os.PathLike)) and is_sharded_checkpoint(weights)
 
 
 def _check_grad_accumulator(config: ProTrainConfig, prec: Precision) -> None:
@@ -189,12 +184,13 @@ class _Build:
     def engine(self, plan: Plan) -> Engine:
         check_plan(plan, self.layout.limits())
         self.check_host_budget(plan)
-        sharded = _sharded_weights(self.config.weights)
+        weights = self.config.weights  # a sharded ProTrain checkpoint directory (save_sharded)?
+        sharded = isinstance(weights, (str, os.PathLike)) and is_sharded_checkpoint(weights)
         config = self.config.replace(weights=None) if sharded else self.config
         engine = Engine(self.model, self.optimizer, self.layout, plan, self.precision, self.device, config,
                         sharding=self.sharding, optimizers=self.optimizers)
         if sharded:  # (initialised, then read in place: a sharded checkpoint is read chunk by chunk)
-            engine.load_sharded(self.config.weights, optimizer=False)
+            engine.load_sharded(weights, optimizer=False)
         clipping = self.config.clipping
         if clipping is not None:
             engine.clipping.configure(clipping.algorithm, clipping.value, clipping.norm_type)
@@ -202,17 +198,15 @@ class _Build:
 
     def check_host_budget(self, plan: Plan) -> None:
         """Refuse, before anything is allocated, a plan whose streamed chunks' states exceed this
-        rank's host budget (available RAM minus a margin, divided among the ranks of a node; a
-        collective with several processes). A searched plan fits by construction; this catches
-        a given one and the safe plan. A CPU device has no host budget of its own: its memory
-        budget covers the same RAM."""
+        rank's host budget (``default_host_budget``, divided among the ranks of a node: a
+        collective). A searched plan fits by construction; this catches a given one and the safe
+        plan."""
         host_budget = default_host_budget(self.device)
         if host_budget is None:
             return
         host_budget = agree_budgets(self.sharding, 0, host_budget)[1]
-        formats = self.formats
         persistent = plan.persistent()
-        need = sum(f.streamed_host_bytes for i, f in enumerate(formats) if i not in persistent)
+        need = sum(f.streamed_host_bytes for i, f in enumerate(self.formats) if i not in persistent)
         if need > host_budget:
             raise MemoryError(
                 f"The plan {plan} keeps {format_bytes(need)} of model states in host memory on this rank (the "
@@ -275,10 +269,8 @@ def _prepare(model: nn.Module, optimizer, blocks, chunk_size, example_inputs, ct
     several, whose parameters never share a chunk."""
     check_optimizer_for(moments, optimizer, adam=check_optimizer(optimizer) is None)
     model_params = {id(p) for p in model.parameters()}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in model_params:
-                raise ValueError("The optimizer holds a parameter that is not part of the model.")
+    if any(id(p) not in model_params for group in optimizer.param_groups for p in group["params"]):
+        raise ValueError("The optimizer holds a parameter that is not part of the model.")
     engine = getattr(model, "_protrain_engine", None)
     if engine is not None and engine.module is model:  # (a deep copy of a wrapped model is not)
         raise ValueError("This model is already wrapped by a ProTrain engine.")
@@ -299,17 +291,6 @@ def _prepare(model: nn.Module, optimizer, blocks, chunk_size, example_inputs, ct
         return build_layout(model, block_path, len(block_list), example_inputs=example_inputs, chunk_size=chunk_size,
                             block_aligned=block_aligned(moments),
                             owners=parameter_owners(optimizers) if len(optimizers) > 1 else None)
-
-
-def _checked(model: nn.Module, precision: str, device, config: ProTrainConfig) -> tuple[Precision, DeviceContext]:
-    """The precision and device of ``wrap`` (a torch device, or a DeviceContext: a simulated
-    device), after the checks of its arguments that need no model structure (nothing is
-    allocated yet)."""
-    prec, dev = parse_precision(precision), as_context(device)
-    check_parameter_dtypes(model, prec)
-    check_weights(model, config.weights)
-    _check_grad_accumulator(config, prec)
-    return prec, dev
 
 
 def check_parameter_dtypes(model: nn.Module, precision: Precision) -> None:
@@ -363,12 +344,9 @@ def profile(
     they were), for ``search`` and the cost models. See ``protrain_core.profiler``.
 
     ``precision``, ``device``, ``loss_fn``, ``step_fn``: as ``wrap``'s; ``blocks``,
-    ``chunk_size``: as ``PlanningConfig``'s; ``iterations``: timed passes (the median is kept);
-    ``cache``: reuse a profile cached on disk for the same model, batch shape, precision and
-    hardware, and store this one; ``reprofile``: profile again even when a cached profile
-    matches (None: as ``PlanningConfig.reprofile``'s default, ``PROTRAIN_REPROFILE``);
-    ``config``: the ``ProTrainConfig`` the run will use (its state formats' bytes and update
-    rates, its runtime switches)."""
+    ``chunk_size``, ``cache`` (``profile_cache``), ``reprofile`` (None: its default): as
+    ``PlanningConfig``'s; ``iterations``: timed passes (the median is kept); ``config``: the
+    ``ProTrainConfig`` the run will use (its state formats and runtime switches)."""
     prec: Precision = parse_precision(precision)
     dev = as_context(device)
     config = config or ProTrainConfig()
@@ -382,12 +360,10 @@ def profile(
     )
 
 
-# The margin left free by the default budget on CUDA. "Free" memory (cudaMemGetInfo) already
-# excludes the CUDA context, but memory allocated outside PyTorch's caching allocator after
-# planning is not seen by the profiler: cuBLAS/cuBLASLt workspaces per stream, kernels loaded
-# lazily on first use (CUDA_MODULE_LOADING=LAZY; large for libraries such as cuDNN), NCCL
-# buffers when distributed; and allocator fragmentation beyond the factor measured in one
-# iteration. 5 % of the device (4 GiB of an 80 GiB H100), at least 1 GiB, covers these.
+# The margin left free by the default budget on CUDA: memory allocated outside PyTorch's caching
+# allocator after planning, which the profiler does not see (cuBLAS workspaces per stream, kernels
+# loaded lazily, NCCL buffers), and fragmentation beyond the factor measured in one iteration.
+# 5 % of the device (4 GiB of an 80 GiB H100), at least 1 GiB, covers these.
 CUDA_MARGIN_FRACTION = 0.05
 CUDA_MARGIN_MIN_BYTES = 2**30
 # On the CPU the "device" is host RAM, shared with everything else on the machine: 10 % stays free.
@@ -395,15 +371,15 @@ CPU_MARGIN_FRACTION = 0.10
 
 
 def default_memory_budget(device: torch.device | DeviceContext) -> int:
-    """Free device memory minus a margin (CUDA and a simulated GPU: 5 % of the device, >= 1 GiB;
-    CPU: 10 % of the available RAM, which a CPU "device" shares with the host side of ProTrain)."""
+    """Free device memory minus a margin (``device_budget``; CPU: ``host_budget`` of the
+    available RAM, which a CPU "device" shares with the host side of ProTrain)."""
     if _asynchronous(device):
         free, total = device.free_memory() if isinstance(device, DeviceContext) else torch.cuda.mem_get_info(device)
         return device_budget(free, total)
     available = available_host_bytes()
     if available is None:
         raise ValueError("Cannot read the available memory of this machine; set config.planning.memory_budget explicitly.")
-    return int(available * (1 - CPU_MARGIN_FRACTION))
+    return host_budget(available)
 
 
 def default_host_budget(device: torch.device | DeviceContext) -> int | None:

@@ -99,9 +99,7 @@ class AutoPlanner(StepObserver):
         return self._models[key]
 
     def search(self, tokens: int, n_persist: int | frozenset[int] | None = None) -> PlanChoice:
-        overlap = self.overlap
-        return search(self.profile.at_tokens(tokens), self.budget, host_budget=self.host_budget,
-                      schedule=overlap.schedule, gradient_passes=overlap.gradient_passes, n_persist=n_persist)
+        return self._search(self.profile.at_tokens(tokens), n_persist)
 
     def first_choice(self) -> PlanChoice:
         """The fastest plan for the profiled batch (or ``max_tokens``, when larger)."""
@@ -201,9 +199,9 @@ class AutoPlanner(StepObserver):
         return (f"  {change}: {choice.plan}, predicted {format_seconds(choice.runtime.total_s)} a step, device peak "
                 f"{format_bytes(choice.memory.peak_bytes)}, host {format_bytes(choice.memory.host_bytes)}")
 
-    def _search(self, profile: Profile) -> PlanChoice:
+    def _search(self, profile: Profile, n_persist: int | frozenset[int] | None = None) -> PlanChoice:
         return search(profile, self.budget, host_budget=self.host_budget, schedule=self.overlap.schedule,
-                      gradient_passes=self.overlap.gradient_passes)
+                      gradient_passes=self.overlap.gradient_passes, n_persist=n_persist)
 
     def _more_processes(self) -> str:
         """The line of the fewest processes (doubling, up to 64 times as many), each with a device

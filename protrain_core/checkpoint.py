@@ -69,7 +69,7 @@ def save_sharded(engine, path, meta: dict | None = None) -> None:
                 state[f"model/{names[id(p)]}/{got[0]}"] = got[1].detach().to("cpu", engine.precision.master_dtype)
     optim = engine.states.chunk_optimizer
     scalars = {}  # other optimizers than Adam: each parameter's non-slot state, as one object
-    for index, p in _indexed(engine):
+    for index, p in indexed_params(engine.optimizer):
         chunk, i = engine.states.slot_of(p)
         held = optim.scalar_state(chunk, i)
         if held is None:
@@ -85,15 +85,11 @@ def save_sharded(engine, path, meta: dict | None = None) -> None:
         elif rank == 0:
             scalars[index] = {k: v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else v for k, v in held.items()}
     if rank == 0 and optim.kind is not None:
-        box = io.BytesIO()
-        torch.save(scalars, box)
-        state["optim/scalars"] = box
+        state["optim/scalars"] = _boxed(scalars)
     if rank == 0:
         for name, b in engine.module.named_buffers():
             state[f"buffer/{name}"] = b.detach().to("cpu", copy=True)
-        groups = io.BytesIO()
-        torch.save(engine.optimizer.state_dict()["param_groups"], groups)
-        state["optim/param_groups"] = groups  # one object, not flattened
+        state["optim/param_groups"] = _boxed(engine.optimizer.state_dict()["param_groups"])
     tmp = _agreed_tmp(engine, path)
     _SAVING.add(path.resolve())
     try:
@@ -161,28 +157,23 @@ def _write(engine, state: dict, tmp: Path, path: Path, meta: dict | None) -> Non
         if engine.rank == 0 and meta is not None:
             # Serialised in memory, then written by Python: a full disk raises OSError(ENOSPC),
             # where torch.save to a path says "unexpected pos 704 vs 598".
-            buffer = io.BytesIO()
-            torch.save(meta, buffer)
             with open(tmp / META, "wb") as f:
-                f.write(buffer.getbuffer())
+                f.write(_boxed(meta).getbuffer())
     except (Exception, dcp.CheckpointException) as e:  # DCP's is a BaseException
         shutil.rmtree(tmp, ignore_errors=True)  # every rank: none waits for another on a failure
-        raise _write_error(e, path) from e
+        hint = {errno.ENOSPC: " (ENOSPC: the disk is full; free space or save elsewhere)"}
+        raise _naming(e, f"Could not write the sharded checkpoint {path}", hint) from e
     engine.sharding.barrier()
 
 
-def _write_error(e: Exception, path: Path) -> Exception:
-    """The error a failed save raises: the first ``OSError`` among the ranks' failures (a full
-    disk: ENOSPC; an unwritable directory: EACCES) named in its first line."""
+def _naming(e: BaseException, what: str, hints: dict[int, str]) -> BaseException:
+    """The error a failed save or load raises: ``e``, or, where its first ``OSError`` (among the
+    ranks' failures too: a full disk, an unwritable directory, a missing file) is found, one of
+    that type and errno whose first line says ``what`` failed, why, and ``hints[errno]``."""
     cause = _first_os_error(e)
     if cause is None:
         return e
-    hint = " (ENOSPC: the disk is full; free space or save elsewhere)" if cause.errno == errno.ENOSPC else ""
-    return _naming(cause, f"Could not write the sharded checkpoint {path}", hint)
-
-
-def _naming(cause: OSError, what: str, hint: str) -> OSError:
-    """An error of ``cause``'s type and errno whose first line says ``what`` failed and why."""
+    hint = hints.get(cause.errno, "")
     return type(cause)(cause.errno, f"{what}: {cause.strerror or cause}{hint}", cause.filename)
 
 
@@ -211,7 +202,7 @@ def _replace(tmp: Path, path: Path) -> None:
     _remove(old)
 
 
-def _rename(src: Path, dst: Path) -> None:
+def _rename(src: Path, dst: Path) -> None:  # (where the tests stop a save)
     os.replace(src, dst)
 
 
@@ -269,12 +260,8 @@ def read_meta(path) -> dict:
 def check_sharded(path, module) -> None:
     """Before an engine exists: the directory's weights have ``module``'s parameter names and
     sizes (from its metadata alone), or a ``ValueError`` says what differs."""
-    dcp = _dcp()
-    sizes: dict[str, int] = {}
-    for key, md in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items():
-        head, _, off = key.rpartition("/")
-        if head.startswith("model/") and off.isdigit():
-            sizes[head[6:]] = sizes.get(head[6:], 0) + md.size.numel()
+    pieces = _pieces(_dcp().FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    sizes = {head[6:]: sum(n for _, _, n, _ in p) for head, p in pieces.items() if head.startswith("model/")}
     params = dict(module.named_parameters())
     missing = sorted(set(params) - set(sizes))
     unexpected = sorted(set(sizes) - set(params))
@@ -296,31 +283,23 @@ def load_sharded(engine, path, *, model: bool = True, optimizer: bool = True, st
     if engine.rank == 0:
         recover(path)
     engine.sharding.barrier()
-    if not (path / ".metadata").is_file():
+    if not is_sharded_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a sharded ProTrain checkpoint (a torch.distributed.checkpoint directory).")
     engine.states.release_device_copies()
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    pieces: dict[str, list[tuple[int, str, int, torch.dtype]]] = {}  # prefix -> (offset, key, elements, dtype)
-    for key, md in saved.items():
-        head, sep, off = key.rpartition("/")
-        if sep and off.isdigit() and hasattr(md, "size"):
-            pieces.setdefault(head, []).append((int(off), key, md.size.numel(), md.properties.dtype))
+    pieces = _pieces(saved)
     names = _param_names(engine)
     missing = sorted(n for n in names.values() if f"model/{n}" not in pieces)
     if model and strict and missing:
         raise KeyError(f"The sharded checkpoint {path} has no weights for {missing[:5]}{'...' if len(missing) > 5 else ''}.")
-    index_of = {id(p): index for index, p in _indexed(engine)}
+    index_of = {id(p): index for index, p in indexed_params(engine.optimizer)}
     scalars = _saved_scalars(engine, path, saved) if optimizer else None
+    keys = engine.states.chunk_optimizer.slot_names() + EIGHT_BIT_KEYS if optimizer else ()
     for chunk in engine.chunks:
-        wanted = {f"model/{names[id(p)]}": p for p in chunk.params if model and f"model/{names[id(p)]}" in pieces}
+        wanted = [f"model/{names[id(p)]}" for p in chunk.params] if model else []
         if optimizer:
-            for p in chunk.params:
-                if id(p) in index_of:
-                    for key in engine.states.chunk_optimizer.slot_names() + EIGHT_BIT_KEYS:
-                        prefix = f"optim/{index_of[id(p)]}/{key}"
-                        if prefix in pieces:
-                            wanted[prefix] = p
-        whole = _read_whole(engine, path, pieces, wanted)
+            wanted += [f"optim/{index_of[id(p)]}/{key}" for p in chunk.params if id(p) in index_of for key in keys]
+        whole = _read_whole(engine, path, pieces, [prefix for prefix in wanted if prefix in pieces])
         with torch.no_grad():
             for i, p in enumerate(chunk.params):
                 value = whole.get(f"model/{names[id(p)]}")
@@ -330,11 +309,21 @@ def load_sharded(engine, path, *, model: bool = True, optimizer: bool = True, st
             _load_states(engine, chunk, whole, index_of, path, saved, scalars)
     if optimizer:
         engine.states.chunk_optimizer.loaded()
-        groups = _read_object(engine, path, "optim/param_groups")
+        groups = _read_object(path, "optim/param_groups")
         for group, s in zip(engine.optimizer.param_groups, groups):
             group.update({k: v for k, v in s.items() if k != "params"})
     if model:
         _load_buffers(engine, path, saved)
+
+
+def _pieces(saved) -> dict[str, list[tuple[int, str, int, torch.dtype]]]:
+    """prefix -> (offset, key, elements, dtype) of every piece in a directory's metadata."""
+    pieces: dict[str, list[tuple[int, str, int, torch.dtype]]] = {}
+    for key, md in saved.items():
+        head, sep, off = key.rpartition("/")
+        if sep and off.isdigit() and hasattr(md, "size"):
+            pieces.setdefault(head, []).append((int(off), key, md.size.numel(), md.properties.dtype))
+    return pieces
 
 
 def _saved_scalars(engine, path: Path, saved) -> dict | None:
@@ -348,7 +337,7 @@ def _saved_scalars(engine, path: Path, saved) -> dict | None:
     if "optim/scalars" not in saved:
         raise ValueError(f"The sharded checkpoint {path} holds Adam's optimizer state, not {kind.cls.__name__}'s: "
                          "load it with the optimizer it was saved with, or with optimizer=False.")
-    return _read_object(engine, path, "optim/scalars")
+    return _read_object(path, "optim/scalars")
 
 
 def _load_states(engine, chunk, whole: dict, index_of: dict, path: Path, saved, scalars: dict | None) -> None:
@@ -403,11 +392,11 @@ def _saved_moments(whole: dict, index: int, shape, names: tuple[str, ...]) -> di
     return entry or None
 
 
-def _read_whole(engine, path: Path, pieces: dict, wanted: dict) -> dict[str, Tensor]:
+def _read_whole(engine, path: Path, pieces: dict, wanted: list[str]) -> dict[str, Tensor]:
     """Every piece under the ``wanted`` prefixes, assembled into whole flat tensors (weights in
     the master dtype, optimizer states in the dtype they were saved in)."""
     read, whole = {}, {}
-    for prefix, p in wanted.items():
+    for prefix in wanted:
         numel = max(off + n for off, _, n, _ in pieces[prefix])  # (a parameter's, or its block scales')
         dtype = engine.precision.master_dtype if prefix.startswith("model/") else pieces[prefix][0][3]
         whole[prefix] = out = torch.empty(numel, dtype=dtype)
@@ -418,7 +407,14 @@ def _read_whole(engine, path: Path, pieces: dict, wanted: dict) -> dict[str, Ten
     return whole
 
 
-def _read_object(engine, path: Path, key: str):
+def _boxed(obj) -> io.BytesIO:
+    """``obj`` ``torch.save``d in memory: DCP keeps a ``BytesIO`` as one object, not flattened."""
+    box = io.BytesIO()
+    torch.save(obj, box)
+    return box
+
+
+def _read_object(path: Path, key: str):
     box = {key: io.BytesIO()}
     _load(box, path)
     box[key].seek(0)
@@ -447,8 +443,8 @@ def _load(read: dict, path: Path) -> None:
         cause = _first_os_error(e)
         if cause is None:
             raise
-        hint = (f" ({Path(cause.filename).name} is missing: the directory is incomplete; save it again or copy every "
-                "file of it)" if cause.errno == errno.ENOENT and cause.filename else "")
+        hint = {errno.ENOENT: f" ({Path(cause.filename).name} is missing: the directory is incomplete; save it "
+                              "again or copy every file of it)"} if cause.filename else {}
         raise _naming(cause, f"The sharded checkpoint {path} cannot be read", hint) from e
 
 
@@ -461,14 +457,7 @@ def _quiet():
 
 
 def _param_names(engine) -> dict[int, str]:
-    names = {}
-    for name, p in engine.module.named_parameters():
-        names.setdefault(id(p), name)
-    return names
-
-
-def _indexed(engine):
-    return indexed_params(engine.optimizer)
+    return {id(p): name for name, p in engine.module.named_parameters()}  # (a tied one: its first name)
 
 
 def _agreed_tmp(engine, path: Path) -> Path:

@@ -22,31 +22,25 @@ layout's alignment (``s_t`` to the 8-bit block with 8-bit moments), ``s_c = s_f 
                                     reduce-scatter
   Adam states     k * s_t    m      device                  host (pageable) (k = 2, 3 with amsgrad)
 
-A streamed chunk keeps no accumulator of its own where the format says so
-(``ChunkFormat.accumulator`` False, ``ProTrainConfig.grad_accumulator``; [Note: gradients
-consumed where they land] in runtime/worker.py): 4 bytes per trainable parameter less on the host.
+A streamed chunk keeps no accumulator where its format says so (``ChunkFormat.accumulator``,
+``ProTrainConfig.grad_accumulator``; [Note: gradients consumed where they land] in
+runtime/worker.py). The moments take another dtype in the formats of ``ChunkFormat.state_format``
+(bf16; 8-bit, with fp32 block scales and fp32 moments for small members: [Note: optimizer-state
+formats] in runtime/state_formats.py); the master and the accumulator keep ``m``.
 
-The moments take another dtype in the formats of ``ChunkFormat.state_format`` (bf16; 8-bit,
-with fp32 block scales and fp32 moments for small members: [Note: optimizer-state formats] in
-runtime/state_formats.py); the master and the accumulator keep ``m``.
-
-A frozen parameter therefore costs its compute-dtype copy and nothing else (2 bytes in the
-bf16 modes) -- or, with ``frozen_dtype``, a frozen weight matrix of a streamed chunk about one
-byte in the chunk's host store, which then holds the frozen span instead of the host copy (the
-host copy is the trainable shard alone; [Note: quantised frozen chunks] in runtime/frozen_formats.py;
-the device copy is unchanged); a chunk with no trainable member (``T = 0``; its frozen span is the whole chunk)
-holds the compute copy only, is uploaded and never offloaded. The chunk's waste after its last
-trainable member is not stored. The master is a tensor of its own only when its dtype differs
-from the compute dtype (the mixed modes); otherwise it *is* this rank's piece of the trainable
-span of the compute copy where it rests (the host copy of a streamed chunk, the device copy of
-a persistent one). ``ShardLayout`` (runtime/storage.py) answers where a member is in each of these tensors on this
-rank; one process is rank 0 of ``W = 1``, whose pieces are whole members at their layout
-offsets.
+A frozen parameter costs its compute-dtype copy alone -- or, with ``frozen_dtype``, a frozen
+weight matrix of a streamed chunk about one byte in the chunk's host store, which then holds the
+frozen span instead of the host copy ([Note: quantised frozen chunks] in runtime/frozen_formats.py).
+A chunk with no trainable member (``T = 0``) holds the compute copy only, is uploaded and never
+offloaded. The waste after the last trainable member is not stored. The master is a tensor of
+its own only when its dtype differs from the compute dtype (the mixed modes); otherwise it *is*
+this rank's piece of the trainable span of the compute copy where it rests. ``ShardLayout``
+(runtime/storage.py) answers where a member is in each tensor on this rank; one process is rank
+0 of ``W = 1``, whose pieces are whole members at their layout offsets.
 
 Everything that needs a chunk's size asks its ``ChunkFormat``: the engine's allocation
-(runtime/storage.py builds the records from the model: ``chunk_formats``), a streamed chunk's
-exact host buffer, the runtime's device-memory bound, and the cost model, which knows of a
-chunk only its record (``Profile.chunks``).
+(``chunk_formats`` in runtime/storage.py), a streamed chunk's host buffer, the runtime's
+device-memory bound, and the cost model, which knows of a chunk only its record.
 """
 
 from __future__ import annotations
@@ -91,15 +85,12 @@ class ChunkFormat:
     # members (``wide_numel`` elements per moment: all of them, a bound of any rank's pieces).
     state_format: str = "fp32"
     wide_numel: int = 0
-    # Frozen weight matrices in 8 bits on the host ([Note: quantised frozen chunks] in
-    # runtime/frozen_formats.py): "int8" or "fp8" (None: the compute dtype); ``store_bytes`` of the host
-    # store that holds the frozen span then (the 8-bit values of this rank's piece of it, every
-    # scale and kept member).
+    # Frozen weight matrices in 8 bits on the host, "int8" or "fp8" (None: the compute dtype), and
+    # the bytes of the host store that then holds the frozen span ([Note: quantised frozen chunks]).
     frozen_format: str | None = None
     store_bytes: int = 0
     # Streamed, the chunk keeps its gradient accumulator in host memory (False: the CPU worker
-    # lends one per update: [Note: gradients consumed where they land] in runtime/worker.py). A
-    # persistent chunk always keeps it, on the device.
+    # lends one per update); a persistent chunk always keeps it, on the device.
     accumulator: bool = True
 
     def __post_init__(self) -> None:
@@ -126,12 +117,9 @@ class ChunkFormat:
 
     @property
     def whole(self) -> bool:
-        """One process holds the chunk whole (``W = 1``): a fetch uploads the compute copy with
-        no all-gather, a persistent chunk's gradients land straight in its accumulator and a
-        streamed chunk's gradient buffer is offloaded as it is (no reduce-scatter, no gradient
-        buffer of a persistent chunk), a persistent chunk's update needs no gather, and the
-        parameters can point at a streamed chunk's host copy at rest. With ``W`` processes
-        every one of these is a collective or a piece ([Note: sharded chunks])."""
+        """One process holds the chunk whole (``W = 1``): no all-gather, reduce-scatter or
+        gradient buffer of a persistent chunk, and the parameters can point at a streamed chunk's
+        host copy at rest ([Note: sharded chunks])."""
         return self.world_size == 1
 
     def _shard(self, n: int, unit: int = ALIGN) -> int:

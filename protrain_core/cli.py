@@ -25,8 +25,16 @@ import time
 
 import torch
 
+import protrain_core as pt
 from protrain_core import models
+from protrain_core.api import default_host_budget, default_memory_budget, device_budget, host_budget as host_budget_of
+from protrain_core.autoplan import WARMUP_STEPS, AutoPlanner, PredictionCheck
 from protrain_core.models import BUILTIN, LADDER
+from protrain_core.planner.cost import estimate_memory
+from protrain_core.precision import Precision, parse_precision
+from protrain_core.profiler.profiler import for_world_size
+from protrain_core.runtime.device import resolve_device
+from protrain_core.update import Overlap
 from protrain_core.utils import format_bytes, format_seconds, parse_bytes
 
 WHAT_IF_HEADER = "| {} | plan (persist/buffer/swap/checkpoint) | predicted step | tokens/s | predicted peak | bottleneck |"
@@ -45,8 +53,9 @@ def progress(text: str) -> None:
 
 
 def _profile(args, config, batch_size: int):
-    import protrain_core as pt
-
+    """The profile of ``config`` on a batch of ``batch_size`` x ``--seq-len``; with ``--world-size``,
+    the what-if of its chunks sharded over that many processes, collectives at
+    ``--collective-bandwidth`` (one process cannot measure them)."""
     model, opt = _build(args, config)
     progress(f"profiling {_what(args)} ({_counts(model)}) on a "
              f"batch of {batch_size} x {args.seq_len} tokens on {args.device} ...")
@@ -54,7 +63,14 @@ def _profile(args, config, batch_size: int):
     prof = pt.profile(model, opt, models.token_batch(config, batch_size, args.seq_len), precision=args.precision,
                       device=args.device, cache=not args.no_cache, reprofile=args.reprofile, config=_config(args))
     progress(f"profile ready after {format_seconds(time.perf_counter() - start)}")
-    return prof
+    if args.world_size == 1:
+        return prof
+    model, opt = _build(args, config)
+    progress(f"what if the chunks are sharded over {args.world_size} processes (batch {batch_size} x "
+             f"{args.seq_len} each; all-gather and reduce-scatter assumed at {args.collective_bandwidth:g} GB/s: a "
+             "training run measures them) ...")
+    return for_world_size(prof, model, opt, parse_precision(args.precision), args.world_size,
+                          args.collective_bandwidth * 1e9)
 
 
 def _parameters(model) -> tuple[int, int]:
@@ -69,8 +85,6 @@ def _counts(model) -> str:
 
 
 def _config(args):
-    import protrain_core as pt
-
     return pt.ProTrainConfig(optimizer_state_format=args.optimizer_state_format or "fp32", frozen_dtype=args.frozen_dtype)
 
 
@@ -95,10 +109,6 @@ def _build(args, config=None, device: str = "cpu"):
 def check_prediction(args, config, prof, choice) -> None:
     """A few training steps on random data with the chosen plan, timed against the prediction
     (the check a training run makes after its first steps; a stale cached profile is removed)."""
-    import protrain_core as pt
-    from protrain_core.autoplan import WARMUP_STEPS, AutoPlanner, PredictionCheck
-    from protrain_core.update import Overlap
-
     model, opt = _build(args, config)
     engine = pt.wrap(model, opt, choice.plan, precision=args.precision, device=args.device, config=_config(args))
     planner = AutoPlanner(engine, prof, budget=choice.budget_bytes, host_budget=choice.host_budget_bytes,
@@ -117,25 +127,30 @@ def check_prediction(args, config, prof, choice) -> None:
         engine.close()
 
 
-def _row(label: str, prof, budget: int, tokens: int) -> str:
-    import protrain_core as pt
+def _what_if(column: str, rows) -> None:
+    """A what-if table, a line per (label, profile, budget, tokens) of ``rows``: the plan searched."""
+    print(WHAT_IF_HEADER.format(column), WHAT_IF_RULE, sep="\n")
+    for label, prof, budget, tokens in rows:
+        try:
+            c = pt.search(prof, budget)
+        except pt.InfeasibleBudget as e:
+            what = (f"{format_bytes(e.needed_bytes - budget)} of device memory missing" if e.needed_bytes > budget
+                    else "host memory too small")
+            print(f"| {label} | does not fit ({what}) | | | | |")
+            continue
+        p, r = c.plan, c.runtime
+        print(f"| {label} | {p.n_persist}/{p.n_buffer}/{p.n_swap}/{p.n_checkpoint} | {format_seconds(r.total_s)} | "
+              f"{tokens / r.total_s:,.0f} | {format_bytes(c.memory.peak_bytes)} | {r.bottleneck} |")
 
-    try:
-        c = pt.search(prof, budget)
-    except pt.InfeasibleBudget as e:
-        what = (f"{format_bytes(e.needed_bytes - budget)} of device memory missing" if e.needed_bytes > budget
-                else "host memory too small")
-        return f"| {label} | does not fit ({what}) | | | | |"
-    p, r = c.plan, c.runtime
-    return (f"| {label} | {p.n_persist}/{p.n_buffer}/{p.n_swap}/{p.n_checkpoint} | {format_seconds(r.total_s)} | "
-            f"{tokens / r.total_s:,.0f} | {format_bytes(c.memory.peak_bytes)} | {r.bottleneck} |")
+
+def _budget_rows(args, prof, budget: int) -> list:
+    """Rows over ``--budgets`` (default 25 % to 200 % of ``budget``), tokens/s of all the processes."""
+    budgets = args.budgets or [int(budget * f) for f in (0.25, 0.5, 0.75, 1.0, 1.5, 2.0)]
+    return [(format_bytes(b), prof, b, args.batch_size * args.seq_len * args.world_size) for b in budgets]
 
 
 def _budgets(args) -> tuple[int, int | None]:
     """(device budget, host budget) of a run on ``--device`` (each process's, with ``--world-size``)."""
-    import protrain_core as pt
-    from protrain_core.api import default_host_budget, device_budget, host_budget as host_budget_of
-
     budget = parse_bytes(args.budget, "--budget") if args.budget else device_budget(args.device_memory, args.device_memory) \
         if args.device_memory else pt.default_memory_budget(args.device)
     host_budget = host_budget_of(args.host_memory) if args.host_memory else default_host_budget(args.device)
@@ -145,16 +160,14 @@ def _budgets(args) -> tuple[int, int | None]:
 
 
 def plan_command(args) -> int:
-    import protrain_core as pt
-
     budget, host_budget = _budgets(args)
-    budgets, batch_sizes, config = args.budgets, args.batch_sizes, args.config
+    batch_sizes, config = args.batch_sizes, args.config
     short = _host_shortfall(args)
     if short:
         raise SystemExit(f"protrain plan: {short}. To size a run for a GPU, simulate one: add --simulate (--hardware "
                          "h100, h200 or a JSON file; the model on the meta device, no memory). Or run this on the GPU "
                          "machine.")
-    prof = _sharded(args, config, _profile(args, config, args.batch_size))
+    prof = _profile(args, config, args.batch_size)
     fits = True
     try:
         choice = pt.search(prof, budget, host_budget=host_budget)
@@ -165,31 +178,20 @@ def plan_command(args) -> int:
         print(f"protrain plan: {e}")
         fits = False
     print()
-    tokens = args.batch_size * args.seq_len * args.world_size  # tokens/s of all the processes
-    header, rule = WHAT_IF_HEADER, WHAT_IF_RULE
     if batch_sizes:
         print(f"What if the batch size changes (budget {format_bytes(budget)}, sequence {args.seq_len}):\n")
-        print(header.format("batch size"))
-        print(rule)
-        for b in batch_sizes:
-            p = prof if b == args.batch_size else _sharded(args, config, _profile(args, config, b))
-            print(_row(str(b), p, budget, b * args.seq_len * args.world_size))
+        _what_if("batch size", ((str(b), prof if b == args.batch_size else _profile(args, config, b), budget,
+                                 b * args.seq_len * args.world_size) for b in batch_sizes))
     else:
-        budgets = budgets or [int(budget * f) for f in (0.25, 0.5, 0.75, 1.0, 1.5, 2.0)]
         ranks = f", on each of {args.world_size} processes; tokens/s of all" if args.world_size > 1 else ""
         print(f"What if the memory budget changes (batch {args.batch_size} x {args.seq_len}{ranks}):\n")
-        print(header.format("budget"))
-        print(rule)
-        for b in budgets:
-            print(_row(format_bytes(b), prof, b, tokens))
+        _what_if("budget", _budget_rows(args, prof, budget))
     return 0 if fits else 1  # (no plan fits the budget: the table shows what would)
 
 
 def _plain_pytorch(args, result, budget: int) -> str:
     """Where the whole model fits the device (its all-persistent plan within the budget, one
     process): plain PyTorch's simulated step on the same device next to the plan's; else ""."""
-    import protrain_core as pt
-    from protrain_core.planner.cost import estimate_memory
     from protrain_core.simulator.device import SimulatedDevice
     from protrain_core.simulator.run import simulate_plain
 
@@ -207,7 +209,6 @@ def _plain_pytorch(args, result, budget: int) -> str:
 
 
 def _simulated_budget(args) -> int:
-    from protrain_core.api import default_memory_budget
     from protrain_core.simulator.device import SimulatedDevice
 
     return parse_bytes(args.budget, "--budget") if args.budget else default_memory_budget(SimulatedDevice(args.hardware))
@@ -245,14 +246,12 @@ def _profiled_rung(args, name: str, budgets: tuple[int, int | None]):
     ``plan`` does) and planned for ``budgets`` (``_budgets``, measured once before the ladder):
     (plan, predicted step, predicted peak, planned host bytes, (parameters, trained)); or, on
     the CPU, why this machine cannot hold the rung's states (checked before it is built)."""
-    import protrain_core as pt
-
     rung = argparse.Namespace(**{**vars(args), "model": name, "config": models.load_config(name)})
     short = _host_shortfall(rung)
     if short:
         return short
     budget, host_budget = budgets
-    prof = _sharded(rung, rung.config, _profile(rung, rung.config, rung.batch_size))
+    prof = _profile(rung, rung.config, rung.batch_size)
     choice = pt.search(prof, budget, host_budget=host_budget)
     counts = _parameters(_build(rung, device="meta")[0])
     return choice.plan, choice.runtime.total_s, choice.memory.peak_bytes, choice.memory.host_bytes, counts
@@ -262,8 +261,6 @@ def largest_command(args) -> int:
     """``--largest``: the run the arguments describe (a full fine-tune, or LoRA) on each rung of
     ``models.LADDER`` in turn until one does not fit the box -- simulated (``--simulate``), or
     profiled on ``--device`` and predicted by the cost model; a row per rung."""
-    import protrain_core as pt
-
     tokens = args.batch_size * args.seq_len * args.world_size
     rows, largest, rung = [], None, _simulated_rung if args.simulate else _profiled_rung
     budgets = None if args.simulate else _budgets(args)
@@ -304,7 +301,6 @@ def _host_shortfall(args) -> str | None:
     """Profiling on the CPU builds the model and its training states in host memory: why this
     machine cannot hold them (a 7B config on a laptop; checked before anything is built), or
     None (also on a GPU, whose budgets the search checks)."""
-    from protrain_core.precision import Precision, parse_precision
     from protrain_core.utils import available_host_bytes
 
     if args.device.type != "cpu":
@@ -327,8 +323,6 @@ def simulate_command(args) -> int:
     the model on the meta device: no memory, no GPU. Prints the search's explanation, the
     simulated step next to the cost model's prediction (idle time by cause, host waits, copies,
     CPU Adam), and the what-if table of the simulated profile."""
-    import protrain_core as pt
-
     budget = _simulated_budget(args)
     start = time.perf_counter()
     try:
@@ -350,29 +344,9 @@ def simulate_command(args) -> int:
                  f"{result.overlap}; simulated step {format_seconds(result.step_s)}, cost model "
                  f"{format_seconds(result.predicted.total_s)}")
         print(f"timeline: {timeline_figure.save(timeline_figure.draw(result.timeline, title), args.timeline)}")
-    tokens = args.batch_size * args.seq_len * args.world_size
     print(f"\nWhat if the memory budget changes (the simulated profile; batch {args.batch_size} x {args.seq_len}):\n")
-    print(WHAT_IF_HEADER.format("budget"))
-    print(WHAT_IF_RULE)
-    for b in args.budgets or [int(budget * f) for f in (0.25, 0.5, 0.75, 1.0, 1.5, 2.0)]:
-        print(_row(format_bytes(b), result.profile, b, tokens))
+    _what_if("budget", _budget_rows(args, result.profile, budget))
     return 0
-
-
-def _sharded(args, config, prof):
-    """The what-if of ``--world-size``: this profile with the chunks sharded over that many
-    processes, collectives at ``--collective-bandwidth`` (one process cannot measure them)."""
-    if args.world_size == 1:
-        return prof
-    from protrain_core.precision import parse_precision
-    from protrain_core.profiler.profiler import for_world_size
-
-    model, opt = _build(args, config)
-    progress(f"what if the chunks are sharded over {args.world_size} processes (batch {args.batch_size} x "
-             f"{args.seq_len} each; all-gather and reduce-scatter assumed at {args.collective_bandwidth:g} GB/s: a "
-             "training run measures them) ...")
-    return for_world_size(prof, model, opt, parse_precision(args.precision), args.world_size,
-                          args.collective_bandwidth * 1e9)
 
 
 def main(argv=None) -> int:
@@ -437,9 +411,6 @@ def main(argv=None) -> int:
 
 def check_arguments(ap: argparse.ArgumentParser, args) -> None:
     """Every argument, before anything is built or profiled (``ap.error`` exits with usage)."""
-    from protrain_core.precision import parse_precision
-    from protrain_core.runtime.device import resolve_device
-
     for name in ("batch_size", "seq_len"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")

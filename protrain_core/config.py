@@ -4,10 +4,9 @@ from a LightningCLI config file like any other argument.
 
 It is frozen and nested by concern: what to plan (``planning``), how to clip gradients
 (``clipping``), the runtime's switches (``runtime``) and the checkpoint format
-(``checkpoint``). Each part checks its fields when it is created, with the errors ``wrap``
-raised before, so a wrong setting fails where it is written. Nested parts may be given as
-dicts (``ProTrainConfig(planning={"memory_budget": "20GiB"})``), which is also what a YAML
-file gives.
+(``checkpoint``). Each part checks its fields when it is created, so a wrong setting fails where
+it is written. Nested parts may be given as dicts, as a YAML file gives them
+(``ProTrainConfig(planning={"memory_budget": "20GiB"})``).
 
 What is not a setting stays an argument: the model, the optimizer, the device and precision
 (under Lightning: the Trainer's and Fabric's own), a batch to profile ahead, the report
@@ -175,23 +174,19 @@ class ProTrainConfig:
     """Whether each offloaded (streamed) chunk keeps an fp32 gradient accumulator in host
     memory: 4 bytes per trainable parameter ([Note: gradients consumed where they land]).
     False keeps none: the CPU Adam reads each gradient where it lands, during backward, with
-    the same results (8.03 instead of 12.03 host bytes per trainable parameter with 8-bit
-    moments). It needs precision "bf16-mixed", one backward per step (no ``no_sync``
-    accumulation) and no clipping by norm or between backward and step (clipping by value,
-    configured ahead, works). None: the Trainer strategy leaves it out where its settings allow
-    (``accumulate_grad_batches=1``, automatic optimization, no clipping by norm, no overridden
-    ``configure_gradient_clipping``); elsewhere True."""
+    the same results. It needs precision "bf16-mixed", one backward per step (no ``no_sync``
+    accumulation) and no clipping by norm or between backward and step. None: the Trainer
+    strategy leaves it out where its settings allow; elsewhere True."""
 
     weights: str | None = None
     """Where a model built on the meta device (``with torch.device("meta")``, ``init_module(
     empty_init=True)``) takes its weights, chunk by chunk, without a host copy of the model
     ([Note: weights straight into chunks]): a Hugging Face model directory (safetensors files),
     a ``.safetensors`` file, a ``torch.save``d state dict or Lightning checkpoint, or a sharded
-    ProTrain checkpoint directory (from Python also a state dict itself: the Trainer strategy
-    passes ``ckpt_path``'s). Parameters
-    it does not hold, and every parameter when None, are initialised by their modules (a Hugging
-    Face model's ``_init_weights``, PEFT's LoRA initialisation, else ``reset_parameters``). A
-    model whose parameters are on the host is used as it is."""
+    ProTrain checkpoint directory (from Python also a state dict itself). Parameters it does not
+    hold, and every parameter when None, are initialised by their modules (a Hugging Face
+    model's ``_init_weights``, PEFT's LoRA initialisation, else ``reset_parameters``). A model
+    whose parameters are on the host is used as it is."""
 
     compile: bool | dict = False
     """``torch.compile`` of each transformer block and of the stem and head units, per module,

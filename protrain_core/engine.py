@@ -1,10 +1,8 @@
 """The engine ``wrap`` returns: the runtime's engine with the verbs that write and read files.
 
-Checkpoints (checkpoint.py) and the Hugging Face export (export.py) sit above the runtime: they
-are functions of the engine, and the runtime does not import them (tests/test_architecture.py).
-This class gives them their place as methods, ``engine.save_pretrained(directory)`` and
-``engine.save_sharded(path)``, for the engines ``wrap`` builds; the engines the profiler builds
-for its measurements need neither.
+Checkpoints (checkpoint.py) and the Hugging Face export (export.py) sit above the runtime, which
+does not import them (tests/test_architecture.py); this class makes them methods of the engines
+``wrap`` builds (the profiler's engines need neither).
 """
 
 from __future__ import annotations
@@ -15,21 +13,15 @@ from protrain_core.runtime.engine import RuntimeEngine
 
 
 class Engine(RuntimeEngine):
-    """A training engine (``wrap``): forward through ``engine.module``, then ``backward``,
-    ``step``, ``zero_grad`` (runtime/engine.py), and the checkpoint and export verbs.
-
-    ``wrap`` builds it: it finds the blocks and the ``layout`` of the chunks, searches the
-    ``plan`` and calls the constructor with the ``module``, the ``optimizer``, the
-    ``precision`` (a ``Precision``), the ``device``, the ``config`` (a ``ProTrainConfig``), the
-    ``sharding`` (the processes) and ``warn_on_cache`` (warn when checkpointed or swapped blocks
-    turn a key/value cache off)."""
+    """A training engine (``wrap`` builds it): forward through ``engine.module``, then
+    ``backward``, ``step``, ``zero_grad`` (runtime/engine.py), and the checkpoint and export
+    verbs."""
 
     def save_pretrained(self, save_directory, **kwargs) -> None:
-        """Export a Hugging Face (or PEFT) model: its ``save_pretrained`` with the master weights
-        (fp32; bf16 in bf16-true) and that dtype in ``config.json``, so that ``from_pretrained``
-        loads exactly the trained model in every precision (protrain_core/export.py). Use it
-        instead of the model's own ``save_pretrained`` while the engine is open, which writes the
-        compute copies (bf16 / fp16 in the mixed modes)."""
+        """Export a Hugging Face (or PEFT) model with the master weights and their dtype in
+        ``config.json``, so that ``from_pretrained`` loads exactly the trained model (export.py).
+        Use it instead of the model's own ``save_pretrained`` while the engine is open, which
+        writes the compute copies (bf16 / fp16 in the mixed modes)."""
         self.step_state.check_open()
         save_pretrained(self, save_directory, **kwargs)
 

@@ -1,11 +1,10 @@
 """Exporting a wrapped Hugging Face model: its master weights and a config that says their dtype.
 
-A model's own ``save_pretrained`` reads the parameters, which during training are the compute
-copies (bf16 or fp16 in the mixed modes), and writes their dtype into ``config.json``;
-``from_pretrained`` then loads the model in that low precision. ``save_pretrained`` here writes
-the master weights -- fp32, or bf16 in bf16-true: what ``Engine.state_dict`` returns -- and that
-dtype in the config, so that ``from_pretrained(directory)`` rebuilds exactly the trained model
-(the same logits as the master weights loaded into the model by hand).
+A model's own ``save_pretrained`` writes the parameters, during training the compute copies
+(bf16 or fp16 in the mixed modes), and their dtype, in which ``from_pretrained`` then loads it.
+``save_pretrained`` here writes the master weights (fp32, or bf16 in bf16-true: what
+``Engine.state_dict`` returns) and that dtype, so that ``from_pretrained(directory)`` rebuilds
+exactly the trained model.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ def save_pretrained(engine, save_directory, *, module: str | None = None, **kwar
     state = {k.removeprefix(prefix): v for k, v in engine.state_dict().items() if k.startswith(prefix)}
     main = engine.rank == 0
     config = getattr(model, "config", None)
-    before = getattr(config, "dtype", None) if config is not None else None
+    before = getattr(config, "dtype", None)
     try:
         if main:  # the others took part in the gathering; the model's save_pretrained would read its parameters
             model.save_pretrained(save_directory, state_dict=state, **kwargs)

@@ -4,10 +4,7 @@ On the CPU there is no device allocator to ask, so memory held by activations is
 watching the operators themselves: every storage an operator allocates (an output that does
 not alias one of its inputs) is recorded with its size, and a finalizer on the storage object
 (PyTorch keeps one Python object per storage) subtracts it again when the storage is freed.
-So ``live`` is the running total of op-allocated bytes still alive and ``peak`` its maximum,
-both O(1) per operator. ``live_bytes()`` recomputes the total from the recorded storages (and
-can leave some out). On CUDA ``torch.cuda.memory_allocated`` tells the same for the device (and
-also counts what was allocated outside the tracker).
+(On CUDA ``torch.cuda.memory_allocated`` tells the same for the device.)
 
 Allocations that are not activation memory are not recorded: the engine's chunk buffers, which
 it counts itself, are made inside ``untracked()``; host memory (host pools, staging and swap
@@ -63,7 +60,7 @@ class LiveStorageTracker(TorchDispatchMode):
 
         with LiveStorageTracker() as tracker:
             out = model(x)
-        tracker.live        # bytes of those storages alive now (running total)
+        tracker.live        # bytes of those storages alive now (running total, O(1) per operator)
         tracker.peak        # the most that were alive at once (after any operator)
         tracker.live_bytes()  # recomputed from the recorded storages
 

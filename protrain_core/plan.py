@@ -73,9 +73,7 @@ class Plan:
 
     def persistent(self) -> frozenset[int]:
         """The indices of the chunks that persist."""
-        if self.persistent_chunks is None:
-            return frozenset(range(self.n_persist))
-        return frozenset(self.persistent_chunks)
+        return frozenset(range(self.n_persist) if self.persistent_chunks is None else self.persistent_chunks)
 
     @classmethod
     def from_dict(cls, d: dict) -> Plan:

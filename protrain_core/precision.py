@@ -24,12 +24,7 @@ class Precision(enum.Enum):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return {
-            Precision.FP32: torch.float32,
-            Precision.BF16_TRUE: torch.bfloat16,
-            Precision.BF16_MIXED: torch.bfloat16,
-            Precision.FP16_MIXED: torch.float16,
-        }[self]
+        return {Precision.FP32: torch.float32, Precision.FP16_MIXED: torch.float16}.get(self, torch.bfloat16)
 
     @property
     def master_dtype(self) -> torch.dtype:

@@ -7,11 +7,9 @@ missing. The benchmark report's figures (benchmarks/figures.py) use the same two
 from __future__ import annotations
 
 import importlib.util
-import os
-import tempfile
 from pathlib import Path
 
-from protrain_core.utils import new_file_mode
+from protrain_core.utils import atomic_file
 
 LANE_COLOURS = {"compute": "#4c72b0", "host->device": "#55a868", "device->host": "#c44e52",
                 "collectives": "#8172b2", "CPU Adam": "#dd8452"}
@@ -59,18 +57,12 @@ def draw(timeline: dict, title: str):
 
 
 def save(fig, path) -> Path:
-    """Write a figure atomically (a temporary file, then a rename) with the umask's mode, then
-    close it."""
+    """Write a figure as a PNG file atomically (``utils.atomic_file``), then close it."""
     import matplotlib.pyplot as plt
 
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".png")
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        os.chmod(tmp, new_file_mode())
-        os.replace(tmp, path)
+        with atomic_file(path) as f:
+            fig.savefig(f, format="png", dpi=110, bbox_inches="tight")
     finally:
         plt.close(fig)
-        Path(tmp).unlink(missing_ok=True)
-    return path
+    return Path(path)

@@ -8,25 +8,19 @@ follows it, the cost model predicts the step time of that schedule (the search g
 Without norm clipping and fp16, a streamed chunk's CPU Adam starts as soon as its gradients
 are offloaded and overlaps the rest of backward (DURING_BACKWARD): T = T_f + max(T_b + T_gpu_adam,
 T_cpu_adam chain). Norm clipping and fp16's overflow check need every gradient of the step first.
-Two exact ways keep an overlap; the cost model predicts both (planner/cost.py) and
-``python -m benchmarks.bench_clipping`` prints them for LLaMA 1.1B / 7B / 13B on hand-built H100
-figures (the predictions are in benchmarks/HISTORY.md):
-- SPECULATIVE: update during backward into a second copy of the host states and keep it unless
-  the step clips or overflows, else redo after backward. Kept steps cost what DURING_BACKWARD
-  costs, redone ones what NEXT_FORWARD costs. But the second copy is 14 B per streamed
-  parameter (fp32 master and moments, bf16 copy) on top of 16: 7B needs 82.8 GiB of host
-  memory instead of 44.2, 13B on a 141 GB GPU 164 GiB instead of 102 -- more than the 128 GB
-  hosts these GPUs come with, where host memory is what caps the model size. (A snapshot copied
-  in place instead costs a copy as large as Adam's own memory traffic at every step.)
+Two exact ways keep an overlap; the cost model predicts both (planner/cost.py;
+``python -m benchmarks.bench_clipping`` prints them for LLaMA 1.1B / 7B / 13B):
+- SPECULATIVE: update during backward into a second copy of the host states, kept unless the
+  step clips or overflows, else redone after backward. The copy is 14 B per streamed parameter
+  on top of 16: 7B needs 82.8 GiB of host memory instead of 44.2, 13B 164 GiB instead of 102 --
+  more than the 128 GB hosts of these GPUs, where host memory caps the model size.
 - NEXT_FORWARD (chosen): finish the gradients as they land ([Note: finishing gradients early] in
   runtime/gradients.py), then run the streamed chunks' Adam in forward order after backward,
   overlapping the next forward; each chunk's fetch waits for its own update. No extra memory,
-  the same prediction whether the step clips or not, a little above the step without clipping
-  and well below deferring every update to step(). SPECULATIVE would beat it only by (1 - p) x
-  that gap, with p the fraction of steps that clip, which is not known ahead and is high early
-  in fine-tuning (clip 1.0 acts at every step of this repository's tests).
-So NEXT_FORWARD runs whenever norm clipping or fp16 is on; speculation for fp16 alone (overflow
-about once per growth interval) is the combination left for when host memory allows it.
+  a little above the step without clipping and well below deferring every update to step().
+  SPECULATIVE would beat it only by (1 - p) x that gap, p the fraction of steps that clip,
+  unknown ahead and high early in fine-tuning.
+So NEXT_FORWARD runs whenever norm clipping or fp16 is on.
 """
 
 from __future__ import annotations
@@ -104,11 +98,9 @@ class Overlap:
 
 
 def overlap_mode(precision: Precision, clipping: GradientClipping | None, *, late_clipping: str | None = None) -> Overlap:
-    """fp16 (an inf/nan anywhere skips the whole step) and norm clipping (one factor for all
-    gradients) need every gradient before any update: the streamed chunks' Adam then runs after
-    backward, overlapping the next forward. So does a step whose clipping may still be requested
-    between backward and step(): ``late_clipping`` says why it may (the engine's first step, or
-    an adapter that clips late). Otherwise streamed chunks are updated during backward."""
+    """The schedule of [Note: the overlap under clipping and fp16]; ``late_clipping``: why
+    clipping may still be requested between backward and step() (the engine's first step, or an
+    adapter that clips late), which also needs every gradient before any update."""
     reasons = []
     if precision is Precision.FP16_MIXED:
         reasons.append("fp16 overflow check")
@@ -116,12 +108,6 @@ def overlap_mode(precision: Precision, clipping: GradientClipping | None, *, lat
         reasons.append("gradient norm clipping")
     elif clipping is None and late_clipping:
         reasons.append(late_clipping)
+    passes = 0 if clipping is None else 1 if clipping.algorithm is ClipAlgorithm.NORM else 2
     return Overlap(UpdateSchedule.NEXT_FORWARD if reasons else UpdateSchedule.DURING_BACKWARD, tuple(reasons),
-                   gradient_passes=gradient_passes(clipping))
-
-
-def gradient_passes(clipping: GradientClipping | None) -> int:
-    """Elementwise passes over the gradients that ``clipping`` adds before an update."""
-    if clipping is None:
-        return 0
-    return 1 if clipping.algorithm is ClipAlgorithm.NORM else 2
+                   gradient_passes=passes)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
+import re
 import shutil
+import tempfile
 import weakref
 from pathlib import Path
 from collections.abc import Iterator, Mapping
@@ -90,10 +93,7 @@ def block_tokens(shapes: list[tuple[tuple[int, ...], str]]) -> int:
     if not shapes:
         return 0
     shape = shapes[0][0]
-    n = 1
-    for d in shape[:-1] if len(shape) >= 2 else shape:
-        n *= d
-    return n
+    return math.prod(shape[:-1] if len(shape) >= 2 else shape)
 
 
 def parse_bytes(value: int | float | str, what: str = "memory_budget") -> int:
@@ -103,23 +103,19 @@ def parse_bytes(value: int | float | str, what: str = "memory_budget") -> int:
     if isinstance(value, (int, float)):
         number, unit = float(value), ""
     elif isinstance(value, str):
-        text = value.strip().replace("_", "")
-        i = len(text)
-        while i > 0 and text[i - 1].isalpha():
-            i -= 1
-        number_text, unit = text[:i].strip(), text[i:].upper()
+        number_text, unit = re.fullmatch(r"(.*?)\s*([A-Za-z]*)", value.strip().replace("_", "")).groups()
         try:
             number = float(number_text)
         except ValueError:
             number = None
-        if number is None or unit not in _UNITS:
+        if number is None or unit.upper() not in _UNITS:
             raise ValueError(
                 f"{what}={value!r} is not a size; use bytes (an int) or a number with a unit "
                 "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. '20GiB'."
             )
     else:
         raise ValueError(f"{what} must be a number of bytes or a string like '20GiB', got {type(value).__name__}")
-    nbytes = number * _UNITS[unit]
+    nbytes = number * _UNITS[unit.upper()]
     if not nbytes > 0 or nbytes != nbytes or nbytes == float("inf"):
         raise ValueError(f"{what}={value!r} must be a positive, finite size.")
     return int(nbytes)
@@ -195,6 +191,34 @@ def new_file_mode() -> int:
     return 0o666 & ~mask
 
 
+@contextlib.contextmanager
+def atomic_file(path):
+    """A binary file to write ``path``'s new content into: a temporary sibling (``temporary_prefix``),
+    flushed to disk and renamed over ``path`` once written (a crash mid-write leaves the previous
+    file intact, never a torn one), removed on a failure; with the permissions of any new file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path.parent)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temporary_prefix(path), suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fchmod(f.fileno(), new_file_mode())
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # make the rename itself durable
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
 def temporary_prefix(path) -> str:
     """The name prefix of an atomic save's temporary sibling of ``path``: hidden, and carrying the
     writing process's id (``remove_stale_temporaries``)."""
@@ -222,7 +246,7 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # another user's process
+        pass  # another user's process
     return True
 
 

@@ -1,9 +1,9 @@
 """Cost models: predicted step time and peak device memory of a plan (paper §3.3, appendix A).
 
 Both are pure functions of a ``Profile`` and a ``Plan`` (and of when Adam runs: the
-``UpdateSchedule`` of update.py):
-``estimate_runtime(profile, plan)``, ``estimate_memory(profile, plan)``. ``CostModel`` holds the per-chunk arrays both need, so
-that the search can evaluate thousands of plans cheaply.
+``UpdateSchedule`` of update.py): ``estimate_runtime(profile, plan)``, ``estimate_memory(profile,
+plan)``. ``CostModel`` holds the per-chunk arrays both need, so that the search can evaluate
+thousands of plans cheaply.
 
 Notation (all per iteration, one optimizer step):
   N        chunks, in execution order; P the persistent ones (the first p = n_persist unless the
@@ -38,24 +38,26 @@ the schedule, and the model charges each part where it runs (profiled separately
 - NEXT_FORWARD: at the landing, during backward, the landing and the compute copy restored from
   the master (as many bytes again: 2 L_c; one pass of the kernel where it runs, which fp16's
   unscale joins; the norms are not charged, they read what the landing wrote and hide in
-  backward), and after backward, in forward order,
-  clipping's passes, Adam and the copy back (U_c - L_c), which the next forward waits for.
-Charging U_c whole after backward over-predicted the fp16 rows of
-``benchmarks/bench_simulator.py`` (benchmarks/HISTORY.md).
+  backward), and after backward, in forward order, clipping's passes, Adam and the copy back
+  (U_c - L_c), which the next forward waits for.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor
 
+from protrain_core.chunk_format import ChunkFormat
 from protrain_core.plan import BlockMode, Plan, interleaved_modes
 from protrain_core.planner.profiles import Profile
 from protrain_core.update import UpdateSchedule
 
-KEEP, CHECKPOINT, SWAP = BlockMode.KEEP, BlockMode.CHECKPOINT, BlockMode.SWAP
+CHECKPOINT, SWAP = BlockMode.CHECKPOINT, BlockMode.SWAP
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,12 @@ class RuntimeEstimate:
     d2h_s: float  # device -> host traffic: gradient offloads and swapped activations going out
     cpu_adam_s: float
     device_adam_s: float
-    bottleneck: str
+    bottleneck: str  # the busiest resource of ``busy``
+
+    def busy(self) -> dict[str, float]:
+        """Seconds each resource works in the step."""
+        return {"device compute": self.compute_s, "host->device transfers": self.h2d_s,
+                "device->host transfers": self.d2h_s, "CPU Adam": self.cpu_adam_s, "device Adam": self.device_adam_s}
 
 
 @dataclass(frozen=True)
@@ -95,20 +102,8 @@ class MemoryEstimate:
 
 
 # ----- eq. 4 and 5, once: for Python floats (one plan) and for tensors (every plan at once) ----
-class _ScalarOps:
-    max = staticmethod(max)
-
-    @staticmethod
-    def where(condition, a, b):
-        return a if condition else b
-
-
-class _TensorOps:
-    max = staticmethod(torch.maximum)
-    where = staticmethod(torch.where)
-
-
-SCALAR, TENSOR = _ScalarOps(), _TensorOps()
+SCALAR = SimpleNamespace(max=max, where=lambda condition, a, b: a if condition else b)
+TENSOR = SimpleNamespace(max=torch.maximum, where=torch.where)
 
 
 def eq4_forward(F, SO, up, *, hidden, async_copies: bool, ops=SCALAR):
@@ -161,15 +156,13 @@ class CostModel:
         hw = profile.hardware
         self.N = profile.n_chunks
         self.L = profile.n_blocks
-        # Sharded over W processes ([Note: sharded chunks]): a fetch uploads the rank's shard and
-        # then all-gathers the chunk; an offload reduce-scatters the gradients first, and Adam
-        # updates the rank's shard (1/W of the elements). A persistent chunk's reduce-scatter
-        # and the all-gather after its update run on the communication stream beside backward
-        # and beside the next chunks' updates: only what sticks out is charged (``V_prefix``).
+        # W processes (see W above; [Note: sharded chunks]): the persistent chunks' collectives run
+        # beside backward and the next chunks' updates, only what sticks out is charged (``V_prefix``).
         w = profile.world_size
         chunks = profile.chunks
-        gather = _collective_seconds([c.gather_bytes for c in chunks], hw.gather_bytes_per_s, self.N, sharded=w > 1)
-        reduce = _collective_seconds([c.reduce_bytes for c in chunks], hw.reduce_bytes_per_s, self.N, sharded=w > 1)
+        # (Zeros in one process, or where the rates were not measured.)
+        gather = [c.gather_bytes / hw.gather_bytes_per_s if w > 1 and hw.gather_bytes_per_s else 0.0 for c in chunks]
+        reduce = [c.reduce_bytes / hw.reduce_bytes_per_s if w > 1 and hw.reduce_bytes_per_s else 0.0 for c in chunks]
         # A quantised frozen span is dequantised on the upload stream after its copy ([Note:
         # quantised frozen chunks]): part of the upload's time.
         dequant = [c.frozen_numel / hw.dequant_params_per_s if c.quantised and hw.dequant_params_per_s else 0.0
@@ -185,15 +178,12 @@ class CostModel:
         self._adam_reduce_gather = ([n / hw.device_adam_params_per_s for n in n_upd], reduce, gather)
         self.V_prefix = [0.0, *self._device_chain(range(self.N))]  # the first p persistent
         self.async_copies = hw.async_copies
-        # Prefix sums of the chunk sizes when persistent (eq. 8 is linear in n_persist).
-        self.persist_prefix = [0]
-        for c in chunks:
-            self.persist_prefix.append(self.persist_prefix[-1] + c.persistent_device_bytes)
-        self.host_suffix = [0] * (self.N + 1)
-        self.buffer_suffix = [0] * (self.N + 1)  # the largest buffer of chunks c.. (streamed when p = c)
-        for c in range(self.N - 1, -1, -1):
-            self.host_suffix[c] = self.host_suffix[c + 1] + chunks[c].streamed_host_bytes
-            self.buffer_suffix[c] = max(self.buffer_suffix[c + 1], chunks[c].buffer_device_bytes)
+        # Prefix sums of the chunk sizes when persistent (eq. 8 is linear in n_persist); suffix sums
+        # of the streamed chunks' host bytes, and the largest buffer of chunks c.. (streamed when p = c).
+        self.persist_prefix = list(itertools.accumulate((c.persistent_device_bytes for c in chunks), initial=0))
+        self.host_suffix = [*itertools.accumulate((c.streamed_host_bytes for c in reversed(chunks)), initial=0)][::-1]
+        self.buffer_suffix = [*itertools.accumulate((c.buffer_device_bytes for c in reversed(chunks)), max,
+                                                    initial=0)][::-1]
         self.segments = profile.segments
         self.block_seg = [i for i, s in enumerate(profile.segments) if s.kind == "block"]
         self._layouts: dict[tuple[BlockMode, ...], _Layout] = {}
@@ -203,10 +193,7 @@ class CostModel:
     def device_updates(self, persistent) -> float:
         """What the updates of the ``persistent`` chunks (indices) add after backward
         (``_device_chain``)."""
-        value = 0.0
-        for value in self._device_chain(sorted(persistent)):
-            pass
-        return value
+        return [0.0, *self._device_chain(sorted(persistent))][-1]
 
     def _device_chain(self, chunks):
         """What the updates of the first k of ``chunks`` (persistent, in execution order) add
@@ -245,32 +232,33 @@ class CostModel:
             lay = self._layouts[modes] = _Layout(self, modes)
         return lay
 
+    def _streamed(self, persistent: int | frozenset[int]) -> list[ChunkFormat]:
+        """The records of the chunks not in ``persistent`` (the indices, or the first n)."""
+        if isinstance(persistent, int):
+            return list(self.profile.chunks[persistent:])
+        return [f for c, f in enumerate(self.profile.chunks) if c not in persistent]
+
     def buffer_bytes(self, persistent: int | frozenset[int]) -> int:
         """Device bytes of one chunk buffer: the largest streamed chunk's compute copy and
         gradients (a buffer holds any streamed chunk in turn; ``persistent``: the indices, or
         the first n)."""
-        if isinstance(persistent, int):
-            return self.buffer_suffix[persistent]
-        return max((f.buffer_device_bytes for c, f in enumerate(self.profile.chunks) if c not in persistent), default=0)
+        return max((f.buffer_device_bytes for f in self._streamed(persistent)), default=0)
 
     def states_bytes(self, persistent: int | frozenset[int], n_buffer: int) -> int:
         """Eq. 8: model-state bytes on the device, M_states = sum_{c in P} persist_c + B * buffer
         (``persistent``: the indices, or the first n)."""
+        kept = range(persistent) if isinstance(persistent, int) else persistent
         buffers = n_buffer * self.buffer_bytes(persistent)
-        if isinstance(persistent, int):
-            return self.persist_prefix[persistent] + buffers
-        return sum(self.profile.chunks[c].persistent_device_bytes for c in persistent) + buffers
+        return sum(self.profile.chunks[c].persistent_device_bytes for c in kept) + buffers
 
     def streamed_host_bytes(self, persistent: int | frozenset[int]) -> int:
         """Host bytes of the streamed chunks' states (``persistent``: the indices, or the first n)."""
-        if isinstance(persistent, int):
-            return self.host_suffix[persistent]
-        return sum(f.streamed_host_bytes for c, f in enumerate(self.profile.chunks) if c not in persistent)
+        return sum(f.streamed_host_bytes for f in self._streamed(persistent))
 
     def pinned_host_bytes(self, persistent: frozenset[int]) -> int:
         """Of ``streamed_host_bytes``, those page-locked ([Note: what is page-locked] in
         runtime/host_pool.py)."""
-        return sum(f.streamed_pinned_bytes for c, f in enumerate(self.profile.chunks) if c not in persistent)
+        return sum(f.streamed_pinned_bytes for f in self._streamed(persistent))
 
     def staging_bytes(self, persistent: int | frozenset[int], n_buffer: int) -> int:
         """The CPU worker's staging buffers (runtime/worker.py): where a chunk's gradients of a
@@ -278,18 +266,14 @@ class CostModel:
         largest streamed trainable shard, in the state dtype, only where the state dtype is the
         compute dtype (the mixed modes land in the host compute copy instead); and, where
         streamed chunks keep no accumulator, the one it lends them (the same shard, once)."""
-        persistent = frozenset(range(persistent)) if isinstance(persistent, int) else persistent
         largest, itemsize, copies = 0, 0, 0
-        for c, f in enumerate(self.profile.chunks):
-            if c in persistent or not f.trains or (f.separate_master and f.accumulator):
+        for f in self._streamed(persistent):
+            if not f.trains or (f.separate_master and f.accumulator):
                 continue
             copies = 1 if f.separate_master else n_buffer
             if f.state_numel > largest:  # this rank's trainable shard, as the runtime sizes it
                 largest, itemsize = f.state_numel, f.master_dtype.itemsize
         return copies * largest * itemsize
-
-    def host_bytes(self, persistent: int | frozenset[int], modes: tuple[BlockMode, ...]) -> int:
-        return self.streamed_host_bytes(persistent) + self.layout(modes).swap_host_bytes
 
     # ----- runtime: eq. 3-7 ------------------------------------------------------------------
     def runtime(self, plan: Plan) -> RuntimeEstimate:
@@ -301,23 +285,12 @@ class CostModel:
         hidden = bool(up) and B >= 2 and c > 0
         return eq4_forward(lay.F[c], lay.SO[c], up, hidden=hidden, async_copies=self.async_copies), up
 
-    def _t_bwd(self, lay: _Layout, c: int, p: frozenset[int], resident: frozenset[int]) -> tuple[float, float, float]:
-        """(backward time of chunk c, its uploads, its offload) -- eq. 5-6. The ``resident``
-        chunks, the last B streamed ones, are still on the device when backward starts: no
-        upload again."""
-        streamed = c not in p
-        B = len(resident)
-        up = self.extra_uploads(lay.extra[c], p) + (self.X[c] if streamed and c not in resident else 0.0)
-        off = self.Y[c] if streamed else 0.0
-        t = eq5_backward(lay.G[c], lay.SI[c], up, off, persistent=not streamed, two_buffers=B >= 2,
-                         async_copies=self.async_copies)
-        return t, up, off
-
     def runtime_of(self, lay: _Layout, p: int | frozenset[int], B: int) -> RuntimeEstimate:
         """Eq. 3-7 for one activation layout, the persistent chunks ``p`` (indices, or the first
         ``p``) and ``B`` buffers."""
         p = frozenset(range(p)) if isinstance(p, int) else p
-        t_fwd, h2d_fwd, d2h_fwd = self._forward(lay, p, B)
+        fwd = [self._t_fwd(lay, c, p, B) for c in range(self.N)]  # eq. 4: (time, uploads) of each chunk
+        t_fwd = sum((t for t, _ in fwd), lay.F_free)
         t_bwd, h2d_bwd, d2h_bwd, cpu_end, cpu_total, dev_total, landed = self._backward(lay, p, B)
         # Eq. 3, the iteration. The device Adam of persistent chunks runs at step(), after backward.
         # DURING_BACKWARD: the CPU worker overlaps backward, T = T_f + max(T_b + T_gpu_adam, cpu_end).
@@ -333,41 +306,24 @@ class CostModel:
         elif self.schedule is UpdateSchedule.DURING_BACKWARD:
             total = during
         else:
-            after = t_bwd + self._forward_after_updates(lay, p, B, max(0.0, landed - t_bwd), dev_total)
+            after = t_bwd + self._forward_after_updates(lay, p, fwd, max(0.0, landed - t_bwd), dev_total)
             r = self.redo_fraction if self.schedule is UpdateSchedule.SPECULATIVE else 1.0
             total = (1 - r) * during + r * after
-        h2d, d2h = h2d_fwd + h2d_bwd, d2h_fwd + d2h_bwd
-        resources = {
-            "device compute": lay.compute_s,
-            "host->device transfers": h2d,
-            "device->host transfers": d2h,
-            "CPU Adam": cpu_total,
-            "device Adam": dev_total,
-        }
-        return RuntimeEstimate(
+        estimate = RuntimeEstimate(
             forward_s=t_fwd, backward_s=t_bwd, optimizer_s=total - t_fwd - t_bwd, total_s=total,
-            compute_s=lay.compute_s, recompute_s=lay.recompute_s, h2d_s=h2d, d2h_s=d2h, cpu_adam_s=cpu_total,
-            device_adam_s=dev_total, bottleneck=max(resources, key=resources.get),
+            compute_s=lay.compute_s, recompute_s=lay.recompute_s, h2d_s=sum(up for _, up in fwd) + h2d_bwd,
+            d2h_s=sum(lay.SO) + d2h_bwd, cpu_adam_s=cpu_total, device_adam_s=dev_total, bottleneck="",
         )
+        busy = estimate.busy()
+        return dataclasses.replace(estimate, bottleneck=max(busy, key=busy.get))
 
-    def _forward(self, lay: _Layout, p: frozenset[int], B: int) -> tuple[float, float, float]:
-        """(T_f, its host->device bytes' time, its device->host time): eq. 4 summed over chunks."""
-        t, h2d, d2h = lay.F_free, 0.0, 0.0
-        for c in range(self.N):
-            t_c, up = self._t_fwd(lay, c, p, B)
-            t += t_c
-            h2d += up
-            d2h += lay.SO[c]
-        return t, h2d, d2h
-
-    def _forward_after_updates(self, lay: _Layout, p: frozenset[int], B: int, start: float, dev_total: float) -> float:
-        """The next forward under NEXT_FORWARD, from the end of backward: the device first runs
-        the persistent chunks' Adam; the CPU worker updates the streamed chunks one after the
-        other in forward order from ``start``; a streamed chunk's forward (its upload included)
-        begins no earlier than its update ends."""
+    def _forward_after_updates(self, lay: _Layout, p: frozenset[int], fwd, start: float, dev_total: float) -> float:
+        """The next forward under NEXT_FORWARD (``fwd``: each chunk's eq. 4), from the end of
+        backward: the device first runs the persistent chunks' Adam; the CPU worker updates the
+        streamed chunks one after the other in forward order from ``start``; a streamed chunk's
+        forward (its upload included) begins no earlier than its update ends."""
         t, done = dev_total + lay.F_free, start
-        for c in range(self.N):
-            t_c, _ = self._t_fwd(lay, c, p, B)
+        for c, (t_c, _) in enumerate(fwd):
             if c not in p and self.has_grad[c]:
                 done += self.U[c] - self.U_land[c]
                 t = max(t, done)
@@ -377,26 +333,30 @@ class CostModel:
     def _backward(self, lay: _Layout, p: frozenset[int], B: int):
         """T_b (eq. 5-6, chunks in reverse) with its traffic, and the Adam times: the CPU worker's
         Adam (eq. 7) starts on a chunk when its gradients are offloaded,
-        a_c = max(a_{c+1}, tau_c + Y) + U_c, tau_c the time chunk c's backward ends; ``landed``,
-        when the worker has landed the last offloaded gradients, under NEXT_FORWARD (each chunk's
-        landing then also restores its compute copy: as long again), and ``cpu_total`` all of
-        the worker's work."""
-        t = tau = lay.G_free  # the segments without chunks ("post" of a parameter-free head) come first
-        h2d = d2h = cpu_end = cpu_total = dev_total = landed = 0.0
+        a_c = max(a_{c+1}, tau_c + Y) + U_c, tau_c (``t``) the time chunk c's backward ends;
+        ``landed``, when the worker has landed the last offloaded gradients, under NEXT_FORWARD
+        (each chunk's landing then also restores its compute copy: as long again), and
+        ``cpu_total`` all of the worker's work."""
+        t = lay.G_free  # the segments without chunks ("post" of a parameter-free head) come first
+        h2d = d2h = cpu_end = cpu_total = landed = 0.0
         deferred = self.schedule is not UpdateSchedule.DURING_BACKWARD
+        # The resident chunks, the last B streamed ones, are still on the device when backward starts:
+        # no upload again.
         resident = frozenset([c for c in range(self.N) if c not in p][self.N - len(p) - B:])
-        for c in range(self.N - 1, -1, -1):
-            t_c, up, off = self._t_bwd(lay, c, p, resident)
+        for c in range(self.N - 1, -1, -1):  # eq. 5-6
+            streamed = c not in p
+            up = self.extra_uploads(lay.extra[c], p) + (self.X[c] if streamed and c not in resident else 0.0)
+            off = self.Y[c] if streamed else 0.0
+            t_c = eq5_backward(lay.G[c], lay.SI[c], up, off, persistent=not streamed, two_buffers=len(resident) >= 2,
+                               async_copies=self.async_copies)
             h2d += up + lay.SI[c]
             d2h += off
             t += t_c
-            tau += t_c
-            if c not in p:
+            if streamed:
                 cpu_total += self.U[c] + (self.U_land[c] if deferred else 0.0)
-                cpu_end = max(cpu_end, tau + off) + self.U[c]
-                landed = max(landed, tau + off) + (2 * self.U_land[c] if deferred else 0.0)
-        dev_total = self.device_updates(p)
-        return t, h2d, d2h, cpu_end, cpu_total, dev_total, landed
+                cpu_end = max(cpu_end, t + off) + self.U[c]
+                landed = max(landed, t + off) + (2 * self.U_land[c] if deferred else 0.0)
+        return t, h2d, d2h, cpu_end, cpu_total, self.device_updates(p), landed
 
     def grid(self) -> _Grid:
         """Every activation layout at once, as tensors (for the search)."""
@@ -406,12 +366,8 @@ class CostModel:
 
     # ----- memory: eq. 8-10 --------------------------------------------------------------------
     def memory(self, plan: Plan) -> MemoryEstimate:
-        modes = self.modes(plan)
-        lay = self.layout(modes)
-        B = self.buffers(plan)
-        persistent = self.states_bytes(plan.persistent(), 0)
-        buffers = B * self.buffer_bytes(plan.persistent())
-        act = lay.activation_peak
+        lay, B, kept = self.layout(self.modes(plan)), self.buffers(plan), plan.persistent()
+        persistent, buffers, act = self.states_bytes(kept, 0), B * self.buffer_bytes(kept), lay.activation_peak
         return MemoryEstimate(
             persistent_bytes=persistent,
             buffer_bytes=buffers,
@@ -419,10 +375,10 @@ class CostModel:
             activation_bytes=act,
             peak_bytes=persistent + buffers + self.profile.base_bytes + act,
             peak_at=lay.peak_at,
-            host_bytes=self.host_bytes(plan.persistent(), modes),
+            host_bytes=self.streamed_host_bytes(kept) + lay.swap_host_bytes,
             swap_host_bytes=lay.swap_host_bytes,
-            staging_host_bytes=self.staging_bytes(plan.persistent(), B),
-            pinned_host_bytes=(pinned := self.pinned_host_bytes(plan.persistent())),
+            staging_host_bytes=self.staging_bytes(kept, B),
+            pinned_host_bytes=(pinned := self.pinned_host_bytes(kept)),
             page_lock_s=pinned / rate if (rate := self.profile.hardware.page_lock_bytes_per_s) else 0.0,
         )
 
@@ -437,12 +393,12 @@ def swap_times(seg, hw) -> tuple[float, float]:
 
 class _Base:
     """What every layout shares: per-chunk forward/backward compute without recomputation, the
-    segments' home chunks and extra fetches, and the per-segment bytes of the memory walk."""
+    segments' home chunks and extra fetches."""
 
     def __init__(self, model: CostModel) -> None:
         N = model.N
         segs = model.profile.segments
-        self.F, self.G, self.zeros = [0.0] * N, [0.0] * N, [0.0] * N
+        self.F, self.G = [0.0] * N, [0.0] * N
         self.extra: list[list[int]] = [[] for _ in range(N)]
         self.F_free = self.G_free = 0.0
         self.home: list[int | None] = []
@@ -458,13 +414,6 @@ class _Base:
             self.G[home] += s.bwd_s
             self.extra[home].extend(c for c in s.chunks if c != home)
         self.compute = sum(s.fwd_s + s.bwd_s for s in segs)
-        self.out = [s.out_bytes for s in segs]
-        self.saved = [s.saved_bytes for s in segs]
-        self.fwd_other = [s.fwd_peak_bytes for s in segs]
-        self.fwd_keep = [max(s.fwd_peak_bytes, s.recompute_peak_bytes) if s.kind == "block" else s.fwd_peak_bytes
-                         for s in segs]
-        self.bwd_other = [s.bwd_peak_bytes for s in segs]
-        self.bwd_ckpt = [max(s.bwd_peak_bytes, s.recompute_peak_bytes) for s in segs]
 
 
 class _Layout:
@@ -475,128 +424,52 @@ class _Layout:
         # Layout-independent parts are shared: forward per chunk, extra fetches; the backward
         # gets the checkpointed blocks' recomputation, the copy links the swapped blocks' bytes.
         self.F, self.extra, self.F_free = base.F, base.extra, base.F_free
-        self.G = list(base.G)
-        self.G_free = base.G_free
-        self.SO = self.SI = base.zeros
-        self.recompute_s = 0.0
-        self.swap_host_bytes = 0
-        mode_of = [KEEP] * len(model.segments)  # pre/post segments keep their activations
-        for b, i in enumerate(model.block_seg):
-            mode_of[i] = modes[b]
-            self._add_block(model, i, modes[b])
+        self.G, self.G_free, self.recompute_s = list(base.G), base.G_free, 0.0
+        self.SO, self.SI, self.swap_host_bytes = [0.0] * model.N, [0.0] * model.N, 0
+        for b, i in enumerate(model.block_seg):  # recomputation or swap copies at the block's home chunk
+            seg, home = model.segments[i], base.home[i]
+            if modes[b] is CHECKPOINT:
+                self.recompute_s += seg.recompute_s
+                if home is None:
+                    self.G_free += seg.recompute_s
+                else:
+                    self.G[home] += seg.recompute_s
+            elif modes[b] is SWAP and home is not None:
+                out_s, in_s = swap_times(seg, model.profile.hardware)
+                self.SO[home] += out_s
+                self.SI[home] += in_s
+                self.swap_host_bytes += seg.saved_bytes
         self.compute_s = base.compute + self.recompute_s
-        self.activation_peak, self.peak_at = self._memory_walk(model, mode_of)
-
-    def _add_block(self, model: CostModel, i: int, mode: BlockMode) -> None:
-        """Segment ``i`` (a block) in ``mode``: recomputation or swap copies at its home chunk."""
-        seg, home, base = model.segments[i], model.base.home[i], model.base
-        if mode is CHECKPOINT:
-            self.recompute_s += seg.recompute_s
-            if home is None:
-                self.G_free += seg.recompute_s
-            else:
-                self.G[home] += seg.recompute_s
-        elif mode is SWAP and home is not None:
-            if self.SO is base.zeros:
-                self.SO, self.SI = [0.0] * model.N, [0.0] * model.N
-            out_s, in_s = swap_times(seg, model.profile.hardware)
-            self.SO[home] += out_s
-            self.SI[home] += in_s
-            self.swap_host_bytes += seg.saved_bytes
-
-    @staticmethod
-    def _memory_walk(model: CostModel, mode_of: list[BlockMode]) -> tuple[int, str]:
-        # Eq. 9: walk the segments forward, then backward, and take the most dynamic bytes at
-        # any point. held_i = what segment i leaves alive until its backward:
-        #   out_i + saved_i (KEEP)   out_i (CHECKPOINT: its output is the next block's input)
-        #   out_i (SWAP: the saved tensors are in host memory; counting its output is safe)
-        # Forward of i:  H_i + fwd_peak_i; a KEEP block H_i + max(fwd_peak_i, recompute_peak_i):
-        #                its recomputation *is* a forward that keeps the saved tensors
-        #                (+ saved_{i-1} on CUDA if i-1 swaps: its copy out may still run)
-        # Backward of i: H_i + bwd_peak_i (+ recompute_peak_i if CHECKPOINT, the larger of the
-        #                two) (+ saved_{i-1} if i-1 swaps: it is brought back one block ahead)
-        # with H_i = sum_{j<i} held_j. Eq. 10 then adds the model states (eq. 8) and the base,
-        # and multiplies the activation part by the measured fragmentation factor.
-        base, segs = model.base, model.segments
-        held = 0
-        peak, where = 0, -1
-        async_copies = model.async_copies
-        fwd_keep, fwd_other, bwd_ckpt, bwd_other = base.fwd_keep, base.fwd_other, base.bwd_ckpt, base.bwd_other
-        out, saved = base.out, base.saved
-        previous_swap = False
-        for i in range(len(segs)):
-            m = mode_of[i]
-            fwd = held + (fwd_keep[i] if m is KEEP else fwd_other[i])
-            bwd = held + (bwd_ckpt[i] if m is CHECKPOINT else bwd_other[i])
-            if previous_swap:
-                bwd += saved[i - 1]
-                if async_copies:
-                    fwd += saved[i - 1]
-            if fwd > peak:
-                peak, where = fwd, 2 * i
-            if bwd > peak:
-                peak, where = bwd, 2 * i + 1
-            held += out[i] + (saved[i] if m is KEEP else 0)
-            previous_swap = m is SWAP
-        peak_at = "start" if where < 0 else f"{('forward', 'backward')[where % 2]} of {segs[where // 2].name}"
-        return int(peak * model.profile.fragmentation), peak_at
-
+        peak, where = _memory_walk(model, *(torch.tensor([[m is mode for m in modes]], dtype=torch.bool)
+                                            for mode in (SWAP, CHECKPOINT)))
+        self.activation_peak, where = int(peak[0]), int(where[0])
+        phase, seg = ("forward", "backward")[where % 2], model.segments[where // 2].name
+        self.peak_at = "start" if where < 0 else f"{phase} of {seg}"
 
 
 class _Grid:
     """Every activation layout (n_swap, n_checkpoint) at once, as float64/int64 tensors with one
-    row per layout: its activation peak (the memory walk of eq. 9, in integers, so exactly what
-    ``_Layout`` computes), its swapped bytes in host memory, and prefix sums over chunks of each
-    case of eq. 4-5 (persistent; streamed with one or with more buffers; in or out of the window
-    of chunks still resident when backward starts). ``phases(B)`` then gives T_f + T_b + device
-    Adam of every (layout, n_persist) for given buffer counts, from a few gathers: exactly the
-    first terms of eq. 3, so a lower bound of the step time. Chunk 0 and chunks whose segments
-    fetch extra chunks ("special") are left out of the prefix sums and added per plan by the same
-    ``eq4_forward`` / ``eq5_backward`` as the scalar model."""
+    row per layout: its activation peak (``_memory_walk``, as ``_Layout``'s), its swapped bytes in
+    host memory, and prefix sums over chunks of each case of eq. 4-5 (persistent; streamed with
+    one or with more buffers; in or out of the window of chunks still resident when backward
+    starts). ``phases(B)`` then gives T_f + T_b + device Adam of every (layout, n_persist) for
+    given buffer counts, from a few gathers: exactly the first terms of eq. 3, so a lower bound
+    of the step time. Chunk 0 and chunks whose segments fetch extra chunks ("special") are left
+    out of the prefix sums and added per plan by the same ``eq4_forward`` / ``eq5_backward`` as
+    the scalar model."""
 
     def __init__(self, model: CostModel) -> None:
         self.model = model
         L = model.L
         self.pairs = [(s, c) for s in range(L + 1) for c in range(L + 1 - s)]
         self.swap, self.ckpt = _grid_modes(L, self.pairs)
-        self.activation_peak = self._activation_peak()
-        G, SO, SI, free, self.swap_host_bytes = self._block_costs()
-        self.G, self.SO, self.SI = G, SO, SI
-        self.free = free
+        self.activation_peak = _memory_walk(model, self.swap, self.ckpt)[0]  # eq. 9 for every row at once
+        self.G, self.SO, self.SI, self.free, self.swap_host_bytes = self._block_costs()
         self.special = [c for c in range(model.N) if c == 0 or model.base.extra[c]]
         self.cases = self._cases()
         (self.fP, self.fS2, self.fS1, self.bP, self.bSin2, self.bSout2, self.bSin1, self.bSout1) = [
             torch.cat([torch.zeros(len(self.pairs), 1, dtype=torch.float64), torch.cumsum(v, 1)], 1) for v in self.cases]
         self.V = torch.tensor(model.V_prefix, dtype=torch.float64)
-
-    def _segment_modes(self) -> tuple[Tensor, Tensor, Tensor]:
-        """(swap, checkpoint, keep) per row and segment: pre/post keep; block b takes its row's mode."""
-        m = self.model
-        n, K = len(self.pairs), len(m.segments)
-        block_seg = torch.tensor(m.block_seg, dtype=torch.int64)
-        seg_swap = torch.zeros(n, K, dtype=torch.bool)
-        seg_ckpt = torch.zeros(n, K, dtype=torch.bool)
-        seg_swap[:, block_seg] = self.swap
-        seg_ckpt[:, block_seg] = self.ckpt
-        return seg_swap, seg_ckpt, ~(seg_swap | seg_ckpt)
-
-    def _activation_peak(self) -> Tensor:
-        """Eq. 9, the memory walk of ``_Layout._memory_walk``, for every row at once."""
-        m, base = self.model, self.model.base
-        seg_swap, seg_ckpt, seg_keep = self._segment_modes()
-        ints = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
-        out, saved = ints(base.out), ints(base.saved)
-        inc = out + saved * seg_keep
-        held = torch.cumsum(inc, 1) - inc
-        prev = torch.zeros_like(held)
-        prev[:, 1:] = seg_swap[:, :-1] * saved[:-1]
-        fwd = held + torch.where(seg_keep, ints(base.fwd_keep), ints(base.fwd_other))
-        if m.async_copies:
-            fwd = fwd + prev
-        bwd = held + torch.where(seg_ckpt, ints(base.bwd_ckpt), ints(base.bwd_other)) + prev
-        n = len(self.pairs)
-        peak = torch.maximum(fwd.amax(1), bwd.amax(1)).clamp(min=0) if len(m.segments) else torch.zeros(n, dtype=torch.int64)
-        return (peak.to(torch.float64) * m.profile.fragmentation).floor().to(torch.int64)
 
     def _block_costs(self):
         """Per row and chunk: backward compute with recomputation G, swap copies out SO and in
@@ -641,12 +514,9 @@ class _Grid:
             eq5_backward(G, SI, zero, off, persistent=no, two_buffers=no, **kw),
             eq5_backward(G, SI, X, off, persistent=no, two_buffers=no, **kw),
         )
-        out = []
-        for v in cases:
-            v = v.expand(n, m.N).clone()
-            v[:, self.special] = 0.0
-            out.append(v)
-        return out
+        special = torch.zeros(m.N, dtype=torch.bool)
+        special[self.special] = True
+        return [torch.where(special, 0.0, v.expand(n, m.N)) for v in cases]
 
     def phases(self, B: Tensor) -> Tensor:
         """T_f + T_b + device Adam for row l and n_persist p with B[l, p] buffers in use
@@ -691,7 +561,7 @@ class _Grid:
 
     def _special_chunk(self, c: int, streamed: Tensor, again: Tensor, extra: Tensor, two: Tensor) -> Tensor:
         """Eq. 4 + eq. 5 of chunk ``c`` for every row and column of the masks, as ``_t_fwd`` /
-        ``_t_bwd``: ``streamed``, whether it is streamed; ``again``, whether backward uploads it
+        ``_backward``: ``streamed``, whether it is streamed; ``again``, whether backward uploads it
         again (streamed, out of the resident window); ``extra``, the upload time of the
         streamed chunks its segments fetch besides it."""
         m = self.model
@@ -707,10 +577,41 @@ class _Grid:
         return fwd + bwd
 
 
-def _collective_seconds(sizes: tuple[int, ...], rate: float, n: int, *, sharded: bool) -> list[float]:
-    """Seconds of one collective of each chunk: zeros in one process, or where the rate or the
-    sizes were not measured (a profile may leave a collective's sizes empty)."""
-    return [b / rate for b in sizes] if sharded and rate and sizes else [0.0] * n
+def _memory_walk(model: CostModel, swap: Tensor, ckpt: Tensor) -> tuple[Tensor, Tensor]:
+    """Eq. 9 for each row of block modes (``swap``, ``ckpt``: bool [rows, blocks]; the pre/post
+    segments keep their activations): the activation peak, and where it is (2i: in the forward
+    of segment i, 2i + 1: in its backward, -1: at the start).
+
+    Walk the segments forward, then backward, and take the most dynamic bytes at any point.
+    held_i = what segment i leaves alive until its backward:
+      out_i + saved_i (KEEP)   out_i (CHECKPOINT: its output is the next block's input)
+      out_i (SWAP: the saved tensors are in host memory; counting its output is safe)
+    Forward of i:  H_i + fwd_peak_i; a KEEP block H_i + max(fwd_peak_i, recompute_peak_i):
+                   its recomputation *is* a forward that keeps the saved tensors
+                   (+ saved_{i-1} on CUDA if i-1 swaps: its copy out may still run)
+    Backward of i: H_i + bwd_peak_i (+ recompute_peak_i if CHECKPOINT, the larger of the
+                   two) (+ saved_{i-1} if i-1 swaps: it is brought back one block ahead)
+    with H_i = sum_{j<i} held_j. Eq. 10 then adds the model states (eq. 8) and the base,
+    and multiplies the activation part by the measured fragmentation factor."""
+    segs, block_seg = model.segments, torch.tensor(model.block_seg, dtype=torch.int64)
+    seg_swap = torch.zeros(swap.shape[0], len(segs), dtype=torch.bool)
+    seg_ckpt, seg_block = torch.zeros_like(seg_swap), torch.zeros(len(segs), dtype=torch.bool)
+    seg_swap[:, block_seg], seg_ckpt[:, block_seg], seg_block[block_seg] = swap, ckpt, True
+    seg_keep = ~(seg_swap | seg_ckpt)
+    fields = ("out_bytes", "saved_bytes", "fwd_peak_bytes", "bwd_peak_bytes", "recompute_peak_bytes")
+    out, saved, fwd_peak, bwd_peak, rec_peak = (torch.tensor([getattr(s, f) for s in segs], dtype=torch.int64)
+                                                for f in fields)
+    inc = out + saved * seg_keep
+    held = torch.cumsum(inc, 1) - inc
+    prev = torch.zeros_like(held)
+    prev[:, 1:] = seg_swap[:, :-1] * saved[:-1]
+    fwd = held + torch.where(seg_keep & seg_block, torch.maximum(fwd_peak, rec_peak), fwd_peak)
+    if model.async_copies:
+        fwd = fwd + prev
+    bwd = held + torch.where(seg_ckpt, torch.maximum(bwd_peak, rec_peak), bwd_peak) + prev
+    peak, where = torch.stack([fwd, bwd], 2).flatten(1).max(1)  # the first of equal peaks
+    where = torch.where(peak > 0, where, -1)
+    return (peak.clamp(min=0).to(torch.float64) * model.profile.fragmentation).floor().to(torch.int64), where
 
 
 def _grid_modes(L: int, pairs: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:

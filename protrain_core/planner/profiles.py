@@ -3,16 +3,13 @@
 A profile holds three kinds of facts (paper §3.3):
   static    known before anything runs: each chunk's format record (chunks differ: an embedding
             chunk's trainable span, a LoRA chunk's frozen base, a rank's shard, a format per
-            chunk), from which the cost model reads the device/host bytes it needs when
-            persistent or streamed (resident in a buffer) and the bytes one upload, offload,
-            all-gather and reduce-scatter of it moves ([Note: chunk storage] in
-            chunk_format.py); and which chunks must be on the device at once;
+            chunk), whose bytes persistent, streamed and in each copy the cost model reads
+            ([Note: chunk storage] in chunk_format.py); and which chunks must be on the device at once;
   measured  from real iterations of the model on its real batch shape, per *segment* (the
             modules before the first block, each transformer block, the modules after the
             last block): forward, backward and recomputation time, and activation bytes;
             plus every operator of one iteration (time and memory before/during/after);
   hardware  host<->device bandwidth with chunk-size buffers, CPU-Adam and device-Adam rates.
-The cost models (``cost.py``) are pure functions of a profile and a plan.
 
 Memory quantities of a segment are deltas of the *dynamic* device bytes (activations and
 temporaries; the engine's chunk memory is static and counted separately), measured with every
@@ -26,9 +23,6 @@ block checkpointed, so that a model whose activations do not fit can still be pr
   bwd_peak_bytes        the most bytes during its backward (not counting recomputation), above
                         what the segments before it hold
   recompute_peak_bytes  the same during its recomputation (checkpointed blocks only)
-Without asynchronous copies (a CPU device) a block's swap cost is measured as well
-(``swap_out_s``, ``swap_in_s``: forward and backward with every block swapped, minus the same
-with every block checkpointed); on CUDA the cost model charges the copy bandwidth instead.
 """
 
 from __future__ import annotations
@@ -37,13 +31,13 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from protrain_core.chunk_format import ChunkFormat, timed_formats
 from protrain_core.plan import PlanLimits
+from protrain_core.utils import atomic_file
 
 PROFILE_VERSION = 15  # 15: one format record per chunk
 
@@ -93,8 +87,8 @@ class Segment:
     bwd_peak_bytes: int
     recompute_peak_bytes: int
     # Blocks, where copies do not overlap compute (a CPU device): what swapping its saved
-    # tensors adds to its forward (copies out) and backward (copies back), measured with every
-    # block swapped. None: charge the copy bandwidth (CUDA, where a separate stream copies).
+    # tensors adds to its forward (copies out) and backward (copies back): every block swapped
+    # minus every block checkpointed. None: charge the copy bandwidth (CUDA, where a stream copies).
     swap_out_s: float | None = None
     swap_in_s: float | None = None
 
@@ -234,11 +228,8 @@ class Profile:
 # ----- cache ----------------------------------------------------------------------------------
 def cache_dir() -> Path:
     """``$PROTRAIN_CACHE_DIR``, else ``$XDG_CACHE_HOME/protrain``, else ``~/.cache/protrain``."""
-    explicit = os.environ.get("PROTRAIN_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "protrain"
+    return Path(os.environ.get("PROTRAIN_CACHE_DIR") or Path(base) / "protrain")
 
 
 def _path(directory: Path, key: str) -> Path:
@@ -290,20 +281,13 @@ _UNWRITABLE_WARNED: set[str] = set()
 
 
 def store(profile: Profile, directory: Path | None = None) -> Path | None:
-    """Write the profile atomically (temporary file, then rename); a cache that cannot be
-    written is not an error -- the next run profiles again -- but it is said once per directory."""
+    """Write the profile atomically (``utils.atomic_file``); a cache that cannot be written is not
+    an error -- the next run profiles again -- but it is said once per directory."""
     directory = Path(directory or cache_dir())
     path = _path(directory, profile.key)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(profile.to_json())
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        with atomic_file(path) as f:
+            f.write(profile.to_json().encode())
     except OSError as e:
         if str(directory) not in _UNWRITABLE_WARNED:
             _UNWRITABLE_WARNED.add(str(directory))

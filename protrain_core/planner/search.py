@@ -80,14 +80,9 @@ class PlanChoice:
         p, r, m = self.profile, self.runtime, self.memory
         modes = interleaved_modes(p.n_blocks, self.plan.n_swap, self.plan.n_checkpoint)
         streamed = p.n_chunks - self.plan.n_persist
-        resources = [
-            ("device compute", r.compute_s),
-            ("host->device transfers", r.h2d_s),
-            ("device->host transfers", r.d2h_s),
-            ("CPU Adam", r.cpu_adam_s),
-            ("device Adam", r.device_adam_s),
-        ]
-        busy = ", ".join(f"{name} {format_seconds(t)}" for name, t in resources if t > 0)
+        chunks = self.plan.persistent_chunks  # named where not the first n_persist
+        named = "" if chunks is None else f" (chunks {', '.join(map(str, chunks))})"
+        busy = ", ".join(f"{name} {format_seconds(t)}" for name, t in r.busy().items() if t > 0)
         if not p.hardware.async_copies:
             overlap = "no overlap on this device: compute, copies and Adam add up"
         elif self.schedule is UpdateSchedule.NEXT_FORWARD:
@@ -98,7 +93,7 @@ class PlanChoice:
             f"ProTrain plan: {self.plan}",
             f"  model: {p.description}; precision {p.precision}",
             _states_line(p),
-            _chunks_line(p) + f"; {self.plan.n_persist} persistent{_named(self.plan)}, {streamed} streamed through "
+            _chunks_line(p) + f"; {self.plan.n_persist} persistent{named}, {streamed} streamed through "
             f"{min(self.plan.n_buffer, streamed)} buffers",
             f"  activations per block: {describe_modes(modes)}",
             f"  predicted step {format_seconds(r.total_s)} = forward {format_seconds(r.forward_s)} + "
@@ -129,11 +124,6 @@ def _host_line(m, budget: int | None) -> str:
         parts.append(f"gradient staging up to {format_bytes(m.staging_host_bytes)}")
     return (f"  host memory {format_bytes(m.planned_host_bytes)} allocated: {', '.join(parts)}"
             + (f"; budget {format_bytes(budget)}" if budget else ""))
-
-
-def _named(plan: Plan) -> str:
-    """Which chunks persist, where the plan names them (not the first n_persist)."""
-    return "" if plan.persistent_chunks is None else f" (chunks {', '.join(map(str, plan.persistent_chunks))})"
 
 
 def _chunks_line(p: Profile) -> str:
@@ -316,11 +306,7 @@ def _refine(cm: CostModel, best, budget: int, host_budget: int | None):
     """Improve ``best`` = (time, memory, plan), the best first-n plan, by moving chunks in and
     out of its persistent set, each set with its best activation layout and the most buffers
     that fit (``_best_layout``); steepest descent until no move is predicted faster. Returns
-    the best (time, memory, plan) and the plans evaluated.
-
-    Where chunks differ (an embedding chunk, a LoRA chunk's frozen base beside a fully trainable
-    one, a short last chunk) the first n are not always the best n: a chunk whose persistence
-    saves the most time per device byte may come later. Chunks alike in format (``_groups``)
+    the best (time, memory, plan) and the plans evaluated. Chunks alike in format (``_groups``)
     persist earliest first, as the first-n rule has them; so a move adds a group's next chunk,
     drops its last persistent one, or does both for two groups: a handful of sets per round
     whatever the chunk count. A local optimum over sets (``brute_force(sets=True)`` is the
@@ -343,8 +329,7 @@ def _host_fitting_start(cm: CostModel, budget: int, host_budget: int):
     """Where no first-n plan fits the host budget, a start for ``_refine``: the persistent sets
     (a count of each group of alike chunks, earliest first, as ``_refine`` moves them) whose
     streamed chunks' states fit the host, fewest device bytes first, until one fits the device
-    too -- where chunks differ, a later chunk may free more host bytes per device byte than the
-    first ones (a set search that starts only from first-n plans refused such runs). (time,
+    too (a later chunk may free more host bytes per device byte than the first ones). (time,
     memory, plan) or None, and the plans evaluated."""
     groups = _groups(cm)
     counts = itertools.islice(itertools.product(*(range(len(g) + 1) for g in groups)), 4096)
@@ -394,15 +379,12 @@ def _moves(groups: list[list[int]], persistent: frozenset[int]):
 
 # [Note: keeping every chunk when streaming gains little]
 # Where every chunk fits the device, streaming some of them can only win the device Adam of those
-# chunks (their update moves to the CPU worker, beside backward): a few percent of the step. The
-# cost model cannot resolve that: on the lent H200 (benchmarks/results/h200-2026-11-29) it
-# predicted the 9/2/0/0 plan it chose for TinyLlama-1.1B at 179.26 ms, measured 182.97 ms, while
-# plain PyTorch with everything on the device ran 173.41 ms. On the H200 preset fitted from that
-# session (8 x 1024 tokens) it predicts 10/2/0/0 2.0 % under its simulated step (148.08 against
-# 151.06 ms) and 13/0/0/0 2.1 % over it (151.29 against 148.16 ms): errors of opposite signs,
-# larger than the gain. Streaming also takes host memory, PCIe and the host's cores from the
-# user's other work. So a plan that streams is chosen only if the best all-persistent plan that
-# fits is predicted slower than (1 + KEEP_ALL_MARGIN) times it; else every chunk is kept.
+# chunks (their update moves to the CPU worker, beside backward): a few percent of the step, less
+# than the cost model resolves (on an H200, benchmarks/results/h200-2026-11-29, its errors were
+# about 2 % of either sign, and plain PyTorch beat the streaming plan it chose). Streaming also
+# takes host memory, PCIe and the host's cores from the user's other work. So a plan that streams
+# is chosen only if the best all-persistent plan that fits is predicted slower than
+# (1 + KEEP_ALL_MARGIN) times it; else every chunk is kept.
 KEEP_ALL_MARGIN = 0.05
 
 
@@ -448,16 +430,16 @@ def brute_force(profile: Profile, budget: int, *, host_budget: int | None = None
     limits = profile.limits
     best = None
     evaluated = 0
-    for persistent in _persistent_sets(N, n_persist, sets):
+    counts = range(N + 1) if n_persist is None else (n_persist,)
+    for persistent in (frozenset(q) for n in counts
+                       for q in (itertools.combinations(range(N), n) if sets else [range(n)])):
         n = len(persistent)
         for s in range(L + 1):
             for c in range(L + 1 - s):
                 for b in range(limits.buffers_needed(persistent), N - n + 1):
                     plan = _plan(persistent, b, s, c)
                     mem = cm.memory(plan)
-                    if mem.peak_bytes > budget:
-                        continue
-                    if host_budget is not None and mem.host_bytes > host_budget:
+                    if mem.peak_bytes > budget or (host_budget is not None and mem.host_bytes > host_budget):
                         continue
                     evaluated += 1
                     t = cm.runtime(plan).total_s
@@ -470,11 +452,6 @@ def brute_force(profile: Profile, budget: int, *, host_budget: int | None = None
         best, more = _keep_all_if_close(cm, best, budget, host_budget)
         evaluated += more
     return _choice(cm, best[2], budget, host_budget, evaluated, time.perf_counter() - start)
-
-
-def _persistent_sets(N: int, n_persist: int | None, sets: bool):
-    for n in range(N + 1) if n_persist is None else (n_persist,):
-        yield from (frozenset(q) for q in itertools.combinations(range(N), n)) if sets else (frozenset(range(n)),)
 
 
 def _infeasible(cm: CostModel, budget: int, host_budget: int | None) -> InfeasibleBudget:

@@ -24,28 +24,25 @@ P = TrainingPhase
 
 
 class Boundary(enum.Enum):
-    """Where one profiled interval ends and the next begins; ``starts``: the phase of the next."""
+    """Where one profiled interval ends and the next begins: (name, ``starts``: the phase of the next)."""
 
-    FORWARD = "forward"  # a segment's forward begins
-    FORWARD_END = "forward end"
-    BACKWARD = "backward"  # a segment's backward begins
-    BACKWARD_END = "backward end"
-    RECOMPUTE = "recompute"  # a checkpointed block's recomputation begins (inside backward)
-    RECOMPUTE_END = "recompute end"
+    FORWARD = ("forward", P.FORWARD)  # a segment's forward begins
+    FORWARD_END = ("forward end", P.IDLE)
+    BACKWARD = ("backward", P.BACKWARD)  # a segment's backward begins
+    BACKWARD_END = ("backward end", P.IDLE)
+    RECOMPUTE = ("recompute", P.RECOMPUTE)  # a checkpointed block's recomputation begins (inside backward)
+    RECOMPUTE_END = ("recompute end", P.BACKWARD)
 
     @property
     def starts(self) -> TrainingPhase:
-        return _STARTS[self]
+        return self.value[1]
 
 
 B = Boundary
-_STARTS = {B.FORWARD: P.FORWARD, B.BACKWARD: P.BACKWARD, B.RECOMPUTE: P.RECOMPUTE, B.RECOMPUTE_END: P.BACKWARD,
-           B.FORWARD_END: P.IDLE, B.BACKWARD_END: P.IDLE}
 
 
 class Boundaries:
-    """Hooks that time-stamp segment boundaries: segment 0 is everything before the first block,
-    1..L the blocks, L+1 everything after the last block (head and loss).
+    """Hooks that time-stamp segment boundaries (the segments of the module docstring).
 
     Ahead of training the profiler calls the model itself and marks the start of a pass. On
     live training steps (``live``) the first module with parameters that runs with gradients
@@ -71,11 +68,11 @@ class Boundaries:
             handles.append(block.register_forward_hook(self._block_post(j)))
         chunk_of = engine.layout.param_chunks(engine.module)
         for m in engine.module.modules():
-            own = [p for p in m.parameters(recurse=False)]
-            if own:
-                idxs = {chunk_of[id(p)] for p in own}
+            idxs = {chunk_of[id(p)] for p in m.parameters(recurse=False)}
+            if idxs:
                 handles.append(m.register_forward_pre_hook(self._uses(idxs)))
-        handles.append(engine.on_recompute(self._recompute))
+        handles.append(engine.on_recompute(lambda block, begin: self.mark(B.RECOMPUTE if begin else B.RECOMPUTE_END,
+                                                                          block + 1)))
         self.handles = handles
 
     def _uses(self, idxs):
@@ -98,10 +95,7 @@ class Boundaries:
                 self.first_inputs = list(iter_tensors((args, kwargs)))
                 self.mark(B.FORWARD, 0)
             self.mark(B.FORWARD, j + 1)
-            if torch.is_grad_enabled():
-                for t in iter_tensors((args, kwargs)):
-                    if t.requires_grad:
-                        t.register_hook(lambda _g: self.mark(B.BACKWARD, j))
+            self._backward_reaches((args, kwargs), j)
 
         return hook
 
@@ -111,15 +105,16 @@ class Boundaries:
                 return
             if j == self.L - 1:
                 self.mark(B.FORWARD, self.L + 1)
-            if torch.is_grad_enabled():
-                for t in iter_tensors(out):
-                    if t.requires_grad:
-                        t.register_hook(lambda _g: self.mark(B.BACKWARD, j + 1))
+            self._backward_reaches(out, j + 1)
 
         return hook
 
-    def _recompute(self, block: int, begin: bool) -> None:
-        self.mark(B.RECOMPUTE if begin else B.RECOMPUTE_END, block + 1)
+    def _backward_reaches(self, tensors, seg: int) -> None:
+        """Mark the backward of segment ``seg`` when the gradient of one of ``tensors`` arrives."""
+        if torch.is_grad_enabled():
+            for t in iter_tensors(tensors):
+                if t.requires_grad:
+                    t.register_hook(lambda _g: self.mark(B.BACKWARD, seg))
 
     def mark(self, kind: Boundary, seg: int = -1) -> None:
         """A boundary: the interval since the previous one ends where the compute stream has
@@ -221,8 +216,7 @@ class MemoryPass:
 
     def _settle(self, live: int) -> None:
         if self.pending is not None:
-            seg = self.pending
-            self.saved[seg] = max(0, live - self.rec_begin.get(seg, live))
+            self.saved[self.pending] = max(0, live - self.rec_begin.get(self.pending, live))
             self.pending = None
 
     def op(self, func, before: int, peak: int, seconds: float, after: int | None = None) -> None:

@@ -8,6 +8,7 @@ same path: the profile then describes the device the run will see.
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 
 import torch
@@ -33,14 +34,11 @@ def _median_time(ctx: DeviceContext, fn, sync, *, budget_s: float = 0.15, max_re
     fn()
     sync()
     times = []
-    spent = 0.0
-    while len(times) < max_reps and (len(times) < 3 or spent < budget_s):
+    while len(times) < max_reps and (len(times) < 3 or sum(times) < budget_s):
         t = ctx.clock()
         fn()
         sync()
-        dt = ctx.clock() - t
-        times.append(dt)
-        spent += dt
+        times.append(ctx.clock() - t)
     return statistics.median(times)
 
 
@@ -48,36 +46,31 @@ def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, preci
                    sharding: Sharding = ONE_PROCESS, switches: RuntimeConfig | None = None, state_format: str = "fp32",
                    frozen_format: str | None = None) -> Hardware:
     """Chunk-size copies each way and Adam on one chunk, as the runtime performs them (and with
-    ``sharding``, a chunk's all-gather and reduce-scatter: every rank must call it).
-
-    Asynchronous devices: host buffer (pinned on CUDA) <-> device buffer on the copy streams;
-    CPU Adam on host tensors on a CPU worker with the engine's thread count, with the runtime's
-    landing of low-precision gradients into the fp32 accumulator and the compute-dtype copy back
-    in mixed precision; device Adam on device tensors. CPU device: the "copies" are what the
-    runtime does there too, memory copies between two host tensors, and the persistent chunks'
-    Adam is the same CPU kernel. ``switches``: the engine's (pinned host memory, the one-pass
-    kernel). ``state_format``: the Adam moments' format, which the updates are timed in
-    ([Note: optimizer-state formats]); ``frozen_format``: frozen weights kept in 8 bits, whose
-    dequantisation after an upload is timed on the device ([Note: quantised frozen chunks])."""
+    ``sharding``, a chunk's all-gather and reduce-scatter: every rank must call it): the CPU
+    Adam on the engine's CPU worker (``_adam_rate``), the device Adam on device tensors; on a CPU
+    device the "copies" are the runtime's memory copies between two host tensors, and the
+    persistent chunks' Adam is the same CPU kernel. ``switches``: the engine's (pinned host
+    memory, the one-pass kernel). ``state_format``: the Adam moments' format, which the updates
+    are timed in ([Note: optimizer-state formats]); ``frozen_format``: frozen weights kept in 8
+    bits, whose dequantisation after an upload is timed on the device ([Note: quantised frozen
+    chunks])."""
     switches = switches or RuntimeConfig()
     ctx = as_context(device)
     n = max(1024, min(chunk_elems, 64 * 2**20))
     cdt = precision.compute_dtype
-    sync = ctx.synchronize_device
-    nbytes = n * cdt.itemsize
+    low = cdt if precision.is_mixed else None
     h2d, d2h = _copy_rates(ctx, n, cdt, switches.pins(ctx))
-    mixed = precision.is_mixed
     worker = ctx.worker(ctx.asynchronous, cpu_worker_placement(ctx, sharding.world, switches.worker_cores))
     try:
         with on_host():
-            cpu_rate, land_rate, pass_rate = _adam_rate(ctx, n, ctx.host, cdt if mixed else None,
+            cpu_rate, land_rate, pass_rate = _adam_rate(ctx, n, ctx.host, low,
                                                         lambda fn: worker.submit(fn).result(), parts=True,
                                                         kernel=switches.one_pass_kernel, state_format=state_format,
                                                         update=lambda: ctx.host_update(n, state_format))
     finally:
         worker.shutdown()
-    dev_rate = _adam_rate(ctx, n, ctx.device, cdt if mixed else None, lambda fn: fn(),
-                          state_format=state_format)[0] if ctx.asynchronous else cpu_rate
+    dev_rate = (_adam_rate(ctx, n, ctx.device, low, lambda fn: fn(), state_format=state_format)[0]
+                if ctx.asynchronous else cpu_rate)
     gather, reduce = (0.0, 0.0) if sharding.whole else collective_rates(sharding, ctx, n, cdt)
     return Hardware(
         gather_bytes_per_s=gather, reduce_bytes_per_s=reduce,
@@ -88,8 +81,8 @@ def probe_hardware(device: torch.device | DeviceContext, chunk_elems: int, preci
         cpu_pass_params_per_s=pass_rate,
         device_adam_params_per_s=dev_rate,
         device_memory_bytes=int(ctx.free_memory()[1]),
-        dequant_params_per_s=0.0 if frozen_format is None else _dequant_rate(ctx, n, cdt, frozen_format, sync),
-        page_lock_bytes_per_s=_page_lock_rate(ctx, nbytes) if switches.pins(ctx) else 0.0,
+        dequant_params_per_s=0.0 if frozen_format is None else _dequant_rate(ctx, n, cdt, frozen_format),
+        page_lock_bytes_per_s=_page_lock_rate(ctx, n * cdt.itemsize) if switches.pins(ctx) else 0.0,
     )
 
 
@@ -116,13 +109,12 @@ def _copy_rates(ctx: DeviceContext, n: int, cdt: torch.dtype, pin: bool) -> tupl
 def _page_lock_rate(ctx: DeviceContext, nbytes: int) -> float:
     """Bytes per second of page-locking fresh host memory in place, as ``HostPool`` does for a
     streamed chunk (the first touch of its pages included): the median of three."""
-    def lock():
-        PageLocked(nbytes, device=ctx.device, what="the registration probe").close()
+    return nbytes / _median_time(
+        ctx, lambda: PageLocked(nbytes, device=ctx.device, what="the registration probe").close(), lambda: None,
+        budget_s=0.05, max_reps=3)
 
-    return nbytes / _median_time(ctx, lock, lambda: None, budget_s=0.05, max_reps=3)
 
-
-def _dequant_rate(ctx: DeviceContext, n: int, cdt: torch.dtype, fmt: str, sync) -> float:
+def _dequant_rate(ctx: DeviceContext, n: int, cdt: torch.dtype, fmt: str) -> float:
     """Elements per second of ``dequantise_into`` on the device (the runtime's kernels after a
     quantised upload), on ``n`` elements in rows of 4096."""
     cols = min(n, 4096)
@@ -130,7 +122,7 @@ def _dequant_rate(ctx: DeviceContext, n: int, cdt: torch.dtype, fmt: str, sync) 
     q = torch.zeros(rows * cols, dtype=quantised_dtype(fmt), device=ctx.device)
     scales = torch.ones(rows, dtype=torch.float32, device=ctx.device)
     out = torch.empty(rows, cols, dtype=cdt, device=ctx.device)
-    return rows * cols / _median_time(ctx, lambda: dequantise_into(out, q, scales), sync)
+    return rows * cols / _median_time(ctx, lambda: dequantise_into(out, q, scales), ctx.synchronize_device)
 
 
 def _adam_rate(ctx: DeviceContext, n: int, on: torch.device, low: torch.dtype | None, run, *,
@@ -170,18 +162,15 @@ def _adam_rate(ctx: DeviceContext, n: int, on: torch.device, low: torch.dtype | 
             elif kernel is not None:
                 onepass.update(kernel, [p], [copy], [g], [m], [v], [], steps, hp, coef=None, clamp=None, landed=True,
                                accumulate=False)
-            else:
-                separate_passes()
-
-    def separate_passes():
-        if landing:
-            land()
-        if moments is not None:
-            moments(p, g, hp)
-        else:
-            adam_step([p], [g], [m], [v], [], steps, hp)
-        if copy is not None:
-            copy_to_low_precision(copy, p)
+            else:  # separate passes
+                if landing:
+                    land()
+                if moments is not None:
+                    moments(p, g, hp)
+                else:
+                    adam_step([p], [g], [m], [v], [], steps, hp)
+                if copy is not None:
+                    copy_to_low_precision(copy, p)
 
     def rate(fn, **budget) -> float:
         return n / _median_time(ctx, lambda: run(fn), ctx.synchronize_device, **budget)
@@ -205,20 +194,12 @@ def collective_rates(sharding, ctx: DeviceContext, n: int, dtype: torch.dtype) -
     n = max(world, n // world * world)
     full = torch.ones(n, dtype=dtype, device=device)
     out = torch.empty(n // world, dtype=dtype, device=device)
-    sync = ctx.synchronize_device
 
-    def timed(fn) -> float:
-        times = []
-        for _ in range(COLLECTIVE_REPS + 1):  # the first one warms up
-            sync()
-            t0 = ctx.clock()
-            fn()
-            sync()
-            times.append(ctx.clock() - t0)
-        return statistics.median(times[1:])
+    def timed(fn) -> float:  # no time budget: every rank runs the same count
+        return _median_time(ctx, lambda: ctx.synchronize(ctx.collective(fn)), ctx.synchronize_device,
+                            budget_s=math.inf, max_reps=COLLECTIVE_REPS)
 
-    seconds = sharding.max_on_host([timed(lambda: ctx.synchronize(ctx.collective(lambda: sharding.gather_(full)))),
-                                    timed(lambda: ctx.synchronize(ctx.collective(
-                                        lambda: sharding.reduce_scatter_mean(out, full, scaled=True))))])
+    seconds = sharding.max_on_host([timed(lambda: sharding.gather_(full)),
+                                    timed(lambda: sharding.reduce_scatter_mean(out, full, scaled=True))])
     nbytes = n * dtype.itemsize
     return nbytes / max(float(seconds[0]), 1e-9), nbytes / max(float(seconds[1]), 1e-9)

@@ -2,8 +2,7 @@
 
 [Note: live profiling]
 ``wrap(plan=None)`` without ``example_inputs`` builds the engine on a *safe plan* (``safe_plan``
-in profiler.py: every block checkpointed; the chunks persistent when the model states take at
-most half the budget, on a CPU always, else streamed) and attaches a ``LiveProfiler``. The
+in profiler.py) and attaches a ``LiveProfiler``. The
 user's training steps run exactly as they would anyway: their gradients are applied, nothing
 runs twice. The profiler only watches them, through the engine's public seams (``observe``,
 ``on_recompute``, ``set_block_modes``) and hooks of its own ([Note: profiling] in profiler.py
@@ -138,18 +137,15 @@ class LiveProfiler(StepObserver):
     # ----- measuring --------------------------------------------------------------------------
     def _record(self) -> None:
         """One micro-batch's forward and backward are over: keep what this step measures."""
-        kind = self.schedule[self.step]
+        kind = self.schedule[self.step] if self.cached is None else "cached"  # (nothing to measure)
         tokens = block_tokens(tensor_shapes(self.bounds.block_inputs or []))
-        if self.cached is not None:
-            pass
-        elif kind == "memory":
+        if kind == "memory":
             check_blocks_called(self.bounds, self.L)
             self.measured.chunks = {s: tuple(sorted(c)) for s, c in self.bounds.chunks.items()}
             self.ref_tokens, self.ref_batch = tokens, self.batch
         elif kind in ("time", "swap"):
             scale = self.ref_tokens / tokens if self.ref_tokens and tokens else 1.0
-            fwd, bwd, rec = self.bounds.durations()
-            timing = tuple([t * scale for t in part] for part in (fwd, bwd, rec))
+            timing = tuple([t * scale for t in part] for part in self.bounds.durations())  # (fwd, bwd, recompute)
             (self.measured.timings if kind == "time" else self.measured.swap_timings).append(timing)
         self.recorded = True
 

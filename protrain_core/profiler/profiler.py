@@ -4,22 +4,19 @@
 The model is wrapped by a *profiling engine*: the same chunks, hooks and runtime as training,
 but without optimizer states (it never steps); the profiler drives it through the engine's
 public methods only (``set_block_modes``, ``on_recompute``, ``autocast``, ``device_bytes``).
-On CUDA its chunks are all persistent when their parameters and gradients fit in half the free
-memory, otherwise the leading ones that do are and the rest are streamed through buffers (so a
-model that does not fit can be profiled); where the batch's activations then run out of device
-memory, the passes start again on a new engine with the states' share halved, down to every
-chunk streamed (``torch.OutOfMemoryError`` beyond that). On the CPU they are persistent. Every
-block is checkpointed, so only one block's activations exist at a time -- and every block's
-recomputation can be timed and measured. The passes, each a forward, the loss and a backward
+It runs ``safe_plan`` (so a model that does not fit can be profiled); where the batch's
+activations then run out of device memory, the passes start again on a new engine with the
+states' share halved, down to every chunk streamed (``torch.OutOfMemoryError`` beyond that).
+Every block is checkpointed, so only one block's activations exist at a time -- and every
+block's recomputation can be timed and measured. The passes, each a forward, the loss and a backward
 (inside ``no_sync``: nothing is updated), run under ``torch.random.fork_rng``, so the user's
 parameters and random state are untouched and training afterwards is exactly what it would be
 without profiling:
   1. warm-up (lazy initialisation, allocator caches; which chunks each segment uses);
   2. memory: every operator runs under a dispatch mode that records its time and the dynamic
      device bytes before, during and after it (CPU: ``LiveStorageTracker``; CUDA: the caching
-     allocator, minus the engine's chunk memory, with a synchronisation per operator). Segment
-     boundaries come from hooks (block forward pre/post hooks; gradient hooks on block inputs
-     and outputs for backward; the activation manager's recomputation observer);
+     allocator, minus the engine's chunk memory, with a synchronisation per operator), between
+     segment boundaries that hooks mark (boundaries.py);
   3. timing, ``iterations`` times without the dispatch mode: the same boundaries with a
      device synchronisation each, median per segment;
   4. without asynchronous copies (a CPU device) the timing again with every block *swapped*:
@@ -27,13 +24,13 @@ without profiling:
      bandwidth does not predict well (allocation of the copies, per-tensor hook work), so
      it is measured per block. On CUDA a copy stream overlaps compute and swapping every
      block would need host memory for all activations: the bandwidth model is used.
-Static facts (chunk sizes, trainable elements, the bytes of a chunk when persistent or
-streamed, of a chunk buffer and of an upload) come from the chunks' storage formula
-(``runtime.storage.ChunkFormat``), not measured. See ``planner/profiles.py`` for the fields.
+Static facts come from the chunks' format records (``chunk_format.ChunkFormat``), not measured;
+``planner/profiles.py`` describes the fields.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import json
@@ -212,10 +209,8 @@ def profile_model(
 
 def _fitting(model: nn.Module, optimizer, layout: ChunkLayout, precision: Precision, ctx: DeviceContext,
              profiling: ProTrainConfig, passes):
-    """``passes(engine, boundaries)`` on a profiling engine of the safe plan; where the batch's
-    activations beside its persistent chunks run out of device memory, again with the states'
-    share of the device halved, down to every chunk streamed (its device memory is freed before
-    each new engine)."""
+    """``passes(engine, boundaries)`` on a profiling engine of the safe plan, again with the
+    states' share of the device halved after each out-of-memory ([Note: profiling])."""
     budget, formats = None, chunk_formats(model, optimizer, layout, precision, PROFILING)
     while True:
         plan = safe_plan(formats, layout.limits(), ctx, budget=budget)
@@ -237,8 +232,7 @@ def _profiled(model: nn.Module, optimizer, layout: ChunkLayout, plan: Plan, prec
     the blocks checked to have run."""
     meta = meta_names(model) if ctx.host.type != "meta" else []  # (filled by their initialisation to profile)
     with torch.random.fork_rng(devices=[ctx.device] if ctx.is_cuda else []):
-        engine = RuntimeEngine(model, optimizer, layout, plan, precision, ctx, profiling,
-                        warn_on_cache=False)
+        engine = RuntimeEngine(model, optimizer, layout, plan, precision, ctx, profiling, warn_on_cache=False)
         bounds = Boundaries(engine, block_modules(model, layout.block_path))
         try:
             with _buffers_kept(model):
@@ -327,8 +321,7 @@ def safe_plan(formats, limits: PlanLimits, device: torch.device | DeviceContext,
     them) in at most half the device budget (default: the free memory). On a CPU, or when they
     fit there, every chunk is persistent; else the leading chunks that fit there beside the
     chunk buffers are, and the rest are streamed -- the fewest host bytes such a plan can have
-    (streaming every chunk would ask the host for all the states: a 6.7 B model's 113 GiB, over
-    the host budget of the 128 GiB machine whose 141 GB GPU holds half of them)."""
+    (streaming every chunk would ask the host for all the states, more than it may hold)."""
     n, L = limits.n_chunks, limits.n_blocks
     ctx = as_context(device)
     if ctx.asynchronous:
@@ -350,19 +343,15 @@ def _measure(engine: RuntimeEngine, bounds: Boundaries, inputs, step_fn, iterati
     chunks = {s: tuple(sorted(c)) for s, c in bounds.chunks.items()}
     base = base_bytes(engine, inputs)
     mem, meter = memory_meter(engine, bounds)
+    one_pass = functools.partial(_one_pass, engine, bounds, inputs, step_fn)
     with meter:
-        _one_pass(engine, bounds, inputs, step_fn)
+        one_pass()
     bounds.listener = None
-    timings, swap_timings = [], []
-    for _ in range(max(1, iterations)):
-        _one_pass(engine, bounds, inputs, step_fn)
-        timings.append(bounds.durations())
+    timings, swap_timings = [one_pass() for _ in range(max(1, iterations))], []
     if not ctx.asynchronous and L:  # no asynchronous copies: measure what swapping adds
         engine.set_block_modes((BlockMode.SWAP,) * L)
-        _one_pass(engine, bounds, inputs, step_fn)  # warm-up: host buffers
-        for _ in range(max(1, iterations)):
-            _one_pass(engine, bounds, inputs, step_fn)
-            swap_timings.append(bounds.durations())
+        one_pass()  # warm-up: host buffers
+        swap_timings = [one_pass() for _ in range(max(1, iterations))]
     return Measured(chunks, base, mem, fragmentation_factor(ctx), timings, swap_timings)
 
 
@@ -402,7 +391,8 @@ def _segments(m: Measured, L: int) -> tuple[Segment, ...]:
     return tuple(segments)
 
 
-def _one_pass(engine: RuntimeEngine, bounds: Boundaries, inputs, step_fn) -> None:
+def _one_pass(engine: RuntimeEngine, bounds: Boundaries, inputs, step_fn) -> tuple[list[float], ...]:
+    """One forward, loss and backward; its ``Boundaries.durations``."""
     bounds.reset()
     bounds.mark(B.FORWARD, 0)  # also when step_fn calls a submodule, not the wrapped module itself
     with engine.autocast():
@@ -417,6 +407,7 @@ def _one_pass(engine: RuntimeEngine, bounds: Boundaries, inputs, step_fn) -> Non
     bounds.mark(B.BACKWARD_END)
     del loss, kept
     engine.zero_grad()
+    return bounds.durations()
 
 
 def memory_meter(engine: RuntimeEngine, bounds: Boundaries):
@@ -431,9 +422,8 @@ def memory_meter(engine: RuntimeEngine, bounds: Boundaries):
         mem = MemoryPass(bounds, lambda: torch.cuda.memory_allocated(device) - static())
         mode = CudaMeter(device, static, mem.op)
     else:
-        tracker = LiveStorageTracker(device, on_op=lambda f, b, a, s: mem.op(f, b, a, s))
-        mem = MemoryPass(bounds, lambda: tracker.live)
-        mode = tracker
+        mode = LiveStorageTracker(device, on_op=lambda *op: mem.op(*op))
+        mem = MemoryPass(bounds, lambda: mode.live)
     if bounds.listener is None:
         bounds.listener = mem.boundary
     return mem, mode if engine.compiled is None else _eager(mode)
@@ -451,9 +441,7 @@ def fragmentation_factor(ctx: DeviceContext) -> float:
     """Reserved over allocated at the peak (CUDA): the caching allocator's rounding and splitting."""
     if not ctx.is_cuda:
         return 1.0
-    device = ctx.device
-    allocated = torch.cuda.max_memory_allocated(device)
-    reserved = torch.cuda.max_memory_reserved(device)
+    reserved, allocated = torch.cuda.max_memory_reserved(ctx.device), torch.cuda.max_memory_allocated(ctx.device)
     return min(1.5, max(1.0, reserved / max(1, allocated)))
 
 

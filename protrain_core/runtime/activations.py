@@ -9,11 +9,9 @@ Every transformer block is in one of three modes (``plan.BlockMode``) (paper §3
               before the block's backward.
 The layout is interleaved: the ``n_swap`` swapped blocks take the first positions (their
 backward comes last, so their copies back have the most time to hide), the ``n_checkpoint``
-checkpointed blocks are spread evenly over the remaining positions, and the last block keeps
-its activations (its backward comes first, right after the forward). See ``plan.interleaved_modes``.
-
-The notes on how blocks are run are next to the code they explain: [Note: block forwards]
-(above the manager's block hooks) and [Note: swapping] (above its saved-tensor hooks).
+checkpointed blocks are spread evenly over the rest, and the last block keeps its activations
+(its backward comes first). See ``plan.interleaved_modes``; [Note: block forwards] and [Note:
+swapping] are next to the code they explain.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ import types
 import warnings
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -32,7 +30,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
-from protrain_core.phase import Observers, RecomputeObserver, StepState, TrainingPhase
+from protrain_core.phase import Observers, StepState, TrainingPhase
 from protrain_core.plan import BlockMode
 from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.swap import Counted, HostBuffers, Packed, SwapRecord, check_version
@@ -52,10 +50,9 @@ class BlockActivations:
         index: block position in forward order.
         mode: how the block's activations are managed.
         saved_bytes: bytes of the distinct storages autograd saves for the block's backward
-            (parameters, buffers and inputs without gradient -- shared by all blocks --
-            excluded): what the block holds on the device when kept,
-            and what its recomputation rebuilds when checkpointed. None when not measured
-            (a checkpointed block, or a kept block before ``measure_next_forward``).
+            (parameters, buffers and inputs without gradient excluded): what the block holds on
+            the device when kept. None when not measured (a checkpointed block, or a kept block
+            before ``measure_next_forward``).
         input_bytes: bytes of the distinct storages of the block's tensor inputs: what a
             checkpointed block keeps on the device.
         device_bytes: bytes held on the device between this block's forward and backward in
@@ -71,44 +68,32 @@ class BlockActivations:
     host_bytes: int
 
 
+@dataclass(eq=False, slots=True)
 class _BlockCall:
-    """One forward call of one block: its measurements and (swap) its records."""
+    """One forward call of one block: its measurements (bytes) and (swap) its records."""
 
-    __slots__ = ("saved", "input", "device", "host", "seen", "shared", "records", "previous", "copied")
-
-    def __init__(self) -> None:
-        self.saved = 0
-        self.input = 0
-        self.device = 0
-        self.host = 0
-        self.seen: set[StorageWeakRef] = set()  # storages counted in this call (and shared ones)
-        self.shared: set[StorageWeakRef] = set()  # inputs without gradient: never swapped
-        self.records: list[weakref.ref] = []  # swap records first made by this call
-        self.previous: _BlockCall | None = None  # the previous block's call in the same forward
-        self.copied = None  # the event of its last copy out (swapped blocks; until waited for)
+    saved: int = 0
+    input: int = 0
+    device: int = 0
+    host: int = 0
+    seen: set[StorageWeakRef] = field(default_factory=set)  # storages counted in this call (and shared ones)
+    shared: set[StorageWeakRef] = field(default_factory=set)  # inputs without gradient: never swapped
+    records: list[weakref.ref] = field(default_factory=list)  # swap records first made by this call
+    copied: object = None  # the event of its last copy out (swapped blocks; until waited for)
 
 
 class ActivationManager:
     """Applies a per-block activation layout to the blocks of one model."""
 
-    def __init__(
-        self,
-        blocks: list[nn.Module],
-        modes: tuple[BlockMode, ...],
-        ctx: DeviceContext,
-        phase: StepState,
-        *,
-        observers: Observers | None = None,
-        warn_on_cache: bool = True,
-        min_swap_bytes: int = MIN_SWAP_BYTES,
-        on_recompute=None,
-    ) -> None:
+    def __init__(self, blocks: list[nn.Module], modes: tuple[BlockMode, ...], ctx: DeviceContext, phase: StepState, *,
+                 observers: Observers, warn_on_cache: bool, on_recompute) -> None:
+        """``observers``: ``observer(block_index, begin)`` around every recomputation;
+        ``on_recompute()``: a recomputation's first act ([Note: loss.backward()] in backward.py)."""
         assert len(blocks) == len(modes)
         self.blocks = blocks
         self.modes = modes
         self.ctx = ctx
         self.phase = phase
-        self.min_swap_bytes = min_swap_bytes
         self.host = HostBuffers(ctx)
         self._static: set[StorageWeakRef] = set()  # parameter storages: never swapped
         self._swapped: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -119,17 +104,8 @@ class ActivationManager:
         self._warn_on_cache = warn_on_cache
         self._handles: list = []
         self._originals: dict[int, tuple[bool, object]] = {}  # checkpointed blocks' own forward attribute
-        # observer(block_index, begin) around every recomputation (the owner's registry).
-        self._recompute_observers = Observers(RecomputeObserver) if observers is None else observers
-        # on_recompute(): a recomputation's first act; it may be the first of a backward the user
-        # started ([Note: loss.backward()] in backward.py). Dropped by remove (no cycle).
-        self._on_recompute = on_recompute
+        self._recompute_observers, self._on_recompute = observers, on_recompute
         self.stats = {"swap_out_bytes": 0, "swap_in_bytes": 0, "recomputed_blocks": 0}
-
-    @property
-    def measuring(self) -> bool:
-        """Kept blocks' saved tensors are counted in the next forward pass with gradients."""
-        return self._measure
 
     # ----- installation -------------------------------------------------------------------
     def install(self, static_tensors: list[Tensor]) -> None:
@@ -138,8 +114,7 @@ class ActivationManager:
         for i, block in enumerate(self.blocks):
             if self.modes[i] is BlockMode.CHECKPOINT:
                 self._originals[i] = ("forward" in block.__dict__, block.__dict__.get("forward"))
-                # Bound to the block: a deep copy of the model (an EMA, Lightning's weight
-                # averaging) binds it to the copied block, which then runs its own forward.
+                # Bound to the block: a deep copy of the model binds it to the copied block.
                 block.forward = types.MethodType(self._checkpointed_forward(i, block.forward), block)
             else:
                 signature = inspect.signature(block.forward)
@@ -163,43 +138,29 @@ class ActivationManager:
         self.host.close()
 
     # [Note: block forwards]
-    # Kept and swapped blocks are managed with public hooks: a forward pre-hook (``with_kwargs``)
-    # enters the block's ``saved_tensors_hooks`` (counting or swapping what autograd saves) and, for
-    # a swapped block, drops the key/value cache arguments; the forward hook (``always_call``) leaves
-    # it and registers the prefetch hooks on the outputs. A checkpointed block needs its forward to
-    # run *inside* ``torch.utils.checkpoint.checkpoint``, and no public hook can do that (the
-    # composable ``checkpoint`` API lives in a private module). A wrapper module, as
-    # ``checkpoint_wrapper`` makes, keeps state-dict keys (its hooks strip the wrapper's prefix), but
-    # it changes what else names the block: ``named_parameters()`` and ``named_modules()`` of the
-    # root gain the wrapper's prefix (names the chunk layout, the optimizer's parameter names, PEFT
-    # and the user's code read), and every re-plan that checkpoints another block would swap modules
-    # in their parents under code that holds references to them. So the manager gives a checkpointed
-    # block an *instance* ``forward`` attribute that calls the original inside ``checkpoint`` (the
-    # class, the module tree and every name stay as they are; ``remove()`` restores it). Module hooks stay
-    # outside: the chunk runtime's forward pre-hook makes the block's chunks resident before the
-    # wrapper runs, and checkpoint recomputation calls the original ``forward`` directly, so the
-    # hooks do not run again during backward. What makes the chunks resident for the recomputation
-    # is the runtime's pre-backward hook on the block's outputs: it fires when the gradient of an
-    # output is complete, before any backward node of the block -- and so before the recomputation,
-    # which the first of those nodes triggers (see [Note: parameter access] in chunk.py); the
-    # manager marks the recomputation as ``TrainingPhase.RECOMPUTE``.
-    # Buffers a checkpointed block updates in forward (BatchNorm's running statistics and
-    # ``num_batches_tracked``) would be updated again by the recomputation. The first run keeps a copy
-    # of the block's buffers from before its forward when the forward changed any of them (their
-    # version counters moved; the copy is dropped otherwise); the recomputation runs on fresh copies
-    # of those values (it reads what the forward read), put in the buffers' places for its duration,
-    # and the buffers themselves are put back untouched afterwards (``_BufferState``): the buffers end
-    # as one forward left them, as without checkpointing, and recomputed activations equal the
-    # forward's.
-    # Checkpointed calls get a zero-size device tensor as their first positional argument: non-
-    # reentrant checkpoint saves and restores the device RNG state (dropout) only for devices it sees
-    # among positional arguments, and a block may be called with keyword arguments only.
-    # Caches: a block that writes a key/value cache (Hugging Face ``past_key_values``) would write
-    # it twice under recomputation, and a swapped block's cache would pin its activations on the
-    # device. With gradients enabled, checkpointed and swapped blocks therefore run with the cache
-    # arguments set to None and ``use_cache=False`` -- what Hugging Face does with its own gradient
-    # checkpointing -- and a warning says so once. Without gradients (evaluation, generation) every
-    # block runs its plain forward, cache included.
+    # Kept and swapped blocks are managed with public hooks: a forward pre-hook enters the block's
+    # ``saved_tensors_hooks`` (counting or swapping what autograd saves) and, for a swapped block,
+    # drops the key/value cache arguments; the forward hook leaves it and registers the prefetch
+    # hooks on the outputs. A checkpointed block needs its forward to run *inside*
+    # ``torch.utils.checkpoint.checkpoint``, which no public hook can do, and a wrapper module
+    # would rename the block's parameters and modules (names the chunk layout, the optimizer and
+    # PEFT read). So it gets an *instance* ``forward`` that calls the original inside
+    # ``checkpoint`` (``remove()`` restores it). The runtime's forward pre-hook makes the chunks
+    # resident before the wrapper runs, the recomputation calls the original ``forward`` (no hook
+    # runs again), and the runtime's pre-backward hook on the outputs makes the chunks resident
+    # before the recomputation, which the block's first backward node triggers ([Note: parameter
+    # access] in chunk.py); it runs as ``TrainingPhase.RECOMPUTE``.
+    # Buffers a checkpointed block updates in forward (BatchNorm's running statistics) would be
+    # updated again: when the forward changed any, the recomputation runs on fresh copies of
+    # their values from before it (``_BufferState``), so the buffers end as one forward left them
+    # and recomputed activations equal the forward's. Checkpointed calls get a zero-size device
+    # tensor as their first positional argument: checkpoint saves the device RNG state (dropout)
+    # only for devices among positional arguments.
+    # Caches: a block that writes a key/value cache would write it twice under recomputation, and
+    # a swapped block's cache would pin its activations on the device. With gradients enabled,
+    # checkpointed and swapped blocks therefore run with the cache arguments None and
+    # ``use_cache=False`` (as Hugging Face's gradient checkpointing does), and a warning says so
+    # once. Without gradients every block runs its plain forward.
 
     # ----- kept and swapped blocks: hooks ----------------------------------------------------
     def _pre_forward(self, i: int, signature: inspect.Signature):
@@ -227,10 +188,8 @@ class ActivationManager:
         def hook(module, _args, output):
             if module is not self.blocks[i] or not self._open[i]:
                 return  # an earlier pre-hook raised: this one never ran
-            entry = self._open[i].pop()
-            call = None
-            if entry is not None:
-                call, hooks = entry
+            call, hooks = self._open[i].pop() or (None, None)
+            if hooks is not None:
                 hooks.__exit__(None, None, None)
             if torch.is_grad_enabled() and output is not None:  # None: the forward raised
                 self._after_call(i, call, output)
@@ -240,7 +199,24 @@ class ActivationManager:
     # ----- checkpointed blocks: the forward wrapper ([Note: block forwards]) -------------------
     def _checkpointed_forward(self, i: int, forward):
         signature = inspect.signature(forward)
-        recompute = self._recomputing(i, forward)
+
+        def recompute(buffers, _anchor, *args, **kwargs):
+            if not buffers.ran:  # the first run, in forward
+                buffers.ran = True
+                with buffers.forward():
+                    return forward(*args, **kwargs)
+            if self._on_recompute is not None:
+                self._on_recompute()
+            # A recomputation (it may stop early, by an exception, once backward has what it needs).
+            self.stats["recomputed_blocks"] += 1
+            with self.phase.entered(TrainingPhase.RECOMPUTE, leaving=TrainingPhase.BACKWARD,
+                                    error="a recomputation inside a recomputation"):
+                self._recompute_observers.notify(lambda observer: observer(i, True))
+                try:
+                    with buffers.recompute():
+                        return forward(*args, **kwargs)
+                finally:
+                    self._recompute_observers.notify(lambda observer: observer(i, False))
 
         @functools.wraps(forward)
         def wrapped(module, *args, **kwargs):
@@ -252,40 +228,13 @@ class ActivationManager:
             args, kwargs = self._without_cache(i, signature, args, kwargs)
             call = self._new_call(args, kwargs)
             call.device = call.input
-            # The anchor is a positional tensor on the device, so that checkpoint saves and
-            # restores the device's RNG state (it only looks at positional arguments).
-            buffers = _BufferState.of(self.blocks[i])
+            buffers = _BufferState(self.blocks[i])
             out = checkpoint(recompute, buffers, self._rng_anchor, *args, use_reentrant=False,
                              context_fn=self.ctx.checkpoint_contexts, **kwargs)
             self._after_call(i, call, out)
             return out
 
         return wrapped
-
-    def _recomputing(self, i: int, forward):
-        def run(buffers, _anchor, *args, **kwargs):
-            if not buffers.ran:  # the first run, in forward
-                buffers.ran = True
-                with buffers.forward():
-                    return forward(*args, **kwargs)
-            if self._on_recompute is not None:
-                self._on_recompute()
-            # A recomputation (it may stop early, by an exception, once the last saved tensor
-            # backward needs was rebuilt).
-            self.stats["recomputed_blocks"] += 1
-            with self.phase.entered(TrainingPhase.RECOMPUTE, leaving=TrainingPhase.BACKWARD,
-                                    error="a recomputation inside a recomputation"):
-                self._notify(i, begin=True)
-                try:
-                    with buffers.recompute():
-                        return forward(*args, **kwargs)
-                finally:
-                    self._notify(i, begin=False)
-
-        return run
-
-    def _notify(self, i: int, *, begin: bool) -> None:
-        self._recompute_observers.notify(lambda observer: observer(i, begin))
 
     # ----- every managed call -------------------------------------------------------------------
     def _new_call(self, args, kwargs) -> _BlockCall:
@@ -297,18 +246,17 @@ class ActivationManager:
         return call
 
     def _after_call(self, i: int, call: _BlockCall | None, out) -> None:
-        """Record the call and register the prefetch hooks on its outputs: a swapped block's
-        backward brings back its own activations and those of a swapped block before it; so
-        does the block after the last swapped one."""
-        if call is not None:
-            call.seen = set()
+        """Record the call and register the prefetch hooks on its outputs (a swapped block, or
+        the block after one: its backward brings back its own and the previous block's)."""
         previous = self._calls[i - 1] if i > 0 else None  # the previous block, this forward
         if call is not None:
+            call.seen = set()
             self._calls[i] = call
         if self.modes[i] is BlockMode.SWAP or (i > 0 and self.modes[i - 1] is BlockMode.SWAP):
-            if call is not None:
-                call.previous = previous
-            hook = self._pre_backward_hook(call, previous)
+            def hook(_grad):  # this call's backward begins: its records come back, and the previous block's
+                self._prefetch(call)
+                self._prefetch(previous)
+
             for t in iter_tensors(out):
                 if t.requires_grad:
                     t.register_hook(hook)
@@ -347,37 +295,21 @@ class ActivationManager:
 
     # [Note: swapping]
     # Saved tensors are swapped per *storage*: the pack hook copies the whole storage of a saved
-    # tensor to a host buffer once and returns a small record; views of that storage saved later
-    # (``q``, ``k``, ``v`` split from one projection, a transpose, a tensor saved by two blocks) reuse
-    # the record and are rebuilt as views of the same restored storage, so nothing is copied twice.
-    # Tensors that alias parameters or buffers (``weight.t()`` in ``linear``), tensors of other
-    # devices and storages below ``MIN_SWAP_BYTES`` are returned unchanged: they stay attached to the
-    # parameter (or buffer) whose storage they view. So are the block's inputs that do not require
-    # gradients (attention masks, LLaMA's rotary cos/sin): they are made once per forward pass and
-    # passed to every block, so copying them would free nothing; they are not counted in any
-    # block's activation bytes either.
-    # On CUDA the copies run on the device context's swap stream, which first waits for the compute
-    # stream (the tensor was just produced there). The compute stream does not wait for them, except
-    # that a block's forward begins only after the copies out of the block before the previous one
-    # are done (``_throttle``): where the link is slower than compute, swapped activations would
-    # otherwise pile up on the device beyond what the memory model counts (eq. 9: the previous
-    # block's copy may still run). The device storage is marked with
-    # ``record_stream(swap_stream)``: when autograd drops it, the caching allocator hands its memory
-    # to another tensor only after the copy has completed -- no host thread waits for it. Copies
-    # back are allocated on the compute stream, run on the swap stream and are waited for by the
-    # compute stream (an event) at unpack; they are marked the same way, for a prefetched tensor that
-    # is freed without being read. A host buffer returns to the manager's pool when its record dies;
-    # its next use is a copy issued on the same swap stream, so it cannot overtake the copy back
-    # that reads it. Prefetch: when the backward of block ``i`` begins (a hook on the outputs of that
-    # forward call), the copies back of that call and of the previous block's call in the same
-    # forward pass are issued, one block ahead, so one swapped block's activations are on the
-    # device beside those of the block running backward. Records belong to the call that made them,
-    # so with several forward passes before a backward each backward brings back only its own.
-    # On the CPU the copies are synchronous and the "device" and "host" buffers are separate
-    # tensors in the same memory.
-    # Autograd does not check the version counter of saved tensors that go through hooks; the
-    # records keep a weak reference to the original tensor and raise autograd's error at unpack if it
-    # was modified in place (when it is still alive to tell).
+    # tensor to a host buffer once and returns a small record; views of it saved later (``q``,
+    # ``k``, ``v`` of one projection) reuse the record. Tensors that alias parameters or buffers,
+    # of other devices or below ``MIN_SWAP_BYTES`` stay; so do the block's inputs without
+    # gradients (attention masks: shared by every block, copying them frees nothing), which no
+    # block's activation bytes count either.
+    # On CUDA the copies run on the swap stream, after the compute stream, which does not wait for
+    # them, except that a block's forward begins only once the copies out of the block before the
+    # previous one are done (``_throttle``). ``record_stream(swap_stream)`` makes the allocator
+    # reuse a storage only after its copy. Copies back are allocated on the compute stream, run on
+    # the swap stream and waited for at unpack. A host buffer returns to the pool when its record
+    # dies; its next use is a copy on the same stream, so it cannot overtake the copy back that
+    # reads it. When block ``i``'s backward begins, the copies back of that call and of the previous
+    # block's call are issued; records belong to the call that made them, so each backward brings
+    # back its own. Autograd does not check the version of saved tensors that go through hooks:
+    # the records keep a weak reference to the original and raise autograd's error at unpack.
 
     # ----- saved-tensor hooks -------------------------------------------------------------
     def _storage_key(self, t: Tensor) -> StorageWeakRef | None:
@@ -385,9 +317,7 @@ class ActivationManager:
         if type(t) not in (Tensor, nn.Parameter) or t.layout is not torch.strided or t.device != self.ctx.device:
             return None
         key = StorageWeakRef(t.untyped_storage())
-        if key in self._static:
-            return None
-        return key
+        return None if key in self._static else key
 
     def _distinct_bytes(self, tensors, seen: set) -> int:
         total = 0
@@ -414,7 +344,7 @@ class ActivationManager:
         call.seen.add(key)
         if first_in_call:
             call.saved += nbytes
-        if nbytes < self.min_swap_bytes:
+        if nbytes < MIN_SWAP_BYTES:
             call.device += nbytes if first_in_call else 0
             return Counted(t)
         record = self._swapped.get(key)
@@ -456,10 +386,8 @@ class ActivationManager:
 
     def _throttle(self, i: int) -> None:
         """Before block ``i``'s forward, the compute stream waits for the copies out of block
-        ``i - 2`` (this forward pass's call): a swapped block's activations leave the device
-        by the time the block after next runs, as the memory model assumes (eq. 9: at most
-        the previous block's may still be copying). Without it a copy slower than compute
-        would let swapped activations pile up on the device."""
+        ``i - 2``: at most the previous block's may still be copying, as the memory model
+        assumes (eq. 9); else a copy slower than compute would pile activations up."""
         call = self._calls[i - 2] if i >= 2 else None
         if call is not None and call.copied is not None:
             self.ctx.wait_on_compute(call.copied)
@@ -483,15 +411,6 @@ class ActivationManager:
                 if record is not None:
                     self._swap_in(record)
 
-    def _pre_backward_hook(self, call: _BlockCall | None, previous: _BlockCall | None):
-        """Backward of this call begins: bring back its records and the previous block's."""
-
-        def hook(_grad):
-            self._prefetch(call)
-            self._prefetch(previous)
-
-        return hook
-
     # ----- passes -------------------------------------------------------------------------
     @contextmanager
     def backward_pass(self):
@@ -511,35 +430,22 @@ class ActivationManager:
     # ----- report -------------------------------------------------------------------------
     def report(self) -> tuple[BlockActivations, ...]:
         out = []
-        for i, mode in enumerate(self.modes):
-            s = self._calls[i] or _BlockCall()
-            measured_saved = mode is not BlockMode.CHECKPOINT and self._calls[i] is not None
-            out.append(
-                BlockActivations(
-                    index=i,
-                    mode=mode,
-                    saved_bytes=s.saved if measured_saved else None,
-                    input_bytes=s.input,
-                    device_bytes=s.device,
-                    host_bytes=s.host,
-                )
-            )
+        for i, (mode, call) in enumerate(zip(self.modes, self._calls)):
+            s = call or _BlockCall()
+            measured = mode is not BlockMode.CHECKPOINT and call is not None
+            out.append(BlockActivations(index=i, mode=mode, saved_bytes=s.saved if measured else None,
+                                        input_bytes=s.input, device_bytes=s.device, host_bytes=s.host))
         return tuple(out)
-
 
 class _BufferState:
     """The buffers of one call of a checkpointed block, for its recomputation ([Note: block
     forwards]): their values from before the forward, kept only if the forward changed them."""
 
-    def __init__(self, places: list[tuple[nn.Module, str, Tensor]]) -> None:
-        self.places = places  # (module, buffer name, buffer)
+    def __init__(self, block: nn.Module) -> None:
+        self.places = [(m, name, b) for m in block.modules() for name, b in m.named_buffers(recurse=False)
+                       if b is not None]  # (module, buffer name, buffer)
         self.before: list[Tensor] | None = None
         self.ran = False  # the forward ran (a later run is the recomputation)
-
-    @staticmethod
-    def of(block: nn.Module) -> _BufferState:
-        return _BufferState([(m, name, b) for m in block.modules() for name, b in m.named_buffers(recurse=False)
-                             if b is not None])
 
     @contextmanager
     def forward(self):

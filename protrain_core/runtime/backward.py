@@ -2,22 +2,16 @@
 and the same pass around a ``loss.backward()`` the user starts.
 
 [Note: loss.backward()]
-A backward the user starts with ``loss.backward()`` (manual optimization that does not call
-manual_backward, a plain loop, a Fabric script that runs the module it gave to setup) or
-``torch.autograd.grad`` instead of ``engine.backward(loss)`` runs the same pass: its first act
-that reaches the runtime -- a unit's backward hook, a gradient (``RuntimeHooks``), or a
-checkpointed block's recomputation (``ActivationManager``) -- finds the engine idle and opens the
-pass there (``begins``), and a callback queued on autograd's engine (FSDP2's way to run after
-the last hook) closes it when autograd's pass ends: the gradients are readable right after
-``loss.backward()`` returns, and step(), clipping and the next backward see a finished one. A
-pass that raised never reaches its callback: the engine's next verb or forward closes it as
-failed (``ready``). A pass in which no parameter got a gradient (``torch.autograd.grad`` of an
-input: an adversarial example) is not the step's backward (``Scheduler.backward_pass``).
-Refused with the fix: a backward with create_graph=True, at every hook (its gradients' graph
-would read parameters ProTrain released), and a pass the user starts inside ``engine.step()``
-(from the optimizer's step hooks, after the update), between the step's backward and its step,
-or where the loss itself is needed: the fp16 scale multiplies it, and several processes compare
-which parameters it reaches before the first collective (``UsageCheck`` in sharding.py).
+A backward the user starts with ``loss.backward()`` or ``torch.autograd.grad`` instead of
+``engine.backward(loss)`` runs the same pass: its first act that reaches the runtime (a unit's
+backward hook, a gradient, or a checkpointed block's recomputation) finds the engine idle and
+opens the pass there (``begins``), and a callback queued on autograd's engine (as FSDP2 does)
+closes it when autograd's pass ends. A pass that raised never reaches its callback: the engine's
+next verb or forward closes it as failed (``ready``). A pass in which no parameter got a
+gradient is not the step's backward. Refused with the fix: create_graph=True (its gradients'
+graph would read released parameters), and a pass the user starts inside ``engine.step()``,
+between the step's backward and its step, or where the loss itself is needed (the fp16 scale
+multiplies it; several processes compare which parameters it reaches: ``UsageCheck``).
 """
 
 from __future__ import annotations
@@ -42,8 +36,7 @@ def check_trains(trains: bool, what: str) -> None:
 class BackwardPasses:
     def __init__(self, *, step_state, grads, clipping, scheduler, observers, scaler, trains: bool) -> None:
         """``observers``: the engine's step observers; ``trains``: the engine holds optimizer
-        states (else a backward outside no_sync is refused). Nothing here refers to the engine:
-        no cycle keeps a closed one alive."""
+        states (else a backward outside no_sync is refused). Nothing here refers to the engine."""
         self.step_state, self.grads, self.clipping, self.scheduler = step_state, grads, clipping, scheduler
         self.observers, self.scaler, self.trains = observers, scaler, trains
         self.activations = None  # the engine's ActivationManager (set_activations)
@@ -77,15 +70,14 @@ class BackwardPasses:
             with self.scheduler.backward_pass(boundary=state.final_micro_batch, loss=loss), \
                     self.activations.backward_pass():
                 yield
-            self.grads.backward_ended()  # p.grad reads the gradients until step() or zero_grad
+            self.grads.readable = True  # p.grad reads the gradients until step() or zero_grad
         finally:
             state.micro_batch_ended()
             self.observers.notify(lambda o: o.backward_ends())
 
     def hook(self) -> None:
-        """The first act of every runtime backward hook: a backward with create_graph=True is
-        refused (autograd runs its hooks with gradients on), and one finding the engine idle is
-        a backward the user started (``begins``)."""
+        """The first act of every runtime backward hook: refuse create_graph=True (autograd runs
+        its hooks with gradients on); a backward finding the engine idle ``begins``."""
         if torch.is_grad_enabled():
             raise RuntimeError(
                 "A backward with create_graph=True reached ProTrain-managed modules (a gradient penalty, a "
@@ -94,9 +86,8 @@ class BackwardPasses:
         self.begins()
 
     def begins(self) -> None:
-        """A backward the user started (``loss.backward()``, ``torch.autograd.grad``) reached the
-        model -- a hook, or a checkpointed block's recomputation, found the engine idle: the pass
-        begins here and ends when autograd's does."""
+        """A hook or a recomputation found the engine idle: a backward the user started begins
+        here, and ends when autograd's pass does."""
         if not self.step_state.idle:
             return
         what = "A backward started outside engine.backward(loss) (loss.backward(), torch.autograd.grad)"
@@ -122,8 +113,7 @@ class BackwardPasses:
         torch.autograd.Variable._execution_engine.queue_callback(end)
 
     def ready(self) -> None:
-        """Not closed, and no ``loss.backward()`` half done: one that raised (autograd never
-        ends it) ends here, as failed."""
+        """Not closed, and no ``loss.backward()`` half done: one that raised ends here, as failed."""
         self.step_state.check_open()
         failed, self._open = self._open, None
         if failed is not None:

@@ -3,31 +3,24 @@ that move it from state to state.
 
 [Note: chunk lifecycle]
 A chunk has two state machines. Every verb checks that it is legal in the current state
-(``IllegalTransition`` otherwise, with nothing changed), then does its storage work, and sets
-the new state last. Nothing outside ``Chunk`` assigns its fields; the scheduler
-(runtime/scheduler.py) only decides *when* to call a verb.
+(``IllegalTransition`` otherwise, with nothing changed), does its storage work, and sets the
+new state last. The scheduler (runtime/scheduler.py) only decides *when* to call a verb.
 
 Residency (``ChunkState``): where the chunk's compute copy is.
 
   verb          from        to          storage work
-  persist       HOST        PERSISTENT  (a re-plan, onloading) every tensor moved to the device; host
-                                        buffer freed (kept after parking)
-  unpersist     PERSISTENT  HOST        (a re-plan, offloading) every tensor moved to a new (or the
-                                        kept) host buffer
+  persist       HOST        PERSISTENT  (a re-plan, onloading) every tensor moved to the device
+  unpersist     PERSISTENT  HOST        (a re-plan, offloading) every tensor moved to a host buffer
   begin_fetch   HOST        FETCHING    allocate the device copy; copy host -> device (copy stream)
   end_fetch     FETCHING    RESIDENT    compute stream waits for the copy; parameters -> device copy
   release       RESIDENT    HOST        parameters -> host copy; free the device copy
-  begin_offload RESIDENT    OFFLOADING  copy the gradient buffer device -> host; hand the landing
-                                        (and maybe Adam) to the CPU worker
-  end_offload   OFFLOADING  UPDATING    wait for the copy; parameters -> host copy; free the device
-                                        copy and the gradient buffer
+  begin_offload RESIDENT    OFFLOADING  copy the gradient buffer to the host; hand it to the worker
+  end_offload   OFFLOADING  UPDATING    parameters -> host copy; free the device copy and buffer
   begin_update  HOST        UPDATING    hand Adam on the host states to the CPU worker
   end_update    UPDATING    HOST        wait for the worker (re-raises its failure)
 
-A persistent chunk stays ``PERSISTENT`` until a re-plan between steps streams it. While a
-chunk is ``UPDATING`` the worker owns its host tensors: its parameters must not be read until
-``end_update`` (a fetch waits for the chunk's own; ``step()`` waits for every chunk's unless
-the updates overlap the next forward, update.py, and then state dicts and ``wait_all`` do).
+While a chunk is ``UPDATING`` the worker owns its host tensors: its parameters must not be read
+until ``end_update`` (a fetch, ``step()`` or ``wait_all`` waits for it).
 
 Gradients (``GradState``): what the gradient accumulator holds since ``zero_grad``.
 
@@ -36,63 +29,41 @@ Gradients (``GradState``): what the gradient accumulator holds since ``zero_grad
                 READY           MORE      a further backward accumulates (no_sync micro-batch)
                 FIRST, MORE     (same)    more gradients of the same backward
   land          FIRST, MORE     READY     this backward's gradients are in the accumulator
-                                          (a persistent chunk at the end of backward; a streamed
-                                          one in begin_offload: copied over the garbage after
-                                          FIRST, added after MORE, by the CPU worker)
-  land_applied  FIRST, MORE     APPLIED   begin_offload at a step's last backward when Adam
-                                          overlaps it: the worker runs Adam right after landing
+                                          (a streamed chunk's: begin_offload, by the CPU worker)
+  land_applied  FIRST, MORE     APPLIED   begin_offload when Adam overlaps backward: the worker
+                                          runs Adam right after landing
   apply         READY           APPLIED   Adam at step()
   finish_step   EMPTY, READY,   READY     step() is over (EMPTY stays EMPTY); the gradients stay
-                APPLIED                   until zero_grad, as ``p.grad`` does in torch
+                APPLIED                   until zero_grad, as ``p.grad`` does
   zero          EMPTY, READY,   EMPTY     zero_grad
                 APPLIED
 
-``receive`` from ``APPLIED`` is illegal: a second backward after the first one already updated
-the chunk (without ``no_sync``) would need the gradients Adam consumed. Which members received
-a gradient since ``zero_grad`` (torch skips parameters whose ``.grad`` is None) and which have
-Adam state (``optimizer.state`` in torch) are per-member facts the chunk keeps alongside.
+``receive`` from ``APPLIED`` is illegal: a second backward after an update would need the
+gradients Adam consumed. Which members received a gradient since ``zero_grad`` and which have
+Adam state are per-member facts the chunk keeps alongside.
 
 [Note: parameter access]
 Every managed parameter's ``.data`` is, at any time, a view of one of two flat tensors of its
-chunk: the device copy while the chunk is resident (or persistent), and the host copy while it
-is not. A parameter of a streamed chunk therefore never holds stale or garbage data: outside
-forward/backward it reads the up-to-date host copy (once its update is over: see
-``Engine.step``), inside it reads the device buffer.
+chunk: the device copy while the chunk is resident (or persistent), the host copy while it is
+not; so it never holds stale or garbage data.
 
-The device copy is one permanent tensor per chunk; releasing the chunk frees its memory with
-``untyped_storage().resize_(0)`` and fetching re-allocates it with ``resize_`` and copies the
-host values in (FSDP2's technique). Autograd's saved tensors stay valid because (1) a saved
-parameter (a leaf) is saved as the parameter object itself, so unpacking reads whatever
-``.data`` points at when backward runs, and (2) a saved *view* of a parameter made in forward
-(``weight.t()`` in ``linear``) shares the storage object of the device copy, which the fetch
-before that block's backward re-allocates and refills with the same values. Re-pointing
-``.data`` does not touch the parameter's version counter, and copying into the device copy
-bumps only the counter of the device copy itself, so autograd's in-place checks are not
-triggered. The runtime guarantees the fetch: a pre-backward hook on each unit's outputs makes
-the unit's chunks resident before any of its backward nodes runs (runtime/hooks.py). That
-includes the recomputation of a checkpointed block, which its first backward node triggers;
-it calls the block's original ``forward`` and does not re-run the forward hooks (see [Note:
-block forwards] in activations.py). At most ``n_buffer`` streamed chunks hold a device copy at
-a time, and the caching allocator recycles the memory of the released ones: those are the chunk
-buffers, charged each at the largest streamed chunk's size (chunks differ: a chunk stores only
-its members' spans; ``CostModel.buffer_bytes`` in planner/cost.py).
+The device copy is one permanent tensor per chunk; releasing frees its memory with
+``untyped_storage().resize_(0)`` and fetching re-allocates it with ``resize_`` (FSDP2's
+technique). Autograd's saved tensors stay valid: a saved parameter is the parameter object, so
+unpacking reads whatever ``.data`` points at in backward, and a saved *view* of one shares the
+device copy's storage, which the fetch before that block's backward refills with the same
+values. Re-pointing ``.data`` does not touch the version counter. A pre-backward hook on each
+unit's outputs makes its chunks resident before any of its backward nodes runs (runtime/hooks.py),
+including a checkpointed block's recomputation ([Note: block forwards] in activations.py).
 
 [Note: a pass's placeholders]
-Autograd keeps one gradient accumulator per parameter for a graph, found again at each use in
-forward -- unless ``.data`` was re-pointed at a tensor of another device or dtype since the
-last use: ``set_data`` then drops the parameter's accumulator, and the next use makes a second
-one. Both run in backward, each with the parameter's post-accumulate-grad hook, so a parameter
-used twice in one forward (a tied embedding and LM head, a layer shared across blocks) would
-deliver its gradient in two parts, the chunk would count it twice and be updated before its
-last gradient came (``receive`` in APPLIED: the first GPU session's failure on GPT-2 with every
-chunk streamed), and the two parts would be summed by the runtime instead of autograd. On a CUDA
-device the host copy is on another device, so a chunk released inside a pass -- from a
-training forward's first hooked unit (gradients enabled) to the end of its backward -- points
-its parameters at a NaN of their device and dtype expanded to their shapes
-(``point_at_placeholders``: one element, no chunk memory; never at the freed device copy, whose
-reads would touch freed memory), and at rest only when the pass is over (``Scheduler.settle``,
-at the end of backward and before any state read). Reading such a parameter between a forward
-and its backward gives NaN, as reading a sharded chunk's parameters at rest does.
+Autograd keeps one gradient accumulator per parameter for a graph, unless ``.data`` was
+re-pointed at a tensor of another device or dtype since its last use: then a parameter used
+twice in one forward (tied weights) would deliver its gradient in two parts, and the chunk would
+be updated before the last one came. So on a CUDA device (the host copy is on another device)
+a chunk released inside a pass (from a training forward's first hooked unit to the end of its
+backward) points its parameters at a NaN of their device and dtype expanded to their shapes
+(``point_at_placeholders``), and at rest only when the pass is over (``Scheduler.settle``).
 """
 
 from __future__ import annotations
@@ -151,26 +122,18 @@ G = GradState
 GRAD_TRANSITIONS: dict[tuple[str, GradState], GradState] = {
     ("receive", G.EMPTY): G.FIRST,
     ("receive", G.READY): G.MORE,
-    ("receive", G.FIRST): G.FIRST,
-    ("receive", G.MORE): G.MORE,
-    ("land", G.FIRST): G.READY,
-    ("land", G.MORE): G.READY,
-    ("land_applied", G.FIRST): G.APPLIED,
-    ("land_applied", G.MORE): G.APPLIED,
+    **{("receive", s): s for s in (G.FIRST, G.MORE)},
+    **{("land", s): G.READY for s in (G.FIRST, G.MORE)},
+    **{("land_applied", s): G.APPLIED for s in (G.FIRST, G.MORE)},
     ("apply", G.READY): G.APPLIED,
-    ("finish_step", G.APPLIED): G.READY,
-    ("finish_step", G.READY): G.READY,
-    ("finish_step", G.EMPTY): G.EMPTY,
-    ("zero", G.EMPTY): G.EMPTY,
-    ("zero", G.READY): G.EMPTY,
-    ("zero", G.APPLIED): G.EMPTY,
+    **{("finish_step", s): G.EMPTY if s is G.EMPTY else G.READY for s in (G.EMPTY, G.READY, G.APPLIED)},
+    **{("zero", s): G.EMPTY for s in (G.EMPTY, G.READY, G.APPLIED)},
 }
 GRAD_VERBS = tuple(sorted({verb for verb, _ in GRAD_TRANSITIONS}))
 
 
 class IllegalTransition(RuntimeError):
-    """A lifecycle verb called on a chunk in a state it does not leave that way (a bug of the
-    runtime, never of the user's code: nothing was changed)."""
+    """A lifecycle verb called on a chunk in a state it does not leave that way (nothing changed)."""
 
 
 def _next(table: dict, verb: str, state, index: int):
@@ -199,7 +162,6 @@ class Chunk:
         self._adam_state = [False] * len(params)  # has Adam state (like torch's optimizer.state)
         self._arrived = 0  # members whose gradient arrived in the current backward pass
         self._written: list[bool] = []  # the members whose gradient is in the gradient buffer
-        self._n_written = 0
         self._grad_gaps = self.values.span_gaps(self.grad_members)  # zeroed in each new gradient buffer
         self.pins = 0  # forward uses in flight
         self.last_use = 0  # for least-recently-used eviction
@@ -222,8 +184,8 @@ class Chunk:
         return _next(TRANSITIONS, verb, self.state, self.index)
 
     def persist(self, *, keep_host: bool = False, copy=None) -> None:
-        """A re-plan keeps this streamed chunk on the device from now on (all its states move;
-        ``keep_host``, ``copy``: ``ChunkStorage.make_persistent``, as when onloading)."""
+        """A re-plan keeps this streamed chunk on the device from now on (``keep_host``, ``copy``:
+        ``ChunkStorage.make_persistent``)."""
         target = self._moved("persist")
         self.values.forget_views()
         self.storage.make_persistent(keep_host=keep_host, copy=copy)
@@ -232,8 +194,7 @@ class Chunk:
 
     def unpersist(self, copy=None, *, parked: bool = False) -> None:
         """A re-plan streams this persistent chunk from now on, or ``offload_states`` parks it
-        (``parked``): all its states move to the host (``copy(dst, src)``: how,
-        ``ChunkStorage.make_streamed``)."""
+        (``parked``, ``copy``: ``ChunkStorage.make_streamed``)."""
         target = self._moved("unpersist")
         self.values.forget_views()
         self.storage.make_streamed(copy, gradients=self.has_gradients, parked=parked)
@@ -241,8 +202,7 @@ class Chunk:
         self.state = target
 
     def begin_fetch(self, ctx: DeviceContext) -> None:
-        """Upload the compute copy (with ``W`` processes: this rank's shard, then all-gather it
-        on the communication stream)."""
+        """Upload the compute copy (with ``W`` processes: this rank's shard, then all-gather it)."""
         target = self._moved("begin_fetch")
         storage = self.storage
         storage.allocate_device_copy()
@@ -264,8 +224,8 @@ class Chunk:
         self.state = target
 
     def release(self, *, in_pass: bool = False) -> None:
-        """Free the device copy; ``in_pass``: a forward's graph may still use the parameters, which
-        then point at device placeholders until ``settle`` ([Note: a pass's placeholders])."""
+        """Free the device copy; ``in_pass``: the parameters point at device placeholders until
+        ``settle`` ([Note: a pass's placeholders])."""
         target = self._moved("release")
         self.point_at_placeholders() if in_pass else self.point_at_rest()
         self.storage.free_device_copy()
@@ -273,15 +233,10 @@ class Chunk:
 
     def begin_offload(self, ctx: DeviceContext, *, applied: bool, landing_for: Callable[[bool], Tensor],
                       submit: Callable[[object, Tensor, bool], Future]) -> None:
-        """Copy the gradient buffer to the host and hand the chunk to the CPU worker, which lands
-        the gradients in the accumulator (and runs Adam when ``applied``).
-
-        ``landing_for(replace)`` is the host tensor the copy goes to; ``submit(event, landing,
-        replace)`` returns the worker's future (the worker waits for ``event`` itself).
-        ``replace``: the first pass since zero_grad, whose gradients replace the garbage.
-        With ``W`` processes the gradients are reduce-scattered first and this rank's piece of
-        their mean is offloaded.
-        """
+        """Copy the gradient buffer (with ``W`` processes: this rank's piece of its reduced mean)
+        to the host tensor ``landing_for(replace)`` and hand the chunk to the CPU worker, which
+        lands the gradients (and runs Adam when ``applied``): ``submit(event, landing, replace)``
+        returns its future. ``replace``: the first pass since zero_grad (replacing the garbage)."""
         target = self._moved("begin_offload")
         grad_target = self._grad_moved("land_applied" if applied else "land")
         replace = self.grad_state is GradState.FIRST
@@ -295,10 +250,8 @@ class Chunk:
         self.state = target
 
     def end_offload(self, ctx: DeviceContext, *, in_pass: bool = False) -> None:
-        """Free the device memory without waiting for the copy: the gradient buffer (and the
-        reduce-scattered piece) in stream order, reused only once the copies reading them are
-        done ([Note: streams] in device.py); the CPU worker alone waits for the copy it lands.
-        ``in_pass``: as in ``release``."""
+        """Free the device memory in stream order, without waiting for the copy ([Note: streams]
+        in device.py): the CPU worker alone waits for it. ``in_pass``: as in ``release``."""
         target = self._moved("end_offload")
         storage = self.storage
         for t in (storage.grad_buffer, self._reduced):
@@ -353,9 +306,8 @@ class Chunk:
         return _next(GRAD_TRANSITIONS, verb, self.grad_state, self.index)
 
     def receive(self, i: int, grad: Tensor) -> bool:
-        """Member ``i``'s gradient of this backward: into the accumulator (persistent) or the
-        device gradient buffer (streamed; the chunk is resident). True when every member with
-        gradients has its gradient of this pass."""
+        """Member ``i``'s gradient of this backward, into the accumulator (persistent) or the
+        gradient buffer; True when every member with gradients has its gradient of this pass."""
         target = self._grad_moved("receive")
         if self.persistent and self.storage.fmt.whole:
             dst = self.values.state_view(self.storage.grad_acc, i)
@@ -365,7 +317,7 @@ class Chunk:
             buffer = self.storage.grad_buffer
             if buffer is None:
                 buffer = self.storage.allocate_grad_buffer(zero=self._grad_gaps)
-                self._written, self._n_written = [False] * len(self.params), 0
+                self._written = [False] * len(self.params)
             dst, scale = self.values.span_view(buffer, i), self.storage.sharding.pre_scale
             if scale is None:
                 dst.copy_(grad)
@@ -373,7 +325,6 @@ class Chunk:
                 torch.mul(grad, scale, out=dst)  # the copy and the mean's scaling in one pass
             else:
                 dst.copy_(grad).mul_(scale)
-            self._n_written += not self._written[i]
             self._written[i] = True
         self._received[i] = True
         self._arrived += 1
@@ -389,10 +340,8 @@ class Chunk:
         return self.storage.grad_buffer is not None
 
     def land(self, ctx: DeviceContext | None = None) -> None:
-        """A persistent chunk's gradients of this pass are in its accumulator -- with ``W``
-        processes, reduce-scattered from its gradient buffer and added to it on the
-        communication stream; the compute stream waits for that once, at the end of backward
-        (``await_reduction``), not here."""
+        """A persistent chunk's gradients of this pass are in its accumulator (with ``W`` processes,
+        reduce-scattered into it on the communication stream: ``await_reduction``; ``ctx``)."""
         assert self.persistent, self
         target = self._grad_moved("land")
         storage = self.storage
@@ -418,22 +367,19 @@ class Chunk:
         self.grad_state = target
 
     def await_reduction(self, ctx: DeviceContext) -> None:
-        """The compute stream waits for this persistent chunk's reduce-scatter (``land``) or
-        all-gather after its update (``gather_updated``) still in flight."""
+        """The compute stream waits for ``land``'s or ``gather_updated``'s collective."""
         ctx.wait_on_compute(self._event)
         self._event = None
 
     def gather_updated(self, ctx: DeviceContext) -> None:
-        """With ``W`` processes, after a persistent chunk's update: every rank's updated piece
-        of the trainable span, all-gathered on the communication stream (``await_reduction``
-        waits for it)."""
+        """With ``W`` processes, after a persistent chunk's update: its trainable span all-gathered
+        on the communication stream (``await_reduction`` waits for it)."""
         self._event = ctx.collective(lambda: self.storage.gather(frozen=False),
                                      span=("collectives", f"all-gather chunk {self.index}"))
 
     def _reduced_gradients(self, ctx: DeviceContext) -> tuple[Tensor, object]:
-        """The gradients to accumulate, and the event to wait for before reading them: the
-        gradient buffer, or with ``W`` processes this rank's piece of their mean over the ranks
-        (reduce-scattered on the communication stream)."""
+        """The gradients to offload, and the event to wait for first: the gradient buffer, or with
+        ``W`` processes this rank's piece of their mean (reduce-scattered)."""
         storage = self.storage
         if storage.fmt.whole:
             return storage.grad_buffer, None
@@ -453,12 +399,8 @@ class Chunk:
         self._arrived = 0
 
     def _zero_missing(self) -> None:
-        """Before the gradient buffer is read: zero the places of the members whose gradient
-        is not in it (``allocate_grad_buffer`` leaves them as they were): those that got none
-        in this pass, and those whose gradient went out with an earlier buffer of the pass (a
-        chunk evicted before all its gradients came)."""
-        if self._n_written == len(self.grad_members):
-            return
+        """Before the gradient buffer is read: zero the places of the members whose gradient is
+        not in it (none in this pass, or in an earlier buffer of the pass: a chunk evicted)."""
         for i in self.grad_members:
             if not self._written[i]:
                 self.values.span_view(self.storage.grad_buffer, i).zero_()
@@ -471,9 +413,7 @@ class Chunk:
         self.grad_state = target
 
     def clear_grad(self, i: int) -> None:
-        """Member ``i``'s gradient is gone (``p.grad = None``): its place in the accumulator (if
-        the chunk has one) is zeroed, where a later landing adds to it, and it received none since
-        zero_grad."""
+        """Member ``i``'s gradient is gone (``p.grad = None``): its place in the accumulator is zeroed."""
         if self.storage.fmt.accumulator:
             self.values.state_view(self.storage.grad_acc, i).zero_()
         self._received[i] = False
@@ -502,14 +442,8 @@ class Chunk:
     @plain_parameters
     def point_at_rest(self, members=None) -> None:
         """Point the parameters (of ``members``: default all) of a streamed chunk that is not
-        resident at its host copy. With
-        ``W`` processes the host copy holds only this rank's shard: the parameters then point at
-        a NaN of the compute dtype expanded to their shapes (no memory; reading them directly
-        gives NaN, never freed memory), and ``model.state_dict()`` is refused with the fix
-        (``Engine.state_dict`` gathers them: [Note: sharded chunks] in sharding.py). In one
-        process with the frozen span in 8 bits, only the quantised members point at NaN (the
-        others at the host copy and the host store's kept values): [Note: quantised frozen
-        chunks] in frozen_formats.py."""
+        resident at its host copy; at a NaN expanded to their shapes where it holds no value (``W``
+        processes: [Note: sharded chunks]; quantised members: [Note: quantised frozen chunks])."""
         storage = self.storage
         if storage.fmt.whole and storage.frozen is None:
             self.point_params_at(storage.host_copy, members)
@@ -525,17 +459,14 @@ class Chunk:
 
     @plain_parameters
     def point_at_placeholders(self) -> None:
-        """Point the parameters at a NaN of their own device and dtype expanded to their shapes
-        (one element per device and dtype, no chunk memory): a release inside a pass ([Note: a
-        pass's placeholders]). ``settle`` points them at rest when the pass is over."""
+        """Point the parameters at a NaN of their device and dtype ([Note: a pass's placeholders])."""
         for p in self.params:
             p.data = self._nan_of(p.device, p.dtype).expand(p.shape)
         self._pointed = [p.data_ptr() for p in self.params]
         self.at_placeholders = True
 
     def _nan_of(self, device: torch.device, dtype: torch.dtype) -> Tensor:
-        """One NaN element of ``device`` and ``dtype``, made once per chunk: what parameters
-        without values of their own point at, expanded to their shapes."""
+        """One NaN element of ``device`` and ``dtype``, made once per chunk."""
         nan = self._nan.get((device, dtype))
         if nan is None:
             with untracked():  # chunk memory (one element), not an activation
@@ -549,9 +480,8 @@ class Chunk:
 
     @plain_parameters
     def materialise(self) -> None:
-        """Point the quantised frozen members of a streamed chunk at rest at their values (new
-        tensors) until the chunk next moves: ``module.state_dict()`` reads them ([Note: quantised
-        frozen chunks] in frozen_formats.py)."""
+        """Point the quantised frozen members of a streamed chunk at rest at their values until
+        the chunk next moves (``module.state_dict()``: [Note: quantised frozen chunks])."""
         if self.storage.frozen is None or self.device_resident or self.persistent:
             return
         for i, *_ in self.storage.frozen.quantised:
@@ -560,8 +490,7 @@ class Chunk:
 
     @plain_parameters
     def point_params_at(self, flat: Tensor, members=None) -> None:
-        """Re-point the ``.data`` of every parameter (of ``members``) at its slot in ``flat``
-        (see [Note: parameter access])."""
+        """Re-point the parameters (of ``members``) at their slots in ``flat`` ([Note: parameter access])."""
         for i in self._repointed(members):
             p = self.params[i]
             p.data = self.values.view(flat, i)
@@ -577,9 +506,7 @@ class Chunk:
 
     @plain_parameters
     def holds_value(self, i: int) -> bool:
-        """Member ``i``'s parameter points at its value, not at a NaN placeholder (a pass's, or at
-        rest with ``W`` processes or a quantised member). Read it only with no copy or update of
-        the chunk in flight."""
+        """Member ``i``'s parameter points at its value, not at a NaN placeholder."""
         if self.at_placeholders:
             return False
         ptr = self.params[i].untyped_storage().data_ptr()
@@ -592,17 +519,15 @@ class Chunk:
 
     @plain_parameters
     def rebound(self) -> list[int]:
-        """The members whose ``.data`` was rebound since the chunk last pointed them (``p.data =
-        tensor`` by the user: a callback's reset of the weights)."""
+        """The members whose ``.data`` the user rebound since the chunk last pointed them."""
         if self._pointed is None:
             return []
         return [i for i, p in enumerate(self.params) if p.data_ptr() != self._pointed[i]]
 
     @plain_parameters
     def adopt(self, members: list[int]) -> None:
-        """Take these members' values (rebound, or written in place) into the chunk (master and
-        compute copy; the device copy too when it is there), and point their parameters back at
-        the chunk (only theirs: another member the user rebound stays the user's until adopted)."""
+        """Take these members' values (rebound, or written in place) into the chunk, and point
+        their parameters (only theirs) back at it."""
         with torch.no_grad():
             for i in members:
                 value = self.params[i].detach()
@@ -616,9 +541,7 @@ class Chunk:
 
     @plain_parameters
     def load_params(self) -> None:
-        """Copy the parameters' current values in (the master, then its compute copy), and point
-        the parameters at the compute copy. An fp32 model is rounded to bf16 in bf16-true, and a
-        frozen parameter to the compute dtype in the mixed modes."""
+        """Copy the parameters' current values in and point the parameters at the compute copy."""
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 self.values.set_member(i, p.detach())
@@ -626,8 +549,7 @@ class Chunk:
 
     @plain_parameters
     def detach_params(self) -> None:
-        """Point the parameters at their authoritative values for good (the engine closes; with
-        ``W`` processes every rank then holds the whole values, gathered chunk by chunk)."""
+        """Point the parameters at their whole authoritative values for good (the engine closes)."""
         values = self.values.gathered_values()
         for p, value in zip(self.params, values):
             p.data = value if self.persistent else value.to(self.storage.host)

@@ -5,8 +5,7 @@ Clipping decides when the CPU Adam of streamed chunks may run: by value it runs 
 (each chunk is clamped right before its own update); by norm, or when a clipping may still be
 requested between backward and step, it waits for the global norm and overlaps the next forward
 (update.py). This face keeps the scheduler's ``UpdatePolicy`` in step with the setting; the
-gradients themselves, their norms and the late requests live in ``StepGradients``
-(gradients.py).
+gradients, their norms and the late requests live in ``StepGradients`` (gradients.py).
 """
 
 from __future__ import annotations
@@ -43,17 +42,11 @@ class Clipping:
 
     def configure(self, algorithm: str | None, value: float | None = None, norm_type: float = 2.0) -> None:
         """Clip the gradients before every update exactly as ``torch.nn.utils.clip_grad_norm_(params,
-        value, norm_type)`` ("norm") or ``clip_grad_value_(params, value)`` ("value") would; None
-        turns it off.
-
-        "value" is elementwise: each chunk is clamped right before its own Adam, so streamed
-        chunks are still updated during backward. "norm" needs the global norm before any
-        update: the gradients' norms are taken as they land and the streamed chunks' Adam runs
-        after backward, overlapping the next forward (``engine.overlap`` says so); ``last_norm``
-        holds the total norm before clipping. Call it between steps; setting the current value
-        again is a no-op at any time. To clip between backward and step instead, see
-        ``clip_grad_norm_``.
-        """
+        value, norm_type)`` (``algorithm`` "norm") or ``clip_grad_value_(params, value)`` ("value")
+        would; None turns it off. "value" is elementwise, so streamed chunks are still updated
+        during backward; "norm" needs the global norm first, so their Adam overlaps the next
+        forward (``engine.overlap``); ``last_norm`` holds the total norm before clipping. Call it
+        between steps (setting the current value again is a no-op at any time)."""
         self._state.check_open()
         clipping = parse_gradient_clipping(algorithm, value, norm_type)
         if clipping == self._grads.configured:
@@ -75,13 +68,12 @@ class Clipping:
         self.schedule_updates()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, called between
-        ``backward`` and ``step`` (what ``fabric.clip_gradients`` and Lightning's
-        ``configure_gradient_clipping`` do): returns the total norm before clipping; ``step()``
-        applies the clipping. Exact when no chunk was updated during this backward: the engine
-        holds the updates of its first step, and of every step after one that clipped late
-        ([Note: finishing gradients early] in gradients.py). With clipping configured ahead
-        (``configure``), the same setting only returns the norm."""
+        """``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, between ``backward``
+        and ``step`` (as ``fabric.clip_gradients`` does): returns the total norm before clipping.
+        Exact when no chunk was updated during this backward: the engine holds the updates of
+        its first step, and of every step after one that clipped late ([Note: finishing
+        gradients early] in gradients.py). With clipping configured ahead (``configure``), the
+        same setting only returns the norm."""
         clipping = self._late_request("norm", max_norm, norm_type)
         total = self._grads.late_norm(clipping)
         if error_if_nonfinite and not bool(torch.isfinite(total)):
@@ -94,14 +86,13 @@ class Clipping:
         return total
 
     def clip_grad_value_(self, clip_value: float) -> None:
-        """``torch.nn.utils.clip_grad_value_`` over the optimizer's parameters, between
-        ``backward`` and ``step`` (see ``clip_grad_norm_``)."""
+        """``torch.nn.utils.clip_grad_value_(params, clip_value)`` over the optimizer's parameters,
+        between ``backward`` and ``step`` (see ``clip_grad_norm_``)."""
         self._accept(self._late_request("value", clip_value))
 
     def _accept(self, clipping) -> None:
         """A late request: applied at step(), fused with the update -- or at once where ``p.grad``
-        shows the gradients (read since backward, or when first read: ``_hand_out``), or when
-        another backward adds to them first (``BackwardPasses.around``), as torch's clips at once."""
+        shows the gradients (``_hand_out``), or when another backward adds to them first."""
         self._grads.accept(clipping)
         if self._grads.read_since_backward:
             self._grads.apply_late()
@@ -109,8 +100,7 @@ class Clipping:
     def grad_norm(self, norm_type: float = 2.0) -> Tensor:
         """The total norm of the gradients over the optimizer's parameters, between ``backward``
         and ``step`` (as ``torch.nn.utils.get_total_norm`` of their ``.grad``; after fp16
-        unscaling), without clipping anything. When streamed chunks are updated during backward
-        it waits for those updates (the gradients stay in the chunks until ``zero_grad``)."""
+        unscaling), without clipping anything."""
         parse_gradient_clipping("norm", 1.0, norm_type)
         self._check_gradients("engine.clipping.grad_norm()")
         if self._grads.consumed and self._updated_in_backward():
@@ -130,12 +120,11 @@ class Clipping:
         return self._grads.total_norm(norm_type)
 
     def expect_late(self, expected: bool = True, norm_type: float = 2.0) -> None:
-        """Say whether gradient clipping will be requested (``clip_grad_norm_``), or gradients
-        changed through ``p.grad``, between backward and step. True: possibly at any step, not
-        every one: every step's updates wait for step() (the ``norm_type`` norms are taken as
-        gradients land). False: never: no step is held for it (a late request is then refused).
-        Not called: the first step is held, and every step after one that clipped late or
-        read gradients through ``p.grad`` ([Note: gradients read through p.grad] in gradients.py)."""
+        """Say whether gradient clipping will be requested, or gradients changed through
+        ``p.grad``, between backward and step. ``expected`` True: every step's updates wait for
+        step() (the ``norm_type`` norms are taken as gradients land); False: never (a late
+        request is then refused). Not called: the first step is held, and every step after one
+        that clipped late or read ``p.grad``."""
         parse_gradient_clipping("norm", 1.0, norm_type)
         if expected and self._grads.consumed:
             raise ValueError(_NEEDS_ACCUMULATORS.format(what="Clipping requested between backward and step needs "
@@ -146,8 +135,7 @@ class Clipping:
 
     def grad_of(self, chunk: Chunk, i: int) -> Tensor | None:
         """What ``p.grad`` of member ``i`` of ``chunk`` reads ([Note: gradients read through p.grad]
-        in gradients.py): a view of its accumulated gradient from the end of a backward to the
-        next ``step()`` or ``zero_grad``; None elsewhere (the parameter's own, None)."""
+        in gradients.py): a view of its accumulated gradient, or None (the parameter's own)."""
         state = self._state
         if not (self._grads.readable and state.idle and not state.optimizer_step and chunk.has_grad(i)):
             return None
@@ -173,13 +161,9 @@ class Clipping:
         self._grads.handed_out(chunk)
 
     def clear_grads(self, members: list[tuple[Chunk, int]]) -> None:
-        """``p.grad = None`` of these members (``(chunk, i)``), or a module's ``zero_grad()``
-        (optimizer.zero_grad and module.zero_grad do it, as a Fabric-wrapped optimizer's does):
-        the gradients are gone, as torch's, so no step updates the members before a backward gives
-        them new ones, which start afresh; in the window after backward (where ``p.grad`` reads
-        them) as after a step (where it reads None, and the next backward would add to them).
-        Inside a forward, backward or optimizer step nothing is cleared (torch's leaves a running
-        backward's)."""
+        """``p.grad = None`` of these members (``(chunk, i)``), or a module's ``zero_grad()``: no
+        step updates them before a backward gives them new gradients. Inside a forward, backward
+        or optimizer step nothing is cleared (torch's leaves a running backward's)."""
         members = [(c, i) for c, i in members if c.has_grad(i)]
         if not members or not self._state.idle or self._state.optimizer_step:
             return
@@ -195,15 +179,13 @@ class Clipping:
 
     @property
     def last_norm(self) -> Tensor | None:
-        """The total norm before clipping of the last step clipped by norm (or of the last
-        ``clip_grad_norm_`` call)."""
+        """The total norm before clipping of the last step clipped by norm (or ``clip_grad_norm_``)."""
         return self._grads.last_norm
 
     @property
     def gradients_ready(self) -> bool:
-        """The step's gradients are complete and not used yet: after a backward outside
-        no_sync, or under manual optimization after backwards inside it (nothing was updated
-        during them), before ``step()``."""
+        """The step's gradients are complete and not used yet: after a backward outside no_sync
+        (or, under manual optimization, inside it), before ``step()``."""
         if not self._state.idle:
             return False
         accumulated = (self._state.manual and any(c.has_gradients for c in self._chunks)
@@ -216,8 +198,8 @@ class Clipping:
                             late_clipping=self._grads.late_reason(steady=steady))
 
     def schedule_updates(self) -> None:
-        """Give the scheduler the update policy of the current setting (the engine calls it
-        before every backward: whether a step is held can change after the first)."""
+        """Give the scheduler the update policy of the current setting (before every backward:
+        whether a step is held can change after the first)."""
         self._scheduler.set_policy(UpdatePolicy(during_backward=self.overlap().during_backward,
                                                 landing_clip=self._grads.landing_clip()))
 

@@ -2,38 +2,24 @@
 
 [Note: compiled units]
 ``ProTrainConfig(compile=...)`` compiles, per module as torchtitan does, each transformer block
-and each unit outside the blocks that has no submodules (the stem and head: embeddings, the
-final norm, the output projection). A compiled unit gets an instance ``forward`` that runs
-``torch.compile`` of its own forward; the module, its hooks and every name stay as they are
-(``remove()`` restores the forward), so what the runtime does at unit boundaries -- the chunk
-fetch and release hooks, the gradient hooks, the activation hooks, the checkpoint wrapper --
-runs outside the compiled regions, and a checkpointed block's recomputation runs the compiled
-forward (the wrapper calls the forward it found: this one). Inside a running unit its chunks
-are resident and pinned, so the compiled call runs with ``ManagedParameter``'s
-``__torch_function__`` turned off: the parameters are plain tensors to the compiler, inputs of
-the graph (dynamo lifts module parameters), and a streamed chunk's parameters pointing at
-another buffer each step changes no guard. A unit given another unit's parameter as an argument
-(an embedding table passed to every block) runs that call uncompiled, where the parameter's use
-fetches its chunk, and says so once; a module with ProTrain's hooks called from inside a compiled
-unit (registered outside the blocks, called in one) is refused at its first call. A deep copy of
-the model (an EMA) runs its blocks' plain forward.
-
-When compilation happens: at a unit's first call with gradients (the second training step
-under live profiling, whose memory pass runs the units eagerly -- dynamo cannot trace under its
-dispatch mode -- and whose next step is untimed: [Note: live profiling]), and again per activation mode the unit meets (a checkpointed block runs under
-checkpoint's saved-tensor hooks, a swapped one under the swap's), per batch shape until dynamo
-marks the shape dynamic, and under ``no_grad`` (evaluation). Hugging Face blocks read their own
-layer index, so every block compiles its own graph (identical graphs come from inductor's
-cache): dynamo's limit of recompilations per code object (8 by default) is raised to what the
-blocks need, never lowered.
-
-A model that comes compiled (``torch.compile(model)``, or a submodule compiled: a
-LightningModule's ``self.model = torch.compile(...)``) is compiled this way instead: while the
-engine is open each of torch.compile's wrappers runs its module eagerly (the hooks inside it
-cannot be traced), and the units are compiled with the options the wrapper was made with as
-Lightning records them (torch's defaults where it did not), or with ``ProTrainConfig.compile``
-where that is True or a dict (False, the default, does not undo the user's compile). The wrappers and their names stay (state-dict keys keep ``_orig_mod.``, as
-plain PyTorch's do); ``remove()`` makes them compile again.
+and each unit outside the blocks that has no submodules (the stem and head): a compiled unit gets
+an instance ``forward`` that runs ``torch.compile`` of its own (``remove()`` restores it), so
+what the runtime does at unit boundaries (chunk fetch and release, gradient and activation
+hooks, the checkpoint wrapper) runs outside the compiled regions. Inside a running unit its
+chunks are resident and pinned, so the compiled call runs with ``ManagedParameter``'s
+``__torch_function__`` off: the parameters are plain tensors to the compiler, inputs of the
+graph, and a streamed chunk's parameters pointing at another buffer each step changes no guard.
+A unit given another unit's parameter as an argument runs that call uncompiled (the parameter's
+use fetches its chunk) and says so once; a module with ProTrain's hooks called from inside a
+compiled unit is refused. A unit compiles at its first call with gradients (under live
+profiling the second training step: [Note: live profiling]), and again per activation mode, per
+batch shape until dynamo marks it dynamic, and under ``no_grad``; Hugging Face blocks read their
+own layer index, so each compiles its own graph, and dynamo's recompilation limits are raised.
+A model that comes compiled (``torch.compile(model)``, or a submodule) is compiled this way
+instead: while the engine is open torch.compile's wrappers run their modules eagerly, and the
+units are compiled with the options the wrapper was made with as Lightning records them (else
+torch's defaults), or with ``ProTrainConfig.compile`` where that is True or a dict. The wrappers
+and their names (``_orig_mod.``) stay; ``remove()`` makes them compile again.
 """
 
 from __future__ import annotations
@@ -58,9 +44,8 @@ COMPILES_PER_UNIT = 16
 
 
 def compile_options(value) -> dict | None:
-    """``ProTrainConfig.compile`` as ``torch.compile``'s keyword arguments: None (off) for
-    False, ``{}`` (torch's defaults) for True, else the dict itself (its keys among
-    ``COMPILE_ARGS``)."""
+    """``ProTrainConfig.compile`` (``value``) as ``torch.compile``'s keyword arguments: None (off)
+    for False, ``{}`` (torch's defaults) for True, else the dict (its keys among ``COMPILE_ARGS``)."""
     if value is False or value is None:
         return None
     if value is True:
@@ -91,19 +76,14 @@ def check_compile(value) -> None:
     if options is None:
         return
     try:
-        torch.compile(_nothing, **options)
+        torch.compile(lambda: None, **options)
     except Exception as e:  # (torch raises RuntimeError, ValueError, or the backend's own)
         raise ValueError(f"ProTrainConfig.compile={value!r}: torch.compile refuses it: {e}") from e
 
 
-def _nothing() -> None:
-    return None
-
-
 def compile_setting(model: nn.Module, configured):
-    """``ProTrainConfig.compile`` for ``model``: ``configured`` where it is on; for a model with
-    torch.compile's wrappers in it, the options the first was compiled with (as Lightning
-    records them; True: torch's defaults); else off."""
+    """``ProTrainConfig.compile`` for ``model``: ``configured`` where it is on; else the options of
+    the first torch.compile wrapper in it (as Lightning records them; True: torch's), if any."""
     if compile_options(configured) is not None:
         return configured
     wrapper = next((m for m in model.modules() if is_compile_wrapper(m)), None)
@@ -116,8 +96,7 @@ def compile_setting(model: nn.Module, configured):
 def compile_units(root: nn.Module, layout, setting) -> CompiledUnits | None:
     """``root``'s units compiled as ``setting`` (``ProTrainConfig.compile``) says, or None where
     it is off: the transformer blocks, then the runtime's other units (``unit_chunks``) that have
-    no submodules. The engine compiles them before the activation manager wraps checkpointed
-    blocks' forwards, so that those wrap the compiled ones."""
+    no submodules (before the activation manager wraps checkpointed blocks' forwards)."""
     options = compile_options(setting)
     if options is None:
         return None
@@ -128,9 +107,8 @@ def compile_units(root: nn.Module, layout, setting) -> CompiledUnits | None:
 
 
 class CompiledUnits:
-    """``modules``' forwards compiled with ``options`` (``torch.compile``'s keyword arguments),
-    and torch.compile's wrappers in ``root`` running eagerly, until ``remove()`` ([Note:
-    compiled units])."""
+    """``modules``' forwards compiled with ``options``, and torch.compile's wrappers in ``root``
+    running eagerly, until ``remove()`` ([Note: compiled units])."""
 
     def __init__(self, modules: list[nn.Module], options: dict, root: nn.Module) -> None:
         wrappers = [m for m in root.modules() if is_compile_wrapper(m)]
@@ -138,7 +116,10 @@ class CompiledUnits:
         for w in wrappers:  # (the wrapper's forward is its compiled call of the module's __call__)
             w.forward = w._orig_mod.__call__
         self._options, self._count = options, len(modules)
-        _raise_recompile_limit(modules)
+        dynamo = torch._dynamo.config  # (its recompilation limits raised to what the units need, never lowered)
+        sharing = max(Counter(type(m).forward for m in modules).values(), default=0)
+        dynamo.recompile_limit = max(dynamo.recompile_limit, COMPILES_PER_UNIT * sharing)
+        dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, COMPILES_PER_UNIT * len(modules))
         for m in modules:
             m.forward = types.MethodType(_compiled_forward(m, m.forward, options), m)
 
@@ -181,10 +162,3 @@ def _compiled_forward(module: nn.Module, forward, options: dict):
             return compiled(*args, **kwargs)
 
     return run
-
-
-def _raise_recompile_limit(modules: list[nn.Module]) -> None:
-    config = torch._dynamo.config
-    sharing = max(Counter(type(m).forward for m in modules).values(), default=0)
-    config.recompile_limit = max(config.recompile_limit, COMPILES_PER_UNIT * sharing)
-    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, COMPILES_PER_UNIT * len(modules))

@@ -1,26 +1,18 @@
 """Optimizers other than Adam/AdamW, run per chunk by torch's own implementation.
 
 [Note: elementwise optimizers]
-An optimizer whose update treats every element on its own -- SGD (momentum, Nesterov), RMSprop,
-Adagrad, Adadelta, Adamax, NAdam, RAdam, Rprop, ASGD -- gives the same values on a chunk's flat
-views as on the parameters themselves. So a chunk is stepped by an instance of the user's own
-optimizer class over the views of its members (the master weights, their gradients in the
-accumulator): torch's code, bitwise torch's result, on the device for persistent chunks and on
-the CPU worker for streamed ones.
+An optimizer whose update treats every element on its own (SGD, RMSprop, Adagrad, Adadelta,
+Adamax, NAdam, RAdam, Rprop, ASGD) is stepped per chunk by an instance of the user's own class
+over the views of its members (masters, gradients): bitwise torch's result.
 
-Where the states live. ``describe`` steps the user's class once on a small throwaway matrix
-with each param group's settings (before anything is built) and sorts its state: tensors of
-the parameter's shape (momentum buffers, running averages) become the chunk's state slots, in
-the storage beside the master (``ChunkFormat.adam_states`` of them: the planner counts their
-bytes); anything else of one element ("step", NAdam's ``mu_product``) stays with the instance.
-A state of another shape means the optimizer needs whole parameters (Adafactor's factored
-moments) and is refused, as is an optimizer that needs a closure (LBFGS) or sparse gradients
-(SparseAdam), and a subclass of a torch optimizer that overrides its ``step``: the instance
-steps flat views, and with several processes only this rank's pieces of them.
-
-A state slot of a member holds its value only once the member has been stepped (torch creates
-the state at the first step, e.g. SGD's buffer as a copy of the first gradient): the instance
-creates it, and the step's end copies it into the slot and points the instance at the slot.
+``describe`` steps the user's class on a small throwaway matrix with each param group's
+settings and sorts its state: tensors of the parameter's shape become the chunk's state slots
+(``ChunkFormat.adam_states`` of them, beside the master); one-element states ("step", NAdam's
+``mu_product``) stay with the instance. A state of another shape (Adafactor's factored moments)
+is refused, as is an optimizer that needs a closure (LBFGS) or sparse gradients (SparseAdam),
+and a subclass of a torch optimizer that overrides its ``step``. A slot holds its value only
+once the member has been stepped: the instance creates the state, and the step's end copies it
+into the slot and points the instance at the slot.
 """
 
 from __future__ import annotations
@@ -43,8 +35,8 @@ _WHOLE = {
 
 @dataclass(frozen=True)
 class Elementwise:
-    """What ``describe`` found: the state keys that become chunk slots (in torch's order) and
-    the order of every key of a parameter's state entry (for state dicts in torch's format)."""
+    """What ``describe`` found for optimizer class ``cls``: the state keys that become chunk
+    ``slots`` and the ``order`` of every key of a parameter's state entry."""
 
     cls: type
     slots: tuple[str, ...]
@@ -168,8 +160,7 @@ class ElementwiseSteps:
             self.extra[(chunk.index, i)] = {n: v for n, v in state.items() if n not in self.kind.slots}
 
     def _instance(self, chunk, members, views, settings) -> torch.optim.Optimizer:
-        """An instance of the user's class over ``views``: each stepped member's state taken
-        from its slots and ``extra``."""
+        """An instance of the user's class over ``views``, with each stepped member's state."""
         cls = self.kind.cls
         params = list(views.master)
         for p, g in zip(params, views.grads):

@@ -8,22 +8,17 @@ the same public methods and parts: ``set_block_modes``, ``on_recompute``, ``auto
 
 [Note: several optimizers]
 An engine trains with several optimizers over disjoint parameters (a GAN's generator and
-discriminator, in Lightning's manual optimization or Fabric) as torch does: each optimizer's
-``step()`` updates only its own parameters, with the gradients accumulated for them since its
-``zero_grad``. ``wrap`` builds one optimizer over all of them (``joint_optimizer``: same class,
-their param-group dicts), which the chunks' states, the planner and the profiler see, and a layout
-in which no chunk holds two optimizers' parameters (``build_layout(owners=)``); the engine keeps
-which chunks are whose. Since no backward knows which optimizer steps next, every backward only
-accumulates (as inside ``no_sync``: the step state is manual's) and ``step(optimizer)`` updates
-that optimizer's chunks -- the streamed ones on the CPU worker, overlapping what follows -- and
-runs that optimizer's own ``step`` for its hooks and schedulers; ``zero_grad(optimizer=)`` clears
-its chunks. Gradients stay readable through ``p.grad`` across steps, until cleared member by
-member (``p.grad = None``) or by chunk, so that an optimizer whose ``zero_grad`` does not reach
-the engine (Fabric's wrapper) still clears them exactly. A forward's graph may outlive a step
-(the DCGAN recipe keeps the generated batch's): until its backward begins, the chunks stay where
-that forward found them (``RuntimeHooks.backward_awaited``: no re-plan, no offload). Clipping,
-loss scaling (16-mixed), moments other than fp32 and ``grad_accumulator=False`` are refused:
-each spans one step of every trainable parameter, or is not tested with several yet.
+discriminator) as torch does: each ``step()`` updates only its own parameters, with the
+gradients accumulated for them since its ``zero_grad``. ``wrap`` builds one optimizer over all
+(``joint_optimizer``), which the chunks' states, the planner and the profiler see, and a layout
+in which no chunk holds two optimizers' parameters (``build_layout(owners=)``). No backward knows
+which optimizer steps next, so every backward only accumulates (as manual's); ``step(optimizer)``
+updates that optimizer's chunks and runs its own ``step`` for its hooks and schedulers, and
+``zero_grad(optimizer=)`` clears its chunks; ``p.grad`` reads gradients across steps until they
+are cleared. A forward's graph may outlive a step (the DCGAN recipe): until its backward begins
+the chunks stay where it found them (``RuntimeHooks.backward_awaited``). Clipping, loss scaling,
+moments other than fp32 and ``grad_accumulator=False`` are refused: each spans one step of every
+trainable parameter, or is not tested with several yet.
 """
 
 from __future__ import annotations
@@ -66,19 +61,19 @@ class RuntimeEngine:
     """Runs a wrapped model: forward through ``engine.module``, then backward, step, zero_grad
     (``protrain_core.Engine``, what ``wrap`` returns, adds the verbs that write files).
 
-    Its parts, each with a small public face: ``engine.clipping`` (gradient clipping and norms,
-    runtime/clipping.py), ``engine.states`` (model, optimizer and loss-scaler states,
-    runtime/states.py), ``engine.memory`` (where the model states are), ``engine.activations``
-    (the blocks' activation modes and their report) and ``engine.step_state`` (where training
-    stands: phase.py)."""
+    Its parts, each with a small public face: ``engine.clipping`` (gradient clipping and norms),
+    ``engine.states`` (model, optimizer and loss-scaler states), ``engine.memory`` (where the
+    model states are), ``engine.activations`` (the blocks' activation modes and their report)
+    and ``engine.step_state`` (where training stands: phase.py)."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, layout: ChunkLayout, plan: Plan,
                  precision: Precision, device: torch.device | DeviceContext, config: ProTrainConfig | None = None,
                  sharding: Sharding = ONE_PROCESS, *, warn_on_cache: bool = True, optimizers: tuple = ()) -> None:
-        """``device``: a torch device, or a DeviceContext (a simulated device: protrain_core/simulator);
-        ``sharding``: the processes the chunks are sharded over (``Sharding.resolve``; one process:
-        the group of one), every rank building alike; ``optimizers``: several over disjoint parameters,
-        each stepped on its own (``optimizer`` is ``joint_optimizer(optimizers)``: [Note: several optimizers])."""
+        """The ``module`` and ``optimizer`` in the chunks of ``layout`` and ``plan``, at ``precision``
+        with ``config``; ``device``: a torch device, or a DeviceContext (a simulated device);
+        ``sharding``: the processes the chunks are sharded over (one process: the group of one);
+        ``warn_on_cache``: warn when checkpointed or swapped blocks turn a key/value cache off;
+        ``optimizers``: several over disjoint parameters, whose ``joint_optimizer`` is ``optimizer``."""
         check_plan(plan, layout.limits())
         config = config or ProTrainConfig()
         self.ctx, self.sharding = as_context(device), sharding
@@ -88,7 +83,7 @@ class RuntimeEngine:
         self.module, self.optimizer, self.layout, self.plan = module, optimizer, layout, plan
         self.optimizers = tuple(optimizers) or (optimizer,)
         self.precision, self.device, self.config = precision, device, config
-        self._warn_on_cache = warn_on_cache  # (off for the profiler's all-checkpointed engine: not the user's choice)
+        self._warn_on_cache = warn_on_cache  # (off for the profiler's all-checkpointed engine)
         self.optimizer_states = config.optimizer_states
         self.step_state = StepState()
         several = len(self.optimizers) > 1
@@ -113,8 +108,6 @@ class RuntimeEngine:
         self._passes = BackwardPasses(step_state=self.step_state, grads=self.grads, clipping=self.clipping,
                                       scheduler=self.scheduler, observers=self._step_observers, scaler=self.scaler,
                                       trains=config.optimizer_states)
-        # The runtime's hooks on every unit (they act for units with a streamed chunk: which those
-        # are changes with ``replan``), every trainable parameter, and every parameter's use.
         self.hooks = RuntimeHooks(self.scheduler, unit_chunks(module, layout), self.chunks,
                                   onloaded=lambda: self.offloaded is None, grad_of=self.clipping.grad_of,
                                   clear_grads=self.clipping.clear_grads, on_backward=self._passes.hook)
@@ -133,17 +126,14 @@ class RuntimeEngine:
         self.profile = self.choice = None  # the Profile and the search's PlanChoice of a searched plan (set by wrap)
 
     def replan(self, plan: Plan | dict) -> None:
-        """Run with ``plan`` from the next step on, keeping every state (weights, gradients not yet
-        cleared, Adam states, the loss scaler): chunks move between the device and the host,
-        the buffers and the blocks' activation modes change. Call it between steps. Chunks leave
-        the device before others join it, so the device never holds more model states than the
-        larger of the two plans does, and no chunk is ever in two places for longer than its move."""
+        """Run with ``plan`` from the next step on, keeping every state; call it between steps.
+        Chunks leave the device before others join it, so the device never holds more model
+        states than the larger of the two plans does."""
         plan = as_plan(plan)
         check_plan(plan, self.layout.limits())
         check_between_steps(self, "engine.replan()")
         check_onloaded(self, "engine.replan()")
-        self.scheduler.wait_all()
-        self.scheduler.release_all()
+        self.scheduler.release_all()  # (it waits for every copy and update first)
         new = plan.persistent()
         leaving = [c for c in self.chunks if c.persistent and c.index not in new]
         self.ctx.check_host_memory(sum(c.storage.fmt.streamed_host_bytes for c in leaving), "offloaded model states")
@@ -157,8 +147,7 @@ class RuntimeEngine:
         self.set_block_modes(plan.block_modes(self.layout.n_blocks))
 
     def set_block_modes(self, modes: tuple[BlockMode, ...]) -> None:
-        """Manage the blocks' activations with these modes (replacing the current ones; the
-        profiler times its engine's blocks both checkpointed and swapped)."""
+        """Manage the blocks' activations with these ``modes`` (replacing the current ones)."""
         if self.activations is not None:
             self.activations.remove()
         blocks = block_modules(self.module, self.layout.block_path)
@@ -172,24 +161,28 @@ class RuntimeEngine:
 
     def on_recompute(self, observer: RecomputeObserver) -> RemovableHandle:
         """``observer(block_index, begin)`` when a checkpointed block's recomputation begins and
-        ends (the profiler's timeline); it stays across ``set_block_modes``."""
+        ends; it stays across ``set_block_modes``."""
         return self._recompute_observers.add(observer)
 
     def observe(self, observer: StepObserver) -> RemovableHandle:
         """``observer`` hears of the training steps (``protrain_core.StepObserver``: before a
-        training micro-batch's forward, around every ``backward``, after every ``step``, and when
-        the engine closes). The live profiler and planner use this; ``remove()`` on the handle
-        stops it."""
+        micro-batch's forward, around every ``backward``, after every ``step``, and when the
+        engine closes); ``remove()`` on the handle stops it."""
         return self._step_observers.add(observer)
 
     def begin_batch(self, batch) -> None:
-        """A training micro-batch (its inputs: a tensor, or a collection of them) is about to run.
-        Observers may re-plan for its shape, or refuse it, before anything of it runs. The
-        module's own forward pre-hook calls this (when gradients are enabled); an adapter that
-        runs a step without calling the module itself (the Trainer's ``training_step``) calls it
-        first. Once per micro-batch: later calls before its backward are ignored."""
+        """A training micro-batch (``batch``: its inputs) is about to run: observers may re-plan for
+        its shape, or refuse it. The module's forward pre-hook calls this; an adapter that runs a
+        step without calling the module calls it first. Later calls before its backward are ignored."""
         check_onloaded(self, "A training step")
-        _check_trainables(self)
+        changed = self.states.trainables_changed()  # (the chunks hold states for the parameters that trained then)
+        if changed is not None:
+            raise RuntimeError(
+                f"Since this ProTrain engine was built, {changed}; its chunks keep fp32 masters, gradients and "
+                "optimizer states only for the parameters that trained then. Wrap anew between the steps, keeping "
+                "the optimizer state: osd = engine.states.optimizer(); engine.close(); optimizer.load_state_dict(osd); "
+                "engine = protrain_core.wrap(model, optimizer, ...). (The Trainer and Fabric strategies do this "
+                "themselves.)")
         self.states.adopt_rebound()
         if self.step_state.awaiting_batch:
             self._step_observers.notify(lambda o: o.batch_begins(batch))
@@ -197,9 +190,8 @@ class RuntimeEngine:
 
     @contextmanager
     def autocast(self):
-        """Autocast for the mixed modes -- the one place that enters it: the engine's own forward
-        hooks on ``engine.module`` and the Lightning adapters' step contexts both use this, and
-        an enclosing use makes an inner one a no-op."""
+        """Autocast for the mixed modes -- the one place that enters it (the engine's forward hooks
+        and the Lightning adapters' step contexts); an enclosing use makes an inner one a no-op."""
         device_type = self.ctx.autocast_device_type
         if self.precision.autocast_dtype is None or self._autocast_depth or device_type is None:
             yield
@@ -215,9 +207,8 @@ class RuntimeEngine:
     def backward(self, loss: Tensor, run=None) -> None:
         """Backward through the managed model; streamed chunks are updated while it runs, or
         their gradients are finished for an update at step() (see ``overlap``). ``run(loss)``:
-        what starts autograd instead of ``loss.backward()`` (an overridden
-        ``LightningModule.backward``), given the loss as scaled for fp16. A plain
-        ``loss.backward()`` runs the same pass ([Note: loss.backward()] in backward.py)."""
+        what starts autograd instead of ``loss.backward()`` (an overridden ``LightningModule.backward``),
+        given the loss as scaled for fp16 ([Note: loss.backward()] in backward.py)."""
         self._passes.run(loss, run)
 
     def no_sync(self):
@@ -225,11 +216,9 @@ class RuntimeEngine:
         return self.step_state.accumulating()
 
     def step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Returns when every parameter holds this step's final value -- except, when the CPU
-        Adam overlaps the next forward (``overlap``), the offloaded chunks' parameters: their
-        next use in forward, ``wait_for_updates`` and every state dict wait for their update.
-        ``optimizer``: with several optimizers, the one to step: only its parameters are
-        updated, as its own ``step()`` would (None: every optimizer)."""
+        """Returns when every parameter holds this step's final value (except, when the CPU Adam
+        overlaps the next forward, the offloaded chunks': their next use waits for their update).
+        ``optimizer``: with several optimizers, the one whose parameters to update (None: all)."""
         self._passes.ready()
         stepped, chunks = self._chunks_of(optimizer)
         check_trains(self.optimizer_states, "step()")
@@ -256,8 +245,7 @@ class RuntimeEngine:
             else:
                 self.scheduler.finish_step()  # fp16 overflow: the step is skipped
             self.grads.end_step()
-        # Runs the optimizer's step hooks and LR-scheduler bookkeeping. No parameter holds a
-        # .grad (the engine keeps gradients in chunks), so torch's update loop skips them all.
+        # The optimizer's step hooks and LR-scheduler bookkeeping; no parameter holds a .grad.
         with self.step_state.in_optimizer_step(), torch._C.DisableTorchFunctionSubclass():
             for o in stepped:
                 o.step()
@@ -266,10 +254,8 @@ class RuntimeEngine:
 
     @contextmanager
     def record_timeline(self) -> Iterator[Timeline]:
-        """Record what runs when in the steps taken inside: compute phases, chunk uploads and
-        gradient offloads, activation swaps, collectives and each chunk's CPU Adam
-        ([Note: the step timeline] in runtime/timeline.py). On exit every update has ended and
-        the timeline's ``spans`` are complete. Recording changes nothing that is computed."""
+        """Record what runs when in the steps taken inside ([Note: the step timeline] in
+        runtime/timeline.py); on exit the timeline's ``spans`` are complete."""
         self.step_state.check_open()
         if self.ctx.timeline is not None:
             raise RuntimeError("engine.record_timeline() is already recording; record one timeline at a time.")
@@ -285,19 +271,15 @@ class RuntimeEngine:
         timeline.finish()  # only after a recording that ended well: an error propagates as it was
 
     def wait_for_updates(self) -> None:
-        """Return when every chunk's update is over (see ``step``): before reading parameters
-        directly between ``step()`` and the next forward."""
+        """Return when every chunk's update is over (see ``step``)."""
         self.step_state.check_open()
         self.scheduler.wait_all()
 
     def offload_states(self, *, non_blocking: bool = False) -> OffloadedStates:
-        """Move every byte of the training state this engine holds on the device to the host --
-        persistent chunks with their masters, gradients and optimizer states, the streamed
-        chunks' buffers, the model's buffers -- and give the freed memory back to the device
+        """Move every byte of the training state this engine holds on the device to the host
         ([Note: parking] in runtime/parking.py). Between steps only; the model cannot run until
         ``onload_states()``, but the state dicts can be read. ``non_blocking``: return while the
-        copies run; the returned handle's ``wait()`` ends them (and every state read waits).
-        Offloading offloaded states returns the same handle."""
+        copies run (the handle's ``wait()`` ends them). Offloaded again: the same handle."""
         if self.offloaded is None:
             check_between_steps(self, "engine.offload_states()")
             self.offloaded = offload(self, non_blocking=non_blocking)
@@ -307,8 +289,7 @@ class RuntimeEngine:
 
     def onload_states(self) -> None:
         """Back to the device what ``offload_states`` moved; training continues exactly as if it
-        had stayed there. With several processes every rank calls it (a collective). Nothing
-        to do for states on the device."""
+        had stayed there. With several processes every rank calls it (a collective)."""
         self.step_state.check_open()
         if self.offloaded is None:
             return
@@ -318,9 +299,8 @@ class RuntimeEngine:
 
     def zero_grad(self, set_to_none: bool = True, optimizer: torch.optim.Optimizer | None = None, *,
                   module: nn.Module | None = None) -> None:
-        """Clear the gradients (``set_to_none`` as torch's: either way none is kept); ``optimizer``:
-        with several optimizers, of its parameters only (None: all); ``module``: of that part of
-        the model's parameters only (its own ``zero_grad()``)."""
+        """Clear the gradients (``set_to_none`` as torch's: either way none is kept) of
+        ``optimizer``'s parameters (None: all), or of ``module``'s only (its own ``zero_grad()``)."""
         self._passes.ready()
         if module is not None:
             self.clipping.clear_grads([p.protrain_use[1:] for p in module.parameters()
@@ -345,8 +325,7 @@ class RuntimeEngine:
 
     # ----- inspection ---------------------------------------------------------------------
     def explain(self) -> str:
-        """Why this plan: predicted step time by phase, memory breakdown, bottleneck
-        (for a searched plan; an explicit plan is reported as given)."""
+        """Why this plan: predicted step time by phase, memory breakdown, bottleneck."""
         if self.choice is None:
             text = (f"ProTrain plan: {self.plan} (given explicitly; without a plan, wrap "
                     "profiles the model and searches the fastest plan that fits config.planning.memory_budget)")
@@ -355,21 +334,19 @@ class RuntimeEngine:
         return text if self.clipping.configured is None else f"{text}\n{self.clipping.describe(self.choice)}"
 
     def summary(self) -> str:
-        return "\n".join(
-            [
-                f"ProTrain engine: {self.plan}, precision={self.precision.value}, device={self.device}",
-                f"optimizer: {type(self.optimizer).__name__} per chunk, moments {self.config.optimizer_state_format}"
-                f"{'' if self.config.frozen_dtype is None else ', frozen weights ' + self.config.frozen_dtype}"
-                f"{'' if self.config.keeps_accumulators else ', no gradient accumulators on the host'}; "
-                f"overlap: {self.overlap}",
-                f"CPU worker: {self.scheduler.worker.describe()}{_update_kernel(self)}",
-                self.clipping.describe(self.choice),
-                f"activations per block: {describe_modes(self.block_modes)}",
-                "compiled: no" if self.compiled is None else self.compiled.describe(),
-                self.memory.describe(),
-                self.layout.summary(self.precision.compute_dtype.itemsize, self.plan.persistent()),
-            ]
-        )
+        return "\n".join([
+            f"ProTrain engine: {self.plan}, precision={self.precision.value}, device={self.device}",
+            f"optimizer: {type(self.optimizer).__name__} per chunk, moments {self.config.optimizer_state_format}"
+            f"{'' if self.config.frozen_dtype is None else ', frozen weights ' + self.config.frozen_dtype}"
+            f"{'' if self.config.keeps_accumulators else ', no gradient accumulators on the host'}; "
+            f"overlap: {self.overlap}",
+            f"CPU worker: {self.scheduler.worker.describe()}{_update_kernel(self)}",
+            self.clipping.describe(self.choice),
+            f"activations per block: {describe_modes(self.block_modes)}",
+            "compiled: no" if self.compiled is None else self.compiled.describe(),
+            self.memory.describe(),
+            self.layout.summary(self.precision.compute_dtype.itemsize, self.plan.persistent()),
+        ])
 
     # ----- life ---------------------------------------------------------------------------
     @property
@@ -377,18 +354,15 @@ class RuntimeEngine:
         return self.step_state.closed
 
     def close(self, *, after_failure: bool = False) -> None:
-        """Remove the hooks and stop the worker. The parameters keep their current values, as
-        views of the master weights (on the device for persistent chunks, else host; all on the
-        host, with the model's buffers, when the states are offloaded).
-        ``after_failure``: the run ends with an exception (a Lightning strategy's teardown after
-        ``on_exception``); nothing is waited for -- an update or collective in flight may wait
-        for a rank that will not come -- and no observer runs: the values are what they are."""
+        """Remove the hooks and stop the worker; the parameters keep their current values, as
+        views of the master weights. ``after_failure``: the run ends with an exception: nothing
+        is waited for (a collective in flight may wait for a rank that will not come), and no
+        observer runs."""
         if self.step_state.closed:
             return
         if not after_failure:
             self._step_observers.notify(lambda o: o.engine_closes())
             self.states.adopt_rebound()
-            self.scheduler.wait_all()
             self.scheduler.release_all()
             for c in self.chunks:
                 c.detach_params()  # sharded: gathered, a collective per chunk
@@ -408,10 +382,8 @@ class RuntimeEngine:
     __reduce_ex__ = refuse_pickling
 
     def __deepcopy__(self, memo) -> RuntimeEngine:
-        """The engine is not a value: it owns the device, pinned memory, a worker thread and the
-        process group. A deep copy of the model (an EMA, Lightning's weight averaging) copies
-        its hooks, which refer to the engine: they get this engine, and ignore the copy's
-        modules, so the copy is a plain module with the weights of the moment."""
+        """The engine is not a value: a deep copy of the model (an EMA) copies its hooks, which get
+        this engine and ignore the copy's modules (a plain module with the weights of the moment)."""
         memo[id(self)] = self
         return self
 
@@ -428,13 +400,16 @@ class RuntimeEngine:
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         """``optimizer.step()`` by the user instead of ``engine.step()``: refused with the fix."""
-        if not self.step_state.optimizer_step:
-            _refuse_optimizer_step(optimizer)
+        if not self.step_state.optimizer_step:  # (it would find no gradients: they are in the chunks)
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step() was called on the optimizer of a ProTrain engine; it would update "
+                "nothing: the gradients and Adam's states live in the engine's chunks. Call engine.step() (and "
+                "engine.zero_grad()) instead; under Lightning or Fabric, optimizer.step() through them does that."
+            )
 
     def _chunks_of(self, optimizer) -> tuple[tuple, list[Chunk]]:
-        """The engine's optimizers that ``optimizer`` names (None, ``engine.optimizer`` or the
-        engine's only one: all; a wrapper such as Lightning's: the one it wraps) and the chunks
-        they update."""
+        """The engine's optimizers that ``optimizer`` names (None, ``engine.optimizer`` or the only
+        one: all; a wrapper such as Lightning's: the one it wraps) and the chunks they update."""
         if optimizer is None or optimizer is self.optimizer or len(self.optimizers) == 1:
             return self.optimizers, self.chunks
         own = next((o for o in self.optimizers if o is optimizer or o is getattr(optimizer, "optimizer", None)), None)
@@ -445,22 +420,16 @@ class RuntimeEngine:
 
 
 class _ZeroGradRoute:
-    """``zero_grad()`` of one of the engine's optimizers (what PyTorch loops, the Trainer and
-    Fabric scripts call: that optimizer's chunks) or of its module (``nn.Module.zero_grad``: a
-    loop's ``model.zero_grad()``, Lightning's before each stage and each validation run: every
-    chunk) or of one of its submodules (a GAN loop's ``netD.zero_grad()``: their members) also
-    clears the gradients the engine keeps in its chunks, until ``remove()`` (the engine closes).
+    """``zero_grad()`` of one of the engine's optimizers (its chunks), of its module (every chunk)
+    or of a submodule (``netD.zero_grad()``: its members) also clears the gradients the engine
+    keeps in its chunks, until ``remove()``.
 
     [Note: routing zero_grad]
     This sets an instance attribute on the user's object (its class is untouched; ``remove``
-    deletes it), because no public seam sees a ``zero_grad``: torch.optim has step and
-    state-dict hooks but none for ``zero_grad``, and neither has ``nn.Module``; both only clear
-    ``p.grad``, which reads None outside a backward's window (gradients live in the chunks), and
-    Lightning reaches the optimizer's through ``LightningModule.optimizer_zero_grad``, which users
-    override. An instance attribute follows every way the user's code calls it; Lightning's
-    optimizer wrapper is routed to it (lightning_protrain/strategy.py). It is a method bound to
-    its object, so a deep copy (an EMA's of the model) is bound to the copy, which it leaves to
-    the class's own ``zero_grad``."""
+    deletes it): no public seam sees a ``zero_grad`` (torch.optim and ``nn.Module`` have no hook
+    for it), and users override ``LightningModule.optimizer_zero_grad``. An instance attribute
+    follows every way the user's code calls it (Lightning's optimizer wrapper is routed to it:
+    lightning_protrain/strategy.py); a deep copy's is left to the class's own ``zero_grad``."""
 
     def __init__(self, engine: RuntimeEngine, owner: torch.optim.Optimizer | nn.Module, model: nn.Module) -> None:
         self.owner = owner
@@ -490,8 +459,8 @@ class _ZeroGradRoute:
 
 
 def _check_formats(engine: RuntimeEngine, optim: ChunkOptimizer) -> None:
-    """The optimizer and layout suit the state formats; the one-pass kernel is built (once per
-    machine) and checked now, not in the first backward, where it will run."""
+    """The optimizer and layout suit the state formats; the one-pass kernel is built now, not in
+    the first backward."""
     config = engine.config
     if optim.one_pass_kernel and optim.kind is None and (
             engine.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED) or config.optimizer_state_format == "8bit"):
@@ -511,22 +480,16 @@ def _carry_optimizer_states(engine: RuntimeEngine) -> None:
 
 
 def _owned_chunks(chunks: list[Chunk], optimizers: tuple) -> dict[int, list[Chunk]]:
-    """id(optimizer) -> the chunks holding its parameters, for several optimizers (none shares a
-    chunk with another: the layout's ``owners``)."""
-    if len(optimizers) < 2:
-        return {}
+    """id(optimizer) -> the chunks holding its parameters (with several, none shares a chunk
+    with another: the layout's ``owners``)."""
     owner = parameter_owners(optimizers)
-    owned: dict[int, list[Chunk]] = {id(o): [] for o in optimizers}
-    for c in chunks:
-        for k in {owner[id(p)] for p in c.params if id(p) in owner}:
-            owned[id(optimizers[k])].append(c)
-    return owned
+    return {id(o): [c for c in chunks if any(owner.get(id(p)) == k for p in c.params)]
+            for k, o in enumerate(optimizers)}
 
 
 def _allocate(engine: RuntimeEngine, optim: ChunkOptimizer, *, touch=None) -> list[Chunk]:
-    """Chunk storages (a streamed one in an exact-size host buffer of its own) holding the
-    parameters' values; the parameters then point into them. ``touch(t)``: zeroes a new pageable
-    host region where the CPU worker runs ([Note: CPU worker placement] in topology.py)."""
+    """Chunks holding the parameters' values (the parameters then point into them). ``touch(t)``:
+    zeroes a new pageable host region where the CPU worker runs ([Note: CPU worker placement])."""
     persistent, dev, ctx, config = engine.plan.persistent(), engine.device, engine.ctx, engine.config
     formats = chunk_formats(engine.module, engine.optimizer, engine.layout, engine.precision, config,
                             world_size=engine.world_size)
@@ -568,16 +531,14 @@ def _autocast_hooks(engine: RuntimeEngine) -> list[RemovableHandle]:
     stack = []
 
     def enter(module, _args):
-        if module is not engine.module:
-            return
-        context = engine.autocast()
-        context.__enter__()
-        stack.append(context)
+        if module is engine.module:
+            context = engine.autocast()
+            context.__enter__()
+            stack.append(context)
 
     def leave(module, _args, _output):
-        if module is not engine.module:
-            return
-        stack.pop().__exit__(None, None, None)
+        if module is engine.module:
+            stack.pop().__exit__(None, None, None)
 
     return [engine.module.register_forward_pre_hook(enter),
             engine.module.register_forward_hook(leave, always_call=True)]
@@ -591,25 +552,3 @@ def _update_kernel(engine: RuntimeEngine) -> str:
     return "; updates of streamed chunks: " + (onepass.status() if optim.one_pass_kernel
                                                 else "separate passes (one_pass_kernel=False)")
 
-
-def _check_trainables(engine: RuntimeEngine) -> None:
-    """Refuse a training step after which parameters train changed: the chunks hold states for
-    the parameters that trained when they were built (the Trainer and Fabric strategies wrap
-    anew)."""
-    changed = engine.states.trainables_changed()
-    if changed is not None:
-        raise RuntimeError(
-            f"Since this ProTrain engine was built, {changed}; its chunks keep fp32 masters, gradients and "
-            "optimizer states only for the parameters that trained then. Wrap anew between the steps, keeping the "
-            "optimizer state: osd = engine.states.optimizer(); engine.close(); optimizer.load_state_dict(osd); "
-            "engine = protrain_core.wrap(model, optimizer, ...). (The Trainer and Fabric strategies do this themselves.)"
-        )
-
-
-def _refuse_optimizer_step(optimizer) -> None:
-    """The optimizer's own step would find no gradients (they are in the chunks) and do nothing."""
-    raise RuntimeError(
-        f"{type(optimizer).__name__}.step() was called on the optimizer of a ProTrain engine; it would update "
-        "nothing: the gradients and Adam's states live in the engine's chunks. Call engine.step() (and "
-        "engine.zero_grad()) instead; under Lightning or Fabric, optimizer.step() through them does that."
-    )

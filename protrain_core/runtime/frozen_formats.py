@@ -1,49 +1,39 @@
 """Frozen weights kept in 8 bits on the host and over PCIe (``ProTrainConfig.frozen_dtype``).
 
 [Note: quantised frozen chunks]
-LoRA over a streamed base moves every frozen weight host -> device twice per step; its speed is
-PCIe bytes per frozen parameter. With ``frozen_dtype`` "int8" or "fp8" a frozen weight matrix
-(a frozen member of two or more dimensions: linear, embedding and convolution weights) is stored
-in 8 bits with one fp32 scale per output channel (its first dimension, a row):
+LoRA over a streamed base moves every frozen weight host -> device twice per step. With
+``frozen_dtype`` "int8" or "fp8" a frozen weight matrix (a frozen member of two or more
+dimensions) is stored in 8 bits with one fp32 scale per output channel (a row of its first
+dimension):
 
   format  element                               scale of a row            round trip
   int8    round(w / s), clamped to [-127, 127]  2^ceil(log2(absmax/127))  q * s
   fp8     e4m3 of w / s (round to nearest)      2^ceil(log2(absmax/448))  q * s
 
-A frozen member of one dimension (norm weights, biases) keeps the compute dtype: it is a tiny
-part of the bytes and the one most hurt by 8 bits. A chunk's host store holds, in one byte
-buffer (one upload): the 8-bit values at the members' offsets in the frozen span (a kept
-member's slots unused), the scales, and the kept members packed (``FrozenPlaces``). A fetch
-uploads it to a staging buffer and dequantises on the upload stream into the device copy,
-which is in the compute dtype as before: everything downstream (the parameters, autograd, the
-cost of a block) is unchanged, and the upload is about 1 byte per frozen parameter against 2.
+A frozen member of one dimension (norm weights, biases) keeps the compute dtype. A chunk's host
+store holds, in one byte buffer: the 8-bit values at the members' offsets in the frozen span,
+the scales, and the kept members packed (``FrozenPlaces``). A fetch uploads it and dequantises
+on the upload stream into the device copy, in the compute dtype as before: everything
+downstream is unchanged, and the upload is about 1 byte per frozen parameter against 2.
 
-The scales are powers of two, so ``q * s`` is exact in the compute dtype (q has at most 8
-significant bits) and the round trip is a projection: quantising a dequantised weight gives
-the same values back (int8: the largest ``|q|`` is at least 64, so the scale comes out the same;
-fp8: at worst the scale halves and every ``q`` doubles, exactly). Every path that goes through
-values therefore keeps the bytes: a re-plan, parking, a checkpoint's load, the profiler's
-engine, an export wrapped again -- and a persistent chunk, which keeps the dequantised values
-on the device (its device bytes are unchanged), is the same computation as a streamed one. A
-power-of-two scale costs int8 up to one bit of its range against ``absmax / 127``; fp8 loses
-nothing (only its exponent moves; MX formats scale by powers of two too). fp16 compute: a row
-whose dequantised values fall below fp16's normal range (2^-14) is rounded there.
+The scales are powers of two, so ``q * s`` is exact in the compute dtype and the round trip is
+a projection: quantising a dequantised weight gives the same values back (int8: the largest
+``|q|`` is at least 64, so the scale comes out the same; fp8: at worst the scale halves and
+every ``q`` doubles). Every path through values therefore keeps the bytes, and a persistent
+chunk (dequantised values on the device) computes as a streamed one. fp16 compute: a row whose
+dequantised values fall below fp16's normal range (2^-14) is rounded there.
 
 The parity reference is the plain model with each such weight replaced by its round trip
-(``dequantised``): bitwise in fp32 compute. At rest (outside forward and backward) a quantised
-member of a streamed chunk has no value in memory: its parameter points at a NaN expanded to
-its shape (as a sharded chunk's do), ``module.state_dict()`` dequantises it for the call
-(runtime/states.py), and the engine's state dicts and ``close`` read the round trip.
+(``dequantised``): bitwise in fp32 compute. At rest a quantised member of a streamed chunk has
+no value in memory: its parameter points at a NaN expanded to its shape, ``module.state_dict()``
+dequantises it for the call (runtime/states.py), and the engine's state dicts read the round trip.
 
-With ``W`` processes a streamed chunk's frozen span is sharded as it is unquantised ([Note:
-sharded chunks] in sharding.py): rank ``r``'s store holds the 8-bit values of its piece of the
-span (``s_f`` elements from ``r * s_f``), and every row scale and kept member of the chunk
-(replicated: they are a small part of the bytes, and a piece may cut a row). A fetch uploads
-the store and dequantises the rank's piece into its place in the device copy, row by row where
-the piece cuts a member's row; the all-gather of the device copy's frozen span then assembles
-the whole, as it does unquantised. The scales are those of whole rows (quantised where the whole
-member is: at wrap, on a load, from a persistent chunk), so every rank dequantises the values
-one process would, and the run is the plain model with the round trips, across processes too.
+With ``W`` processes a streamed chunk's frozen span is sharded ([Note: sharded chunks] in
+sharding.py): rank ``r``'s store holds the 8-bit values of its piece of the span (``s_f``
+elements from ``r * s_f``), and every row scale and kept member of the chunk (replicated: a
+piece may cut a row). A fetch dequantises the rank's piece into its place in the device copy,
+row by row where the piece cuts a row, and the all-gather assembles the whole. The scales are
+those of whole rows, so every rank dequantises the values one process would.
 """
 
 from __future__ import annotations
@@ -77,10 +67,6 @@ def quantises(shape: tuple[int, ...]) -> bool:
     return len(shape) >= 2 and shape[0] > 0
 
 
-def _rows(t: Tensor, rows: int) -> Tensor:
-    return t.reshape(rows, -1)
-
-
 _SLAB = 1 << 22  # elements quantised at a time: bounds the fp32 temporaries (an embedding is large)
 
 
@@ -88,7 +74,7 @@ def quantise_into(value: Tensor, fmt: str, q: Tensor, scales: Tensor) -> None:
     """``value`` (rows: its first dimension) into ``q`` (its elements, flat) and ``scales`` (one
     fp32 power of two per row), computed in fp32 wherever ``value`` is, a slab of rows at a time."""
     rows = value.shape[0]
-    v, out = _rows(value, rows), _rows(q, rows)
+    v, out = value.reshape(rows, -1), q.reshape(rows, -1)
     step = max(1, _SLAB // max(1, v.shape[1]))
     limit = _QMAX[fmt]
     for r in range(0, rows, step):
@@ -111,8 +97,8 @@ def dequantise_into(dst: Tensor, q: Tensor, scales: Tensor) -> None:
     """``dst`` (a member's value in the compute dtype; rows: its first dimension) = ``q * scales``
     per row: exact in the compute dtype (see the Note), in two kernels and no temporary."""
     rows = dst.shape[0]
-    d = _rows(dst, rows)
-    d.copy_(_rows(q, rows))
+    d = dst.reshape(rows, -1)
+    d.copy_(q.reshape(rows, -1))
     d.mul_(scales[:, None])
 
 
@@ -129,9 +115,8 @@ def round_trip(value: Tensor, fmt: str) -> Tensor:
 @torch.no_grad()
 def dequantised(model: nn.Module, frozen_dtype: str, dtype: torch.dtype | None = None) -> nn.Module:
     """The parity reference of ``frozen_dtype``: every frozen weight matrix of ``model`` replaced, in
-    place, by its round trip (after rounding to ``dtype``, the compute dtype: bf16 in the bf16
-    modes; default its own), kept in its own dtype. Plain PyTorch training of the result equals
-    ProTrain's with ``frozen_dtype`` ([Note: quantised frozen chunks])."""
+    place, by its round trip (after rounding to ``dtype``, the compute dtype; default its own),
+    kept in its own dtype ([Note: quantised frozen chunks])."""
     if check_frozen_format(frozen_dtype) is None:
         return model
     for p in model.parameters():
@@ -156,21 +141,14 @@ class FrozenPlaces:
     piece_start: int = 0
 
     @property
-    def n_scales(self) -> int:
-        return sum(rows for _, _, rows, _ in self.quantised)
-
-    @property
-    def kept_numel(self) -> int:
-        return sum(n for _, _, n, _ in self.kept)
-
-    @property
     def whole(self) -> bool:
         """The store holds every frozen member whole (one process)."""
         return self.piece_start == 0 and all(off + math.prod(self.shapes[i]) <= self.piece_numel
                                              for i, off, _, _ in self.quantised)
 
     def _sizes(self, compute_dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
-        return [(self.piece_numel, torch.uint8), (self.n_scales, torch.float32), (self.kept_numel, compute_dtype)]
+        scales, kept = sum(rows for _, _, rows, _ in self.quantised), sum(n for _, _, n, _ in self.kept)
+        return [(self.piece_numel, torch.uint8), (scales, torch.float32), (kept, compute_dtype)]
 
     def store_bytes(self, compute_dtype: torch.dtype) -> int:
         return pool_bytes(self._sizes(compute_dtype))
@@ -190,13 +168,11 @@ class FrozenPlaces:
         return {**{e[0]: (False, e) for e in self.kept}, **{e[0]: (True, e) for e in self.quantised}}
 
     def entry(self, i: int) -> tuple[bool, tuple[int, int, int, int]] | None:
-        """(quantised?, its place) of member ``i``; None for a trainable member (a lookup: a
-        streamed chunk asks it for every member each time it comes to rest)."""
+        """(quantised?, its place) of member ``i``; None for a trainable member."""
         return self._entries.get(i)
 
     def _in_piece(self, off: int, numel: int) -> tuple[int, int] | None:
-        """The elements ``[a, b)`` of a member at ``off`` (of ``numel``) in the rank's piece, in the
-        member's own numbering; None where the piece holds none of it."""
+        """The elements ``[a, b)`` of a member at ``off`` (of ``numel``) in the rank's piece; None: none."""
         a, b = max(off, self.piece_start) - off, min(off + numel, self.piece_start + self.piece_numel) - off
         return (a, b) if a < b else None
 
@@ -220,8 +196,7 @@ class FrozenPlaces:
             q[base + span[0]:base + span[1]].copy_(whole[span[0]:span[1]])
 
     def read(self, i: int, store: Tensor, compute_dtype: torch.dtype) -> Tensor:
-        """Member ``i``'s value (the round trip of a quantised one, a new tensor), shaped (one
-        process: the store holds it whole)."""
+        """Member ``i``'s value (the round trip of a quantised one), shaped (one process)."""
         assert self.whole, "a rank's store holds a piece of the frozen span: piece_values()"
         q, scales, kept = self.views(store, compute_dtype)
         is_q, (_, off, n, at) = self.entry(i)
@@ -233,8 +208,7 @@ class FrozenPlaces:
 
     def unpack(self, store: Tensor, piece: Tensor) -> None:
         """The rank's piece of every frozen member from ``store`` into ``piece`` (the frozen
-        span's elements ``[piece_start, piece_start + piece_numel)``: a device copy's place for
-        them, or a tensor of its own)."""
+        span's elements ``[piece_start, piece_start + piece_numel)``)."""
         q, scales, kept = self.views(store, piece.dtype)
         for i, off, rows, at in self.quantised:
             numel = math.prod(self.shapes[i])
@@ -251,8 +225,8 @@ class FrozenPlaces:
                 piece[base + a:base + b].copy_(kept[at + a:at + b])
 
     def pack(self, device_copy: Tensor, store: Tensor) -> None:
-        """The inverse of ``unpack`` from a whole frozen span (``device_copy``: a persistent
-        chunk's; round trips already, so the bytes come back: see the Note) into ``store``."""
+        """The inverse of ``unpack`` from a persistent chunk's whole frozen span (``device_copy``:
+        round trips already, so the bytes come back) into ``store``."""
         for i, off, _, _ in self.quantised + self.kept:
             self.write(i, device_copy[off:off + math.prod(self.shapes[i])].view(self.shapes[i]), store,
                        device_copy.dtype)
@@ -261,32 +235,26 @@ class FrozenPlaces:
 def _dequantise_rows(dst: Tensor, q: Tensor, scales: Tensor, first: int, row: int) -> None:
     """``dst`` = ``q`` times each element's row scale, for the elements ``[first, first + len)`` of
     a member whose rows have ``row`` elements (``scales``: all of its rows): whole rows in one
-    pass, a cut row at either end on its own (the same products as ``dequantise_into``)."""
+    pass, a cut row at either end on its own."""
     n = dst.numel()
     head = min(n, (-first) % row)  # the end of a row cut at the start
     r = -(-first // row)  # the first whole row
-    if head:
-        _dequantise_cut(dst[:head], q[:head], scales[r - 1:r])
+    if head:  # a cut row: one row of ``head`` elements
+        dequantise_into(dst[None, :head], q[:head], scales[r - 1:r])
     whole = (n - head) // row
     if whole:
         dequantise_into(dst[head:head + whole * row].view(whole, row), q[head:head + whole * row],
                         scales[r:r + whole])
     tail = head + whole * row
     if tail < n:
-        _dequantise_cut(dst[tail:], q[tail:], scales[r + whole:r + whole + 1])
-
-
-def _dequantise_cut(dst: Tensor, q: Tensor, scale: Tensor) -> None:
-    dst.copy_(q)
-    dst.mul_(scale)
+        dequantise_into(dst[None, tail:], q[tail:], scales[r + whole:r + whole + 1])
 
 
 def frozen_places(members, frozen_numel: int, fmt: str | None, *, piece: tuple[int, int] | None = None
                   ) -> FrozenPlaces | None:
-    """The places of a chunk's frozen members (``members``: its ``ParamSlot``s) in format ``fmt``;
-    None where nothing is quantised (no format, or no frozen weight matrix in the chunk).
-    ``piece`` (start, elements): this rank's piece of the frozen span (default: all
-    ``frozen_numel`` elements)."""
+    """The places of a chunk's frozen members (``members``: its ``ParamSlot``s) in format ``fmt``
+    (None where nothing is quantised); ``piece`` (start, elements): this rank's piece of the frozen
+    span (default: all ``frozen_numel`` elements)."""
     if fmt is None or not any(not m.trainable and quantises(m.shape) for m in members):
         return None
     quantised, kept, scales, rest = [], [], 0, 0

@@ -3,45 +3,30 @@ gradient clipping (configured ahead, or requested between backward and ``step()`
 schedule of the streamed chunks' CPU Adam that these allow (update.py).
 
 [Note: finishing gradients early]
-Under fp16 or norm clipping no chunk may be updated before every gradient of the step is known:
-one inf/nan anywhere skips the step, and one global norm scales every gradient. What the
-update needs from the gradients is small, though: per chunk, whether it overflowed and the
-norm of each of its tensors. So at a step's last backward, when a streamed chunk's gradients
-have landed in its host accumulator, the CPU worker *finishes* them right there, while backward
-goes on: it unscales them and checks them for inf/nan (``torch._amp_foreach_non_finite_check_and_unscale_``,
-as ``GradScaler.unscale_``) and takes the norm of each tensor (``torch._foreach_norm``, as
-``clip_grad_norm_``). At ``step()`` only the persistent chunks (on the device) are left; the
-total norm is ``vector_norm`` of the per-tensor norms stacked in the optimizer's parameter order
-on the device, and the coefficient ``min(max_norm / (total + 1e-6), 1)``: the arithmetic of
-``clip_grad_norm_``, so fp32 stays bitwise. ``step()`` then hands the streamed chunks to the CPU
-worker in forward order (the coefficient is the first thing each job applies) and returns; the
-next forward's use of a chunk waits for that chunk's update only (scheduler.py). The CPU Adam
-thus overlaps the next forward instead of backward (``UpdateSchedule.NEXT_FORWARD``).
-
-Clipping requested late (``engine.clipping.clip_grad_norm_`` between backward and step, as
-``fabric.clip_gradients`` and Lightning's ``configure_gradient_clipping`` do) is exact only when
-no chunk was updated during that backward. The engine therefore holds the updates of its first
-step until ``step()`` (``late_reason``), and of every step after one that clipped late, or of
-every step when told that clipping will come late (``expect_late``, which also names the norm
-to finish early); told that none will come (``hold_first`` False) it holds nothing. A late
-request after a backward that already updated chunks is refused with the fix.
+Under fp16 or norm clipping no chunk may be updated before every gradient of the step is known
+(one inf/nan skips the step; one global norm scales every gradient), yet the update needs only,
+per chunk, whether it overflowed and the norm of each tensor. So at a step's last backward the
+CPU worker *finishes* each streamed chunk's gradients where they landed, while backward goes on:
+it unscales and checks them (``torch._amp_foreach_non_finite_check_and_unscale_``, as
+``GradScaler.unscale_``) and takes each tensor's norm (``torch._foreach_norm``, as
+``clip_grad_norm_``). At ``step()`` the total norm is ``vector_norm`` of the per-tensor norms
+stacked in the optimizer's parameter order on the device, and the coefficient
+``min(max_norm / (total + 1e-6), 1)``: ``clip_grad_norm_``'s arithmetic, so fp32 stays bitwise.
+``step()`` then hands the streamed chunks to the worker and returns: the CPU Adam overlaps the
+next forward (``UpdateSchedule.NEXT_FORWARD``).
+Clipping requested between backward and step (``engine.clipping.clip_grad_norm_``) is exact
+only when no chunk was updated during that backward, so the engine holds the updates of its
+first step (``late_reason``), of every step after one that clipped late, or of every step when
+told that clipping will come late (``expect_late``); told that none will come it holds nothing.
 
 [Note: gradients read through p.grad]
 Parameters hold no ``.grad`` of their own: autograd's is moved into the chunk as it comes. From
-the end of a backward to the next ``step()`` or ``zero_grad``, reading ``p.grad`` of a managed
-parameter (``ManagedParameter`` in hooks.py) gives its gradient where the update will read it:
-a view of the chunk's accumulator (fp32 in the mixed modes, where the default strategy's
-gradients are fp32 too; on the host for a streamed chunk), after the updates in flight and, at
-a step's last backward, after fp16 unscaling -- what ``clip_grad_norm_``, Lightning's
-``grad_norm`` or a callback reads. Writing into it (clipping in place) changes what ``step()``
-applies: the norms taken early of a chunk whose gradients were read are taken again. A chunk
-updated during backward has applied its gradients already: the view still reads them, but a
-change is refused at ``step()`` with the fix (found by the accumulator's version counter,
-which a TorchDispatchMode running the write may leave unchanged). So the first step is held
-for it, as for a late clipping request, and every step after one that read gradients through
-``p.grad`` -- what is read is not known to be only read (Lightning's Trainer holds every step
-when a hook that runs between backward and step is overridden). Elsewhere ``p.grad`` is None,
-and the optimizer's own ``step()`` inside ``engine.step()`` never sees a gradient.
+the end of a backward to the next ``step()`` or ``zero_grad``, ``p.grad`` of a managed parameter
+reads a view of the chunk's accumulator (fp32 in the mixed modes), after the updates in flight
+and fp16 unscaling. Writing into it changes what ``step()`` applies (the chunk's norms are
+taken again); where the chunk was updated during backward, a change (seen by the accumulator's
+version counter) is refused at ``step()``. So the first step is held, and every step after one
+that read ``p.grad``. Elsewhere ``p.grad`` is None.
 """
 
 from __future__ import annotations
@@ -73,28 +58,23 @@ class _Finished:
 
 class Finishing:
     """Finishing one chunk's gradients of the step: those of ``members`` unscaled and checked
-    for inf/nan (fp16: ``inv_scale``), then the norms taken (``norm_type``), the result kept in
-    ``finished``. Called, it runs the separate passes; where the CPU worker's one-pass landing
-    unscaled and checked them already, ``unscaled(found)`` does the rest."""
+    for inf/nan (fp16: ``inv_scale``), then the norms taken (``norm_type``), kept in
+    ``finished``. Where the one-pass landing unscaled them already, ``unscaled(found)``."""
 
     def __init__(self, chunk: Chunk, members: list[int], inv_scale: Tensor | None, norm_type: float | None,
                  finished: dict[int, _Finished]) -> None:
         self.chunk, self.members, self.inv_scale, self.norm_type, self.finished = chunk, members, inv_scale, norm_type, finished
 
-    def _grads(self) -> list[Tensor]:
-        return [self.chunk.values.state_view(self.chunk.storage.grad_acc, i) for i in self.members]
-
     def __call__(self) -> None:
-        grads, found = self._grads(), None
+        grads, found = _grads(self.chunk, self.members), None
         if self.inv_scale is not None and grads:
             found = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, self.inv_scale.to(grads[0].device))
         self.unscaled(found)
 
     def unscaled(self, found: Tensor | None) -> None:
-        """After the gradients were unscaled and checked (``found``: the flag; None without a
-        scaler or gradients): the norms, and the chunk is finished."""
-        grads = self._grads() if self.norm_type is not None else []
+        """After the gradients were unscaled and checked (``found``: the flag, or None): the norms."""
+        grads = _grads(self.chunk, self.members) if self.norm_type is not None else []
         norms = {self.norm_type: list(torch._foreach_norm(grads, self.norm_type))} if grads else {}
         self.finished[self.chunk.index] = _Finished(found, norms, self.members)
 
@@ -114,13 +94,11 @@ class StepGradients:
     def __init__(self, optim: ChunkOptimizer, scaler: LossScaler | None, chunks: list[Chunk], ctx: DeviceContext,
                  sharding: Sharding, *, several_optimizers: bool = False) -> None:
         """``several_optimizers`` ([Note: several optimizers] in engine.py): ``p.grad`` reads the
-        gradients through steps and zero_grads too, until each member's are cleared, as torch's
-        ``.grad``; else from the end of a backward to the next step or zero_grad."""
+        gradients through steps and zero_grads too, until each member's are cleared."""
         self.optim, self.scaler, self.chunks, self.ctx, self.device = optim, scaler, chunks, ctx, ctx.device
         self.several_optimizers = several_optimizers
         self.sharding = sharding  # norms and overflow all-reduced
-        # Streamed chunks keep no accumulator ([Note: gradients consumed where they land] in
-        # worker.py): their gradients are gone once updated, so no step is held for a late request.
+        # Streamed chunks keep no accumulator ([Note: gradients consumed where they land] in worker.py).
         self.consumed = any(not c.storage.fmt.accumulator for c in chunks)
         self.policy = ClippingPolicy(hold_first=not self.consumed)  # set_policy
         self.late_seen = False  # some step clipped late
@@ -153,26 +131,19 @@ class StepGradients:
             return "gradient clipping or gradient changes expected after backward"
         if self.read_seen:
             return "gradients read through p.grad after backward in an earlier step"
-        if self.configured is not None:
-            return None  # a late request must then match it: nothing to hold for
-        if not self.policy.hold_first:
-            return None
+        if self.configured is not None or not self.policy.hold_first:
+            return None  # (configured: a late request must match it, nothing to hold for)
         if self.late_seen:
             return "gradient clipping requested after backward in an earlier step"
         if self.steps == 0 and not steady:
             return "first step: gradient clipping may still be requested after backward"
         return None
 
-    def _norm_type(self) -> float | None:
-        if clips_norm(self.configured):
-            return self.configured.norm_type
-        return self.policy.expect_late
-
     # ----- finishing ------------------------------------------------------------------------
     def finisher(self, chunk: Chunk) -> Finishing | None:
         """The CPU worker's job after a streamed chunk's last landing of the step (None: nothing
-        to finish). Runs on the main thread; the job only touches this chunk."""
-        norm_type = self._norm_type()
+        to finish); the job only touches this chunk."""
+        norm_type = self.configured.norm_type if clips_norm(self.configured) else self.policy.expect_late
         if self.scaler is None and norm_type is None:
             return None
         inv_scale = None if self.scaler is None else self.scaler.inv_scale()
@@ -182,48 +153,39 @@ class StepGradients:
         return [i for members in chunk.opt_members.values() for i in members if chunk.has_grad(i)]
 
     def finish_all(self, chunks: list[Chunk] | None = None) -> None:
-        """Finish every chunk (of ``chunks``: default all) with gradients that is not finished
-        yet (the persistent chunks, and streamed ones whose last landing came before this step's
-        last backward). No update may be in flight."""
+        """Finish every chunk (of ``chunks``: default all) with gradients not finished yet (the
+        persistent ones, and streamed ones last landed before this step's last backward; one
+        without an accumulator had them consumed by its update). No update may be in flight."""
         inv_scale = None if self.scaler is None else self.scaler.inv_scale()
         for c in self.chunks if chunks is None else chunks:
-            # (A chunk without an accumulator had its gradients consumed by its update: none to finish.)
             if c.index not in self._finished and c.opt_members and c.has_gradients and c.storage.grad_acc is not None:
                 Finishing(c, self._members(c), inv_scale, None, self._finished)()
 
-    def _norms(self, norm_type: float) -> dict[int, Tensor]:
-        """Parameter id -> the norm of its gradient (after finish_all)."""
-        out = {}
+    def total_norm(self, norm_type: float) -> Tensor:
+        """``clip_grad_norm_``'s total norm over the optimizer's parameters (after finish_all),
+        of the per-tensor norms in the optimizer's parameter order. Once per step and norm type."""
+        if norm_type in self._totals:
+            return self._totals[norm_type]
+        norms = {}  # parameter id -> the norm of its gradient
         for index, f in self._finished.items():
             if norm_type not in f.norms:
-                c = self.chunks[index]
-                grads = [c.values.state_view(c.storage.grad_acc, i) for i in f.members]
+                grads = _grads(self.chunks[index], f.members)
                 f.norms[norm_type] = list(torch._foreach_norm(grads, norm_type)) if grads else []
             params = self.chunks[index].params
-            out.update((id(params[i]), n) for i, n in zip(f.members, f.norms[norm_type]))
-        return out
-
-    def total_norm(self, norm_type: float) -> Tensor:
-        """``clip_grad_norm_``'s total norm over the optimizer's parameters (after finish_all):
-        the per-tensor norms, moved to the device one transfer per place they were taken,
-        stacked in the optimizer's parameter order. Once per step and norm type."""
-        if norm_type not in self._totals:
-            self._totals[norm_type] = self._total_norm(norm_type)
-        return self._totals[norm_type]
-
-    def _total_norm(self, norm_type: float) -> Tensor:
-        norms = self._norms(norm_type)
+            norms.update((id(params[i]), n) for i, n in zip(f.members, f.norms[norm_type]))
         ordered = [norms[id(p)] for group in self.optim.optimizer.param_groups for p in group["params"] if id(p) in norms]
         if not self.sharding.whole:
-            return self._sharded_total(ordered, norm_type)
-        if not ordered:
-            return torch.tensor(0.0, device=self.device)
-        return torch.linalg.vector_norm(self._stacked_on_device(ordered), norm_type)
+            total = self._sharded_total(ordered, norm_type)
+        elif not ordered:
+            total = torch.tensor(0.0, device=self.device)
+        else:
+            total = torch.linalg.vector_norm(self._stacked_on_device(ordered), norm_type)
+        self._totals[norm_type] = total
+        return total
 
     def _stacked_on_device(self, ordered: list[Tensor]) -> Tensor:
         """The per-tensor norms, in order, as one tensor on the device: one transfer per place
-        they were taken (the host's through pinned memory on CUDA, so the copy does not make
-        the host wait for the compute stream, as a copy from pageable memory does)."""
+        they were taken (the host's through pinned memory on CUDA: no host wait)."""
         moved: dict[int, Tensor] = {}
         for where in {n.device for n in ordered}:
             ks = [k for k, n in enumerate(ordered) if n.device == where]
@@ -235,9 +197,8 @@ class StepGradients:
         return torch.stack([moved[k] for k in range(len(ordered))])
 
     def _sharded_total(self, ordered: list[Tensor], norm_type: float) -> Tensor:
-        """The global norm over the ranks' pieces: each rank's pieces' norms combined (the
-        p-th powers summed, or the maximum), all-reduced, then the p-th root. Equal to
-        ``clip_grad_norm_``'s over whole gradients up to the order of the additions."""
+        """The global norm over the ranks' pieces: each rank's norm's p-th power all-reduced (or
+        the maximum), then the p-th root: ``clip_grad_norm_``'s up to the order of additions."""
         local = torch.zeros((), dtype=torch.float32, device=self.device)
         if ordered:
             local = torch.linalg.vector_norm(self._stacked_on_device(ordered).float(), norm_type)
@@ -248,8 +209,7 @@ class StepGradients:
 
     def found_inf(self) -> Tensor:
         """1.0 when any gradient of the step overflowed (fp16) on any rank, on the host (after
-        finish_all): summed on the device (the streamed chunks' flags are host tensors: small
-        copies in), all-reduced, and read on the host once (``to_host``: [Note: host waits])."""
+        finish_all): summed on the device, all-reduced, read once (``to_host``: [Note: host waits])."""
         found = torch.zeros(1, dtype=torch.float32, device=self.device)
         for f in self._finished.values():
             if f.found_inf is not None:
@@ -258,10 +218,8 @@ class StepGradients:
         return (self.ctx.to_host(found) > 0).float()
 
     def check_consumed(self, *, backward: bool, final: bool = True) -> None:
-        """Without accumulators ([Note: gradients consumed where they land] in worker.py): refuse
-        a backward inside ``no_sync`` (``final`` False), and a backward or step (``backward``
-        False; no landing in flight) that would need gradients an earlier step's update consumed,
-        where torch would add to them or step with them again (no ``zero_grad`` in between)."""
+        """Without accumulators (worker.py): refuse a backward inside ``no_sync`` (``final`` False),
+        and a backward or step (``backward`` False) needing gradients an earlier update consumed."""
         if not self.consumed:
             return
         if not final:
@@ -317,9 +275,8 @@ class StepGradients:
             self._late, self.late_seen = clipping, True
 
     def apply_late(self) -> None:
-        """This step's late request applied now, in place, to the gradients it clips, as torch's
-        clipping changes ``.grad`` at once (``p.grad`` reads them: [Note: gradients read through
-        p.grad]); the update then clips nothing more. After ``late_norm`` / ``finish_all``."""
+        """This step's late request applied now, in place, as torch's clipping changes ``.grad``
+        at once ([Note: gradients read through p.grad]). After ``late_norm`` / ``finish_all``."""
         clip, self._late = self._late, None
         if clip is None:
             return
@@ -327,7 +284,7 @@ class StepGradients:
         value = None if coef is not None else clip.value
         for index, finished in self._finished.items():
             c = self.chunks[index]
-            grads = [c.values.state_view(c.storage.grad_acc, i) for i in finished.members]
+            grads = _grads(c, finished.members)
             clip_gradients(grads, None if coef is None else coef.to(c.storage.grad_acc.device), value)
             finished.norms.clear()
         self._totals.clear()
@@ -350,10 +307,8 @@ class StepGradients:
         self.read_seen = True
 
     def take_changes(self) -> None:
-        """At ``step()``, before anything reads the gradients: a chunk whose gradients were
-        read through ``p.grad`` has its norms taken again (they may have changed); one that was
-        changed after its update ran during backward cannot apply the change, which is refused
-        with the fix."""
+        """At ``step()``: a chunk read through ``p.grad`` has its norms taken again; a change after
+        its update ran during backward is refused."""
         handed = list(self._handed.values())
         self._handed.clear()
         applied = [c.index for c, version in handed if c.applied and c.storage.grad_acc._version != version]
@@ -371,10 +326,6 @@ class StepGradients:
                 finished.norms.clear()
         if handed:
             self._totals.clear()
-
-    def backward_ended(self) -> None:
-        """A backward ended well: ``p.grad`` reads its gradients until ``step()`` or ``zero_grad``."""
-        self.readable = True
 
     def forget_reads(self) -> None:
         """A backward begins (it adds to the accumulators) or a step or zero_grad ended."""
@@ -415,9 +366,13 @@ class StepGradients:
         self._finished.clear()
         self._totals.clear()
         self._late = None
-        readable = self.readable and self.several_optimizers
-        self.forget_reads()
-        self.readable = readable
+        self._handed.clear()
+        self.readable = self.readable and self.several_optimizers
+
+
+def _grads(chunk: Chunk, members: list[int]) -> list[Tensor]:
+    """Views of ``members``' accumulated gradients."""
+    return [chunk.values.state_view(chunk.storage.grad_acc, i) for i in members]
 
 
 def _norm_coef(clipping: GradientClipping, total: Tensor) -> Tensor:

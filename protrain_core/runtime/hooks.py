@@ -3,51 +3,34 @@ and forwarding to the scheduler (see [Note: when a chunk is needed] in scheduler
 
 [Note: a unit's backward]
 Every forward call of a hooked unit is a ``UnitCall`` that knows the call it runs inside
-(``parent``: the enclosing unit call in forward, if any). Its backward *begins* when the
-gradient of one of its outputs is complete -- a tensor hook on each output, not on an input the
-unit returns unchanged, whose gradient does not flow through it (T5 passes its position bias
-through every block); an input the unit changed in place and returns is an output of its own. The runtime keeps the chunks of the *active chain* on the device: the
-call whose backward began last and its ancestors. A call that begins while its ancestor is
-active extends the chain (an outer module's own work before the inner call in forward comes
-after the inner call's backward); an ancestor of the active call that begins later (an outer
-module returning the inner module's output: both hooks fire on one tensor, the inner first)
-changes nothing; any other call replaces the chain. That a replaced call is finished follows
-from the autograd engine's order: a node becomes ready only when every gradient it needs is
-complete, and among ready nodes the engine runs the one created last in forward first -- so
-the backward nodes of the units after the new call in forward, which are ready by then, have
-run. No node is added to the autograd graph (an identity inserted between a unit and its
-inputs, as FSDP2 does, would regroup the sums of gradient contributions and change the
-results in the last bit). Calls that overlap in backward are the ones nested in forward,
-which is what ``PlanLimits`` counts.
+(``parent``). Its backward *begins* when the gradient of one of its outputs is complete (a
+tensor hook on each output; not on an input returned unchanged, whose gradient does not flow
+through it). The runtime keeps the chunks of the *active chain* on the device: the call whose
+backward began last and its ancestors. A call that begins while its ancestor is active extends
+the chain; an ancestor of the active call that begins later changes nothing; any other call
+replaces the chain, which is then finished: autograd runs a node only when every gradient it
+needs is complete, and among ready nodes the one created last in forward first. No node is
+added to the graph (an identity between a unit and its inputs, as FSDP2 inserts, would regroup
+the sums of gradient contributions and change the last bit). Calls that overlap in backward
+are the ones nested in forward, which is what ``PlanLimits`` counts.
 
 [Note: parameters used outside their units]
-User code reads and uses parameters where no unit's hooks run: a LightningModule's own
-parameter in ``training_step``, a penalty over ``model.parameters()`` added to the loss, a
-weight's norm logged after the forward. A streamed chunk's parameters then point at a
-placeholder (NaN: [Note: a pass's placeholders] in chunk.py) or at a host copy the CPU worker
-may be rewriting. While the engine is open every managed parameter's class is
-``ManagedParameter`` (``nn.Parameter`` again when it closes; identity, ``isinstance`` and
-``requires_grad`` unchanged; a subclass of ``nn.Parameter`` of the user's is left as it is),
-whose ``__torch_function__`` sees every torch function given one of them. Functions that read
-no values (shapes, dtypes, hooks, ``data_ptr``; ``.grad``: [Note: gradients read through
-p.grad] in gradients.py) and uses inside a running unit that pinned the chunk, or in a backward
-whose active chain holds it, go straight through. A read whose result cannot join an autograd
-graph (no gradients, ``detach``, ``.data``, ``item``) waits for the chunk's copy or update in
-flight and reads the values where they are -- at rest the host copy, as before -- unless the
-parameter points at a placeholder. Any other use of a streamed chunk's parameter is a unit
-call of its own (``RuntimeHooks.use_outside_units``): the chunks are made resident and pinned
-for the call, and with gradients enabled a tensor hook on each output that requires grad
-begins that call's backward as a unit's does, so the chunks are resident again when autograd
-reads the parameters there. Autograd sums a parameter's gradients from all its uses before its
-post-accumulate-grad hook runs, so the chunk receives the same gradient as plain PyTorch
-computes, bit for bit. A parameter the user rebound (``p.data = t``) is the user's tensor until
-it is adopted: its uses go through. With several processes the chunk's parameters are whole on
-no rank outside their units (a gather would be a collective that a rank-dependent read would
-leave unmatched): such a use is refused with the fix. What a use that fetched the chunk returns
-is safe to keep: a result viewing the device copy (``p.view(-1)``, ``p.detach()``) is a copy of
-its own (the device copy's memory goes with the next release), and an in-place write
-(``p.clamp_(...)`` under ``no_grad``) is taken into the chunk's master and copies. (A tensor
-taken through ``p.data`` and written in place afterwards is not seen: write the parameter.)
+User code uses parameters where no unit's hooks run (a LightningModule's own parameter, a
+penalty over ``model.parameters()``), while a streamed chunk's parameters point at a placeholder
+(NaN: [Note: a pass's placeholders] in chunk.py) or at a host copy the CPU worker may be
+rewriting. While the engine is open every managed parameter's class is ``ManagedParameter``,
+whose ``__torch_function__`` sees every torch function given one. Functions that read no values
+(shapes, hooks; ``.grad``: [Note: gradients read through p.grad] in gradients.py) and uses the
+running unit or the backward's active chain covers go straight through. A read whose result
+cannot join an autograd graph (``detach``, ``.data``, ``item``, no gradients) waits for the
+chunk's copy or update in flight and reads the values where they are, unless at a placeholder.
+Any other use is a unit call of its own (``RuntimeHooks.use_outside_units``): the chunks are
+resident and pinned for the call, and its outputs begin its backward as a unit's do. Autograd
+sums a parameter's gradients from all its uses before its post-accumulate-grad hook, so the
+chunk receives plain PyTorch's gradient bit for bit. A parameter the user rebound
+(``p.data = t``) is the user's tensor until adopted. With several processes the chunk is whole
+on no rank outside its units, so such a use is refused with the fix. What a use returns is safe
+to keep (``_kept``); a tensor taken through ``p.data`` and written in place later is not seen.
 """
 
 from __future__ import annotations
@@ -56,6 +39,7 @@ import contextlib
 import enum
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -68,16 +52,14 @@ from protrain_core.runtime.scheduler import Scheduler
 from protrain_core.utils import iter_tensors
 
 
+@dataclass(eq=False)
 class UnitCall:
     """One forward call of a hooked unit, until its backward is over."""
 
-    __slots__ = ("idxs", "parent", "began", "inputs", "__weakref__")
-
-    def __init__(self, idxs: tuple[int, ...], parent: UnitCall | None) -> None:
-        self.idxs = idxs
-        self.parent = parent  # the unit call this one runs inside, in forward
-        self.began = False
-        self.inputs: dict[int, int] | None = None  # while it runs: id -> version of its input tensors
+    idxs: tuple[int, ...]
+    parent: UnitCall | None  # the unit call this one runs inside, in forward
+    began: bool = False
+    inputs: dict[int, int] | None = None  # while it runs: id -> version of its input tensors
 
     def ancestors(self):
         call = self.parent
@@ -90,14 +72,11 @@ class RuntimeHooks:
     def __init__(self, scheduler: Scheduler, units: dict[nn.Module, tuple[int, ...]], chunks: list[Chunk], *,
                  onloaded: Callable[[], bool], grad_of: Callable[[Chunk, int], Tensor | None],
                  clear_grads: Callable[[list[tuple[Chunk, int]]], None], on_backward: Callable[[], None]) -> None:
-        """``units``: hooked modules -> the chunks their forward needs. A unit's hooks act while
-        one of those chunks is streamed (a re-plan between steps changes which are), so the
-        hooks of a call are the same from its forward to the end of its backward.
-        ``onloaded()``: False while the states are offloaded (``Engine.offload_states``): no
-        unit may run, and parameters are used where they are. ``grad_of(chunk, i)``: what
-        ``p.grad`` reads, or None for the parameter's own ([Note: gradients read through p.grad]
-        in gradients.py); ``clear_grads([(chunk, i)])``: ``p.grad = None``; ``on_backward()``: every
-        backward hook's first act (``BackwardPasses.hook``: [Note: loss.backward()] in backward.py)."""
+        """``units``: hooked modules -> the chunks their forward needs (its hooks act while one
+        of those is streamed); ``onloaded()``: False while the states are offloaded;
+        ``grad_of(chunk, i)``: what ``p.grad`` reads (None: the parameter's own);
+        ``clear_grads([(chunk, i)])``: ``p.grad = None``; ``on_backward()``: every backward hook's
+        first act (backward.py)."""
         self.scheduler = scheduler
         self.chunks = chunks
         self._onloaded = onloaded
@@ -129,25 +108,21 @@ class RuntimeHooks:
             del p.protrain_use
             p.__class__ = nn.Parameter
         self._managed.clear()
-        self._onloaded = self.grad_of = self.clear_grads = self._on_backward = None  # (the engine's parts: no
-                                                                                    # cycle keeps a closed engine)
+        self._onloaded = self.grad_of = self.clear_grads = self._on_backward = None  # (no cycle keeps the engine)
 
     def backward_awaited(self) -> bool:
-        """A forward that streamed chunks left an autograd graph whose backward has not begun
-        (several optimizers: a GAN's generated batch kept across the discriminator's step).
-        Chunks must stay where that forward found them until then: no re-plan, no offload."""
+        """A forward that streamed chunks left an autograd graph whose backward has not begun (a
+        GAN's generated batch): chunks must stay where it found them: no re-plan, no offload."""
         return any(not call.began for call in self._graphs)
 
     def covers(self, chunk: Chunk) -> bool:
-        """A use of ``chunk``'s parameters now needs nothing of its own: the chunk is persistent,
-        pinned by a running unit's forward, or in the active chain of a backward."""
+        """A use of ``chunk``'s parameters needs nothing of its own: persistent, pinned, or in the active chain."""
         return chunk.persistent or chunk.pins > 0 or (chunk.index in self.scheduler.current
                                                       and chunk.state in (ChunkState.RESIDENT, ChunkState.OFFLOADING))
 
     def use_outside_units(self, uses: list[tuple[Chunk, int]], func, args, kwargs, *, graph: bool):
-        """``func(*args, **kwargs)`` uses members of chunks outside their units ([Note:
-        parameters used outside their units]); ``graph``: its result may be part of an autograd
-        graph (gradients enabled, not a ``detach``)."""
+        """``func(*args, **kwargs)`` uses members of chunks outside their units ([Note: parameters
+        used outside their units]); ``graph``: its result may join an autograd graph."""
         scheduler, chunks = self.scheduler, list({id(c): c for c, _ in uses}.values())
         idxs = tuple(sorted(c.index for c in chunks))
         with DisableTorchFunctionSubclass():
@@ -159,21 +134,24 @@ class RuntimeHooks:
                 if all(c.holds_value(i) for c, i in uses):
                     return _kept(func(*args, **kwargs), func, uses, args)
             if not scheduler.sharding.whole:
-                raise RuntimeError(_sharded_use_message(uses, scheduler.sharding.world))
+                raise RuntimeError(
+                    f"ProTrain with {scheduler.sharding.world} processes: a parameter of an offloaded chunk "
+                    f"({uses[0][0].spec.members[uses[0][1]].name}{' and others' if len(uses) > 1 else ''}) was used "
+                    "outside the module it belongs to. Its chunk is sharded over the ranks and whole on none between "
+                    "its module's uses. Use it inside a module's forward (e.g. move a penalty or a logit scale into "
+                    "the model), keep its chunk on the device (Plan.persistent_chunks), or read the weights with "
+                    "engine.state_dict().")
             if scheduler.phase.phase in (TrainingPhase.BACKWARD, TrainingPhase.RECOMPUTE):
                 scheduler.acquire(idxs, pin=False)  # e.g. a tensor hook reading a weight
                 return _kept(func(*args, **kwargs), func, uses, args)
             call = UnitCall(idxs, self._running[-1] if self._running else None)
-            scheduler.use_outside_units(idxs)
+            scheduler.pre_forward(idxs, unit=False)
             try:
                 out = _kept(func(*args, **kwargs), func, uses, args)
             finally:
                 scheduler.post_forward(idxs)
         if graph:
-            for t in iter_tensors(out):
-                if t.requires_grad:
-                    t.register_hook(self._pre_backward(call))
-                    self._graphs.add(call)
+            self._await_backward(call, [t for t in iter_tensors(out) if t.requires_grad])
         return out
 
     def _streams(self, idxs: tuple[int, ...]) -> bool:
@@ -206,31 +184,30 @@ class RuntimeHooks:
             self.scheduler.post_forward(idxs)
             if not torch.is_grad_enabled():
                 return
-            for t in iter_tensors(output):
-                if t.requires_grad and call.inputs.get(id(t), -1) != t._version:  # not an input passed through
-                    t.register_hook(self._pre_backward(call))
-                    self._graphs.add(call)
+            self._await_backward(call, [t for t in iter_tensors(output)  # (not an input passed through)
+                                        if t.requires_grad and call.inputs.get(id(t), -1) != t._version])
             call.inputs = None
 
         return hook
 
-    def _pre_backward(self, call: UnitCall):
+    def _await_backward(self, call: UnitCall, outputs: list[Tensor]) -> None:
+        """``call``'s backward begins when the gradient of one of ``outputs`` is complete."""
+
         def hook(_grad):
             self.backward_hook()
             self.scheduler.begin_unit_backward(call)
 
-        return hook
+        for t in outputs:
+            t.register_hook(hook)
+            self._graphs.add(call)
 
     def backward_hook(self) -> None:
         if self._on_backward is not None:
             self._on_backward()
 
     def _post_accumulate_grad(self, c: int, i: int):
-        # The hook holds nothing of the engine but a weak reference to these hooks: autograd
-        # keeps a tensor's hooks where the garbage collector cannot see them, so a strong
-        # reference (to the chunk too) made an engine and its model, dropped unclosed, a cycle
-        # never freed. The units' forward hooks (plain Python) keep these hooks alive while the
-        # model lives.
+        # Only a weak reference: autograd keeps a tensor's hooks where the garbage collector cannot
+        # see them (a strong one would make an unclosed engine and its model a cycle never freed).
         hooks = weakref.ref(self)
 
         def hook(p: Tensor) -> None:
@@ -277,10 +254,9 @@ _USES: dict = {}  # torch function -> its _Use, classified once (the set of func
 
 def _use_of(func) -> _Use:
     try:
+        if func not in _USES:
+            _USES[func] = _classify(func)
         return _USES[func]
-    except KeyError:
-        use = _USES[func] = _classify(func)
-        return use
     except TypeError:  # (an unhashable callable)
         return _classify(func)
 
@@ -299,14 +275,12 @@ def _classify(func) -> _Use:
     return _Use.READ if name in _NO_GRAPH else _Use.USE
 
 
-# The plain parameter's __torch_function__: torch functions run with subclasses' disabled, so
-# their results are plain tensors.
+# The plain parameter's __torch_function__ (it runs torch functions with subclasses disabled).
 _plain = nn.Parameter.__torch_function__
 
 
 def refuse_pickling(obj, protocol) -> None:
-    """``__reduce_ex__`` of what an open engine holds (its parameters, the engine): a model wrapped
-    by ProTrain is not pickled whole."""
+    """``__reduce_ex__`` of what an open engine holds (its parameters, the engine)."""
     raise TypeError(
         "A model wrapped by ProTrain cannot be pickled whole (torch.save(model), or its parameters): its "
         "parameters live in the engine's chunks, with the engine's threads and hooks. Save the weights: "
@@ -349,9 +323,8 @@ class ManagedParameter(nn.Parameter):
         return _plain(func, types, args, kwargs or {})
 
     def __deepcopy__(self, memo):
-        """A plain ``nn.Parameter`` with the value of the moment (an EMA's copy of the model).
-        Sharded, the value where it is: the module's state-dict hook refuses such a copy with
-        the fix (states.py)."""
+        """A plain ``nn.Parameter`` with the value of the moment (an EMA's copy of the model);
+        sharded, the value where it is (the module's state-dict hook refuses such a copy)."""
         if id(self) not in memo:
             sharded = not self.protrain_use[0].scheduler.sharding.whole
             with DisableTorchFunctionSubclass() if sharded else contextlib.nullcontext():
@@ -364,11 +337,9 @@ class ManagedParameter(nn.Parameter):
 
 
 def _kept(out, func, uses: list[tuple[Chunk, int]], args):
-    """What a use outside the units returns, made safe to keep: an in-place write (``p.clamp_``,
-    ``p += d``) goes into the chunk (master, host and device copies: ``Chunk.adopt``), which a
-    release or the next update would otherwise drop; a result that views a streamed chunk's
-    device copy (``p.view(-1)``, ``p.detach()``) is a copy of its own, since that memory goes
-    with the next release (a view of the host copy at rest stays one, as torch's would)."""
+    """What a use outside the units returns, made safe to keep: an in-place write (``p.clamp_``)
+    goes into the chunk (``Chunk.adopt``); a result that views a streamed chunk's device copy
+    (``p.view(-1)``) is a copy of its own, since that memory goes with the next release."""
     name = getattr(func, "__name__", "")
     if name.endswith("_") and not name.startswith("__") or name in _IN_PLACE_OPERATORS:
         for c, i in uses:
@@ -393,23 +364,11 @@ def _top_level(args, kwargs):
             yield from (t for t in a if isinstance(t, Tensor))
 
 
-def _sharded_use_message(uses: list[tuple[Chunk, int]], world: int) -> str:
-    names = [c.spec.members[i].name for c, i in uses]
-    return (f"ProTrain with {world} processes: a parameter of an offloaded chunk ({names[0]}"
-            f"{' and others' if len(names) > 1 else ''}) was used outside the module it belongs to. Its "
-            "chunk is sharded over the ranks and whole on none between its module's uses. Use it inside a "
-            "module's forward (e.g. move a penalty or a logit scale into the model), keep its chunk on the "
-            "device (Plan.persistent_chunks), or read the weights with engine.state_dict().")
-
-
 def refuse_compiled() -> None:
     """Refuses ``torch.compile`` of the wrapped model or of one of its modules *after* ``wrap``
-    (a model compiled before is compiled per unit: [Note: compiled units] in compiled.py), at its
-    first call: dynamo traces the module's hooks, and a compiled graph bakes in the placeholders and host
-    copies a streamed chunk's parameters point at between their fetches (it would fail deep in
-    the compiler or train on stale values). Under tracing ``is_compiling()`` is true and the call
-    of ``_compiled_call``, disabled for the compiler there, is a graph break that runs it eagerly,
-    so the user gets this error; in eager code the check is one function call."""
+    ([Note: compiled units] in compiled.py): a compiled graph bakes in what a streamed chunk's
+    parameters point at between fetches. Under tracing, ``_compiled_call`` (disabled for the
+    compiler) is a graph break that runs eagerly, so the user gets its error."""
     if torch.compiler.is_compiling():
         torch.compiler.disable(_compiled_call)()  # (made here: importing dynamo costs every process a second)
 

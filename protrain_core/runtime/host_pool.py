@@ -1,41 +1,29 @@
 """Host memory page-locked in place, and one exact-size pool of it for all streamed chunks (paper
-appendix B.2).
-
-PyTorch's pinned-memory allocator rounds every request up to a power of two, which can waste
-almost half of the host RAM that holds offloaded model states. The pool instead allocates one
-ordinary host buffer of exactly the bytes needed and, on CUDA, page-locks it in place with
-``cudaHostRegister``; chunk tensors are carved out of it as typed views.
+appendix B.2): PyTorch's pinned-memory allocator rounds every request up to a power of two, so
+the pool allocates one ordinary host buffer of exactly the bytes needed, page-locks it in place
+with ``cudaHostRegister`` on CUDA, and carves chunk tensors out of it as typed views.
 
 [Note: page-locking in place]
-``cudaHostRegister`` works on whole pages, and it fails for a page that is already registered.
-Two rules follow, both of which the first GPU session found broken (``cudaHostRegister ...
-failed with error 712``, "part or all of the requested memory range is already mapped"):
-- A registered buffer owns its pages. A buffer from ``malloc`` can share its first or last page
-  with a neighbour that is registered too, so ``PageLocked`` allocates a page more than it
-  needs and registers the page-aligned whole pages inside the allocation.
-- Memory is never freed while it is registered: freed, its pages stay registered (and locked)
-  and a later allocation at the same addresses cannot be registered. The buffer is a NumPy array
-  that the tensors viewing it keep alive; a ``weakref.finalize`` on it unregisters the pages
-  when the last view is gone, before NumPy frees the memory (an array clears its weak
-  references first when it is deallocated). ``close()`` unregisters earlier, once.
+``cudaHostRegister`` works on whole pages, and fails for a page already registered (error 712).
+So a registered buffer owns its pages: ``PageLocked`` allocates a page more than it needs and
+registers the page-aligned whole pages inside (a ``malloc`` buffer can share its first or last
+page with a registered neighbour). And memory is never freed while registered (a later
+allocation at the same addresses could not be registered): the buffer is a NumPy array that its
+views keep alive, and a ``weakref.finalize`` on it unregisters the pages when the last view is
+gone, before NumPy frees the memory. ``close()`` unregisters earlier, once. A failed cudart call
+also leaves CUDA's "last error", which PyTorch's next kernel launch on that thread would raise
+as its own; ``_consume_cuda_error`` takes it first.
+
 [Note: what is page-locked]
-Only what a copy engine reads or writes is page-locked: a streamed chunk's host compute copy
-(the source of every upload and, in the mixed modes, where its gradients land), its accumulator
-where gradients land in it (no separate master: fp32 and bf16-true), a quantised chunk's host
+Only what a copy engine reads or writes is page-locked: a streamed chunk's host compute copy,
+its accumulator where gradients land in it (no separate master), a quantised chunk's host
 store, the worker's staging buffers and swapped activations. The master, a mixed-precision
 accumulator and the optimizer states only the CPU worker touches stay pageable: in the mixed
-modes with fp32 moments that is 2 of the 18 bytes per trainable parameter locked instead of
-all 18 (``ChunkFormat.host_tensors`` says which part is which; ``engine.memory`` and the
-summary count both). Locked memory cannot be swapped or compacted by the OS and its
-registration costs time at ``wrap`` (about 8 GB/s measured on the H200); a copy that touches
-pageable memory (a re-plan moving a chunk) is staged by the driver, slower but correct, and
-rare. ``offload_states`` is not rare (reinforcement learning parks the engine at every rollout)
-and moves every state of a persistent chunk both ways, so the host buffer it parks a chunk in is
-page-locked whole: with its masters and moments pageable, the lent H200 offloaded 21.8 GB at
-14 GB/s and onloaded at 8 GB/s (27 % and 15 % of the pinned copies' bandwidth).
-A failed cudart call through ``torch.cuda.cudart()`` also leaves its error as CUDA's "last
-error", which the next kernel launch of PyTorch on that thread would raise as its own, from an
-unrelated operation; ``_consume_cuda_error`` takes it first.
+modes with fp32 moments 2 of the 18 bytes per trainable parameter are locked
+(``ChunkFormat.host_tensors``). Locked memory cannot be swapped by the OS and its registration
+costs time at ``wrap`` (about 8 GB/s on the H200); a copy that touches pageable memory (a
+re-plan) is slower but rare. ``offload_states`` is not rare (reinforcement learning parks the
+engine at every rollout), so the host buffer it parks a chunk in is page-locked whole.
 """
 
 from __future__ import annotations
@@ -55,9 +43,8 @@ _PAGE = mmap.PAGESIZE
 
 
 class PageLocked:
-    """``nbytes`` of zeroed host memory page-locked in place on CUDA device ``device`` (see [Note:
-    page-locking in place]): ``tensor`` (uint8) views it; ``close()`` unregisters it now (it
-    stays valid host memory), else that happens when the last view of it is freed."""
+    """``nbytes`` of zeroed host memory page-locked in place on CUDA ``device`` for ``what`` ([Note:
+    page-locking in place]): ``tensor`` views it; ``close()`` unregisters it before its last view."""
 
     def __init__(self, nbytes: int, *, device: torch.device, what: str) -> None:
         import numpy
@@ -97,8 +84,7 @@ def _error_string(err) -> str:
 
 
 def _consume_cuda_error(device: torch.device) -> None:
-    """Take CUDA's last error on this thread (see the Note): a kernel launch's check reads and
-    clears it, and raises it, here."""
+    """Take CUDA's last error on this thread (see the Note): a kernel launch raises it here."""
     with contextlib.suppress(RuntimeError), torch.cuda.device(device):
         torch.ones(1, device=device).add_(1)
 
@@ -106,12 +92,10 @@ def _consume_cuda_error(device: torch.device) -> None:
 class HostPool:
     def __init__(self, tensors: list[tuple[int, torch.dtype, bool]], *, pin: bool,
                  device: torch.device = torch.device("cpu"), cuda: torch.device | None = None, touch=None) -> None:
-        """Reserve room for tensors of ``(numel, dtype, moves)``; carve them in that order with
-        ``take``. Those that ``moves`` (a copy engine reads or writes them) are page-locked for
-        CUDA device ``cuda`` (the current one if None) when ``pin``; the others are ordinary host
-        memory, in a region of their own ([Note: what is page-locked]). ``device``: the host (the
-        meta device in a size-only simulation); ``touch(t)``: zeroes the pageable region, the
-        first touch of its pages (None: here)."""
+        """Reserve room for ``tensors`` of ``(numel, dtype, moves)``, carved in that order by
+        ``take``: those that ``moves`` page-locked for CUDA device ``cuda`` (None: the current one)
+        when ``pin``, the others pageable ([Note: what is page-locked]). ``device``: the host;
+        ``touch(t)``: zeroes the pageable region, its pages' first touch (None: here)."""
         self._order = [moves for _, _, moves in tensors]
         self.pinned_nbytes, self.pageable_nbytes = _region_bytes(tensors, True), _region_bytes(tensors, False)
         self.nbytes = self.pinned_nbytes + self.pageable_nbytes
@@ -162,8 +146,7 @@ class HostPool:
         return region[start:end].view(dtype)
 
     def rewind(self) -> None:
-        """Carve the same tensors again, from the start (a pool kept for reuse: their old
-        values stay until overwritten)."""
+        """Carve the same tensors again, from the start (their old values stay)."""
         self._offsets, self._next = {True: 0, False: 0}, 0
 
     def close(self) -> None:

@@ -2,10 +2,10 @@
 other elementwise optimizers run per chunk by their own class ([Note: elementwise optimizers]
 in elementwise.py).
 
-The user's optimizer object stays the one the user (or Lightning) holds: its ``param_groups``
-are read at every step, so schedulers that change ``lr`` keep working, and its
-``state_dict()`` format is what ``engine.states.optimizer()`` produces. Its own ``state``
-stays empty: moments live in the chunks, next to the master weights.
+The user's optimizer object stays the one the user holds: its ``param_groups`` are read at every
+step (so schedulers that change ``lr`` keep working), its ``state_dict()`` format is what
+``engine.states.optimizer()`` produces, and its own ``state`` stays empty: moments live in the
+chunks, next to the master weights.
 """
 
 from __future__ import annotations
@@ -38,7 +38,11 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> Elementwise | None:
     ``elementwise.describe`` found (it refuses optimizers that need whole parameters)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"ProTrain needs a torch.optim.Optimizer, got {type(optimizer).__name__}.")
-    _check_groups(optimizer)
+    for group in optimizer.param_groups:
+        if group.get("differentiable", False):
+            raise ValueError("differentiable=True optimizers are not supported by ProTrain.")
+        if isinstance(group.get("lr"), Tensor) and group["lr"].numel() != 1:
+            raise ValueError("lr must be a float or a one-element tensor.")
     if not is_adam(optimizer):
         return describe(optimizer)
     # torch wraps each optimizer class's step for its profiler hooks: compare what is wrapped.
@@ -54,21 +58,10 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> Elementwise | None:
     return None
 
 
-def _check_groups(optimizer: torch.optim.Optimizer) -> None:
-    for group in optimizer.param_groups:
-        if group.get("differentiable", False):
-            raise ValueError("differentiable=True optimizers are not supported by ProTrain.")
-        if isinstance(group.get("lr"), Tensor) and group["lr"].numel() != 1:
-            raise ValueError("lr must be a float or a one-element tensor.")
-
-
 def joint_optimizer(optimizers, names: dict[int, str]) -> torch.optim.Optimizer:
-    """One optimizer over several optimizers' parameters, for an engine that trains with all of
-    them ([Note: several optimizers] in runtime/engine.py): of their common class, its param
-    groups the same dicts as theirs in order, so a learning-rate scheduler of one of them, or a
-    change of a group's settings, reaches it. Nobody steps it: ``engine.step(optimizer)`` steps
-    the chunks of that optimizer's parameters and runs that optimizer's own ``step`` hooks.
-    ``names``: parameter id -> name, for the refusals. A single optimizer is returned as it is."""
+    """One optimizer (nobody steps it) of ``optimizers``' common class, whose param groups are
+    theirs in order ([Note: several optimizers] in runtime/engine.py); a single optimizer as it
+    is. ``names``: parameter id -> name, for the refusals."""
     optimizers = list(optimizers)
     if len(optimizers) == 1:
         return optimizers[0]
@@ -101,11 +94,7 @@ def parameter_owners(optimizers, names: dict[int, str] | None = None) -> dict[in
 
 def indexed_params(optimizer: torch.optim.Optimizer):
     """(index, parameter) in torch's state-dict numbering: param groups in order."""
-    index = 0
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            yield index, p
-            index += 1
+    return enumerate(p for group in optimizer.param_groups for p in group["params"])
 
 
 @dataclass(frozen=True)
@@ -149,9 +138,8 @@ def _land_rest(kernel, chunk: Chunk, covered: list[Tensor], accumulate: bool | N
 
 class ChunkOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, *, one_pass_kernel: bool = True, optimizers: tuple = ()) -> None:
-        """``one_pass_kernel``: False runs the separate passes where the kernel would apply
-        (``RuntimeConfig.one_pass_kernel``); ``optimizers``: the user's several, when
-        ``optimizer`` is their ``joint_optimizer``."""
+        """``one_pass_kernel``: ``RuntimeConfig.one_pass_kernel``; ``optimizers``: the user's
+        several, when ``optimizer`` is their ``joint_optimizer``."""
         self.optimizer = optimizer
         self.optimizers = tuple(optimizers) or (optimizer,)
         self.one_pass_kernel = one_pass_kernel
@@ -164,10 +152,6 @@ class ChunkOptimizer:
                 if id(p) in self.group_of:
                     raise ValueError("A parameter appears in more than one optimizer param group.")
                 self.group_of[id(p)] = g
-
-    @property
-    def amsgrad(self) -> bool:
-        return any(group.get("amsgrad", False) for group in self.optimizer.param_groups)
 
     def snapshot(self) -> tuple:
         """Each param group's hyper-parameters now (Adam's, or the other optimizer's settings)."""
@@ -189,9 +173,8 @@ class ChunkOptimizer:
         return out
 
     def selected(self, chunk: Chunk) -> dict[int, list[int]]:
-        """The members an update of ``chunk`` steps, by param group: those that received a
-        gradient since zero_grad (torch skips parameters whose ``.grad`` is None). Taken on the
-        main thread when the update is handed out; the chunk then records their Adam state."""
+        """The members an update of ``chunk`` steps, by param group: those with a gradient since
+        zero_grad (as torch skips a ``.grad`` of None); the chunk records their Adam state."""
         out = {}
         for g, members in chunk.opt_members.items():
             selected = [i for i in members if chunk.has_grad(i)]
@@ -203,8 +186,7 @@ class ChunkOptimizer:
 
     def one_pass(self, chunk: Chunk):
         """The kernel that lands and updates ``chunk`` in one pass (protrain_ops/onepass.py), or
-        None: Adam on a bf16-mixed or 16-mixed chunk (fp32, bf16 or 8-bit moments) whose states
-        are in host memory, where the kernel built and matched torch's arithmetic."""
+        None: Adam on a bf16-mixed or 16-mixed chunk whose states are in host memory."""
         storage = chunk.storage
         if (self.elementwise is not None or not storage.fmt.separate_master or storage.master.device.type != "cpu"
                 or storage.fmt.compute_dtype not in (torch.bfloat16, torch.float16) or not self.one_pass_kernel):
@@ -216,8 +198,7 @@ class ChunkOptimizer:
         """A gradient landed in the compute copy's span (``one_pass(chunk)`` gave ``kernel``)
         into the accumulator (added when ``accumulate``), and the copy restored from the master,
         in one pass; with ``inv_scale`` (fp16, the step's last landing) the gradients of
-        ``members`` are also unscaled and checked for inf/nan in it, and the flag is returned
-        (1.0: found) as ``torch._amp_foreach_non_finite_check_and_unscale_`` leaves it."""
+        ``members`` are also unscaled and checked, and the inf/nan flag is returned (1.0: found)."""
         storage, found, covered = chunk.storage, None, []
         if inv_scale is not None and members:
             views = chunk.values.update_views(tuple(members))
@@ -230,15 +211,11 @@ class ChunkOptimizer:
 
     def update(self, chunk: Chunk, hps: tuple[AdamHyperParams, ...], selected: dict[int, list[int]],
                clip: UpdateClip, *, landed: str | None = None, timed=contextlib.nullcontext) -> None:
-        """One Adam step of the ``selected`` members (``selected(chunk)``), clipped by ``clip``
-        first with the calls of clip_grad_norm_ (``_foreach_mul_`` by the coefficient) and
-        clip_grad_value_ (clamp), on this chunk's gradients.
-
-        ``landed`` ("copy" or "add", only where ``one_pass(chunk)`` gave a kernel): the gradient
-        is still in the compute copy's span where it landed, and goes into the accumulator in
-        the same pass. Runs on the device for persistent chunks (main thread) and on the host for
-        streamed chunks (CPU worker). ``timed()``: the context around the update after clipping's
-        separate passes (``DeviceContext.host_update`` on the worker)."""
+        """One Adam step of the ``selected`` members (with ``hps``), clipped by ``clip`` first as
+        clip_grad_norm_ (``_foreach_mul_`` by the coefficient) and clip_grad_value_ (clamp) do.
+        ``landed`` ("copy" or "add", only with a one-pass kernel): the gradient is still in the
+        compute copy's span, and goes into the accumulator in the same pass. ``timed()``: the
+        context around the update after clipping's separate passes."""
         kernel = self.one_pass(chunk)
         if kernel is not None:
             with timed():
@@ -253,25 +230,19 @@ class ChunkOptimizer:
             for g, members, views in groups:
                 if self.elementwise is not None:
                     self.elementwise.step(chunk, g, tuple(members), views, hps[g])
-                elif storage.fmt.state_format == "8bit":
-                    self._eight_bit(chunk, members, views, hps[g])
+                elif storage.fmt.state_format == "8bit":  # bitsandbytes' AdamW8bit ([Note: optimizer-state formats])
+                    stepped = [(views.master[j], views.grads[j], moments, step)
+                               for j, moments, step in self._stepped_eight_bit(chunk, members, views)]
+                    formats.eight_bit_steps(stepped, hps[g], onepass.kernel() if self.one_pass_kernel else None)
                 else:  # (bf16 moments: widened and rounded back, by protrain_ops)
                     adam_step(views.master, views.grads, views.exp_avgs, views.exp_avg_sqs,
                               views.max_exp_avg_sqs if hps[g].amsgrad else [], views.member_steps, hps[g])
             if storage.fmt.separate_master:
                 copy_to_low_precision(storage.compute_span(), storage.master)
 
-    def _eight_bit(self, chunk: Chunk, members: list[int], views, hp: AdamHyperParams) -> None:
-        """bitsandbytes' AdamW8bit step of ``members`` (``eight_bit_steps``: the one-pass kernel, or
-        bitsandbytes' calls; [Note: optimizer-state formats] in state_formats.py)."""
-        stepped = [(views.master[j], views.grads[j], moments, step) for j, moments, step in
-                   self._stepped_eight_bit(chunk, members, views)]
-        formats.eight_bit_steps(stepped, hp, onepass.kernel() if self.one_pass_kernel else None)
-
     def _stepped_eight_bit(self, chunk: Chunk, members: list[int], views) -> list[tuple[int, formats.MemberMoments, int]]:
         """(position in ``views``, moments, step count after this step) of each of ``members`` this
-        rank holds a piece of; every member's step counter (on the CPU) advanced, on every rank,
-        as torch counts a step of a parameter with no piece here."""
+        rank holds a piece of; every member's step counter advanced, as torch counts them."""
         places, out = self.quant_places(chunk), []
         for j, i in enumerate(members):
             steps = chunk.storage.steps[i]
@@ -281,25 +252,8 @@ class ChunkOptimizer:
                 out.append((j, moments, int(steps.item())))
         return out
 
-    def _eight_bit_one_pass(self, kernel, chunk: Chunk, members: list[int], views, hp: AdamHyperParams,
-                            clip: UpdateClip, landed: str | None) -> tuple[list[Tensor], list[tuple]]:
-        """The members with 8-bit moments landed, clipped, stepped and copied in one pass of
-        ``kernel`` ([Note: 8-bit moments in one pass]); returns their masters (the span they cover)
-        and the small members' (master, gradient, low-precision span, moments, step) left for
-        ``eight_bit_step`` once their landing is folded."""
-        stepped = self._stepped_eight_bit(chunk, members, views)
-        fused = [(j, moments, step) for j, moments, step in stepped if moments.absmax1 is not None]
-        if fused:
-            formats.kernel_steps(kernel, [(views.master[j], views.grads[j], moments, step) for j, moments, step in fused],
-                                 hp, [views.lows[j] for j, _, _ in fused], coef=clip.coef, clamp=clip.value,
-                                 landed=landed is not None, accumulate=landed == "add")
-        small = [(views.master[j], views.grads[j], views.lows[j], moments, step)
-                 for j, moments, step in stepped if moments.absmax1 is None]
-        return [views.master[j] for j, _, _ in fused], small
-
     def quant_places(self, chunk: Chunk) -> formats.QuantPlaces:
-        """Where ``chunk``'s 8-bit members keep their block scales and small ones their moments
-        on this rank."""
+        """Where ``chunk``'s 8-bit members keep their block scales (small ones: moments) here."""
         places = self._places.get(chunk.index)
         if places is None:
             places = self._places[chunk.index] = rank_quant_places(chunk.spec, chunk.storage.shards)
@@ -318,9 +272,8 @@ class ChunkOptimizer:
 
     def _gathered_eight_bit(self, chunk: Chunk) -> list[formats.MemberMoments | None]:
         """Every member's whole 8-bit moments, assembled from the ranks' pieces (a collective,
-        as ``ChunkValues.gathered_values``; the states themselves in one process): the uint8
-        states and the block scales gathered side by side (both by position), the small
-        members' fp32 moments from each rank's packed pieces."""
+        as ``ChunkValues.gathered_values``): the uint8 states and the block scales gathered by
+        position, the small members' fp32 moments from each rank's packed pieces."""
         storage, values = chunk.storage, chunk.values
         if storage.fmt.whole:
             places = self.quant_places(chunk)
@@ -353,22 +306,28 @@ class ChunkOptimizer:
 
     def _update_one_pass(self, kernel, chunk: Chunk, hps, selected: dict[int, list[int]], clip: UpdateClip,
                          landed: str | None) -> None:
-        """``update`` in one pass per param group (the same results bit for bit), then the
-        rest of the span, as the separate passes leave it: the landing folded into the
-        accumulator, the compute copy from the master (the landing overwrote it); then 8-bit
-        chunks' small members, whose fp32 moments bitsandbytes steps."""
+        """``update`` in one pass per param group (the same results bit for bit), then the rest
+        of the span as the separate passes leave it (``_land_rest``); then 8-bit chunks' small
+        members, whose fp32 moments bitsandbytes steps."""
         covered, small = [], []
         for g, members in selected.items():
             views = chunk.values.update_views(tuple(members))
-            if chunk.storage.fmt.eight_bit:
-                masters, rest = self._eight_bit_one_pass(kernel, chunk, members, views, hps[g], clip, landed)
-                covered += masters
-                small += [(hps[g], *member) for member in rest]
+            if not chunk.storage.fmt.eight_bit:
+                onepass.update(kernel, views.master, views.lows, views.grads, views.exp_avgs, views.exp_avg_sqs,
+                               views.max_exp_avg_sqs, views.member_steps, hps[g], coef=clip.coef, clamp=clip.value,
+                               landed=landed is not None, accumulate=landed == "add")
+                covered += views.master
                 continue
-            onepass.update(kernel, views.master, views.lows, views.grads, views.exp_avgs, views.exp_avg_sqs,
-                           views.max_exp_avg_sqs, views.member_steps, hps[g], coef=clip.coef, clamp=clip.value,
-                           landed=landed is not None, accumulate=landed == "add")
-            covered += views.master
+            # 8-bit moments: landed, clipped, stepped and copied in the pass ([Note: 8-bit moments in one pass])
+            stepped = self._stepped_eight_bit(chunk, members, views)
+            fused = [(j, moments, step) for j, moments, step in stepped if moments.absmax1 is not None]
+            if fused:
+                formats.kernel_steps(kernel, [(views.master[j], views.grads[j], m, step) for j, m, step in fused],
+                                     hps[g], [views.lows[j] for j, _, _ in fused], coef=clip.coef, clamp=clip.value,
+                                     landed=landed is not None, accumulate=landed == "add")
+            covered += [views.master[j] for j, _, _ in fused]
+            small += [(hps[g], views.master[j], views.grads[j], views.lows[j], moments, step)
+                      for j, moments, step in stepped if moments.absmax1 is None]
         _land_rest(kernel, chunk, covered, None if landed is None else landed == "add")
         for hp, master, grad, low, moments, step in small:
             clip_gradients([grad], clip.coef, clip.value)
@@ -380,7 +339,8 @@ class ChunkOptimizer:
         """torch's names of the states the chunks hold in their slots (``SLOT_ATTRS``), in order."""
         if self.kind is not None:
             return self.kind.slots
-        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.amsgrad else ())
+        amsgrad = any(group.get("amsgrad", False) for group in self.optimizer.param_groups)
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
 
     def scalar_state(self, chunk: Chunk, i: int) -> dict | None:
         """Member ``i``'s state that is not in the slots ("step", ...); None when it has none yet."""
@@ -388,17 +348,14 @@ class ChunkOptimizer:
             return self.elementwise.extra.get((chunk.index, i))
         return {"step": chunk.storage.steps[i]} if chunk.has_adam_state(i) else None
 
-    def _order(self) -> tuple[str, ...]:
-        return self.kind.order if self.kind is not None else ("step",) + self.slot_names()
-
     def state_dict(self, slot_of: SlotMap, *, keep: bool = True, optimizer: torch.optim.Optimizer | None = None) -> dict:
         """The state in torch's format, of ``optimizer`` (one of several the engine trains with,
-        numbered as its own ``state_dict`` numbers them; None: the engine's). Sharded over ``W``
-        processes every rank must call it (the states are gathered chunk by chunk, one chunk at
-        a time); ``keep`` False: this rank takes part only (its result is empty)."""
+        numbered as its own ``state_dict``; None: the engine's). Sharded, every rank must call it
+        (the states are gathered chunk by chunk); ``keep`` False: this rank takes part only."""
         optimizer = optimizer or self.optimizer
         base = optimizer.state_dict()  # param_groups with hyper-parameters and indices
-        names, order = self.slot_names(), self._order()
+        names = self.slot_names()
+        order = self.kind.order if self.kind is not None else ("step",) + names
         state = {}
         gathered: tuple[Chunk | None, list] = (None, [])  # the last chunk's whole states
         for index, p in indexed_params(optimizer):
@@ -475,19 +432,17 @@ class ChunkOptimizer:
                 with torch.no_grad():
                     if moments is not None:  # this rank's piece of the entry (a block boundary)
                         formats.load_eight_bit(moments, formats.entry_piece(entry, part[0], part[2]))
-                self.load_scalars(chunk, i, entry)
-                chunk.set_adam_state(i, entry is not None)
-                continue
-            if entry is not None and "state1" in formats.unwrapped(entry):
-                entry = formats.to_fp32_adam_entry(entry)  # an 8-bit state loaded with another format
-            with torch.no_grad():
-                for name, attr in zip(names, SLOT_ATTRS):
-                    dst = chunk.values.state_view(getattr(chunk.storage, attr), i)
-                    if entry is not None and name in entry:
-                        dst.copy_(chunk.values.own_piece(i, entry[name]))
-                    else:
-                        dst.zero_()
-                self.load_scalars(chunk, i, entry)
+            else:
+                if entry is not None and "state1" in formats.unwrapped(entry):
+                    entry = formats.to_fp32_adam_entry(entry)  # an 8-bit state loaded with another format
+                with torch.no_grad():
+                    for name, attr in zip(names, SLOT_ATTRS):
+                        dst = chunk.values.state_view(getattr(chunk.storage, attr), i)
+                        if entry is not None and name in entry:
+                            dst.copy_(chunk.values.own_piece(i, entry[name]))
+                        else:
+                            dst.zero_()
+            self.load_scalars(chunk, i, entry)
             chunk.set_adam_state(i, entry is not None)
         self.loaded()
 

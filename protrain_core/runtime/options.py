@@ -10,10 +10,8 @@ from dataclasses import dataclass, field
 def env_flag(name: str, default: bool) -> bool:
     """An environment switch: "1" (or any value but "0" and "") turns it on, "0" off; unset:
     ``default``."""
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    return value != "0"
+    value = os.environ.get(name, "")
+    return default if value == "" else value != "0"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,14 +24,13 @@ class RuntimeConfig:
 
     pin_memory: bool = field(default_factory=lambda: not env_flag("PROTRAIN_NO_PIN", False))
     """Page-lock the host copies of streamed chunks on CUDA (full-speed, asynchronous copies).
-    False: pageable host memory, for machines whose page-locked memory is limited (containers
-    with a small ``ulimit -l``); the copies are then slower and synchronous. Default: True,
-    unless ``PROTRAIN_NO_PIN=1``."""
+    False: pageable host memory, for machines whose page-locked memory is limited (a small
+    ``ulimit -l``); the copies are then slower and synchronous. Default: True, unless
+    ``PROTRAIN_NO_PIN=1``."""
 
     cpu_adam_thread: bool = field(default_factory=lambda: env_flag("PROTRAIN_CPU_ADAM_THREAD", False))
-    """On a CPU device, run the streamed chunks' updates on the worker thread as on a GPU (the
-    order of events a GPU run has; its threads compete with the compute, so it is slower). A
-    GPU always uses the worker. Default: False, unless ``PROTRAIN_CPU_ADAM_THREAD=1``."""
+    """On a CPU device, run the streamed chunks' updates on the worker thread as a GPU always
+    does (a GPU run's order of events; slower). Default: False, unless ``PROTRAIN_CPU_ADAM_THREAD=1``."""
 
     one_pass_kernel: bool = field(default_factory=lambda: env_flag("PROTRAIN_ONEPASS", True))
     """Land and update mixed-precision chunks on the host in one pass (the ``protrain_ops``

@@ -1,28 +1,21 @@
 """Moving a whole training state off the device and back between steps (``Engine.offload_states``
 and ``Engine.onload_states``): for trainers that lend the GPU to something else between training
-phases -- a generation engine in reinforcement learning (colocation), an evaluation, another fit.
+phases (a generation engine in reinforcement learning, an evaluation).
 
 [Note: parking]
 Offloading waits for the updates in flight, frees every streamed chunk's device buffer
-(``Scheduler.release_all``), streams every persistent chunk (``Chunk.unpersist``: its compute
-copy, master, gradient accumulator, optimizer states and step counters copied into a host buffer
-of its own), moves the model's buffers to the host, and gives the allocator's cached blocks back
-(``DeviceContext.empty_cache``). The engine then holds no device memory. Onloading makes the same
-chunks persistent again and moves the buffers back. Nothing is computed on the way: bytes are
-copied, so the steps after the round trip are bitwise the steps without it, on every plan and
-precision; gradients accumulated since ``zero_grad`` travel too. The plan, the blocks'
-activation modes and the scheduler stay; the model cannot run while its states are away (its
-forward is refused with the fix), but every state read works: the state dicts read the host
-copies. With ``W`` processes onloading gathers the persistent chunks (a collective: every rank
-calls it), offloading is local.
+(``Scheduler.release_all``), streams every persistent chunk (``Chunk.unpersist``: every state
+copied into a host buffer of its own), moves the model's buffers to the host, and gives the
+allocator's cached blocks back. Onloading makes the same chunks persistent again and moves the
+buffers back. Only bytes are copied, so the steps after the round trip are bitwise the steps
+without it; gradients accumulated since ``zero_grad`` travel too. The model cannot run while
+its states are away (its forward is refused with the fix), but every state read works. With
+``W`` processes onloading gathers the persistent chunks (a collective), offloading is local.
 
-A persistent chunk keeps its host buffer after onloading: allocating and page-locking a new one
-at every offload would take longer than the copy itself, so the second round trip allocates
-nothing. ``engine.memory.host_bytes()`` counts these buffers.
-
-Non-blocking offloading issues the copies on the device-to-host stream and returns at once; the
-caller's work overlaps them. ``OffloadedStates.wait()`` returns when they are over and the device
-memory is free; every state read waits for them first (``Scheduler.copies_pending``).
+A persistent chunk keeps its host buffer after onloading (page-locking a new one at every
+offload would take longer than the copy). Non-blocking offloading returns at once;
+``OffloadedStates.wait()`` returns when the copies are over, and every state read waits for them
+first (``Scheduler.copies_pending``).
 """
 
 from __future__ import annotations
@@ -31,7 +24,6 @@ import torch
 from torch import Tensor, nn
 
 from protrain_core.memtrack import on_host
-from protrain_core.runtime.chunk import Chunk
 from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.scheduler import Scheduler
 
@@ -62,8 +54,7 @@ class OffloadedStates:
 
 
 def check_between_steps(engine, what: str) -> None:
-    """Refuse ``what`` inside a step: from a training forward to the end of its backward, and
-    from a backward that updated chunks (the CPU Adam during backward) to ``engine.step()``."""
+    """Refuse ``what`` inside a step of ``engine`` (from a training forward to ``engine.step()``)."""
     state = engine.step_state
     state.check_open()
     if not state.idle or state.batch_begun or any(c.applied or c.receiving for c in engine.chunks):
@@ -114,10 +105,8 @@ def offload(engine, *, non_blocking: bool) -> OffloadedStates:
 
 
 def onload(engine, offloaded: OffloadedStates) -> None:
-    """Back to the device what ``offload`` moved: the buffers, then the persistent chunks (their
-    host buffers kept for the next offload), copied on the host-to-device stream; the compute
-    stream waits for each copy (the next forward, and with ``W`` processes the gather of the
-    chunk, read it), the host thread for none."""
+    """Back to the device what ``offload`` moved (``offloaded``) of ``engine``, on the host-to-device
+    stream; the compute stream waits for each copy, the host thread for none."""
     ctx = engine.ctx
     offloaded.wait()
 

@@ -3,36 +3,25 @@
 [Note: when a chunk is needed]
 Forward: the pre-hook of every *unit module* (a transformer block, or a module outside the blocks
 that owns parameters) pins the unit's chunks on the device and prefetches the next chunk in
-execution order; the post-hook unpins them. Pinned chunks are never evicted; unpinned resident
-chunks -- and prefetched ones still arriving -- stay until their buffer is needed (least
-recently used first), so the last chunks of the forward pass are still resident when backward
-starts and are not uploaded again.
-Backward: when a unit call's backward begins -- the gradient of one of its outputs is
-complete, before any backward node of the unit runs -- its chunks are made resident and join
-the *current* chunks, which stay until its backward ends ([Note: a unit's backward] in
-hooks.py); the chunk before them is prefetched.
+execution order; the post-hook unpins them. Unpinned resident chunks (and prefetches in flight)
+stay until their buffer is needed, least recently used first, so the last chunks of the forward
+are still resident when backward starts. Backward: when a unit call's backward begins, its
+chunks are made resident and join the *current* chunks until its backward ends ([Note: a unit's
+backward] in hooks.py); the chunk before them is prefetched.
 Gradients: ``register_post_accumulate_grad_hook`` fires once per parameter and backward pass,
-after autograd summed the contributions of every use (a tied parameter too). The hook moves the
-gradient into the chunk's gradient buffer and clears ``.grad``. When every trainable parameter
-of a streamed chunk has its gradient, the buffer is offloaded to host memory and the CPU worker
-lands it in the accumulator (fp32; bf16 in bf16-true) and, at a gradient-accumulation boundary,
-finishes the gradients (fp16 unscaling, norms: [Note: finishing gradients early] in
-gradients.py) and runs Adam on the chunk while backward goes on -- or, under fp16 or norm
-clipping, leaves Adam to ``step()``, which hands every streamed chunk to the worker in forward
-order and returns: the next forward's use of a chunk waits for that chunk's update only. No
-trainable parameter of the chunk is needed by backward after that point: autograd runs a
-parameter's accumulation only after every node that uses the parameter ran. Frozen parameters
-give no such signal, so a chunk that has some waits while its units are in the active chain:
-it is offloaded when a unit outside the chain begins its backward, or at the end of backward. A chunk that is still receiving gradients
-is evicted only as a last resort: its partial gradients are then offloaded and accumulated on
-the host like a micro-batch, and it is fetched again if more arrive. So the runtime never needs
-more buffers than the units active at once ([Note: plan validity] in plan.py).
-In mixed precision the offloaded gradients land in the chunk's host compute-dtype copy (no extra
-host memory); the worker folds them into the fp32 accumulator and then rewrites that copy from
-the fp32 master. So while a chunk is UPDATING its parameters must not be read: they are valid
-again when its update ends: ``step()`` waits for that when updates overlap backward; when they
-overlap the next forward, the chunk's next fetch, ``wait_all`` and everything that reads states
-(state dicts, ``replan``, ``close``) wait for it.
+after autograd summed every use's contribution; the hook moves the gradient into the chunk's
+gradient buffer. When every trainable parameter of a streamed chunk has its gradient (backward
+needs none of them after that point), the buffer is offloaded and the CPU worker lands it in
+the accumulator and, at a gradient-accumulation boundary, finishes the gradients ([Note:
+finishing gradients early] in gradients.py) and runs Adam on the chunk while backward goes on
+-- or, under fp16 or norm clipping, leaves Adam to ``step()``. Frozen parameters give no such
+signal, so a chunk with some is offloaded only once its units leave the active chain. A chunk
+still receiving gradients is evicted only as a last resort: its partial gradients are
+accumulated on the host like a micro-batch. So the runtime never needs more buffers than the
+units active at once ([Note: plan validity] in plan.py).
+In mixed precision the offloaded gradients land in the chunk's host compute-dtype copy, which
+the worker rewrites from the fp32 master after the update: while a chunk is UPDATING its
+parameters must not be read (its next fetch, ``wait_all`` and every state read wait for it).
 """
 
 from __future__ import annotations
@@ -73,15 +62,9 @@ class BufferPolicy:
 
     def victim(self, streamed: list[Chunk], protect: set[int], ctx: DeviceContext, *, spill: bool) -> Chunk | bool | None:
         """The chunk to evict for a free buffer: None if a buffer is free, False if none can go.
-
-        Preference: a chunk whose offload is issued (one whose copy is done first: the memory
-        of a copy in flight returns to the allocator only when the copy completes, [Note:
+        Preference: a chunk whose offload is issued (one whose copy is done first: [Note:
         streams] in device.py), then the least recently used idle or prefetched chunk not in
-        ``protect``, then (only if ``spill``) one holding a partial set of gradients: those are
-        offloaded and accumulated on the host like a micro-batch, and the chunk is fetched again
-        if more of its gradients arrive (a parameter unused in this pass can leave a chunk
-        incomplete until the end of backward).
-        """
+        ``protect``, then (only if ``spill``) one holding a partial set of gradients."""
         resident = [c for c in streamed if c.device_resident]
         if len(resident) < self.n_buffer:
             return None
@@ -98,8 +81,7 @@ class Scheduler:
     def __init__(self, chunks: list[Chunk], ctx: DeviceContext, optim: ChunkOptimizer, phase: StepState,
                  sharding: Sharding, *, n_buffer: int, switches: RuntimeConfig, finisher=None, placement=None) -> None:
         """``finisher(chunk)``: the worker's job finishing a streamed chunk's gradients at a
-        boundary, or None (``StepGradients.finisher``); ``placement``: the CPU worker's cores
-        (topology.py), or None."""
+        boundary, or None; ``placement``: the CPU worker's cores (topology.py), or None."""
         self.chunks = chunks
         self.streamed = [c for c in chunks if not c.persistent]
         self.ctx = ctx
@@ -139,26 +121,19 @@ class Scheduler:
         self.timeline = self.ctx.timeline = timeline
 
     # ----- called by the hooks (runtime/hooks.py) -------------------------------------------
-    def pre_forward(self, idxs: tuple[int, ...]) -> None:
+    def pre_forward(self, idxs: tuple[int, ...], *, unit: bool = True) -> None:
+        """The chunks resident and pinned until ``post_forward``; ``unit`` False: a use of their
+        parameters outside their units (hooks.py), which prefetches nothing."""
         if torch.is_grad_enabled():
             self._in_pass = True
-        with traced("ProTrain::pre_forward"):
+        with traced("ProTrain::pre_forward" if unit else "ProTrain::use_outside_units"):
             self.acquire(idxs, pin=True)
-            self.prefetch(max(idxs) + 1)
-            self.check()
-
-    def use_outside_units(self, idxs: tuple[int, ...]) -> None:
-        """A use of these chunks' parameters outside their units ([Note: parameters used outside
-        their units] in hooks.py): resident and pinned until ``post_forward``."""
-        if torch.is_grad_enabled():
-            self._in_pass = True
-        with traced("ProTrain::use_outside_units"):
-            self.acquire(idxs, pin=True)
+            if unit:
+                self.prefetch(max(idxs) + 1)
             self.check()
 
     def await_chunk(self, c: Chunk) -> None:
-        """No copy or update of ``c`` in flight: its parameters' values are where they point
-        (unless at a placeholder: ``Chunk.holds_value``)."""
+        """No copy or update of ``c`` in flight: its parameters' values are where they point."""
         if c.state is ChunkState.OFFLOADING:
             c.end_offload(self.ctx, in_pass=self._in_pass)
         if c.state is ChunkState.UPDATING:
@@ -229,10 +204,7 @@ class Scheduler:
             c.pin(self._tick) if pin else c.touch(self._tick)
 
     def _make_resident(self, c: Chunk, protect: set[int]) -> None:
-        if c.state is ChunkState.OFFLOADING:
-            c.end_offload(self.ctx, in_pass=self._in_pass)
-        if c.state is ChunkState.UPDATING:
-            c.end_update()  # the next use of a chunk waits for its own update only
+        self.await_chunk(c)  # the next use of a chunk waits for its own update only
         if c.state is ChunkState.HOST:
             self._make_room(protect | {c.index})
             self._fetch(c)
@@ -240,11 +212,9 @@ class Scheduler:
             c.end_fetch(self.ctx)
 
     def prefetch(self, index: int) -> None:
-        if not 0 <= index < len(self.chunks):
+        if not 0 <= index < len(self.chunks) or self.chunks[index].persistent:
             return
         c = self.chunks[index]
-        if c.persistent:
-            return
         if c.update_finished() or (not self.sharding.whole and c.state is ChunkState.UPDATING):
             c.end_update()  # sharded: every rank must prefetch alike, whatever the worker's timing
         protect = self.current | {index}
@@ -290,24 +260,18 @@ class Scheduler:
 
     # ----- gradients ----------------------------------------------------------------------
     def _offload(self, c: Chunk, *, final: bool) -> None:
-        """Send the chunk's gradients to host memory and hand the chunk to the CPU worker.
-
-        ``final``: no more gradients of this chunk come in this backward pass, so at a
-        gradient-accumulation boundary the worker runs Adam on it right away.
-        """
+        """Send the chunk's gradients to host memory and hand the chunk to the CPU worker;
+        ``final``: no more of them come in this pass (at a boundary the worker may update it)."""
         self.usage.reduced(c)
         at_boundary = final and self.boundary
         finish = self.finisher(c) if at_boundary and self.finisher is not None else None
-        update = None
-        if at_boundary and self.policy.during_backward:
-            update = (self.hps, self.optim.selected(c), self.policy.landing_clip)
+        during = at_boundary and self.policy.during_backward
+        update = (self.hps, self.optim.selected(c), self.policy.landing_clip) if during else None
         worker = self.worker
-
-        def submit(event, landing, replace):
-            return worker.submit(worker.land_and_update, c, event, landing, replace, finish, update)
-
-        c.begin_offload(self.ctx, applied=update is not None, landing_for=lambda replace: worker.landing_buffer(c, replace=replace),
-                        submit=submit)
+        c.begin_offload(self.ctx, applied=update is not None,
+                        landing_for=lambda replace: worker.landing_buffer(c, replace=replace),
+                        submit=lambda event, landing, replace: worker.submit(worker.land_and_update, c, event, landing,
+                                                                             replace, finish, update))
         self.record("offload", c.index)
         if not self.ctx.asynchronous:
             c.end_offload(self.ctx, in_pass=self._in_pass)
@@ -327,8 +291,7 @@ class Scheduler:
                                 error="engine.backward() was called while another backward is running."):
             self.boundary = boundary
             self.hps = self.optim.snapshot()
-            self._in_pass = True
-            self._chain, self.current, self._deferred = [], set(), set()
+            self._in_pass = True  # (the chain, current and deferred chunks are empty: reset by every pass)
             self._received = False
             self._after_step.clear()  # from here on, zero_grad waits for every job in flight
             ended = False
@@ -339,9 +302,8 @@ class Scheduler:
                 self.stepped_backward = boundary and self._received  # (torch.autograd.grad of inputs: no gradient)
             finally:
                 try:
-                    # A backward that raised (ctrl-C included) ends without the reductions: with
-                    # several processes they are collectives, and a collective on a failure path
-                    # meets a rank that has left -- its error would replace the user's.
+                    # A backward that raised ends without the reductions: with several processes
+                    # a collective on a failure path meets a rank that has left.
                     if ended or self.sharding.whole:
                         self._finish_backward()
                     else:
@@ -369,7 +331,7 @@ class Scheduler:
 
     def copies_pending(self, event) -> None:
         """Copies into host tensors are in flight until ``event`` (a non-blocking offload of the
-        states): ``wait_all``, which every read of the states calls first, waits for them."""
+        states): ``wait_all`` waits for them."""
         self._host_copies = event
 
     def settle(self) -> None:
@@ -387,17 +349,12 @@ class Scheduler:
             event, self._host_copies = self._host_copies, None
             self.ctx.synchronize(event)
         for c in self.streamed:
-            if c.state is ChunkState.OFFLOADING:
-                c.end_offload(self.ctx, in_pass=self._in_pass)
-            if c.state is ChunkState.UPDATING:
-                c.end_update()
+            self.await_chunk(c)
 
     def step(self, hps, clip: UpdateClip, *, wait: bool, chunks: list[Chunk] | None = None) -> None:
         """Update every chunk (of ``chunks``: default all) that has gradients and was not updated
         during backward, clipped by ``clip``: the streamed ones on the CPU worker in forward
-        order, then the persistent ones on the device. ``wait``: return when every update is
-        over (else the streamed chunks' updates overlap what comes next; their next use waits
-        for them)."""
+        order, then the persistent ones. ``wait``: return when every update is over."""
         self.wait_all()
         pending = [c for c in (self.chunks if chunks is None else chunks) if not c.applied and c.has_gradients]
         # The coefficient's copy to the host (a host wait on CUDA) only when a streamed chunk needs it.
@@ -435,10 +392,8 @@ class Scheduler:
             c.finish_step()
 
     def zero_grad(self, chunks: list[Chunk] | None = None) -> None:
-        """Clear the gradients (of ``chunks``: default all); updates handed out by step() may go
-        on (they hold their own list of members, and the accumulators are written again only
-        after the next fetch). Refused, before anything changes, where an update in backward
-        already used them (until ``step()`` completes it): a skipped step it cannot take back."""
+        """Clear the gradients (of ``chunks``: default all); updates handed out by step() go on.
+        Refused, before anything changes, where an update in backward already used them."""
         for c in self.chunks if chunks is None else chunks:
             if c.applied and c.has_gradients:
                 raise _cleared_after_update(next(m.name for i, m in enumerate(c.spec.members) if c.has_grad(i)))
@@ -452,18 +407,14 @@ class Scheduler:
             c.zero()
 
     def clear_grads(self, members: list[tuple[Chunk, int]]) -> None:
-        """Clear the gradients of some members that hold one (``p.grad = None``, a submodule's
-        ``zero_grad()``) in their places in the accumulators, where a later landing adds to them:
-        their chunks' offloads and updates end first. Refused, before anything changes, for a
-        chunk that an update in backward already used them for (until ``step()`` completes it)."""
+        """Clear the gradients of some members (``p.grad = None``, a submodule's ``zero_grad()``)
+        in the accumulators, after their chunks' offloads and updates end. Refused, before
+        anything changes, as ``zero_grad`` is."""
         for c, i in members:
             if c.applied:
                 raise _cleared_after_update(c.spec.members[i].name)
         for c in {id(c): c for c, _ in members}.values():
-            if c.state is ChunkState.OFFLOADING:
-                c.end_offload(self.ctx, in_pass=self._in_pass)
-            if c.state is ChunkState.UPDATING:
-                c.end_update()
+            self.await_chunk(c)
         for c, i in members:
             c.clear_grad(i)
 

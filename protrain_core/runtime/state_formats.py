@@ -1,9 +1,8 @@
 """The formats a chunk's Adam moments are kept in (``ProTrainConfig.optimizer_state_format``).
 
 [Note: optimizer-state formats]
-What decides the largest model one box can fully fine-tune is host bytes per streamed trainable
-parameter. Its fp32 master and fp32 gradient accumulator stay (4 + 4 bytes, in the master
-dtype); the moments take one of three formats:
+Host bytes per streamed trainable parameter decide the largest model one box can fine-tune. Its
+master and gradient accumulator stay (4 + 4 bytes); the moments take one of three formats:
 
   format  moments (bytes per parameter)            update                    parity reference
   fp32    the master dtype, as torch keeps them    torch._fused_adamw_       torch AdamW(fused=True)
@@ -16,31 +15,23 @@ dtype); the moments take one of three formats:
           256 (2.03); fp32 below 4096 elements     below 4096 elements,
                                                    bitsandbytes' calls)
 
-Each is bitwise its reference on the unwrapped model where it makes the reference's calls: the
-update is elementwise (bf16) or block-wise from each parameter's first element (8bit), and a
-chunk's member is a contiguous view shaped like its parameter, so a chunk step makes the same
-calls on the same values. The 8-bit kernel's codes are exactly the nearest, where
-bitsandbytes' CPU search picks a farther one for a few; its runs stay within the distance
-bitsandbytes keeps from fp32 moments ([Note: 8-bit moments in one pass] in
-ops/csrc/adam_onepass.cpp; ``RuntimeConfig.one_pass_kernel=False`` makes bitsandbytes' calls). A member of
-fewer than 4096 elements keeps fp32 moments in "8bit", as bitsandbytes does (its
-``min_8bit_size``): they live in one fp32 tensor of the chunk's (``wide``, packed in member
-order), the 8-bit members' block scales in another (``absmax``), both addressed by
-``QuantPlaces``.
+Each is bitwise its reference where it makes the reference's calls (a chunk's member is a
+contiguous view shaped like its parameter). The 8-bit kernel's codes are exactly the nearest,
+where bitsandbytes' CPU search picks a farther one for a few ([Note: 8-bit moments in one pass]
+in ops/csrc/adam_onepass.cpp). A member under 4096 elements keeps fp32 moments in "8bit",
+packed in one fp32 tensor of the chunk's (``wide``); the 8-bit members' block scales are in
+another (``absmax``), both addressed by ``QuantPlaces``.
 
 With ``W`` processes a rank updates its pieces of the members ([Note: sharded chunks] in
-sharding.py). Blocks are independent (each has its own scale, and nothing else in bitsandbytes'
-step is shared between elements), so a piece that starts at a block boundary of its member
-updates exactly as those blocks of the whole member would. The layout makes every boundary one:
-an 8-bit member, and the first trainable member of a chunk, start at a multiple of the block in
-the chunk (``block_aligned``), and the trainable shard ``s_t`` is a multiple of it. The block
-scales are then kept by position: block ``b`` of ``absmax`` scales elements ``[256 b, 256 b +
-256)`` of the rank's shard, so the ranks' ``absmax`` gathered side by side are the scales of the
-whole span, as the ranks' states gathered are the whole states. In one process this is the same
-rule with ``W = 1``.
+sharding.py). Blocks are independent, so a piece that starts at a block boundary of its member
+updates exactly as those blocks of the whole would; the layout makes every boundary one (an
+8-bit member, and a chunk's first trainable member, start at a multiple of the block:
+``block_aligned``; ``s_t`` is a multiple of it). Block ``b`` of ``absmax`` scales elements
+``[256 b, 256 b + 256)`` of the rank's shard, so the ranks' ``absmax`` gathered side by side
+are the whole span's scales.
 
-Every chunk keeps the one format, persistent or streamed, so that a plan or a re-plan never
-changes the arithmetic. "bf16" and "8bit" need Adam or AdamW (another optimizer's states have
+Every chunk keeps the one format, persistent or streamed, so a re-plan never changes the
+arithmetic. "bf16" and "8bit" need Adam or AdamW (another optimizer's states have
 no such format) without amsgrad, and "8bit" follows bitsandbytes' AdamW8bit: decoupled weight
 decay, no maximize.
 """
@@ -77,8 +68,7 @@ def check_format(name: object) -> str:
 
 @cache
 def bitsandbytes():
-    """bitsandbytes' functional module, imported once (its import logs about optional kernels it
-    does not need here: kept quiet), or an ImportError saying how to install it."""
+    """bitsandbytes' functional module, imported once (quietly), or an ImportError with the fix."""
     log = logging.getLogger("bitsandbytes")
     level = log.level
     log.setLevel(logging.ERROR)
@@ -120,8 +110,7 @@ def check_optimizer_for(name: str, optimizer: torch.optim.Optimizer, *, adam: bo
 
 
 def block_aligned(name: str) -> tuple[int, int] | None:
-    """The layout's member alignment for format ``name`` (``build_layout``'s ``block_aligned``):
-    block-wise 8-bit members start at a block boundary, so a rank's piece of one does too."""
+    """The layout's member alignment for format ``name`` (``build_layout``'s ``block_aligned``)."""
     return (BLOCK, MIN_8BIT) if name == "8bit" else None
 
 
@@ -142,10 +131,9 @@ def check_layout_for(name: str, layout) -> None:
 # ----- 8-bit addressing ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class QuantPlaces:
-    """Where each trainable member's piece on this rank keeps its 8-bit block scales or fp32
-    moments, in chunk order: ``blocks[j]`` (first block, count) in each half of ``absmax`` (by
-    position: the piece's offset in the shard over the block), or None; ``wide[j]`` the offset in
-    each half of ``wide`` (packed), or None. None for both: a frozen member, or none of it here."""
+    """Where each member's piece on this rank keeps its 8-bit block scales or fp32 moments, in
+    chunk order: ``blocks[j]`` (first block, count) in each half of ``absmax``; ``wide[j]`` the
+    offset in each half of ``wide`` (None: not that kind, or none of it here)."""
 
     blocks: tuple[tuple[int, int] | None, ...]
     wide: tuple[int | None, ...]
@@ -172,18 +160,13 @@ def quant_places(members: list[tuple[int, tuple[int, int, int] | None] | None]) 
 
 
 def small_numel(numels: list[int | None]) -> int:
-    """Elements of a chunk's trainable members that keep fp32 moments (under ``MIN_8BIT``): each
-    rank's ``wide`` is this long (its pieces of them take at most that)."""
+    """Elements of a chunk's trainable members (``numels``) that keep fp32 moments (``wide``)."""
     return sum(n for n in numels if n is not None and n < MIN_8BIT)
 
 
+@cache
 def qmaps(device: torch.device) -> tuple[Tensor, Tensor]:
     """bitsandbytes' signed and unsigned dynamic maps (the first and second moments'), on ``device``."""
-    return _qmaps(str(device))
-
-
-@cache
-def _qmaps(device: str) -> tuple[Tensor, Tensor]:
     F = bitsandbytes()
     return F.create_dynamic_map(signed=True).to(device), F.create_dynamic_map(signed=False).to(device)
 
@@ -199,9 +182,9 @@ class MemberMoments:
 
 
 def member_moments(storage, places: QuantPlaces, j: int, views_m: Tensor, views_v: Tensor) -> MemberMoments | None:
-    """Member ``j``'s moments on this rank: its views of the uint8 states (``views_m``,
-    ``views_v``: its piece) with their block scales, or its fp32 moments in ``storage.wide``,
-    shaped like the views; None where the rank holds none of it."""
+    """Member ``j``'s moments on this rank (``places``): its views of the uint8 states
+    (``views_m``, ``views_v``) with their block scales, or its fp32 moments in ``storage.wide``;
+    None where the rank holds none of it."""
     blk = places.blocks[j]
     if blk is not None:
         at, n = blk
@@ -217,8 +200,7 @@ def member_moments(storage, places: QuantPlaces, j: int, views_m: Tensor, views_
 
 # ----- the updates ------------------------------------------------------------------------------
 def eight_bit_step(p: Tensor, g: Tensor, moments: MemberMoments, step: int, hp: AdamHyperParams) -> None:
-    """One bitsandbytes AdamW8bit step of one parameter (``step``: its count after this one), with
-    the calls ``bitsandbytes.optim.AdamW8bit.step`` makes."""
+    """One bitsandbytes AdamW8bit step of one parameter (``step``: its count after this one)."""
     F = bitsandbytes()
     if moments.absmax1 is None:
         F.optimizer_update_32bit("adam", g, p, moments.state1, hp.beta1, hp.eps, step, hp.lr, moments.state2, hp.beta2,
@@ -232,9 +214,8 @@ def eight_bit_step(p: Tensor, g: Tensor, moments: MemberMoments, step: int, hp: 
 
 def eight_bit_steps(members: list[tuple[Tensor, Tensor, MemberMoments, int]], hp: AdamHyperParams, kernel) -> None:
     """AdamW8bit steps of ``members`` (param, gradient, moments, its step count after this one):
-    the 8-bit ones on the CPU in one pass of ``kernel`` (protrain_ops; None: bitsandbytes'
-    own calls), the fp32 moments of small members and those on another device as bitsandbytes
-    runs them."""
+    the 8-bit ones on the CPU in one pass of ``kernel`` (None: bitsandbytes' own calls), the
+    others as bitsandbytes runs them."""
     fused = []
     for member in members:
         p, _, moments, _ = member
@@ -248,9 +229,8 @@ def eight_bit_steps(members: list[tuple[Tensor, Tensor, MemberMoments, int]], hp
 
 def kernel_steps(kernel, members: list[tuple[Tensor, Tensor, MemberMoments, int]], hp: AdamHyperParams,
                  lows: list[Tensor] = (), **pass_options) -> None:
-    """One pass of ``kernel``'s ``adam8bit`` over ``members`` with 8-bit moments (param, gradient,
-    moments, step count after this one) on the CPU; ``lows`` and ``pass_options`` (the landing,
-    clipping) as ``onepass.adam8bit`` takes them."""
+    """One pass of ``kernel``'s ``adam8bit`` over ``members`` (param, gradient, 8-bit moments, step
+    count after this one) on the CPU; ``lows`` and ``pass_options`` as ``onepass.adam8bit`` takes them."""
     ps, gs, moments, steps = zip(*members)
     states = [[getattr(m, a) for m in moments] for a in ("state1", "state2", "absmax1", "absmax2")]
     onepass.adam8bit(kernel, list(ps), list(lows), list(gs), *states, *qmaps(ps[0].device), list(steps), hp,
@@ -259,10 +239,8 @@ def kernel_steps(kernel, members: list[tuple[Tensor, Tensor, MemberMoments, int]
 
 def moment_step(name: str, n: int, device: torch.device, kernel=None):
     """For the hardware probe: ``step(p, g, hp, low=None)`` updating one ``n``-element parameter
-    with moments in format ``name`` as the runtime does (``kernel``: the one-pass module the
-    runtime would use; with ``low``, the compute copy where the gradient landed, the landing and
-    the copy back in the kernel's pass too); None where the moments are tensors of
-    ``moment_dtype`` that Adam steps as they are (fp32, bf16)."""
+    on ``device`` with moments in format ``name`` as the runtime does (``kernel``: the one-pass
+    module; ``low``: the compute copy the gradient landed in); None for fp32 and bf16."""
     if name != "8bit":
         return None
     blocks = math.ceil(n / BLOCK)
@@ -282,8 +260,7 @@ def moment_step(name: str, n: int, device: torch.device, kernel=None):
 
 # ----- state dicts -------------------------------------------------------------------------------
 def eight_bit_entry(moments: MemberMoments, step: int, shape) -> dict:
-    """Member's state in ``bitsandbytes.optim.AdamW8bit``'s format (unwrapped: its
-    ``load_state_dict`` takes it), on the CPU."""
+    """Member's state in ``bitsandbytes.optim.AdamW8bit``'s format, on the CPU."""
     cpu = lambda t: t.detach().to("cpu", copy=True)  # noqa: E731
     entry = {"step": step, "state1": cpu(moments.state1).reshape(shape), "state2": cpu(moments.state2).reshape(shape)}
     if moments.absmax1 is not None:
@@ -293,28 +270,26 @@ def eight_bit_entry(moments: MemberMoments, step: int, shape) -> dict:
 
 
 def load_eight_bit(moments: MemberMoments, entry: dict | None) -> None:
-    """Write a saved entry into a member's moments: bitsandbytes' format as it is (bit for bit),
-    or torch Adam's ``exp_avg``/``exp_avg_sq`` quantised (a run with fp32 states resumed with 8-bit
-    ones); zeros without an entry."""
+    """Write a saved ``entry`` into a member's ``moments``: bitsandbytes' format bit for bit, or
+    torch Adam's ``exp_avg``/``exp_avg_sq`` quantised; zeros without an entry."""
     entry = unwrapped(entry)
     if entry is None:
         for t in (moments.state1, moments.state2, moments.absmax1, moments.absmax2):
             if t is not None:
                 t.zero_()
         return
-    if "state1" in entry:
-        quantised = entry["state1"].dtype == torch.uint8
-        if quantised != (moments.absmax1 is not None):
+    own = "state1" in entry  # bitsandbytes' format: copied as it is
+    if own:
+        m, v = entry["state1"], entry["state2"]
+        if (m.dtype == torch.uint8) != (moments.absmax1 is not None):
             raise ValueError("An 8-bit optimizer state does not match this parameter: bitsandbytes keeps fp32 moments "
                              f"below {MIN_8BIT} elements and 8-bit ones from there; was it saved for another model?")
-        moments.state1.copy_(entry["state1"].reshape(moments.state1.shape))
-        moments.state2.copy_(entry["state2"].reshape(moments.state2.shape))
-        if quantised:
+        if m.dtype == torch.uint8:
             moments.absmax1.copy_(entry["absmax1"])
             moments.absmax2.copy_(entry["absmax2"])
-        return
-    m, v = entry["exp_avg"].float(), entry["exp_avg_sq"].float()
-    if moments.absmax1 is None:
+    else:
+        m, v = entry["exp_avg"].float(), entry["exp_avg_sq"].float()
+    if own or moments.absmax1 is None:
         moments.state1.copy_(m.reshape(moments.state1.shape))
         moments.state2.copy_(v.reshape(moments.state2.shape))
         return
@@ -328,8 +303,7 @@ def load_eight_bit(moments: MemberMoments, entry: dict | None) -> None:
 
 def entry_piece(entry: dict | None, offset: int, n: int) -> dict | None:
     """The ``n`` elements from ``offset`` (a block boundary) of a parameter's saved state, in
-    the entry's own format (its moments flattened; an 8-bit one's block scales of those blocks):
-    what a rank holding that piece loads. The entry itself for the whole parameter."""
+    the entry's own format: what a rank holding that piece loads."""
     entry = unwrapped(entry)
     if entry is None:
         return None
@@ -357,9 +331,9 @@ def unwrapped(entry: dict | None) -> dict | None:
 
 
 def to_fp32_adam_state(osd: dict) -> dict:
-    """``osd``, an optimizer state dict of any format (``engine.states.optimizer()`` / a checkpoint's), in
-    ``torch.optim.AdamW``'s own: fp32 ``exp_avg``/``exp_avg_sq`` (8-bit moments dequantised, bf16
-    ones widened) and a tensor ``step``, for a run with plain torch AdamW or fp32 states."""
+    """``osd``, an optimizer state dict of any format (``engine.states.optimizer()`` / a
+    checkpoint's), in ``torch.optim.AdamW``'s own: fp32 ``exp_avg``/``exp_avg_sq`` (8-bit moments
+    dequantised, bf16 ones widened) and a tensor ``step``."""
     return {"state": {index: to_fp32_adam_entry(entry) for index, entry in osd["state"].items()},
             "param_groups": osd["param_groups"]}
 
@@ -380,9 +354,8 @@ def to_fp32_adam_entry(entry: dict) -> dict:
 
 class AdamWBf16Moments(torch.optim.AdamW):
     """``torch.optim.AdamW`` keeping its moments in bfloat16 (round to nearest after every step):
-    what ``optimizer_state_format='bf16'`` runs, as a plain optimizer -- the reference for the
-    engine's results, and a way to continue such a run without ProTrain. Each step runs torch's
-    functional fused AdamW on fp32 copies of a parameter's moments (written independently of the
+    what ``optimizer_state_format='bf16'`` runs, as a plain optimizer (the parity reference).
+    Each step runs torch's fused AdamW on fp32 copies of the moments (independently of the
     engine's path through protrain_ops, so that a test comparing the two can fail).
 
     ``params``, ``lr``, ``betas``, ``eps``, ``weight_decay``: as ``torch.optim.AdamW``'s."""

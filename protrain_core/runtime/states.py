@@ -1,12 +1,7 @@
-"""``engine.states``: reading and writing one engine's model, optimizer and loss-scaler states.
-
-The parameters live in chunks (sharded over the ranks, offloaded to host memory), the Adam
-states in the chunk optimizer, so every read waits for the updates in flight first, and a
-sharded read gathers chunk by chunk. This face is also where the module's own
-``state_dict()`` is watched: its pre-hook waits for the updates (and refuses, with the fix, a
-sharded module whose offloaded parameters are whole on no rank), and where parameters the user
-rebound (``p.data = t``) are written back into their chunks. Checkpoints (checkpoint.py) and the
-Hugging Face export (export.py) are built on it.
+"""``engine.states``: reading and writing one engine's model, optimizer and loss-scaler states
+(checkpoint.py and export.py are built on it). Every read waits for the updates in flight first,
+and a sharded read gathers chunk by chunk. The module's own ``state_dict()`` is watched here too,
+and parameters the user rebound (``p.data = t``) are written back into their chunks.
 """
 
 from __future__ import annotations
@@ -33,16 +28,14 @@ class StateAccess:
         self._scheduler, self._state, self._precision = scheduler, state, precision
         self._rank, self._world_size = rank, world_size
         self._slot_of: dict[int, tuple[Chunk, int]] = {id(p): (c, i) for c in chunks for i, p in enumerate(c.params)}
-        # Whether every rank's shards hold whole members (one process): else streamed chunks'
-        # parameters point at NaN at rest (``Chunk.point_at_rest``).
+        # One process: else streamed chunks' parameters point at NaN at rest (``Chunk.point_at_rest``).
         self._whole = all(c.storage.fmt.whole for c in chunks)
         self._reading = False  # model() is reading the module's own entries
         self._managed = {id(m) for m in module.modules()}
         # model.state_dict() (save_pretrained, torch.save) reads the parameters: wait for their updates.
         # Every module's: a LightningModule's self.model.state_dict() does not run the root's hooks.
         self._hooks = [m.register_state_dict_pre_hook(_ModuleHook(self, m)) for m in module.modules()]
-        # Quantised frozen members of streamed chunks have no value at rest: a module's
-        # state_dict() gets their round trips, for the call ([Note: quantised frozen chunks]).
+        # Quantised frozen members have no value at rest ([Note: quantised frozen chunks]).
         self._quantised = [c for c in chunks if c.storage.frozen is not None]
         self._depth = 0  # state_dict() calls of managed modules in progress (they nest)
         self._formats = self._trainables()  # what the chunks' formats were built for
@@ -59,35 +52,24 @@ class StateAccess:
 
     # ----- the model ------------------------------------------------------------------------
     def model(self, *, rank0_only: bool = True) -> dict[str, Tensor]:
-        """Master weights (fp32; bf16 in bf16-true) and buffers under the model's own names, on
-        the CPU. Frozen parameters are kept in the compute dtype (rounded once, at wrap, in the
-        mixed modes) and returned in the master dtype. Sharded over ``W`` processes, every rank
-        calls it: the chunks are gathered one at a time, and (``rank0_only``) only rank 0 keeps
-        the result -- the other ranks get an empty dict, and no rank ever holds more than its
-        own states, one gathered chunk and (rank 0) the result. A tensor under several names (tied
-        weights) is one tensor under each, as in ``module.state_dict()``: saved once."""
+        """Master weights (frozen ones in the master dtype too) and buffers under the model's own
+        names, on the CPU. Sharded, every rank calls it (the chunks are gathered one at a time),
+        and (``rank0_only``) only rank 0 keeps the result. Tied weights are one tensor."""
         self.adopt_rebound()
         self._scheduler.wait_all()
         keep = not rank0_only or self._rank == 0
         out, seen = {}, {}
         gathered: tuple[Chunk | None, list] = (None, [])  # the last chunk's whole values
         for key, t in self.module_tensors().items():
-            if id(t) in seen:
-                if keep:
-                    out[key] = seen[id(t)]
-                continue
-            slot = self._slot_of.get(id(t))
-            if slot is None:
-                value = t.detach().to("cpu", copy=True) if keep else None
-            else:
-                chunk, i = slot
-                if gathered[0] is not chunk:
-                    gathered = chunk, chunk.values.gathered_values()
-                # a frozen member's compute copy is returned in the master dtype too
-                value = gathered[1][i].detach().to("cpu", dtype=self._precision.master_dtype, copy=True) if keep else None
-            seen[id(t)] = value  # on every rank: the gathers must be the same everywhere
+            if id(t) not in seen:  # (on every rank: the gathers must be the same everywhere)
+                slot = self._slot_of.get(id(t))
+                if slot is not None and gathered[0] is not slot[0]:
+                    gathered = slot[0], slot[0].values.gathered_values()
+                # a chunk's member in the master dtype (a frozen member's compute copy too)
+                value, dtype = (t, None) if slot is None else (gathered[1][slot[1]], self._precision.master_dtype)
+                seen[id(t)] = value.detach().to("cpu", dtype=dtype, copy=True) if keep else None
             if keep:
-                out[key] = value
+                out[key] = seen[id(t)]
         return out
 
     def load_model(self, state_dict: dict[str, Tensor], strict: bool = True) -> None:
@@ -114,8 +96,7 @@ class StateAccess:
                     slot[0].values.set_member(slot[1], value)
 
     def release_device_copies(self) -> None:
-        """Wait for the updates in flight and free the streamed chunks' device buffers: their
-        host copies are then the only ones, to be written (a checkpoint's load)."""
+        """Wait for the updates in flight and free the streamed chunks' device buffers."""
         self._scheduler.release_all()
 
     def module_tensors(self) -> dict[str, Tensor]:
@@ -134,12 +115,9 @@ class StateAccess:
         return tuple(p.requires_grad for p in params), groups
 
     def trainables_changed(self) -> str | None:
-        """What changed since the chunks were built: a parameter's ``requires_grad`` (Lightning's
-        ``BaseFinetuning`` unfreezing blocks) or the optimizer's parameters (a param group
-        added); None: nothing. Their formats (fp32 masters, gradient accumulators, optimizer
-        states) are built for which parameters train. A parameter the optimizer updates that
-        stops requiring gradients (Lightning's ``toggle_optimizer``) keeps its states and is
-        skipped while it gets none, as torch skips it: no change."""
+        """What changed since the chunks' formats were built (a parameter's ``requires_grad``, the
+        optimizer's param groups); None: nothing. A parameter the optimizer updates that stops
+        requiring gradients (``toggle_optimizer``) keeps its states: no change."""
         (trainable, groups), (now, now_groups) = self._formats, self._trainables()
         if now != trainable:
             updated = {i for g in groups for i in g}
@@ -157,10 +135,8 @@ class StateAccess:
         return self._slot_of[id(p)]
 
     def adopt_rebound(self) -> None:
-        """Parameters whose ``.data`` the user rebound between steps (``p.data = tensor``, as
-        Lightning's ModelPruning resets weights) keep the new values: before the next forward
-        and before every state dict, they are written into their chunks (after the updates in
-        flight) and pointed back at them. In-place writes land in the chunks by themselves."""
+        """Parameters whose ``.data`` the user rebound between steps (``p.data = tensor``) keep the
+        new values: written into their chunks before the next forward and every state dict."""
         if self._state.closed or not self._state.idle:
             return
         rebound = [(c, members) for c in self._chunks if (members := c.rebound())]
@@ -172,10 +148,8 @@ class StateAccess:
 
     # ----- the optimizer and the loss scaler -------------------------------------------------
     def optimizer(self, *, rank0_only: bool = True, of: torch.optim.Optimizer | None = None) -> dict:
-        """The optimizer state in ``torch.optim.AdamW.state_dict()`` format, on the CPU (sharded:
-        gathered chunk by chunk, kept by rank 0 only unless ``rank0_only`` is False). ``of``: one
-        of the engine's several optimizers, its state as its own ``state_dict()`` gives it
-        (None: the engine's optimizer, over all of them)."""
+        """The optimizer state in ``torch.optim.AdamW.state_dict()`` format, on the CPU (sharded: on
+        rank 0 only unless not ``rank0_only``); ``of``: one of several optimizers (None: all)."""
         self._scheduler.wait_all()
         return self._optim.state_dict(self._slot_of, keep=not rank0_only or self._rank == 0, optimizer=of)
 
@@ -206,10 +180,8 @@ class StateAccess:
             h.remove()
 
     def before_state_dict(self, module: nn.Module, *_) -> None:
-        """``state_dict()`` of the model or of any module in it (torch.save, save_pretrained,
-        an EMA callback's ``self.model.state_dict()``) reads the parameters: wait for their
-        updates. Sharded over several processes an offloaded chunk's parameters are not whole on
-        any rank: refused, with the fix, for every module holding one."""
+        """``state_dict()`` of the model or of any module in it reads the parameters: wait for
+        their updates. Sharded, an offloaded chunk's parameters are whole on no rank: refused."""
         if id(module) not in self._managed:  # a deep copy's module: its own tensors
             return
         if not self._reading and self._holds_unwhole(module, recurse=True):
@@ -232,9 +204,8 @@ class StateAccess:
             self._depth += 1
 
     def check_copy(self, module: nn.Module) -> None:
-        """``copy.deepcopy`` of a module holding the parameters of offloaded chunks sharded
-        over several processes would copy what they point at between steps (NaN: no rank holds
-        them whole): refused, with the fix, as its ``state_dict()`` is."""
+        """``copy.deepcopy`` of a module holding the parameters of offloaded sharded chunks (NaN
+        between steps): refused, as its ``state_dict()`` is."""
         if id(module) in self._managed and self._holds_unwhole(module, recurse=False):
             name = next(n for n, m in self._module.named_modules() if m is module)
             what = "the wrapped model" if module is self._module else f"the wrapped model's {name!r} ({type(module).__name__})"
@@ -246,14 +217,12 @@ class StateAccess:
             )
 
     def _holds_unwhole(self, module: nn.Module, *, recurse: bool) -> bool:
-        """Sharded over several processes, ``module`` (with its submodules: ``recurse``) holds a
-        parameter of an offloaded chunk, which points at NaN between steps on every rank."""
+        """Sharded, ``module`` (``recurse``: or a submodule) holds an offloaded chunk's parameter."""
         return not self._whole and any(not self._slot_of[id(p)][0].persistent
                                        for p in module.parameters(recurse=recurse) if id(p) in self._slot_of)
 
     def _after_module_state_dict(self, module: nn.Module, *_) -> None:
-        """The outermost ``state_dict()`` is over: the quantised members go back to rest (the
-        state dict keeps the values it took)."""
+        """The outermost ``state_dict()`` is over: the quantised members go back to rest."""
         if id(module) not in self._managed or self._reading or self._depth == 0:
             return
         self._depth -= 1
@@ -264,13 +233,9 @@ class StateAccess:
 
 
 class _ModuleHook:
-    """The state-dict hook of one managed module (``StateAccess.before_state_dict``).
-    A deep copy of the model (an EMA, Lightning's weight averaging) copies every module's hooks:
-    this one stays itself -- a bound method would copy its ``StateAccess`` and with it every
-    chunk of the engine (masters, moments, host buffers) and, with several processes, the
-    process group, which cannot be copied -- and refuses the copy of a module whose values no
-    rank holds (``StateAccess.check_copy``). The copy's modules are not managed: the hook
-    leaves them alone."""
+    """The state-dict hook of one managed ``module`` (``access.before_state_dict``). A deep copy of
+    the model copies every module's hooks: this one stays itself (a bound method would copy every
+    chunk of the engine), and refuses the copy of a module whose values no rank holds."""
 
     def __init__(self, access: StateAccess, module: nn.Module) -> None:
         self._access, self._module = access, weakref.ref(module)
@@ -305,15 +270,12 @@ class StateMemory:
         return sum(c.storage.host_bytes for c in self._chunks)
 
     def cached_bytes(self) -> int:
-        """Device memory kept for reuse, not in ``device_bytes``: a CPU device's freed gradient
-        buffers ([Note: a CPU device's block cache]); 0 on a GPU, whose caching allocator keeps
-        its own (``torch.cuda.memory_reserved``)."""
+        """Device memory kept for reuse, not in ``device_bytes`` ([Note: a CPU device's block cache])."""
         blocks = self._scheduler.ctx.blocks
         return 0 if blocks is None else blocks.nbytes
 
     def host_locked_bytes(self) -> int:
-        """Of ``host_bytes``, those page-locked (CUDA): only what the copies read and write
-        ([Note: what is page-locked] in host_pool.py)."""
+        """Of ``host_bytes``, those page-locked ([Note: what is page-locked] in host_pool.py)."""
         return sum(c.storage.host_locked_bytes for c in self._chunks)
 
     def describe(self) -> str:

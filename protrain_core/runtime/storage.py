@@ -1,6 +1,6 @@
-"""One chunk's storage: the tensors its format (``ChunkFormat``, [Note: chunk storage] in
-chunk_format.py) gives it, where this rank's pieces of its members are in them (``ShardLayout``),
-and the records of a model's chunks (``chunk_formats``).
+"""One chunk's storage: the tensors its format gives it ([Note: chunk storage] in chunk_format.py),
+where this rank's pieces of its members are in them (``ShardLayout``), and the records of a
+model's chunks (``chunk_formats``).
 """
 
 from __future__ import annotations
@@ -26,19 +26,15 @@ from protrain_core.structure.layout import ChunkLayout, ParamSlot
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """Where this rank's pieces of a chunk are: the one answer to "where is member ``m`` in
-    tensor ``t`` on this rank" ([Note: sharded chunks] in sharding.py). One process is rank 0 of
-    ``W = 1``: its pieces are whole members, at the same offsets in the host and device copies.
-
-    A *piece* is ``(offset in the member's flattened elements, offset in the tensor, length)``,
-    or None where this rank holds none of the member."""
+    """Where this ``rank``'s pieces of a chunk of format ``fmt`` are ([Note: sharded chunks] in
+    sharding.py; in one process they are whole members). A *piece* is ``(offset in the member's
+    flattened elements, offset in the tensor, length)``, or None where this rank holds none."""
 
     fmt: ChunkFormat
     rank: int = 0
 
     def device_offset(self, m: ParamSlot) -> int:
-        """Member ``m``'s offset in the gathered compute copy (the trainable span moved to
-        ``trainable_device_start``)."""
+        """Member ``m``'s offset in the gathered compute copy."""
         fmt = self.fmt
         return fmt.trainable_device_start + m.offset - fmt.trainable_start if m.trainable else m.offset
 
@@ -47,20 +43,17 @@ class ShardLayout:
         return m.offset - self.fmt.trainable_start
 
     def state_piece(self, m: ParamSlot) -> tuple[int, int, int] | None:
-        """Member ``m``'s piece in this rank's shard of the trainable span (the master, the
-        accumulator, the optimizer states)."""
+        """Member ``m``'s piece in this rank's shard of the trainable span (master, states)."""
         return self._piece(self.span_offset(m), m.numel, self.fmt.state_numel)
 
     def _piece(self, start: int, numel: int, shard: int) -> tuple[int, int, int] | None:
-        """``piece``, with an empty member given to rank 0 (it is then whole there, and saved
-        once)."""
+        """``piece``, with an empty member given (whole) to rank 0."""
         if not numel:
             return (0, min(start, shard), 0) if self.rank == 0 else None
         return piece(start, numel, shard, self.rank)
 
     def frozen_piece(self, m: ParamSlot) -> tuple[int, int, int] | None:
-        """Frozen member ``m``'s piece in this rank's piece of the frozen span (a quantised
-        chunk's too, whose host copy does not hold it)."""
+        """Frozen member ``m``'s piece in this rank's piece of the frozen span."""
         return self._piece(m.offset, m.numel, self.fmt.frozen_shard)
 
     def host_piece(self, m: ParamSlot) -> tuple[int, int, int] | None:
@@ -74,8 +67,7 @@ class ShardLayout:
 
     def compute_span(self, persistent: bool) -> tuple[int, int]:
         """(start, length) of this rank's piece of the trainable span in the compute copy where
-        it rests: the host shard of a streamed chunk, the gathered device copy of a persistent
-        one. The master is this piece when it has the compute dtype ([Note: chunk storage])."""
+        it rests (the host shard, or the gathered device copy of a ``persistent`` chunk)."""
         fmt = self.fmt
         start = fmt.host_copy_numel - fmt.state_numel if not persistent else \
             fmt.trainable_device_start + self.rank * fmt.state_numel
@@ -85,8 +77,7 @@ class ShardLayout:
     def upload_places(self) -> tuple[tuple[int, int, int], ...]:
         """(start in the host shard, start in the device copy, length) of each span a fetch
         uploads: this rank's non-empty frozen and trainable pieces, as one copy where they are
-        adjacent in the device copy too (one process; they always are in the host shard).
-        Computed once: a fetch reads it."""
+        adjacent in the device copy too (one process)."""
         fmt, r = self.fmt, self.rank
         sf, st = fmt.frozen_shard, fmt.state_numel
         hf = fmt.host_copy_numel - st  # the frozen shard in the host copy (none when quantised)
@@ -97,25 +88,18 @@ class ShardLayout:
 
 
 class ChunkStorage:
-    """The tensors of one chunk, allocated by ``ChunkFormat`` (see [Note: chunk storage]).
-
-    ``device_copy`` is one permanent tensor; a streamed chunk frees its memory with
-    ``untyped_storage().resize_(0)`` and re-allocates it in place (FSDP2's technique), so
-    views taken of it stay valid ([Note: parameter access] in chunk.py). The master, the
-    accumulator, the gradient buffer and the Adam states cover the trainable span only
-    (``ChunkValues.state_view`` finds a member in them). A streamed chunk's host tensors live in one
-    exact-size host buffer of its own (pinned on CUDA), so that a re-plan can move one chunk to
-    the device or back (``make_persistent`` / ``make_streamed``).
-    """
+    """The tensors of one chunk, allocated by ``ChunkFormat`` ([Note: chunk storage]). A streamed
+    chunk's ``device_copy`` memory is freed and re-allocated in place ([Note: parameter access] in
+    chunk.py), and its host tensors live in one exact-size host buffer of its own. The master, the
+    accumulator, the gradient buffer and the Adam states cover the trainable span only."""
 
     _STATES = ("grad_acc", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "absmax", "wide")
 
     def __init__(self, fmt: ChunkFormat, *, persistent: bool, ctx: DeviceContext, pin: bool,
                  n_members: int, sharding: Sharding = ONE_PROCESS, frozen: FrozenPlaces | None = None,
                  touch=None) -> None:
-        """``ctx``: the device (a CPU device's gradient buffers come from its block cache and go
-        back to it: [Note: a CPU device's block cache] in device.py); ``touch(t)``: zeroes a
-        streamed chunk's new pageable host region where the CPU worker runs (None: here)."""
+        """``ctx``: the device; ``touch(t)``: zeroes a streamed chunk's new pageable host region
+        where the CPU worker runs (None: here)."""
         assert sharding.world == fmt.world_size
         assert (frozen is None) == (not fmt.quantised)
         self.fmt = fmt
@@ -133,8 +117,7 @@ class ChunkStorage:
         self.spare_pool: HostPool | None = None  # a persistent chunk's host buffer kept for the next offload
         self.grad_buffer: Tensor | None = None  # streamed: this backward's gradients, on the device
         self.blocks = ctx.blocks
-        # An update consumed gradients lent an accumulator, and zero_grad has not come since (the
-        # gradients torch would still hold are gone: [Note: gradients consumed where they land]).
+        # An update consumed gradients since zero_grad ([Note: gradients consumed where they land]).
         self.gradients_consumed = False
         self.persistent = persistent
         with torch.no_grad():
@@ -146,8 +129,7 @@ class ChunkStorage:
 
     def _steps_device(self) -> torch.device:
         """Where the step counters are: beside the master (torch's fused kernel reads them there),
-        on the CPU in format "8bit" (bitsandbytes takes the step as a number; a size-only
-        simulation too)."""
+        on the CPU in format "8bit" (bitsandbytes takes the step as a number)."""
         if self.fmt.eight_bit:
             return torch.device("cpu")
         home = self.master if self.master is not None else self.compute_home
@@ -158,14 +140,11 @@ class ChunkStorage:
         zeros = lambda n, dtype: torch.zeros(n, dtype=dtype, device=dev)  # noqa: E731
         self.device_copy = torch.zeros(fmt.padded_numel, dtype=fmt.compute_dtype, device=dev)
         self.host_copy = None
-        self.master = zeros(fmt.state_numel, fmt.master_dtype) if fmt.separate_master else \
-            self.compute_span() if fmt.trains else None
         self._allocate_states(zeros)
 
     def _allocate_streamed(self, parked: bool = False) -> None:
         """The host buffer and the streamed tensors in it; ``parked``: see ``make_streamed``. A
-        kept buffer (``make_persistent(keep_host=True)``: page-locked whole) serves a parked
-        chunk again; a re-plan gives it up for one that locks only what moves."""
+        kept buffer (``make_persistent(keep_host=True)``) serves a parked chunk again."""
         fmt = self.fmt
         pool, self.spare_pool = self.spare_pool, None
         if pool is not None and not parked:
@@ -177,19 +156,20 @@ class ChunkStorage:
         else:
             pool.rewind()
         self.pool = pool
-        master = pool.take(fmt.state_numel, fmt.master_dtype) if fmt.separate_master else None
-        self.host_copy = pool.take(fmt.host_copy_numel, fmt.compute_dtype)
-        self.master = master if master is not None else self.compute_span() if fmt.trains else None
         self._allocate_states(pool.take)
         self.frozen_store = pool.take(fmt.store_bytes, torch.uint8) if fmt.quantised else None
         self.device_copy = torch.empty(fmt.padded_numel, dtype=fmt.compute_dtype, device=self.device)
         self.free_device_copy()
 
     def _allocate_states(self, make) -> None:
-        """The accumulator and the moment tensors, by ``make(elements, dtype)``, in the order of
-        ``ChunkFormat.host_tensors``."""
+        """The master, (streamed) the host copy, the accumulator and the moment tensors, by
+        ``make(elements, dtype)``, in the order of ``ChunkFormat.host_tensors``."""
         fmt = self.fmt
         s, k = fmt.state_numel, fmt.adam_states
+        master = make(s, fmt.master_dtype) if fmt.separate_master else None
+        if not self.persistent:
+            self.host_copy = make(fmt.host_copy_numel, fmt.compute_dtype)
+        self.master = master if master is not None else self.compute_span() if fmt.trains else None
         own = fmt.trains and (self.persistent or fmt.accumulator)
         self.grad_acc = make(s, fmt.master_dtype) if own else None  # else lent per update (``borrow_accumulator``)
         self._scratch_view: tuple[Tensor, Tensor] | None = None  # (the worker's scratch, this chunk's view of it)
@@ -203,11 +183,9 @@ class ChunkStorage:
 
     # ----- moving between the device and the host (a re-plan) ----------------------------------
     def make_persistent(self, *, keep_host: bool = False, copy=None) -> None:
-        """Streamed -> persistent: every tensor allocated on the device and copied there, then
-        the host buffer given up -- or kept for the next ``make_streamed`` (``keep_host``: an
-        offloaded chunk coming back; pinning a new buffer every time would cost more than the
-        copy, and the copies may then still read it: ``copy(dst, src)`` on a copy stream, which
-        the compute stream waits for). The caller re-points the parameters (Chunk.persist)."""
+        """Streamed -> persistent: every tensor allocated on the device and copied there (by
+        ``copy(dst, src)``), then the host buffer given up, or kept for the next ``make_streamed``
+        (``keep_host``: pinning a new buffer every time would cost more than the copy)."""
         assert not self.persistent and self.grad_buffer is None
         assert copy is None or keep_host, "a copy in flight reads the host buffer: keep it"
         old = self._snapshot()
@@ -223,14 +201,9 @@ class ChunkStorage:
         self.pool = None
 
     def make_streamed(self, copy=None, *, gradients: bool = False, parked: bool = False) -> None:
-        """Persistent -> streamed: a host buffer allocated (or the one kept) and every tensor
-        copied there, by ``copy(dst, src)`` when given (a copy stream; the caller waits for it
-        before the host tensors are read), else at once. The device tensors go when nothing
-        refers to them: the parameters are re-pointed next. ``gradients``: the accumulator holds
-        gradients not cleared yet, which a chunk keeping none holds in a tensor of its own until
-        its update or zero_grad (``borrow_accumulator``). ``parked``: every tensor comes back
-        to the device (``offload_states``), so a new host buffer is page-locked whole ([Note:
-        what is page-locked] in host_pool.py)."""
+        """Persistent -> streamed: every tensor copied to a host buffer by ``copy(dst, src)`` (None:
+        at once). ``gradients``: gradients not cleared yet, kept even without an accumulator.
+        ``parked``: a new host buffer is page-locked whole ([Note: what is page-locked])."""
         assert self.persistent
         old = self._snapshot()
         with torch.no_grad():
@@ -242,7 +215,7 @@ class ChunkStorage:
             if self.frozen_store is not None:  # quantised on the device (exactly: a projection), then copied
                 staging = torch.empty_like(self.frozen_store, device=self.device)
                 self.frozen.pack(old["compute"], staging)
-                (copy or _copy_now)(self.frozen_store, staging)
+                (copy or Tensor.copy_)(self.frozen_store, staging)
 
     def _snapshot(self) -> dict:
         tensors = {name: getattr(self, name) for name in self._STATES}
@@ -253,7 +226,7 @@ class ChunkStorage:
         return tensors
 
     def _restore(self, old: dict, copy=None) -> None:
-        copy = copy or _copy_now
+        copy = copy or Tensor.copy_  # (at once)
         if self.persistent:  # from the host shard: uploaded, then gathered (W processes)
             for host, device in self.shard_places(old["compute"]):
                 copy(device, host)
@@ -282,9 +255,9 @@ class ChunkStorage:
 
     def borrow_accumulator(self, scratch: Tensor | None) -> None:
         """Give this chunk (``borrows_accumulator``) an accumulator for a job of the CPU worker,
-        unless it holds one already: a view of the worker's ``scratch`` for a job that lands and
-        updates (the same view every time, so the update's cached views stay valid), or (None) a
-        tensor of its own that keeps a partial landing until the update adds the rest."""
+        unless it holds one: a view of the worker's ``scratch`` for a job that lands and updates
+        (the same view every time: the update's cached views stay valid), or (None) a tensor of
+        its own that keeps a partial landing until the update."""
         if self.grad_acc is not None:
             return
         n = self.fmt.state_numel
@@ -298,8 +271,7 @@ class ChunkStorage:
 
     def return_accumulator(self, *, consumed: bool) -> bool:
         """After the update (``consumed``: its gradients are gone until zero_grad) or at zero_grad:
-        a lent accumulator given back; True when it was a tensor of its own (the views the update
-        cached of it must go, to free it)."""
+        a lent accumulator given back; True when it was a tensor of its own (cached views must go)."""
         self.gradients_consumed = consumed and self.borrows_accumulator
         if not self.borrows_accumulator or self.grad_acc is None:
             return False
@@ -310,27 +282,24 @@ class ChunkStorage:
     # ----- where the compute copy is --------------------------------------------------------
     @property
     def compute_home(self) -> Tensor:
-        """Where the up-to-date compute copy rests: the device copy of a persistent chunk, the
-        host copy of a streamed one."""
+        """Where the up-to-date compute copy rests (the device copy of a persistent chunk)."""
         return self.device_copy if self.persistent else self.host_copy
 
     def compute_span(self) -> Tensor:
-        """This rank's piece of the trainable span of the compute copy where it rests (a view;
-        the whole span in one process): the piece its master shard updates."""
+        """This rank's piece of the trainable span of the compute copy where it rests (a view)."""
         start, n = self.shards.compute_span(self.persistent)
         return self.compute_home[start:start + n]
 
     # ----- shards (W processes: [Note: sharded chunks] in sharding.py) --------------------------
     def shard_places(self, host_copy: Tensor | None = None, device_copy: Tensor | None = None):
-        """(span of the host shard, its place in the gathered device copy) for each span a fetch
-        uploads (``ShardLayout.upload_places``)."""
+        """(span of ``host_copy``, its place in ``device_copy``) for each span a fetch uploads."""
         host = self.host_copy if host_copy is None else host_copy
         device = self.device_copy if device_copy is None else device_copy
         return [(host[h:h + n], device[d:d + n]) for h, d, n in self.shards.upload_places]
 
     def upload_frozen(self, ctx, label: str):
-        """A quantised chunk's fetch: its host store copied to a staging buffer, then dequantised
-        into the device copy by kernels on the same (upload) stream; the event to wait on."""
+        """A quantised chunk's fetch: its host store copied to a staging buffer and dequantised
+        into the device copy on the upload stream; the event to wait on."""
         staging = torch.empty(self.fmt.store_bytes, dtype=torch.uint8, device=self.device)
         ctx.copy_async(staging, self.frozen_store, stream=ctx.h2d_stream, span=("host->device", label))
         event = ctx.run_on(ctx.h2d_stream, lambda: self.frozen.unpack(staging, self.frozen_piece(self.device_copy)),
@@ -339,22 +308,19 @@ class ChunkStorage:
         return event
 
     def frozen_piece(self, device_copy: Tensor) -> Tensor:
-        """This rank's piece of the frozen span in a gathered ``device_copy`` (a quantised chunk's
-        store dequantises into it; all of the span in one process)."""
+        """This rank's piece of the frozen span in a gathered ``device_copy``."""
         start = self.frozen.piece_start
         return device_copy[start:start + self.frozen.piece_numel]
 
     def piece_values(self) -> Tensor:
-        """This rank's piece of a streamed quantised chunk's frozen span, dequantised from its
-        host store (a new tensor, in the compute dtype, on the host)."""
+        """This rank's piece of a streamed quantised chunk's frozen span, dequantised on the host."""
         out = torch.zeros(self.frozen.piece_numel, dtype=self.fmt.compute_dtype, device=self.frozen_store.device)
         self.frozen.unpack(self.frozen_store, out)
         return out
 
     def gather(self, *, frozen: bool = True) -> None:
-        """All-gather the device copy's trainable span, and its frozen span unless not
-        ``frozen`` (a persistent chunk after its update), in place: each rank's pieces are in
-        place already (in one process, the whole chunk: the identity)."""
+        """All-gather the device copy's trainable span, and its ``frozen`` span (not after a
+        persistent chunk's update), in place (in one process: the identity)."""
         tds = self.fmt.trainable_device_start
         if frozen:
             self.sharding.gather_(self.device_copy[:tds])
@@ -372,8 +338,7 @@ class ChunkStorage:
 
     def allocate_grad_buffer(self, zero: tuple[tuple[int, int], ...]) -> Tensor:
         """The gradient buffer of a backward pass, zero in the ranges ``zero`` (start, end) and
-        uninitialised elsewhere: each member's gradient is written there whole (one pass over
-        the buffer instead of two, with a fill first)."""
+        uninitialised elsewhere, where each member's gradient is written whole."""
         with untracked():  # chunk memory: counted by device_bytes(), not as activations
             self.grad_buffer = self.empty(self.fmt.grad_buffer_numel, self.fmt.compute_dtype)
         for start, end in zero:
@@ -381,8 +346,7 @@ class ChunkStorage:
         return self.grad_buffer
 
     def free_grad_buffer(self, after=None) -> None:
-        """Drop the gradient buffer; it is read until ``after`` (an event; on CUDA the streams
-        that read it were recorded on it, ``DeviceContext.record_stream``)."""
+        """Drop the gradient buffer; it is read until ``after`` (an event)."""
         self.free(self.grad_buffer, after)
         self.grad_buffer = None
 
@@ -421,19 +385,10 @@ class ChunkStorage:
         return [t for t in (self.device_copy, self.host_copy, self.master) if t is not None]
 
 
-def _copy_now(dst: Tensor, src: Tensor) -> None:
-    """The default ``copy(dst, src)`` of a move between the device and the host: at once."""
-    dst.copy_(src)
-
-
 def chunk_formats(model: nn.Module, optimizer: torch.optim.Optimizer, layout: ChunkLayout, precision: Precision,
                   config: ProTrainConfig, *, world_size: int = 1) -> list[ChunkFormat]:
-    """The format of every chunk of ``layout`` as ``config`` asks (each rank's of ``world_size``):
-    what the engine allocates, and what the profile carries to the cost model. Adam states go
-    with chunks holding a trainable parameter the optimizer updates (none for an engine that
-    never steps, ``optimizer_states`` False), in ``optimizer_state_format``; frozen weight
-    matrices in ``frozen_dtype`` (``frozen_places_of``); streamed chunks keep a gradient
-    accumulator unless ``grad_accumulator`` is False."""
+    """The format of every chunk of ``layout`` of ``model`` as ``config`` asks (each rank's of
+    ``world_size``, in ``precision``; with ``optimizer``'s states): what the engine allocates."""
     optimizer_states, state_format = config.optimizer_states, config.optimizer_state_format
     frozen_format, accumulator = config.frozen_dtype, config.keeps_accumulators
     params = dict(model.named_parameters())
@@ -452,7 +407,8 @@ def chunk_formats(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Ch
             trainable_numel=spec.trainable_numel, updated_numel=updated if trains else 0,
             adam_states=adam if trains else 0, world_size=world_size,
             state_format=state_format if trains else "fp32",
-            wide_numel=small_numel(trainable_numels(spec)) if trains and state_format == "8bit" else 0,
+            wide_numel=small_numel([m.numel if m.trainable else None for m in spec.members])
+            if trains and state_format == "8bit" else 0,
             frozen_format=frozen and frozen.fmt, store_bytes=frozen.store_bytes(precision.compute_dtype) if frozen else 0,
             accumulator=accumulator or not trains,  # (a chunk the optimizer never steps accumulates only)
         ))
@@ -460,20 +416,13 @@ def chunk_formats(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Ch
 
 
 def frozen_places_of(spec, frozen_format: str | None, world_size: int = 1, rank: int = 0) -> FrozenPlaces | None:
-    """Where ``spec``'s frozen members are in rank ``rank``'s host store in ``frozen_format``
-    (None: not quantised): the 8-bit values of its piece of the frozen span (``s_f`` elements
-    from ``rank * s_f``: [Note: quantised frozen chunks] in frozen_formats.py)."""
+    """Where ``spec``'s frozen members are in rank ``rank``'s (of ``world_size``) host store in
+    ``frozen_format`` (None: not quantised; [Note: quantised frozen chunks] in frozen_formats.py)."""
     frozen_numel = spec.trainable_start if spec.trainable_numel else spec.capacity
     shard = align(-(-frozen_numel // world_size))
     return frozen_places(spec.members, frozen_numel, frozen_format, piece=(rank * shard, shard))
 
 
-def trainable_numels(spec) -> list[int | None]:
-    """Each member's elements, None for a frozen one."""
-    return [m.numel if m.trainable else None for m in spec.members]
-
-
 def rank_quant_places(spec, shards: ShardLayout):
-    """Where ``spec``'s members keep their 8-bit block scales and small fp32 moments on the
-    rank of ``shards`` (``state_formats.quant_places``)."""
+    """Where ``spec``'s members keep their 8-bit block scales and small fp32 moments on ``shards``'s rank."""
     return quant_places([(m.numel, shards.state_piece(m)) if m.trainable else None for m in spec.members])

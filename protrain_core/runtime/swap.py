@@ -1,8 +1,6 @@
-"""Swapping saved activations to host memory and back (see [Note: swapping] in activations.py).
-
-Host buffers come from a size-class pool (pinned in place on CUDA); a swapped storage is copied
-out once and rebuilt as views on the way back, and autograd's in-place version check survives
-the saved-tensor hooks.
+"""Swapping saved activations to host memory and back ([Note: swapping] in activations.py): host
+buffers come from a size-class pool (pinned in place on CUDA), and autograd's in-place version
+check survives the saved-tensor hooks.
 """
 
 from __future__ import annotations
@@ -25,14 +23,8 @@ def size_class(nbytes: int) -> int:
 
 
 class HostBuffers:
-    """Host byte buffers for swapped storages, reused across iterations (pinned in place on CUDA).
-
-    Requests are rounded up to a size class (8 per power of two, so at most 12.5 % is wasted,
-    where PyTorch's pinned allocator rounds up to the next power of two) and served from free
-    buffers of that class; a new buffer is page-locked with ``cudaHostRegister`` on CUDA. With a
-    fixed batch shape every step after the first reuses the first step's buffers. ``trim()``
-    frees the buffers that no request used since the previous ``trim()`` (shapes that changed).
-    """
+    """Host byte buffers for swapped storages on ``ctx``, reused across iterations: requests are
+    rounded up to a ``size_class``; ``trim()`` frees the buffers no request used since the last."""
 
     def __init__(self, ctx: DeviceContext) -> None:
         self.ctx = ctx
@@ -124,13 +116,9 @@ class Packed:
 
 
 class Counted:
-    """A saved tensor that stays where it is (kept blocks while measuring, unswappable tensors).
-
-    A non-leaf is held detached (same storage, same version counter): holding a saved *output*
-    itself would make a reference cycle output -> grad_fn -> saved variable -> output, which
-    keeps a graph that is dropped without backward alive. A leaf (a parameter) is held as is,
-    like autograd does, so it reads whatever its ``.data`` is when backward runs.
-    """
+    """A saved tensor ``t`` that stays where it is. A non-leaf is held detached (a saved *output*
+    itself would make a reference cycle through its grad_fn); a leaf (a parameter) is held as is,
+    like autograd does, so it reads whatever its ``.data`` is when backward runs."""
 
     __slots__ = ("tensor", "version")
 

@@ -10,14 +10,11 @@ stream, the copy and communication streams, and the CPU worker.
 - collectives: the all-gathers and reduce-scatters of sharded chunks;
 - CPU Adam: each streamed chunk's update, with the name of the thread that ran it (the worker
   thread, or the main thread where Adam runs inline: [Note: CPU Adam on a CPU device]).
-Host-side work (CPU Adam, and everything on a CPU device, where copies are synchronous) is
-timed with the device context's clock (``time.perf_counter``). Device-side work on CUDA is timed
-with timing events recorded on the stream that runs it (a copy's begin and end on the copy
-stream, the phase marks on the compute stream), converted to seconds from one event recorded
-when recording began, right after a device synchronisation: so a span shows when the device ran
-the work, not when the host queued it. Recording adds two events per copy and changes nothing
-that is computed. A simulated device (protrain_core/simulator) stamps with its own clocks: the
-same spans, in simulated seconds.
+Host-side work (CPU Adam, and everything on a CPU device) is timed with the device context's
+clock; device-side work on CUDA with timing events on the stream that runs it, converted to
+seconds from one event recorded right after a device synchronisation when recording began: a
+span shows when the device ran the work. Recording changes nothing that is computed; a
+simulated device (protrain_core/simulator) stamps with its own clocks, in simulated seconds.
 """
 
 from __future__ import annotations
@@ -48,11 +45,9 @@ class Timeline(StepObserver):
     complete when it exits. ``spans``: every span, by start; ``lane(name)``: one lane's."""
 
     def __init__(self, ctx, *, threaded: bool = False) -> None:
-        """``ctx``: the engine's DeviceContext (its clock and stamps); ``threaded``: the CPU Adam
-        runs on the worker's thread (else inline, on the thread of the step)."""
+        """``ctx``: the engine's DeviceContext (clock, stamps); ``threaded``: the CPU Adam runs on a thread."""
         self.ctx = ctx
         self.threaded = threaded
-        self.device = ctx.device
         self.is_cuda = ctx.is_cuda
         self.spans: list[Span] = []
         self._pending: list[tuple[str, str, object, object, str | None]] = []  # stamps not yet converted
@@ -64,8 +59,7 @@ class Timeline(StepObserver):
 
     # ----- stamps --------------------------------------------------------------------------
     def stamp(self, stream=None):
-        """Now on ``stream`` (CUDA: a timing event recorded on it, default the current stream)
-        or on the host (a CPU device)."""
+        """Now on ``stream`` (CUDA: a timing event recorded on it) or on the host (a CPU device)."""
         return self.ctx.stamp(stream)
 
     def add(self, lane: str, label: str, begin, end, *, host: bool = False) -> None:
@@ -128,5 +122,6 @@ class Timeline(StepObserver):
         return [s for s in self.spans if s.lane == name]
 
     def to_json(self) -> dict:
-        return {"device": str(self.device), "threaded": self.threaded, "lanes": [lane for lane in LANES if self.lane(lane)],
+        return {"device": str(self.ctx.device), "threaded": self.threaded,
+                "lanes": [lane for lane in LANES if self.lane(lane)],
                 "spans": [dataclasses.asdict(s) for s in self.spans]}

@@ -2,24 +2,19 @@
 cores each process on a host takes.
 
 [Note: CPU worker placement]
-On a GPU the CPU worker updates the offloaded chunks while the device computes, and that update
-is memory-bound: its speed is the bandwidth of the DRAM its pages sit in, which it shares with
-the PCIe copies. So the worker's threads are bound to cores (``Placement.cores``), and the
-pageable host states (masters, moments: [Note: what is page-locked] in host_pool.py) are
-first-touched by a thread bound the same way (``Placement.touch``), so that Linux puts their
-pages on those cores' node. The cores:
+The CPU worker's update is memory-bound: its speed is the bandwidth of the DRAM its pages sit
+in. So the worker's threads are bound to cores (``Placement.cores``), and the pageable host
+states ([Note: what is page-locked] in host_pool.py) are first-touched by a thread bound the
+same way (``Placement.touch``), so that Linux puts their pages on those cores' node. The cores:
 - ``RuntimeConfig.worker_cores`` when the user names them;
-- else the process's CPU affinity when a launcher or the scheduler bound it to part of the
-  machine (SLURM, ``numactl``, ``taskset``): the binding is the user's choice;
-- else a share of one NUMA node: the node the process's GPU is attached to (its PCI device's
-  ``numa_node`` in sysfs), or, unknown, node ``local_rank * nodes // local_processes``; the
-  node's cores are divided evenly among the node's processes (``LOCAL_RANK`` and
-  ``LOCAL_WORLD_SIZE`` as torchrun sets them), so that processes on one host never share a core.
+- else the process's CPU affinity when a launcher bound it to part of the machine (SLURM,
+  ``numactl``, ``taskset``);
+- else a share of one NUMA node: the node the process's GPU is attached to (sysfs), or, unknown,
+  node ``local_rank * nodes // local_processes``, divided evenly among the node's processes
+  (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), so that processes on one host never share a core.
 In the last two cases the first core of the share is left for the thread that drives the device
-(the worker takes the rest; a share of one core is shared). The thread that drives the device is
-not bound: data loader workers inherit its affinity. ``engine.summary()`` says what was chosen.
-Pools allocated later (a re-plan streaming a chunk) are first-touched by the thread allocating
-them. ``HostTopology.read`` takes the sysfs root, so tests give it a fake tree.
+(which is not bound: data loader workers inherit its affinity). Pools allocated later are
+first-touched by the thread allocating them. ``HostTopology.read`` takes the sysfs root.
 """
 
 from __future__ import annotations
@@ -56,8 +51,7 @@ def _cores_text(cores: tuple[int, ...]) -> str:
 
 @dataclass(frozen=True)
 class HostTopology:
-    """The cores of each NUMA node by its number (a node with memory only: no cores), and the
-    node each CUDA device is attached to (None: not known)."""
+    """The cores of each NUMA node by its number, and the node of each CUDA device (None: unknown)."""
 
     nodes: tuple[tuple[int, ...], ...]
     gpu_nodes: tuple[int | None, ...] = ()
@@ -94,8 +88,7 @@ def _pci_node(root: Path, bus_id: str, n_nodes: int) -> int | None:
 
 
 def gpu_bus_ids() -> tuple[str, ...]:
-    """Each CUDA device's PCI address as sysfs names it ("0000:18:00.0"); () where torch does
-    not say."""
+    """Each CUDA device's PCI address as sysfs names it ("0000:18:00.0"); () where unknown."""
     ids = []
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)
@@ -128,8 +121,7 @@ class Placement:
         torch.set_num_threads(self.threads)
 
     def touch(self, t: Tensor) -> None:
-        """Zero ``t`` from a thread bound here: its pages' first touch, which places them on
-        this node."""
+        """Zero ``t`` from a thread bound here: its pages' first touch places them on this node."""
         if self._toucher is None:
             self._toucher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="protrain-first-touch",
                                                initializer=self.bind)
@@ -143,9 +135,8 @@ class Placement:
 
 def place_worker(topology: HostTopology, *, allowed: frozenset[int], local_rank: int, local_processes: int,
                  device_index: int | None = None, cores: tuple[int, ...] | None = None) -> Placement:
-    """The worker's cores ([Note: CPU worker placement]): ``cores`` when given; else the
-    process's affinity ``allowed`` when it is part of the machine; else this process's share of
-    its node, minus the core left for the thread that drives the device."""
+    """The worker's cores ([Note: CPU worker placement]): ``cores`` when given; else the process's
+    affinity ``allowed`` when it is part of the machine; else this process's share of its node."""
     if cores:
         return Placement(tuple(cores), topology.node_of(tuple(cores)), "RuntimeConfig.worker_cores")
     every = {c for node in topology.nodes for c in node}
@@ -168,8 +159,7 @@ def _gpu_node(topology: HostTopology, device: int | None) -> int | None:
 
 
 def _node_and_peers(topology: HostTopology, rank: int, processes: int, device: int | None) -> tuple[int, list[int]]:
-    """This process's node and the local ranks on it (their devices taken to be their local
-    ranks when every GPU's node is known; else ranks spread evenly over the nodes)."""
+    """This process's node and the local ranks on it (by their GPUs' nodes, else spread evenly)."""
     with_cores = [i for i, cores in enumerate(topology.nodes) if cores]
     processes = max(1, processes)
     gpu = _gpu_node(topology, device)
@@ -183,9 +173,8 @@ def _node_and_peers(topology: HostTopology, rank: int, processes: int, device: i
 
 
 def worker_placement(world: int, cores: tuple[int, ...] | None = None, *, root: str | Path = "/sys") -> Placement:
-    """The placement of this process's CPU worker on a CUDA host sharded over ``world``
-    processes: its local rank and the node's processes from torchrun's variables (else the
-    current device, and as many processes as the node has GPUs, at most ``world``)."""
+    """The placement of this process's CPU worker on a CUDA host sharded over ``world`` processes
+    (``cores``, the sysfs ``root``): local ranks from torchrun's variables, else the devices."""
     device = torch.cuda.current_device()
     local = os.environ.get("LOCAL_WORLD_SIZE")
     local = int(local) if local else min(world, max(1, torch.cuda.device_count()))

@@ -1,11 +1,6 @@
-"""Where each member of one chunk is in the chunk's tensors on this rank, and its values: the
-addressing a chunk's verbs, the optimizer, the gradients and the checkpoints read and write
-through (``Chunk.values``). The storage's ``ShardLayout`` answers where a member's piece is;
-this face turns that into views and values. Its only collectives are ``gathered_values`` and
-``gather_shard``.
-
-One process is the case ``W = 1``: every piece is the whole member at its layout offset
-([Note: chunk storage] in chunk_format.py, [Note: sharded chunks] in sharding.py).
+"""Where each member of one chunk is in the chunk's tensors on this rank, and its values
+(``Chunk.values``): views and values from the storage's ``ShardLayout``. Its only collectives
+are ``gathered_values`` and ``gather_shard`` ([Note: sharded chunks] in sharding.py).
 """
 
 from __future__ import annotations
@@ -60,16 +55,14 @@ class ChunkValues:
         return self.spec.members
 
     def view(self, flat: Tensor, i: int) -> Tensor:
-        """Member ``i`` in a tensor of the whole chunk: a compute copy (with ``W`` processes
-        only the gathered device copy holds whole members)."""
+        """Member ``i`` in ``flat``, a compute copy of the whole chunk."""
         m = self.spec.members[i]
         offset = self.storage.shards.device_offset(m)
         return flat[offset : offset + m.numel].view(m.shape)
 
     def at_rest(self, i: int) -> Tensor | None:
-        """Member ``i``'s value where a streamed chunk rests (one process): its view of the host
-        copy, or of the host store's kept values; None for a quantised member, which has no
-        value in memory there ([Note: quantised frozen chunks] in frozen_formats.py)."""
+        """Member ``i``'s value where a streamed chunk rests (one process); None for a quantised
+        member ([Note: quantised frozen chunks] in frozen_formats.py)."""
         storage, m = self.storage, self.spec.members[i]
         if storage.frozen is not None and not m.trainable:
             quantised, _ = storage.frozen.entry(i)
@@ -83,16 +76,14 @@ class ChunkValues:
         return storage.frozen is not None and not storage.persistent and not self.spec.members[i].trainable
 
     def span_view(self, flat: Tensor, i: int) -> Tensor:
-        """Member ``i`` (a trainable one) in a tensor of the whole trainable span (the gradient
-        buffer; in one process also the master, the accumulator and the optimizer states)."""
+        """Member ``i`` (a trainable one) in ``flat``, a tensor of the whole trainable span."""
         m = self.spec.members[i]
         assert m.trainable, (self, m.name)
         start = self.storage.shards.span_offset(m)
         return flat[start : start + m.numel].view(m.shape)
 
     def span_gaps(self, members) -> tuple[tuple[int, int], ...]:
-        """The (start, end) ranges of a tensor of the whole trainable span that no member in
-        ``members`` covers: the padding, and the places of the other members."""
+        """The (start, end) ranges of the trainable span that no member in ``members`` covers."""
         spans = sorted((self.storage.shards.span_offset(self.spec.members[i]), self.spec.members[i].numel)
                        for i in members)
         gaps, at = [], 0
@@ -105,8 +96,7 @@ class ChunkValues:
         return tuple(gaps)
 
     def state_part(self, i: int, rank: int | None = None) -> tuple[int, int, int] | None:
-        """Member ``i``'s piece of a shard of the trainable span (``ShardLayout.state_piece``):
-        this rank's, or ``rank``'s."""
+        """Member ``i``'s piece of this rank's (or ``rank``'s) shard of the trainable span."""
         shards = self.storage.shards if rank is None else ShardLayout(self.storage.fmt, rank)
         return shards.state_piece(self.spec.members[i])
 
@@ -115,16 +105,13 @@ class ChunkValues:
         return self.storage.shards.span_offset(self.spec.members[i])
 
     def state_view(self, flat: Tensor, i: int) -> Tensor:
-        """Member ``i`` (a trainable one) in a tensor of this rank's shard of the trainable span:
-        the master, the accumulator, an optimizer state ([Note: chunk storage]). The piece this
-        rank owns (``ShardLayout.state_piece``), shaped like the member where it is the whole
-        member (always in one process), else flat (empty when the rank owns none of it)."""
+        """Member ``i`` (a trainable one) in ``flat``, a tensor of this rank's shard of the
+        trainable span: shaped like the member where it is whole, else flat (maybe empty)."""
         return _shaped(flat, self.storage.shards.state_piece(self.spec.members[i]), self.spec.members[i])
 
     def update_views(self, members: tuple[int, ...]) -> UpdateViews:
         """The views of ``members`` an Adam step reads and writes, built once per set of members
-        (a chunk is updated every step with the same members: rebuilding the lists cost more
-        than the step itself on small chunks) and again when the storage's tensors change."""
+        (rebuilding them cost more than the step on small chunks) and when the tensors change."""
         storage = self.storage
         states = (storage.master, storage.grad_acc, storage.exp_avg, storage.exp_avg_sq, storage.max_exp_avg_sq)
         flats = states + (storage.compute_home,)
@@ -140,8 +127,7 @@ class ChunkValues:
 
     def piece(self, i: int, flat: Tensor | None = None) -> tuple[int, Tensor] | None:
         """(offset in member ``i``'s flattened elements, this rank's piece of it) in ``flat`` (a
-        shard tensor of the trainable span), or of the member's value when ``flat`` is None; None
-        when this rank holds none of it. The pieces of all ranks tile the member (checkpoint.py)."""
+        shard tensor of the trainable span; None: of the member's value), or None: none here."""
         storage, m = self.storage, self.spec.members[i]
         if m.trainable and (flat is not None or storage.master is not None):
             part = storage.shards.state_piece(m)
@@ -158,8 +144,7 @@ class ChunkValues:
                 return None
             off, at, n = part
             return off, storage.piece_values()[at:at + n]
-        # A frozen member: the piece of the frozen span this rank owns (of the whole device copy
-        # of a persistent chunk, where it is replicated, or of the host shard of a streamed one).
+        # A frozen member: this rank's piece (of a persistent chunk's replicated device copy).
         part = storage.shards.host_piece(m)
         if part is None:
             return None
@@ -169,16 +154,14 @@ class ChunkValues:
         return off, storage.host_copy[at:at + n]
 
     def own_piece(self, i: int, value: Tensor) -> Tensor:
-        """This rank's piece of member ``i``'s ``value`` (a whole tensor), shaped as ``state_view``
-        is: ``value`` itself in one process ([Note: sharded chunks] in sharding.py)."""
+        """This rank's piece of member ``i``'s whole ``value``, shaped as ``state_view`` is."""
         m = self.spec.members[i]
         part = self.storage.shards.state_piece(m)
         return _shaped(value.reshape(-1), None if part is None else (0, part[0], part[2]), m)
 
     def set_member(self, i: int, value: Tensor) -> None:
-        """Write member ``i``'s value: its master (trainable), and the compute copy where it rests
-        -- the whole device copy of a persistent chunk, this rank's pieces of a streamed one's
-        host copy (rounded from the master for a trainable member)."""
+        """Write member ``i``'s ``value``: its master (trainable), and the compute copy where it
+        rests (this rank's pieces of a streamed chunk's host copy)."""
         storage, m = self.storage, self.spec.members[i]
         trainable = m.trainable and storage.master is not None
         frozen, c = storage.frozen, storage.fmt.compute_dtype
@@ -202,8 +185,7 @@ class ChunkValues:
             storage.host_copy[at:at + n].copy_(source)
 
     def member_value(self, i: int) -> Tensor:
-        """Member ``i``'s authoritative value: its master weights, or the compute copy of a
-        frozen member (one process: ``gathered_values`` with ``W``)."""
+        """Member ``i``'s authoritative value (one process): its master, or a frozen member's value."""
         storage = self.storage
         assert storage.fmt.whole, "a sharded chunk holds pieces only: gathered_values()"
         if self.spec.members[i].trainable and storage.master is not None:
@@ -214,10 +196,9 @@ class ChunkValues:
         return self.view(storage.compute_home, i)
 
     def gathered_values(self, tensor_of=None) -> list[Tensor]:
-        """Every member's whole authoritative value (``member_value``), assembled from the ranks'
-        pieces with all-gathers when sharded -- a collective: every rank calls it, for the same
-        chunks in the same order. ``tensor_of(storage)``: gather that shard tensor of the
-        trainable span instead of the master (an Adam state; frozen members then give None)."""
+        """Every member's whole authoritative value (``member_value``), all-gathered when sharded
+        (a collective: every rank calls it in the same order). ``tensor_of(storage)``: gather that
+        shard tensor instead of the master (an Adam state; frozen members then give None)."""
         storage, fmt = self.storage, self.storage.fmt
         if storage.fmt.whole:
             if tensor_of is None:
@@ -244,8 +225,7 @@ class ChunkValues:
 
 
 def _shaped(flat: Tensor, part: tuple[int, int, int] | None, m: ParamSlot) -> Tensor:
-    """The ``(member offset, offset, length)`` piece of ``flat``, shaped like member ``m`` when it
-    is the whole member; an empty tensor for no piece."""
+    """The ``(member offset, offset, length)`` piece of ``flat`` (shaped like ``m`` when whole)."""
     if part is None:
         return flat[:0]
     _, at, n = part
@@ -253,8 +233,7 @@ def _shaped(flat: Tensor, part: tuple[int, int, int] | None, m: ParamSlot) -> Te
 
 
 def gather_shard(storage: ChunkStorage, shard: Tensor) -> Tensor:
-    """The whole of a span sharded like ``shard`` (this rank's piece): all-gathered through the
-    device (NCCL gathers device tensors only); one chunk's span at a time."""
+    """The whole span of which ``shard`` is this rank's piece, all-gathered on ``storage``'s device."""
     n, sharding = shard.numel(), storage.sharding
     full = torch.empty(n * sharding.world, dtype=shard.dtype, device=storage.device)
     full[storage.rank * n:(storage.rank + 1) * n].copy_(shard)

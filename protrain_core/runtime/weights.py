@@ -1,25 +1,19 @@
 """Weights for a model built on the meta device, one tensor at a time as its chunks are filled.
 
 [Note: weights straight into chunks]
-A model too large for the host's memory twice over is built without memory
-(``with torch.device("meta")``, Lightning's and Fabric's ``init_module(empty_init=True)``) and
-wrapped as it is: the engine fills each chunk in turn, and every parameter of the chunk still on
-the meta device takes its value here, just before the chunk copies it in. The value comes from
-``ProTrainConfig.weights`` where that holds it -- a Hugging Face directory of safetensors files,
-one ``.safetensors`` file, or a ``torch.save``d file (a state dict, a Lightning checkpoint's
-``state_dict``, ``engine.state_dict()``; a sharded ProTrain checkpoint directory is read by the
-engine itself, in place, once ``wrap`` has built it) -- and otherwise from the module's own
-initialisation:
-a PEFT LoRA layer's ``reset_lora_parameters`` for its adapters, the enclosing Hugging Face
-model's ``_init_weights`` (what ``from_config`` runs), else the module's ``reset_parameters``.
+A model too large for the host's memory twice over is built on the meta device
+(``init_module(empty_init=True)``) and wrapped as it is: the engine fills each chunk in turn,
+and every parameter of it still on the meta device takes its value here, just before the chunk
+copies it in. The value comes from ``ProTrainConfig.weights`` where that holds it (a Hugging
+Face directory of safetensors files, one ``.safetensors`` file, or a ``torch.save``d state dict;
+a sharded ProTrain checkpoint directory is read by the engine itself once ``wrap`` has built
+it), else from the module's own initialisation: a PEFT LoRA layer's ``reset_lora_parameters``,
+the enclosing Hugging Face model's ``_init_weights``, else the module's ``reset_parameters``.
 
-The parameter keeps its identity (``torch.utils.swap_tensors``): the optimizer built over the
-meta parameters holds the same objects. A value is read from its file only when its chunk is
-filled (a safetensors file's own pages, memory-mapped, where the dtype matches) and let go once
-the chunk has copied it in: the host holds the chunks plus the values of the one being filled
-(a ``torch.save``d file is memory-mapped whole: the pages read stay resident until the last
-chunk is filled). Checkpoint names match the model's after
-leading components are dropped on either side (a LightningModule's ``model.``, PEFT's
+The parameter keeps its identity (``torch.utils.swap_tensors``): the optimizer holds the same
+objects. A value is read (memory-mapped) only when its chunk is filled and let go once copied
+in, so the host holds the chunks plus the values of the one being filled. Checkpoint names match
+the model's after leading components are dropped on either side (``model.``,
 ``base_model.model.``) and PEFT's ``.base_layer`` is skipped.
 """
 
@@ -59,8 +53,7 @@ def meta_names(model: nn.Module) -> list[str]:
 
 
 def back_to_meta(model: nn.Module, names: list[str]) -> None:
-    """These parameters and buffers on the meta device again (a profiling engine, closed, filled
-    them with initial values: the engine that trains fills them from the checkpoint)."""
+    """These parameters and buffers (``names``) of ``model`` on the meta device again."""
     params = dict(model.named_parameters())
     for name in names:
         if name in params:
@@ -165,16 +158,14 @@ class Weights:
                 setattr(self.model.get_submodule(module_name), attr, self._read(key).to(self.host, b.dtype, copy=True))
 
     def warn_initialised(self) -> None:
-        """A checkpoint that left parameters to their initialisation says which (a LoRA adapter
-        over a base checkpoint: expected; anything else: a checkpoint of another model)."""
+        """A checkpoint that left parameters to their initialisation says which."""
         if self.where is not None and self.initialised:
             shown = ", ".join(self.initialised[:4]) + (", ..." if len(self.initialised) > 4 else "")
             warnings.warn(f"ProTrain: {len(self.initialised)} tensor(s) of the model are not in {self.where} and were "
                           f"initialised by their modules: {shown}.", stacklevel=2)
 
     def _initialise(self, name: str, buffer: bool = False) -> None:
-        """``name``'s module initialised as the model's own code does, its tensors that already
-        hold values (read from the checkpoint) kept."""
+        """``name``'s module initialised as the model's own code does, its loaded tensors kept."""
         module_name = name.rpartition(".")[0]
         module = self.model.get_submodule(module_name)
         lora = _lora_layer(self.model, module_name)
@@ -220,13 +211,6 @@ def _own(module: nn.Module):
     return [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
 
 
-def _ancestors(model: nn.Module, module_name: str):
-    """The module ``module_name`` and each module above it, up to ``model``."""
-    parts = module_name.split(".") if module_name else []
-    for i in range(len(parts), -1, -1):
-        yield model.get_submodule(".".join(parts[:i]))
-
-
 def _lora_layer(model: nn.Module, module_name: str):
     """(PEFT's LoRA layer, adapter name) when ``module_name`` is one of its adapter modules."""
     parts = module_name.split(".")
@@ -241,7 +225,9 @@ def _lora_layer(model: nn.Module, module_name: str):
 def _initialiser(model: nn.Module, module_name: str):
     """The module's initialisation: its Hugging Face model's ``_init_weights``, else its own
     ``reset_parameters``; None where neither exists."""
-    for ancestor in _ancestors(model, module_name):
+    parts = module_name.split(".") if module_name else []
+    for i in range(len(parts), -1, -1):  # the module and each one above it
+        ancestor = model.get_submodule(".".join(parts[:i]))
         if hasattr(ancestor, "_init_weights") and hasattr(ancestor, "config"):
             return ancestor._init_weights
     module = model.get_submodule(module_name)
@@ -251,8 +237,7 @@ def _initialiser(model: nn.Module, module_name: str):
 
 def _match(names: list[str], keys: set[str]) -> dict[str, str]:
     """The checkpoint key of each model name: the renaming (leading components dropped from the
-    names, from the keys; PEFT's ``.base_layer`` skipped) that matches the most names, one key
-    to one name (a renaming that leaves two names or two keys alike is no renaming)."""
+    names, from the keys; PEFT's ``.base_layer`` skipped) that matches the most names, one to one."""
     best: dict[str, str] = {}
     plain = {n: n.replace(_BASE_LAYER, "") for n in names}
     for drop_key in range(3):

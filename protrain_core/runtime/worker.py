@@ -2,48 +2,32 @@
 
 [Note: CPU Adam on a CPU device]
 With CUDA the worker thread overlaps Adam with the device's backward. When the device *is* the
-CPU there is nothing to overlap with: two OpenMP thread teams (backward's and the worker's) on
-the same cores slow each other down far more than Adam costs (each chunk's Adam many times
-slower, and backward slower too). So Adam runs inline, at the same points;
-``RuntimeConfig.cpu_adam_thread`` (or PROTRAIN_CPU_ADAM_THREAD=1) keeps the worker thread (the
-tests use it to exercise the threaded path on the CPU).
+CPU there is nothing to overlap with: two OpenMP thread teams on the same cores slow each
+other down far more than Adam costs. So Adam runs inline, at the same points;
+``RuntimeConfig.cpu_adam_thread`` (or PROTRAIN_CPU_ADAM_THREAD=1) keeps the worker thread.
 
 [Note: CPU Adam threads]
 On CUDA the worker thread and its intra-op threads (landing, Adam, copies back) run bound to the
-cores of ``Placement`` ([Note: CPU worker placement] in topology.py): the process's share of its
-GPU's NUMA node, or the cores a launcher bound it to, or ``RuntimeConfig.worker_cores``; the
-thread that drives the device keeps its own count (1 under torchrun, which sets
-OMP_NUM_THREADS=1 for every process: a default that would leave the CPU Adam on one core). On a
-CPU device the worker's threads would compete with the compute's, so they are not changed.
-``engine.summary()`` says what was chosen. The profiler's CPU Adam probe runs on the same
-placement (``device.cpu_worker_placement``): on the process's own threads it would time the
-updates with other threads than the worker's. (``torch.set_num_threads`` also sets the count
-that threads started later in the process begin with; the calling threads keep theirs.)
+cores of ``Placement`` ([Note: CPU worker placement] in topology.py); the thread that drives the
+device keeps its own count (1 under torchrun, which sets OMP_NUM_THREADS=1: a default that would
+leave the CPU Adam on one core). On a CPU device the worker's threads would compete with the
+compute's, so they are not changed. The profiler's CPU Adam probe runs on the same placement
+(``device.cpu_worker_placement``).
 
 [Note: gradients consumed where they land]
 In the mixed modes a streamed chunk's gradient lands in the trainable span of its host compute
-copy (compute dtype), and the worker folds it into the chunk's fp32 accumulator before Adam
-reads it. When a step has one backward and the chunk's Adam runs in the job that lands it
-(``UpdateSchedule.DURING_BACKWARD``), that accumulator holds nothing but the landed gradient
-widened to fp32, and only for that job: so a chunk may keep none (``ChunkFormat.accumulator``
-False, ``ProTrainConfig.grad_accumulator=False``; 4 bytes per trainable parameter less on the
-host: 8.03 instead of 12.03 with 8-bit moments). The job then borrows the worker's *scratch*,
-one fp32 tensor of the largest trainable shard: the jobs run one at a time on the one worker
-thread, and the landing is widened into the scratch exactly as into an accumulator, so Adam
-reads the same values bit for bit. A job that lands without updating (a chunk spilled before
-all its gradients came, ``BufferPolicy.victim``) gives the chunk a tensor of its own instead,
-kept until its update (at its last landing, or at ``step()``) adds the rest and consumes it;
-``return_accumulator`` frees it after the update, or at ``zero_grad``. (Those tensors are host
-memory the plan does not count: a chunk spills only when a parameter of it got no gradient yet
-and every buffer is taken, rare in a transformer, where a chunk's gradients come together. A
-persistent chunk streamed by a re-plan or by ``offload_states`` with gradients not cleared keeps
-them in one too, until ``zero_grad``: the planner's re-plans under Lightning come before the
-step's ``zero_grad``, so briefly.) Gradients an update consumed are gone
-(``ChunkStorage.gradients_consumed``, until ``zero_grad``): a backward or a step that torch would
-let use them again is refused, also after a re-plan moved the chunk to the device. The engine refuses the
-settings that would land without updating at every step (accumulation in ``no_sync``, norm
-clipping, clipping requested between backward and step, fp16's overflow check: they need every
-gradient before any update) and does not hold its first step for a late clipping request.
+copy, and the worker folds it into the chunk's fp32 accumulator before Adam reads it. When a
+step has one backward and the chunk's Adam runs in the job that lands it, that accumulator holds
+nothing but the landed gradient, only for that job: so a chunk may keep none
+(``ProTrainConfig.grad_accumulator=False``; 4 bytes per trainable parameter less on the host).
+The job then borrows the worker's *scratch*, one fp32 tensor of the largest trainable shard (the
+jobs run one at a time). A job that lands without updating (a chunk spilled before all its
+gradients came) gives the chunk a tensor of its own instead, kept until its update or
+``zero_grad`` (``return_accumulator``); so does a persistent chunk streamed with gradients not
+cleared. Gradients an update consumed are gone (``ChunkStorage.gradients_consumed``, until
+``zero_grad``): a backward or a step that would use them again is refused, as are the settings
+that would land without updating at every step (accumulation in ``no_sync``, norm clipping,
+clipping requested between backward and step, fp16's overflow check).
 """
 
 from __future__ import annotations
@@ -65,9 +49,8 @@ from protrain_ops import fold_landing
 class CpuWorker:
     def __init__(self, ctx: DeviceContext, optim: ChunkOptimizer, *, n_staging: int, staging_numel: int, record,
                  threaded: bool, placement: Placement | None = None) -> None:
-        """``threaded``: run the jobs on a worker thread (always on a GPU; on a CPU device, with
-        ``RuntimeConfig.cpu_adam_thread``), else inline; ``placement``: the cores that thread
-        runs on (None: the process's threads)."""
+        """``threaded``: run the jobs on a worker thread, else inline; ``placement``: the cores that
+        thread runs on (None: the process's threads)."""
         self.ctx = ctx
         self.optim = optim
         self.n_staging = n_staging
@@ -94,15 +77,13 @@ class CpuWorker:
         self.n_staging, self.staging_numel, self._staging, self._scratch = n_staging, staging_numel, None, None
 
     def submit(self, fn, *args) -> Future:
-        """Run ``fn(*args)`` on the worker (inline on a CPU device); a failure is re-raised by
-        the future's ``result()`` (Chunk.end_update)."""
+        """Run ``fn(*args)`` on the worker; a failure is re-raised by the future's ``result()``."""
         return self._pool.submit(fn, *args)
 
     def landing_buffer(self, chunk: Chunk, *, replace: bool) -> Tensor:
-        """Where an offload lands on the host: in mixed precision the trainable span of the
-        chunk's host compute copy (restored from the master after landing, so no extra host
-        memory); otherwise the accumulator itself for the first pass since zero_grad, else a
-        staging buffer to add from (sized for the largest trainable span)."""
+        """Where an offload lands on the host: in mixed precision the host compute copy's trainable
+        span (restored from the master after landing); else the accumulator to ``replace`` it,
+        or a staging buffer to add from."""
         storage = chunk.storage
         if storage.fmt.separate_master:
             return storage.compute_span()
@@ -120,9 +101,8 @@ class CpuWorker:
         return landing
 
     def land_and_update(self, chunk: Chunk, event, landing: Tensor, replace: bool, finish, update) -> None:
-        """Fold the offloaded gradients into the accumulator; then ``finish`` them (unscale,
-        norms: runtime/gradients.py ``Finishing``) and run ``update`` = (hps, selected, clip)
-        when given."""
+        """Fold the offloaded gradients into the accumulator; then ``finish`` them (unscale, norms:
+        ``Finishing``) and run ``update`` = (hps, selected, clip) when given."""
         self.ctx.synchronize(event)
         storage = chunk.storage
         if storage.borrows_accumulator:
@@ -155,8 +135,7 @@ class CpuWorker:
                 storage.compute_span().copy_(storage.master)
 
     def scratch(self, storage) -> Tensor:
-        """The fp32 scratch lent as the accumulator of a chunk that keeps none, allocated on first
-        use ([Note: gradients consumed where they land])."""
+        """The accumulator lent to chunks that keep none ([Note: gradients consumed where they land])."""
         if self._scratch is None:
             with on_host():
                 self._scratch = torch.empty(self.staging_numel, dtype=storage.fmt.master_dtype, device=self.ctx.host)
@@ -174,8 +153,7 @@ class CpuWorker:
         self.record("cpu_adam_end", chunk.index)
 
     def shutdown(self, *, wait: bool = True) -> None:
-        """Stop the worker; ``wait`` False (after a failure): drop the jobs not started and
-        return without waiting for the one running."""
+        """Stop the worker; ``wait`` False (after a failure): drop the jobs not started, wait for none."""
         self._pool.shutdown(wait=wait, cancel_futures=not wait)
         self.record = None  # (the scheduler's: no cycle keeps a closed engine alive)
         if self.placement is not None:

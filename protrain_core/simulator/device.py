@@ -4,52 +4,46 @@
 ``SimulatedDevice`` is a ``DeviceContext`` (runtime/device.py, the seam): an engine built on
 it takes the asynchronous path a GPU takes -- streams, events, ``wait_event``, stream-ordered
 frees, event queries, host waits, the CPU worker, collectives on the communication stream --
-while its tensors are small real CPU tensors (correctness runs: the numbers are the real ones)
-or meta tensors (size-only runs of 7B-70B shapes: no memory, no values). Nothing else of the
-runtime knows it is simulated. A discrete-event clock (clock.py) keeps the time of every lane:
-- the host thread that drives the device: it issues each operator (``launch_s``), and a host
-  wait (an event's ``synchronize``, a CPU job's ``result()``, a read of a device value) moves
-  it to the time the awaited work ends -- recorded by call site and training phase; so does a
-  stream's full launch queue (``launch_queue`` operators issued and not finished);
+on small real CPU tensors (correctness runs: the numbers are real) or meta tensors (size-only
+runs of 7B-70B shapes: no memory, no values). Nothing else of the runtime knows it is
+simulated. A discrete-event clock (clock.py) keeps the time of every lane:
+- the host thread that drives the device: it issues each operator (``launch_s``); a host wait
+  (an event's ``synchronize``, a CPU job's ``result()``, a read of a device value, a stream's
+  full launch queue of ``launch_queue`` operators) moves it to the time the awaited work ends,
+  recorded by call site and training phase;
 - the compute stream: every operator the host issues outside the side streams runs there
-  after the host issued it and after the events the stream waits for, for its roofline time
-  (FLOPs from ``torch.utils.flop_counter`` over the matmul rate of its dtype, or its bytes over
-  the memory bandwidth) times its operator class's factor (``op_class_factor``, fitted from a
-  traced plain-PyTorch step), plus ``kernel_s``; the gap before it is *idle time*, charged to
-  what held the stream: the event it waited for (a chunk's upload, an all-gather, a swap) or
-  the host (a host wait, or the host's own issue time);
-- the h2d and d2h copy streams and the swap stream: copies of their bytes over the bandwidth
-  of their direction; each direction is one copy engine (a PCIe link is full duplex), which
-  serves each copy in the first free gap from the time the copy is ready (``clock.Link``), so
-  two streams of the same direction take turns and two of opposite directions overlap;
+  once issued and after the events the stream waits for, for its roofline time (FLOPs from
+  ``torch.utils.flop_counter`` over the matmul rate of its dtype, or its bytes over the memory
+  bandwidth) times its operator class's factor (``op_class_factor``, fitted from a traced
+  plain-PyTorch step), plus ``kernel_s``; the gap before it is *idle time*, charged to what
+  held the stream: the event it waited for (an upload, an all-gather, a swap) or the host (a
+  host wait, or its own issue time);
+- the h2d and d2h copy streams and the swap stream: copies over their direction's bandwidth;
+  each direction is one copy engine (PCIe is full duplex) serving each copy in the first free
+  gap from when it is ready (``clock.Link``): two streams of one direction take turns, two of
+  opposite directions overlap;
 - the communication stream: all-gathers and reduce-scatters over the bus bandwidth, for the
   ranks of a ``SimulatedGroup`` (W identical ranks, one simulated; size-only);
-- the CPU worker: each job starts when submitted and the worker is free, waits for the events
-  it synchronizes on, and is charged on the host's figures: a chunk's whole update
-  (``DeviceContext.host_update``: the landing folded, Adam, the compute copy written) once, at
-  ``cpu_adam_params_per_s`` of its moments' format -- the rate the benchmark and the profiler's
-  probe measure --, every other operator its bytes at ``host_memory_bytes_per_s``. Jobs run
-  inline, so a simulation is deterministic; a job's future is done when the simulated clock has
-  passed it.
-Every figure is a field of a ``DeviceSpec`` (hardware.py), none is hidden here. Every
-operator's reads and writes are also checked for stream order ([Note: the stream-order checker]
-in races.py): an access no event orders after another agent's raises ``StreamRace``. Device
-memory is counted as the caching allocator counts it, stream-ordered frees included, and an
-allocation beyond the device raises ``torch.OutOfMemoryError`` ([Note: simulated device memory]
-in memory.py). Not modeled: contention of
-the side streams' kernels with compute for the GPU's cores; host-side blocking inside the
-runtime's own structures -- a CPU job runs when it is submitted, so a host thread that would
-wait for the worker to give back a staging buffer (worker.py, fp32 gradient accumulation)
-does not wait here. The runtime's
-``Timeline`` records the same spans as on CUDA, in simulated seconds; ``report.py`` sums a step.
+- the CPU worker: each job runs inline (a simulation is deterministic) from when it is
+  submitted and the worker is free, after the events it synchronizes on; a chunk's whole update
+  (``DeviceContext.host_update``: the landing folded, Adam, the compute copy written) is charged
+  once at ``cpu_adam_params_per_s`` of its moments' format (the rate the benchmark and the
+  profiler's probe measure), every other operator its bytes at ``host_memory_bytes_per_s``; a
+  job's future is done when the simulated clock has passed it.
+Every figure is a field of a ``DeviceSpec`` (hardware.py). Every operator's reads and writes
+are checked for stream order ([Note: the stream-order checker] in races.py), and device memory
+is counted as the caching allocator counts it ([Note: simulated device memory] in memory.py).
+Not modeled: the side streams' kernels contending with compute for the GPU's cores; host-side
+blocking inside the runtime's own structures (a host thread that would wait for the worker to
+give back a staging buffer, worker.py, does not). The runtime's ``Timeline`` records the same
+spans as on CUDA, in simulated seconds; ``report.py`` sums a step.
 The meta device cannot give values: ``.item()`` of a meta tensor reads True for a boolean (the
-all-true branch of the model's own checks, e.g. Hugging Face's attention-mask shortcuts) and
+all-true branch of a model's own checks, e.g. Hugging Face's attention-mask shortcuts) and
 raises otherwise; a device value read on the host (``to_host``, a copy to a CPU tensor) reads
-as zeros -- no fp16 overflow, a clipping coefficient of 0 -- after the host wait a GPU would
-make. Attention runs the kernel CUDA picks (flash for bf16/fp16, memory-efficient for fp32), not
-the math path that meta tensors would take, so its FLOPs and saved bytes are the GPU's.
-The CPU device (``hardware.cpu_spec``) is simulated too, synchronously: compute and host work
-take the time they take, copies and Adam the time the profile's figures give them.
+zeros -- no fp16 overflow, a clipping coefficient of 0 -- after the host wait a GPU would make.
+Attention runs the kernel CUDA picks (flash for bf16/fp16, memory-efficient for fp32), so its
+FLOPs and saved bytes are the GPU's. The CPU device (``hardware.cpu_spec``) is simulated
+synchronously: compute and host work take the time they take, copies and Adam the profile's.
 """
 
 from __future__ import annotations
@@ -66,7 +60,7 @@ import torch
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils.flop_counter import flop_registry
 
 from protrain_core.runtime.device import DeviceContext
@@ -98,13 +92,11 @@ class SimulatedDevice(DeviceContext):
         if tensors not in ("meta", "cpu"):
             raise ValueError(f"SimulatedDevice(tensors={tensors!r}): use 'meta' (size-only) or 'cpu' (real values).")
         self.spec = load_spec(spec)
-        device = torch.device(tensors)
-        self.device, self.host = device, device
-        self.is_cuda = False
         self.asynchronous = self.spec.asynchronous
-        self.deferred_collectives = False  # simulated collectives take their modeled time on their stream
         if not self.asynchronous and tensors == "meta":
             raise ValueError("The CPU device is simulated with real tensors (tensors='cpu'): its compute is measured.")
+        self.device = self.host = torch.device(tensors)
+        self.is_cuda = self.deferred_collectives = False  # (simulated collectives take their time on their stream)
         self.timeline = None
         self.records = Records()
         self.phase_of = lambda: ""  # the training phase now (set by the harness: ``watch``)
@@ -117,9 +109,7 @@ class SimulatedDevice(DeviceContext):
         self._local = threading.local()
         self._main_waits: list[Wait] = []  # the main lane's host waits not yet behind the compute stream
         self._directions: dict[str, str] = {}  # stream -> direction of its last copy
-        self._modes: list = []
-        self._depth = 0  # ``with sim:`` entered (nested entries add nothing)
-        self.charging_depth = 0  # _Charging modes active (one charges; a second would charge twice)
+        self._modes: list[contextlib.ExitStack] = []  # one per ``with sim:`` (nested entries add nothing)
         # Every access of device memory ordered by events ([Note: the stream-order checker]).
         self.races = RaceChecker() if self.asynchronous else None
         # Device memory as the caching allocator counts it ([Note: simulated device memory]).
@@ -129,21 +119,16 @@ class SimulatedDevice(DeviceContext):
 
     # ----- entering --------------------------------------------------------------------------
     def __enter__(self) -> SimulatedDevice:
-        # The CPU device charges only the work it models (copies, the worker's jobs: ``charging``);
-        # its compute runs untouched, at its own speed.
-        self._depth += 1
-        modes = []
-        if self._depth == 1:
-            modes = [self.charging()] + ([_GpuAttention()] if self.device.type == "meta" else [])
-            for m in modes:
-                m.__enter__()
+        modes = contextlib.ExitStack()
+        if not self._modes:
+            modes.enter_context(self.charging())
+            if self.device.type == "meta":
+                modes.enter_context(_GpuAttention())
         self._modes.append(modes)
         return self
 
     def __exit__(self, *exc) -> None:
-        self._depth -= 1
-        for m in reversed(self._modes.pop()):
-            m.__exit__(*exc)
+        self._modes.pop().__exit__(*exc)
 
     def watch(self, engine) -> None:
         """Record host waits with the engine's training phase."""
@@ -158,17 +143,22 @@ class SimulatedDevice(DeviceContext):
 
     @contextmanager
     def _at(self, kind: str, lane):
-        previous = self._where()
+        """Inside, the calling code is ``(kind, lane)``; its work is modeled, so a measured host
+        lane (the CPU device) does not count the real time it takes."""
+        previous, real = self._where(), time.perf_counter()
         self._local.where = (kind, lane)
         try:
             yield
         finally:
             self._local.where = previous
+            if isinstance(self.main, MeasuredLane):
+                self.main.exclude(time.perf_counter() - real)
 
     def charging(self):
         """Charge the operators run inside (once: a no-op where they are charged already). A GPU
         charges all its work (entering the device does); the CPU device only the work it models."""
-        return contextlib.nullcontext() if self.charging_depth else _Charging(self)
+        charged = any(isinstance(m, _Charging) for m in _get_current_dispatch_mode_stack())  # (a second would too)
+        return contextlib.nullcontext() if charged else _Charging(self)
 
     def cpu_work(self, lane: Lane):
         """Operators inside run on the host lane ``lane`` (a CPU worker's job), at the host's rates."""
@@ -221,23 +211,21 @@ class SimulatedDevice(DeviceContext):
         """The compute stream idled from ``last_end`` to ``start``: until ``waited`` for the event
         it waited for; then until ``ready`` for the host (its waits where they overlap, else its
         own issue); then for the link (a collective on the compute stream)."""
-        add = self.records.work.append
-        if waited > last_end:
-            add(Work("compute", last_end, waited, held_by or "waits", "idle"))
+        def idle(a: float, b: float, cause: str) -> None:
+            if b > a:
+                self.records.work.append(Work("compute", a, b, cause, "idle"))
+
+        idle(last_end, waited, held_by or "waits")
         cursor = max(last_end, waited)
         self._main_waits = [w for w in self._main_waits if w.end > cursor]
         for w in self._main_waits:
             a, b = max(cursor, w.start), min(ready, w.end)
-            if b <= a:
-                continue
-            if a > cursor:
-                add(Work("compute", cursor, a, "host issue", "idle"))
-            add(Work("compute", a, b, f"host wait: {w.label} ({w.site})", "idle"))
-            cursor = b
-        if ready > cursor:
-            add(Work("compute", cursor, ready, "host issue", "idle"))
-        if start > ready:
-            add(Work("compute", ready, start, "link busy", "idle"))
+            if b > a:
+                idle(cursor, a, "host issue")
+                idle(a, b, f"host wait: {w.label} ({w.site})")
+                cursor = b
+        idle(cursor, ready, "host issue")
+        idle(ready, start, "link busy")
 
     # ----- charging operators (the dispatch mode calls this) ----------------------------------
     def charge(self, func, args, kwargs, out) -> None:
@@ -251,19 +239,15 @@ class SimulatedDevice(DeviceContext):
         kind, lane = self._where()
         if kind == "cpu":
             start = lane.t
-            lane.t += self._cpu_seconds(args, out)
+            lane.t += self.spec.cpu_op_s + _touched(args, out)[1] / self.spec.host_memory_bytes_per_s
             self.records.work.append(Work(lane.name, start, lane.t, name, "cpu"))
             return
-        if kind == "inline":  # a copy on the CPU device
-            if name == "copy_" and lane in _DIRECTIONS:
-                self._copy(self.main, lane, _nbytes(args[1]))
-            return
-        if not self.asynchronous:  # the CPU device: compute takes the time it takes (the main lane's clock)
-            return
         stream, direction = lane if kind == "stream" else (self.compute, None)
+        if kind == "inline":  # a copy on the CPU device, by the host thread
+            stream, direction = self.main, lane
         if name == "copy_" and direction in _DIRECTIONS:
             self._copy(stream, direction, _nbytes(args[1]))
-        else:
+        elif self.asynchronous:  # (the CPU device's compute takes the time it takes: the main lane's clock)
             self._run(stream, self._device_seconds(func, name, args, kwargs, out), name, "compute")
 
     def _order(self, func, name: str, args, kwargs, out) -> None:
@@ -273,13 +257,9 @@ class SimulatedDevice(DeviceContext):
                 self.races.fresh(out)
             return
         kind, lane = self._where()
-        if kind == "cpu":
-            agent = self.agent(lane)
-        elif kind == "stream":  # enqueued after the host's work so far
-            agent = lane[0].name
+        agent = lane[0].name if kind == "stream" else self.agent(self.host_lane())
+        if kind == "stream":  # enqueued after the host's work so far
             self.races.follow(agent, self.compute.name)
-        else:
-            agent = self.compute.name
         self.races.operator(agent, func, args, kwargs, out)
 
     def agent(self, lane: Lane) -> str:
@@ -300,9 +280,6 @@ class SimulatedDevice(DeviceContext):
             low = any(t.dtype in (torch.bfloat16, torch.float16) for t in tensors)
             seconds = max(seconds, flops / (spec.tensor_flops_per_s if low else spec.fp32_flops_per_s))
         return spec.kernel_s + seconds * spec.op_class_factor.get(op_class(name), 1.0)
-
-    def _cpu_seconds(self, args, out) -> float:
-        return self.spec.cpu_op_s + _touched(args, out)[1] / self.spec.host_memory_bytes_per_s
 
     def _copy(self, stream: Lane, direction: str, nbytes: int) -> None:
         bandwidth = self.spec.h2d_bytes_per_s if direction == "host->device" else self.spec.d2h_bytes_per_s
@@ -333,29 +310,25 @@ class SimulatedDevice(DeviceContext):
     def _on_stream(self, stream, fn, after, span):
         lane_name, label = span
         if not self.asynchronous:  # the CPU device: the copy runs on the host thread, for its modeled time
-            lane = self.main
-            begin, r0 = lane.t, time.perf_counter()
-            try:
-                with self._at("inline", lane_name), self.charging():
-                    fn()
-            finally:
-                lane.exclude(time.perf_counter() - r0)
+            begin = self.main.t
+            with self._at("inline", lane_name), self.charging():
+                fn()
             if self.timeline is not None:
-                self.timeline.add(lane_name, label, begin, lane.t)
+                self.timeline.add(lane_name, label, begin, self.main.t)
             return None
         self._check_duplex(stream, lane_name, after)
-        self._wait_stream(stream, self.compute)
+        self.races.follow(stream.name, self.compute.name)
+        if self.compute.t > stream.t:
+            stream.t, stream.held_by = self.compute.t, "compute stream"
         if after is not None:
             self._wait_event(stream, after)
         first = len(self.records.work)
         with self._at("stream", (stream, lane_name)):
             fn()
-        mine = [w for w in self.records.work[first:] if w.lane == stream.name]
-        begin = mine[0].start if mine else max(stream.t, self.main.t)
+        begin = next((w.start for w in self.records.work[first:] if w.lane == stream.name), max(stream.t, self.main.t))
         if self.timeline is not None:
             self.timeline.add(lane_name, label, begin, stream.t)
-        return Event(max(stream.t, self.main.t), label or lane_name, stream.name,
-                     self.races.snapshot(stream.name) if self.races is not None else None)
+        return Event(max(stream.t, self.main.t), label or lane_name, stream.name, self.races.snapshot(stream.name))
 
     def _check_duplex(self, stream: Stream, direction: str, after) -> None:
         """A copy queued on a stream behind a copy of the other direction waits for it although
@@ -372,18 +345,10 @@ class SimulatedDevice(DeviceContext):
             self.records.work.append(Work(stream.name, free, stream.last_end,
                                           f"{direction} copy queued behind a {previous} copy", "stall"))
 
-    def _wait_stream(self, stream: Stream, other: Stream) -> None:
-        if self.races is not None:
-            self.races.follow(stream.name, other.name)
-        if other.t > stream.t:
-            stream.t = other.t
-            stream.held_by = f"{other.name} stream"
-
     def _wait_event(self, stream: Stream, event: Event) -> None:
         self._after(stream.name, event)
         if event.time > stream.t:
-            stream.t = event.time
-            stream.held_by = event.label
+            stream.t, stream.held_by = event.time, event.label
 
     def wait_on_compute(self, event) -> None:
         if event is not None:
@@ -423,8 +388,7 @@ class SimulatedDevice(DeviceContext):
         if self.races is not None:
             for s in streams:
                 self.races.follow(self.agent(self.host_lane()), s.name)
-        last = max(streams, key=lambda s: s.t)
-        self.block(self.host_lane(), last.t, "device synchronize")
+        self.block(self.host_lane(), max(s.t for s in streams), "device synchronize")
 
     def record_stream(self, t: Tensor, stream) -> None:
         if self.memory is not None:
@@ -437,15 +401,12 @@ class SimulatedDevice(DeviceContext):
 
     def to_host(self, t: Tensor) -> Tensor:
         self.read_on_host("a device value read on the host")
-        if self.device.type == "meta":
-            return torch.zeros(t.shape, dtype=t.dtype)
-        return t.to("cpu")
+        return torch.zeros(t.shape, dtype=t.dtype) if self.device.type == "meta" else t.to("cpu")
 
     def read_on_host(self, label: str) -> None:
         """The calling host lane reads a value the compute stream produces: it waits for it."""
         if self.asynchronous and self._where()[0] == "compute":
-            if self.races is not None:
-                self.races.follow(self.agent(self.host_lane()), self.compute.name)
+            self.races.follow(self.agent(self.host_lane()), self.compute.name)
             self._run(self.compute, self.spec.copy_latency_s, "read on host", "copy")
             self.block(self.host_lane(), self.compute.t, label)
 
@@ -483,10 +444,6 @@ class SimulatedDevice(DeviceContext):
 
     def name(self) -> str:
         return self.spec.name
-
-    @property
-    def pin_memory(self) -> bool:
-        return False
 
 
 def _nbytes(t: Tensor) -> int:
@@ -545,20 +502,18 @@ _SITES: dict = {}  # code object -> "file.py:qualname" of a runtime frame, or No
 
 
 class SimulatedWorker(Executor):
-    """The CPU worker on a lane of the simulated clock: each job runs when submitted (inline),
-    from max(submit time, the lane's time); its future is done when the clock has passed it."""
+    """The CPU worker on a lane of the simulated clock: each job runs inline, when submitted and
+    the lane is free (see the Note)."""
 
     def __init__(self, sim: SimulatedDevice, lane: Lane) -> None:
         self.sim, self.lane = sim, lane
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
         sim, lane = self.sim, self.lane
-        lane.t = max(lane.t, sim.host_lane().t)
+        start = lane.t = max(lane.t, sim.host_lane().t)
         if sim.races is not None and lane is not sim.host_lane():  # a job comes after its submission
             sim.races.follow(sim.agent(lane), sim.agent(sim.host_lane()))
-        start = lane.t
         future = SimulatedFuture(sim)
-        r0 = time.perf_counter()
         try:
             with sim.cpu_work(lane), sim.charging():
                 value = fn(*args, **kwargs)
@@ -566,32 +521,29 @@ class SimulatedWorker(Executor):
             future.set_exception(e)
         else:
             future.set_result(value)
-        if isinstance(lane, MeasuredLane):
-            lane.exclude(time.perf_counter() - r0)
-        future.end = lane.t
-        future.order = sim.races.snapshot(sim.agent(lane)) if sim.races is not None else None
+        future.event = Event(lane.t, "CPU worker job", lane.name,
+                             sim.races.snapshot(sim.agent(lane)) if sim.races is not None else None)
         sim.records.work.append(Work(lane.name, start, lane.t, getattr(fn, "__name__", "job"), "cpu"))
         return future
 
 
 class SimulatedFuture(Future):
-    """Done when the calling lane's clock has reached the job's end; ``result()`` waits until
-    then (a host wait, recorded)."""
+    """Done when the calling lane's clock has passed ``event`` (the job's end, with the worker's
+    vector clock then); ``result()`` waits for it (a host wait, recorded)."""
 
     def __init__(self, sim: SimulatedDevice) -> None:
         super().__init__()
-        self.sim = sim
-        self.end = 0.0
-        self.order = None  # the worker's vector clock at the job's end
+        self.sim, self.event = sim, None
+
+    @property
+    def end(self) -> float:
+        return self.event.time
 
     def done(self) -> bool:
-        return super().done() and self.sim.host_lane().t >= self.end
+        return super().done() and self.sim.done(self.event)
 
     def result(self, timeout=None):
-        lane = self.sim.host_lane()
-        if self.sim.races is not None and self.order is not None:
-            self.sim.races.merge(self.sim.agent(lane), self.order)
-        self.sim.block(lane, self.end, "CPU worker job")
+        self.sim.synchronize(self.event)
         return super().result(timeout)
 
 
@@ -602,14 +554,6 @@ class _Charging(TorchDispatchMode):
     def __init__(self, sim: SimulatedDevice) -> None:
         super().__init__()
         self.sim = sim
-
-    def __enter__(self):
-        self.sim.charging_depth += 1
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        self.sim.charging_depth -= 1
-        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -630,9 +574,8 @@ class _Charging(TorchDispatchMode):
             )
         if _reads_meta_on_cpu(func, args, kwargs):
             sim.read_on_host("a device tensor copied to the CPU")
-            out = func(*[a if not (isinstance(a, Tensor) and a.device.type == "meta") else
-                         torch.zeros(a.shape, dtype=a.dtype) for a in args], **kwargs)
-            return out
+            return func(*[a if not (isinstance(a, Tensor) and a.device.type == "meta") else
+                          torch.zeros(a.shape, dtype=a.dtype) for a in args], **kwargs)
         if func.is_view:  # (most operators of a step: a view allocates, reads, writes and takes nothing)
             return func(*args, **kwargs)
         out = run_on_meta(func, args, kwargs) if sim.device.type == "meta" else func(*args, **kwargs)
@@ -642,18 +585,17 @@ class _Charging(TorchDispatchMode):
 
 
 # [Note: meta outputs by shape]
-# Most of a size-only simulation's host time is torch's meta kernels -- Python shape rules
-# (broadcasting, type promotion, strides) run for every operator, the same for each of a model's
-# identical blocks. What a meta kernel returns is fresh tensors whose shape, strides and dtype
-# follow from the operator and its arguments' metadata alone, so the first call of each operator
-# on each combination is run and described, and later ones get new empty tensors of that
-# description (a simulated 7B step: 28k operators, a few hundred kernels run). Only where that
-# is exactly what the kernel would give: the operator mutates nothing; no other dispatch mode
-# or tensor subclass sees it; every tensor argument is a plain strided meta tensor, every other
-# argument a plain value (the default dtype is part of the key: factories and Python scalars
-# follow it); its outputs are strided meta tensors of storages of their own, exactly their size.
-# Anything else runs the kernel, every time. The simulated step is the same to the bit
-# (tests/test_simulator.py compares every span with the memo and without).
+# Most of a size-only simulation's host time is torch's meta kernels: Python shape rules
+# (broadcasting, type promotion, strides) run for every operator, alike for each of a model's
+# identical blocks. A meta kernel's outputs are fresh tensors whose shape, strides and dtype follow
+# from the operator and its arguments' metadata alone, so the first call of each operator on each
+# combination runs and is described, and later ones get new empty tensors of that description (a
+# simulated 7B step: 28k operators, a few hundred kernels run) -- only where that is exactly the
+# kernel's result: the operator mutates nothing; no other dispatch mode or tensor subclass sees it;
+# every tensor argument is a plain strided meta tensor, every other argument a plain value (the
+# default dtype is part of the key: factories and Python scalars follow it); its outputs are
+# strided meta tensors of storages of their own, exactly their size. The simulated step is the
+# same to the bit (tests/test_simulator.py compares every span with the memo and without).
 _VALUES = (int, float, bool, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
 _META_OUTPUTS: dict = {}  # (operator, default dtype, arguments described) -> outputs described, or None: run it
 
@@ -676,10 +618,13 @@ def run_on_meta(func, args, kwargs):
     return out
 
 
+def _plain(t: Tensor) -> bool:
+    return t.device.type == "meta" and t.layout == torch.strided and not (t.is_conj() or t.is_neg())
+
+
 def _described(a):
     if isinstance(a, Tensor):
-        if type(a) not in (Tensor, torch.nn.Parameter) or a.device.type != "meta" or a.layout != torch.strided \
-                or a.is_conj() or a.is_neg():
+        if type(a) not in (Tensor, torch.nn.Parameter) or not _plain(a):
             raise KeyError
         return a.shape, a.stride(), a.dtype, a.storage_offset()
     if isinstance(a, (list, tuple)):
@@ -690,23 +635,16 @@ def _described(a):
 
 
 def _fresh(out, args, kwargs):
-    """``out`` described if it is fresh strided meta tensors (one, or a tuple or list of them), else None."""
+    """``out`` described if it is fresh strided meta tensors, else None: (None for one tensor, else
+    the type of the tuple or list of them; each one's shape, strides and dtype)."""
     inputs = {StorageWeakRef(t.untyped_storage()) for t in iter_tensors((args, kwargs))}
-    outputs = list(iter_tensors(out))
+    outputs = [out] if isinstance(out, Tensor) else out if isinstance(out, (tuple, list)) else [None]
     for t in outputs:
-        if type(t) is not Tensor or t.device.type != "meta" or t.layout != torch.strided or t.is_conj() or \
-                t.is_neg() or t.storage_offset() or StorageWeakRef(t.untyped_storage()) in inputs or \
-                t.untyped_storage().nbytes() != _extent(t):
+        if type(t) is not Tensor or not _plain(t) or t.storage_offset() or \
+                StorageWeakRef(t.untyped_storage()) in inputs or t.untyped_storage().nbytes() != _extent(t):
             return None
-    if isinstance(out, Tensor):
-        return _spec(out)
-    if isinstance(out, (tuple, list)) and all(isinstance(o, Tensor) for o in out):
-        return "tensors", type(out), tuple(_spec(o) for o in out)
-    return None
-
-
-def _spec(t: Tensor) -> tuple:
-    return "tensor", tuple(t.shape), t.stride(), t.dtype
+    kind = None if isinstance(out, Tensor) else type(out)
+    return kind, tuple((tuple(t.shape), t.stride(), t.dtype) for t in outputs)
 
 
 def _extent(t: Tensor) -> int:
@@ -716,9 +654,9 @@ def _extent(t: Tensor) -> int:
 
 
 def _made(spec):
-    if spec[0] == "tensor":
-        return torch.empty_strided(spec[1], spec[2], dtype=spec[3], device="meta")
-    return spec[1]([_made(s) for s in spec[2]])
+    kind, described = spec
+    made = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in described]
+    return made[0] if kind is None else kind(made)
 
 
 def _reads_meta_on_cpu(func, args, kwargs) -> bool:
@@ -783,8 +721,7 @@ class SimulatedGroup(Sharding):
 
     def gather_(self, full: Tensor) -> None:
         self.check_held()
-        w = self.world
-        self.sim.charge_collective("all-gather", _nbytes(full), (w - 1) / w)
+        self.sim.charge_collective("all-gather", _nbytes(full), (self.world - 1) / self.world)
 
     @property
     def pre_scale(self) -> None:
@@ -792,17 +729,14 @@ class SimulatedGroup(Sharding):
 
     def reduce_scatter_mean(self, out: Tensor, full: Tensor, *, scaled: bool = False) -> None:
         self.check_held()
-        if not out.numel():
-            return
-        w = self.world  # NCCL's average: the scaling happens inside the collective
-        self.sim.charge_collective("reduce-scatter", _nbytes(full), (w - 1) / w)
+        if out.numel():
+            self.sim.charge_collective("reduce-scatter", _nbytes(full), (self.world - 1) / self.world)
 
     def all_reduce_(self, t: Tensor, op=None) -> Tensor:
-        w = self.world
         if t.device.type == "cpu":
             self.sim.host_collective("all-reduce")
         else:
-            self.sim.charge_collective("all-reduce", _nbytes(t), 2 * (w - 1) / w)
+            self.sim.charge_collective("all-reduce", _nbytes(t), 2 * (self.world - 1) / self.world)
         return t
 
     def max_on_host(self, values: list[float]) -> list[float]:
@@ -810,8 +744,7 @@ class SimulatedGroup(Sharding):
         return list(values)
 
     def differences(self, used: list[bool], order: int):
-        lane = self.sim.host_lane()  # issued now; whoever reads the result waits for what is left
-        ready = lane.t + self.sim.spec.host_collective_s
+        ready = self.sim.host_lane().t + self.sim.spec.host_collective_s  # issued now: its reader waits for the rest
 
         def result() -> tuple[list[int], bool]:
             self.sim.block(self.sim.host_lane(), ready, "host collective: parameters used")

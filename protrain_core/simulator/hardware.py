@@ -1,10 +1,9 @@
 """What a simulated device is made of: every figure the simulation uses, with its source.
 
 ``DeviceSpec`` is the one place these numbers live; the simulated device (device.py) reads
-nothing else. Presets: ``H100`` (SXM5 80 GB with a PCIe Gen5 x16 host link) and ``H200``;
-``load_spec("h100" | "h200" | path.json)`` returns one, a JSON file naming a ``"base"`` preset
-and the fields it changes. ``cpu_spec(profile)`` describes the CPU device from a profile's
-measured figures ([Note: the simulated device] in device.py).
+nothing else. Presets: ``H100`` (SXM5 80 GB with a PCIe Gen5 x16 host link) and ``H200``, or a
+JSON file of changes to one (``load_spec``); ``cpu_spec(profile)`` describes the CPU device from
+a profile's measured figures ([Note: the simulated device] in device.py).
 """
 
 from __future__ import annotations
@@ -226,9 +225,7 @@ def load_spec(name_or_path: str | Path | DeviceSpec) -> DeviceSpec:
     unknown = sorted(set(fields) - known)
     if unknown:
         raise ValueError(f"{path}: unknown DeviceSpec fields {unknown}; the fields are {sorted(known)}.")
-    if "sources" in fields:
-        fields["sources"] = tuple(fields["sources"])
-    fields.setdefault("sources", (f"{path}",))
+    fields["sources"] = tuple(fields.get("sources", (f"{path}",)))
     if base is not None:
         base_spec = load_spec(base)
         for by_key in ("cpu_adam_params_per_s", "op_class_factor"):  # the keys it gives, the base's others

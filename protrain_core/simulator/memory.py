@@ -1,24 +1,22 @@
 """The simulated device's memory: what CUDA's caching allocator would count as allocated.
 
 [Note: simulated device memory]
-A size-only simulation holds no bytes, so its device memory is counted the way the caching
-allocator counts ``torch.cuda.memory_allocated``: every storage an operator creates on the
-device (an output that aliases none of its inputs, ``torch.empty`` included) is allocated, in
-whole blocks of 512 bytes, when the host issues the operator; it is freed when its last tensor
-dies. A storage that the runtime handed to a side stream (``record_stream``) stays allocated
-after its last tensor dies until the work queued on that stream then has ended, and is returned
-at the next allocation after that time (the allocator queries the stream's event there, on the
-host's clock): the stream-ordered frees of streamed chunks and swapped activations. An
-allocation that would exceed the device's memory first waits, as the allocator synchronizes,
-for every such free to return (a host wait, ``ALLOCATOR_WAIT``); beyond that it raises
-``torch.OutOfMemoryError``, as on the device (unless the simulated device only counts). ``peak``
-is the most allocated at once since ``reset_peak``.
-
+A size-only simulation holds no bytes, so device memory is counted as the caching allocator
+counts ``torch.cuda.memory_allocated``: every storage an operator creates on the device (an
+output that aliases none of its inputs, ``torch.empty`` included) is allocated, in whole blocks
+of 512 bytes, when the host issues the operator, and freed when its last tensor dies. A storage
+the runtime handed to a side stream (``record_stream``) is freed once the work then queued on
+that stream has ended, at the next allocation after that time (the allocator queries the
+stream's event there, on the host's clock): the stream-ordered frees of streamed chunks and
+swapped activations. An allocation the device cannot hold first waits (a host wait,
+``ALLOCATOR_WAIT``), as the allocator synchronizes, for every such free; beyond that it raises
+``torch.OutOfMemoryError`` (unless the simulated device only counts). ``peak`` is the most
+allocated at once since ``reset_peak``.
 Host memory is not counted: storages made inside ``memtrack.on_host()`` (the runtime's host
-pools, staging buffers, swap buffers), by the CPU worker's jobs, or by operators whose inputs
-all live on the host. Not modeled: the allocator's fragmentation and its cached, unallocated
-blocks (``memory_reserved``), and the CUDA context's own memory (the planner's margin covers
-them); the allocator's per-stream pools (a freed block counts as free for every stream).
+pools, staging and swap buffers), by the CPU worker's jobs, or by operators whose inputs all
+live on the host. Not modeled: the allocator's fragmentation, cached free blocks
+(``memory_reserved``) and per-stream pools (a freed block counts as free for every stream), and
+the CUDA context's memory (the planner's margin covers them).
 """
 
 from __future__ import annotations
@@ -71,10 +69,7 @@ class DeviceMemory:
 
     def adopt(self, tensors) -> None:
         """Count device tensors made before the device was entered (plain PyTorch's parameters)."""
-        for t in tensors:
-            key = StorageWeakRef(t.untyped_storage())
-            if key not in self._sizes:
-                self._allocate(key, t.untyped_storage())
+        self.operator((), {}, list(tensors), on_host=False)
 
     def record_stream(self, t: Tensor, stream) -> None:
         """``t``'s memory is used by work queued on ``stream``: its free waits for that work."""
@@ -85,15 +80,14 @@ class DeviceMemory:
     def resize(self, storage, nbytes: int) -> None:
         """A device storage freed (``nbytes`` 0) or re-allocated in place (a chunk buffer)."""
         key = StorageWeakRef(storage)
-        if key not in self._sizes:
+        old = self._sizes.get(key)
+        if old is None:
             return
-        old = self._sizes[key]
         if nbytes:
             self._reserve(rounded(nbytes) - old)
-            self._sizes[key] = rounded(nbytes)
         else:
-            self._sizes[key] = 0
             self._release(key, old)
+        self._sizes[key] = rounded(nbytes)
 
     def reset_peak(self) -> None:
         self.peak = self.live
@@ -107,14 +101,12 @@ class DeviceMemory:
     def _reserve(self, nbytes: int) -> None:
         """``nbytes`` more allocated now (after the stream-ordered frees whose work has ended)."""
         now = self.now()
-        returned = [n for t, n in self._pending if t <= now]
-        if returned:
-            self._pending = [(t, n) for t, n in self._pending if t > now]
-            self.live -= sum(returned)
-        if self.capacity is not None and self.live + nbytes > self.capacity and self._pending:
-            self.wait(max(t for t, _ in self._pending))  # the allocator synchronizes, and frees them all
-            self.live -= sum(n for _, n in self._pending)
-            self._pending = []
+        if self.capacity is not None and self._pending and \
+                self.live + nbytes - sum(n for t, n in self._pending if t <= now) > self.capacity:
+            now = max(t for t, _ in self._pending)
+            self.wait(now)  # the allocator synchronizes, and frees them all
+        self.live -= sum(n for t, n in self._pending if t <= now)
+        self._pending = [(t, n) for t, n in self._pending if t > now]
         if self.capacity is not None and self.live + nbytes > self.capacity:
             raise torch.OutOfMemoryError(
                 f"Simulated out of memory on {self.name}: allocating {format_bytes(nbytes)} with "

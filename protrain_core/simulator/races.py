@@ -2,23 +2,22 @@
 event orders after another stream's last use of it is an error.
 
 [Note: the stream-order checker]
-On a GPU, work on two streams is ordered only by what the program says: an event recorded on
-one and waited for by the other (``wait_event``, ``wait_stream``), or a host wait between the
-two. A missing wait trains silently wrong on the GPU -- the compute stream reads a chunk before
-its upload ends, a copy reads a buffer the compute stream already refills -- while every CPU
-run, which copies inline, stays right. The simulated device takes the CUDA path with its
-streams, so it can see what a GPU would not report: every agent (each stream, the host thread,
-the CPU worker) keeps a vector clock, the ticks of every agent it is known to come after. An
-operator ticks its agent's own entry; enqueueing work on a stream orders it after the host's
-work so far; an event carries its stream's clock, and waiting for it (a stream's
-``wait_event``, a host's ``synchronize``), like a stream waiting for another or a host waiting
-for a worker's job, merges clocks. Each operator's reads and writes (from its schema) are then
-checked, per storage and byte range, against the last accesses of other agents: a read or
-write after another agent's write, or a write after another agent's read, must come after it
-in the accessing agent's clock. A violation raises ``StreamRace`` naming both operators and
-agents. Not covered: memory freed and reused by an allocator (the simulated device has none:
-storages are not reused while the checker sees them), and collectives' buffers (a simulated
-collective moves no tensor).
+On a GPU, work on two streams is ordered only by what the program says: an event one records
+and the other waits for (``wait_event``, ``wait_stream``), or a host wait between the two. A
+missing wait trains silently wrong on the GPU -- the compute stream reads a chunk before its
+upload ends, a copy reads a buffer the compute stream already refills -- while every CPU run,
+which copies inline, stays right. The simulated device takes the CUDA path with its streams,
+so it can see what a GPU would not report: every agent (each stream, the host thread, the CPU
+worker) keeps a vector clock, the ticks of every agent it is known to come after. An operator
+ticks its agent's own entry; work enqueued on a stream comes after the host's work so far; an
+event carries its stream's clock, and waiting for it (``wait_event``, ``synchronize``), like a
+stream waiting for another or a host for a worker's job, merges clocks. Each operator's reads
+and writes (from its schema) are checked, per storage and byte range, against other agents'
+last accesses: a read or write after another agent's write, or a write after another agent's
+read, must come after it in the accessing agent's clock, else ``StreamRace`` names both
+operators and agents. Not covered: memory freed and reused by an allocator (the simulated
+device has none: storages are not reused while the checker sees them), and collectives' buffers
+(a simulated collective moves no tensor).
 """
 
 from __future__ import annotations
@@ -124,11 +123,7 @@ def _accesses(func, args, kwargs) -> tuple[list[Tensor], list[Tensor]]:
         arguments = _ARGUMENTS[func] = [(arg.name, arg.alias_info is not None and arg.alias_info.is_write)
                                         for arg in func._schema.arguments]
     for i, (name, write) in enumerate(arguments):
-        value = args[i] if i < len(args) else kwargs.get(name)
-        if isinstance(value, Tensor):
-            (writes if write else reads).append(value)
-        elif isinstance(value, (list, tuple)):
-            (writes if write else reads).extend(iter_tensors(value))
+        (writes if write else reads).extend(iter_tensors(args[i] if i < len(args) else kwargs.get(name)))
     return reads, writes
 
 

@@ -11,7 +11,6 @@ from protrain_core.simulator.clock import Records, Wait, Work
 from protrain_core.utils import format_bytes, format_seconds
 
 
-
 @dataclass(frozen=True)
 class HostWaits:
     """The host waits of one call site in one training phase."""
@@ -116,14 +115,13 @@ class StepReport:
             lines.append(f"compute stream busy {format_seconds(self.compute_busy_s)} "
                          f"({pct(self.compute_busy_s, self.step_s)}), idle {format_seconds(self.idle_total_s)}"
                          + (":" if self.idle_s else ""))
-        for cause, s in sorted(self.idle_s.items(), key=lambda kv: -kv[1])[:8]:
-            lines.append(f"  {format_seconds(s):>9}  {cause}")
-        if len(self.idle_s) > 8:
-            rest = sorted(self.idle_s.values(), reverse=True)[8:]
-            lines.append(f"  {format_seconds(sum(rest)):>9}  {len(rest)} other causes")
+        causes = sorted(self.idle_s.items(), key=lambda kv: -kv[1])
+        lines += [f"  {format_seconds(s):>9}  {cause}" for cause, s in causes[:8]]
+        if len(causes) > 8:
+            lines.append(f"  {format_seconds(sum(s for _, s in causes[8:])):>9}  {len(causes) - 8} other causes")
         lines.append("host waits of the thread that drives the device:" + ("" if self.host_waits else " none"))
-        for w in self.host_waits:
-            lines.append(f"  {w.phase:>9} {w.count:4d} x {format_seconds(w.seconds):>9}  {w.label}  [{w.site}]")
+        lines += [f"  {w.phase:>9} {w.count:4d} x {format_seconds(w.seconds):>9}  {w.label}  [{w.site}]"
+                  for w in self.host_waits]
         lines.append(f"CPU Adam {format_seconds(self.cpu_adam_s)}, {pct(self.cpu_adam_in_backward_s, self.cpu_adam_s)} "
                      "of it inside backward")
         moved = ", ".join(f"{d} {format_bytes(b)}" for d, b in self.bytes.items() if b)

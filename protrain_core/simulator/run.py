@@ -105,9 +105,6 @@ class _Marks(StepObserver):
     def backward_ends(self) -> None:
         self.backward_end.append(self.sim.stamp())
 
-    def phases(self, step: int) -> Phases:
-        return Phases(self.backward[step], self.backward_end[step], self.backward[step + 1])
-
 
 def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *, device: SimulatedDevice,
              plan: Plan | dict | None = None, budget: int | None = None, precision: str = "bf16-mixed",
@@ -176,7 +173,8 @@ def _run(engine, sim: SimulatedDevice, batch: dict, steps: int, *, late: bool):
                 engine.zero_grad()
     finally:
         handle.remove()
-    report = StepReport.of(sim.records, marks.phases(0), sim.worker_lane.name, asynchronous=sim.asynchronous)
+    phases = Phases(marks.backward[0], marks.backward_end[0], marks.backward[1])
+    report = StepReport.of(sim.records, phases, sim.worker_lane.name, asynchronous=sim.asynchronous)
     data = timeline.to_json()
     data.update(plan=str(engine.plan), overlap=engine.overlap)
     return report, data, engine.overlap

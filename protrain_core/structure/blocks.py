@@ -40,6 +40,17 @@ def block_modules(model: nn.Module, block_path: str) -> list[nn.Module]:
     return [b for path in split_paths(block_path) for b in model.get_submodule(path)]
 
 
+def is_hf_lm(model: nn.Module) -> bool:
+    return hasattr(getattr(model, "config", None), "vocab_size")
+
+
+def inner_hf_lm(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The one outermost Hugging Face language model inside ``model``, if there is exactly one."""
+    found = [(n, m) for n, m in model.named_modules() if n and is_hf_lm(m)]
+    outer = [(n, m) for n, m in found if not any(n.startswith(o + ".") for o, _ in found)]
+    return outer[0] if len(outer) == 1 else None
+
+
 def _get_submodule(model: nn.Module, path: str) -> nn.Module | None:
     try:
         return model.get_submodule(path)
@@ -86,12 +97,10 @@ def find_blocks(model: nn.Module, blocks=None) -> tuple[str, list[nn.Module]]:
     if blocks is not None and empty:
         raise ValueError(f"blocks={empty[0]!r} is an empty nn.ModuleList: name the list that holds the model's "
                          "repeated blocks. Candidates:\n" + _describe(model))
-    names = []
-    for lst in found:
-        name = next((n for n, m in model.named_modules() if m is lst), None)
-        if name is None:
-            raise ValueError("blocks= is an nn.ModuleList that is not a submodule of the model.")
-        names.append(name)
+    named = {id(m): n for n, m in model.named_modules()}
+    if any(id(lst) not in named for lst in found):
+        raise ValueError("blocks= is an nn.ModuleList that is not a submodule of the model.")
+    names = [named[id(lst)] for lst in found]
     uncalled = sorted({type(b).__name__ for lst in found for b in lst
                        if type(b).forward is nn.Module.forward and not is_compile_wrapper(b)})  # (torch.compile's: called)
     if uncalled:  # (an nn.ModuleDict of layers that the model calls one by one)
@@ -106,7 +115,7 @@ def find_blocks(model: nn.Module, blocks=None) -> tuple[str, list[nn.Module]]:
 
 def _stacks(model: nn.Module) -> list[nn.ModuleList] | None:
     """Both block lists of an encoder-decoder (possibly inside a wrapper), or None."""
-    prefixes = [""] + [f"{n}." for n, m in model.named_modules() if n and hasattr(getattr(m, "config", None), "vocab_size")]
+    prefixes = [""] + [f"{n}." for n, m in model.named_modules() if n and is_hf_lm(m)]
     for prefix in prefixes:
         for pair in _KNOWN_STACK_PAIRS:
             found = [_get_submodule(model, prefix + p) for p in pair]
@@ -129,16 +138,10 @@ def _discover(model: nn.Module, blocks) -> nn.ModuleList:
     if blocks is not None:
         raise ValueError(f"blocks= must be an nn.ModuleList or its dotted name, got {type(blocks).__name__}")
 
-    for path in _KNOWN_BLOCK_PATHS:
-        found = _get_submodule(model, path)
-        if isinstance(found, nn.ModuleList) and len(found) > 0:
-            return found
-    # A wrapper (a LightningModule, a user's module) around one Hugging Face model.
-    hf = [n for n, m in model.named_modules() if n and hasattr(getattr(m, "config", None), "vocab_size")]
-    outer = [n for n in hf if not any(n.startswith(o + ".") for o in hf)]
-    if len(outer) == 1:
+    inner = inner_hf_lm(model)  # a wrapper (a LightningModule, a user's module) around one Hugging Face model
+    for prefix in [""] + ([f"{inner[0]}."] if inner else []):
         for path in _KNOWN_BLOCK_PATHS:
-            found = _get_submodule(model, f"{outer[0]}.{path}")
+            found = _get_submodule(model, prefix + path)
             if isinstance(found, nn.ModuleList) and len(found) > 0:
                 return found
 

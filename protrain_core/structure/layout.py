@@ -26,7 +26,7 @@ from torch import nn
 from protrain_core.chunk_format import ALIGN, align
 from protrain_core.plan import PlanLimits
 from protrain_core.structure.blocks import block_modules, split_paths
-from protrain_core.structure.trace import Trace, trace
+from protrain_core.structure.trace import Trace, trace, unit_names
 
 # Chunk sizes tried by the grid search: max_unit * (1 + k / _GRID_STEPS), k = 0.._GRID_STEPS.
 _GRID_STEPS = 128
@@ -142,11 +142,10 @@ class ChunkLayout:
         return self.summary()
 
 
-def _units(model: nn.Module, block_path: str, n_blocks: int, module_order: tuple[str, ...]):
+def _units(model: nn.Module, block_path: str, module_order: tuple[str, ...]):
     """Units in execution order: (unit name, [(param name, param)])."""
     modules = dict(model.named_modules())
-    canonical = {id(p): n for n, p in model.named_parameters()}
-    placed: set[int] = set()
+    unplaced = {id(p): n for n, p in model.named_parameters()}
     units: dict[str, list[tuple[str, nn.Parameter]]] = {}
     # Each block list's prefix and length (an encoder-decoder has two lists).
     stacks = [(f"{path}." if path else "", len(model.get_submodule(path))) for path in split_paths(block_path)]
@@ -158,11 +157,9 @@ def _units(model: nn.Module, block_path: str, n_blocks: int, module_order: tuple
                 if head.isdigit() and int(head) < length:
                     unit = f"{prefix}{head}"
                     break
-        for _, p in modules[mod_name].named_parameters(recurse=False):
-            if id(p) in placed:
-                continue
-            placed.add(id(p))
-            units.setdefault(unit, []).append((canonical[id(p)], p))
+        for p in modules[mod_name].parameters(recurse=False):
+            if id(p) in unplaced:  # (a tied parameter belongs to the unit of its first use)
+                units.setdefault(unit, []).append((unplaced.pop(id(p)), p))
     return list(units.items())
 
 
@@ -214,7 +211,7 @@ def build_layout(
     moments: see the module's docstring). ``owners``: parameter id -> the index of the optimizer
     that updates it, when there are several: each chunk holds one optimizer's parameters."""
     traced = trace(model, block_path, example_inputs)
-    units = _units(model, block_path, n_blocks, traced.order)
+    units = _units(model, block_path, traced.order)
     unit_sizes = [sum(align(p.numel()) for _, p in params) + _alignment_bound(params, block_aligned)
                   for _, params in units]
     if not units:
@@ -260,24 +257,16 @@ def _owner(unit: str, params, owners: dict[int, int]) -> int | None:
 
 
 def unit_chunks(model: nn.Module, layout: ChunkLayout) -> dict[nn.Module, tuple[int, ...]]:
-    """The modules the runtime hooks (each transformer block as a whole, and every module
-    outside the blocks that owns parameters) -> the chunks their forward needs."""
+    """The modules the runtime hooks (``unit_names``: each transformer block as a whole, and
+    every module outside the blocks that owns parameters) -> the chunks their forward needs."""
     index = layout.param_chunks(model)
     blocks = {id(b) for b in block_modules(model, layout.block_path)}
+    modules = dict(model.named_modules())
     units: dict[nn.Module, tuple[int, ...]] = {}
-
-    def visit(module: nn.Module) -> None:
-        if id(module) in blocks:
-            params = list(module.parameters())
-        else:
-            params = list(module.parameters(recurse=False))
-            for child in module.children():
-                visit(child)
-        idxs = tuple(sorted({index[id(p)] for p in params if id(p) in index}))
+    for module in (modules[name] for name in unit_names(model, layout.block_path)):
+        idxs = tuple(sorted({index[id(p)] for p in module.parameters(recurse=id(module) in blocks) if id(p) in index}))
         if idxs:
             units[module] = idxs
-
-    visit(model)
     return units
 
 

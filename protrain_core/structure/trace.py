@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
-from protrain_core.structure.blocks import SEP, block_modules, split_paths
+from protrain_core.structure.blocks import SEP, block_modules, inner_hf_lm, is_hf_lm, split_paths
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def unit_names(model: nn.Module, block_path: str) -> list[str]:
 
 def trace(model: nn.Module, block_path: str, example_inputs=None) -> Trace:
     """The execution order of ``model`` and its nested units (see the module docstring)."""
-    inner = _inner_hf_lm(model) if not _is_hf_lm(model) else None
+    inner = inner_hf_lm(model) if not is_hf_lm(model) else None
     if inner is not None:
         return _trace_wrapper(model, block_path, *inner)
     inputs = _default_inputs(model, example_inputs)
@@ -118,30 +119,21 @@ class _Recorder:
         self.called: dict[str, None] = {}  # ordered set
         self.active: list[str] = []
         self.stacks: dict[tuple[str, ...], None] = {}
-        self.handles = [modules[n].register_forward_pre_hook(self._first_call(n)) for n in owner_names]
+        self.handles = [modules[n].register_forward_pre_hook(partial(self._first_call, n)) for n in owner_names]
         for u in units:
-            self.handles.append(modules[u].register_forward_pre_hook(self._enter(u)))
-            self.handles.append(modules[u].register_forward_hook(self._leave(u), always_call=True))
+            self.handles.append(modules[u].register_forward_pre_hook(partial(self._enter, u)))
+            self.handles.append(modules[u].register_forward_hook(partial(self._leave, u), always_call=True))
 
-    def _first_call(self, name: str):
-        def hook(_module, _args):
-            self.called.setdefault(name)
+    def _first_call(self, name: str, *_hook_args) -> None:
+        self.called.setdefault(name)
 
-        return hook
+    def _enter(self, unit: str, *_hook_args) -> None:
+        self.active.append(unit)
+        self.stacks[tuple(sorted(set(self.active)))] = None
 
-    def _enter(self, unit: str):
-        def hook(_module, _args):
-            self.active.append(unit)
-            self.stacks[tuple(sorted(set(self.active)))] = None
-
-        return hook
-
-    def _leave(self, unit: str):
-        def hook(_module, _args, _output):
-            if self.active and self.active[-1] == unit:
-                self.active.pop()
-
-        return hook
+    def _leave(self, unit: str, *_hook_args) -> None:
+        if self.active and self.active[-1] == unit:
+            self.active.pop()
 
     def remove(self) -> None:
         for h in self.handles:
@@ -187,7 +179,7 @@ def _meta_inputs(example_inputs):
 def _default_inputs(model: nn.Module, example_inputs):
     """What the trace runs: ``example_inputs``, adjusted for a Hugging Face model (which gets
     default token ids when none are given)."""
-    if not _is_hf_lm(model):
+    if not is_hf_lm(model):
         return example_inputs
     # use_cache=True: without a cache, Hugging Face's mask code checks position_ids for packed
     # sequences, a data-dependent test that cannot run on meta tensors. The loss (labels) does
@@ -202,13 +194,3 @@ def _default_inputs(model: nn.Module, example_inputs):
         inputs.setdefault("decoder_input_ids", inputs["input_ids"])
     return inputs
 
-
-def _is_hf_lm(model: nn.Module) -> bool:
-    return hasattr(model, "config") and hasattr(model.config, "vocab_size")
-
-
-def _inner_hf_lm(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """The one outermost Hugging Face language model inside ``model``, if there is exactly one."""
-    found = [(n, m) for n, m in model.named_modules() if n and _is_hf_lm(m)]
-    outer = [(n, m) for n, m in found if not any(n.startswith(o + ".") for o, _ in found)]
-    return outer[0] if len(outer) == 1 else None
