@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.text import Perplexity
 
-from protrain_core.cli import BUILTIN, load_config
+from protrain_core.models import BUILTIN, load_config
 
 
 def stdlib_text(max_bytes: int) -> str:

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the examples are scripts, not a package
 from finetune import TextData  # noqa: E402  (the same data as the full fine-tune)
 
-from protrain_core.cli import BUILTIN, load_config  # noqa: E402
+from protrain_core.models import BUILTIN, load_config  # noqa: E402
 
 
 class LoRALM(pl.LightningModule):

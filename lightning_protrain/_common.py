@@ -1,5 +1,5 @@
 """What the Trainer strategy and the Fabric strategy share: precision plugins, the optimizer
-check, the engine's construction, and atomic checkpoint files."""
+check, the engine's construction (``StrategyPlumbing``), and atomic checkpoint files."""
 
 from __future__ import annotations
 
@@ -28,11 +28,15 @@ def precision_of_plugin(plugin, known_plugins: tuple[type, ...]) -> str:
     return parse_precision(plugin.precision).value
 
 
-def scaler_settings(plugin) -> dict | None:
-    """The settings of a 16-mixed plugin's ``torch.amp.GradScaler`` (initial scale, growth and
-    backoff), in its ``state_dict`` format, for the engine's own loss scaler."""
+def own_precision(plugin, own: type, known_plugins: tuple[type, ...], **kwargs):
+    """``plugin`` as the strategy's own precision plugin class ``own``: Lightning's becomes one of
+    its precision, with a 16-mixed plugin's ``torch.amp.GradScaler`` settings (initial scale,
+    growth and backoff; its ``state_dict`` format) for the engine's own loss scaler."""
+    if plugin is None or isinstance(plugin, own):
+        return plugin
     scaler = getattr(plugin, "scaler", None)
-    return scaler.state_dict() if scaler is not None and scaler.is_enabled() else None
+    scaler = scaler.state_dict() if scaler is not None and scaler.is_enabled() else None
+    return own(precision_of_plugin(plugin, known_plugins), scaler=scaler, **kwargs)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -63,27 +67,26 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 def _on_gloo() -> bool:
     """The process group is up and gloo's (CPU processes): its barrier and broadcast then run as
-    ProTrain's, which a signal can interrupt (``protrain_core.barrier``)."""
+    ProTrain's, which a signal can interrupt (``protrain_core.barrier``; in gloo's, a rank whose
+    peer has left would print gloo's error on ctrl-C, not the interrupt)."""
     return torch.distributed.is_available() and torch.distributed.is_initialized() and \
         "gloo" in str(torch.distributed.get_backend())
 
 
 class StrategyPlumbing:
     """What the Trainer and the Fabric strategy do alike, placed before their Lightning base
-    class (a ``ParallelStrategy``): checkpoints written by ``AtomicCheckpointIO`` unless another
-    IO is set, the root device (``root_device``), offloading the open engine's states, and the
-    processes. One process: nothing is launched and no process group is created (the data order,
-    seeds and loaders are those of a single-device run). Several (``devices`` x ``num_nodes`` >
-    1, or an external launcher: torchrun, SLURM): Lightning's own DDP strategy of that flavour
-    (``_ddp_class``) launches the processes and sets up the process group, and ProTrain shards
-    its chunks over it. Its collectives are the DDP strategy's (reduce, and all on NCCL), but for
-    a barrier and a broadcast on gloo: ProTrain's, which ctrl-C can interrupt (a rank waiting in
-    one after the other rank has left would otherwise print gloo's error, not the interrupt).
-    ``_cuda_accelerator``: that Lightning flavour's CUDA accelerator."""
+    class (a ``ParallelStrategy``): the engine's construction, checkpoints written by
+    ``AtomicCheckpointIO`` unless another IO is set, the root device, offloading the open
+    engine's states, and the processes. One process: nothing is launched and no process group is
+    created (the data order, seeds and loaders are those of a single-device run). Several
+    (``devices`` x ``num_nodes`` > 1, or an external launcher: torchrun, SLURM): Lightning's own
+    DDP strategy of that flavour (``_ddp_class``) launches them and sets up the process group,
+    and ProTrain shards its chunks over it; its collectives are this strategy's, but for a
+    barrier and a broadcast on gloo (``_on_gloo``). ``_cuda_accelerator``: that Lightning
+    flavour's CUDA accelerator."""
 
     _ddp_class: type
     _cuda_accelerator: type
-    engine: pt.Engine | None
     config: pt.ProTrainConfig
 
     def _init_plumbing(self, device, process_group_backend, timeout, start_method) -> None:
@@ -95,6 +98,7 @@ class StrategyPlumbing:
             self._pg_args["timeout"] = timeout
         self._ddp = None
         self._processes_ready = False
+        self.engine: pt.Engine | None = None
 
     @property
     def num_processes(self) -> int:
@@ -204,6 +208,22 @@ class StrategyPlumbing:
                 "protrain", cls, description="ProTrain: chunked, offloaded model states with automatic planning"
             )
 
+    def _report(self, text: str, **metrics) -> None:
+        """What the engine's planner says (``wrap``'s ``report``), printed once (rank zero)."""
+        rank_zero_info(text)
+
+    def _build_engine(self, module: nn.Module, optimizer, config: pt.ProTrainConfig, plugin: EnginePrecision,
+                      **kwargs) -> pt.Engine:
+        """``self.engine``: ``wrap`` of ``module`` at the precision of ``plugin``, whose loss scaler
+        state (the user's GradScaler settings, or a closed engine's) it starts from."""
+        if config.weights is not None and not on_meta(module):  # filled by an engine before (evaluation after
+            config = config.replace(weights=None)                  # fit, an engine built again)
+        self.engine = pt.wrap(module, optimizer, config=config, precision=plugin.precision, device=self.root_device,
+                              report=self._report, **kwargs)
+        if plugin.scaler and self.engine.scaler is not None:
+            self.engine.states.load_scaler(plugin.scaler)
+        return self.engine
+
     def _open_engine(self) -> pt.Engine | None:
         return self.engine if self.engine is not None and not self.engine.closed else None
 
@@ -221,20 +241,24 @@ class StrategyPlumbing:
         if engine is not None:
             engine.onload_states()
 
-    def _recovered(self, path) -> bool:
-        """Whether ``path`` is a sharded checkpoint directory, once rank 0 finished what a save
-        of it killed between its renames left (``protrain_core.checkpoint.recover``)."""
-        from protrain_core.checkpoint import is_sharded_checkpoint, recover
+    def _sharded_meta(self, path) -> dict | None:
+        """What a sharded checkpoint directory ``path`` keeps beside its shards, once rank 0
+        finished what a save of it killed between its renames left (``checkpoint.recover``);
+        None where ``path`` is no such directory."""
+        from protrain_core.checkpoint import is_sharded_checkpoint, read_meta, recover
 
         if self.global_rank == 0:
             recover(path)
         self.barrier("protrain-recover-checkpoint")
-        return is_sharded_checkpoint(path)
+        return read_meta(path) if is_sharded_checkpoint(path) else None
 
     @property
     def checkpoint_io(self):
-        if self._checkpoint_io is None:
+        io = self._checkpoint_io
+        if io is None:
             self._checkpoint_io = AtomicCheckpointIO()
+        elif getattr(io, "checkpoint_io", False) is None:  # a wrapping IO given none (AsyncCheckpointIO()): ours
+            io.checkpoint_io = AtomicCheckpointIO()      # inside, as Lightning's strategies give theirs
         return self._checkpoint_io
 
     @checkpoint_io.setter
@@ -264,7 +288,16 @@ class EnginePrecision:
     engine: pt.Engine | None
 
     def convert_input(self, data):
-        return convert_input(data, self.precision)
+        """bf16-true: floating-point inputs become bf16 (as Lightning's HalfPrecision does)."""
+        if self.precision != "bf16-true":
+            return data
+        if isinstance(data, Tensor):
+            return data.to(torch.bfloat16) if data.is_floating_point() else data
+        if isinstance(data, dict):
+            return type(data)((k, self.convert_input(v)) for k, v in data.items())
+        if isinstance(data, (list, tuple)) and not hasattr(data, "_fields"):
+            return type(data)(self.convert_input(v) for v in data)
+        return data
 
     def state_dict(self) -> dict:
         engine = self.engine
@@ -274,19 +307,6 @@ class EnginePrecision:
     def load_state_dict(self, state_dict: dict) -> None:
         if state_dict.get("scaler") and self.engine is not None and self.engine.scaler is not None:
             self.engine.states.load_scaler(state_dict["scaler"])
-
-
-def convert_input(data, precision: str):
-    """bf16-true: floating-point inputs become bf16 (as Lightning's HalfPrecision does)."""
-    if precision != "bf16-true":
-        return data
-    if isinstance(data, Tensor):
-        return data.to(torch.bfloat16) if data.is_floating_point() else data
-    if isinstance(data, dict):
-        return type(data)((k, convert_input(v, precision)) for k, v in data.items())
-    if isinstance(data, (list, tuple)) and not hasattr(data, "_fields"):
-        return type(data)(convert_input(v, precision) for v in data)
-    return data
 
 
 def check_optimizers(optimizers) -> list[torch.optim.Optimizer]:
@@ -309,16 +329,6 @@ def no_parameters(optimizers) -> bool:
     """Whether ``optimizers`` hold no parameter (Lightning's stand-in when ``configure_optimizers``
     returns None has none)."""
     return not any(group.get("params") for opt in optimizers for group in getattr(opt, "param_groups", None) or [])
-
-
-def gradient_clipping(value, algorithm) -> pt.ClippingConfig | None:
-    """Lightning's ``gradient_clip_val`` / ``gradient_clip_algorithm`` pair (0 or None: off)."""
-    if value is None or float(value) <= 0:
-        return None
-    algorithm = str(getattr(algorithm, "value", algorithm) or "norm")
-    if algorithm not in ("norm", "value"):
-        raise ValueError(f"gradient_clip_algorithm={algorithm!r}: ProTrain supports 'norm' and 'value'.")
-    return pt.ClippingConfig(algorithm=algorithm, value=float(value))
 
 
 def strategy_config(config, *, caller: str) -> pt.ProTrainConfig:
@@ -358,30 +368,19 @@ def on_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
 
 
-def build_engine(module: nn.Module, optimizer, config: pt.ProTrainConfig, *, precision: str, device: torch.device,
-                 example_inputs=None, loss_fn=None, scaler: dict | None = None, report) -> pt.Engine:
-    if config.weights is not None and not on_meta(module):  # filled by an engine before (evaluation after
-        config = config.replace(weights=None)                  # fit, an engine built again)
-    engine = pt.wrap(module, optimizer, config=config, precision=precision, device=device,
-                     example_inputs=example_inputs, loss_fn=loss_fn, report=report)
-    if scaler and engine.scaler is not None:
-        engine.states.load_scaler(scaler)  # the user's GradScaler settings
-    return engine
-
-
-def close_for_a_new_engine(engine: pt.Engine) -> dict | None:
+def close_for_a_new_engine(engine: pt.Engine, plugin: EnginePrecision) -> None:
     """Close ``engine`` so that a new one can be built for the parameters that train now
-    (``StateAccess.trainables_changed``), from the weights (the module's after ``close``) and the
-    optimizer state (loaded into the optimizer). The loss scaler's state, for the new engine."""
+    (``StateAccess.trainables_changed``; a plan of the configuration is kept, a searched one is
+    searched again), from the weights (the module's after ``close``) and the optimizer state
+    (loaded into the optimizer); ``plugin`` keeps the loss scaler's state for the new engine."""
     changed = engine.states.trainables_changed()
     if changed is not None:
         rank_zero_info(f"ProTrain: {changed}; the engine is built again for the parameters that train now.")
     states = [engine.states.optimizer(rank0_only=False, of=o) for o in engine.optimizers]
-    scaler = engine.states.scaler()
+    plugin.scaler = engine.states.scaler() or plugin.scaler
     engine.close()
     for optimizer, state in zip(engine.optimizers, states):
         optimizer.load_state_dict(state)
-    return scaler
 
 
 # The exact 8-bit optimizer state beside torch's format in a full checkpoint's optimizer entry.

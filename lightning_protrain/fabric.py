@@ -28,61 +28,51 @@ import protrain_core as pt
 from lightning_protrain._common import (
     EnginePrecision,
     StrategyPlumbing,
-    build_engine,
     for_evaluation,
     checkpoint_optimizer_state,
     close_for_a_new_engine,
     load_checkpoint_optimizer_state,
     strategy_config,
     check_optimizers,
-    precision_of_plugin,
-    scaler_settings,
+    own_precision,
 )
 
 
 class ProTrainFabricPrecision(EnginePrecision, Precision):
-    def __init__(self, precision: str, strategy: ProTrainFabricStrategy, scaler: dict | None = None) -> None:
+    def __init__(self, precision: str, strategy: ProTrainFabricStrategy, scaler: dict | None = None,
+                 lightning: Precision | None = None) -> None:
         self.precision = precision
         self.strategy = strategy
         self.scaler = scaler  # a 16-mixed plugin's GradScaler settings
-        self._lightning: Precision | None = None
+        # Lightning's own plugin of this precision (the one Fabric made): what runs, as under the default
+        # strategy, a module and optimizers no engine runs (set up before any module, or never).
+        self.lightning = lightning or Precision()
 
     @property
     def engine(self) -> pt.Engine | None:
         return self.strategy.engine
 
-    def lightning_plugin(self) -> Precision:
-        """Lightning's own plugin for this precision: what runs, as under the default strategy,
-        a module and optimizers no engine runs (set up before any module, or never)."""
-        if self._lightning is None:
-            if self.precision.endswith("-mixed"):
-                device = "cuda" if self.strategy.root_device.type == "cuda" else "cpu"
-                self._lightning = MixedPrecision(self.precision, device)
-            else:
-                self._lightning = Precision() if self.precision == "32-true" else HalfPrecision(self.precision)
-        return self._lightning
-
     def forward_context(self):
         engine = self.engine
         if engine is None:
-            return self.lightning_plugin().forward_context()
+            return self.lightning.forward_context()
         if torch.is_grad_enabled() and engine.states.trainables_changed() is not None:
             engine = self.strategy.wrap_anew()  # before the training forward
         return engine.autocast()
 
     def backward(self, tensor, model, *args, **kwargs) -> None:
         if self.engine is None:
-            return self.lightning_plugin().backward(tensor, model, *args, **kwargs)
+            return self.lightning.backward(tensor, model, *args, **kwargs)
         self.engine.backward(tensor, run=(lambda t: t.backward(*args, **kwargs)) if args or kwargs else None)
 
     def unscale_gradients(self, optimizer) -> None:
         if self.engine is None:  # (the engine's own clipping unscales)
-            self.lightning_plugin().unscale_gradients(optimizer)
+            self.lightning.unscale_gradients(optimizer)
 
     def optimizer_step(self, optimizer, **kwargs):
         engine = self.engine
         if engine is None:
-            return self.lightning_plugin().optimizer_step(optimizer, **kwargs)
+            return self.lightning.optimizer_step(optimizer, **kwargs)
         # Fabric's optimizer wrapper resolves zero_grad to the optimizer class's own method,
         # which cannot see gradients kept in chunks: the step consumes them instead (Fabric
         # loops call zero_grad right after step anyway).
@@ -92,22 +82,6 @@ class ProTrainFabricPrecision(EnginePrecision, Precision):
         # Fabric cannot see the loop between this step and the next forward, where code may read
         # the weights (an EMA, a save_pretrained): the offloaded chunks' updates end here too.
         engine.wait_for_updates()
-
-
-def _report(text: str, **metrics) -> None:
-    rank_zero_info(text)
-
-
-class _EngineSyncControl:
-    """The strategy's backward-sync control, of which Fabric calls only ``no_backward_sync``
-    (Lightning's base class for it is private)."""
-
-    def __init__(self, strategy: ProTrainFabricStrategy) -> None:
-        self.strategy = strategy
-
-    def no_backward_sync(self, module, enabled: bool):
-        engine = self.strategy.engine
-        return engine.no_sync() if enabled and engine is not None else contextlib.nullcontext()
 
 
 class ProTrainFabricStrategy(StrategyPlumbing, ParallelStrategy):
@@ -152,9 +126,8 @@ class ProTrainFabricStrategy(StrategyPlumbing, ParallelStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision)
         self._init_plumbing(device, process_group_backend, timeout, start_method)
         self.example_inputs, self.loss_fn = example_inputs, loss_fn
-        self.engine: pt.Engine | None = None
         self._waiting: list[torch.optim.Optimizer] = []  # set up before any module (setup_optimizer)
-        self._backward_sync_control = _EngineSyncControl(self)
+        self._backward_sync_control = self  # of which Fabric calls only no_backward_sync (its base class is private)
 
     # ----- Fabric plumbing ---------------------------------------------------------------------
     @property
@@ -165,11 +138,8 @@ class ProTrainFabricStrategy(StrategyPlumbing, ParallelStrategy):
 
     @precision.setter
     def precision(self, plugin) -> None:
-        if plugin is None or isinstance(plugin, ProTrainFabricPrecision):
-            self._precision = plugin
-            return
-        flag = precision_of_plugin(plugin, (Precision, MixedPrecision, HalfPrecision, DoublePrecision))
-        self._precision = ProTrainFabricPrecision(flag, self, scaler_settings(plugin))
+        known = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
+        self._precision = own_precision(plugin, ProTrainFabricPrecision, known, strategy=self, lightning=plugin)
 
     def _environment_for(self, call: str) -> None:
         """What ``fabric.launch()`` would have done, where it was not called: in one process,
@@ -177,6 +147,10 @@ class ProTrainFabricStrategy(StrategyPlumbing, ParallelStrategy):
         if not self._processes_ready:
             self.require_processes(call)
             self.setup_environment()
+
+    def no_backward_sync(self, module, enabled: bool):
+        """``fabric.no_backward_sync(model)``: the engine accumulates the gradients (``no_sync``)."""
+        return self.engine.no_sync() if enabled and self.engine is not None else contextlib.nullcontext()
 
     def all_reduce(self, tensor, *args, **kwargs):
         if not self.is_distributed:
@@ -214,7 +188,7 @@ class ProTrainFabricStrategy(StrategyPlumbing, ParallelStrategy):
             return self.setup_module_and_optimizers(module, [])[0]
         self._refuse_a_second_model()
         self._environment_for("fabric.setup_module(model)")
-        self._build(module, *for_evaluation(module, self.config, None))
+        self._build_engine(module, *for_evaluation(module, self.config, None), self.precision)
         return module
 
     def setup_optimizer(self, optimizer):
@@ -235,7 +209,7 @@ class ProTrainFabricStrategy(StrategyPlumbing, ParallelStrategy):
         engine = self.engine
         optimizers = self._checked(optimizers)
         if engine.optimizer_states:  # (fabric.setup_optimizers(opt_a, opt_b): one engine steps both)
-            self.precision.scaler = close_for_a_new_engine(engine) or self.precision.scaler
+            close_for_a_new_engine(engine, self.precision)
         else:
             engine.close()
         self._build_for_training(engine.module, optimizers)
@@ -284,15 +258,10 @@ class ProTrainFabricStrategy(StrategyPlumbing, ParallelStrategy):
                 "optimizer with a param group per part.")
         return optimizers
 
-    def _build(self, module: nn.Module, optimizers, config: pt.ProTrainConfig, example_inputs=None) -> pt.Engine:
-        self.engine = build_engine(module, optimizers, config, precision=self.precision.precision,
-                                   device=self.root_device, example_inputs=example_inputs, loss_fn=self.loss_fn,
-                                   scaler=self.precision.scaler, report=_report)
-        return self.engine
-
     def _build_for_training(self, module: nn.Module, optimizers: list) -> None:
         searched = self.config.planning.plan is None
-        self._build(module, optimizers, self.config, self.example_inputs if searched else None)
+        self._build_engine(module, optimizers, self.config, self.precision,
+                           example_inputs=self.example_inputs if searched else None, loss_fn=self.loss_fn)
         if not searched:
             rank_zero_info(f"ProTrain: {self.engine.plan} (given), overlap: {self.engine.overlap}")
         elif self.example_inputs is not None:
@@ -300,11 +269,10 @@ class ProTrainFabricStrategy(StrategyPlumbing, ParallelStrategy):
 
     def wrap_anew(self) -> pt.Engine:
         """Which parameters train changed between steps: the engine is built again for them
-        (``close_for_a_new_engine``; a plan of the configuration is kept, a searched one is
-        searched again on the next steps)."""
+        (``close_for_a_new_engine``), before the training forward."""
         engine = self.engine
-        self.precision.scaler = close_for_a_new_engine(engine) or self.precision.scaler
-        return self._build(engine.module, list(engine.optimizers), self.config)
+        close_for_a_new_engine(engine, self.precision)
+        return self._build_engine(engine.module, list(engine.optimizers), self.config, self.precision)
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
         if self.engine is None:
@@ -336,13 +304,14 @@ class ProTrainFabricStrategy(StrategyPlumbing, ParallelStrategy):
     def _is_engine_object(self, obj) -> str | None:
         """"model" / "optimizer" when ``obj`` (maybe wrapped by Fabric) is the engine's."""
         obj = getattr(obj, "_forward_module", obj)
-        if self.engine is None or self.engine.closed:
+        engine = self._open_engine()
+        if engine is None:
             return None
-        if obj is self.engine.module:
+        if obj is engine.module:
             return "model"
         if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
             return None  # it has an .optimizer too, but its own state
-        return "optimizer" if any(getattr(obj, "optimizer", obj) is o for o in self.engine.optimizers) else None
+        return "optimizer" if any(getattr(obj, "optimizer", obj) is o for o in engine.optimizers) else None
 
     def save_checkpoint(self, path, state, storage_options=None, filter=None) -> None:
         """``state_dict_type="sharded"``: the model and optimizer go into a
@@ -355,19 +324,24 @@ class ProTrainFabricStrategy(StrategyPlumbing, ParallelStrategy):
         self.engine.save_sharded(path, meta=meta)
 
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only=None):
-        from protrain_core.checkpoint import read_meta
-
-        state = state or {}
-        if not self._recovered(path):
+        raw = isinstance(state, (nn.Module, torch.optim.Optimizer))  # fabric.load_raw: the file is its state dict
+        meta = self._sharded_meta(path)
+        if meta is None:
             checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-            return self._restore(path, state, checkpoint, strict)
+            if raw:
+                return self._restore(path, {"raw": state}, {"raw": checkpoint}, strict)
+            return self._restore(path, state or {}, checkpoint, strict)
+        if raw:
+            raise ValueError(f"fabric.load_raw reads one state-dict file, and {path} is a sharded checkpoint "
+                             "directory: load it with fabric.load(path, {'model': model, 'optimizer': optimizer}).")
+        state = state or {}
         if self.engine is None:
             raise RuntimeError("The ProTrain engine is built by fabric.setup(model, optimizer) or "
                                "fabric.setup_module(model); neither was called yet.")
         kinds = {key: self._is_engine_object(obj) for key, obj in state.items()}
         self.engine.load_sharded(path, model="model" in kinds.values(), optimizer="optimizer" in kinds.values(),
                                  strict=strict)
-        return self._restore(path, state, read_meta(path), strict, skip={k for k, kind in kinds.items() if kind})
+        return self._restore(path, state, meta, strict, skip={k for k, kind in kinds.items() if kind})
 
     def _restore(self, path, state: dict, saved: dict, strict: bool, skip=frozenset()) -> dict:
         """Every entry of ``state`` but ``skip`` from ``saved``: modules and the engine's

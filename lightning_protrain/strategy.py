@@ -3,11 +3,8 @@
 The strategy is a thin adapter over ``protrain_core``:
   setup       the optimizers from ``configure_optimizers`` (param groups and schedulers kept;
               several under manual optimization) go into the engine, which owns the parameters
-              from then on (``model_to_device`` does nothing). Without a plan it profiles the first
-              training steps (they train as usual), switches to the fastest plan that fits
-              ``planning.memory_budget`` and re-plans for batches of other lengths; the plan and
-              the measured step time against the prediction are printed and logged
-              (``protrain/predicted_step_s``, ``protrain/measured_step_s``).
+              from then on (``model_to_device`` does nothing) and plans as ``wrap`` does; what
+              its planner reports is printed and logged under ``protrain/`` (``_report``).
   backward    ``engine.backward``, which runs ``LightningModule.backward`` (streamed chunks are
               updated while it runs); a backward outside ``optimizer_step`` (a non-final
               micro-batch of ``accumulate_grad_batches``), and every ``manual_backward``, runs
@@ -56,7 +53,6 @@ from protrain_core.precision import parse_precision
 from lightning_protrain._common import (
     EnginePrecision,
     StrategyPlumbing,
-    build_engine,
     for_evaluation,
     checkpoint_optimizer_state,
     close_for_a_new_engine,
@@ -64,10 +60,8 @@ from lightning_protrain._common import (
     on_meta,
     strategy_config,
     check_optimizers,
-    gradient_clipping,
     no_parameters,
-    precision_of_plugin,
-    scaler_settings,
+    own_precision,
 )
 
 
@@ -143,6 +137,14 @@ class ProTrainPrecision(EnginePrecision, Precision):
         module = self.engine.module
         if self.log_grad_norm and getattr(module, "_trainer", None) is not None:
             module.log("grad_norm", norm, on_step=True, on_epoch=False)
+
+
+def gradient_clipping(value, algorithm) -> pt.ClippingConfig | None:
+    """Lightning's ``gradient_clip_val`` / ``gradient_clip_algorithm`` pair (0 or None: off; an
+    algorithm other than "norm" and "value" is refused by ``ClippingConfig``)."""
+    if value is None or float(value) <= 0:
+        return None
+    return pt.ClippingConfig(algorithm=str(getattr(algorithm, "value", algorithm) or "norm"), value=float(value))
 
 
 # Lightning callbacks that read no weights between a step and the next forward (ModelCheckpoint
@@ -243,7 +245,6 @@ class ProTrainStrategy(StrategyPlumbing, ParallelStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self._init_plumbing(device, process_group_backend, timeout, start_method)
-        self.engine: pt.Engine | None = None
         self._last_plan: pt.Plan | None = None
         self._final_optimizer_states: dict[int, dict] = {}  # id(optimizer) -> its state when fit ended
         self._sharded_from = None  # a sharded checkpoint directory being restored
@@ -263,10 +264,8 @@ class ProTrainStrategy(StrategyPlumbing, ParallelStrategy):
 
     @precision_plugin.setter
     def precision_plugin(self, plugin) -> None:
-        if plugin is not None and not isinstance(plugin, ProTrainPrecision):
-            flag = precision_of_plugin(plugin, (Precision, MixedPrecision, HalfPrecision, DoublePrecision))
-            plugin = ProTrainPrecision(flag, scaler_settings(plugin))
-        self._precision_plugin = plugin
+        known = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
+        self._precision_plugin = own_precision(plugin, ProTrainPrecision, known)
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -348,8 +347,7 @@ class ProTrainStrategy(StrategyPlumbing, ParallelStrategy):
 
     def _build(self, module, optimizer, config) -> None:
         precision = self.precision_plugin
-        self.engine = build_engine(module, optimizer, config, precision=precision.precision, device=self.root_device,
-                                   scaler=precision.scaler, report=self._report)
+        self._build_engine(module, optimizer, config, precision)
         if self._fit is not None:
             # The engine is told whether clipping or a change of p.grad may come between backward
             # and step (an override) or never (gradient_clip_val, configured ahead).
@@ -362,10 +360,9 @@ class ProTrainStrategy(StrategyPlumbing, ParallelStrategy):
 
     def _wrap_anew(self) -> None:
         """Which parameters train changed between steps (``BaseFinetuning`` unfroze blocks): the
-        engine is built again for them (``close_for_a_new_engine``; a plan of the configuration is
-        kept, a searched one is searched again)."""
+        engine is built again for them (``close_for_a_new_engine``)."""
         optimizer = list(self.engine.optimizers)
-        self.precision_plugin.scaler = close_for_a_new_engine(self.engine) or self.precision_plugin.scaler
+        close_for_a_new_engine(self.engine, self.precision_plugin)
         self._build(self.lightning_module, optimizer, self._fit[0])
         self._route_wrapped_zero_grad()
 
@@ -403,8 +400,7 @@ class ProTrainStrategy(StrategyPlumbing, ParallelStrategy):
     # ----- state -------------------------------------------------------------------------------
     def _sharded(self) -> pt.Engine | None:
         """The open engine when checkpoints are sharded directories."""
-        engine = self._open_engine()
-        return engine if engine is not None and self.state_dict_type == "sharded" else None
+        return self._open_engine() if self.state_dict_type == "sharded" else None
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self._sharded() is not None:
@@ -423,13 +419,11 @@ class ProTrainStrategy(StrategyPlumbing, ParallelStrategy):
         engine.save_sharded(filepath, meta=meta)
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict[str, Any]:
-        from protrain_core.checkpoint import read_meta
-
-        if not self._recovered(checkpoint_path):
-            self._sharded_from = None
+        meta = self._sharded_meta(checkpoint_path)
+        self._sharded_from = None if meta is None else checkpoint_path  # read by the load_*_state_dict below
+        if meta is None:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._sharded_from = checkpoint_path  # read by the load_*_state_dict below, into the engine
-        return {**read_meta(checkpoint_path), "state_dict": {}, "optimizer_states": [{}]}
+        return {**meta, "state_dict": {}, "optimizer_states": [{}]}
 
     def optimizer_state(self, optimizer) -> dict:
         engine = self._open_engine()

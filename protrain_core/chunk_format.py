@@ -196,31 +196,18 @@ class ChunkFormat:
         """Streamed, the chunk keeps an accumulator in host memory."""
         return self.trains and self.accumulator
 
-    def _state_bytes(self, *, accumulator: bool = True) -> int:
-        """Master (when separate), accumulator (when kept) and Adam states of this rank's shard."""
-        n = int(self.separate_master) + int(self.trains and accumulator)
-        return sum(numel * dtype.itemsize for numel, dtype in [(self.state_numel, self.master_dtype)] * n
-                   + self._moment_tensors())
-
-    def _moment_tensors(self) -> list[tuple[int, torch.dtype]]:
-        """(elements, dtype) of the moment tensors, in allocation order."""
-        out = [(self.state_numel, self.moment_dtype)] * self.adam_states
-        if self.eight_bit:
-            out += [(2 * self.quant_blocks, torch.float32), (2 * self.wide_numel, torch.float32)]
-        return out
-
     @property
     def persistent_device_bytes(self) -> int:
         """Device bytes of the chunk when it is persistent (with ``W`` processes, its gradient
         buffer during backward included)."""
         grads = 0 if self.whole else self.grad_buffer_numel
-        return (self.padded_numel + grads) * self.compute_dtype.itemsize + self._state_bytes()
+        states = [t[1:] for t in self.state_tensors(streamed=False)]
+        return (self.padded_numel + grads) * self.compute_dtype.itemsize + _nbytes(states)
 
     @property
     def streamed_host_bytes(self) -> int:
         """Host bytes of the chunk when it is streamed (before the pool's 64-byte alignment)."""
-        return (self.host_copy_numel * self.compute_dtype.itemsize + self._state_bytes(accumulator=self.accumulator)
-                + self.store_bytes)
+        return _nbytes(self.host_tensors())
 
     @property
     def buffer_device_bytes(self) -> int:
@@ -237,7 +224,7 @@ class ChunkFormat:
     @property
     def frozen_upload_bytes(self) -> int:
         """Of ``upload_bytes``, those of the frozen span (the host store when quantised)."""
-        return self.store_bytes or (self.host_copy_numel - self.state_numel) * self.compute_dtype.itemsize
+        return self.store_bytes or self.frozen_shard * self.compute_dtype.itemsize
 
     @property
     def offload_bytes(self) -> int:
@@ -269,22 +256,39 @@ class ChunkFormat:
             raise ValueError(f"not a chunk format: dtypes {d['compute_dtype']!r}, {d['master_dtype']!r}")
         return cls(**{**d, **dtypes})
 
+    def state_tensors(self, *, streamed: bool) -> list[tuple[str, int, torch.dtype, bool]]:
+        """(its ``ChunkStorage`` attribute, elements, dtype, moves) of each tensor the chunk keeps
+        besides a persistent chunk's compute copy and the gradient buffer, in allocation order;
+        ``streamed``: the host buffer's. ``moves``: a copy engine reads or writes it, so it is
+        page-locked on CUDA ([Note: what is page-locked] in runtime/host_pool.py): the host copy,
+        the accumulator where gradients land in it (no separate master), the quantised store."""
+        s, m, f32, separate = self.state_numel, self.master_dtype, torch.float32, self.separate_master
+        out = [("master", s, m, False)] if separate else []
+        if streamed:
+            out.append(("host_copy", self.host_copy_numel, self.compute_dtype, True))
+        if self.trains and (self.accumulator or not streamed):
+            out.append(("grad_acc", s, m, not separate))
+        slots = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")[:self.adam_states]  # or another optimizer's states
+        out += [(name, s, self.moment_dtype, False) for name in slots]
+        if self.eight_bit:  # each moment's block scales, and the fp32 moments of small members
+            out += [("absmax", 2 * self.quant_blocks, f32, False), ("wide", 2 * self.wide_numel, f32, False)]
+        if streamed and self.quantised:
+            out.append(("frozen_store", self.store_bytes, torch.uint8, True))
+        return out
+
     def host_tensors(self) -> list[tuple[int, torch.dtype, bool]]:
-        """(elements, dtype, moves) of a streamed chunk's host tensors, in allocation order;
-        ``moves``: a copy engine reads or writes it, so it is page-locked on CUDA ([Note: what
-        is page-locked] in runtime/host_pool.py): the host copy, the accumulator where gradients land in
-        it (no separate master), the quantised store."""
-        s, m = self.state_numel, self.master_dtype
-        out = [(s, m, False)] if self.separate_master else []
-        out.append((self.host_copy_numel, self.compute_dtype, True))
-        out += [(s, m, not self.separate_master)] * int(self.host_accumulator)
-        out += [(n, dtype, False) for n, dtype in self._moment_tensors()]
-        return out + ([(self.store_bytes, torch.uint8, True)] if self.quantised else [])
+        """(elements, dtype, moves) of a streamed chunk's host tensors (``state_tensors``)."""
+        return [t[1:] for t in self.state_tensors(streamed=True)]
 
     @property
     def streamed_pinned_bytes(self) -> int:
         """Of ``streamed_host_bytes``, those page-locked on CUDA (before alignment)."""
-        return sum(n * dtype.itemsize for n, dtype, moves in self.host_tensors() if moves)
+        return _nbytes([t for t in self.host_tensors() if t[2]])
+
+
+def _nbytes(tensors) -> int:
+    """The bytes of ``tensors``: (elements, dtype, ...) each."""
+    return sum(t[0] * t[1].itemsize for t in tensors)
 
 
 def timed_formats(chunks) -> tuple[str, str | None]:

@@ -26,7 +26,7 @@ import time
 import torch
 
 import protrain_core as pt
-from protrain_core import models
+from protrain_core import models, utils
 from protrain_core.api import default_host_budget, default_memory_budget, device_budget, host_budget as host_budget_of
 from protrain_core.autoplan import WARMUP_STEPS, AutoPlanner, PredictionCheck
 from protrain_core.models import BUILTIN, LADDER
@@ -34,18 +34,14 @@ from protrain_core.planner.cost import estimate_memory
 from protrain_core.precision import Precision, parse_precision
 from protrain_core.profiler.profiler import for_world_size
 from protrain_core.runtime.device import resolve_device
+from protrain_core.simulator.device import SimulatedDevice
+from protrain_core.simulator.hardware import load_spec
+from protrain_core.simulator.run import simulate, simulate_plain
 from protrain_core.update import Overlap
 from protrain_core.utils import format_bytes, format_seconds, parse_bytes
 
 WHAT_IF_HEADER = "| {} | plan (persist/buffer/swap/checkpoint) | predicted step | tokens/s | predicted peak | bottleneck |"
 WHAT_IF_RULE = "|---|---|---|---|---|---|"
-
-
-def load_config(name: str):
-    try:
-        return models.load_config(name)
-    except ValueError as e:
-        raise SystemExit(f"protrain plan: {e}") from None
 
 
 def progress(text: str) -> None:
@@ -113,8 +109,7 @@ def check_prediction(args, config, prof, choice) -> None:
     engine = pt.wrap(model, opt, choice.plan, precision=args.precision, device=args.device, config=_config(args))
     planner = AutoPlanner(engine, prof, budget=choice.budget_bytes, host_budget=choice.host_budget_bytes,
                           overlap=Overlap(choice.schedule, gradient_passes=choice.gradient_passes))
-    PredictionCheck(engine, planner, report=lambda text, **_: print(text), hint="--reprofile",
-                    checked_steps=args.check_steps)
+    PredictionCheck(engine, planner, hint="--reprofile", checked_steps=args.check_steps)
     batch = {k: v.to(args.device) for k, v in models.token_batch(config, args.batch_size, args.seq_len).items()}
     steps = WARMUP_STEPS + args.check_steps + 1
     progress(f"checking the prediction: {steps} training steps on random data ...")
@@ -192,9 +187,6 @@ def plan_command(args) -> int:
 def _plain_pytorch(args, result, budget: int) -> str:
     """Where the whole model fits the device (its all-persistent plan within the budget, one
     process): plain PyTorch's simulated step on the same device next to the plan's; else ""."""
-    from protrain_core.simulator.device import SimulatedDevice
-    from protrain_core.simulator.run import simulate_plain
-
     whole = pt.Plan(n_persist=result.profile.n_chunks, n_buffer=0)
     if args.world_size > 1 or estimate_memory(result.profile, whole).peak_bytes > budget:
         return ""
@@ -209,17 +201,12 @@ def _plain_pytorch(args, result, budget: int) -> str:
 
 
 def _simulated_budget(args) -> int:
-    from protrain_core.simulator.device import SimulatedDevice
-
     return parse_bytes(args.budget, "--budget") if args.budget else default_memory_budget(SimulatedDevice(args.hardware))
 
 
 def _simulated(args, config, name: str):
     """(the simulation of model ``config`` (called ``name``) as the arguments describe the run,
     the model's parameters and those trained)."""
-    from protrain_core.simulator.device import SimulatedDevice
-    from protrain_core.simulator.run import simulate
-
     sim = SimulatedDevice(args.hardware)  # a DeviceSpec: check_arguments read it
     model, opt = _build(args, config, "meta")
     batch = models.token_batch(config, args.batch_size, args.seq_len, "meta")
@@ -301,8 +288,6 @@ def _host_shortfall(args) -> str | None:
     """Profiling on the CPU builds the model and its training states in host memory: why this
     machine cannot hold them (a 7B config on a laptop; checked before anything is built), or
     None (also on a GPU, whose budgets the search checks)."""
-    from protrain_core.utils import available_host_bytes
-
     if args.device.type != "cpu":
         return None
 
@@ -311,7 +296,7 @@ def _host_shortfall(args) -> str | None:
     # the model as built (fp32), then the trained parameters' masters, gradients and two moments
     # (bf16-true: in bf16)
     needed = 4 * n + trained * (8 if parse_precision(args.precision) is Precision.BF16_TRUE else 16)
-    available = available_host_bytes()
+    available = utils.available_host_bytes()  # (looked up when called: tests replace it)
     if available is None or needed <= available:
         return None
     return (f"profiling {args.model} ({n / 1e9:.2f}B parameters) on the CPU needs about {format_bytes(needed)} of host "
@@ -447,7 +432,10 @@ def check_arguments(ap: argparse.ArgumentParser, args) -> None:
         return
     if args.model is None:
         ap.error("--model is required (or --largest)")
-    args.config = load_config(args.model)
+    try:
+        args.config = models.load_config(args.model)
+    except ValueError as e:
+        raise SystemExit(f"protrain plan: {e}") from None
     positions = next((getattr(args.config, a) for a in ("max_position_embeddings", "n_positions", "n_ctx")
                       if isinstance(getattr(args.config, a, None), int)), None)
     if positions is not None and args.seq_len > positions:
@@ -477,8 +465,6 @@ def _check_simulation_arguments(ap: argparse.ArgumentParser, args) -> None:
         return
     if args.device is not None or args.batch_sizes:
         ap.error("--simulate replaces the device and simulates one batch size: leave out --device and --batch-sizes")
-    from protrain_core.simulator.hardware import load_spec
-
     try:
         args.hardware = load_spec(args.hardware)
     except ValueError as e:

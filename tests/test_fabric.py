@@ -161,6 +161,36 @@ def test_fabric_save_and_load(tmp_path):
     assert fabric_steps(fabric2, model2, opt2, data[4:]) == expected
 
 
+def test_fabric_load_raw_loads_plain_pytorch_state_dicts_into_the_engine(tmp_path):
+    """``fabric.load_raw(path, obj)``: a file holding a module's or an optimizer's own state dict
+    (plain PyTorch's ``torch.save``) loads into the model and optimizer ProTrain set up, which then
+    train on exactly as plain PyTorch does from the same states; a sharded checkpoint directory is
+    refused with the fix."""
+    data = batches(5, batch=4)
+    ref_model, ref_opt, _ = plain(data[:2], accumulate=1)
+    torch.save(ref_model.state_dict(), tmp_path / "model.pt")
+    torch.save(ref_opt.state_dict(), tmp_path / "optimizer.pt")
+    strategy = ProTrainFabricStrategy(config=pt.ProTrainConfig(
+        planning=pt.PlanningConfig(plan=pt.Plan(n_persist=1, n_buffer=2)),
+        checkpoint=pt.CheckpointConfig(state_dict_type="sharded")))
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1)
+    model = MODELS["gpt2"](seed=5)
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True))
+    fabric.load_raw(tmp_path / "model.pt", model)
+    fabric.load_raw(tmp_path / "optimizer.pt", opt)
+    expected = []
+    for x in data[2:]:
+        loss = ref_model(input_ids=x, labels=x).loss
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        expected.append(loss.item())
+    assert fabric_steps(fabric, model, opt, data[2:]) == expected
+    fabric.save(tmp_path / "sharded", {"model": model, "optimizer": opt})
+    with pytest.raises(ValueError, match=r"sharded checkpoint directory: load it with fabric.load\(path"):
+        fabric.load_raw(tmp_path / "sharded", model)
+
+
 def test_fabric_refuses_what_it_cannot_do():
     fabric = Fabric(strategy=ProTrainFabricStrategy(pt.Plan(n_persist=1, n_buffer=1)), accelerator="cpu", devices=1)
     fabric.launch()
@@ -179,14 +209,12 @@ def test_a_second_model_in_one_fabric_is_refused_before_anything_is_built(monkey
     """One ProTrain strategy runs one engine: a second fabric.setup used to re-point the strategy
     at the new engine and leave the first model training silently wrong; it is refused with the
     fix, before the second model is profiled or wrapped, and the first keeps training."""
-    import lightning_protrain.fabric as F
-
     fabric = Fabric(strategy=ProTrainFabricStrategy(pt.Plan(n_persist=1, n_buffer=1)), accelerator="cpu", devices=1)
     fabric.launch()
     model = MODELS["gpt2"]()
     model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters()))
     builds = []
-    monkeypatch.setattr(F, "build_engine", lambda *a, **k: builds.append(a))
+    monkeypatch.setattr(ProTrainFabricStrategy, "_build_engine", lambda *a, **k: builds.append(a))
     other = MODELS["gpt2"]()
     with pytest.raises(RuntimeError, match="one ProTrain strategy runs one model.*nn.ModuleDict"):
         fabric.setup(other, torch.optim.AdamW(other.parameters()))

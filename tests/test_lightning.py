@@ -162,6 +162,22 @@ def test_fit_by_instance_with_a_streaming_plan_equals_default():
     assert_same(got2, ref)
 
 
+def test_an_async_checkpoint_io_writes_what_the_default_strategy_writes(tmp_path):
+    """``plugins=[AsyncCheckpointIO()]`` with no IO inside: the wrapper writes through ProTrain's
+    own IO (as Lightning's strategies put theirs inside), and the file holds the weights the
+    default strategy's holds."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    saved = {}
+    for name, strategy in (("default", "auto"), ("protrain", ProTrainStrategy(_plan("streamed")))):
+        _, t = fit(strategy, plugins=[AsyncCheckpointIO()])
+        t.save_checkpoint(tmp_path / f"{name}.ckpt")
+        t.strategy.checkpoint_io.teardown()  # waits for the write, and raises its error
+        saved[name] = torch.load(tmp_path / f"{name}.ckpt", weights_only=False)["state_dict"]
+    assert saved["protrain"].keys() == saved["default"].keys()
+    assert all(torch.equal(saved["protrain"][k], saved["default"][k]) for k in saved["default"])
+
+
 def test_accumulation_scheduler_and_param_groups_equal_default():
     kw = {"schedule": True, "groups": True}
     ref = fit("auto", kw, accumulate_grad_batches=2)

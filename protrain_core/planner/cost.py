@@ -101,34 +101,41 @@ class MemoryEstimate:
         return self.host_bytes + self.swap_host_bytes // 8 + self.staging_host_bytes
 
 
-# ----- eq. 4 and 5, once: for Python floats (one plan) and for tensors (every plan at once) ----
+# ----- eq. 4-6, once: for Python numbers (one plan) and for tensors (every layout at once) ----
 SCALAR = SimpleNamespace(max=max, where=lambda condition, a, b: a if condition else b)
 TENSOR = SimpleNamespace(max=torch.maximum, where=torch.where)
 
 
-def eq4_forward(F, SO, up, *, hidden, async_copies: bool, ops=SCALAR):
-    """Eq. 4, the forward time of one chunk: its segments' compute ``F``, the swap copies out
-    ``SO`` of its swapped blocks and its uploads ``up`` (its own when streamed, plus extra
-    streamed chunks its segments use). A prefetched upload (``hidden``: two or more buffers,
-    not the first chunk) hides behind the previous chunk's compute:
-      t_f = max(F, up, SO)  if hidden,   max(F + up, SO)  otherwise;
-    without asynchronous copies (a CPU device) everything adds up: F + SO + up."""
-    if not async_copies:
-        return F + SO + up
-    return ops.where(hidden, ops.max(ops.max(F, up), SO), ops.max(F + up, SO))
-
-
-def eq5_backward(G, SI, up, off, *, persistent, two_buffers, async_copies: bool, ops=SCALAR):
-    """Eq. 5-6, the backward time of one chunk: compute ``G`` (recomputation included), swap
-    copies in ``SI``, uploads ``up`` and the gradient offload ``off``:
+def chunk_times(F, G, SO, SI, X, Y, extra, *, streamed, again, two_buffers, later, async_copies: bool, ops=SCALAR):
+    """Eq. 4-6 of one chunk (Python numbers), or of many at once (tensors that broadcast, with
+    ``ops=TENSOR``): (forward time, its uploads, backward time, its uploads, gradient offload).
+    ``F``, ``G``: the compute of the segments homed at the chunk (G with recomputation); ``SO``,
+    ``SI``: their swap copies out and in; ``X``, ``Y``: the chunk's upload and offload; ``extra``:
+    the uploads of the streamed chunks its segments fetch besides it; ``streamed``: it streams;
+    ``again``: backward uploads it again (streamed, and not among the last B streamed chunks,
+    still resident when backward starts); ``two_buffers``: B >= 2; ``later``: not chunk 0.
+    Eq. 4: a prefetched upload (two or more buffers, not the first chunk) hides behind the
+    previous chunk's compute:
+      t_f = max(F, up, SO)  if hidden,   max(F + up, SO)  otherwise
+    Eq. 5-6:
       persistent:            max(G, SI + up)
       streamed, B >= 2:      max(G, up + SI, off)        (upload prefetched, offload async)
       streamed, one buffer:  max(G + up + off, up + SI)  (upload, compute, offload in turn)
-    without asynchronous copies: G + SI + up + off."""
+    Without asynchronous copies (a CPU device) everything adds up: F + SO + up, G + SI + up + off."""
+    up_f, up_b, off = extra + X * streamed, extra + X * again, Y * streamed
     if not async_copies:
-        return G + SI + up + off
-    streamed = ops.where(two_buffers, ops.max(ops.max(G, up + SI), off), ops.max(G + up + off, up + SI))
-    return ops.where(persistent, ops.max(G, SI + up), streamed)
+        return F + SO + up_f, up_f, G + SI + up_b + off, up_b, off
+    fwd = ops.where((up_f > 0) & two_buffers & later, ops.max(ops.max(F, up_f), SO), ops.max(F + up_f, SO))
+    two, one = ops.max(ops.max(G, up_b + SI), off), ops.max(G + up_b + off, up_b + SI)
+    bwd = ops.where(streamed, ops.where(two_buffers, two, one), ops.max(G, SI + up_b))
+    return fwd, up_f, bwd, up_b, off
+
+
+def _streaming(n_chunks: int, persistent: frozenset[int]) -> tuple[list[bool], list[int]]:
+    """Whether each chunk streams, and how many streamed chunks come after it (the last B
+    streamed chunks are still resident when backward starts)."""
+    streamed = [c not in persistent for c in range(n_chunks)]
+    return streamed, [*itertools.accumulate(reversed(streamed), initial=0)][-2::-1]
 
 
 # SPECULATIVE (predicted, not run): each streamed chunk is updated during backward into a second
@@ -157,7 +164,7 @@ class CostModel:
         self.N = profile.n_chunks
         self.L = profile.n_blocks
         # W processes (see W above; [Note: sharded chunks]): the persistent chunks' collectives run
-        # beside backward and the next chunks' updates, only what sticks out is charged (``V_prefix``).
+        # beside backward and the next chunks' updates, only what sticks out is charged (``device_updates``).
         w = profile.world_size
         chunks = profile.chunks
         # (Zeros in one process, or where the rates were not measured.)
@@ -176,44 +183,31 @@ class CostModel:
         self.U = [n / hw.cpu_adam_params_per_s + k for n, k in zip(n_upd, passes)]
         self.has_grad = [c.trains for c in chunks]
         self._adam_reduce_gather = ([n / hw.device_adam_params_per_s for n in n_upd], reduce, gather)
-        self.V_prefix = [0.0, *self._device_chain(range(self.N))]  # the first p persistent
         self.async_copies = hw.async_copies
-        # Prefix sums of the chunk sizes when persistent (eq. 8 is linear in n_persist); suffix sums
-        # of the streamed chunks' host bytes, and the largest buffer of chunks c.. (streamed when p = c).
-        self.persist_prefix = list(itertools.accumulate((c.persistent_device_bytes for c in chunks), initial=0))
+        # Suffix sums of the streamed chunks' host bytes (``host_suffix[p]``: the first p persist).
         self.host_suffix = [*itertools.accumulate((c.streamed_host_bytes for c in reversed(chunks)), initial=0)][::-1]
-        self.buffer_suffix = [*itertools.accumulate((c.buffer_device_bytes for c in reversed(chunks)), max,
-                                                    initial=0)][::-1]
         self.segments = profile.segments
         self.block_seg = [i for i, s in enumerate(profile.segments) if s.kind == "block"]
-        self._layouts: dict[tuple[BlockMode, ...], _Layout] = {}
-        self.base = _Base(self)
+        self._layouts: dict[tuple[int, int], _Layout] = {}
         self._grid: _Grid | None = None
 
     def device_updates(self, persistent) -> float:
-        """What the updates of the ``persistent`` chunks (indices) add after backward
-        (``_device_chain``)."""
-        return [0.0, *self._device_chain(sorted(persistent))][-1]
-
-    def _device_chain(self, chunks):
-        """What the updates of the first k of ``chunks`` (persistent, in execution order) add
-        after backward, for k = 1, 2, ...: their device Adam, one after the other, and what
-        their collectives add (W processes): the reduce-scatter of the last one to finish
-        backward (the lowest with gradients: the others run beside backward), and the
-        all-gathers after the updates beyond the last update (each gather follows its chunk's
-        update and the gather before it):
+        """What the updates of the ``persistent`` chunks (indices) add after backward: their
+        device Adam, one after the other, and what their collectives add (W processes): the
+        reduce-scatter of the last one to finish backward (the lowest with gradients: the others
+        run beside backward), and the all-gathers after the updates beyond the last update (each
+        gather follows its chunk's update and the gather before it):
           a_c = a_{c'} + V_c,  g_c = max(g_{c'}, a_c) + gather_c  (c' the persistent chunk before c),
-          each value g_c + r_first (one process: the sum of the Adam times)."""
+          the value g_c + r_first of the last c (one process: the sum of the Adam times)."""
         adam, reduce, gather = self._adam_reduce_gather
-        sharded = any(gather)
         a = g = 0.0
         first = None
-        for c in chunks:
+        for c in sorted(persistent):
             if self.has_grad[c]:
                 a += adam[c]
                 g = max(g, a) + gather[c]
                 first = c if first is None else first
-            yield (g if sharded else a) + (reduce[first] if first is not None else 0.0)
+        return (g if any(gather) else a) + (reduce[first] if first is not None else 0.0)
 
     # ----- helpers -------------------------------------------------------------------------
     def extra_uploads(self, extra: list[int], persistent: frozenset[int]) -> float:
@@ -227,10 +221,12 @@ class CostModel:
         return min(plan.n_buffer, self.N - plan.n_persist)
 
     def layout(self, modes: tuple[BlockMode, ...]) -> _Layout:
-        lay = self._layouts.get(modes)
-        if lay is None:
-            lay = self._layouts[modes] = _Layout(self, modes)
-        return lay
+        """The arrays of one activation layout (``modes``: ``interleaved_modes``), a row of ``grid()``."""
+        key = (modes.count(SWAP), modes.count(CHECKPOINT))
+        if key not in self._layouts:
+            assert modes == interleaved_modes(self.L, *key), "the cost model knows interleaved layouts only"
+            self._layouts[key] = _Layout(self, self.grid().pairs.index(key))
+        return self._layouts[key]
 
     def _streamed(self, persistent: int | frozenset[int]) -> list[ChunkFormat]:
         """The records of the chunks not in ``persistent`` (the indices, or the first n)."""
@@ -279,19 +275,19 @@ class CostModel:
     def runtime(self, plan: Plan) -> RuntimeEstimate:
         return self.runtime_of(self.layout(self.modes(plan)), plan.persistent(), self.buffers(plan))
 
-    def _t_fwd(self, lay: _Layout, c: int, p: frozenset[int], B: int) -> tuple[float, float]:
-        """(forward time of chunk c, its uploads) -- eq. 4 (``p``: the persistent chunks)."""
-        up = self.extra_uploads(lay.extra[c], p) + (self.X[c] if c not in p else 0.0)
-        hidden = bool(up) and B >= 2 and c > 0
-        return eq4_forward(lay.F[c], lay.SO[c], up, hidden=hidden, async_copies=self.async_copies), up
-
     def runtime_of(self, lay: _Layout, p: int | frozenset[int], B: int) -> RuntimeEstimate:
         """Eq. 3-7 for one activation layout, the persistent chunks ``p`` (indices, or the first
         ``p``) and ``B`` buffers."""
         p = frozenset(range(p)) if isinstance(p, int) else p
-        fwd = [self._t_fwd(lay, c, p, B) for c in range(self.N)]  # eq. 4: (time, uploads) of each chunk
-        t_fwd = sum((t for t, _ in fwd), lay.F_free)
-        t_bwd, h2d_bwd, d2h_bwd, cpu_end, cpu_total, dev_total, landed = self._backward(lay, p, B)
+        streamed, after = _streaming(self.N, p)
+        # Eq. 4-6 of each chunk: (forward, its uploads, backward, its uploads, gradient offload).
+        chunks = [chunk_times(lay.F[c], lay.G[c], lay.SO[c], lay.SI[c], self.X[c], self.Y[c],
+                              self.extra_uploads(lay.extra[c], p), streamed=streamed[c],
+                              again=streamed[c] and after[c] >= B, two_buffers=B >= 2, later=c > 0,
+                              async_copies=self.async_copies) for c in range(self.N)]
+        t_fwd = sum((t for t, *_ in chunks), lay.F_free)
+        t_bwd, h2d_bwd, d2h_bwd, cpu_end, cpu_total, landed = self._backward(lay, streamed, chunks)
+        dev_total = self.device_updates(p)
         # Eq. 3, the iteration. The device Adam of persistent chunks runs at step(), after backward.
         # DURING_BACKWARD: the CPU worker overlaps backward, T = T_f + max(T_b + T_gpu_adam, cpu_end).
         # NEXT_FORWARD: the CPU Adam starts when the last gradients have landed and runs in forward
@@ -306,57 +302,50 @@ class CostModel:
         elif self.schedule is UpdateSchedule.DURING_BACKWARD:
             total = during
         else:
-            after = t_bwd + self._forward_after_updates(lay, p, fwd, max(0.0, landed - t_bwd), dev_total)
+            waits = t_bwd + self._forward_after_updates(lay, streamed, chunks, max(0.0, landed - t_bwd), dev_total)
             r = self.redo_fraction if self.schedule is UpdateSchedule.SPECULATIVE else 1.0
-            total = (1 - r) * during + r * after
+            total = (1 - r) * during + r * waits
         estimate = RuntimeEstimate(
             forward_s=t_fwd, backward_s=t_bwd, optimizer_s=total - t_fwd - t_bwd, total_s=total,
-            compute_s=lay.compute_s, recompute_s=lay.recompute_s, h2d_s=sum(up for _, up in fwd) + h2d_bwd,
+            compute_s=lay.compute_s, recompute_s=lay.recompute_s, h2d_s=sum(c[1] for c in chunks) + h2d_bwd,
             d2h_s=sum(lay.SO) + d2h_bwd, cpu_adam_s=cpu_total, device_adam_s=dev_total, bottleneck="",
         )
         busy = estimate.busy()
         return dataclasses.replace(estimate, bottleneck=max(busy, key=busy.get))
 
-    def _forward_after_updates(self, lay: _Layout, p: frozenset[int], fwd, start: float, dev_total: float) -> float:
-        """The next forward under NEXT_FORWARD (``fwd``: each chunk's eq. 4), from the end of
-        backward: the device first runs the persistent chunks' Adam; the CPU worker updates the
-        streamed chunks one after the other in forward order from ``start``; a streamed chunk's
+    def _forward_after_updates(self, lay: _Layout, streamed, chunks, start: float, dev_total: float) -> float:
+        """The next forward under NEXT_FORWARD (``chunks``: each chunk's ``chunk_times``), from the
+        end of backward: the device first runs the persistent chunks' Adam; the CPU worker updates
+        the streamed chunks one after the other in forward order from ``start``; a streamed chunk's
         forward (its upload included) begins no earlier than its update ends."""
         t, done = dev_total + lay.F_free, start
-        for c, (t_c, _) in enumerate(fwd):
-            if c not in p and self.has_grad[c]:
+        for c, (t_c, *_) in enumerate(chunks):
+            if streamed[c] and self.has_grad[c]:
                 done += self.U[c] - self.U_land[c]
                 t = max(t, done)
             t += t_c
         return t
 
-    def _backward(self, lay: _Layout, p: frozenset[int], B: int):
-        """T_b (eq. 5-6, chunks in reverse) with its traffic, and the Adam times: the CPU worker's
-        Adam (eq. 7) starts on a chunk when its gradients are offloaded,
-        a_c = max(a_{c+1}, tau_c + Y) + U_c, tau_c (``t``) the time chunk c's backward ends;
-        ``landed``, when the worker has landed the last offloaded gradients, under NEXT_FORWARD
-        (each chunk's landing then also restores its compute copy: as long again), and
-        ``cpu_total`` all of the worker's work."""
+    def _backward(self, lay: _Layout, streamed, chunks):
+        """T_b (eq. 5-6, chunks in reverse; ``chunks``: each chunk's ``chunk_times``) with its
+        traffic, and the Adam times: the CPU worker's Adam (eq. 7) starts on a chunk when its
+        gradients are offloaded, a_c = max(a_{c+1}, tau_c + Y) + U_c, tau_c (``t``) the time chunk
+        c's backward ends; ``landed``, when the worker has landed the last offloaded gradients,
+        under NEXT_FORWARD (each chunk's landing then also restores its compute copy: as long
+        again), and ``cpu_total`` all of the worker's work."""
         t = lay.G_free  # the segments without chunks ("post" of a parameter-free head) come first
         h2d = d2h = cpu_end = cpu_total = landed = 0.0
         deferred = self.schedule is not UpdateSchedule.DURING_BACKWARD
-        # The resident chunks, the last B streamed ones, are still on the device when backward starts:
-        # no upload again.
-        resident = frozenset([c for c in range(self.N) if c not in p][self.N - len(p) - B:])
-        for c in range(self.N - 1, -1, -1):  # eq. 5-6
-            streamed = c not in p
-            up = self.extra_uploads(lay.extra[c], p) + (self.X[c] if streamed and c not in resident else 0.0)
-            off = self.Y[c] if streamed else 0.0
-            t_c = eq5_backward(lay.G[c], lay.SI[c], up, off, persistent=not streamed, two_buffers=len(resident) >= 2,
-                               async_copies=self.async_copies)
+        for c in range(self.N - 1, -1, -1):
+            _, _, t_c, up, off = chunks[c]
             h2d += up + lay.SI[c]
             d2h += off
             t += t_c
-            if streamed:
+            if streamed[c]:
                 cpu_total += self.U[c] + (self.U_land[c] if deferred else 0.0)
                 cpu_end = max(cpu_end, t + off) + self.U[c]
                 landed = max(landed, t + off) + (2 * self.U_land[c] if deferred else 0.0)
-        return t, h2d, d2h, cpu_end, cpu_total, self.device_updates(p), landed
+        return t, h2d, d2h, cpu_end, cpu_total, landed
 
     def grid(self) -> _Grid:
         """Every activation layout at once, as tensors (for the search)."""
@@ -383,198 +372,117 @@ class CostModel:
         )
 
 
-def swap_times(seg, hw) -> tuple[float, float]:
-    """Time a swapped block adds by its copies out (forward) and back (backward): measured
-    where copies do not overlap compute, else its saved bytes over the copy bandwidth."""
-    if seg.swap_out_s is not None and seg.swap_in_s is not None:
-        return seg.swap_out_s, seg.swap_in_s
-    return seg.saved_bytes / hw.d2h_bytes_per_s, seg.saved_bytes / hw.h2d_bytes_per_s
-
-
-class _Base:
-    """What every layout shares: per-chunk forward/backward compute without recomputation, the
-    segments' home chunks and extra fetches."""
-
-    def __init__(self, model: CostModel) -> None:
-        N = model.N
-        segs = model.profile.segments
-        self.F, self.G = [0.0] * N, [0.0] * N
-        self.extra: list[list[int]] = [[] for _ in range(N)]
-        self.F_free = self.G_free = 0.0
-        self.home: list[int | None] = []
-        for s in segs:
-            if not s.chunks:
-                self.home.append(None)
-                self.F_free += s.fwd_s
-                self.G_free += s.bwd_s
-                continue
-            home = max(s.chunks)
-            self.home.append(home)
-            self.F[home] += s.fwd_s
-            self.G[home] += s.bwd_s
-            self.extra[home].extend(c for c in s.chunks if c != home)
-        self.compute = sum(s.fwd_s + s.bwd_s for s in segs)
-
-
 class _Layout:
-    """Per-chunk arrays of one activation layout, and its activation peak (eq. 9)."""
+    """One activation layout, a row of ``_Grid``, as Python numbers (for the scalar model)."""
 
-    def __init__(self, model: CostModel, modes: tuple[BlockMode, ...]) -> None:
-        base = model.base
-        # Layout-independent parts are shared: forward per chunk, extra fetches; the backward
-        # gets the checkpointed blocks' recomputation, the copy links the swapped blocks' bytes.
-        self.F, self.extra, self.F_free = base.F, base.extra, base.F_free
-        self.G, self.G_free, self.recompute_s = list(base.G), base.G_free, 0.0
-        self.SO, self.SI, self.swap_host_bytes = [0.0] * model.N, [0.0] * model.N, 0
-        for b, i in enumerate(model.block_seg):  # recomputation or swap copies at the block's home chunk
-            seg, home = model.segments[i], base.home[i]
-            if modes[b] is CHECKPOINT:
-                self.recompute_s += seg.recompute_s
-                if home is None:
-                    self.G_free += seg.recompute_s
-                else:
-                    self.G[home] += seg.recompute_s
-            elif modes[b] is SWAP and home is not None:
-                out_s, in_s = swap_times(seg, model.profile.hardware)
-                self.SO[home] += out_s
-                self.SI[home] += in_s
-                self.swap_host_bytes += seg.saved_bytes
-        self.compute_s = base.compute + self.recompute_s
-        peak, where = _memory_walk(model, *(torch.tensor([[m is mode for m in modes]], dtype=torch.bool)
-                                            for mode in (SWAP, CHECKPOINT)))
-        self.activation_peak, where = int(peak[0]), int(where[0])
+    def __init__(self, model: CostModel, row: int) -> None:
+        grid = model.grid()
+        self.F, self.extra, self.F_free = grid.F, grid.extra, grid.F_free
+        self.G, self.SO, self.SI = (t[row].tolist() for t in (grid.G, grid.SO, grid.SI))
+        self.G_free, self.recompute_s = float(grid.G_free[row]), float(grid.recompute_s[row])
+        self.compute_s, self.swap_host_bytes = float(grid.compute_s[row]), int(grid.swap_host_bytes[row])
+        self.activation_peak, where = int(grid.activation_peak[row]), int(grid.peak_where[row])
         phase, seg = ("forward", "backward")[where % 2], model.segments[where // 2].name
         self.peak_at = "start" if where < 0 else f"{phase} of {seg}"
 
 
 class _Grid:
     """Every activation layout (n_swap, n_checkpoint) at once, as float64/int64 tensors with one
-    row per layout: its activation peak (``_memory_walk``, as ``_Layout``'s), its swapped bytes in
-    host memory, and prefix sums over chunks of each case of eq. 4-5 (persistent; streamed with
-    one or with more buffers; in or out of the window of chunks still resident when backward
-    starts). ``phases(B)`` then gives T_f + T_b + device Adam of every (layout, n_persist) for
-    given buffer counts, from a few gathers: exactly the first terms of eq. 3, so a lower bound
-    of the step time. Chunk 0 and chunks whose segments fetch extra chunks ("special") are left
-    out of the prefix sums and added per plan by the same ``eq4_forward`` / ``eq5_backward`` as
-    the scalar model."""
+    row per layout (``pairs``): its block modes, activation peak and where it is
+    (``_memory_walk``); per chunk its backward compute with recomputation G, swap copies out SO
+    and in SI; its backward outside chunks G_free, recomputation, compute and swapped bytes in
+    host memory. And what the layouts share: per chunk the forward compute F of the segments
+    homed at it (a segment's home is the last chunk it uses; a block uses exactly one) and the
+    extra chunks they fetch; F_free, the forward of the segments without chunks."""
 
     def __init__(self, model: CostModel) -> None:
         self.model = model
-        L = model.L
+        L, N, segs, f64 = model.L, model.N, model.segments, torch.float64
         self.pairs = [(s, c) for s in range(L + 1) for c in range(L + 1 - s)]
-        self.swap, self.ckpt = _grid_modes(L, self.pairs)
-        self.activation_peak = _memory_walk(model, self.swap, self.ckpt)[0]  # eq. 9 for every row at once
-        self.G, self.SO, self.SI, self.free, self.swap_host_bytes = self._block_costs()
-        self.special = [c for c in range(model.N) if c == 0 or model.base.extra[c]]
-        self.cases = self._cases()
-        (self.fP, self.fS2, self.fS1, self.bP, self.bSin2, self.bSout2, self.bSin1, self.bSout1) = [
-            torch.cat([torch.zeros(len(self.pairs), 1, dtype=torch.float64), torch.cumsum(v, 1)], 1) for v in self.cases]
-        self.V = torch.tensor(model.V_prefix, dtype=torch.float64)
-
-    def _block_costs(self):
-        """Per row and chunk: backward compute with recomputation G, swap copies out SO and in
-        SI (a block's home is its one chunk); per row: chunk-free time, swapped host bytes."""
-        m, base = self.model, self.model.base
-        f64 = torch.float64
-        L, N = m.L, m.N
-        R, WO, WI = (torch.zeros(L, N, dtype=f64) for _ in range(3))
-        r_free = torch.zeros(L, dtype=f64)
-        host = torch.zeros(L, dtype=torch.int64)
-        for b, i in enumerate(m.block_seg):
-            seg, home = m.segments[i], base.home[i]
-            if home is None:
-                r_free[b] = seg.recompute_s
+        modes = [interleaved_modes(L, s, c) for s, c in self.pairs]
+        self.swap, self.ckpt = (torch.tensor([[m is mode for m in row] for row in modes], dtype=torch.bool)
+                                for mode in (SWAP, CHECKPOINT))
+        self.activation_peak, self.peak_where = _memory_walk(model, self.swap, self.ckpt)  # eq. 9 for every row at once
+        self.F, G, self.extra, home = [0.0] * N, [0.0] * N, [[] for _ in range(N)], []
+        self.F_free = G_free = 0.0
+        for s in segs:
+            home.append(h := max(s.chunks, default=None))
+            if h is None:
+                self.F_free += s.fwd_s
+                G_free += s.bwd_s
             else:
-                R[b, home] = seg.recompute_s
-                WO[b, home], WI[b, home] = swap_times(seg, m.profile.hardware)
-                host[b] = seg.saved_bytes
-        ck, sw = self.ckpt.to(f64), self.swap.to(f64)
-        G = torch.tensor(base.G, dtype=f64)[None, :] + ck @ R
-        free = base.F_free + base.G_free + ck @ r_free
-        return G, sw @ WO, sw @ WI, free, (self.swap.to(torch.int64) * host).sum(1)
+                self.F[h] += s.fwd_s
+                G[h] += s.bwd_s
+                self.extra[h].extend(c for c in s.chunks if c != h)
+        rows, hw = len(self.pairs), model.profile.hardware
+        self.G, self.SO, self.SI = torch.tensor(G, dtype=f64).repeat(rows, 1), *torch.zeros(2, rows, N, dtype=f64)
+        self.G_free, self.recompute_s = torch.full((rows,), G_free, dtype=f64), torch.zeros(rows, dtype=f64)
+        self.swap_host_bytes = torch.zeros(rows, dtype=torch.int64)
+        # Recomputation or swap copies at the block's home chunk, block by block in order: each row
+        # sums as the scalar model would. A swapped block's copies are measured where they do not
+        # overlap compute, else its saved bytes over the copy bandwidth.
+        for b, i in enumerate(model.block_seg):
+            seg, h, swap = segs[i], home[i], self.swap[:, b].to(f64)
+            r = self.ckpt[:, b].to(f64) * seg.recompute_s
+            self.recompute_s += r
+            if h is None:
+                self.G_free += r
+                continue
+            self.G[:, h] += r
+            measured = seg.swap_out_s is not None and seg.swap_in_s is not None
+            self.SO[:, h] += swap * (seg.swap_out_s if measured else seg.saved_bytes / hw.d2h_bytes_per_s)
+            self.SI[:, h] += swap * (seg.swap_in_s if measured else seg.saved_bytes / hw.h2d_bytes_per_s)
+            self.swap_host_bytes += self.swap[:, b] * seg.saved_bytes
+        self.compute_s = sum(s.fwd_s + s.bwd_s for s in segs) + self.recompute_s
+        # First-n sets: sums over spans of chunks of per-chunk cases, so prefix sums over chunks of
+        # each case, (streamed, uploaded again in backward, two or more buffers), without the
+        # chunks whose segments fetch others (their uploads depend on the set: charged apart).
+        self.F_t, self.X_t, self.Y_t = (torch.tensor(v, dtype=f64) for v in (self.F, model.X, model.Y))
+        self.later, self.special, self.prefix = torch.arange(N) > 0, [c for c in range(N) if self.extra[c]], {}
+        for case in [(False, False, False), *itertools.product([True], [False, True], [False, True])]:
+            v = self._times(slice(None), 0.0, *(torch.tensor(x) for x in case))
+            v[:, self.special] = 0.0
+            self.prefix[case] = torch.cat([torch.zeros(rows, 1, dtype=f64), v.cumsum(1)], 1)
 
-    def _cases(self) -> list[Tensor]:
-        """Eq. 4's and eq. 5's cases, per row and chunk (special chunks zero)."""
-        m = self.model
-        f64 = torch.float64
-        n = len(self.pairs)
-        F = torch.tensor(m.base.F, dtype=f64)[None, :].expand(n, m.N)
-        G, SO, SI = self.G, self.SO, self.SI
-        X, zero = F.new_tensor(m.X)[None, :], F.new_tensor(0.0)
-        off = torch.tensor(m.Y, dtype=f64)
-        kw = dict(async_copies=m.async_copies, ops=TENSOR)
-        yes, no = torch.tensor(True), torch.tensor(False)
-        cases = (
-            eq4_forward(F, SO, zero, hidden=no, **kw),  # persistent
-            eq4_forward(F, SO, X, hidden=yes, **kw),  # streamed, two or more buffers
-            eq4_forward(F, SO, X, hidden=no, **kw),  # streamed, one buffer
-            eq5_backward(G, SI, zero, zero, persistent=yes, two_buffers=yes, **kw),  # persistent
-            eq5_backward(G, SI, zero, off, persistent=no, two_buffers=yes, **kw),  # streamed, in the window
-            eq5_backward(G, SI, X, off, persistent=no, two_buffers=yes, **kw),  # streamed, uploaded again
-            eq5_backward(G, SI, zero, off, persistent=no, two_buffers=no, **kw),
-            eq5_backward(G, SI, X, off, persistent=no, two_buffers=no, **kw),
-        )
-        special = torch.zeros(m.N, dtype=torch.bool)
-        special[self.special] = True
-        return [torch.where(special, 0.0, v.expand(n, m.N)) for v in cases]
+    def _times(self, c: slice, extra, streamed, again, two) -> Tensor:
+        """Forward + backward (``chunk_times``) of chunks ``c`` for every row."""
+        fwd, _, bwd, _, _ = chunk_times(self.F_t[c], self.G[:, c], self.SO[:, c], self.SI[:, c], self.X_t[c],
+                                        self.Y_t[c], extra, streamed=streamed, again=again, two_buffers=two,
+                                        later=self.later[c], async_copies=self.model.async_copies, ops=TENSOR)
+        return fwd + bwd
 
-    def phases(self, B: Tensor) -> Tensor:
-        """T_f + T_b + device Adam for row l and n_persist p with B[l, p] buffers in use
-        (B: int64 [layouts, N+1]; entries with p + B > N are meaningless)."""
-        m = self.model
-        N = m.N
-        p = torch.arange(N + 1)[None, :].expand(B.shape[0], N + 1)
-        two = B >= 2
-        cut = torch.maximum(p, N - B).clamp(max=N)
-        end = torch.full_like(p, N)
+    def phases(self, sets: list, B: Tensor) -> Tensor:
+        """T_f + T_b + device Adam of every row for each of ``sets`` (the persistent chunks: the
+        first n, an int, or indices) with ``B[l, j]`` buffers in use (int64 [layouts, sets]): the
+        scalar model's ``chunk_times`` summed, exactly the first terms of eq. 3, so a lower bound
+        of the step time. First-n sets at once, from a few gathers of the prefix sums."""
+        if not all(isinstance(p, int) for p in sets):
+            return torch.stack([self.phases_of_set(p, B[:, j]) for j, p in enumerate(sets)], 1)
+        m, N = self.model, self.model.N
+        p = torch.tensor(sets).expand_as(B)
+        two, cut = B >= 2, torch.maximum(p, N - B).clamp(max=N)  # streamed chunks in [p, cut) are uploaded again
 
-        def span(a2: Tensor, a1: Tensor, lo: Tensor, hi: Tensor) -> Tensor:  # chunks lo <= c < hi
-            return torch.where(two, a2.gather(1, hi) - a2.gather(1, lo), a1.gather(1, hi) - a1.gather(1, lo))
+        def span(again: bool, lo: Tensor, hi: Tensor) -> Tensor:  # streamed chunks lo <= c < hi
+            s2, s1 = self.prefix[True, again, True], self.prefix[True, again, False]
+            return torch.where(two, s2.gather(1, hi) - s2.gather(1, lo), s1.gather(1, hi) - s1.gather(1, lo))
 
-        t = (self.free[:, None] + self.fP + span(self.fS2, self.fS1, p, end) + self.bP
-             + span(self.bSout2, self.bSout1, p, cut) + span(self.bSin2, self.bSin1, cut, end) + self.V[None, :])
+        t = ((self.F_free + self.G_free)[:, None] + self.prefix[False, False, False].gather(1, p)
+             + span(True, p, cut) + span(False, cut, torch.full_like(p, N))
+             + torch.tensor([m.device_updates(range(q)) for q in sets], dtype=torch.float64))
         for c in self.special:
-            extra = torch.tensor([m.extra_uploads(m.base.extra[c], frozenset(range(q))) for q in range(N + 1)],
-                                 dtype=torch.float64)[None, :]
-            t = t + self._special_chunk(c, p <= c, (p <= c) & (c < N - B), extra, two)
+            extra = torch.tensor([m.extra_uploads(self.extra[c], range(q)) for q in sets], dtype=torch.float64)
+            t = t + self._times(slice(c, c + 1), extra, p <= c, (p <= c) & (c < N - B), two)
         return t
 
     def phases_of_set(self, persistent: frozenset[int], B: Tensor) -> Tensor:
-        """``phases`` for one set of persistent chunks (indices) and every row, with ``B[l]``
-        buffers in use (int64 [layouts])."""
+        """``phases`` for one set of persistent chunks (indices), with ``B[l]`` buffers in use
+        (int64 [layouts]): ``chunk_times`` of every chunk and row at once."""
         m = self.model
-        N = m.N
-        fP, fS2, fS1, bP, bSin2, bSout2, bSin1, bSout1 = self.cases
-        kept = torch.tensor([c in persistent for c in range(N)])[None, :]
-        streamed = [c for c in range(N) if c not in persistent]
-        after = torch.zeros(N, dtype=torch.int64)  # streamed chunks after each streamed chunk
-        after[streamed] = torch.arange(len(streamed) - 1, -1, -1)
-        two = (B >= 2)[:, None]
-        again = ~kept & (after[None, :] >= B[:, None])  # not in the window of the last B streamed chunks
-        fwd = torch.where(kept, fP, torch.where(two, fS2, fS1))
-        bwd = torch.where(kept, bP, torch.where(again, torch.where(two, bSout2, bSout1), torch.where(two, bSin2, bSin1)))
-        t = self.free + (fwd + bwd).sum(1) + m.device_updates(persistent)
-        for c in self.special:
-            extra = torch.tensor(m.extra_uploads(m.base.extra[c], persistent), dtype=torch.float64)
-            t = t + self._special_chunk(c, ~kept[:, c:c + 1], again[:, c:c + 1], extra, two)[:, 0]
-        return t
-
-    def _special_chunk(self, c: int, streamed: Tensor, again: Tensor, extra: Tensor, two: Tensor) -> Tensor:
-        """Eq. 4 + eq. 5 of chunk ``c`` for every row and column of the masks, as ``_t_fwd`` /
-        ``_backward``: ``streamed``, whether it is streamed; ``again``, whether backward uploads it
-        again (streamed, out of the resident window); ``extra``, the upload time of the
-        streamed chunks its segments fetch besides it."""
-        m = self.model
-        f64 = torch.float64
-        X = m.X[c]
-        kw = dict(async_copies=m.async_copies, ops=TENSOR)
-        up = extra + X * streamed.to(f64)
-        hidden = ((up > 0) & two) if c > 0 else torch.zeros_like(two)
-        fwd = eq4_forward(torch.tensor(m.base.F[c], dtype=f64), self.SO[:, c:c + 1], up, hidden=hidden, **kw)
-        up = extra + X * again.to(f64)
-        off = streamed.to(f64) * m.Y[c]
-        bwd = eq5_backward(self.G[:, c:c + 1], self.SI[:, c:c + 1], up, off, persistent=~streamed, two_buffers=two, **kw)
-        return fwd + bwd
+        streamed, after = _streaming(m.N, persistent)
+        streamed, B = torch.tensor(streamed), B[:, None]
+        extra = torch.tensor([m.extra_uploads(e, persistent) for e in self.extra], dtype=torch.float64)
+        t = self._times(slice(None), extra, streamed, streamed & (torch.tensor(after) >= B), B >= 2)
+        return self.F_free + self.G_free + t.sum(1) + m.device_updates(persistent)
 
 
 def _memory_walk(model: CostModel, swap: Tensor, ckpt: Tensor) -> tuple[Tensor, Tensor]:
@@ -612,21 +520,6 @@ def _memory_walk(model: CostModel, swap: Tensor, ckpt: Tensor) -> tuple[Tensor, 
     peak, where = torch.stack([fwd, bwd], 2).flatten(1).max(1)  # the first of equal peaks
     where = torch.where(peak > 0, where, -1)
     return (peak.clamp(min=0).to(torch.float64) * model.profile.fragmentation).floor().to(torch.int64), where
-
-
-def _grid_modes(L: int, pairs: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
-    """Block modes of every (n_swap, n_checkpoint) row, as ``interleaved_modes``: blocks <
-    n_swap swap; of the r = L - n_swap others, position floor(k * r / n_checkpoint) is
-    checkpointed for k < n_checkpoint."""
-    i64 = torch.int64
-    S = torch.tensor([s for s, _ in pairs], dtype=i64)
-    C = torch.tensor([c for _, c in pairs], dtype=i64)
-    k = torch.arange(L, dtype=i64)
-    swap = k[None, :] < S[:, None]
-    pos = S[:, None] + k[None, :] * (L - S)[:, None] // C.clamp(min=1)[:, None]
-    hit = (k[None, :] < C[:, None]).to(i64)
-    ckpt = torch.zeros(len(pairs), L, dtype=i64).scatter_add_(1, pos.clamp(max=max(L - 1, 0)), hit) > 0
-    return swap, ckpt
 
 
 def estimate_runtime(profile: Profile, plan: Plan, *, schedule: UpdateSchedule = UpdateSchedule.DURING_BACKWARD,

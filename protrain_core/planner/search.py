@@ -208,10 +208,7 @@ def search(profile: Profile, budget: int, *, host_budget: int | None = None,
     than ``KEEP_ALL_MARGIN`` ([Note: keeping every chunk when streaming gains little])."""
     start = time.perf_counter()
     cm = CostModel(profile, schedule=schedule, gradient_passes=gradient_passes)
-    if isinstance(n_persist, (set, frozenset)):
-        best, evaluated = _best_layout(cm, frozenset(n_persist), budget, host_budget)
-    else:
-        best, evaluated = _best_first_n(cm, budget, host_budget, n_persist)
+    best, evaluated = _best(cm, [*range(cm.N + 1)] if n_persist is None else [n_persist], budget, host_budget)
     if best is None and sets and n_persist is None and host_budget is not None:
         best, more = _host_fitting_start(cm, budget, host_budget)
         evaluated += more
@@ -227,46 +224,26 @@ def search(profile: Profile, budget: int, *, host_budget: int | None = None,
     return _choice(cm, plan, budget, host_budget, evaluated + more, time.perf_counter() - start)
 
 
-def _best_first_n(cm: CostModel, budget: int, host_budget: int | None, n_persist: int | None):
-    """The best plan whose persistent chunks are the first n, as (time, memory, plan), or None
-    when none fits; and the number of plans evaluated. Exact (the module docstring)."""
+def _best(cm: CostModel, sets, budget: int, host_budget: int | None):
+    """The best plan whose persistent chunks are one of ``sets`` (each the first n, an int, or
+    indices), over every activation layout with the most buffers that fit: (time, memory, plan)
+    or None when none fits; and the plans evaluated. Memory (eq. 8-10) is separable: room for
+    the chunk buffers = budget - base - activations - persistent chunks, so for each (layout,
+    set) the largest n_buffer that fits is one division. Exact (the module docstring)."""
     profile, N = cm.profile, cm.N
-    grid = cm.grid()  # every layout's activation peak, swapped bytes and phase prefix sums
-    buf = torch.tensor(cm.buffer_suffix)  # one buffer's bytes when the first p chunks persist
-    need = torch.tensor([profile.limits.buffers_needed(q) for q in range(N + 1)])  # [Note: plan validity]
-    # Memory (eq. 8-10) is separable: room for model states = budget - base - activations; for
-    # each (layout, n_persist) the largest n_buffer that fits is one division.
-    p = torch.arange(N + 1)
-    persist = torch.tensor(cm.persist_prefix)
-    avail = (budget - profile.base_bytes - grid.activation_peak)[:, None] - persist[None, :]
-    B = torch.where(p == N, 0, torch.minimum(N - p, avail.div(buf.clamp(min=1)[None, :], rounding_mode="floor")))
-    ok = (avail >= 0) & ((p == N) | (B >= need))
-    if n_persist is not None:
-        ok &= (p == n_persist)[None, :]
-    if host_budget is not None:
-        suffix = torch.tensor(cm.host_suffix)
-        ok &= suffix[None, :] + grid.swap_host_bytes[:, None] <= host_budget
-    B = torch.where(ok, B, 0)
+    grid = cm.grid()  # every layout's activation peak, swapped bytes and phases
+    columns = []
+    for persistent in sets:
+        kept = frozenset(range(persistent)) if isinstance(persistent, int) else persistent
+        avail = budget - profile.base_bytes - grid.activation_peak - cm.states_bytes(persistent, 0)
+        B = avail.div(max(cm.buffer_bytes(persistent), 1), rounding_mode="floor").clamp(max=N - len(kept))
+        ok = (avail >= 0) & (B >= profile.limits.buffers_needed(persistent))  # [Note: plan validity]
+        if host_budget is not None:
+            ok &= cm.streamed_host_bytes(persistent) + grid.swap_host_bytes <= host_budget
+        columns.append((ok, torch.where(ok, B, 0)))
+    ok, B = (torch.stack(c, 1) for c in zip(*columns))
     rows, cols = ok.nonzero(as_tuple=True)
-    bound = grid.phases(B)[rows, cols]
-    return _visit(cm, bound, rows, cols.tolist(), B[rows, cols])
-
-
-def _best_layout(cm: CostModel, persistent: frozenset[int], budget: int, host_budget: int | None):
-    """The best plan whose persistent chunks are ``persistent``, over every activation layout
-    with the most buffers that fit (``_best_first_n`` for one set, with the bound of
-    ``_Grid.phases_of_set``): (time, memory, plan) or None; and the plans evaluated."""
-    profile, N = cm.profile, cm.N
-    grid = cm.grid()
-    n = len(persistent)
-    avail = budget - profile.base_bytes - grid.activation_peak - cm.states_bytes(persistent, 0)
-    B = avail.div(max(cm.buffer_bytes(persistent), 1), rounding_mode="floor").clamp(max=N - n)
-    ok = (avail >= 0) & (B >= profile.limits.buffers_needed(persistent))
-    if host_budget is not None:
-        ok &= cm.streamed_host_bytes(persistent) + grid.swap_host_bytes <= host_budget
-    B = torch.where(ok, B, 0)
-    rows = ok.nonzero(as_tuple=True)[0]
-    return _visit(cm, grid.phases_of_set(persistent, B)[rows], rows, [persistent] * len(rows), B[rows])
+    return _visit(cm, grid.phases(sets, B)[rows, cols], rows, [sets[i] for i in cols.tolist()], B[rows, cols])
 
 
 def _visit(cm: CostModel, bounds, rows, persistents: list, buffers):
@@ -305,7 +282,7 @@ def _plan(persistent: int | frozenset[int], n_buffer: int, n_swap: int, n_checkp
 def _refine(cm: CostModel, best, budget: int, host_budget: int | None):
     """Improve ``best`` = (time, memory, plan), the best first-n plan, by moving chunks in and
     out of its persistent set, each set with its best activation layout and the most buffers
-    that fit (``_best_layout``); steepest descent until no move is predicted faster. Returns
+    that fit (``_best``); steepest descent until no move is predicted faster. Returns
     the best (time, memory, plan) and the plans evaluated. Chunks alike in format (``_groups``)
     persist earliest first, as the first-n rule has them; so a move adds a group's next chunk,
     drops its last persistent one, or does both for two groups: a handful of sets per round
@@ -316,7 +293,7 @@ def _refine(cm: CostModel, best, budget: int, host_budget: int | None):
     for _ in range(2 * cm.N + 2):  # a bound, should near-ties ever cycle
         current = best[2]
         for persistent in _moves(groups, current.persistent()):
-            found, more = _best_layout(cm, persistent, budget, host_budget)
+            found, more = _best(cm, [persistent], budget, host_budget)
             evaluated += more
             if found is not None and _better(*found, best):
                 best = found
@@ -337,7 +314,7 @@ def _host_fitting_start(cm: CostModel, budget: int, host_budget: int):
     evaluated = 0
     for persistent in sorted((s for s in sets if cm.streamed_host_bytes(s) <= host_budget),
                              key=lambda s: cm.states_bytes(s, 0))[:16]:
-        found, more = _best_layout(cm, persistent, budget, host_budget)
+        found, more = _best(cm, [persistent], budget, host_budget)
         evaluated += more
         if found is not None:
             return found, evaluated
@@ -350,7 +327,7 @@ def _groups(cm: CostModel) -> list[list[int]]:
     whether another chunk's segments fetch them; each fact in 1/32 steps of its largest value
     (the moves are coarse, their evaluation is exact)."""
     p = cm.profile
-    fetched = {e for extra in cm.base.extra for e in extra}
+    fetched = {e for extra in cm.grid().extra for e in extra}
     facts = [[getattr(c, name) for c in p.chunks] for name in (
         "updated_numel", "frozen_numel", "persistent_device_bytes", "streamed_host_bytes", "upload_bytes", "offload_bytes",
         "buffer_device_bytes")]
@@ -394,7 +371,7 @@ def _keep_all_if_close(cm: CostModel, best, budget: int, host_budget: int | None
     when streaming gains little]); and the plans evaluated."""
     if best[2].n_persist == cm.N:
         return best, 0
-    kept, evaluated = _best_first_n(cm, budget, host_budget, cm.N)
+    kept, evaluated = _best(cm, [cm.N], budget, host_budget)
     return (kept if kept is not None and kept[0] <= best[0] * (1 + KEEP_ALL_MARGIN) else best), evaluated
 
 

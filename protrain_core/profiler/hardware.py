@@ -26,10 +26,6 @@ from protrain_core.runtime.state_formats import moment_step
 from protrain_ops import AdamHyperParams, adam_step, copy_to_low_precision, onepass
 
 
-def device_name(device: torch.device | DeviceContext) -> str:
-    return as_context(device).name()
-
-
 def _median_time(ctx: DeviceContext, fn, sync, *, budget_s: float = 0.15, max_reps: int = 20) -> float:
     fn()
     sync()
@@ -92,17 +88,14 @@ def _copy_rates(ctx: DeviceContext, n: int, cdt: torch.dtype, pin: bool) -> tupl
         host = torch.empty(n, dtype=cdt, device=ctx.host, pin_memory=pin)
     dev = torch.empty(n, dtype=cdt, device=ctx.device)
     host.fill_(1)
-    nbytes, sync = n * cdt.itemsize, ctx.synchronize_device
     if ctx.asynchronous:
-        h2d = nbytes / _median_time(ctx, lambda: ctx.copy_async(dev, host, stream=ctx.h2d_stream,
-                                                                 span=("host->device", "probe")), sync)
-        d2h = nbytes / _median_time(ctx, lambda: ctx.copy_async(host, dev, stream=ctx.d2h_stream,
-                                                                 span=("device->host", "probe")), sync)
+        copies = (lambda: ctx.copy_async(dev, host, stream=ctx.h2d_stream, span=("host->device", "probe")),
+                  lambda: ctx.copy_async(host, dev, stream=ctx.d2h_stream, span=("device->host", "probe")))
     else:
         # The CPU runtime allocates a chunk's "device" buffer (and gradient buffer) anew for
         # every upload (and offload): fresh pages, so the probe allocates too.
-        h2d = nbytes / _median_time(ctx, lambda: torch.empty(n, dtype=cdt).copy_(host), sync)
-        d2h = nbytes / _median_time(ctx, lambda: host.copy_(torch.zeros(n, dtype=cdt)), sync)
+        copies = (lambda: torch.empty(n, dtype=cdt).copy_(host), lambda: host.copy_(torch.zeros(n, dtype=cdt)))
+    h2d, d2h = (n * cdt.itemsize / _median_time(ctx, copy, ctx.synchronize_device) for copy in copies)
     return h2d, d2h
 
 

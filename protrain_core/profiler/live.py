@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from protrain_core.phase import StepObserver
 from protrain_core.plan import BlockMode
 from protrain_core.planner.profiles import Profile, load_cached, store
-from protrain_core.profiler.boundaries import Boundaries, Boundary as B, MemoryPass
+from protrain_core.profiler.boundaries import Boundaries, Boundary as B
 from protrain_core.profiler.profiler import (
     Measured, base_bytes, build_profile, check_blocks_called, fragmentation_factor, memory_meter, profile_key,
     tensor_shapes,
@@ -76,8 +76,7 @@ class LiveProfiler(StepObserver):
         self.schedule = ["memory"] + warm + ["time"] * TIMED_STEPS + (["swap-warm-up"] + ["swap"] * TIMED_STEPS if swaps else [])
         self.step = 0
         self.recorded = False  # a micro-batch of this step was measured
-        self.mem: MemoryPass | None = None
-        self._meter = None  # the dispatch mode of the memory pass, while entered
+        self._meter = None  # the dispatch mode of the memory pass (feeding ``measured.mem``), while entered
         self.measured = Measured(chunks={}, base=0, mem=None, fragmentation=1.0, timings=[], swap_timings=[])
         self.key: str | None = None
         self.shapes = None
@@ -96,11 +95,13 @@ class LiveProfiler(StepObserver):
             if self.started is None:
                 self.started = self.engine.ctx.clock()
             if self.schedule[self.step] == "memory" and self.measured.mem is None and self.cached is None:
-                self._enter_memory_pass()
+                self.measured.base = base_bytes(self.engine, self.bounds.first_inputs or [])
+                self.measured.mem, self._meter = memory_meter(self.engine, self.bounds)
+                self._meter.__enter__()
         if kind == B.FORWARD and seg == 1 and self.key is None:
             self._look_up_cache()
-        if self.mem is not None:
-            self.mem.boundary(kind, seg)
+        if self._meter is not None:
+            self.measured.mem.boundary(kind, seg)
 
     def backward_begins(self) -> None:
         self.bounds.mark(B.FORWARD_END)
@@ -149,18 +150,11 @@ class LiveProfiler(StepObserver):
             (self.measured.timings if kind == "time" else self.measured.swap_timings).append(timing)
         self.recorded = True
 
-    def _enter_memory_pass(self) -> None:
-        engine = self.engine
-        self.measured.base = base_bytes(engine, self.bounds.first_inputs or [])
-        self.mem, self._meter = memory_meter(engine, self.bounds)
-        self._meter.__enter__()
-
     def _leave_memory_pass(self) -> None:
         if self._meter is None:
             return
         self._meter.__exit__(None, None, None)
         self._meter = None
-        self.measured.mem, self.mem = self.mem, None
         self.measured.fragmentation = fragmentation_factor(self.engine.ctx)
 
     def _look_up_cache(self) -> None:

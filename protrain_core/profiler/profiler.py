@@ -52,7 +52,7 @@ from protrain_core.plan import BlockMode, Plan, PlanLimits
 from protrain_core.planner.profiles import PROFILE_VERSION, Profile, Segment, load_cached, store
 from protrain_core.precision import Precision
 from protrain_core.profiler.boundaries import Boundaries, Boundary as B, CudaMeter, MemoryPass
-from protrain_core.profiler.hardware import device_name, probe_hardware
+from protrain_core.profiler.hardware import probe_hardware
 from protrain_core.runtime.compiled import compile_fingerprint
 from protrain_core.runtime.device import DeviceContext, as_context
 from protrain_core.runtime.elementwise import state_slots
@@ -131,7 +131,7 @@ def profile_key(model, optimizer, batch: list[tuple[tuple[int, ...], str]], prec
         state_slots(optimizer))
     add(batch)
     add(precision.value, layout.chunk_size, layout.block_path, [c.units for c in layout.chunks])
-    add(device_name(device), torch.__version__, torch.version.cuda, torch.get_num_threads(), os.cpu_count())
+    add(as_context(device).name(), torch.__version__, torch.version.cuda, torch.get_num_threads(), os.cpu_count())
     add([c.to_dict() for c in formats])
     if (compiled := compile_fingerprint(compile)) is not None:  # (eager profiles keep their keys)
         add("compiled", compiled)
@@ -185,7 +185,9 @@ def profile_model(
     profile carries (the profiled engine computes alike in any format)."""
     ctx = as_context(device)
     inputs = to_device(example_inputs, ctx.device)
-    step_fn = step_fn or _step_of(loss_fn or default_loss)
+    loss_fn = loss_fn or default_loss
+    # the output stays alive through backward, as in training
+    step_fn = step_fn or (lambda module, batch: (loss_fn(out := call(module, batch)), out))
     start = ctx.clock()
 
     def passes(engine: RuntimeEngine, bounds: Boundaries):
@@ -243,14 +245,6 @@ def _profiled(model: nn.Module, optimizer, layout: ChunkLayout, plan: Plan, prec
             back_to_meta(model, meta)
     check_blocks_called(bounds, layout.n_blocks)
     return found
-
-
-def _step_of(loss_fn):
-    def step_fn(module, batch):
-        out = call(module, batch)
-        return loss_fn(out), out  # the output stays alive through backward, as in training
-
-    return step_fn
 
 
 @contextmanager

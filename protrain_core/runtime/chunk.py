@@ -525,11 +525,11 @@ class Chunk:
         return [i for i, p in enumerate(self.params) if p.data_ptr() != self._pointed[i]]
 
     @plain_parameters
-    def adopt(self, members: list[int]) -> None:
-        """Take these members' values (rebound, or written in place) into the chunk, and point
-        their parameters (only theirs) back at it."""
+    def adopt(self, members: list[int] | None = None) -> None:
+        """Take these members' values (rebound, or written in place; None: every member's) into the
+        chunk, and point their parameters (only theirs) back at it."""
         with torch.no_grad():
-            for i in members:
+            for i in range(len(self.params)) if members is None else members:
                 value = self.params[i].detach()
                 self.values.set_member(i, value)
                 if not self.persistent and self.device_resident:  # as stored (a quantised member's round trip)
@@ -539,13 +539,9 @@ class Chunk:
         else:
             self.point_at_rest(members)
 
-    @plain_parameters
     def load_params(self) -> None:
         """Copy the parameters' current values in and point the parameters at the compute copy."""
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                self.values.set_member(i, p.detach())
-        self.point_params_at(self.storage.device_copy) if self.persistent else self.point_at_rest()
+        self.adopt()
 
     @plain_parameters
     def detach_params(self) -> None:

@@ -140,15 +140,9 @@ class FrozenPlaces:
     shapes: tuple[tuple[int, ...], ...]  # every member's shape
     piece_start: int = 0
 
-    @property
-    def whole(self) -> bool:
-        """The store holds every frozen member whole (one process)."""
-        return self.piece_start == 0 and all(off + math.prod(self.shapes[i]) <= self.piece_numel
-                                             for i, off, _, _ in self.quantised)
-
     def _sizes(self, compute_dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
         scales, kept = sum(rows for _, _, rows, _ in self.quantised), sum(n for _, _, n, _ in self.kept)
-        return [(self.piece_numel, torch.uint8), (scales, torch.float32), (kept, compute_dtype)]
+        return [(self.piece_numel, _QDTYPE[self.fmt]), (scales, torch.float32), (kept, compute_dtype)]
 
     def store_bytes(self, compute_dtype: torch.dtype) -> int:
         return pool_bytes(self._sizes(compute_dtype))
@@ -159,8 +153,7 @@ class FrozenPlaces:
         out = []
         for k, (numel, dtype) in enumerate(sizes):
             start = pool_bytes(sizes[:k])
-            view = store[start:start + numel * dtype.itemsize].view(dtype)
-            out.append(view.view(_QDTYPE[self.fmt]) if k == 0 else view)
+            out.append(store[start:start + numel * dtype.itemsize].view(dtype))
         return tuple(out)
 
     @cached_property
@@ -197,12 +190,12 @@ class FrozenPlaces:
 
     def read(self, i: int, store: Tensor, compute_dtype: torch.dtype) -> Tensor:
         """Member ``i``'s value (the round trip of a quantised one), shaped (one process)."""
-        assert self.whole, "a rank's store holds a piece of the frozen span: piece_values()"
         q, scales, kept = self.views(store, compute_dtype)
         is_q, (_, off, n, at) = self.entry(i)
         if not is_q:
             return kept[at:at + n].view(self.shapes[i])
         out = torch.empty(self.shapes[i], dtype=compute_dtype, device=store.device)
+        assert self.piece_start == 0 and off + out.numel() <= self.piece_numel, "a rank's piece: piece_values()"
         dequantise_into(out, q[off:off + out.numel()], scales[at:at + n])
         return out
 
@@ -213,11 +206,9 @@ class FrozenPlaces:
         for i, off, rows, at in self.quantised:
             numel = math.prod(self.shapes[i])
             span = self._in_piece(off, numel)
-            if span is None:
-                continue
-            base = off - self.piece_start
-            a, b = span
-            _dequantise_rows(piece[base + a:base + b], q[base + a:base + b], scales[at:at + rows], a, numel // rows)
+            if span is not None:
+                base, (a, b) = off - self.piece_start, span
+                _dequantise_rows(piece[base + a:base + b], q[base + a:base + b], scales[at:at + rows], a, numel // rows)
         for i, off, n, at in self.kept:
             span = self._in_piece(off, n)
             if span is not None:
@@ -250,11 +241,10 @@ def _dequantise_rows(dst: Tensor, q: Tensor, scales: Tensor, first: int, row: in
         dequantise_into(dst[None, tail:], q[tail:], scales[r + whole:r + whole + 1])
 
 
-def frozen_places(members, frozen_numel: int, fmt: str | None, *, piece: tuple[int, int] | None = None
-                  ) -> FrozenPlaces | None:
+def frozen_places(members, fmt: str | None, piece: tuple[int, int]) -> FrozenPlaces | None:
     """The places of a chunk's frozen members (``members``: its ``ParamSlot``s) in format ``fmt``
-    (None where nothing is quantised); ``piece`` (start, elements): this rank's piece of the frozen
-    span (default: all ``frozen_numel`` elements)."""
+    (None where nothing is quantised) on the rank whose piece of the frozen span is ``piece``
+    (start, elements)."""
     if fmt is None or not any(not m.trainable and quantises(m.shape) for m in members):
         return None
     quantised, kept, scales, rest = [], [], 0, 0
@@ -267,5 +257,4 @@ def frozen_places(members, frozen_numel: int, fmt: str | None, *, piece: tuple[i
         else:
             kept.append((i, m.offset, m.numel, rest))
             rest += m.numel
-    start, numel = piece or (0, frozen_numel)
-    return FrozenPlaces(fmt, numel, tuple(quantised), tuple(kept), tuple(tuple(m.shape) for m in members), start)
+    return FrozenPlaces(fmt, piece[1], tuple(quantised), tuple(kept), tuple(tuple(m.shape) for m in members), piece[0])

@@ -100,24 +100,20 @@ class HostPool:
         self.pinned_nbytes, self.pageable_nbytes = _region_bytes(tensors, True), _region_bytes(tensors, False)
         self.nbytes = self.pinned_nbytes + self.pageable_nbytes
         self._locked = None
-        with on_host():
-            self._regions = self._reserve(pin, device, cuda, touch)
+        with on_host():  # the moving region (page-locked when ``pin``), then the pageable one
+            if pin and self.pinned_nbytes > 0:
+                cuda = cuda or torch.device("cuda", torch.cuda.current_device())
+                self._locked = PageLocked(self.pinned_nbytes, device=cuda, what="the streamed chunks' host memory")
+                moving = self._locked.tensor
+            else:
+                moving = torch.zeros(self.pinned_nbytes, dtype=torch.uint8, device=device)  # Adam moments start at 0
+            if touch is None or device.type == "meta":
+                pageable = torch.zeros(self.pageable_nbytes, dtype=torch.uint8, device=device)
+            else:
+                pageable = torch.empty(self.pageable_nbytes, dtype=torch.uint8, device=device)
+                touch(pageable)
+        self._regions = {True: moving, False: pageable}
         self.rewind()
-
-    def _reserve(self, pin: bool, device: torch.device, cuda: torch.device | None, touch) -> dict[bool, Tensor]:
-        """The page-locked (moving) and pageable regions."""
-        if pin and self.pinned_nbytes > 0:
-            self._locked = PageLocked(self.pinned_nbytes, device=cuda or torch.device("cuda", torch.cuda.current_device()),
-                                      what="the streamed chunks' host memory")
-            moving = self._locked.tensor
-        else:
-            moving = torch.zeros(self.pinned_nbytes, dtype=torch.uint8, device=device)  # Adam moments start at 0
-        if touch is None or device.type == "meta":
-            pageable = torch.zeros(self.pageable_nbytes, dtype=torch.uint8, device=device)
-        else:
-            pageable = torch.empty(self.pageable_nbytes, dtype=torch.uint8, device=device)
-            touch(pageable)
-        return {True: moving, False: pageable}
 
     @property
     def pinned(self) -> bool:

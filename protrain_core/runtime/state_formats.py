@@ -133,35 +133,11 @@ def check_layout_for(name: str, layout) -> None:
 class QuantPlaces:
     """Where each member's piece on this rank keeps its 8-bit block scales or fp32 moments, in
     chunk order: ``blocks[j]`` (first block, count) in each half of ``absmax``; ``wide[j]`` the
-    offset in each half of ``wide`` (None: not that kind, or none of it here)."""
+    offset in each half of ``wide`` (None: not that kind, or none of it here): ``rank_quant_places``
+    in storage.py."""
 
     blocks: tuple[tuple[int, int] | None, ...]
     wide: tuple[int | None, ...]
-
-
-def quant_places(members: list[tuple[int, tuple[int, int, int] | None] | None]) -> QuantPlaces:
-    """The places of a chunk's members on one rank: ``members[j]`` is None for a frozen member,
-    else (its elements, its piece on the rank: ``ShardLayout.state_piece``)."""
-    blocks, wide, nw = [], [], 0
-    for member in members:
-        numel, part = member if member is not None else (0, None)
-        if part is None:
-            blocks.append(None)
-            wide.append(None)
-        elif numel < MIN_8BIT:
-            blocks.append(None)
-            wide.append(nw)
-            nw += part[2]
-        else:
-            assert part[1] % BLOCK == 0, "an 8-bit member's piece starts at a block boundary (block_aligned)"
-            blocks.append((part[1] // BLOCK, math.ceil(part[2] / BLOCK)))
-            wide.append(None)
-    return QuantPlaces(tuple(blocks), tuple(wide))
-
-
-def small_numel(numels: list[int | None]) -> int:
-    """Elements of a chunk's trainable members (``numels``) that keep fp32 moments (``wide``)."""
-    return sum(n for n in numels if n is not None and n < MIN_8BIT)
 
 
 @cache
@@ -243,9 +219,8 @@ def moment_step(name: str, n: int, device: torch.device, kernel=None):
     module; ``low``: the compute copy the gradient landed in); None for fp32 and bf16."""
     if name != "8bit":
         return None
-    blocks = math.ceil(n / BLOCK)
     state = torch.zeros(2, n, dtype=torch.uint8, device=device)
-    absmax = torch.zeros(2, blocks, device=device)
+    absmax = torch.zeros(2, math.ceil(n / BLOCK), device=device)
     moments = MemberMoments(state[0], state[1], absmax[0], absmax[1]) if n >= MIN_8BIT else \
         MemberMoments(*torch.zeros(2, n, device=device), None, None)
 

@@ -86,14 +86,12 @@ class StateAccess:
         self.release_device_copies()
         with torch.no_grad():
             for key, value in state_dict.items():
-                t = expected.get(key)
-                if t is None:
-                    continue
+                t = expected.get(key)  # (None: an unexpected key, not strict)
                 slot = self._slot_of.get(id(t))
-                if slot is None:
-                    t.copy_(value)
-                else:
+                if slot is not None:
                     slot[0].values.set_member(slot[1], value)
+                elif t is not None:
+                    t.copy_(value)
 
     def release_device_copies(self) -> None:
         """Wait for the updates in flight and free the streamed chunks' device buffers."""

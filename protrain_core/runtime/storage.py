@@ -11,7 +11,7 @@ from functools import cached_property
 import torch
 from torch import Tensor, nn
 
-from protrain_core.chunk_format import ChunkFormat, align, moment_dtype
+from protrain_core.chunk_format import BLOCK, ChunkFormat, align, moment_dtype
 from protrain_core.config import ProTrainConfig
 from protrain_core.memtrack import on_host, untracked
 from protrain_core.precision import Precision
@@ -20,7 +20,7 @@ from protrain_core.runtime.elementwise import state_slots
 from protrain_core.runtime.frozen_formats import FrozenPlaces, frozen_places
 from protrain_core.runtime.host_pool import HostPool
 from protrain_core.runtime.sharding import ONE_PROCESS, Sharding, piece
-from protrain_core.runtime.state_formats import quant_places, small_numel
+from protrain_core.runtime.state_formats import MIN_8BIT, QuantPlaces
 from protrain_core.structure.layout import ChunkLayout, ParamSlot
 
 
@@ -106,8 +106,7 @@ class ChunkStorage:
         self.frozen = frozen  # where the frozen members are in the host store (quantised), else None
         self.frozen_store: Tensor | None = None  # a streamed quantised chunk's host store (bytes)
         self.sharding = sharding
-        self.rank = sharding.rank
-        self.shards = ShardLayout(fmt, self.rank)
+        self.shards = ShardLayout(fmt, sharding.rank)
         self.ctx = ctx
         self.device = ctx.device
         self.host = ctx.host  # where host tensors live (the meta device in a size-only simulation)
@@ -116,7 +115,6 @@ class ChunkStorage:
         self.pool: HostPool | None = None
         self.spare_pool: HostPool | None = None  # a persistent chunk's host buffer kept for the next offload
         self.grad_buffer: Tensor | None = None  # streamed: this backward's gradients, on the device
-        self.blocks = ctx.blocks
         # An update consumed gradients since zero_grad ([Note: gradients consumed where they land]).
         self.gradients_consumed = False
         self.persistent = persistent
@@ -137,10 +135,8 @@ class ChunkStorage:
 
     def _allocate_persistent(self) -> None:
         fmt, dev = self.fmt, self.device
-        zeros = lambda n, dtype: torch.zeros(n, dtype=dtype, device=dev)  # noqa: E731
         self.device_copy = torch.zeros(fmt.padded_numel, dtype=fmt.compute_dtype, device=dev)
-        self.host_copy = None
-        self._allocate_states(zeros)
+        self._allocate_states(lambda n, dtype: torch.zeros(n, dtype=dtype, device=dev))
 
     def _allocate_streamed(self, parked: bool = False) -> None:
         """The host buffer and the streamed tensors in it; ``parked``: see ``make_streamed``. A
@@ -157,29 +153,20 @@ class ChunkStorage:
             pool.rewind()
         self.pool = pool
         self._allocate_states(pool.take)
-        self.frozen_store = pool.take(fmt.store_bytes, torch.uint8) if fmt.quantised else None
         self.device_copy = torch.empty(fmt.padded_numel, dtype=fmt.compute_dtype, device=self.device)
         self.free_device_copy()
 
     def _allocate_states(self, make) -> None:
-        """The master, (streamed) the host copy, the accumulator and the moment tensors, by
-        ``make(elements, dtype)``, in the order of ``ChunkFormat.host_tensors``."""
+        """The tensors of ``ChunkFormat.state_tensors``, by ``make(elements, dtype)``; the others None
+        (a streamed chunk without an accumulator borrows one per update: ``borrow_accumulator``)."""
         fmt = self.fmt
-        s, k = fmt.state_numel, fmt.adam_states
-        master = make(s, fmt.master_dtype) if fmt.separate_master else None
-        if not self.persistent:
-            self.host_copy = make(fmt.host_copy_numel, fmt.compute_dtype)
-        self.master = master if master is not None else self.compute_span() if fmt.trains else None
-        own = fmt.trains and (self.persistent or fmt.accumulator)
-        self.grad_acc = make(s, fmt.master_dtype) if own else None  # else lent per update (``borrow_accumulator``)
+        for name in ("master", "host_copy", "frozen_store", *self._STATES):
+            setattr(self, name, None)
+        for name, n, dtype, _ in fmt.state_tensors(streamed=not self.persistent):
+            setattr(self, name, make(n, dtype))
+        if fmt.trains and not fmt.separate_master:  # the master is this rank's piece of the compute copy
+            self.master = self.compute_span()
         self._scratch_view: tuple[Tensor, Tensor] | None = None  # (the worker's scratch, this chunk's view of it)
-        # Slots 1-3: Adam's moments, or another optimizer's states in its order.
-        self.exp_avg = make(s, fmt.moment_dtype) if k >= 1 else None
-        self.exp_avg_sq = make(s, fmt.moment_dtype) if k >= 2 else None
-        self.max_exp_avg_sq = make(s, fmt.moment_dtype) if k == 3 else None
-        # Format "8bit": each moment's block scales, and the fp32 moments of small members.
-        self.absmax = make(2 * fmt.quant_blocks, torch.float32) if fmt.eight_bit else None
-        self.wide = make(2 * fmt.wide_numel, torch.float32) if fmt.eight_bit else None
 
     # ----- moving between the device and the host (a re-plan) ----------------------------------
     def make_persistent(self, *, keep_host: bool = False, copy=None) -> None:
@@ -193,7 +180,6 @@ class ChunkStorage:
             self.persistent = True
             self._allocate_persistent()
             self._restore(old, copy)
-            self.frozen_store = None
         if keep_host:
             self.spare_pool = self.pool
         else:
@@ -212,18 +198,11 @@ class ChunkStorage:
             if gradients and self.borrows_accumulator:
                 self.borrow_accumulator(None)
             self._restore(old, copy)
-            if self.frozen_store is not None:  # quantised on the device (exactly: a projection), then copied
-                staging = torch.empty_like(self.frozen_store, device=self.device)
-                self.frozen.pack(old["compute"], staging)
-                (copy or Tensor.copy_)(self.frozen_store, staging)
 
     def _snapshot(self) -> dict:
         tensors = {name: getattr(self, name) for name in self._STATES}
-        tensors["compute"] = self.compute_home
-        tensors["master"] = self.master if self.fmt.separate_master else None
-        tensors["steps"] = self.steps
-        tensors["store"] = self.frozen_store
-        return tensors
+        tensors["master"] = self.master if self.fmt.separate_master else None  # (else a view of the compute copy)
+        return tensors | {"compute": self.compute_home, "steps": self.steps, "store": self.frozen_store}
 
     def _restore(self, old: dict, copy=None) -> None:
         copy = copy or Tensor.copy_  # (at once)
@@ -233,14 +212,16 @@ class ChunkStorage:
             if old["store"] is not None:  # uploaded, then dequantised on the compute stream (which waits for it)
                 staging = torch.empty_like(old["store"], device=self.device)
                 copy(staging, old["store"])
-                self.frozen.unpack(staging, self.frozen_piece(self.device_copy))
+                self._unpack(staging)
             self.gather()
         else:  # the rank's pieces of the gathered copy
             for host, device in self.shard_places(device_copy=old["compute"]):
                 copy(host, device)
-        if old["master"] is not None:
-            copy(self.master, old["master"])
-        for name in self._STATES:
+            if self.frozen_store is not None:  # quantised on the device (exactly: a projection), then copied
+                staging = torch.empty_like(self.frozen_store, device=self.device)
+                self.frozen.pack(old["compute"], staging)
+                copy(self.frozen_store, staging)
+        for name in ("master", *self._STATES):
             if old[name] is not None and getattr(self, name) is not None:  # (a streamed chunk may keep no accumulator)
                 copy(getattr(self, name), old[name])
         self.steps = [torch.empty_like(t, device=self._steps_device()) for t in old["steps"]]
@@ -302,15 +283,15 @@ class ChunkStorage:
         into the device copy on the upload stream; the event to wait on."""
         staging = torch.empty(self.fmt.store_bytes, dtype=torch.uint8, device=self.device)
         ctx.copy_async(staging, self.frozen_store, stream=ctx.h2d_stream, span=("host->device", label))
-        event = ctx.run_on(ctx.h2d_stream, lambda: self.frozen.unpack(staging, self.frozen_piece(self.device_copy)),
+        event = ctx.run_on(ctx.h2d_stream, lambda: self._unpack(staging),
                            span=("compute", f"{label}: dequantise (upload stream)"))
         ctx.record_stream(staging, ctx.h2d_stream)  # freed in stream order, after the dequantisation
         return event
 
-    def frozen_piece(self, device_copy: Tensor) -> Tensor:
-        """This rank's piece of the frozen span in a gathered ``device_copy``."""
+    def _unpack(self, staging: Tensor) -> None:
+        """The host store (``staging``: on the device) dequantised into this rank's piece of the device copy."""
         start = self.frozen.piece_start
-        return device_copy[start:start + self.frozen.piece_numel]
+        self.frozen.unpack(staging, self.device_copy[start:start + self.frozen.piece_numel])
 
     def piece_values(self) -> Tensor:
         """This rank's piece of a streamed quantised chunk's frozen span, dequantised on the host."""
@@ -352,23 +333,21 @@ class ChunkStorage:
 
     def empty(self, numel: int, dtype: torch.dtype) -> Tensor:
         """A transient device tensor (uninitialised): from a CPU device's block cache, if any."""
-        if self.blocks is None:
+        if self.ctx.blocks is None:
             return torch.empty(numel, dtype=dtype, device=self.device)
-        return self.blocks.empty(numel, dtype)
+        return self.ctx.blocks.empty(numel, dtype)
 
     def free(self, t: Tensor | None, after=None) -> None:
         """``t`` (from ``empty``) is not read once ``after`` is over: back to the block cache."""
-        if t is not None and self.blocks is not None:
-            self.blocks.free(t, after)
+        if t is not None and self.ctx.blocks is not None:
+            self.ctx.blocks.free(t, after)
 
     # ----- accounting -------------------------------------------------------------------------
     def device_bytes(self) -> int:
         """Bytes of device memory this chunk holds right now, read from the storages."""
         tensors = [self.device_copy, self.grad_buffer]  # (a quantised upload's staging is transient)
         if self.persistent:
-            tensors += [getattr(self, name) for name in self._STATES]
-            if self.fmt.separate_master:
-                tensors.append(self.master)
+            tensors += [getattr(self, name) for name, *_ in self.fmt.state_tensors(streamed=False)]
         return sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
 
     @property
@@ -389,9 +368,7 @@ def chunk_formats(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Ch
                   config: ProTrainConfig, *, world_size: int = 1) -> list[ChunkFormat]:
     """The format of every chunk of ``layout`` of ``model`` as ``config`` asks (each rank's of
     ``world_size``, in ``precision``; with ``optimizer``'s states): what the engine allocates."""
-    optimizer_states, state_format = config.optimizer_states, config.optimizer_state_format
-    frozen_format, accumulator = config.frozen_dtype, config.keeps_accumulators
-    params = dict(model.named_parameters())
+    state_format, params = config.optimizer_state_format, dict(model.named_parameters())
     optimized = {id(p) for g in optimizer.param_groups for p in g["params"]}
     adam = state_slots(optimizer)
     if moment_dtype(state_format, precision.master_dtype) == precision.master_dtype:
@@ -399,18 +376,18 @@ def chunk_formats(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Ch
     formats = []
     for spec in layout.chunks:
         updated = sum(m.numel for m in spec.members if m.trainable and id(params[m.name]) in optimized)
-        trains = optimizer_states and updated > 0
-        frozen = frozen_places_of(spec, frozen_format, world_size)
+        trains = config.optimizer_states and updated > 0
+        frozen = frozen_places_of(spec, config.frozen_dtype, world_size)
         formats.append(ChunkFormat(
             numel=layout.chunk_size, compute_dtype=precision.compute_dtype, master_dtype=precision.master_dtype,
             trainable_start=spec.trainable_start if spec.trainable_numel else 0,
             trainable_numel=spec.trainable_numel, updated_numel=updated if trains else 0,
             adam_states=adam if trains else 0, world_size=world_size,
             state_format=state_format if trains else "fp32",
-            wide_numel=small_numel([m.numel if m.trainable else None for m in spec.members])
+            wide_numel=sum(m.numel for m in spec.members if m.trainable and m.numel < MIN_8BIT)
             if trains and state_format == "8bit" else 0,
             frozen_format=frozen and frozen.fmt, store_bytes=frozen.store_bytes(precision.compute_dtype) if frozen else 0,
-            accumulator=accumulator or not trains,  # (a chunk the optimizer never steps accumulates only)
+            accumulator=config.keeps_accumulators or not trains,  # (a chunk the optimizer never steps accumulates only)
         ))
     return formats
 
@@ -420,9 +397,23 @@ def frozen_places_of(spec, frozen_format: str | None, world_size: int = 1, rank:
     ``frozen_format`` (None: not quantised; [Note: quantised frozen chunks] in frozen_formats.py)."""
     frozen_numel = spec.trainable_start if spec.trainable_numel else spec.capacity
     shard = align(-(-frozen_numel // world_size))
-    return frozen_places(spec.members, frozen_numel, frozen_format, piece=(rank * shard, shard))
+    return frozen_places(spec.members, frozen_format, (rank * shard, shard))
 
 
-def rank_quant_places(spec, shards: ShardLayout):
+def rank_quant_places(spec, shards: ShardLayout) -> QuantPlaces:
     """Where ``spec``'s members keep their 8-bit block scales and small fp32 moments on ``shards``'s rank."""
-    return quant_places([(m.numel, shards.state_piece(m)) if m.trainable else None for m in spec.members])
+    blocks, wide, nw = [], [], 0
+    for m in spec.members:
+        part = shards.state_piece(m) if m.trainable else None
+        if part is None:
+            blocks.append(None)
+            wide.append(None)
+        elif m.numel < MIN_8BIT:
+            blocks.append(None)
+            wide.append(nw)
+            nw += part[2]
+        else:
+            assert part[1] % BLOCK == 0, "an 8-bit member's piece starts at a block boundary (block_aligned)"
+            blocks.append((part[1] // BLOCK, -(-part[2] // BLOCK)))
+            wide.append(None)
+    return QuantPlaces(tuple(blocks), tuple(wide))

@@ -50,10 +50,6 @@ class ChunkValues:
         """The storage's tensors moved (a re-plan): drop the update views that keep the old ones."""
         self._views.clear()
 
-    @property
-    def members(self) -> tuple[ParamSlot, ...]:
-        return self.spec.members
-
     def view(self, flat: Tensor, i: int) -> Tensor:
         """Member ``i`` in ``flat``, a compute copy of the whole chunk."""
         m = self.spec.members[i]
@@ -64,9 +60,8 @@ class ChunkValues:
         """Member ``i``'s value where a streamed chunk rests (one process); None for a quantised
         member ([Note: quantised frozen chunks] in frozen_formats.py)."""
         storage, m = self.storage, self.spec.members[i]
-        if storage.frozen is not None and not m.trainable:
-            quantised, _ = storage.frozen.entry(i)
-            return None if quantised else storage.frozen.read(i, storage.frozen_store, storage.fmt.compute_dtype)
+        if self._in_store(i):
+            return None if storage.frozen.entry(i)[0] else self.member_value(i)
         _, at, n = storage.shards.host_piece(m)
         return storage.host_copy[at:at + n].view(m.shape)
 
@@ -84,15 +79,12 @@ class ChunkValues:
 
     def span_gaps(self, members) -> tuple[tuple[int, int], ...]:
         """The (start, end) ranges of the trainable span that no member in ``members`` covers."""
-        spans = sorted((self.storage.shards.span_offset(self.spec.members[i]), self.spec.members[i].numel)
-                       for i in members)
+        spans = sorted((self.span_offset(i), self.spec.members[i].numel) for i in members)
         gaps, at = [], 0
-        for start, numel in spans:
+        for start, numel in spans + [(self.storage.fmt.grad_buffer_numel, 0)]:  # (then the rest of the buffer)
             if start > at:
                 gaps.append((at, start))
             at = max(at, start + numel)
-        if self.storage.fmt.grad_buffer_numel > at:
-            gaps.append((at, self.storage.fmt.grad_buffer_numel))
         return tuple(gaps)
 
     def state_part(self, i: int, rank: int | None = None) -> tuple[int, int, int] | None:
@@ -129,27 +121,22 @@ class ChunkValues:
         """(offset in member ``i``'s flattened elements, this rank's piece of it) in ``flat`` (a
         shard tensor of the trainable span; None: of the member's value), or None: none here."""
         storage, m = self.storage, self.spec.members[i]
-        if m.trainable and (flat is not None or storage.master is not None):
-            part = storage.shards.state_piece(m)
-            if part is None:
-                return None
-            return part[0], self.state_view(storage.master if flat is None else flat, i).reshape(-1)
-        if flat is not None:
+        trainable = m.trainable and (flat is not None or storage.master is not None)
+        if flat is not None and not trainable:
             return None
-        if self._in_store(i):  # from the host store: the whole member (one process), or its piece
-            if storage.fmt.whole:
-                return 0, self.member_value(i).reshape(-1)
-            part = storage.shards.frozen_piece(m)
-            if part is None:
-                return None
-            off, at, n = part
-            return off, storage.piece_values()[at:at + n]
-        # A frozen member: this rank's piece (of a persistent chunk's replicated device copy).
-        part = storage.shards.host_piece(m)
+        store = self._in_store(i)  # from the host store: the whole member (one process), or its piece
+        if store and storage.fmt.whole:
+            return 0, self.member_value(i).reshape(-1)
+        shards = storage.shards
+        part = shards.state_piece(m) if trainable else shards.frozen_piece(m) if store else shards.host_piece(m)
         if part is None:
             return None
         off, at, n = part
-        if storage.persistent:
+        if trainable:
+            return off, self.state_view(storage.master if flat is None else flat, i).reshape(-1)
+        if store:
+            return off, storage.piece_values()[at:at + n]
+        if storage.persistent:  # a frozen member: this rank's piece of the replicated device copy
             return off, self.view(storage.device_copy, i).reshape(-1)[off:off + n]
         return off, storage.host_copy[at:at + n]
 
@@ -190,9 +177,8 @@ class ChunkValues:
         assert storage.fmt.whole, "a sharded chunk holds pieces only: gathered_values()"
         if self.spec.members[i].trainable and storage.master is not None:
             return self.state_view(storage.master, i)
-        if storage.frozen is not None and not storage.persistent:  # the host copy and the host store
-            at_rest = self.at_rest(i)
-            return storage.frozen.read(i, storage.frozen_store, storage.fmt.compute_dtype) if at_rest is None else at_rest
+        if self._in_store(i):  # a kept member's view, a quantised one's round trip
+            return storage.frozen.read(i, storage.frozen_store, storage.fmt.compute_dtype)
         return self.view(storage.compute_home, i)
 
     def gathered_values(self, tensor_of=None) -> list[Tensor]:
@@ -200,25 +186,24 @@ class ChunkValues:
         (a collective: every rank calls it in the same order). ``tensor_of(storage)``: gather that
         shard tensor instead of the master (an Adam state; frozen members then give None)."""
         storage, fmt = self.storage, self.storage.fmt
-        if storage.fmt.whole:
+        shard = storage.master if tensor_of is None else tensor_of(storage)
+        if fmt.whole:
             if tensor_of is None:
                 return [self.member_value(i) for i in range(len(self.spec.members))]
-            flat = tensor_of(storage)
-            return [self.state_view(flat, i) if m.trainable and flat is not None else None
-                    for i, m in enumerate(self.members)]
-        shard = storage.master if tensor_of is None else tensor_of(storage)
+            return [self.state_view(shard, i) if m.trainable and shard is not None else None
+                    for i, m in enumerate(self.spec.members)]
         trainable = None if shard is None else gather_shard(storage, shard)
         frozen = None
-        if tensor_of is None and fmt.frozen_numel and any(not m.trainable for m in self.members):
+        if tensor_of is None and fmt.frozen_numel and any(not m.trainable for m in self.spec.members):
             frozen = storage.device_copy[:fmt.trainable_device_start] if storage.persistent else \
                 gather_shard(storage, storage.piece_values() if storage.frozen is not None else
                              storage.host_copy[:fmt.frozen_shard])
         out = []
-        for i, m in enumerate(self.members):
+        for i, m in enumerate(self.spec.members):
             if m.trainable and trainable is not None:
                 out.append(self.span_view(trainable, i))
             elif tensor_of is None:
-                out.append(self.view(frozen, i) if not m.trainable else self.view(storage.device_copy, i))
+                out.append(self.view(storage.device_copy if m.trainable else frozen, i))
             else:
                 out.append(None)
         return out
@@ -236,6 +221,6 @@ def gather_shard(storage: ChunkStorage, shard: Tensor) -> Tensor:
     """The whole span of which ``shard`` is this rank's piece, all-gathered on ``storage``'s device."""
     n, sharding = shard.numel(), storage.sharding
     full = torch.empty(n * sharding.world, dtype=shard.dtype, device=storage.device)
-    full[storage.rank * n:(storage.rank + 1) * n].copy_(shard)
+    full[sharding.rank * n:(sharding.rank + 1) * n].copy_(shard)
     sharding.gather_(full)
     return full

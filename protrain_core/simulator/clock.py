@@ -4,7 +4,7 @@ and the records a step's summary is made of ([Note: the simulated device] in dev
 from __future__ import annotations
 
 import time
-from collections import defaultdict, deque
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -106,10 +106,6 @@ class Wait:
     label: str
     phase: str
 
-    @property
-    def seconds(self) -> float:
-        return self.end - self.start
-
 
 @dataclass(frozen=True)
 class Work:
@@ -133,13 +129,3 @@ class Records:
     def reset(self) -> None:
         self.work: list[Work] = []
         self.waits: list[Wait] = []
-
-    def idle_between(self, start: float, end: float) -> dict[str, float]:
-        """Compute-stream idle time by cause within [start, end] (from the idle intervals)."""
-        out: dict[str, float] = defaultdict(float)
-        for w in self.work:
-            if w.kind == "idle":
-                lo, hi = max(w.start, start), min(w.end, end)
-                if hi > lo:
-                    out[w.label] += hi - lo
-        return dict(out)

@@ -68,7 +68,7 @@ from protrain_core.runtime.sharding import Sharding
 from protrain_core.simulator.clock import Event, Lane, Link, MeasuredLane, Records, Stream, Wait, Work
 from protrain_core.simulator.hardware import DeviceSpec, load_spec, op_class
 from protrain_core.simulator.memory import ALLOCATOR_WAIT, DeviceMemory
-from protrain_core.simulator.races import RaceChecker
+from protrain_core.simulator.races import RaceChecker, byte_span
 from protrain_core.utils import iter_tensors
 
 # Operators that launch no kernel: allocation, metadata, aliasing.
@@ -99,7 +99,7 @@ class SimulatedDevice(DeviceContext):
         self.is_cuda = self.deferred_collectives = False  # (simulated collectives take their time on their stream)
         self.timeline = None
         self.records = Records()
-        self.phase_of = lambda: ""  # the training phase now (set by the harness: ``watch``)
+        self.phase_of = lambda: ""  # the training phase now, which host waits are recorded with (run.py sets it)
         self.main = Lane("host") if self.asynchronous else MeasuredLane("host")
         self.worker_lane = Lane("protrain-cpu-adam_0") if self.asynchronous else self.main
         self.compute = Stream("compute")
@@ -129,10 +129,6 @@ class SimulatedDevice(DeviceContext):
 
     def __exit__(self, *exc) -> None:
         self._modes.pop().__exit__(*exc)
-
-    def watch(self, engine) -> None:
-        """Record host waits with the engine's training phase."""
-        self.phase_of = lambda: engine.step_state.phase.value
 
     # ----- where work goes -------------------------------------------------------------------------
     def _where(self):
@@ -458,27 +454,20 @@ def _touched(*objs) -> tuple[list[Tensor], int]:
 
 
 def _flops(formula, func, args, kwargs, out) -> int:
-    """``formula``'s count for the call, from an earlier call of ``func`` on the same shapes where
-    there was one (torch's formulas read shapes only, and wrap every call in a tree map)."""
+    """``formula``'s count for the call, from an earlier call of ``func`` on the same metadata
+    (``_described``) where there was one (torch's formulas read shapes only, and wrap every call
+    in a tree map)."""
     try:
-        key = (func, _shapes(args), _shapes(tuple(kwargs.items())))
+        key = (func, _described(args), _described(tuple(kwargs.items())))
         flops = _FLOPS.get(key)
-    except TypeError:  # (an unhashable argument)
+    except (KeyError, TypeError):  # (a value that is not plain, or not hashable)
         return formula(*args, **kwargs, out_val=out)
     if flops is None:
         flops = _FLOPS[key] = formula(*args, **kwargs, out_val=out)
     return flops
 
 
-def _shapes(a):
-    if isinstance(a, Tensor):
-        return Tensor, a.shape
-    if isinstance(a, (list, tuple)):
-        return tuple(_shapes(x) for x in a)
-    return a
-
-
-_FLOPS: dict = {}  # (operator, argument shapes) -> its FLOPs
+_FLOPS: dict = {}  # (operator, arguments described) -> its FLOPs
 
 
 def _call_site() -> str:
@@ -611,7 +600,9 @@ def run_on_meta(func, args, kwargs):
     except (KeyError, TypeError):  # (a value that is not plain, or not hashable)
         return func(*args, **kwargs)
     if spec:
-        return _made(spec)
+        kind, described = spec
+        made = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in described]
+        return made[0] if kind is None else kind(made)
     out = func(*args, **kwargs)
     if spec is False:
         _META_OUTPUTS[key] = _fresh(out, args, kwargs)
@@ -641,22 +632,10 @@ def _fresh(out, args, kwargs):
     outputs = [out] if isinstance(out, Tensor) else out if isinstance(out, (tuple, list)) else [None]
     for t in outputs:
         if type(t) is not Tensor or not _plain(t) or t.storage_offset() or \
-                StorageWeakRef(t.untyped_storage()) in inputs or t.untyped_storage().nbytes() != _extent(t):
+                StorageWeakRef(t.untyped_storage()) in inputs or t.untyped_storage().nbytes() != byte_span(t)[1]:
             return None
     kind = None if isinstance(out, Tensor) else type(out)
     return kind, tuple((tuple(t.shape), t.stride(), t.dtype) for t in outputs)
-
-
-def _extent(t: Tensor) -> int:
-    if t.numel() == 0:
-        return t.untyped_storage().nbytes()
-    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
-
-
-def _made(spec):
-    kind, described = spec
-    made = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in described]
-    return made[0] if kind is None else kind(made)
 
 
 def _reads_meta_on_cpu(func, args, kwargs) -> bool:

@@ -72,13 +72,13 @@ class RaceChecker:
         tick = mine[agent] = mine.get(agent, 0) + 1
         name = func.overloadpacket.__name__
         reads, writes = _accesses(func, args, kwargs)
-        reads, writes = [(t, _key(t), _span(t)) for t in reads], [(t, _key(t), _span(t)) for t in writes]
+        reads, writes = [(t, _key(t), byte_span(t)) for t in reads], [(t, _key(t), byte_span(t)) for t in writes]
         for t, key, span in writes:
             self._check(agent, mine, t, key, span, True, name)
         for t, key, span in reads:
             self._check(agent, mine, t, key, span, False, name)
         for t in iter_tensors(out):
-            key, span = _key(t), _span(t)
+            key, span = _key(t), byte_span(t)
             if not any(key == k and span == s for _, k, s in writes):
                 self._memory.pop(key, None)  # a new tensor: its memory's earlier life is over
                 writes.append((t, key, span))
@@ -134,7 +134,7 @@ def _key(t: Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def _span(t: Tensor) -> tuple[int, int]:
+def byte_span(t: Tensor) -> tuple[int, int]:
     """The bytes of its storage a tensor covers (a strided view: from its first to last element)."""
     size = t.element_size()
     if t.numel() == 0:

@@ -23,15 +23,6 @@ class HostWaits:
 
 
 @dataclass(frozen=True)
-class Phases:
-    """Simulated times (compute-stream positions) of one step's phases."""
-
-    backward: float
-    backward_end: float
-    next_backward: float  # the next step's backward begins: the window ends
-
-
-@dataclass(frozen=True)
 class StepReport:
     """One simulated step, from its backward to the next step's backward (a whole period of the
     steady state: backward, the update, the next forward with what it waits for)."""
@@ -41,13 +32,11 @@ class StepReport:
     compute_busy_s: float
     idle_s: dict[str, float]  # compute stream idle time by cause
     host_waits: tuple[HostWaits, ...]  # the thread that drives the device
-    worker_waits: tuple[HostWaits, ...]  # the CPU worker
     cpu_adam_s: float
     cpu_adam_in_backward_s: float
     bytes: dict[str, int]  # per direction ("host->device", "device->host", "collectives")
     copy_busy_backward_s: dict[str, float]  # per direction: time its link copied during backward
     duplex_backward_s: float  # both directions copying at once during backward
-    idle_backward_s: dict[str, float] = field(default_factory=dict)  # the same, during backward
     idle_backward: tuple[tuple[str, float], ...] = ()  # each idle interval during backward: (cause, seconds)
     half_duplex_s: float = 0.0  # copies that waited for a copy of the other direction on their stream
     asynchronous: bool = True  # False: the CPU device, where everything runs in turn on the host thread
@@ -62,40 +51,42 @@ class StepReport:
         return [s for cause, s in self.idle_backward if cause.startswith(prefixes)]
 
     def waits_for_backward_s(self, *prefixes: str) -> float:
-        """Compute idle time during backward for events whose label starts with ``prefixes``
-        (e.g. "reduce-scatter", "all-gather")."""
-        return sum(s for cause, s in self.idle_backward_s.items() if cause.startswith(prefixes))
+        """Their sum (e.g. for "reduce-scatter", "all-gather")."""
+        return sum(self.waits_for_backward(*prefixes))
 
     @property
     def idle_total_s(self) -> float:
         return sum(self.idle_s.values())
 
     @classmethod
-    def of(cls, records: Records, phases: Phases, worker_lane: str, *, asynchronous: bool = True) -> StepReport:
-        lo, hi = phases.backward, phases.next_backward
-        bwd = (phases.backward, phases.backward_end)
+    def of(cls, records: Records, bwd: tuple[float, float], hi: float, worker_lane: str, *,
+           asynchronous: bool = True) -> StepReport:
+        """The window from ``bwd[0]`` to ``hi``, the step's backward ``bwd`` (compute-stream positions)."""
+        lo = bwd[0]
         work = [w for w in records.work if w.end > lo and w.start < hi]
         busy = sum(_clip(w, lo, hi) for w in work if w.lane == "compute" and w.kind != "idle")
         adam = [w for w in work if w.lane == worker_lane and w.kind == "update"]
-        copies = {d: _union([(w.start, w.end) for w in work if w.kind == "copy" and w.label == d], *bwd)
+        # Each direction's copies, clipped to backward: one link each (clock.Link), so they never overlap.
+        copies = {d: sorted((max(w.start, bwd[0]), min(w.end, bwd[1])) for w in work
+                            if w.kind == "copy" and w.label == d and _clip(w, *bwd) > 0)
                   for d in ("host->device", "device->host")}
-        collectives = defaultdict(float)
+        idle, collectives = defaultdict(float), defaultdict(float)  # by cause, by stream
         for w in work:
-            if w.kind == "collective":
+            if w.kind == "idle":
+                idle[w.label] += _clip(w, lo, hi)
+            elif w.kind == "collective":
                 collectives[w.lane] += _clip(w, lo, hi)
         return cls(
             step_s=hi - lo,
             backward_s=bwd[1] - bwd[0],
             compute_busy_s=busy,
-            idle_s=records.idle_between(lo, hi),
-            host_waits=_waits(records.waits, "host", lo, hi),
-            worker_waits=_waits(records.waits, worker_lane, lo, hi) if worker_lane != "host" else (),
+            idle_s=dict(idle),
+            host_waits=_waits(records.waits, lo, hi),
             cpu_adam_s=sum(_clip(w, lo, hi) for w in adam),
             cpu_adam_in_backward_s=sum(_clip(w, *bwd) for w in adam),
             bytes=_bytes(work, lo, hi),
-            copy_busy_backward_s={d: _length(v) for d, v in copies.items()},
-            duplex_backward_s=_length(_intersect(copies["host->device"], copies["device->host"])),
-            idle_backward_s=records.idle_between(*bwd),
+            copy_busy_backward_s={d: sum(b - a for a, b in v) for d, v in copies.items()},
+            duplex_backward_s=_overlap(copies["host->device"], copies["device->host"]),
             idle_backward=tuple((w.label, _clip(w, *bwd)) for w in work if w.kind == "idle" and _clip(w, *bwd) > 0),
             half_duplex_s=sum(_clip(w, lo, hi) for w in work if w.kind == "stall"),
             asynchronous=asynchronous,
@@ -143,10 +134,11 @@ def _clip(w: Work, lo: float, hi: float) -> float:
     return max(0.0, min(w.end, hi) - max(w.start, lo))
 
 
-def _waits(waits: list[Wait], lane: str, lo: float, hi: float) -> tuple[HostWaits, ...]:
+def _waits(waits: list[Wait], lo: float, hi: float) -> tuple[HostWaits, ...]:
+    """The host thread's waits by call site, label and phase, the longest first."""
     groups: dict[tuple[str, str, str], list[Wait]] = defaultdict(list)
     for w in waits:
-        if w.lane == lane and w.end > lo and w.start < hi:
+        if w.lane == "host" and w.end > lo and w.start < hi:
             groups[(w.site, w.label if not w.label.startswith("chunk ") else "a chunk's copy", w.phase)].append(w)
     out = [HostWaits(site, label, phase, len(ws), sum(min(w.end, hi) - max(w.start, lo) for w in ws))
            for (site, label, phase), ws in groups.items()]
@@ -161,30 +153,15 @@ def _bytes(work: list[Work], lo: float, hi: float) -> dict[str, int]:
     return dict(out)
 
 
-def _union(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in intervals):
-        if b <= a:
-            continue
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return [(a, b) for a, b in merged]
-
-
-def _intersect(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out, i, j = [], 0, 0
+def _overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+    """The time two sorted lists of disjoint intervals share."""
+    total, i, j = 0, 0, 0
     while i < len(xs) and j < len(ys):
         a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
         if b > a:
-            out.append((a, b))
+            total += b - a
         if xs[i][1] < ys[j][1]:
             i += 1
         else:
             j += 1
-    return out
-
-
-def _length(intervals: list[tuple[float, float]]) -> float:
-    return sum(b - a for a, b in intervals)
+    return total

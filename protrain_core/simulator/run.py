@@ -6,8 +6,6 @@ the device the run sees), searches a plan within the budget unless one is given,
 on the device with that plan, runs training steps and returns a ``Simulation``: the step's
 ``StepReport`` (report.py), the cost model's prediction for the same plan and schedule, and the
 ``Timeline`` of the steps (the same one ``Engine.record_timeline`` gives on a GPU).
-``protrain plan --simulate`` (cli.py) is this, for a built-in or local model config on the meta
-device.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ from protrain_core.profiler.profiler import call, default_loss, profile_model
 from protrain_core.runtime.storage import chunk_formats
 from protrain_core.runtime.sharding import ONE_PROCESS
 from protrain_core.simulator.device import SimulatedDevice, SimulatedGroup
-from protrain_core.simulator.report import Phases, StepReport
+from protrain_core.simulator.report import StepReport
 from protrain_core.structure.blocks import find_blocks
 from protrain_core.structure.layout import build_layout
 from protrain_core.update import overlap_mode
@@ -162,7 +160,7 @@ def _run(engine, sim: SimulatedDevice, batch: dict, steps: int, *, late: bool):
     """Train ``steps`` steps on ``batch``; (the first step's report, the timeline, the schedule)."""
     if late:
         engine.clipping.expect_late(False)  # no step is held for a clipping request: the steady schedule
-    sim.watch(engine)
+    sim.phase_of = lambda: engine.step_state.phase.value
     marks = _Marks(sim)
     handle = engine.observe(marks)
     try:
@@ -173,8 +171,8 @@ def _run(engine, sim: SimulatedDevice, batch: dict, steps: int, *, late: bool):
                 engine.zero_grad()
     finally:
         handle.remove()
-    phases = Phases(marks.backward[0], marks.backward_end[0], marks.backward[1])
-    report = StepReport.of(sim.records, phases, sim.worker_lane.name, asynchronous=sim.asynchronous)
+    report = StepReport.of(sim.records, (marks.backward[0], marks.backward_end[0]), marks.backward[1],
+                           sim.worker_lane.name, asynchronous=sim.asynchronous)
     data = timeline.to_json()
     data.update(plan=str(engine.plan), overlap=engine.overlap)
     return report, data, engine.overlap
