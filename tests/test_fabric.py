@@ -8,7 +8,7 @@ from torch import nn
 from lightning.fabric import Fabric
 
 import protrain_core as pt
-from conftest import MODELS, batches, fabric_steps
+from conftest import MODELS, batches, fabric_steps, train_reference
 from lightning_protrain import ProTrainFabricStrategy
 
 
@@ -143,13 +143,7 @@ def test_fabric_save_and_load(tmp_path):
     plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=3e-3, fused=True)
     plain_opt.load_state_dict(raw["optimizer"])
     # Continue in plain PyTorch and, after loading, with another plan: the same losses.
-    expected = []
-    for x in data[4:]:
-        loss = plain_model(input_ids=x, labels=x).loss
-        loss.backward()
-        plain_opt.step()
-        plain_opt.zero_grad()
-        expected.append(loss.item())
+    expected = train_reference(plain_model, plain_opt, data[4:])
     fabric2 = Fabric(strategy=ProTrainFabricStrategy(pt.Plan(n_persist=0, n_buffer=1)), accelerator="cpu", devices=1)
     fabric2.launch()
     model2 = MODELS["gpt2"](seed=5)
@@ -178,14 +172,7 @@ def test_fabric_load_raw_loads_plain_pytorch_state_dicts_into_the_engine(tmp_pat
     model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True))
     fabric.load_raw(tmp_path / "model.pt", model)
     fabric.load_raw(tmp_path / "optimizer.pt", opt)
-    expected = []
-    for x in data[2:]:
-        loss = ref_model(input_ids=x, labels=x).loss
-        loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        expected.append(loss.item())
-    assert fabric_steps(fabric, model, opt, data[2:]) == expected
+    assert fabric_steps(fabric, model, opt, data[2:]) == train_reference(ref_model, ref_opt, data[2:])
     fabric.save(tmp_path / "sharded", {"model": model, "optimizer": opt})
     with pytest.raises(ValueError, match=r"sharded checkpoint directory: load it with fabric.load\(path"):
         fabric.load_raw(tmp_path / "sharded", model)
