@@ -41,6 +41,7 @@ from protrain_core.runtime.chunk import Chunk
 from protrain_core.runtime.clipping import Clipping
 from protrain_core.runtime.compiled import compile_units
 from protrain_core.runtime.device import DeviceContext, as_context, cpu_worker_placement
+from protrain_core.runtime.frozen_formats import frozen_places
 from protrain_core.runtime.gradients import StepGradients
 from protrain_core.runtime.hooks import ManagedParameter, RuntimeHooks, refuse_compiled, refuse_pickling
 from protrain_core.runtime.optim import ChunkOptimizer, parameter_owners
@@ -49,7 +50,7 @@ from protrain_core.runtime.scheduler import Scheduler
 from protrain_core.runtime.sharding import ONE_PROCESS, Sharding, broadcast_tensors
 from protrain_core.runtime.states import StateAccess, StateMemory
 from protrain_core.runtime.state_formats import check_layout_for, check_optimizer_for
-from protrain_core.runtime.storage import ChunkStorage, chunk_formats, frozen_places_of
+from protrain_core.runtime.storage import ChunkStorage, chunk_formats
 from protrain_core.runtime.timeline import Timeline
 from protrain_core.runtime.weights import Weights, has_meta
 from protrain_core.structure.blocks import block_modules
@@ -282,7 +283,7 @@ class RuntimeEngine:
         copies run (the handle's ``wait()`` ends them). Offloaded again: the same handle."""
         if self.offloaded is None:
             check_between_steps(self, "engine.offload_states()")
-            self.offloaded = offload(self, non_blocking=non_blocking)
+            self.offloaded = offload(self)
         if not non_blocking:
             self.offloaded.wait()
         return self.offloaded
@@ -507,10 +508,9 @@ def _allocate(engine: RuntimeEngine, optim: ChunkOptimizer, *, touch=None) -> li
         if weights is not None:
             weights.fill([(m.name, params[m.name]) for m in spec.members])
         broadcast_tensors(members, engine.sharding, dev)  # every rank starts from rank 0's values, as DDP does
-        storage = ChunkStorage(fmt, persistent=spec.index in persistent, ctx=ctx, pin=pin,
-                               n_members=len(members), sharding=engine.sharding,
-                               frozen=frozen_places_of(spec, fmt.frozen_format, fmt.world_size, engine.rank)
-                               if fmt.quantised else None, touch=touch)
+        frozen = frozen_places(spec.members, fmt.frozen_format, (engine.rank * fmt.frozen_shard, fmt.frozen_shard))
+        storage = ChunkStorage(fmt, persistent=spec.index in persistent, ctx=ctx, pin=pin, n_members=len(members),
+                               sharding=engine.sharding, frozen=frozen, touch=touch)
         opt_members = optim.members_by_group(members) if engine.optimizer_states else {}
         chunk = Chunk(spec, params=members, storage=storage, opt_members=opt_members)
         chunk.load_params()

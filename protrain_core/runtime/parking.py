@@ -78,7 +78,7 @@ def offloaded_message(what: str) -> str:
             "fabric.strategy.onload_states(), e.g. in on_train_batch_start and on_validation_start).")
 
 
-def offload(engine, *, non_blocking: bool) -> OffloadedStates:
+def offload(engine) -> OffloadedStates:
     """Every device byte of ``engine``'s training state to the host ([Note: parking])."""
     ctx, scheduler = engine.ctx, engine.scheduler
     engine.states.adopt_rebound()  # a value the user set between steps goes with the chunk

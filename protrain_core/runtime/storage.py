@@ -5,13 +5,13 @@ model's chunks (``chunk_formats``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
 from torch import Tensor, nn
 
-from protrain_core.chunk_format import BLOCK, ChunkFormat, align, moment_dtype
+from protrain_core.chunk_format import BLOCK, ChunkFormat, moment_dtype
 from protrain_core.config import ProTrainConfig
 from protrain_core.memtrack import on_host, untracked
 from protrain_core.precision import Precision
@@ -377,8 +377,7 @@ def chunk_formats(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Ch
     for spec in layout.chunks:
         updated = sum(m.numel for m in spec.members if m.trainable and id(params[m.name]) in optimized)
         trains = config.optimizer_states and updated > 0
-        frozen = frozen_places_of(spec, config.frozen_dtype, world_size)
-        formats.append(ChunkFormat(
+        fmt = ChunkFormat(
             numel=layout.chunk_size, compute_dtype=precision.compute_dtype, master_dtype=precision.master_dtype,
             trainable_start=spec.trainable_start if spec.trainable_numel else 0,
             trainable_numel=spec.trainable_numel, updated_numel=updated if trains else 0,
@@ -386,18 +385,13 @@ def chunk_formats(model: nn.Module, optimizer: torch.optim.Optimizer, layout: Ch
             state_format=state_format if trains else "fp32",
             wide_numel=sum(m.numel for m in spec.members if m.trainable and m.numel < MIN_8BIT)
             if trains and state_format == "8bit" else 0,
-            frozen_format=frozen and frozen.fmt, store_bytes=frozen.store_bytes(precision.compute_dtype) if frozen else 0,
             accumulator=config.keeps_accumulators or not trains,  # (a chunk the optimizer never steps accumulates only)
-        ))
+        )
+        # quantised frozen members ([Note: quantised frozen chunks]): a store of one size on every rank
+        frozen = frozen_places(spec.members, config.frozen_dtype, (0, fmt.frozen_shard))
+        formats.append(fmt if frozen is None else replace(fmt, frozen_format=frozen.fmt,
+                                                           store_bytes=frozen.store_bytes(precision.compute_dtype)))
     return formats
-
-
-def frozen_places_of(spec, frozen_format: str | None, world_size: int = 1, rank: int = 0) -> FrozenPlaces | None:
-    """Where ``spec``'s frozen members are in rank ``rank``'s (of ``world_size``) host store in
-    ``frozen_format`` (None: not quantised; [Note: quantised frozen chunks] in frozen_formats.py)."""
-    frozen_numel = spec.trainable_start if spec.trainable_numel else spec.capacity
-    shard = align(-(-frozen_numel // world_size))
-    return frozen_places(spec.members, frozen_format, (rank * shard, shard))
 
 
 def rank_quant_places(spec, shards: ShardLayout) -> QuantPlaces:
