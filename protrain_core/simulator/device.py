@@ -60,7 +60,7 @@ import torch
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from protrain_core.runtime.device import DeviceContext
@@ -110,6 +110,7 @@ class SimulatedDevice(DeviceContext):
         self._main_waits: list[Wait] = []  # the main lane's host waits not yet behind the compute stream
         self._directions: dict[str, str] = {}  # stream -> direction of its last copy
         self._modes: list[contextlib.ExitStack] = []  # one per ``with sim:`` (nested entries add nothing)
+        self.charging_depth = 0  # _Charging modes active (one charges; a second would charge twice)
         # Every access of device memory ordered by events ([Note: the stream-order checker]).
         self.races = RaceChecker() if self.asynchronous else None
         # Device memory as the caching allocator counts it ([Note: simulated device memory]).
@@ -153,8 +154,7 @@ class SimulatedDevice(DeviceContext):
     def charging(self):
         """Charge the operators run inside (once: a no-op where they are charged already). A GPU
         charges all its work (entering the device does); the CPU device only the work it models."""
-        charged = any(isinstance(m, _Charging) for m in _get_current_dispatch_mode_stack())  # (a second would too)
-        return contextlib.nullcontext() if charged else _Charging(self)
+        return contextlib.nullcontext() if self.charging_depth else _Charging(self)
 
     def cpu_work(self, lane: Lane):
         """Operators inside run on the host lane ``lane`` (a CPU worker's job), at the host's rates."""
@@ -543,6 +543,14 @@ class _Charging(TorchDispatchMode):
     def __init__(self, sim: SimulatedDevice) -> None:
         super().__init__()
         self.sim = sim
+
+    def __enter__(self):
+        self.sim.charging_depth += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.sim.charging_depth -= 1
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
