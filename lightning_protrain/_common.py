@@ -9,6 +9,7 @@ import os
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 import protrain_core as pt
@@ -17,9 +18,8 @@ from protrain_core.runtime.optim import check_optimizer
 
 
 def precision_of_plugin(plugin, known_plugins: tuple[type, ...]) -> str:
-    """The engine's precision for one of Lightning's own precision plugins (the connector turns
-    ``precision=`` into one; the flag goes through ``protrain_core.precision``'s one table);
-    any other plugin is refused."""
+    """The engine's precision for one of Lightning's own precision plugins (``known_plugins``;
+    through ``protrain_core.precision``'s one table); any other plugin is refused."""
     if type(plugin) not in known_plugins:
         raise ValueError(
             f"The ProTrain strategy cannot use the precision plugin {type(plugin).__name__}; pass precision= "
@@ -66,27 +66,23 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def _on_gloo() -> bool:
-    """The process group is up and gloo's (CPU processes): its barrier and broadcast then run as
-    ProTrain's, which a signal can interrupt (``protrain_core.barrier``; in gloo's, a rank whose
-    peer has left would print gloo's error on ctrl-C, not the interrupt)."""
+    """The process group is up and gloo's (CPU processes): a barrier and a broadcast then run as
+    ProTrain's, which ctrl-C interrupts (in gloo's, with a peer gone, it prints gloo's error)."""
     return torch.distributed.is_available() and torch.distributed.is_initialized() and \
         "gloo" in str(torch.distributed.get_backend())
 
 
 class StrategyPlumbing:
     """What the Trainer and the Fabric strategy do alike, placed before their Lightning base
-    class (a ``ParallelStrategy``): the engine's construction, checkpoints written by
-    ``AtomicCheckpointIO`` unless another IO is set, the root device, offloading the open
-    engine's states, and the processes. One process: nothing is launched and no process group is
-    created (the data order, seeds and loaders are those of a single-device run). Several
-    (``devices`` x ``num_nodes`` > 1, or an external launcher: torchrun, SLURM): Lightning's own
-    DDP strategy of that flavour (``_ddp_class``) launches them and sets up the process group,
-    and ProTrain shards its chunks over it; its collectives are this strategy's, but for a
-    barrier and a broadcast on gloo (``_on_gloo``). ``_cuda_accelerator``: that Lightning
-    flavour's CUDA accelerator."""
+    class (a ``ParallelStrategy``): the engine's construction, checkpoint IO, the root device,
+    offloading the open engine's states, and the processes. One process: nothing is launched
+    and no process group is created (a single-device run's data order, seeds and loaders).
+    Several (``devices`` x ``num_nodes`` > 1, torchrun, SLURM): Lightning's own DDP strategy of
+    that flavour (``_ddp_class``) launches them, sets up the process group ProTrain shards its
+    chunks over, and runs this strategy's collectives (but a barrier and a broadcast on gloo)."""
 
     _ddp_class: type
-    _cuda_accelerator: type
+    _cuda_accelerator: type  # that flavour's CUDAAccelerator
     config: pt.ProTrainConfig
 
     def _init_plumbing(self, device, process_group_backend, timeout, start_method) -> None:
@@ -141,8 +137,7 @@ class StrategyPlumbing:
 
     def set_world_ranks(self) -> None:
         """This process's global rank and the world size, from the devices and nodes (what
-        Lightning's connectors ask every strategy for before the launch; Fabric's call it
-        ``_set_world_ranks``)."""
+        Lightning's connectors ask every strategy for before the launch)."""
         env = self.cluster_environment
         if env is None or not self.is_distributed:
             return
@@ -150,8 +145,7 @@ class StrategyPlumbing:
         env.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank
 
-    def _set_world_ranks(self) -> None:
-        self.set_world_ranks()
+    _set_world_ranks = set_world_ranks  # (Fabric's connector's name for it)
 
     def setup_environment(self) -> None:
         """After the launch, in every process: the device, and the process group (and the world
@@ -183,7 +177,7 @@ class StrategyPlumbing:
         if not self.is_distributed:
             return
         self.require_processes("a barrier")
-        if _on_gloo():  # waited for so that ctrl-C still ends this rank while another has left
+        if _on_gloo():
             pt.barrier()
             return
         self.ddp().barrier(*args, **kwargs)
@@ -254,6 +248,7 @@ class StrategyPlumbing:
 
     @property
     def checkpoint_io(self):
+        """``AtomicCheckpointIO`` unless another IO is set."""
         io = self._checkpoint_io
         if io is None:
             self._checkpoint_io = AtomicCheckpointIO()
@@ -271,9 +266,8 @@ class StrategyPlumbing:
         the accelerator's current device."""
         if self._root_device is not None:
             return self._root_device
-        devices = getattr(self, "parallel_devices", None)
-        if devices:
-            return devices[self.local_rank]
+        if self.parallel_devices:
+            return self.parallel_devices[self.local_rank]
         cuda = isinstance(self.accelerator, self._cuda_accelerator)
         return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
@@ -288,16 +282,10 @@ class EnginePrecision:
     engine: pt.Engine | None
 
     def convert_input(self, data):
-        """bf16-true: floating-point inputs become bf16 (as Lightning's HalfPrecision does)."""
+        """bf16-true: floating-point inputs become bf16 (as Lightning's HalfPrecision converts them)."""
         if self.precision != "bf16-true":
             return data
-        if isinstance(data, Tensor):
-            return data.to(torch.bfloat16) if data.is_floating_point() else data
-        if isinstance(data, dict):
-            return type(data)((k, self.convert_input(v)) for k, v in data.items())
-        if isinstance(data, (list, tuple)) and not hasattr(data, "_fields"):
-            return type(data)(self.convert_input(v) for v in data)
-        return data
+        return apply_to_collection(data, Tensor, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
 
     def state_dict(self) -> dict:
         engine = self.engine
@@ -310,9 +298,8 @@ class EnginePrecision:
 
 
 def check_optimizers(optimizers) -> list[torch.optim.Optimizer]:
-    """The optimizers ProTrain runs per chunk (Adam/AdamW, or another elementwise one), unwrapped
-    from Lightning's wrappers; optimizers without parameters are refused (several are checked by
-    ``wrap``)."""
+    """The optimizers, unwrapped from Lightning's wrappers, checked as ``wrap`` checks each one;
+    optimizers without parameters are refused."""
     opts = [o if isinstance(o, torch.optim.Optimizer) else getattr(o, "optimizer", o) for o in optimizers]
     if no_parameters(opts):
         raise ValueError(

@@ -89,10 +89,9 @@ class ProTrainFabricStrategy(StrategyPlumbing, ParallelStrategy):
 
     Args:
         config: every ProTrain setting (``protrain_core.ProTrainConfig``, or a dict of its
-            fields, or a ``Plan`` alone; ``ProTrainStrategy``), gradient clipping included:
-            ``config.clipping`` is applied by the engine before every update, exactly as
-            ``clip_grad_norm_`` ("norm") or ``clip_grad_value_`` ("value")
-            (``fabric.clip_gradients`` with the same setting then only returns the norm).
+            fields, or a ``Plan`` alone; ``ProTrainStrategy``), gradient clipping included
+            (``config.clipping``: ``fabric.clip_gradients`` with the same setting then only
+            returns the norm).
         example_inputs: one batch to profile ahead, at ``fabric.setup`` (default: profile the
             first training steps).
         loss_fn: ``loss_fn(output) -> loss`` for profiling ahead (default ``output.loss``).
@@ -198,8 +197,8 @@ class ProTrainFabricStrategy(StrategyPlumbing, ParallelStrategy):
         engine = self._open_engine()
         if engine is None:
             self._waiting.append(optimizer)
-            return optimizer
-        self._rebuild([*engine.optimizers, optimizer] if engine.optimizer_states else [optimizer])
+        else:
+            self._rebuild([*engine.optimizers, optimizer] if engine.optimizer_states else [optimizer])
         return optimizer
 
     def _rebuild(self, optimizers: list) -> None:
@@ -225,9 +224,8 @@ class ProTrainFabricStrategy(StrategyPlumbing, ParallelStrategy):
         return module, optimizers, scheduler
 
     def _claim_waiting(self, module: nn.Module, optimizers: list) -> list:
-        """``optimizers`` and those set up before any module over ``module``'s parameters: the
-        engine's. An optimizer set up before over other parameters would train a second model,
-        which one ProTrain strategy does not (``_refuse_a_second_model``)."""
+        """``optimizers`` and those set up before any module (over ``module``'s parameters, or
+        refused): the engine's."""
         params = {id(p) for p in module.parameters()}
         for o in self._waiting:
             if o not in optimizers and not any(id(p) in params for g in o.param_groups for p in g["params"]):

@@ -16,13 +16,11 @@ The strategy is a thin adapter over ``protrain_core``:
               exactly as ``clip_grad_norm_`` / ``clip_grad_value_`` and logs ``grad_norm``; an
               overridden ``configure_gradient_clipping`` clips through it between backward and step.
   checkpoints the model's state dict (fp32 master weights) and the optimizer state in
-              ``torch.optim.AdamW`` format, written atomically; any plan can load them.
+              ``torch.optim.AdamW`` format, one file written atomically, or sharded directories
+              (``CheckpointConfig``); any plan, at any number of processes, loads them.
   processes   ``Trainer(devices=N, num_nodes=M)``, torchrun or SLURM: Lightning's DDP launcher
               starts the processes and the engine shards every chunk over them ([Note: sharded
-              chunks] in protrain_core/runtime/sharding.py), following rank 0's plan. Checkpoints
-              are consolidated files (gathered to rank 0 chunk by chunk) or, with
-              ``checkpoint.state_dict_type="sharded"``, ``torch.distributed.checkpoint``
-              directories; both load at any number of processes.
+              chunks] in protrain_core/runtime/sharding.py), following rank 0's plan.
 """
 
 from __future__ import annotations
@@ -186,10 +184,8 @@ def grad_accumulator(config: pt.ProTrainConfig, trainer, precision: str, *, manu
 
 def overrides(module, callbacks, hooks: tuple[str, ...]) -> bool:
     """Whether the LightningModule or a callback other than Lightning's bookkeeping ones
-    overrides one of ``hooks``: ``_BEFORE_UPDATE`` (user code may change gradients between
-    backward and the update, so every step's updates wait for ``step()``: [Note: gradients read
-    through p.grad] in protrain_core/runtime/gradients.py) or ``_BETWEEN_STEPS`` (it may read the
-    weights between ``optimizer_step`` and the next forward)."""
+    overrides one of ``hooks`` (``_BEFORE_UPDATE``: every step's updates then wait for
+    ``step()``, [Note: gradients read through p.grad] in protrain_core/runtime/gradients.py)."""
     if any(is_overridden(hook, module, pl.LightningModule) for hook in hooks):
         return True
     return any(not isinstance(cb, _SAFE_CALLBACKS) and any(is_overridden(h, cb, pl.Callback) for h in hooks)
@@ -204,12 +200,9 @@ class ProTrainStrategy(StrategyPlumbing, ParallelStrategy):
         config: every ProTrain setting (``protrain_core.ProTrainConfig``, or a dict of its
             fields, or a ``Plan`` alone for the configuration with that plan; in a LightningCLI
             file, ``init_args: {config: {planning: {memory_budget: 20GiB}}}``): the plan or
-            what to search one for, the runtime's switches, and
-            ``checkpoint.state_dict_type``: "full" (default: one file, gathered chunk by chunk
-            to rank 0) or "sharded" (a ``torch.distributed.checkpoint`` directory each rank
-            writes its shards into, for models whose full state does not fit one host's
-            memory). Gradient clipping is the Trainer's (``gradient_clip_val``), and precision
-            too.
+            what to search one for, the runtime's switches, and the checkpoint format
+            (``CheckpointConfig``). Gradient clipping (``gradient_clip_val``) and precision
+            are the Trainer's.
         device, accelerator, checkpoint_io, precision_plugin, parallel_devices,
         cluster_environment: Lightning's (set by the Trainer).
         process_group_backend, timeout, start_method: as for ``DDPStrategy`` (several processes).

@@ -54,43 +54,23 @@ def adam_step(
 ) -> None:
     """One Adam/AdamW step over a list of tensors that all live on one device and share one
     dtype: fp32, or bf16 (bf16-true: torch.optim keeps a bf16 module's states in bf16) -- or
-    fp32 params with bf16 moments (``fused_kernel_step``)."""
+    fp32 params with bf16 moments (optimizer_state_format "bf16"), stepped as copies in the
+    params' dtype and rounded back to nearest."""
     if not params:
         return
     torch._foreach_add_(steps, 1)
-    fused_kernel_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hp)
-
-
-def fused_kernel_step(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-                      max_exp_avg_sqs: list[Tensor], steps: list[Tensor], hp: AdamHyperParams) -> None:
-    """torch's fused kernel on the lists of ``adam_step``, with ``steps`` already incremented.
-    Moments narrower than the params (bf16 moments of fp32 masters: optimizer_state_format
-    "bf16") are stepped as copies in the params' dtype and rounded back to nearest."""
-    if not params:
-        return
-    if exp_avgs[0].dtype != params[0].dtype:
-        assert not hp.amsgrad, "narrow moments without amsgrad"
-        wide = [[t.to(params[0].dtype) for t in ts] for ts in (exp_avgs, exp_avg_sqs)]
-        fused_kernel_step(params, grads, *wide, [], steps, hp)
-        torch._foreach_copy_(exp_avgs, wide[0])
-        torch._foreach_copy_(exp_avg_sqs, wide[1])
-        return
+    narrow = exp_avgs[0].dtype != params[0].dtype
+    assert not (narrow and hp.amsgrad), "narrow moments without amsgrad"
+    moments = [exp_avgs, exp_avg_sqs]
+    if narrow:
+        moments = [[t.to(params[0].dtype) for t in ts] for ts in moments]
     kernel = torch._fused_adamw_ if hp.decoupled_weight_decay else torch._fused_adam_
-    kernel(
-        params,
-        grads,
-        exp_avgs,
-        exp_avg_sqs,
-        max_exp_avg_sqs if hp.amsgrad else [],
-        steps,
-        lr=hp.lr,
-        beta1=hp.beta1,
-        beta2=hp.beta2,
-        weight_decay=hp.weight_decay,
-        eps=hp.eps,
-        amsgrad=hp.amsgrad,
-        maximize=hp.maximize,
-    )
+    kernel(params, grads, *moments, max_exp_avg_sqs if hp.amsgrad else [], steps,
+           lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, weight_decay=hp.weight_decay, eps=hp.eps,
+           amsgrad=hp.amsgrad, maximize=hp.maximize)
+    if narrow:
+        torch._foreach_copy_(exp_avgs, moments[0])
+        torch._foreach_copy_(exp_avg_sqs, moments[1])
 
 
 def fold_landing(accs: list[Tensor], landings: list[Tensor], *, accumulate: bool) -> None:

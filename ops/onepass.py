@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from protrain_ops.adam import AdamHyperParams, clip_gradients, fold_landing, fused_kernel_step
+from protrain_ops.adam import AdamHyperParams, adam_step, clip_gradients, fold_landing
 
 SOURCE = Path(__file__).with_name("csrc") / "adam_onepass.cpp"
 # -ffp-contract=off: no fused multiply-add but those the source spells ([Note: one-pass arithmetic]);
@@ -190,8 +190,7 @@ def separate_passes(masters, lows, accs, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
     if landed:
         fold_landing(accs, lows, accumulate=accumulate)
     clip_gradients(accs, coef, clamp)
-    torch._foreach_add_(steps, 1)
-    fused_kernel_step(masters, accs, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if hp.amsgrad else [], steps, hp)
+    adam_step(masters, accs, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, hp)
     torch._foreach_copy_(lows, masters)
 
 
@@ -216,12 +215,10 @@ def separate_landing(masters, lows, accs, *, accumulate, inv_scale=None, found=N
 
 # ----- the check against torch ----------------------------------------------------------------
 def verify(module) -> str:
-    """Run ``update`` and ``separate_passes`` on the same random members for every kind of
-    step (AdamW's decay, Adam's L2 term or none; landed, landed and accumulated, or already
-    folded; no clipping, by norm, by value -- each with amsgrad, maximize, beta1 below 0.5 and
-    an fp16 instead of a bf16 copy on and off in turn; fp32 and bf16 moments), and ``land`` and ``separate_landing``
-    for every kind of landing (copied or added; unscaled or not; bf16 or fp16; an inf, a nan
-    or neither); '' when every result is equal bit for bit, else the first difference."""
+    """Run ``update`` and ``separate_passes`` on the same random members for every kind of step
+    below (with fp32 and bf16 moments; ``_compare`` varies the rest), and ``land`` and
+    ``separate_landing`` for every kind of landing; '' when every result is equal bit for bit,
+    else the first difference."""
     gen = torch.Generator().manual_seed(0)
     lanes = module.lanes()  # members as the engine gives them: views shaped as their parameters
     shapes = ((lanes * 40 + 5,), (3, lanes), (7,), (5, 2 * lanes - 1), (9, lanes * 11 + 1))

@@ -1,9 +1,6 @@
-"""The entry points: ``wrap`` (a model and its optimizer into a training engine, with a given or
-a searched plan) and ``profile`` (measure without wrapping).
-
-This is where the layers meet (docs/architecture.md): ``structure`` reads the model, the
-``profiler`` measures it on a profiling engine, the ``planner`` searches, and the ``runtime``
-builds the engine. Every argument is checked before any of that starts.
+"""The entry points, where the layers meet (docs/architecture.md): ``wrap`` (a model and its
+optimizer into a training engine, with a given or a searched plan) and ``profile`` (measure
+without wrapping). Every argument is checked before any layer starts.
 """
 
 from __future__ import annotations

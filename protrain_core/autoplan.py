@@ -126,8 +126,7 @@ class AutoPlanner(StepObserver):
         memory = cm.memory(current)
         fits = memory.peak_bytes <= self.budget and (self.host_budget is None or memory.host_bytes <= self.host_budget)
         try:
-            best = self.search(tokens, n_persist=current.n_persist if current.persistent_chunks is None
-                               else current.persistent())
+            best = self.search(tokens, n_persist=current.persistent())
         except InfeasibleBudget:
             try:
                 best = self.search(tokens)  # fewer chunks on the device
@@ -169,9 +168,7 @@ class AutoPlanner(StepObserver):
 
     def _what_would_fit(self) -> str:
         """After a refusal: each change that needs fewer bytes, alone, with the plan it would get
-        and its predicted step -- the largest batch that fits, 8-bit Adam moments (where chunks
-        are updated in another format), an int8 frozen base (where chunks have a frozen span),
-        the fewest processes whose shards fit."""
+        and its predicted step."""
         chunks, tokens = self.profile.chunks, self.profile.tokens
         largest = self.largest_fitting(tokens)
         changes = [(f"batches of at most {largest:,} tokens instead of {tokens:,} (shorter sequences or a smaller "
@@ -186,7 +183,7 @@ class AutoPlanner(StepObserver):
                 "update timed in it):\n" + "\n".join(rows))
 
     def _row(self, change: str, profile) -> str:
-        """``change``'s line: the plan a search of ``profile()`` finds, its step and bytes."""
+        """``change``'s line (``_fits``) for ``profile()``."""
         try:
             return self._fits(change, self._search(profile()))
         except InfeasibleBudget:

@@ -17,6 +17,7 @@ what they are and where they start:
                                      minimum size) and the piece's block scales from block
                                      <block> (its offset over 256: pieces start at a block
                                      boundary); the same with 2
+  optim/scalars                      another optimizer than Adam: its other states (rank 0)
   buffer/<name>                      a buffer, whole (rank 0)
   optim/param_groups                 the optimizer's hyper-parameters (rank 0)
 
@@ -112,12 +113,11 @@ def _save_eight_bit(state: dict, optim, chunk, i: int, index: int) -> None:
     if moments is None:
         return
     off = chunk.values.state_part(i)[0]
-    cpu = lambda t: t.detach().reshape(-1).to("cpu", copy=True)  # noqa: E731
-    state[f"optim/{index}/state1/{off}"], state[f"optim/{index}/state2/{off}"] = cpu(moments.state1), cpu(moments.state2)
-    if moments.absmax1 is not None:
-        block = off // formats.BLOCK
-        state[f"optim/{index}/absmax1/{block}"], state[f"optim/{index}/absmax2/{block}"] = \
-            cpu(moments.absmax1), cpu(moments.absmax2)
+    for key in EIGHT_BIT_KEYS:  # (no block scales below the format's minimum size)
+        value = getattr(moments, key)
+        if value is not None:
+            at = off // formats.BLOCK if key.startswith("absmax") else off
+            state[f"optim/{index}/{key}/{at}"] = value.detach().reshape(-1).to("cpu", copy=True)
 
 
 # [Note: replacing a checkpoint directory]
@@ -215,9 +215,7 @@ def _remove(path: Path) -> None:
 
 def recover(path) -> None:
     """Finish what a save of ``path`` killed between its renames left ([Note: replacing a
-    checkpoint directory]): a complete new copy goes in place, or a lone old copy goes back;
-    leftovers of dead saves are removed. Saves still running (another live process's, or this
-    process's own) are left alone."""
+    checkpoint directory]); saves still running (another live process's, or this one's) are left alone."""
     path = Path(path)
     if not path.parent.is_dir():
         return
@@ -275,9 +273,7 @@ def check_sharded(path, module) -> None:
 
 
 def load_sharded(engine, path, *, model: bool = True, optimizer: bool = True, strict: bool = True) -> None:
-    """Load a sharded checkpoint directory (written at any number of processes) into
-    ``engine``'s chunks, one chunk at a time: the weights (``model``) and Adam's state and
-    hyper-parameters (``optimizer``). Every rank calls it."""
+    """``Engine.load_sharded``: into ``engine``'s chunks, one chunk at a time."""
     dcp = _dcp()
     path = Path(path)
     if engine.rank == 0:

@@ -148,8 +148,7 @@ class ChunkFormat:
 
     @property
     def host_copy_numel(self) -> int:
-        """Elements of a streamed chunk's host copy: the frozen and trainable shards, or the
-        trainable one alone when the frozen span is quantised."""
+        """Elements of a streamed chunk's host copy (the frozen shard only where not quantised)."""
         return (0 if self.quantised else self.frozen_shard) + self.state_numel
 
     @property

@@ -40,9 +40,6 @@ from protrain_core.simulator.run import simulate, simulate_plain
 from protrain_core.update import Overlap
 from protrain_core.utils import format_bytes, format_seconds, parse_bytes
 
-WHAT_IF_HEADER = "| {} | plan (persist/buffer/swap/checkpoint) | predicted step | tokens/s | predicted peak | bottleneck |"
-WHAT_IF_RULE = "|---|---|---|---|---|---|"
-
 
 def progress(text: str) -> None:
     print(f"protrain plan: {text}", file=sys.stderr, flush=True)
@@ -110,7 +107,7 @@ def check_prediction(args, config, prof, choice) -> None:
     planner = AutoPlanner(engine, prof, budget=choice.budget_bytes, host_budget=choice.host_budget_bytes,
                           overlap=Overlap(choice.schedule, gradient_passes=choice.gradient_passes))
     PredictionCheck(engine, planner, hint="--reprofile", checked_steps=args.check_steps)
-    batch = {k: v.to(args.device) for k, v in models.token_batch(config, args.batch_size, args.seq_len).items()}
+    batch = models.token_batch(config, args.batch_size, args.seq_len, args.device)
     steps = WARMUP_STEPS + args.check_steps + 1
     progress(f"checking the prediction: {steps} training steps on random data ...")
     try:
@@ -124,7 +121,8 @@ def check_prediction(args, config, prof, choice) -> None:
 
 def _what_if(column: str, rows) -> None:
     """A what-if table, a line per (label, profile, budget, tokens) of ``rows``: the plan searched."""
-    print(WHAT_IF_HEADER.format(column), WHAT_IF_RULE, sep="\n")
+    print(f"| {column} | plan (persist/buffer/swap/checkpoint) | predicted step | tokens/s | predicted peak "
+          "| bottleneck |\n|---|---|---|---|---|---|")
     for label, prof, budget, tokens in rows:
         try:
             c = pt.search(prof, budget)
@@ -146,7 +144,7 @@ def _budget_rows(args, prof, budget: int) -> list:
 
 def _budgets(args) -> tuple[int, int | None]:
     """(device budget, host budget) of a run on ``--device`` (each process's, with ``--world-size``)."""
-    budget = parse_bytes(args.budget, "--budget") if args.budget else device_budget(args.device_memory, args.device_memory) \
+    budget = args.budget if args.budget is not None else device_budget(args.device_memory, args.device_memory) \
         if args.device_memory else pt.default_memory_budget(args.device)
     host_budget = host_budget_of(args.host_memory) if args.host_memory else default_host_budget(args.device)
     if host_budget is not None and args.world_size > 1:
@@ -201,7 +199,7 @@ def _plain_pytorch(args, result, budget: int) -> str:
 
 
 def _simulated_budget(args) -> int:
-    return parse_bytes(args.budget, "--budget") if args.budget else default_memory_budget(SimulatedDevice(args.hardware))
+    return args.budget if args.budget is not None else default_memory_budget(SimulatedDevice(args.hardware))
 
 
 def _simulated(args, config, name: str):
@@ -290,7 +288,6 @@ def _host_shortfall(args) -> str | None:
     None (also on a GPU, whose budgets the search checks)."""
     if args.device.type != "cpu":
         return None
-
     model, _ = _build(args, device="meta")
     n, trained = _parameters(model)
     # the model as built (fp32), then the trained parameters' masters, gradients and two moments
@@ -407,8 +404,7 @@ def check_arguments(ap: argparse.ArgumentParser, args) -> None:
     try:
         args.device_memory, args.host_memory = (None if v is None else parse_bytes(v, name) for v, name in
                                                 ((args.device_memory, "--device-memory"), (args.host_memory, "--host-memory")))
-        if args.budget:
-            parse_bytes(args.budget, "--budget")
+        args.budget = parse_bytes(args.budget, "--budget") if args.budget else None
         args.budgets = [parse_bytes(b, "--budgets") for b in args.budgets.split(",")] if args.budgets else None
     except ValueError as e:
         ap.error(str(e))
@@ -470,8 +466,7 @@ def _check_simulation_arguments(ap: argparse.ArgumentParser, args) -> None:
     except ValueError as e:
         ap.error(str(e))
     memory = {k: v for k, v in (("device_memory_bytes", args.device_memory), ("host_memory_bytes", args.host_memory)) if v}
-    if memory:
-        args.hardware = dataclasses.replace(args.hardware, **memory)
+    args.hardware = dataclasses.replace(args.hardware, **memory)
     if args.plan is not None:
         parts = args.plan.split("/")
         if len(parts) != 4 or not all(p.isdigit() for p in parts):

@@ -206,11 +206,10 @@ class ProTrainConfig:
                 raise ValueError(f"ProTrainConfig.{name} must be a {cls.__name__} (or a dict of its fields), "
                                  f"got {type(value).__name__}.")
         clipping = self.clipping
+        if isinstance(clipping, (tuple, list)):  # ("norm", 1.0[, norm_type])
+            clipping = dict(zip(("algorithm", "value", "norm_type"), clipping))
         if isinstance(clipping, dict):
             object.__setattr__(self, "clipping", _part(ClippingConfig, clipping, "clipping"))
-        elif isinstance(clipping, (tuple, list)):  # ("norm", 1.0[, norm_type]): wrap's gradient_clipping form
-            fields = dict(zip(("algorithm", "value", "norm_type"), clipping))
-            object.__setattr__(self, "clipping", ClippingConfig(**fields))
         elif clipping is not None and not isinstance(clipping, ClippingConfig):
             raise ValueError(f"ProTrainConfig.clipping must be a ClippingConfig, a dict of its fields, "
                              f"(algorithm, value) or None, got {type(clipping).__name__}.")

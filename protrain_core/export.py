@@ -1,11 +1,6 @@
-"""Exporting a wrapped Hugging Face model: its master weights and a config that says their dtype.
-
-A model's own ``save_pretrained`` writes the parameters, during training the compute copies
-(bf16 or fp16 in the mixed modes), and their dtype, in which ``from_pretrained`` then loads it.
-``save_pretrained`` here writes the master weights (fp32, or bf16 in bf16-true: what
-``Engine.state_dict`` returns) and that dtype, so that ``from_pretrained(directory)`` rebuilds
-exactly the trained model.
-"""
+"""Exporting a wrapped Hugging Face model: its master weights (fp32, or bf16 in bf16-true: what
+``Engine.state_dict`` returns) and their dtype in its config, where the model's own
+``save_pretrained`` would write the compute copies and theirs (``Engine.save_pretrained``)."""
 
 from __future__ import annotations
 
@@ -25,19 +20,18 @@ def save_pretrained(engine, save_directory, *, module: str | None = None, **kwar
             raise ValueError(f"engine.save_pretrained sets {key}= itself (the master weights; rank 0 writes).")
     prefix = f"{name}." if name else ""
     state = {k.removeprefix(prefix): v for k, v in engine.state_dict().items() if k.startswith(prefix)}
-    main = engine.rank == 0
-    config = getattr(model, "config", None)
-    before = getattr(config, "dtype", None)
-    try:
-        if main:  # the others took part in the gathering; the model's save_pretrained would read its parameters
+    if engine.rank == 0:  # the others took part in the gathering; the model's save_pretrained would read its parameters
+        config = getattr(model, "config", None)
+        before = getattr(config, "dtype", None)
+        try:
             model.save_pretrained(save_directory, state_dict=state, **kwargs)
-        if main and config is not None and hasattr(config, "save_pretrained") and (Path(save_directory) / "config.json").exists():
-            # The model's save_pretrained wrote the compute copies' dtype: say the masters'.
-            config.dtype = str(engine.precision.master_dtype).removeprefix("torch.")
-            config.save_pretrained(save_directory)
-    finally:
-        if config is not None:
-            config.dtype = before
+            if hasattr(config, "save_pretrained") and (Path(save_directory) / "config.json").exists():
+                # The model's save_pretrained wrote the compute copies' dtype: say the masters'.
+                config.dtype = str(engine.precision.master_dtype).removeprefix("torch.")
+                config.save_pretrained(save_directory)
+        finally:
+            if config is not None:
+                config.dtype = before
     engine.sharding.barrier()
 
 

@@ -1,15 +1,12 @@
 """Which tensors are alive: a dispatch-mode tracker of storages created by operators.
 
-On the CPU there is no device allocator to ask, so memory held by activations is measured by
-watching the operators themselves: every storage an operator allocates (an output that does
-not alias one of its inputs) is recorded with its size, and a finalizer on the storage object
-(PyTorch keeps one Python object per storage) subtracts it again when the storage is freed.
-(On CUDA ``torch.cuda.memory_allocated`` tells the same for the device.)
-
-Allocations that are not activation memory are not recorded: the engine's chunk buffers, which
-it counts itself, are made inside ``untracked()``; host memory (host pools, staging and swap
-buffers, which on a CPU "device" live in the same memory) inside ``on_host()``, which also
-tells a simulated device that they are not its memory.
+On the CPU there is no device allocator to ask (on CUDA, ``torch.cuda.memory_allocated``), so
+activation memory is measured by watching the operators: every storage an operator allocates
+(an output that aliases none of its inputs) is recorded with its size, and a finalizer on the
+storage object (PyTorch keeps one Python object per storage) subtracts it when it is freed.
+Not recorded: the engine's chunk buffers, which it counts itself (made inside ``untracked()``),
+and host memory -- host pools, staging and swap buffers, in the same memory on a CPU "device" --
+made inside ``on_host()``, which also tells a simulated device that they are not its memory.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""Where training stands: one record per engine, for the runtime, the activation manager, the
-profiler and the Lightning adapters.
-
-An engine owns one ``StepState``. Its hooks and verbs enter it: ``engine.backward`` enters
-``BACKWARD`` (the scheduler's backward pass), ``engine.step`` enters ``STEP``, the activation
-manager enters ``RECOMPUTE`` while a checkpointed block's forward runs again inside backward;
-``engine.no_sync`` marks the micro-batches that only accumulate, the module's forward pre-hook
-marks a micro-batch as begun. Everything else reads it. The profiler marks ``FORWARD`` /
-``BACKWARD`` / ``RECOMPUTE`` segments of its timeline with the same phase values. Transitions
-assert the phase they leave, so an illegal one (a second backward inside a backward) raises
-instead of being ignored.
+"""Where training stands: one record per engine (``StepState``), for the runtime, the activation
+manager, the profiler and the Lightning adapters. The engine's verbs and hooks enter its phases
+(``TrainingPhase``) and set its flags; everything else reads it. Transitions assert the phase
+they leave, so an illegal one (a second backward inside a backward) raises instead of being
+ignored.
 """
 
 from __future__ import annotations

@@ -40,9 +40,8 @@ def plain_parameters(fn):
 
 
 def when_freed(obj, method, *args) -> None:
-    """Call the bound ``method(*args)`` once ``obj`` is freed, if ``method``'s object still lives.
-    The finalizer holds that object weakly: held strongly by the finalizer registry, it kept alive
-    whatever it held, ``obj`` included (a simulated device and its engine were never freed)."""
+    """Call the bound ``method(*args)`` once ``obj`` is freed, if ``method``'s object still lives
+    (held weakly: held by the finalizer registry, it would keep alive whatever it holds, ``obj`` too)."""
     weakref.finalize(obj, _call_if_alive, weakref.WeakMethod(method), *args)
 
 
@@ -116,7 +115,7 @@ def parse_bytes(value: int | float | str, what: str = "memory_budget") -> int:
     else:
         raise ValueError(f"{what} must be a number of bytes or a string like '20GiB', got {type(value).__name__}")
     nbytes = number * _UNITS[unit.upper()]
-    if not nbytes > 0 or nbytes != nbytes or nbytes == float("inf"):
+    if not nbytes > 0 or not math.isfinite(nbytes):
         raise ValueError(f"{what}={value!r} must be a positive, finite size.")
     return int(nbytes)
 

@@ -728,6 +728,34 @@ def test_unsupported_precision_is_refused(precision):
         fit("protrain", precision=precision)
 
 
+def test_bf16_true_converts_a_batch_as_the_default_strategy_does():
+    """Both plugins turn a batch's floating-point tensors into bf16 as Lightning's HalfPrecision
+    does: in dicts, lists, namedtuples and dataclasses; integer tensors and other leaves kept."""
+    import collections
+    import dataclasses
+
+    from lightning.fabric.plugins.precision import HalfPrecision
+
+    from lightning_protrain.fabric import ProTrainFabricPrecision
+    from lightning_protrain.strategy import ProTrainPrecision
+
+    Pair = collections.namedtuple("Pair", "x ids")
+
+    @dataclasses.dataclass
+    class Batch:
+        pair: Pair
+        weights: list
+
+    batch = {"batch": Batch(Pair(torch.ones(2), torch.arange(2)), [torch.zeros(3, dtype=torch.float64), "s"]), "n": 3}
+    expected = HalfPrecision("bf16-true").convert_input(batch)
+    for plugin in (ProTrainPrecision("bf16-true"), ProTrainFabricPrecision("bf16-true", strategy=None)):
+        got = plugin.convert_input(batch)
+        assert type(got["batch"].pair) is Pair and got["n"] == 3 and got["batch"].weights[1] == "s"
+        assert [t.dtype for t in (got["batch"].pair.x, got["batch"].pair.ids, got["batch"].weights[0])] == \
+            [t.dtype for t in (expected["batch"].pair.x, expected["batch"].pair.ids, expected["batch"].weights[0])] == \
+            [torch.bfloat16, torch.int64, torch.bfloat16]
+
+
 @pytest.mark.parametrize("plan", [None, "streamed"])
 def test_sgd_trains_like_the_default_strategy(plan):
     """Lightning's test models use SGD: it runs per chunk by torch's own class, bitwise."""

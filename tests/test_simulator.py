@@ -20,6 +20,7 @@ Small real tensors through the same path train bitwise like plain PyTorch in fp3
 """
 
 import copy
+import dataclasses
 import re
 
 import pytest
@@ -217,6 +218,14 @@ def test_meta_reads_and_the_hardware_file(tmp_path):
         load_spec(str(path))
     path.write_text(json.dumps({"base": "h100", "cpu_adam_params_per_s": 3e9}))
     with pytest.raises(ValueError, match="cpu_adam_params_per_s .by moments' format"):
+        load_spec(str(path))
+    # Without a base: every field without a default given (none with a default_factory needed).
+    required = {f.name: getattr(H100, f.name) for f in dataclasses.fields(H100)
+                if f.default is f.default_factory is dataclasses.MISSING}
+    path.write_text(json.dumps(required))
+    assert load_spec(str(path)) == dataclasses.replace(H100, op_class_factor={}, sources=(str(path),))
+    path.write_text(json.dumps({k: v for k, v in required.items() if k != "h2d_bytes_per_s"}))
+    with pytest.raises(ValueError, match=r"fields \['h2d_bytes_per_s'\] are missing"):
         load_spec(str(path))
 
 

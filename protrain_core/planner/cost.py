@@ -109,11 +109,9 @@ TENSOR = SimpleNamespace(max=torch.maximum, where=torch.where)
 def chunk_times(F, G, SO, SI, X, Y, extra, *, streamed, again, two_buffers, later, async_copies: bool, ops=SCALAR):
     """Eq. 4-6 of one chunk (Python numbers), or of many at once (tensors that broadcast, with
     ``ops=TENSOR``): (forward time, its uploads, backward time, its uploads, gradient offload).
-    ``F``, ``G``: the compute of the segments homed at the chunk (G with recomputation); ``SO``,
-    ``SI``: their swap copies out and in; ``X``, ``Y``: the chunk's upload and offload; ``extra``:
-    the uploads of the streamed chunks its segments fetch besides it; ``streamed``: it streams;
-    ``again``: backward uploads it again (streamed, and not among the last B streamed chunks,
-    still resident when backward starts); ``two_buffers``: B >= 2; ``later``: not chunk 0.
+    ``F`` .. ``Y`` as in the notation above; ``extra``: the uploads of e_c; ``streamed``: it
+    streams; ``again``: backward uploads it again (streamed, and not among the last B streamed
+    chunks, still resident when backward starts); ``two_buffers``: B >= 2; ``later``: not chunk 0.
     Eq. 4: a prefetched upload (two or more buffers, not the first chunk) hides behind the
     previous chunk's compute:
       t_f = max(F, up, SO)  if hidden,   max(F + up, SO)  otherwise
@@ -163,11 +161,8 @@ class CostModel:
         hw = profile.hardware
         self.N = profile.n_chunks
         self.L = profile.n_blocks
-        # W processes (see W above; [Note: sharded chunks]): the persistent chunks' collectives run
-        # beside backward and the next chunks' updates, only what sticks out is charged (``device_updates``).
-        w = profile.world_size
-        chunks = profile.chunks
-        # (Zeros in one process, or where the rates were not measured.)
+        w, chunks = profile.world_size, profile.chunks
+        # Collectives and dequantisation: zeros in one process, or where the rates were not measured.
         gather = [c.gather_bytes / hw.gather_bytes_per_s if w > 1 and hw.gather_bytes_per_s else 0.0 for c in chunks]
         reduce = [c.reduce_bytes / hw.reduce_bytes_per_s if w > 1 and hw.reduce_bytes_per_s else 0.0 for c in chunks]
         # A quantised frozen span is dequantised on the upload stream after its copy ([Note:
@@ -209,13 +204,9 @@ class CostModel:
                 first = c if first is None else first
         return (g if any(gather) else a) + (reduce[first] if first is not None else 0.0)
 
-    # ----- helpers -------------------------------------------------------------------------
     def extra_uploads(self, extra: list[int], persistent: frozenset[int]) -> float:
         """Upload time of the extra chunks a segment fetches that are streamed."""
         return sum(self.X[e] for e in extra if e not in persistent)
-
-    def modes(self, plan: Plan) -> tuple[BlockMode, ...]:
-        return interleaved_modes(self.L, plan.n_swap, plan.n_checkpoint)
 
     def buffers(self, plan: Plan) -> int:
         return min(plan.n_buffer, self.N - plan.n_persist)
@@ -230,9 +221,8 @@ class CostModel:
 
     def _streamed(self, persistent: int | frozenset[int]) -> list[ChunkFormat]:
         """The records of the chunks not in ``persistent`` (the indices, or the first n)."""
-        if isinstance(persistent, int):
-            return list(self.profile.chunks[persistent:])
-        return [f for c, f in enumerate(self.profile.chunks) if c not in persistent]
+        kept = range(persistent) if isinstance(persistent, int) else persistent
+        return [f for c, f in enumerate(self.profile.chunks) if c not in kept]
 
     def buffer_bytes(self, persistent: int | frozenset[int]) -> int:
         """Device bytes of one chunk buffer: the largest streamed chunk's compute copy and
@@ -251,11 +241,6 @@ class CostModel:
         """Host bytes of the streamed chunks' states (``persistent``: the indices, or the first n)."""
         return sum(f.streamed_host_bytes for f in self._streamed(persistent))
 
-    def pinned_host_bytes(self, persistent: frozenset[int]) -> int:
-        """Of ``streamed_host_bytes``, those page-locked ([Note: what is page-locked] in
-        runtime/host_pool.py)."""
-        return sum(f.streamed_pinned_bytes for f in self._streamed(persistent))
-
     def staging_bytes(self, persistent: int | frozenset[int], n_buffer: int) -> int:
         """The CPU worker's staging buffers (runtime/worker.py): where a chunk's gradients of a
         later micro-batch land before they are added to the accumulator -- ``n_buffer`` of the
@@ -273,7 +258,7 @@ class CostModel:
 
     # ----- runtime: eq. 3-7 ------------------------------------------------------------------
     def runtime(self, plan: Plan) -> RuntimeEstimate:
-        return self.runtime_of(self.layout(self.modes(plan)), plan.persistent(), self.buffers(plan))
+        return self.runtime_of(self.layout(plan.block_modes(self.L)), plan.persistent(), self.buffers(plan))
 
     def runtime_of(self, lay: _Layout, p: int | frozenset[int], B: int) -> RuntimeEstimate:
         """Eq. 3-7 for one activation layout, the persistent chunks ``p`` (indices, or the first
@@ -292,9 +277,8 @@ class CostModel:
         # DURING_BACKWARD: the CPU worker overlaps backward, T = T_f + max(T_b + T_gpu_adam, cpu_end).
         # NEXT_FORWARD: the CPU Adam starts when the last gradients have landed and runs in forward
         #   order while the next forward waits for each chunk's own update (_forward_after_updates).
-        # SPECULATIVE: DURING_BACKWARD's step, or NEXT_FORWARD's in the fraction of steps that must
-        #   redo their updates (their speculative updates only delayed the redo by nothing more
-        #   than the landings it needs anyway); its cost is host memory (SPECULATIVE_EXTRA_HOST_BYTES).
+        # SPECULATIVE: DURING_BACKWARD's step, or NEXT_FORWARD's in the fraction of steps that redo
+        #   their updates; its cost is host memory (SPECULATIVE_EXTRA_HOST_BYTES).
         # Without a separate device (CPU) the worker competes for the same cores: T adds up.
         during = t_fwd + max(t_bwd + dev_total, cpu_end)
         if not self.async_copies:
@@ -355,7 +339,7 @@ class CostModel:
 
     # ----- memory: eq. 8-10 --------------------------------------------------------------------
     def memory(self, plan: Plan) -> MemoryEstimate:
-        lay, B, kept = self.layout(self.modes(plan)), self.buffers(plan), plan.persistent()
+        lay, B, kept = self.layout(plan.block_modes(self.L)), self.buffers(plan), plan.persistent()
         persistent, buffers, act = self.states_bytes(kept, 0), B * self.buffer_bytes(kept), lay.activation_peak
         return MemoryEstimate(
             persistent_bytes=persistent,
@@ -367,7 +351,7 @@ class CostModel:
             host_bytes=self.streamed_host_bytes(kept) + lay.swap_host_bytes,
             swap_host_bytes=lay.swap_host_bytes,
             staging_host_bytes=self.staging_bytes(kept, B),
-            pinned_host_bytes=(pinned := self.pinned_host_bytes(kept)),
+            pinned_host_bytes=(pinned := sum(f.streamed_pinned_bytes for f in self._streamed(kept))),
             page_lock_s=pinned / rate if (rate := self.profile.hardware.page_lock_bytes_per_s) else 0.0,
         )
 
@@ -389,11 +373,10 @@ class _Layout:
 class _Grid:
     """Every activation layout (n_swap, n_checkpoint) at once, as float64/int64 tensors with one
     row per layout (``pairs``): its block modes, activation peak and where it is
-    (``_memory_walk``); per chunk its backward compute with recomputation G, swap copies out SO
-    and in SI; its backward outside chunks G_free, recomputation, compute and swapped bytes in
-    host memory. And what the layouts share: per chunk the forward compute F of the segments
-    homed at it (a segment's home is the last chunk it uses; a block uses exactly one) and the
-    extra chunks they fetch; F_free, the forward of the segments without chunks."""
+    (``_memory_walk``); per chunk G, SO and SI (the notation above); its backward outside chunks
+    G_free, recomputation, compute and swapped bytes in host memory. And what the layouts share:
+    per chunk F and the extra chunks its segments fetch; F_free, the forward of the segments
+    without chunks."""
 
     def __init__(self, model: CostModel) -> None:
         self.model = model
@@ -419,8 +402,7 @@ class _Grid:
         self.G_free, self.recompute_s = torch.full((rows,), G_free, dtype=f64), torch.zeros(rows, dtype=f64)
         self.swap_host_bytes = torch.zeros(rows, dtype=torch.int64)
         # Recomputation or swap copies at the block's home chunk, block by block in order: each row
-        # sums as the scalar model would. A swapped block's copies are measured where they do not
-        # overlap compute, else its saved bytes over the copy bandwidth.
+        # sums as the scalar model would.
         for b, i in enumerate(model.block_seg):
             seg, h, swap = segs[i], home[i], self.swap[:, b].to(f64)
             r = self.ckpt[:, b].to(f64) * seg.recompute_s

@@ -78,7 +78,6 @@ class PlanChoice:
     def explain(self) -> str:
         """What was chosen and why: predicted time by phase, memory breakdown, bottleneck."""
         p, r, m = self.profile, self.runtime, self.memory
-        modes = interleaved_modes(p.n_blocks, self.plan.n_swap, self.plan.n_checkpoint)
         streamed = p.n_chunks - self.plan.n_persist
         chunks = self.plan.persistent_chunks  # named where not the first n_persist
         named = "" if chunks is None else f" (chunks {', '.join(map(str, chunks))})"
@@ -95,7 +94,7 @@ class PlanChoice:
             _states_line(p),
             _chunks_line(p) + f"; {self.plan.n_persist} persistent{named}, {streamed} streamed through "
             f"{min(self.plan.n_buffer, streamed)} buffers",
-            f"  activations per block: {describe_modes(modes)}",
+            f"  activations per block: {describe_modes(self.plan.block_modes(p.n_blocks))}",
             f"  predicted step {format_seconds(r.total_s)} = forward {format_seconds(r.forward_s)} + "
             f"backward {format_seconds(r.backward_s)} + optimizer {format_seconds(r.optimizer_s)}"
             + (f" (recomputation {format_seconds(r.recompute_s)})" if r.recompute_s else ""),
@@ -226,10 +225,9 @@ def search(profile: Profile, budget: int, *, host_budget: int | None = None,
 
 def _best(cm: CostModel, sets, budget: int, host_budget: int | None):
     """The best plan whose persistent chunks are one of ``sets`` (each the first n, an int, or
-    indices), over every activation layout with the most buffers that fit: (time, memory, plan)
-    or None when none fits; and the plans evaluated. Memory (eq. 8-10) is separable: room for
-    the chunk buffers = budget - base - activations - persistent chunks, so for each (layout,
-    set) the largest n_buffer that fits is one division. Exact (the module docstring)."""
+    indices), over every activation layout with the most buffers that fit (one division each:
+    property 1 of the module docstring): (time, memory, plan) or None when none fits; and the
+    plans evaluated."""
     profile, N = cm.profile, cm.N
     grid = cm.grid()  # every layout's activation peak, swapped bytes and phases
     columns = []
@@ -248,16 +246,15 @@ def _best(cm: CostModel, sets, budget: int, host_budget: int | None):
 
 def _visit(cm: CostModel, bounds, rows, persistents: list, buffers):
     """Run the full model on candidate plans (a layout row, persistent chunks, buffers) in
-    increasing order of ``bounds``, a lower bound of each one's step time (T_f + T_b + device
-    Adam), until the bound reaches the best time found: the best (time, memory, plan) or None,
-    and the plans evaluated. The bound comes from float64 tensors summed in another order than
-    the scalar model: a relative slack keeps rounding from cutting off a tie."""
+    increasing order of ``bounds`` (property 3 of the module docstring) until the bound reaches
+    the best time found: the best (time, memory, plan) or None, and the plans evaluated. The
+    bound is summed in another order than the scalar model: a relative slack keeps rounding
+    from cutting off a tie."""
     bounds, order = torch.sort(bounds)
-    order = order.tolist()
     rows, buffers = rows.tolist(), buffers.tolist()
     best = None  # (time, memory, plan)
     evaluated = 0
-    for lb, i in zip(bounds.tolist(), order):
+    for lb, i in zip(bounds.tolist(), order.tolist()):
         if best is not None and lb >= best[0] * (1 + 1e-9):
             break
         s, c = cm.grid().pairs[rows[i]]
@@ -273,32 +270,25 @@ def _visit(cm: CostModel, bounds, rows, persistents: list, buffers):
 
 
 def _plan(persistent: int | frozenset[int], n_buffer: int, n_swap: int, n_checkpoint: int) -> Plan:
-    if isinstance(persistent, int):
-        return Plan(n_persist=persistent, n_buffer=n_buffer, n_swap=n_swap, n_checkpoint=n_checkpoint)
-    return Plan(n_persist=len(persistent), n_buffer=n_buffer, n_swap=n_swap, n_checkpoint=n_checkpoint,
-                persistent_chunks=tuple(sorted(persistent)))
+    kept = range(persistent) if isinstance(persistent, int) else sorted(persistent)  # the first n: Plan names none
+    return Plan(n_persist=len(kept), n_buffer=n_buffer, n_swap=n_swap, n_checkpoint=n_checkpoint,
+                persistent_chunks=tuple(kept))
 
 
 def _refine(cm: CostModel, best, budget: int, host_budget: int | None):
-    """Improve ``best`` = (time, memory, plan), the best first-n plan, by moving chunks in and
-    out of its persistent set, each set with its best activation layout and the most buffers
-    that fit (``_best``); steepest descent until no move is predicted faster. Returns
-    the best (time, memory, plan) and the plans evaluated. Chunks alike in format (``_groups``)
-    persist earliest first, as the first-n rule has them; so a move adds a group's next chunk,
-    drops its last persistent one, or does both for two groups: a handful of sets per round
-    whatever the chunk count. A local optimum over sets (``brute_force(sets=True)`` is the
-    global one, for small models), never slower than the plan it starts from."""
+    """Improve ``best`` = (time, memory, plan), the best first-n plan, by steepest descent over
+    its persistent set (each round one ``_best`` over the sets a move away) until no move is
+    predicted faster; and the plans evaluated. Chunks alike in format (``_groups``) persist
+    earliest first, as the first-n rule has them; so a move adds a group's next chunk, drops
+    its last persistent one, or does both for two groups: a handful of sets per round."""
     groups = _groups(cm)
     evaluated = 0
     for _ in range(2 * cm.N + 2):  # a bound, should near-ties ever cycle
-        current = best[2]
-        for persistent in _moves(groups, current.persistent()):
-            found, more = _best(cm, [persistent], budget, host_budget)
-            evaluated += more
-            if found is not None and _better(*found, best):
-                best = found
-        if best[2] is current:
+        found, more = _best(cm, [*_moves(groups, best[2].persistent())], budget, host_budget)
+        evaluated += more
+        if found is None or not _better(*found, best):
             break
+        best = found
     return best, evaluated
 
 
@@ -376,12 +366,11 @@ def _keep_all_if_close(cm: CostModel, best, budget: int, host_budget: int | None
 
 
 def _fewest_buffers(cm: CostModel, plan: Plan, t: float) -> tuple[Plan, int]:
-    """The largest n_buffer was evaluated; the time never grows with more buffers, so take the
-    fewest that give the same time (memory the plan does not need stays free). Returns the plan
-    and the number of plans evaluated."""
+    """The fewest buffers that give ``plan`` (the most that fit) its time ``t`` (property 2 of
+    the module docstring: memory the plan does not need stays free); and the plans evaluated."""
     if plan.n_buffer <= 1:
         return plan, 0
-    lay = cm.layout(cm.modes(plan))
+    lay = cm.layout(plan.block_modes(cm.L))
     persistent = plan.persistent()
     lo, hi = cm.profile.limits.buffers_needed(persistent), plan.n_buffer
     evaluated = 0
@@ -403,26 +392,23 @@ def brute_force(profile: Profile, budget: int, *, host_budget: int | None = None
     ``search``'s, and the same rule for keeping every chunk (``KEEP_ALL_MARGIN``)."""
     start = time.perf_counter()
     cm = CostModel(profile, schedule=schedule, gradient_passes=gradient_passes)
-    N, L = cm.N, cm.L
-    limits = profile.limits
+    N = cm.N
     best = None
     evaluated = 0
     counts = range(N + 1) if n_persist is None else (n_persist,)
     for persistent in (frozenset(q) for n in counts
                        for q in (itertools.combinations(range(N), n) if sets else [range(n)])):
-        n = len(persistent)
-        for s in range(L + 1):
-            for c in range(L + 1 - s):
-                for b in range(limits.buffers_needed(persistent), N - n + 1):
-                    plan = _plan(persistent, b, s, c)
-                    mem = cm.memory(plan)
-                    if mem.peak_bytes > budget or (host_budget is not None and mem.host_bytes > host_budget):
-                        continue
-                    evaluated += 1
-                    t = cm.runtime(plan).total_s
-                    used = mem.peak_bytes - profile.base_bytes
-                    if _better(t, used, plan, best):
-                        best = (t, used, plan)
+        buffers = range(profile.limits.buffers_needed(persistent), N - len(persistent) + 1)
+        for (s, c), b in itertools.product(cm.grid().pairs, buffers):  # every (n_swap, n_checkpoint), n_buffer
+            plan = _plan(persistent, b, s, c)
+            mem = cm.memory(plan)
+            if mem.peak_bytes > budget or (host_budget is not None and mem.host_bytes > host_budget):
+                continue
+            evaluated += 1
+            t = cm.runtime(plan).total_s
+            used = mem.peak_bytes - profile.base_bytes
+            if _better(t, used, plan, best):
+                best = (t, used, plan)
     if best is None:
         raise _infeasible(cm, budget, host_budget)
     if n_persist is None:
@@ -432,11 +418,9 @@ def brute_force(profile: Profile, budget: int, *, host_budget: int | None = None
 
 
 def _infeasible(cm: CostModel, budget: int, host_budget: int | None) -> InfeasibleBudget:
-    profile = cm.profile
-    L = cm.L
+    profile, L, grid = cm.profile, cm.L, cm.grid()
     # The smallest device footprint: nothing persistent, the fewest buffers, and the layout with
     # the smallest activation peak.
-    grid = cm.grid()
     s, c = grid.pairs[int(torch.argmin(grid.activation_peak))]
     lay = cm.layout(interleaved_modes(L, s, c))
     fewest = profile.limits.buffers_needed(0)

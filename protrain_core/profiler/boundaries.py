@@ -54,15 +54,10 @@ class Boundaries:
         self.L = len(blocks)
         self.live = live
         self.ctx = engine.ctx
-        self.times: dict[tuple[Boundary, int], float] = {}
-        self._start = None  # the compute stream's stamp where the current interval began
-        self._spans: list[tuple[P, int, object, object]] = []  # (phase, segment, begin stamp, end stamp)
-        self.phase, self.seg = P.IDLE, 0
+        self.reset()
         self.listener = None  # called with (kind, seg) after each new boundary
         self.chunks: dict[int, set[int]] = defaultdict(set)
-        self.first_inputs: list | None = None
-        self.block_inputs: list | None = None
-        handles = [] if live else [engine.module.register_forward_pre_hook(lambda _m, _a: self.mark(B.FORWARD, 0))]
+        handles = self.handles = []
         for j, block in enumerate(blocks):
             handles.append(block.register_forward_pre_hook(self._block_pre(j), with_kwargs=True))
             handles.append(block.register_forward_hook(self._block_post(j)))
@@ -73,7 +68,6 @@ class Boundaries:
                 handles.append(m.register_forward_pre_hook(self._uses(idxs)))
         handles.append(engine.on_recompute(lambda block, begin: self.mark(B.RECOMPUTE if begin else B.RECOMPUTE_END,
                                                                           block + 1)))
-        self.handles = handles
 
     def _uses(self, idxs):
         def hook(_m, args):
@@ -137,10 +131,12 @@ class Boundaries:
             self.listener(kind, seg)
 
     def reset(self) -> None:
-        self.times = {}
-        self._start, self._spans = None, []
+        self.times: dict[tuple[Boundary, int], float] = {}
+        self._start = None  # the compute stream's stamp where the current interval began
+        self._spans: list[tuple[P, int, object, object]] = []  # (phase, segment, begin stamp, end stamp)
         self.phase, self.seg = P.IDLE, 0
-        self.first_inputs = self.block_inputs = None
+        self.first_inputs: list | None = None
+        self.block_inputs: list | None = None
 
     def remove(self) -> None:
         """Take the hooks off, and the tensors kept: a kept activation's gradient hook holds these
@@ -193,9 +189,8 @@ class MemoryPass:
         self.bounds = bounds
         self.live = live  # () -> dynamic bytes now
         self.ops: list[OpRecord] = []
-        self.at: dict[tuple[str, int], int] = {}
-        self.peaks: dict[tuple[str, int], int] = defaultdict(int)
-        self.rec_begin: dict[int, int] = {}
+        self.at: dict[tuple[Boundary, int], int] = {}
+        self.peaks: dict[tuple[P, int], int] = defaultdict(int)
         self.saved: dict[int, int] = {}
         self.pending: int | None = None  # a block whose recomputation just ended
         self.names = ["pre"] + [f"block.{j}" for j in range(bounds.L)] + ["post"]
@@ -204,9 +199,7 @@ class MemoryPass:
         live = self.live()
         self._settle(live)
         self.at[(kind, seg)] = live
-        if kind == B.RECOMPUTE:
-            self.rec_begin[seg] = live
-        elif kind == B.RECOMPUTE_END:
+        if kind == B.RECOMPUTE_END:
             # The recomputation may have stopped early by an exception whose traceback still
             # holds the forward's temporaries: what it saved is read at the next operator.
             self.pending = seg
@@ -216,7 +209,7 @@ class MemoryPass:
 
     def _settle(self, live: int) -> None:
         if self.pending is not None:
-            self.saved[self.pending] = max(0, live - self.rec_begin.get(self.pending, live))
+            self.saved[self.pending] = max(0, live - self.at.get((B.RECOMPUTE, self.pending), live))
             self.pending = None
 
     def op(self, func, before: int, peak: int, seconds: float, after: int | None = None) -> None:

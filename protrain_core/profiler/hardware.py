@@ -95,8 +95,7 @@ def _copy_rates(ctx: DeviceContext, n: int, cdt: torch.dtype, pin: bool) -> tupl
         # The CPU runtime allocates a chunk's "device" buffer (and gradient buffer) anew for
         # every upload (and offload): fresh pages, so the probe allocates too.
         copies = (lambda: torch.empty(n, dtype=cdt).copy_(host), lambda: host.copy_(torch.zeros(n, dtype=cdt)))
-    h2d, d2h = (n * cdt.itemsize / _median_time(ctx, copy, ctx.synchronize_device) for copy in copies)
-    return h2d, d2h
+    return tuple(n * cdt.itemsize / _median_time(ctx, copy, ctx.synchronize_device) for copy in copies)
 
 
 def _page_lock_rate(ctx: DeviceContext, nbytes: int) -> float:
@@ -175,9 +174,6 @@ def _adam_rate(ctx: DeviceContext, n: int, on: torch.device, low: torch.dtype | 
     return rate(step), land_rate, rate(lambda: torch._foreach_mul_([g], 1.0), **short)
 
 
-COLLECTIVE_REPS = 5
-
-
 def collective_rates(sharding, ctx: DeviceContext, n: int, dtype: torch.dtype) -> tuple[float, float]:
     """(all-gather, reduce-scatter) bytes per second on a chunk of ``n`` elements, as the runtime
     runs them (in place / into a shard, the gradients scaled for the mean as they landed). A
@@ -190,7 +186,7 @@ def collective_rates(sharding, ctx: DeviceContext, n: int, dtype: torch.dtype) -
 
     def timed(fn) -> float:  # no time budget: every rank runs the same count
         return _median_time(ctx, lambda: ctx.synchronize(ctx.collective(fn)), ctx.synchronize_device,
-                            budget_s=math.inf, max_reps=COLLECTIVE_REPS)
+                            budget_s=math.inf, max_reps=5)
 
     seconds = sharding.max_on_host([timed(lambda: sharding.gather_(full)),
                                     timed(lambda: sharding.reduce_scatter_mean(out, full, scaled=True))])

@@ -141,7 +141,7 @@ class LiveProfiler(StepObserver):
         kind = self.schedule[self.step] if self.cached is None else "cached"  # (nothing to measure)
         tokens = block_tokens(tensor_shapes(self.bounds.block_inputs or []))
         if kind == "memory":
-            check_blocks_called(self.bounds, self.L)
+            check_blocks_called(self.bounds)
             self.measured.chunks = {s: tuple(sorted(c)) for s, c in self.bounds.chunks.items()}
             self.ref_tokens, self.ref_batch = tokens, self.batch
         elif kind in ("time", "swap"):

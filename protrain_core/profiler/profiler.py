@@ -243,7 +243,7 @@ def _profiled(model: nn.Module, optimizer, layout: ChunkLayout, plan: Plan, prec
             bounds.remove()
             engine.close()  # (closed, it is freed when its last reference goes: no cycle holds it)
             back_to_meta(model, meta)
-    check_blocks_called(bounds, layout.n_blocks)
+    check_blocks_called(bounds)
     return found
 
 
@@ -270,8 +270,6 @@ def build_profile(key: str, shapes, measured: Measured, model, layout: ChunkLayo
     moments, frozen = timed_formats(formats)
     hardware = probe_hardware(ctx, layout.chunk_size, precision, sharding=sharding, switches=switches,
                               state_format=moments, frozen_format=frozen)
-    if hardware.async_copies:
-        measured.swap_timings = []
     n_params = sum(p.numel() for p in model.parameters())
     return Profile(
         key=key,
@@ -321,8 +319,7 @@ def safe_plan(formats, limits: PlanLimits, device: torch.device | DeviceContext,
     if ctx.asynchronous:
         half = (budget if budget is not None else ctx.free_memory()[0]) // 2
         if sum(fmt.persistent_device_bytes for fmt in formats) > half:
-            n_buffer = max(2, limits.buffers_needed(0))
-            used = n_buffer * max(fmt.buffer_device_bytes for fmt in formats)
+            used = max(2, limits.buffers_needed(0)) * max(fmt.buffer_device_bytes for fmt in formats)
             k = 0
             while k < n and used + formats[k].persistent_device_bytes <= half:
                 used += formats[k].persistent_device_bytes
@@ -444,17 +441,13 @@ def base_bytes(engine, inputs) -> int:
     if engine.ctx.is_cuda:
         torch.cuda.synchronize(engine.device)
         return max(0, torch.cuda.memory_allocated(engine.device) - engine.memory.device_bytes())
-    seen, total = set(), 0
-    for t in list(iter_tensors(inputs)) + list(engine.module.buffers()):
-        key = StorageWeakRef(t.untyped_storage())  # meta storages have no address
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
+    storages = {StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes()  # (meta storages have no address)
+                for t in [*iter_tensors(inputs), *engine.module.buffers()]}
+    return sum(storages.values())
 
 
-def check_blocks_called(bounds: Boundaries, L: int) -> None:
-    missing = [j for j in range(L) if (B.FORWARD, j + 1) not in bounds.times]
+def check_blocks_called(bounds: Boundaries) -> None:
+    missing = [j for j in range(bounds.L) if (B.FORWARD, j + 1) not in bounds.times]
     if missing:
         raise ValueError(
             f"The profiled forward pass did not call blocks {missing[:8]} of the block list; "

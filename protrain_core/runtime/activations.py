@@ -340,13 +340,9 @@ class ActivationManager:
             return Counted(t)
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
-        first_in_call = key not in call.seen
-        call.seen.add(key)
-        if first_in_call:
-            call.saved += nbytes
         if nbytes < MIN_SWAP_BYTES:
-            call.device += nbytes if first_in_call else 0
-            return Counted(t)
+            return self._pack_count(call, t)
+        call.saved += self._distinct_bytes([t], call.seen)
         record = self._swapped.get(key)
         if record is None:
             record, call.copied = self._swap_out(storage, nbytes)
@@ -449,9 +445,6 @@ class _BufferState:
 
     @contextmanager
     def forward(self):
-        if not self.places:
-            yield
-            return
         versions = [b._version for _, _, b in self.places]
         with torch.no_grad():
             before = [b.clone() for _, _, b in self.places]

@@ -34,11 +34,11 @@ def check_trains(trains: bool, what: str) -> None:
 
 
 class BackwardPasses:
-    def __init__(self, *, step_state, grads, clipping, scheduler, observers, scaler, trains: bool) -> None:
+    def __init__(self, *, grads, clipping, scheduler, observers, trains: bool) -> None:
         """``observers``: the engine's step observers; ``trains``: the engine holds optimizer
         states (else a backward outside no_sync is refused). Nothing here refers to the engine."""
-        self.step_state, self.grads, self.clipping, self.scheduler = step_state, grads, clipping, scheduler
-        self.observers, self.scaler, self.trains = observers, scaler, trains
+        self.step_state, self.grads, self.clipping, self.scheduler = scheduler.phase, grads, clipping, scheduler
+        self.observers, self.scaler, self.trains = observers, grads.scaler, trains
         self.activations = None  # the engine's ActivationManager (set_activations)
         self._open: ExitStack | None = None  # a loss.backward()'s pass, until autograd's ends
 

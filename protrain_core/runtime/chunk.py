@@ -168,7 +168,7 @@ class Chunk:
         self._event = None  # the fetch or offload copy in flight
         self._future: Future | None = None  # the CPU worker's job on this chunk
         self._reduced: Tensor | None = None  # W processes: this rank's piece of the reduced gradients
-        self._pointed: list[int] | None = None  # data_ptr() of each parameter where the chunk pointed it
+        self._pointed = [0] * len(params)  # data_ptr() of each parameter where the chunk pointed it
         self.at_placeholders = False  # released inside a pass: parameters at device NaN ([Note: a pass's placeholders])
         self._nan: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
@@ -242,7 +242,13 @@ class Chunk:
         replace = self.grad_state is GradState.FIRST
         self._zero_missing()
         landing = landing_for(replace)
-        source, after = self._reduced_gradients(ctx)
+        storage = self.storage
+        buffer = source = storage.grad_buffer
+        after = None
+        if not storage.fmt.whole:  # this rank's piece of the gradients' mean, reduce-scattered
+            self._reduced = source = storage.empty(storage.fmt.state_numel, buffer.dtype)
+            after = ctx.collective(lambda: storage.sharding.reduce_scatter_mean(source, buffer, scaled=True),
+                                   span=("collectives", f"reduce-scatter chunk {self.index}"))
         self._event = ctx.copy_async(landing, source, stream=ctx.d2h_stream, after=after,
                                      span=("device->host", f"chunk {self.index}"))
         self._future = submit(self._event, landing, replace)
@@ -377,18 +383,6 @@ class Chunk:
         self._event = ctx.collective(lambda: self.storage.gather(frozen=False),
                                      span=("collectives", f"all-gather chunk {self.index}"))
 
-    def _reduced_gradients(self, ctx: DeviceContext) -> tuple[Tensor, object]:
-        """The gradients to offload, and the event to wait for first: the gradient buffer, or with
-        ``W`` processes this rank's piece of their mean (reduce-scattered)."""
-        storage = self.storage
-        if storage.fmt.whole:
-            return storage.grad_buffer, None
-        buffer = storage.grad_buffer
-        self._reduced = out = storage.empty(storage.fmt.state_numel, buffer.dtype)
-        event = ctx.collective(lambda: storage.sharding.reduce_scatter_mean(out, buffer, scaled=True),
-                               span=("collectives", f"reduce-scatter chunk {self.index}"))
-        return out, event
-
     def apply(self) -> None:
         self.grad_state = self._grad_moved("apply")
 
@@ -445,15 +439,13 @@ class Chunk:
         resident at its host copy; at a NaN expanded to their shapes where it holds no value (``W``
         processes: [Note: sharded chunks]; quantised members: [Note: quantised frozen chunks])."""
         storage = self.storage
-        if storage.fmt.whole and storage.frozen is None:
-            self.point_params_at(storage.host_copy, members)
-            return
-        nan = self._nan_of(storage.host, storage.fmt.compute_dtype)
-        for i in self._repointed(members):
-            # one process, quantised: the trainable and kept members have their values at rest
-            at_rest = self.values.at_rest(i) if storage.fmt.whole else None
+        for i in range(len(self.params)) if members is None else members:
             p = self.params[i]
-            p.data = nan.expand(p.shape) if at_rest is None else at_rest
+            # one process: every member but a quantised one has its value at rest
+            at_rest = self.values.at_rest(i) if storage.fmt.whole else None
+            if at_rest is None:
+                at_rest = self._nan_of(storage.host, storage.fmt.compute_dtype).expand(p.shape)
+            p.data = at_rest
             self._pointed[i] = p.data_ptr()
         self.at_placeholders = False
 
@@ -491,37 +483,26 @@ class Chunk:
     @plain_parameters
     def point_params_at(self, flat: Tensor, members=None) -> None:
         """Re-point the parameters (of ``members``) at their slots in ``flat`` ([Note: parameter access])."""
-        for i in self._repointed(members):
+        for i in range(len(self.params)) if members is None else members:
             p = self.params[i]
             p.data = self.values.view(flat, i)
             self._pointed[i] = p.data_ptr()
         self.at_placeholders = False
 
-    def _repointed(self, members) -> range | list[int]:
-        """The members a re-pointing covers (None: all, which the first one must)."""
-        if self._pointed is None:
-            assert members is None, self
-            self._pointed = [0] * len(self.params)
-        return range(len(self.params)) if members is None else members
-
     @plain_parameters
     def holds_value(self, i: int) -> bool:
         """Member ``i``'s parameter points at its value, not at a NaN placeholder."""
-        if self.at_placeholders:
-            return False
         ptr = self.params[i].untyped_storage().data_ptr()
         return all(ptr != nan.untyped_storage().data_ptr() for nan in self._nan.values())
 
     @plain_parameters
     def points(self, i: int) -> bool:
         """Member ``i``'s parameter points where the chunk pointed it (not rebound by the user)."""
-        return self._pointed is not None and self.params[i].data_ptr() == self._pointed[i]
+        return self.params[i].data_ptr() == self._pointed[i]
 
     @plain_parameters
     def rebound(self) -> list[int]:
         """The members whose ``.data`` the user rebound since the chunk last pointed them."""
-        if self._pointed is None:
-            return []
         return [i for i, p in enumerate(self.params) if p.data_ptr() != self._pointed[i]]
 
     @plain_parameters

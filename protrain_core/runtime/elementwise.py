@@ -65,16 +65,13 @@ def describe(optimizer: torch.optim.Optimizer) -> Elementwise:
                     "clipping use ProTrainConfig(clipping=...) or Lightning's gradient_clip_val."
                 )
             break
-    slots: list[str] = []
-    order: list[str] = []
+    slots: dict[str, None] = {}  # (dicts as ordered sets)
+    order: dict[str, None] = {}
     for group in optimizer.param_groups:
-        state = _probe(cls, group, hint)
-        for key, value in state.items():
-            if key not in order:
-                order.append(key)
+        for key, value in _probe(cls, group, hint).items():
+            order[key] = None
             if isinstance(value, Tensor) and value.dim() > 0 and tuple(value.shape) == _PROBE_SHAPE:
-                if key not in slots:
-                    slots.append(key)
+                slots[key] = None
             elif not (isinstance(value, numbers.Number) or (isinstance(value, Tensor) and value.numel() == 1)):
                 shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
                 raise ValueError(
@@ -82,7 +79,8 @@ def describe(optimizer: torch.optim.Optimizer) -> Elementwise:
                     f"{shape}, not the parameter's shape, so it needs whole parameters. {hint}"
                 )
     if len(slots) > 3:
-        raise ValueError(f"{name} keeps {len(slots)} state tensors per parameter ({slots}); ProTrain holds at most 3.")
+        raise ValueError(f"{name} keeps {len(slots)} state tensors per parameter ({list(slots)}); "
+                         "ProTrain holds at most 3.")
     return Elementwise(cls, tuple(slots), tuple(order))
 
 

@@ -78,27 +78,25 @@ class RuntimeEngine:
         check_plan(plan, layout.limits())
         config = config or ProTrainConfig()
         self.ctx, self.sharding = as_context(device), sharding
-        device = self.ctx.device
-        sharding.check_device(device)
+        sharding.check_device(self.ctx.device)
         self.world_size, self.rank = sharding.world, sharding.rank
         self.module, self.optimizer, self.layout, self.plan = module, optimizer, layout, plan
-        self.optimizers = tuple(optimizers) or (optimizer,)
-        self.precision, self.device, self.config = precision, device, config
+        self._optim = ChunkOptimizer(optimizer, one_pass_kernel=config.runtime.one_pass_kernel, optimizers=optimizers)
+        self.optimizers = self._optim.optimizers
+        self.precision, self.device, self.config = precision, self.ctx.device, config
         self._warn_on_cache = warn_on_cache  # (off for the profiler's all-checkpointed engine)
         self.optimizer_states = config.optimizer_states
         self.step_state = StepState()
-        several = len(self.optimizers) > 1
-        self.step_state.set_manual(several)  # several: every backward accumulates, each optimizer's step() updates
+        self.step_state.set_manual(len(self.optimizers) > 1)  # several: every backward only accumulates
         self._autocast_depth = 0
         self.scaler = LossScaler() if precision is Precision.FP16_MIXED else None
-        self._optim = ChunkOptimizer(optimizer, one_pass_kernel=config.runtime.one_pass_kernel, optimizers=optimizers)
         _check_formats(self, self._optim)
         placement = cpu_worker_placement(self.ctx, self.world_size, config.runtime.worker_cores)
         self.chunks = _allocate(self, self._optim, touch=None if placement is None else placement.touch)
-        n_buffer = min(plan.n_buffer, len(self.chunks) - plan.n_persist)
-        self.grads = StepGradients(self._optim, self.scaler, self.chunks, self.ctx, sharding, several_optimizers=several)
-        self.scheduler = Scheduler(self.chunks, self.ctx, self._optim, self.step_state, sharding, n_buffer=n_buffer,
-                                   switches=config.runtime, finisher=self.grads.finisher, placement=placement)
+        self.grads = StepGradients(self._optim, self.scaler, self.chunks, self.ctx, sharding)
+        self.scheduler = Scheduler(self.chunks, self.ctx, self._optim, self.step_state, sharding,
+                                   n_buffer=plan.n_buffer, switches=config.runtime, finisher=self.grads.finisher,
+                                   placement=placement)
         self.stats = self.scheduler.stats  # counts of the runtime's events: uploads, offloads, updates
         self.clipping = Clipping(self.grads, self.scheduler, self.chunks, precision, self.step_state)
         self._owned = _owned_chunks(self.chunks, self.optimizers)
@@ -106,10 +104,9 @@ class RuntimeEngine:
                                   precision=precision, rank=self.rank, world_size=self.world_size)
         self.memory = StateMemory(self.chunks, self.scheduler)
         self._step_observers = Observers(StepObserver)
-        self._passes = BackwardPasses(step_state=self.step_state, grads=self.grads, clipping=self.clipping,
-                                      scheduler=self.scheduler, observers=self._step_observers, scaler=self.scaler,
-                                      trains=config.optimizer_states)
-        self.hooks = RuntimeHooks(self.scheduler, unit_chunks(module, layout), self.chunks,
+        self._passes = BackwardPasses(grads=self.grads, clipping=self.clipping, scheduler=self.scheduler,
+                                      observers=self._step_observers, trains=config.optimizer_states)
+        self.hooks = RuntimeHooks(self.scheduler, unit_chunks(module, layout),
                                   onloaded=lambda: self.offloaded is None, grad_of=self.clipping.grad_of,
                                   clear_grads=self.clipping.clear_grads, on_backward=self._passes.hook)
         self.compiled = compile_units(module, layout, config.compile)  # (before set_block_modes)
@@ -144,7 +141,7 @@ class RuntimeEngine:
             if not c.persistent and c.index in new:
                 c.persist()
         self.plan = plan
-        self.scheduler.reconfigure(min(plan.n_buffer, len(self.chunks) - plan.n_persist))
+        self.scheduler.reconfigure(plan.n_buffer)
         self.set_block_modes(plan.block_modes(self.layout.n_blocks))
 
     def set_block_modes(self, modes: tuple[BlockMode, ...]) -> None:
@@ -242,7 +239,7 @@ class RuntimeEngine:
                 self.grads.finish_all(chunks)
             clip, runs = self.grads.step_clip()
             if runs:
-                self.scheduler.step(hps, clip, wait=self.scheduler.policy.during_backward, chunks=chunks)
+                self.scheduler.step(hps, clip, chunks)
             else:
                 self.scheduler.finish_step()  # fp16 overflow: the step is skipped
             self.grads.end_step()
@@ -435,7 +432,7 @@ class _ZeroGradRoute:
     def __init__(self, engine: RuntimeEngine, owner: torch.optim.Optimizer | nn.Module, model: nn.Module) -> None:
         self.owner = owner
         self.own = owner.__dict__.get("zero_grad")  # one the object had on itself already: called, then put back
-        original = self.own if self.own is not None else types.MethodType(type(owner).zero_grad, owner)
+        original = owner.zero_grad  # (that one, or the class's)
         optimizer = None if isinstance(owner, nn.Module) else owner  # the model's: every chunk
         part = owner if isinstance(owner, nn.Module) and owner is not model else None  # a submodule's: its members
 
@@ -463,8 +460,8 @@ def _check_formats(engine: RuntimeEngine, optim: ChunkOptimizer) -> None:
     """The optimizer and layout suit the state formats; the one-pass kernel is built now, not in
     the first backward."""
     config = engine.config
-    if optim.one_pass_kernel and optim.kind is None and (
-            engine.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED) or config.optimizer_state_format == "8bit"):
+    if optim.one_pass_kernel and optim.kind is None and (engine.precision.is_mixed
+                                                         or config.optimizer_state_format == "8bit"):
         onepass.kernel()
     check_optimizer_for(config.optimizer_state_format, engine.optimizer, adam=optim.kind is None)
     if config.optimizer_states:
@@ -547,7 +544,7 @@ def _autocast_hooks(engine: RuntimeEngine) -> list[RemovableHandle]:
 def _update_kernel(engine: RuntimeEngine) -> str:
     """How the CPU updates streamed chunks in the mixed modes with the fused AdamW path."""
     optim = engine.states.chunk_optimizer
-    if engine.precision not in (Precision.BF16_MIXED, Precision.FP16_MIXED) or optim.kind is not None:
+    if not engine.precision.is_mixed or optim.kind is not None:
         return ""
     return "; updates of streamed chunks: " + (onepass.status() if optim.one_pass_kernel
                                                 else "separate passes (one_pass_kernel=False)")

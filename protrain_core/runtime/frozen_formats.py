@@ -150,19 +150,13 @@ class FrozenPlaces:
     def views(self, store: Tensor, compute_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
         """(8-bit values, scales, kept values) in ``store`` (a byte tensor of ``store_bytes``)."""
         sizes = self._sizes(compute_dtype)
-        out = []
-        for k, (numel, dtype) in enumerate(sizes):
-            start = pool_bytes(sizes[:k])
-            out.append(store[start:start + numel * dtype.itemsize].view(dtype))
-        return tuple(out)
+        starts = [pool_bytes(sizes[:k]) for k in range(len(sizes))]
+        return tuple(store[at:at + numel * dtype.itemsize].view(dtype) for at, (numel, dtype) in zip(starts, sizes))
 
     @cached_property
-    def _entries(self) -> dict[int, tuple[bool, tuple[int, int, int, int]]]:
+    def entries(self) -> dict[int, tuple[bool, tuple[int, int, int, int]]]:
+        """Each frozen member's (quantised?, its place)."""
         return {**{e[0]: (False, e) for e in self.kept}, **{e[0]: (True, e) for e in self.quantised}}
-
-    def entry(self, i: int) -> tuple[bool, tuple[int, int, int, int]] | None:
-        """(quantised?, its place) of member ``i``; None for a trainable member."""
-        return self._entries.get(i)
 
     def _in_piece(self, off: int, numel: int) -> tuple[int, int] | None:
         """The elements ``[a, b)`` of a member at ``off`` (of ``numel``) in the rank's piece; None: none."""
@@ -173,7 +167,7 @@ class FrozenPlaces:
         """Member ``i``'s whole ``value`` into the store (quantised from the compute dtype): its
         scales, its values in the rank's piece, a kept member whole."""
         q, scales, kept = self.views(store, compute_dtype)
-        is_q, (_, off, n, at) = self.entry(i)
+        is_q, (_, off, n, at) = self.entries[i]
         value = value.detach().to(device=store.device, dtype=compute_dtype)
         if not is_q:
             kept[at:at + n].copy_(value.reshape(-1))
@@ -191,7 +185,7 @@ class FrozenPlaces:
     def read(self, i: int, store: Tensor, compute_dtype: torch.dtype) -> Tensor:
         """Member ``i``'s value (the round trip of a quantised one), shaped (one process)."""
         q, scales, kept = self.views(store, compute_dtype)
-        is_q, (_, off, n, at) = self.entry(i)
+        is_q, (_, off, n, at) = self.entries[i]
         if not is_q:
             return kept[at:at + n].view(self.shapes[i])
         out = torch.empty(self.shapes[i], dtype=compute_dtype, device=store.device)

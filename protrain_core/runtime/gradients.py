@@ -47,23 +47,17 @@ from protrain_core.update import ClipAlgorithm, GradientClipping, clips_norm
 from protrain_ops import clip_gradients
 
 
-@dataclass
-class _Finished:
-    """A chunk's gradients of this step: unscaled (fp16) and the norms taken so far."""
-
-    found_inf: Tensor | None  # fp16: > 0 when an inf/nan was found (where the gradients live)
-    norms: dict[float, list[Tensor]]  # norm type -> the norm of each member in ``members``
-    members: list[int]  # the chunk's members the optimizer updates that have a gradient
-
-
 class Finishing:
-    """Finishing one chunk's gradients of the step: those of ``members`` unscaled and checked
-    for inf/nan (fp16: ``inv_scale``), then the norms taken (``norm_type``), kept in
-    ``finished``. Where the one-pass landing unscaled them already, ``unscaled(found)``."""
+    """Finishing one chunk's gradients of the step: those of ``members`` (the ones the optimizer
+    updates that have a gradient) unscaled and checked for inf/nan (fp16: ``inv_scale``), then
+    the norms taken (``norm_type``); it is then the chunk's record in ``finished``. Where the
+    one-pass landing unscaled them already, ``unscaled(found)``."""
 
     def __init__(self, chunk: Chunk, members: list[int], inv_scale: Tensor | None, norm_type: float | None,
-                 finished: dict[int, _Finished]) -> None:
+                 finished: dict[int, Finishing]) -> None:
         self.chunk, self.members, self.inv_scale, self.norm_type, self.finished = chunk, members, inv_scale, norm_type, finished
+        self.found_inf: Tensor | None = None  # fp16: > 0 when an inf/nan was found (where the gradients live)
+        self.norms: dict[float, list[Tensor]] = {}  # norm type -> the norm of each member in ``members``
 
     def __call__(self) -> None:
         grads, found = _grads(self.chunk, self.members), None
@@ -75,8 +69,9 @@ class Finishing:
     def unscaled(self, found: Tensor | None) -> None:
         """After the gradients were unscaled and checked (``found``: the flag, or None): the norms."""
         grads = _grads(self.chunk, self.members) if self.norm_type is not None else []
-        norms = {self.norm_type: list(torch._foreach_norm(grads, self.norm_type))} if grads else {}
-        self.finished[self.chunk.index] = _Finished(found, norms, self.members)
+        self.found_inf = found
+        self.norms = {self.norm_type: list(torch._foreach_norm(grads, self.norm_type))} if grads else {}
+        self.finished[self.chunk.index] = self
 
 
 @dataclass(frozen=True)
@@ -92,11 +87,10 @@ class StepGradients:
     """What the engine knows about clipping, and the finished gradients of the current step."""
 
     def __init__(self, optim: ChunkOptimizer, scaler: LossScaler | None, chunks: list[Chunk], ctx: DeviceContext,
-                 sharding: Sharding, *, several_optimizers: bool = False) -> None:
-        """``several_optimizers`` ([Note: several optimizers] in engine.py): ``p.grad`` reads the
-        gradients through steps and zero_grads too, until each member's are cleared."""
+                 sharding: Sharding) -> None:
         self.optim, self.scaler, self.chunks, self.ctx, self.device = optim, scaler, chunks, ctx, ctx.device
-        self.several_optimizers = several_optimizers
+        # With several ([Note: several optimizers] in engine.py), p.grad reads through steps and zero_grads too.
+        self.several_optimizers = len(optim.optimizers) > 1
         self.sharding = sharding  # norms and overflow all-reduced
         # Streamed chunks keep no accumulator ([Note: gradients consumed where they land] in worker.py).
         self.consumed = any(not c.storage.fmt.accumulator for c in chunks)
@@ -109,7 +103,7 @@ class StepGradients:
         self.last_norm: Tensor | None = None  # total norm before clipping, of the last norm clipping
         self._late: GradientClipping | None = None  # this step's late request
         self._totals: dict[float, Tensor] = {}  # norm type -> this step's total norm
-        self._finished: dict[int, _Finished] = {}  # chunk index -> (streamed chunks: written by the worker)
+        self._finished: dict[int, Finishing] = {}  # chunk index -> (streamed chunks: written by the worker)
 
     # ----- the schedule ---------------------------------------------------------------------
     def set_policy(self, policy: ClippingPolicy) -> None:
@@ -167,12 +161,11 @@ class StepGradients:
         if norm_type in self._totals:
             return self._totals[norm_type]
         norms = {}  # parameter id -> the norm of its gradient
-        for index, f in self._finished.items():
+        for f in self._finished.values():
             if norm_type not in f.norms:
-                grads = _grads(self.chunks[index], f.members)
+                grads = _grads(f.chunk, f.members)
                 f.norms[norm_type] = list(torch._foreach_norm(grads, norm_type)) if grads else []
-            params = self.chunks[index].params
-            norms.update((id(params[i]), n) for i, n in zip(f.members, f.norms[norm_type]))
+            norms.update((id(f.chunk.params[i]), n) for i, n in zip(f.members, f.norms[norm_type]))
         ordered = [norms[id(p)] for group in self.optim.optimizer.param_groups for p in group["params"] if id(p) in norms]
         if not self.sharding.whole:
             total = self._sharded_total(ordered, norm_type)
@@ -282,11 +275,10 @@ class StepGradients:
             return
         coef = _norm_coef(clip, self.last_norm) if clips_norm(clip) else None
         value = None if coef is not None else clip.value
-        for index, finished in self._finished.items():
-            c = self.chunks[index]
-            grads = _grads(c, finished.members)
-            clip_gradients(grads, None if coef is None else coef.to(c.storage.grad_acc.device), value)
-            finished.norms.clear()
+        for f in self._finished.values():
+            grads = _grads(f.chunk, f.members)
+            clip_gradients(grads, None if coef is None else coef.to(f.chunk.storage.grad_acc.device), value)
+            f.norms.clear()
         self._totals.clear()
 
     def late_norm(self, clipping: GradientClipping) -> Tensor:

@@ -69,7 +69,7 @@ class UnitCall:
 
 
 class RuntimeHooks:
-    def __init__(self, scheduler: Scheduler, units: dict[nn.Module, tuple[int, ...]], chunks: list[Chunk], *,
+    def __init__(self, scheduler: Scheduler, units: dict[nn.Module, tuple[int, ...]], *,
                  onloaded: Callable[[], bool], grad_of: Callable[[Chunk, int], Tensor | None],
                  clear_grads: Callable[[list[tuple[Chunk, int]]], None], on_backward: Callable[[], None]) -> None:
         """``units``: hooked modules -> the chunks their forward needs (its hooks act while one
@@ -77,8 +77,7 @@ class RuntimeHooks:
         ``grad_of(chunk, i)``: what ``p.grad`` reads (None: the parameter's own);
         ``clear_grads([(chunk, i)])``: ``p.grad = None``; ``on_backward()``: every backward hook's
         first act (backward.py)."""
-        self.scheduler = scheduler
-        self.chunks = chunks
+        self.scheduler, self.chunks = scheduler, scheduler.chunks
         self._onloaded = onloaded
         self.grad_of, self.clear_grads, self._on_backward = grad_of, clear_grads, on_backward
         self.handles = []
@@ -91,7 +90,7 @@ class RuntimeHooks:
             self.handles.append(module.register_forward_hook(self._post_forward(idxs), with_kwargs=True,
                                                              always_call=True))
         self._managed = []  # the parameters made ManagedParameter ([Note: parameters used outside their units])
-        for c, chunk in enumerate(chunks):  # (a tied parameter is one member of one chunk)
+        for c, chunk in enumerate(self.chunks):  # (a tied parameter is one member of one chunk)
             for i, p in enumerate(chunk.params):
                 if p.requires_grad:
                     self.handles.append(p.register_post_accumulate_grad_hook(self._post_accumulate_grad(c, i)))
@@ -289,10 +288,9 @@ def refuse_pickling(obj, protocol) -> None:
 
 
 class ManagedParameter(nn.Parameter):
-    """The class of a parameter held in a ProTrain chunk while its engine is open: a use outside
-    the units that fetch its chunk fetches it ([Note: parameters used outside their units]).
-    The engine sets it on the model's own parameters (``data``, ``requires_grad``: as
-    ``nn.Parameter``'s); nothing else builds one."""
+    """A parameter held in a ProTrain chunk while its engine is open ([Note: parameters used outside
+    their units]): the engine sets this class on the model's own parameters (``data``,
+    ``requires_grad``: as ``nn.Parameter``'s); nothing else builds one."""
 
     protrain_use: tuple[RuntimeHooks, Chunk, int]
 

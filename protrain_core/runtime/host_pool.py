@@ -1,4 +1,4 @@
-"""Host memory page-locked in place, and one exact-size pool of it for all streamed chunks (paper
+"""Host memory page-locked in place, and an exact-size pool of it for each streamed chunk (paper
 appendix B.2): PyTorch's pinned-memory allocator rounds every request up to a power of two, so
 the pool allocates one ordinary host buffer of exactly the bytes needed, page-locks it in place
 with ``cudaHostRegister`` on CUDA, and carves chunk tensors out of it as typed views.

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from protrain_core.runtime import state_formats as formats
-from protrain_core.runtime.elementwise import Elementwise, ElementwiseSteps, describe, is_adam
+from protrain_core.runtime.elementwise import Elementwise, ElementwiseSteps, describe, is_adam, state_slots
 from protrain_core.runtime.storage import ShardLayout, rank_quant_places
 from protrain_core.runtime.values import gather_shard
 from protrain_ops import AdamHyperParams, adam_step, clip_gradients, copy_to_low_precision, onepass
@@ -337,10 +337,7 @@ class ChunkOptimizer:
     # ----- torch.optim state-dict format --------------------------------------------------
     def slot_names(self) -> tuple[str, ...]:
         """torch's names of the states the chunks hold in their slots (``SLOT_ATTRS``), in order."""
-        if self.kind is not None:
-            return self.kind.slots
-        amsgrad = any(group.get("amsgrad", False) for group in self.optimizer.param_groups)
-        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+        return self.kind.slots if self.kind is not None else SLOT_ATTRS[:state_slots(self.optimizer)]
 
     def scalar_state(self, chunk: Chunk, i: int) -> dict | None:
         """Member ``i``'s state that is not in the slots ("step", ...); None when it has none yet."""
@@ -426,16 +423,15 @@ class ChunkOptimizer:
             if not chunk.opt_members or not chunk.spec.members[i].trainable:
                 continue  # frozen parameter: torch keeps no state for it either
             entry = states.get(index)
-            if chunk.storage.fmt.eight_bit:
-                part = chunk.values.state_part(i)
-                moments = self.member_moments(chunk, i, self.quant_places(chunk))
-                with torch.no_grad():
+            if not chunk.storage.fmt.eight_bit and entry is not None and "state1" in formats.unwrapped(entry):
+                entry = formats.to_fp32_adam_entry(entry)  # an 8-bit state loaded with another format
+            with torch.no_grad():
+                if chunk.storage.fmt.eight_bit:
+                    moments = self.member_moments(chunk, i, self.quant_places(chunk))
                     if moments is not None:  # this rank's piece of the entry (a block boundary)
-                        formats.load_eight_bit(moments, formats.entry_piece(entry, part[0], part[2]))
-            else:
-                if entry is not None and "state1" in formats.unwrapped(entry):
-                    entry = formats.to_fp32_adam_entry(entry)  # an 8-bit state loaded with another format
-                with torch.no_grad():
+                        off, _, n = chunk.values.state_part(i)
+                        formats.load_eight_bit(moments, formats.entry_piece(entry, off, n))
+                else:
                     for name, attr in zip(names, SLOT_ATTRS):
                         dst = chunk.values.state_view(getattr(chunk.storage, attr), i)
                         if entry is not None and name in entry:

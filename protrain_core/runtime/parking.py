@@ -21,7 +21,7 @@ first (``Scheduler.copies_pending``).
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from protrain_core.memtrack import on_host
 from protrain_core.runtime.device import DeviceContext
@@ -95,8 +95,15 @@ def offload(engine) -> OffloadedStates:
         ctx.record_stream(src, ctx.d2h_stream)  # its memory is reused only after the copy
         copied += src.numel() * src.element_size()
 
+    buffers = []  # (the model's buffer, its device) for each buffer moved to the host
     with torch.no_grad():
-        buffers = _buffers_to_host(engine.module, ctx, copy)
+        for b in engine.module.buffers():
+            if b.device.type == ctx.device.type != ctx.host.type:
+                with on_host():
+                    host = torch.empty(b.shape, dtype=b.dtype, device=ctx.host, pin_memory=ctx.pin_memory)
+                copy(host, b.data)
+                buffers.append((b, b.device))
+                b.data = host
         for c in held:
             c.unpersist(copy, parked=True)
     scheduler.copies_pending(last)
@@ -121,14 +128,3 @@ def onload(engine, offloaded: OffloadedStates) -> None:
         for i in offloaded.chunks:
             engine.chunks[i].persist(keep_host=True, copy=copy)
 
-
-def _buffers_to_host(module: nn.Module, ctx: DeviceContext, copy) -> list[tuple[Tensor, torch.device]]:
-    moved = []
-    for b in module.buffers():
-        if b.device.type == ctx.device.type != ctx.host.type:
-            with on_host():
-                host = torch.empty(b.shape, dtype=b.dtype, device=ctx.host, pin_memory=ctx.pin_memory)
-            copy(host, b.data)
-            moved.append((b, b.device))
-            b.data = host
-    return moved

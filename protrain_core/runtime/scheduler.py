@@ -79,17 +79,15 @@ class BufferPolicy:
 
 class Scheduler:
     def __init__(self, chunks: list[Chunk], ctx: DeviceContext, optim: ChunkOptimizer, phase: StepState,
-                 sharding: Sharding, *, n_buffer: int, switches: RuntimeConfig, finisher=None, placement=None) -> None:
-        """``finisher(chunk)``: the worker's job finishing a streamed chunk's gradients at a
-        boundary, or None; ``placement``: the CPU worker's cores (topology.py), or None."""
+                 sharding: Sharding, *, n_buffer: int, switches: RuntimeConfig, finisher, placement=None) -> None:
+        """``n_buffer``: the plan's; ``finisher(chunk)``: the worker's job finishing a streamed chunk's
+        gradients at a boundary, or None; ``placement``: the CPU worker's cores (topology.py), or None."""
         self.chunks = chunks
-        self.streamed = [c for c in chunks if not c.persistent]
         self.ctx = ctx
         self.sharding = sharding  # the processes the chunks are sharded over ([Note: sharded chunks])
         self.usage = UsageCheck(sharding, chunks)
         self.optim = optim
         self.phase = phase
-        self.buffers = BufferPolicy(n_buffer)  # which chunk gives its device buffer up
         self.policy = UpdatePolicy()  # set_policy
         self.finisher = finisher
         self._after_step: set[int] = set()  # chunks whose update step() handed out and did not wait for
@@ -106,19 +104,18 @@ class Scheduler:
         self.stats = dict.fromkeys(_COUNTED.values(), 0)
         self.events: list[tuple[str, int, float]] = []  # (what, chunk, time) when recording
         self.record_events = False
-        self.timeline = None  # a Timeline while Engine.record_timeline() records
         self._host_copies = None  # the event of copies to host tensors still in flight (parking)
-        staging = max((c.storage.fmt.state_numel for c in self.streamed), default=0)
-        self.worker = CpuWorker(ctx, optim, n_staging=n_buffer, staging_numel=staging, record=self.record,
+        self.worker = CpuWorker(ctx, optim, n_staging=0, staging_numel=0, record=self.record,
                                 threaded=ctx.asynchronous or switches.cpu_adam_thread, placement=placement)
+        self.reconfigure(n_buffer)
 
     def set_policy(self, policy: UpdatePolicy) -> None:
         """Between steps (no update in flight reads it)."""
         self.policy = policy
 
     def set_timeline(self, timeline) -> None:
-        """Record into ``timeline`` (None: stop), on the device context too."""
-        self.timeline = self.ctx.timeline = timeline
+        """Record into ``timeline`` (None: stop): the device context's, which ``record`` reads too."""
+        self.ctx.timeline = timeline
 
     # ----- called by the hooks (runtime/hooks.py) -------------------------------------------
     def pre_forward(self, idxs: tuple[int, ...], *, unit: bool = True) -> None:
@@ -145,8 +142,7 @@ class Scheduler:
                 self.chunks[i].unpin()
 
     def begin_unit_backward(self, call) -> None:
-        """A unit call's backward begins: its chunks become resident and join (or replace) the
-        active chain ([Note: a unit's backward] in hooks.py); the chunk before them is prefetched."""
+        """A unit call's backward begins ([Note: a unit's backward] in hooks.py); the chunk before it is prefetched."""
         self._check_in_backward()
         if call.began:
             return
@@ -246,6 +242,8 @@ class Scheduler:
         self.record("fetch", c.index)
 
     def _evict(self, c: Chunk) -> None:
+        if c.state is ChunkState.FETCHING:  # a prefetch: its copy is waited for on the host first
+            c.end_fetch(self.ctx, wait_on_host=True)
         c.release(in_pass=self._in_pass)
         self.record("evict", c.index)
 
@@ -253,9 +251,7 @@ class Scheduler:
         """Free every streamed chunk's device buffer (idle only)."""
         self.wait_all()
         for c in self.streamed:
-            if c.state is ChunkState.FETCHING:
-                c.end_fetch(self.ctx, wait_on_host=True)
-            if c.state is ChunkState.RESIDENT:
+            if c.state in (ChunkState.FETCHING, ChunkState.RESIDENT):
                 self._evict(c)
 
     # ----- gradients ----------------------------------------------------------------------
@@ -264,7 +260,7 @@ class Scheduler:
         ``final``: no more of them come in this pass (at a boundary the worker may update it)."""
         self.usage.reduced(c)
         at_boundary = final and self.boundary
-        finish = self.finisher(c) if at_boundary and self.finisher is not None else None
+        finish = self.finisher(c) if at_boundary else None
         during = at_boundary and self.policy.during_backward
         update = (self.hps, self.optim.selected(c), self.policy.landing_clip) if during else None
         worker = self.worker
@@ -351,12 +347,12 @@ class Scheduler:
         for c in self.streamed:
             self.await_chunk(c)
 
-    def step(self, hps, clip: UpdateClip, *, wait: bool, chunks: list[Chunk] | None = None) -> None:
-        """Update every chunk (of ``chunks``: default all) that has gradients and was not updated
-        during backward, clipped by ``clip``: the streamed ones on the CPU worker in forward
-        order, then the persistent ones. ``wait``: return when every update is over."""
+    def step(self, hps, clip: UpdateClip, chunks: list[Chunk]) -> None:
+        """Update every chunk of ``chunks`` that has gradients and was not updated during backward,
+        clipped by ``clip``: the streamed ones on the CPU worker in forward order (waited for where
+        updates run during backward, else overlapping the next forward), then the persistent ones."""
         self.wait_all()
-        pending = [c for c in (self.chunks if chunks is None else chunks) if not c.applied and c.has_gradients]
+        pending = [c for c in chunks if not c.applied and c.has_gradients]
         # The coefficient's copy to the host (a host wait on CUDA) only when a streamed chunk needs it.
         host_clip = None
         if any(not c.persistent for c in pending):
@@ -365,9 +361,7 @@ class Scheduler:
         for c in pending:
             c.apply()
             if not c.persistent:
-                if c.state is ChunkState.FETCHING:
-                    c.end_fetch(self.ctx, wait_on_host=True)  # a prefetch at the end of backward
-                if c.state is ChunkState.RESIDENT:
+                if c.state in (ChunkState.FETCHING, ChunkState.RESIDENT):  # (a prefetch at the end of backward)
                     self._evict(c)  # its device copy would be stale after the update
                 job = (hps, self.optim.selected(c), host_clip)
                 c.begin_update(lambda c=c, job=job: self.worker.submit(self.worker.update, c, *job))
@@ -382,7 +376,7 @@ class Scheduler:
         for c in pending:
             if c.persistent and not c.storage.fmt.whole:
                 c.await_reduction(self.ctx)  # before the next forward reads the chunk
-        if wait:
+        if self.policy.during_backward:
             self.wait_all()
         self.finish_step()
 
@@ -391,10 +385,10 @@ class Scheduler:
         for c in self.chunks:
             c.finish_step()
 
-    def zero_grad(self, chunks: list[Chunk] | None = None) -> None:
-        """Clear the gradients (of ``chunks``: default all); updates handed out by step() go on.
-        Refused, before anything changes, where an update in backward already used them."""
-        for c in self.chunks if chunks is None else chunks:
+    def zero_grad(self, chunks: list[Chunk]) -> None:
+        """Clear the gradients of ``chunks``; updates handed out by step() go on. Refused, before
+        anything changes, where an update in backward already used them."""
+        for c in chunks:
             if c.applied and c.has_gradients:
                 raise _cleared_after_update(next(m.name for i, m in enumerate(c.spec.members) if c.has_grad(i)))
         for c in self.streamed:
@@ -403,13 +397,12 @@ class Scheduler:
             if c.state is ChunkState.UPDATING and c.index not in self._after_step:
                 c.end_update()
         self.stepped_backward = False
-        for c in self.chunks if chunks is None else chunks:
+        for c in chunks:
             c.zero()
 
     def clear_grads(self, members: list[tuple[Chunk, int]]) -> None:
-        """Clear the gradients of some members (``p.grad = None``, a submodule's ``zero_grad()``)
-        in the accumulators, after their chunks' offloads and updates end. Refused, before
-        anything changes, as ``zero_grad`` is."""
+        """``p.grad = None`` of these members (or a submodule's ``zero_grad()``), once their chunks'
+        offloads and updates end; refused, before anything changes, as ``zero_grad`` is."""
         for c, i in members:
             if c.applied:
                 raise _cleared_after_update(c.spec.members[i].name)
@@ -419,10 +412,12 @@ class Scheduler:
             c.clear_grad(i)
 
     def reconfigure(self, n_buffer: int) -> None:
-        """After a re-plan moved chunks between the device and the host (all idle)."""
+        """The streamed chunks (all idle) and the plan's ``n_buffer`` (at most one per streamed
+        chunk), when built and after a re-plan moved chunks between the device and the host."""
         self.streamed = [c for c in self.chunks if not c.persistent]
         assert not any(c.device_resident for c in self.streamed)
-        self.buffers = BufferPolicy(n_buffer)
+        n_buffer = min(n_buffer, len(self.streamed))
+        self.buffers = BufferPolicy(n_buffer)  # which chunk gives its device buffer up
         staging = max((c.storage.fmt.state_numel for c in self.streamed), default=0)
         self.worker.resize_staging(n_staging=n_buffer, staging_numel=staging)
 
@@ -436,7 +431,7 @@ class Scheduler:
             self.stats[counter] += 1
         if self.record_events:
             self.events.append((what, index, self.ctx.clock()))
-        timeline = self.timeline  # read once: the worker thread records too
+        timeline = self.ctx.timeline  # read once: the worker thread records too
         if timeline is not None:
             timeline.event(what, index)
 
@@ -458,10 +453,8 @@ def assert_invariants(scheduler: Scheduler) -> None:
     assert len(resident) <= n_buffer, f"{len(resident)} chunks resident > n_buffer={n_buffer}"
     for c in scheduler.streamed:
         storage = c.storage
-        if c.device_resident:
-            assert storage.device_copy_allocated, c
-        else:
-            assert not storage.device_copy_allocated and storage.grad_buffer is None, f"{c} holds device memory"
+        assert storage.device_copy_allocated == c.device_resident, c
+        assert c.device_resident or storage.grad_buffer is None, f"{c} holds device memory"
         home = storage.device_copy if c.state is ChunkState.RESIDENT else None
         if c.at_placeholders:  # released inside a pass: NaN of the device copy's device and dtype
             assert c.state is not ChunkState.RESIDENT, c

@@ -40,6 +40,7 @@ import queue
 import socket
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -112,29 +113,23 @@ class Sharding:
             raise ValueError(f"The process group's backends are {config!r}: none runs collectives on CUDA tensors; "
                              "use 'nccl'.")
         self.__dict__.pop("backend", None)
-        self.__dict__.pop("pre_scale", None)
         self._device_type = device.type
 
     # ----- collectives ---------------------------------------------------------------------------
-    @property
-    def _on_gloo(self) -> bool:
-        """On gloo a gather is a broadcast per piece and a reduction point-to-point messages: its
-        own collectives are slower (benchmarks/HISTORY.md, "gloo's gather by broadcasts")."""
-        return self.backend == "gloo"
-
     def gather_(self, full: Tensor) -> None:
-        """All-gather in place: piece ``rank`` of ``full`` (W equal pieces) is this rank's."""
+        """All-gather in place: piece ``rank`` of ``full`` (W equal pieces) is this rank's; on gloo a
+        broadcast per piece, faster than its own (benchmarks/HISTORY.md, "gloo's gather by broadcasts")."""
         self.check_held()
         n = full.numel() // self.world
         if not n or self.whole:
             return
-        if self._on_gloo:
+        if self.backend == "gloo":
             for r in range(self.world):
                 _issue(dist.broadcast, full[r * n:(r + 1) * n], src=dist.get_global_rank(self.group, r), group=self.group)
             return
         _issue(_all_gather, full, full[self.rank * n:(self.rank + 1) * n], group=self.group)
 
-    @functools.cached_property
+    @property
     def pre_scale(self) -> float | None:
         """What each rank's gradients are multiplied by as they are copied into a buffer, before
         ``reduce_scatter_mean`` sums them: ``1/W`` on gloo (no average); None with NCCL."""
@@ -143,7 +138,7 @@ class Sharding:
     def reduce_scatter_mean(self, out: Tensor, full: Tensor, *, scaled: bool = False) -> None:
         """``out`` = piece ``rank`` of the mean of ``full`` over the ranks, as DDP averages (NCCL's
         AVG). gloo has no average, so ``full`` is scaled in place first (unless ``scaled``: by
-        ``pre_scale`` already) and reduced by messages (``_on_gloo``)."""
+        ``pre_scale`` already) and reduced by messages (faster than its own collective)."""
         self.check_held()
         if not out.numel():
             return
@@ -156,10 +151,10 @@ class Sharding:
             return
         if not scaled:
             full.mul_(self.pre_scale)
-        if self._on_gloo and full.device.type == "cpu":
+        if self.backend == "gloo" and full.device.type == "cpu":
             self._exchange_and_sum(out, full)
             return
-        if self._on_gloo:  # gloo on a GPU tensor: the whole sum, of which this rank keeps its piece
+        if self.backend == "gloo":  # gloo on a GPU tensor: the whole sum, of which this rank keeps its piece
             mine = full[self.rank * out.numel():(self.rank + 1) * out.numel()]
             _issue(dist.all_reduce, full, op=dist.ReduceOp.SUM, group=self.group, then=lambda: out.copy_(mine))
             return
@@ -186,9 +181,8 @@ class Sharding:
         _issue_all(works, then=total)
 
     def all_reduce_(self, t: Tensor, op=dist.ReduceOp.SUM) -> Tensor:
-        if self.whole:
-            return t
-        _blocking(dist.all_reduce, t, op=op, group=self.group)
+        if not self.whole:
+            _blocking(dist.all_reduce, t, op=op, group=self.group)
         return t
 
     def max_on_host(self, values: list[float]) -> list[float]:
@@ -235,9 +229,8 @@ class Sharding:
 
     def broadcast_(self, t: Tensor, src: int = 0) -> None:
         """Rank ``src``'s ``t`` on every rank, in place."""
-        if self.whole:
-            return
-        _blocking(dist.broadcast, t, src=dist.get_global_rank(self.group, src), group=self.group)
+        if not self.whole:
+            _blocking(dist.broadcast, t, src=dist.get_global_rank(self.group, src), group=self.group)
 
     def broadcast_object(self, obj, src: int = 0):
         """Rank ``src``'s ``obj`` on every rank."""
@@ -324,21 +317,18 @@ def _issue_all(works: list, then) -> None:
     event.add(posted, then)
 
 
-class _Posted:
+class _Posted(Future):
     """Messages a ``_Waiter`` waits for, as a ``Work`` that can be polled (``wait_work``)."""
 
     def __init__(self, works: list) -> None:
+        super().__init__()
         self.works = works
-        self.done = threading.Event()
-        self.error: BaseException | None = None
 
     def is_completed(self) -> bool:
-        return self.done.is_set()
+        return self.done()
 
     def wait(self) -> bool:
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
+        self.result()  # (the waiter's error, raised here)
         return True
 
 
@@ -365,9 +355,10 @@ class _Waiter:
                 for work in posted.works:
                     work.wait()
             except BaseException as e:  # noqa: BLE001 - re-raised by the thread that waits for it
-                posted.error = e
+                posted.set_exception(e)
+            else:
+                posted.set_result(True)
             posted.works = []
-            posted.done.set()
 
 
 def broadcast_tensors(tensors, sharding: Sharding, device: torch.device) -> None:
@@ -444,7 +435,6 @@ class UsageCheck:
         self.sharding.hold_collectives(lambda: self._verdict(result, members))
 
     def _verdict(self, result, members) -> str | None:
-        """The check's outcome: the error, or None."""
         differ, order_differs = result()
         if not (differ or order_differs):
             return None

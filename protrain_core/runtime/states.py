@@ -195,10 +195,8 @@ class StateAccess:
         self._scheduler.wait_all()
         if self._quantised and not self._reading:
             if self._depth == 0:  # the chunks of this module's parameters
-                mine = {id(self._slot_of[id(p)][0]) for p in module.parameters() if id(p) in self._slot_of}
-                for c in self._quantised:
-                    if id(c) in mine:
-                        c.materialise()
+                for c in {self._slot_of[id(p)][0] for p in module.parameters() if id(p) in self._slot_of}:
+                    c.materialise()
             self._depth += 1
 
     def check_copy(self, module: nn.Module) -> None:

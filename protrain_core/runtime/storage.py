@@ -103,8 +103,7 @@ class ChunkStorage:
         assert sharding.world == fmt.world_size
         assert (frozen is None) == (not fmt.quantised)
         self.fmt = fmt
-        self.frozen = frozen  # where the frozen members are in the host store (quantised), else None
-        self.frozen_store: Tensor | None = None  # a streamed quantised chunk's host store (bytes)
+        self.frozen = frozen  # where the frozen members are in a streamed chunk's ``frozen_store`` (quantised)
         self.sharding = sharding
         self.shards = ShardLayout(fmt, sharding.rank)
         self.ctx = ctx

@@ -48,14 +48,13 @@ class Timeline(StepObserver):
         """``ctx``: the engine's DeviceContext (clock, stamps); ``threaded``: the CPU Adam runs on a thread."""
         self.ctx = ctx
         self.threaded = threaded
-        self.is_cuda = ctx.is_cuda
         self.spans: list[Span] = []
         self._pending: list[tuple[str, str, object, object, str | None]] = []  # stamps not yet converted
         self._open: dict[tuple[str, object], object] = {}  # (what, key) -> begin stamp
         self._lock = threading.Lock()  # the CPU worker records too
         ctx.synchronize_device()
         self._t0 = ctx.clock()
-        self._origin = self.stamp() if self.is_cuda else None
+        self._origin = self.stamp() if self.ctx.is_cuda else None
 
     # ----- stamps --------------------------------------------------------------------------
     def stamp(self, stream=None):
@@ -64,7 +63,7 @@ class Timeline(StepObserver):
 
     def add(self, lane: str, label: str, begin, end, *, host: bool = False) -> None:
         """A span from two stamps (``host``: ``perf_counter`` readings taken by the calling thread)."""
-        thread = self.ctx.thread_name() if host or not self.is_cuda else None
+        thread = self.ctx.thread_name() if host or not self.ctx.is_cuda else None
         with self._lock:
             self._pending.append((lane, label, begin, end, thread))
 
@@ -104,7 +103,7 @@ class Timeline(StepObserver):
     # ----- the result -------------------------------------------------------------------------------
     def finish(self) -> None:
         """Convert every stamp to seconds since the recording began (CUDA: waits for the device)."""
-        if self.is_cuda:
+        if self.ctx.is_cuda:
             self.ctx.synchronize_device()
         with self._lock:
             pending, self._pending = self._pending, []

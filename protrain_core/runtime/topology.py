@@ -59,12 +59,13 @@ class HostTopology:
     @classmethod
     def read(cls, root: str | Path = "/sys", gpu_bus_ids: tuple[str, ...] = ()) -> HostTopology:
         """From sysfs under ``root``; one node of every core where it says nothing (not Linux)."""
-        base = Path(root, "devices", "system", "node")
-        found = {int(d.name[4:]): _cpulist(d / "cpulist") for d in base.glob("node[0-9]*")} if base.is_dir() else {}
+        base = Path(root, "devices", "system", "node")  # (a node without cores: memory only)
+        found = {int(d.name[4:]): _read(d / "cpulist", parse_cpulist, ()) for d in base.glob("node[0-9]*")}
         nodes = tuple(found.get(i, ()) for i in range(max(found, default=-1) + 1))
         if not any(nodes):
             nodes = (tuple(range(os.cpu_count() or 1)),)
-        return cls(nodes, tuple(_pci_node(Path(root), bus, len(nodes)) for bus in gpu_bus_ids))
+        gpus = (_read(Path(root, "bus", "pci", "devices", bus.lower(), "numa_node"), int, None) for bus in gpu_bus_ids)
+        return cls(nodes, tuple(n if n is not None and 0 <= n < len(nodes) else None for n in gpus))
 
     def node_of(self, cores: tuple[int, ...]) -> int | None:
         """The node holding all of ``cores`` (None: several, or none)."""
@@ -72,19 +73,12 @@ class HostTopology:
         return owners.pop() if len(owners) == 1 else None
 
 
-def _cpulist(path: Path) -> tuple[int, ...]:
+def _read(path: Path, parse, default):
+    """``parse`` of the text of the sysfs file ``path``; ``default`` where it is unreadable."""
     try:
-        return parse_cpulist(path.read_text())
-    except (OSError, ValueError):  # a node without cores (memory only), or an unreadable file
-        return ()
-
-
-def _pci_node(root: Path, bus_id: str, n_nodes: int) -> int | None:
-    try:
-        node = int(Path(root, "bus", "pci", "devices", bus_id.lower(), "numa_node").read_text())
+        return parse(path.read_text())
     except (OSError, ValueError):
-        return None
-    return node if 0 <= node < n_nodes else None  # (a node without cores: see _node_and_peers)
+        return default
 
 
 def gpu_bus_ids() -> tuple[str, ...]:
@@ -172,14 +166,14 @@ def _node_and_peers(topology: HostTopology, rank: int, processes: int, device: i
     return node, sorted(set(peers) | {rank})
 
 
-def worker_placement(world: int, cores: tuple[int, ...] | None = None, *, root: str | Path = "/sys") -> Placement:
+def worker_placement(world: int, cores: tuple[int, ...] | None = None) -> Placement:
     """The placement of this process's CPU worker on a CUDA host sharded over ``world`` processes
-    (``cores``, the sysfs ``root``): local ranks from torchrun's variables, else the devices."""
+    (``cores``: ``RuntimeConfig.worker_cores``): local ranks from torchrun's variables, else the devices."""
     device = torch.cuda.current_device()
     local = os.environ.get("LOCAL_WORLD_SIZE")
     local = int(local) if local else min(world, max(1, torch.cuda.device_count()))
     rank = int(os.environ.get("LOCAL_RANK", device))
-    topology = HostTopology.read(root, gpu_bus_ids())
+    topology = HostTopology.read(gpu_bus_ids=gpu_bus_ids())
     return place_worker(topology, allowed=frozenset(os.sched_getaffinity(0)), local_rank=rank,
                         local_processes=local, device_index=device, cores=cores)
 

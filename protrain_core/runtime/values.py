@@ -61,7 +61,7 @@ class ChunkValues:
         member ([Note: quantised frozen chunks] in frozen_formats.py)."""
         storage, m = self.storage, self.spec.members[i]
         if self._in_store(i):
-            return None if storage.frozen.entry(i)[0] else self.member_value(i)
+            return None if storage.frozen.entries[i][0] else self.member_value(i)
         _, at, n = storage.shards.host_piece(m)
         return storage.host_copy[at:at + n].view(m.shape)
 
@@ -157,7 +157,7 @@ class ChunkValues:
                 master = self.state_view(storage.master, i)
                 master.copy_(self.own_piece(i, value))
             if storage.persistent:
-                if frozen is not None and not m.trainable and frozen.entry(i)[0]:  # what a streamed chunk keeps
+                if frozen is not None and not m.trainable and frozen.entries[i][0]:  # what a streamed chunk keeps
                     value = round_trip(value.detach().to(device=storage.device, dtype=c), frozen.fmt)
                 self.view(storage.device_copy, i).copy_(value)
                 return

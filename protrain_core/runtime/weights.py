@@ -4,11 +4,10 @@
 A model too large for the host's memory twice over is built on the meta device
 (``init_module(empty_init=True)``) and wrapped as it is: the engine fills each chunk in turn,
 and every parameter of it still on the meta device takes its value here, just before the chunk
-copies it in. The value comes from ``ProTrainConfig.weights`` where that holds it (a Hugging
-Face directory of safetensors files, one ``.safetensors`` file, or a ``torch.save``d state dict;
+copies it in: from ``ProTrainConfig.weights`` where that holds it (the sources are listed there;
 a sharded ProTrain checkpoint directory is read by the engine itself once ``wrap`` has built
-it), else from the module's own initialisation: a PEFT LoRA layer's ``reset_lora_parameters``,
-the enclosing Hugging Face model's ``_init_weights``, else the module's ``reset_parameters``.
+it), else from the module's own initialisation (a LoRA layer's, the Hugging Face model's, else
+``reset_parameters``).
 
 The parameter keeps its identity (``torch.utils.swap_tensors``): the optimizer holds the same
 objects. A value is read (memory-mapped) only when its chunk is filled and let go once copied
@@ -241,30 +240,24 @@ def _match(names: list[str], keys: set[str]) -> dict[str, str]:
     best: dict[str, str] = {}
     plain = {n: n.replace(_BASE_LAYER, "") for n in names}
     for drop_key in range(3):
-        by_tail = _tails(keys, drop_key)
+        by_key = _tails({k: k for k in keys}, drop_key)
         for drop_name in range(4):
-            tails = _tails(plain.values(), drop_name)
-            if by_tail is None or tails is None:
-                continue
-            found = {n: by_tail[t] for n, clean in plain.items()
-                     if (t := _tail(clean, drop_name)) is not None and t in by_tail}
-            if len(found) > len(best):
-                best = found
+            by_name = _tails(plain, drop_name)
+            if by_key is not None and by_name is not None:
+                found = {n: by_key[t] for t, n in by_name.items() if t in by_key}
+                if len(found) > len(best):
+                    best = found
     return best
 
 
-def _tail(name: str, drop: int) -> str | None:
-    """``name`` less ``drop`` leading components, if two are left (a bare "weight" names nothing)."""
-    parts = name.split(".")
-    return ".".join(parts[drop:]) if drop == 0 or len(parts) >= drop + 2 else None
-
-
-def _tails(names, drop: int) -> dict[str, str] | None:
-    """Each name by its tail after ``drop`` leading components; None if two share one."""
+def _tails(names: dict[str, str], drop: int) -> dict[str, str] | None:
+    """Each name of ``names`` (name -> its form to cut) by its form's tail after ``drop`` leading
+    components, where two are left (a bare "weight" names nothing); None if two share a tail."""
     by_tail = {}
-    for name in names:
-        tail = _tail(name, drop)
-        if tail is not None:
+    for name, form in names.items():
+        parts = form.split(".")
+        if drop == 0 or len(parts) >= drop + 2:
+            tail = ".".join(parts[drop:])
             if tail in by_tail:
                 return None
             by_tail[tail] = name

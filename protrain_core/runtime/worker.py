@@ -1,18 +1,17 @@
 """The CPU worker: lands offloaded gradients in streamed chunks' accumulators and runs their Adam.
 
 [Note: CPU Adam on a CPU device]
-With CUDA the worker thread overlaps Adam with the device's backward. When the device *is* the
-CPU there is nothing to overlap with: two OpenMP thread teams on the same cores slow each
-other down far more than Adam costs. So Adam runs inline, at the same points;
-``RuntimeConfig.cpu_adam_thread`` (or PROTRAIN_CPU_ADAM_THREAD=1) keeps the worker thread.
+With CUDA the worker thread overlaps Adam with the device's backward. On a CPU device there is
+nothing to overlap with, and two OpenMP thread teams on the same cores slow each other down far
+more than Adam costs: Adam runs inline, at the same points (``RuntimeConfig.cpu_adam_thread``, or
+PROTRAIN_CPU_ADAM_THREAD=1, keeps the thread).
 
 [Note: CPU Adam threads]
 On CUDA the worker thread and its intra-op threads (landing, Adam, copies back) run bound to the
-cores of ``Placement`` ([Note: CPU worker placement] in topology.py); the thread that drives the
-device keeps its own count (1 under torchrun, which sets OMP_NUM_THREADS=1: a default that would
-leave the CPU Adam on one core). On a CPU device the worker's threads would compete with the
-compute's, so they are not changed. The profiler's CPU Adam probe runs on the same placement
-(``device.cpu_worker_placement``).
+cores of ``Placement`` ([Note: CPU worker placement] in topology.py), as does the profiler's CPU
+Adam probe (``device.cpu_worker_placement``); the thread that drives the device keeps its own
+count (1 under torchrun, which sets OMP_NUM_THREADS=1: a default that would leave the CPU Adam
+on one core). On a CPU device they are left alone.
 
 [Note: gradients consumed where they land]
 In the mixed modes a streamed chunk's gradient lands in the trainable span of its host compute
@@ -119,19 +118,17 @@ class CpuWorker:
                                         inv_scale=finish.inv_scale if unscale else None)
                 if finish is not None:
                     finish.unscaled(found)
-                if update is not None:
-                    self.update(chunk, *update)
-                return
-            if storage.fmt.separate_master:  # landed in the compute copy's span
-                fold_landing([storage.grad_acc], [landing], accumulate=not replace)
-            elif not replace:  # landed in a staging buffer
-                storage.grad_acc.add_(landing)
-                self._staging.put(self._lent.pop(id(landing)))
-            if finish is not None:
-                finish()
+            else:
+                if storage.fmt.separate_master:  # landed in the compute copy's span
+                    fold_landing([storage.grad_acc], [landing], accumulate=not replace)
+                elif not replace:  # landed in a staging buffer
+                    storage.grad_acc.add_(landing)
+                    self._staging.put(self._lent.pop(id(landing)))
+                if finish is not None:
+                    finish()
             if update is not None:
                 self.update(chunk, *update)
-            elif storage.fmt.separate_master:
+            elif kernel is None and storage.fmt.separate_master:  # (the kernel restored the copy)
                 storage.compute_span().copy_(storage.master)
 
     def scratch(self, storage) -> Tensor:

@@ -134,8 +134,8 @@ class SimulatedDevice(DeviceContext):
     # ----- where work goes -------------------------------------------------------------------------
     def _where(self):
         """(kind, lane) of the calling code: ("compute", None) by default, ("stream", (stream,
-        direction)) inside ``_on_stream``, ("cpu", lane) inside a worker job, ("inline",
-        direction) inside a copy on the CPU device."""
+        direction)) inside ``_on_stream`` (the CPU device: the main lane), ("cpu", lane) inside a
+        worker job."""
         return getattr(self._local, "where", ("compute", None))
 
     @contextmanager
@@ -230,7 +230,7 @@ class SimulatedDevice(DeviceContext):
             self._order(func, name, args, kwargs, out)
         if self.memory is not None:
             self.memory.operator(args, kwargs, out, on_host=self._where()[0] == "cpu")
-        if name in _FREE or func.is_view or getattr(self._local, "quiet", False):
+        if name in _FREE or getattr(self._local, "quiet", False):
             return
         kind, lane = self._where()
         if kind == "cpu":
@@ -239,16 +239,14 @@ class SimulatedDevice(DeviceContext):
             self.records.work.append(Work(lane.name, start, lane.t, name, "cpu"))
             return
         stream, direction = lane if kind == "stream" else (self.compute, None)
-        if kind == "inline":  # a copy on the CPU device, by the host thread
-            stream, direction = self.main, lane
         if name == "copy_" and direction in _DIRECTIONS:
-            self._copy(stream, direction, _nbytes(args[1]))
+            self._copy(stream, direction, args[1].nbytes)
         elif self.asynchronous:  # (the CPU device's compute takes the time it takes: the main lane's clock)
             self._run(stream, self._device_seconds(func, name, args, kwargs, out), name, "compute")
 
     def _order(self, func, name: str, args, kwargs, out) -> None:
         """The stream-order checker's view of an operator: who runs it, what it reads and writes."""
-        if func.is_view or name in _FREE:
+        if name in _FREE:
             if name.startswith(("empty", "new_empty")):
                 self.races.fresh(out)
             return
@@ -265,8 +263,7 @@ class SimulatedDevice(DeviceContext):
         return self.compute.name if lane is self.main else lane.name
 
     def _device_seconds(self, func, name: str, args, kwargs, out) -> float:
-        """The time on the device of operator ``func`` (named ``name``) on ``args``, ``kwargs``
-        giving ``out``: its roofline time times its class's factor, plus ``kernel_s``."""
+        """An operator's time on the device: its roofline time times its class's factor, plus ``kernel_s``."""
         spec = self.spec
         tensors, nbytes = _touched(args, kwargs, out)
         seconds = nbytes / spec.memory_bytes_per_s
@@ -307,7 +304,7 @@ class SimulatedDevice(DeviceContext):
         lane_name, label = span
         if not self.asynchronous:  # the CPU device: the copy runs on the host thread, for its modeled time
             begin = self.main.t
-            with self._at("inline", lane_name), self.charging():
+            with self._at("stream", (self.main, lane_name)), self.charging():
                 fn()
             if self.timeline is not None:
                 self.timeline.add(lane_name, label, begin, self.main.t)
@@ -402,7 +399,6 @@ class SimulatedDevice(DeviceContext):
     def read_on_host(self, label: str) -> None:
         """The calling host lane reads a value the compute stream produces: it waits for it."""
         if self.asynchronous and self._where()[0] == "compute":
-            self.races.follow(self.agent(self.host_lane()), self.compute.name)
             self._run(self.compute, self.spec.copy_latency_s, "read on host", "copy")
             self.block(self.host_lane(), self.compute.t, label)
 
@@ -442,15 +438,11 @@ class SimulatedDevice(DeviceContext):
         return self.spec.name
 
 
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size() if isinstance(t, Tensor) else 0
-
-
 def _touched(*objs) -> tuple[list[Tensor], int]:
     """The tensors an operator reads and writes (its arguments and outputs), and their bytes
     (each tensor once)."""
     tensors = list({id(t): t for t in iter_tensors(objs)}.values())
-    return tensors, sum(_nbytes(t) for t in tensors)
+    return tensors, sum(t.nbytes for t in tensors)
 
 
 def _flops(formula, func, args, kwargs, out) -> int:
@@ -708,7 +700,7 @@ class SimulatedGroup(Sharding):
 
     def gather_(self, full: Tensor) -> None:
         self.check_held()
-        self.sim.charge_collective("all-gather", _nbytes(full), (self.world - 1) / self.world)
+        self.sim.charge_collective("all-gather", full.nbytes, (self.world - 1) / self.world)
 
     @property
     def pre_scale(self) -> None:
@@ -717,13 +709,13 @@ class SimulatedGroup(Sharding):
     def reduce_scatter_mean(self, out: Tensor, full: Tensor, *, scaled: bool = False) -> None:
         self.check_held()
         if out.numel():
-            self.sim.charge_collective("reduce-scatter", _nbytes(full), (self.world - 1) / self.world)
+            self.sim.charge_collective("reduce-scatter", full.nbytes, (self.world - 1) / self.world)
 
     def all_reduce_(self, t: Tensor, op=None) -> Tensor:
         if t.device.type == "cpu":
             self.sim.host_collective("all-reduce")
         else:
-            self.sim.charge_collective("all-reduce", _nbytes(t), 2 * (self.world - 1) / self.world)
+            self.sim.charge_collective("all-reduce", t.nbytes, 2 * (self.world - 1) / self.world)
         return t
 
     def max_on_host(self, values: list[float]) -> list[float]:

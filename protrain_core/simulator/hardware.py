@@ -233,7 +233,7 @@ def load_spec(name_or_path: str | Path | DeviceSpec) -> DeviceSpec:
                 fields[by_key] = {**getattr(base_spec, by_key), **fields[by_key]}
         return dataclasses.replace(base_spec, name=fields.pop("name", f"{base_spec.name} ({path.name})"), **fields)
     missing = sorted(f.name for f in dataclasses.fields(DeviceSpec)
-                     if f.name not in fields and f.default is dataclasses.MISSING)
+                     if f.name not in fields and f.default is f.default_factory is dataclasses.MISSING)
     if missing:
         raise ValueError(f"{path}: fields {missing} are missing; give them, or \"base\": one of {', '.join(PRESETS)}.")
     return DeviceSpec(**fields)

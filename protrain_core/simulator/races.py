@@ -71,8 +71,7 @@ class RaceChecker:
         mine = self.clock(agent)
         tick = mine[agent] = mine.get(agent, 0) + 1
         name = func.overloadpacket.__name__
-        reads, writes = _accesses(func, args, kwargs)
-        reads, writes = [(t, _key(t), byte_span(t)) for t in reads], [(t, _key(t), byte_span(t)) for t in writes]
+        reads, writes = ([(t, _key(t), byte_span(t)) for t in ts] for ts in _accesses(func, args, kwargs))
         for t, key, span in writes:
             self._check(agent, mine, t, key, span, True, name)
         for t, key, span in reads:

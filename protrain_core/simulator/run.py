@@ -199,8 +199,7 @@ def simulate_plain(model: nn.Module, batch: dict, *, device: SimulatedDevice, pr
         for _ in range(steps):
             default_loss(call(model, batch)).backward()
             adam_step(params, [p.grad for p in params], *moments, [], counts, hp)
-            for p in params:
-                p.grad = None
+            model.zero_grad()
             device.synchronize_device()
             ends.append(device.main.t)
     return ends[-1] - ends[-2] if steps > 1 else ends[-1]

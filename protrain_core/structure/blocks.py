@@ -84,16 +84,13 @@ def find_blocks(model: nn.Module, blocks=None) -> tuple[str, list[nn.Module]]:
     model resolves ``transformer.h`` through attribute forwarding; the canonical name is
     ``base_model.model.transformer.h``).
     """
-    if isinstance(blocks, (list, tuple)):
-        found = [_discover(model, b) for b in blocks]
-    else:
-        found = _stacks(model) if blocks is None else None
-        try:
-            found = found or [_discover(model, blocks)]
-        except _NoBlocks as e:  # any nn.Module trains: its modules are the chunks' units
-            warnings.warn(str(e), stacklevel=2)
-            return "", []
-    empty = [b for b, lst in zip(blocks if isinstance(blocks, (list, tuple)) else [blocks], found) if not len(lst)]
+    given = list(blocks) if isinstance(blocks, (list, tuple)) else [blocks]
+    try:
+        found = (_stacks(model) if blocks is None else None) or [_discover(model, b) for b in given]
+    except _NoBlocks as e:  # (discovery only) any nn.Module trains: its modules are the chunks' units
+        warnings.warn(str(e), stacklevel=2)
+        return "", []
+    empty = [b for b, lst in zip(given, found) if not len(lst)]
     if blocks is not None and empty:
         raise ValueError(f"blocks={empty[0]!r} is an empty nn.ModuleList: name the list that holds the model's "
                          "repeated blocks. Candidates:\n" + _describe(model))

@@ -206,10 +206,9 @@ def build_layout(
     """The layout of ``model``'s parameters in chunks (``chunk_size``: None searches it), its
     transformer blocks the ``n_blocks`` modules of the ``nn.ModuleList`` at ``block_path``
     (``find_blocks``), in the execution order traced on ``example_inputs`` (on the meta device).
-    ``block_aligned`` ``(block, min_numel)``: the first trainable member of a chunk and every
-    trainable member of at least ``min_numel`` elements start at a multiple of ``block`` (8-bit
-    moments: see the module's docstring). ``owners``: parameter id -> the index of the optimizer
-    that updates it, when there are several: each chunk holds one optimizer's parameters."""
+    ``block_aligned``: (block, minimum size) of 8-bit moments (the module's docstring).
+    ``owners``: parameter id -> the index of the optimizer that updates it, when there are
+    several: each chunk holds one optimizer's parameters."""
     traced = trace(model, block_path, example_inputs)
     units = _units(model, block_path, traced.order)
     unit_sizes = [sum(align(p.numel()) for _, p in params) + _alignment_bound(params, block_aligned)
