@@ -61,7 +61,7 @@ def main(argv=None) -> None:
         engine = pt.wrap(model, torch.optim.AdamW(params), pt.Plan(n_persist=0, n_buffer=1), precision=args.precision,
                          device="cpu")
         seconds = time.perf_counter() - start
-        persistent = sum(c.device_bytes() for c in engine.chunks if c.persistent)
+        persistent = engine.memory.device_bytes()  # (between steps: the persistent chunks')
         states = engine.memory.host_bytes() + persistent
         buffers = engine.memory.device_bound() - persistent
         ideal = 2 * frozen + 16 * trainable

@@ -66,7 +66,7 @@ SCRIPT = textwrap.dedent("""
                                weights=weights)
     engine = pt.wrap(model, opt, pt.Plan(n_persist=0, n_buffer=1), precision=precision, device="cpu", config=config)
     peak = status("VmHWM")
-    states = engine.memory.host_bytes() + sum(c.device_bytes() for c in engine.chunks if c.persistent)
+    states = engine.memory.host_bytes() + engine.memory.device_bytes()  # (the persistent chunks')
     print(json.dumps(dict(model=model_bytes, states=states, chunk=engine.layout.chunk_size * 2, before=before,
                           peak=peak, largest=max(p.numel() * p.element_size() for p in model.parameters()))))
 """)

@@ -2,7 +2,7 @@
 written twice. A page asks for them with a marker line:
 
 - ``<!-- configuration reference -->``: every field of ``ProTrainConfig`` and its parts, with its
-  type, default and docstring (protrain_core/config.py, runtime/options.py);
+  type, default and docstring (protrain_core/config.py, update.py, runtime/options.py);
 - ``<!-- refusals -->``: every error the library raises with a message, by module, as the user
   reads it (placeholders where the message names a value);
 - ``<!-- api reference -->``: every name of ``protrain_core.__all__`` and
@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ("protrain_core", "lightning_protrain", "ops")
 CONFIG_CLASSES = (("protrain_core/config.py", "ProTrainConfig"), ("protrain_core/config.py", "PlanningConfig"),
-                  ("protrain_core/config.py", "ClippingConfig"), ("protrain_core/runtime/options.py", "RuntimeConfig"),
+                  ("protrain_core/update.py", "ClippingConfig"), ("protrain_core/runtime/options.py", "RuntimeConfig"),
                   ("protrain_core/config.py", "CheckpointConfig"))
 
 

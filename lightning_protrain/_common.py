@@ -15,6 +15,7 @@ from torch import Tensor, nn
 import protrain_core as pt
 from protrain_core.precision import parse_precision
 from protrain_core.runtime.optim import check_optimizer
+from protrain_core.utils import has_meta
 
 
 def precision_of_plugin(plugin, known_plugins: tuple[type, ...]) -> str:
@@ -210,7 +211,7 @@ class StrategyPlumbing:
                       **kwargs) -> pt.Engine:
         """``self.engine``: ``wrap`` of ``module`` at the precision of ``plugin``, whose loss scaler
         state (the user's GradScaler settings, or a closed engine's) it starts from."""
-        if config.weights is not None and not on_meta(module):  # filled by an engine before (evaluation after
+        if config.weights is not None and not has_meta(module):  # filled by an engine before (evaluation after
             config = config.replace(weights=None)                  # fit, an engine built again)
         self.engine = pt.wrap(module, optimizer, config=config, precision=plugin.precision, device=self.root_device,
                               report=self._report, **kwargs)
@@ -279,7 +280,11 @@ class EnginePrecision:
 
     precision: str
     scaler: dict | None
-    engine: pt.Engine | None
+    strategy: StrategyPlumbing | None  # whose engine runs the steps (None: no strategy took the plugin yet)
+
+    @property
+    def engine(self) -> pt.Engine | None:
+        return None if self.strategy is None else self.strategy.engine
 
     def convert_input(self, data):
         """bf16-true: floating-point inputs become bf16 (as Lightning's HalfPrecision converts them)."""
@@ -347,12 +352,6 @@ def for_evaluation(module: nn.Module, config: pt.ProTrainConfig, plan: pt.Plan |
     plan = config.planning.plan or plan or pt.Plan(n_persist=0, n_buffer=2)
     return torch.optim.AdamW(module.parameters()), config.replace(
         planning={"plan": plan, "memory_budget": None, "max_tokens": None}, optimizer_states=False)
-
-
-def on_meta(module: nn.Module) -> bool:
-    """Whether ``module`` has parameters or buffers on the meta device (``init_module(empty_init=
-    True)``: the engine fills them, [Note: weights straight into chunks] in protrain_core)."""
-    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
 
 
 def close_for_a_new_engine(engine: pt.Engine, plugin: EnginePrecision) -> None:

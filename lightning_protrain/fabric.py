@@ -48,10 +48,6 @@ class ProTrainFabricPrecision(EnginePrecision, Precision):
         # strategy, a module and optimizers no engine runs (set up before any module, or never).
         self.lightning = lightning or Precision()
 
-    @property
-    def engine(self) -> pt.Engine | None:
-        return self.strategy.engine
-
     def forward_context(self):
         engine = self.engine
         if engine is None:

@@ -48,6 +48,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 import protrain_core as pt
 from protrain_core.precision import parse_precision
+from protrain_core.update import clips_norm
+from protrain_core.utils import has_meta
 from lightning_protrain._common import (
     EnginePrecision,
     StrategyPlumbing,
@@ -55,7 +57,6 @@ from lightning_protrain._common import (
     checkpoint_optimizer_state,
     close_for_a_new_engine,
     load_checkpoint_optimizer_state,
-    on_meta,
     strategy_config,
     check_optimizers,
     no_parameters,
@@ -71,7 +72,7 @@ class ProTrainPrecision(EnginePrecision, Precision):
     def __init__(self, precision: str, scaler: dict | None = None) -> None:
         self.precision = precision
         self.scaler = scaler  # a 16-mixed plugin's GradScaler settings; its state after a fit
-        self.engine: pt.Engine | None = None
+        self.strategy: ProTrainStrategy | None = None  # set by the strategy that takes the plugin
         self.device: torch.device | None = None  # where a module without an engine is evaluated
         self.plain_after_fit = False  # the optimizer holds its state again (one process)
         self.wait_after_step = False  # user hooks between step and the next forward may read weights
@@ -158,7 +159,6 @@ def grad_accumulator(config: pt.ProTrainConfig, trainer, precision: str, *, manu
     """``ProTrainConfig.grad_accumulator`` for a fit: None is False where every step has one
     backward whose offloaded chunks can be updated as their gradients land, else True; False
     where that cannot be is refused, with the reason, before anything is built."""
-    clip = config.clipping
     reasons = [
         (manual, "manual optimization accumulates every manual_backward until opt.step()"),
         (trainer.accumulate_grad_batches != 1, f"accumulate_grad_batches={trainer.accumulate_grad_batches}"),
@@ -168,7 +168,7 @@ def grad_accumulator(config: pt.ProTrainConfig, trainer, precision: str, *, manu
                "change the gradients between backward and step"),
         (is_overridden("optimizer_zero_grad", trainer.lightning_module, pl.LightningModule),
          "an overridden optimizer_zero_grad may keep gradients across steps"),
-        (clip is not None and clip.algorithm == "norm", "gradient_clip_algorithm='norm' needs every gradient first"),
+        (clips_norm(config.clipping), "gradient_clip_algorithm='norm' needs every gradient first"),
         (precision != "bf16-mixed", f"precision={precision!r} (it needs 'bf16-mixed')"),
     ]
     why = next((why for needed, why in reasons if needed), None)  # the accumulators are needed
@@ -252,13 +252,15 @@ class ProTrainStrategy(StrategyPlumbing, ParallelStrategy):
     @property
     def precision_plugin(self) -> ProTrainPrecision:
         if self._precision_plugin is None:
-            self._precision_plugin = ProTrainPrecision("32-true")
+            self.precision_plugin = ProTrainPrecision("32-true")
         return self._precision_plugin
 
     @precision_plugin.setter
     def precision_plugin(self, plugin) -> None:
         known = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
         self._precision_plugin = own_precision(plugin, ProTrainPrecision, known)
+        if self._precision_plugin is not None:
+            self._precision_plugin.strategy = self
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -349,7 +351,6 @@ class ProTrainStrategy(StrategyPlumbing, ParallelStrategy):
             self.engine.step_state.set_manual(manual)
             precision.log_grad_norm = not (late or manual)
             precision.wait_after_step = overrides(module, module.trainer.callbacks, _BETWEEN_STEPS)
-        precision.engine = self.engine
 
     def _wrap_anew(self) -> None:
         """Which parameters train changed between steps (``BaseFinetuning`` unfroze blocks): the
@@ -437,7 +438,7 @@ class ProTrainStrategy(StrategyPlumbing, ParallelStrategy):
             check_sharded(sharded, self.lightning_module)  # names and sizes now; the pieces after setup
             self._sharded_weights = strict
             return None
-        if engine is None and on_meta(self.lightning_module):
+        if engine is None and has_meta(self.lightning_module):
             # init_module(empty_init=True): loaded into meta tensors the values would be lost; the
             # engine fills its chunks from them instead ([Note: weights straight into chunks]).
             self._meta_weights = checkpoint["state_dict"]
@@ -484,9 +485,9 @@ class ProTrainStrategy(StrategyPlumbing, ParallelStrategy):
                 self.precision_plugin.plain_after_fit = True
         self.engine = None
         if self._precision_plugin is not None:
-            self._precision_plugin.engine = self._precision_plugin.device = None
+            self._precision_plugin.device = None
         module = self.lightning_module
-        if module is not None and on_meta(module):
+        if module is not None and has_meta(module):
             # setup failed before the engine filled a model built on the meta device: Lightning's
             # teardown would move it to the CPU and fail ("Cannot copy out of meta tensor"),
             # hiding that error behind its own.

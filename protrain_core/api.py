@@ -32,7 +32,7 @@ from protrain_core.runtime.storage import chunk_formats
 from protrain_core.runtime.weights import check_weights
 from protrain_core.structure.blocks import find_blocks
 from protrain_core.structure.layout import ChunkLayout, build_layout
-from protrain_core.update import overlap_mode
+from protrain_core.update import clips_norm, overlap_mode
 from protrain_core.utils import available_host_bytes, batch_tokens, format_bytes, is_compile_wrapper
 
 
@@ -135,7 +135,7 @@ def _check_grad_accumulator(config: ProTrainConfig, prec: Precision) -> None:
             f"copy, which precision 'bf16-mixed' has; this run's is {prec.value!r} (fp16's overflow check needs every "
             "gradient before any update; the true modes land in the accumulator itself). Use precision='bf16-mixed', "
             "or grad_accumulator=None.")
-    if config.clipping is not None and config.clipping.algorithm == "norm":
+    if clips_norm(config.clipping):
         raise ValueError(
             "grad_accumulator=False updates each offloaded chunk as its gradients land, during backward, but clipping "
             "by norm needs every gradient of the step first, kept in the accumulators. Clip by value, or keep the "
@@ -246,9 +246,8 @@ def _searched(build: _Build, budget: int, report, *, example_inputs, loss_fn, st
                             sharding=sharding, switches=build.config.runtime, compile=build.config.compile,
                             formats=build.formats, **cache)
     n = batch_tokens(example_inputs)
-    clipping = None if build.config.clipping is None else build.config.clipping.parsed()
     planner = AutoPlanner(None, profile, budget=budget, host_budget=host_budget, report=report,
-                          max_tokens=planning.max_tokens, overlap=overlap_mode(build.precision, clipping),
+                          max_tokens=planning.max_tokens, overlap=overlap_mode(build.precision, build.config.clipping),
                           tokens_per_batch_token=profile.tokens / n if n and profile.tokens else None,
                           cache_dir=planning.cache_dir, refit=refitter(build.model, build.optimizer, build.layout,
                                                                        build.precision, build.config, build.device,

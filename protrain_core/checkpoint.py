@@ -81,11 +81,11 @@ def save_sharded(engine, path, meta: dict | None = None) -> None:
             got = chunk.values.piece(i, getattr(chunk.storage, attr))
             if got is not None and got[1].numel():
                 state[f"optim/{index}/{key}/{got[0]}"] = got[1].detach().to("cpu", copy=True)
-        if rank == 0 and optim.kind is None:
+        if rank == 0 and optim.elementwise is None:
             state[f"optim/{index}/step"] = chunk.storage.steps[i].detach().to("cpu", copy=True)
         elif rank == 0:
             scalars[index] = {k: v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else v for k, v in held.items()}
-    if rank == 0 and optim.kind is not None:
+    if rank == 0 and optim.elementwise is not None:
         state["optim/scalars"] = _boxed(scalars)
     if rank == 0:
         for name, b in engine.module.named_buffers():
@@ -281,7 +281,7 @@ def load_sharded(engine, path, *, model: bool = True, optimizer: bool = True, st
     engine.sharding.barrier()
     if not is_sharded_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a sharded ProTrain checkpoint (a torch.distributed.checkpoint directory).")
-    engine.states.release_device_copies()
+    engine.scheduler.release_all()
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     pieces = _pieces(saved)
     names = _param_names(engine)
@@ -324,15 +324,15 @@ def _pieces(saved) -> dict[str, list[tuple[int, str, int, torch.dtype]]]:
 
 def _saved_scalars(engine, path: Path, saved) -> dict | None:
     """Another optimizer than Adam: each parameter's non-slot state (None for Adam)."""
-    kind = engine.states.chunk_optimizer.kind
-    if kind is None:
+    if engine.states.chunk_optimizer.elementwise is None:
         if "optim/scalars" in saved:
             raise ValueError(f"The sharded checkpoint {path} holds another optimizer's state than Adam's: load it "
                              "with the optimizer it was saved with, or with optimizer=False.")
         return None
     if "optim/scalars" not in saved:
-        raise ValueError(f"The sharded checkpoint {path} holds Adam's optimizer state, not {kind.cls.__name__}'s: "
-                         "load it with the optimizer it was saved with, or with optimizer=False.")
+        raise ValueError(f"The sharded checkpoint {path} holds Adam's optimizer state, not "
+                         f"{type(engine.optimizer).__name__}'s: load it with the optimizer it was saved with, or with "
+                         "optimizer=False.")
     return _read_object(path, "optim/scalars")
 
 
@@ -353,22 +353,11 @@ def _load_states(engine, chunk, whole: dict, index_of: dict, path: Path, saved, 
             present = key in saved and entry is not None and ("exp_avg" in entry or "state1" in entry)
             if present:
                 steps[i] = key
-        if chunk.storage.fmt.eight_bit:
-            moments = optim.member_moments(chunk, i, optim.quant_places(chunk))
-            if moments is not None:  # this rank's piece (a block boundary)
-                part = chunk.values.state_part(i)
-                formats.load_eight_bit(moments, formats.entry_piece(entry if present else None, part[0], part[2]))
-            chunk.set_adam_state(i, present)
-            continue
-        if entry is not None and "state1" in entry:  # 8-bit moments into another format: their fp32 values
+        if entry is not None and "state1" in entry and not chunk.storage.fmt.eight_bit:  # 8-bit into another format
             entry = formats.to_fp32_adam_entry({**entry, "step": 0, **dict(zip(("qmap1", "qmap2"), formats.qmaps(
                 torch.device("cpu"))))})
-        for name, attr in zip(optim.slot_names(), SLOT_ATTRS):
-            flat = getattr(chunk.storage, attr)
-            value = None if entry is None else entry.get(name)
-            dst = chunk.values.state_view(flat, i)
-            dst.copy_(chunk.values.own_piece(i, value.view(p.shape)).view(dst.shape)) if value is not None else dst.zero_()
-        chunk.set_adam_state(i, present)
+        optim.load_slots(chunk, i, entry if present else None)
+        chunk.adam_state[i] = present
     if steps:
         read = {key: torch.zeros(()) for key in steps.values()}
         _load(read, path)

@@ -29,7 +29,7 @@ from protrain_core.runtime.compiled import check_compile
 from protrain_core.runtime.options import RuntimeConfig, env_flag
 from protrain_core.runtime.frozen_formats import check_frozen_format
 from protrain_core.runtime.state_formats import check_format
-from protrain_core.update import GradientClipping, parse_gradient_clipping
+from protrain_core.update import ClippingConfig
 
 __all__ = ["CheckpointConfig", "ClippingConfig", "PlanningConfig", "ProTrainConfig", "RuntimeConfig"]
 
@@ -88,27 +88,6 @@ class PlanningConfig:
     def budget_bytes(self) -> int | None:
         """``memory_budget`` in bytes (None: the default)."""
         return plan_arguments(None, self.memory_budget)[1] if self.plan is None else None
-
-
-@dataclass(frozen=True, kw_only=True)
-class ClippingConfig:
-    """Gradient clipping before every update, exactly as ``torch.nn.utils.clip_grad_norm_``
-    ("norm") or ``clip_grad_value_`` ("value") on the same gradients."""
-
-    algorithm: Literal["norm", "value"] = "norm"
-    """"norm": scale every gradient by one global factor; "value": clamp every element."""
-
-    value: float
-    """max_norm ("norm") or clip_value ("value"): a finite number > 0."""
-
-    norm_type: float = 2.0
-    """p of the p-norm ("norm" only); ``inf`` for the largest magnitude."""
-
-    def __post_init__(self) -> None:
-        parse_gradient_clipping(self.algorithm, self.value, self.norm_type)  # raises with the fix
-
-    def parsed(self) -> GradientClipping:
-        return parse_gradient_clipping(self.algorithm, self.value, self.norm_type)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,46 +29,52 @@ import enum
 import math
 import numbers
 from dataclasses import dataclass
+from typing import Literal
 
 from protrain_core.precision import Precision
 
 
-class ClipAlgorithm(enum.Enum):
-    NORM = "norm"  # torch.nn.utils.clip_grad_norm_: scale every gradient by one global factor
-    VALUE = "value"  # torch.nn.utils.clip_grad_value_: clamp every element
-
-
 @dataclass(frozen=True, kw_only=True)
-class GradientClipping:
-    """Clipping applied to the gradients before every update (``parse_gradient_clipping``)."""
+class ClippingConfig:
+    """Gradient clipping before every update, exactly as ``torch.nn.utils.clip_grad_norm_``
+    ("norm") or ``clip_grad_value_`` ("value") on the same gradients."""
 
-    algorithm: ClipAlgorithm
-    value: float  # max_norm (NORM) or clip_value (VALUE)
-    norm_type: float = 2.0  # p of the p-norm (NORM only); inf for the largest magnitude
+    algorithm: Literal["norm", "value"] = "norm"
+    """"norm": scale every gradient by one global factor; "value": clamp every element."""
+
+    value: float
+    """max_norm ("norm") or clip_value ("value"): a finite number > 0."""
+
+    norm_type: float = 2.0
+    """p of the p-norm ("norm" only); ``inf`` for the largest magnitude."""
+
+    def __post_init__(self) -> None:
+        algorithm, value, norm_type = self.algorithm, self.value, self.norm_type
+        if algorithm not in ("norm", "value"):
+            raise ValueError(
+                f"Gradient clipping algorithm must be 'norm' (torch.nn.utils.clip_grad_norm_) or 'value' "
+                f"(clip_grad_value_), or None to turn clipping off; got {algorithm!r}."
+            )
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+            what = "max_norm" if algorithm == "norm" else "clip_value"
+            raise ValueError(
+                f"Gradient clipping by {algorithm} needs a finite {what} > 0, got {value!r}; pass "
+                "algorithm=None to turn clipping off."
+            )
+        if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real) or not norm_type > 0:
+            raise ValueError(f"norm_type must be a number > 0 (2.0 for the Euclidean norm, float('inf') for the max), "
+                             f"got {norm_type!r}.")
+        object.__setattr__(self, "value", float(value))
+        object.__setattr__(self, "norm_type", float(norm_type))
+
+    def __str__(self) -> str:
+        if self.algorithm == "value":
+            return f"by value ({self.value:g})"
+        return f"by norm (max_norm {self.value:g}, {self.norm_type:g}-norm)"
 
 
-def parse_gradient_clipping(algorithm: str | None, value: float | None = None, norm_type: float = 2.0) -> GradientClipping | None:
-    """Validate a clipping setting (``None`` turns clipping off)."""
-    if algorithm is None:
-        return None
-    if algorithm not in ("norm", "value"):
-        raise ValueError(
-            f"Gradient clipping algorithm must be 'norm' (torch.nn.utils.clip_grad_norm_) or 'value' "
-            f"(clip_grad_value_), or None to turn clipping off; got {algorithm!r}."
-        )
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
-        what = "max_norm" if algorithm == "norm" else "clip_value"
-        raise ValueError(
-            f"Gradient clipping by {algorithm} needs a finite {what} > 0, got {value!r}; pass "
-            "algorithm=None to turn clipping off."
-        )
-    if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real) or not norm_type > 0:
-        raise ValueError(f"norm_type must be a number > 0 (2.0 for the Euclidean norm, float('inf') for the max), got {norm_type!r}.")
-    return GradientClipping(algorithm=ClipAlgorithm(algorithm), value=float(value), norm_type=float(norm_type))
-
-
-def clips_norm(clipping: GradientClipping | None) -> bool:
-    return clipping is not None and clipping.algorithm is ClipAlgorithm.NORM
+def clips_norm(clipping: ClippingConfig | None) -> bool:
+    return clipping is not None and clipping.algorithm == "norm"
 
 
 class UpdateSchedule(enum.Enum):
@@ -97,7 +103,7 @@ class Overlap:
         return self.schedule.value + (f" ({', '.join(self.reasons)})" if self.reasons else "")
 
 
-def overlap_mode(precision: Precision, clipping: GradientClipping | None, *, late_clipping: str | None = None) -> Overlap:
+def overlap_mode(precision: Precision, clipping: ClippingConfig | None, *, late_clipping: str | None = None) -> Overlap:
     """The schedule of [Note: the overlap under clipping and fp16]; ``late_clipping``: why
     clipping may still be requested between backward and step() (the engine's first step, or an
     adapter that clips late), which also needs every gradient before any update."""
@@ -108,6 +114,6 @@ def overlap_mode(precision: Precision, clipping: GradientClipping | None, *, lat
         reasons.append("gradient norm clipping")
     elif clipping is None and late_clipping:
         reasons.append(late_clipping)
-    passes = 0 if clipping is None else 1 if clipping.algorithm is ClipAlgorithm.NORM else 2
+    passes = 0 if clipping is None else 1 if clips_norm(clipping) else 2
     return Overlap(UpdateSchedule.NEXT_FORWARD if reasons else UpdateSchedule.DURING_BACKWARD, tuple(reasons),
                    gradient_passes=passes)

@@ -249,6 +249,20 @@ def alive(pid: int) -> bool:
     return True
 
 
+def restore_forward(module: torch.nn.Module, own) -> None:
+    """Undo a replaced ``forward``: ``own`` is ``module.__dict__.get("forward")`` from before (None: none)."""
+    if own is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = own
+
+
+def has_meta(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has parameters or buffers on the meta device (built under
+    ``torch.device("meta")``: the engine fills them, [Note: weights straight into chunks])."""
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
 def is_compile_wrapper(module) -> bool:
     """``torch.compile(module)``'s wrapper (dynamo's OptimizedModule), without importing dynamo."""
     cls = type(module)

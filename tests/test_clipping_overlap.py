@@ -45,7 +45,7 @@ def run_engine(engine, data, *, accumulate=1, late=None, clip_at=None):
             else:
                 engine.clipping.clip_grad_value_(late[1])
         engine.step()
-        if late is None and engine.clipping.configured is not None and engine.clipping.configured.algorithm.value == "norm":
+        if late is None and engine.clipping.configured is not None and engine.clipping.configured.algorithm == "norm":
             norms.append(engine.clipping.last_norm)
         engine.zero_grad()
         losses.append(total)

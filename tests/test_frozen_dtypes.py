@@ -168,7 +168,7 @@ def test_wrap_quantises_chunk_by_chunk_and_drops_each_bf16_original():
         p.data = p.data.float()
     refs = {id(p): weakref.ref(p.untyped_storage()) for p in model.parameters()}
     alive_after = []
-    load = Chunk.load_params
+    load = Chunk.adopt
 
     def counting(chunk):
         load(chunk)
@@ -176,12 +176,12 @@ def test_wrap_quantises_chunk_by_chunk_and_drops_each_bf16_original():
         alive_after.append((chunk.index, sum(r() is not None for r in refs.values()),
                             [refs[id(p)]() is not None for p in chunk.params]))
 
-    Chunk.load_params = counting
+    Chunk.adopt = counting
     try:
         engine = pt.wrap(model, torch.optim.AdamW(trainable(model)), pt.Plan(n_persist=0, n_buffer=1),
                          precision="bf16-mixed", device="cpu", config=config("int8"))
     finally:
-        Chunk.load_params = load
+        Chunk.adopt = load
     counts = [n for _, n, _ in alive_after]
     assert len(counts) == engine.layout.n_chunks and counts == sorted(counts, reverse=True) and counts[-1] == 0
     assert all(not any(mine) for _, _, mine in alive_after)  # each chunk's originals go with its load

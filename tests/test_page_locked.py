@@ -64,7 +64,7 @@ def test_many_small_neighbours_register_whole_pages_of_their_own(cudart):
     """Pools far smaller than a page, allocated one after the other (neighbours in the heap), all
     register: each registers whole pages inside its own allocation, and no two share one."""
     pools = [HostPool([(n, torch.float32, True), (3, torch.bfloat16, True)], pin=True, cuda=CUDA) for n in range(1, 400, 7)]
-    assert all(p.pinned for p in pools) and len(cudart.ranges) == len(pools)
+    assert all(p.locked_bytes == p.nbytes for p in pools) and len(cudart.ranges) == len(pools)
     for start, pages in cudart.ranges.items():
         assert start % PAGE == 0 and len(pages) >= 1
     for p in pools:  # the pool's bytes lie inside its registered pages
@@ -92,7 +92,7 @@ def test_close_unregisters_once_and_the_memory_stays_readable(cudart):
     pool = HostPool([(10, torch.float32, True)], pin=True, cuda=CUDA)
     view = pool.take(10, torch.float32)
     pool.close()
-    assert not pool.pinned and not cudart.ranges
+    assert pool.locked_bytes == 0 and not cudart.ranges
     view.add_(1)  # ordinary host memory now
     pool.close()
     del pool, view

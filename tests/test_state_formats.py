@@ -16,7 +16,6 @@ from conftest import assert_same_runs, batches, standard_plans, tiny_gpt2, train
 from protrain_core.runtime import state_formats
 from protrain_core.runtime.host_pool import HostPool
 from protrain_core.runtime.storage import chunk_formats
-from protrain_core.structure.layout import ChunkLayout  # noqa: F401  (the layout the formats are of)
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -289,8 +288,9 @@ def test_the_planned_bytes_are_the_allocated_ones_and_the_explanation_names_the_
     engine = engine_for(copy.deepcopy(base), fmt, standard_plans(base)["streamed-buf1"])
     formats = chunk_formats(engine.module, engine.optimizer, engine.layout, engine.precision, engine.config)
     # The formula's bytes, and the pool's: each tensor at a 64-byte boundary.
-    assert engine.memory.host_bytes() == sum(HostPool.bytes_for(f.host_tensors()) for f in formats)
-    assert all(0 <= HostPool.bytes_for(f.host_tensors()) - f.streamed_host_bytes < 64 * 8 for f in formats)
+    pools = [HostPool(f.host_tensors(), pin=False, device=torch.device("meta")).nbytes for f in formats]
+    assert engine.memory.host_bytes() == sum(pools)
+    assert all(0 <= n - f.streamed_host_bytes < 64 * 8 for n, f in zip(pools, formats))
     assert {f.state_format for f in formats if f.adam_states} == {fmt}
     storage = engine.chunks[1].storage
     assert storage.exp_avg.dtype == {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}[fmt]

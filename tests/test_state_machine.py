@@ -55,7 +55,7 @@ def _chunk(persistent=False):
     fmt = ChunkFormat(numel=16, compute_dtype=torch.float32, master_dtype=torch.float32, trainable_numel=4, adam_states=2)
     storage = ChunkStorage(fmt, persistent=persistent, ctx=as_context("cpu"), pin=False, n_members=1)
     chunk = Chunk(spec, params=[torch.nn.Parameter(torch.arange(4.0))], storage=storage, opt_members={0: [0]})
-    chunk.load_params()
+    chunk.adopt()
     return chunk
 
 
@@ -251,7 +251,7 @@ def test_device_bytes_invariant_at_every_hook(make, plan, precision, monkeypatch
     assert calls["max_bytes"] <= engine.memory.device_bound()
     cb = engine.precision.compute_dtype.itemsize
     size = engine.layout.chunk_size * cb
-    persistent = sum(c.device_bytes() for c in engine.chunks if c.persistent)
+    persistent = sum(c.storage.device_bytes() for c in engine.chunks if c.persistent)
     # A buffer: a chunk's compute copy and the gradients of its trainable span (each span rounded
     # up to the alignment; the chunk's waste after its last member is not stored).
     spans = [(align(c.spec.trainable_start), align(c.spec.trainable_numel)) for c in engine.chunks if not c.persistent]

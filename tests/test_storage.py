@@ -36,7 +36,7 @@ def test_profile_facts_match_the_allocation(precision, amsgrad):
         assert 0 <= engine.memory.host_bytes() - sum(host[i] for i in streamed) < 64 * 6 * max(1, len(streamed))
         for c in engine.chunks:
             if c.persistent:
-                assert c.device_bytes() == records[c.index].persistent_device_bytes
+                assert c.storage.device_bytes() == records[c.index].persistent_device_bytes
         assert engine.memory.device_bound() == (
             sum(f.persistent_device_bytes for f in records[:n_persist])
             + min(2, n - n_persist) * max((f.buffer_device_bytes for f in records[n_persist:]), default=0))

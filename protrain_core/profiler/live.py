@@ -2,11 +2,10 @@
 
 [Note: live profiling]
 ``wrap(plan=None)`` without ``example_inputs`` builds the engine on a *safe plan* (``safe_plan``
-in profiler.py) and attaches a ``LiveProfiler``. The
-user's training steps run exactly as they would anyway: their gradients are applied, nothing
-runs twice. The profiler only watches them, through the engine's public seams (``observe``,
-``on_recompute``, ``set_block_modes``) and hooks of its own ([Note: profiling] in profiler.py
-says what is measured):
+in profiler.py) and attaches a ``LiveProfiler``. The user's training steps run exactly as they
+would anyway: their gradients are applied, nothing runs twice. The profiler only watches them,
+through the engine's public seams (``observe``, ``on_recompute``, ``set_block_modes``) and hooks
+of its own ([Note: profiling] in profiler.py says what is measured):
   step 1       the memory pass (its first micro-batch): every operator under a dispatch mode,
                the segment boundaries, the chunks each segment uses, the bytes of the batch. At
                the first block the batch shape is known: a profile cached for this model and

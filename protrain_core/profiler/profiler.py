@@ -334,6 +334,7 @@ def _measure(engine: RuntimeEngine, bounds: Boundaries, inputs, step_fn, iterati
     chunks = {s: tuple(sorted(c)) for s, c in bounds.chunks.items()}
     base = base_bytes(engine, inputs)
     mem, meter = memory_meter(engine, bounds)
+    bounds.listener = mem.boundary
     one_pass = functools.partial(_one_pass, engine, bounds, inputs, step_fn)
     with meter:
         one_pass()
@@ -402,9 +403,9 @@ def _one_pass(engine: RuntimeEngine, bounds: Boundaries, inputs, step_fn) -> tup
 
 
 def memory_meter(engine: RuntimeEngine, bounds: Boundaries):
-    """(MemoryPass, the dispatch mode that feeds it): enter the mode around one pass. CPU (and a
-    simulated device): the tensor tracker; CUDA: the caching allocator, minus the engine's chunk
-    memory."""
+    """(MemoryPass, the dispatch mode that feeds it the operators; the caller feeds it the
+    boundaries): enter the mode around one pass. CPU (and a simulated device): the tensor
+    tracker; CUDA: the caching allocator, minus the engine's chunk memory."""
     device = engine.device
     if engine.ctx.is_cuda:
         torch.cuda.synchronize(device)
@@ -415,8 +416,6 @@ def memory_meter(engine: RuntimeEngine, bounds: Boundaries):
     else:
         mode = LiveStorageTracker(device, on_op=lambda *op: mem.op(*op))
         mem = MemoryPass(bounds, lambda: mode.live)
-    if bounds.listener is None:
-        bounds.listener = mem.boundary
     return mem, mode if engine.compiled is None else _eager(mode)
 
 

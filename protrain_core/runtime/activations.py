@@ -34,7 +34,7 @@ from protrain_core.phase import Observers, StepState, TrainingPhase
 from protrain_core.plan import BlockMode
 from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.swap import Counted, HostBuffers, Packed, SwapRecord, check_version
-from protrain_core.utils import iter_tensors
+from protrain_core.utils import iter_tensors, restore_forward
 
 # Smaller storages stay on the device: a copy this small costs more in latency than it frees.
 MIN_SWAP_BYTES = 1024
@@ -103,7 +103,7 @@ class ActivationManager:
         self._measure = True  # count kept blocks' saved tensors in the next forward
         self._warn_on_cache = warn_on_cache
         self._handles: list = []
-        self._originals: dict[int, tuple[bool, object]] = {}  # checkpointed blocks' own forward attribute
+        self._originals: dict[int, object] = {}  # checkpointed blocks' own forward attribute (restore_forward)
         self._recompute_observers, self._on_recompute = observers, on_recompute
         self.stats = {"swap_out_bytes": 0, "swap_in_bytes": 0, "recomputed_blocks": 0}
 
@@ -113,7 +113,7 @@ class ActivationManager:
         self._static = {StorageWeakRef(t.untyped_storage()) for t in static_tensors}
         for i, block in enumerate(self.blocks):
             if self.modes[i] is BlockMode.CHECKPOINT:
-                self._originals[i] = ("forward" in block.__dict__, block.__dict__.get("forward"))
+                self._originals[i] = block.__dict__.get("forward")
                 # Bound to the block: a deep copy of the model binds it to the copied block.
                 block.forward = types.MethodType(self._checkpointed_forward(i, block.forward), block)
             else:
@@ -127,11 +127,8 @@ class ActivationManager:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        for i, (had, prev) in self._originals.items():
-            if had:
-                self.blocks[i].forward = prev
-            else:
-                del self.blocks[i].forward
+        for i, own in self._originals.items():
+            restore_forward(self.blocks[i], own)
         self._originals.clear()
         self._on_recompute = None
         self.ctx.synchronize_device()  # no copy may still read a host buffer

@@ -159,7 +159,7 @@ class Chunk:
         self.state = ChunkState.PERSISTENT if storage.persistent else ChunkState.HOST
         self.grad_state = GradState.EMPTY
         self._received = [False] * len(params)  # got a gradient since zero_grad
-        self._adam_state = [False] * len(params)  # has Adam state (like torch's optimizer.state)
+        self.adam_state = [False] * len(params)  # each member has optimizer state (like torch's optimizer.state)
         self._arrived = 0  # members whose gradient arrived in the current backward pass
         self._written: list[bool] = []  # the members whose gradient is in the gradient buffer
         self._grad_gaps = self.values.span_gaps(self.grad_members)  # zeroed in each new gradient buffer
@@ -426,13 +426,7 @@ class Chunk:
     def has_gradients(self) -> bool:
         return any(self._received)
 
-    # ----- optimizer state ----------------------------------------------------------------------
-    def has_adam_state(self, i: int) -> bool:
-        return self._adam_state[i]
-
-    def set_adam_state(self, i: int, present: bool = True) -> None:
-        self._adam_state[i] = present
-
+    # ----- parameters ------------------------------------------------------------------------
     @plain_parameters
     def point_at_rest(self, members=None) -> None:
         """Point the parameters (of ``members``: default all) of a streamed chunk that is not
@@ -520,10 +514,6 @@ class Chunk:
         else:
             self.point_at_rest(members)
 
-    def load_params(self) -> None:
-        """Copy the parameters' current values in and point the parameters at the compute copy."""
-        self.adopt()
-
     @plain_parameters
     def detach_params(self) -> None:
         """Point the parameters at their whole authoritative values for good (the engine closes)."""
@@ -531,7 +521,4 @@ class Chunk:
         for p, value in zip(self.params, values):
             p.data = value if self.persistent else value.to(self.storage.host)
         self.at_placeholders = False
-
-    def device_bytes(self) -> int:
-        return self.storage.device_bytes()
 

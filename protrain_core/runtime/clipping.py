@@ -20,7 +20,7 @@ from protrain_core.precision import Precision
 from protrain_core.runtime.chunk import Chunk
 from protrain_core.runtime.gradients import StepGradients
 from protrain_core.runtime.scheduler import Scheduler, UpdatePolicy
-from protrain_core.update import ClipAlgorithm, GradientClipping, Overlap, clips_norm, overlap_mode, parse_gradient_clipping
+from protrain_core.update import ClippingConfig, Overlap, clips_norm, overlap_mode
 
 _NEEDS_ACCUMULATORS = (
     "{what}, but this engine keeps no gradient accumulators for its offloaded chunks "
@@ -48,7 +48,7 @@ class Clipping:
         forward (``engine.overlap``); ``last_norm`` holds the total norm before clipping. Call it
         between steps (setting the current value again is a no-op at any time)."""
         self._state.check_open()
-        clipping = parse_gradient_clipping(algorithm, value, norm_type)
+        clipping = None if algorithm is None else ClippingConfig(algorithm=algorithm, value=value, norm_type=norm_type)
         if clipping == self._grads.configured:
             return
         self._refuse_several("engine.clipping.configure()")
@@ -101,14 +101,14 @@ class Clipping:
         """The total norm of the gradients over the optimizer's parameters, between ``backward``
         and ``step`` (as ``torch.nn.utils.get_total_norm`` of their ``.grad``; after fp16
         unscaling), without clipping anything."""
-        parse_gradient_clipping("norm", 1.0, norm_type)
+        ClippingConfig(value=1.0, norm_type=norm_type)  # refuses a wrong norm_type
         self._check_gradients("engine.clipping.grad_norm()")
         if self._grads.consumed and self._updated_in_backward():
             raise RuntimeError(_NEEDS_ACCUMULATORS.format(
                 what="engine.clipping.grad_norm() reads the step's gradients, but the offloaded chunks consumed theirs "
                      "when they were updated during backward"))
         clip = self._grads.configured
-        if clip is not None and clip.algorithm is ClipAlgorithm.VALUE and self._updated_in_backward():
+        if clip is not None and clip.algorithm == "value" and self._updated_in_backward():
             raise RuntimeError(
                 "engine.clipping.grad_norm() is the norm before clipping, but with clipping by value configured "
                 "ahead the offloaded chunks' gradients were clamped when they were updated during backward. Request "
@@ -125,7 +125,7 @@ class Clipping:
         step() (the ``norm_type`` norms are taken as gradients land); False: never (a late
         request is then refused). Not called: the first step is held, and every step after one
         that clipped late or read ``p.grad``."""
-        parse_gradient_clipping("norm", 1.0, norm_type)
+        ClippingConfig(value=1.0, norm_type=norm_type)  # refuses a wrong norm_type
         if expected and self._grads.consumed:
             raise ValueError(_NEEDS_ACCUMULATORS.format(what="Clipping requested between backward and step needs "
                                                              "every gradient of the step before any update"))
@@ -173,7 +173,7 @@ class Clipping:
         self._scheduler.clear_grads(members)
 
     @property
-    def configured(self) -> GradientClipping | None:
+    def configured(self) -> ClippingConfig | None:
         """The clipping configured ahead (``configure``)."""
         return self._grads.configured
 
@@ -208,12 +208,11 @@ class Clipping:
         clip = self._grads.configured
         if clip is None:
             return "gradient clipping: off" + (" (requested after backward)" if self._grads.late_seen else "")
-        if clip.algorithm is ClipAlgorithm.VALUE:
-            return (f"gradient clipping by value ({clip.value:g}): elementwise, per chunk before its Adam; "
-                    "the CPU Adam still overlaps backward")
-        line = (f"gradient clipping by norm (max_norm {clip.value:g}, {clip.norm_type:g}-norm): the norms are "
-                "taken as gradients land, and the CPU Adam of offloaded chunks runs after backward, overlapping "
-                "the next forward")
+        if clip.algorithm == "value":
+            return (f"gradient clipping {clip}: elementwise, per chunk before its Adam; the CPU Adam still "
+                    "overlaps backward")
+        line = (f"gradient clipping {clip}: the norms are taken as gradients land, and the CPU Adam of offloaded "
+                "chunks runs after backward, overlapping the next forward")
         steady = self.overlap(steady=True).schedule
         if choice is not None and choice.schedule is not steady:
             line += (f"; this plan was searched for {choice.schedule.value}: ProTrainConfig(clipping={{'algorithm': "
@@ -227,9 +226,9 @@ class Clipping:
                 "one optimizer's whole step; clipping per optimizer is not supported. Train without clipping, or with "
                 "one optimizer (a param group per model part) and clip that.")
 
-    def _late_request(self, algorithm: str, value, norm_type: float = 2.0) -> GradientClipping:
+    def _late_request(self, algorithm: str, value, norm_type: float = 2.0) -> ClippingConfig:
         self._refuse_several(f"engine.clipping.clip_grad_{algorithm}_()")
-        clipping = parse_gradient_clipping(algorithm, value, norm_type)
+        clipping = ClippingConfig(algorithm=algorithm, value=value, norm_type=norm_type)
         self._check_gradients(f"engine.clipping.clip_grad_{algorithm}_()")
         self._grads.check_request(clipping, updated_in_backward=self._updated_in_backward())
         self._scheduler.wait_all()  # every gradient in its accumulator

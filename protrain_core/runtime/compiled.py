@@ -34,7 +34,7 @@ from torch import nn
 
 from protrain_core.structure.blocks import block_modules
 from protrain_core.structure.layout import unit_chunks
-from protrain_core.utils import is_compile_wrapper
+from protrain_core.utils import is_compile_wrapper, restore_forward
 
 # torch.compile's keyword arguments that ProTrainConfig.compile may set.
 COMPILE_ARGS = ("backend", "mode", "options", "dynamic", "fullgraph")
@@ -112,7 +112,7 @@ class CompiledUnits:
 
     def __init__(self, modules: list[nn.Module], options: dict, root: nn.Module) -> None:
         wrappers = [m for m in root.modules() if is_compile_wrapper(m)]
-        self._originals = [(m, "forward" in m.__dict__, m.__dict__.get("forward")) for m in wrappers + modules]
+        self._originals = [(m, m.__dict__.get("forward")) for m in wrappers + modules]
         for w in wrappers:  # (the wrapper's forward is its compiled call of the module's __call__)
             w.forward = w._orig_mod.__call__
         self._options, self._count = options, len(modules)
@@ -132,11 +132,8 @@ class CompiledUnits:
 
     def remove(self) -> None:
         """Give every module its forward back (torch.compile's wrappers theirs)."""
-        for m, had, previous in reversed(self._originals):  # (a compiled block: its own entry, then its wrapper's)
-            if had:
-                m.forward = previous
-            else:
-                del m.forward
+        for m, own in reversed(self._originals):  # (a compiled block: its own entry, then its wrapper's)
+            restore_forward(m, own)
         self._originals = []
 
 

@@ -52,9 +52,10 @@ from protrain_core.runtime.states import StateAccess, StateMemory
 from protrain_core.runtime.state_formats import check_layout_for, check_optimizer_for
 from protrain_core.runtime.storage import ChunkStorage, chunk_formats
 from protrain_core.runtime.timeline import Timeline
-from protrain_core.runtime.weights import Weights, has_meta
+from protrain_core.runtime.weights import Weights
 from protrain_core.structure.blocks import block_modules
 from protrain_core.structure.layout import ChunkLayout, unit_chunks
+from protrain_core.utils import has_meta
 from protrain_ops import onepass
 
 
@@ -154,8 +155,8 @@ class RuntimeEngine:
                                              observers=self._recompute_observers,
                                              warn_on_cache=self._warn_on_cache, on_recompute=self._passes.begins)
         self._passes.set_activations(self.activations)
-        static = [t for c in self.chunks for t in c.storage.static_tensors()]
-        self.activations.install(static + list(self.module.buffers()))
+        static = [t for c in self.chunks for t in (c.storage.device_copy, c.storage.host_copy, c.storage.master)]
+        self.activations.install([t for t in static if t is not None] + list(self.module.buffers()))  # model states
 
     def on_recompute(self, observer: RecomputeObserver) -> RemovableHandle:
         """``observer(block_index, begin)`` when a checkpointed block's recomputation begins and
@@ -460,10 +461,10 @@ def _check_formats(engine: RuntimeEngine, optim: ChunkOptimizer) -> None:
     """The optimizer and layout suit the state formats; the one-pass kernel is built now, not in
     the first backward."""
     config = engine.config
-    if optim.one_pass_kernel and optim.kind is None and (engine.precision.is_mixed
-                                                         or config.optimizer_state_format == "8bit"):
+    adam = optim.elementwise is None
+    if optim.one_pass_kernel and adam and (engine.precision.is_mixed or config.optimizer_state_format == "8bit"):
         onepass.kernel()
-    check_optimizer_for(config.optimizer_state_format, engine.optimizer, adam=optim.kind is None)
+    check_optimizer_for(config.optimizer_state_format, engine.optimizer, adam=adam)
     if config.optimizer_states:
         check_layout_for(config.optimizer_state_format, engine.layout)
 
@@ -510,7 +511,7 @@ def _allocate(engine: RuntimeEngine, optim: ChunkOptimizer, *, touch=None) -> li
                                sharding=engine.sharding, frozen=frozen, touch=touch)
         opt_members = optim.members_by_group(members) if engine.optimizer_states else {}
         chunk = Chunk(spec, params=members, storage=storage, opt_members=opt_members)
-        chunk.load_params()
+        chunk.adopt()  # the parameters' values in, pointed at the chunk
         chunks.append(chunk)
     if weights is not None:
         weights.fill_buffers()
@@ -544,7 +545,7 @@ def _autocast_hooks(engine: RuntimeEngine) -> list[RemovableHandle]:
 def _update_kernel(engine: RuntimeEngine) -> str:
     """How the CPU updates streamed chunks in the mixed modes with the fused AdamW path."""
     optim = engine.states.chunk_optimizer
-    if not engine.precision.is_mixed or optim.kind is not None:
+    if not engine.precision.is_mixed or optim.elementwise is not None:
         return ""
     return "; updates of streamed chunks: " + (onepass.status() if optim.one_pass_kernel
                                                 else "separate passes (one_pass_kernel=False)")

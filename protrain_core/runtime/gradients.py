@@ -43,7 +43,7 @@ from protrain_core.runtime.chunk import Chunk
 from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.optim import ChunkOptimizer, UpdateClip
 from protrain_core.runtime.sharding import Sharding
-from protrain_core.update import ClipAlgorithm, GradientClipping, clips_norm
+from protrain_core.update import ClippingConfig, clips_norm
 from protrain_ops import clip_gradients
 
 
@@ -78,7 +78,7 @@ class Finishing:
 class ClippingPolicy:
     """What the engine was told about clipping."""
 
-    configured: GradientClipping | None = None  # applied at every step (wrap / engine.clipping.configure)
+    configured: ClippingConfig | None = None  # applied at every step (wrap / engine.clipping.configure)
     expect_late: float | None = None  # clipping comes late at any step: the norm type to finish early
     hold_first: bool = True  # hold the first step for a late request (False: no late request will come)
 
@@ -101,7 +101,7 @@ class StepGradients:
         self._handed: dict[int, tuple[Chunk, int]] = {}  # chunk index -> (chunk, accumulator version when read)
         self.steps = 0
         self.last_norm: Tensor | None = None  # total norm before clipping, of the last norm clipping
-        self._late: GradientClipping | None = None  # this step's late request
+        self._late: ClippingConfig | None = None  # this step's late request
         self._totals: dict[float, Tensor] = {}  # norm type -> this step's total norm
         self._finished: dict[int, Finishing] = {}  # chunk index -> (streamed chunks: written by the worker)
 
@@ -113,7 +113,7 @@ class StepGradients:
         self.policy = policy
 
     @property
-    def configured(self) -> GradientClipping | None:
+    def configured(self) -> ClippingConfig | None:
         return self.policy.configured
 
     def late_reason(self, *, steady: bool = False) -> str | None:
@@ -232,20 +232,20 @@ class StepGradients:
                 "or keep the accumulators (grad_accumulator=None).")
 
     # ----- late requests --------------------------------------------------------------------
-    def check_request(self, clipping: GradientClipping, *, updated_in_backward: bool) -> None:
+    def check_request(self, clipping: ClippingConfig, *, updated_in_backward: bool) -> None:
         """Refuse a clipping request between backward and step that cannot be exact."""
         if self.configured is not None:
             if clipping != self.configured:
                 raise ValueError(
-                    f"Gradient clipping {_describe(clipping)} was requested after backward, but this engine "
-                    f"already clips with {_describe(self.configured)} at every step "
+                    f"Gradient clipping {clipping} was requested after backward, but this engine "
+                    f"already clips with {self.configured} at every step "
                     "(ProTrainConfig(clipping=...) / engine.clipping.configure / the Trainer's gradient_clip_val). "
                     "Configure one of the two: remove the configured setting, or the late call."
                 )
             return
         if self.consumed:
             raise RuntimeError(
-                f"Gradient clipping {_describe(clipping)} was requested between backward and step, but this engine "
+                f"Gradient clipping {clipping} was requested between backward and step, but this engine "
                 "keeps no gradient accumulators (ProTrainConfig(grad_accumulator=False)): the offloaded chunks are "
                 "updated with their gradients during backward. Configure clipping by value ahead "
                 "(ProTrainConfig(clipping=...), the Trainer's gradient_clip_val), or keep the accumulators "
@@ -253,7 +253,7 @@ class StepGradients:
             )
         if updated_in_backward:
             raise RuntimeError(
-                f"Gradient clipping {_describe(clipping)} was requested between backward and step, but no "
+                f"Gradient clipping {clipping} was requested between backward and step, but no "
                 "earlier step clipped, so ProTrain already updated the offloaded chunks during this backward "
                 "with unclipped gradients. Clip from the first step on, or say so before training: "
                 "ProTrainConfig(clipping=...), engine.clipping.expect_late(), or the Trainer's "
@@ -262,7 +262,7 @@ class StepGradients:
         if self._late is not None:
             raise RuntimeError("Gradient clipping was already requested for this step; request it once per step.")
 
-    def accept(self, clipping: GradientClipping) -> None:
+    def accept(self, clipping: ClippingConfig) -> None:
         """This step applies ``clipping`` (after ``check_request``; a no-op when configured)."""
         if self.configured is None:
             self._late, self.late_seen = clipping, True
@@ -281,7 +281,7 @@ class StepGradients:
             f.norms.clear()
         self._totals.clear()
 
-    def late_norm(self, clipping: GradientClipping) -> Tensor:
+    def late_norm(self, clipping: ClippingConfig) -> Tensor:
         """The total norm for a request by norm (after finish_all); it is the last norm now."""
         self.last_norm = self.total_norm(clipping.norm_type)
         return self.last_norm
@@ -341,13 +341,13 @@ class StepGradients:
             # Also on a skipped fp16 step: the norm is then inf/nan, as clip_grad_norm_ reports it.
             total = self.last_norm = self.total_norm(clip.norm_type)
             coef = _norm_coef(clip, total)
-        value = clip.value if clip is not None and clip.algorithm is ClipAlgorithm.VALUE else None
+        value = clip.value if clip is not None and clip.algorithm == "value" else None
         return UpdateClip(coef=coef, value=value), found_inf is None or not found_inf.item()
 
     def landing_clip(self) -> UpdateClip:
         """The clipping of updates during backward (only elementwise clipping allows them)."""
         clip = self.configured
-        return UpdateClip(value=clip.value if clip is not None and clip.algorithm is ClipAlgorithm.VALUE else None)
+        return UpdateClip(value=clip.value if clip is not None and clip.algorithm == "value" else None)
 
     def end_step(self) -> None:
         self.discard()
@@ -367,13 +367,6 @@ def _grads(chunk: Chunk, members: list[int]) -> list[Tensor]:
     return [chunk.values.state_view(chunk.storage.grad_acc, i) for i in members]
 
 
-def _norm_coef(clipping: GradientClipping, total: Tensor) -> Tensor:
+def _norm_coef(clipping: ClippingConfig, total: Tensor) -> Tensor:
     """``clip_grad_norm_``'s factor for a total norm: ``min(max_norm / (total + 1e-6), 1)``."""
     return torch.clamp(clipping.value / (total + 1e-6), max=1.0)
-
-
-def _describe(clipping: GradientClipping) -> str:
-    if clipping.algorithm is ClipAlgorithm.VALUE:
-        return f"by value ({clipping.value:g})"
-    return f"by norm (max_norm {clipping.value:g}, {clipping.norm_type:g}-norm)"
-

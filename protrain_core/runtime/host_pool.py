@@ -97,7 +97,8 @@ class HostPool:
         when ``pin``, the others pageable ([Note: what is page-locked]). ``device``: the host;
         ``touch(t)``: zeroes the pageable region, its pages' first touch (None: here)."""
         self._order = [moves for _, _, moves in tensors]
-        self.pinned_nbytes, self.pageable_nbytes = _region_bytes(tensors, True), _region_bytes(tensors, False)
+        self.pinned_nbytes, self.pageable_nbytes = (pool_bytes([(n, dtype) for n, dtype, m in tensors if m == moves])
+                                                    for moves in (True, False))
         self.nbytes = self.pinned_nbytes + self.pageable_nbytes
         self._locked = None
         with on_host():  # the moving region (page-locked when ``pin``), then the pageable one
@@ -116,19 +117,9 @@ class HostPool:
         self.rewind()
 
     @property
-    def pinned(self) -> bool:
-        """The part that moves is page-locked."""
-        return self._locked is not None
-
-    @property
     def locked_bytes(self) -> int:
         """Bytes page-locked now."""
         return self.pinned_nbytes if self._locked is not None else 0
-
-    @staticmethod
-    def bytes_for(tensors: list[tuple[int, torch.dtype, bool]]) -> int:
-        """The bytes of a pool of these tensors, both regions."""
-        return _region_bytes(tensors, True) + _region_bytes(tensors, False)
 
     def take(self, numel: int, dtype: torch.dtype) -> Tensor:
         """The next tensor of the order given, from its region."""
@@ -150,10 +141,6 @@ class HostPool:
         if self._locked is not None:
             self._locked.close()
             self._locked = None
-
-
-def _region_bytes(tensors: list[tuple[int, torch.dtype, bool]], moves: bool) -> int:
-    return pool_bytes([(n, dtype) for n, dtype, m in tensors if m == moves])
 
 
 def pool_bytes(sizes: list[tuple[int, torch.dtype]]) -> int:

@@ -21,7 +21,7 @@ from torch import Tensor
 from protrain_core.runtime import state_formats as formats
 from protrain_core.runtime.elementwise import Elementwise, ElementwiseSteps, describe, is_adam, state_slots
 from protrain_core.runtime.storage import ShardLayout, rank_quant_places
-from protrain_core.runtime.values import gather_shard
+from protrain_core.runtime.values import gather_shard, gaps
 from protrain_ops import AdamHyperParams, adam_step, clip_gradients, copy_to_low_precision, onepass
 
 if TYPE_CHECKING:
@@ -109,27 +109,15 @@ class UpdateClip:
         return self if self.coef is None or self.coef.device == device else UpdateClip(self.coef.to(device), self.value)
 
 
-def _uncovered(flats: tuple[Tensor, ...], covered: list[Tensor]) -> tuple[list[Tensor], ...]:
-    """For each of ``flats`` (tensors laid out as the master, ``flats[0]``), its pieces that no
-    view in ``covered`` (views of the master) holds."""
-    master = flats[0]
-    base, size = master.data_ptr(), master.element_size()
-    pieces = sorted(((v.data_ptr() - base) // size, v.numel()) for v in covered if v.numel())
-    out, at = tuple([] for _ in flats), 0
-    for start, n in pieces + [(master.numel(), 0)]:
-        if start > at:
-            for rest, flat in zip(out, flats):
-                rest.append(flat[at:start])
-        at = max(at, start + n)
-    return out
-
-
 def _land_rest(kernel, chunk: Chunk, covered: list[Tensor], accumulate: bool | None) -> None:
     """The pieces of a chunk's span that no view in ``covered`` (views of the master) holds,
     as the separate passes leave them: a landing there folded into the accumulator (added when
     ``accumulate``; None: nothing landed) and the compute copy restored from the master."""
-    storage = chunk.storage
-    masters, lows, accs = _uncovered((storage.master, storage.compute_span(), storage.grad_acc), covered)
+    storage, master = chunk.storage, chunk.storage.master
+    base, size = master.data_ptr(), master.element_size()
+    rest = gaps([((v.data_ptr() - base) // size, v.numel()) for v in covered if v.numel()], master.numel())
+    masters, lows, accs = ([flat[start:end] for start, end in rest]
+                           for flat in (master, storage.compute_span(), storage.grad_acc))
     if accumulate is not None:
         onepass.land(kernel, masters, lows, accs, accumulate=accumulate)
     elif lows:
@@ -143,8 +131,8 @@ class ChunkOptimizer:
         self.optimizer = optimizer
         self.optimizers = tuple(optimizers) or (optimizer,)
         self.one_pass_kernel = one_pass_kernel
-        self.kind = check_optimizer(optimizer)
-        self.elementwise = None if self.kind is None else ElementwiseSteps(optimizer, self.kind)
+        kind = check_optimizer(optimizer)  # (None: Adam/AdamW)
+        self.elementwise = None if kind is None else ElementwiseSteps(optimizer, kind)
         self._places: dict[int, formats.QuantPlaces] = {}  # chunk -> its 8-bit addressing
         self.group_of: dict[int, int] = {}
         for g, group in enumerate(optimizer.param_groups):
@@ -181,7 +169,7 @@ class ChunkOptimizer:
             if selected:
                 out[g] = selected
                 for i in selected:
-                    chunk.set_adam_state(i)
+                    chunk.adam_state[i] = True
         return out
 
     def one_pass(self, chunk: Chunk):
@@ -279,7 +267,7 @@ class ChunkOptimizer:
             places = self.quant_places(chunk)
             return [self.member_moments(chunk, i, places) if m.trainable else None
                     for i, m in enumerate(chunk.spec.members)]
-        gathered = [values.gathered_values(lambda st, a=a: getattr(st, a)) for a in ("exp_avg", "exp_avg_sq")]
+        gathered = [values.gathered_values(a) for a in ("exp_avg", "exp_avg_sq")]
         half, wide = storage.absmax.numel() // 2, storage.wide.numel() // 2
         absmax = [gather_shard(storage, storage.absmax[k * half:(k + 1) * half]) for k in range(2)]
         wides = [gather_shard(storage, storage.wide[k * wide:(k + 1) * wide]) if wide else None for k in range(2)]
@@ -337,13 +325,13 @@ class ChunkOptimizer:
     # ----- torch.optim state-dict format --------------------------------------------------
     def slot_names(self) -> tuple[str, ...]:
         """torch's names of the states the chunks hold in their slots (``SLOT_ATTRS``), in order."""
-        return self.kind.slots if self.kind is not None else SLOT_ATTRS[:state_slots(self.optimizer)]
+        return self.elementwise.kind.slots if self.elementwise is not None else SLOT_ATTRS[:state_slots(self.optimizer)]
 
     def scalar_state(self, chunk: Chunk, i: int) -> dict | None:
         """Member ``i``'s state that is not in the slots ("step", ...); None when it has none yet."""
         if self.elementwise is not None:
             return self.elementwise.extra.get((chunk.index, i))
-        return {"step": chunk.storage.steps[i]} if chunk.has_adam_state(i) else None
+        return {"step": chunk.storage.steps[i]} if chunk.adam_state[i] else None
 
     def state_dict(self, slot_of: SlotMap, *, keep: bool = True, optimizer: torch.optim.Optimizer | None = None) -> dict:
         """The state in torch's format, of ``optimizer`` (one of several the engine trains with,
@@ -352,7 +340,7 @@ class ChunkOptimizer:
         optimizer = optimizer or self.optimizer
         base = optimizer.state_dict()  # param_groups with hyper-parameters and indices
         names = self.slot_names()
-        order = self.kind.order if self.kind is not None else ("step",) + names
+        order = self.elementwise.kind.order if self.elementwise is not None else ("step",) + names
         state = {}
         gathered: tuple[Chunk | None, list] = (None, [])  # the last chunk's whole states
         for index, p in indexed_params(optimizer):
@@ -367,7 +355,7 @@ class ChunkOptimizer:
                     state[index] = formats.eight_bit_entry(gathered[1][i], int(chunk.storage.steps[i].item()), p.shape)
                 continue
             if names and gathered[0] is not chunk:
-                gathered = chunk, [chunk.values.gathered_values(lambda st, a=a: getattr(st, a)) for a in SLOT_ATTRS[:len(names)]]
+                gathered = chunk, [chunk.values.gathered_values(a) for a in SLOT_ATTRS[:len(names)]]
             if not keep:
                 continue
             entry = {}
@@ -399,8 +387,8 @@ class ChunkOptimizer:
             if p is None:
                 raise ValueError(f"Optimizer state for parameter index {index}, which does not exist.")
             entry = formats.unwrapped(entry)
-            names = self.slot_names() if self.kind is not None or "state1" not in entry else ("state1", "state2")
-            required = () if self.kind is not None else names[:2]
+            names = self.slot_names() if self.elementwise is not None or "state1" not in entry else ("state1", "state2")
+            required = () if self.elementwise is not None else names[:2]
             for key in required + tuple(k for k in names if k in entry and k not in required):
                 if key not in entry or tuple(entry[key].shape) != tuple(p.shape):
                     raise ValueError(
@@ -417,7 +405,6 @@ class ChunkOptimizer:
                 if key != "params":
                     group[key] = value
         states = {int(k): v for k, v in osd["state"].items()}
-        names = self.slot_names()
         for index, p in indexed_params(optimizer):
             chunk, i = slot_of[id(p)]
             if not chunk.opt_members or not chunk.spec.members[i].trainable:
@@ -425,22 +412,27 @@ class ChunkOptimizer:
             entry = states.get(index)
             if not chunk.storage.fmt.eight_bit and entry is not None and "state1" in formats.unwrapped(entry):
                 entry = formats.to_fp32_adam_entry(entry)  # an 8-bit state loaded with another format
-            with torch.no_grad():
-                if chunk.storage.fmt.eight_bit:
-                    moments = self.member_moments(chunk, i, self.quant_places(chunk))
-                    if moments is not None:  # this rank's piece of the entry (a block boundary)
-                        off, _, n = chunk.values.state_part(i)
-                        formats.load_eight_bit(moments, formats.entry_piece(entry, off, n))
-                else:
-                    for name, attr in zip(names, SLOT_ATTRS):
-                        dst = chunk.values.state_view(getattr(chunk.storage, attr), i)
-                        if entry is not None and name in entry:
-                            dst.copy_(chunk.values.own_piece(i, entry[name]))
-                        else:
-                            dst.zero_()
+            self.load_slots(chunk, i, entry)
             self.load_scalars(chunk, i, entry)
-            chunk.set_adam_state(i, entry is not None)
+            chunk.adam_state[i] = entry is not None
         self.loaded()
+
+    def load_slots(self, chunk: Chunk, i: int, entry: dict | None) -> None:
+        """Member ``i``'s slot states (this rank's piece) from ``entry``, a whole state-dict entry
+        (``slot_names``', or for an 8-bit chunk bitsandbytes' too: ``load_eight_bit``); zeros where it has none."""
+        with torch.no_grad():
+            if chunk.storage.fmt.eight_bit:
+                moments = self.member_moments(chunk, i, self.quant_places(chunk))
+                if moments is not None:  # this rank's piece of the entry (a block boundary)
+                    off, _, n = chunk.values.state_part(i)
+                    formats.load_eight_bit(moments, formats.entry_piece(entry, off, n))
+                return
+            for name, attr in zip(self.slot_names(), SLOT_ATTRS):
+                dst = chunk.values.state_view(getattr(chunk.storage, attr), i)
+                if entry is not None and name in entry:
+                    dst.copy_(chunk.values.own_piece(i, entry[name]))
+                else:
+                    dst.zero_()
 
     def loaded(self) -> None:
         """After the states were loaded: the instances stepping them are built again."""

@@ -465,7 +465,7 @@ def assert_invariants(scheduler: Scheduler) -> None:
         if home is not None:
             for p in c.params:
                 assert p.untyped_storage().data_ptr() == home.untyped_storage().data_ptr(), f"{c}: stale .data"
-    device = sum(c.device_bytes() for c in scheduler.chunks)
+    device = sum(c.storage.device_bytes() for c in scheduler.chunks)
     assert device <= device_bytes_bound(scheduler), "device bytes above the plan's bound"
 
 

@@ -83,7 +83,7 @@ class StateAccess:
         for key, value in state_dict.items():
             if key in expected and tuple(value.shape) != tuple(expected[key].shape):
                 raise ValueError(f"load_state_dict: {key} has shape {tuple(value.shape)}, expected {tuple(expected[key].shape)}")
-        self.release_device_copies()
+        self._scheduler.release_all()  # (it waits for the updates in flight first)
         with torch.no_grad():
             for key, value in state_dict.items():
                 t = expected.get(key)  # (None: an unexpected key, not strict)
@@ -92,10 +92,6 @@ class StateAccess:
                     slot[0].values.set_member(slot[1], value)
                 elif t is not None:
                     t.copy_(value)
-
-    def release_device_copies(self) -> None:
-        """Wait for the updates in flight and free the streamed chunks' device buffers."""
-        self._scheduler.release_all()
 
     def module_tensors(self) -> dict[str, Tensor]:
         """The module's own state-dict entries (parameters and buffers as they are: keep_vars)."""
@@ -255,7 +251,7 @@ class StateMemory:
 
     def device_bytes(self) -> int:
         """Device memory held by model states right now (persistent chunks + chunk buffers)."""
-        return sum(c.device_bytes() for c in self._chunks)
+        return sum(c.storage.device_bytes() for c in self._chunks)
 
     def device_bound(self) -> int:
         """What the plan lets them hold at most: the persistent chunks and ``n_buffer`` buffers."""

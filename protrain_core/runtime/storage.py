@@ -358,10 +358,6 @@ class ChunkStorage:
         """Of ``host_bytes``, those page-locked now."""
         return sum(p.locked_bytes for p in (self.pool, self.spare_pool) if p is not None)
 
-    def static_tensors(self) -> list[Tensor]:
-        """Tensors whose storages hold model states (never activations)."""
-        return [t for t in (self.device_copy, self.host_copy, self.master) if t is not None]
-
 
 def chunk_formats(model: nn.Module, optimizer: torch.optim.Optimizer, layout: ChunkLayout, precision: Precision,
                   config: ProTrainConfig, *, world_size: int = 1) -> list[ChunkFormat]:

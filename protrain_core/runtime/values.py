@@ -79,13 +79,8 @@ class ChunkValues:
 
     def span_gaps(self, members) -> tuple[tuple[int, int], ...]:
         """The (start, end) ranges of the trainable span that no member in ``members`` covers."""
-        spans = sorted((self.span_offset(i), self.spec.members[i].numel) for i in members)
-        gaps, at = [], 0
-        for start, numel in spans + [(self.storage.fmt.grad_buffer_numel, 0)]:  # (then the rest of the buffer)
-            if start > at:
-                gaps.append((at, start))
-            at = max(at, start + numel)
-        return tuple(gaps)
+        return tuple(gaps([(self.span_offset(i), self.spec.members[i].numel) for i in members],
+                          self.storage.fmt.grad_buffer_numel))
 
     def state_part(self, i: int, rank: int | None = None) -> tuple[int, int, int] | None:
         """Member ``i``'s piece of this rank's (or ``rank``'s) shard of the trainable span."""
@@ -181,20 +176,20 @@ class ChunkValues:
             return storage.frozen.read(i, storage.frozen_store, storage.fmt.compute_dtype)
         return self.view(storage.compute_home, i)
 
-    def gathered_values(self, tensor_of=None) -> list[Tensor]:
+    def gathered_values(self, state: str | None = None) -> list[Tensor]:
         """Every member's whole authoritative value (``member_value``), all-gathered when sharded
-        (a collective: every rank calls it in the same order). ``tensor_of(storage)``: gather that
-        shard tensor instead of the master (an Adam state; frozen members then give None)."""
+        (a collective: every rank calls it in the same order). ``state``: gather the storage's
+        shard tensor of that name instead of the master (an Adam state; frozen members then give None)."""
         storage, fmt = self.storage, self.storage.fmt
-        shard = storage.master if tensor_of is None else tensor_of(storage)
+        shard = storage.master if state is None else getattr(storage, state)
         if fmt.whole:
-            if tensor_of is None:
+            if state is None:
                 return [self.member_value(i) for i in range(len(self.spec.members))]
             return [self.state_view(shard, i) if m.trainable and shard is not None else None
                     for i, m in enumerate(self.spec.members)]
         trainable = None if shard is None else gather_shard(storage, shard)
         frozen = None
-        if tensor_of is None and fmt.frozen_numel and any(not m.trainable for m in self.spec.members):
+        if state is None and fmt.frozen_numel and any(not m.trainable for m in self.spec.members):
             frozen = storage.device_copy[:fmt.trainable_device_start] if storage.persistent else \
                 gather_shard(storage, storage.piece_values() if storage.frozen is not None else
                              storage.host_copy[:fmt.frozen_shard])
@@ -202,11 +197,21 @@ class ChunkValues:
         for i, m in enumerate(self.spec.members):
             if m.trainable and trainable is not None:
                 out.append(self.span_view(trainable, i))
-            elif tensor_of is None:
+            elif state is None:
                 out.append(self.view(storage.device_copy if m.trainable else frozen, i))
             else:
                 out.append(None)
         return out
+
+
+def gaps(pieces: list[tuple[int, int]], end: int) -> list[tuple[int, int]]:
+    """The (start, end) ranges of ``[0, end)`` that no ``(start, length)`` of ``pieces`` covers."""
+    out, at = [], 0
+    for start, n in sorted(pieces) + [(end, 0)]:
+        if start > at:
+            out.append((at, start))
+        at = max(at, start + n)
+    return out
 
 
 def _shaped(flat: Tensor, part: tuple[int, int, int] | None, m: ParamSlot) -> Tensor:

@@ -26,11 +26,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from protrain_core.utils import has_meta
+
 _BASE_LAYER = ".base_layer"
-
-
-def has_meta(module: nn.Module) -> bool:
-    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 
 
 def check_weights(model: nn.Module, source) -> None:
@@ -53,15 +51,9 @@ def meta_names(model: nn.Module) -> list[str]:
 
 def back_to_meta(model: nn.Module, names: list[str]) -> None:
     """These parameters and buffers (``names``) of ``model`` on the meta device again."""
-    params = dict(model.named_parameters())
     for name in names:
-        if name in params:
-            p = params[name]
-            torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
-        else:
-            module_name, _, attr = name.rpartition(".")
-            module = model.get_submodule(module_name)
-            setattr(module, attr, torch.empty_like(getattr(module, attr), device="meta"))
+        module_name, _, attr = name.rpartition(".")
+        _to_empty(model.get_submodule(module_name), attr, torch.device("meta"))
 
 
 class Weights:
@@ -196,14 +188,20 @@ class Weights:
         for k, t in _own(module):
             if not t.is_meta:
                 continue
-            if isinstance(t, nn.Parameter):
-                torch.utils.swap_tensors(t, nn.Parameter(torch.empty_like(t, device=self.host),
-                                                         requires_grad=t.requires_grad))
-            else:
-                setattr(module, k, torch.empty_like(t, device=self.host))
+            _to_empty(module, k, self.host)
             name = f"{module_name}.{k}" if module_name else k
             if name in self._saved:
                 self.initialised.append(name)
+
+
+def _to_empty(module: nn.Module, attr: str, device: torch.device) -> None:
+    """``module``'s parameter or buffer ``attr`` replaced by an uninitialised one on ``device`` (a
+    parameter keeps its identity: ``torch.utils.swap_tensors``)."""
+    t = getattr(module, attr)
+    if isinstance(t, nn.Parameter):
+        torch.utils.swap_tensors(t, nn.Parameter(torch.empty_like(t, device=device), requires_grad=t.requires_grad))
+    else:
+        setattr(module, attr, torch.empty_like(t, device=device))
 
 
 def _own(module: nn.Module):

@@ -126,6 +126,3 @@ class DeviceMemory:
             self._pending.append((until, nbytes))
         else:
             self.live -= nbytes
-
-
-__all__ = ["DeviceMemory"]

@@ -141,6 +141,3 @@ def byte_span(t: Tensor) -> tuple[int, int]:
     last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     lo = t.storage_offset() * size
     return lo, lo + (last + 1) * size
-
-
-__all__ = ["RaceChecker", "StreamRace"]

@@ -50,10 +50,6 @@ class StepReport:
         """Each compute idle interval during backward whose cause starts with ``prefixes``."""
         return [s for cause, s in self.idle_backward if cause.startswith(prefixes)]
 
-    def waits_for_backward_s(self, *prefixes: str) -> float:
-        """Their sum (e.g. for "reduce-scatter", "all-gather")."""
-        return sum(self.waits_for_backward(*prefixes))
-
     @property
     def idle_total_s(self) -> float:
         return sum(self.idle_s.values())
@@ -125,8 +121,8 @@ class StepReport:
         if self.collectives:
             on = ", ".join(f"{format_seconds(s)} on the {lane} stream" for lane, s in sorted(self.collectives.items()))
             lines.append(f"collectives: {on}; during backward the compute stream waited "
-                         f"{format_seconds(self.waits_for_backward_s('all-gather'))} for all-gathers, "
-                         f"{format_seconds(self.waits_for_backward_s('reduce-scatter'))} for reduce-scatters")
+                         f"{format_seconds(sum(self.waits_for_backward('all-gather')))} for all-gathers, "
+                         f"{format_seconds(sum(self.waits_for_backward('reduce-scatter')))} for reduce-scatters")
         return "\n".join(lines)
 
 

@@ -118,9 +118,8 @@ def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
         raise ValueError("simulate(steps=...) needs at least 2 steps: a step's period ends where the next backward begins.")
     sim, prec = device, parse_precision(precision)
     config = config or ProTrainConfig()
-    clipping = None if config.clipping is None else config.clipping.parsed()
     group = SimulatedGroup(sim, world_size) if world_size > 1 else ONE_PROCESS
-    mode = overlap_mode(prec, clipping)
+    mode = overlap_mode(prec, config.clipping)
     refit = None  # (a refusal's alternatives: of a profile taken here)
     with sim:
         if profile is None:

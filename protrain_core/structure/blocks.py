@@ -20,7 +20,6 @@ _KNOWN_BLOCK_PATHS = (
     "decoder.layers",  # a bare OPTModel
 )
 
-
 # Encoder-decoder models: both stacks are blocks, the encoder's first (it runs first).
 _KNOWN_STACK_PAIRS = (
     ("encoder.block", "decoder.block"),  # T5, mT5, UMT5

@@ -32,11 +32,6 @@ class Trace:
     stacks: tuple[tuple[str, ...], ...]  # distinct sets of units active at once (each unit alone included)
 
 
-def owners(model: nn.Module) -> list[str]:
-    """Modules that own parameters directly, in registration order."""
-    return [n for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
-
-
 def unit_names(model: nn.Module, block_path: str) -> list[str]:
     """The units the runtime hooks: each block as a whole, and every module outside the blocks
     that owns parameters (a block's submodules are part of the block's unit). A module that is
@@ -62,22 +57,24 @@ def unit_names(model: nn.Module, block_path: str) -> list[str]:
 
 def trace(model: nn.Module, block_path: str, example_inputs=None) -> Trace:
     """The execution order of ``model`` and its nested units (see the module docstring)."""
+    owners = [n for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
+    units = unit_names(model, block_path)
+    registration = Trace(tuple(owners), "registration", tuple((u,) for u in units))
     inner = inner_hf_lm(model) if not is_hf_lm(model) else None
     if inner is not None:
-        return _trace_wrapper(model, block_path, *inner)
+        return _trace_wrapper(registration, block_path, *inner)
     inputs = _default_inputs(model, example_inputs)
-    units = unit_names(model, block_path)
     if inputs is None:
-        return Trace(tuple(owners(model)), "registration", tuple((u,) for u in units))
+        return registration
     error = None
     # Some kernels' meta implementations accept bf16 only (the grouped matmuls of Hugging Face's
     # mixture-of-experts layers: Mixtral, Qwen3-MoE); the order of the calls does not depend on
     # the dtype, so a failed trace is tried again with bf16 meta tensors.
     for dtype in (None, torch.bfloat16):
-        recorder = _Recorder(model, owners(model), units)
+        recorder = _Recorder(model, owners, units)
         try:
             _run_on_meta(model, inputs, dtype)
-            return recorder.result(owners(model), units)
+            return recorder.result(owners, units)
         except Exception as e:  # noqa: BLE001 - any failure falls back to registration order
             error = error or e
         finally:
@@ -90,24 +87,24 @@ def trace(model: nn.Module, block_path: str, example_inputs=None) -> Trace:
         "traced on the meta device too).",
         stacklevel=4,
     )
-    return Trace(tuple(owners(model)), "registration", tuple((u,) for u in units))
+    return registration
 
 
-def _trace_wrapper(model: nn.Module, block_path: str, name: str, lm: nn.Module) -> Trace:
+def _trace_wrapper(registration: Trace, block_path: str, name: str, lm: nn.Module) -> Trace:
     """A wrapper (a LightningModule, a user's module) around one Hugging Face causal LM: trace
     the LM with its own default inputs (the wrapper's inputs, a training batch, need not be the
-    LM's); the wrapper's own parameters come after it."""
+    LM's); the wrapper's own parameters come after it (``registration``: the wrapper's order)."""
     prefix = f"{name}."
     paths = split_paths(block_path)
     inner_blocks = SEP.join(p[len(prefix):] for p in paths) if all(p.startswith(prefix) for p in paths) else ""
     if not inner_blocks:
-        return Trace(tuple(owners(model)), "registration", tuple((u,) for u in unit_names(model, block_path)))
+        return registration
     inner = trace(lm, inner_blocks, None)
     full = lambda n: f"{prefix}{n}" if n else name  # noqa: E731
     called = [full(n) for n in inner.order]
-    order = called + [n for n in owners(model) if n not in set(called)]
+    order = called + [n for n in registration.order if n not in called]
     stacks = [tuple(full(u) for u in s) for s in inner.stacks]
-    stacks += [(u,) for u in unit_names(model, block_path) if u != name and not u.startswith(prefix)]
+    stacks += [(u,) for (u,) in registration.stacks if u != name and not u.startswith(prefix)]
     return Trace(tuple(order), inner.source, tuple(stacks))
 
 
