@@ -94,7 +94,7 @@ def row(plan: str, variant: str, world: int, result: Simulation, batch: int) -> 
         "unnamed_backward_waits": len(waits), "unnamed_backward_wait_s": sum(w.seconds for w in waits),
         "duplex_backward_s": r.duplex_backward_s, "copy_backward_s": r.copy_busy_backward_s, "half_duplex_s": r.half_duplex_s,
         "cpu_adam_s": r.cpu_adam_s, "cpu_adam_in_backward": r.cpu_adam_inside_backward, "backward_s": r.backward_s,
-        "collectives": r.collectives, "reduce_scatter_waits_backward_s": r.waits_for_backward_s("reduce-scatter"),
+        "collectives": r.collectives, "reduce_scatter_waits_backward_s": sum(r.waits_for_backward("reduce-scatter")),
         "device_peak_bytes": result.device_peak_bytes, "device_memory_bytes": result.device_memory_bytes,
     }
 
