@@ -27,7 +27,8 @@ import pytest
 import torch
 
 import protrain_core as pt
-from benchmarks.bench_simulator import COMPUTE_BOUND, DUPLEX, LINK_BOUND, PLANS, RUNS, SHARDED, Runner, unnamed_backward_waits
+from benchmarks.bench_simulator import (COMPUTE_BOUND, DUPLEX, LINK_BOUND, PLANS, RUNS, SHARDED, Runner, markdown, row,
+                                       unnamed_backward_waits)
 from conftest import batches, standard_plans, tiny_gpt2, train_engine, train_reference
 from protrain_core.simulator.device import SimulatedDevice
 
@@ -71,8 +72,12 @@ def test_both_copy_directions_run_at_once_when_the_link_is_the_bottleneck(llama7
 # 4 ranks: the same contract as 2, and in bench_simulator's table; with -m "slow or not slow"
 @pytest.mark.parametrize("plan, world", [pytest.param(p, w, marks=pytest.mark.slow) if w > 2 else (p, w) for p, w in SHARDED])
 def test_sharded_collectives_stay_off_the_compute_stream(llama7b, plan, world):
-    r, summary = check_contract(llama7b.run(plan, "bf16", world))
+    result = llama7b.run(plan, "bf16", world)
+    r, summary = check_contract(result)
     assert set(r.collectives) == {"comm"}, summary  # none on the compute stream
+    entry = row(plan, "bf16", world, result, COMPUTE_BOUND)  # bench_simulator's table of the same run
+    assert entry["reduce_scatter_waits_backward_s"] == sum(r.waits_for_backward("reduce-scatter"))
+    assert plan in markdown([entry])
     # During backward the compute stream waits for a chunk's all-gather before using it (a
     # fetch), and for the persistent chunks' reduce-scatters once, at the end.
     assert len(r.waits_for_backward("reduce-scatter")) <= 1, summary
