@@ -26,12 +26,26 @@ import torch
 
 import protrain_core as pt
 from protrain_core.chunk_format import ChunkFormat
-from protrain_core.planner.cost import SPECULATIVE_EXTRA_HOST_BYTES
 from protrain_core.planner.profiles import Hardware, Profile, Segment
 from protrain_core.update import UpdateSchedule
 from protrain_core.utils import format_bytes, format_seconds
 
 GIB = 2**30
+# The speculative schedule (predicted here, never run: [Note: the overlap under clipping and fp16]):
+# each streamed chunk is updated during backward into a second set of its host states, kept when
+# the step needs no clipping and no skip, dropped (and the update run again, as NEXT_FORWARD) when
+# it does. Its extra host memory: fp32 master, two moments and the compute copy again, per
+# streamed trainable element (bytes), by compute-dtype bytes (mixed precision; fp32).
+SPECULATIVE_EXTRA_HOST_BYTES = {2: 14, 4: 12}
+
+
+def speculative_step(profile: Profile, plan: pt.Plan, redo_fraction: float) -> float:
+    """The speculative schedule's predicted step: DURING_BACKWARD's, or NEXT_FORWARD's in the
+    fraction of steps that redo their updates (with copies beside compute, as on a GPU)."""
+    assert profile.hardware.async_copies, "without a separate device every schedule's updates add up"
+    during, after = (pt.estimate_runtime(profile, plan, schedule=s).total_s
+                     for s in (UpdateSchedule.DURING_BACKWARD, UpdateSchedule.NEXT_FORWARD))
+    return (1 - redo_fraction) * during + redo_fraction * after
 
 
 def llama_profile(*, name: str, hidden: int, layers: int, intermediate: int, vocab: int, batch: int, seq: int,
@@ -90,8 +104,7 @@ def rows(profile: Profile, budget: int):
             out.append(("deferred (before)", choice.plan, r.forward_s + r.backward_s + max(r.device_adam_s, r.cpu_adam_s), host))
     extra = SPECULATIVE_EXTRA_HOST_BYTES[profile.chunks[0].compute_dtype.itemsize]
     for p in (0.0, 0.1, 0.5, 1.0):
-        timed = [(pt.estimate_runtime(profile, plan, schedule=UpdateSchedule.SPECULATIVE, redo_fraction=p).total_s, plan)
-                 for plan in plans]
+        timed = [(speculative_step(profile, plan, p), plan) for plan in plans]
         t, plan = min(timed, key=lambda x: x[0])
         streamed = sum(c.updated_numel for c in profile.chunks[plan.n_persist:])
         host = pt.estimate_memory(profile, plan).host_bytes + extra * streamed

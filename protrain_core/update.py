@@ -8,8 +8,8 @@ follows it, the cost model predicts the step time of that schedule (the search g
 Without norm clipping and fp16, a streamed chunk's CPU Adam starts as soon as its gradients
 are offloaded and overlaps the rest of backward (DURING_BACKWARD): T = T_f + max(T_b + T_gpu_adam,
 T_cpu_adam chain). Norm clipping and fp16's overflow check need every gradient of the step first.
-Two exact ways keep an overlap; the cost model predicts both (planner/cost.py;
-``python -m benchmarks.bench_clipping`` prints them for LLaMA 1.1B / 7B / 13B):
+Two exact ways keep an overlap (``python -m benchmarks.bench_clipping`` predicts both from the
+cost model for LLaMA 1.1B / 7B / 13B):
 - SPECULATIVE: update during backward into a second copy of the host states, kept unless the
   step clips or overflows, else redone after backward. The copy is 14 B per streamed parameter
   on top of 16: 7B needs 82.8 GiB of host memory instead of 44.2, 13B 164 GiB instead of 102 --
@@ -82,7 +82,6 @@ class UpdateSchedule(enum.Enum):
 
     DURING_BACKWARD = "cpu-adam-during-backward"  # a chunk's Adam starts once its gradients are offloaded
     NEXT_FORWARD = "cpu-adam-during-next-forward"  # all start at step(), in forward order; step() does not wait
-    SPECULATIVE = "speculative"  # predicted by the cost model for comparison only; the runtime does not run it
 
 
 @dataclass(frozen=True)

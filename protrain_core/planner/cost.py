@@ -136,28 +136,18 @@ def _streaming(n_chunks: int, persistent: frozenset[int]) -> tuple[list[bool], l
     return streamed, [*itertools.accumulate(reversed(streamed), initial=0)][-2::-1]
 
 
-# SPECULATIVE (predicted, not run): each streamed chunk is updated during backward into a second
-# set of its host states, kept when the step turns out to need no clipping and no skip, dropped
-# (and the update run again, as NEXT_FORWARD) when it does. Its host memory: fp32 master and two
-# moments and the compute copy again, per streamed trainable element (bytes).
-SPECULATIVE_EXTRA_HOST_BYTES = {2: 14, 4: 12}  # by compute-dtype bytes (mixed precision; fp32)
-
-
 class CostModel:
     """The per-profile arrays of the two models; ``runtime(plan)`` and ``memory(plan)``.
 
     ``schedule``: when the streamed chunks' CPU Adam runs (``update.overlap_mode`` decides);
     ``gradient_passes``: the elementwise passes clipping makes over a chunk's gradients before
-    its update (``Overlap.gradient_passes``); ``redo_fraction``: for ``SPECULATIVE`` only, the
-    fraction of steps whose speculative update must be undone and redone ([Note: the overlap
-    under clipping and fp16] in update.py)."""
+    its update (``Overlap.gradient_passes``)."""
 
     def __init__(self, profile: Profile, *, schedule: UpdateSchedule = UpdateSchedule.DURING_BACKWARD,
-                 gradient_passes: int = 0, redo_fraction: float = 0.0) -> None:
+                 gradient_passes: int = 0) -> None:
         self.profile = profile
         self.schedule = schedule
         self.gradient_passes = gradient_passes
-        self.redo_fraction = redo_fraction
         hw = profile.hardware
         self.N = profile.n_chunks
         self.L = profile.n_blocks
@@ -277,8 +267,6 @@ class CostModel:
         # DURING_BACKWARD: the CPU worker overlaps backward, T = T_f + max(T_b + T_gpu_adam, cpu_end).
         # NEXT_FORWARD: the CPU Adam starts when the last gradients have landed and runs in forward
         #   order while the next forward waits for each chunk's own update (_forward_after_updates).
-        # SPECULATIVE: DURING_BACKWARD's step, or NEXT_FORWARD's in the fraction of steps that redo
-        #   their updates; its cost is host memory (SPECULATIVE_EXTRA_HOST_BYTES).
         # Without a separate device (CPU) the worker competes for the same cores: T adds up.
         during = t_fwd + max(t_bwd + dev_total, cpu_end)
         if not self.async_copies:
@@ -286,9 +274,7 @@ class CostModel:
         elif self.schedule is UpdateSchedule.DURING_BACKWARD:
             total = during
         else:
-            waits = t_bwd + self._forward_after_updates(lay, streamed, chunks, max(0.0, landed - t_bwd), dev_total)
-            r = self.redo_fraction if self.schedule is UpdateSchedule.SPECULATIVE else 1.0
-            total = (1 - r) * during + r * waits
+            total = t_bwd + self._forward_after_updates(lay, streamed, chunks, max(0.0, landed - t_bwd), dev_total)
         estimate = RuntimeEstimate(
             forward_s=t_fwd, backward_s=t_bwd, optimizer_s=total - t_fwd - t_bwd, total_s=total,
             compute_s=lay.compute_s, recompute_s=lay.recompute_s, h2d_s=sum(c[1] for c in chunks) + h2d_bwd,
@@ -505,12 +491,10 @@ def _memory_walk(model: CostModel, swap: Tensor, ckpt: Tensor) -> tuple[Tensor, 
 
 
 def estimate_runtime(profile: Profile, plan: Plan, *, schedule: UpdateSchedule = UpdateSchedule.DURING_BACKWARD,
-                     gradient_passes: int = 0, redo_fraction: float = 0.0) -> RuntimeEstimate:
+                     gradient_passes: int = 0) -> RuntimeEstimate:
     """Predicted step time of ``plan`` (eq. 3-7) for the measurements of ``profile`` when the CPU
-    Adam runs on ``schedule`` after ``gradient_passes`` of clipping (``redo_fraction``: of a
-    speculative schedule's steps, those redone; ``CostModel``)."""
-    return CostModel(profile, schedule=schedule, gradient_passes=gradient_passes,
-                     redo_fraction=redo_fraction).runtime(plan)
+    Adam runs on ``schedule`` after ``gradient_passes`` of clipping (``CostModel``)."""
+    return CostModel(profile, schedule=schedule, gradient_passes=gradient_passes).runtime(plan)
 
 
 def estimate_memory(profile: Profile, plan: Plan) -> MemoryEstimate:
