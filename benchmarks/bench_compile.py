@@ -10,8 +10,8 @@ ProTrain eager and ProTrain compiled (``ProTrainConfig(compile=...)``), ProTrain
 (default: every chunk streamed through one buffer, so the chunk hooks run around every block).
 Each system's first ``--warmup`` steps are timed together (compilation happens there: its share
 of a short run) and its next ``--steps`` steps one by one (median). The losses of ProTrain and
-plain PyTorch are compared, eager and compiled (in fp32 eager ones are equal bit for bit). Prints a Markdown table of measured
-times on this machine.
+plain PyTorch are compared, and their final weights, eager and compiled (in fp32 eager ones are equal bit for bit;
+compiled ones with ``--deterministic``). Prints a Markdown table of measured times on this machine.
 """
 
 from __future__ import annotations
@@ -61,7 +61,9 @@ def _run(step, x, sync, warmup: int, steps: int) -> dict:
     return {"first_steps_s": first, "step_s": statistics.median(times), "losses": losses}
 
 
-def measure(args) -> list[dict]:
+def measure(args, weights: dict | None = None) -> list[dict]:
+    """The four systems' rows; ``weights`` (when given) gets each system's final state dict."""
+    weights = {} if weights is None else weights
     device, sync, base, x = _gpt2.setup(args, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # (same losses)
     options = {"backend": args.backend}
     if args.backend == "inductor":  # each system compiles from nothing (not from the kernels the one before cached)
@@ -97,6 +99,8 @@ def measure(args) -> list[dict]:
                 engine.zero_grad()
                 return loss.item()
         row = {"system": system, **_run(step, x, sync, args.warmup, args.steps)}
+        final = model.state_dict() if system.startswith("pytorch") else engine.state_dict()
+        weights[system] = {k: v.detach().to("cpu", copy=True) for k, v in final.items()}
         if not system.startswith("pytorch"):
             engine.close()
         rows.append(row)
@@ -119,19 +123,28 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="inductor", help="torch.compile's backend")
     ap.add_argument("--plan", default="streamed", choices=sorted(PLANS))
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="torch.use_deterministic_algorithms(True): inductor's CPU embedding backward otherwise adds "
+                         "rows with atomics on several threads, in an order that differs run to run")
     args = ap.parse_args(argv)
+    torch.use_deterministic_algorithms(args.deterministic)
     device = _gpt2.setup(args)[0]
     setting = (f"{_gpt2.machine_line(device)}\nGPT-2 {args.layers} layers, hidden {args.hidden}, batch {args.batch} x "
-               f"{args.seq}, {args.precision}, backend {args.backend}, ProTrain plan: {args.plan}; measured")
+               f"{args.seq}, {args.precision}, backend {args.backend}, ProTrain plan: {args.plan}"
+               f"{', deterministic algorithms' if args.deterministic else ''}; measured")
     print(setting)
-    rows = measure(args)
+    weights = {}
+    rows = measure(args, weights)
     by = {r["system"]: r for r in rows}
     for kind in ("", " compiled"):
         a, b = by["protrain" + kind]["losses"], by["pytorch" + kind]["losses"]
         differ = [abs(x - y) for x, y in zip(a, b) if x != y]
-        print(f"losses, ProTrain{kind} against plain PyTorch{kind}: " + (
+        ours, theirs = weights["protrain" + kind], weights["pytorch" + kind]
+        tensors = [k for k in theirs if not torch.equal(ours[k], theirs[k])]
+        print(f"ProTrain{kind} against plain PyTorch{kind}: losses " + (
             "equal in every step" if not differ else
-            f"{len(differ)} of {len(a)} steps differ, by at most {max(differ):.3g}"))
+            f"differ in {len(differ)} of {len(a)} steps, by at most {max(differ):.3g}") + "; final weights " + (
+            "equal" if not tensors else f"differ in {len(tensors)} of {len(theirs)} tensors"))
     print(markdown(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"setting": setting, "rows": rows}, indent=1))
