@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.run import cpu_model
 from protrain_ops import AdamHyperParams, adam_step, copy_to_low_precision
 
 
@@ -311,7 +312,7 @@ def kernel_build() -> str:
 
 
 def markdown(rows: list[dict], iters: int) -> str:
-    lines = [f"machine: {platform.node()} {platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+    lines = [f"machine: {platform.node()} {cpu_model()}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
              f"kernel built for {kernel_build()}",
              f"chunk: {rows[0]['numel']:,} fp32 parameters; median of {iters} steps", "",
              "| kernel | median s/step | G params/s |", "|---|---|---|"]
@@ -336,7 +337,8 @@ def main(argv=None):
     print("\n" + format_markdown(formats, args.iters))
     if args.json:
         Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(), "kernel_build": kernel_build(),
-                                               "rows": rows, "pipelines": pipelines, "formats": formats}, indent=1))
+                                               "cpu": cpu_model(), "rows": rows, "pipelines": pipelines,
+                                               "formats": formats}, indent=1))
 
 
 if __name__ == "__main__":

@@ -525,13 +525,15 @@ def gpu_properties() -> tuple[str, int]:
 
 
 def cpu_model() -> str:
+    """The CPU's name, with its family and model numbers (a VM's name may be only "AMD EPYC")."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        fields = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+                      if ":" in line)
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return platform.processor() or platform.machine()
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    return f"{fields.get('model name', platform.machine())} (family {fields.get('cpu family', '?')}, model " \
+           f"{fields.get('model', '?')})"
 
 
 def count(n: int) -> str:
