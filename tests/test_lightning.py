@@ -162,6 +162,19 @@ def test_fit_by_instance_with_a_streaming_plan_equals_default():
     assert_same(got2, ref)
 
 
+def test_deterministic_algorithms_train_as_under_the_default_strategy():
+    """``Trainer(deterministic=True)`` (``torch.use_deterministic_algorithms``, what makes compiled
+    runs bitwise: docs/guide/lightning.md) runs every op ProTrain adds, on a streaming plan with
+    swapped and checkpointed blocks, and trains as the default strategy does under it."""
+    try:
+        ref = fit("auto", deterministic=True)
+        got = fit(ProTrainStrategy(pt.Plan(n_persist=1, n_buffer=2, n_swap=1, n_checkpoint=2)), deterministic=True)
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert_same(got, ref)
+
+
 def test_an_async_checkpoint_io_writes_what_the_default_strategy_writes(tmp_path):
     """``plugins=[AsyncCheckpointIO()]`` with no IO inside: the wrapper writes through ProTrain's
     own IO (as Lightning's strategies put theirs inside), and the file holds the weights the
