@@ -75,6 +75,41 @@ def test_fabric_loop_equals_plain_pytorch(strategy):
         torch.testing.assert_close(fabric.strategy.engine.state_dict()[k], v, rtol=0, atol=0, msg=k)
 
 
+@pytest.mark.parametrize("clear", ["optimizer", "model", "p.grad"])
+def test_a_skipped_step_trains_on_like_the_default_strategy(clear):
+    """A batch whose step is skipped (backward, then its gradients cleared without a step: a guard
+    against a loss one does not trust) through Fabric's optimizer wrapper (whose zero_grad is the
+    optimizer class's own), the model's zero_grad, or ``p.grad = None``: the next backward starts
+    the step afresh, and the run ends as under Fabric's default strategy."""
+    data = batches(6, batch=4)
+    runs = []
+    for strategy in ("auto", "protrain"):
+        fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1)
+        model = MODELS["gpt2"]()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+        model, opt = fabric.setup(model, opt)
+        losses = []
+        for i, x in enumerate(data):
+            loss = model(input_ids=x, labels=x).loss
+            fabric.backward(loss)
+            losses.append(loss.item())
+            if i == 2 and clear == "optimizer":
+                opt.zero_grad()
+            elif i == 2 and clear == "model":
+                model.zero_grad()
+            elif i == 2:
+                for p in model.parameters():
+                    p.grad = None
+            else:
+                opt.step()
+                opt.zero_grad()
+        weights = model.state_dict() if strategy == "auto" else fabric.strategy.engine.state_dict()
+        runs.append((losses, {k: v.clone() for k, v in weights.items()}))
+    assert runs[1][0] == runs[0][0]
+    for k, v in runs[0][1].items():
+        assert torch.equal(runs[1][1][k], v), k
+
+
 @pytest.mark.parametrize("strategy", ["protrain", "streamed"])
 def test_one_device_fabric_needs_no_launch_like_the_default_strategy(strategy):
     """Fabric() on one device trains without fabric.launch(); so does Fabric(strategy="protrain"),

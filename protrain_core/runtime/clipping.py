@@ -170,7 +170,8 @@ class Clipping:
         if self._grads.readable:  # a change in the window: step() takes its norms again
             for c in {id(c): c for c, _ in members if c.storage.fmt.accumulator}.values():
                 self._hand_out(c)
-        self._scheduler.clear_grads(members)
+        if self._scheduler.clear_grads(members):
+            self._grads.discard()  # (every gradient cleared: what zero_grad leaves)
 
     @property
     def configured(self) -> ClippingConfig | None:

@@ -400,9 +400,10 @@ class Scheduler:
         for c in chunks:
             c.zero()
 
-    def clear_grads(self, members: list[tuple[Chunk, int]]) -> None:
+    def clear_grads(self, members: list[tuple[Chunk, int]]) -> bool:
         """``p.grad = None`` of these members (or a submodule's ``zero_grad()``), once their chunks'
-        offloads and updates end; refused, before anything changes, as ``zero_grad`` is."""
+        offloads and updates end; refused, before anything changes, as ``zero_grad`` is. True when
+        no gradient is left: as after ``zero_grad``, the next backward starts the step afresh."""
         for c, i in members:
             if c.applied:
                 raise _cleared_after_update(c.spec.members[i].name)
@@ -410,6 +411,10 @@ class Scheduler:
             self.await_chunk(c)
         for c, i in members:
             c.clear_grad(i)
+        if any(c.has_gradients for c in self.chunks):
+            return False
+        self.stepped_backward = False
+        return True
 
     def reconfigure(self, n_buffer: int) -> None:
         """The streamed chunks (all idle) and the plan's ``n_buffer`` (at most one per streamed
