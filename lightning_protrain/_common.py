@@ -8,6 +8,7 @@ import os
 
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.fabric.utilities.device_dtype_mixin import _update_properties
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
@@ -215,6 +216,11 @@ class StrategyPlumbing:
             config = config.replace(weights=None)                  # fit, an engine built again)
         self.engine = pt.wrap(module, optimizer, config=config, precision=plugin.precision, device=self.root_device,
                               report=self._report, **kwargs)
+        # What module.to() records on Lightning's modules (the engine placed the parameters itself):
+        # self.device is the device computing, self.dtype bf16 under bf16-true. Lightning's own
+        # Fabric records them so for strategies that place parameters (no public setter exists).
+        _update_properties(module, device=self.root_device,
+                           dtype=torch.bfloat16 if plugin.precision == "bf16-true" else None)
         if plugin.scaler and self.engine.scaler is not None:
             self.engine.states.load_scaler(plugin.scaler)
         return self.engine

@@ -741,6 +741,36 @@ def test_unsupported_precision_is_refused(precision):
         fit("protrain", precision=precision)
 
 
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_the_module_knows_its_dtype_and_moves_its_metrics_as_under_the_default_strategy(precision):
+    """What ``module.to()`` does under Lightning's strategies, though ProTrain places the parameters
+    itself: ``self.dtype`` is bf16 under bf16-true (code writes ``x.to(self.dtype)``), and a
+    torchmetrics metric's state follows the module's dtype (and device: the same call, which only a
+    GPU run can tell from the host's)."""
+    import torchmetrics
+
+    class Seen(LitLM):
+        def __init__(self):
+            super().__init__()
+            self.mean = torchmetrics.MeanMetric()
+            self.seen = []
+
+        def training_step(self, batch, batch_idx):
+            self.mean.update(1.0)
+            self.seen.append((self.device, self.dtype, self.mean.mean_value.device, self.mean.mean_value.dtype))
+            return super().training_step(batch, batch_idx)
+
+    runs = []
+    for strategy in ("auto", ProTrainStrategy(pt.Plan(n_persist=1, n_buffer=2))):
+        torch.manual_seed(1234)
+        lit = Seen()
+        trainer(strategy, precision=precision, max_steps=2).fit(lit, loader())
+        runs.append(lit.seen)
+    assert runs[1] == runs[0]
+    dtype = {"32-true": torch.float32, "bf16-true": torch.bfloat16}[precision]
+    assert runs[0][0] == (torch.device("cpu"), dtype, torch.device("cpu"), dtype)
+
+
 def test_bf16_true_converts_a_batch_as_the_default_strategy_does():
     """Both plugins turn a batch's floating-point tensors into bf16 as Lightning's HalfPrecision
     does: in dicts, lists, namedtuples and dataclasses; integer tensors and other leaves kept."""

@@ -517,11 +517,22 @@ def _allocate(engine: RuntimeEngine, optim: ChunkOptimizer, *, touch=None) -> li
         weights.fill_buffers()
         weights.warn_initialised()
     broadcast_tensors(list(engine.module.buffers()), engine.sharding, dev)
+    low = engine.precision.compute_dtype if engine.precision is Precision.BF16_TRUE else None
     for b in engine.module.buffers():
         # bf16-true runs the module as model.to(torch.bfloat16) would: floating buffers too.
-        low = engine.precision is Precision.BF16_TRUE and b.is_floating_point()
-        b.data = b.data.to(dev, dtype=engine.precision.compute_dtype if low else b.dtype)
+        b.data = b.data.to(dev, dtype=low if low is not None and b.is_floating_point() else b.dtype)
+    # What model.to would move besides: the state a parameterless submodule's own _apply moves
+    # (a torchmetrics Metric's).
+    for m in _without_parameters(engine.module):
+        m.to(dev, dtype=low)
     return chunks
+
+
+def _without_parameters(module: nn.Module) -> list[nn.Module]:
+    """The largest submodules of ``module`` that hold no parameter."""
+    if next(module.parameters(), None) is None:
+        return [module]
+    return [m for child in module.children() for m in _without_parameters(child)]
 
 
 def _autocast_hooks(engine: RuntimeEngine) -> list[RemovableHandle]:
