@@ -3,6 +3,7 @@ check, the engine's construction (``StrategyPlumbing``), and atomic checkpoint f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -291,6 +292,23 @@ class EnginePrecision:
     @property
     def engine(self) -> pt.Engine | None:
         return None if self.strategy is None else self.strategy.engine
+
+    @contextlib.contextmanager
+    def tensor_init_context(self):
+        """bf16-true: tensors (a model under ``init_module``) are created in bf16, as Lightning's
+        HalfPrecision creates them: the model is built in half the memory."""
+        if self.precision != "bf16-true":
+            yield
+            return
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(default)
+
+    def module_init_context(self):
+        return self.tensor_init_context()
 
     def convert_input(self, data):
         """bf16-true: floating-point inputs become bf16 (as Lightning's HalfPrecision converts them)."""

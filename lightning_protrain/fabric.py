@@ -163,11 +163,11 @@ class ProTrainFabricStrategy(StrategyPlumbing, ParallelStrategy):
     def module_init_context(self, empty_init: bool | None = None):
         """``fabric.init_module(empty_init=True)`` builds the model on the meta device: the engine
         fills each chunk from ``ProTrainConfig.weights`` or the modules' own initialisation
-        ([Note: weights straight into chunks])."""
-        if not empty_init:
-            return super().module_init_context(empty_init)
+        ([Note: weights straight into chunks]). Otherwise on the host, as FSDP's does: the engine
+        moves what the plan keeps on the device."""
         stack = contextlib.ExitStack()
-        stack.enter_context(torch.device("meta"))
+        if empty_init:
+            stack.enter_context(torch.device("meta"))
         stack.enter_context(self.precision.module_init_context())
         return stack
 

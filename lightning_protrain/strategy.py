@@ -275,12 +275,10 @@ class ProTrainStrategy(StrategyPlumbing, ParallelStrategy):
     def tensor_init_context(self, empty_init: bool | None = None):
         """``trainer.init_module(empty_init=True)`` builds the model on the meta device, as FSDP's
         does: no memory until the engine fills each chunk from ``ProTrainConfig.weights``, a
-        ``ckpt_path``, or the modules' own initialisation ([Note: weights straight into chunks])."""
-        if not empty_init:
-            with super().tensor_init_context(empty_init):
-                yield
-            return
-        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+        ``ckpt_path``, or the modules' own initialisation ([Note: weights straight into chunks]).
+        Otherwise on the host, as FSDP's too: the engine moves what the plan keeps on the device."""
+        with torch.device("meta") if empty_init else contextlib.nullcontext(), \
+                self.precision_plugin.tensor_init_context():
             yield
 
     # ----- setup -------------------------------------------------------------------------------

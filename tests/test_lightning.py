@@ -651,6 +651,30 @@ def test_init_module_empty_init_builds_on_the_meta_device_and_the_engine_fills_t
     assert_same(*resumed)
 
 
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_init_module_builds_on_the_host_in_the_precision_dtype(precision):
+    """``trainer.init_module()`` and ``fabric.init_module()`` without ``empty_init`` build on the
+    host (as FSDP's do), not on the strategy's device (here "meta", which a test can tell from the
+    host): a model larger than the device would not fit there. Under bf16-true the parameters are
+    bf16, as the default strategy's HalfPrecision creates them (half the memory)."""
+    from lightning.fabric import Fabric
+
+    from lightning_protrain import ProTrainFabricStrategy
+
+    dtype = {"32-true": torch.float32, "bf16-true": torch.bfloat16}[precision]
+    with trainer("auto", precision=precision).init_module():
+        reference = LitLM()
+    contexts = [lambda: trainer(ProTrainStrategy(device=torch.device("meta")), precision=precision).init_module(),
+                lambda: Fabric(strategy=ProTrainFabricStrategy(device=torch.device("meta")), accelerator="cpu",
+                               devices=1, precision=precision).init_module()]  # (Fabric's enters as it is made)
+    for context in contexts:
+        with context():
+            lit = LitLM()
+        assert {(p.device.type, p.dtype) for p in lit.parameters()} == \
+            {(p.device.type, p.dtype) for p in reference.parameters()} == {("cpu", dtype)}
+        assert torch.get_default_dtype() == torch.float32
+
+
 def test_a_model_on_the_meta_device_that_cannot_be_filled_gets_the_clear_error_alone(tmp_path):
     """Issue 18, case 7: the refusal (here: weights= names no file) is the error the user sees,
     not a teardown failure after it (Lightning's teardown would move the meta module to the CPU)."""
