@@ -77,6 +77,7 @@ class ProTrainPrecision(EnginePrecision, Precision):
         self.plain_after_fit = False  # the optimizer holds its state again (one process)
         self.wait_after_step = False  # user hooks between step and the next forward may read weights
         self.log_grad_norm = True  # Lightning's own configure_gradient_clipping: log the norm it returns
+        self.accumulated = False  # a backward ran since the last step (a micro-batch before one that returned None)
 
     def forward_context(self):
         if self.engine is not None:
@@ -95,6 +96,7 @@ class ProTrainPrecision(EnginePrecision, Precision):
         final = self.engine.step_state.step_closure and model.automatic_optimization
         with contextlib.nullcontext() if final else self.engine.no_sync():
             self.engine.backward(tensor, run=lambda loss: model.backward(loss, *args, **kwargs))
+        self.accumulated = True
 
     def optimizer_step(self, optimizer, model, closure, **kwargs):
         if self.engine is None:
@@ -105,8 +107,12 @@ class ProTrainPrecision(EnginePrecision, Precision):
         self._after_closure(model, optimizer)
         if no_parameters([optimizer]):
             return closure_result  # no optimizer: nothing steps
-        if closure_result is None and model.automatic_optimization:
-            return None  # training_step returned None: no backward, no step (as Lightning)
+        if closure_result is None and model.automatic_optimization and (
+                self.precision == "16-mixed" or not self.accumulated):
+            # training_step returned None: no backward, and no step where Lightning's plugin takes
+            # none (its loss scaler's; without one, torch's step has no gradient to apply).
+            return None
+        self.accumulated = False
         self.engine.step(optimizer)  # manual optimization: opt.step() after the manual_backward calls
         if self.wait_after_step:
             self.engine.wait_for_updates()

@@ -384,9 +384,12 @@ class SkipOddBatches(LitLM):
             super().on_train_batch_end(outputs, batch, batch_idx)
 
 
-def test_training_step_returning_none_with_clipping_equals_default():
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_training_step_returning_none_with_clipping_equals_default(accumulate):
+    """Skipped batches (training_step returns None); with accumulation, the last micro-batch of
+    each step: Lightning's plugin (no loss scaler) still steps with the gradients accumulated."""
     def run(strategy):
-        return fit(strategy, module=SkipOddBatches, gradient_clip_val=0.05)
+        return fit(strategy, module=SkipOddBatches, gradient_clip_val=0.05, accumulate_grad_batches=accumulate)
 
     assert_same(run(ProTrainStrategy(pt.Plan(n_persist=0, n_buffer=1))), run("auto"))
 
