@@ -110,6 +110,19 @@ def test_a_skipped_step_trains_on_like_the_default_strategy(clear):
         assert torch.equal(runs[1][1][k], v), k
 
 
+def test_accumulation_without_no_backward_sync_is_refused_naming_it():
+    """Two backwards before a step outside ``fabric.no_backward_sync`` (the default strategy's
+    optimisation, ProTrain's requirement: the first already finished the step's gradients): the
+    refusal names the Fabric way to accumulate."""
+    fabric = Fabric(strategy="protrain", accelerator="cpu", devices=1)
+    model = MODELS["gpt2"]()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters()))
+    x = batches(1)[0]
+    fabric.backward(model(input_ids=x, labels=x).loss)
+    with pytest.raises(RuntimeError, match=re.escape("fabric.no_backward_sync(model)")):
+        fabric.backward(model(input_ids=x, labels=x).loss)
+
+
 @pytest.mark.parametrize("strategy", ["protrain", "streamed"])
 def test_one_device_fabric_needs_no_launch_like_the_default_strategy(strategy):
     """Fabric() on one device trains without fabric.launch(); so does Fabric(strategy="protrain"),

@@ -281,7 +281,8 @@ class Scheduler:
                 "engine.backward() was called twice without engine.step(), but the first backward "
                 "already finished this step's gradients (ProTrain updates offloaded chunks during "
                 "backward, or unscales them and takes their norms). For gradient accumulation, run "
-                "the non-final micro-batches inside `with engine.no_sync():`."
+                "the non-final micro-batches inside `with engine.no_sync():` (in a Fabric loop: `with "
+                "fabric.no_backward_sync(model):`; the Trainer does it for accumulate_grad_batches)."
             )
         with self.phase.entered(TrainingPhase.BACKWARD, leaving=TrainingPhase.IDLE,
                                 error="engine.backward() was called while another backward is running."):
