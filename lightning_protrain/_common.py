@@ -409,5 +409,9 @@ def checkpoint_optimizer_state(engine: pt.Engine, optimizer: torch.optim.Optimiz
 
 
 def load_checkpoint_optimizer_state(engine: pt.Engine, osd: dict, optimizer: torch.optim.Optimizer) -> None:
-    engine.states.load_optimizer(osd.get(EXACT_STATE, osd), of=optimizer)
+    """The entry ``checkpoint_optimizer_state`` wrote: the exact 8-bit state where the engine keeps
+    8-bit moments, else the fp32 values beside it (no bitsandbytes needed to read those)."""
+    if EXACT_STATE in osd and engine.config.optimizer_state_format == "8bit":
+        osd = osd[EXACT_STATE]
+    engine.states.load_optimizer({k: v for k, v in osd.items() if k != EXACT_STATE}, of=optimizer)
 

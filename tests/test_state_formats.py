@@ -512,3 +512,15 @@ def test_a_full_8bit_checkpoint_resumes_under_the_default_strategy_and_exactly_u
     assert not all(torch.equal(a, b) for a, b in zip(requantised.parameters(), exact.parameters()))
     default = run("auto", 5, ckpt_path=path)  # torch AdamW, from the fp32 values of the moments
     assert len(default.losses) == 2 and all(math.isfinite(x) for x in default.losses)
+    # ProTrain with fp32 moments reads the fp32 values too: no bitsandbytes needed on that machine.
+    fp32 = pt.ProTrainConfig(planning={"plan": pt.Plan(n_persist=1, n_buffer=2)})
+    from_values = run(ProTrainStrategy(fp32), 5, ckpt_path=tmp_path / "fp32.ckpt")  # (the entry without it)
+    state_formats.bitsandbytes.cache_clear()
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    monkeypatch.setitem(sys.modules, "bitsandbytes.functional", None)
+    try:
+        without = run(ProTrainStrategy(fp32), 5, ckpt_path=path)
+    finally:
+        state_formats.bitsandbytes.cache_clear()
+    assert without.losses == from_values.losses
+    assert all(torch.equal(a, b) for a, b in zip(without.parameters(), from_values.parameters()))
