@@ -43,14 +43,25 @@ def test_load_state_dict_rejects_bad_input_before_changing_anything():
     before = engine.state_dict()
     bad = dict(before)
     bad.pop("transformer.wpe.weight")
-    with pytest.raises(KeyError, match="missing keys"):
-        engine.load_state_dict(bad)
-    bad = dict(before)
-    bad["transformer.wpe.weight"] = torch.zeros(3, 3)
-    with pytest.raises(ValueError, match="shape"):
-        engine.load_state_dict(bad)
+    plain = MODELS["gpt2"]()
+    for mistake in ("missing", "unexpected", "shape"):
+        bad = dict(before)
+        if mistake == "missing":
+            bad.pop("transformer.wpe.weight")
+        elif mistake == "unexpected":
+            bad["head.extra"] = torch.zeros(2)
+        else:
+            bad["transformer.wpe.weight"] = torch.zeros(3, 3)
+        with pytest.raises(RuntimeError) as theirs:  # nn.Module's error, in the same words
+            plain.load_state_dict(bad)
+        with pytest.raises(RuntimeError) as ours:
+            engine.load_state_dict(bad)
+        assert str(ours.value) == str(theirs.value)
     after = engine.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+    # strict=False: what nn.Module's returns, the other entries loaded
+    bad = {k: v for k, v in before.items() if k != "lm_head.weight"} | {"head.extra": torch.zeros(2)}
+    assert tuple(engine.load_state_dict(bad, strict=False)) == tuple(plain.load_state_dict(bad, strict=False))
 
 
 @pytest.mark.parametrize("plan", [pt.Plan(n_persist=0, n_buffer=2), pt.Plan(n_persist=2, n_buffer=1)], ids=str)

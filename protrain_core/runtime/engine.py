@@ -318,9 +318,9 @@ class RuntimeEngine:
         """The model's master weights and buffers on the CPU: ``engine.states.model``."""
         return self.states.model(rank0_only=rank0_only)
 
-    def load_state_dict(self, state_dict: dict[str, Tensor], strict: bool = True) -> None:
-        """``engine.states.load_model``."""
-        self.states.load_model(state_dict, strict)
+    def load_state_dict(self, state_dict: dict[str, Tensor], strict: bool = True):
+        """``engine.states.load_model``: as ``nn.Module.load_state_dict`` (its return value and errors)."""
+        return self.states.load_model(state_dict, strict)
 
     # ----- inspection ---------------------------------------------------------------------
     def explain(self) -> str:

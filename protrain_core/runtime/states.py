@@ -7,6 +7,7 @@ and parameters the user rebound (``p.data = t``) are written back into their chu
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -18,6 +19,13 @@ from protrain_core.runtime.optim import ChunkOptimizer
 from protrain_core.runtime.scheduler import Scheduler, device_bytes_bound
 from protrain_core.utils import plain_parameters
 
+
+
+class IncompatibleKeys(NamedTuple):
+    """What ``load_state_dict`` returns, as ``nn.Module.load_state_dict`` does."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
 
 class StateAccess:
     """The states of one engine's model, optimizer and loss scaler, in torch's formats."""
@@ -72,17 +80,22 @@ class StateAccess:
                 out[key] = seen[id(t)]
         return out
 
-    def load_model(self, state_dict: dict[str, Tensor], strict: bool = True) -> None:
-        """Write ``state_dict`` (the model's own names) into the chunks and buffers."""
+    def load_model(self, state_dict: dict[str, Tensor], strict: bool = True) -> IncompatibleKeys:
+        """Write ``state_dict`` (the model's own names) into the chunks and buffers, as
+        ``nn.Module.load_state_dict`` would: nothing changes where it raises ``RuntimeError``
+        (keys, with ``strict``; shapes), and it returns the missing and unexpected keys."""
         self._state.check_open()
         expected = self.module_tensors()
-        missing = [k for k in expected if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in expected]
-        if strict and (missing or unexpected):
-            raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
-        for key, value in state_dict.items():
-            if key in expected and tuple(value.shape) != tuple(expected[key].shape):
-                raise ValueError(f"load_state_dict: {key} has shape {tuple(value.shape)}, expected {tuple(expected[key].shape)}")
+        keys = IncompatibleKeys([k for k in expected if k not in state_dict], [k for k in state_dict if k not in expected])
+        errors = [f"size mismatch for {k}: copying a param with shape {v.shape} from checkpoint, the shape in "
+                  f"current model is {expected[k].shape}." for k, v in state_dict.items()
+                  if k in expected and v.shape != expected[k].shape]
+        for what, names in (("Missing", keys.missing_keys), ("Unexpected", keys.unexpected_keys)):
+            if strict and names:
+                errors.insert(0, f"{what} key(s) in state_dict: " + ", ".join(f'"{k}"' for k in names) + ". ")
+        if errors:
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self._module).__name__}:\n\t" +
+                               "\n\t".join(errors))
         self._scheduler.release_all()  # (it waits for the updates in flight first)
         with torch.no_grad():
             for key, value in state_dict.items():
@@ -92,6 +105,7 @@ class StateAccess:
                     slot[0].values.set_member(slot[1], value)
                 elif t is not None:
                     t.copy_(value)
+        return keys
 
     def module_tensors(self) -> dict[str, Tensor]:
         """The module's own state-dict entries (parameters and buffers as they are: keep_vars)."""
