@@ -1,10 +1,17 @@
 """Exporting a wrapped Hugging Face model: its master weights (fp32, or bf16 in bf16-true: what
 ``Engine.state_dict`` returns) and their dtype in its config, where the model's own
-``save_pretrained`` would write the compute copies and theirs (``Engine.save_pretrained``)."""
+``save_pretrained`` would write the compute copies and theirs (``Engine.save_pretrained``);
+written beside the directory first, so that a failed export leaves the previous one whole."""
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import tempfile
 from pathlib import Path
+
+from protrain_core.utils import remove_stale_temporaries, temporary_prefix
 
 
 def save_pretrained(engine, save_directory, *, module: str | None = None, **kwargs) -> None:
@@ -23,16 +30,43 @@ def save_pretrained(engine, save_directory, *, module: str | None = None, **kwar
     if engine.rank == 0:  # the others took part in the gathering; the model's save_pretrained would read its parameters
         config = getattr(model, "config", None)
         before = getattr(config, "dtype", None)
+        target = Path(save_directory)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(target.parent)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=temporary_prefix(target)))
         try:
-            model.save_pretrained(save_directory, state_dict=state, **kwargs)
-            if hasattr(config, "save_pretrained") and (Path(save_directory) / "config.json").exists():
+            model.save_pretrained(tmp, state_dict=state, **kwargs)
+            if hasattr(config, "save_pretrained") and (tmp / "config.json").exists():
                 # The model's save_pretrained wrote the compute copies' dtype: say the masters'.
                 config.dtype = str(engine.precision.master_dtype).removeprefix("torch.")
-                config.save_pretrained(save_directory)
+                config.save_pretrained(tmp)
+            _move_in(tmp, target)
         finally:
             if config is not None:
                 config.dtype = before
+            shutil.rmtree(tmp, ignore_errors=True)
     engine.sharding.barrier()
+
+
+# Weight files of an export (``model.safetensors``, ``model-00001-of-00002.safetensors``, their
+# index, ``pytorch_model.bin``, PEFT's ``adapter_model.safetensors``): stem, shard, suffix.
+_WEIGHTS = re.compile(r"(?P<stem>[\w.]+?)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
+
+
+def _move_in(tmp: Path, target: Path) -> None:
+    """The export written in ``tmp`` into ``target``, a file at a time (each renamed into place:
+    a failure before leaves the previous export whole, and other files in ``target`` -- a
+    tokenizer's -- stay), and the weight files of an earlier export under the same names that
+    this one does not have removed, as ``save_pretrained`` removes them."""
+    written = sorted(p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file())
+    stems = {(w.parent, m["stem"]) for w in written if (m := _WEIGHTS.fullmatch(w.name))}
+    for w in written:
+        (target / w).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp / w, target / w)
+    for old in target.rglob("*"):
+        m = _WEIGHTS.fullmatch(old.name)
+        if m and (old.relative_to(target).parent, m["stem"]) in stems and old.relative_to(target) not in written:
+            old.unlink()
 
 
 def _exported(root, name: str | None):

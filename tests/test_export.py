@@ -4,6 +4,7 @@ bf16-mixed) and their dtype; the engine's writes the master weights and their dt
 from_pretrained rebuilds exactly the trained model in every precision."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,3 +133,38 @@ def test_save_pretrained_exports_the_hugging_face_model_inside_a_lightning_modul
     teacher = AutoModelForCausalLM.from_pretrained(tmp_path / "two")
     assert all(torch.equal(v, two.teacher.state_dict()[k]) for k, v in teacher.state_dict().items())
     engine.close()
+
+
+def test_a_failed_export_leaves_the_previous_one_whole_and_a_new_one_replaces_its_weight_files(tmp_path, monkeypatch):
+    """Nothing saved is lost: an export written beside the directory and moved in a file at a
+    time. One that fails half-way (a disk full inside the model's save_pretrained) leaves the
+    previous export byte for byte and no temporary; one that succeeds replaces the earlier
+    export's weight files, sharded or not (as save_pretrained cleans up its own), and leaves the
+    other files of the directory (a tokenizer's) alone."""
+    import os
+
+    engine = trained(MODELS["llama"](), "32-true")
+    out = tmp_path / "export"
+    engine.save_pretrained(out, max_shard_size="20KB")  # several shards and their index
+    (out / "tokenizer.json").write_text("{}")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert len([n for n in before if n.endswith(".safetensors")]) > 1 and "model.safetensors.index.json" in before
+    model = engine.module
+    real = type(model).save_pretrained
+
+    def full_disk(self, directory, **kwargs):
+        (Path(directory) / "model.safetensors").write_bytes(b"\0" * 100)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(type(model), "save_pretrained", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        engine.save_pretrained(out)
+    monkeypatch.setattr(type(model), "save_pretrained", real)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert os.listdir(tmp_path) == ["export"]
+    engine.save_pretrained(out)  # one file now
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                    "tokenizer.json"]
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    masters = engine.state_dict()
+    assert all(torch.equal(v, masters[k]) for k, v in loaded.state_dict().items())
