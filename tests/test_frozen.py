@@ -164,25 +164,3 @@ def test_model_states_are_proportional_to_what_trains(precision):
         padding = engine.layout.waste * cb  # chunk rounding: capacity no parameter uses
         assert held <= 1.1 * ideal + padding, (held, ideal, padding)
         engine.close()
-
-
-@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
-def test_close_gives_frozen_parameters_back_in_their_dtype(precision):
-    """The mixed modes keep a frozen parameter in the compute dtype (rounded once, at wrap); after
-    ``close`` the model is plain PyTorch again: each frozen parameter in the dtype it came in (fp32
-    here, bf16 for the one given in bf16) with the engine's values, as the default strategy leaves
-    it. bf16-true runs the module as ``model.to(torch.bfloat16)``: every parameter stays bf16."""
-    model = frozen_model("llama", "blocks")
-    model.model.layers[2].mlp.up_proj.weight.data = model.model.layers[2].mlp.up_proj.weight.data.bfloat16()
-    given = {n: p.dtype for n, p in model.named_parameters()}
-    for plan in plans(model).values():
-        m = copy.deepcopy(model)
-        engine = pt.wrap(m, torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=LR), plan,
-                         precision=precision, device="cpu")
-        train_engine(engine, batches(2))
-        values = engine.state_dict()
-        engine.close()
-        for name, p in m.named_parameters():
-            dtype = torch.bfloat16 if precision == "bf16-true" else given[name] if not p.requires_grad else torch.float32
-            assert p.dtype == dtype, (name, p.dtype)
-            torch.testing.assert_close(p.detach().float(), values[name].float(), rtol=0, atol=0, msg=name)

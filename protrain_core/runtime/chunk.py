@@ -156,7 +156,6 @@ class Chunk:
         self.values = ChunkValues(spec, storage)  # where each member is, and its values
         self.opt_members = opt_members  # param group -> members the optimizer updates
         self.grad_members = tuple(i for i, p in enumerate(params) if p.requires_grad)
-        self._dtypes = [p.dtype for p in params]  # as given: a frozen member's, given back at close
         self.state = ChunkState.PERSISTENT if storage.persistent else ChunkState.HOST
         self.grad_state = GradState.EMPTY
         self._received = [False] * len(params)  # got a gradient since zero_grad
@@ -517,13 +516,9 @@ class Chunk:
 
     @plain_parameters
     def detach_params(self) -> None:
-        """Point the parameters at their whole authoritative values for good (the engine closes):
-        a frozen member, which the mixed modes keep in the compute dtype, in the dtype it came in."""
+        """Point the parameters at their whole authoritative values for good (the engine closes)."""
         values = self.values.gathered_values()
-        fmt = self.storage.fmt
-        for p, value, slot, dtype in zip(self.params, values, self.spec.members, self._dtypes):
-            if not slot.trainable and fmt.compute_dtype != fmt.master_dtype:
-                value = value.to(dtype)
+        for p, value in zip(self.params, values):
             p.data = value if self.persistent else value.to(self.storage.host)
         self.at_placeholders = False
 
