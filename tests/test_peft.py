@@ -161,6 +161,30 @@ def test_lora_trainer_checkpoint_and_merge(tmp_path, arch, plan_name):
         torch.testing.assert_close(again(input_ids=x).logits, ref_merged(input_ids=x).logits, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("plan_name", ["all-persistent", "all-streamed", "mixed-swap-checkpoint"])
+def test_merge_and_unload_while_the_engine_is_open_merges_as_plain_peft(plan_name):
+    """``merge_and_unload()`` between steps, the engine open (a callback's ``on_train_end``):
+    PEFT's delta is computed with gradients on (its weights used outside their blocks: their
+    chunk is fetched), then written as ``base.weight.data += delta`` (a rebinding). Every chunk
+    keeps what its parameters were rebound to when it points them anew (released to make room
+    for the next layer's chunk), so the merged model gives plain PEFT's merged logits."""
+    data, x = batches(3), batches(1, seed=9)[0]
+    ref = lora("llama")
+    opt = torch.optim.AdamW(trainable(ref), lr=LR, fused=True)
+    for batch in data:
+        ref(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model = lora("llama")
+    engine = pt.wrap(model, torch.optim.AdamW(trainable(model), lr=LR), plans(model)[plan_name], device="cpu")
+    train_engine(engine, data)
+    merged = model.merge_and_unload()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=x).logits, ref.merge_and_unload()(input_ids=x).logits, rtol=0,
+                                   atol=0)
+    engine.close()
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_cuda_lora(precision):

@@ -52,7 +52,9 @@ The device copy is one permanent tensor per chunk; releasing frees its memory wi
 technique). Autograd's saved tensors stay valid: a saved parameter is the parameter object, so
 unpacking reads whatever ``.data`` points at in backward, and a saved *view* of one shares the
 device copy's storage, which the fetch before that block's backward refills with the same
-values. Re-pointing ``.data`` does not touch the version counter. A pre-backward hook on each
+values. Re-pointing ``.data`` does not touch the version counter, and a parameter the user
+rebound (``p.data = t``, which ``points`` tells) keeps its value: whatever points the chunk's
+parameters anew takes it into the chunk first (``_take``). A pre-backward hook on each
 unit's outputs makes its chunks resident before any of its backward nodes runs (runtime/hooks.py),
 including a checkpointed block's recomputation ([Note: block forwards] in activations.py).
 
@@ -433,6 +435,7 @@ class Chunk:
         resident at its host copy; at a NaN expanded to their shapes where it holds no value (``W``
         processes: [Note: sharded chunks]; quantised members: [Note: quantised frozen chunks])."""
         storage = self.storage
+        self._take(self.rebound())  # (a parameter the user rebound keeps its value: [Note: parameter access])
         for i in range(len(self.params)) if members is None else members:
             p = self.params[i]
             # one process: every member but a quantised one has its value at rest
@@ -446,6 +449,7 @@ class Chunk:
     @plain_parameters
     def point_at_placeholders(self) -> None:
         """Point the parameters at a NaN of their device and dtype ([Note: a pass's placeholders])."""
+        self._take(self.rebound())
         for p in self.params:
             p.data = self._nan_of(p.device, p.dtype).expand(p.shape)
         self._pointed = [p.data_ptr() for p in self.params]
@@ -477,6 +481,7 @@ class Chunk:
     @plain_parameters
     def point_params_at(self, flat: Tensor, members=None) -> None:
         """Re-point the parameters (of ``members``) at their slots in ``flat`` ([Note: parameter access])."""
+        self._take(self.rebound())
         for i in range(len(self.params)) if members is None else members:
             p = self.params[i]
             p.data = self.values.view(flat, i)
@@ -503,16 +508,22 @@ class Chunk:
     def adopt(self, members: list[int] | None = None) -> None:
         """Take these members' values (rebound, or written in place; None: every member's) into the
         chunk, and point their parameters (only theirs) back at it."""
-        with torch.no_grad():
-            for i in range(len(self.params)) if members is None else members:
-                value = self.params[i].detach()
-                self.values.set_member(i, value)
-                if not self.persistent and self.device_resident:  # as stored (a quantised member's round trip)
-                    self.values.view(self.storage.device_copy, i).copy_(self.values.member_value(i))
+        self._take(range(len(self.params)) if members is None else members)
         if self.persistent or self.device_resident:
             self.point_params_at(self.storage.device_copy, members)
         else:
             self.point_at_rest(members)
+
+    @plain_parameters
+    def _take(self, members) -> None:
+        """These members' values as their parameters hold them, into the chunk (and a resident
+        streamed chunk's device copy); each is pointed anew next, by the caller."""
+        with torch.no_grad():
+            for i in members:
+                self.values.set_member(i, self.params[i].detach())
+                if not self.persistent and self.device_resident:  # as stored (a quantised member's round trip)
+                    self.values.view(self.storage.device_copy, i).copy_(self.values.member_value(i))
+                self._pointed[i] = self.params[i].data_ptr()
 
     @plain_parameters
     def detach_params(self) -> None:
