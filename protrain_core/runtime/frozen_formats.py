@@ -3,8 +3,8 @@
 [Note: quantised frozen chunks]
 LoRA over a streamed base moves every frozen weight host -> device twice per step. With
 ``frozen_dtype`` "int8" or "fp8" a frozen weight matrix (a frozen member of two or more
-dimensions) is stored in 8 bits with one fp32 scale per output channel (a row of its first
-dimension):
+dimensions) is stored in 8 bits with one fp32 scale per row of its first dimension (an
+output channel of ``nn.Linear``; an input channel of GPT-2's ``Conv1D``):
 
   format  element                               scale of a row            round trip
   int8    round(w / s), clamped to [-127, 127]  2^ceil(log2(absmax/127))  q * s
@@ -57,7 +57,7 @@ def check_frozen_format(name: object) -> str | None:
     if name is not None and name not in FROZEN_FORMATS:
         raise ValueError(
             f"frozen_dtype={name!r}: use None (the default: frozen weights in the compute dtype), 'int8' (8-bit "
-            "integers with a scale per output channel) or 'fp8' (float8 e4m3 with a scale per output channel)."
+            "integers with a scale per weight row) or 'fp8' (float8 e4m3 with a scale per weight row)."
         )
     return name
 
