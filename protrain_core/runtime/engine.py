@@ -48,7 +48,7 @@ from protrain_core.runtime.optim import ChunkOptimizer, parameter_owners
 from protrain_core.runtime.parking import OffloadedStates, check_between_steps, check_onloaded, offload, onload
 from protrain_core.runtime.scheduler import Scheduler
 from protrain_core.runtime.sharding import ONE_PROCESS, Sharding, broadcast_tensors
-from protrain_core.runtime.states import StateAccess, StateMemory
+from protrain_core.runtime.states import IncompatibleKeys, StateAccess, StateMemory
 from protrain_core.runtime.state_formats import check_layout_for, check_optimizer_for
 from protrain_core.runtime.storage import ChunkStorage, chunk_formats
 from protrain_core.runtime.timeline import Timeline
@@ -318,7 +318,7 @@ class RuntimeEngine:
         """The model's master weights and buffers on the CPU: ``engine.states.model``."""
         return self.states.model(rank0_only=rank0_only)
 
-    def load_state_dict(self, state_dict: dict[str, Tensor], strict: bool = True):
+    def load_state_dict(self, state_dict: dict[str, Tensor], strict: bool = True) -> IncompatibleKeys:
         """``engine.states.load_model``: as ``nn.Module.load_state_dict`` (its return value and errors)."""
         return self.states.load_model(state_dict, strict)
 

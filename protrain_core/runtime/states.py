@@ -20,12 +20,12 @@ from protrain_core.runtime.scheduler import Scheduler, device_bytes_bound
 from protrain_core.utils import plain_parameters
 
 
-
 class IncompatibleKeys(NamedTuple):
     """What ``load_state_dict`` returns, as ``nn.Module.load_state_dict`` does."""
 
     missing_keys: list[str]
     unexpected_keys: list[str]
+
 
 class StateAccess:
     """The states of one engine's model, optimizer and loss scaler, in torch's formats."""
@@ -86,11 +86,12 @@ class StateAccess:
         (keys, with ``strict``; shapes), and it returns the missing and unexpected keys."""
         self._state.check_open()
         expected = self.module_tensors()
-        keys = IncompatibleKeys([k for k in expected if k not in state_dict], [k for k in state_dict if k not in expected])
+        keys = IncompatibleKeys(missing_keys=[k for k in expected if k not in state_dict],
+                                unexpected_keys=[k for k in state_dict if k not in expected])
         errors = [f"size mismatch for {k}: copying a param with shape {v.shape} from checkpoint, the shape in "
                   f"current model is {expected[k].shape}." for k, v in state_dict.items()
                   if k in expected and v.shape != expected[k].shape]
-        for what, names in (("Missing", keys.missing_keys), ("Unexpected", keys.unexpected_keys)):
+        for what, names in (("Unexpected", keys.unexpected_keys), ("Missing", keys.missing_keys)):
             if strict and names:
                 errors.insert(0, f"{what} key(s) in state_dict: " + ", ".join(f'"{k}"' for k in names) + ". ")
         if errors:
