@@ -58,15 +58,16 @@ def _move_in(tmp: Path, target: Path) -> None:
     a failure before leaves the previous export whole, and other files in ``target`` -- a
     tokenizer's -- stay), and the weight files of an earlier export under the same names that
     this one does not have removed, as ``save_pretrained`` removes them."""
-    written = sorted(p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file())
+    written = {p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file()}
     stems = {(w.parent, m["stem"]) for w in written if (m := _WEIGHTS.fullmatch(w.name))}
     for w in written:
         (target / w).parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp / w, target / w)
-    for old in target.rglob("*"):
-        m = _WEIGHTS.fullmatch(old.name)
-        if m and (old.relative_to(target).parent, m["stem"]) in stems and old.relative_to(target) not in written:
-            old.unlink()
+    for folder in {parent for parent, _ in stems}:  # (only where this export wrote weights)
+        for old in (target / folder).iterdir():
+            m = _WEIGHTS.fullmatch(old.name)
+            if m and old.is_file() and (folder, m["stem"]) in stems and folder / old.name not in written:
+                old.unlink()
 
 
 def _exported(root, name: str | None):
