@@ -169,26 +169,28 @@ def _write(engine, state: dict, tmp: Path, path: Path, meta: dict | None) -> Non
 def _naming(e: BaseException, what: str, hints: dict[int, str]) -> BaseException:
     """The error a failed save or load raises: ``e``, or, where its first ``OSError`` (among the
     ranks' failures too: a full disk, an unwritable directory, a missing file) is found, one of
-    that type and errno whose first line says ``what`` failed, why, and ``hints[errno]``."""
-    cause = _first_os_error(e)
-    if cause is None:
-        return e
+    that type and errno whose first line says ``what`` failed, why, and ``hints[errno]``. A
+    Ctrl-C that DCP wrapped in its own error is the ``KeyboardInterrupt`` it was."""
+    cause = _first_cause(e)
+    if cause is None or isinstance(cause, KeyboardInterrupt):
+        return cause or e
     hint = hints.get(cause.errno, "")
     return type(cause)(cause.errno, f"{what}: {cause.strerror or cause}{hint}", cause.filename)
 
 
-def _first_os_error(e: BaseException | None, depth: int = 0) -> OSError | None:
-    """The first ``OSError`` in ``e``, its causes, or the per-rank failures DCP collects."""
+def _first_cause(e: BaseException | None, depth: int = 0) -> OSError | KeyboardInterrupt | None:
+    """The first ``OSError`` or ``KeyboardInterrupt`` in ``e``, its causes, or the per-rank
+    failures DCP collects."""
     if e is None or depth > 8:
         return None
-    if isinstance(e, OSError) and e.errno is not None:
+    if isinstance(e, KeyboardInterrupt) or (isinstance(e, OSError) and e.errno is not None):
         return e
     failures = getattr(e, "failures", None)
     for failure in (failures.values() if isinstance(failures, dict) else []):
-        found = _first_os_error(failure[0] if isinstance(failure, tuple) else failure, depth + 1)
+        found = _first_cause(failure[0] if isinstance(failure, tuple) else failure, depth + 1)
         if found is not None:
             return found
-    return _first_os_error(e.__cause__ or e.__context__, depth + 1)
+    return _first_cause(e.__cause__ or e.__context__, depth + 1)
 
 
 def _replace(tmp: Path, path: Path) -> None:
@@ -425,9 +427,11 @@ def _load(read: dict, path: Path) -> None:
         with _quiet():
             dcp.load(read, checkpoint_id=str(path), no_dist=True)
     except (Exception, dcp.CheckpointException) as e:  # DCP's is a BaseException
-        cause = _first_os_error(e)
+        cause = _first_cause(e)
         if cause is None:
             raise
+        if isinstance(cause, KeyboardInterrupt):
+            raise cause from e
         hint = {errno.ENOENT: f" ({Path(cause.filename).name} is missing: the directory is incomplete; save it "
                               "again or copy every file of it)"} if cause.filename else {}
         raise _naming(cause, f"The sharded checkpoint {path} cannot be read", hint) from e

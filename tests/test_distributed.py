@@ -1232,6 +1232,30 @@ def test_a_full_disk_under_the_checkpoints_meta_file_names_enospc(tmp_path, monk
     assert os.listdir(tmp_path) == []
 
 
+def test_ctrl_c_inside_a_sharded_save_is_a_keyboard_interrupt_and_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    """Ctrl-C while DCP writes a shard (DCP wraps every rank's failure in its CheckpointException,
+    which Lightning's Trainer does not take for an interrupt): the save raises the
+    KeyboardInterrupt itself, the checkpoint saved before is whole, and nothing is left beside it."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    model = _model(frozen=False)
+    _, engine = protrain_run(model, batches(1), standard_plans(model)["mixed-buf2"])
+    engine.save_sharded(tmp_path / "ckpt")
+    before = {f.name: f.read_bytes() for f in (tmp_path / "ckpt").iterdir()}
+    create = FileSystem.create_stream
+
+    def interrupted(self, path, mode):
+        if "distcp" in str(path):
+            raise KeyboardInterrupt
+        return create(self, path, mode)
+
+    monkeypatch.setattr(FileSystem, "create_stream", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.save_sharded(tmp_path / "ckpt")
+    assert os.listdir(tmp_path) == ["ckpt"]
+    assert {f.name: f.read_bytes() for f in (tmp_path / "ckpt").iterdir()} == before
+
+
 def test_a_missing_shard_file_is_named_in_the_first_line(tmp_path):
     model = _model(frozen=False)
     _, engine = protrain_run(model, batches(1), standard_plans(model)["mixed-buf2"])

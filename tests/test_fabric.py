@@ -75,12 +75,13 @@ def test_fabric_loop_equals_plain_pytorch(strategy):
         torch.testing.assert_close(fabric.strategy.engine.state_dict()[k], v, rtol=0, atol=0, msg=k)
 
 
-@pytest.mark.parametrize("clear", ["optimizer", "model", "p.grad"])
+@pytest.mark.parametrize("clear", ["optimizer", "optimizer in place", "model", "p.grad"])
 def test_a_skipped_step_trains_on_like_the_default_strategy(clear):
     """A batch whose step is skipped (backward, then its gradients cleared without a step: a guard
     against a loss one does not trust) through Fabric's optimizer wrapper (whose zero_grad is the
-    optimizer class's own), the model's zero_grad, or ``p.grad = None``: the next backward starts
-    the step afresh, and the run ends as under Fabric's default strategy."""
+    optimizer class's own; ``set_to_none=False`` zeroes every ``p.grad`` in place), the model's
+    zero_grad, or ``p.grad = None``: the next backward starts the step afresh, and the run ends as
+    under Fabric's default strategy."""
     data = batches(6, batch=4)
     runs = []
     for strategy in ("auto", "protrain"):
@@ -93,8 +94,8 @@ def test_a_skipped_step_trains_on_like_the_default_strategy(clear):
             loss = model(input_ids=x, labels=x).loss
             fabric.backward(loss)
             losses.append(loss.item())
-            if i == 2 and clear == "optimizer":
-                opt.zero_grad()
+            if i == 2 and clear.startswith("optimizer"):
+                opt.zero_grad(set_to_none=clear == "optimizer")
             elif i == 2 and clear == "model":
                 model.zero_grad()
             elif i == 2:
@@ -113,7 +114,8 @@ def test_a_skipped_step_trains_on_like_the_default_strategy(clear):
 def test_accumulation_without_no_backward_sync_is_refused_naming_it():
     """Two backwards before a step outside ``fabric.no_backward_sync`` (the default strategy's
     optimisation, ProTrain's requirement: the first already finished the step's gradients): the
-    refusal names the Fabric way to accumulate."""
+    refusal names the Fabric way to accumulate, and leaves the gradients as they were. Every
+    gradient zeroed in place is a step skipped, not an accumulation: the backward is taken."""
     fabric = Fabric(strategy="protrain", accelerator="cpu", devices=1)
     model = MODELS["gpt2"]()
     model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters()))
@@ -121,6 +123,15 @@ def test_accumulation_without_no_backward_sync_is_refused_naming_it():
     fabric.backward(model(input_ids=x, labels=x).loss)
     with pytest.raises(RuntimeError, match=re.escape("fabric.no_backward_sync(model)")):
         fabric.backward(model(input_ids=x, labels=x).loss)
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None for g in grads)
+    grads[0].zero_()
+    with pytest.raises(RuntimeError, match=re.escape("fabric.no_backward_sync(model)")):
+        fabric.backward(model(input_ids=x, labels=x).loss)
+    for g in grads[1:]:
+        g.zero_()
+    fabric.backward(model(input_ids=x, labels=x).loss)
+    opt.step()
 
 
 @pytest.mark.parametrize("strategy", ["protrain", "streamed"])

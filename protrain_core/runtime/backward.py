@@ -58,6 +58,14 @@ class BackwardPasses:
         """What one backward does around autograd's pass (``loss``: None where the user's
         ``loss.backward()`` started it)."""
         self.ready()
+        self.clipping.zeroed_in_place()
+        if self.scheduler.stepped_backward:
+            raise RuntimeError(
+                "engine.backward() was called twice without engine.step(), but the first backward "
+                "already finished this step's gradients (ProTrain updates offloaded chunks during "
+                "backward, or unscales them and takes their norms). For gradient accumulation, run "
+                "the non-final micro-batches inside `with engine.no_sync():` (in a Fabric loop: `with "
+                "fabric.no_backward_sync(model):`; the Trainer does it for accumulate_grad_batches).")
         self.grads.apply_late()  # a clipping requested since the last backward clips what it saw, as torch's
         state = self.step_state
         if state.final_micro_batch:

@@ -173,6 +173,16 @@ class Clipping:
         if self._scheduler.clear_grads(members):
             self._grads.discard()  # (every gradient cleared: what zero_grad leaves)
 
+    def zeroed_in_place(self) -> None:
+        """Before a backward: where every gradient of the step's finished backward was zeroed
+        through ``p.grad`` (torch's ``zero_grad(set_to_none=False)``), clear them as ``zero_grad``
+        does, so the backward starts the step afresh (torch's adds to the zeros)."""
+        if not (self._scheduler.stepped_backward and self._grads.read_since_backward):
+            return
+        members = [(c, i) for c in self._chunks for i in range(len(c.spec.members)) if c.has_grad(i)]
+        if all(c.storage.fmt.accumulator and not c.values.state_view(c.storage.grad_acc, i).any() for c, i in members):
+            self.clear_grads(members)
+
     @property
     def configured(self) -> ClippingConfig | None:
         """The clipping configured ahead (``configure``)."""

@@ -276,14 +276,6 @@ class Scheduler:
     @contextmanager
     def backward_pass(self, *, boundary: bool, loss: Tensor | None = None):
         """One ``engine.backward`` of ``loss``; ``boundary``: a step follows (not inside ``no_sync``)."""
-        if self.stepped_backward:
-            raise RuntimeError(
-                "engine.backward() was called twice without engine.step(), but the first backward "
-                "already finished this step's gradients (ProTrain updates offloaded chunks during "
-                "backward, or unscales them and takes their norms). For gradient accumulation, run "
-                "the non-final micro-batches inside `with engine.no_sync():` (in a Fabric loop: `with "
-                "fabric.no_backward_sync(model):`; the Trainer does it for accumulate_grad_batches)."
-            )
         with self.phase.entered(TrainingPhase.BACKWARD, leaving=TrainingPhase.IDLE,
                                 error="engine.backward() was called while another backward is running."):
             self.boundary = boundary
