@@ -1,7 +1,8 @@
 """The check at wrap is what the runtime needs ([Note: plan validity] in plan.py): for models
 whose modules need several streamed chunks at once -- a T5 encoder-decoder, a parameter shared
 by two blocks, a block calling another block's module, a module with parameters calling a child
-with parameters -- every plan wrap accepts trains exactly like plain PyTorch, and one buffer
+with parameters (traced, or not: by the modules' nesting), a user's module owning a parameter
+around a Hugging Face LM -- every plan wrap accepts trains exactly like plain PyTorch, and one buffer
 fewer is refused by wrap with the number to use, before anything is allocated."""
 
 import copy
@@ -54,6 +55,25 @@ class Stack(nn.Module):
         return self.head(x).square().mean()
 
 
+class Tempered(nn.Module):
+    """A user's module owning a parameter around a Hugging Face LM (which is traced alone): its
+    unit runs around every unit of the LM."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = tiny_gpt2()
+        self.temperature = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        logits = self.lm(input_ids=x).logits / self.temperature
+        return nn.functional.cross_entropy(logits.flatten(0, 1), x.flatten())
+
+
+def tempered():
+    torch.manual_seed(0)
+    return Tempered()
+
+
 def t5():
     from transformers import T5Config, T5ForConditionalGeneration
 
@@ -76,6 +96,8 @@ def _inputs(name):
     if name == "t5":
         x = torch.randint(1, 64, (2, 8), generator=g)
         return {"input_ids": x, "labels": x}
+    if name == "hf-wrapper":
+        return (torch.randint(0, 96, (2, 16), generator=g),)
     return (torch.randn(4, 64, generator=g),)
 
 
@@ -92,13 +114,17 @@ MODELS = {
     "shared-parameter-packed": (stack("parameter"), {}),
     "shared-module": (stack("module"), {"chunk_size": 64 * 64 + 64}),
     "nested-units": (stack(None), {"chunk_size": 64 * 64 + 64}),
+    # Without example inputs nothing is traced: the head's unit is taken to run around its child's.
+    "nested-units-untraced": (stack(None), {"chunk_size": 64 * 64 + 64}),
+    "hf-wrapper": (tempered, {}),
 }
+TRACED = ("shared-parameter", "shared-parameter-packed", "shared-module", "nested-units")  # with example inputs
 
 
 def _wrap(name, plan):
     make, layout_kw = MODELS[name]
     model = make()
-    example = _inputs(name) if name != "t5" else None
+    example = _inputs(name) if name in TRACED else None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     config = pt.ProTrainConfig(planning=pt.PlanningConfig(**layout_kw), runtime=pt.RuntimeConfig(check_invariants=True))
     return model, pt.wrap(model, opt, plan, device="cpu", example_inputs=example, config=config)
@@ -108,14 +134,14 @@ def _limits(name):
     make, layout_kw = MODELS[name]
     model = make()
     path, blocks = pt.find_blocks(model)
-    layout = pt.build_layout(model, path, len(blocks), example_inputs=_inputs(name) if name != "t5" else None,
+    layout = pt.build_layout(model, path, len(blocks), example_inputs=_inputs(name) if name in TRACED else None,
                              **layout_kw)
     return layout.limits()
 
 
 def test_the_models_need_more_than_one_buffer():
     """The cases are what they claim: some unit stack needs two streamed chunks at once."""
-    for name in ("shared-parameter", "shared-parameter-packed", "shared-module", "nested-units"):
+    for name in (*TRACED, "nested-units-untraced", "hf-wrapper"):
         assert _limits(name).buffers_needed(0) == 2, name
     assert _limits("t5").buffers_needed(0) >= 1
     gpt2 = tiny_gpt2()
