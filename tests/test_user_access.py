@@ -677,3 +677,78 @@ def test_a_zero_grad_set_on_the_model_itself_is_called_and_put_back():
     engine.close()
     model.zero_grad(False)
     assert calls == [True, False]
+
+
+class _SelfClamped(torch.nn.Module):
+    """A stem that renormalises its rows in forward (``nn.Embedding(max_norm=...)``) and blocks
+    that clamp their own weight in forward before using it: writes in place through the
+    parameters, inside the modules that own them."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.a.weight.clamp_(-0.1, 0.1)
+            return x + self.b(torch.tanh(self.a(x)))
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(32, 16, max_norm=1.0)
+        self.blocks = torch.nn.ModuleList(self.Block() for _ in range(4))
+        self.out = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h).square().mean()
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_a_parameter_written_in_place_by_its_own_module_keeps_the_write(precision):
+    """Writes into a parameter inside the forward of the module that owns it reach the weights
+    the optimizer updates, on every plan: streamed chunks take them before their device copy goes,
+    and in bf16-mixed (where the module writes the compute copy) before each update, the
+    unwritten elements keeping the fp32 master's bits (else updates below bf16's resolution would
+    be rounded away each step). fp32: bitwise plain PyTorch. Before, the writes were lost."""
+    data = [torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(k)) for k in range(STEPS)]
+    lr = 3e-2 if precision == "32-true" else 1e-4
+    ref = _SelfClamped()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, fused=True)
+    ref_losses = []
+    for x in data:
+        with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16-mixed"):
+            loss = ref(x)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    start = _SelfClamped().blocks[0].a.weight.detach()
+    for name, plan in plans(6).items():
+        model = _SelfClamped()
+        engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=lr), plan, device="cpu",
+                         precision=precision, example_inputs=(data[0],),
+                         config=pt.ProTrainConfig(planning=pt.PlanningConfig(chunk_size=16 * 16 * 2 + 32)))
+        losses = []
+        for x in data:
+            loss = engine.module(x)
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+            losses.append(loss.item())
+        state = engine.state_dict()
+        if precision == "32-true":
+            assert losses == ref_losses, name
+            assert_same_weights(state, ref, atol=0.0)
+            continue
+        assert losses == pytest.approx(ref_losses, rel=1e-2), name
+        for k in range(4):  # clamped in the last forward, then one update away, as plain's
+            assert state[f"blocks.{k}.a.weight"].abs().max() <= ref.blocks[k].a.weight.abs().max() + 1e-3, (name, k)
+        inside = start.abs() < 0.05  # never clamped: they follow plain's fp32 weights
+        moved = (ref.blocks[0].a.weight.detach() - start)[inside].abs().max()
+        assert (state["blocks.0.a.weight"] - ref.blocks[0].a.weight.detach())[inside].abs().max() < 0.1 * moved, name
+        assert state["emb.weight"][data[-1].unique()].norm(dim=1).max() <= 1.0 + 1e-2, name

@@ -170,7 +170,7 @@ class Chunk:
         self._event = None  # the fetch or offload copy in flight
         self._future: Future | None = None  # the CPU worker's job on this chunk
         self._reduced: Tensor | None = None  # W processes: this rank's piece of the reduced gradients
-        self._pointed = [0] * len(params)  # data_ptr() of each parameter where the chunk pointed it
+        self._pointed = [(0, 0)] * len(params)  # (data_ptr(), _version) of each parameter where the chunk pointed it
         self.at_placeholders = False  # released inside a pass: parameters at device NaN ([Note: a pass's placeholders])
         self._nan: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
@@ -239,6 +239,7 @@ class Chunk:
         to the host tensor ``landing_for(replace)`` and hand the chunk to the CPU worker, which
         lands the gradients (and runs Adam when ``applied``): ``submit(event, landing, replace)``
         returns its future. ``replace``: the first pass since zero_grad (replacing the garbage)."""
+        self.adopt_written()
         target = self._moved("begin_offload")
         grad_target = self._grad_moved("land_applied" if applied else "land")
         replace = self.grad_state is GradState.FIRST
@@ -443,16 +444,16 @@ class Chunk:
             if at_rest is None:
                 at_rest = self._nan_of(storage.host, storage.fmt.compute_dtype).expand(p.shape)
             p.data = at_rest
-            self._pointed[i] = p.data_ptr()
+            self._mark(i)
         self.at_placeholders = False
 
     @plain_parameters
     def point_at_placeholders(self) -> None:
         """Point the parameters at a NaN of their device and dtype ([Note: a pass's placeholders])."""
         self._take(self.rebound())
-        for p in self.params:
+        for i, p in enumerate(self.params):
             p.data = self._nan_of(p.device, p.dtype).expand(p.shape)
-        self._pointed = [p.data_ptr() for p in self.params]
+            self._mark(i)
         self.at_placeholders = True
 
     def _nan_of(self, device: torch.device, dtype: torch.dtype) -> Tensor:
@@ -476,7 +477,7 @@ class Chunk:
             return
         for i, *_ in self.storage.frozen.quantised:
             self.params[i].data = self.values.member_value(i)
-            self._pointed[i] = self.params[i].data_ptr()
+            self._mark(i)
 
     @plain_parameters
     def point_params_at(self, flat: Tensor, members=None) -> None:
@@ -485,7 +486,7 @@ class Chunk:
         for i in range(len(self.params)) if members is None else members:
             p = self.params[i]
             p.data = self.values.view(flat, i)
-            self._pointed[i] = p.data_ptr()
+            self._mark(i)
         self.at_placeholders = False
 
     @plain_parameters
@@ -497,12 +498,25 @@ class Chunk:
     @plain_parameters
     def points(self, i: int) -> bool:
         """Member ``i``'s parameter points where the chunk pointed it (not rebound by the user)."""
-        return self.params[i].data_ptr() == self._pointed[i]
+        return self.params[i].data_ptr() == self._pointed[i][0]
 
     @plain_parameters
     def rebound(self) -> list[int]:
-        """The members whose ``.data`` the user rebound since the chunk last pointed them."""
-        return [i for i, p in enumerate(self.params) if p.data_ptr() != self._pointed[i]]
+        """The members whose ``.data`` the user rebound, or wrote in place through the parameter (a
+        module's own ``weight.clamp_()`` in its forward, ``nn.Embedding(max_norm=...)``), since
+        the chunk last pointed them."""
+        return [i for i, p in enumerate(self.params) if (p.data_ptr(), p._version) != self._pointed[i]]
+
+    def _mark(self, i: int) -> None:
+        """Member ``i``'s parameter is pointed where the chunk holds its value."""
+        p = self.params[i]
+        self._pointed[i] = (p.data_ptr(), p._version)
+
+    def adopt_written(self) -> None:
+        """Before an update reads the masters (the device Adam of a persistent chunk, a streamed
+        chunk's offload): what was rebound or written in place is in them."""
+        if members := self.rebound():
+            self.adopt(members)
 
     @plain_parameters
     def adopt(self, members: list[int] | None = None) -> None:
@@ -520,10 +534,10 @@ class Chunk:
         streamed chunk's device copy); each is pointed anew next, by the caller."""
         with torch.no_grad():
             for i in members:
-                self.values.set_member(i, self.params[i].detach())
+                self.values.set_member(i, self.params[i].detach(), in_place=self.points(i))
                 if not self.persistent and self.device_resident:  # as stored (a quantised member's round trip)
                     self.values.view(self.storage.device_copy, i).copy_(self.values.member_value(i))
-                self._pointed[i] = self.params[i].data_ptr()
+                self._mark(i)
 
     @plain_parameters
     def detach_params(self) -> None:

@@ -141,16 +141,20 @@ class ChunkValues:
         part = self.storage.shards.state_piece(m)
         return _shaped(value.reshape(-1), None if part is None else (0, part[0], part[2]), m)
 
-    def set_member(self, i: int, value: Tensor) -> None:
+    def set_member(self, i: int, value: Tensor, *, in_place: bool = False) -> None:
         """Write member ``i``'s ``value``: its master (trainable), and the compute copy where it
-        rests (this rank's pieces of a streamed chunk's host copy)."""
+        rests (this rank's pieces of a streamed chunk's host copy). ``in_place``: ``value`` is the
+        compute copy written in place, whose unchanged elements keep the master's precision."""
         storage, m = self.storage, self.spec.members[i]
         trainable = m.trainable and storage.master is not None
         frozen, c = storage.frozen, storage.fmt.compute_dtype
         with torch.no_grad():
             if trainable:
                 master = self.state_view(storage.master, i)
-                master.copy_(self.own_piece(i, value))
+                piece = self.own_piece(i, value).to(master.device)
+                if in_place and piece.dtype != master.dtype:
+                    piece = torch.where(piece != master.to(piece.dtype), piece.to(master.dtype), master)
+                master.copy_(piece)
             if storage.persistent:
                 if frozen is not None and not m.trainable and frozen.entries[i][0]:  # what a streamed chunk keeps
                     value = round_trip(value.detach().to(device=storage.device, dtype=c), frozen.fmt)
