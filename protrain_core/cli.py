@@ -96,7 +96,10 @@ def _adapters(args) -> str:
 
 def _build(args, config=None, device: str = "cpu"):
     """The model of ``--model`` (or ``config``: another batch's) with ``--lora-rank``'s adapters."""
-    return models.build(config or args.config, device, lora_rank=args.lora_rank, lora_targets=args.lora_targets)
+    try:
+        return models.build(config or args.config, device, lora_rank=args.lora_rank, lora_targets=args.lora_targets)
+    except ValueError as e:  # (a config no causal or seq2seq LM class takes; --lora-targets matching no module)
+        raise SystemExit(f"protrain plan: cannot build {args.model or 'the model'}: {e}") from None
 
 
 def check_prediction(args, config, prof, choice) -> None:
@@ -214,9 +217,14 @@ def _simulated(args, config, name: str):
              f"{sim.spec.name}{ranks}: profile, plan, two training steps ...")
     counts = _parameters(model)
     config = _config(args).replace(clipping=("norm", args.clip_norm) if args.clip_norm else None)
-    result = simulate(model, opt, batch, device=sim, plan=args.plan, budget=_simulated_budget(args),
-                      precision=args.precision, config=config, world_size=args.world_size,
-                      description=f"{what}, batch {args.batch_size} x {args.seq_len}")
+    try:
+        result = simulate(model, opt, batch, device=sim, plan=args.plan, budget=_simulated_budget(args),
+                          precision=args.precision, config=config, world_size=args.world_size,
+                          description=f"{what}, batch {args.batch_size} x {args.seq_len}")
+    except ValueError as e:
+        if args.plan is None:
+            raise
+        raise SystemExit(f"protrain plan: --plan {'/'.join(map(str, args.plan.values()))}: {e}") from None
     return result, counts
 
 
@@ -352,13 +360,13 @@ def main(argv=None) -> int:
     p.add_argument("--world-size", type=int, default=1,
                    help="what if the chunks are sharded over this many processes (data parallel; the batch is each "
                         "process's)")
-    p.add_argument("--collective-bandwidth", type=float, default=25.0,
-                   help="with --world-size: all-gather / reduce-scatter bandwidth to assume, GB/s (default 25: "
-                        "PCIe or InfiniBand; NVLink is several times more)")
+    p.add_argument("--collective-bandwidth", type=float, default=None,
+                   help="with --world-size, without --simulate: all-gather / reduce-scatter bandwidth to assume, GB/s "
+                        "(default 25: PCIe or InfiniBand; NVLink is several times more)")
     p.add_argument("--simulate", action="store_true",
                    help="plan and train on a simulated device instead of this machine's: the model on the meta device, "
                         "any size, no GPU (prints the simulated step next to the cost model's prediction)")
-    p.add_argument("--hardware", default="h100",
+    p.add_argument("--hardware", default=None,
                    help="with --simulate: h100, h200, or a JSON file of DeviceSpec fields (protrain_core/simulator/hardware.py)")
     p.add_argument("--plan", default=None, help="with --simulate: simulate this plan, persist/buffer/swap/checkpoint, e.g. 0/2/0/8 "
                                                 "(default: the one the search chooses)")
@@ -398,8 +406,12 @@ def check_arguments(ap: argparse.ArgumentParser, args) -> None:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.check_steps < 0:
         ap.error("--check-steps must be >= 0")
-    if args.world_size < 1 or args.collective_bandwidth <= 0:
+    if args.world_size < 1 or args.collective_bandwidth is not None and args.collective_bandwidth <= 0:
         ap.error("--world-size must be >= 1 and --collective-bandwidth > 0")
+    if args.collective_bandwidth is not None and (args.world_size == 1 or args.simulate):
+        ap.error("--collective-bandwidth is what a profile on this machine assumes for --world-size > 1 (a simulated "
+                 "device's is its --hardware's): give it with --world-size, without --simulate")
+    args.collective_bandwidth = args.collective_bandwidth or 25.0
     _check_lora_arguments(ap, args)
     try:
         args.device_memory, args.host_memory = (None if v is None else parse_bytes(v, name) for v, name in
@@ -450,8 +462,8 @@ def _check_lora_arguments(ap: argparse.ArgumentParser, args) -> None:
 
 
 def _check_simulation_arguments(ap: argparse.ArgumentParser, args) -> None:
-    only = [name for name, given in (("--plan", args.plan), ("--clip-norm", args.clip_norm), ("--timeline", args.timeline))
-            if given is not None]
+    only = [name for name, given in (("--plan", args.plan), ("--clip-norm", args.clip_norm), ("--timeline", args.timeline),
+                                     ("--hardware", args.hardware)) if given is not None]
     if args.largest and (args.model is not None or args.plan is not None or args.timeline is not None or args.batch_sizes):
         ap.error("--largest climbs a ladder of models and plans each: leave out --model, --plan, --timeline and "
                  "--batch-sizes")
@@ -462,7 +474,7 @@ def _check_simulation_arguments(ap: argparse.ArgumentParser, args) -> None:
     if args.device is not None or args.batch_sizes:
         ap.error("--simulate replaces the device and simulates one batch size: leave out --device and --batch-sizes")
     try:
-        args.hardware = load_spec(args.hardware)
+        args.hardware = load_spec(args.hardware or "h100")
     except ValueError as e:
         ap.error(str(e))
     memory = {k: v for k, v in (("device_memory_bytes", args.device_memory), ("host_memory_bytes", args.host_memory)) if v}

@@ -54,15 +54,17 @@ def load_config(name: str):
 
 def build(config, device: torch.device | str = "cpu", *, lora_rank: int | None = None,
           lora_targets: str = "all-linear"):
-    """(a causal LM of ``config`` with random weights on ``device``, AdamW over its trainable
-    parameters); ``device="meta"``: shapes only, no memory. ``lora_rank``: LoRA adapters of that
-    rank (peft, alpha twice the rank) on ``lora_targets`` ("all-linear": every linear layer but
-    the output head; or module names, comma-separated), the base frozen."""
-    from transformers import AutoModelForCausalLM
+    """(a causal LM of ``config``, or a sequence-to-sequence one for an encoder-decoder, with
+    random weights on ``device``, AdamW over its trainable parameters); ``device="meta"``: shapes
+    only, no memory. ``lora_rank``: LoRA adapters of that rank (peft, alpha twice the rank) on
+    ``lora_targets`` ("all-linear": every linear layer but the output head; or module names,
+    comma-separated), the base frozen. A config or targets that cannot be built: ``ValueError``."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     config.use_cache = False
+    auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto.from_config(config)
         if lora_rank is not None:
             from peft import LoraConfig, get_peft_model
 

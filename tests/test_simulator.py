@@ -271,12 +271,39 @@ def test_plan_simulate_command(capsys, tmp_path):
         with pytest.raises(SystemExit):
             main(["plan", "--model", "tiny-llama", "--simulate", *argv])
         assert error in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["plan", "--model", "tiny-llama", "--plan", "0/2/0/0"])
-    assert "need --simulate" in capsys.readouterr().err
+    for argv in (["--plan", "0/2/0/0"], ["--hardware", "h200"]):
+        with pytest.raises(SystemExit):
+            main(["plan", "--model", "tiny-llama", *argv])
+        assert "need --simulate" in capsys.readouterr().err
+    for argv in (["--collective-bandwidth", "100"], ["--simulate", "--world-size", "2", "--collective-bandwidth", "100"]):
+        with pytest.raises(SystemExit):
+            main(["plan", "--model", "tiny-llama", *argv])
+        assert "give it with --world-size, without --simulate" in capsys.readouterr().err
+    # Said in a line, not a traceback: a plan the model cannot run, adapters on modules it lacks.
+    with pytest.raises(SystemExit, match=r"--plan 9/1/0/0: Plan.n_persist=9 but the model has only \d+ chunks"):
+        main(["plan", "--model", "tiny-llama", "--simulate", "--batch-size", "2", "--seq-len", "16", "--plan", "9/1/0/0"])
+    with pytest.raises(SystemExit, match=r"cannot build tiny-gpt2: Target modules \{'q_proj'\} not found"):
+        main(["plan", "--model", "tiny-gpt2", "--simulate", "--batch-size", "2", "--seq-len", "16", "--lora-rank", "4",
+              "--lora-targets", "q_proj"])
     with pytest.raises(SystemExit):
         main(["plan", "--model", "tiny-llama", "--simulate", "--optimizer-state-format", "int4"])
     assert "invalid choice: 'int4'" in capsys.readouterr().err
+
+
+def test_plan_builds_an_encoder_decoder_config_as_a_sequence_to_sequence_lm(tmp_path):
+    """``protrain plan --model DIR`` of a T5 config (which the core API trains): the CLI builds
+    the sequence-to-sequence LM (the causal LM class refused it with a traceback), and the token
+    batch gives it a loss."""
+    from transformers import T5Config
+
+    from protrain_core import models
+
+    T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+             decoder_start_token_id=0).save_pretrained(tmp_path)
+    config = models.load_config(str(tmp_path))
+    model, _ = models.build(config)
+    assert type(model).__name__ == "T5ForConditionalGeneration"
+    assert model(**models.token_batch(config, 2, 8)).loss.isfinite()
 
 
 def test_plan_command_sizes_a_lora_run_with_a_quantised_base_on_a_box_of_given_memory(capsys):
