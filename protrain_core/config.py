@@ -20,9 +20,12 @@ Environment variables may set some defaults (read when the part is created):
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
+
+from torch import nn
 
 from protrain_core.plan import Plan, plan_arguments
 from protrain_core.runtime.compiled import check_compile
@@ -83,6 +86,12 @@ class PlanningConfig:
         for name in ("profile_cache", "reprofile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"PlanningConfig.{name} must be True or False, got {getattr(self, name)!r}.")
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
+            raise ValueError(f"PlanningConfig.cache_dir must be a directory path or None, got {self.cache_dir!r}.")
+        if not (blocks is None or isinstance(blocks, (str, nn.ModuleList)) or isinstance(blocks, tuple)
+                and all(isinstance(b, (str, nn.ModuleList)) for b in blocks)):
+            raise ValueError(f"PlanningConfig.blocks must name the blocks' nn.ModuleList (a dotted name, or a list of "
+                             f"them), or be None to discover them; got {blocks!r}.")
 
     @property
     def budget_bytes(self) -> int | None:
@@ -192,7 +201,7 @@ class ProTrainConfig:
         elif clipping is not None and not isinstance(clipping, ClippingConfig):
             raise ValueError(f"ProTrainConfig.clipping must be a ClippingConfig, a dict of its fields, "
                              f"(algorithm, value) or None, got {type(clipping).__name__}.")
-        if self.grad_accumulator not in (None, True, False):
+        if not any(self.grad_accumulator is v for v in (None, True, False)):
             raise ValueError(f"ProTrainConfig.grad_accumulator must be True, False or None, got {self.grad_accumulator!r}.")
         if not isinstance(self.optimizer_states, bool):
             raise ValueError(f"ProTrainConfig.optimizer_states must be True or False, got {self.optimizer_states!r}.")
@@ -208,18 +217,24 @@ class ProTrainConfig:
     def replace(self, **parts) -> ProTrainConfig:
         """A copy with some fields replaced; nested parts by dict: ``replace(planning={"plan": p})``
         keeps the other planning fields."""
+        _check_fields(ProTrainConfig, parts, "ProTrainConfig")
         changes = {}
         for name, value in parts.items():
             current = getattr(self, name)
             if isinstance(value, dict) and dataclasses.is_dataclass(current):
+                _check_fields(type(current), value, f"ProTrainConfig.{name}")
                 value = dataclasses.replace(current, **value)
             changes[name] = value
         return dataclasses.replace(self, **changes)
 
 
 def _part(cls, values: dict, name: str):
+    _check_fields(cls, values, f"ProTrainConfig.{name}")
+    return cls(**values)
+
+
+def _check_fields(cls, values: dict, what: str) -> None:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ValueError(f"ProTrainConfig.{name} has no field {unknown[0]!r}; its fields are {', '.join(sorted(known))}.")
-    return cls(**values)
+        raise ValueError(f"{what} has no field {unknown[0]!r}; its fields are {', '.join(sorted(known))}.")

@@ -41,6 +41,12 @@ def clean_environment(monkeypatch, tmp_path):
     (lambda: pt.ProTrainConfig(planning={"budget": "1GiB"}), "no field 'budget'"),
     (lambda: pt.ProTrainConfig(runtime=3), "must be a RuntimeConfig"),
     (lambda: pt.ProTrainConfig(clipping="norm"), "clipping must be"),
+    (lambda: pt.PlanningConfig(cache_dir=123), "cache_dir must be a directory path"),
+    (lambda: pt.PlanningConfig(blocks=123), "blocks must name the blocks' nn.ModuleList"),
+    (lambda: pt.ProTrainConfig(grad_accumulator=0), "grad_accumulator must be True, False or None, got 0"),
+    (lambda: pt.RuntimeConfig(worker_cores=[True]), "worker_cores must be a non-empty list"),
+    (lambda: pt.ProTrainConfig().replace(planning={"budget": "1GiB"}), "ProTrainConfig.planning has no field 'budget'"),
+    (lambda: pt.ProTrainConfig().replace(budget="1GiB"), "ProTrainConfig has no field 'budget'"),
 ])
 def test_every_part_checks_its_fields_when_created(make, match):
     with pytest.raises(ValueError, match=match):

@@ -53,7 +53,7 @@ class RuntimeConfig:
                 raise ValueError(f"RuntimeConfig.{name} must be True or False, got {getattr(self, name)!r}.")
         cores = self.worker_cores
         if cores is not None:
-            if isinstance(cores, str) or not all(isinstance(c, int) and c >= 0 for c in cores) or not cores:
+            if isinstance(cores, str) or not all(type(c) is int and c >= 0 for c in cores) or not cores:
                 raise ValueError(f"RuntimeConfig.worker_cores must be a non-empty list of core numbers (e.g. [8, 9, 10, 11]), "
                                  f"got {cores!r}.")
             object.__setattr__(self, "worker_cores", tuple(cores))
