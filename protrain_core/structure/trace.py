@@ -4,12 +4,13 @@ The forward pass runs once with every parameter and buffer replaced by a meta te
 same shape (``torch.func.functional_call``). Hooks record the modules that own parameters in
 the order of their first call (the chunk layout packs parameters in that order) and, for the
 *units* the runtime will hook (each transformer block as a whole, every other module that owns
-parameters and contains none that does), which of them run inside one another: each such stack of active units must have
+parameters), which of them run inside one another: each such stack of active units must have
 all its chunks on the device at once ([Note: plan validity] in plan.py).
 
 Without ``example_inputs`` a Hugging Face model gets ``input_ids`` of shape (1, 8) (and
 ``decoder_input_ids`` for an encoder-decoder). If tracing is impossible the module registration
-order is used, with a warning, and no unit is assumed to run inside another.
+order is used, with a warning, and each unit is taken to run inside the units that contain it
+(as a module's forward calls its children's).
 """
 
 from __future__ import annotations
@@ -34,15 +35,8 @@ class Trace:
 
 def unit_names(model: nn.Module, block_path: str) -> list[str]:
     """The units the runtime hooks: each block as a whole, and every module outside the blocks
-    that owns parameters and contains no module that does (a block's submodules are part of the
-    block's unit). A module that is registered twice is one unit, under its first name (as
-    ``model.named_modules()`` gives it).
-
-    A module owning parameters around others (a wrapper's learned temperature, a ViT's position
-    embedding beside its patch embedding, the model itself) is no unit: hooked, it would keep its
-    chunk on the device through its whole forward and backward, around every unit it calls. Its
-    own parameters are used where its code uses them ([Note: parameters used outside their
-    units] in runtime/hooks.py), so no unit runs inside another by containment."""
+    that owns parameters (a block's submodules are part of the block's unit). A module that is
+    registered twice is one unit, under its first name (as ``model.named_modules()`` gives it)."""
     blocks = {id(b) for b in block_modules(model, block_path)}
     names: list[str] = []
     seen: set[int] = set()
@@ -51,8 +45,7 @@ def unit_names(model: nn.Module, block_path: str) -> list[str]:
         if id(module) in seen:
             return
         seen.add(id(module))
-        own = sum(1 for _ in module.parameters(recurse=False))
-        if id(module) in blocks or own and own == sum(1 for _ in module.parameters()):
+        if id(module) in blocks or any(True for _ in module.parameters(recurse=False)):
             names.append(prefix)
         if id(module) in blocks:
             return
@@ -67,10 +60,10 @@ def trace(model: nn.Module, block_path: str, example_inputs=None) -> Trace:
     """The execution order of ``model`` and its nested units (see the module docstring)."""
     owners = [n for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
     units = unit_names(model, block_path)
-    registration = Trace(tuple(owners), "registration", tuple((u,) for u in units))
+    registration = Trace(tuple(owners), "registration", tuple(_inside((u,), units) for u in units))
     inner = inner_hf_lm(model) if not is_hf_lm(model) else None
     if inner is not None:
-        return _trace_wrapper(registration, block_path, *inner)
+        return _trace_wrapper(registration, units, block_path, *inner)
     inputs = _default_inputs(model, example_inputs)
     if inputs is None:
         return registration
@@ -98,10 +91,18 @@ def trace(model: nn.Module, block_path: str, example_inputs=None) -> Trace:
     return registration
 
 
-def _trace_wrapper(registration: Trace, block_path: str, name: str, lm: nn.Module) -> Trace:
+def _inside(stack: tuple[str, ...], units: list[str]) -> tuple[str, ...]:
+    """``stack`` with the units that contain one of its units as a submodule: a module's forward
+    runs its children's inside it (a wrapper owning a parameter around a model's blocks)."""
+    around = {a for a in units for u in stack if a != u and (not a or u.startswith(f"{a}."))}
+    return tuple(sorted(set(stack) | around))
+
+
+def _trace_wrapper(registration: Trace, units: list[str], block_path: str, name: str, lm: nn.Module) -> Trace:
     """A wrapper (a LightningModule, a user's module) around one Hugging Face causal LM: trace
     the LM with its own default inputs (the wrapper's inputs, a training batch, need not be the
-    LM's); the wrapper's own parameters come after it (``registration``: the wrapper's order)."""
+    LM's), inside the wrapper's units that contain it; the wrapper's own parameters come after
+    it (``registration``: the wrapper's order)."""
     prefix = f"{name}."
     paths = split_paths(block_path)
     inner_blocks = SEP.join(p[len(prefix):] for p in paths) if all(p.startswith(prefix) for p in paths) else ""
@@ -111,8 +112,8 @@ def _trace_wrapper(registration: Trace, block_path: str, name: str, lm: nn.Modul
     full = lambda n: f"{prefix}{n}" if n else name  # noqa: E731
     called = [full(n) for n in inner.order]
     order = called + [n for n in registration.order if n not in called]
-    stacks = [tuple(full(u) for u in s) for s in inner.stacks]
-    stacks += [(u,) for (u,) in registration.stacks if u != name and not u.startswith(prefix)]
+    stacks = [_inside(tuple(full(u) for u in s), units) for s in inner.stacks]
+    stacks += [s for u, s in zip(units, registration.stacks) if u != name and not u.startswith(prefix)]
     return Trace(tuple(order), inner.source, tuple(stacks))
 
 
