@@ -26,6 +26,7 @@ The strategy is a thin adapter over ``protrain_core``:
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 import lightning.pytorch as pl
@@ -198,6 +199,52 @@ def overrides(module, callbacks, hooks: tuple[str, ...]) -> bool:
                for cb in callbacks)
 
 
+class UnevenPredict:
+    """[Note: uneven predict batches]
+    Lightning gives each rank its share of the predict samples without padding, so the ranks may
+    run different numbers of predict steps. With the chunks sharded over the ranks, a forward
+    all-gathers each streamed chunk, and a rank whose batches ran out would leave another's
+    gathers waiting, or meet them with its next collective (gloo's "collective mismatch"). As
+    torch's ``Join`` shadows DDP's collectives, right after its last step of a dataloader a rank
+    replays the chunk calls of that step (``engine.hooks.replay``: no module runs) once for each
+    step another rank has more. Every step of a dataloader is taken to run the same units, as a
+    model's forwards do. A rank with no batch of a dataloader others predict from has no step to
+    replay: refused on every rank before the first step."""
+
+    def __init__(self, engine: pt.Engine, own: list[int], most: list[int]) -> None:
+        self.engine, self.own, self.more = engine, own, [m - n for m, n in zip(most, own)]
+        self.done = [0] * len(own)
+
+    @classmethod
+    def of(cls, engine: pt.Engine | None, strategy: ProTrainStrategy) -> UnevenPredict | None:
+        """For the predict about to run on ``engine`` (a collective); None where this rank has as
+        many steps as any (one process, or a dataloader without a length anywhere)."""
+        if engine is None or engine.sharding.whole:
+            return None
+        own = [-1 if math.isinf(n) else int(n) for n in strategy.lightning_module.trainer.num_predict_batches]
+        counts = strategy.all_gather(torch.tensor(own, device=strategy.root_device)).reshape(-1, len(own))
+        if (counts < 0).any():
+            return None
+        most = counts.max(0).values.tolist()
+        if (counts == 0).logical_and(counts.max(0).values > 0).any():
+            raise RuntimeError(
+                f"trainer.predict: a rank gets no batch of a dataloader the others predict from (batches per rank and "
+                f"dataloader: {counts.tolist()}). ProTrain shards the chunks over the ranks, and that rank has no step "
+                f"to take part in the others' forwards with. Give every rank a batch (at least {strategy.world_size} x "
+                "batch_size samples), or predict with devices=1.")
+        return cls(engine, own, most) if most != own else None
+
+    def step(self, run, dataloader: int):
+        """``run()``, one predict step of ``dataloader``, and after this rank's last the replays."""
+        with self.engine.hooks.recording() as log:
+            out = run()
+        self.done[dataloader] += 1
+        if self.done[dataloader] == self.own[dataloader]:
+            for _ in range(self.more[dataloader]):
+                self.engine.hooks.replay(log)
+        return out
+
+
 class ProTrainStrategy(StrategyPlumbing, ParallelStrategy):
     """Train with ProTrain: chunked model states streamed from host memory, CPU Adam during
     backward, and per-block activation checkpointing/swapping, chosen automatically.
@@ -250,6 +297,7 @@ class ProTrainStrategy(StrategyPlumbing, ParallelStrategy):
         self._sharded_weights: bool | None = None  # its weights wait for the engine (the strict flag)
         self._meta_weights: dict | None = None  # ckpt_path's weights for a module on the meta device
         self._failed = False  # an exception ends the run: teardown runs no collective
+        self._uneven: UnevenPredict | None = None  # the predict running, where ranks have uneven batches
         self._wrapped_optimizers: list = []  # Lightning's wrappers of the optimizer, zero_grad routed
         # A fit's engine configuration, and whether the module clips late, changes gradients, optimizes manually
         self._fit: tuple | None = None
@@ -286,6 +334,22 @@ class ProTrainStrategy(StrategyPlumbing, ParallelStrategy):
         with torch.device("meta") if empty_init else contextlib.nullcontext(), \
                 self.precision_plugin.tensor_init_context():
             yield
+
+    # ----- predict ------------------------------------------------------------------------------
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._uneven = UnevenPredict.of(self._open_engine(), self)
+
+    def predict_step(self, *args, **kwargs) -> Any:
+        run = super().predict_step
+        if self._uneven is None:
+            return run(*args, **kwargs)
+        dataloader = args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0)
+        return self._uneven.step(lambda: run(*args, **kwargs), dataloader)
+
+    def on_predict_end(self) -> None:
+        self._uneven = None
+        super().on_predict_end()
 
     # ----- setup -------------------------------------------------------------------------------
     def on_exception(self, exception: BaseException) -> None:

@@ -332,12 +332,18 @@ _beside_ddp("fabric")
 def test_trainer_with_two_cpu_devices_trains_like_ddp_and_resumes_on_one(tmp_path, background):
     """``Trainer(accelerator="cpu", devices=2, strategy=ProTrainStrategy(...))`` (Lightning's
     launcher, gloo): per-rank losses equal ``strategy="ddp"``'s, with accumulation and clipping;
-    its sharded checkpoint resumes on one device like the default strategy from the full file."""
+    ``trainer.predict`` after fit gives each rank its own unpadded share of the batches (3 and 2:
+    [Note: uneven predict batches]; before, gloo aborted on a collective mismatch); its sharded
+    checkpoint resumes on one device like the default strategy from the full file."""
     runs, (ddp, protrain) = background
     assert [r["world"] for r in protrain] == [2, 2]
     for a, b in zip(ddp, protrain):
         assert b["losses"] == pytest.approx(a["losses"], abs=LOSS_ATOL)
         assert max((a["weights"][k] - b["weights"][k]).abs().max().item() for k in a["weights"]) < WEIGHT_ATOL
+        assert [len(p) for p in b["predictions"]] == [len(p) for p in a["predictions"]]
+        for p, q in zip(a["predictions"], b["predictions"]):
+            torch.testing.assert_close(q, p, rtol=0, atol=1e-3)  # (the weights' tolerance, summed over the vocabulary)
+    assert [len(r["predictions"]) for r in protrain] == [3, 2]
     assert (runs / "pt" / "ckpt.ckpt" / ".metadata").is_file()  # a sharded directory
     assert (runs / "pt" / "final.ckpt").is_file()  # after fit: one file
     sys.path.insert(0, os.path.dirname(SCRIPT))

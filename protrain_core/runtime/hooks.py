@@ -85,6 +85,7 @@ class RuntimeHooks:
         # Unit calls whose outputs joined an autograd graph; gone with the graph (its tensors' hooks hold them).
         self._graphs: weakref.WeakSet[UnitCall] = weakref.WeakSet()
         self._units = {id(m) for m in units}  # (a deep copy of the model shares the hooks: ignored)
+        self._log: list | None = None  # the chunk calls of the forwards being recorded (``recording``)
         for module, idxs in units.items():
             self.handles.append(module.register_forward_pre_hook(self._pre_forward(idxs), with_kwargs=True))
             self.handles.append(module.register_forward_hook(self._post_forward(idxs), with_kwargs=True,
@@ -108,6 +109,23 @@ class RuntimeHooks:
             p.__class__ = nn.Parameter
         self._managed.clear()
         self._onloaded = self.grad_of = self.clear_grads = self._on_backward = None  # (no cycle keeps the engine)
+
+    @contextlib.contextmanager
+    def recording(self):
+        """The chunk calls of the units' forwards run inside, into the list it gives (``replay``)."""
+        self._log = log = []
+        try:
+            yield log
+        finally:
+            self._log = None
+
+    def replay(self, log: list) -> None:
+        """The chunk calls of recorded forwards again, running no module: with several processes, a
+        rank whose batches ran out takes part in the chunks' all-gathers of another rank's forward
+        of the same units, as torch's ``Join`` shadows DDP's collectives (the Trainer's predict:
+        [Note: uneven predict batches] in lightning_protrain/strategy.py)."""
+        for idxs, entering in log:
+            self.scheduler.pre_forward(idxs) if entering else self.scheduler.post_forward(idxs)
 
     def backward_awaited(self) -> bool:
         """A forward that streamed chunks left an autograd graph whose backward has not begun (a
@@ -170,6 +188,8 @@ class RuntimeHooks:
                 call.inputs = {id(t): t._version for t in iter_tensors((args, kwargs)) if not t.is_inference()}
             self._running.append(call)  # before anything that can raise: the post-hook pops it
             self.scheduler.pre_forward(idxs)
+            if self._log is not None:
+                self._log.append((idxs, True))
 
         return hook
 
@@ -181,6 +201,8 @@ class RuntimeHooks:
                 return  # the pre-hook refused the call before it began
             call = self._running.pop()
             self.scheduler.post_forward(idxs)
+            if self._log is not None:
+                self._log.append((idxs, False))
             if not torch.is_grad_enabled():
                 return
             self._await_backward(call, [t for t in iter_tensors(output)  # (not an input passed through)

@@ -2,7 +2,8 @@
 starts the other processes by running this file again): ``trainer|fabric STRATEGY DEVICES OUT
 [--sharded] [--resume CKPT]``. Writes each rank's losses and final weights to OUT/rank<r>.pt and
 a checkpoint (a file, or a directory when sharded): OUT/ckpt.ckpt (the Trainer's ModelCheckpoint),
-OUT/ckpt (Fabric); the Trainer also saves OUT/final.ckpt after fit."""
+OUT/ckpt (Fabric); the Trainer also saves OUT/final.ckpt after fit, then predicts (each rank's
+predictions written too)."""
 
 import argparse
 import os
@@ -34,6 +35,9 @@ def trainer_run(args) -> None:
             self.losses.append(loss.item())
             return loss
 
+        def predict_step(self, batch, i):
+            return self.model(input_ids=batch[0]).logits.sum(-1)
+
         def configure_optimizers(self):
             if args.state_format == "8bit" and args.strategy != "protrain":  # what ProTrain's "8bit" equals
                 import bitsandbytes as bnb
@@ -55,7 +59,10 @@ def trainer_run(args) -> None:
                          enable_model_summary=False, accumulate_grad_batches=2, gradient_clip_val=0.5)
     trainer.fit(lit, data, ckpt_path=args.resume)
     trainer.save_checkpoint(os.path.join(args.out, "final.ckpt"))  # after fit: a file, whatever the type
-    _write(args.out, trainer.global_rank, trainer.world_size, lit.losses, lit.model.state_dict())
+    # Lightning's predict sampler does not pad: 9 samples are 3 batches on rank 0, 2 on rank 1.
+    few = DataLoader(TensorDataset(torch.randint(0, VOCAB, (9, 16), generator=g)), batch_size=2)
+    predictions = trainer.predict(lit, few)
+    _write(args.out, trainer.global_rank, trainer.world_size, lit.losses, lit.model.state_dict(), predictions)
 
 
 def fabric_run(args) -> None:
@@ -90,8 +97,9 @@ def fabric_run(args) -> None:
     _write(args.out, fabric.global_rank, fabric.world_size, losses, weights)
 
 
-def _write(out, rank, world, losses, weights) -> None:
-    torch.save({"losses": losses, "world": world, "weights": weights}, os.path.join(out, f"rank{rank}.pt"))
+def _write(out, rank, world, losses, weights, predictions=None) -> None:
+    torch.save({"losses": losses, "world": world, "weights": weights, "predictions": predictions},
+               os.path.join(out, f"rank{rank}.pt"))
 
 
 if __name__ == "__main__":
