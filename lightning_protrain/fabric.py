@@ -48,6 +48,14 @@ class ProTrainFabricPrecision(EnginePrecision, Precision):
         # strategy, a module and optimizers no engine runs (set up before any module, or never).
         self.lightning = lightning or Precision()
 
+    def convert_input(self, data):
+        """As Lightning's plugin of this precision: floating inputs in the compute dtype."""
+        return self.lightning.convert_input(data)
+
+    def convert_output(self, data):
+        """As Lightning's: floating outputs in the default dtype (a loss taken outside the module in fp32)."""
+        return self.lightning.convert_output(data)
+
     def forward_context(self):
         engine = self.engine
         if engine is None:

@@ -450,3 +450,36 @@ def test_fabric_offloads_the_states_between_steps_and_trains_on_exactly():
     assert losses == ref_losses
     for k, v in ref_model.state_dict().items():  # read while offloaded
         torch.testing.assert_close(strategy.engine.state_dict()[k], v, rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true", "16-mixed"])
+def test_the_modules_inputs_and_outputs_are_converted_as_by_the_default_strategy(precision):
+    """Fabric's precision plugins cast a set-up module's floating inputs to the compute dtype and
+    its floating outputs back to fp32: a loss taken outside the module (the usual Fabric loop) is
+    fp32 under ProTrain too. Before, it was bf16/fp16, and in 16-mixed its backward overflowed at
+    the initial scale, so the first step was skipped (the scale halved) where the default's is not."""
+    data = batches(4, batch=4)
+    runs = []
+    for strategy in ("auto", "protrain"):
+        if precision == "16-mixed":  # (on the CPU Fabric takes "16-mixed" for bf16-mixed; the plugin keeps fp16)
+            from lightning.fabric.plugins import MixedPrecision
+            kw = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]}
+        else:
+            kw = {"precision": precision}
+        fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1, **kw)
+        model = MODELS["gpt2"]()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        model, opt = fabric.setup(model, opt)
+        seen = []
+        for x in data:
+            logits = model(inputs_embeds=torch.randn(*x.shape, 32, generator=torch.Generator().manual_seed(0))).logits
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1), x.flatten())
+            fabric.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            seen.append((logits.dtype, loss.dtype, round(loss.item(), 2)))
+        precision_plugin = fabric.strategy.precision
+        scale = (precision_plugin.scaler.get_scale() if strategy == "auto" else
+                 precision_plugin.state_dict()["scaler"]["scale"]) if precision == "16-mixed" else None
+        runs.append((seen, scale))
+    assert runs[1] == runs[0]
