@@ -281,6 +281,34 @@ def test_a_model_compiled_before_wrap_is_compiled_per_unit_and_given_back_compil
 
 
 @COUNTED
+def test_a_block_the_user_compiled_runs_checkpointed_without_its_cache():
+    """A GPT-2 block the user compiled (inductor, torch's default), checkpointed: its key/value
+    cache (which GPT-2 passes by position) is left out as an uncompiled block's is, so the
+    recomputation does not write it a second time, and it trains as the same block compiled by
+    ``ProTrainConfig(compile=True)``. Before, the compile wrapper's ``*args, **kwargs`` hid the
+    argument, and the compiled backward of the recomputed block failed on the cache's strides."""
+    importlib.import_module("lightning.fabric")  # (records torch.compile's arguments on the module it returns)
+    data = batches(2)
+    runs = []
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)  # (inductor's CPU kernels: see the inductor test)
+    try:
+        for user in (False, True):
+            torch._dynamo.reset()
+            model = MODELS["gpt2"]()
+            if user:
+                model.transformer.h[1] = torch.compile(model.transformer.h[1])
+            plan = standard_plans(model)["swap-checkpoint"]  # block 1 checkpointed
+            engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), plan, device="cpu",
+                             report=lambda *a, **k: None, config=pt.ProTrainConfig(compile=not user))
+            assert engine.block_modes[1] is pt.BlockMode.CHECKPOINT
+            runs.append(train_engine(engine, data))
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert runs[1] == runs[0]
+
+
+@COUNTED
 def test_the_trainer_compiles_a_lightning_modules_compiled_model_per_unit():
     """A LightningModule whose model is ``torch.compile``d: under the ProTrain strategy each
     unit is compiled with its options, and fit equals the default strategy's (the graphs here

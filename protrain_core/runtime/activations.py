@@ -34,7 +34,7 @@ from protrain_core.phase import Observers, StepState, TrainingPhase
 from protrain_core.plan import BlockMode
 from protrain_core.runtime.device import DeviceContext
 from protrain_core.runtime.swap import Counted, HostBuffers, Packed, SwapRecord, check_version
-from protrain_core.utils import iter_tensors, restore_forward
+from protrain_core.utils import is_compile_wrapper, iter_tensors, restore_forward
 
 # Smaller storages stay on the device: a copy this small costs more in latency than it frees.
 MIN_SWAP_BYTES = 1024
@@ -117,7 +117,7 @@ class ActivationManager:
                 # Bound to the block: a deep copy of the model binds it to the copied block.
                 block.forward = types.MethodType(self._checkpointed_forward(i, block.forward), block)
             else:
-                signature = inspect.signature(block.forward)
+                signature = _forward_signature(block)
                 self._handles.append(block.register_forward_pre_hook(self._pre_forward(i, signature), with_kwargs=True))
                 # Prepended: its prefetch hooks go on the outputs before the runtime's, so swapped
                 # activations start coming back before the block's chunks are fetched.
@@ -195,7 +195,7 @@ class ActivationManager:
 
     # ----- checkpointed blocks: the forward wrapper ([Note: block forwards]) -------------------
     def _checkpointed_forward(self, i: int, forward):
-        signature = inspect.signature(forward)
+        signature = _forward_signature(self.blocks[i])
 
         def recompute(buffers, _anchor, *args, **kwargs):
             if not buffers.ran:  # the first run, in forward
@@ -463,3 +463,10 @@ class _BufferState:
         finally:
             for module, name, buffer in self.places:
                 setattr(module, name, buffer)
+
+
+def _forward_signature(block: nn.Module) -> inspect.Signature:
+    """The signature a block's cache arguments are found by (``_without_cache``); a
+    ``torch.compile`` wrapper's is its module's (its own forward takes ``*args, **kwargs``, where
+    a cache passed by position, as GPT-2's blocks get theirs, would not be found)."""
+    return inspect.signature((block._orig_mod if is_compile_wrapper(block) else block).forward)
