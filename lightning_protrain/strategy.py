@@ -80,6 +80,18 @@ class ProTrainPrecision(EnginePrecision, Precision):
         self.log_grad_norm = True  # Lightning's own configure_gradient_clipping: log the norm it returns
         self.accumulated = False  # a backward ran since the last step (a micro-batch before one that returned None)
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """The fp16 loss scaler's state where Lightning's MixedPrecision keeps it (under its class
+        name, in torch's GradScaler format): the default strategy resumes from it, and ProTrain
+        from the default strategy's."""
+        state = checkpoint.pop(type(self).__qualname__, {}).get("scaler")
+        if state:
+            checkpoint["MixedPrecision"] = state
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if checkpoint.get("MixedPrecision"):
+            self.load_state_dict({"scaler": checkpoint["MixedPrecision"]})
+
     def forward_context(self):
         if self.engine is not None:
             return self.engine.autocast()

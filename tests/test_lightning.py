@@ -1064,13 +1064,47 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path, fp16):
     assert len(full.losses) == 12 and resumed.losses == full.losses[6:]
     saved = torch.load(tmp_path / "epoch=0.ckpt", weights_only=True)
     scaler = [v for k, v in saved.items() if k.endswith("Precision")]
-    if fp16:  # grown (or backed off) from 2**16 in the first epoch
-        assert scaler[0]["scaler"]["scale"] != 2.0**16
+    if fp16:  # grown (or backed off) from 2**16 in the first epoch; where Lightning's MixedPrecision keeps it
+        assert [k for k in saved if k.endswith("Precision")] == ["MixedPrecision"]
+        assert scaler[0]["scale"] != 2.0**16
     else:
         assert scaler in ([], [{}])
     wa, wb = weights(resumed), weights(full)
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=0, msg=k)
+
+
+def test_the_fp16_loss_scalers_state_resumes_across_strategies(tmp_path):
+    """A 16-mixed checkpoint of either strategy resumes under the other with its loss scaler's
+    state: the first resumed step runs at the saved scale and growth tracker. Before, ProTrain
+    kept it under its own name and format and read only those: both ways began at 2**16 again."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Scale(pl.Callback):
+        def __init__(self):
+            self.seen = None
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if self.seen is None:
+                plugin = trainer.precision_plugin
+                state = plugin.scaler.state_dict() if isinstance(plugin.scaler, torch.amp.GradScaler) else \
+                    plugin.state_dict()["scaler"]
+                self.seen = (state["scale"], state["_growth_tracker"])
+
+    def run(strategy, epochs, ckpt_path=None, callbacks=()):
+        scale = Scale()
+        t = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
+                       callbacks=[*callbacks, scale], enable_checkpointing=bool(callbacks), enable_progress_bar=False,
+                       enable_model_summary=False, plugins=[fp16_plugin(growth_interval=4)])
+        t.fit(LitLM(), loader(shuffle=False), ckpt_path=ckpt_path)
+        return scale.seen
+
+    for saving, resuming in (("protrain", "auto"), ("auto", "protrain")):
+        folder = tmp_path / saving
+        run(saving, 1, callbacks=[ModelCheckpoint(dirpath=folder, filename="last")])
+        saved = torch.load(folder / "last.ckpt", weights_only=True)["MixedPrecision"]
+        assert (saved["scale"], saved["_growth_tracker"]) != (2.0**16, 0)  # (the first epoch moved it)
+        assert run(resuming, 2, ckpt_path=folder / "last.ckpt") == (saved["scale"], saved["_growth_tracker"]), saving
 
 
 def test_checkpoint_is_plain_pytorch(tmp_path):
