@@ -49,8 +49,10 @@ class ProTrainFabricPrecision(EnginePrecision, Precision):
         self.lightning = lightning or Precision()
 
     def convert_input(self, data):
-        """As Lightning's plugin of this precision: floating inputs in the compute dtype."""
-        return self.lightning.convert_input(data)
+        """As Lightning's plugin of this precision: floating inputs in the compute dtype (without
+        one, bf16-true's only)."""
+        own = self.lightning.precision == self.precision
+        return self.lightning.convert_input(data) if own else super().convert_input(data)
 
     def convert_output(self, data):
         """As Lightning's: floating outputs in the default dtype (a loss taken outside the module in fp32)."""
