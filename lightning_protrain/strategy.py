@@ -237,13 +237,14 @@ class UnevenPredict:
         counts = strategy.all_gather(torch.tensor(own, device=strategy.root_device)).reshape(-1, len(own))
         if (counts < 0).any():
             return None
-        most = counts.max(0).values.tolist()
-        if (counts == 0).logical_and(counts.max(0).values > 0).any():
+        top = counts.max(0).values
+        if ((counts == 0) & (top > 0)).any():
             raise RuntimeError(
                 f"trainer.predict: a rank gets no batch of a dataloader the others predict from (batches per rank and "
                 f"dataloader: {counts.tolist()}). ProTrain shards the chunks over the ranks, and that rank has no step "
                 f"to take part in the others' forwards with. Give every rank a batch (at least {strategy.world_size} x "
                 "batch_size samples), or predict with devices=1.")
+        most = top.tolist()
         return cls(engine, own, most) if most != own else None
 
     def step(self, run, dataloader: int):

@@ -239,7 +239,7 @@ class Chunk:
         to the host tensor ``landing_for(replace)`` and hand the chunk to the CPU worker, which
         lands the gradients (and runs Adam when ``applied``): ``submit(event, landing, replace)``
         returns its future. ``replace``: the first pass since zero_grad (replacing the garbage)."""
-        self.adopt_written()
+        self.adopt_rebound()
         target = self._moved("begin_offload")
         grad_target = self._grad_moved("land_applied" if applied else "land")
         replace = self.grad_state is GradState.FIRST
@@ -512,9 +512,10 @@ class Chunk:
         p = self.params[i]
         self._pointed[i] = (p.data_ptr(), p._version)
 
-    def adopt_written(self) -> None:
-        """Before an update reads the masters (the device Adam of a persistent chunk, a streamed
-        chunk's offload): what was rebound or written in place is in them."""
+    def adopt_rebound(self) -> None:
+        """What was rebound or written in place (``rebound``) into the chunk: before an update
+        reads the masters (the device Adam of a persistent chunk, a streamed chunk's offload),
+        and between steps (``StateAccess.adopt_rebound``)."""
         if members := self.rebound():
             self.adopt(members)
 

@@ -362,7 +362,7 @@ class Scheduler:
         device_clip = clip.on(self.ctx.device)
         for c in pending:
             if c.persistent:
-                c.adopt_written()
+                c.adopt_rebound()
                 with traced("ProTrain::device_adam"), torch.no_grad():
                     self.optim.update(c, hps, self.optim.selected(c), device_clip)
                 if not c.storage.fmt.whole:

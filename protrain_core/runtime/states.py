@@ -144,16 +144,17 @@ class StateAccess:
         return self._slot_of[id(p)]
 
     def adopt_rebound(self) -> None:
-        """Parameters whose ``.data`` the user rebound between steps (``p.data = tensor``) keep the
-        new values: written into their chunks before the next forward and every state dict."""
+        """Parameters whose ``.data`` the user rebound between steps (``p.data = tensor``), or
+        wrote in place, keep the new values: written into their chunks before the next forward
+        and every state dict."""
         if self._state.closed or not self._state.idle:
             return
-        rebound = [(c, members) for c in self._chunks if (members := c.rebound())]
+        rebound = [c for c in self._chunks if c.rebound()]
         if not rebound:
             return
         self._scheduler.wait_all()
-        for c, members in rebound:
-            c.adopt(members)
+        for c in rebound:
+            c.adopt_rebound()
 
     # ----- the optimizer and the loss scaler -------------------------------------------------
     def optimizer(self, *, rank0_only: bool = True, of: torch.optim.Optimizer | None = None) -> dict:

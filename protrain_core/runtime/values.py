@@ -151,8 +151,9 @@ class ChunkValues:
         with torch.no_grad():
             if trainable:
                 master = self.state_view(storage.master, i)
-                piece = self.own_piece(i, value).to(master.device)
-                if in_place and piece.dtype != master.dtype:
+                piece = self.own_piece(i, value)
+                if in_place and piece.dtype != master.dtype:  # (the compute copy: compared where the master is)
+                    piece = piece.to(master.device)
                     piece = torch.where(piece != master.to(piece.dtype), piece.to(master.dtype), master)
                 master.copy_(piece)
             if storage.persistent:
