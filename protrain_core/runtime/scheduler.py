@@ -22,10 +22,17 @@ units active at once ([Note: plan validity] in plan.py).
 In mixed precision the offloaded gradients land in the chunk's host compute-dtype copy, which
 the worker rewrites from the fp32 master after the update: while a chunk is UPDATING its
 parameters must not be read (its next fetch, ``wait_all`` and every state read wait for it).
+
+[Note: a backward that raised]
+With one process, a backward that raised lands the gradients that arrived, unapplied, as torch
+leaves them in ``p.grad``; the chunks Adam already updated during it stay updated (a warning names
+them). ``step()`` then applies the rest, as torch's would; ``zero_grad()`` is allowed and skips
+it. With several processes it ends without collectives (a rank may have left).
 """
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -92,6 +99,7 @@ class Scheduler:
         self.finisher = finisher
         self._after_step: set[int] = set()  # chunks whose update step() handed out and did not wait for
         self.stepped_backward = False  # a backward outside no_sync ran since the last step / zero_grad
+        self.failed = False  # a backward raised since the last step / zero_grad ([Note: a backward that raised])
         self._received = False  # a parameter's gradient arrived in the running backward
         self.check_invariants = switches.check_invariants
         self.boundary = True  # this backward is followed by step() (not inside no_sync)
@@ -294,7 +302,11 @@ class Scheduler:
                     # A backward that raised ends without the reductions: with several processes
                     # a collective on a failure path meets a rank that has left.
                     if ended or self.sharding.whole:
+                        if not ended:  # (its gradients land unapplied, as torch leaves them)
+                            self.failed, self.boundary = True, False
                         self._finish_backward()
+                        if not ended:
+                            _warn_updated([c.index for c in self.streamed if c.applied], len(self.streamed))
                     else:
                         self.sharding.hold_collectives(None)  # its verdict is not waited for
                 finally:
@@ -375,7 +387,7 @@ class Scheduler:
         self.finish_step()
 
     def finish_step(self) -> None:
-        self.stepped_backward = False
+        self.stepped_backward = self.failed = False
         for c in self.chunks:
             c.finish_step()
 
@@ -383,14 +395,14 @@ class Scheduler:
         """Clear the gradients of ``chunks``; updates handed out by step() go on. Refused, before
         anything changes, where an update in backward already used them."""
         for c in chunks:
-            if c.applied and c.has_gradients:
+            if c.applied and c.has_gradients and not self.failed:
                 raise _cleared_after_update(next(m.name for i, m in enumerate(c.spec.members) if c.has_grad(i)))
         for c in self.streamed:
             if c.state is ChunkState.OFFLOADING:
                 c.end_offload(self.ctx, in_pass=self._in_pass)
             if c.state is ChunkState.UPDATING and c.index not in self._after_step:
                 c.end_update()
-        self.stepped_backward = False
+        self.stepped_backward = self.failed = False
         for c in chunks:
             c.zero()
 
@@ -399,7 +411,7 @@ class Scheduler:
         offloads and updates end; refused, before anything changes, as ``zero_grad`` is. True when
         no gradient is left: as after ``zero_grad``, the next backward starts the step afresh."""
         for c, i in members:
-            if c.applied:
+            if c.applied and not self.failed:
                 raise _cleared_after_update(c.spec.members[i].name)
         for c in {id(c): c for c, _ in members}.values():
             self.await_chunk(c)
@@ -407,7 +419,7 @@ class Scheduler:
             c.clear_grad(i)
         if any(c.has_gradients for c in self.chunks):
             return False
-        self.stepped_backward = False
+        self.stepped_backward = self.failed = False
         return True
 
     def reconfigure(self, n_buffer: int) -> None:
@@ -466,6 +478,17 @@ def assert_invariants(scheduler: Scheduler) -> None:
                 assert p.untyped_storage().data_ptr() == home.untyped_storage().data_ptr(), f"{c}: stale .data"
     device = sum(c.storage.device_bytes() for c in scheduler.chunks)
     assert device <= device_bytes_bound(scheduler), "device bytes above the plan's bound"
+
+
+def _warn_updated(updated: list[int], streamed: int) -> None:
+    if updated:
+        warnings.warn(
+            f"A backward raised after ProTrain had updated {len(updated)} of its {streamed} offloaded chunks "
+            f"({updated[:8]}) with this step's gradients (the CPU update overlaps backward); those updates stay. "
+            "engine.step() now applies the other gradients that arrived, as torch's step would; zero_grad() skips "
+            "the rest of the step, where in plain PyTorch the failed backward changed no weight. To be able to skip "
+            "a failed batch exactly, call engine.clipping.expect_late() before training (every update waits for "
+            "step()), or reload the last checkpoint.", RuntimeWarning, stacklevel=2)
 
 
 def _cleared_after_update(name: str) -> RuntimeError:
