@@ -88,6 +88,8 @@ def test_training_goes_on_after_a_backward_that_raised_midway(plan_name, then):
     def raising(_module, _grad_in, _grad_out):
         raise ValueError("the user's backward hook")
 
+    arrived = []  # p.grad after the failed backward: what arrived, as torch leaves it
+
     def train(m, backward, step, zero_grad):
         losses = []
         for i, x in enumerate(data):
@@ -98,6 +100,7 @@ def test_training_goes_on_after_a_backward_that_raised_midway(plan_name, then):
                 backward(loss)
             except ValueError:
                 handle.remove()
+                arrived.append({n: None if p.grad is None else p.grad.clone() for n, p in m.named_parameters()})
                 if then == "step":
                     step()
                 zero_grad()
@@ -113,6 +116,10 @@ def test_training_goes_on_after_a_backward_that_raised_midway(plan_name, then):
     updated = [str(w.message) for w in seen if "A backward raised after ProTrain had updated" in str(w.message)]
     streamed_updates = plan_name != "all-persistent" and then != "zero_grad expected late"
     assert len(updated) == int(streamed_updates)
+    assert arrived[0].keys() == arrived[1].keys()
+    assert any(g is None for g in arrived[0].values()) and any(g is not None for g in arrived[0].values())
+    for n, g in arrived[0].items():
+        assert (g is None and arrived[1][n] is None) or torch.equal(g, arrived[1][n]), n
     if streamed_updates and then == "zero_grad":  # the chunks updated during the failed backward stay so
         assert losses[:2] == ref_losses[:2] and losses[2] != ref_losses[2]
         return

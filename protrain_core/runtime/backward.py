@@ -79,6 +79,9 @@ class BackwardPasses:
                     self.activations.backward_pass():
                 yield
             self.grads.readable = True  # p.grad reads the gradients until step() or zero_grad
+        except BaseException:  # one process: the gradients that arrived, as torch leaves them
+            self.grads.readable = self.scheduler.sharding.whole  # ([Note: a backward that raised])
+            raise
         finally:
             state.micro_batch_ended()
             self.observers.notify(lambda o: o.backward_ends())
