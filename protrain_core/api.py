@@ -290,18 +290,23 @@ def _prepare(model: nn.Module, optimizer, blocks, chunk_size, example_inputs, ct
 
 
 def check_parameter_dtypes(model: nn.Module, precision: Precision) -> None:
-    """Under "32-true" every floating-point parameter must be fp32: ProTrain would otherwise
-    train the others in fp32 too, where plain PyTorch (and Lightning's default strategy) would
-    compute in their dtype, or fail on the mismatch."""
-    if precision is not Precision.FP32:
+    """Under "32-true" every floating-point parameter must be fp32, and under the mixed modes none
+    may be wider (their masters are fp32): ProTrain would otherwise train them in fp32, where plain
+    PyTorch (and Lightning's default strategy) would compute and update in their dtype."""
+    if precision is Precision.FP32:
+        other = [(n, p.dtype) for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
+        fix = ("Cast the model with model.float(), or choose the precision of its dtype: 'bf16-true' for a bf16 "
+               "model, 'bf16-mixed' / '16-mixed' for fp32 masters with low-precision compute.")
+    elif precision.is_mixed:
+        other = [(n, p.dtype) for n, p in model.named_parameters() if p.dtype == torch.float64]
+        fix = "Their updates would be rounded to fp32. Cast them to fp32 (model.float()) to train with ProTrain."
+    else:
         return
-    other = [(n, p.dtype) for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
     if other:
         dtypes = sorted({str(d).removeprefix("torch.") for _, d in other})
         raise ValueError(
-            f"precision='32-true' trains fp32 parameters, but {len(other)} parameter(s) are {', '.join(dtypes)} "
-            f"(e.g. {other[0][0]}). Cast the model with model.float(), or choose the precision of its dtype: "
-            "'bf16-true' for a bf16 model, 'bf16-mixed' / '16-mixed' for fp32 masters with low-precision compute."
+            f"precision='{precision.value}' trains fp32 {'parameters' if precision is Precision.FP32 else 'masters'}, "
+            f"but {len(other)} parameter(s) are {', '.join(dtypes)} (e.g. {other[0][0]}). {fix}"
         )
 
 

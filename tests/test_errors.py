@@ -175,6 +175,22 @@ def test_low_precision_parameters_under_32_true_are_refused(dtype):
     engine.close()
 
 
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_fp64_parameters_under_a_mixed_precision_are_refused(precision):
+    """The mixed modes keep fp32 masters: an fp64 parameter's updates would be rounded to fp32,
+    where Lightning's default strategy updates it in fp64. Refused with the fix before anything is
+    allocated; a bf16 parameter gets an fp32 master, as the mixed modes promise."""
+    model = tiny_gpt2()
+    model.transformer.ln_f.to(torch.float64)
+    with pytest.raises(ValueError, match=rf"'{precision}' trains fp32 masters.*float64.*transformer\.ln_f\..*model\.float\(\)"):
+        _wrap(model=model, plan=pt.Plan(n_persist=1, n_buffer=1), precision=precision)
+    assert all(p.device.type == "cpu" for p in model.parameters()) and getattr(model, "_protrain_engine", None) is None
+    model.transformer.ln_f.to(torch.bfloat16)
+    engine = _wrap(model=model, plan=pt.Plan(n_persist=1, n_buffer=1), precision=precision)
+    assert engine.state_dict()["transformer.ln_f.weight"].dtype == torch.float32
+    engine.close()
+
+
 @pytest.mark.parametrize("persistent", [False, True], ids=["streamed", "persistent"])
 def test_compiling_the_wrapped_model_is_refused_at_its_first_call(persistent):
     """Issue 53, item 10: ``torch.compile(engine.module)`` failed deep in inductor after 22 s
