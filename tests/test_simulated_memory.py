@@ -6,6 +6,7 @@ profiling that runs out of memory; and the host's launch queue."""
 
 import dataclasses
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -25,6 +26,7 @@ from protrain_core.simulator.memory import ALLOCATOR_WAIT
 from protrain_core.simulator.run import simulate
 from protrain_core.structure.blocks import find_blocks
 from protrain_core.structure.layout import build_layout
+from protrain_core.structure.trace import trace
 
 MiB = 2**20
 
@@ -119,6 +121,18 @@ def test_an_allocation_beyond_the_device_raises_out_of_memory_unless_only_counte
         kept = [empty(MiB // 4) for _ in range(3)]
         assert sim.memory.peak == 3 * MiB
         del kept
+
+
+@pytest.mark.parametrize("tensors", ["meta", "cpu"])
+def test_the_execution_order_is_traced_beside_a_device_smaller_than_the_model(tensors):
+    """The trace's meta tensors are no memory: a simulated device too small for the model's
+    parameters (the case ProTrain exists for) traced nothing and warned that it fell back to the
+    registration order, blaming an out-of-memory the trace cannot cause."""
+    model = models.build(models.load_config("tiny-gpt2"), "meta" if tensors == "meta" else "cpu")[0]
+    small = dataclasses.replace(load_spec("h100"), device_memory_bytes=MiB)
+    with SimulatedDevice(small, tensors=tensors), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert trace(model, find_blocks(model)[0]).source == "traced"
 
 
 def test_profiling_leaves_on_the_device_only_what_the_models_parameters_point_at():

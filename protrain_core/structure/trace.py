@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from protrain_core.memtrack import on_host
 from protrain_core.structure.blocks import SEP, block_modules, inner_hf_lm, is_hf_lm, split_paths
 
 
@@ -158,6 +159,11 @@ def _run_on_meta(model: nn.Module, inputs, dtype: torch.dtype | None = None) -> 
     One name per (module, attribute) and the same meta tensor for tied tensors: torch's own
     ``tie_weights=True`` (and names of a module registered twice) would leave a module that is
     shared under two names with meta parameters after the call."""
+    with on_host():  # (no memory: neither a tracker nor a simulated device may count it)
+        _call_on_meta(model, inputs, dtype)
+
+
+def _call_on_meta(model: nn.Module, inputs, dtype: torch.dtype | None) -> None:
     memo: dict[int, torch.Tensor] = {}
     metas: dict[str, torch.Tensor] = {}
     for module_name, module in model.named_modules():
