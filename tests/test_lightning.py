@@ -95,9 +95,9 @@ def loader(n=24, batch=4, seed=1, shuffle=True):
 
 def trainer(strategy="auto", **kw):
     kw.setdefault("max_steps", STEPS)
+    kw.setdefault("limit_val_batches", 0)
     return pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                      limit_val_batches=0, **kw)
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kw)
 
 
 def fit(strategy="auto", module_kw=None, module=LitLM, **trainer_kw):
@@ -151,6 +151,26 @@ def test_weight_averaging_averages_the_same_weights_as_under_the_default_strateg
     assert_same(runs[1], runs[0])
     trained = fit("auto")  # the averages are not the trained weights: the callback ran
     assert not torch.equal(weights(trained[0])["lm_head.weight"], weights(runs[0][0])["lm_head.weight"])
+
+
+@pytest.mark.parametrize("plan", [pt.Plan(n_persist=1, n_buffer=2), pt.Plan(n_persist=0, n_buffer=1)],
+                         ids=["mixed", "streamed"])
+def test_weight_averaging_swapped_in_for_validation_trains_as_under_the_default_strategy(plan):
+    """The EMA callback swaps the averages into the module for each validation and back after it
+    (``p.data.copy_``; a resident streamed chunk's ``p.data`` is a copy): training goes on from the
+    trained weights, the validation sees the averages, and the module ends with them, bit for bit
+    as under the default strategy. Before, half of each swap was lost on streaming plans."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    runs = []
+    for strategy in ("auto", ProTrainStrategy(plan)):
+        torch.manual_seed(1234)
+        lit = LitLM()
+        t = trainer(strategy, callbacks=[EMAWeightAveraging(decay=0.5)], limit_val_batches=2, val_check_interval=2)
+        t.fit(lit, loader(), loader(n=8, shuffle=False))
+        runs.append((lit, t))
+    assert_same(runs[1], runs[0])
+    assert runs[1][1].callback_metrics["val_loss"] == runs[0][1].callback_metrics["val_loss"]
 
 
 def test_fit_by_instance_with_a_streaming_plan_equals_default():

@@ -755,3 +755,52 @@ def test_a_parameter_written_in_place_by_its_own_module_keeps_the_write(precisio
         moved = (ref.blocks[0].a.weight.detach() - start)[inside].abs().max()
         assert (state["blocks.0.a.weight"] - ref.blocks[0].a.weight.detach())[inside].abs().max() < 0.1 * moved, name
         assert state["emb.weight"][data[-1].unique()].norm(dim=1).max() <= 1.0 + 1e-2, name
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("how", ["data", "detach"])
+def test_a_write_through_what_p_data_returned_reaches_the_chunk(precision, how):
+    """Lightning's weight averaging swaps the averages in and out with ``p.data.copy_(x)``; users
+    write through ``p.detach()`` too. What such a read returned (a copy, for a resident streamed
+    chunk's parameter, as after a validation forward; the compute copy in bf16-mixed) is watched
+    until the next forward or state read, which take a write into it into the chunk, on every plan: in fp32 plain PyTorch's
+    training bit for bit; in bf16-mixed the written values as the compute copy holds them. Before,
+    such writes were lost (a copy), or never reached the fp32 masters."""
+    data = batches(4)
+    read = (lambda p: p.data) if how == "data" else (lambda p: p.detach())
+    for name, plan in standard_plans(MODELS["gpt2"]()).items():
+        model = MODELS["gpt2"]()
+        ref = copy.deepcopy(model)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+        engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), plan, device="cpu", precision=precision)
+        losses, ref_losses = [], []
+        for k, x in enumerate(data):
+            with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16-mixed"):
+                ref_loss = ref(input_ids=x, labels=x).loss
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            loss = engine.module(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            engine.zero_grad()
+            losses.append(loss.item())
+            ref_losses.append(ref_loss.item())
+            if k == 1:  # after a validation forward (resident chunks), halve every weight: read, read again, write
+                with torch.no_grad():
+                    engine.module(input_ids=x)
+                before = engine.state_dict()
+                for p, r in zip(model.parameters(), ref.parameters()):
+                    half = read(p).float() * 0.5
+                    read(p).copy_(half)
+                    r.data.copy_(r.data * 0.5)
+                state = engine.state_dict()
+                for n, r in ref.named_parameters():  # (bf16-mixed: the compute copy's bits of the halves)
+                    expected = r.detach() if precision == "32-true" else (before[n] * 0.5).to(torch.bfloat16).float()
+                    torch.testing.assert_close(state[n], expected, atol=0, rtol=0, msg=f"{name}: {n}")
+        if precision == "32-true":
+            assert losses == ref_losses, name
+            assert_same_weights(engine.state_dict(), ref)
+        else:
+            assert losses == pytest.approx(ref_losses, rel=2e-2), name
+        engine.close()

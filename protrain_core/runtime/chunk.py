@@ -171,6 +171,7 @@ class Chunk:
         self._future: Future | None = None  # the CPU worker's job on this chunk
         self._reduced: Tensor | None = None  # W processes: this rank's piece of the reduced gradients
         self._pointed = [(0, 0)] * len(params)  # (data_ptr(), _version) of each parameter where the chunk pointed it
+        self.handed: list[tuple[int, Tensor, int]] = []  # (member, tensor, its _version) read out (``hand_out``)
         self.at_placeholders = False  # released inside a pass: parameters at device NaN ([Note: a pass's placeholders])
         self._nan: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
@@ -503,9 +504,18 @@ class Chunk:
     @plain_parameters
     def rebound(self) -> list[int]:
         """The members whose ``.data`` the user rebound, or wrote in place through the parameter (a
-        module's own ``weight.clamp_()`` in its forward, ``nn.Embedding(max_norm=...)``), since
-        the chunk last pointed them."""
-        return [i for i, p in enumerate(self.params) if (p.data_ptr(), p._version) != self._pointed[i]]
+        module's own ``weight.clamp_()`` in its forward, ``nn.Embedding(max_norm=...)``) or through
+        a tensor read out of it (``hand_out``), since the chunk last pointed them."""
+        moved = {i for i, p in enumerate(self.params) if (p.data_ptr(), p._version) != self._pointed[i]}
+        return sorted(moved | {i for i, t, version in self.handed if t._version != version})
+
+    def hand_out(self, i: int, t: Tensor) -> Tensor:
+        """What a read of member ``i`` outside the units returns for ``t`` (its ``p.data``, or a copy
+        of a resident streamed chunk's member): a tensor sharing ``t``'s version counter, so that a
+        write into it (``p.data.copy_(x)``, as Lightning's weight averaging swaps weights) is taken
+        into the chunk at the next ``adopt_rebound``; ``t`` is kept until then."""
+        self.handed.append((i, t, t._version))
+        return t.detach()
 
     def _mark(self, i: int) -> None:
         """Member ``i``'s parameter is pointed where the chunk holds its value."""
@@ -515,9 +525,10 @@ class Chunk:
     def adopt_rebound(self) -> None:
         """What was rebound or written in place (``rebound``) into the chunk: before an update
         reads the masters (the device Adam of a persistent chunk, a streamed chunk's offload),
-        and between steps (``StateAccess.adopt_rebound``)."""
+        and between steps (``StateAccess.adopt_rebound``). Tensors read out before are let go."""
         if members := self.rebound():
             self.adopt(members)
+        self.handed.clear()
 
     @plain_parameters
     def adopt(self, members: list[int] | None = None) -> None:
@@ -533,12 +544,15 @@ class Chunk:
     def _take(self, members) -> None:
         """These members' values as their parameters hold them, into the chunk (and a resident
         streamed chunk's device copy); each is pointed anew next, by the caller."""
+        written = {i: t for i, t, version in self.handed if t._version != version}  # (the last one read)
         with torch.no_grad():
             for i in members:
-                self.values.set_member(i, self.params[i].detach(), in_place=self.points(i))
+                value = written[i] if i in written and self.points(i) else self.params[i].detach()
+                self.values.set_member(i, value, in_place=self.points(i))
                 if not self.persistent and self.device_resident:  # as stored (a quantised member's round trip)
                     self.values.view(self.storage.device_copy, i).copy_(self.values.member_value(i))
                 self._mark(i)
+        self.handed = [r for r in self.handed if r[0] not in members]
 
     @plain_parameters
     def detach_params(self) -> None:

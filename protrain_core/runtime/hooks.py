@@ -30,7 +30,8 @@ sums a parameter's gradients from all its uses before its post-accumulate-grad h
 chunk receives plain PyTorch's gradient bit for bit. A parameter the user rebound
 (``p.data = t``) is the user's tensor until adopted. With several processes the chunk is whole
 on no rank outside its units, so such a use is refused with the fix. What a use returns is safe
-to keep (``_kept``); a tensor taken through ``p.data`` and written in place later is not seen.
+to keep (``_kept``); a write into what ``p.data`` (or a copy's ``p.detach()``) returned is taken
+into the chunk at the next forward or state read (``Chunk.hand_out``).
 """
 
 from __future__ import annotations
@@ -247,6 +248,7 @@ class _Use(enum.Enum):
     GRAD = "grad"  # the ``.grad`` getter ([Note: gradients read through p.grad])
     CLEAR_GRAD = "clear grad"  # the ``.grad`` setter (``p.grad = None``: optimizer.zero_grad)
     READ = "read"  # reads values; its result joins no autograd graph
+    DATA = "data"  # the ``.data`` getter: a read that may be written in place later (``Chunk.hand_out``)
     USE = "use"  # reads values, and its result may join an autograd graph
 
 
@@ -290,7 +292,7 @@ def _classify(func) -> _Use:
             return _Use.CLEAR_GRAD
         if name != "__get__" or prop not in _VALUE_PROPERTIES | {"grad"}:
             return _Use.NO_VALUES
-        return _Use.GRAD if prop == "grad" else _Use.READ if prop == "data" else _Use.USE
+        return _Use.GRAD if prop == "grad" else _Use.DATA if prop == "data" else _Use.USE
     if name in _NO_VALUES:
         return _Use.NO_VALUES
     return _Use.READ if name in _NO_GRAPH else _Use.USE
@@ -340,6 +342,8 @@ class ManagedParameter(nn.Parameter):
             if uses:
                 graph = use is _Use.USE and torch.is_grad_enabled()
                 return hooks.use_outside_units(uses, func, args, kwargs or {}, graph=graph)
+            if use is _Use.DATA and args[0].protrain_use[1].points(args[0].protrain_use[2]):  # (a covered chunk's)
+                return args[0].protrain_use[1].hand_out(args[0].protrain_use[2], _plain(func, types, args, kwargs or {}))
         return _plain(func, types, args, kwargs or {})
 
     def __deepcopy__(self, memo):
@@ -371,6 +375,10 @@ def _kept(out, func, uses: list[tuple[Chunk, int]], args):
         fetched = isinstance(t, Tensor) and not any(t is a for a in args) and t.untyped_storage().data_ptr() in homes
         return t.clone() if fetched else t
 
+    data = _use_of(func) is _Use.DATA
+    if (data or name == "detach") and len(uses) == 1:  # p.data, p.detach(): written in place, they count
+        (c, i), kept = uses[0], own(out)
+        return c.hand_out(i, kept) if data or kept is not out else kept
     return type(out)(own(t) for t in out) if isinstance(out, (tuple, list)) else own(out)
 
 

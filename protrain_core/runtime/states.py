@@ -149,7 +149,7 @@ class StateAccess:
         and every state dict."""
         if self._state.closed or not self._state.idle:
             return
-        rebound = [c for c in self._chunks if c.rebound()]
+        rebound = [c for c in self._chunks if c.handed or c.rebound()]
         if not rebound:
             return
         self._scheduler.wait_all()
