@@ -128,7 +128,8 @@ def _save_eight_bit(state: dict, optim, chunk, i: int, index: int) -> None:
 #   2. rank 0 renames it ``.NAME.new-PID-*``: complete, not yet in place
 #   3. the old ``NAME``, if any, is renamed ``.NAME.old-PID-*``
 #   4. ``.NAME.new-PID-*`` is renamed ``NAME``
-#   5. ``.NAME.old-PID-*`` is removed
+#   5. ``.NAME.old-PID-*`` is removed, once the user's own files in it (not a checkpoint's:
+#      ``.metadata``, ``*.distcp``, ``meta.pt``) are moved into ``NAME``
 #
 # A process killed anywhere leaves ``NAME`` holding the old checkpoint (before 3, or the new
 # one after 4) or, between 3 and 4, nothing under ``NAME`` but the complete new copy beside it.
@@ -201,11 +202,21 @@ def _replace(tmp: Path, path: Path) -> None:
     if path.exists():
         _rename(path, old)
     _rename(new, path)
-    _remove(old)
+    _retire(old, path)
 
 
 def _rename(src: Path, dst: Path) -> None:  # (where the tests stop a save)
     os.replace(src, dst)
+
+
+def _retire(old: Path, path: Path) -> None:
+    """Step 5: ``old`` removed, the files of the user's that were beside the checkpoint in it
+    (a tokenizer, notes) moved into ``path`` first, as Lightning's sharded strategies keep them."""
+    if old.is_dir() and path.is_dir():
+        for entry in old.iterdir():
+            if entry.name not in (".metadata", META) and entry.suffix != ".distcp" and not (path / entry.name).exists():
+                os.replace(entry, path / entry.name)
+    _remove(old)
 
 
 def _remove(path: Path) -> None:
@@ -243,7 +254,7 @@ def recover(path) -> None:
         elif leftovers["old"] and not path.exists():
             _rename(leftovers["old"].pop(), path)
         for p in leftovers["new"] + leftovers["old"]:
-            _remove(p)
+            _retire(p, path)
 
 
 def is_sharded_checkpoint(path) -> bool:

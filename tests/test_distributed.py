@@ -677,7 +677,8 @@ def test_a_device_count_is_never_ignored():
 
 def test_a_sharded_save_replaces_the_old_directory_and_removes_what_killed_saves_left(tmp_path):
     """One process (no process group): the directory is written beside and renamed over the old
-    one; the temporary directory of a save whose process is gone is removed, a running one's kept."""
+    one (the user's own files in it kept); the temporary directory of a save whose process is gone
+    is removed, a running one's kept."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     stale = tmp_path / f".ckpt.protrain-tmp-{dead.pid}-0000"
@@ -688,10 +689,11 @@ def test_a_sharded_save_replaces_the_old_directory_and_removes_what_killed_saves
     model = _model(frozen=True)
     losses, engine = protrain_run(model, batches(2), standard_plans(model)["mixed-buf2"])
     (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / "old").write_bytes(b"old")
+    (tmp_path / "ckpt" / "__1_0.distcp").write_bytes(b"old")  # an older checkpoint's (of 2 processes)
+    (tmp_path / "ckpt" / "notes.txt").write_bytes(b"the user's")  # kept
     engine.save_sharded(tmp_path / "ckpt")
     assert not stale.exists() and running.exists()
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".metadata", "__0_0.distcp"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".metadata", "__0_0.distcp", "notes.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [running.name, "ckpt"]
     engine.close()
     from protrain_core.checkpoint import check_sharded
@@ -1104,10 +1106,14 @@ def test_a_save_stopped_at_any_rename_leaves_the_old_or_the_new_checkpoint(kill_
     ([Note: replacing a checkpoint directory]): the name then holds the old checkpoint or the new
     one, or the next load restores the new one (before: stopped between the two renames, no
     checkpoint had the name, and the next save deleted the complete new copy as a temporary);
-    nothing is left beside it after the next save."""
+    nothing is left beside it after the next save. The user's own files in the directory (a
+    tokenizer, notes) stay in it, as Lightning's sharded strategies keep them (they were deleted)."""
     import protrain_core.checkpoint as C
 
     engine, old, new = _saved_and_trained(tmp_path)
+    (tmp_path / "ckpt" / "tokenizer").mkdir()
+    (tmp_path / "ckpt" / "tokenizer" / "vocab.json").write_text("{}")
+    (tmp_path / "ckpt" / "notes.txt").write_text("the user's")
     steps = []
     rename, remove = C._rename, C._remove
 
@@ -1132,6 +1138,8 @@ def test_a_save_stopped_at_any_rename_leaves_the_old_or_the_new_checkpoint(kill_
     assert _same(_loaded(tmp_path / "ckpt"), new)
     beside = sorted(p.name for p in tmp_path.iterdir() if p.name != "ckpt" and "protrain-tmp" not in p.name)
     assert beside == [], beside
+    assert (tmp_path / "ckpt" / "notes.txt").read_text() == "the user's"
+    assert (tmp_path / "ckpt" / "tokenizer" / "vocab.json").read_text() == "{}"
 
 
 KILLED_SAVE = """
