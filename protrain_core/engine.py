@@ -30,6 +30,7 @@ class Engine(RuntimeEngine):
         directory: every rank writes its own shards, nothing is gathered ([Note: sharded
         checkpoints] in checkpoint.py). Every rank calls it."""
         self.step_state.check_open()
+        self.states.check_between_steps()
         self.states.adopt_rebound()
         save_sharded(self, path, meta)
 

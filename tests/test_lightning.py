@@ -94,10 +94,9 @@ def loader(n=24, batch=4, seed=1, shuffle=True):
 
 
 def trainer(strategy="auto", **kw):
-    kw.setdefault("max_steps", STEPS)
-    kw.setdefault("limit_val_batches", 0)
-    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kw)
+    kw = {"max_steps": STEPS, "limit_val_batches": 0, "enable_checkpointing": False, **kw}
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, **kw)
 
 
 def fit(strategy="auto", module_kw=None, module=LitLM, **trainer_kw):
@@ -171,6 +170,38 @@ def test_weight_averaging_swapped_in_for_validation_trains_as_under_the_default_
         runs.append((lit, t))
     assert_same(runs[1], runs[0])
     assert runs[1][1].callback_metrics["val_loss"] == runs[0][1].callback_metrics["val_loss"]
+
+
+class _RaisingInBackward(LitLM):
+    """Raises from a block's backward hook at the third step (an error, or Ctrl-C, mid-backward)."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if batch_idx == 2:
+            def raising(*_):
+                raise ValueError("the user's error in backward")
+            self.model.transformer.h[1].register_full_backward_hook(raising)
+
+
+def test_a_checkpoint_on_an_exception_inside_backward_is_refused_not_written_half_stepped(tmp_path):
+    """Lightning's OnExceptionCheckpoint saves after the error; in backward, a streaming plan has
+    already updated some chunks with that step's gradients, and Lightning resumes from the file
+    by default, which would take their update twice. The save is refused (the user's error is its
+    context) and no file is written; with every chunk persistent the file is the default strategy's."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    for strategy, written in (("auto", True), (ProTrainStrategy(_plan("persistent")), True),
+                              (ProTrainStrategy(pt.Plan(n_persist=0, n_buffer=1)), False)):
+        torch.manual_seed(1234)
+        folder = tmp_path / str(written) / type(strategy).__name__
+        t = trainer(strategy, callbacks=[OnExceptionCheckpoint(folder)], enable_checkpointing=True)
+        with pytest.raises((ValueError, RuntimeError)) as raised:
+            t.fit(_RaisingInBackward(), loader())
+        if written:
+            assert raised.type is ValueError and (folder / "on_exception.ckpt").is_file()
+            continue
+        assert "whose step has not run" in str(raised.value), raised.value
+        assert "the user's error in backward" in str(raised.value.__context__)
+        assert not (folder / "on_exception.ckpt").exists()
 
 
 def test_fit_by_instance_with_a_streaming_plan_equals_default():

@@ -131,3 +131,39 @@ def test_wrap_takes_over_existing_optimizer_state():
     engine = pt.wrap(model, opt, pt.Plan(n_persist=1, n_buffer=1), device="cpu")
     assert not opt.state  # moved into the chunks
     assert train_engine(engine, data[3:]) == train_reference(ref, ref_opt, data[3:])
+
+
+@pytest.mark.parametrize("plan_name", ["all-persistent", "streamed-buf1", "mixed-buf2"])
+def test_a_state_read_between_a_backward_that_updated_chunks_and_its_step_is_refused(plan_name, tmp_path):
+    """Offloaded chunks are updated during backward: between such a backward and its step (or
+    after a backward that raised, until step() or zero_grad()) the weights and moments mix two
+    steps, where plain PyTorch's are the last step's. A checkpoint of them (Lightning's
+    OnExceptionCheckpoint after a Ctrl-C in backward) would be resumed from silently: refused, with
+    the fix; the same reads after the step, before the next backward, or under expect_late()
+    (updates held for step()) give plain PyTorch's state."""
+    from conftest import standard_plans
+
+    x = batches(1)[0]
+    for late in (False, True):
+        model = MODELS["gpt2"]()
+        engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), standard_plans(model)[plan_name],
+                         device="cpu")
+        if late:
+            engine.clipping.expect_late()
+        reads = {"engine.state_dict": engine.state_dict, "model.state_dict": model.state_dict,
+                 "engine.states.optimizer": engine.states.optimizer,
+                 "save_sharded": lambda: engine.save_sharded(tmp_path / "ckpt")}
+        for step in range(2):  # (the first step's updates are held until step(): the first is exact)
+            engine.backward(model(input_ids=x, labels=x).loss)
+            for name, read in reads.items():
+                if plan_name == "all-persistent" or late or step == 0:
+                    read()
+                else:
+                    with pytest.raises(RuntimeError, match=r"between backward and step|whose step has not run.*"
+                                                           r"engine\.step\(\).*expect_late"):
+                        read()
+            engine.step()
+            for read in reads.values():
+                read()
+            engine.zero_grad()
+        engine.close()

@@ -27,7 +27,8 @@ parameters must not be read (its next fetch, ``wait_all`` and every state read w
 With one process, a backward that raised lands the gradients that arrived, unapplied, as torch
 leaves them in ``p.grad``; the chunks Adam already updated during it stay updated (a warning names
 them). ``step()`` then applies the rest, as torch's would; ``zero_grad()`` is allowed and skips
-it. With several processes it ends without collectives (a rank may have left).
+it; a state read before either is refused (``StateAccess.check_between_steps``). With several
+processes it ends without collectives (a rank may have left).
 """
 
 from __future__ import annotations

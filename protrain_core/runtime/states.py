@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from protrain_core.phase import StepState
+from protrain_core.phase import StepState, TrainingPhase
 from protrain_core.precision import LossScaler, Precision
 from protrain_core.runtime.chunk import Chunk
 from protrain_core.runtime.optim import ChunkOptimizer
@@ -63,6 +63,7 @@ class StateAccess:
         """Master weights (frozen ones in the master dtype too) and buffers under the model's own
         names, on the CPU. Sharded, every rank calls it (the chunks are gathered one at a time),
         and (``rank0_only``) only rank 0 keeps the result. Tied weights are one tensor."""
+        self.check_between_steps()
         self.adopt_rebound()
         self._scheduler.wait_all()
         keep = not rank0_only or self._rank == 0
@@ -79,6 +80,20 @@ class StateAccess:
             if keep:
                 out[key] = seen[id(t)]
         return out
+
+    def check_between_steps(self) -> None:
+        """Refuse a state read where a backward updated offloaded chunks and its step has not run:
+        the weights and moments would mix two steps (plain PyTorch's are the last step's)."""
+        updated = [c.index for c in self._chunks if c.applied]
+        if updated and self._state.phase is not TrainingPhase.STEP:
+            raise RuntimeError(
+                f"A state read (a checkpoint, state_dict()) after or inside a backward whose step has not run: "
+                f"ProTrain already updated "
+                f"offloaded chunks {updated[:8]} with this step's gradients during backward (the CPU update overlaps "
+                "backward), and the others wait for the step, so the state would mix two steps. Read it after "
+                "engine.step() (Fabric: optimizer.step()), or, after a backward that raised, after step() or "
+                "zero_grad(); to read between backward and step, call engine.clipping.expect_late() before training "
+                "(every update then waits for step()).")
 
     def load_model(self, state_dict: dict[str, Tensor], strict: bool = True) -> IncompatibleKeys:
         """Write ``state_dict`` (the model's own names) into the chunks and buffers, as
@@ -160,6 +175,7 @@ class StateAccess:
     def optimizer(self, *, rank0_only: bool = True, of: torch.optim.Optimizer | None = None) -> dict:
         """The optimizer state in ``torch.optim.AdamW.state_dict()`` format, on the CPU (sharded: on
         rank 0 only unless not ``rank0_only``); ``of``: one of several optimizers (None: all)."""
+        self.check_between_steps()
         self._scheduler.wait_all()
         return self._optim.state_dict(self._slot_of, keep=not rank0_only or self._rank == 0, optimizer=of)
 
@@ -203,6 +219,7 @@ class StateAccess:
                 "trainer.strategy.engine.state_dict()) or engine.save_pretrained(directory) on every rank instead."
             )
         if not self._reading:
+            self.check_between_steps()
             self.adopt_rebound()
         self._scheduler.wait_all()
         if self._quantised and not self._reading:
