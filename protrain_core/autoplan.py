@@ -25,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
+import torch
+
 from protrain_core.chunk_format import ChunkFormat, timed_formats
 from protrain_core.phase import StepObserver
 from protrain_core.plan import Plan, PlanLimits
@@ -51,10 +53,12 @@ def print_report(text: str, **metrics) -> None:
     print(text, flush=True)
 
 
-class BatchTooLarge(ValueError):
+class BatchTooLarge(torch.OutOfMemoryError):
     """A training batch that fits no plan within the memory budget (raised before its forward):
     ``message`` says what is missing and the fix, ``tokens`` the batch's tokens (batch x
-    sequence), ``largest`` the most tokens a batch may have (0: none fits)."""
+    sequence), ``largest`` the most tokens a batch may have (0: none fits). An out-of-memory
+    error, named as the device's would be ("CUDA out of memory"): what skips such a batch, or
+    backs off from it (Lightning's batch-size tuner), handles this one too."""
 
     def __init__(self, message: str, *, tokens: int, largest: int) -> None:
         super().__init__(message)
@@ -160,8 +164,10 @@ class AutoPlanner(StepObserver):
         largest = self.largest_fitting(tokens)
         fix = ("use shorter sequences (truncate, or bucket batches by length) or smaller batches, or raise memory_budget"
                if largest else "no batch fits this budget: raise memory_budget or use a smaller chunk_size")
+        device = self.profile.hardware.device.split()[0].split(":")[0].upper()
         return BatchTooLarge(
-            f"ProTrain: a {what} of {tokens:,} tokens (batch x sequence) fits no plan within the memory budget of "
+            f"{device} out of memory, predicted by ProTrain before the forward: a {what} of {tokens:,} tokens "
+            f"(batch x sequence) fits no plan within the memory budget of "
             f"{format_bytes(self.budget)}: the smallest plan needs {format_bytes(error.needed_bytes)}. The largest "
             f"batch that fits has {largest:,} tokens; {fix}.",
             tokens=tokens, largest=largest)

@@ -253,6 +253,11 @@ def test_a_batch_no_plan_fits_is_refused_before_its_forward():
         engine.module(input_ids=too_long, labels=too_long)
     assert calls == []  # nothing of it ran
     assert all(torch.equal(v, before[k]) for k, v in engine.state_dict().items())
+    # An out-of-memory error, named as the device's: Lightning's batch-size tuner backs off from it on a GPU.
+    from lightning.pytorch.utilities.memory import is_oom_error
+
+    assert isinstance(error.value, torch.OutOfMemoryError) and str(error.value).startswith("CPU out of memory")
+    assert is_oom_error(pt.BatchTooLarge(str(error.value).replace("CPU", "CUDA", 1), tokens=512, largest=0))
     largest = error.value.largest
     assert 128 < largest < 512
     pt.search(engine.profile.at_tokens(largest), budget)  # fits, and one more token does not
