@@ -59,7 +59,7 @@ class UnitCall:
 
     idxs: tuple[int, ...]
     parent: UnitCall | None  # the unit call this one runs inside, in forward
-    began: bool = False
+    began: int = 0  # the backward pass (Scheduler.passes) its backward began in; 0: none yet
     inputs: dict[int, int] | None = None  # while it runs: id -> version of its input tensors
 
     def ancestors(self):

@@ -104,6 +104,7 @@ class Scheduler:
         self._received = False  # a parameter's gradient arrived in the running backward
         self.check_invariants = switches.check_invariants
         self.boundary = True  # this backward is followed by step() (not inside no_sync)
+        self.passes = 0  # backward passes begun
         self.hps = None  # hyper-parameters snapshot of the current step
         self.current: set[int] = set()  # the chunks of the active chain
         self._chain: list = []  # the active chain: the hooks.UnitCall whose backward began last, and its ancestors
@@ -153,9 +154,9 @@ class Scheduler:
     def begin_unit_backward(self, call) -> None:
         """A unit call's backward begins ([Note: a unit's backward] in hooks.py); the chunk before it is prefetched."""
         self._check_in_backward()
-        if call.began:
+        if call.began == self.passes:  # (a graph kept with retain_graph=True begins again in the next pass)
             return
-        call.began = True
+        call.began = self.passes
         with traced("ProTrain::pre_backward"):
             if call not in self._chain:
                 self._chain = [call, *call.ancestors()]
@@ -287,7 +288,7 @@ class Scheduler:
         """One ``engine.backward`` of ``loss``; ``boundary``: a step follows (not inside ``no_sync``)."""
         with self.phase.entered(TrainingPhase.BACKWARD, leaving=TrainingPhase.IDLE,
                                 error="engine.backward() was called while another backward is running."):
-            self.boundary = boundary
+            self.boundary, self.passes = boundary, self.passes + 1
             self.hps = self.optim.snapshot()
             self._in_pass = True  # (the chain, current and deferred chunks are empty: reset by every pass)
             self._received = False
