@@ -558,6 +558,24 @@ class ManualClosure(LitLM):
         pass
 
 
+class RawOptimizerStep(LitLM):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        self.manual_backward(self.model(input_ids=x, labels=x).loss)
+        self.optimizers(use_pl_optimizer=False).step()
+
+
+def test_a_raw_optimizer_step_in_manual_optimization_is_refused_with_the_lightning_fix():
+    """The torch optimizer itself (``self.optimizers(use_pl_optimizer=False)``) holds no gradients
+    under ProTrain: its step is refused before it changes anything, naming what to step instead."""
+    with pytest.raises(RuntimeError, match=r"step what self.optimizers\(\) returns, not use_pl_optimizer=False"):
+        fit(ProTrainStrategy(_plan("streamed")), module=RawOptimizerStep)
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 @pytest.mark.parametrize("plan", ["persistent", "streamed"])
 def test_manual_backwards_inside_a_step_closure_train_as_under_the_default_strategy(plan, arch):

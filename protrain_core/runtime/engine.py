@@ -403,7 +403,8 @@ class RuntimeEngine:
             raise RuntimeError(
                 f"{type(optimizer).__name__}.step() was called on the optimizer of a ProTrain engine; it would update "
                 "nothing: the gradients and Adam's states live in the engine's chunks. Call engine.step() (and "
-                "engine.zero_grad()) instead; under Lightning or Fabric, optimizer.step() through them does that."
+                "engine.zero_grad()) instead; under Lightning or Fabric, optimizer.step() through them does that "
+                "(in a LightningModule, step what self.optimizers() returns, not use_pl_optimizer=False's)."
             )
 
     def _chunks_of(self, optimizer) -> tuple[tuple, list[Chunk]]:
