@@ -223,3 +223,52 @@ def test_an_input_gradient_between_the_steps_backward_and_step_is_refused_with_t
     with pytest.raises(RuntimeError, match="between the step's backward and engine.step.*after the step"):
         torch.autograd.grad(engine.module(inputs_embeds=emb, labels=x).loss, emb)
     engine.step()
+
+
+@pytest.mark.parametrize("d_plan", ["streamed-buf1", "mixed-buf2"])
+def test_a_generator_loss_through_a_second_engines_discriminator_trains_as_plain_pytorch(d_plan):
+    """Two engines, a GAN's pattern: the generator's loss backpropagates through the
+    discriminator (another engine's model), then the discriminator's gradients are cleared. That
+    pass is not the discriminator's step: its gradients land and ``zero_grad`` clears them, as
+    torch's. Before, its offloaded chunks were updated with the generator's loss and the
+    ``zero_grad`` was refused."""
+    import torch.nn.functional as F
+
+    from conftest import tiny_llama
+
+    def run(plain):
+        G, D = MODELS["gpt2"](), tiny_llama(seed=1)
+        og = torch.optim.AdamW(G.parameters(), lr=3e-3, fused=plain)
+        od = torch.optim.AdamW(D.parameters(), lr=2e-3, fused=plain)
+        if plain:
+            eg = ed = None
+            backward_g, backward_d = (lambda loss: loss.backward()), (lambda loss: loss.backward())
+            step_g, step_d, zero_g, zero_d = og.step, od.step, og.zero_grad, od.zero_grad
+        else:
+            eg = pt.wrap(G, og, standard_plans(G)["streamed-buf1"], device="cpu")
+            ed = pt.wrap(D, od, standard_plans(D)[d_plan], device="cpu")
+            backward_g, backward_d, step_g, step_d, zero_g, zero_d = (
+                eg.backward, ed.backward, eg.step, ed.step, eg.zero_grad, ed.zero_grad)
+        losses = []
+        for x in batches(3, seed=3):
+            real = torch.randn(*x.shape, 32, generator=torch.Generator().manual_seed(int(x.sum())))
+            with torch.no_grad():
+                fake = G.transformer(input_ids=x).last_hidden_state
+            d_loss = F.softplus(D(inputs_embeds=fake).logits[..., 0]).mean() + F.softplus(
+                -D(inputs_embeds=real).logits[..., 0]).mean()
+            backward_d(d_loss)
+            step_d()
+            zero_d()
+            g_loss = F.softplus(-D(inputs_embeds=G.transformer(input_ids=x).last_hidden_state).logits[..., 0]).mean()
+            backward_g(g_loss)
+            step_g()
+            zero_g()
+            zero_d()  # the generator's loss reached the discriminator's parameters: not its step
+            losses.append((d_loss.item(), g_loss.item()))
+        return losses, (G, D) if plain else (eg.state_dict(), ed.state_dict())
+
+    ref_losses, (G, D) = run(plain=True)
+    losses, (g_state, d_state) = run(plain=False)
+    assert losses == ref_losses
+    assert_same_weights(g_state, G)
+    assert_same_weights(d_state, D)

@@ -6,7 +6,9 @@ A backward the user starts with ``loss.backward()`` or ``torch.autograd.grad`` i
 ``engine.backward(loss)`` runs the same pass: its first act that reaches the runtime (a unit's
 backward hook, a gradient, or a checkpointed block's recomputation) finds the engine idle and
 opens the pass there (``begins``), and a callback queued on autograd's engine (as FSDP2 does)
-closes it when autograd's pass ends. A pass that raised never reaches its callback: the engine's
+closes it when autograd's pass ends. Where another engine's ``engine.backward`` started it (a
+GAN's generator loss through the discriminator), the pass only accumulates, as inside
+``no_sync``: the gradients land for this engine's step, or its ``zero_grad``, as torch's would. A pass that raised never reaches its callback: the engine's
 next verb or forward closes it as failed (``ready``). A pass in which no parameter got a
 gradient is not the step's backward. Refused with the fix: create_graph=True (its gradients'
 graph would read released parameters), and a pass the user starts inside ``engine.step()``,
@@ -22,6 +24,7 @@ import torch
 from torch import Tensor
 
 _HOW = "engine.backward(loss) (in a LightningModule self.manual_backward(loss); with Fabric fabric.backward(loss))"
+_RUNNING: list = []  # every engine's engine.backward() in progress (one loss's pass may reach several engines)
 
 
 def check_trains(trains: bool, what: str) -> None:
@@ -48,10 +51,14 @@ class BackwardPasses:
 
     def run(self, loss: Tensor, run=None) -> None:
         """``engine.backward(loss, run)``."""
-        with self.around(loss):
-            if self.scaler is not None:
-                loss = loss * self.scaler.scale.to(loss.device)
-            loss.backward() if run is None else run(loss)
+        _RUNNING.append(self)
+        try:
+            with self.around(loss):
+                if self.scaler is not None:
+                    loss = loss * self.scaler.scale.to(loss.device)
+                loss.backward() if run is None else run(loss)
+        finally:
+            _RUNNING.remove(self)
 
     @contextmanager
     def around(self, loss: Tensor | None):
@@ -114,6 +121,8 @@ class BackwardPasses:
             raise RuntimeError(f"{what} with several processes: the ranks compare which parameters the loss reaches "
                                f"before the backward's first collective. Call {_HOW}.")
         stack = ExitStack()
+        if any(p is not self for p in _RUNNING):  # another engine's loss (a GAN's generator loss through
+            stack.enter_context(self.step_state.accumulating())  # the discriminator): its gradients only land
         stack.enter_context(self.around(None))
         self._open = stack
 
