@@ -42,6 +42,24 @@ def own_precision(plugin, own: type, known_plugins: tuple[type, ...], **kwargs):
     return own(precision_of_plugin(plugin, known_plugins), scaler=scaler, **kwargs)
 
 
+@contextlib.contextmanager
+def parameters_on_meta():
+    """``init_module(empty_init=True)``: every parameter registered inside is on the meta device
+    (no memory until the engine fills its chunk: [Note: weights straight into chunks]); buffers
+    and other tensors, such as a torchmetrics metric's states, are made on the host with their
+    values, which nothing could fill later."""
+    def to_meta(module, name, param):
+        if type(param) is nn.Parameter and not param.is_meta:
+            return nn.Parameter(param.to("meta"), param.requires_grad)
+        return None
+
+    handle = nn.modules.module.register_module_parameter_registration_hook(to_meta)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``torch.save`` into a temporary file, then rename: never a torn checkpoint file (local
     paths; remote ones and storage options go to Lightning's own writer)."""

@@ -32,6 +32,7 @@ from lightning_protrain._common import (
     checkpoint_optimizer_state,
     close_for_a_new_engine,
     load_checkpoint_optimizer_state,
+    parameters_on_meta,
     strategy_config,
     check_optimizers,
     own_precision,
@@ -171,13 +172,13 @@ class ProTrainFabricStrategy(StrategyPlumbing, ParallelStrategy):
         pass  # the engine places every parameter itself
 
     def module_init_context(self, empty_init: bool | None = None):
-        """``fabric.init_module(empty_init=True)`` builds the model on the meta device: the engine
-        fills each chunk from ``ProTrainConfig.weights`` or the modules' own initialisation
-        ([Note: weights straight into chunks]). Otherwise on the host, as FSDP's does: the engine
-        moves what the plan keeps on the device."""
+        """``fabric.init_module(empty_init=True)`` builds the model's parameters on the meta device
+        (``parameters_on_meta``): the engine fills each chunk from ``ProTrainConfig.weights`` or the
+        modules' own initialisation ([Note: weights straight into chunks]). Otherwise on the host,
+        as FSDP's does: the engine moves what the plan keeps on the device."""
         stack = contextlib.ExitStack()
         if empty_init:
-            stack.enter_context(torch.device("meta"))
+            stack.enter_context(parameters_on_meta())
         stack.enter_context(self.precision.module_init_context())
         return stack
 

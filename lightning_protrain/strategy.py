@@ -58,6 +58,7 @@ from lightning_protrain._common import (
     checkpoint_optimizer_state,
     close_for_a_new_engine,
     load_checkpoint_optimizer_state,
+    parameters_on_meta,
     strategy_config,
     check_optimizers,
     no_parameters,
@@ -340,11 +341,12 @@ class ProTrainStrategy(StrategyPlumbing, ParallelStrategy):
 
     @contextlib.contextmanager
     def tensor_init_context(self, empty_init: bool | None = None):
-        """``trainer.init_module(empty_init=True)`` builds the model on the meta device, as FSDP's
-        does: no memory until the engine fills each chunk from ``ProTrainConfig.weights``, a
-        ``ckpt_path``, or the modules' own initialisation ([Note: weights straight into chunks]).
-        Otherwise on the host, as FSDP's too: the engine moves what the plan keeps on the device."""
-        with torch.device("meta") if empty_init else contextlib.nullcontext(), \
+        """``trainer.init_module(empty_init=True)`` builds the model's parameters on the meta device
+        (``parameters_on_meta``; FSDP's builds it all there): no memory until the engine fills each
+        chunk from ``ProTrainConfig.weights``, a ``ckpt_path``, or the modules' own initialisation
+        ([Note: weights straight into chunks]). Otherwise on the host, as FSDP's does: the engine
+        moves what the plan keeps on the device."""
+        with parameters_on_meta() if empty_init else contextlib.nullcontext(), \
                 self.precision_plugin.tensor_init_context():
             yield
 

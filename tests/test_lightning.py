@@ -695,8 +695,8 @@ def test_a_bad_ckpt_path_is_refused_before_the_engine_is_built(tmp_path):
 
 
 def test_init_module_empty_init_builds_on_the_meta_device_and_the_engine_fills_the_chunks(tmp_path):
-    """``trainer.init_module(empty_init=True)`` builds the LightningModule on the meta device (as
-    FSDP's does); the engine fills its chunks from ``ProTrainConfig.weights`` (a Hugging Face
+    """``trainer.init_module(empty_init=True)`` builds the LightningModule's parameters on the meta
+    device (FSDP's builds it all there); the engine fills its chunks from ``ProTrainConfig.weights`` (a Hugging Face
     directory): the same losses and weights as the saved model under the default strategy. A
     ``ckpt_path`` fills them too (loaded into meta tensors its values would be lost): the run
     resumes as from a module on the host."""
@@ -723,6 +723,32 @@ def test_init_module_empty_init_builds_on_the_meta_device_and_the_engine_fills_t
         t.fit(lit, loader(), ckpt_path=tmp_path / "six.ckpt")
         resumed.append((lit, t))
     assert_same(*resumed)
+
+
+class WithMetric(LitLM):
+    def __init__(self):
+        super().__init__()
+        import torchmetrics
+
+        self.mean_loss = torchmetrics.MeanMetric()
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.mean_loss.update(loss.detach())
+        return loss
+
+
+def test_init_module_empty_init_puts_only_parameters_on_the_meta_device():
+    """A torchmetrics metric built in the module (as examples/finetune.py's): its states are no
+    parameters or buffers, which nothing could fill later, so they (and the buffers) are made on
+    the host with their values; the parameters are meta until the engine fills the chunks. Before,
+    fit ended in "Cannot copy out of meta tensor"."""
+    t = trainer(ProTrainStrategy(_plan("streamed")))
+    with t.init_module(empty_init=True):
+        lit = WithMetric()
+    assert all(p.is_meta for p in lit.parameters()) and not any(b.is_meta for b in lit.buffers())
+    t.fit(lit, loader())
+    assert lit.mean_loss.compute().item() == pytest.approx(sum(lit.losses) / len(lit.losses), rel=1e-6)
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
