@@ -741,7 +741,9 @@ def main(argv=None) -> int:
         except ValueError as exc:
             ap.error(str(exc))
     suite = SUITES[args.suite]
-    out = args.out or ROOT / "benchmarks" / "results" / (args.suite + ("-dry-run" if args.dry_run else ""))
+    # (absolute: the systems run with the repository as their working directory)
+    out = args.out.resolve() if args.out else ROOT / "benchmarks" / "results" / (
+        args.suite + ("-dry-run" if args.dry_run else ""))
     print(f"suite {args.suite}: {suite.description}", flush=True)
     workloads = None if args.workloads is None else {w.strip() for w in args.workloads.split(",") if w.strip()}
     if workloads:

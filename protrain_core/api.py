@@ -209,8 +209,10 @@ class _Build:
                 f"The plan {plan} keeps {format_bytes(need)} of model states in host memory on this rank (the "
                 f"streamed chunks' weights, gradients and optimizer states), over its host budget of "
                 f"{format_bytes(host_budget)} (available RAM minus {CPU_MARGIN_FRACTION:.0%}, divided among the "
-                "ranks of this node). Keep more chunks on the device (a larger n_persist), use precision="
-                "'bf16-true', or free host memory; nothing was allocated.")
+                "ranks of this node). Keep more chunks on the device (a larger n_persist), store fewer bytes per "
+                "parameter (optimizer_state_format='8bit', grad_accumulator=False, frozen_dtype='int8' for a frozen "
+                "base, or precision='bf16-true'), add processes on more hosts, or free host memory; nothing was "
+                "allocated.")
 
     @cached_property
     def formats(self) -> tuple[ChunkFormat, ...]:

@@ -317,7 +317,7 @@ def simulate_command(args) -> int:
     start = time.perf_counter()
     try:
         result, _ = _simulated(args, args.config, args.model)
-    except (pt.InfeasibleBudget, torch.OutOfMemoryError) as e:
+    except (pt.InfeasibleBudget, torch.OutOfMemoryError, MemoryError) as e:  # (MemoryError: host states)
         print(f"protrain plan: {e}")
         return 1
     progress(f"simulated in {format_seconds(time.perf_counter() - start)} of real time")
@@ -425,6 +425,9 @@ def check_arguments(ap: argparse.ArgumentParser, args) -> None:
         if not all(b.isdigit() and int(b) >= 1 for b in items):
             ap.error(f"--batch-sizes {args.batch_sizes!r}: give positive integers separated by commas, e.g. 1,2,4,8")
         args.batch_sizes = [int(b) for b in items]
+        if args.budgets:
+            ap.error("--batch-sizes tabulates batch sizes at one budget and --budgets budgets at one batch size: "
+                     "give one of them (with --budget for --batch-sizes)")
     try:
         parse_precision(args.precision)
         if not args.simulate:

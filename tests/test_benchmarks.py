@@ -291,6 +291,20 @@ def _fake_launch(outcomes):
     return launch
 
 
+def test_a_relative_out_directory_is_where_the_systems_write(tmp_path, monkeypatch):
+    """The systems run with the repository as their working directory: ``--out smoke`` given
+    elsewhere made every one fail to write its result (and the runner still exited 0)."""
+    from benchmarks import run
+
+    dirs = []
+    monkeypatch.setattr(run, "launch", lambda specs, timeout, log_dir: dirs.append(log_dir) or
+                        _fake_launch({s["label"]: True for s in specs})(specs, timeout, log_dir))
+    monkeypatch.chdir(tmp_path)
+    assert run.main(["--suite", "cpu-smoke", "--systems", "pytorch", "--no-probes", "--out", "smoke"]) == 0
+    assert dirs and all(d.is_absolute() and d.is_relative_to(tmp_path / "smoke") for d in dirs), dirs
+    assert (tmp_path / "smoke" / "results.json").is_file()
+
+
 def test_resume_keeps_errors_it_does_not_rerun_and_replaces_those_it_does(tmp_path, monkeypatch):
     """A piece of a session (--resume --workloads) keeps the other pieces' rows, their errors
     included; an error of a selected workload is run again and replaced."""

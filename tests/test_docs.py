@@ -1,5 +1,6 @@
 """The user documentation: a short README, and links between the pages that resolve."""
 
+import ast
 import os
 import re
 from pathlib import Path
@@ -14,6 +15,18 @@ LINK = re.compile(r"\]\(([^)#\s]+)(#[^)\s]*)?\)")
 def test_the_readme_is_at_most_200_lines():
     """Issue 60: what it is, results, the two commands, three examples, links into the guide."""
     assert len((ROOT / "README.md").read_text().splitlines()) <= 200
+
+
+def test_every_python_block_of_the_docs_is_python():
+    """A user copies them: a shell line inside one (``pip install ...``) is a SyntaxError."""
+    blocks = [(page, block) for page in PAGES for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)]
+    wrong = []
+    for page, block in blocks:
+        try:
+            ast.parse(block)
+        except SyntaxError as e:
+            wrong.append(f"{page.relative_to(ROOT)}: {e}")
+    assert wrong == [] and len(blocks) > 10
 
 
 def test_every_relative_link_of_the_docs_resolves():

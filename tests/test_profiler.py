@@ -250,6 +250,7 @@ def test_plan_command_shows_the_what_if_of_several_processes(capsys, tmp_path, m
 @pytest.mark.parametrize("bad,message", [
     (["--batch-sizes", "0,x"], "--batch-sizes '0,x': give positive integers"),
     (["--batch-sizes", "0"], "--batch-sizes '0': give positive integers"),
+    (["--batch-sizes", "1,2", "--budgets", "8MiB,16MiB"], "give one of them"),  # (--budgets was dropped)
     (["--seq-len", "2048"], "--seq-len 2048 is longer than the 1024 positions of tiny-gpt2"),
     (["--budgets", "1MiB,zz"], "--budgets='zz' is not a size"),
     (["--check-steps", "-1"], "--check-steps must be >= 0"),

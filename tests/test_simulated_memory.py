@@ -135,6 +135,16 @@ def test_the_execution_order_is_traced_beside_a_device_smaller_than_the_model(te
         assert trace(model, find_blocks(model)[0]).source == "traced"
 
 
+def test_simulate_refuses_a_model_on_the_host_with_the_fix():
+    """The documented ``simulate(model, optimizer, batch, device=SimulatedDevice("h100"))`` of a
+    model built on the host ended deep in the engine (``set_data``: incompatible tensor type)."""
+    model = models.build(models.load_config("tiny-gpt2"), "cpu")[0]
+    x = torch.zeros(2, 16, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"size-only simulation: build the model on the meta device"):
+        simulate(model, torch.optim.AdamW(model.parameters()), {"input_ids": x, "labels": x},
+                 device=SimulatedDevice("h100"))
+
+
 def test_profiling_leaves_on_the_device_only_what_the_models_parameters_point_at():
     """The profiling engine is closed and collected before the training engine is built: its
     chunks, hooks and the activations the profiler kept hold each other in reference cycles

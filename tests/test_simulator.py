@@ -322,6 +322,17 @@ def test_plan_command_sizes_a_lora_run_with_a_quantised_base_on_a_box_of_given_m
     assert "a frozen parameter uploads 1.0" in captured.out  # int8: a byte, and its scales
 
 
+def test_a_given_plan_the_host_cannot_hold_is_refused_in_one_line(capsys):
+    """``--plan`` with ``--host-memory`` too small for its streamed chunks: wrap's MemoryError
+    ended the command in a traceback; now its one line, exit 1."""
+    from protrain_core.cli import main
+
+    assert main(["plan", "--model", "tiny-llama", "--batch-size", "2", "--seq-len", "32", "--simulate",
+                 "--host-memory", "1KiB", "--plan", "0/2/0/0"]) == 1
+    assert re.fullmatch(r"protrain plan: The plan .* keeps .* of model states in host memory .*nothing was allocated\.\n",
+                        capsys.readouterr().out)
+
+
 def test_plan_command_refuses_a_run_the_box_cannot_hold_and_says_what_would_fit(capsys):
     """Issue 57, item 2: llama-1b's full fine-tune on 16 GiB of device and of host memory: the
     true shortfall beside the chunk the device holds, then each change that would fit, with the

@@ -116,6 +116,10 @@ def simulate(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict, *,
     planning part is the arguments')."""
     if steps < 2:
         raise ValueError("simulate(steps=...) needs at least 2 steps: a step's period ends where the next backward begins.")
+    if device.device.type != "meta" or any(not p.is_meta for p in model.parameters()):
+        raise ValueError("simulate() is a size-only simulation: build the model on the meta device (with "
+                         "torch.device('meta'): model = ...; its optimizer over those parameters) and give a "
+                         "SimulatedDevice with tensors='meta' (the default).")
     sim, prec = device, parse_precision(precision)
     config = config or ProTrainConfig()
     group = SimulatedGroup(sim, world_size) if world_size > 1 else ONE_PROCESS
