@@ -179,7 +179,8 @@ def main(argv=None) -> dict:
     trainer = pl.Trainer(
         strategy=ProTrainStrategy(ProTrainConfig(planning=PlanningConfig(memory_budget=args.memory_budget))),
         precision=args.precision,
-        gradient_clip_val=args.gradient_clip_val or None, max_steps=args.max_steps, val_check_interval=30, check_val_every_n_epoch=None, limit_val_batches=4,
+        gradient_clip_val=args.gradient_clip_val or None, max_steps=args.max_steps,
+        val_check_interval=min(30, args.max_steps), check_val_every_n_epoch=None, limit_val_batches=4,
         log_every_n_steps=10, logger=False, callbacks=callbacks, enable_checkpointing=bool(callbacks),
     )
     start = time.perf_counter()

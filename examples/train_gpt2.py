@@ -1,6 +1,6 @@
 """Train a small GPT-2-style model with the ProTrain engine (core API, no Lightning).
 
-Default, with no arguments: a 4-layer GPT-2 (~3.5 M parameters) built from a config, trained for
+Default, with no arguments: a 4-layer GPT-2 (~3.3 M parameters) built from a config, trained for
 60 steps on the Python standard library's own source files, tokenised as raw bytes (no download,
 no tokenizer files). Half of the chunks stream through one device buffer and are updated by the
 CPU Adam worker during backward; the first block swaps its activations to host memory and the
