@@ -96,7 +96,7 @@ def save_sharded(engine, path, meta: dict | None = None) -> None:
     try:
         _write(engine, state, tmp, path, meta)
         if rank == 0:
-            _replace(tmp, path)
+            replace_directory(tmp, path)
     finally:
         _SAVING.discard(path.resolve())
     engine.sharding.barrier()
@@ -194,28 +194,40 @@ def _first_cause(e: BaseException | None, depth: int = 0) -> OSError | KeyboardI
     return _first_cause(e.__cause__ or e.__context__, depth + 1)
 
 
-def _replace(tmp: Path, path: Path) -> None:
-    """Steps 2-5 of [Note: replacing a checkpoint directory] (rank 0)."""
+def _checkpoint_file(entry: Path) -> bool:
+    """A sharded checkpoint's own file (``entry`` relative to its directory)."""
+    return entry.name in (".metadata", META) or entry.suffix == ".distcp"
+
+
+def replace_directory(tmp: Path, path: Path, mine=_checkpoint_file) -> None:
+    """Steps 2-5 of [Note: replacing a checkpoint directory] (rank 0); ``mine(entry)``: an entry of
+    the replaced directory (relative to it) that goes with it; the others, the user's, are kept."""
     tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     new, old = path.with_name(f".{path.name}.new-{tag}"), path.with_name(f".{path.name}.old-{tag}")
     _rename(tmp, new)
     if path.exists():
         _rename(path, old)
     _rename(new, path)
-    _retire(old, path)
+    _retire(old, path, mine)
 
 
 def _rename(src: Path, dst: Path) -> None:  # (where the tests stop a save)
     os.replace(src, dst)
 
 
-def _retire(old: Path, path: Path) -> None:
-    """Step 5: ``old`` removed, the files of the user's that were beside the checkpoint in it
-    (a tokenizer, notes) moved into ``path`` first, as Lightning's sharded strategies keep them."""
-    if old.is_dir() and path.is_dir():
+def _retire(old: Path, path: Path, mine) -> None:
+    """Step 5: ``old`` removed, the files of the user's that were in it (a tokenizer, notes: not
+    ``mine``, not replaced) moved into ``path`` first, as Lightning's sharded strategies keep them."""
+    def keep(old: Path, path: Path, at: Path) -> None:
         for entry in old.iterdir():
-            if entry.name not in (".metadata", META) and entry.suffix != ".distcp" and not (path / entry.name).exists():
-                os.replace(entry, path / entry.name)
+            there = path / entry.name
+            if entry.is_dir() and there.is_dir():
+                keep(entry, there, at / entry.name)
+            elif not mine(at / entry.name) and not there.exists():
+                os.replace(entry, there)
+
+    if old.is_dir() and path.is_dir():
+        keep(old, path, Path())
     _remove(old)
 
 
@@ -226,9 +238,10 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def recover(path) -> None:
+def recover(path, mine=_checkpoint_file) -> None:
     """Finish what a save of ``path`` killed between its renames left ([Note: replacing a
-    checkpoint directory]); saves still running (another live process's, or this one's) are left alone."""
+    checkpoint directory]; ``mine``: as ``replace_directory``'s); saves still running (another live
+    process's, or this one's) are left alone."""
     path = Path(path)
     if not path.parent.is_dir():
         return
@@ -254,7 +267,7 @@ def recover(path) -> None:
         elif leftovers["old"] and not path.exists():
             _rename(leftovers["old"].pop(), path)
         for p in leftovers["new"] + leftovers["old"]:
-            _retire(p, path)
+            _retire(p, path, mine)
 
 
 def is_sharded_checkpoint(path) -> bool:

@@ -1,16 +1,17 @@
 """Exporting a wrapped Hugging Face model: its master weights (fp32, or bf16 in bf16-true: what
 ``Engine.state_dict`` returns) and their dtype in its config, where the model's own
 ``save_pretrained`` would write the compute copies and theirs (``Engine.save_pretrained``);
-written beside the directory first, so that a failed export leaves the previous one whole."""
+written beside the directory first and renamed over it ([Note: replacing a checkpoint directory] in
+checkpoint.py), so that a failed or killed export leaves the previous one whole."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import tempfile
 from pathlib import Path
 
+from protrain_core.checkpoint import recover, replace_directory
 from protrain_core.utils import remove_stale_temporaries, temporary_prefix
 
 
@@ -31,7 +32,10 @@ def save_pretrained(engine, save_directory, *, module: str | None = None, **kwar
         config = getattr(model, "config", None)
         before = getattr(config, "dtype", None)
         target = Path(save_directory)
+        if target.exists() and not target.is_dir():
+            raise NotADirectoryError(f"engine.save_pretrained({str(target)!r}): a file is there; give a directory.")
         target.parent.mkdir(parents=True, exist_ok=True)
+        recover(target, mine=lambda entry: _WEIGHTS.fullmatch(entry.name) is not None)
         remove_stale_temporaries(target.parent)
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=temporary_prefix(target)))
         try:
@@ -40,7 +44,7 @@ def save_pretrained(engine, save_directory, *, module: str | None = None, **kwar
                 # The model's save_pretrained wrote the compute copies' dtype: say the masters'.
                 config.dtype = str(engine.precision.master_dtype).removeprefix("torch.")
                 config.save_pretrained(tmp)
-            _move_in(tmp, target)
+            replace_directory(tmp, target, mine=_earlier_weights(tmp))
         finally:
             if config is not None:
                 config.dtype = before
@@ -53,21 +57,13 @@ def save_pretrained(engine, save_directory, *, module: str | None = None, **kwar
 _WEIGHTS = re.compile(r"(?P<stem>[\w.]+?)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
 
 
-def _move_in(tmp: Path, target: Path) -> None:
-    """The export written in ``tmp`` into ``target``, a file at a time (each renamed into place:
-    a failure before leaves the previous export whole, and other files in ``target`` -- a
-    tokenizer's -- stay), and the weight files of an earlier export under the same names that
-    this one does not have removed, as ``save_pretrained`` removes them."""
-    written = {p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file()}
-    stems = {(w.parent, m["stem"]) for w in written if (m := _WEIGHTS.fullmatch(w.name))}
-    for w in written:
-        (target / w).parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp / w, target / w)
-    for folder in {parent for parent, _ in stems}:  # (only where this export wrote weights)
-        for old in (target / folder).iterdir():
-            m = _WEIGHTS.fullmatch(old.name)
-            if m and old.is_file() and (folder, m["stem"]) in stems and folder / old.name not in written:
-                old.unlink()
+def _earlier_weights(tmp: Path):
+    """What of an earlier export in the directory goes with it: its weight files under the names
+    of this one's (in ``tmp``: shards, index), as ``save_pretrained`` removes them; a tokenizer's
+    files and weights under other names stay."""
+    stems = {(w.parent, m["stem"]) for w in (p.relative_to(tmp) for p in tmp.rglob("*") if p.is_file())
+             if (m := _WEIGHTS.fullmatch(w.name))}
+    return lambda entry: (m := _WEIGHTS.fullmatch(entry.name)) is not None and (entry.parent, m["stem"]) in stems
 
 
 def _exported(root, name: str | None):

@@ -137,8 +137,8 @@ def test_save_pretrained_exports_the_hugging_face_model_inside_a_lightning_modul
 
 
 def test_a_failed_export_leaves_the_previous_one_whole_and_a_new_one_replaces_its_weight_files(tmp_path, monkeypatch):
-    """Nothing saved is lost: an export written beside the directory and moved in a file at a
-    time. One that fails half-way (a disk full inside the model's save_pretrained) leaves the
+    """Nothing saved is lost: an export written beside the directory and renamed into place.
+    One that fails half-way (a disk full inside the model's save_pretrained) leaves the
     previous export byte for byte and no temporary; one that succeeds replaces the earlier
     export's weight files, sharded or not (as save_pretrained cleans up its own), and leaves the
     other files of the directory (a tokenizer's) alone."""
@@ -169,3 +169,56 @@ def test_a_failed_export_leaves_the_previous_one_whole_and_a_new_one_replaces_it
     loaded = AutoModelForCausalLM.from_pretrained(out)
     masters = engine.state_dict()
     assert all(torch.equal(v, masters[k]) for k, v in loaded.state_dict().items())
+
+
+@pytest.mark.parametrize("kill_at", range(4))
+def test_an_export_stopped_at_any_rename_leaves_one_whole_export(kill_at, tmp_path, monkeypatch):
+    """An export over an earlier one (several shards, then one file), stopped before each of its
+    renames and its removal ([Note: replacing a checkpoint directory]): the directory holds the
+    earlier export or the new one whole, never a mix (moved in a file at a time, a kill left some
+    shards of each, and from_pretrained loaded them); stopped between the two renames, the next
+    export finishes it. The tokenizer's file stays throughout."""
+    import protrain_core.checkpoint as C
+
+    class Killed(BaseException):
+        pass
+
+    engine = trained(MODELS["llama"](), "32-true")
+    out = tmp_path / "export"
+    engine.save_pretrained(out, max_shard_size="20KB")
+    (out / "tokenizer.json").write_text("{}")
+    earlier = {p.name: p.read_bytes() for p in out.iterdir()}
+    x = batches(1)[0]
+    engine.backward(engine.module(input_ids=x, labels=x).loss)
+    engine.step()
+    engine.zero_grad()
+    steps, rename, remove = [], C._rename, C._remove
+
+    def stopping(real):
+        def step(*args):
+            if len(steps) == kill_at:
+                raise Killed
+            steps.append(args)
+            return real(*args)
+        return step
+
+    monkeypatch.setattr(C, "_rename", stopping(rename))
+    monkeypatch.setattr(C, "_remove", stopping(remove))
+    with pytest.raises(Killed):
+        engine.save_pretrained(out)
+    monkeypatch.undo()
+    masters = engine.state_dict()
+    if kill_at < 2:
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == earlier
+    elif kill_at == 2:
+        assert not out.exists()  # the new export complete beside it, put in place by the next export
+    else:
+        loaded = AutoModelForCausalLM.from_pretrained(out)
+        assert all(torch.equal(v, masters[k]) for k, v in loaded.state_dict().items())
+    engine.save_pretrained(out)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                    "tokenizer.json"]
+    assert [p.name for p in tmp_path.iterdir()] == ["export"]
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert all(torch.equal(v, masters[k]) for k, v in loaded.state_dict().items())
+    engine.close()
