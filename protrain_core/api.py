@@ -296,7 +296,8 @@ def check_parameter_dtypes(model: nn.Module, precision: Precision) -> None:
     may be wider (their masters are fp32): ProTrain would otherwise train them in fp32, where plain
     PyTorch (and Lightning's default strategy) would compute and update in their dtype."""
     if precision is Precision.FP32:
-        other = [(n, p.dtype) for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32]
+        other = [(n, p.dtype) for n, p in model.named_parameters()
+                 if p.is_floating_point() and p.dtype != torch.float32]
         fix = ("Cast the model with model.float(), or choose the precision of its dtype: 'bf16-true' for a bf16 "
                "model, 'bf16-mixed' / '16-mixed' for fp32 masters with low-precision compute.")
     elif precision.is_mixed:

@@ -8,8 +8,9 @@ backward hook, a gradient, or a checkpointed block's recomputation) finds the en
 opens the pass there (``begins``), and a callback queued on autograd's engine (as FSDP2 does)
 closes it when autograd's pass ends. Where another engine's ``engine.backward`` started it (a
 GAN's generator loss through the discriminator), the pass only accumulates, as inside
-``no_sync``: the gradients land for this engine's step, or its ``zero_grad``, as torch's would. A pass that raised never reaches its callback: the engine's
-next verb or forward closes it as failed (``ready``). A pass in which no parameter got a
+``no_sync``: the gradients land for this engine's step, or its ``zero_grad``, as torch's would.
+A pass that raised never reaches its callback: the engine's next verb or forward closes it as
+failed (``ready``). A pass in which no parameter got a
 gradient is not the step's backward. Refused with the fix: create_graph=True (its gradients'
 graph would read released parameters), and a pass the user starts inside ``engine.step()``,
 between the step's backward and its step, or where the loss itself is needed (the fp16 scale

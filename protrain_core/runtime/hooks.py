@@ -342,8 +342,9 @@ class ManagedParameter(nn.Parameter):
             if uses:
                 graph = use is _Use.USE and torch.is_grad_enabled()
                 return hooks.use_outside_units(uses, func, args, kwargs or {}, graph=graph)
-            if use is _Use.DATA and args[0].protrain_use[1].points(args[0].protrain_use[2]):  # (a covered chunk's)
-                return args[0].protrain_use[1].hand_out(args[0].protrain_use[2], _plain(func, types, args, kwargs or {}))
+            owner = getattr(args[0], "protrain_use", None) if use is _Use.DATA else None
+            if owner is not None and owner[1].points(owner[2]):  # p.data of a covered chunk's parameter
+                return owner[1].hand_out(owner[2], _plain(func, types, args, kwargs or {}))
         return _plain(func, types, args, kwargs or {})
 
     def __deepcopy__(self, memo):
