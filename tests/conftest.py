@@ -315,3 +315,30 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+class SaveKilled(BaseException):
+    """A save stopped dead at a rename (as ``kill -9`` would stop it)."""
+
+
+def stop_saves_at(step: int):
+    """Make ``protrain_core.checkpoint``'s renames and removals of a directory save raise
+    ``SaveKilled`` at the ``step``-th (from 0) ([Note: replacing a checkpoint directory]); the
+    returned function puts them back."""
+    import protrain_core.checkpoint as C
+
+    steps, rename, remove = [], C._rename, C._remove
+
+    def stopping(real):
+        def step_(*args):
+            if len(steps) == step:
+                raise SaveKilled
+            steps.append(args)
+            return real(*args)
+        return step_
+
+    C._rename, C._remove = stopping(rename), stopping(remove)
+
+    def restore() -> None:
+        C._rename, C._remove = rename, remove
+    return restore

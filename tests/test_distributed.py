@@ -1071,10 +1071,6 @@ def test_a_cpu_device_allocates_its_gradient_buffers_in_the_first_backward_only(
             assert first == chunks and reused_first == 0, counts
 
 
-class _Killed(BaseException):
-    """A save stopped dead at a rename (as ``kill -9`` would stop it)."""
-
-
 def _saved_and_trained(tmp_path):
     """An engine whose checkpoint ``ckpt`` holds its weights after 2 steps; then a third step:
     (engine, weights at the save, weights now)."""
@@ -1101,36 +1097,25 @@ def _same(a, b) -> bool:
 
 
 @pytest.mark.parametrize("kill_at", range(4))
-def test_a_save_stopped_at_any_rename_leaves_the_old_or_the_new_checkpoint(kill_at, tmp_path, monkeypatch):
+def test_a_save_stopped_at_any_rename_leaves_the_old_or_the_new_checkpoint(kill_at, tmp_path):
     """A save over an existing checkpoint stopped before each of its four renames and removals
     ([Note: replacing a checkpoint directory]): the name then holds the old checkpoint or the new
     one, or the next load restores the new one (before: stopped between the two renames, no
     checkpoint had the name, and the next save deleted the complete new copy as a temporary);
     nothing is left beside it after the next save. The user's own files in the directory (a
     tokenizer, notes) stay in it, as Lightning's sharded strategies keep them (they were deleted)."""
-    import protrain_core.checkpoint as C
+    from conftest import SaveKilled, stop_saves_at
 
     engine, old, new = _saved_and_trained(tmp_path)
     (tmp_path / "ckpt" / "tokenizer").mkdir()
     (tmp_path / "ckpt" / "tokenizer" / "vocab.json").write_text("{}")
     (tmp_path / "ckpt" / "notes.txt").write_text("the user's")
-    steps = []
-    rename, remove = C._rename, C._remove
-
-    def stopping(real):
-        def step(*args):
-            if len(steps) == kill_at:
-                raise _Killed
-            steps.append(args)
-            return real(*args)
-        return step
-
-    monkeypatch.setattr(C, "_rename", stopping(rename))
-    monkeypatch.setattr(C, "_remove", stopping(remove))
-    with pytest.raises(_Killed):
-        engine.save_sharded(tmp_path / "ckpt")
-    monkeypatch.setattr(C, "_rename", rename)
-    monkeypatch.setattr(C, "_remove", remove)
+    restore = stop_saves_at(kill_at)
+    try:
+        with pytest.raises(SaveKilled):
+            engine.save_sharded(tmp_path / "ckpt")
+    finally:
+        restore()
     assert (tmp_path / "ckpt").exists() == (kill_at != 2)
     assert _same(_loaded(tmp_path / "ckpt"), old if kill_at == 0 else new)  # a complete new copy wins
     engine.save_sharded(tmp_path / "ckpt")

@@ -172,16 +172,13 @@ def test_a_failed_export_leaves_the_previous_one_whole_and_a_new_one_replaces_it
 
 
 @pytest.mark.parametrize("kill_at", range(4))
-def test_an_export_stopped_at_any_rename_leaves_one_whole_export(kill_at, tmp_path, monkeypatch):
+def test_an_export_stopped_at_any_rename_leaves_one_whole_export(kill_at, tmp_path):
     """An export over an earlier one (several shards, then one file), stopped before each of its
     renames and its removal ([Note: replacing a checkpoint directory]): the directory holds the
     earlier export or the new one whole, never a mix (moved in a file at a time, a kill left some
     shards of each, and from_pretrained loaded them); stopped between the two renames, the next
     export finishes it. The tokenizer's file stays throughout."""
-    import protrain_core.checkpoint as C
-
-    class Killed(BaseException):
-        pass
+    from conftest import SaveKilled, stop_saves_at
 
     engine = trained(MODELS["llama"](), "32-true")
     out = tmp_path / "export"
@@ -192,21 +189,12 @@ def test_an_export_stopped_at_any_rename_leaves_one_whole_export(kill_at, tmp_pa
     engine.backward(engine.module(input_ids=x, labels=x).loss)
     engine.step()
     engine.zero_grad()
-    steps, rename, remove = [], C._rename, C._remove
-
-    def stopping(real):
-        def step(*args):
-            if len(steps) == kill_at:
-                raise Killed
-            steps.append(args)
-            return real(*args)
-        return step
-
-    monkeypatch.setattr(C, "_rename", stopping(rename))
-    monkeypatch.setattr(C, "_remove", stopping(remove))
-    with pytest.raises(Killed):
-        engine.save_pretrained(out)
-    monkeypatch.undo()
+    restore = stop_saves_at(kill_at)
+    try:
+        with pytest.raises(SaveKilled):
+            engine.save_pretrained(out)
+    finally:
+        restore()
     masters = engine.state_dict()
     if kill_at < 2:
         assert {p.name: p.read_bytes() for p in out.iterdir()} == earlier
