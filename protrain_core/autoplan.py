@@ -164,7 +164,7 @@ class AutoPlanner(StepObserver):
         largest = self.largest_fitting(tokens)
         fix = ("use shorter sequences (truncate, or bucket batches by length) or smaller batches, or raise memory_budget"
                if largest else "no batch fits this budget: raise memory_budget or use a smaller chunk_size")
-        device = self.profile.hardware.device.split()[0].split(":")[0].upper()
+        device = "CUDA" if self.profile.hardware.async_copies else "CPU"  # (a simulated GPU's too: CUDA)
         return BatchTooLarge(
             f"{device} out of memory, predicted by ProTrain before the forward: a {what} of {tokens:,} tokens "
             f"(batch x sequence) fits no plan within the memory budget of "

@@ -75,7 +75,8 @@ def trace(model: nn.Module, block_path: str, example_inputs=None) -> Trace:
     for dtype in (None, torch.bfloat16):
         recorder = _Recorder(model, owners, units)
         try:
-            _run_on_meta(model, inputs, dtype)
+            with on_host():  # (meta tensors: no memory a tracker or a simulated device may count)
+                _run_on_meta(model, inputs, dtype)
             return recorder.result(owners, units)
         except Exception as e:  # noqa: BLE001 - any failure falls back to registration order
             error = error or e
@@ -159,11 +160,6 @@ def _run_on_meta(model: nn.Module, inputs, dtype: torch.dtype | None = None) -> 
     One name per (module, attribute) and the same meta tensor for tied tensors: torch's own
     ``tie_weights=True`` (and names of a module registered twice) would leave a module that is
     shared under two names with meta parameters after the call."""
-    with on_host():  # (no memory: neither a tracker nor a simulated device may count it)
-        _call_on_meta(model, inputs, dtype)
-
-
-def _call_on_meta(model: nn.Module, inputs, dtype: torch.dtype | None) -> None:
     memo: dict[int, torch.Tensor] = {}
     metas: dict[str, torch.Tensor] = {}
     for module_name, module in model.named_modules():
