@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import weakref
 
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
@@ -17,7 +18,6 @@ from torch import Tensor, nn
 import protrain_core as pt
 from protrain_core.precision import parse_precision
 from protrain_core.runtime.optim import check_optimizer
-from protrain_core.utils import has_meta
 
 
 def precision_of_plugin(plugin, known_plugins: tuple[type, ...]) -> str:
@@ -116,6 +116,7 @@ class StrategyPlumbing:
         self._ddp = None
         self._processes_ready = False
         self.engine: pt.Engine | None = None
+        self._filled = weakref.WeakSet()  # modules an engine filled from ProTrainConfig.weights
 
     @property
     def num_processes(self) -> int:
@@ -231,10 +232,12 @@ class StrategyPlumbing:
                       **kwargs) -> pt.Engine:
         """``self.engine``: ``wrap`` of ``module`` at the precision of ``plugin``, whose loss scaler
         state (the user's GradScaler settings, or a closed engine's) it starts from."""
-        if config.weights is not None and not has_meta(module):  # filled by an engine before (evaluation after
-            config = config.replace(weights=None)                  # fit, an engine built again)
+        if config.weights is not None and module in self._filled:  # by an engine before (evaluation after fit,
+            config = config.replace(weights=None)                     # an engine built again)
         self.engine = pt.wrap(module, optimizer, config=config, precision=plugin.precision, device=self.root_device,
                               report=self._report, **kwargs)
+        if config.weights is not None:
+            self._filled.add(module)
         # What module.to() records on Lightning's modules (the engine placed the parameters itself):
         # self.device is the device computing, self.dtype bf16 under bf16-true. Lightning's own
         # Fabric records them so for strategies that place parameters (no public setter exists).

@@ -712,6 +712,8 @@ def test_init_module_empty_init_builds_on_the_meta_device_and_the_engine_fills_t
     torch.set_rng_state(rng)
     t.fit(lit, loader())
     assert_same((lit, t), fit("auto"))
+    t.validate(lit, loader())  # (an engine built again over the filled module: not filled again)
+    assert_same((lit, t), fit("auto"))
 
     t.save_checkpoint(tmp_path / "six.ckpt")
     resumed = []
@@ -784,6 +786,25 @@ def test_a_model_on_the_meta_device_that_cannot_be_filled_gets_the_clear_error_a
     with pytest.raises(FileNotFoundError, match="does not exist") as info:
         trainer(strategy).fit(lit, loader())
     assert not isinstance(info.value.__context__, NotImplementedError)
+
+
+def test_weights_for_a_model_built_on_the_host_are_refused_as_wrap_refuses_them(tmp_path):
+    """``ProTrainConfig.weights`` fills a model built on the meta device; given a model built on the
+    host, the Trainer and Fabric refuse it at setup, as ``wrap`` does (before, both trained from
+    the random initialisation and said nothing)."""
+    from lightning.fabric import Fabric
+
+    from lightning_protrain import ProTrainFabricStrategy
+
+    LitLM().model.save_pretrained(tmp_path / "hf")
+    config = pt.ProTrainConfig(weights=str(tmp_path / "hf"), planning={"plan": _plan("streamed")})
+    lit = LitLM()
+    with pytest.raises(ValueError, match="all hold values already"):
+        trainer(ProTrainStrategy(config=config)).fit(lit, loader())
+    assert lit.losses == []
+    fabric = Fabric(strategy=ProTrainFabricStrategy(config=config), accelerator="cpu", devices=1)
+    with pytest.raises(ValueError, match="all hold values already"):
+        fabric.setup(LitLM().model, torch.optim.AdamW(lit.parameters()))
 
 
 def test_low_precision_parameters_under_32_true_are_refused_before_training():
