@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from protrain_core.runtime import state_formats as formats
-from protrain_core.runtime.optim import SLOT_ATTRS, indexed_params
+from protrain_core.runtime.optim import SLOT_ATTRS, indexed_params, param_groups_state
 from protrain_core.utils import alive, remove_stale_temporaries, temporary_prefix
 
 
@@ -90,7 +90,7 @@ def save_sharded(engine, path, meta: dict | None = None) -> None:
     if rank == 0:
         for name, b in engine.module.named_buffers():
             state[f"buffer/{name}"] = b.detach().to("cpu", copy=True)
-        state["optim/param_groups"] = _boxed(engine.optimizer.state_dict()["param_groups"])
+        state["optim/param_groups"] = _boxed(param_groups_state(engine.optimizer))
     tmp = _agreed_tmp(engine, path)
     _SAVING.add(path.resolve())
     try:

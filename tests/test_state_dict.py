@@ -133,6 +133,45 @@ def test_wrap_takes_over_existing_optimizer_state():
     assert train_engine(engine, data[3:]) == train_reference(ref, ref_opt, data[3:])
 
 
+@pytest.mark.parametrize("plan_name", ["all-persistent", "streamed-buf1"])
+def test_the_optimizers_own_state_dict_and_load_state_dict_are_the_engines(plan_name):
+    """While an engine is open its optimizer's own ``state`` is empty (Adam's states live in the
+    chunks); ``optimizer.state_dict()`` and ``optimizer.load_state_dict()`` -- a user's own save
+    and resume -- read and write the chunks' states: plain PyTorch's state bit for bit, and a
+    resume from it trains on as plain PyTorch does. Before, the state dict held no state and a
+    load was ignored (training went on from fresh moments)."""
+    from conftest import standard_plans
+
+    data = batches(4)
+    ref = MODELS["gpt2"]()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    ref_losses = train_reference(ref, ref_opt, data[:2])
+    ref_state, ref_osd = copy.deepcopy(ref.state_dict()), copy.deepcopy(ref_opt.state_dict())
+    ref_losses += train_reference(ref, ref_opt, data[2:])
+
+    def engine_of():
+        model = MODELS["gpt2"]()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return pt.wrap(model, optimizer, standard_plans(model)[plan_name], device="cpu"), optimizer
+
+    engine, optimizer = engine_of()
+    assert train_engine(engine, data[:2]) == ref_losses[:2]
+    saved = optimizer.state_dict()
+    assert not optimizer.state and saved["state"].keys() == ref_osd["state"].keys()
+    for k, entry in ref_osd["state"].items():
+        assert saved["state"][k].keys() == entry.keys()
+        assert all(torch.equal(saved["state"][k][name], v) for name, v in entry.items()), k
+    engine.close()
+
+    engine, optimizer = engine_of()
+    engine.load_state_dict(ref_state)
+    optimizer.load_state_dict(saved)
+    assert not optimizer.state
+    assert train_engine(engine, data[2:]) == ref_losses[2:]
+    assert_same_weights(engine.state_dict(), ref)
+    engine.close()
+
+
 @pytest.mark.parametrize("plan_name", ["all-persistent", "streamed-buf1", "mixed-buf2"])
 def test_a_state_read_between_a_backward_that_updated_chunks_and_its_step_is_refused(plan_name, tmp_path):
     """Offloaded chunks are updated during backward: between such a backward and its step (or
@@ -140,20 +179,26 @@ def test_a_state_read_between_a_backward_that_updated_chunks_and_its_step_is_ref
     steps, where plain PyTorch's are the last step's. A checkpoint of them (Lightning's
     OnExceptionCheckpoint after a Ctrl-C in backward) would be resumed from silently: refused, with
     the fix; the same reads after the step, before the next backward, or under expect_late()
-    (updates held for step()) give plain PyTorch's state."""
+    (updates held for step()) give plain PyTorch's state. A load there is refused alike (it would
+    land in the updated chunks without this step's update, and the step would update the rest)."""
     from conftest import standard_plans
 
     x = batches(1)[0]
     for late in (False, True):
         model = MODELS["gpt2"]()
-        engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), standard_plans(model)[plan_name],
-                         device="cpu")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        engine = pt.wrap(model, optimizer, standard_plans(model)[plan_name], device="cpu")
         if late:
             engine.clipping.expect_late()
         reads = {"engine.state_dict": engine.state_dict, "model.state_dict": model.state_dict,
-                 "engine.states.optimizer": engine.states.optimizer,
+                 "engine.states.optimizer": engine.states.optimizer, "optimizer.state_dict": optimizer.state_dict,
                  "save_sharded": lambda: engine.save_sharded(tmp_path / "ckpt")}
         for step in range(2):  # (the first step's updates are held until step(): the first is exact)
+            saved, saved_optimizer = engine.state_dict(), engine.states.optimizer()
+            reads.update({"engine.load_state_dict": lambda: engine.load_state_dict(saved),
+                          "model.load_state_dict": lambda: model.load_state_dict(saved),
+                          "optimizer.load_state_dict": lambda: optimizer.load_state_dict(saved_optimizer),
+                          "engine.states.load_optimizer": lambda: engine.states.load_optimizer(saved_optimizer)})
             engine.backward(model(input_ids=x, labels=x).loss)
             for name, read in reads.items():
                 if plan_name == "all-persistent" or late or step == 0:
@@ -163,6 +208,7 @@ def test_a_state_read_between_a_backward_that_updated_chunks_and_its_step_is_ref
                                                            r"engine\.step\(\).*expect_late"):
                         read()
             engine.step()
+            saved, saved_optimizer = engine.state_dict(), engine.states.optimizer()  # (the loads: no change)
             for read in reads.values():
                 read()
             engine.zero_grad()

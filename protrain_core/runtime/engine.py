@@ -119,7 +119,9 @@ class RuntimeEngine:
                            if config.optimizer_states else []),
                          *(_autocast_hooks(self) if precision.is_mixed else [])]
         self.set_block_modes(plan.block_modes(layout.n_blocks))
-        _carry_optimizer_states(self)
+        _carry_optimizer_states(self)  # (the optimizer's own state: before the route below)
+        if config.optimizer_states:
+            self._handles += [h for o in self.optimizers for h in _optimizer_state_route(self, o)]
         module._protrain_engine = self
         self.offloaded: OffloadedStates | None = None  # offload_states() moved the states to the host
         self.profile = self.choice = None  # the Profile and the search's PlanChoice of a searched plan (set by wrap)
@@ -468,6 +470,31 @@ def _check_formats(engine: RuntimeEngine, optim: ChunkOptimizer) -> None:
     check_optimizer_for(config.optimizer_state_format, engine.optimizer, adam=adam)
     if config.optimizer_states:
         check_layout_for(config.optimizer_state_format, engine.layout)
+
+
+def _optimizer_state_route(engine: RuntimeEngine, optimizer: torch.optim.Optimizer) -> list[RemovableHandle]:
+    """``optimizer.state_dict()`` and ``optimizer.load_state_dict()`` read and write the states in
+    the engine's chunks (the optimizer's own ``state`` stays empty while the engine is open), as
+    ``engine.states.optimizer(of=optimizer)`` and ``load_optimizer`` do: a user's own save and
+    resume keep Adam's state, as under plain PyTorch. Sharded over several processes the state is
+    spread over them and gathering it needs every rank, so the read is refused with the fix."""
+    def read(o, state_dict):
+        if o is not optimizer:  # a deep copy's: its own
+            return None
+        if not engine.sharding.whole:
+            raise RuntimeError(
+                f"{type(o).__name__}.state_dict() of a ProTrain engine sharded over {engine.world_size} processes: "
+                "Adam's states are spread over the processes. Call engine.states.optimizer(of=optimizer) on every "
+                "rank (rank 0 receives the whole state), or save a checkpoint with the engine (save_sharded).")
+        return engine.states.optimizer(of=o)
+
+    def load(o, state_dict):
+        if o is not optimizer:
+            return None
+        engine.states.load_optimizer(state_dict, of=o)
+        return {"state": {}, "param_groups": state_dict["param_groups"]}  # (torch's own load: the groups alone)
+
+    return [optimizer.register_state_dict_post_hook(read), optimizer.register_load_state_dict_pre_hook(load)]
 
 
 def _carry_optimizer_states(engine: RuntimeEngine) -> None:

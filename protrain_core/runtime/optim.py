@@ -92,6 +92,17 @@ def parameter_owners(optimizers, names: dict[int, str] | None = None) -> dict[in
     return owner
 
 
+def param_groups_state(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """``optimizer.state_dict()["param_groups"]`` (hyper-parameters, parameters by index) without
+    calling it: an open engine routes that call to its chunks (engine.py)."""
+    groups, start = [], 0
+    for group in optimizer.param_groups:
+        n = len(group["params"])
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + n))})
+        start += n
+    return groups
+
+
 def indexed_params(optimizer: torch.optim.Optimizer):
     """(index, parameter) in torch's state-dict numbering: param groups in order."""
     return enumerate(p for group in optimizer.param_groups for p in group["params"])
@@ -338,7 +349,6 @@ class ChunkOptimizer:
         numbered as its own ``state_dict``; None: the engine's). Sharded, every rank must call it
         (the states are gathered chunk by chunk); ``keep`` False: this rank takes part only."""
         optimizer = optimizer or self.optimizer
-        base = optimizer.state_dict()  # param_groups with hyper-parameters and indices
         names = self.slot_names()
         order = self.elementwise.kind.order if self.elementwise is not None else ("step",) + names
         state = {}
@@ -367,7 +377,7 @@ class ChunkOptimizer:
                     entry[name] = value.detach().to("cpu", copy=True) if isinstance(value, Tensor) else value
             if entry:  # torch keeps no entry for a parameter without state (SGD without momentum)
                 state[index] = entry
-        return {"state": state, "param_groups": base["param_groups"]} if keep else {}
+        return {"state": state, "param_groups": param_groups_state(optimizer)} if keep else {}
 
     def validate_state_dict(self, osd: dict, optimizer: torch.optim.Optimizer | None = None) -> None:
         optimizer = optimizer or self.optimizer

@@ -43,6 +43,12 @@ class StateAccess:
         # model.state_dict() (save_pretrained, torch.save) reads the parameters: wait for their updates.
         # Every module's: a LightningModule's self.model.state_dict() does not run the root's hooks.
         self._hooks = [m.register_state_dict_pre_hook(_ModuleHook(self, m)) for m in module.modules()]
+
+        def before_load(m, *args) -> None:  # model.load_state_dict(): not between a backward and its step
+            if id(m) in self._managed:  # (not a deep copy's)
+                self.check_between_steps("load")
+
+        self._hooks += [m.register_load_state_dict_pre_hook(before_load) for m in module.modules()]
         # Quantised frozen members have no value at rest ([Note: quantised frozen chunks]).
         self._quantised = [c for c in chunks if c.storage.frozen is not None]
         self._depth = 0  # state_dict() calls of managed modules in progress (they nest)
@@ -81,18 +87,18 @@ class StateAccess:
                 out[key] = seen[id(t)]
         return out
 
-    def check_between_steps(self) -> None:
-        """Refuse a state read where a backward updated offloaded chunks and its step has not run:
-        the weights and moments would mix two steps (plain PyTorch's are the last step's)."""
+    def check_between_steps(self, verb: str = "read") -> None:
+        """Refuse a state read (or load) where a backward updated offloaded chunks and its step has
+        not run: the weights and moments would mix two steps (plain PyTorch's are the last step's)."""
         updated = [c.index for c in self._chunks if c.applied]
         if updated and self._state.phase is not TrainingPhase.STEP:
+            what = "a checkpoint, state_dict()" if verb == "read" else "load_state_dict()"
             raise RuntimeError(
-                f"A state read (a checkpoint, state_dict()) after or inside a backward whose step has not run: "
-                f"ProTrain already updated "
+                f"A state {verb} ({what}) after or inside a backward whose step has not run: ProTrain already updated "
                 f"offloaded chunks {updated[:8]} with this step's gradients during backward (the CPU update overlaps "
-                "backward), and the others wait for the step, so the state would mix two steps. Read it after "
-                "engine.step() (Fabric: optimizer.step()), or, after a backward that raised, after step() or "
-                "zero_grad(); to read between backward and step, call engine.clipping.expect_late() before training "
+                f"backward), and the others wait for the step, so the state would mix two steps. {verb.title()} it "
+                "after engine.step() (Fabric: optimizer.step()), or, after a backward that raised, after step() or "
+                f"zero_grad(); to {verb} between backward and step, call engine.clipping.expect_late() before training "
                 "(every update then waits for step()).")
 
     def load_model(self, state_dict: dict[str, Tensor], strict: bool = True) -> IncompatibleKeys:
@@ -100,6 +106,7 @@ class StateAccess:
         ``nn.Module.load_state_dict`` would: nothing changes where it raises ``RuntimeError``
         (keys, with ``strict``; shapes), and it returns the missing and unexpected keys."""
         self._state.check_open()
+        self.check_between_steps("load")
         expected = self.module_tensors()
         keys = IncompatibleKeys(missing_keys=[k for k in expected if k not in state_dict],
                                 unexpected_keys=[k for k in state_dict if k not in expected])
@@ -183,6 +190,7 @@ class StateAccess:
         """Load an ``AdamW.state_dict()`` (of the unwrapped optimizer, or of ``optimizer()``);
         ``of``: the optimizer it belongs to, with several (see ``optimizer``)."""
         self._state.check_open()
+        self.check_between_steps("load")
         self._scheduler.wait_all()
         self._optim.load_state_dict(state_dict, self._slot_of, optimizer=of)
 
