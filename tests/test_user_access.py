@@ -804,3 +804,28 @@ def test_a_write_through_what_p_data_returned_reaches_the_chunk(precision, how):
         else:
             assert losses == pytest.approx(ref_losses, rel=2e-2), name
         engine.close()
+
+
+@pytest.mark.parametrize("plan", ["streamed", "persistent"])
+@pytest.mark.parametrize("change", ["resize_token_embeddings", "to bfloat16"])
+def test_a_parameter_given_another_shape_or_dtype_after_wrap_is_refused_with_the_fix(plan, change):
+    """``resize_token_embeddings()`` or ``model.to(torch.bfloat16)`` after wrap rebind parameters to
+    tensors of another shape or dtype, which plain PyTorch's AdamW refuses at its step. Before, a
+    streamed chunk silently took the bf16 values back as fp32 (and a resized embedding went back
+    to its old size, its export unloadable); a persistent one failed deep inside. Now it is
+    refused at once or at the next forward, naming the parameter and the fix."""
+    model = MODELS["gpt2"]()
+    engine = pt.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2), plans(n_chunks(model))[plan],
+                     device="cpu")
+    x = batches(1)[0]
+    engine.backward(model(input_ids=x, labels=x).loss)
+    engine.step()
+    engine.zero_grad()
+    with pytest.raises(RuntimeError, match=r"'transformer\.wte\.weight' now holds a tensor of shape .* after wrap.*"
+                                           r"before wrap"):  # (at the change, or at the next forward)
+        if change == "resize_token_embeddings":
+            model.resize_token_embeddings(VOCAB + 8)
+        else:
+            model.to(torch.bfloat16)
+        model(input_ids=x, labels=x)
+    engine.close(after_failure=True)

@@ -171,6 +171,7 @@ class Chunk:
         self._future: Future | None = None  # the CPU worker's job on this chunk
         self._reduced: Tensor | None = None  # W processes: this rank's piece of the reduced gradients
         self._pointed = [(0, 0)] * len(params)  # (data_ptr(), _version) of each parameter where the chunk pointed it
+        self._form: dict[int, tuple] = {}  # (shape, dtype) of each parameter pointed so
         self.handed: list[tuple[int, Tensor, int]] = []  # (member, tensor, its _version) read out (``hand_out``)
         self.at_placeholders = False  # released inside a pass: parameters at device NaN ([Note: a pass's placeholders])
         self._nan: dict[tuple[torch.device, torch.dtype], Tensor] = {}
@@ -521,6 +522,7 @@ class Chunk:
         """Member ``i``'s parameter is pointed where the chunk holds its value."""
         p = self.params[i]
         self._pointed[i] = (p.data_ptr(), p._version)
+        self._form[i] = (p.shape, p.dtype)
 
     def adopt_rebound(self) -> None:
         """What was rebound or written in place (``rebound``) into the chunk: before an update
@@ -548,11 +550,23 @@ class Chunk:
         with torch.no_grad():
             for i in members:
                 value = written[i] if i in written and self.points(i) else self.params[i].detach()
+                self._check_form(i, value)
                 self.values.set_member(i, value, in_place=self.points(i))
                 if not self.persistent and self.device_resident:  # as stored (a quantised member's round trip)
                     self.values.view(self.storage.device_copy, i).copy_(self.values.member_value(i))
                 self._mark(i)
         self.handed = [r for r in self.handed if r[0] not in members]
+
+    def _check_form(self, i: int, value: Tensor) -> None:
+        """A parameter rebound to another shape or dtype after wrap is refused: its chunk holds it
+        as it was (plain PyTorch's step fails on it too)."""
+        form = self._form.get(i)
+        if form is not None and (value.shape, value.dtype) != form:
+            raise RuntimeError(
+                f"The parameter {self.spec.members[i].name!r} now holds a tensor of shape {tuple(value.shape)} and "
+                f"{value.dtype}, where its ProTrain chunk holds {tuple(form[0])} and {form[1]}: it was given another "
+                "shape or dtype after wrap (resize_token_embeddings(), model.to(dtype), .half(), p.data = ...). Make "
+                "such changes before wrap (the precision argument sets the dtypes), or close the engine and wrap anew.")
 
     @plain_parameters
     def detach_params(self) -> None:
