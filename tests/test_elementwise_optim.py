@@ -88,6 +88,14 @@ def test_an_elementwise_optimizers_state_loads_back_and_training_goes_on_exactly
     assert losses == ref_losses
     assert_same_weights(engine2.state_dict(), ref)
     assert_same_state(engine2.states.optimizer(), ref_opt.state_dict())
+    # Another optimizer's state (AdamW's) is refused, nothing changed (before, merged in silently).
+    adam_model = tiny_gpt2()
+    adam = torch.optim.AdamW(adam_model.parameters())
+    train_reference(adam_model, adam, data[:1])
+    with pytest.raises(ValueError, match="'exp_avg', 'exp_avg_sq' for parameter 0, which RMSprop does not keep.*"
+                                         "another optimizer's state"):
+        opt2.load_state_dict(adam.state_dict())  # (the optimizer's own load: the engine's while it is open)
+    assert_same_state(engine2.states.optimizer(), ref_opt.state_dict())
 
 
 def _step(engine, x, scheduler) -> float:

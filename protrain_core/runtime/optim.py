@@ -397,6 +397,12 @@ class ChunkOptimizer:
             if p is None:
                 raise ValueError(f"Optimizer state for parameter index {index}, which does not exist.")
             entry = formats.unwrapped(entry)
+            foreign = [] if self.elementwise is None else [k for k in entry if k not in self.elementwise.kind.order]
+            if foreign:
+                raise ValueError(
+                    f"The optimizer state dict holds {', '.join(map(repr, foreign))} for parameter {index}, which "
+                    f"{type(optimizer).__name__} does not keep ({', '.join(self.elementwise.kind.order)}): it is "
+                    "another optimizer's state. Load it into that optimizer, or leave the optimizer state out.")
             names = self.slot_names() if self.elementwise is not None or "state1" not in entry else ("state1", "state2")
             required = () if self.elementwise is not None else names[:2]
             for key in required + tuple(k for k in names if k in entry and k not in required):
