@@ -356,7 +356,9 @@ class RuntimeEngine:
 
     def close(self, *, after_failure: bool = False) -> None:
         """Remove the hooks and stop the worker; the parameters keep their current values, as
-        views of the master weights. ``after_failure``: the run ends with an exception: nothing
+        views of the master weights. The optimizer's states stay with the engine (its own
+        ``state`` is empty): take ``states.optimizer()`` first to go on in plain PyTorch (Lightning's
+        teardown does so). ``after_failure``: the run ends with an exception: nothing
         is waited for (a collective in flight may wait for a rank that will not come), and no
         observer runs."""
         if self.step_state.closed:
