@@ -69,6 +69,8 @@ def wrap(
     """
     # Everything that can be wrong with the arguments is checked before memory is touched.
     config = ProTrainConfig() if config is None else config
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"wrap(model, ...) takes a torch.nn.Module, got {type(model).__name__}.")
     if not isinstance(config, ProTrainConfig):
         raise TypeError(f"wrap(config=...) takes a protrain_core.ProTrainConfig, got {type(config).__name__}.")
     if plan is not None:
@@ -105,6 +107,10 @@ def _joint(model: nn.Module, optimizer, config: ProTrainConfig, prec: Precision)
     optimizers = tuple(optimizer) if isinstance(optimizer, (list, tuple)) else (optimizer,)
     if not optimizers:
         raise ValueError("wrap() needs an optimizer (or a list of them); got an empty list.")
+    wrong = next((o for o in optimizers if not isinstance(o, torch.optim.Optimizer)), None)
+    if wrong is not None:
+        raise TypeError(f"wrap(model, optimizer) takes a torch.optim.Optimizer (or a list of them) over the model's "
+                        f"parameters, got {type(wrong).__name__}: build one, e.g. torch.optim.AdamW(model.parameters()).")
     if len(optimizers) > 1:
         unsupported = {
             "gradient clipping (its norm would span every optimizer's parameters)": config.clipping is not None,

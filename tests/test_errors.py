@@ -50,6 +50,15 @@ def test_wrap_argument_errors(kw, match):
         _wrap(**kw)
 
 
+def test_a_model_or_optimizer_of_another_type_is_refused_with_the_fix():
+    """Before: AttributeErrors from inside wrap ('Parameter' object has no attribute 'param_groups')."""
+    model = tiny_gpt2()
+    with pytest.raises(TypeError, match=r"takes a torch.optim.Optimizer .* got Parameter: .*AdamW\(model"):
+        pt.wrap(model, list(model.parameters()), device="cpu")
+    with pytest.raises(TypeError, match="takes a torch.nn.Module, got str"):
+        pt.wrap("model", torch.optim.AdamW(model.parameters()), device="cpu")
+
+
 def test_negative_activation_counts():
     with pytest.raises(ValueError, match="n_swap must be >= 0"):
         pt.Plan(n_persist=1, n_buffer=1, n_swap=-1)
