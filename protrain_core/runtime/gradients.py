@@ -165,7 +165,10 @@ class StepGradients:
             if norm_type not in f.norms:
                 grads = _grads(f.chunk, f.members)
                 f.norms[norm_type] = list(torch._foreach_norm(grads, norm_type)) if grads else []
-            norms.update((id(f.chunk.params[i]), n) for i, n in zip(f.members, f.norms[norm_type]))
+            # (a member whose gradient a zero_grad() cleared since is left out, as torch leaves out a .grad
+            # of None: a zero in the stack would change vector_norm's order of additions)
+            norms.update((id(f.chunk.params[i]), n) for i, n in zip(f.members, f.norms[norm_type])
+                         if f.chunk.has_grad(i))
         ordered = [norms[id(p)] for group in self.optim.optimizer.param_groups for p in group["params"] if id(p) in norms]
         if not self.sharding.whole:
             total = self._sharded_total(ordered, norm_type)
