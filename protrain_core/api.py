@@ -69,8 +69,6 @@ def wrap(
     """
     # Everything that can be wrong with the arguments is checked before memory is touched.
     config = ProTrainConfig() if config is None else config
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"wrap(model, ...) takes a torch.nn.Module, got {type(model).__name__}.")
     if not isinstance(config, ProTrainConfig):
         raise TypeError(f"wrap(config=...) takes a protrain_core.ProTrainConfig, got {type(config).__name__}.")
     if plan is not None:
@@ -82,10 +80,10 @@ def wrap(
         raise ValueError("optimizer_states=False builds an engine for evaluation only: pass its plan= (or "
                          "config.planning.plan).")
     prec, dev = parse_precision(precision), as_context(device)  # (a DeviceContext: maybe a simulated device)
+    optimizers, optimizer = _joint(model, optimizer, config, prec)
     check_parameter_dtypes(model, prec)
     check_weights(model, config.weights)
     _check_grad_accumulator(config, prec)
-    optimizers, optimizer = _joint(model, optimizer, config, prec)
     config = config.replace(compile=compile_setting(model, config.compile))
     sharding = Sharding.resolve(process_group)
     sharding.check_device(dev.device)
@@ -104,6 +102,8 @@ def _joint(model: nn.Module, optimizer, config: ProTrainConfig, prec: Precision)
     """The optimizers given (one, or a list), and the engine's optimizer: the one given, or one
     over several (``joint_optimizer``), whose steps the engine takes one optimizer at a time; what
     several cannot do is refused here."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"wrap(model, ...) takes a torch.nn.Module, got {type(model).__name__}.")
     optimizers = tuple(optimizer) if isinstance(optimizer, (list, tuple)) else (optimizer,)
     if not optimizers:
         raise ValueError("wrap() needs an optimizer (or a list of them); got an empty list.")
